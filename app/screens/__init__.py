@@ -1,0 +1,1 @@
+"""aotx.app.screens."""

@@ -1,0 +1,1 @@
+"""aotx.engine.model."""
