@@ -1,0 +1,332 @@
+"""The client protocol: typed, versioned frames between clients and the engine.
+
+Owns: the message schema (msgspec Structs, a tagged union) and the framing.
+Leaves to others: sockets (``server.py``, ``client.py``) and meaning (runtime).
+
+Framing: every frame is a 4-byte big-endian unsigned payload length followed by
+that many bytes of MessagePack encoding one ``Message``. Frames above
+``MAX_FRAME`` bytes are refused before any allocation. A connection opens with
+``Hello`` from the client, answered by ``Welcome`` or an ``Error`` with code
+``version_mismatch``. Every request carries an ``id`` chosen by the client; every
+reply and event for it carries the same ``id`` (``req``), so one connection can
+run many requests at once.
+
+The events of one submitted message, in order: ``Accepted`` (it has a sequence
+number), ``Durable`` (the user's message is on disk), then ``Token`` deltas,
+``Notice`` (held / queued / refused, with the numbers), ``Durable`` receipts as
+the reply's tokens reach disk, ``Committed`` (finished, with the reason), and a
+last ``Durable`` covering the finish record.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 16 << 20  # bytes
+_LEN = struct.Struct(">I")
+
+
+class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
+    pass
+
+
+# ---- shared value types ---------------------------------------------------
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """Sampling of one reply. temperature 0 means greedy; top_k 0, top_p 1 and
+    min_p 0 disable those filters; repeat_penalty 1 disables it; seed None picks one."""
+
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    max_tokens: int = 512
+    stop: list[str] = []
+
+
+class Attachment(msgspec.Struct, omit_defaults=True):
+    """A file attached to a message, referenced by content hash (sha256 hex)."""
+
+    path: str
+    kind: str  # "image" | "audio"
+    sha256: str = ""
+    name: str = ""
+
+
+class Receipt(msgspec.Struct):
+    """Where a record became durable: segment number, byte offset after the
+    covering block, and the last sequence number the fsync covered."""
+
+    segment: int
+    offset: int
+    last_seq: int
+
+
+class MessageView(msgspec.Struct, omit_defaults=True):
+    """One message of a conversation as clients see it.
+
+    status: accepted | streaming | complete | interrupted | cancelled | failed."""
+
+    msg_id: str
+    role: str
+    text: str
+    status: str = "complete"
+    token_ids: list[int] = []
+    start_pos: int = 0
+    finish_reason: str | None = None
+    attachments: list[Attachment] = []
+    receipt: Receipt | None = None
+    seq: int = 0
+
+
+class ConversationView(msgspec.Struct, omit_defaults=True):
+    conv_id: str
+    title: str
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    n_messages: int = 0
+    system_prompt: str | None = None
+    sampling: SamplingParams | None = None
+    messages: list[MessageView] = []
+    busy: bool = False
+
+
+class BudgetLine(msgspec.Struct):
+    """One term of the resource budget, in bytes."""
+
+    name: str
+    bytes: int
+
+
+class SlotView(msgspec.Struct, omit_defaults=True):
+    slot: int
+    conv_id: str | None = None
+    state: str = "free"  # free | prefill | decode
+    position: int = 0
+
+
+# ---- client -> engine ------------------------------------------------------
+
+class Hello(_Base, tag="hello"):
+    protocol: int
+    client: str = ""
+
+
+class CreateConversation(_Base, tag="create"):
+    id: int
+    title: str = ""
+    system_prompt: str | None = None
+    sampling: SamplingParams | None = None
+
+
+class ListConversations(_Base, tag="list"):
+    id: int
+
+
+class ShowConversation(_Base, tag="show"):
+    id: int
+    conv_id: str
+
+
+class SubmitMessage(_Base, tag="submit"):
+    id: int
+    conv_id: str
+    text: str
+    attachments: list[Attachment] = []
+    sampling: SamplingParams | None = None
+    raw: bool = False  # no chat template: the text is the prompt
+
+
+class Cancel(_Base, tag="cancel"):
+    """Cancel the generation started by request ``target`` (or the one running in ``conv_id``)."""
+
+    id: int
+    target: int = 0
+    conv_id: str = ""
+
+
+class DeleteConversation(_Base, tag="delete"):
+    id: int
+    conv_id: str
+
+
+class RenameConversation(_Base, tag="rename"):
+    id: int
+    conv_id: str
+    title: str
+
+
+class UpdateConversation(_Base, tag="update"):
+    """Set a conversation's system prompt and default sampling."""
+
+    id: int
+    conv_id: str
+    system_prompt: str | None = None
+    sampling: SamplingParams | None = None
+
+
+class TruncateConversation(_Base, tag="truncate"):
+    """Drop messages from ``msg_id`` on (edit, retry)."""
+
+    id: int
+    conv_id: str
+    msg_id: str
+
+
+class Status(_Base, tag="status"):
+    id: int
+
+
+# ---- engine -> client ------------------------------------------------------
+
+class Welcome(_Base, tag="welcome"):
+    protocol: int
+    engine: str
+    model: str
+    device: str
+    ready: bool = True
+    pid: int = 0
+
+
+class Error(_Base, tag="error"):
+    """A refused or failed request. code: version_mismatch | bad_frame | bad_request |
+    not_found | not_ready | busy | too_long | cancelled | internal."""
+
+    id: int
+    code: str
+    message: str
+
+
+class Ok(_Base, tag="ok"):
+    id: int
+
+
+class ConversationInfo(_Base, tag="conversation"):
+    id: int
+    conversation: ConversationView
+
+
+class ConversationList(_Base, tag="conversations"):
+    id: int
+    conversations: list[ConversationView]
+
+
+class Accepted(_Base, tag="accepted"):
+    """The message is admitted: ``msg_id`` of the user's message, ``reply_id`` of the reply."""
+
+    id: int
+    conv_id: str
+    msg_id: str
+    reply_id: str
+    seq: int
+    tick: int
+
+
+class Token(_Base, tag="token"):
+    """A committed token of the reply: ``text`` is the safe-to-show delta (may be empty
+    while a multi-byte character or a possible stop string is held back)."""
+
+    id: int
+    token_id: int
+    text: str
+    pos: int
+    tick: int
+    seq: int
+
+
+class Notice(_Base, tag="notice"):
+    """Admission feedback. kind: held | queued | refused | resumed.
+    resource names what is short (slots, context, journal, memory, media)."""
+
+    id: int
+    kind: str
+    resource: str
+    message: str
+    asked: int = 0
+    free: int = 0
+    position: int = 0
+
+
+class Committed(_Base, tag="committed"):
+    """The reply finished. finish_reason: stop | length | context | cancelled | error."""
+
+    id: int
+    msg_id: str
+    finish_reason: str
+    n_prompt: int
+    n_completion: int
+    tick: int
+    seq: int
+    text: str = ""
+    timings: dict[str, float] = {}
+
+
+class Durable(_Base, tag="durable"):
+    """Records up to ``receipt.last_seq`` are on disk. ``msg_id`` names the message it
+    completes durability for, when it does."""
+
+    id: int
+    receipt: Receipt
+    msg_id: str = ""
+
+
+class StatusReply(_Base, tag="status_reply"):
+    id: int
+    model: str
+    device: str
+    ready: bool
+    budget_bytes: int
+    used_bytes: int
+    budget: list[BudgetLine]
+    slots: list[SlotView]
+    n_ctx: int
+    queue: int = 0
+    tick: int = 0
+    journal: dict[str, Any] = {}
+    load_progress: str = ""
+
+
+Message = Union[
+    Hello, CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel,
+    DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, Status,
+    Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, Committed,
+    Durable, StatusReply,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_frame(msg: Message) -> bytes:
+    """Length-prefixed MessagePack frame of ``msg``."""
+    body = _encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def decode_payload(body: bytes) -> Message:
+    """Decode one frame's payload. Raises ``ProtocolError`` naming what is wrong."""
+    from aotx.engine.errors import ProtocolError
+
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid message: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"undecodable frame: {e}") from None
+
+
+def frame_length(header: bytes) -> int:
+    """Payload length from a 4-byte header. Raises ``ProtocolError`` when above MAX_FRAME."""
+    from aotx.engine.errors import ProtocolError
+
+    (n,) = _LEN.unpack(header)
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} bytes exceeds the limit of {MAX_FRAME} bytes")
+    return n
