@@ -1,0 +1,53 @@
+"""The CPU backend: weights kept quantized in memory, numba kernels, numpy BLAS.
+
+Owns: turning GGUF tensors into backend objects (``matrix``, ``vector``) and the
+op entry points the architecture modules call. The kernels live in
+``cpu_matmul.py`` (quantized matmul) and ``cpu_ops.py`` (everything else).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aotx.engine.backend import cpu_ops
+from aotx.engine.errors import ModelError
+
+
+class CpuBackend:
+    """Op set on the CPU. ``weight_bytes`` counts the bytes of every weight loaded."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.weight_bytes = 0
+        self.rms_norm = cpu_ops.rms_norm
+        self.rope = cpu_ops.rope_inplace
+        self.attention_decode = cpu_ops.attention_decode
+        self.attention_prefill = cpu_ops.attention_prefill
+        self.silu_mul = cpu_ops.silu_mul
+        self.add = cpu_ops.add_inplace
+
+    def matrix(self, t):
+        """A 2-D GGUF tensor (ggml shape ``[k, m]``) as a QuantMatrix of shape (m, k)."""
+        from aotx.engine.backend.cpu_matmul import QuantMatrix
+        from aotx.engine.backend.quants import SUPPORTED_TYPES
+
+        if t.qtype not in SUPPORTED_TYPES:
+            raise ModelError(f"tensor {t.name!r} has tensor type {getattr(t.qtype, 'name', t.qtype)}, "
+                             f"which AOTX does not support "
+                             f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
+        k, m = t.shape
+        qm = QuantMatrix(t.data, t.qtype, m, k, t.name)
+        self.weight_bytes += qm.nbytes
+        return qm
+
+    def vector(self, t) -> np.ndarray:
+        """A 1-D F32/F16 tensor as a float32 array (copied: these are small)."""
+        from aotx.engine.backend.quants import dequantize_rows
+
+        if len(t.shape) != 1:
+            raise ModelError(f"tensor {t.name!r} should be 1-D, has shape {list(t.shape)}")
+        arr = np.ascontiguousarray(dequantize_rows(np.asarray(t.data).reshape(1, -1), t.qtype, slice(0, 1),
+                                                   t.shape[0])[0], dtype=np.float32)
+        self.weight_bytes += arr.nbytes
+        return arr

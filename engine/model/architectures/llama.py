@@ -1,0 +1,194 @@
+"""The llama architecture: token embedding, N pre-norm blocks, output head.
+
+Each block (Touvron et al. 2023, "LLaMA"):
+    h = x + Wo . attention(rope(Wq . rmsnorm(x)), rope(Wk . rmsnorm(x)), Wv . rmsnorm(x))
+    x' = h + Wdown . (silu(Wgate . rmsnorm(h)) * Wup . rmsnorm(h))
+with grouped-query attention over each slot's KV cache. Tensor names and
+shapes follow llama.cpp's GGUF convention (``blk.{i}.attn_q.weight`` ...,
+ggml shape ``[in, out]``); Q and K weights arrive permuted for ggml's
+adjacent-pair RoPE. ``output.weight`` is optional (tied to ``token_embd``).
+
+This module owns the order of operations and the tensor checks; the ops
+themselves come from the backend. It does not know about slots' owners,
+sampling or scheduling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from aotx.engine.errors import ModelError
+from aotx.engine.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of ``n`` consecutive tokens of one slot starting at position ``pos``.
+
+    A batch is a list of segments; their tokens are concatenated in order. With
+    ``all_logits`` every row's logits are returned, otherwise only the last row's."""
+
+    slot: int
+    pos: int
+    n: int
+    all_logits: bool = False
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray
+    wq: object
+    wk: object
+    wv: object
+    wo: object
+    ffn_norm: np.ndarray
+    w_gate: object
+    w_up: object
+    w_down: object
+
+
+class KVCache:
+    """Per layer K and V: ``(n_slots, n_kv_heads, n_ctx, head_dim) float32``.
+
+    ``nbytes(cfg, n_slots, n_ctx)`` gives the size before allocating."""
+
+    def __init__(self, cfg: ModelConfig, n_slots: int, n_ctx: int):
+        shape = (n_slots, cfg.n_kv_heads, n_ctx, cfg.head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        self.n_slots = n_slots
+        self.n_ctx = n_ctx
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, n_slots: int, n_ctx: int) -> int:
+        return 2 * cfg.n_layers * n_slots * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4
+
+
+def _check(gf, name: str, shape: tuple[int, ...]):
+    t = gf.tensors.get(name)
+    if t is None:
+        raise ModelError(f"{gf.path}: tensor {name!r} is missing")
+    if tuple(t.shape) != tuple(shape):
+        raise ModelError(f"{gf.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+class LlamaModel:
+    """A loaded llama model on a backend. ``forward`` runs one batch of segments."""
+
+    def __init__(self, cfg: ModelConfig, gf, backend):
+        self.cfg = cfg
+        self.backend = backend
+        d, hd = cfg.d_model, cfg.head_dim
+        q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        vocab = cfg.vocab_size
+        emb = _check(gf, "token_embd.weight", (d, vocab))
+        self.tok_embd = backend.matrix(emb)
+        out_t = gf.tensors.get("output.weight")
+        self.output = backend.matrix(_check(gf, "output.weight", (d, vocab))) if out_t is not None else self.tok_embd
+        self.output_norm = backend.vector(_check(gf, "output_norm.weight", (d,)))
+        self.layers: list[Layer] = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(Layer(
+                attn_norm=backend.vector(_check(gf, p + "attn_norm.weight", (d,))),
+                wq=backend.matrix(_check(gf, p + "attn_q.weight", (d, q_out))),
+                wk=backend.matrix(_check(gf, p + "attn_k.weight", (d, kv_out))),
+                wv=backend.matrix(_check(gf, p + "attn_v.weight", (d, kv_out))),
+                wo=backend.matrix(_check(gf, p + "attn_output.weight", (q_out, d))),
+                ffn_norm=backend.vector(_check(gf, p + "ffn_norm.weight", (d,))),
+                w_gate=backend.matrix(_check(gf, p + "ffn_gate.weight", (d, cfg.ffn_dim))),
+                w_up=backend.matrix(_check(gf, p + "ffn_up.weight", (d, cfg.ffn_dim))),
+                w_down=backend.matrix(_check(gf, p + "ffn_down.weight", (cfg.ffn_dim, d))),
+            ))
+        self.scale = 1.0 / math.sqrt(hd)
+        self._rope_n = 0
+        self.cos = self.sin = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy in the backend's memory."""
+        return self.backend.weight_bytes
+
+    def new_kv_cache(self, n_slots: int, n_ctx: int) -> KVCache:
+        """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed)."""
+        from aotx.engine.backend.cpu_ops import rope_tables
+
+        if n_ctx > self._rope_n:
+            self.cos, self.sin = rope_tables(n_ctx, self.cfg.rope_dim, self.cfg.rope_base, self.cfg.rope_scale)
+            self._rope_n = n_ctx
+        return KVCache(self.cfg, n_slots, n_ctx)
+
+    def forward(self, tokens: np.ndarray, segments: list[Segment], kv: KVCache) -> np.ndarray:
+        """Run one batch: write each segment's K/V into its slot, return logits.
+
+        tokens: (N,) int32, N = sum of segment lengths, in segment order. Returns
+        (R, vocab) float32 where R counts one row per segment (its last token) or
+        every row of an ``all_logits`` segment, in order. Positions must lie inside
+        the cache (the runtime checks context before scheduling).
+        """
+        be = self.backend
+        cfg = self.cfg
+        N = int(tokens.shape[0])
+        H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        positions = np.empty(N, np.int32)
+        row = 0
+        out_rows: list[int] = []
+        for s in segments:
+            positions[row:row + s.n] = np.arange(s.pos, s.pos + s.n, dtype=np.int32)
+            if s.all_logits:
+                out_rows.extend(range(row, row + s.n))
+            else:
+                out_rows.append(row + s.n - 1)
+            row += s.n
+        decode = [i for i, s in enumerate(segments) if s.n == 1]
+        dec_rows = np.array([sum(x.n for x in segments[:i]) for i in decode], np.int32)
+        dec_slots = np.array([segments[i].slot for i in decode], np.int32)
+        dec_len = np.array([segments[i].pos + 1 for i in decode], np.int32)
+
+        x = self.tok_embd.rows(tokens.astype(np.int64))
+        h = np.empty_like(x)
+        for li, L in enumerate(self.layers):
+            be.rms_norm(x, L.attn_norm, cfg.norm_eps, h)
+            q = L.wq.matmul(h).reshape(N, H, hd)
+            k = L.wk.matmul(h).reshape(N, KV, hd)
+            v = L.wv.matmul(h).reshape(N, KV, hd)
+            be.rope(q, positions, self.cos, self.sin)
+            be.rope(k, positions, self.cos, self.sin)
+            kc, vc = kv.k[li], kv.v[li]
+            row = 0
+            for s in segments:
+                kc[s.slot, :, s.pos:s.pos + s.n, :] = k[row:row + s.n].transpose(1, 0, 2)
+                vc[s.slot, :, s.pos:s.pos + s.n, :] = v[row:row + s.n].transpose(1, 0, 2)
+                row += s.n
+            att = np.empty((N, H, hd), np.float32)
+            if decode:
+                od = np.empty((len(decode), H, hd), np.float32)
+                be.attention_decode(np.ascontiguousarray(q[dec_rows]), kc, vc, dec_slots, dec_len, self.scale, od)
+                att[dec_rows] = od
+            row = 0
+            for s in segments:
+                if s.n > 1:
+                    att[row:row + s.n] = be.attention_prefill(q[row:row + s.n], kc[s.slot], vc[s.slot], s.pos,
+                                                              self.scale)
+                row += s.n
+            o = L.wo.matmul(att.reshape(N, H * hd))
+            be.add(x, o)
+            be.rms_norm(x, L.ffn_norm, cfg.norm_eps, h)
+            g = L.w_gate.matmul(h)
+            u = L.w_up.matmul(h)
+            be.silu_mul(g, u, g)
+            be.add(x, L.w_down.matmul(g))
+        xo = np.ascontiguousarray(x[out_rows])
+        ho = np.empty_like(xo)
+        be.rms_norm(xo, self.output_norm, cfg.norm_eps, ho)
+        return self.output.matmul(ho)
+
+
+def build(cfg: ModelConfig, gf, backend) -> LlamaModel:
+    """Check the file's tensors against ``cfg`` and load them onto ``backend``.
+    Raises ModelError naming a missing or mis-shaped tensor."""
+    return LlamaModel(cfg, gf, backend)
