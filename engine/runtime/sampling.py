@@ -1,0 +1,99 @@
+"""Sampling: turn one row of logits into the next token id.
+
+Owns: the sampler chain and its state. Order as llama.cpp's default chain
+(common/sampling.cpp): repetition penalty, top-k, top-p, min-p, temperature,
+then a draw. Temperature <= 0 is greedy (argmax, ties to the lowest id).
+
+Randomness is counter-based: the draw at step ``n`` of a request uses Philox
+keyed by the request's seed with counter ``n`` (Salmon et al. 2011, "Parallel
+Random Numbers: As Easy as 1, 2, 3"), so a sampler's whole state is
+``(seed, step, history)``: reproducible, and trivially captured in a capsule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SamplerState:
+    """What a capsule must carry to continue sampling exactly: seed, step counter
+    (draws made so far) and the penalty history (recent token ids)."""
+
+    seed: int
+    step: int = 0
+    history: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """temperature (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off),
+    repeat_penalty (1 = off) over the last ``repeat_last_n`` tokens (each distinct id once)."""
+
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+
+
+def uniform(seed: int, step: int) -> float:
+    """A float in [0, 1) from Philox(key=seed, counter=step): the same pair, the same number."""
+    bg = np.random.Philox(key=seed & ((1 << 64) - 1), counter=step)
+    return float(np.random.Generator(bg).random())
+
+
+def apply_repeat_penalty(logits: np.ndarray, history: list[int], penalty: float, last_n: int) -> None:
+    """In place: for each distinct id among the last ``last_n`` tokens, divide a positive
+    logit by ``penalty`` or multiply a negative one (Keskar et al. 2019, CTRL; llama.cpp's
+    penalties sampler applies it once per distinct id)."""
+    if penalty == 1.0 or not history or last_n == 0:
+        return
+    ids = np.unique(np.asarray(history[-last_n:] if last_n > 0 else history, dtype=np.int64))
+    ids = ids[(ids >= 0) & (ids < logits.shape[0])]
+    v = logits[ids]
+    logits[ids] = np.where(v > 0, v / penalty, v * penalty)
+
+
+def sample(logits: np.ndarray, cfg: SamplerConfig, state: SamplerState) -> int:
+    """Pick the next token from ``logits`` ((vocab,) float32; modified in place) and
+    advance ``state`` (step += 1 for a draw, history append). Returns the token id."""
+    apply_repeat_penalty(logits, state.history, cfg.repeat_penalty, cfg.repeat_last_n)
+    if cfg.temperature <= 0.0:
+        tok = int(np.argmax(logits))
+    else:
+        tok = _draw(logits, cfg, uniform(state.seed, state.step))
+        state.step += 1
+    state.history.append(tok)
+    if cfg.repeat_last_n > 0 and len(state.history) > 4 * cfg.repeat_last_n:
+        del state.history[: len(state.history) - cfg.repeat_last_n]
+    return tok
+
+
+def _draw(logits: np.ndarray, cfg: SamplerConfig, u: float) -> int:
+    vocab = logits.shape[0]
+    k = cfg.top_k if 0 < cfg.top_k < vocab else vocab
+    if k < vocab:
+        cand = np.argpartition(-logits, k - 1)[:k]
+    else:
+        cand = np.arange(vocab)
+    # sort candidates by logit descending, ties by id (stable)
+    order = np.lexsort((cand, -logits[cand]))
+    cand = cand[order]
+    lg = logits[cand].astype(np.float64)
+    p = np.exp(lg - lg[0])
+    p /= p.sum()
+    keep = len(cand)
+    if cfg.top_p < 1.0:
+        c = np.cumsum(p)
+        keep = min(keep, int(np.searchsorted(c, cfg.top_p, side="left")) + 1)
+    if cfg.min_p > 0.0:
+        keep = min(keep, max(1, int(np.sum(p >= cfg.min_p * p[0]))))
+    cand, lg = cand[:keep], lg[:keep]
+    q = np.exp((lg - lg[0]) / cfg.temperature)
+    c = np.cumsum(q)
+    i = int(np.searchsorted(c, u * c[-1], side="right"))
+    return int(cand[min(i, keep - 1)])
