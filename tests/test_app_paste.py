@@ -1,0 +1,97 @@
+"""Table test of parse_pasted_paths: what real terminals send when a file is dropped."""
+
+from __future__ import annotations
+
+import pytest
+
+from aotx.app.attach import make_attachment, sniff
+from aotx.app.paste import PastedItem, parse_pasted_paths
+
+H = "/home/u"
+
+
+def P(*paths: str) -> list[PastedItem]:
+    return [PastedItem("path", p) for p in paths]
+
+
+def T(text: str) -> list[PastedItem]:
+    return [PastedItem("text", text)]
+
+
+CASES = [
+    # name, paste, expected
+    ("plain", "/tmp/cat.png", P("/tmp/cat.png")),
+    ("trailing space (gnome-terminal)", "/tmp/cat.png ", P("/tmp/cat.png")),
+    ("trailing newline", "/tmp/cat.png\n", P("/tmp/cat.png")),
+    ("leading and trailing whitespace", "  \t/tmp/cat.png \r\n", P("/tmp/cat.png")),
+    ("single quotes (gnome, konsole)", "'/tmp/my cat.png' ", P("/tmp/my cat.png")),
+    ("double quotes", '"/tmp/my cat.png"', P("/tmp/my cat.png")),
+    ("escaped space (iTerm2, kitty)", r"/tmp/my\ cat.png", P("/tmp/my cat.png")),
+    ("escaped parens and ampersand", r"/tmp/a\ \(1\)\ \&\ b.jpg", P("/tmp/a (1) & b.jpg")),
+    ("escaped quote", r"/tmp/it\'s.wav", P("/tmp/it's.wav")),
+    ("file URL", "file:///tmp/cat.png", P("/tmp/cat.png")),
+    ("file URL percent-encoded", "file:///tmp/my%20cat%20%28x%29.png", P("/tmp/my cat (x).png")),
+    ("file URL localhost", "file://localhost/tmp/a.wav", P("/tmp/a.wav")),
+    ("file URL utf-8", "file:///tmp/%C3%A9t%C3%A9.jpg", P("/tmp/été.jpg")),
+    ("several file URLs on lines", "file:///tmp/a.png\r\nfile:///tmp/b.png\r\n", P("/tmp/a.png", "/tmp/b.png")),
+    ("several paths with spaces", "/tmp/a.png /tmp/b.wav", P("/tmp/a.png", "/tmp/b.wav")),
+    ("several quoted", "'/tmp/a b.png' '/tmp/c d.wav'", P("/tmp/a b.png", "/tmp/c d.wav")),
+    ("several escaped", r"/tmp/a\ b.png /tmp/c\ d.png", P("/tmp/a b.png", "/tmp/c d.png")),
+    ("several on lines", "/tmp/a.png\n/tmp/b.png\n", P("/tmp/a.png", "/tmp/b.png")),
+    ("tilde", "~/Pictures/cat.png", P(H + "/Pictures/cat.png")),
+    ("tilde quoted", "'~/My Pictures/cat.png'", P(H + "/My Pictures/cat.png")),
+    ("relative dot", "./cat.png", P("./cat.png")),
+    ("relative dotdot", "../x/cat.png", P("../x/cat.png")),
+    ("unescaped spaces, one line", "/tmp/My Photos/cat 1.png", P("/tmp/My Photos/cat 1.png")),
+    ("non-media path still a path", "/etc/hosts", P("/etc/hosts")),
+    ("mixed quoting styles", "'/tmp/a b.png' /tmp/c\\ d.wav \"/tmp/e f.ogg\"",
+     P("/tmp/a b.png", "/tmp/c d.wav", "/tmp/e f.ogg")),
+    # text stays text
+    ("a word", "hello", T("hello")),
+    ("a sentence", "what is in this picture?", T("what is in this picture?")),
+    ("a sentence with a path", "look at /tmp/cat.png please", T("look at /tmp/cat.png please")),
+    ("path then prose", "/usr/bin/foo is great", T("/usr/bin/foo is great")),
+    ("apostrophe", "don't do that", T("don't do that")),
+    ("http URL", "https://example.com/cat.png", T("https://example.com/cat.png")),
+    ("code with slashes", "a = b / c", T("a = b / c")),
+    ("a lone slash", "/", T("/")),
+    ("lines of prose", "first line\nsecond line", T("first line\nsecond line")),
+    ("path line and prose line", "/tmp/a.png\nwhat is this?", T("/tmp/a.png\nwhat is this?")),
+    ("comment-like", "# heading", T("# heading")),
+    ("file: without slashes", "file:notes.txt", T("file:notes.txt")),
+    ("markdown with path", "`/tmp/a.png`", T("`/tmp/a.png`")),
+    ("empty", "", []),
+    ("whitespace only", "  \n ", []),
+]
+
+
+@pytest.mark.parametrize("paste,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_parse_pasted_paths(paste: str, expected: list[PastedItem]) -> None:
+    assert parse_pasted_paths(paste, home=H) == expected
+
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 32
+WAV = b"RIFF\x24\0\0\0WAVEfmt " + b"\0" * 32
+
+
+@pytest.mark.parametrize("head,kind", [
+    (PNG, "image"), (b"\xff\xd8\xff\xe0" + b"\0" * 12, "image"), (b"GIF89a" + b"\0" * 10, "image"),
+    (b"RIFF\0\0\0\0WEBPVP8 ", "image"), (WAV, "audio"), (b"fLaC" + b"\0" * 12, "audio"),
+    (b"OggS" + b"\0" * 12, "audio"), (b"ID3\x04" + b"\0" * 12, "audio"), (b"hello world, text", None),
+])
+def test_sniff(head: bytes, kind: str | None) -> None:
+    assert sniff(head) == kind
+
+
+def test_make_attachment(tmp_path) -> None:
+    (tmp_path / "cat.png").write_bytes(PNG)
+    (tmp_path / "fake.png").write_bytes(b"not really a png")
+    (tmp_path / "a.wav").write_bytes(WAV)
+    ok = make_attachment(str(tmp_path / "cat.png"))
+    assert ok.attachment and ok.attachment.kind == "image" and len(ok.attachment.sha256) == 64
+    assert make_attachment(str(tmp_path / "a.wav")).attachment.kind == "audio"
+    assert "no such file" in make_attachment(str(tmp_path / "missing.png")).problem
+    assert "match no known format" in make_attachment(str(tmp_path / "fake.png")).problem
+    assert "not an image or audio" in make_attachment(str(tmp_path / "notes.txt")).problem
+    (tmp_path / "dir.png").mkdir()
+    assert "not a regular file" in make_attachment(str(tmp_path / "dir.png")).problem
