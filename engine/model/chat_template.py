@@ -1,0 +1,267 @@
+"""Chat template: messages -> prompt text -> prompt token ids.
+
+Owns: rendering the GGUF's ``tokenizer.chat_template`` (Jinja2, sandboxed) the
+way Hugging Face ``transformers`` does (``apply_chat_template``: the
+``ImmutableSandboxedEnvironment`` with ``trim_blocks``/``lstrip_blocks``, the
+``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a
+``tojson`` filter that does not HTML-escape; see the HF chat templating docs),
+a ChatML fallback when the file has no template, and ``encode_chat``: the whole
+prompt path with the guarantee that message *content* can never turn into
+control tokens. Leaves to others: the vocabulary (``tokenizer.py``) and when to
+stop (``termination.py``).
+
+Prompt-injection rule. The template's own markup (``<|im_start|>`` ...) must
+become single special ids, but a user typing ``<|im_start|>`` must get plain
+text tokens. ``encode_chat`` renders twice: once as is (the prompt text), once
+with every message's content (strings, and the ``text`` of list-of-parts
+content) wrapped in two private-use marker characters placed inside its
+leading/trailing whitespace so ``trim``/``strip`` in a template behaves the
+same. If the marked render minus the markers equals the plain render, the
+markers give the exact character spans of content; otherwise (a template that
+transforms content) each content string is located verbatim in the text. The
+text is then tokenized with special-token parsing everywhere *except* inside
+those spans (``Tokenizer.encode(..., plain_spans=...)``); splitting happens only
+at special tokens, exactly as llama.cpp splits, so ids are unchanged whenever
+the content holds no special-token text. Content holding special-token text
+that cannot be located raises ``TemplateError`` rather than risk injection.
+
+BOS rule. The tokenizer's BOS (when ``add_bos``) is added unless the rendered
+text already starts with the BOS token's text as template markup (its first
+token is then the BOS id), so a prompt never starts with two BOS tokens.
+EOS is never appended to a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from aotx.engine.errors import TemplateError
+from aotx.engine.model.tokenizer import Tokenizer
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""The fallback used only when the GGUF has no ``tokenizer.chat_template``
+(the same ChatML template llama.cpp falls back to)."""
+
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use markers around message content
+
+
+class _TemplateRaised(Exception):
+    """``raise_exception(...)`` inside a template."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(str(message))
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """HF's ``tojson``: plain ``json.dumps`` (no HTML escaping, unicode kept)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _make_env() -> Any:
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker):
+        renders its body unchanged."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _Generation])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _template_line(tb: Any) -> int | None:
+    """The template line of the innermost template frame in a traceback (Jinja
+    rewrites frames so that template code reports ``<template>`` and its line)."""
+    line = None
+    for frame, lineno in traceback.walk_tb(tb):
+        if frame.f_code.co_filename == "<template>":
+            line = lineno
+    return line
+
+
+class ChatTemplate:
+    """A compiled chat template.
+
+    ``ChatTemplate(source)`` compiles (TemplateError with the line on a syntax
+    error); ``ChatTemplate.from_metadata(meta)`` takes ``tokenizer.chat_template``
+    or, only when that is absent or empty, the ChatML fallback
+    (``is_fallback`` is then True).
+    """
+
+    def __init__(self, source: str, *, is_fallback: bool = False) -> None:
+        import jinja2
+
+        self.source = source
+        self.is_fallback = is_fallback
+        try:
+            self._template = _make_env().from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> "ChatTemplate":
+        """The GGUF's template, or ChatML when the file has none."""
+        src = meta.get("tokenizer.chat_template")
+        if isinstance(src, str) and src.strip():
+            return cls(src)
+        return cls(CHATML_TEMPLATE, is_fallback=True)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               bos_token: str = "", eos_token: str = "", **extra: Any) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) to prompt text.
+
+        ``extra`` goes to the template as further variables (``tools``,
+        ``documents``, ``enable_thinking``, ...). Raises TemplateError naming the
+        template line and the message on any error during rendering, including
+        the template's own ``raise_exception``.
+        """
+        import jinja2
+
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos_token, eos_token=eos_token, **extra)
+        except _TemplateRaised as e:
+            line = _template_line(e.__traceback__)
+            where = f" at line {line}" if line else ""
+            raise TemplateError(f"chat template refused the messages{where}: {e}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                ZeroDivisionError, OverflowError, RecursionError) as e:
+            line = _template_line(e.__traceback__)
+            where = f" at line {line}" if line else ""
+            msg = getattr(e, "message", None) or str(e)
+            raise TemplateError(f"chat template failed{where}: {type(e).__name__}: {msg}") from None
+
+
+def _wrap(s: str) -> str:
+    core = s.strip()
+    if not core:
+        return s
+    lead = s[: len(s) - len(s.lstrip())]
+    trail = s[len(s.rstrip()):]
+    return lead + _OPEN + core + _CLOSE + trail
+
+
+def _content_strings(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str):
+            out.append(c)
+        elif isinstance(c, list):
+            out.extend(p["text"] for p in c if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+    return out
+
+
+def _marked_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        m2 = dict(m)
+        c = m.get("content")
+        if isinstance(c, str):
+            m2["content"] = _wrap(c)
+        elif isinstance(c, list):
+            m2["content"] = [dict(p, text=_wrap(p["text"]))
+                             if isinstance(p, Mapping) and isinstance(p.get("text"), str) else p for p in c]
+        out.append(m2)
+    return out
+
+
+def _spans_from_markers(marked: str) -> tuple[str, list[tuple[int, int]]] | None:
+    """Strip the markers; return (text, content spans), or None if unbalanced."""
+    text: list[str] = []
+    spans: list[tuple[int, int]] = []
+    n, start = 0, -1
+    for ch in marked:
+        if ch == _OPEN:
+            if start >= 0:
+                return None
+            start = n
+        elif ch == _CLOSE:
+            if start < 0:
+                return None
+            spans.append((start, n))
+            start = -1
+        else:
+            text.append(ch)
+            n += 1
+    if start >= 0:
+        return None
+    return "".join(text), spans
+
+
+def content_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], text: str,
+                  special_texts: Sequence[str], **render_kw: Any) -> list[tuple[int, int]]:
+    """Character spans of ``text`` (the plain render) that came from message
+    content. Raises TemplateError when a content string that holds special-token
+    text cannot be located (see the module docstring)."""
+    contents = _content_strings(messages)
+    if not any(_OPEN in c or _CLOSE in c for c in contents):
+        try:
+            marked = template.render(_marked_messages(messages), **render_kw)
+        except TemplateError:
+            marked = None
+        parsed = _spans_from_markers(marked) if marked is not None else None
+        if parsed is not None and parsed[0] == text:
+            return parsed[1]
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for i, c in enumerate(contents):
+        core = c.strip()
+        if not core:
+            continue
+        at = text.find(core, pos)
+        if at < 0:
+            at = text.find(core)
+        if at >= 0:
+            spans.append((at, at + len(core)))
+            pos = at + len(core)
+        elif any(s in c for s in special_texts):
+            raise TemplateError(f"the chat template transforms message content, so AOTX cannot keep the "
+                                f"special-token text in content #{i + 1} as plain text; remove the token "
+                                f"text from the message")
+    return spans
+
+
+def encode_chat(tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[Mapping[str, Any]], *,
+                add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+    """Prompt token ids for ``messages``: render (with ``bos_token``/``eos_token``
+    set to the vocabulary's texts), tokenize the template's markup with special
+    tokens parsed and message content as plain text, add BOS per the BOS rule in
+    the module docstring. Raises TemplateError."""
+    bos_text = tokenizer.token_to_piece(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos_text = tokenizer.token_to_piece(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+    kw = dict(add_generation_prompt=add_generation_prompt, bos_token=bos_text, eos_token=eos_text, **extra)
+    text = template.render(messages, **kw)
+    spans = content_spans(template, messages, text, tokenizer.special_texts, **kw)
+    ids = tokenizer.encode(text, parse_special=True, plain_spans=spans)
+    if tokenizer.add_bos and tokenizer.bos_id is not None and not (ids and ids[0] == tokenizer.bos_id):
+        ids.insert(0, tokenizer.bos_id)
+    return ids
