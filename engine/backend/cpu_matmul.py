@@ -1,0 +1,356 @@
+"""Quantized weight matrices and their matmul on the CPU (numba + numpy BLAS).
+
+Owns: `QuantMatrix`, a weight W (m, k) kept quantized, with `matmul` (x @ W.T) and `rows`
+(dequantized rows, for embedding lookups). Leaves to others: block formats and plain
+dequantization (`quants.py`), choosing tensors and shapes (engine/model).
+
+How it computes
+* Q4_0, Q4_1 and Q8_0 are repacked once at load into a row-tiled layout (still quantized,
+  ~1.2x the file's bytes because the float16 scales become float32):
+      tiles of R = 32 output rows; for tile t, block b (32 inputs), byte j and row r:
+      Q4_*:  qs[t, b, j, r] uint8  (low nibble = input b*32+j, high nibble = b*32+16+j)
+             d[t, b, r], mn[t, b, r] float32  (w = d * q + mn; Q4_0 stores mn = -8 d)
+      Q8_0:  qs[t, b, j, r] int8 (j < 32), d[t, b, r] float32  (w = d * q)
+  so the GEMV inner loop runs over 32 neighbouring rows with one broadcast input, and
+  LLVM vectorizes it across rows (uint8 -> int32 -> float32, FMA). Activations stay
+  float32: no int8 quantization of x, so results match a float64 reference to ~1e-6.
+* Small batches (n <= GEMV_MAX_N) use that kernel, reading each weight byte once per call.
+* Larger batches (prefill) dequantize a tile of W rows into a reused float32 scratch and
+  call numpy's BLAS (x @ tile.T).
+* Other supported types (F32, F16, BF16, Q5_0, Q5_1, Q2_K..Q6_K) stay in the file's
+  layout (a memmap view, no copy) and always take the dequantize-tile + BLAS path:
+  correct, not tuned.
+
+Not thread-safe per instance: the scratch buffers are per thread, but a QuantMatrix must
+not be mutated (it never is after __init__).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from numba import njit, prange
+
+from . import quants
+
+R = 32                 # output rows per tile in the repacked layouts
+GEMV_MAX_N = 4         # batches up to this many rows use the quantized GEMV kernels
+TILE_FLOATS = 1 << 20  # scratch size (float32 elements) of one dequantized tile: 4 MiB
+
+_REPACKED = (T.Q4_0, T.Q4_1, T.Q8_0)
+
+
+# ------------------------------------------------------------------ repacking at load
+
+def _f16_field(blocks: np.ndarray, off: int) -> np.ndarray:
+    """float32 (m, nb) from the float16 at byte `off` of each block (blocks uint8 (m, nb, bb))."""
+    lo = blocks[:, :, off].astype(np.uint16)
+    hi = blocks[:, :, off + 1].astype(np.uint16)
+    return quants.F16_LUT[lo | (hi << 8)]
+
+
+def _tile(a: np.ndarray, m_pad: int) -> np.ndarray:
+    """(m, nb, j) -> (m_pad/R, nb, j, R) contiguous, zero-padded rows; (m, nb) -> (T, nb, R)."""
+    m = a.shape[0]
+    if m_pad != m:
+        a = np.concatenate([a, np.zeros((m_pad - m,) + a.shape[1:], a.dtype)])
+    a = a.reshape((m_pad // R, R) + a.shape[1:])
+    if a.ndim == 4:
+        return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
+    return np.ascontiguousarray(a.transpose(0, 2, 1))
+
+
+def repack(b: np.ndarray, qtype: T, m: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Repack uint8 (m, row_bytes) Q4_0/Q4_1/Q8_0 rows into (qs, d, mn) tiles (see module
+    docstring). Reads the rows in slabs so a memmap is never copied whole."""
+    be, bb = quants.block_layout(qtype)
+    nb = k // be
+    m_pad = -(-m // R) * R
+    nt = m_pad // R
+    if qtype == T.Q8_0:
+        qs = np.empty((nt, nb, 32, R), np.int8)
+    else:
+        qs = np.empty((nt, nb, 16, R), np.uint8)
+    d = np.empty((nt, nb, R), np.float32)
+    mn = np.empty((nt, nb, R), np.float32) if qtype != T.Q8_0 else np.empty((0, 0, R), np.float32)
+    slab = 64 * R
+    for r0 in range(0, m_pad, slab):
+        r1 = min(m_pad, r0 + slab)
+        blocks = np.asarray(b[r0:min(r1, m)]).reshape(-1, nb, bb)
+        t0, t1 = r0 // R, r1 // R
+        dd = _f16_field(blocks, 0)
+        d[t0:t1] = _tile(dd, r1 - r0)
+        if qtype == T.Q4_1:
+            mn[t0:t1] = _tile(_f16_field(blocks, 2), r1 - r0)
+            qs[t0:t1] = _tile(blocks[:, :, 4:20], r1 - r0)
+        elif qtype == T.Q4_0:
+            mn[t0:t1] = _tile(-8.0 * dd, r1 - r0)
+            qs[t0:t1] = _tile(blocks[:, :, 2:18], r1 - r0)
+        else:
+            qs[t0:t1] = _tile(blocks[:, :, 2:34].view(np.int8), r1 - r0)
+    return qs, d, mn
+
+
+# ------------------------------------------------------------------ GEMV kernels
+# x (n, k) float32, out (n, m) float32. Parallel over chunks of row tiles.
+
+@njit(cache=True, fastmath=True, parallel=True)
+def _gemv_q4(qs, d, mn, x, xs, out, n_chunks):
+    """Q4_0/Q4_1 tiles: out[i, t*R + r] = sum_b d*(sum_j q*x) + mn*xs[i, b]."""
+    nt, nb, _, RR = qs.shape
+    n, m = out.shape
+    per = (nt + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        acc = np.empty(RR, np.float32)
+        for t in range(c * per, min(nt, (c + 1) * per)):
+            for i in range(n):
+                xi = x[i]
+                for r in range(RR):
+                    acc[r] = 0.0
+                for b in range(nb):
+                    xo = b * 32
+                    x0 = xi[xo]; x1 = xi[xo + 1]; x2 = xi[xo + 2]; x3 = xi[xo + 3]
+                    x4 = xi[xo + 4]; x5 = xi[xo + 5]; x6 = xi[xo + 6]; x7 = xi[xo + 7]
+                    x8 = xi[xo + 8]; x9 = xi[xo + 9]; x10 = xi[xo + 10]; x11 = xi[xo + 11]
+                    x12 = xi[xo + 12]; x13 = xi[xo + 13]; x14 = xi[xo + 14]; x15 = xi[xo + 15]
+                    y0 = xi[xo + 16]; y1 = xi[xo + 17]; y2 = xi[xo + 18]; y3 = xi[xo + 19]
+                    y4 = xi[xo + 20]; y5 = xi[xo + 21]; y6 = xi[xo + 22]; y7 = xi[xo + 23]
+                    y8 = xi[xo + 24]; y9 = xi[xo + 25]; y10 = xi[xo + 26]; y11 = xi[xo + 27]
+                    y12 = xi[xo + 28]; y13 = xi[xo + 29]; y14 = xi[xo + 30]; y15 = xi[xo + 31]
+                    xsb = xs[i, b]
+                    W = qs[t, b]
+                    db = d[t, b]
+                    mb = mn[t, b]
+                    for r in range(RR):
+                        # np.uint8 casts keep the nibble math in 8/32-bit lanes so LLVM can
+                        # vectorize the int->float conversion (int64 would not vectorize).
+                        q0 = W[0, r]; q1 = W[1, r]; q2 = W[2, r]; q3 = W[3, r]
+                        q4 = W[4, r]; q5 = W[5, r]; q6 = W[6, r]; q7 = W[7, r]
+                        q8 = W[8, r]; q9 = W[9, r]; q10 = W[10, r]; q11 = W[11, r]
+                        q12 = W[12, r]; q13 = W[13, r]; q14 = W[14, r]; q15 = W[15, r]
+                        F = np.uint8(15)
+                        S = np.uint8(4)
+                        lo = (np.float32(np.uint8(q0 & F)) * x0 + np.float32(np.uint8(q1 & F)) * x1
+                              + np.float32(np.uint8(q2 & F)) * x2 + np.float32(np.uint8(q3 & F)) * x3
+                              + np.float32(np.uint8(q4 & F)) * x4 + np.float32(np.uint8(q5 & F)) * x5
+                              + np.float32(np.uint8(q6 & F)) * x6 + np.float32(np.uint8(q7 & F)) * x7
+                              + np.float32(np.uint8(q8 & F)) * x8 + np.float32(np.uint8(q9 & F)) * x9
+                              + np.float32(np.uint8(q10 & F)) * x10 + np.float32(np.uint8(q11 & F)) * x11
+                              + np.float32(np.uint8(q12 & F)) * x12 + np.float32(np.uint8(q13 & F)) * x13
+                              + np.float32(np.uint8(q14 & F)) * x14 + np.float32(np.uint8(q15 & F)) * x15)
+                        hi = (np.float32(np.uint8(q0 >> S)) * y0 + np.float32(np.uint8(q1 >> S)) * y1
+                              + np.float32(np.uint8(q2 >> S)) * y2 + np.float32(np.uint8(q3 >> S)) * y3
+                              + np.float32(np.uint8(q4 >> S)) * y4 + np.float32(np.uint8(q5 >> S)) * y5
+                              + np.float32(np.uint8(q6 >> S)) * y6 + np.float32(np.uint8(q7 >> S)) * y7
+                              + np.float32(np.uint8(q8 >> S)) * y8 + np.float32(np.uint8(q9 >> S)) * y9
+                              + np.float32(np.uint8(q10 >> S)) * y10 + np.float32(np.uint8(q11 >> S)) * y11
+                              + np.float32(np.uint8(q12 >> S)) * y12 + np.float32(np.uint8(q13 >> S)) * y13
+                              + np.float32(np.uint8(q14 >> S)) * y14 + np.float32(np.uint8(q15 >> S)) * y15)
+                        acc[r] += db[r] * (lo + hi) + mb[r] * xsb
+                r1 = min(RR, m - t * RR)
+                for r in range(r1):
+                    out[i, t * RR + r] = acc[r]
+
+
+@njit(cache=True, fastmath=True, parallel=True)
+def _gemv_q8(qs, d, x, out, n_chunks):
+    """Q8_0 tiles: out[i, t*R + r] = sum_b d[t, b, r] * sum_j qs[t, b, j, r] * x[i, b*32+j]."""
+    nt, nb, _, RR = qs.shape
+    n, m = out.shape
+    per = (nt + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        acc = np.empty(RR, np.float32)
+        s = np.empty(RR, np.float32)
+        for t in range(c * per, min(nt, (c + 1) * per)):
+            for i in range(n):
+                xi = x[i]
+                for r in range(RR):
+                    acc[r] = 0.0
+                for b in range(nb):
+                    W = qs[t, b]
+                    for r in range(RR):
+                        s[r] = 0.0
+                    for j in range(0, 32, 4):
+                        x0 = xi[b * 32 + j]; x1 = xi[b * 32 + j + 1]
+                        x2 = xi[b * 32 + j + 2]; x3 = xi[b * 32 + j + 3]
+                        for r in range(RR):
+                            s[r] += (np.float32(W[j, r]) * x0 + np.float32(W[j + 1, r]) * x1
+                                     + np.float32(W[j + 2, r]) * x2 + np.float32(W[j + 3, r]) * x3)
+                    db = d[t, b]
+                    for r in range(RR):
+                        acc[r] += db[r] * s[r]
+                r1 = min(RR, m - t * RR)
+                for r in range(r1):
+                    out[i, t * RR + r] = acc[r]
+
+
+# ------------------------------------------------------------------ packed -> float32 rows
+
+@njit(cache=True, parallel=True)
+def _unpack_q4(qs, d, mn, ids, out):
+    n, k = out.shape
+    for i in prange(n):
+        t = ids[i] // R
+        r = ids[i] % R
+        for b in range(k // 32):
+            db = d[t, b, r]
+            mb = mn[t, b, r]
+            for j in range(16):
+                q = qs[t, b, j, r]
+                out[i, b * 32 + j] = db * np.float32(q & np.uint8(15)) + mb
+                out[i, b * 32 + 16 + j] = db * np.float32(q >> np.uint8(4)) + mb
+
+
+@njit(cache=True, parallel=True)
+def _unpack_q8(qs, d, ids, out):
+    n, k = out.shape
+    for i in prange(n):
+        t = ids[i] // R
+        r = ids[i] % R
+        for b in range(k // 32):
+            db = d[t, b, r]
+            for j in range(32):
+                out[i, b * 32 + j] = db * np.float32(qs[t, b, j, r])
+
+
+@njit(cache=True, parallel=True)
+def _unpack_q4_range(qs, d, mn, r0, out):
+    """Rows r0 .. r0 + out.shape[0] (r0 a multiple of R) into out (rows, k); tile-major."""
+    n, k = out.shape
+    nb = k // 32
+    t0 = r0 // R
+    ntile = (n + R - 1) // R
+    for tt in prange(ntile * nb):
+        t = tt // nb
+        b = tt % nb
+        rmax = min(R, n - t * R)
+        for j in range(16):
+            for r in range(rmax):
+                q = qs[t0 + t, b, j, r]
+                out[t * R + r, b * 32 + j] = d[t0 + t, b, r] * np.float32(q & np.uint8(15)) + mn[t0 + t, b, r]
+                out[t * R + r, b * 32 + 16 + j] = d[t0 + t, b, r] * np.float32(q >> np.uint8(4)) + mn[t0 + t, b, r]
+
+
+@njit(cache=True, parallel=True)
+def _unpack_q8_range(qs, d, r0, out):
+    n, k = out.shape
+    nb = k // 32
+    t0 = r0 // R
+    ntile = (n + R - 1) // R
+    for tt in prange(ntile * nb):
+        t = tt // nb
+        b = tt % nb
+        rmax = min(R, n - t * R)
+        for j in range(32):
+            for r in range(rmax):
+                out[t * R + r, b * 32 + j] = d[t0 + t, b, r] * np.float32(qs[t0 + t, b, j, r])
+
+
+_local = threading.local()
+
+
+def _scratch(size: int) -> np.ndarray:
+    """A per-thread float32 buffer of at least `size` elements, reused across calls."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, TILE_FLOATS), np.float32)
+        _local.buf = buf
+    return buf
+
+
+class QuantMatrix:
+    """A weight matrix W of shape (m, k) float (m = output features, k = input features)
+    kept in its GGUF quantized layout (or a layout repacked at load, still quantized:
+    memory stays ~ file size; see the module docstring).
+
+    raw:   uint8 (m, row_bytes) as gguf.GGUFReader's tensor.data gives it for block types;
+           for F32/F16/BF16 the typed (m, k) array or a uint8 view of it. May be a
+           read-only memmap: non-repacked types keep a view of it, never a copy.
+    qtype: one of quants.SUPPORTED_TYPES.
+    Raises quants.UnsupportedTensorType or ValueError (shape mismatch), naming `name`.
+    """
+
+    def __init__(self, raw: np.ndarray, qtype: T, m: int, k: int, name: str = ""):
+        self.qtype = qtype
+        self.m = int(m)
+        self.k = int(k)
+        self.name = name
+        try:
+            b = quants.as_byte_rows(raw, qtype, self.k)
+        except ValueError as e:
+            raise type(e)(f"{name or 'tensor'}: {e}") from None
+        if b.shape[0] != self.m:
+            raise ValueError(f"{name or 'tensor'}: expected {self.m} rows of {self.k} "
+                             f"{qtype.name} elements, got {b.shape[0]} rows")
+        self._n_chunks = max(1, min(-(-self.m // R), 16))
+        if qtype in _REPACKED:
+            self._qs, self._d, self._mn = repack(b, qtype, self.m, self.k)
+            self._raw = None
+            self.nbytes = self._qs.nbytes + self._d.nbytes + self._mn.nbytes
+        else:
+            self._raw = b
+            self._f32 = b.view(np.float32) if qtype == T.F32 else None
+            self.nbytes = b.nbytes
+
+    def __repr__(self) -> str:
+        return f"QuantMatrix({self.name!r}, {self.qtype.name}, m={self.m}, k={self.k})"
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x @ W.T.  x: (n, k) float32 (C-contiguous; other inputs are converted).
+        out: optional (n, m) float32 C-contiguous buffer to write into. Returns (n, m)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.k:
+            raise ValueError(f"{self.name or 'matmul'}: x has shape {x.shape}, expected (n, {self.k})")
+        n = x.shape[0]
+        if out is None:
+            out = np.empty((n, self.m), np.float32)
+        if n == 0:
+            return out
+        q = self.qtype
+        if q in _REPACKED and n <= GEMV_MAX_N:
+            if q == T.Q8_0:
+                _gemv_q8(self._qs, self._d, x, out, self._n_chunks)
+            else:
+                xs = x.reshape(n, -1, 32).sum(axis=2)
+                _gemv_q4(self._qs, self._d, self._mn, x, xs, out, self._n_chunks)
+            return out
+        if self._raw is not None and q == T.F32:
+            np.matmul(x, self._f32.T, out=out)
+            return out
+        rows_per_tile = max(R, (TILE_FLOATS // self.k) // R * R)
+        if rows_per_tile >= self.m:
+            w = self._dequant_range(0, self.m)
+            np.matmul(x, w.T, out=out)
+            return out
+        for r0 in range(0, self.m, rows_per_tile):
+            r1 = min(self.m, r0 + rows_per_tile)
+            w = self._dequant_range(r0, r1)
+            out[:, r0:r1] = x @ w.T
+        return out
+
+    def _dequant_range(self, r0: int, r1: int) -> np.ndarray:
+        """float32 (r1 - r0, k) view into the thread's scratch; valid until the next call."""
+        w = _scratch((r1 - r0) * self.k)[: (r1 - r0) * self.k].reshape(r1 - r0, self.k)
+        if self.qtype == T.Q8_0:
+            _unpack_q8_range(self._qs, self._d, r0, w)
+        elif self.qtype in _REPACKED:
+            _unpack_q4_range(self._qs, self._d, self._mn, r0, w)
+        else:
+            quants.dequantize_byte_rows(self._raw, self.qtype, np.arange(r0, r1, dtype=np.int64), w)
+        return w
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantized rows: ids int (n,) in [-m, m) -> float32 (n, k) (embedding lookup)."""
+        idx = quants.row_ids(ids, self.m)
+        out = np.empty((idx.size, self.k), np.float32)
+        if idx.size == 0:
+            return out
+        if self.qtype == T.Q8_0:
+            _unpack_q8(self._qs, self._d, idx, out)
+        elif self.qtype in _REPACKED:
+            _unpack_q4(self._qs, self._d, self._mn, idx, out)
+        else:
+            quants.dequantize_byte_rows(self._raw, self.qtype, idx, out)
+        return out
