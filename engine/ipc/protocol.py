@@ -227,6 +227,8 @@ class Accepted(_Base, tag="accepted"):
     reply_id: str
     seq: int
     tick: int
+    prompt_ids: list[int] = []
+    n_reused: int = 0
 
 
 class Token(_Base, tag="token"):
@@ -291,6 +293,10 @@ class StatusReply(_Base, tag="status_reply"):
     tick: int = 0
     journal: dict[str, Any] = {}
     load_progress: str = ""
+    profile: dict[str, float] = {}
+    fingerprint: str = ""
+    model_path: str = ""
+    stats: dict[str, float] = {}
 
 
 Message = Union[

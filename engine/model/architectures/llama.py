@@ -29,12 +29,14 @@ class Segment:
     """A run of ``n`` consecutive tokens of one slot starting at position ``pos``.
 
     A batch is a list of segments; their tokens are concatenated in order. With
-    ``all_logits`` every row's logits are returned, otherwise only the last row's."""
+    ``all_logits`` every row's logits are returned, otherwise only the last row's,
+    and none when ``logits`` is false (a prefill chunk that does not end the prompt)."""
 
     slot: int
     pos: int
     n: int
     all_logits: bool = False
+    logits: bool = True
 
 
 @dataclass
@@ -113,6 +115,10 @@ class LlamaModel:
         """Bytes the weights occupy in the backend's memory."""
         return self.backend.weight_bytes
 
+    def kv_cache_bytes(self, n_slots: int, n_ctx: int) -> int:
+        """Bytes ``new_kv_cache(n_slots, n_ctx)`` would allocate."""
+        return KVCache.nbytes(self.cfg, n_slots, n_ctx)
+
     def new_kv_cache(self, n_slots: int, n_ctx: int) -> KVCache:
         """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed)."""
         from aotx.engine.backend.cpu_ops import rope_tables
@@ -126,8 +132,8 @@ class LlamaModel:
         """Run one batch: write each segment's K/V into its slot, return logits.
 
         tokens: (N,) int32, N = sum of segment lengths, in segment order. Returns
-        (R, vocab) float32 where R counts one row per segment (its last token) or
-        every row of an ``all_logits`` segment, in order. Positions must lie inside
+        (R, vocab) float32 where R counts one row per segment with ``logits`` (its
+        last token) or every row of an ``all_logits`` segment, in order. Positions must lie inside
         the cache (the runtime checks context before scheduling).
         """
         be = self.backend
@@ -141,7 +147,7 @@ class LlamaModel:
             positions[row:row + s.n] = np.arange(s.pos, s.pos + s.n, dtype=np.int32)
             if s.all_logits:
                 out_rows.extend(range(row, row + s.n))
-            else:
+            elif s.logits:
                 out_rows.append(row + s.n - 1)
             row += s.n
         decode = [i for i, s in enumerate(segments) if s.n == 1]
@@ -182,6 +188,8 @@ class LlamaModel:
             u = L.w_up.matmul(h)
             be.silu_mul(g, u, g)
             be.add(x, L.w_down.matmul(g))
+        if not out_rows:
+            return np.empty((0, cfg.vocab_size), np.float32)
         xo = np.ascontiguousarray(x[out_rows])
         ho = np.empty_like(xo)
         be.rms_norm(xo, self.output_norm, cfg.norm_eps, ho)

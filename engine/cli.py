@@ -1,0 +1,171 @@
+"""The ``aotx`` command line: argument parsing and dispatch, one line per error.
+
+Owns: the subcommands' flags and turning every ``AotxError`` into one line on
+stderr with exit code 2 (and Ctrl-C into exit 130). The work lives elsewhere:
+``serve.py`` (the engine process), ``cli_client.py`` (commands that talk to the
+engine), ``cli_local.py`` (commands that open the model in-process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from aotx.engine.errors import AotxError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's default prints usage and exits 2: keep 2, one line
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _float(name: str, lo: float | None = None, hi: float | None = None):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{name} must be between {lo} and {hi}, got {v}")
+        return v
+
+    return parse
+
+
+def _int(name: str, lo: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if lo is not None and v < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be at least {lo}, got {v}")
+        return v
+
+    return parse
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that choose and size the engine (serve, and clients that may start one)."""
+    p.add_argument("--model", help="GGUF file or a name in the models folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--slots", type=_int("--slots", 1), default=None, help="concurrent generations (default 8)")
+    p.add_argument("--context", type=_int("--context", 16), default=None,
+                   help="tokens of context per slot (default 4096, at most the model's)")
+    p.add_argument("--memory-budget", default=None, help="bytes the engine may use, e.g. 4G (default: half the RAM)")
+    p.add_argument("--no-journal", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--socket", help="Unix socket of the engine (default: in the runtime dir)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=_int("--max-tokens", 1), default=512)
+    p.add_argument("--temperature", type=_float("--temperature", 0.0, 100.0), default=0.7)
+    p.add_argument("--top-k", type=_int("--top-k", 0), default=40)
+    p.add_argument("--top-p", type=_float("--top-p", 0.0, 1.0), default=0.95)
+    p.add_argument("--min-p", type=_float("--min-p", 0.0, 1.0), default=0.05)
+    p.add_argument("--repeat-penalty", type=_float("--repeat-penalty", 0.0, 100.0), default=1.0)
+    p.add_argument("--seed", type=_int("--seed", 0), default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="aotx", description="AOTX: a local assistant runtime for GGUF models")
+    sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
+
+    p = sub.add_parser("run", help="ask the model once and stream the answer to stdout")
+    add_engine_flags(p)
+    add_sampling_flags(p)
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--raw", action="store_true", help="no chat template: the prompt is the text")
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+    p.add_argument("--profile", action="store_true", help="print the startup profile (seconds per stage) as JSON")
+    p.add_argument("--conversation", help="continue this conversation id")
+    p.add_argument("--attach", action="append", default=[], help="attach a media file")
+    p.add_argument("prompt", help="the prompt ('-' reads standard input)")
+
+    p = sub.add_parser("serve", help="run the engine in the foreground")
+    add_engine_flags(p)
+    p.add_argument("--prefill-chunk", type=_int("--prefill-chunk", 1), default=256, help=argparse.SUPPRESS)
+
+    p = sub.add_parser("stop", help="stop the engine serving the socket")
+    p.add_argument("--socket")
+
+    p = sub.add_parser("status", help="the engine's budget table and slots")
+    p.add_argument("--socket")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("models", help="list the default model and the GGUFs in the models folder")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("tokenize", help="print the token ids of TEXT")
+    p.add_argument("--model")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--special", action="store_true", help="parse special-token text such as <|im_start|>")
+    p.add_argument("text")
+
+    p = sub.add_parser("logits", help="one teacher-forced pass: the top-K logits at every position")
+    p.add_argument("--model")
+    p.add_argument("--top", type=_int("--top", 1), default=5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--ids", help="comma-separated token ids instead of TEXT")
+    p.add_argument("text", nargs="?")
+
+    p = sub.add_parser("bench", help="measure prefill and decode speed")
+    p.add_argument("--model")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="aggregate decode at these slot counts")
+
+    p = sub.add_parser("journal", help="check or print the journal")
+    jsub = p.add_subparsers(dest="jcmd", parser_class=_Parser)
+    for name in ("verify", "dump"):
+        q = jsub.add_parser(name)
+        q.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("conversations", help="list, show or fork conversations")
+    csub = p.add_subparsers(dest="ccmd", parser_class=_Parser)
+    q = csub.add_parser("list")
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--socket")
+    q = csub.add_parser("show")
+    q.add_argument("id")
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--socket")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``aotx`` console script. Returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        ap = build_parser()
+        args = ap.parse_args(argv)
+        if not args.cmd:
+            ap.print_help()
+            return 2
+        if args.cmd == "serve":
+            from aotx.engine.serve import serve
+
+            return serve(args)
+        if args.cmd in ("tokenize", "logits", "models", "bench", "journal"):
+            from aotx.engine import cli_local
+
+            return getattr(cli_local, f"cmd_{args.cmd}")(args)
+        if args.cmd == "conversations" and not args.ccmd:
+            raise UsageError("aotx conversations: choose list or show")
+        from aotx.engine import cli_client
+
+        return cli_client.dispatch(args)
+    except AotxError as e:
+        print(f"aotx: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("aotx: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

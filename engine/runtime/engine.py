@@ -1,0 +1,430 @@
+"""The engine: one host loop that admits, schedules, runs the device and publishes.
+
+Owns: the tick loop (a thread), slots, the request queue, and the dispatch of
+every client operation. Each tick is one bounded step: **admit** (requests whose
+user message is durable take free slots, in order), **schedule** (one decode row
+per decoding slot plus prefill chunks up to ``prefill_chunk`` tokens), **device
+work** (one batched forward pass: continuous batching), **publish** (a
+TokensCommitted record per conversation per tick, token events, finish records)
+and **flush** (the journal groups the tick's records into one block; a tick
+never waits on disk). Records and events carry ``(tick, seq)``.
+
+Leaves to others: sockets (``ipc/server.py``), the journal's files
+(``journal/``), conversation state (``runtime/store.py``), the math (model).
+Thread model: client operations arrive through ``post`` from any thread and run
+on the engine thread; events leave through each request's ``sink.send``, which
+must be thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from aotx.engine.errors import AotxError, TemplateError
+from aotx.engine.ipc import protocol as P
+from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.runtime.requests import Request
+from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
+from aotx.engine.runtime.slots import SlotTable
+
+log = logging.getLogger("aotx.engine")
+
+
+class Engine:
+    """Runs one model for many conversations and clients.
+
+    lm: a ``loader.LoadedModel``; store: a ``store.ConversationStore`` (journaled or
+    in-memory); n_slots, n_ctx: slot count and tokens of context per slot;
+    prefill_chunk: most prompt tokens prefilled per tick (others keep decoding).
+    """
+
+    def __init__(self, lm, store, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
+                 budget=None, device: str = "cpu"):
+        self.lm = lm
+        self.store = store
+        self.n_slots = n_slots
+        self.n_ctx = n_ctx
+        self.prefill_chunk = prefill_chunk
+        self.budget = budget
+        self.device = device
+        self.kv = lm.model.new_kv_cache(n_slots, n_ctx)
+        self.slots = SlotTable(n_slots)
+        self.tick = 0
+        self.ready = True
+        self.not_ready_reason = ""
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[Request] = deque()   # durable_wait or queued, in arrival order
+        self._running: list[Request] = []         # prefill or decode, holding a slot
+        self._by_rid: dict[tuple[int, int], Request] = {}
+        self._durable_watch: list[tuple[int, Request, str]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.stats = {"ticks": 0, "tokens": 0, "device_s": 0.0, "host_s": 0.0}
+        store.on_receipt = lambda r: self._ops.put(("receipt", r, None))
+
+    # ---- thread plumbing ---------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="aotx-tick", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._ops.put(("wake", None, None))
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def post(self, op: Any, sink: Any) -> None:
+        """Queue a client operation (a protocol request) answered through ``sink.send``."""
+        self._ops.put(("op", op, sink))
+
+    def post_disconnect(self, sink: Any) -> None:
+        """The client behind ``sink`` went away: cancel its generations within one tick."""
+        self._ops.put(("disconnect", sink, None))
+
+    def _has_work(self) -> bool:
+        return bool(self._running) or any(r.state == "queued" for r in self._waiting)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._has_work():
+                try:
+                    item = self._ops.get_nowait()
+                except queue.Empty:
+                    item = None
+            else:
+                item = self._ops.get()
+            while item is not None:
+                self._handle(item)
+                try:
+                    item = self._ops.get_nowait()
+                except queue.Empty:
+                    item = None
+            if not self._stop.is_set() and self._has_work():
+                self._tick()
+
+    def _handle(self, item) -> None:
+        kind, obj, sink = item
+        if kind == "wake":
+            return
+        if kind == "receipt":
+            self._on_receipt(obj)
+            return
+        if kind == "disconnect":
+            for r in list(self._by_rid.values()):
+                if r.sink is obj:
+                    self._cancel(r)
+            return
+        try:
+            self._dispatch(obj, sink)
+        except AotxError as e:
+            sink.send(P.Error(id=getattr(obj, "id", 0), code=getattr(e, "code", "bad_request"), message=str(e)))
+        except Exception as e:  # noqa: BLE001 - a bug must not kill the engine thread
+            log.exception("operation %s failed", type(obj).__name__)
+            sink.send(P.Error(id=getattr(obj, "id", 0), code="internal", message=f"internal error: {e}"))
+
+    # ---- client operations ------------------------------------------------
+
+    def _dispatch(self, op, sink) -> None:
+        st = self.store
+        if isinstance(op, P.CreateConversation):
+            view = st.create(op.title, op.system_prompt, op.sampling, tick=self.tick)
+            sink.send(P.ConversationInfo(id=op.id, conversation=view))
+        elif isinstance(op, P.ListConversations):
+            sink.send(P.ConversationList(id=op.id, conversations=st.list_views(busy=self._busy_convs())))
+        elif isinstance(op, P.ShowConversation):
+            sink.send(P.ConversationInfo(id=op.id, conversation=st.view(op.conv_id, busy=self._busy_convs())))
+        elif isinstance(op, P.SubmitMessage):
+            self._submit(op, sink)
+        elif isinstance(op, P.Cancel):
+            n = 0
+            for r in list(self._by_rid.values()):
+                if (op.target and r.rid == op.target and r.sink is sink) or (op.conv_id and r.conv_id == op.conv_id):
+                    self._cancel(r)
+                    n += 1
+            sink.send(P.Ok(id=op.id))
+        elif isinstance(op, P.DeleteConversation):
+            self._require_idle(op.conv_id)
+            st.delete(op.conv_id, tick=self.tick)
+            self.slots.forget(op.conv_id)
+            sink.send(P.Ok(id=op.id))
+        elif isinstance(op, P.RenameConversation):
+            st.rename(op.conv_id, op.title, tick=self.tick)
+            sink.send(P.Ok(id=op.id))
+        elif isinstance(op, P.UpdateConversation):
+            st.update(op.conv_id, op.system_prompt, op.sampling, tick=self.tick)
+            sink.send(P.Ok(id=op.id))
+        elif isinstance(op, P.TruncateConversation):
+            self._require_idle(op.conv_id)
+            st.truncate(op.conv_id, op.msg_id, tick=self.tick)
+            sink.send(P.Ok(id=op.id))
+        elif isinstance(op, P.Status):
+            sink.send(self.status_reply(op.id))
+        else:
+            sink.send(P.Error(id=getattr(op, "id", 0), code="bad_request",
+                              message=f"unexpected message type {type(op).__name__}"))
+
+    def _busy_convs(self) -> set[str]:
+        return {r.conv_id for r in self._by_rid.values()}
+
+    def _require_idle(self, conv_id: str) -> None:
+        if conv_id in self._busy_convs():
+            raise _Refused("busy", f"conversation {conv_id} is generating; cancel it first")
+
+    def _submit(self, op: P.SubmitMessage, sink) -> None:
+        if not self.ready:
+            raise _Refused("not_ready", f"the model is not ready: {self.not_ready_reason}")
+        if op.attachments:
+            kinds = ", ".join(sorted({a.kind for a in op.attachments}))
+            raise _Refused("unsupported_media", f"this model's media profile takes no attachments ({kinds}); "
+                           "the message was not sent, its text is kept")
+        conv = self.store.get(op.conv_id)
+        self._require_idle(op.conv_id)
+        sp = op.sampling or conv.sampling or P.SamplingParams()
+        tok = self.lm.tokenizer
+        if op.raw:
+            prompt = tok.encode(op.text, add_special=True, parse_special=False)
+        else:
+            messages = self.store.chat_messages(op.conv_id) + [{"role": "user", "content": op.text}]
+            try:
+                prompt = self._encode_chat(messages)
+            except TemplateError:
+                raise
+        if len(prompt) + 1 > self.n_ctx:
+            sink.send(P.Notice(id=op.id, kind="refused", resource="context",
+                               message=f"the prompt is {len(prompt)} tokens; the context holds {self.n_ctx} "
+                                       f"(a reply needs at least 1 more)", asked=len(prompt) + 1, free=self.n_ctx))
+            raise _Refused("too_long", f"prompt of {len(prompt)} tokens does not fit the context of "
+                           f"{self.n_ctx} tokens")
+        if not prompt:
+            raise _Refused("bad_request", "the prompt is empty")
+        if not self.store.has_credit():
+            sink.send(P.Notice(id=op.id, kind="held", resource="journal",
+                               message="the journal's buffers are full (the disk is behind); the message is held"))
+        msg_id, reply_id, seq = self.store.accept(op.conv_id, "user", op.text, sp, op.attachments, raw=op.raw,
+                                                  tick=self.tick)
+        from aotx.engine.model.termination import StopChecker
+        from aotx.engine.model.tokenizer import StreamDecoder
+
+        max_tokens = max(1, min(sp.max_tokens, self.n_ctx - len(prompt)))
+        seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
+        r = Request(
+            rid=op.id, sink=sink, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, prompt=prompt,
+            sampler=SamplerConfig(sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repeat_penalty, sp.repeat_last_n),
+            sampler_state=SamplerState(seed=seed, history=list(prompt[-max(0, sp.repeat_last_n):])
+                                       if sp.repeat_last_n > 0 else list(prompt)),
+            max_tokens=max_tokens,
+            stop=StopChecker(tok.eog_ids, list(sp.stop), max_tokens, self.n_ctx, n_prompt=len(prompt)),
+            decoder=StreamDecoder(tok),
+            accepted_seq=seq,
+        )
+        self._by_rid[(id(sink), op.id)] = r
+        sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
+                             tick=self.tick, prompt_ids=prompt))
+        if self.store.journaled:
+            self._durable_watch.append((seq, r, "accepted"))
+            self.store.flush()
+        else:
+            r.state = "queued"
+        self._waiting.append(r)
+        self._notify_queue()
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        from aotx.engine.model.chat_template import encode_chat
+
+        return encode_chat(self.lm.tokenizer, self.lm.template, messages)
+
+    def _cancel(self, r: Request) -> None:
+        if r.state == "done":
+            return
+        r.cancelled = True
+        if r.state in ("durable_wait", "queued"):
+            self._waiting.remove(r)
+            self._finish(r, "cancelled")
+
+    # ---- durability --------------------------------------------------------
+
+    def _on_receipt(self, rc) -> None:
+        self.store.note_receipt(rc)
+        keep = []
+        sent: set[int] = set()
+        receipt = P.Receipt(segment=rc.segment, offset=rc.offset, last_seq=rc.last_seq)
+        for seq, r, what in self._durable_watch:
+            if seq > rc.last_seq:
+                keep.append((seq, r, what))
+                continue
+            if what == "accepted":
+                r.sink.send(P.Durable(id=r.rid, receipt=receipt, msg_id=r.msg_id))
+                if r.state == "durable_wait":
+                    r.state = "queued"
+            elif what == "final":
+                r.sink.send(P.Durable(id=r.rid, receipt=receipt, msg_id=r.reply_id))
+            elif id(r) not in sent:
+                r.sink.send(P.Durable(id=r.rid, receipt=receipt))
+            sent.add(id(r))
+        self._durable_watch = keep
+
+    # ---- the tick ------------------------------------------------------------
+
+    def _notify_queue(self) -> None:
+        pos = 0
+        free = self.slots.free_count()
+        for r in self._waiting:
+            pos += 1
+            if pos > free and r.queued_position != pos - free:
+                r.queued_position = pos - free
+                r.sink.send(P.Notice(id=r.rid, kind="queued", resource="slots", position=r.queued_position,
+                                     asked=1, free=0,
+                                     message=f"all {self.n_slots} slots are busy; queued at position "
+                                             f"{r.queued_position}"))
+
+    def _admit(self) -> None:
+        while self._waiting:
+            r = self._waiting[0]
+            if r.cancelled:
+                self._waiting.popleft()
+                continue
+            if r.state != "queued":
+                break
+            got = self.slots.lease(r.conv_id, r.prompt)
+            if got is None:
+                break
+            self._waiting.popleft()
+            r.slot, r.pos = got
+            r.n_reused = r.pos
+            r.state = "prefill"
+            r.t_start = time.perf_counter()
+            if r.queued_position:
+                r.sink.send(P.Notice(id=r.rid, kind="resumed", resource="slots",
+                                     message=f"got slot {r.slot.index}"))
+            self._running.append(r)
+        self._notify_queue()
+
+    def _tick(self) -> None:
+        t0 = time.perf_counter()
+        self.tick += 1
+        # cancellations take effect at the tick boundary
+        for r in [r for r in self._running if r.cancelled]:
+            self._finish(r, "cancelled")
+        self._admit()
+        segs: list[Segment] = []
+        toks: list[int] = []
+        rows: list[Request] = []
+        for r in self._running:
+            if r.state == "decode":
+                segs.append(Segment(r.slot.index, r.pos, 1))
+                toks.append(r.next_input)
+                rows.append(r)
+        budget = self.prefill_chunk
+        for r in self._running:
+            if r.state != "prefill" or budget <= 0:
+                continue
+            n = min(budget, len(r.prompt) - r.pos)
+            last = r.pos + n == len(r.prompt)
+            segs.append(Segment(r.slot.index, r.pos, n, logits=last))
+            toks.extend(r.prompt[r.pos:r.pos + n])
+            r.slot.tokens.extend(r.prompt[r.pos:r.pos + n])
+            r.pos += n
+            budget -= n
+            if last:
+                rows.append(r)
+        if not segs:
+            return
+        for r in rows:
+            if r.state == "decode":
+                r.slot.tokens.append(r.next_input)
+                r.pos += 1
+        t1 = time.perf_counter()
+        try:
+            logits = self.lm.model.forward(np.asarray(toks, np.int32), segs, self.kv)
+        except Exception as e:  # noqa: BLE001 - fail closed: refuse new work, keep reads
+            log.exception("device work failed at tick %d", self.tick)
+            self.ready = False
+            self.not_ready_reason = f"device work failed at tick {self.tick}: {e}"
+            for r in list(self._running):
+                r.sink.send(P.Error(id=r.rid, code="not_ready", message=self.not_ready_reason))
+                self._finish(r, "error")
+            return
+        t2 = time.perf_counter()
+        per_conv: dict[Request, list[tuple[int, str]]] = {}
+        for i, r in enumerate(rows):
+            tok = sample(logits[i], r.sampler, r.sampler_state)
+            if r.state == "prefill":
+                r.state = "decode"
+                r.slot.state = "decode"
+                r.t_first = time.perf_counter()
+            r.completion.append(tok)
+            delta = r.decoder.feed(tok)
+            emit, reason = r.stop.feed(tok, delta)
+            if reason in ("length", "context"):
+                emit += r.decoder.flush()
+            r.text += emit
+            per_conv.setdefault(r, []).append((tok, emit))
+            if reason is not None:
+                r.finish_reason = reason
+        for r, items in per_conv.items():
+            seq = self.store.commit_tokens(r.conv_id, r.reply_id, len(r.prompt) + len(r.completion) - len(items),
+                                           [t for t, _ in items], "".join(e for _, e in items), tick=self.tick)
+            for j, (t, e) in enumerate(items):
+                r.sink.send(P.Token(id=r.rid, token_id=t, text=e, pos=len(r.prompt) + len(r.completion) - len(items) + j,
+                                    tick=self.tick, seq=seq))
+            if self.store.journaled:
+                self._durable_watch.append((seq, r, "tokens"))
+            if r.finish_reason is not None:
+                self._finish(r, r.finish_reason)
+        self.store.flush()
+        t3 = time.perf_counter()
+        self.stats["ticks"] += 1
+        self.stats["tokens"] += len(rows)
+        self.stats["device_s"] += t2 - t1
+        self.stats["host_s"] += (t1 - t0) + (t3 - t2)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if reason in ("cancelled", "error") and r.completion:
+            r.text += r.stop.flush()
+        r.state = "done"
+        r.t_end = time.perf_counter()
+        if r in self._running:
+            self._running.remove(r)
+        if r.slot is not None:
+            # the KV holds prompt + completion[:-1]; keep that for prefix reuse
+            self.slots.release(r.slot)
+        self._by_rid.pop((id(r.sink), r.rid), None)
+        seq = self.store.finish(r.conv_id, r.reply_id, reason, len(r.prompt), len(r.completion), tick=self.tick)
+        r.final_seq = seq
+        r.sink.send(P.Committed(id=r.rid, msg_id=r.reply_id, finish_reason=reason, n_prompt=len(r.prompt),
+                                n_completion=len(r.completion), tick=self.tick, seq=seq, text=r.text,
+                                timings=r.timings()))
+        if self.store.journaled:
+            self._durable_watch.append((seq, r, "final"))
+        self.store.flush()
+        self._notify_queue()
+
+    # ---- status ---------------------------------------------------------------
+
+    def status_reply(self, rid: int) -> P.StatusReply:
+        b = self.budget
+        slots = [P.SlotView(slot=s.index, conv_id=s.conv_id if s.state != "free" else None, state=s.state,
+                            position=len(s.tokens)) for s in self.slots.slots]
+        return P.StatusReply(
+            id=rid, model=self.lm.name, device=self.device, ready=self.ready,
+            budget_bytes=b.total if b else 0, used_bytes=b.used if b else 0,
+            budget=[P.BudgetLine(name=n, bytes=v) for n, v in (b.terms if b else ())],
+            slots=slots, n_ctx=self.n_ctx, queue=sum(1 for r in self._waiting if r.state == "queued"),
+            tick=self.tick, journal=self.store.journal_status(), profile=dict(self.lm.profile),
+            fingerprint=self.lm.fingerprint, model_path=str(self.lm.path),
+            stats={k: float(v) for k, v in self.stats.items()},
+        )
+
+
+class _Refused(AotxError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

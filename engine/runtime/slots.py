@@ -1,0 +1,75 @@
+"""Slots: execution capacity on the device, leased by conversations with work.
+
+A slot is a contiguous KV region (one row of every per-layer cache) plus its
+row in the slot table. A conversation leases one while it has work and gives it
+back after; the slot keeps the tokens its KV holds, so the same conversation's
+next turn (or any prompt sharing a prefix) reuses them instead of prefilling
+again. Leasing prefers the free slot holding the longest matching prefix, then
+the least recently used one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Slot:
+    """One slot. ``tokens`` are the ids whose K/V the cache holds at positions 0..len-1.
+    state: free | prefill | decode."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    conv_id: str | None = None
+    state: str = "free"
+    last_used: int = 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SlotTable:
+    """The fixed set of ``n_slots`` slots."""
+
+    def __init__(self, n_slots: int):
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self._clock = 0
+
+    def free_count(self) -> int:
+        return sum(1 for s in self.slots if s.state == "free")
+
+    def lease(self, conv_id: str, prompt: list[int]) -> tuple[Slot, int] | None:
+        """Lease a free slot for ``prompt``; returns (slot, reusable prefix length) or None.
+
+        The reusable prefix is capped at len(prompt) - 1 so the last prompt token always
+        runs through the model (its logits give the first reply token)."""
+        free = [s for s in self.slots if s.state == "free"]
+        if not free:
+            return None
+        best = max(free, key=lambda s: (common_prefix(s.tokens, prompt), s.conv_id == conv_id, -s.last_used))
+        reuse = min(common_prefix(best.tokens, prompt), max(0, len(prompt) - 1))
+        del best.tokens[reuse:]
+        best.conv_id = conv_id
+        best.state = "prefill"
+        self._clock += 1
+        best.last_used = self._clock
+        return best, reuse
+
+    def release(self, slot: Slot) -> None:
+        """Give the slot back; its KV tokens stay for prefix reuse."""
+        slot.state = "free"
+        self._clock += 1
+        slot.last_used = self._clock
+
+    def forget(self, conv_id: str) -> None:
+        """Drop prefix-reuse knowledge of a conversation (deleted or truncated)."""
+        for s in self.slots:
+            if s.conv_id == conv_id and s.state == "free":
+                s.tokens.clear()
+                s.conv_id = None

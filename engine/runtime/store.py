@@ -1,0 +1,217 @@
+"""The engine's conversation store: every state change is a journal record.
+
+Owns: ids, turning client operations into records, publishing them through the
+journal (or numbering them in memory when the journal is off, for benchmarks)
+and applying them to the journal's ``ConversationTable``, the one state machine
+that recovery replays too. So what a client sees is exactly what a restart
+rebuilds. Leaves files, fsync and receipts to ``engine/journal``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from aotx.engine.errors import AotxError
+from aotx.engine.ipc import protocol as P
+from aotx.engine.journal import records as R
+from aotx.engine.journal.conversations import ConversationTable
+
+log = logging.getLogger("aotx.store")
+
+
+class NotFound(AotxError):
+    code = "not_found"
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:10]
+
+
+def _sampling_dict(sp: P.SamplingParams | None) -> dict[str, Any]:
+    return msgspec.to_builtins(sp) if sp is not None else {}
+
+
+class ConversationStore:
+    """Conversations, journaled. ``journal`` None keeps them in memory only."""
+
+    def __init__(self, table: ConversationTable, journal=None, recovery_note: str = ""):
+        self.table = table
+        self.journal = journal
+        self.recovery_note = recovery_note
+        self.on_receipt: Callable[[Any], None] = lambda r: None
+        self._seq = table.last_seq
+
+    @property
+    def journaled(self) -> bool:
+        return self.journal is not None
+
+    def _record(self, rec, tick: int) -> int:
+        if self.journal is not None:
+            seq = self.journal.publish(rec, tick)
+        else:
+            self._seq += 1
+            seq = self._seq
+        self.table.apply(rec, seq, tick)
+        return seq
+
+    def deliver_receipt(self, receipt) -> None:
+        """Called from the journal's drain thread: hand the receipt to the engine thread."""
+        self.on_receipt(receipt)
+
+    def note_receipt(self, receipt) -> None:
+        """On the engine thread: mark the messages the receipt covers as durable."""
+        from aotx.engine.journal.conversations import Receipt
+
+        self.table.note_receipt(Receipt(receipt.segment, receipt.offset, receipt.last_seq))
+
+    def has_credit(self, nbytes: int = 64 << 10) -> bool:
+        """Whether the journal's buffers can take about ``nbytes`` more now."""
+        return self.journal is None or self.journal.reserve(nbytes)
+
+    def flush(self) -> None:
+        if self.journal is not None:
+            self.journal.flush()
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+    def journal_status(self) -> dict[str, Any]:
+        if self.journal is None:
+            return {"enabled": False}
+        st = getattr(self.journal, "status", None)
+        d = dict(st()) if callable(st) else {}
+        d["enabled"] = True
+        return d
+
+    # ---- reads ------------------------------------------------------------------
+
+    def get(self, conv_id: str):
+        c = self.table.get(conv_id)
+        if c is None:
+            raise NotFound(f"no conversation {conv_id!r}")
+        return c
+
+    def view(self, conv_id: str, busy: set[str] | frozenset = frozenset(), messages: bool = True) -> P.ConversationView:
+        c = self.get(conv_id)
+        d = c.to_dict(messages=messages)
+        d["busy"] = conv_id in busy
+        if not d.get("sampling"):
+            d.pop("sampling", None)
+        return msgspec.convert(d, P.ConversationView)
+
+    def list_views(self, busy: set[str] | frozenset = frozenset()) -> list[P.ConversationView]:
+        out = []
+        for c in self.table.live():
+            d = c.to_dict(messages=False)
+            d["busy"] = c.conv_id in busy
+            if not d.get("sampling"):
+                d.pop("sampling", None)
+            out.append(msgspec.convert(d, P.ConversationView))
+        return out
+
+    def chat_messages(self, conv_id: str) -> list[dict[str, str]]:
+        """The conversation as chat-template messages: the system prompt (when set), then
+        every user message and every reply with text (interrupted ones included)."""
+        c = self.get(conv_id)
+        msgs: list[dict[str, str]] = []
+        if c.system_prompt:
+            msgs.append({"role": "system", "content": c.system_prompt})
+        for m in c.messages:
+            if m.role == "assistant" and (not m.text or m.status == "failed"):
+                continue
+            msgs.append({"role": m.role, "content": m.text})
+        return msgs
+
+    # ---- writes -----------------------------------------------------------------
+
+    def create(self, title: str, system_prompt: str | None, sampling: P.SamplingParams | None,
+               tick: int = 0) -> P.ConversationView:
+        cid = _new_id("c")
+        self._record(R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=time.time(),
+                                           system_prompt=system_prompt, sampling=_sampling_dict(sampling)), tick)
+        self.flush()
+        return self.view(cid)
+
+    def rename(self, conv_id: str, title: str, tick: int = 0) -> None:
+        self.get(conv_id)
+        self._record(R.ConversationRenamed(conv_id=conv_id, title=title), tick)
+        self.flush()
+
+    def update(self, conv_id: str, system_prompt: str | None, sampling: P.SamplingParams | None,
+               tick: int = 0) -> None:
+        self.get(conv_id)
+        self._record(R.ConversationUpdated(conv_id=conv_id, system_prompt=system_prompt,
+                                           sampling=_sampling_dict(sampling)), tick)
+        self.flush()
+
+    def delete(self, conv_id: str, tick: int = 0) -> None:
+        self.get(conv_id)
+        self._record(R.ConversationDeleted(conv_id=conv_id), tick)
+        self.flush()
+
+    def truncate(self, conv_id: str, msg_id: str, tick: int = 0) -> None:
+        c = self.get(conv_id)
+        if c.message(msg_id) is None:
+            raise NotFound(f"conversation {conv_id} has no message {msg_id!r}")
+        self._record(R.ConversationTruncated(conv_id=conv_id, msg_id=msg_id), tick)
+        self.flush()
+
+    def accept(self, conv_id: str, role: str, text: str, sp: P.SamplingParams, attachments: list[P.Attachment],
+               raw: bool = False, tick: int = 0) -> tuple[str, str, int]:
+        """Record the user's message and the start of its reply. Returns
+        (message id, reply id, sequence number covering both)."""
+        now = time.time()
+        mid, rid = _new_id("m"), _new_id("m")
+        atts = [R.AttachmentRef(sha256=a.sha256, kind=a.kind, name=a.name, path=a.path) for a in attachments]
+        self._record(R.MessageAccepted(conv_id=conv_id, msg_id=mid, role=role, text=text,
+                                       sampling=_sampling_dict(sp), attachments=atts, created_at=now), tick)
+        seq = self._record(R.MessageAccepted(conv_id=conv_id, msg_id=rid, role="assistant", text="",
+                                             sampling={"raw": True} if raw else {}, created_at=now), tick)
+        return mid, rid, seq
+
+    def commit_tokens(self, conv_id: str, msg_id: str, start_pos: int, ids: list[int], text: str,
+                      tick: int = 0) -> int:
+        return self._record(R.TokensCommitted(conv_id=conv_id, msg_id=msg_id, start_pos=start_pos,
+                                              token_ids=list(ids), text=text), tick)
+
+    def finish(self, conv_id: str, msg_id: str, reason: str, n_prompt: int, n_completion: int, tick: int = 0) -> int:
+        return self._record(R.MessageFinished(conv_id=conv_id, msg_id=msg_id, reason=reason, n_prompt=n_prompt,
+                                              n_completion=n_completion), tick)
+
+
+def open_store(directory: Path | None, *, buffer_bytes: int = 8 << 20,
+               segment_bytes: int = 64 << 20) -> ConversationStore:
+    """Recover the journal in ``directory`` (None: no journal) and return a store on it.
+
+    Replies cut by a crash are marked interrupted, and that is journaled too."""
+    if directory is None:
+        return ConversationStore(ConversationTable(), None, "journal off")
+    from aotx.engine.journal.writer import Journal
+
+    store_box: list[ConversationStore] = []
+    journal = Journal(directory, segment_bytes=segment_bytes, buffer_bytes=buffer_bytes,
+                      on_receipt=lambda r: store_box[0].deliver_receipt(r) if store_box else None)
+    report = journal.open()
+    table = report.table
+    cut = table.finish_recovery()
+    note = (f"recovered {len(table.live())} conversations up to seq {report.last_seq} from "
+            f"{len(report.segments)} segments, {report.bytes_dropped} bytes dropped"
+            + (f" ({report.problem})" if report.problem else "")
+            + (f"; {len(cut)} interrupted replies" if cut else ""))
+    store = ConversationStore(table, journal, note)
+    store_box.append(store)
+    for m in cut:
+        conv = next((c for c in table.conversations.values() if m in c.messages), None)
+        if conv is not None:
+            store._record(R.MessageFinished(conv_id=conv.conv_id, msg_id=m.msg_id, reason="interrupted",
+                                            n_completion=len(m.token_ids)), 0)
+    store.flush()
+    return store

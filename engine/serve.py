@@ -1,0 +1,132 @@
+"""``aotx serve``: assemble and run the engine process in the foreground.
+
+Owns: the start-up order (lock the socket, load the model stage by stage with
+one log line each, check the configuration against the budget, recover the
+journal, start the tick thread, serve the socket) and a clean stop on SIGTERM
+or SIGINT. One log line per notable event goes to stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aotx.engine.errors import AotxError, UsageError
+
+log = logging.getLogger("aotx.serve")
+
+DEFAULT_SLOTS = 8
+DEFAULT_CONTEXT = 4096
+
+
+def pick_device(requested: str) -> str:
+    """``auto`` -> ``cuda`` when a CUDA device and AOTX's CUDA backend are present, else ``cpu``."""
+    if requested == "cpu":
+        return "cpu"
+    try:
+        from aotx.engine.backend import cuda as _cuda  # type: ignore[attr-defined]  # noqa: F401
+
+        have_backend = True
+    except ImportError:
+        have_backend = False
+    have_gpu = False
+    try:
+        import cupy  # type: ignore[import-not-found]
+
+        have_gpu = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy or no driver
+        have_gpu = False
+    if have_gpu and have_backend:
+        return "cuda"
+    if requested == "cuda":
+        why = "no CUDA device or CuPy found" if not have_gpu else "this build has no CUDA backend"
+        log.warning("--device cuda: %s; running on the CPU", why)
+    return "cpu"
+
+
+def build_engine(args, progress=None):
+    """Load the model and build an Engine from parsed ``serve`` flags (not started).
+
+    Returns (engine, store). Raises AotxError on any refusal."""
+    from aotx.engine import paths
+    from aotx.engine.model.loader import load_model
+    from aotx.engine.runtime import admission
+    from aotx.engine.runtime.engine import Engine
+    from aotx.engine.runtime.store import open_store
+
+    device = pick_device(args.device)
+    lm = load_model(args.model, device=device, progress=progress)
+    n_slots = args.slots or DEFAULT_SLOTS
+    n_ctx = args.context or min(DEFAULT_CONTEXT, lm.config.n_ctx_train)
+    if n_ctx > lm.config.n_ctx_train:
+        log.warning("--context %d exceeds the model's trained context of %d tokens", n_ctx, lm.config.n_ctx_train)
+    try:
+        total = admission.parse_size(args.memory_budget) if args.memory_budget else admission.default_cpu_budget()
+    except ValueError:
+        raise UsageError(f"--memory-budget: cannot read {args.memory_budget!r} as a size (e.g. 4G, 512M)") from None
+    kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx)
+    prefill_chunk = getattr(args, "prefill_chunk", 256)
+    journal_bytes = 8 << 20
+    budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
+                            journal_bytes, total)
+    store = open_store(None if getattr(args, "no_journal", False) else paths.journal_dir(),
+                       buffer_bytes=journal_bytes)
+    eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device)
+    return eng, store
+
+
+def serve(args) -> int:
+    """Run the engine until SIGTERM/SIGINT. Returns the exit code."""
+    from aotx.engine import paths
+    from aotx.engine.ipc import protocol as P
+    from aotx.engine.ipc.server import Server, SocketLock
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s aotx %(message)s",
+                        datefmt="%H:%M:%S")
+    sock = Path(args.socket).expanduser() if args.socket else paths.socket_path()
+    # take the lock before the (slow) model load so a second engine fails fast
+    lock = SocketLock(sock)
+    lock.acquire()
+    log.info("engine pid %d, socket %s", os.getpid(), sock)
+    try:
+        eng, store = build_engine(args, progress=lambda stage, s: log.info("load %-9s %.3f s", stage, s))
+    except BaseException:
+        lock.release()
+        raise
+    lm = eng.lm
+    log.info("model %s (%s, %d layers), device %s, %d slots x %d tokens", lm.name, lm.config.arch,
+             lm.config.n_layers, eng.device, eng.n_slots, eng.n_ctx)
+    log.info("budget: %d of %d bytes used\n%s", eng.budget.used, eng.budget.total, eng.budget.table())
+    if store.recovery_note:
+        log.info("journal: %s", store.recovery_note)
+
+    def welcome() -> P.Welcome:
+        return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=lm.name, device=eng.device,
+                         ready=eng.ready, pid=os.getpid())
+
+    async def main() -> None:
+        server = Server(eng, sock, welcome, lock=lock)
+        await server.start()
+        eng.start()
+        log.info("serving on %s", sock)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping")
+        await server.close()
+        eng.stop()
+        store.close()
+
+    try:
+        asyncio.run(main())
+    except AotxError as e:
+        store.close()
+        print(f"aotx: {e}", file=sys.stderr)
+        return 2
+    return 0
