@@ -368,7 +368,8 @@ class Journal:
         run_seq = 0
         for b in blocks:
             size = b.end - b.start
-            rotate = b.checkpoint or (self._seg_size > HEADER_BYTES and self._seg_size + size > self.segment_bytes)
+            written = self._seg_size + (0 if run_start is None else run_end - run_start)
+            rotate = b.checkpoint or (written > HEADER_BYTES and written + size > self.segment_bytes)
             if rotate and run_start is not None:
                 self._commit(run_start, run_end, run_seq)
                 run_start = None
