@@ -143,6 +143,7 @@ def recover_locked(d: Path, *, repair: bool = False, keep_records: bool = False)
                 "Inspect with `aotx journal verify`; recovery with repair=True (`aotx journal repair`) cuts the "
                 "journal there and keeps every file it would lose as *.damaged")
         else:
+            segs = segs[:scan.problem_index + 1]
             if seg is not None:
                 if p.offset == 0 or broken_checkpoint:
                     report.moved_aside.append(_move_aside(Path(seg.path)))
