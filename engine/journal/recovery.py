@@ -160,6 +160,14 @@ def recover_locked(d: Path, *, repair: bool = False, keep_records: bool = False)
                 report.moved_aside.append(_move_aside(path))
             report.problem = f"repaired at {p}; moved aside: {', '.join(report.moved_aside)}"
             changed = True
+            if broken_checkpoint:  # the segments the checkpoint superseded form the journal again
+                fsync_dir(d)
+                again = recover_locked(d, repair=True, keep_records=keep_records)
+                again.moved_aside[:0] = report.moved_aside
+                again.bytes_dropped += report.bytes_dropped
+                again.problem = report.problem + (f"; then {again.problem}" if again.problem else "")
+                again.detail = again.detail or report.detail
+                return again
     if changed:
         fsync_dir(d)
     report.segments = [s.number for s in segs]
