@@ -1,0 +1,236 @@
+"""The app's side of the engine connection: connect, poll, send, stream, recover.
+
+Owns: the connection worker (connect or start an engine, wait for the model to
+load, show progress), the status poll (budget), the outgoing queue (messages typed
+before the engine is ready or while a reply runs wait here), streaming one
+submitted message's events into its widgets, and recovery when the connection is
+lost (say so, reconnect, which restarts the engine, and reload the open
+conversation from the engine, where an interrupted reply shows as such).
+Leaves to others: widgets and user actions (``app.py``).
+
+A mixin of ``ChatApp``; it uses the app's ``client_factory``, ``chat``, ``status_bar``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from aotx.app.format import error_text, notice_text
+from aotx.app.widgets.message import MessageWidget
+from aotx.engine.errors import AotxError
+from aotx.engine.ipc import protocol as P
+from aotx.engine.ipc.client import ConnectionLost
+
+DEFAULT_TITLE = "New conversation"
+
+
+@dataclass
+class Outgoing:
+    """A message on its way: shown at once, sent when the engine can take it."""
+
+    text: str
+    attachments: list[P.Attachment]
+    widget: MessageWidget
+    conv_id: str | None
+    truncate_from: str | None = None
+    accepted: bool = False
+    request_id: int = 0
+    reply: MessageWidget | None = None
+    reply_id: str = ""
+    events: list[str] = field(default_factory=list)
+
+
+class EngineLink:
+    # ---- connection --------------------------------------------------------
+
+    def start_engine(self) -> None:
+        self.ready = False
+        self.run_worker(self._connect(), group="connect", exclusive=True, name="connect")
+
+    def _on_spawn(self, line: str) -> None:
+        self.status_bar.set_state("starting engine", line)
+
+    async def _connect(self) -> None:
+        delay = 0.5
+        while True:
+            self.status_bar.set_state("connecting")
+            try:
+                client = await self.client_factory(self._on_spawn)
+                break
+            except (AotxError, OSError) as e:
+                self.status_bar.set_state("engine unavailable", f"{e}; retrying")
+                self.show_notice(f"Cannot reach the engine: {e}. Retrying in {delay:.0f} s.")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self.client = client
+        self.status_bar.set_welcome(client.welcome)
+        try:
+            while True:
+                s = await client.status()
+                self.status_bar.set_status(s)
+                if s.ready:
+                    break
+                await asyncio.sleep(0.25)
+            self.ready = True
+            recovering, self.recovering = self.recovering, False
+            if recovering:
+                self.show_notice("The engine is back. Everything it had made durable is here.")
+            await self.refresh_conversations()
+            target = self.conv_id or self.saved_state.last_conversation
+            known = {c.conv_id for c in self.sidebar.conversations}
+            if target not in known:
+                target = self.sidebar.conversations[0].conv_id if self.sidebar.conversations else None
+            if target is not None and (recovering or target != self.conv_id or not self.chat_widgets):
+                await self.open_conversation(target)
+        except ConnectionLost:
+            self.connection_lost()
+            return
+        self.pump()
+
+    async def _wait_ready(self) -> None:
+        try:
+            while True:
+                s = await self.client.status()
+                self.status_bar.set_status(s)
+                if s.ready:
+                    break
+                await asyncio.sleep(0.25)
+        except ConnectionLost:
+            self.connection_lost()
+            return
+        self.ready = True
+        self.pump()
+
+    def connection_lost(self) -> None:
+        """The engine went away: say so, mark what was streaming, reconnect."""
+        if self.recovering:
+            return
+        self.recovering, self.ready, self.client = True, False, None
+        self.status_bar.set_state("engine stopped", "restarting")
+        self.show_notice("The engine stopped (connection lost). Restarting it and reloading this conversation…")
+        self.notify("The engine stopped; restarting it.", severity="warning")
+        for w in self.chat_widgets.values():
+            if w.position in ("accepted", "committed") and w.role == "assistant" and not w.finish_reason:
+                w.set_position("interrupted")
+        self.start_engine()
+
+    def poll_status(self) -> None:
+        if self.client is not None and self.ready and not self.recovering:
+            self.run_worker(self._status_once(), group="status", exclusive=True, name="status")
+
+    async def _status_once(self) -> None:
+        client = self.client
+        try:
+            self.status_bar.set_status(await client.status())
+        except ConnectionLost:
+            if client is self.client:
+                self.connection_lost()
+        except AotxError:
+            pass
+
+    # ---- sending -----------------------------------------------------------
+
+    def enqueue(self, item: Outgoing) -> None:
+        self.outbox.append(item)
+        self.pump()
+
+    def pump(self) -> None:
+        """Send the next queued message when the engine is ready and idle for us."""
+        if not self.ready or self.client is None or self.active is not None or not self.outbox:
+            return
+        self.active = self.outbox.pop(0)
+        self.run_worker(self._stream(self.active), group="stream", name="stream")
+
+    async def _stream(self, item: Outgoing) -> None:
+        client = self.client
+        try:
+            await self._ensure_conversation(client, item)
+            if item.truncate_from:
+                await client.truncate(item.conv_id, item.truncate_from)
+                item.truncate_from = None
+            async for ev in client.submit(item.conv_id, item.text, attachments=item.attachments):
+                item.events.append(type(ev).__name__)
+                if await self._on_event(item, ev) == "retry":
+                    self.outbox.insert(0, item)
+                    self.active = None
+                    self.ready = False
+                    self.run_worker(self._wait_ready(), group="connect", exclusive=True, name="wait-ready")
+                    return
+        except ConnectionLost:
+            if not item.accepted:
+                self.outbox.insert(0, item)  # never reached the engine: send it again later
+            self.active = None
+            self.connection_lost()
+            return
+        except AotxError as e:
+            target = item.reply or item.widget
+            target.set_position("failed")
+            target.add_notice(f"Failed: {e}", "error")
+        finally:
+            if self.active is item:
+                self.active = None
+        self.pump()
+
+    async def _ensure_conversation(self, client, item: Outgoing) -> None:
+        first_line = item.text.strip().splitlines()[0][:48] if item.text.strip() else DEFAULT_TITLE
+        if item.conv_id is None:
+            conv = await client.create_conversation(title=first_line)
+            item.conv_id = conv.conv_id
+            for other in self.outbox:
+                if other.conv_id is None:
+                    other.conv_id = conv.conv_id
+            if self.conv_id is None:
+                self.set_open_conversation(conv.conv_id, conv)
+            await self.refresh_conversations()
+        elif self.conv_view is not None and self.conv_view.conv_id == item.conv_id \
+                and self.conv_view.title == DEFAULT_TITLE and not self.conv_view.messages:
+            await client.rename(item.conv_id, first_line)
+            self.conv_view.title = first_line
+            await self.refresh_conversations()
+
+    def _live(self, msg_id: str, fallback: MessageWidget | None) -> MessageWidget | None:
+        """The widget showing ``msg_id`` now (the conversation may have been reopened)."""
+        return self.chat_widgets.get(msg_id, fallback)
+
+    async def _on_event(self, item: Outgoing, ev: P.Message) -> str | None:
+        user = self._live(item.widget.msg_id, item.widget) if item.widget.msg_id else item.widget
+        reply = self._live(item.reply_id, item.reply) if item.reply_id else None
+        if isinstance(ev, P.Accepted):
+            item.accepted, item.request_id, item.reply_id = True, ev.id, ev.reply_id
+            user.msg_id, user.seq = ev.msg_id, ev.seq
+            user.set_position("accepted")
+            item.reply = MessageWidget("assistant", msg_id=ev.reply_id, position="accepted")
+            item.reply.request_id = ev.id
+            if self.conv_id == item.conv_id:
+                self.chat_widgets[ev.msg_id] = user
+                await self.add_message_widget(item.reply)
+        elif isinstance(ev, P.Token):
+            if reply.position == "accepted":
+                reply.set_position("committed")
+            reply.add_delta(ev.text)
+        elif isinstance(ev, P.Notice):
+            (reply or user).add_notice(notice_text(ev), ev.kind)
+        elif isinstance(ev, P.Committed):
+            reply.finish_reason, reply.seq, reply.timings = ev.finish_reason, ev.seq, dict(ev.timings)
+            reply.n_tokens = ev.n_completion or reply.n_tokens
+            await reply.finish(ev.text or reply.text)
+            reply.set_position("cancelled" if ev.finish_reason == "cancelled" else "committed")
+        elif isinstance(ev, P.Durable):
+            r = ev.receipt
+            if user.receipt is None and (ev.msg_id == user.msg_id or (user.seq and r.last_seq >= user.seq)):
+                user.receipt = r
+                user.set_position("durable")
+            if reply is not None and reply.finish_reason and (ev.msg_id == reply.msg_id or r.last_seq >= reply.seq):
+                reply.receipt = r
+                if reply.position == "committed":
+                    reply.set_position("durable")
+        elif isinstance(ev, P.Error):
+            if ev.code == "not_ready" and not item.accepted:
+                return "retry"
+            target = reply or user
+            target.set_position("failed")
+            target.add_notice(error_text(ev), "error")
+            if reply is not None:
+                await reply.finish()
+        return None

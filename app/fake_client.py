@@ -1,0 +1,219 @@
+"""A scripted stand-in for the engine, for UI tests, the typing benchmark and demos.
+
+Owns: ``FakeEngine`` (conversations, sequence numbers and a pretend journal kept in
+memory) and ``FakeEngineClient``, which has the methods of ``EngineClient`` that the
+app uses and yields the event sequence the protocol documents: Accepted, Durable
+(user message), Notice*, Token*, Committed, Durable (reply). It can be told to load
+slowly, to send notices, to refuse media, and to crash mid-reply.
+Leaves to others: everything a real engine does (no model, no disk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+
+from aotx.engine.errors import EngineError
+from aotx.engine.ipc import protocol as P
+from aotx.engine.ipc.client import ConnectionLost
+
+
+def default_reply(text: str) -> str:
+    return f"You said: **{text}**\n\n```python\nprint({text!r})\n```\n"
+
+
+class FakeEngine:
+    """The engine's state, shared by every client connected to it (it survives a
+    client's reconnect; ``crash()`` ends every connection like a kill -9 would)."""
+
+    def __init__(self, *, reply: Callable[[str], str] = default_reply, token_delay: float = 0.0,
+                 chars_per_token: int = 4, load_steps: int = 0, notices: list[P.Notice] | None = None,
+                 model: str = "SmolLM2-135M-Instruct Q4_1", device: str = "cpu") -> None:
+        self.reply, self.token_delay, self.chars_per_token = reply, token_delay, chars_per_token
+        self.load_steps, self.notices, self.model, self.device = load_steps, list(notices or []), model, device
+        self.convs: dict[str, P.ConversationView] = {}
+        self.seq = itertools.count(1)
+        self.ids = itertools.count(1)
+        self.offset = 0
+        self.clients: list[FakeEngineClient] = []
+        self.crash_after_tokens: int | None = None
+        self.connects = 0
+        self.hold_loading = False  # tests: keep "loading" until set back to False
+        self.submitted: list[tuple[str, str, list[P.Attachment]]] = []
+        self.cancelled: list[int] = []
+        self.truncated: list[str] = []
+        self.now = 1_700_000_000.0
+
+    async def connect(self, on_spawn: Callable[[str], None] | None = None) -> "FakeEngineClient":
+        """The client factory the app takes: a new connection to this engine."""
+        self.connects += 1
+        if on_spawn and self.connects > 1:
+            on_spawn("started an engine in the background (pid 4242, log engine.log)")
+        client = FakeEngineClient(self)
+        self.clients.append(client)
+        return client
+
+    def add_conversation(self, title: str, messages: list[tuple[str, str]] = ()) -> P.ConversationView:
+        conv = P.ConversationView(conv_id=f"c{next(self.ids)}", title=title, created_at=self._tick(),
+                                  updated_at=self.now)
+        for role, text in messages:
+            conv.messages.append(self._message(role, text, status="complete", durable=True))
+        conv.n_messages = len(conv.messages)
+        self.convs[conv.conv_id] = conv
+        return conv
+
+    def crash(self) -> None:
+        """Kill the engine: every open connection breaks; a reply being written is
+        left as "interrupted" with the tokens that reached the journal."""
+        for c in self.clients:
+            c.closed = True
+        for conv in self.convs.values():
+            for m in conv.messages:
+                if m.status == "streaming":
+                    m.status = "interrupted"
+            conv.busy = False
+
+    def _tick(self) -> float:
+        self.now += 1
+        return self.now
+
+    def _receipt(self, seq: int) -> P.Receipt:
+        self.offset += 512
+        return P.Receipt(segment=1, offset=self.offset, last_seq=seq)
+
+    def _message(self, role: str, text: str, status: str, durable: bool) -> P.MessageView:
+        seq = next(self.seq)
+        return P.MessageView(msg_id=f"m{next(self.ids)}", role=role, text=text, status=status, seq=seq,
+                             receipt=self._receipt(seq) if durable else None)
+
+
+class FakeEngineClient:
+    """One connection to a FakeEngine, with EngineClient's methods."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.closed = False
+        self.welcome = P.Welcome(protocol=P.PROTOCOL_VERSION, engine="fake", model=engine.model,
+                                 device=engine.device, ready=engine.load_steps == 0, pid=4242)
+        self._rids = itertools.count(1)
+        self._cancel: set[int] = set()
+
+    def _check(self) -> None:
+        if self.closed:
+            raise ConnectionLost("the engine closed the connection")
+
+    def _conv(self, conv_id: str) -> P.ConversationView:
+        self._check()
+        if conv_id not in self.engine.convs:
+            raise EngineError(f"no conversation {conv_id!r}")
+        return self.engine.convs[conv_id]
+
+    async def close(self) -> None:
+        self.closed = True
+
+    async def status(self) -> P.StatusReply:
+        self._check()
+        e = self.engine
+        progress = ""
+        if e.load_steps > 0:
+            e.load_steps -= 0 if e.hold_loading else 1
+            progress = f"weights {100 - 25 * e.load_steps}%"
+        budget = [P.BudgetLine("weights", 120 << 20), P.BudgetLine("kv", 96 << 20)]
+        return P.StatusReply(id=0, model=e.model, device=e.device, ready=e.load_steps == 0, budget_bytes=1 << 30,
+                             used_bytes=sum(b.bytes for b in budget), budget=budget, slots=[], n_ctx=2048,
+                             load_progress=progress)
+
+    async def list_conversations(self) -> list[P.ConversationView]:
+        self._check()
+        return [P.ConversationView(conv_id=c.conv_id, title=c.title, created_at=c.created_at,
+                                   updated_at=c.updated_at, n_messages=len(c.messages))
+                for c in self.engine.convs.values()]
+
+    async def create_conversation(self, title: str = "", system_prompt: str | None = None,
+                                  sampling: P.SamplingParams | None = None) -> P.ConversationView:
+        self._check()
+        conv = self.engine.add_conversation(title or "New conversation")
+        conv.system_prompt, conv.sampling = system_prompt, sampling
+        return conv
+
+    async def show(self, conv_id: str) -> P.ConversationView:
+        return self._conv(conv_id)
+
+    async def delete(self, conv_id: str) -> None:
+        self._conv(conv_id)
+        del self.engine.convs[conv_id]
+
+    async def rename(self, conv_id: str, title: str) -> None:
+        self._conv(conv_id).title = title
+
+    async def update(self, conv_id: str, system_prompt: str | None = None,
+                     sampling: P.SamplingParams | None = None) -> None:
+        conv = self._conv(conv_id)
+        conv.system_prompt, conv.sampling = system_prompt, sampling
+
+    async def truncate(self, conv_id: str, msg_id: str) -> None:
+        conv = self._conv(conv_id)
+        ids = [m.msg_id for m in conv.messages]
+        if msg_id not in ids:
+            raise EngineError(f"no message {msg_id!r} in {conv_id}")
+        self.engine.truncated.append(msg_id)
+        del conv.messages[ids.index(msg_id):]
+
+    async def cancel(self, target: int = 0, conv_id: str = "") -> None:
+        self._check()
+        self.engine.cancelled.append(target)
+        self._cancel.add(target)
+
+    async def submit(self, conv_id: str, text: str, *, attachments: list[P.Attachment] | None = None,
+                     sampling: P.SamplingParams | None = None, raw: bool = False,
+                     wait_durable: bool = True) -> AsyncIterator[P.Message]:
+        e, rid = self.engine, next(self._rids)
+        conv = self._conv(conv_id)
+        e.submitted.append((conv_id, text, list(attachments or [])))
+        if not self.welcome.ready and e.load_steps > 0:
+            yield P.Error(id=rid, code="not_ready", message="the model is still loading")
+            return
+        if attachments:
+            yield P.Error(id=rid, code="unsupported_media",
+                          message=f"this model has no media profile: {attachments[0].kind} input is not supported yet")
+            return
+        user = e._message("user", text, status="complete", durable=False)
+        conv.messages.append(user)
+        reply = e._message("assistant", "", status="streaming", durable=False)
+        conv.messages.append(reply)
+        conv.busy, conv.updated_at = True, e._tick()
+        yield P.Accepted(id=rid, conv_id=conv_id, msg_id=user.msg_id, reply_id=reply.msg_id, seq=user.seq, tick=1)
+        user.receipt = e._receipt(user.seq)
+        yield P.Durable(id=rid, receipt=user.receipt, msg_id=user.msg_id)
+        for n in e.notices:
+            yield msgspec_replace(n, id=rid)
+        full, step, reason = e.reply(text), e.chars_per_token, "stop"
+        for i, k in enumerate(range(0, len(full), step)):
+            if e.crash_after_tokens is not None and i >= e.crash_after_tokens:
+                e.crash()
+            if self.closed:
+                raise ConnectionLost("the engine closed the connection in the middle of a reply")
+            if rid in self._cancel:
+                reason = "cancelled"
+                break
+            reply.text += full[k:k + step]
+            yield P.Token(id=rid, token_id=i, text=full[k:k + step], pos=i, tick=i + 2, seq=next(e.seq))
+            await asyncio.sleep(e.token_delay)
+        reply.status, reply.finish_reason, reply.seq = ("cancelled" if reason == "cancelled" else "complete",
+                                                        reason, next(e.seq))
+        conv.busy = False
+        n = len(reply.text) // step
+        yield P.Committed(id=rid, msg_id=reply.msg_id, finish_reason=reason, n_prompt=len(text) // step,
+                          n_completion=n, tick=n + 2, seq=reply.seq, text=reply.text,
+                          timings={"ttft_ms": 12.0, "tokens_per_s": 250.0})
+        reply.receipt = e._receipt(reply.seq)
+        yield P.Durable(id=rid, receipt=reply.receipt, msg_id=reply.msg_id)
+
+
+def msgspec_replace(notice: P.Notice, **changes) -> P.Notice:
+    import msgspec
+
+    return msgspec.structs.replace(notice, **changes)
+
+

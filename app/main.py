@@ -1,0 +1,54 @@
+"""The ``aotx-chat`` console script: parse flags, build the client factory, run the app.
+
+Flags that concern the engine (``--model``, ``--device``) are passed to the engine
+the app starts when none answers on the socket; a running engine keeps its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from aotx.app.theming import THEMES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="aotx-chat", description="Chat with a local model in the terminal.")
+    p.add_argument("--model", help="GGUF model path for the engine (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="device for the engine (default: auto)")
+    p.add_argument("--theme", choices=sorted(THEMES), help="colour theme (remembered; F6 switches)")
+    p.add_argument("--socket", help="engine socket path (default: under the AOTX data dir)")
+    return p.parse_args(argv)
+
+
+def engine_args(ns: argparse.Namespace) -> list[str]:
+    args: list[str] = []
+    if ns.model:
+        args += ["--model", ns.model]
+    if ns.device:
+        args += ["--device", ns.device]
+    return args
+
+
+def make_client_factory(ns: argparse.Namespace):
+    """The real factory: connect to (or start) the engine."""
+    from aotx.engine.ipc.client import EngineClient
+
+    async def factory(on_spawn: Callable[[str], None]):
+        return await EngineClient.connect(ns.socket, spawn=True, engine_args=engine_args(ns),
+                                          client_name="aotx-chat", on_spawn=on_spawn)
+
+    return factory
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    from aotx.app.app import ChatApp
+
+    ChatApp(make_client_factory(ns), theme=ns.theme).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The details view of one message: its position and, once durable, its receipt."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from aotx.app.format import GLYPHS
+
+
+def details_lines(w) -> list[tuple[str, str]]:
+    """(label, value) rows for a MessageWidget ``w``."""
+    rows = [("message id", w.msg_id or "(not yet accepted)"), ("role", w.role),
+            ("position", f"{GLYPHS.get(w.position, '?')} {w.position}")]
+    if w.seq:
+        rows.append(("sequence", str(w.seq)))
+    if w.role == "assistant":
+        rows.append(("tokens", str(w.n_tokens)))
+        if w.finish_reason:
+            rows.append(("finish reason", w.finish_reason))
+    if w.receipt is not None:
+        r = w.receipt
+        rows += [("receipt segment", str(r.segment)), ("receipt offset", f"{r.offset} B"),
+                 ("receipt last_seq", str(r.last_seq))]
+    else:
+        rows.append(("receipt", "none yet: not durable"))
+    for a in w.attachments:
+        rows.append(("attachment", f"{a.kind} {a.name} sha256 {a.sha256[:16]}…"))
+    for k, v in sorted(w.timings.items()):
+        rows.append((k, f"{v:g}"))
+    return rows
+
+
+class DetailsScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,i,q", "dismiss", "Close")]
+
+    def __init__(self, widget) -> None:
+        super().__init__()
+        self.rows = details_lines(widget)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="details-box", classes="dialog"):
+            yield Static("Message details", classes="dialog-title")
+            width = max(len(k) for k, _ in self.rows)
+            yield Static("\n".join(f"{k:<{width}}  {v}" for k, v in self.rows), id="details-body", markup=False)
+            yield Static("Esc closes this view.", classes="dialog-note")

@@ -1,0 +1,78 @@
+"""The per-conversation form: system prompt and sampling parameters."""
+
+from __future__ import annotations
+
+import msgspec
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Static, TextArea
+
+from aotx.engine.ipc import protocol as P
+
+FIELDS: tuple[tuple[str, type, str], ...] = (
+    ("temperature", float, "0 = greedy"),
+    ("top_k", int, "0 = off"),
+    ("top_p", float, "1 = off"),
+    ("min_p", float, "0 = off"),
+    ("repeat_penalty", float, "1 = off"),
+    ("max_tokens", int, "reply length limit"),
+    ("seed", int, "empty = random"),
+)
+
+
+def parse_sampling(values: dict[str, str], base: P.SamplingParams) -> P.SamplingParams:
+    """Form strings -> SamplingParams. Raises ValueError naming the bad field."""
+    changes = {}
+    for name, kind, _ in FIELDS:
+        raw = values.get(name, "").strip()
+        if raw == "" and name == "seed":
+            changes[name] = None
+            continue
+        try:
+            changes[name] = kind(raw)
+        except ValueError:
+            raise ValueError(f"{name}: {raw!r} is not a valid {kind.__name__}") from None
+    return msgspec.structs.replace(base, **changes)
+
+
+class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
+    """Returns (system_prompt, sampling) or None when cancelled."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, system_prompt: str | None, sampling: P.SamplingParams | None) -> None:
+        super().__init__()
+        self.system_prompt = system_prompt or ""
+        self.sampling = sampling or P.SamplingParams()
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="settings-box", classes="dialog"):
+            yield Static("System prompt and sampling of this conversation", classes="dialog-title")
+            yield TextArea(self.system_prompt, id="system-prompt")
+            with Grid(id="sampling-grid"):
+                for name, _, hint in FIELDS:
+                    value = getattr(self.sampling, name)
+                    yield Label(f"{name} ({hint})")
+                    yield Input("" if value is None else str(value), id=f"f-{name}")
+            yield Static("", id="settings-error", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save (ctrl+s)", id="save", variant="primary")
+                yield Button("Cancel (esc)", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.dismiss(None)
+
+    def action_save(self) -> None:
+        values = {name: self.query_one(f"#f-{name}", Input).value for name, _, _ in FIELDS}
+        try:
+            sampling = parse_sampling(values, self.sampling)
+        except ValueError as e:
+            self.query_one("#settings-error", Static).update(str(e))
+            return
+        prompt = self.query_one("#system-prompt", TextArea).text.strip() or None
+        self.dismiss((prompt, sampling))

@@ -1,0 +1,144 @@
+"""One message in the chat: position glyph, text (Markdown), notices, attachments.
+
+Owns: showing a message and its position live, and streaming a reply's text at a
+cost proportional to the new text: token deltas are buffered and appended to the
+Markdown widget at most ~30 times a second (``Markdown.append`` re-parses only the
+last block), and the whole text is rendered once when the reply ends.
+Leaves to others: talking to the engine (the app) and the details view.
+"""
+
+from __future__ import annotations
+
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widgets import Markdown, Static
+from textual.widgets._markdown import MarkdownFence
+
+from aotx.app.format import GLYPHS
+from aotx.engine.ipc import protocol as P
+
+FRAME_S = 1 / 30
+
+
+class MessageWidget(Vertical, can_focus=True):
+    """A user or assistant message. ``position`` is one of format.GLYPHS' keys."""
+
+    BINDINGS = [
+        Binding("c", "copy", "Copy message"),
+        Binding("i", "details", "Details / receipt"),
+    ]
+
+    class DetailsRequested(Message):
+        def __init__(self, widget: "MessageWidget") -> None:
+            self.widget = widget
+            super().__init__()
+
+    def __init__(self, role: str, text: str = "", *, msg_id: str = "", position: str = "accepted",
+                 attachments: list[P.Attachment] | None = None) -> None:
+        super().__init__(classes=f"message {role}")
+        self.role, self.text, self.msg_id, self.position = role, text, msg_id, position
+        self.attachments = list(attachments or [])
+        self.receipt: P.Receipt | None = None
+        self.seq = 0
+        self.n_tokens = 0
+        self.finish_reason: str | None = None
+        self.timings: dict[str, float] = {}
+        self.request_id = 0
+        self._pending: list[str] = []
+        self._timer = None
+
+    # ---- composition -------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Static(self._header_text(), classes="msg-header", markup=False)
+        if self.attachments:
+            yield Static("  ".join(f"[{a.kind}] {a.name}" for a in self.attachments), classes="msg-attachments",
+                         markup=False)
+        if self.role == "assistant":
+            yield Markdown(self.text, classes="msg-body")
+        else:
+            yield Static(self.text, classes="msg-body", markup=False)
+        yield Vertical(classes="msg-notices")
+
+    def _header_text(self) -> str:
+        who = "You" if self.role == "user" else "Assistant" if self.role == "assistant" else self.role
+        words = self.position if self.position not in ("accepted", "committed", "durable") else ""
+        if self.finish_reason and self.finish_reason not in ("stop",):
+            words = (words + " " if words else "") + f"({self.finish_reason})"
+        return f"{GLYPHS.get(self.position, '?')} {who} {words}".rstrip()
+
+    # ---- position and notices ----------------------------------------------
+
+    def set_position(self, position: str) -> None:
+        self.position = position
+        for p in GLYPHS:
+            self.remove_class(f"pos-{p}")
+        self.add_class(f"pos-{position}")
+        if self.is_mounted:
+            self.query_one(".msg-header", Static).update(self._header_text())
+
+    def on_mount(self) -> None:
+        self.set_position(self.position)
+
+    def add_notice(self, text: str, kind: str = "notice") -> None:
+        line = Static(text, classes=f"msg-notice {kind}", markup=False)
+        if self.is_mounted:
+            self.query_one(".msg-notices", Vertical).mount(line)
+
+    def notices(self) -> list[str]:
+        return [str(s.render()) for s in self.query(".msg-notice").results(Static)]
+
+    # ---- streaming ---------------------------------------------------------
+
+    def add_delta(self, delta: str) -> None:
+        """Buffer a token's text; it reaches the screen on the next frame."""
+        self.text += delta
+        self.n_tokens += 1
+        self._pending.append(delta)
+        if self._timer is None and self.is_mounted:
+            self._timer = self.set_interval(FRAME_S, self._flush)
+
+    async def _flush(self) -> None:
+        if not self._pending or not self.is_mounted:
+            return
+        chunk = "".join(self._pending)
+        self._pending.clear()
+        await self.query_one(Markdown).append(chunk)
+
+    async def finish(self, text: str | None = None) -> None:
+        """Stop streaming and render the whole text once."""
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+        self._pending.clear()
+        if text is not None:
+            self.text = text
+        if self.is_mounted:
+            self.query_one(".msg-header", Static).update(self._header_text())
+            body = self.query_one(".msg-body")
+            if isinstance(body, Markdown):
+                await body.update(self.text)
+            else:
+                body.update(self.text)
+
+    # ---- actions -----------------------------------------------------------
+
+    def action_copy(self) -> None:
+        self.app.copy_to_clipboard(self.text)
+        self.app.notify(f"Copied the message ({len(self.text)} characters).")
+
+    def action_details(self) -> None:
+        self.post_message(self.DetailsRequested(self))
+
+    def on_click(self, event: events.Click) -> None:
+        node = event.widget
+        while node is not None and node is not self:
+            if isinstance(node, MarkdownFence):
+                self.app.copy_to_clipboard(node.code)
+                self.app.notify("Copied the code block.")
+                event.stop()
+                return
+            node = node.parent

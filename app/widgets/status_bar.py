@@ -1,0 +1,58 @@
+"""The status bar: engine state (model, device, ready/loading), budget, legend.
+
+Owns: formatting what the app knows about the engine into one line, plus the
+position legend. Leaves polling the engine to the app.
+"""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.widgets import Static
+
+from aotx.app.format import LEGEND, fmt_bytes
+from aotx.engine.ipc import protocol as P
+
+
+class StatusBar(Horizontal):
+    """``engine`` line on the left, legend on the right."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model = ""
+        self.device = ""
+        self.state = "starting"
+        self.detail = ""
+        self.used = self.budget = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static(self.line(), id="engine-status", markup=False)
+        yield Static(LEGEND, id="legend", markup=False)
+
+    def line(self) -> str:
+        parts = [self.model or "no model yet", self.device or "?", self.state]
+        if self.detail:
+            parts[-1] += f" ({self.detail})"
+        if self.budget:
+            parts.append(f"budget {fmt_bytes(self.used)} used / {fmt_bytes(self.budget - self.used)} free "
+                         f"({self.used} / {self.budget - self.used} B)")
+        return " · ".join(parts)
+
+    def set_state(self, state: str, detail: str = "") -> None:
+        self.state, self.detail = state, detail
+        self._refresh()
+
+    def set_welcome(self, w: P.Welcome) -> None:
+        self.model, self.device = w.model, w.device
+        self._refresh()
+
+    def set_status(self, s: P.StatusReply) -> None:
+        self.model, self.device = s.model, s.device
+        self.used, self.budget = s.used_bytes, s.budget_bytes
+        self.state = "ready" if s.ready else "loading"
+        self.detail = "" if s.ready else s.load_progress
+        self._refresh()
+
+    def _refresh(self) -> None:
+        if self.is_mounted:
+            self.query_one("#engine-status", Static).update(self.line())
