@@ -215,7 +215,7 @@ def _unpack_q8(qs, d, ids, out):
                 out[i, b * 32 + j] = db * np.float32(qs[t, b, j, r])
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def _unpack_q4_range(qs, d, mn, r0, out):
     """Rows r0 .. r0 + out.shape[0] (r0 a multiple of R) into out (rows, k); tile-major."""
     n, k = out.shape
@@ -233,7 +233,7 @@ def _unpack_q4_range(qs, d, mn, r0, out):
                 out[t * R + r, b * 32 + 16 + j] = d[t0 + t, b, r] * np.float32(q >> np.uint8(4)) + mn[t0 + t, b, r]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def _unpack_q8_range(qs, d, r0, out):
     n, k = out.shape
     nb = k // 32

