@@ -33,7 +33,7 @@ from aotx.engine.journal.records import (
     encode_frame, frame_size,
 )
 from aotx.engine.journal.recovery import (
-    CompactReport, RecoveryReport, VerifyReport, compact, dump, recover, verify,
+    CompactReport, RecoveryReport, VerifyReport, compact, dump, read_table, recover, verify,
 )
 from aotx.engine.journal.segments import Entry, Problem
 from aotx.engine.journal.writer import Journal
@@ -44,5 +44,5 @@ __all__ = [
     "ConversationTable", "ConversationTruncated", "ConversationUpdated", "Entry", "FrameError",
     "Journal", "Message", "MessageAccepted", "MessageFinished", "Problem", "Receipt", "Record",
     "RecoveryReport", "TokensCommitted", "VerifyReport", "compact", "decode_frame", "dump",
-    "encode_frame", "frame_size", "recover", "verify",
+    "encode_frame", "frame_size", "read_table", "recover", "verify",
 ]

@@ -223,6 +223,20 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
                         bytes=sum(s.size for s in scan.segments), problem=scan.problem)
 
 
+def read_table(directory: str | os.PathLike) -> tuple[ConversationTable, Problem | None]:
+    """Replay the good records into a new table without changing any file or
+    taking the lock (for tools). Unfinished replies are marked interrupted, which
+    is only true when no engine is running. Returns the table and the first
+    problem (None for a clean journal)."""
+    scan = JournalScan(directory)
+    table = ConversationTable()
+    for e in scan.entries():
+        table.apply(e.record, e.seq, e.tick)
+        table.note_receipt(Receipt(e.segment, e.end, e.seq))
+    table.finish_recovery()
+    return table, scan.problem
+
+
 def dump(directory: str | os.PathLike) -> Iterator[Entry]:
     """Every good record of the live chain in order, stopping silently at the first
     problem (``verify`` reports it). Reads only."""
