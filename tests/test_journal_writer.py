@@ -226,3 +226,27 @@ def test_online_checkpoint_replaces_older_segments(tmp_path):
     assert [c.conv_id for c in rep.table.live()] == ["keep"]
     assert rep.table.get("keep").message("m").token_ids == list(range(301))
     assert rep.last_seq == seq + 1 and rep.problem is None
+
+
+def test_a_record_larger_than_the_buffer_is_refused_by_name(tmp_path):
+    with Journal(tmp_path, buffer_bytes=4096) as j:
+        assert j.free_bytes == 4096
+        with pytest.raises(JournalError, match="exceeds the journal buffer of 4096 bytes"):
+            j.publish(MessageAccepted("c", "m", "user", "x" * 5000), 0)
+        assert j.publish(MessageAccepted("c", "m", "user", "fits"), 0) == 1
+
+
+def test_every_new_segment_is_made_durable_in_its_directory(tmp_path, monkeypatch):
+    import aotx.engine.journal.writer as w
+
+    calls = []
+    real = w.fsync_dir
+    monkeypatch.setattr(w, "fsync_dir", lambda d: (calls.append(str(d)), real(d)))
+    with Journal(tmp_path, segment_bytes=4096) as j:
+        for i in range(300):
+            j.publish(tok(i), i)
+            if i % 10 == 9:
+                j.flush()
+    created = j.stats()["segments_created"]
+    assert created == len(list(tmp_path.glob("*.seg"))) > 3
+    assert calls == [str(tmp_path)] * created

@@ -201,6 +201,9 @@ class Journal:
         if self._closing:
             raise JournalError("the journal is closed")
         n = FRAME_OVERHEAD + len(payload)
+        if n > self.capacity:
+            raise JournalError(f"a record of {n} bytes exceeds the journal buffer of {self.capacity} bytes "
+                               "(raise buffer_bytes)")
         take = min(n, self._reserved)
         free = self.capacity - (self._head - self._tail) - self._reserved
         if n - take > free:
@@ -291,6 +294,13 @@ class Journal:
     def durable_seq(self) -> int:
         """Every record up to this seq is on disk."""
         return self._durable_seq
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the ring neither holding undurable records nor reserved: what
+        ``reserve`` can grant now (for a client notice: asked vs free)."""
+        with self._lock:
+            return self.capacity - (self._head - self._tail) - self._reserved
 
     @property
     def last_receipt(self) -> Receipt | None:
