@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 

@@ -217,8 +217,7 @@ def decode_frame(data: bytes | memoryview, offset: int = 0) -> tuple[Record, int
     n = len(data)
     if offset + RECORD_HEADER.size > n:
         if not any(bytes(data[offset:])):
-            raise FrameError("zeros" if offset < n else "torn", offset,
-                             f"{n - offset} bytes at offset {offset}, too few for a record header")
+            raise FrameError("zeros", offset, f"{n - offset} zero bytes at offset {offset}, too few for a record")
         raise FrameError("torn", offset, f"record header cut at offset {offset} ({n - offset} of 22 bytes)")
     type_id, tick, seq, length = RECORD_HEADER.unpack_from(data, offset)
     if type_id == 0:

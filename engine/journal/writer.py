@@ -38,6 +38,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import google_crc32c
+
 from aotx.engine.errors import JournalError
 from aotx.engine.journal.conversations import ConversationTable, Receipt
 from aotx.engine.journal.records import (
@@ -45,8 +47,6 @@ from aotx.engine.journal.records import (
     crc32c, encode_payload, encode_segment_header,
 )
 from aotx.engine.journal.segments import fsync_dir, list_segments, segment_name
-
-import google_crc32c
 
 LOCK_NAME = "LOCK"
 
