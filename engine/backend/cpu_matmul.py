@@ -98,57 +98,45 @@ def repack(b: np.ndarray, qtype: T, m: int, k: int) -> tuple[np.ndarray, np.ndar
 
 @njit(cache=True, fastmath=True, parallel=True)
 def _gemv_q4(qs, d, mn, x, xs, out, n_chunks):
-    """Q4_0/Q4_1 tiles: out[i, t*R + r] = sum_b d*(sum_j q*x) + mn*xs[i, b]."""
+    """Q4_0/Q4_1 tiles: out[i, t*R + r] = sum_b d * (sum_j q * x) + mn * xs[i, b].
+
+    qs (T, nb, 16, R) uint8, d/mn (T, nb, R) float32, x (n, k) float32, xs (n, nb) float32
+    block sums of x, out (n, m) float32. The r loops vectorize across 32 rows; the
+    np.uint8 casts keep the nibble math in narrow lanes (int64 -> float32 conversion does
+    not vectorize on AVX2). Four input pairs per pass measured ~15% faster than all 16.
+    """
     nt, nb, _, RR = qs.shape
     n, m = out.shape
     per = (nt + n_chunks - 1) // n_chunks
+    F = np.uint8(15)
+    S = np.uint8(4)
     for c in prange(n_chunks):
         acc = np.empty(RR, np.float32)
+        s = np.empty(RR, np.float32)
         for t in range(c * per, min(nt, (c + 1) * per)):
             for i in range(n):
                 xi = x[i]
                 for r in range(RR):
                     acc[r] = 0.0
                 for b in range(nb):
-                    xo = b * 32
-                    x0 = xi[xo]; x1 = xi[xo + 1]; x2 = xi[xo + 2]; x3 = xi[xo + 3]
-                    x4 = xi[xo + 4]; x5 = xi[xo + 5]; x6 = xi[xo + 6]; x7 = xi[xo + 7]
-                    x8 = xi[xo + 8]; x9 = xi[xo + 9]; x10 = xi[xo + 10]; x11 = xi[xo + 11]
-                    x12 = xi[xo + 12]; x13 = xi[xo + 13]; x14 = xi[xo + 14]; x15 = xi[xo + 15]
-                    y0 = xi[xo + 16]; y1 = xi[xo + 17]; y2 = xi[xo + 18]; y3 = xi[xo + 19]
-                    y4 = xi[xo + 20]; y5 = xi[xo + 21]; y6 = xi[xo + 22]; y7 = xi[xo + 23]
-                    y8 = xi[xo + 24]; y9 = xi[xo + 25]; y10 = xi[xo + 26]; y11 = xi[xo + 27]
-                    y12 = xi[xo + 28]; y13 = xi[xo + 29]; y14 = xi[xo + 30]; y15 = xi[xo + 31]
-                    xsb = xs[i, b]
                     W = qs[t, b]
+                    for r in range(RR):
+                        s[r] = 0.0
+                    for j in range(0, 16, 4):
+                        o = b * 32 + j
+                        x0 = xi[o]; x1 = xi[o + 1]; x2 = xi[o + 2]; x3 = xi[o + 3]
+                        y0 = xi[o + 16]; y1 = xi[o + 17]; y2 = xi[o + 18]; y3 = xi[o + 19]
+                        for r in range(RR):
+                            q0 = W[j, r]; q1 = W[j + 1, r]; q2 = W[j + 2, r]; q3 = W[j + 3, r]
+                            s[r] += (np.float32(np.uint8(q0 & F)) * x0 + np.float32(np.uint8(q0 >> S)) * y0
+                                     + np.float32(np.uint8(q1 & F)) * x1 + np.float32(np.uint8(q1 >> S)) * y1
+                                     + np.float32(np.uint8(q2 & F)) * x2 + np.float32(np.uint8(q2 >> S)) * y2
+                                     + np.float32(np.uint8(q3 & F)) * x3 + np.float32(np.uint8(q3 >> S)) * y3)
                     db = d[t, b]
                     mb = mn[t, b]
+                    xsb = xs[i, b]
                     for r in range(RR):
-                        # np.uint8 casts keep the nibble math in 8/32-bit lanes so LLVM can
-                        # vectorize the int->float conversion (int64 would not vectorize).
-                        q0 = W[0, r]; q1 = W[1, r]; q2 = W[2, r]; q3 = W[3, r]
-                        q4 = W[4, r]; q5 = W[5, r]; q6 = W[6, r]; q7 = W[7, r]
-                        q8 = W[8, r]; q9 = W[9, r]; q10 = W[10, r]; q11 = W[11, r]
-                        q12 = W[12, r]; q13 = W[13, r]; q14 = W[14, r]; q15 = W[15, r]
-                        F = np.uint8(15)
-                        S = np.uint8(4)
-                        lo = (np.float32(np.uint8(q0 & F)) * x0 + np.float32(np.uint8(q1 & F)) * x1
-                              + np.float32(np.uint8(q2 & F)) * x2 + np.float32(np.uint8(q3 & F)) * x3
-                              + np.float32(np.uint8(q4 & F)) * x4 + np.float32(np.uint8(q5 & F)) * x5
-                              + np.float32(np.uint8(q6 & F)) * x6 + np.float32(np.uint8(q7 & F)) * x7
-                              + np.float32(np.uint8(q8 & F)) * x8 + np.float32(np.uint8(q9 & F)) * x9
-                              + np.float32(np.uint8(q10 & F)) * x10 + np.float32(np.uint8(q11 & F)) * x11
-                              + np.float32(np.uint8(q12 & F)) * x12 + np.float32(np.uint8(q13 & F)) * x13
-                              + np.float32(np.uint8(q14 & F)) * x14 + np.float32(np.uint8(q15 & F)) * x15)
-                        hi = (np.float32(np.uint8(q0 >> S)) * y0 + np.float32(np.uint8(q1 >> S)) * y1
-                              + np.float32(np.uint8(q2 >> S)) * y2 + np.float32(np.uint8(q3 >> S)) * y3
-                              + np.float32(np.uint8(q4 >> S)) * y4 + np.float32(np.uint8(q5 >> S)) * y5
-                              + np.float32(np.uint8(q6 >> S)) * y6 + np.float32(np.uint8(q7 >> S)) * y7
-                              + np.float32(np.uint8(q8 >> S)) * y8 + np.float32(np.uint8(q9 >> S)) * y9
-                              + np.float32(np.uint8(q10 >> S)) * y10 + np.float32(np.uint8(q11 >> S)) * y11
-                              + np.float32(np.uint8(q12 >> S)) * y12 + np.float32(np.uint8(q13 >> S)) * y13
-                              + np.float32(np.uint8(q14 >> S)) * y14 + np.float32(np.uint8(q15 >> S)) * y15)
-                        acc[r] += db[r] * (lo + hi) + mb[r] * xsb
+                        acc[r] += db[r] * s[r] + mb[r] * xsb
                 r1 = min(RR, m - t * RR)
                 for r in range(r1):
                     out[i, t * RR + r] = acc[r]
