@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("journal", help="check or print the journal")
     jsub = p.add_subparsers(dest="jcmd", parser_class=_Parser)
-    for name in ("verify", "dump"):
+    for name in ("verify", "dump", "repair", "compact"):
         q = jsub.add_parser(name)
         q.add_argument("--json", action="store_true")
 

@@ -102,22 +102,35 @@ def cmd_bench(args) -> int:
 
 
 def cmd_journal(args) -> int:
-    from aotx.engine import paths
-    from aotx.engine.journal import cli_support
+    from aotx.engine.journal import cli_support as J
 
     if not args.jcmd:
-        raise UsageError("aotx journal: choose verify or dump")
-    d = paths.journal_dir()
+        raise UsageError("aotx journal: choose verify, dump, repair or compact")
     if args.jcmd == "verify":
-        rep = cli_support.verify_report(d)
+        rep = J.verify_cmd()
         if args.json:
             _jprint(rep)
         else:
-            print(cli_support.format_verify(rep))
+            p = rep.get("problem")
+            print(f"{rep['directory']}: {rep['records']} records in {len(rep['segments'])} segment(s), last seq "
+                  f"{rep['last_seq']}, {rep['bytes']} bytes")
+            if p:
+                print(f"problem: segment {p.get('segment')} offset {p.get('offset')}: {p.get('kind')}: "
+                      f"{p.get('message')}")
+            else:
+                print("ok: every record's checksum verifies")
         return 0 if rep.get("ok") else 1
-    for rec in cli_support.dump_records(d):
+    if args.jcmd == "dump":
         if args.json:
-            _jprint(rec)
+            for rec in J.dump_cmd():
+                _jprint(rec)
         else:
-            print(cli_support.format_record(rec))
+            for line in J.dump_lines():
+                print(line)
+        return 0
+    rep = J.repair_cmd() if args.jcmd == "repair" else J.compact_cmd()
+    if args.json:
+        _jprint(rep)
+    else:
+        print(json.dumps(rep, indent=1, default=str))
     return 0

@@ -64,6 +64,8 @@ class Engine:
         self._running: list[Request] = []         # prefill or decode, holding a slot
         self._by_rid: dict[tuple[int, int], Request] = {}
         self._durable_watch: list[tuple[int, Request, str]] = []
+        self._held: list[tuple[Any, Any]] = []  # submissions waiting for journal credit
+        self._segments_at_checkpoint = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.stats = {"ticks": 0, "tokens": 0, "device_s": 0.0, "host_s": 0.0}
@@ -206,8 +208,13 @@ class Engine:
         if not prompt:
             raise _Refused("bad_request", "the prompt is empty")
         if not self.store.has_credit():
-            sink.send(P.Notice(id=op.id, kind="held", resource="journal",
-                               message="the journal's buffers are full (the disk is behind); the message is held"))
+            if not any(o is op for o, _ in self._held):
+                free = self.store.journal_free_bytes()
+                sink.send(P.Notice(id=op.id, kind="held", resource="journal", asked=64 << 10, free=free,
+                                   message=f"the journal's buffers are full (the disk is behind: {free} bytes "
+                                           f"free); the message is held until they drain"))
+                self._held.append((op, sink))
+            return
         msg_id, reply_id, seq = self.store.accept(op.conv_id, "user", op.text, sp, op.attachments, raw=op.raw,
                                                   tick=self.tick)
         from aotx.engine.model.termination import StopChecker
@@ -253,6 +260,10 @@ class Engine:
 
     def _on_receipt(self, rc) -> None:
         self.store.note_receipt(rc)
+        if self._held and self.store.has_credit():
+            held, self._held = self._held, []
+            for op, sink in held:
+                self._handle(("op", op, sink))
         keep = []
         sent: set[int] = set()
         receipt = P.Receipt(segment=rc.segment, offset=rc.offset, last_seq=rc.last_seq)
@@ -405,6 +416,7 @@ class Engine:
         if self.store.journaled:
             self._durable_watch.append((seq, r, "final"))
         self.store.flush()
+        self.store.maybe_checkpoint(self.tick)
         self._notify_queue()
 
     # ---- status ---------------------------------------------------------------

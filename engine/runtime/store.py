@@ -47,6 +47,7 @@ class ConversationStore:
         self.recovery_note = recovery_note
         self.on_receipt: Callable[[Any], None] = lambda r: None
         self._seq = table.last_seq
+        self._segments_at_checkpoint = 0
 
     @property
     def journaled(self) -> bool:
@@ -73,11 +74,25 @@ class ConversationStore:
 
     def has_credit(self, nbytes: int = 64 << 10) -> bool:
         """Whether the journal's buffers can take about ``nbytes`` more now."""
-        return self.journal is None or self.journal.reserve(nbytes)
+        return self.journal is None or self.journal.free_bytes >= nbytes
+
+    def journal_free_bytes(self) -> int:
+        return self.journal.free_bytes if self.journal is not None else 0
 
     def flush(self) -> None:
         if self.journal is not None:
             self.journal.flush()
+
+    def maybe_checkpoint(self, tick: int, every_segments: int = 2) -> None:
+        """Compact online once ``every_segments`` new segments have been created since
+        the last checkpoint: the journal writes the live conversations into a fresh
+        segment and drops the older ones after it is durable (deleted conversations go)."""
+        if self.journal is None:
+            return
+        created = self.journal.stats().get("segments_created", 0)
+        if created - self._segments_at_checkpoint >= every_segments:
+            self._segments_at_checkpoint = created + 1
+            self.journal.checkpoint(self.table, tick)
 
     def close(self) -> None:
         if self.journal is not None:
@@ -86,8 +101,9 @@ class ConversationStore:
     def journal_status(self) -> dict[str, Any]:
         if self.journal is None:
             return {"enabled": False}
-        st = getattr(self.journal, "status", None)
-        d = dict(st()) if callable(st) else {}
+        d = dict(self.journal.stats())
+        d["last_seq"] = self.journal.last_seq
+        d["durable_seq"] = self.journal.durable_seq
         d["enabled"] = True
         return d
 
@@ -199,19 +215,16 @@ def open_store(directory: Path | None, *, buffer_bytes: int = 8 << 20,
     store_box: list[ConversationStore] = []
     journal = Journal(directory, segment_bytes=segment_bytes, buffer_bytes=buffer_bytes,
                       on_receipt=lambda r: store_box[0].deliver_receipt(r) if store_box else None)
-    report = journal.open()
+    report = journal.recovery
     table = report.table
-    cut = table.finish_recovery()
-    note = (f"recovered {len(table.live())} conversations up to seq {report.last_seq} from "
-            f"{len(report.segments)} segments, {report.bytes_dropped} bytes dropped"
-            + (f" ({report.problem})" if report.problem else "")
-            + (f"; {len(cut)} interrupted replies" if cut else ""))
-    store = ConversationStore(table, journal, note)
+    cut = table.finish_recovery()  # recovery marks them already; this catches any it left
+    store = ConversationStore(table, journal, report.summary())
     store_box.append(store)
-    for m in cut:
-        conv = next((c for c in table.conversations.values() if m in c.messages), None)
-        if conv is not None:
-            store._record(R.MessageFinished(conv_id=conv.conv_id, msg_id=m.msg_id, reason="interrupted",
-                                            n_completion=len(m.token_ids)), 0)
+    # journal the interruption, so the reply's end is on disk like any other finish
+    for conv in table.live():
+        for m in conv.messages:
+            if m.status == "interrupted" and (m.msg_id in report.interrupted or m in cut):
+                store._record(R.MessageFinished(conv_id=conv.conv_id, msg_id=m.msg_id, reason="interrupted",
+                                                n_completion=len(m.token_ids)), report.last_tick)
     store.flush()
     return store

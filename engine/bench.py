@@ -1,0 +1,191 @@
+"""``aotx bench``: prefill and decode speed, in-process, as a table or JSON.
+
+Measures, on the chosen device: prefill tokens/s at several prompt lengths (one
+forward pass per prompt, median of repeats), batch-1 decode tokens/s (the model
+alone, 128 greedy steps), and through the engine's tick loop: aggregate decode
+tokens/s at several concurrent conversations, time to first token, per-tick
+device and host time, with the journal off and on, and the durable-receipt
+latency (commit to receipt) at 1 and 8 conversations.
+
+Timings are wall-clock on this machine: compare ratios against a peer measured
+in the same run (``../shared/peer/llamacpp_bench.py``), never absolute numbers
+across machines.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+TEXT = ("The river ran slow and brown past the mill, and the miller's children "
+        "counted the barges as they went by, naming each one after a bird. ") * 60
+PROMPTS = ["Tell me a long story about a dragon.", "Explain how a steam engine works, in detail.",
+           "Write a long poem about the sea.", "Describe the history of Rome.",
+           "Give me a recipe for bread and explain each step.", "What are the planets of the solar system?",
+           "Write a story about a robot learning to paint.", "Explain photosynthesis to a child."]
+
+
+def _median_rate(fn, n_tokens: int, repeats: int) -> float:
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        rates.append(n_tokens / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+def bench_model(lm, sizes=(128, 512, 1024), decode_steps=128, repeats=3) -> dict:
+    """Prefill tokens/s per size and batch-1 decode tokens/s of the model alone."""
+    from aotx.engine.model.architectures.llama import Segment
+
+    pool = lm.tokenizer.encode(TEXT)
+    while len(pool) < max(sizes):
+        pool += pool
+    kv = lm.model.new_kv_cache(1, max(max(sizes), 64 + decode_steps) + 8)
+    m = lm.model
+    m.forward(np.asarray(pool[:64], np.int32), [Segment(0, 0, 64)], kv)  # warm-up
+    out = {"prefill_tok_s": {}, "decode_tok_s": 0.0}
+    for n in sizes:
+        ids = np.asarray(pool[:n], np.int32)
+        out["prefill_tok_s"][n] = round(_median_rate(lambda: m.forward(ids, [Segment(0, 0, n)], kv), n, repeats), 1)
+
+    prompt = np.asarray(lm.tokenizer.encode("<|im_start|>user\nTell me a long story.<|im_end|>\n"
+                                            "<|im_start|>assistant\n", parse_special=True), np.int32)
+
+    def decode():
+        lg = m.forward(prompt, [Segment(0, 0, len(prompt))], kv)
+        t0 = time.perf_counter()
+        for i in range(decode_steps):
+            tok = int(np.argmax(lg[0]))
+            lg = m.forward(np.asarray([tok], np.int32), [Segment(0, len(prompt) + i, 1)], kv)
+        return decode_steps / (time.perf_counter() - t0)
+
+    out["decode_tok_s"] = round(statistics.median(decode() for _ in range(repeats)), 1)
+    return out
+
+
+class _Sink:
+    def __init__(self):
+        self.events = []
+        self.done = threading.Event()
+        self.tok_t: dict[int, float] = {}
+        self.receipt_lat: list[float] = []
+        self.final_seq = None
+
+    def send(self, m):
+        from aotx.engine.ipc import protocol as P
+
+        now = time.perf_counter()
+        self.events.append((now, m))
+        if isinstance(m, P.Token):
+            self.tok_t.setdefault(m.seq, now)
+        elif isinstance(m, P.Durable):
+            for s in [s for s in self.tok_t if s <= m.receipt.last_seq]:
+                self.receipt_lat.append(now - self.tok_t.pop(s))
+            if self.final_seq is not None and m.receipt.last_seq >= self.final_seq:
+                self.done.set()
+        elif isinstance(m, P.Committed):
+            self.final_seq = m.seq
+            if not self._journaled:
+                self.done.set()
+        elif isinstance(m, P.Error):
+            self.done.set()
+
+
+def bench_engine(lm, concurrency=(1, 2, 4, 8, 16), max_tokens=64, journal: bool = False, n_ctx=512) -> dict:
+    """Aggregate decode tokens/s (all streams' tokens after their first, over the
+    decode wall time), mean TTFT, per-tick device/host ms, receipt latency."""
+    from aotx.engine.ipc import protocol as P
+    from aotx.engine.runtime.engine import Engine
+    from aotx.engine.runtime.store import open_store
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in concurrency:
+            store = open_store(Path(tmp) / f"j{k}" if journal else None)
+            eng = Engine(lm, store, n_slots=max(k, 1), n_ctx=n_ctx, prefill_chunk=256)
+            eng.start()
+            convs = []
+            for i in range(k):
+                s = _Sink()
+                s._journaled = journal
+                eng.post(P.CreateConversation(id=1, title=f"bench {i}"), s)
+                convs.append(s)
+            deadline = time.time() + 60
+            while any(not s.events for s in convs) and time.time() < deadline:
+                time.sleep(0.01)
+            ids = [s.events[0][1].conversation.conv_id for s in convs]
+            sinks = [_Sink() for _ in range(k)]
+            for s in sinks:
+                s._journaled = journal
+            st0 = dict(eng.stats)
+            t0 = time.perf_counter()
+            for i, (cid, s) in enumerate(zip(ids, sinks)):
+                sp = P.SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=i)
+                eng.post(P.SubmitMessage(id=10 + i, conv_id=cid, text=PROMPTS[i % len(PROMPTS)], sampling=sp), s)
+            for s in sinks:
+                s.done.wait(300)
+            t_end = time.perf_counter()
+            st1 = dict(eng.stats)
+            eng.stop()
+            store.close()
+            toks = [[t for t, m in s.events if isinstance(m, P.Token)] for s in sinks]
+            first = max(t[0] for t in toks if t)
+            last = max(t[-1] for t in toks if t)
+            n_after = sum(sum(1 for x in t if x > first) for t in toks)
+            ticks = st1["ticks"] - st0["ticks"]
+            lat = sorted(x for s in sinks for x in s.receipt_lat)
+            results[k] = {
+                "aggregate_decode_tok_s": round(n_after / max(1e-9, last - first), 1),
+                "tokens": sum(len(t) for t in toks),
+                "ttft_s_mean": round(statistics.mean(t[0] - t0 for t in toks if t), 4),
+                "wall_s": round(t_end - t0, 3),
+                "tick_device_ms": round(1e3 * (st1["device_s"] - st0["device_s"]) / max(1, ticks), 3),
+                "tick_host_ms": round(1e3 * (st1["host_s"] - st0["host_s"]) / max(1, ticks), 3),
+            }
+            if journal and lat:
+                results[k]["receipt_p50_ms"] = round(1e3 * lat[len(lat) // 2], 2)
+                results[k]["receipt_p99_ms"] = round(1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2)
+    return results
+
+
+def run_bench(args) -> int:
+    from aotx.engine.model.loader import load_model
+    from aotx.engine.serve import pick_device
+
+    device = pick_device(args.device)
+    lm = load_model(args.model, device=device)
+    conc = tuple(int(x) for x in args.concurrency.split(",") if x)
+    sizes = (128, 512) if args.quick else (128, 512, 1024)
+    if device == "cuda":
+        sizes = sizes + (2048,)
+    out = {"device": device, "model": lm.name, "load_profile_s": lm.profile,
+           "model_only": bench_model(lm, sizes=sizes, repeats=1 if args.quick else 3,
+                                     decode_steps=32 if args.quick else 128)}
+    out["engine_journal_off"] = bench_engine(lm, conc, max_tokens=32 if args.quick else 64, journal=False)
+    jconc = tuple(c for c in (1, 8) if c in conc) or conc[:1]
+    out["engine_journal_on"] = bench_engine(lm, jconc, max_tokens=32 if args.quick else 64, journal=True)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    mo = out["model_only"]
+    print(f"device {device}, model {lm.name}")
+    for n, r in mo["prefill_tok_s"].items():
+        print(f"prefill {n:>5} tokens: {r:9.1f} tok/s")
+    print(f"decode batch 1     : {mo['decode_tok_s']:9.1f} tok/s (model alone, greedy)")
+    print("concurrent  aggregate tok/s  TTFT s  tick device ms  tick host ms   (engine, journal off)")
+    for k, r in out["engine_journal_off"].items():
+        print(f"{k:>10}  {r['aggregate_decode_tok_s']:>15.1f}  {r['ttft_s_mean']:>6.3f}  {r['tick_device_ms']:>14.2f}"
+              f"  {r['tick_host_ms']:>12.2f}")
+    for k, r in out["engine_journal_on"].items():
+        off = out["engine_journal_off"].get(k, {}).get("aggregate_decode_tok_s")
+        ratio = f"  on/off {r['aggregate_decode_tok_s'] / off:.3f}" if off else ""
+        print(f"journal on, {k} conv: {r['aggregate_decode_tok_s']:.1f} tok/s{ratio}, receipt p50 "
+              f"{r.get('receipt_p50_ms', 0)} ms, p99 {r.get('receipt_p99_ms', 0)} ms")
+    return 0
