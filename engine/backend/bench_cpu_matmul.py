@@ -71,11 +71,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="numba threads (0: numba's default)")
     args = ap.parse_args()
+    if args.threads:
+        import numba
+        numba.set_num_threads(args.threads)
     t0 = time.perf_counter()
     layers, head = load(args.model or default_model_path())
     print(f"loaded {len(layers)} layers + head in {time.perf_counter() - t0:.2f} s; "
           f"weights held: {(sum(q.nbytes for l in layers for q in l.values()) + head.nbytes) / 2**20:.1f} MiB")
+    print("load average before: %.2f %.2f %.2f (other processes skew these numbers)" % os.getloadavg())
     print("OPENBLAS_CORETYPE=%s OPENBLAS_L2_SIZE=%s" % (os.environ.get("OPENBLAS_CORETYPE"),
                                                         os.environ.get("OPENBLAS_L2_SIZE")))
     rng = np.random.default_rng(0)
@@ -108,6 +113,7 @@ def main() -> None:
         dth = _time(lambda: head.matmul(xn[head.k][:1]), 3)
         print(f"prefill n={n}: layers {dt * 1e3:.1f} ms -> {n / dt:.0f} tokens/s "
               f"(with the head for the last token: {n / (dt + dth):.0f} tokens/s)")
+    print("load average after: %.2f %.2f %.2f" % os.getloadavg())
 
 
 if __name__ == "__main__":
