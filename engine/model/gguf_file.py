@@ -105,7 +105,7 @@ class GGUFFile:
         import gguf
 
         try:
-            reader = gguf.GGUFReader(p, "r")
+            reader = _fast_reader_class()(p, "r")
         except ValueError as e:
             msg = str(e)
             if "is not a valid GGMLQuantizationType" in msg or "GGMLQuantizationType" in msg:
@@ -142,6 +142,62 @@ class GGUFFile:
             tensors[t.name] = TensorInfo(t.name, t.tensor_type, shape, int(t.n_elements), int(t.n_bytes),
                                          int(t.data_offset), t.data)
         return cls(p, size, version, int(reader.alignment), metadata, tensors, reader)
+
+
+_FAST_READER = None
+
+
+def _fast_reader_class():
+    """``gguf.GGUFReader`` with a fast path for metadata arrays.
+
+    The stock reader builds two numpy views per array element, which takes seconds
+    on a 49,152-token vocabulary. This subclass reads arrays of scalars as one view
+    and arrays of strings with a single pass over a memoryview, producing the same
+    ``ReaderField`` parts layout, so ``field.contents()`` gives identical values.
+    Byte-swapped files take the stock path."""
+    global _FAST_READER
+    if _FAST_READER is not None:
+        return _FAST_READER
+    import gguf
+    from gguf.constants import GGUFValueType
+
+    class FastReader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int):  # type: ignore[override]
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I" or np.little_endian is False:
+                return super()._get_field_parts(orig_offs, raw_type)
+            offs = orig_offs
+            raw_itype = self._get(offs, np.uint32)
+            offs += 4
+            alen = self._get(offs, np.uint64)
+            offs += 8
+            itype = GGUFValueType(int(raw_itype[0]))
+            n = int(alen[0])
+            if itype == GGUFValueType.STRING:
+                mv = memoryview(self.data)
+                parts: list = [raw_itype, alen]
+                idxs: list[int] = []
+                end = len(mv)
+                for _ in range(n):
+                    if offs + 8 > end:
+                        raise ValueError("string array runs past the end of the file")
+                    ln = int.from_bytes(mv[offs:offs + 8], "little")
+                    if offs + 8 + ln > end:
+                        raise ValueError("string array runs past the end of the file")
+                    parts.append(mv[offs:offs + 8])
+                    idxs.append(len(parts))
+                    parts.append(mv[offs + 8:offs + 8 + ln])
+                    offs += 8 + ln
+                return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY, GGUFValueType.STRING]
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is None:
+                return super()._get_field_parts(orig_offs, raw_type)
+            arr = self._get(offs, nptype, n)
+            if len(arr) != n:
+                raise ValueError("array runs past the end of the file")
+            return 12 + int(arr.nbytes), [raw_itype, alen, arr], [2], [GGUFValueType.ARRAY, itype]
+
+    _FAST_READER = FastReader
+    return FastReader
 
 
 def _peek_alignment(p: Path) -> int | None:
