@@ -32,3 +32,18 @@ def refs_dir() -> Path:
     if not path.is_dir():
         pytest.fail(f"llama.cpp references not found at {path} (shared/ must sit beside the clone)")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf():
+    """The ``tests/tiny_gguf.py`` builder module (tiny llama GGUFs, valid and broken),
+    loaded by path: pytest's importlib mode does not put ``tests/`` on sys.path."""
+    import sys
+
+    mod = sys.modules.get("aotx_tests_tiny_gguf")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("aotx_tests_tiny_gguf", Path(__file__).with_name("tiny_gguf.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return mod

@@ -17,24 +17,26 @@ import numba as nb
 import numpy as np
 
 
-@nb.njit(cache=True, fastmath=True)
+@nb.njit(cache=True, fastmath=True, error_model="numpy")
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out[i] = x[i] / sqrt(mean(x[i]**2) + eps) * w.  x, out: (n, d) float32; w: (d,) float32.
 
     Source: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; llama.cpp's
-    ggml_rms_norm accumulates the sum of squares in float (here float64 for safety)."""
+    ggml_rms_norm accumulates the sum of squares in float (here float64 for safety).
+    A zero row with ``eps == 0`` gives a zero row; error_model="numpy": NaN or 0 never raises."""
     n, d = x.shape
     for i in range(n):
         s = 0.0
         for j in range(d):
             v = np.float64(x[i, j])
             s += v * v
-        scale = np.float32(1.0 / math.sqrt(s / d + eps))
+        ms = s / d + eps
+        scale = np.float32(1.0 / math.sqrt(ms)) if ms > 0.0 else np.float32(0.0)
         for j in range(d):
             out[i, j] = x[i, j] * scale * w[j]
 
 
-@nb.njit(cache=True, fastmath=True)
+@nb.njit(cache=True, fastmath=True, error_model="numpy")
 def rope_inplace(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate adjacent pairs (x[2j], x[2j+1]) of every head by angle pos * theta_j.
 
@@ -67,7 +69,7 @@ def rope_tables(n_ctx: int, rope_dim: int, base: float, scale: float = 1.0) -> t
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-@nb.njit(cache=True, fastmath=True)
+@nb.njit(cache=True, fastmath=True, error_model="numpy")
 def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     """SwiGLU: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). All (n, f) float32.
 
@@ -79,7 +81,7 @@ def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
             out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
 
 
-@nb.njit(cache=True, fastmath=True)
+@nb.njit(cache=True, fastmath=True, error_model="numpy")
 def add_inplace(x: np.ndarray, y: np.ndarray) -> None:
     """x += y for (n, d) float32 (the residual add, without a temporary)."""
     n, d = x.shape
@@ -88,7 +90,7 @@ def add_inplace(x: np.ndarray, y: np.ndarray) -> None:
             x[i, j] += y[i, j]
 
 
-@nb.njit(cache=True, fastmath=True, parallel=True)
+@nb.njit(cache=True, fastmath=True, parallel=True, error_model="numpy")
 def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
                      lengths: np.ndarray, scale: float, out: np.ndarray) -> None:
     """One query row per slot attends to that slot's first ``lengths[b]`` cached positions.

@@ -50,6 +50,9 @@ class ModelConfig:
         arch = str(meta.get("general.architecture", ""))
         if not arch:
             raise ModelError(f"{path}: metadata has no general.architecture")
+        from aotx.engine.model.architectures import get_architecture
+
+        get_architecture(arch, path)  # an unknown architecture is that, not a missing key
 
         def get(key: str, default: Any = None, kind: type = int) -> Any:
             full = f"{arch}.{key}"
@@ -81,8 +84,27 @@ class ModelConfig:
         if vocab is None:
             toks = meta.get("tokenizer.ggml.tokens")
             vocab = len(toks) if isinstance(toks, list) else 0
+        rope_dim = get("rope.dimension_count", head_dim)
+        if head_dim <= 0:
+            raise ModelError(f"{path}: {arch}.attention.key_length is {head_dim}; it must be positive")
+        if rope_dim <= 0 or rope_dim > head_dim or rope_dim % 2:
+            raise ModelError(f"{path}: {arch}.rope.dimension_count is {rope_dim}; it must be even and in "
+                             f"2..{head_dim} (the head dimension)")
+        n_ctx = get("context_length", 2048)
+        if n_ctx <= 0:
+            raise ModelError(f"{path}: {arch}.context_length is {n_ctx}; it must be positive")
+        rope_base = get("rope.freq_base", 10000.0, float)
+        norm_eps = get("attention.layer_norm_rms_epsilon", 1e-5, float)
+        if not rope_base > 0 or not norm_eps >= 0:
+            raise ModelError(f"{path}: {arch}.rope.freq_base {rope_base} must be positive and "
+                             f"{arch}.attention.layer_norm_rms_epsilon {norm_eps} must not be negative")
         scaling = str(meta.get(f"{arch}.rope.scaling.type", "none"))
-        scale = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        try:
+            scale = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        except (TypeError, ValueError):
+            raise ModelError(f"{path}: metadata key '{arch}.rope.scaling.factor' has a bad value") from None
+        if scaling == "linear" and not scale > 0:
+            raise ModelError(f"{path}: {arch}.rope.scaling.factor is {scale}; it must be positive")
         if scaling not in ("none", "linear"):
             raise ModelError(f"{path}: RoPE scaling {scaling!r} is not supported (AOTX supports none and linear)")
         return cls(
@@ -95,10 +117,10 @@ class ModelConfig:
             head_dim=head_dim,
             ffn_dim=ffn,
             vocab_size=int(vocab),
-            n_ctx_train=get("context_length", 2048),
-            rope_base=get("rope.freq_base", 10000.0, float),
-            rope_dim=get("rope.dimension_count", head_dim),
+            n_ctx_train=n_ctx,
+            rope_base=rope_base,
+            rope_dim=rope_dim,
             rope_scaling=scaling,
             rope_scale=scale if scaling == "linear" else 1.0,
-            norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5, float),
+            norm_eps=norm_eps,
         )

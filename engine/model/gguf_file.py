@@ -97,8 +97,8 @@ class GGUFFile:
         n_tensors = int.from_bytes(head[8:16], "little")
         n_kv = int.from_bytes(head[16:24], "little")
         if n_tensors > size // 24 or n_kv > size // 12:
-            raise ModelError(f"{p}: corrupt GGUF header (tensor count {n_tensors}, metadata count {n_kv} "
-                             f"cannot fit in {size} bytes)")
+            raise ModelError(f"{p}: truncated or corrupt GGUF header (tensor count {n_tensors}, metadata count "
+                             f"{n_kv} cannot fit in {size} bytes)")
         raw_align = _peek_alignment(p)
         if raw_align is not None and (raw_align == 0 or raw_align & (raw_align - 1)):
             raise ModelError(f"{p}: general.alignment is {raw_align}; it must be a non-zero power of two")
@@ -106,6 +106,8 @@ class GGUFFile:
 
         try:
             reader = _fast_reader_class()(p, "r")
+        except ModelError as e:  # from _check_tensor_infos: names the tensor, not the file
+            raise ModelError(f"{p}: {e}") from None
         except ValueError as e:
             msg = str(e)
             if "is not a valid GGMLQuantizationType" in msg or "GGMLQuantizationType" in msg:
@@ -113,13 +115,13 @@ class GGUFFile:
             if "reshape" in msg or "cannot reshape" in msg or "size" in msg:
                 raise ModelError(f"{p}: truncated GGUF file: tensor data runs past the end of the file "
                                  f"({size} bytes)") from None
-            raise ModelError(f"{p}: malformed GGUF file ({msg})") from None
+            raise ModelError(f"{p}: truncated or malformed GGUF file ({msg})") from None
         except (IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as e:
             raise ModelError(f"{p}: truncated or malformed GGUF file ({type(e).__name__}: {e})") from None
         except (OSError, MemoryError) as e:
             raise ModelError(f"{p}: cannot map the file ({e})") from None
         except Exception as e:  # noqa: BLE001 - the reader's internals raise assorted errors on garbage
-            raise ModelError(f"{p}: malformed GGUF file ({type(e).__name__}: {e})") from None
+            raise ModelError(f"{p}: truncated or malformed GGUF file ({type(e).__name__}: {e})") from None
 
         metadata = {}
         for name, field in reader.fields.items():
@@ -196,8 +198,57 @@ def _fast_reader_class():
                 raise ValueError("array runs past the end of the file")
             return 12 + int(arr.nbytes), [raw_itype, alen, arr], [2], [GGUFValueType.ARRAY, itype]
 
+        def _build_tensors(self, start_offs: int, fields: list) -> None:  # type: ignore[override]
+            # Check before the stock reader maps the data: it would otherwise fail
+            # inside numpy's reshape without naming the tensor.
+            _check_tensor_infos(int(self.data.shape[0]), int(start_offs), int(self.alignment), fields)
+            super()._build_tensors(start_offs, fields)
+
     _FAST_READER = FastReader
     return FastReader
+
+
+def _check_tensor_infos(size: int, data_start: int, alignment: int, fields: list) -> None:
+    """Check every tensor info (parts: name length, name, n_dims, dims, type, offset)
+    against ggml's rules before any data is mapped: at most 4 dimensions, none zero, a
+    known type whose block size divides the row length, an offset that is a multiple of
+    ``alignment``, and data that ends inside the file (``size`` bytes; offsets are
+    relative to ``data_start``). Raises ModelError naming the tensor (not the file)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for f in fields:
+        try:
+            _, name_b, _, dims, raw_type, off = f.parts
+            name = bytes(name_b).decode("utf-8", "replace")
+            shape = [int(d) for d in dims]
+            type_id = int(raw_type[0])
+            rel = int(off[0])
+        except (ValueError, IndexError, TypeError):
+            raise ModelError("a tensor info record is truncated or malformed") from None
+        if not 1 <= len(shape) <= 4:
+            raise ModelError(f"tensor {name!r} has {len(shape)} dimensions (GGUF allows 1 to 4)")
+        if any(d == 0 for d in shape):
+            raise ModelError(f"tensor {name!r} has a zero dimension (shape {shape})")
+        try:
+            qtype = GGMLQuantizationType(type_id)
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ModelError(f"tensor {name!r} has an unknown tensor type id {type_id}") from None
+        if shape[0] % block:
+            raise ModelError(f"tensor {name!r} is {qtype.name} with rows of {shape[0]} elements, "
+                             f"not a multiple of its block size {block}")
+        if rel % alignment:
+            raise ModelError(f"tensor {name!r} has data offset {rel}, not a multiple of "
+                             f"general.alignment {alignment}")
+        n_elements = 1
+        for d in shape:
+            n_elements *= d
+        start = data_start + rel
+        end = start + n_elements // block * block_bytes
+        if end > size:
+            raise ModelError(f"tensor {name!r} ({qtype.name}, shape {shape}) lies past the end of the file "
+                             f"(its data needs bytes {start}..{end}, the file has {size}): "
+                             f"the file is truncated or corrupt")
 
 
 def _peek_alignment(p: Path) -> int | None:

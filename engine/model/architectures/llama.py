@@ -78,6 +78,20 @@ def _check(gf, name: str, shape: tuple[int, ...]):
     return t
 
 
+def _load(gf, name: str, shape: tuple[int, ...], put):
+    """Check tensor ``name`` and hand it to the backend (``put``: ``matrix`` or
+    ``vector``). The backend's ValueErrors (an unsupported tensor type, rows that do
+    not match) become ModelError naming the file and the tensor."""
+    t = _check(gf, name, shape)
+    try:
+        return put(t)
+    except ModelError:
+        raise
+    except ValueError as e:
+        msg = str(e)
+        raise ModelError(f"{gf.path}: {msg if name in msg else f'tensor {name!r}: {msg}'}") from None
+
+
 class LlamaModel:
     """A loaded llama model on a backend. ``forward`` runs one batch of segments."""
 
@@ -87,24 +101,30 @@ class LlamaModel:
         d, hd = cfg.d_model, cfg.head_dim
         q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
         vocab = cfg.vocab_size
-        emb = _check(gf, "token_embd.weight", (d, vocab))
-        self.tok_embd = backend.matrix(emb)
+
+        def mat(name: str, shape: tuple[int, ...]):
+            return _load(gf, name, shape, backend.matrix)
+
+        def vec(name: str, shape: tuple[int, ...]):
+            return _load(gf, name, shape, backend.vector)
+
+        self.tok_embd = mat("token_embd.weight", (d, vocab))
         out_t = gf.tensors.get("output.weight")
-        self.output = backend.matrix(_check(gf, "output.weight", (d, vocab))) if out_t is not None else self.tok_embd
-        self.output_norm = backend.vector(_check(gf, "output_norm.weight", (d,)))
+        self.output = mat("output.weight", (d, vocab)) if out_t is not None else self.tok_embd
+        self.output_norm = vec("output_norm.weight", (d,))
         self.layers: list[Layer] = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
             self.layers.append(Layer(
-                attn_norm=backend.vector(_check(gf, p + "attn_norm.weight", (d,))),
-                wq=backend.matrix(_check(gf, p + "attn_q.weight", (d, q_out))),
-                wk=backend.matrix(_check(gf, p + "attn_k.weight", (d, kv_out))),
-                wv=backend.matrix(_check(gf, p + "attn_v.weight", (d, kv_out))),
-                wo=backend.matrix(_check(gf, p + "attn_output.weight", (q_out, d))),
-                ffn_norm=backend.vector(_check(gf, p + "ffn_norm.weight", (d,))),
-                w_gate=backend.matrix(_check(gf, p + "ffn_gate.weight", (d, cfg.ffn_dim))),
-                w_up=backend.matrix(_check(gf, p + "ffn_up.weight", (d, cfg.ffn_dim))),
-                w_down=backend.matrix(_check(gf, p + "ffn_down.weight", (cfg.ffn_dim, d))),
+                attn_norm=vec(p + "attn_norm.weight", (d,)),
+                wq=mat(p + "attn_q.weight", (d, q_out)),
+                wk=mat(p + "attn_k.weight", (d, kv_out)),
+                wv=mat(p + "attn_v.weight", (d, kv_out)),
+                wo=mat(p + "attn_output.weight", (q_out, d)),
+                ffn_norm=vec(p + "ffn_norm.weight", (d,)),
+                w_gate=mat(p + "ffn_gate.weight", (d, cfg.ffn_dim)),
+                w_up=mat(p + "ffn_up.weight", (d, cfg.ffn_dim)),
+                w_down=mat(p + "ffn_down.weight", (cfg.ffn_dim, d)),
             ))
         self.scale = 1.0 / math.sqrt(hd)
         self._rope_n = 0
