@@ -101,6 +101,11 @@ def test_tensor_past_end_of_file(tiny_gguf, copy):
     expect_model_error(copy, r"'blk\.1\.ffn_down\.weight'", r"past the end of the file", load=False)
 
 
+def test_misaligned_tensor_offset(tiny_gguf, copy):
+    tiny_gguf.corrupt_tensor_offset(copy, "token_embd.weight", extra=4)
+    expect_model_error(copy, r"'token_embd\.weight'", r"not a multiple of general\.alignment 32", load=False)
+
+
 def test_huge_dimension_is_past_end_of_file(tiny_gguf, copy):
     tiny_gguf.corrupt_dim(copy, "blk.0.attn_q.weight", 1, 1 << 40)
     expect_model_error(copy, r"'blk\.0\.attn_q\.weight'", r"past the end of the file", load=False)
