@@ -56,6 +56,12 @@ def test_valid_file_opens_and_loads(valid):
     assert gf.tensors["blk.0.attn_q.weight"].qtype == T.Q8_0
     lm = load_model(valid)
     assert lm.config.n_layers == 2 and lm.tokenizer.vocab_size == lm.config.vocab_size == 300
+    # the builder's tokenizer and ChatML template are real: specials parse, merges apply
+    text = lm.template.render([{"role": "user", "content": "hello the"}])
+    assert text == "<|im_start|>user\nhello the<|im_end|>\n<|im_start|>assistant\n"
+    ids = lm.tokenizer.encode(text, add_special=True, parse_special=True)
+    assert ids[0] == 1 and ids.count(1) == 2 and ids.count(2) == 1 and 272 in ids and 261 in ids
+    assert 2 in lm.eog_ids
 
 
 # ------------------------------------------------------------------ not GGUF
