@@ -25,6 +25,7 @@ import time
 from collections import deque
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from aotx.engine.errors import AotxError, TemplateError
@@ -189,7 +190,9 @@ class Engine:
                            "the message was not sent, its text is kept")
         conv = self.store.get(op.conv_id)
         self._require_idle(op.conv_id)
-        sp = op.sampling or conv.sampling or P.SamplingParams()
+        # the conversation keeps its default sampling as a plain dict (a journal record's field)
+        sp = op.sampling or (msgspec.convert(conv.sampling, P.SamplingParams) if conv.sampling else None) \
+            or P.SamplingParams()
         tok = self.lm.tokenizer
         if op.raw:
             prompt = tok.encode(op.text, add_special=True, parse_special=False)
