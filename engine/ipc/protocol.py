@@ -76,7 +76,7 @@ class MessageView(msgspec.Struct, omit_defaults=True):
 
     msg_id: str
     role: str
-    text: str
+    text: str = ""  # a reply before its first visible text has none (the table omits it then)
     status: str = "complete"
     token_ids: list[int] = []
     start_pos: int = 0
@@ -88,7 +88,7 @@ class MessageView(msgspec.Struct, omit_defaults=True):
 
 class ConversationView(msgspec.Struct, omit_defaults=True):
     conv_id: str
-    title: str
+    title: str = ""  # renamed to "": the table omits it then
     created_at: float = 0.0
     updated_at: float = 0.0
     n_messages: int = 0
