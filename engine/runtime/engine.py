@@ -362,9 +362,14 @@ class Engine:
             log.exception("device work failed at tick %d", self.tick)
             self.ready = False
             self.not_ready_reason = f"device work failed at tick {self.tick}: {e}"
-            for r in list(self._running):
+            # the queued ones too: they would otherwise run on a model marked not ready
+            waiting, self._waiting = list(self._waiting), deque()
+            for r in list(self._running) + waiting:
                 r.sink.send(P.Error(id=r.rid, code="not_ready", message=self.not_ready_reason))
                 self._finish(r, "error")
+            held, self._held = self._held, []
+            for op, sink in held:
+                sink.send(P.Error(id=op.id, code="not_ready", message=self.not_ready_reason))
             return
         t2 = time.perf_counter()
         per_conv: dict[Request, list[tuple[int, str]]] = {}
