@@ -179,7 +179,8 @@ async def _status(args) -> int:
                  "budget": {b.name: b.bytes for b in st.budget}, "n_ctx": st.n_ctx, "queue": st.queue,
                  "tick": st.tick, "slots": [{"slot": s.slot, "state": s.state, "conversation": s.conv_id,
                                              "position": s.position} for s in st.slots],
-                 "journal": st.journal, "profile": st.profile, "stats": st.stats, "fingerprint": st.fingerprint})
+                 "journal": st.journal, "capsules": st.capsules, "profile": st.profile, "stats": st.stats,
+                 "fingerprint": st.fingerprint})
         return 0
     print(f"model   {st.model} ({st.model_path})")
     print(f"device  {st.device}   ready: {'yes' if st.ready else 'NO'}   context {st.n_ctx} tokens per slot")
@@ -192,6 +193,11 @@ async def _status(args) -> int:
     print(f"slots   ({st.queue} queued)")
     for s in st.slots:
         print(f"  {s.slot:>3}  {s.state:<8} {s.conv_id or '-':<14} {s.position} tokens in KV")
+    if st.capsules:
+        c = st.capsules
+        print(f"capsules host {fmt_bytes(c.get('host_bytes', 0))} in {c.get('host_count', 0)} of "
+              f"{fmt_bytes(c.get('host_budget', 0))}   disk {fmt_bytes(c.get('disk_bytes', 0))} in "
+              f"{c.get('disk_count', 0)} of {fmt_bytes(c.get('disk_budget', 0))}   (least recently used evicted first)")
     if st.journal:
         print("journal " + "  ".join(f"{k}={v}" for k, v in st.journal.items()))
     return 0
@@ -234,6 +240,14 @@ async def _conversations(args) -> int:
             else:
                 for c in convs:
                     print(f"{c.conv_id}  {c.n_messages:>3} messages  {c.title}")
+            return 0
+        if args.ccmd == "fork":
+            conv = await client.fork(args.id, args.at)
+            if args.json:
+                _jprint({"id": conv.conv_id, "title": conv.title, "messages": conv.n_messages, "parent": args.id})
+            else:
+                print(f"{conv.conv_id}  forked from {args.id} with {conv.n_messages} messages; continue it with "
+                      f"`aotx run --conversation {conv.conv_id} ...`")
             return 0
         conv = await client.show(args.id)
     finally:

@@ -71,11 +71,17 @@ def build_engine(args, progress=None):
     kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx)
     prefill_chunk = getattr(args, "prefill_chunk", 256)
     journal_bytes = 8 << 20
+    capsule_host = min(512 << 20, max(64 << 20, total // 16))
     budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
-                            journal_bytes, total)
-    store = open_store(None if getattr(args, "no_journal", False) else paths.journal_dir(),
-                       buffer_bytes=journal_bytes)
-    eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device)
+                            journal_bytes, total, capsule_bytes=capsule_host)
+    from aotx.engine.state.cache import CapsuleCache
+
+    no_journal = getattr(args, "no_journal", False)
+    store = open_store(None if no_journal else paths.journal_dir(), buffer_bytes=journal_bytes)
+    caps = CapsuleCache(None if no_journal else paths.capsules_dir() / lm.fingerprint, host_bytes=capsule_host,
+                        fingerprint=lm.fingerprint)
+    eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
+                 capsules=caps)
     return eng, store
 
 

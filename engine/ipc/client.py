@@ -195,6 +195,10 @@ class EngineClient:
         """Drop ``msg_id`` and every later message of the conversation (edit, retry)."""
         await self._call(lambda i: P.TruncateConversation(id=i, conv_id=conv_id, msg_id=msg_id))
 
+    async def fork(self, conv_id: str, at_msg_id: str = "") -> P.ConversationView:
+        """A new conversation sharing ``conv_id``'s messages up to ``at_msg_id``."""
+        return (await self._call(lambda i: P.ForkConversation(id=i, conv_id=conv_id, at_msg_id=at_msg_id))).conversation
+
     async def cancel(self, target: int = 0, conv_id: str = "") -> None:
         await self._call(lambda i: P.Cancel(id=i, target=target, conv_id=conv_id))
 

@@ -180,6 +180,15 @@ class TruncateConversation(_Base, tag="truncate"):
     msg_id: str
 
 
+class ForkConversation(_Base, tag="fork"):
+    """A new conversation with the messages of ``conv_id`` up to and including
+    ``at_msg_id`` (all when empty); its next turn reuses the parent's state."""
+
+    id: int
+    conv_id: str
+    at_msg_id: str = ""
+
+
 class Status(_Base, tag="status"):
     id: int
 
@@ -297,11 +306,12 @@ class StatusReply(_Base, tag="status_reply"):
     fingerprint: str = ""
     model_path: str = ""
     stats: dict[str, float] = {}
+    capsules: dict[str, int] = {}
 
 
 Message = Union[
     Hello, CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel,
-    DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, Status,
+    DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
     Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, Committed,
     Durable, StatusReply,
 ]

@@ -47,7 +47,7 @@ class Engine:
     """
 
     def __init__(self, lm, store, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
-                 budget=None, device: str = "cpu"):
+                 budget=None, device: str = "cpu", capsules=None):
         self.lm = lm
         self.store = store
         self.n_slots = n_slots
@@ -56,6 +56,7 @@ class Engine:
         self.budget = budget
         self.device = device
         self.kv = lm.model.new_kv_cache(n_slots, n_ctx)
+        self.capsules = capsules  # state.cache.CapsuleCache or None
         self.slots = SlotTable(n_slots)
         self.tick = 0
         self.ready = True
@@ -111,7 +112,18 @@ class Engine:
                 except queue.Empty:
                     item = None
             if not self._stop.is_set() and self._has_work():
-                self._tick()
+                try:
+                    self._tick()
+                except Exception as e:  # noqa: BLE001 - a bug in publishing must not stop the engine
+                    log.exception("tick %d failed", self.tick)
+                    for r in list(self._running):
+                        r.sink.send(P.Error(id=r.rid, code="internal", message=f"internal error at tick "
+                                                                                f"{self.tick}: {e}"))
+                        try:
+                            self._finish(r, "error")
+                        except Exception:  # noqa: BLE001
+                            log.exception("could not finish request %d", r.rid)
+                            self._running.remove(r) if r in self._running else None
 
     def _handle(self, item) -> None:
         kind, obj, sink = item
@@ -119,6 +131,11 @@ class Engine:
             return
         if kind == "receipt":
             self._on_receipt(obj)
+            return
+        if kind == "capsule":
+            conv_id, path, n = obj
+            if self.store.table.get(conv_id) is not None:
+                self.store.capsule_stored(conv_id, path, self.lm.fingerprint, n, tick=self.tick)
             return
         if kind == "disconnect":
             for r in list(self._by_rid.values()):
@@ -157,6 +174,8 @@ class Engine:
             self._require_idle(op.conv_id)
             st.delete(op.conv_id, tick=self.tick)
             self.slots.forget(op.conv_id)
+            if self.capsules is not None:
+                self.capsules.drop(op.conv_id)
             sink.send(P.Ok(id=op.id))
         elif isinstance(op, P.RenameConversation):
             st.rename(op.conv_id, op.title, tick=self.tick)
@@ -168,6 +187,9 @@ class Engine:
             self._require_idle(op.conv_id)
             st.truncate(op.conv_id, op.msg_id, tick=self.tick)
             sink.send(P.Ok(id=op.id))
+        elif isinstance(op, P.ForkConversation):
+            view = st.fork(op.conv_id, op.at_msg_id or None, tick=self.tick)
+            sink.send(P.ConversationInfo(id=op.id, conversation=view))
         elif isinstance(op, P.Status):
             sink.send(self.status_reply(op.id))
         else:
@@ -307,12 +329,14 @@ class Engine:
                 continue
             if r.state != "queued":
                 break
-            got = self.slots.lease(r.conv_id, r.prompt)
+            got = self.slots.choose(r.conv_id, r.prompt)
             if got is None:
                 break
             self._waiting.popleft()
-            r.slot, r.pos = got
-            r.n_reused = r.pos
+            slot, reuse = got
+            reuse = self._lease_with_capsules(r, slot, reuse)
+            r.slot, r.pos = slot, reuse
+            r.n_reused = reuse
             r.state = "prefill"
             r.t_start = time.perf_counter()
             if r.queued_position:
@@ -320,6 +344,55 @@ class Engine:
                                      message=f"got slot {r.slot.index}"))
             self._running.append(r)
         self._notify_queue()
+
+    def _lease_with_capsules(self, r: Request, slot, reuse: int) -> int:
+        """Lease ``slot`` to ``r``: park the state of the conversation whose KV the slot
+        holds (when it would be lost), restore a parked capsule when it shares a longer
+        prefix with the prompt (same conversation, or a fork's parent). Returns the
+        number of prompt positions whose KV is in place."""
+        from aotx.engine.state import capsule as C
+
+        caps = self.capsules
+        if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + 16:
+            caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=self.lm.fingerprint,
+                                               backend=self.device))
+        own_state = slot.conv_id == r.conv_id and reuse > 0
+        if caps is not None and not own_state:
+            cap, n, note = caps.best_for(r.conv_id, r.prompt)
+            n = min(n, len(r.prompt) - 1)
+            if cap is not None and n > reuse:
+                C.restore(cap, self.kv, slot.index, fingerprint=self.lm.fingerprint, n=n)
+                slot.tokens[:] = cap.tokens[:n].tolist()
+                reuse = n
+                note = (f"restored {n} tokens of context from the capsule on {cap.home}"
+                        if cap.home == "disk" else f"restored {n} tokens of context from a parked capsule")
+            elif note.startswith("restored"):
+                note = ""
+            if note:
+                r.sink.send(P.Notice(id=r.rid, kind="capsule", resource="capsule", message=note, asked=n))
+        self.slots.take(slot, r.conv_id, reuse)
+        return reuse
+
+    def _persist_capsule(self, r: Request) -> None:
+        """After a reply: copy the slot's state and write it to the disk home in the
+        background; the engine journals CapsuleStored once the file is durable."""
+        from aotx.engine.state import capsule as C
+
+        if self.capsules is None or self.capsules.dir is None or not r.slot or len(r.slot.tokens) < 2:
+            return
+        cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device)
+        conv_id = r.conv_id
+
+        def write() -> None:
+            try:
+                path = self.capsules.store_on_disk(conv_id, cap)
+            except OSError as e:
+                log.warning("capsule of %s not written: %s", conv_id, e)
+                return
+            if path is not None:
+                self._ops.put(("capsule", (conv_id, str(path), cap.n_tokens), None))
+
+        threading.Thread(target=write, name="aotx-capsule-write", daemon=True).start()
 
     def _tick(self) -> None:
         t0 = time.perf_counter()
@@ -415,6 +488,8 @@ class Engine:
         if r.slot is not None:
             # the KV holds prompt + completion[:-1]; keep that for prefix reuse
             self.slots.release(r.slot)
+            if reason in ("stop", "length", "context"):
+                self._persist_capsule(r)
         self._by_rid.pop((id(r.sink), r.rid), None)
         seq = self.store.finish(r.conv_id, r.reply_id, reason, len(r.prompt), len(r.completion), tick=self.tick)
         r.final_seq = seq
@@ -439,6 +514,7 @@ class Engine:
             budget=[P.BudgetLine(name=n, bytes=v) for n, v in (b.terms if b else ())],
             slots=slots, n_ctx=self.n_ctx, queue=sum(1 for r in self._waiting if r.state == "queued"),
             tick=self.tick, journal=self.store.journal_status(), profile=dict(self.lm.profile),
+            capsules=self.capsules.usage() if self.capsules is not None else {},
             fingerprint=self.lm.fingerprint, model_path=str(self.lm.path),
             stats={k: float(v) for k, v in self.stats.items()},
         )

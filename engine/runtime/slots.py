@@ -44,8 +44,10 @@ class SlotTable:
     def free_count(self) -> int:
         return sum(1 for s in self.slots if s.state == "free")
 
-    def lease(self, conv_id: str, prompt: list[int]) -> tuple[Slot, int] | None:
-        """Lease a free slot for ``prompt``; returns (slot, reusable prefix length) or None.
+    def choose(self, conv_id: str, prompt: list[int]) -> tuple[Slot, int] | None:
+        """The free slot to lease for ``prompt`` and its reusable prefix length, without
+        leasing it; None when every slot is busy. Prefers the longest shared prefix,
+        then the conversation's own slot, then the least recently used.
 
         The reusable prefix is capped at len(prompt) - 1 so the last prompt token always
         runs through the model (its logits give the first reply token)."""
@@ -53,13 +55,22 @@ class SlotTable:
         if not free:
             return None
         best = max(free, key=lambda s: (common_prefix(s.tokens, prompt), s.conv_id == conv_id, -s.last_used))
-        reuse = min(common_prefix(best.tokens, prompt), max(0, len(prompt) - 1))
-        del best.tokens[reuse:]
-        best.conv_id = conv_id
-        best.state = "prefill"
+        return best, min(common_prefix(best.tokens, prompt), max(0, len(prompt) - 1))
+
+    def take(self, slot: Slot, conv_id: str, keep: int) -> None:
+        """Lease ``slot`` to ``conv_id``, keeping its first ``keep`` KV positions."""
+        del slot.tokens[keep:]
+        slot.conv_id = conv_id
+        slot.state = "prefill"
         self._clock += 1
-        best.last_used = self._clock
-        return best, reuse
+        slot.last_used = self._clock
+
+    def lease(self, conv_id: str, prompt: list[int]) -> tuple[Slot, int] | None:
+        """``choose`` then ``take``: returns (slot, reused prefix length) or None."""
+        got = self.choose(conv_id, prompt)
+        if got is not None:
+            self.take(got[0], conv_id, got[1])
+        return got
 
     def release(self, slot: Slot) -> None:
         """Give the slot back; its KV tokens stay for prefix reuse."""

@@ -180,6 +180,38 @@ class ConversationStore:
         self._record(R.ConversationTruncated(conv_id=conv_id, msg_id=msg_id), tick)
         self.flush()
 
+    def capsule_stored(self, conv_id: str, path: str, fingerprint: str, n_tokens: int, tick: int = 0) -> int:
+        seq = self._record(R.CapsuleStored(conv_id=conv_id, path=path, fingerprint=fingerprint, n_tokens=n_tokens),
+                           tick)
+        self.flush()
+        return seq
+
+    def fork(self, conv_id: str, at_msg_id: str | None, tick: int = 0) -> P.ConversationView:
+        """Copy ``conv_id`` (messages up to and including ``at_msg_id``) into a new
+        conversation, as records, so the fork is journaled like any other."""
+        c = self.get(conv_id)
+        msgs = list(c.messages)
+        if at_msg_id:
+            idx = next((i for i, m in enumerate(msgs) if m.msg_id == at_msg_id), None)
+            if idx is None:
+                raise NotFound(f"conversation {conv_id} has no message {at_msg_id!r}")
+            msgs = msgs[:idx + 1]
+        nid = _new_id("c")
+        self._record(R.ConversationCreated(conv_id=nid, title=f"{c.title} (fork)", created_at=time.time(),
+                                           system_prompt=c.system_prompt, sampling=dict(c.sampling)), tick)
+        for m in msgs:
+            mid = _new_id("m")
+            self._record(R.MessageAccepted(conv_id=nid, msg_id=mid, role=m.role, text=m.text if m.role != "assistant"
+                                           else "", attachments=list(m.attachments), sampling=dict(m.sampling),
+                                           created_at=m.created_at), tick)
+            if m.role == "assistant":
+                self._record(R.TokensCommitted(conv_id=nid, msg_id=mid, start_pos=m.start_pos,
+                                               token_ids=list(m.token_ids), text=m.text), tick)
+                self._record(R.MessageFinished(conv_id=nid, msg_id=mid, reason=m.finish_reason or "stop",
+                                               n_prompt=m.n_prompt, n_completion=m.n_completion), tick)
+        self.flush()
+        return self.view(nid)
+
     def accept(self, conv_id: str, role: str, text: str, sp: P.SamplingParams, attachments: list[P.Attachment],
                raw: bool = False, tick: int = 0) -> tuple[str, str, int]:
         """Record the user's message and the start of its reply. Returns

@@ -1,0 +1,119 @@
+"""Where parked capsules live: host memory and disk, each with an LRU budget.
+
+Owns: which capsule is in which home, eviction (least recently used first:
+host -> disk -> gone), lookup by conversation or by longest shared token prefix
+(so a fork or an edit finds its parent's state), and the bytes per home that
+admission and ``aotx status`` report. Disk files are named by conversation id
+under the capsules folder and written crash-safely by ``capsule.save``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from aotx.engine.runtime.slots import common_prefix
+from aotx.engine.state import capsule as C
+
+
+class CapsuleCache:
+    """host_bytes / disk_bytes: budgets per home (bytes); directory: the disk home."""
+
+    def __init__(self, directory: Path | None, *, host_bytes: int = 512 << 20, disk_bytes: int = 4 << 30,
+                 fingerprint: str = ""):
+        self.dir = Path(directory) if directory else None
+        self.host_budget = host_bytes
+        self.disk_budget = disk_bytes
+        self.fingerprint = fingerprint
+        self.host: dict[str, C.Capsule] = {}
+        self.disk: dict[str, tuple[Path, int, float]] = {}  # conv -> (path, bytes, last_used)
+        self._lock = threading.Lock()
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for p in self.dir.glob("*.caps"):
+                self.disk[p.stem] = (p, p.stat().st_size, p.stat().st_mtime)
+
+    # ---- accounting ------------------------------------------------------------
+
+    def usage(self) -> dict[str, int]:
+        with self._lock:
+            return {"host_bytes": sum(c.nbytes for c in self.host.values()), "host_count": len(self.host),
+                    "disk_bytes": sum(b for _, b, _ in self.disk.values()), "disk_count": len(self.disk),
+                    "host_budget": self.host_budget, "disk_budget": self.disk_budget}
+
+    # ---- homes ---------------------------------------------------------------------
+
+    def park(self, conv_id: str, cap: C.Capsule) -> None:
+        """Keep ``cap`` in host memory as ``conv_id``'s state; evict LRU beyond the budget."""
+        cap.home = "host"
+        cap.last_used = time.monotonic()
+        with self._lock:
+            self.host[conv_id] = cap
+            self._evict_host()
+
+    def _evict_host(self) -> None:
+        while self.host and sum(c.nbytes for c in self.host.values()) > self.host_budget:
+            victim = min(self.host, key=lambda k: self.host[k].last_used)
+            cap = self.host.pop(victim)
+            if self.dir is not None and victim not in self.disk:
+                self._write(victim, cap)
+
+    def _write(self, conv_id: str, cap: C.Capsule) -> Path:
+        path = self.dir / f"{conv_id}.caps"
+        size = C.save(cap, path)
+        self.disk[conv_id] = (path, size, time.monotonic())
+        while self.disk and sum(b for _, b, _ in self.disk.values()) > self.disk_budget:
+            victim = min(self.disk, key=lambda k: self.disk[k][2])
+            p, _, _ = self.disk.pop(victim)
+            p.unlink(missing_ok=True)
+        return path
+
+    def store_on_disk(self, conv_id: str, cap: C.Capsule) -> Path | None:
+        """Write ``cap`` to the disk home (crash-safe). Returns its path, or None without a disk home."""
+        if self.dir is None:
+            return None
+        with self._lock:
+            return self._write(conv_id, cap)
+
+    def drop(self, conv_id: str) -> None:
+        """Forget a conversation's capsules (deleted, or its history changed)."""
+        with self._lock:
+            self.host.pop(conv_id, None)
+            entry = self.disk.pop(conv_id, None)
+        if entry:
+            entry[0].unlink(missing_ok=True)
+
+    # ---- lookup ----------------------------------------------------------------------
+
+    def best_for(self, conv_id: str, prompt: list[int]) -> tuple[C.Capsule | None, int, str]:
+        """The capsule sharing the longest token prefix with ``prompt`` (its own
+        conversation's first, then any parked one, e.g. a fork's parent).
+        Returns (capsule, shared prefix length, note); loads from disk when needed.
+        A disk capsule of another model is dropped and the note says so."""
+        with self._lock:
+            best, best_n = None, 0
+            for cid, cap in self.host.items():
+                n = common_prefix(cap.tokens.tolist(), prompt)
+                if n > best_n or (n == best_n and n and cid == conv_id):
+                    best, best_n = cap, n
+            disk_entry = self.disk.get(conv_id) if conv_id not in self.host else None
+        note = ""
+        if disk_entry is not None:
+            try:
+                cap = C.load(disk_entry[0])
+                if cap.header.fingerprint != self.fingerprint:
+                    note = (f"the capsule on disk belongs to model {cap.header.fingerprint}, not "
+                            f"{self.fingerprint}: re-prefilling from the journal's tokens")
+                    self.drop(conv_id)
+                else:
+                    n = common_prefix(cap.tokens.tolist(), prompt)
+                    if n > best_n:
+                        best, best_n = cap, n
+                        note = f"restored {n} tokens from the capsule on disk"
+            except C.CapsuleError as e:
+                note = f"{e}: re-prefilling from the journal's tokens"
+                self.drop(conv_id)
+        if best is not None:
+            best.last_used = time.monotonic()
+        return best, best_n, note

@@ -1,0 +1,189 @@
+"""Execution-state capsules: a slot's complete state at a committed boundary.
+
+A slot's live state is a closed set of named buffers: K and V of every layer
+for positions ``0..n-1``, the token ids those positions hold, the position
+(``n``), the pending token (sampled, not yet fed), and the sampler state (seed,
+Philox step counter, penalty history). A capsule is a copy of that set with a
+header: the model fingerprint, backend, dtype layout, length and a CRC32C over
+every buffer. Restore copies back into the *same* live buffers (nothing
+resolved at load changes) and is byte-exact.
+
+Homes: "host" (a numpy copy in RAM: parking), "disk" (a file written
+crash-safely: write, fsync, rename, fsync the directory), and, on CUDA,
+"device" (a copy beside the live buffers, provided by the CUDA backend).
+Public reference: the FlashRT paper "Execution-State Capsules" (byte-exact
+restore, token-identical greedy decode); unlike it, capsules here include the
+sampler state and live in three homes.
+
+File format (little-endian): magic ``AOTXCAPS``, u32 version, u32 header
+length, header (msgpack map), then the buffers in header order, raw.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import msgspec
+import numpy as np
+
+from aotx.engine.errors import AotxError
+
+MAGIC = b"AOTXCAPS"
+VERSION = 1
+_HEAD = struct.Struct("<8sII")
+
+
+class CapsuleError(AotxError):
+    """A capsule cannot be used: corrupt, another model's, or of another layout."""
+
+
+class CapsuleHeader(msgspec.Struct, frozen=True):
+    """What a capsule is: model fingerprint, backend, dtype layout
+    (``"kv:f32:(layers,kv_heads,n,head_dim)"``), length in tokens, per-buffer
+    shapes, CRC32C over all buffers, and the sampler state."""
+
+    fingerprint: str
+    backend: str
+    layout: str
+    n_tokens: int
+    shapes: dict[str, list[int]]
+    crc32c: int
+    pending_token: int = -1
+    seed: int = 0
+    step: int = 0
+    history: list[int] = []
+    drafter: dict[str, Any] = {}
+
+
+@dataclass
+class Capsule:
+    """Buffers: ``k``, ``v``: (n_layers, n_kv_heads, n, head_dim) float32;
+    ``tokens``: (n,) int32. Sampler state in the header."""
+
+    header: CapsuleHeader
+    k: np.ndarray
+    v: np.ndarray
+    tokens: np.ndarray
+    home: str = "host"
+    last_used: float = field(default=0.0)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes + self.tokens.nbytes)
+
+
+def _crc(*arrays: np.ndarray) -> int:
+    c = 0
+    for a in arrays:
+        c = google_crc32c.extend(c, np.ascontiguousarray(a).tobytes())
+    return int(c)
+
+
+def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str = "cpu",
+             pending_token: int = -1, sampler=None) -> Capsule:
+    """Copy slot ``slot``'s state for positions 0..len(tokens)-1 out of the live KV cache.
+
+    kv: the model's KVCache (per-layer ``k``/``v`` lists of (n_slots, n_kv, n_ctx, hd)
+    float32); tokens: the ids those positions hold; sampler: a SamplerState or None."""
+    n = len(tokens)
+    k = np.stack([layer[slot, :, :n, :] for layer in kv.k])
+    v = np.stack([layer[slot, :, :n, :] for layer in kv.v])
+    toks = np.asarray(tokens, np.int32)
+    hdr = CapsuleHeader(
+        fingerprint=fingerprint, backend=backend, layout=f"kv:f32:{list(k.shape[:2])}+n+[{k.shape[3]}]",
+        n_tokens=n, shapes={"k": list(k.shape), "v": list(v.shape), "tokens": [n]}, crc32c=_crc(k, v, toks),
+        pending_token=pending_token, seed=getattr(sampler, "seed", 0), step=getattr(sampler, "step", 0),
+        history=list(getattr(sampler, "history", [])))
+    return Capsule(hdr, k, v, toks)
+
+
+def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = None) -> int:
+    """Copy the capsule's first ``n`` positions (default all) back into slot ``slot``.
+
+    Raises CapsuleError when the capsule belongs to another model or layout, or the
+    cache cannot hold it. Returns the number of positions restored."""
+    if cap.header.fingerprint != fingerprint:
+        raise CapsuleError(f"capsule of model {cap.header.fingerprint} cannot restore into model {fingerprint}")
+    n = cap.n_tokens if n is None else min(n, cap.n_tokens)
+    if cap.k.shape[0] != len(kv.k) or cap.k.shape[1] != kv.k[0].shape[1] or cap.k.shape[3] != kv.k[0].shape[3]:
+        raise CapsuleError(f"capsule layout {cap.header.layout} does not match the KV cache")
+    if n > kv.k[0].shape[2]:
+        raise CapsuleError(f"capsule of {n} tokens does not fit a context of {kv.k[0].shape[2]}")
+    for li in range(len(kv.k)):
+        kv.k[li][slot, :, :n, :] = cap.k[li, :, :n, :]
+        kv.v[li][slot, :, :n, :] = cap.v[li, :, :n, :]
+    return n
+
+
+def verify(cap: Capsule) -> None:
+    """Raise CapsuleError unless the buffers' CRC32C equals the header's."""
+    got = _crc(cap.k, cap.v, cap.tokens)
+    if got != cap.header.crc32c:
+        raise CapsuleError(f"capsule checksum mismatch (stored {cap.header.crc32c:#010x}, computed {got:#010x})")
+
+
+def save(cap: Capsule, path: Path) -> int:
+    """Write the capsule to ``path`` crash-safely (tmp, fsync, rename, fsync dir). Returns bytes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = msgspec.msgpack.encode(cap.header)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(_HEAD.pack(MAGIC, VERSION, len(head)))
+        fh.write(head)
+        for a in (cap.k, cap.v, cap.tokens):
+            fh.write(np.ascontiguousarray(a).data)
+        fh.flush()
+        os.fsync(fh.fileno())
+        size = fh.tell()
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return size
+
+
+def load(path: Path) -> Capsule:
+    """Read and verify a capsule file. Raises CapsuleError naming the file and problem."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CapsuleError(f"{path}: cannot read capsule ({e.strerror})") from None
+    if len(data) < _HEAD.size:
+        raise CapsuleError(f"{path}: truncated capsule ({len(data)} bytes)")
+    magic, version, hlen = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise CapsuleError(f"{path}: not a capsule file")
+    if version > VERSION:
+        raise CapsuleError(f"{path}: capsule format version {version} is newer than this AOTX ({VERSION})")
+    try:
+        hdr = msgspec.msgpack.decode(data[_HEAD.size:_HEAD.size + hlen], type=CapsuleHeader)
+    except msgspec.MsgspecError as e:
+        raise CapsuleError(f"{path}: corrupt capsule header ({e})") from None
+    off = _HEAD.size + hlen
+    out = {}
+    for name, dt in (("k", np.float32), ("v", np.float32), ("tokens", np.int32)):
+        shape = tuple(hdr.shapes.get(name, []))
+        nb = int(np.prod(shape)) * np.dtype(dt).itemsize
+        if off + nb > len(data):
+            raise CapsuleError(f"{path}: truncated capsule (buffer {name} runs past the end)")
+        out[name] = np.frombuffer(data, dt, count=int(np.prod(shape)), offset=off).reshape(shape).copy()
+        off += nb
+    cap = Capsule(hdr, out["k"], out["v"], out["tokens"], home="disk")
+    try:
+        verify(cap)
+    except CapsuleError as e:
+        raise CapsuleError(f"{path}: {e}") from None
+    return cap
