@@ -401,4 +401,4 @@ class ChatApp(EngineLink, App):
         yield from super().get_system_commands(screen)
         for a in ACTIONS:
             if a.action != "quit":
-                yield SystemCommand(a.title, f"{a.help} ({a.key})", lambda a=a: self.run_action(a.action))
+                yield SystemCommand(a.title, f"{a.help} ({a.key})", lambda a=a: self.call_later(self.run_action, a.action))

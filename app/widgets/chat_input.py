@@ -7,6 +7,7 @@ become attachments instead of text). Leaves what a send means to the app.
 from __future__ import annotations
 
 from textual import events
+from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
@@ -17,6 +18,12 @@ NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
 
 class ChatInput(TextArea):
     """A TextArea where Enter sends and Ctrl+J (or Shift/Alt+Enter) breaks the line."""
+
+    # TextArea takes f6 (select line) and f7 (select all); hand them to the app's actions.
+    BINDINGS = [
+        Binding("f6", "app.toggle_theme", "Next theme", show=False),
+        Binding("f7", "app.details_last", "Details of last message", show=False),
+    ]
 
     class Submitted(Message):
         def __init__(self, text: str) -> None:

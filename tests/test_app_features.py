@@ -1,0 +1,247 @@
+"""ChatApp against the scripted engine: conversations, settings, help, palette, themes, attachments."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from textual.widgets import DataTable, Input
+
+sys.path.insert(0, str(Path(__file__).parent))
+from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
+
+from aotx.app.bindings import ACTIONS  # noqa: E402
+from aotx.app.screens.help import HelpScreen  # noqa: E402
+from aotx.app.widgets.chips import AttachmentBar  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
+WAV = b"RIFF\x24\0\0\0WAVEfmt " + b"\0" * 64
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTX_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+async def until(pilot, cond, tries: int = 50) -> None:
+    for _ in range(tries):
+        if cond():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("condition not reached")
+
+
+def engine_with_history() -> FakeEngine:
+    e = FakeEngine()
+    e.add_conversation("Rust lifetimes", [("user", "what is 'a?"), ("assistant", "A **lifetime** name.")])
+    e.add_conversation("Pasta recipe", [("user", "carbonara?"), ("assistant", "Eggs, guanciale, pecorino.")])
+    return e
+
+
+async def test_history_comes_from_engine_and_last_conversation_is_remembered(home):
+    engine = engine_with_history()
+    app, _ = make_app(engine)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        assert app.sidebar.visible() == ["Pasta recipe", "Rust lifetimes"]  # newest first
+        assert app.conv_id == "c4"
+        app.sidebar.query_one("ListView").index = 1
+        app.sidebar.query_one("ListView").action_select_cursor()
+        await settle(pilot)
+        assert app.conv_id == "c1"
+        assert [m.text for m in app.messages()] == ["what is 'a?", "A **lifetime** name."]
+        assert all(m.position == "durable" for m in app.messages())
+    assert json.loads((home / "app_state.json").read_text())["last_conversation"] == "c1"
+    app2, _ = make_app(engine)
+    async with app2.run_test() as pilot:
+        await settle(pilot)
+        assert app2.conv_id == "c1"
+
+
+async def test_create_rename_search_delete():
+    engine = engine_with_history()
+    app, _ = make_app(engine)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        assert len(engine.convs) == 3 and app.messages() == []
+        assert "New conversation" in app.sidebar.visible()
+        await pilot.press("f2")
+        await pilot.pause()
+        inp = app.screen.query_one("#prompt-input", Input)
+        inp.value = "Trip plans"
+        await pilot.press("enter")
+        await settle(pilot)
+        assert engine.convs[app.conv_id].title == "Trip plans"
+        assert app.sidebar.visible()[0] == "Trip plans"
+        await pilot.press("f3")
+        await pilot.press(*"pAs")
+        await pilot.pause()
+        assert app.sidebar.visible() == ["Pasta recipe"]
+        app.sidebar.query_one("#search", Input).value = ""
+        await pilot.pause()
+        deleted = app.conv_id
+        await pilot.press("f8")
+        await pilot.pause()
+        await pilot.press("y")
+        await settle(pilot)
+        assert deleted not in engine.convs
+        assert "Trip plans" not in app.sidebar.visible()
+        assert app.conv_id in engine.convs
+
+
+async def test_first_message_titles_a_new_conversation():
+    app, engine = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        app.chat_input.insert("How do magnets work?")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert engine.convs[app.conv_id].title == "How do magnets work?"
+
+
+async def test_settings_modal_updates_system_prompt_and_sampling():
+    engine = engine_with_history()
+    app, _ = make_app(engine)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        await pilot.press("f4")
+        await until(pilot, lambda: app.screen.query("#system-prompt"))
+        screen = app.screen
+        screen.query_one("#system-prompt").text = "Answer in French."
+        screen.query_one("#f-temperature", Input).value = "oops"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert "temperature: 'oops' is not a valid float" in str(screen.query_one("#settings-error").render())
+        screen.query_one("#f-temperature", Input).value = "0"
+        screen.query_one("#f-seed", Input).value = "7"
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+        conv = engine.convs[app.conv_id]
+        assert conv.system_prompt == "Answer in French."
+        assert conv.sampling.temperature == 0.0 and conv.sampling.seed == 7
+
+
+async def test_help_lists_every_binding():
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        table = app.screen.query_one(DataTable)
+        keys = {str(table.get_row_at(i)[0]) for i in range(table.row_count)}
+        assert {a.key for a in ACTIONS} <= keys
+        assert {"enter", "ctrl+j"} <= keys
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_command_palette_has_every_action():
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        titles = {c.title for c in app.get_system_commands(app.screen)}
+        assert {a.title for a in ACTIONS if a.action != "quit"} <= titles
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"Next theme")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.theme_name == "light")
+
+
+async def test_theme_switch_at_run_time_is_remembered(home):
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        assert app.has_class("theme-dark") and app.theme == "textual-dark"
+        await pilot.press("f6")
+        assert app.has_class("theme-light") and not app.has_class("theme-dark")
+        assert app.theme == "textual-light"
+    assert json.loads((home / "app_state.json").read_text())["theme"] == "light"
+    app2, _ = make_app()
+    async with app2.run_test() as pilot:
+        assert app2.theme_name == "light"
+    app3, _ = make_app(theme="dark")
+    async with app3.run_test() as pilot:
+        assert app3.theme_name == "dark"
+
+
+async def test_pasted_paths_become_chips_even_without_input_focus(tmp_path):
+    (tmp_path / "my cat.png").write_bytes(PNG)
+    (tmp_path / "voice.wav").write_bytes(WAV)
+    app, engine = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        app.sidebar.query_one("ListView").focus()
+        paste = f"'{tmp_path}/my cat.png' file://{str(tmp_path).replace(' ', '%20')}/voice.wav\n"
+        app.post_message(__import__("textual").events.Paste(paste))
+        await settle(pilot)
+        bar = app.query_one(AttachmentBar)
+        assert [a.name for a in bar.attachments] == ["my cat.png", "voice.wav"]
+        assert app.chat_input.text == ""
+        # a missing file gets a visible notice; text pastes stay text
+        app.chat_input.focus()
+        await app.chat_input._on_paste(__import__("textual").events.Paste(f"{tmp_path}/gone.png"))
+        await settle(pilot)
+        assert "no such file" in str(app.query_one("#input-notice").render())
+        await app.chat_input._on_paste(__import__("textual").events.Paste("what is this?"))
+        await pilot.pause()
+        assert app.chat_input.text == "what is this?"
+        await pilot.press("enter")
+        await settle(pilot)
+        # until media profiles exist the engine refuses, and the app shows it
+        sent = engine.submitted[-1]
+        assert [a.kind for a in sent[2]] == ["image", "audio"] and len(sent[2][0].sha256) == 64
+        user = app.messages()[-1]
+        assert user.position == "failed"
+        assert "refused the attachment (unsupported_media)" in user.notices()[0]
+        assert bar.attachments == []
+
+
+async def test_attach_command_and_file_picker(tmp_path):
+    (tmp_path / "a b.png").write_bytes(PNG)
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        app.chat_input.insert(rf"/attach {tmp_path}/a\ b.png")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert [a.name for a in app.query_one(AttachmentBar).attachments] == ["a b.png"]
+        app.chat_input.insert(f"/attach {tmp_path}/notes.txt")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert "not an image or audio file" in str(app.query_one("#input-notice").render())
+        # the picker returns a path the same way
+        await pilot.press("f5")
+        await pilot.pause()
+        app.screen.query_one("#picker-path", Input).value = str(tmp_path / "a b.png")
+        app.screen.query_one("#picker-path", Input).focus()
+        await pilot.press("enter")
+        await settle(pilot)
+        assert len(app.query_one(AttachmentBar).attachments) == 1  # same file, not twice
+        chip = app.query_one(".chip")
+        await pilot.click(chip)
+        await pilot.pause()
+        assert app.query_one(AttachmentBar).attachments == []
+
+
+async def test_no_app_key_is_shadowed_by_the_input():
+    """Regression: TextArea binds f6/f7 (select line/all), which hid the theme and details keys."""
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        assert app.chat_input.has_focus
+        for a in ACTIONS:
+            for node, bindings in app.screen._binding_chain:
+                hits = bindings.key_to_bindings.get(a.key)
+                if hits:
+                    assert hits[0].action in (a.action, f"app.{a.action}"), (a.key, node, hits[0].action)
+                    break
