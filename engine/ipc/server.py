@@ -173,9 +173,13 @@ class Server:
                     msg = await self._read(reader)
                 except ProtocolError as e:
                     # the framing is intact only when the payload was read; a bad length closes
-                    conn.send(P.Error(id=0, code="bad_frame", message=str(e)))
+                    err = P.Error(id=0, code="bad_frame", message=str(e))
                     if "exceeds the limit" in str(e):
+                        # written here, not through conn.send: that write would run after
+                        # the close below marks the connection closed, and be dropped
+                        writer.write(P.encode_frame(err))
                         break
+                    conn.send(err)
                     continue
                 if isinstance(msg, (P.Hello, P.Welcome, P.Error, P.Ok, P.ConversationInfo, P.ConversationList,
                                     P.Accepted, P.Token, P.Notice, P.Committed, P.Durable, P.StatusReply)):
