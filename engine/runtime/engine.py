@@ -37,6 +37,9 @@ from aotx.engine.runtime.slots import SlotTable
 
 log = logging.getLogger("aotx.engine")
 
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
 
 class Engine:
     """Runs one model for many conversations and clients.
@@ -215,6 +218,12 @@ class Engine:
         # the conversation keeps its default sampling as a plain dict (a journal record's field)
         sp = op.sampling or (msgspec.convert(conv.sampling, P.SamplingParams) if conv.sampling else None) \
             or P.SamplingParams()
+        # the stop checker keeps every prefix of every stop string: bound them, or one long
+        # string costs quadratic memory and time on the engine thread
+        if len(sp.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in sp.stop):
+            raise _Refused("bad_request", f"stop strings: at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} "
+                           f"characters each (got {len(sp.stop)}, the longest "
+                           f"{max(map(len, sp.stop), default=0)} characters)")
         tok = self.lm.tokenizer
         if op.raw:
             prompt = tok.encode(op.text, add_special=True, parse_special=False)
