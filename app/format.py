@@ -47,7 +47,9 @@ def fmt_bytes(n: int) -> str:
 
 def fmt_amount(resource: str, n: int) -> str:
     unit = _COUNT_RESOURCES.get(resource)
-    return f"{n} {unit}" if unit else fmt_bytes(n)
+    if unit is None:
+        return fmt_bytes(n)
+    return f"{n} {unit[:-1] if n == 1 else unit}"
 
 
 def notice_text(n: P.Notice) -> str:

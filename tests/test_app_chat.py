@@ -97,7 +97,7 @@ async def test_notices_appear_inline_in_plain_words():
         await type_and_send(pilot, "hi")
         await settle(pilot)
         lines = app.messages()[1].notices()
-        assert lines[0].startswith("Queued: slots — asked 1 slots, 0 slots free, position 2 in the queue.")
+        assert lines[0].startswith("Queued: slots — asked 1 slot, 0 slots free, position 2 in the queue.")
         assert lines[1] == "Held: journal — asked 8.0 KiB, 1.0 KiB free."
 
 

@@ -57,11 +57,11 @@ class MessageWidget(Vertical, can_focus=True):
         if self.attachments:
             yield Static("  ".join(f"[{a.kind}] {a.name}" for a in self.attachments), classes="msg-attachments",
                          markup=False)
+        yield Vertical(classes="msg-notices")  # admission notices come before the text
         if self.role == "assistant":
             yield Markdown(self.text, classes="msg-body")
         else:
             yield Static(self.text, classes="msg-body", markup=False)
-        yield Vertical(classes="msg-notices")
 
     def _header_text(self) -> str:
         who = "You" if self.role == "user" else "Assistant" if self.role == "assistant" else self.role

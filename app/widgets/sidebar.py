@@ -9,8 +9,9 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import Input, Label, ListItem, ListView
+from textual.widgets import Input, Label, ListItem, ListView, Static
 
+from aotx.app.format import GLYPHS
 from aotx.engine.ipc import protocol as P
 
 
@@ -38,6 +39,7 @@ class Sidebar(Vertical):
         yield Label("Conversations", classes="sidebar-title")
         yield Input(placeholder="Search titles", id="search")
         yield ListView(id="conversations")
+        yield Static("\n".join(f"{g} {name}" for name, g in GLYPHS.items()), id="legend", markup=False)
 
     def set_conversations(self, convs: list[P.ConversationView], current: str | None) -> None:
         self.conversations = sorted(convs, key=lambda c: (c.updated_at, c.created_at), reverse=True)

@@ -1,7 +1,7 @@
-"""The status bar: engine state (model, device, ready/loading), budget, legend.
+"""The status bar: engine state (model, device, ready/loading) and the budget.
 
-Owns: formatting what the app knows about the engine into one line, plus the
-position legend. Leaves polling the engine to the app.
+Owns: formatting what the app knows about the engine into one line (exact bytes
+in its tooltip). Leaves polling the engine to the app.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
 
-from aotx.app.format import LEGEND, fmt_bytes
+from aotx.app.format import fmt_bytes
 from aotx.engine.ipc import protocol as P
 
 
 class StatusBar(Horizontal):
-    """``engine`` line on the left, legend on the right."""
+    """One line: model · device · state (progress) · budget used / free."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -27,15 +27,13 @@ class StatusBar(Horizontal):
 
     def compose(self) -> ComposeResult:
         yield Static(self.line(), id="engine-status", markup=False)
-        yield Static(LEGEND, id="legend", markup=False)
 
     def line(self) -> str:
         parts = [self.model or "no model yet", self.device or "?", self.state]
         if self.detail:
             parts[-1] += f" ({self.detail})"
         if self.budget:
-            parts.append(f"budget {fmt_bytes(self.used)} used / {fmt_bytes(self.budget - self.used)} free "
-                         f"({self.used} / {self.budget - self.used} B)")
+            parts.append(f"budget {fmt_bytes(self.used)} used / {fmt_bytes(self.budget - self.used)} free")
         return " · ".join(parts)
 
     def set_state(self, state: str, detail: str = "") -> None:
@@ -55,4 +53,7 @@ class StatusBar(Horizontal):
 
     def _refresh(self) -> None:
         if self.is_mounted:
-            self.query_one("#engine-status", Static).update(self.line())
+            line = self.query_one("#engine-status", Static)
+            line.update(self.line())
+            if self.budget:
+                line.tooltip = f"budget: {self.used} bytes used, {self.budget - self.used} bytes free"

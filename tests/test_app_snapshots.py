@@ -1,0 +1,70 @@
+"""Snapshot tests (pytest-textual-snapshot) of the main screen, help screen and details view.
+
+Update after an intended change with ``pytest tests/test_app_snapshots.py --snapshot-update``
+and look at the SVGs in ``tests/__snapshots__/``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
+
+from aotx.engine.ipc import protocol as P  # noqa: E402
+
+SIZE = (110, 32)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTX_HOME", str(tmp_path))
+
+
+def demo_app(theme: str = "dark"):
+    engine = FakeEngine(notices=[P.Notice(id=0, kind="queued", resource="slots", message="waiting for a free slot",
+                                          asked=1, free=0, position=1)])
+    engine.add_conversation("Pasta recipe", [("user", "carbonara?"), ("assistant", "Eggs, guanciale, pecorino.")])
+    engine.add_conversation("Rust lifetimes", [("user", "what is 'a?"),
+                                               ("assistant", "A *lifetime* name:\n\n```rust\nfn f<'a>(x: &'a str) {}\n```")])
+    app, _ = make_app(engine, theme=theme)
+    return app
+
+
+async def _prepare(pilot, send: str | None = "Show me a loop") -> None:
+    await settle(pilot)
+    pilot.app.chat_input.cursor_blink = False
+    if send:
+        pilot.app.chat_input.insert(send)
+        await pilot.press("enter")
+        await settle(pilot)
+    await pilot.pause()
+
+
+def test_main_screen_dark(snap_compare):
+    assert snap_compare(demo_app("dark"), terminal_size=SIZE, run_before=_prepare)
+
+
+def test_main_screen_light(snap_compare):
+    assert snap_compare(demo_app("light"), terminal_size=SIZE, run_before=_prepare)
+
+
+def test_help_screen(snap_compare):
+    async def run_before(pilot):
+        await _prepare(pilot, send=None)
+        await pilot.press("f1")
+        await pilot.pause()
+
+    assert snap_compare(demo_app(), terminal_size=SIZE, run_before=run_before)
+
+
+def test_details_view(snap_compare):
+    async def run_before(pilot):
+        await _prepare(pilot)
+        await pilot.press("f7")
+        await pilot.pause()
+
+    assert snap_compare(demo_app(), terminal_size=SIZE, run_before=run_before)
