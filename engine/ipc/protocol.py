@@ -202,6 +202,7 @@ class Welcome(_Base, tag="welcome"):
     device: str
     ready: bool = True
     pid: int = 0
+    journal: bool = True  # False: no Durable receipts will come (journal off)
 
 
 class Error(_Base, tag="error"):
