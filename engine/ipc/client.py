@@ -226,7 +226,7 @@ class EngineClient:
                 if isinstance(msg, P.Error):
                     return
                 if isinstance(msg, P.Committed):
-                    if not wait_durable:
+                    if not wait_durable or not self.welcome.journal:  # no receipt will come without a journal
                         return
                     final_seq = msg.seq
                 if isinstance(msg, P.Durable) and final_seq is not None and msg.receipt.last_seq >= final_seq:
