@@ -112,7 +112,7 @@ def serve(args) -> int:
 
     def welcome() -> P.Welcome:
         return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=lm.name, device=eng.device,
-                         ready=eng.ready, pid=os.getpid())
+                         ready=eng.ready, pid=os.getpid(), journal=store.journaled)
 
     async def main() -> None:
         server = Server(eng, sock, welcome, lock=lock)
