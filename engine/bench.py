@@ -155,12 +155,72 @@ def bench_engine(lm, concurrency=(1, 2, 4, 8, 16), max_tokens=64, journal: bool 
     return results
 
 
+def bench_capsules(lm, sizes=(512, 2048), new_tokens: int = 16, chunk: int = 512) -> dict:
+    """Per context size n: snapshot/restore seconds per home (host copy, disk write and
+    read), and time to first token of a next turn of ``new_tokens`` through a restore
+    versus a cold prefill of all n + new_tokens tokens (chunked like the engine)."""
+    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.state import capsule as C
+
+    pool = lm.tokenizer.encode(TEXT)
+    while len(pool) < max(sizes) + new_tokens:
+        pool += pool
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in sizes:
+            kv = lm.model.new_kv_cache(2, n + new_tokens + 1)
+            ids = pool[:n + new_tokens]
+
+            def prefill(slot, start, stop):
+                for a in range(start, stop, chunk):
+                    b = min(stop, a + chunk)
+                    lg = lm.model.forward(np.asarray(ids[a:b], np.int32), [Segment(slot, a, b - a)], kv)
+                return lg
+
+            t = time.perf_counter()
+            prefill(0, 0, n + new_tokens)
+            cold = time.perf_counter() - t
+            t = time.perf_counter()
+            cap = C.snapshot(kv, 0, ids[:n], fingerprint=lm.fingerprint)
+            snap = time.perf_counter() - t
+            t = time.perf_counter()
+            C.save(cap, Path(tmp) / f"{n}.caps")
+            save = time.perf_counter() - t
+            t = time.perf_counter()
+            back = C.load(Path(tmp) / f"{n}.caps")
+            load = time.perf_counter() - t
+            t = time.perf_counter()
+            C.restore(back, kv, 1, fingerprint=lm.fingerprint)
+            restore = time.perf_counter() - t
+            t = time.perf_counter()
+            C.restore(cap, kv, 1, fingerprint=lm.fingerprint)
+            prefill(1, n, n + new_tokens)
+            warm = time.perf_counter() - t
+            out[n] = {"capsule_bytes": cap.nbytes, "snapshot_host_s": round(snap, 4), "save_disk_s": round(save, 4),
+                      "load_disk_s": round(load, 4), "restore_s": round(restore, 4),
+                      "ttft_cold_prefill_s": round(cold, 4), "ttft_restore_s": round(warm, 4),
+                      "speedup": round(cold / warm, 1)}
+    return out
+
+
 def run_bench(args) -> int:
     from aotx.engine.model.loader import load_model
     from aotx.engine.serve import pick_device
 
     device = pick_device(args.device)
     lm = load_model(args.model, device=device)
+    if getattr(args, "capsules", None):
+        sizes = tuple(int(x) for x in args.capsules.split(",") if x)
+        res = bench_capsules(lm, sizes)
+        if args.json:
+            print(json.dumps({"device": device, "model": lm.name, "capsules": res}))
+        else:
+            print("context  capsule MiB  snapshot ms  save ms  load ms  restore ms  TTFT cold s  TTFT restore s  speed-up")
+            for n, r in res.items():
+                print(f"{n:>7}  {r['capsule_bytes'] / 2**20:>11.1f}  {1e3 * r['snapshot_host_s']:>11.1f}  "
+                      f"{1e3 * r['save_disk_s']:>7.1f}  {1e3 * r['load_disk_s']:>7.1f}  {1e3 * r['restore_s']:>10.1f}"
+                      f"  {r['ttft_cold_prefill_s']:>11.3f}  {r['ttft_restore_s']:>14.4f}  {r['speedup']:>7.1f}x")
+        return 0
     conc = tuple(int(x) for x in args.concurrency.split(",") if x)
     sizes = (128, 512) if args.quick else (128, 512, 1024)
     if device == "cuda":
