@@ -88,7 +88,7 @@ class EngineClient:
                     return await cls._open(sock, client_name)
                 except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):
                     tail = _tail(log)
-                    raise EngineError(f"the engine exited with code {code} before answering: {tail}") from None
+                    raise EngineError(f"the engine exited with code {code} before answering: {tail} (details in {log})") from None
             if time.monotonic() > deadline:
                 raise EngineError(f"the engine did not answer on {sock} within {timeout:.0f} s (log: {log})")
 
@@ -240,9 +240,13 @@ async def _read_frame(reader: asyncio.StreamReader) -> P.Message:
     return P.decode_payload(await reader.readexactly(n))
 
 
-def _tail(path: Path, n: int = 400) -> str:
+def _tail(path: Path, n: int = 4000) -> str:
+    """The engine's last error line from its log (the line starting with "aotx:"), or its last line."""
     try:
-        data = path.read_bytes()[-n:].decode("utf-8", "replace").strip().splitlines()
-        return data[-1] if data else "(empty log)"
+        lines = path.read_bytes()[-n:].decode("utf-8", "replace").strip().splitlines()
     except OSError:
         return "(no log)"
+    for line in reversed(lines):
+        if line.startswith("aotx:"):
+            return line[5:].strip()
+    return lines[-1] if lines else "(empty log)"

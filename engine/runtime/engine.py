@@ -148,7 +148,10 @@ class Engine:
         try:
             self._dispatch(obj, sink)
         except AotxError as e:
-            sink.send(P.Error(id=getattr(obj, "id", 0), code=getattr(e, "code", "bad_request"), message=str(e)))
+            code = getattr(e, "code", "bad_request")
+            if isinstance(obj, P.SubmitMessage):
+                log.info("refused a message for %s (%s): %s", getattr(obj, "conv_id", "?"), code, e)
+            sink.send(P.Error(id=getattr(obj, "id", 0), code=code, message=str(e)))
         except Exception as e:  # noqa: BLE001 - a bug must not kill the engine thread
             log.exception("operation %s failed", type(obj).__name__)
             sink.send(P.Error(id=getattr(obj, "id", 0), code="internal", message=f"internal error: {e}"))
