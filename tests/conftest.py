@@ -130,7 +130,7 @@ def engine_server(loaded_model, tmp_path, monkeypatch):
 
         def welcome() -> P.Welcome:
             return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=loaded_model.name, device="cpu",
-                             ready=eng.ready, pid=os.getpid())
+                             ready=eng.ready, pid=os.getpid(), journal=store.journaled)
 
         sock = sock_dir / f"e{len(handles)}.sock"
         loop = asyncio.new_event_loop()
