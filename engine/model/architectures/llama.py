@@ -218,5 +218,10 @@ class LlamaModel:
 
 def build(cfg: ModelConfig, gf, backend) -> LlamaModel:
     """Check the file's tensors against ``cfg`` and load them onto ``backend``.
-    Raises ModelError naming a missing or mis-shaped tensor."""
+    Raises ModelError naming a missing or mis-shaped tensor. On the CUDA backend the
+    model is ``cuda_llama.CudaLlamaModel`` (same interface, kernels and graphs on the GPU)."""
+    if getattr(backend, "name", "") == "cuda":
+        from aotx.engine.backend.cuda_llama import CudaLlamaModel
+
+        return CudaLlamaModel(cfg, gf, backend)
     return LlamaModel(cfg, gf, backend)

@@ -1,0 +1,159 @@
+"""The CUDA backend: weights on the GPU in their GGUF block layout, CuPy RawModule kernels.
+
+Owns: the device check, uploading GGUF tensors (``matrix``, ``vector``), compiling the
+kernels of ``cuda_src.py`` once per set of template instances (CuPy caches the compiled
+module on disk, keyed by source and options) and a small launch helper. The model
+(``cuda_llama.py``) owns buffers, the order of launches and the CUDA graphs.
+
+Importing this module imports CuPy, so ``import aotx.engine.backend.cuda`` failing with
+ImportError is how ``serve.pick_device`` learns that the CUDA backend is unavailable.
+
+Supported tensor types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+Q2_K, Q3_K, the IQ*, TQ* and FP4 families are refused with ModelError. Rows must hold a
+multiple of 32 inputs (256 for the K types).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import cupy as cp
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from aotx.engine.backend import cuda_src
+from aotx.engine.errors import ModelError
+
+SUPPORTED_TYPES: frozenset[T] = frozenset(T(c) for c in cuda_src.TYPES)
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def _u64(a) -> np.uint64:
+    """A device pointer as a kernel argument (a cupy array or a raw address)."""
+    if a is None:
+        return np.uint64(0)
+    if isinstance(a, (int, np.integer)):
+        return np.uint64(a)
+    return np.uint64(a.data.ptr)
+
+
+@dataclass
+class DevMatrix:
+    """A weight W of shape (m, k) on the device, rows in the file's block layout.
+
+    ``data``: uint8 (m_pad, row_bytes); ``m_pad`` is m rounded up to even (kernels
+    compute two rows per warp; the pad row is zero). ``dense`` is a float32 (m, k)
+    copy made on demand for the cuBLAS (prefill) path, or None."""
+
+    name: str
+    qtype: int
+    m: int
+    k: int
+    row_bytes: int
+    data: cp.ndarray
+    dense: cp.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class CudaBackend:
+    """Op set on one NVIDIA GPU through CuPy. ``weight_bytes`` counts the quantized
+    weights uploaded (dense prefill copies are counted in ``dense_bytes``).
+
+    Raises ModelError when CuPy sees no CUDA device."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0) -> None:
+        try:
+            n = cp.cuda.runtime.getDeviceCount()
+        except Exception as e:  # noqa: BLE001 - the driver's errors come in many classes
+            raise ModelError(f"--device cuda: no usable CUDA driver ({e})") from None
+        if n <= device:
+            raise ModelError(f"--device cuda: CuPy sees {n} CUDA devices, device {device} does not exist")
+        self.device = cp.cuda.Device(device)
+        self.device.use()
+        props = cp.cuda.runtime.getDeviceProperties(device)
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.n_sm = int(props["multiProcessorCount"])
+        self.weight_bytes = 0
+        self.dense_bytes = 0
+        self._modules: dict[tuple[str, ...], cp.RawModule] = {}
+
+    # ---- tensors ---------------------------------------------------------------
+
+    def matrix(self, t) -> DevMatrix:
+        """A 2-D GGUF tensor (ggml shape ``[k, m]``) uploaded as a DevMatrix (m, k).
+
+        Raises ModelError for an unsupported type or a row length that is not a whole
+        number of the type's blocks."""
+        qt = T(int(t.qtype))
+        if qt not in SUPPORTED_TYPES:
+            raise ModelError(f"tensor {t.name!r} has tensor type {qt.name}, which the CUDA backend does not support "
+                             f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
+        k, m = (int(s) for s in t.shape)
+        be, bb = GGML_QUANT_SIZES[qt]
+        if k % max(be, 32):
+            raise ModelError(f"tensor {t.name!r}: rows of {k} inputs are not a multiple of {max(be, 32)}, "
+                             f"which the CUDA kernels need for {qt.name}")
+        rb = k // be * bb
+        raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+        if raw.size != m * rb:
+            raise ModelError(f"tensor {t.name!r}: {raw.size} bytes, expected {m} rows of {rb} bytes")
+        m_pad = m + (m & 1)
+        data = cp.zeros((m_pad, rb), cp.uint8)
+        data[:m] = cp.asarray(raw.reshape(m, rb))
+        dm = DevMatrix(t.name, int(qt), m, k, rb, data)
+        self.weight_bytes += dm.nbytes
+        return dm
+
+    def vector(self, t) -> cp.ndarray:
+        """A 1-D F32/F16/BF16 tensor as a float32 device array."""
+        if len(t.shape) != 1:
+            raise ModelError(f"tensor {t.name!r} should be 1-D, has shape {list(t.shape)}")
+        qt = T(int(t.qtype))
+        raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+        if qt == T.F32:
+            v = raw.view(np.float32)
+        elif qt == T.F16:
+            v = raw.view(np.float16).astype(np.float32)
+        elif qt == T.BF16:
+            v = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            raise ModelError(f"tensor {t.name!r} is {qt.name}; 1-D tensors must be F32, F16 or BF16")
+        arr = cp.asarray(np.ascontiguousarray(v, dtype=np.float32))
+        self.weight_bytes += int(arr.nbytes)
+        return arr
+
+    def concat(self, name: str, parts: list[DevMatrix]) -> DevMatrix:
+        """One DevMatrix of the rows of ``parts`` (same type and k; each m even)."""
+        assert all(p.qtype == parts[0].qtype and p.k == parts[0].k and p.m % 2 == 0 for p in parts)
+        data = cp.concatenate([p.data for p in parts])
+        for p in parts:
+            self.weight_bytes -= p.nbytes
+            p.data = None  # type: ignore[assignment]
+        dm = DevMatrix(name, parts[0].qtype, sum(p.m for p in parts), parts[0].k, parts[0].row_bytes, data)
+        self.weight_bytes += dm.nbytes
+        return dm
+
+    # ---- kernels ---------------------------------------------------------------
+
+    def module(self, names: list[str]) -> dict[str, cp.RawKernel]:
+        """Compile (or fetch from CuPy's disk cache) the source with these template
+        instances and plain kernels; returns name -> RawKernel."""
+        key = tuple(sorted(set(names)))
+        mod = self._modules.get(key)
+        if mod is None:
+            mod = cp.RawModule(code=cuda_src.SRC, options=NVRTC_OPTIONS, name_expressions=list(key))
+            self._modules[key] = mod
+        return {n: mod.get_function(n) for n in key}
+
+    def dequantize(self, kern: cp.RawKernel, w: DevMatrix) -> cp.ndarray:
+        """float32 (m, k) copy of ``w`` made by the ``dequant<T>`` kernel ``kern``."""
+        out = cp.empty((w.m, w.k), cp.float32)
+        n = w.m * (w.k // 8)
+        kern(((n + 255) // 256,), (256,), (_u64(w.data), np.int64(w.row_bytes), np.int32(w.m), np.int32(w.k),
+                                           _u64(out)))
+        return out

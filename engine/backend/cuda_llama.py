@@ -1,0 +1,479 @@
+"""The llama architecture on the CUDA backend: prefill through cuBLAS, decode as a CUDA graph.
+
+Same interface and math as ``architectures/llama.py`` (LlamaModel): ``forward(tokens,
+segments, kv)`` returns host float32 logits; ``greedy`` returns argmax ids only.
+
+Two paths:
+* **decode graph**: a batch where every segment is one token (at most ``kv.b_max``
+  rows) replays a CUDA graph captured once per batch-size bucket (1, 2, 4, ... b_max)
+  and per KV cache. The graph reads the tokens, slots and positions of its rows from a
+  device table ``tab`` (3, b_max) int32 that the host refreshes with one copy before
+  each replay; rows past the batch point at a scratch slot. Per layer it runs 5 of our
+  kernels: QKV GEMV (RMSNorm, RoPE and the KV write fused), split-context attention,
+  O GEMV + residual, gate/up GEMV (RMSNorm and SwiGLU fused), down GEMV + residual;
+  then the output GEMV (final RMSNorm fused) and a per-row argmax. No cuBLAS inside.
+* **eager**: anything else (prefill chunks, mixed batches): weights dequantized once to
+  float32 (kept when they fit ``DENSE_CACHE_BYTES``), cuBLAS SGEMM for projections,
+  cuBLAS for prefill attention (scores, causal softmax kernel, values), the decode
+  attention kernel for single-token rows.
+
+KV cache: per layer ``(n_slots + 1, n_kv, n_ctx, hd) float32`` (the extra slot is the
+scratch slot), all layers in one allocation. Not thread-safe: one engine thread drives it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy as cp
+import numpy as np
+from cupy_backends.cuda.libs import cublas
+
+from aotx.engine.backend import cuda_src as S
+from aotx.engine.backend.cuda import CudaBackend, DevMatrix, _u64
+from aotx.engine.errors import ModelError
+from aotx.engine.model.config import ModelConfig
+
+DENSE_CACHE_BYTES = 4 << 30   # float32 copies of the weights for prefill are kept up to this size
+NB_CHOICES = (1, 4, 16)        # batch rows per GEMV block (template instances)
+ATT_NSMAX = 16                 # most context splits per (row, head) in decode attention
+ATT_MINCHUNK = 64              # fewest positions per split (one round of the kernel for head_dim 64)
+GEMV_WARPS = 4
+
+
+def _nb(b: int) -> int:
+    """Batch rows per GEMV block for a batch of ``b`` rows."""
+    best = 1
+    for n in NB_CHOICES:
+        if n <= b:
+            best = n
+    return best
+
+
+def rope_tables(n_ctx: int, rope_dim: int, base: float, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (n_ctx, rope_dim // 2) float32, as ``cpu_ops.rope_tables`` computes them
+    (float64, then rounded), so both backends rotate by the same numbers."""
+    j = np.arange(rope_dim // 2, dtype=np.float64)
+    inv = base ** (-2.0 * j / rope_dim)
+    ang = (np.arange(n_ctx, dtype=np.float64)[:, None] / scale) * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+class CudaLayer:
+    def __init__(self, attn_norm, qkv: list[DevMatrix], wo, ffn_norm, w_gate, w_up, w_down):
+        self.attn_norm = attn_norm
+        self.qkv = qkv              # one concatenated matrix, or [wq, wk, wv] when their types differ
+        self.wo = wo
+        self.ffn_norm = ffn_norm
+        self.w_gate = w_gate
+        self.w_up = w_up
+        self.w_down = w_down
+        self.d_qkv = self.d_gu = None  # dense float32 copies for the eager path
+
+
+class CudaKVCache:
+    """KV for ``n_slots`` slots of ``n_ctx`` tokens on the device, plus the decode
+    buffers and graphs bound to it. ``k``, ``v``: (n_layers, n_slots + 1, n_kv, n_ctx, hd)."""
+
+    def __init__(self, model: "CudaLlamaModel", n_slots: int, n_ctx: int):
+        cfg = model.cfg
+        self.n_slots = n_slots
+        self.n_ctx = n_ctx
+        shape = (cfg.n_layers, n_slots + 1, cfg.n_kv_heads, n_ctx, cfg.head_dim)
+        self.k = cp.zeros(shape, cp.float32)
+        self.v = cp.zeros(shape, cp.float32)
+        self.layer_bytes = int(self.k[0].nbytes)
+        b = 1
+        while b < n_slots:
+            b *= 2
+        self.b_max = b
+        qd = cfg.n_heads * cfg.head_dim
+        # decode buffers (graph path)
+        self.tab = cp.zeros((3, b), cp.int32)                 # token, slot, position per row
+        self.tab_host = cp.cuda.alloc_pinned_memory(3 * b * 4)
+        self.tab_np = np.frombuffer(self.tab_host, np.int32, 3 * b).reshape(3, b)
+        self.ids = cp.zeros(b, cp.int32)
+        self.ids_host = cp.cuda.alloc_pinned_memory(b * 4)
+        self.ids_np = np.frombuffer(self.ids_host, np.int32, b)
+        self.x = cp.zeros((b, cfg.d_model), cp.float32)
+        self.q = cp.zeros((b, qd), cp.float32)
+        self.att = cp.zeros((b, qd), cp.float32)
+        self.g = cp.zeros((b, cfg.ffn_dim), cp.float32)
+        self.logits = cp.zeros((b, model.v_pad), cp.float32)
+        self.part = cp.zeros(b * cfg.n_heads * ATT_NSMAX * (cfg.head_dim + 2), cp.float32)
+        self.counters = cp.zeros(b * cfg.n_heads, cp.int32)
+        self.graphs: dict[int, object] = {}
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, n_slots: int, n_ctx: int) -> int:
+        return 2 * cfg.n_layers * (n_slots + 1) * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4
+
+
+class CudaLlamaModel:
+    """A llama model on a CudaBackend. See the module docstring for the two paths."""
+
+    def __init__(self, cfg: ModelConfig, gf, backend: CudaBackend):
+        from aotx.engine.model.architectures.llama import _check
+
+        self.cfg = cfg
+        self.backend = backend
+        d, hd = cfg.d_model, cfg.head_dim
+        if hd not in (64, 128):
+            raise ModelError(f"{gf.path}: head dimension {hd}: the CUDA attention kernel supports 64 and 128")
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise ModelError(f"{gf.path}: {cfg.n_heads} heads are not a multiple of {cfg.n_kv_heads} KV heads")
+        self.qd, self.kd = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        vocab = cfg.vocab_size
+        mat = lambda name, shape: backend.matrix(_check(gf, name, shape))  # noqa: E731
+        vec = lambda name, shape: backend.vector(_check(gf, name, shape))  # noqa: E731
+        self.tok_embd = mat("token_embd.weight", (d, vocab))
+        self.output = mat("output.weight", (d, vocab)) if "output.weight" in gf.tensors else self.tok_embd
+        self.output_norm = vec("output_norm.weight", (d,))
+        self.v_pad = vocab + (vocab & 1)
+        self.layers: list[CudaLayer] = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            wq = mat(p + "attn_q.weight", (d, self.qd))
+            wk = mat(p + "attn_k.weight", (d, self.kd))
+            wv = mat(p + "attn_v.weight", (d, self.kd))
+            qkv = [backend.concat(p + "attn_qkv", [wq, wk, wv])] if wq.qtype == wk.qtype == wv.qtype else [wq, wk, wv]
+            self.layers.append(CudaLayer(
+                vec(p + "attn_norm.weight", (d,)), qkv, mat(p + "attn_output.weight", (self.qd, d)),
+                vec(p + "ffn_norm.weight", (d,)), mat(p + "ffn_gate.weight", (d, cfg.ffn_dim)),
+                mat(p + "ffn_up.weight", (d, cfg.ffn_dim)), mat(p + "ffn_down.weight", (cfg.ffn_dim, d))))
+        self.scale = 1.0 / math.sqrt(hd)
+        self._compile()
+        self._rope_n = 0
+        self.rcos = self.rsin = None
+        self._dense_ok = self._dense_size() <= DENSE_CACHE_BYTES
+        self._last_logits: cp.ndarray | None = None
+        self._blas = cp.cuda.device.get_cublas_handle()
+        self._one = np.ones(1, np.float32)
+        self._zero = np.zeros(1, np.float32)
+        self._one_p, self._zero_p = self._one.ctypes.data, self._zero.ctypes.data
+
+    # ---- load-time helpers -----------------------------------------------------
+
+    @staticmethod
+    def _wpp(nb: int, output: bool) -> int:
+        """Warps per row pair: 4 for the layer matrices at small batches (latency: more
+        loads in flight per row), 1 for the output matrix (wide enough to fill the GPU)
+        and for 16-row batch blocks (throughput: no idle lanes for k = 576)."""
+        return 1 if output or nb >= 16 else 4
+
+    def _gemv_name(self, ta: int, tb: int, nb: int, mode: int, output: bool = False) -> str:
+        return f"gemv<{ta},{tb},{nb},{mode},{self._wpp(nb, output)}>"
+
+    def _compile(self) -> None:
+        names = {"argmax_rows", "rms_norm", "rope_rows", "kv_write", "causal_softmax", "silu_mul",
+                 f"attn_decode<{self.cfg.head_dim}>", f"embed<{self.tok_embd.qtype}>"}
+        mats = [self.output, self.tok_embd]
+        for L in self.layers:
+            mats += L.qkv + [L.wo, L.w_gate, L.w_up, L.w_down]
+            for nb in NB_CHOICES:
+                for w in L.qkv:
+                    names.add(self._gemv_name(w.qtype, w.qtype, nb, S.MODE_QKV))
+                names.add(self._gemv_name(L.wo.qtype, L.wo.qtype, nb, S.MODE_ADD))
+                names.add(self._gemv_name(L.w_down.qtype, L.w_down.qtype, nb, S.MODE_ADD))
+                names.add(self._gemv_name(L.w_gate.qtype, L.w_up.qtype, nb, S.MODE_SWIGLU))
+        for nb in NB_CHOICES:
+            names.add(self._gemv_name(self.output.qtype, self.output.qtype, nb, S.MODE_STORE, True))
+        for w in mats:
+            names.add(f"dequant<{w.qtype}>")
+        self.k = self.backend.module(sorted(names))
+
+    def _dense_size(self) -> int:
+        return sum(4 * w.m * w.k for L in self.layers for w in L.qkv + [L.wo, L.w_gate, L.w_up, L.w_down])
+
+    def _dense(self, w: DevMatrix) -> cp.ndarray:
+        if w.dense is not None:
+            return w.dense
+        out = self.backend.dequantize(self.k[f"dequant<{w.qtype}>"], w)
+        if self._dense_ok:
+            w.dense = out
+            self.backend.dense_bytes += int(out.nbytes)
+        return out
+
+    def _layer_dense(self, L: CudaLayer) -> tuple[cp.ndarray, cp.ndarray]:
+        if L.d_qkv is not None:
+            return L.d_qkv, L.d_gu
+        qkv = cp.concatenate([self.backend.dequantize(self.k[f"dequant<{w.qtype}>"], w) for w in L.qkv])
+        gu = cp.concatenate([self.backend.dequantize(self.k[f"dequant<{w.qtype}>"], w) for w in (L.w_gate, L.w_up)])
+        if self._dense_ok:
+            L.d_qkv, L.d_gu = qkv, gu
+            self.backend.dense_bytes += int(qkv.nbytes + gu.nbytes)
+        return qkv, gu
+
+    # ---- public interface ------------------------------------------------------
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the quantized weights on the device (dense prefill copies not counted)."""
+        return self.backend.weight_bytes
+
+    def kv_cache_bytes(self, n_slots: int, n_ctx: int) -> int:
+        """Bytes ``new_kv_cache(n_slots, n_ctx)`` allocates for K and V."""
+        return CudaKVCache.nbytes(self.cfg, n_slots, n_ctx)
+
+    def new_kv_cache(self, n_slots: int, n_ctx: int) -> CudaKVCache:
+        """Allocate (zeroed) KV for ``n_slots`` slots of ``n_ctx`` tokens, and the RoPE tables."""
+        if n_ctx > self._rope_n:
+            c, s = rope_tables(n_ctx, self.cfg.rope_dim, self.cfg.rope_base, self.cfg.rope_scale)
+            self.rcos, self.rsin = cp.asarray(c), cp.asarray(s)
+            self._rope_n = n_ctx
+        return CudaKVCache(self, n_slots, n_ctx)
+
+    def last_logits(self) -> cp.ndarray | None:
+        """Device float32 (rows, vocab) logits of the last forward or greedy call."""
+        return self._last_logits
+
+    def forward(self, tokens: np.ndarray, segments: list, kv: CudaKVCache) -> np.ndarray:
+        """Run one batch (see LlamaModel.forward); returns host float32 (R, vocab)."""
+        if self._decode_only(segments, kv):
+            self._replay(tokens, segments, kv, ids=False)
+            return self._last_logits.get()
+        lg = self._eager(tokens, segments, kv)
+        return lg.get() if lg is not None else np.empty((0, self.cfg.vocab_size), np.float32)
+
+    def greedy(self, tokens: np.ndarray, segments: list, kv: CudaKVCache) -> np.ndarray:
+        """Like ``forward`` but returns only the argmax token id of each logits row,
+        int32 (R,), computed on the device (the logits stay in ``last_logits()``)."""
+        if self._decode_only(segments, kv):
+            return self._replay(tokens, segments, kv, ids=True)
+        lg = self._eager(tokens, segments, kv)
+        if lg is None:
+            return np.empty(0, np.int32)
+        ids = cp.empty(lg.shape[0], cp.int32)
+        self.k["argmax_rows"]((lg.shape[0],), (1024,), (_u64(lg), np.int32(lg.strides[0] // 4),
+                                                         np.int32(self.cfg.vocab_size), _u64(ids)))
+        return ids.get()
+
+    # ---- decode graph ----------------------------------------------------------
+
+    @staticmethod
+    def _decode_only(segments: list, kv: CudaKVCache) -> bool:
+        if not segments or len(segments) > kv.b_max:
+            return False
+        seen = set()
+        for s in segments:
+            if s.n != 1 or not (s.logits or s.all_logits) or s.slot in seen:
+                return False
+            seen.add(s.slot)
+        return True
+
+    def _replay(self, tokens: np.ndarray, segments: list, kv: CudaKVCache, ids: bool):
+        n = len(segments)
+        b = 1
+        while b < n:
+            b *= 2
+        t = kv.tab_np
+        t[0, :n] = tokens[:n]
+        t[1, :n] = [s.slot for s in segments]
+        t[2, :n] = [s.pos for s in segments]
+        t[0, n:b] = 0
+        t[1, n:b] = kv.n_slots
+        t[2, n:b] = 0
+        g = kv.graphs.get(b)
+        if g is None:
+            g = kv.graphs[b] = self._capture(kv, b)
+        st = kv.stream
+        cp.cuda.runtime.memcpyAsync(kv.tab.data.ptr, kv.tab_np.ctypes.data, kv.tab.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, st.ptr)
+        g.launch(st)
+        self._last_logits = kv.logits[:n, :self.cfg.vocab_size]
+        if ids:
+            cp.cuda.runtime.memcpyAsync(kv.ids_np.ctypes.data, kv.ids.data.ptr, 4 * n,
+                                        cp.cuda.runtime.memcpyDeviceToHost, st.ptr)
+            st.synchronize()
+            return kv.ids_np[:n].copy()
+        st.synchronize()
+        return None
+
+    def _capture(self, kv: CudaKVCache, b: int):
+        st = kv.stream
+        with st:
+            # a plain run first (loads every kernel), on padding rows only: the scratch slot
+            kv.tab[0].fill(0)
+            kv.tab[1].fill(kv.n_slots)
+            kv.tab[2].fill(0)
+            self._decode_launches(kv, b)
+            st.synchronize()
+            st.begin_capture()
+            self._decode_launches(kv, b)
+            g = st.end_capture()
+        g.upload(st)
+        return g
+
+    def _gemv(self, mode: int, wa: DevMatrix, wb: DevMatrix | None, x, ldx: int, B: int, nw, y, ldy: int,
+              kv: CudaKVCache | None = None, layer: int = 0, row_base: int = 0, tab=None) -> None:
+        """Launch gemv<Ta,Tb,NB,mode>. tab: (slot_ptr, pos_ptr) for MODE_QKV."""
+        cfg = self.cfg
+        nb = _nb(B)
+        if mode == S.MODE_SWIGLU:
+            n_pairs, a_stride, b_off = wa.m, 1, 0
+        else:
+            wb, n_pairs, a_stride, b_off = wa, (wa.m + 1) // 2, 2, 1
+        out = wa is self.output
+        wpp = self._wpp(nb, out)
+        kern = self.k[self._gemv_name(wa.qtype, wb.qtype, nb, mode, out)]
+        if mode == S.MODE_QKV:
+            kc = kv.k.data.ptr + layer * kv.layer_bytes
+            vc = kv.v.data.ptr + layer * kv.layer_bytes
+            slot_p, pos_p = tab
+            extra = (np.int32(row_base), np.int32(self.qd), np.int32(self.kd), np.int32(cfg.head_dim),
+                     np.int32(cfg.rope_dim // 2), np.int32(cfg.n_kv_heads), np.int32(kv.n_ctx),
+                     _u64(slot_p), _u64(pos_p), _u64(self.rcos), _u64(self.rsin), _u64(kc), _u64(vc))
+        else:
+            z = np.int32(0)
+            extra = (z, z, z, z, z, z, z, _u64(0), _u64(0), _u64(0), _u64(0), _u64(0), _u64(0))
+        ppb = GEMV_WARPS // wpp
+        grid = ((n_pairs + ppb - 1) // ppb, (B + nb - 1) // nb)
+        kern(grid, (GEMV_WARPS * 32,),
+             (_u64(wa.data), _u64(wb.data), np.int64(wa.row_bytes), np.int64(wb.row_bytes), np.int32(a_stride),
+              np.int32(b_off), np.int32(n_pairs), np.int32(wa.k), _u64(x), np.int32(ldx), np.int32(B), _u64(nw),
+              np.float32(cfg.norm_eps), _u64(y), np.int32(ldy)) + extra)
+
+    def _attn_decode(self, kv: CudaKVCache, layer: int, q, ldq: int, B: int, slot_p: int, pos_p: int, out,
+                     ldo: int) -> None:
+        cfg = self.cfg
+        self.k[f"attn_decode<{cfg.head_dim}>"](
+            (ATT_NSMAX, cfg.n_heads, B), (128,),
+            (_u64(q), np.int32(ldq), _u64(kv.k.data.ptr + layer * kv.layer_bytes),
+             _u64(kv.v.data.ptr + layer * kv.layer_bytes), _u64(slot_p), _u64(pos_p), np.int32(cfg.n_heads),
+             np.int32(cfg.n_kv_heads), np.int32(kv.n_ctx), np.float32(self.scale), _u64(kv.part),
+             _u64(kv.counters), _u64(out), np.int32(ldo), np.int32(ATT_NSMAX), np.int32(ATT_MINCHUNK)))
+
+    def _qkv(self, L: CudaLayer, kv, li: int, x, ldx: int, B: int, q, tab) -> None:
+        base = 0
+        for w in L.qkv:
+            self._gemv(S.MODE_QKV, w, None, x, ldx, B, L.attn_norm, q, self.qd, kv, li, base, tab)
+            base += w.m
+
+    def _decode_launches(self, kv: CudaKVCache, B: int) -> None:
+        cfg = self.cfg
+        d, f = cfg.d_model, cfg.ffn_dim
+        tok_p = kv.tab.data.ptr
+        slot_p, pos_p = tok_p + 4 * kv.b_max, tok_p + 8 * kv.b_max
+        nu = d // 8
+        self.k[f"embed<{self.tok_embd.qtype}>"](((nu + 127) // 128, B), (128,),
+                                                 (_u64(self.tok_embd.data), np.int64(self.tok_embd.row_bytes),
+                                                  _u64(tok_p), np.int32(d), _u64(kv.x), np.int32(d)))
+        for li, L in enumerate(self.layers):
+            self._qkv(L, kv, li, kv.x, d, B, kv.q, (slot_p, pos_p))
+            self._attn_decode(kv, li, kv.q, self.qd, B, slot_p, pos_p, kv.att, self.qd)
+            self._gemv(S.MODE_ADD, L.wo, None, kv.att, self.qd, B, None, kv.x, d)
+            self._gemv(S.MODE_SWIGLU, L.w_gate, L.w_up, kv.x, d, B, L.ffn_norm, kv.g, f)
+            self._gemv(S.MODE_ADD, L.w_down, None, kv.g, f, B, None, kv.x, d)
+        self._gemv(S.MODE_STORE, self.output, None, kv.x, d, B, self.output_norm, kv.logits, self.v_pad)
+        self.k["argmax_rows"]((B,), (1024,), (_u64(kv.logits), np.int32(self.v_pad), np.int32(cfg.vocab_size),
+                                              _u64(kv.ids)))
+
+    # ---- eager path (prefill, mixed batches) -----------------------------------
+
+    def _sgemm(self, X, k: int, W, Y, m: int, N: int, beta: float) -> None:
+        """Y (N, m) = X (N, k) @ W (m, k).T + beta * Y, row-major float32, through cuBLAS
+        (column-major: Y.T = W.T.T @ X.T)."""
+        cublas.sgemm(self._blas, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, N, k, self._one_p,
+                     W.data.ptr, k, X.data.ptr, k, self._one_p if beta else self._zero_p, Y.data.ptr, m)
+
+    def _eager(self, tokens: np.ndarray, segments: list, kv: CudaKVCache) -> cp.ndarray | None:
+        cfg = self.cfg
+        k = self.k
+        N = int(tokens.shape[0])
+        d, f, hd = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+        H, KV = cfg.n_heads, cfg.n_kv_heads
+        G = H // KV
+        qd, kd = self.qd, self.kd
+        meta = np.empty((3, N), np.int32)
+        meta[0] = tokens
+        out_rows: list[int] = []
+        dec_rows: list[int] = []
+        row = 0
+        for s in segments:
+            meta[1, row:row + s.n] = s.slot
+            meta[2, row:row + s.n] = np.arange(s.pos, s.pos + s.n, dtype=np.int32)
+            if s.all_logits:
+                out_rows.extend(range(row, row + s.n))
+            elif s.logits:
+                out_rows.append(row + s.n - 1)
+            if s.n == 1:
+                dec_rows.append(row)
+            row += s.n
+        m_dev = cp.asarray(meta)
+        tok_p, slot_p, pos_p = m_dev.data.ptr, m_dev.data.ptr + 4 * N, m_dev.data.ptr + 8 * N
+        x = cp.empty((N, d), cp.float32)
+        h = cp.empty((N, d), cp.float32)
+        nu = d // 8
+        k[f"embed<{self.tok_embd.qtype}>"](((nu + 127) // 128, N), (128,),
+                                            (_u64(self.tok_embd.data), np.int64(self.tok_embd.row_bytes),
+                                             _u64(tok_p), np.int32(d), _u64(x), np.int32(d)))
+        w_qkv = qd + 2 * kd
+        qkv = cp.empty((N, w_qkv), cp.float32)
+        att = cp.empty((N, qd), cp.float32)
+        g = cp.empty((N, f), cp.float32)
+        gu = cp.empty((N, 2 * f), cp.float32)
+        cublas.setStream(self._blas, cp.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(self._blas, cublas.CUBLAS_POINTER_MODE_HOST)
+        if dec_rows:
+            assert len(dec_rows) <= kv.b_max, "more single-token rows than the cache has slots"
+            dr = cp.asarray(np.asarray(dec_rows, np.int32))
+            dmeta = cp.asarray(meta[1:, dec_rows].copy())
+            d_slot, d_pos = dmeta.data.ptr, dmeta.data.ptr + 4 * len(dec_rows)
+            qdec = cp.empty((len(dec_rows), qd), cp.float32)
+            odec = cp.empty((len(dec_rows), qd), cp.float32)
+        nt = 256
+        for li, L in enumerate(self.layers):
+            d_qkv, d_gu = self._layer_dense(L)
+            k["rms_norm"]((N,), (256,), (x, L.attn_norm, np.float32(cfg.norm_eps), np.int32(d), h))
+            self._sgemm(h, d, d_qkv, qkv, w_qkv, N, 0.0)
+            half = cfg.rope_dim // 2
+            n_el = N * (H + KV) * half          # q heads then k heads: contiguous columns
+            k["rope_rows"](((n_el + nt - 1) // nt,), (nt,),
+                           (qkv, np.int32(w_qkv), np.int32(0), np.int32(N), np.int32(H + KV), np.int32(hd),
+                            np.int32(half), _u64(pos_p), self.rcos, self.rsin))
+            kc = kv.k[li]
+            vc = kv.v[li]
+            n_el = N * kd
+            k["kv_write"](((n_el + nt - 1) // nt,), (nt,),
+                          (qkv, np.int32(w_qkv), np.int32(qd), np.int32(qd + kd), np.int32(N), np.int32(KV),
+                           np.int32(hd), np.int32(kv.n_ctx), _u64(slot_p), _u64(pos_p), kc, vc))
+            if dec_rows:
+                cp.take(qkv[:, :qd], dr, axis=0, out=qdec)
+                self._attn_decode(kv, li, qdec, qd, len(dec_rows), d_slot, d_pos, odec, qd)
+                att[dr] = odec
+            row = 0
+            for s in segments:
+                n = s.n
+                if n > 1:
+                    T_ = s.pos + n
+                    qs = qkv[row:row + n, :qd].reshape(n, KV, G, hd).transpose(1, 2, 0, 3).reshape(KV, G * n, hd)
+                    sc = cp.matmul(qs, kc[s.slot, :, :T_, :].transpose(0, 2, 1))
+                    k["causal_softmax"]((KV * G * n,), (256,),
+                                        (sc, np.int32(T_), np.int32(n), np.int32(s.pos), np.float32(self.scale)))
+                    o = cp.matmul(sc, vc[s.slot, :, :T_, :])
+                    att[row:row + n] = o.reshape(KV, G, n, hd).transpose(2, 0, 1, 3).reshape(n, qd)
+                row += n
+            self._sgemm(att, qd, self._dense(L.wo), x, d, N, 1.0)     # x += att @ Wo.T
+            k["rms_norm"]((N,), (256,), (x, L.ffn_norm, np.float32(cfg.norm_eps), np.int32(d), h))
+            self._sgemm(h, d, d_gu, gu, 2 * f, N, 0.0)
+            n_el = N * f
+            k["silu_mul"](((n_el + nt - 1) // nt,), (nt,), (gu, np.int32(N), np.int32(f), g))
+            self._sgemm(g, f, self._dense(L.w_down), x, d, N, 1.0)     # x += g @ Wdown.T
+        if not out_rows:
+            self._last_logits = None
+            cp.cuda.get_current_stream().synchronize()  # the decode graph's stream does not wait on this one
+            return None
+        R = len(out_rows)
+        xo = x[cp.asarray(np.asarray(out_rows, np.int64))] if R != N else x
+        xo = cp.ascontiguousarray(xo)
+        logits = cp.empty((R, self.v_pad), cp.float32)
+        self._gemv(S.MODE_STORE, self.output, None, xo, d, R, self.output_norm, logits, self.v_pad)
+        self._last_logits = logits[:, :cfg.vocab_size]
+        return self._last_logits
+
+
+def build(cfg: ModelConfig, gf, backend: CudaBackend) -> CudaLlamaModel:
+    """Load a llama model onto the CUDA backend. Raises ModelError naming a missing,
+    mis-shaped or unsupported tensor."""
+    return CudaLlamaModel(cfg, gf, backend)
