@@ -66,6 +66,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=_float("--repeat-penalty", 0.0, 100.0), default=1.0)
     p.add_argument("--seed", type=_int("--seed", 0), default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--speculative", choices=["ngram", "off"], default="",
+                   help="speculative decoding for this reply (default: the engine's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the engine in the foreground")
     add_engine_flags(p)
+    p.add_argument("--speculative", choices=["ngram", "off"], default="off",
+                   help="default speculative decoding: ngram (prompt lookup) or off (default: off; on this "
+                        "CPU backend a verify pass costs more than it saves, see BENCHMARKS.md)")
     p.add_argument("--prefill-chunk", type=_int("--prefill-chunk", 1), default=256, help=argparse.SUPPRESS)
 
     p = sub.add_parser("stop", help="stop the engine serving the socket")

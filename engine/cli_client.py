@@ -88,7 +88,8 @@ async def _run(args) -> int:
             attachments.append(P.Attachment(path=str(p.resolve()), kind=kind, name=p.name))
         sampling = P.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                     min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed,
-                                    max_tokens=args.max_tokens, stop=list(args.stop))
+                                    max_tokens=args.max_tokens, stop=list(args.stop),
+                                    speculative=args.speculative)
         if args.conversation:
             conv_id = args.conversation
             if args.system is not None:

@@ -81,7 +81,7 @@ def build_engine(args, progress=None):
     caps = CapsuleCache(None if no_journal else paths.capsules_dir() / lm.fingerprint, host_bytes=capsule_host,
                         fingerprint=lm.fingerprint)
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
-                 capsules=caps)
+                 capsules=caps, speculative=getattr(args, "speculative", "off") or "off")
     return eng, store
 
 

@@ -49,6 +49,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     seed: int | None = None
     max_tokens: int = 512
     stop: list[str] = []
+    speculative: str = ""  # "" = the engine's default; "ngram" (prompt lookup) or "off"
 
 
 class Attachment(msgspec.Struct, omit_defaults=True):

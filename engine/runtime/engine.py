@@ -33,6 +33,7 @@ from aotx.engine.ipc import protocol as P
 from aotx.engine.model.architectures.llama import Segment
 from aotx.engine.runtime.requests import Request
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
+from aotx.engine.runtime.speculative import PromptLookup, verify
 from aotx.engine.runtime.slots import SlotTable
 
 log = logging.getLogger("aotx.engine")
@@ -50,7 +51,7 @@ class Engine:
     """
 
     def __init__(self, lm, store, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
-                 budget=None, device: str = "cpu", capsules=None):
+                 budget=None, device: str = "cpu", capsules=None, speculative: str = "off"):
         self.lm = lm
         self.store = store
         self.n_slots = n_slots
@@ -60,6 +61,7 @@ class Engine:
         self.device = device
         self.kv = lm.model.new_kv_cache(n_slots, n_ctx)
         self.capsules = capsules  # state.cache.CapsuleCache or None
+        self.speculative = speculative  # default drafter: "ngram" or "off"
         self.slots = SlotTable(n_slots)
         self.tick = 0
         self.ready = True
@@ -268,6 +270,7 @@ class Engine:
             stop=StopChecker(tok.eog_ids, list(sp.stop), max_tokens, self.n_ctx, n_prompt=len(prompt)),
             decoder=StreamDecoder(tok),
             accepted_seq=seq,
+            drafter=self._drafter_for(sp),
         )
         self._by_rid[(id(sink), op.id)] = r
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
@@ -279,6 +282,16 @@ class Engine:
             r.state = "queued"
         self._waiting.append(r)
         self._notify_queue()
+
+    def _drafter_for(self, sp: P.SamplingParams):
+        """A fresh drafter when speculation is on for this request (the request's own
+        choice, else the engine's default), else None (verify window T = 1)."""
+        mode = sp.speculative or self.speculative
+        if mode in ("ngram", "auto"):
+            return PromptLookup()
+        if mode in ("off", "none", ""):
+            return None
+        raise _Refused("bad_request", f"speculative mode {mode!r} is not available (use ngram or off)")
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
         from aotx.engine.model.chat_template import encode_chat
@@ -415,12 +428,17 @@ class Engine:
         self._admit()
         segs: list[Segment] = []
         toks: list[int] = []
-        rows: list[Request] = []
+        rows: list[tuple[Request, list[int]]] = []  # (request, drafts): 1 + len(drafts) logits rows
         for r in self._running:
             if r.state == "decode":
-                segs.append(Segment(r.slot.index, r.pos, 1))
+                drafts: list[int] = []
+                if r.drafter is not None:
+                    room = min(self.n_ctx - r.pos - 1, r.max_tokens - len(r.completion) - 1)
+                    drafts = r.drafter.propose(r.prompt + r.completion, room)
+                segs.append(Segment(r.slot.index, r.pos, 1 + len(drafts), all_logits=bool(drafts)))
                 toks.append(r.next_input)
-                rows.append(r)
+                toks.extend(drafts)
+                rows.append((r, drafts))
         budget = self.prefill_chunk
         for r in self._running:
             if r.state != "prefill" or budget <= 0:
@@ -433,13 +451,9 @@ class Engine:
             r.pos += n
             budget -= n
             if last:
-                rows.append(r)
+                rows.append((r, []))
         if not segs:
             return
-        for r in rows:
-            if r.state == "decode":
-                r.slot.tokens.append(r.next_input)
-                r.pos += 1
         t1 = time.perf_counter()
         try:
             logits = self.lm.model.forward(np.asarray(toks, np.int32), segs, self.kv)
@@ -458,21 +472,38 @@ class Engine:
             return
         t2 = time.perf_counter()
         per_conv: dict[Request, list[tuple[int, str]]] = {}
-        for i, r in enumerate(rows):
-            tok = sample(logits[i], r.sampler, r.sampler_state)
+        off = 0
+        n_out = 0
+        for r, drafts in rows:
             if r.state == "prefill":
+                produced = [sample(logits[off], r.sampler, r.sampler_state)]
                 r.state = "decode"
                 r.slot.state = "decode"
                 r.t_first = time.perf_counter()
-            r.completion.append(tok)
-            delta = r.decoder.feed(tok)
-            emit, reason = r.stop.feed(tok, delta)
-            if reason in ("length", "context"):
-                emit += r.decoder.flush()
-            r.text += emit
-            per_conv.setdefault(r, []).append((tok, emit))
-            if reason is not None:
-                r.finish_reason = reason
+            else:
+                produced = verify(logits[off:off + 1 + len(drafts)], drafts, r.sampler, r.sampler_state)
+                fed = [r.next_input] + drafts[:len(produced) - 1]
+                r.slot.tokens.extend(fed)
+                r.pos += len(fed)
+                if drafts:
+                    r.drafter.update(len(drafts), len(produced) - 1)
+                    r.n_drafted += len(drafts)
+                    r.n_draft_accepted += len(produced) - 1
+                    if len(fed) < 1 + len(drafts):  # roll back the rejected drafts' KV cells
+                        self.kv.clear(r.slot.index, r.pos, r.pos + 1 + len(drafts) - len(fed))
+            off += 1 + len(drafts)
+            for tok in produced:
+                r.completion.append(tok)
+                n_out += 1
+                delta = r.decoder.feed(tok)
+                emit, reason = r.stop.feed(tok, delta)
+                if reason in ("length", "context"):
+                    emit += r.decoder.flush()
+                r.text += emit
+                per_conv.setdefault(r, []).append((tok, emit))
+                if reason is not None:
+                    r.finish_reason = reason
+                    break
         for r, items in per_conv.items():
             seq = self.store.commit_tokens(r.conv_id, r.reply_id, len(r.prompt) + len(r.completion) - len(items),
                                            [t for t, _ in items], "".join(e for _, e in items), tick=self.tick)
@@ -486,7 +517,7 @@ class Engine:
         self.store.flush()
         t3 = time.perf_counter()
         self.stats["ticks"] += 1
-        self.stats["tokens"] += len(rows)
+        self.stats["tokens"] += n_out
         self.stats["device_s"] += t2 - t1
         self.stats["host_s"] += (t1 - t0) + (t3 - t2)
 

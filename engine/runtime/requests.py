@@ -44,6 +44,9 @@ class Request:
     t_first: float = 0.0
     t_end: float = 0.0
     n_reused: int = 0
+    drafter: Any = None  # speculative.PromptLookup or None
+    n_drafted: int = 0
+    n_draft_accepted: int = 0
 
     @property
     def next_input(self) -> int:
@@ -63,4 +66,6 @@ class Request:
             "completion_tokens": float(len(self.completion)),
             "decode_tokens_per_s": round(n_dec / decode_s, 2) if decode_s else 0.0,
             "queue_s": round((self.t_start or self.t_end) - self.t_submit, 4),
+            "draft_tokens": float(self.n_drafted),
+            "draft_accepted": float(self.n_draft_accepted),
         }

@@ -73,14 +73,16 @@ def sample(logits: np.ndarray, cfg: SamplerConfig, state: SamplerState) -> int:
     return tok
 
 
-def _draw(logits: np.ndarray, cfg: SamplerConfig, u: float) -> int:
+def distribution(logits: np.ndarray, cfg: SamplerConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The sampling distribution after top-k, top-p, min-p and temperature (in that
+    order, as llama.cpp): candidate ids (sorted by logit, descending, ties by id) and
+    their float64 probabilities, summing to 1. Requires temperature > 0."""
     vocab = logits.shape[0]
     k = cfg.top_k if 0 < cfg.top_k < vocab else vocab
     if k < vocab:
         cand = np.argpartition(-logits, k - 1)[:k]
     else:
         cand = np.arange(vocab)
-    # sort candidates by logit descending, ties by id (stable)
     order = np.lexsort((cand, -logits[cand]))
     cand = cand[order]
     lg = logits[cand].astype(np.float64)
@@ -94,6 +96,11 @@ def _draw(logits: np.ndarray, cfg: SamplerConfig, u: float) -> int:
         keep = min(keep, max(1, int(np.sum(p >= cfg.min_p * p[0]))))
     cand, lg = cand[:keep], lg[:keep]
     q = np.exp((lg - lg[0]) / cfg.temperature)
+    return cand, q / q.sum()
+
+
+def _draw(logits: np.ndarray, cfg: SamplerConfig, u: float) -> int:
+    cand, q = distribution(logits, cfg)
     c = np.cumsum(q)
     i = int(np.searchsorted(c, u * c[-1], side="right"))
-    return int(cand[min(i, keep - 1)])
+    return int(cand[min(i, len(cand) - 1)])

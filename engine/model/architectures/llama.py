@@ -64,6 +64,14 @@ class KVCache:
         self.n_slots = n_slots
         self.n_ctx = n_ctx
 
+    def clear(self, slot: int, start: int, stop: int) -> None:
+        """Zero positions start..stop-1 of ``slot`` in every layer (rollback of
+        rejected draft tokens: the live buffers never keep a rejected token)."""
+        for layer in self.k:
+            layer[slot, :, start:stop, :] = 0.0
+        for layer in self.v:
+            layer[slot, :, start:stop, :] = 0.0
+
     @staticmethod
     def nbytes(cfg: ModelConfig, n_slots: int, n_ctx: int) -> int:
         return 2 * cfg.n_layers * n_slots * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4
