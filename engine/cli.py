@@ -92,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "CPU backend a verify pass costs more than it saves, see BENCHMARKS.md)")
     p.add_argument("--prefill-chunk", type=_int("--prefill-chunk", 1), default=256, help=argparse.SUPPRESS)
 
+    p = sub.add_parser("gateway", help="serve an OpenAI-compatible HTTP API (bearer API keys) in front of the engine")
+    add_engine_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other needs "
+                   "--api-key-file)")
+    p.add_argument("--port", type=_int("--port", 0), default=8080)
+    p.add_argument("--api-key-file", help="API keys, one per line (default: <data dir>/gateway/api_keys, "
+                   "generated on first start)")
+    p.add_argument("--max-tokens-ceiling", type=_int("--max-tokens-ceiling", 1), default=4096)
+    p.add_argument("--per-key-concurrency", type=_int("--per-key-concurrency", 1), default=16)
+    p.add_argument("--max-queue", type=_int("--max-queue", 1), default=64,
+                   help="generations in flight across all keys before 429")
+
     p = sub.add_parser("stop", help="stop the engine serving the socket")
     p.add_argument("--socket")
 
@@ -159,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.serve import serve
 
             return serve(args)
+        if args.cmd == "gateway":
+            from aotx.engine.ipc.gateway import run_gateway
+
+            return run_gateway(args)
         if args.cmd in ("tokenize", "logits", "models", "bench", "journal"):
             from aotx.engine import cli_local
 
