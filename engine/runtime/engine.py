@@ -455,8 +455,19 @@ class Engine:
         if not segs:
             return
         t1 = time.perf_counter()
+        # device argmax: when every row of this tick is greedy without a penalty and the
+        # model can pick on the device (CUDA: greedy()), only the ids come back, not the
+        # logits; sample()/verify() would pick the same ids (argmax, ties to the lowest)
+        model = self.lm.model
+        ids = None
+        take_ids = hasattr(model, "greedy") and all(
+            r.sampler.temperature <= 0.0 and r.sampler.repeat_penalty == 1.0 for r, _ in rows)
         try:
-            logits = self.lm.model.forward(np.asarray(toks, np.int32), segs, self.kv)
+            if take_ids:
+                ids = model.greedy(np.asarray(toks, np.int32), segs, self.kv)
+                logits = None
+            else:
+                logits = model.forward(np.asarray(toks, np.int32), segs, self.kv)
         except Exception as e:  # noqa: BLE001 - fail closed: refuse new work, keep reads
             log.exception("device work failed at tick %d", self.tick)
             self.ready = False
@@ -475,13 +486,25 @@ class Engine:
         off = 0
         n_out = 0
         for r, drafts in rows:
+            if ids is not None:  # greedy on the device: accept drafts while they equal the argmax
+                got = [int(t) for t in ids[off:off + 1 + len(drafts)]]
+                n_ok = 0
+                while n_ok < len(drafts) and got[n_ok] == drafts[n_ok]:
+                    n_ok += 1
+                produced = got[:n_ok + 1]
+                hist, last_n = r.sampler_state.history, r.sampler.repeat_last_n
+                hist.extend(produced)
+                if last_n > 0 and len(hist) > 4 * last_n:
+                    del hist[: len(hist) - last_n]
             if r.state == "prefill":
-                produced = [sample(logits[off], r.sampler, r.sampler_state)]
+                if ids is None:
+                    produced = [sample(logits[off], r.sampler, r.sampler_state)]
                 r.state = "decode"
                 r.slot.state = "decode"
                 r.t_first = time.perf_counter()
             else:
-                produced = verify(logits[off:off + 1 + len(drafts)], drafts, r.sampler, r.sampler_state)
+                if ids is None:
+                    produced = verify(logits[off:off + 1 + len(drafts)], drafts, r.sampler, r.sampler_state)
                 fed = [r.next_input] + drafts[:len(produced) - 1]
                 r.slot.tokens.extend(fed)
                 r.pos += len(fed)
