@@ -12,8 +12,9 @@ nothing from libsndfile or soxr reaches a user.
 
 Limits said plainly: the whole file is decoded into memory (``max_seconds``
 bounds it, 10 minutes by default: 38 MB as 16 kHz float32 after resampling);
-only WAV files are checked for a truncated data chunk (libsndfile reads what is
-there without complaint), FLAC and OGG report truncation through libsndfile.
+WAV files are checked for a truncated data chunk and Ogg files for a cut last
+page (libsndfile reads what is there without complaint); FLAC and the others
+report truncation through libsndfile.
 """
 
 from __future__ import annotations
@@ -106,6 +107,37 @@ def check_wav_complete(path: Path) -> None:
     raise MediaError(f"{path}: truncated or malformed WAV: no 'data' chunk")
 
 
+def check_ogg_complete(path: Path) -> None:
+    """Raise MediaError when an Ogg file's last page is cut short (libsndfile then
+    reports a truncated Vorbis stream as 0 samples, which would read as "empty").
+
+    Walks the page headers (RFC 3533: ``OggS``, 27-byte header, segment table,
+    body); files that are not Ogg are left alone."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        pos = 0
+        while pos < size:
+            fh.seek(pos)
+            head = fh.read(27)
+            if head[:4] != b"OggS":
+                if pos == 0:
+                    return
+                raise MediaError(f"{path}: corrupt Ogg stream: no page header at byte {pos:,}")
+            if len(head) < 27:
+                break
+            table = fh.read(head[26])
+            if len(table) < head[26]:
+                break
+            end = pos + 27 + head[26] + sum(table)
+            if end > size:
+                break
+            pos = end
+        else:
+            return
+    raise MediaError(f"{path}: truncated Ogg audio: the page at byte {pos:,} is cut short by the end of the file "
+                     f"({size:,} bytes); re-export or re-copy the file")
+
+
 def load_audio(path: str | os.PathLike[str], *, target_rate: int = TARGET_RATE,
                max_seconds: float = MAX_SECONDS) -> Audio:
     """Decode ``path`` to mono float32 at ``target_rate`` Hz.
@@ -122,6 +154,7 @@ def load_audio(path: str | os.PathLike[str], *, target_rate: int = TARGET_RATE,
     if p.stat().st_size == 0:
         raise MediaError(f"{p}: the file is empty (0 bytes), not audio")
     check_wav_complete(p)
+    check_ogg_complete(p)
     try:
         info = sf.info(str(p))
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:

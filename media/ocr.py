@@ -17,6 +17,7 @@ Chinese read well, other scripts poorly.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -93,9 +94,13 @@ def group_lines(boxes: np.ndarray, texts: list[str]) -> list[str]:
 
 class OcrModel:
     """RapidOCR on onnxruntime (CPU), loaded once. ``read`` is thread-safe: RapidOCR
-    keeps per-call settings on its object, so calls are serialized by a lock."""
+    keeps per-call settings on its object, so calls are serialized by a lock.
+    ``threads`` 0 means half the cores, 1 to 4. Raises MediaError when the
+    models are missing or fail to load."""
 
     def __init__(self, *, threads: int = 0):
+        if threads <= 0:  # half the cores (at most 4): the engine's own CPU work runs beside it
+            threads = max(1, min(4, (os.cpu_count() or 1) // 2))
         if not model_files():
             raise MediaError("OCR models are missing from the rapidocr package; reinstall rapidocr")
         try:
@@ -106,7 +111,7 @@ class OcrModel:
             "Global.log_level": "error",
             "Det.limit_type": "max",
             "Det.limit_side_len": DET_MAX_SIDE,
-            "EngineConfig.onnxruntime.intra_op_num_threads": threads if threads > 0 else -1,
+            "EngineConfig.onnxruntime.intra_op_num_threads": threads,
         }
         try:
             self._engine = RapidOCR(params=params)

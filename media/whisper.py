@@ -246,7 +246,8 @@ class WhisperModel:
     (calls are serialized by a lock: one clip at a time uses every thread given).
 
     ``compute_type`` "default" is float32 on CPU and float16 on CUDA;
-    ``cpu_threads`` 0 means min(4, cores). Raises MediaError when the model
+    ``cpu_threads`` 0 means half the cores, 1 to 4 (OpenMP threads that
+    compete with the engine for cores spin and slow both down). Raises MediaError when the model
     cannot be assembled or loaded."""
 
     def __init__(self, *, device: str = "cpu", compute_type: str = "default", cpu_threads: int = 0,
@@ -257,8 +258,8 @@ class WhisperModel:
         self.path = model_dir(cache_root)
         if compute_type == "default":  # the file is float16; CPUs compute float32 (said here, not warned)
             compute_type = "float32" if device == "cpu" else "float16"
-        if cpu_threads <= 0:
-            cpu_threads = min(4, os.cpu_count() or 1)
+        if cpu_threads <= 0:  # half the cores (at most 4): the engine's own CPU work runs beside it
+            cpu_threads = max(1, min(4, (os.cpu_count() or 1) // 2))
         try:
             self._model = ctranslate2.models.Whisper(str(self.path), device=device, compute_type=compute_type,
                                                      intra_threads=cpu_threads)
@@ -273,31 +274,36 @@ class WhisperModel:
         """``(n,)`` float32 16 kHz mono samples -> ``Transcript``.
 
         ``language`` is a Whisper code (``"en"``, ``"fr"``...); ``None`` detects
-        it from the first 30 s window. Greedy decoding, no timestamps."""
+        it from the first 30 s window (detection probabilities per window; the
+        first window's language is used for all). Greedy decoding, no timestamps.
+        Raises MediaError for an unknown language code or a runtime failure."""
         import ctranslate2
 
         t0 = time.perf_counter()
+        if language is not None and self._tokenizer.token_to_id(f"<|{language}|>") is None:
+            raise MediaError(f"Whisper knows no language {language!r}; use a code such as en, fr, de, or none to detect")
         feats = log_mel(audio)
         with self._lock:
-            features = ctranslate2.StorageView.from_array(feats)
-            prob = 1.0
-            if language is None:
-                if self.multilingual:
-                    first = ctranslate2.StorageView.from_array(feats[:1])
-                    token, prob = self._model.detect_language(first)[0][0]
-                    language = token.strip("<|>")
-                else:
-                    language = "en"
-            prompt = ["<|startoftranscript|>"]
-            if self.multilingual:
-                prompt += [f"<|{language}|>", "<|transcribe|>"]
-            prompt.append("<|notimestamps|>")
             try:
-                results = self._model.generate(features, [prompt] * feats.shape[0], beam_size=1,
+                # encode once: language detection and decoding both take the encoder output
+                encoded = self._model.encode(ctranslate2.StorageView.from_array(feats), to_cpu=False)
+                prob = 1.0
+                if language is None:
+                    if self.multilingual:
+                        token, prob = self._model.detect_language(encoded)[0][0]
+                        language = token.strip("<|>")
+                    else:
+                        language = "en"
+                prompt = ["<|startoftranscript|>"]
+                if self.multilingual:
+                    prompt += [f"<|{language}|>", "<|transcribe|>"]
+                prompt.append("<|notimestamps|>")
+                results = self._model.generate(encoded, [prompt] * feats.shape[0], beam_size=1,
                                                max_length=MAX_TOKENS, suppress_blank=True,
                                                suppress_tokens=[-1])
             except (RuntimeError, ValueError) as e:
-                raise MediaError(f"Whisper decoding failed: {e}") from None
+                raise MediaError(f"Whisper failed on {len(audio) / SAMPLE_RATE:.1f} s of audio "
+                                 f"(language {language!r}): {e}") from None
         pieces = []
         for r in results:
             ids = [i for i in r.sequences_ids[0] if i < EOT]
