@@ -17,10 +17,14 @@ from aotx.engine.errors import EngineError
 from aotx.engine.ipc import protocol as P
 
 
+# Raw prompts whose 6 greedy steps all have a top-1/top-2 logit margin of at least 0.05.
+# Near ties flip with the batch: a decode row goes through the quantized GEMV kernels in a
+# tick of <= GEMV_MAX_N rows and through dequantize + BLAS in a larger one, and the two round
+# differently (seen: "The largest planet is", margin 0.002 at step 3, differs batched vs solo).
 PROMPTS = [
-    "The capital of France is", "Water boils at", "The largest planet is", "My favourite colour is",
+    "The capital of France is", "Snow is", "The moon orbits", "My favourite colour is",
     "Once upon a time", "The quick brown fox", "In 1969, humans", "A haiku about rain:",
-    "Python is a", "The sun rises in the", "Cats are", "To make bread you need",
+    "Monday comes after", "The sun rises in the", "Cats are", "To make bread you need",
     "The speed of light is", "def fibonacci(n):", "Dear diary, today", "The ocean is",
 ]
 
@@ -138,16 +142,16 @@ async def test_long_prompt_is_prefilled_in_chunks_while_others_decode(engine_ser
     c = await h.connect()
     a = (await c.create_conversation()).conv_id
     b = (await c.create_conversation()).conv_id
-    long_text = " ".join(f"item {i} is blue;" for i in range(60))
+    long_text = " ".join(f"item {i} is blue;" for i in range(40))
     n_long = len(h.engine.lm.tokenizer.encode(long_text, add_special=True, parse_special=False))
-    assert n_long > 6 * chunk
+    assert n_long > 5 * chunk
     a_started = asyncio.Event()
 
     async def on_a(ev):
         if isinstance(ev, P.Token):
             a_started.set()
 
-    task_a = asyncio.create_task(stream(c, a, LONG_REPLY, 40, on_event=on_a))
+    task_a = asyncio.create_task(stream(c, a, LONG_REPLY, 24, on_event=on_a))
     await asyncio.wait_for(a_started.wait(), 60)
     evs_b = await stream(c, b, long_text, 2)
     evs_a = await task_a
