@@ -18,7 +18,10 @@ Two paths:
   attention kernel for single-token rows.
 
 KV cache: per layer ``(n_slots + 1, n_kv, n_ctx, hd) float32`` (the extra slot is the
-scratch slot), all layers in one allocation. Not thread-safe: one engine thread drives it.
+scratch slot), all layers in one allocation. It has the CPU cache's interface for the
+runtime: ``clear`` (speculative rollback), ``slot_shape``, ``snapshot_slot`` and
+``restore_slot`` (capsules; ``snapshot_slot(device=True)`` keeps the copy on the GPU),
+``copy_slot``. Not thread-safe: one engine thread drives it.
 """
 
 from __future__ import annotations
@@ -108,6 +111,60 @@ class CudaKVCache:
     @staticmethod
     def nbytes(cfg: ModelConfig, n_slots: int, n_ctx: int) -> int:
         return 2 * cfg.n_layers * (n_slots + 1) * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4
+
+    # ---- what the runtime and the capsules use (same interface as llama.KVCache) ----
+    # Every method runs on ``self.stream`` (the decode graph's) and waits for it: the
+    # model's calls return with their work finished, so nothing else is in flight.
+
+    @property
+    def slot_shape(self) -> tuple[int, int, int, int]:
+        """One slot's KV layout: (n_layers, n_kv_heads, n_ctx, head_dim)."""
+        L, _, kvh, n_ctx, hd = self.k.shape
+        return (L, kvh, n_ctx, hd)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} out of range (the cache has {self.n_slots} slots)")
+
+    def clear(self, slot: int, start: int, stop: int) -> None:
+        """Zero positions start..stop-1 of ``slot`` in every layer (rollback of rejected
+        draft tokens, as ``llama.KVCache.clear``)."""
+        self._check_slot(slot)
+        with self.stream:
+            self.k[:, slot, :, start:stop, :] = 0
+            self.v[:, slot, :, start:stop, :] = 0
+        self.stream.synchronize()
+
+    def snapshot_slot(self, slot: int, n: int, *, device: bool = False):
+        """Copies of ``slot``'s K and V for positions 0..n-1, (n_layers, n_kv_heads, n,
+        head_dim) float32: host numpy arrays (capsule snapshot), or with ``device=True``
+        CuPy arrays beside the live cache (a device home: no PCIe round trip)."""
+        self._check_slot(slot)
+        with self.stream:
+            k = cp.ascontiguousarray(self.k[:, slot, :, :n, :])
+            v = cp.ascontiguousarray(self.v[:, slot, :, :n, :])
+            if not device:
+                k, v = k.get(stream=self.stream), v.get(stream=self.stream)
+        self.stream.synchronize()
+        return k, v
+
+    def restore_slot(self, slot: int, k, v, n: int) -> None:
+        """Copy positions 0..n-1 of ``k``, ``v`` (numpy or CuPy, as ``snapshot_slot``
+        returns them) into ``slot``; byte-exact."""
+        self._check_slot(slot)
+        with self.stream:
+            self.k[:, slot, :, :n, :] = cp.asarray(k[:, :, :n, :], cp.float32)
+            self.v[:, slot, :, :n, :] = cp.asarray(v[:, :, :n, :], cp.float32)
+        self.stream.synchronize()
+
+    def copy_slot(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n-1 of slot ``src`` into slot ``dst``, on the device (a fork)."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        with self.stream:
+            self.k[:, dst, :, :n, :] = self.k[:, src, :, :n, :]
+            self.v[:, dst, :, :n, :] = self.v[:, src, :, :n, :]
+        self.stream.synchronize()
 
 
 class CudaLlamaModel:

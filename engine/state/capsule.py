@@ -92,11 +92,11 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
              pending_token: int = -1, sampler=None) -> Capsule:
     """Copy slot ``slot``'s state for positions 0..len(tokens)-1 out of the live KV cache.
 
-    kv: the model's KVCache (per-layer ``k``/``v`` lists of (n_slots, n_kv, n_ctx, hd)
-    float32); tokens: the ids those positions hold; sampler: a SamplerState or None."""
+    kv: the model's KV cache (any backend's: its ``snapshot_slot(slot, n)`` returns host
+    float32 (n_layers, n_kv, n, hd) copies of K and V); tokens: the ids those positions
+    hold; sampler: a SamplerState or None."""
     n = len(tokens)
-    k = np.stack([layer[slot, :, :n, :] for layer in kv.k])
-    v = np.stack([layer[slot, :, :n, :] for layer in kv.v])
+    k, v = kv.snapshot_slot(slot, n)
     toks = np.asarray(tokens, np.int32)
     hdr = CapsuleHeader(
         fingerprint=fingerprint, backend=backend, layout=f"kv:f32:{list(k.shape[:2])}+n+[{k.shape[3]}]",
@@ -114,13 +114,12 @@ def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = No
     if cap.header.fingerprint != fingerprint:
         raise CapsuleError(f"capsule of model {cap.header.fingerprint} cannot restore into model {fingerprint}")
     n = cap.n_tokens if n is None else min(n, cap.n_tokens)
-    if cap.k.shape[0] != len(kv.k) or cap.k.shape[1] != kv.k[0].shape[1] or cap.k.shape[3] != kv.k[0].shape[3]:
+    n_layers, n_kv, n_ctx, hd = kv.slot_shape
+    if cap.k.shape[0] != n_layers or cap.k.shape[1] != n_kv or cap.k.shape[3] != hd:
         raise CapsuleError(f"capsule layout {cap.header.layout} does not match the KV cache")
-    if n > kv.k[0].shape[2]:
-        raise CapsuleError(f"capsule of {n} tokens does not fit a context of {kv.k[0].shape[2]}")
-    for li in range(len(kv.k)):
-        kv.k[li][slot, :, :n, :] = cap.k[li, :, :n, :]
-        kv.v[li][slot, :, :n, :] = cap.v[li, :, :n, :]
+    if n > n_ctx:
+        raise CapsuleError(f"capsule of {n} tokens does not fit a context of {n_ctx}")
+    kv.restore_slot(slot, cap.k, cap.v, n)
     return n
 
 

@@ -72,6 +72,24 @@ class KVCache:
         for layer in self.v:
             layer[slot, :, start:stop, :] = 0.0
 
+    @property
+    def slot_shape(self) -> tuple[int, int, int, int]:
+        """One slot's KV layout: (n_layers, n_kv_heads, n_ctx, head_dim)."""
+        return (len(self.k),) + tuple(self.k[0].shape[1:])
+
+    def snapshot_slot(self, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of ``slot``'s K and V for positions 0..n-1: two
+        (n_layers, n_kv_heads, n, head_dim) float32 arrays (capsule snapshot)."""
+        return (np.stack([layer[slot, :, :n, :] for layer in self.k]),
+                np.stack([layer[slot, :, :n, :] for layer in self.v]))
+
+    def restore_slot(self, slot: int, k: np.ndarray, v: np.ndarray, n: int) -> None:
+        """Copy positions 0..n-1 of ``k``, ``v`` (as ``snapshot_slot`` returns them) into
+        ``slot`` (capsule restore; byte-exact)."""
+        for li in range(len(self.k)):
+            self.k[li][slot, :, :n, :] = k[li, :, :n, :]
+            self.v[li][slot, :, :n, :] = v[li, :, :n, :]
+
     @staticmethod
     def nbytes(cfg: ModelConfig, n_slots: int, n_ctx: int) -> int:
         return 2 * cfg.n_layers * n_slots * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4
