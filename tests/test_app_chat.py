@@ -157,8 +157,8 @@ async def test_copy_message_and_code_block():
         await settle(pilot)
         await pilot.press("ctrl+o")
         assert app.clipboard == engine.reply("code")
-        from textual.widgets._markdown import MarkdownFence
-        fence = app.messages()[1].query_one(MarkdownFence)
+        from aotx.app.widgets.markdown_view import CodeBlock
+        fence = app.messages()[1].query_one(CodeBlock)
         await pilot.click(fence)
         assert app.clipboard == "print('code')"
         app.messages()[0].focus()

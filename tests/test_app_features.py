@@ -245,3 +245,12 @@ async def test_no_app_key_is_shadowed_by_the_input():
                 if hits:
                     assert hits[0].action in (a.action, f"app.{a.action}"), (a.key, node, hits[0].action)
                     break
+
+
+def test_cli_flags_pass_engine_args_through():
+    from aotx.app.main import engine_args, parse_args
+
+    ns = parse_args(["--model", "/m/x.gguf", "--device", "cpu", "--theme", "light", "--socket", "/tmp/s"])
+    assert engine_args(ns) == ["--model", "/m/x.gguf", "--device", "cpu"]
+    assert ns.theme == "light" and ns.socket == "/tmp/s"
+    assert engine_args(parse_args([])) == []

@@ -1,9 +1,9 @@
 """One message in the chat: position glyph, text (Markdown), notices, attachments.
 
 Owns: showing a message and its position live, and streaming a reply's text at a
-cost proportional to the new text: token deltas are buffered and appended to the
-Markdown widget at most ~30 times a second (``Markdown.append`` re-parses only the
-last block), and the whole text is rendered once when the reply ends.
+cost proportional to the new text: token deltas are buffered and handed to a
+``MarkdownView`` at most ~30 times a second (it re-renders only a bounded tail),
+and the whole text is rendered once when the reply ends.
 Leaves to others: talking to the engine (the app) and the details view.
 """
 
@@ -14,10 +14,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import Markdown, Static
-from textual.widgets._markdown import MarkdownFence
+from textual.widgets import Static
 
 from aotx.app.format import GLYPHS
+from aotx.app.widgets.markdown_view import CodeBlock, MarkdownView
 from aotx.engine.ipc import protocol as P
 
 FRAME_S = 1 / 30
@@ -59,7 +59,8 @@ class MessageWidget(Vertical, can_focus=True):
                          markup=False)
         yield Vertical(classes="msg-notices")  # admission notices come before the text
         if self.role == "assistant":
-            yield Markdown(self.text, classes="msg-body")
+            yield MarkdownView(self.text, code_theme=self._code_theme(), final=self.position != "accepted",
+                               classes="msg-body")
         else:
             yield Static(self.text, classes="msg-body", markup=False)
 
@@ -106,7 +107,16 @@ class MessageWidget(Vertical, can_focus=True):
             return
         chunk = "".join(self._pending)
         self._pending.clear()
-        await self.query_one(Markdown).append(chunk)
+        view = self.query_one(MarkdownView)
+        if view.final:  # a reply reloaded while streaming (after switching back): stream on from here
+            new = MarkdownView(view.text, code_theme=self._code_theme(), final=False, classes="msg-body")
+            await view.remove()
+            await self.mount(new)
+            view = new
+        await view.append(chunk)
+
+    def _code_theme(self) -> str:
+        return "monokai" if self.app.current_theme.dark else "default"
 
     async def finish(self, text: str | None = None) -> None:
         """Stop streaming and render the whole text once."""
@@ -119,8 +129,8 @@ class MessageWidget(Vertical, can_focus=True):
         if self.is_mounted:
             self.query_one(".msg-header", Static).update(self._header_text())
             body = self.query_one(".msg-body")
-            if isinstance(body, Markdown):
-                await body.update(self.text)
+            if isinstance(body, MarkdownView):
+                await body.finalize(self.text)
             else:
                 body.update(self.text)
 
@@ -136,7 +146,7 @@ class MessageWidget(Vertical, can_focus=True):
     def on_click(self, event: events.Click) -> None:
         node = event.widget
         while node is not None and node is not self:
-            if isinstance(node, MarkdownFence):
+            if isinstance(node, CodeBlock):
                 self.app.copy_to_clipboard(node.code)
                 self.app.notify("Copied the code block.")
                 event.stop()
