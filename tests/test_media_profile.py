@@ -164,6 +164,29 @@ def test_prepare_refuses_bad_media(tmp_path, make, name, match):
 
 # --------------------------------------------------------------------------- OCR
 
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a network connection fails the test."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+@needs_ocr
+def test_ocr_loads_without_network(no_network):
+    """RapidOCR's models ship in its wheel: a fresh OcrModel loads and reads with the network blocked."""
+    from aotx.media import image, ocr
+
+    got = ocr.OcrModel().read(image.load_image(ASSETS / "screenshot.png"))
+    assert SCREENSHOT_LINES[0] in got.lines and 0.9 < got.mean_score <= 1.0
+
+
 @needs_ocr
 def test_shipped_screenshot_ocr():
     r = profile.prepare(ASSETS / "screenshot.png", "image")

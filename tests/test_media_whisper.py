@@ -124,7 +124,7 @@ def test_incomplete_model_dir_is_reported(tmp_path):
     d = tmp_path / "whisper-base"
     d.mkdir()
     (d / "model.bin").write_bytes(b"\0" * 100)
-    with pytest.raises(MediaError, match="whisper-base"):
+    with pytest.raises(MediaError, match="whisper-base exists but is not a complete Whisper model; delete it"):
         whisper.model_dir(tmp_path)
 
 
@@ -146,10 +146,25 @@ def test_weights_bytes():
 
 # --------------------------------------------------------------------------- transcription
 
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a network connection fails the test."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
 @needs_model
-def test_shipped_clip_transcript(home):
+def test_shipped_clip_transcript(home, no_network):
     """assets/clip.wav (espeak-ng, "The quick brown fox jumps over the lazy dog.")
-    through prepare(): decoded, transcribed with language detection, loaded once."""
+    through prepare(): decoded, transcribed with language detection, loaded once,
+    with the network blocked (nothing is downloaded)."""
     from aotx.media import profile
 
     r = profile.prepare(ASSETS / "clip.wav", "audio")
