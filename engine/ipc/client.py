@@ -163,7 +163,9 @@ class EngineClient:
             if msg is _CLOSED:
                 raise ConnectionLost("the engine closed the connection")
             if isinstance(msg, P.Error):
-                raise EngineError(msg.message)
+                err = EngineError(msg.message)
+                err.code = msg.code  # not_found, busy, not_ready, ...
+                raise err
             return msg
         finally:
             self._queues.pop(rid, None)
