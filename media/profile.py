@@ -89,7 +89,7 @@ class MediaProfile:
         return sum(r.memory_bytes for r in self.routes if r.available)
 
     def describe(self) -> str:
-        """One line for ``aotx models``: e.g. "audio: specialist whisper-base (290 MB + 160 MB); ..."."""
+        """One line for ``aotx models``, e.g. "audio: specialist whisper-base (290 MB + 201 MB working); ..."."""
         parts = []
         for r in self.routes:
             cost = f"{_mb(r.weights_bytes)} + {_mb(r.working_bytes)} working"

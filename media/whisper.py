@@ -17,8 +17,10 @@ Nothing is downloaded: the wheels hold every file, and they are located with
 Limits said plainly: long clips are cut into consecutive 30 s windows, each
 decoded on its own without the previous window's text as a prompt and without
 timestamp-guided seeking, so a word split by a window edge may be lost or
-garbled; no temperature fallback, no voice-activity detection (silence can
-yield a short hallucinated phrase, as with any Whisper).
+garbled; no temperature fallback and no voice-activity detection: a window is
+dropped as no speech by Whisper's own no-speech probability (plus a -60 dBFS
+silence floor), and quiet non-speech sound can still yield a short
+hallucinated phrase, as with any Whisper.
 """
 
 from __future__ import annotations
@@ -304,16 +306,40 @@ class WhisperModel:
                 prompt.append("<|notimestamps|>")
                 results = self._model.generate(encoded, [prompt] * feats.shape[0], beam_size=1,
                                                max_length=MAX_TOKENS, suppress_blank=True,
-                                               suppress_tokens=[-1])
+                                               suppress_tokens=[-1], return_scores=True,
+                                               return_no_speech_prob=True)
             except (RuntimeError, ValueError) as e:
                 raise MediaError(f"Whisper failed on {len(audio) / SAMPLE_RATE:.1f} s of audio "
                                  f"(language {language!r}): {e}") from None
         pieces = []
-        for r in results:
+        for w, r in enumerate(results):
             ids = [i for i in r.sequences_ids[0] if i < EOT]
+            window = np.asarray(audio[w * CHUNK_SAMPLES:(w + 1) * CHUNK_SAMPLES], dtype=np.float64)
+            if _no_speech(r, len(r.sequences_ids[0]), window):
+                continue
             pieces.append(self._tokenizer.decode(ids).strip())
         text = " ".join(p for p in pieces if p)
         return Transcript(text, language, float(prob), len(audio) / SAMPLE_RATE, time.perf_counter() - t0)
+
+
+NO_SPEECH_PROB = 0.6
+LOGPROB_FLOOR = -1.0
+SILENCE_RMS = 1e-3   # -60 dBFS
+
+
+def _no_speech(result, n_tokens: int, window: np.ndarray) -> bool:
+    """Whether a decoded window is no speech and its text a hallucination (Whisper
+    famously writes " you" for silence).
+
+    Whisper's reference rule: the <|nospeech|> probability is over 0.6 and the
+    average log-probability of the text under -1. Digital silence passes the
+    second test with a confident " you", so a window quieter than -60 dBFS RMS
+    counts as no speech on the first test alone."""
+    if result.no_speech_prob <= NO_SPEECH_PROB:
+        return False
+    avg_logprob = result.scores[0] * n_tokens / (n_tokens + 1) if result.scores else 0.0
+    quiet = window.size == 0 or float(np.sqrt(np.mean(window * window))) < SILENCE_RMS
+    return avg_logprob < LOGPROB_FLOOR or quiet
 
 
 _MODELS: dict[tuple, WhisperModel] = {}

@@ -182,3 +182,17 @@ def test_shipped_clip_transcript(home, no_network):
 def test_unknown_language_refused(home):
     with pytest.raises(MediaError, match="no language 'xx'"):
         whisper.get_model().transcribe(np.zeros(1600, np.float32), language="xx")
+
+
+@needs_model
+def test_silence_gives_no_text(home, tmp_path):
+    """Whisper writes " you" for silence; the no-speech rule drops it."""
+    import soundfile as sf
+
+    from aotx.media import profile
+
+    path = tmp_path / "quiet.wav"
+    sf.write(path, np.zeros(32_000, np.float32), 16_000)
+    r = profile.prepare(path, language="en")
+    assert r.text == ""
+    assert profile.render_for_prompt([r], "") == "[Audio quiet.wav: no speech was recognized in it]"
