@@ -151,7 +151,7 @@ async def test_long_prompt_is_prefilled_in_chunks_while_others_decode(engine_ser
         if isinstance(ev, P.Token):
             a_started.set()
 
-    task_a = asyncio.create_task(stream(c, a, LONG_REPLY, 24, on_event=on_a))
+    task_a = asyncio.create_task(stream(c, a, LONG_REPLY, 48, on_event=on_a))  # outlasts B's durable wait + prefill
     await asyncio.wait_for(a_started.wait(), 60)
     evs_b = await stream(c, b, long_text, 2)
     evs_a = await task_a
