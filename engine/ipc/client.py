@@ -63,6 +63,9 @@ class EngineClient:
         from aotx.engine import paths
 
         sock = Path(socket_path) if socket_path else paths.socket_path()
+        if len(os.fsencode(str(sock))) > 107:
+            raise EngineError(f"socket path {sock} is longer than the 107 bytes Unix sockets allow: choose a "
+                              f"shorter --socket or AOTX_HOME")
         try:
             return await cls._open(sock, client_name)
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):

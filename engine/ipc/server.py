@@ -24,6 +24,7 @@ from aotx.engine.ipc import protocol as P
 log = logging.getLogger("aotx.server")
 
 HANDSHAKE_TIMEOUT_S = 10.0
+MAX_SOCKET_PATH = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
 
 
 class SocketLock:
@@ -72,10 +73,16 @@ def bind_socket(path: Path) -> socket.socket:
             path.unlink()
         finally:
             probe.close()
+    if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
+        raise EngineError(f"socket path {path} is {len(os.fsencode(str(path)))} bytes; Unix sockets allow "
+                          f"{MAX_SOCKET_PATH}: choose a shorter --socket or AOTX_HOME")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
         s.bind(str(path))
+    except OSError as e:
+        s.close()
+        raise EngineError(f"cannot create the socket {path}: {e.strerror or e}") from None
     finally:
         os.umask(old)
     os.chmod(path, 0o600)

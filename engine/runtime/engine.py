@@ -146,6 +146,7 @@ class Engine:
             for r in list(self._by_rid.values()):
                 if r.sink is obj:
                     self._cancel(r)
+            self._held = [(op, s) for op, s in self._held if s is not obj]
             return
         try:
             self._dispatch(obj, sink)
