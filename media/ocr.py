@@ -7,6 +7,11 @@ and putting the recognized pieces back into lines, top to bottom and left to
 right. Leaves to others: decoding the file (``image.py``) and telling the user
 that the model saw text, not the picture (``profile.render_for_prompt``).
 
+onnxruntime's telemetry (on by default in its official Linux wheels: a device
+id file under ``~/.cache/Microsoft`` and events sent to Microsoft) is turned off
+with ``ORT_DISABLE_TELEMETRY=1`` before onnxruntime starts, unless the user set
+that variable.
+
 Limits said plainly: the text layout is rebuilt as lines only (columns, tables
 and indentation are lost); pieces below RapidOCR's confidence of 0.5 are
 dropped; pictures larger than ``DET_MAX_SIDE`` on their longer side are scaled
@@ -105,6 +110,11 @@ class OcrModel:
             threads = max(1, min(4, (os.cpu_count() or 1) // 2))
         if not model_files():
             raise MediaError("OCR models are missing from the rapidocr package; reinstall rapidocr")
+        # onnxruntime's official Linux wheels (1DS telemetry, since 2026) write a device id and an
+        # event cache under ~/.cache/Microsoft and upload events to Microsoft unless this is set before
+        # onnxruntime initializes. AOTX runs locally and writes only under its own root: opt out,
+        # unless the user chose otherwise. (Latched per process: too late if onnxruntime already ran.)
+        os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
         try:
             from rapidocr import RapidOCR
         except ImportError as e:

@@ -328,3 +328,24 @@ def test_profile_of_a_real_gguf(tiny_gguf, tmp_path):
     tiny_gguf.write_tiny_llama(path)
     p = profile.profile_for(GGUFFile.open(path))
     assert p.notes == () and [(r.kind, r.route) for r in p.routes] == [("audio", "specialist"), ("image", "specialist")]
+
+
+@needs_ocr
+def test_ocr_writes_nothing_outside_aotx_home(tmp_path):
+    """Regression: onnxruntime 1.32's Linux wheel writes ~/.cache/Microsoft/DeveloperTools/
+    .onnxruntime/{deviceid,onnxruntime.db} (1DS telemetry) unless ORT_DISABLE_TELEMETRY=1
+    is set before it starts; OcrModel sets it. Fresh process: the setting is latched."""
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("ORT_DISABLE_TELEMETRY", "XDG_CACHE_HOME")}
+    env.update(HOME=str(home), AOTX_HOME=str(tmp_path / "aotx"))
+    code = ("from aotx.media import image, ocr; import sys; "
+            f"print(ocr.get_model().read(image.load_image({str(ASSETS / 'screenshot.png')!r})).lines[1])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == SCREENSHOT_LINES[0]
+    assert [str(p.relative_to(home)) for p in home.rglob("*")] == []
