@@ -29,6 +29,7 @@ applied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import re
@@ -237,17 +238,17 @@ class Generation:
                 "user_receipt": S.receipt_dict(self.user_receipt)}
 
     async def abandon(self) -> None:
-        """The client went away: cancel the generation unless it finished."""
-        if self.accepted is not None and self.committed is None:
-            try:
-                await self.client.cancel(target=self.accepted.id)
-            except (AotxError, OSError):
-                pass
-        elif self.accepted is None:
-            try:
-                await self.client.cancel(conv_id=self.conv_id)
-            except (AotxError, OSError):
-                pass
+        """The client went away: cancel the generation unless it finished. The
+        cancel is sent without waiting for the engine's answer (it comes after
+        the current tick), so the HTTP side is released at once."""
+        if self.committed is None:
+            if self.accepted is not None:
+                op = self.client.cancel(target=self.accepted.id)
+            else:
+                op = self.client.cancel(conv_id=self.conv_id)
+            task = asyncio.ensure_future(op)
+            _background.add(task)
+            task.add_done_callback(_settle)
         if self._agen is not None:
             try:
                 await self._agen.aclose()
@@ -259,6 +260,15 @@ class Generation:
             await self.client.delete(self.conv_id)
         except (AotxError, OSError):
             pass
+
+
+_background: set[asyncio.Future] = set()
+
+
+def _settle(task: asyncio.Future) -> None:
+    _background.discard(task)
+    if not task.cancelled():
+        task.exception()  # a lost engine or a finished request: nothing to do
 
 
 def _engine_error(ev: P.Error, refused: P.Notice | None, retry_after_s: int) -> ApiError:
@@ -591,6 +601,7 @@ def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_a
         print(f"aotx gateway: internal error on {request.method} {request.url.path}: {exc!r}", file=sys.stderr)
         return JSONResponse(S.error_body("internal error in the gateway", "server_error"), status_code=500)
 
+    @contextlib.asynccontextmanager
     async def lifespan(app):
         if connect_at_start:
             try:

@@ -192,17 +192,17 @@ def _text_of(content: Any, where: str) -> str:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict):
-                raise BadRequest(f"'{where}.content[{j}]' must be an object, got {_type_name(part)}", where)
+                raise BadRequest(f"'{where}.content[{j}]' must be an object, got {_type_name(part)}", "messages")
             kind = part.get("type")
             if kind != "text":
                 raise BadRequest(f"'{where}.content[{j}]' is of type {kind!r}; only text parts are supported",
-                                 where, "unsupported_content")
+                                 "messages", "unsupported_content")
             text = part.get("text")
             if not isinstance(text, str):
-                raise BadRequest(f"'{where}.content[{j}].text' must be a string, got {_type_name(text)}", where)
+                raise BadRequest(f"'{where}.content[{j}].text' must be a string, got {_type_name(text)}", "messages")
             parts.append(text)
         return "".join(parts)
-    raise BadRequest(f"'{where}.content' must be a string or an array of parts, got {_type_name(content)}", where)
+    raise BadRequest(f"'{where}.content' must be a string or an array of parts, got {_type_name(content)}", "messages")
 
 
 def parse_chat(body: Any, limits: Limits) -> ChatRequest:

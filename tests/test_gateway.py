@@ -1,0 +1,526 @@
+"""The gateway against a real engine on the default model.
+
+One engine subprocess (8 slots x 1024 tokens, CPU) serves the module; gateways
+run in-process on 127.0.0.1 (a free port each) in a thread of their own with
+the limits a test needs. The official ``openai`` client chats through them
+(streaming and not, greedy, at most 16 tokens), httpx covers every error path,
+and a bounded load test runs 32 concurrent streams. Pure parts (key ring, key
+file, the engine-error table) are tested without HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from aotx.engine.errors import UsageError  # noqa: E402
+from aotx.engine.ipc import gateway as G  # noqa: E402
+from aotx.engine.ipc import gateway_auth as A  # noqa: E402
+from aotx.engine.ipc import gateway_schema as S  # noqa: E402
+from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine.ipc.client import EngineClient  # noqa: E402
+
+pytestmark = pytest.mark.realmodel
+
+KEY = "sk-aotx-test-key-0123456789abcdef"
+KEY2 = "sk-aotx-test-key-second-0123456789"
+GREEDY = {"temperature": 0, "max_tokens": 8}
+
+
+# ---- fixtures ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, default_model_path):
+    """(socket path, AOTX_HOME) of an engine subprocess serving the module."""
+    home = tmp_path_factory.mktemp("gw-home")
+    sock = home / "e.sock"
+    env = dict(os.environ, AOTX_HOME=str(home))
+    log = open(home / "engine.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", "4",
+                             "--context", "1024", "--device", "cpu"], env=env, stdout=log, stderr=log,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(sock))
+            s.close()
+            break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(f"engine exited with {proc.returncode}: {(home / 'engine.log').read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("engine did not start within 120 s")
+            time.sleep(0.1)
+    yield sock, home
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@contextmanager
+def gateway(sock: Path, *, keys=(KEY,), **cfg):
+    """A gateway on 127.0.0.1:<free port> in a thread; yields its base URL."""
+    config = G.GatewayConfig(**cfg)
+    link = G.EngineLink(lambda: EngineClient.connect(sock, spawn=False), config.retry_after_s)
+    app = G.create_app(config, A.KeyRing(list(keys)), link)
+    server = G.uvicorn_server(app)
+    lsock = G.listen_socket("127.0.0.1", 0)
+    port = lsock.getsockname()[1]
+    t = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[lsock])), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert t.is_alive() and time.monotonic() < deadline, "gateway did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        t.join(15)
+        lsock.close()
+
+
+@pytest.fixture(scope="module")
+def gw(engine):
+    with gateway(engine[0], per_key_concurrency=40, max_queue=64) as url:
+        yield url
+
+
+@pytest.fixture()
+def oa(gw):
+    return openai.OpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _auth(key=KEY):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _show(sock, conv_id):
+    async def go():
+        c = await EngineClient.connect(sock, spawn=False)
+        try:
+            return await c.show(conv_id)
+        finally:
+            await c.close()
+    return asyncio.run(go())
+
+
+def _receipt_ok(r) -> bool:
+    return (isinstance(r, dict) and all(isinstance(r.get(k), int) for k in ("segment", "offset", "last_seq"))
+            and r["last_seq"] > 0)
+
+
+# ---- the openai client ------------------------------------------------------------------
+
+def test_openai_chat_non_streaming_and_streaming_agree_and_carry_receipts(oa, engine):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+    raw = oa.chat.completions.with_raw_response.create(model="anything", messages=msgs, **GREEDY)
+    c = raw.parse()
+    assert c.id.startswith("chatcmpl-") and c.object == "chat.completion" and c.model == "SmolLM2-135M-Instruct.Q4_1"
+    assert isinstance(c.created, int) and len(c.choices) == 1
+    ch = c.choices[0]
+    assert ch.index == 0 and ch.message.role == "assistant" and ch.message.content
+    assert ch.finish_reason in ("stop", "length")
+    assert c.usage.completion_tokens <= 8 and c.usage.prompt_tokens > 5
+    assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    receipt = json.loads(raw.headers["x-aotx-receipt"])
+    assert _receipt_ok(receipt)
+    conv = raw.headers["x-aotx-conversation"]
+    assert c.model_extra["aotx"]["receipt"] == receipt and c.model_extra["aotx"]["conversation"] == conv
+    view = _show(engine[0], conv)
+    assert view.system_prompt == "You are terse."
+    assert [m.role for m in view.messages] == ["user", "assistant"]
+    assert view.messages[1].text == ch.message.content and view.messages[1].receipt is not None
+
+    stream = oa.chat.completions.create(model="x", messages=msgs, stream=True,
+                                        stream_options={"include_usage": True}, **GREEDY)
+    text, finish, usage, receipts, ids = "", None, None, [], set()
+    for chunk in stream:  # the receipt event arrives as a harmless chunk with an empty delta
+        ids.add(chunk.id)
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage:
+            usage = chunk.usage
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if (chunk.model_extra or {}).get("aotx"):
+            receipts.append(chunk.model_extra["aotx"]["receipt"])
+    assert text == ch.message.content  # greedy: same reply, and the deltas add up to it
+    assert finish == ch.finish_reason and usage.completion_tokens == c.usage.completion_tokens
+    assert len(receipts) == 1 and _receipt_ok(receipts[0]) and receipts[0]["last_seq"] > receipt["last_seq"]
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+
+
+def test_openai_continues_a_conversation_named_by_header(oa, engine):
+    first = oa.chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": "Say one word."}], **GREEDY)
+    conv = first.headers["x-aotx-conversation"]
+    second = oa.chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": "Say one word."},
+                             {"role": "assistant", "content": first.parse().choices[0].message.content},
+                             {"role": "user", "content": "Another one."}],
+        extra_headers={"X-AOTX-Conversation": conv}, **GREEDY)
+    assert second.headers["x-aotx-conversation"] == conv
+    view = _show(engine[0], conv)
+    assert [m.role for m in view.messages] == ["user", "assistant", "user", "assistant"]
+    assert view.messages[2].text == "Another one."
+    assert json.loads(second.headers["x-aotx-receipt"])["last_seq"] > json.loads(
+        first.headers["x-aotx-receipt"])["last_seq"]
+
+
+def test_openai_completions_raw_and_models(oa):
+    r = oa.completions.create(model="m", prompt="The capital of France is", **GREEDY)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.choices[0].text
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 8
+    text = "".join(c.choices[0].text for c in oa.completions.create(
+        model="m", prompt="The capital of France is", stream=True, **GREEDY) if c.choices)
+    assert text == r.choices[0].text
+    models = oa.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+    assert oa.models.retrieve("SmolLM2-135M-Instruct.Q4_1").owned_by == "aotx"
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve("gpt-4")
+
+
+def test_openai_client_sees_errors_as_its_exceptions(gw):
+    bad = openai.OpenAI(base_url=gw + "/v1", api_key="sk-wrong-wrong-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        good.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
+    assert e.value.body["param"] == "n"
+
+
+# ---- error paths over HTTP ----------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+HELLO = [{"role": "user", "content": "hi"}]
+
+BAD_BODIES = [
+    # (name, raw body, status, param or None)
+    ("malformed json", b'{"messages": [', 400, None),
+    ("empty body", b"", 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("nan temperature", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+    ("deep nesting", b"[" * 100000 + b"]" * 100000, 400, None),
+    ("huge integer", b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
+    ("invalid utf-8", b'{"messages": "\xff\xfe"}', 400, None),
+]
+
+BAD_FIELDS = [
+    ({}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": ["hi"]}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "messages"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}, "messages"),
+    ({"messages": HELLO, "temperature": "hot"}, "temperature"),
+    ({"messages": HELLO, "temperature": 3}, "temperature"),
+    ({"messages": HELLO, "top_p": [1]}, "top_p"),
+    ({"messages": HELLO, "max_tokens": -1}, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": "10"}, "max_tokens"),
+    ({"messages": HELLO, "max_tokens": 4097}, "max_tokens"),
+    ({"messages": HELLO, "seed": 1.5}, "seed"),
+    ({"messages": HELLO, "stop": 3}, "stop"),
+    ({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": HELLO, "stream": "yes"}, "stream"),
+    ({"messages": HELLO, "n": 2}, "n"),
+    ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": HELLO, "logprobs": True}, "logprobs"),
+    ({"messages": HELLO, "logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": HELLO, "model": 7}, "model"),
+    ({"messages": [{"role": "user", "content": "x"}] * 257}, "messages"),
+]
+
+
+def test_bad_bodies_are_400_with_a_message(gw):
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=30) as h:
+        for name, body, status, param in BAD_BODIES:
+            r = h.post(CHAT, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == status, (name, r.text)
+            err = r.json()["error"]
+            assert err["message"] and err["type"] == "invalid_request_error", name
+            if param:
+                assert err["param"] == param, (name, err)
+        for body, param in BAD_FIELDS:
+            r = h.post(CHAT, json=body)
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and err["message"], (body, err)
+        comp = [({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2, 3]}, "prompt"), ({}, "prompt"),
+                ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 2}, "best_of"),
+                ({"prompt": "x", "suffix": "y"}, "suffix")]
+        for body, param in comp:
+            r = h.post("/v1/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_auth_401_and_health_open(gw):
+    with httpx.Client(base_url=gw, timeout=30) as h:
+        for headers in ({}, _auth("sk-aotx-wrong-key-0123456789"), {"Authorization": f"Basic {KEY}"},
+                        {"Authorization": "Bearer"}, {"Authorization": KEY}):
+            for method, path in (("GET", "/v1/models"), ("POST", CHAT), ("POST", "/v1/completions")):
+                r = h.request(method, path, headers=headers, json={"messages": HELLO})
+                assert r.status_code == 401, (headers, path)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+                assert r.headers["www-authenticate"] == "Bearer"
+        r = h.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["context"] == 1024
+        r = h.get("/v1/nothing", headers=_auth())
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        r = h.get(CHAT, headers=_auth())
+        assert r.status_code == 405 and "error" in r.json()
+
+
+def test_body_limit_413_with_and_without_content_length(engine):
+    lim = S.Limits(max_body_bytes=4096)
+    with gateway(engine[0], limits=lim) as url, httpx.Client(base_url=url, headers=_auth(), timeout=30) as h:
+        big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        r = h.post(CHAT, json=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+        def chunks():
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i:i + 1000]
+
+        r = h.post(CHAT, content=chunks())  # chunked: no Content-Length
+        assert r.status_code == 413
+
+
+def test_unknown_fields_ignored_and_too_long_is_400_with_numbers(gw, engine):
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=60) as h:
+        r = h.post(CHAT, json={"messages": HELLO, "max_tokens": 2, "temperature": 0, "frequency_penalty": 0.5,
+                               "presence_penalty": 0.1, "user": "u1", "metadata": {"a": "b"}, "store": False,
+                               "tool_choice": "none", "tools": [], "parallel_tool_calls": False,
+                               "some_future_field": {"x": 1}, "max_completion_tokens": 2,
+                               "messages_extra": None, "seed": -5, "stop": "\n\n"})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 2
+        r = h.post(CHAT, json={"messages": [{"role": "user", "content": "hello " * 1500}], "max_tokens": 4})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["context_tokens"] == 1024
+        assert err["prompt_tokens"] > 1024 and str(err["prompt_tokens"]) in err["message"]
+        r = h.post(CHAT, json={"messages": HELLO}, headers={"X-AOTX-Conversation": "c_doesnotexist"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "conversation_not_found"
+        r = h.post(CHAT, json={"messages": HELLO}, headers={"X-AOTX-Conversation": "../../etc/passwd"})
+        assert r.status_code == 400
+
+
+def _open_stream(h, body, headers=None):
+    """Start a streaming request and read its first SSE line; returns the open response."""
+    req = h.build_request("POST", CHAT, json={**body, "stream": True}, headers=headers or {})
+    r = h.send(req, stream=True)
+    assert r.status_code == 200, r.read()
+    lines = r.iter_lines()
+    first = next(lines)
+    assert first.startswith("data: ")
+    return r, lines
+
+
+def test_queue_full_and_per_key_limits_are_429_with_retry_after(engine):
+    long = {"messages": [{"role": "user", "content": "Count from one to one hundred."}], "max_tokens": 200,
+            "temperature": 0}
+    with gateway(engine[0], keys=(KEY, KEY2), per_key_concurrency=1, max_queue=2) as url, \
+            httpx.Client(base_url=url, timeout=60) as h:
+        a, _ = _open_stream(h, long, _auth(KEY))
+        r = h.post(CHAT, json={"messages": HELLO, "max_tokens": 1}, headers=_auth(KEY))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "concurrency_limit"
+        assert int(r.headers["retry-after"]) >= 1
+        b, _ = _open_stream(h, long, _auth(KEY2))  # another key still gets in
+        r = h.post(CHAT, json={"messages": HELLO, "max_tokens": 1}, headers=_auth(KEY2))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert int(r.headers["retry-after"]) >= 1
+        a.close()
+        b.close()
+        deadline = time.monotonic() + 20  # the slots come back once the cancels land
+        while True:
+            r = h.post(CHAT, json={"messages": HELLO, "max_tokens": 1}, headers=_auth(KEY))
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+
+
+def test_disconnect_cancels_generation_and_busy_conversation_is_409(gw, engine):
+    long = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400,
+            "temperature": 0}
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=60) as h:
+        r, lines = _open_stream(h, long)
+        conv = r.headers["x-aotx-conversation"]
+        next(lines)  # one token in
+        busy = h.post(CHAT, json={"messages": HELLO, "max_tokens": 1}, headers={"X-AOTX-Conversation": conv})
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "conversation_busy"
+        r.close()
+        _wait_cancelled(engine[0], conv)
+
+    # non-streaming: the client gives up (read timeout) and the reply is cancelled too
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=httpx.Timeout(60, read=1.0)) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post(CHAT, json=long, headers={"X-AOTX-Conversation": conv})
+    _wait_cancelled(engine[0], conv, n_replies=2)
+
+
+def _wait_cancelled(sock, conv, n_replies=1):
+    deadline = time.monotonic() + 20
+    while True:
+        view = _show(sock, conv)
+        replies = [m for m in view.messages if m.role == "assistant"]
+        if len(replies) == n_replies and replies[-1].status == "cancelled":
+            assert len(replies[-1].token_ids) < 400
+            return
+        assert time.monotonic() < deadline, f"not cancelled: {[(m.role, m.status) for m in view.messages]}"
+        time.sleep(0.1)
+
+
+def test_no_engine_is_503_with_retry_after(tmp_path):
+    with gateway(tmp_path / "none.sock") as url, httpx.Client(base_url=url, headers=_auth(), timeout=30) as h:
+        r = h.post(CHAT, json={"messages": HELLO})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "engine_unavailable"
+        assert h.get("/health").status_code == 503
+
+
+@pytest.mark.parametrize("code,status", [("too_long", 400), ("busy", 409), ("not_found", 404), ("not_ready", 503),
+                                         ("bad_request", 400), ("unsupported_media", 400), ("internal", 500)])
+def test_engine_error_table(code, status):
+    e = G._engine_error(P.Error(id=1, code=code, message="m"), None, 2)
+    assert e.status == status and e.body["error"]["message"]
+    assert (e.headers.get("Retry-After") == "2") == (status == 503)
+
+
+# ---- keys ------------------------------------------------------------------------------------
+
+def test_key_file_generated_0600_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTX_HOME", str(tmp_path))
+    keys, path, created = A.load_or_create(None)
+    assert created and path == tmp_path / "gateway" / "api_keys"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and keys[0].startswith("sk-aotx-") and len(keys[0]) > 40
+    again, _, created2 = A.load_or_create(None)
+    assert again == keys and not created2
+    path.chmod(0o644)
+    with pytest.raises(UsageError, match="chmod 600"):
+        A.load_or_create(None)
+    other = tmp_path / "k"
+    other.write_text("# comment\n\nshort\n")
+    other.chmod(0o600)
+    with pytest.raises(UsageError, match="at least 16"):
+        A.load_or_create(other)
+    other.write_text("# only a comment\n")
+    with pytest.raises(UsageError, match="no key"):
+        A.load_or_create(other)
+    with pytest.raises(UsageError, match="does not exist"):
+        A.load_or_create(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("header,ok", [
+    (f"Bearer {KEY}", True), (f"bearer {KEY}", True), (f"Bearer  {KEY} ", True), (f"Bearer {KEY2}", True),
+    (None, False), ("", False), ("Bearer", False), ("Bearer ", False), (f"Basic {KEY}", False), (KEY, False),
+    (f"Bearer {KEY}x", False), (f"Bearer {KEY[:-1]}", False), ("Bearer \udcff", False),
+])
+def test_key_ring(header, ok):
+    assert (A.KeyRing([KEY, KEY2]).check(header) is not None) == ok
+
+
+@pytest.mark.parametrize("host,loop", [("127.0.0.1", True), ("localhost", True), ("::1", True), ("127.0.0.2", True),
+                                       ("0.0.0.0", False), ("192.168.1.5", False), ("::", False),
+                                       ("example.com", False)])
+def test_loopback(host, loop):
+    assert G.is_loopback(host) == loop
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def test_cli_gateway_generates_key_and_serves_openai(engine, tmp_path):
+    sock, _ = engine
+    env = dict(os.environ, AOTX_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "gateway", "--host", "0.0.0.0", "--socket", str(sock)],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--api-key-file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "gateway").exists()
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "gateway", "--port", str(port), "--socket",
+                             str(sock)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        keyfile = tmp_path / "gateway" / "api_keys"
+        key = A.read_key_file(keyfile)[0]
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        c = oa.chat.completions.create(model="m", messages=HELLO, **GREEDY)
+        assert c.choices[0].message.content and _receipt_ok(c.model_extra["aotx"]["receipt"])
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=15)
+    assert str(keyfile) in err and "generated" in err
+
+
+# ---- load -----------------------------------------------------------------------------------------
+
+def test_load_32_concurrent_streams_all_complete_with_receipts(gw):
+    async def one(client, i):
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"Say the number {i}."}], stream=True,
+            temperature=0, max_tokens=8)
+        text, finish, receipt = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            if (chunk.model_extra or {}).get("aotx"):
+                receipt = chunk.model_extra["aotx"]["receipt"]
+        return text, finish, receipt
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+        finally:
+            await client.close()
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    assert len(results) == 32
+    for text, finish, receipt in results:
+        assert text and finish in ("stop", "length") and _receipt_ok(receipt)
+    print(f"32 streams of 8 tokens in {time.monotonic() - t0:.1f} s")
