@@ -124,6 +124,15 @@ async def _run(args) -> int:
                 elif ev.text:
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
+            elif isinstance(ev, P.MediaInfo):
+                if args.json:
+                    _jprint({"event": "media", "kind": ev.kind, "route": ev.route, "name": ev.name, "text": ev.text,
+                             "via": ev.via, "seconds": ev.seconds, **({"error": ev.error} if ev.error else {})})
+                elif ev.error:
+                    print(f"aotx: attachment {ev.name} was not used: {ev.error}", file=sys.stderr)
+                else:
+                    what = "transcript" if ev.kind == "audio" else "text read by OCR (the model sees text, not the picture)"
+                    print(f"aotx: {ev.name} -> {ev.via}: {what}:\n{ev.text}\n", file=sys.stderr)
             elif isinstance(ev, P.Durable):
                 if args.json:
                     _jprint({"event": "durable", "receipt": {"segment": ev.receipt.segment,

@@ -23,6 +23,8 @@ def cmd_models(args) -> int:
     from aotx.engine.model.loader import list_models
 
     models = list_models()
+    for m in models:
+        m["media"] = _media_profile(m["path"])
     if args.json:
         _jprint({"models_dir": str(paths.models_dir()), "models": models})
         return 0
@@ -33,8 +35,24 @@ def cmd_models(args) -> int:
     for m in models:
         mark = "*" if m["default"] else " "
         print(f"{mark} {m['name']:<40} {m['size_bytes'] / 1e6:8.1f} MB  {m['path']}")
+        if m.get("media"):
+            print(f"    media: {m['media'].get('summary', '')}")
     print(f"(* default; models folder: {paths.models_dir()})")
     return 0
+
+
+def _media_profile(path: str) -> dict:
+    """The model's media profile as a dict with a one-line ``summary`` ({} when unreadable)."""
+    try:
+        from aotx.engine.model.gguf_file import GGUFFile
+        from aotx.media.profile import profile_for
+
+        prof = profile_for(GGUFFile.open(path))
+        d = prof.to_dict()
+        d["summary"] = prof.describe().replace("\n", "; ")
+        return d
+    except Exception as e:  # noqa: BLE001 - media support is optional; the listing must not fail
+        return {"summary": f"unavailable ({e})"}
 
 
 def _tokenizer(model_arg):

@@ -48,6 +48,17 @@ def pick_device(requested: str) -> str:
     return "cpu"
 
 
+def media_bytes(lm, device: str) -> int:
+    """Bytes the model's media profile may use (specialists' weights and working memory),
+    0 when the media extra is not installed."""
+    try:
+        from aotx.media.profile import profile_for
+
+        return int(profile_for(lm, device=device).memory_bytes)
+    except Exception:  # noqa: BLE001 - media support is optional
+        return 0
+
+
 def build_engine(args, progress=None):
     """Load the model and build an Engine from parsed ``serve`` flags (not started).
 
@@ -73,7 +84,7 @@ def build_engine(args, progress=None):
     journal_bytes = 8 << 20
     capsule_host = min(512 << 20, max(64 << 20, total // 16))
     budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
-                            journal_bytes, total, capsule_bytes=capsule_host)
+                            journal_bytes, total, capsule_bytes=capsule_host, media_bytes=media_bytes(lm, device))
     from aotx.engine.state.cache import CapsuleCache
 
     no_journal = getattr(args, "no_journal", False)
@@ -93,6 +104,9 @@ def serve(args) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s aotx %(message)s",
                         datefmt="%H:%M:%S")
+    # onnxruntime (the OCR specialist) records usage telemetry unless told not to, and
+    # reads the setting once, at its first import: set it before anything imports it
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     sock = Path(args.socket).expanduser() if args.socket else paths.socket_path()
     # take the lock before the (slow) model load so a second engine fails fast
     lock = SocketLock(sock)

@@ -267,6 +267,21 @@ class Notice(_Base, tag="notice"):
     position: int = 0
 
 
+class MediaInfo(_Base, tag="media"):
+    """What an attachment became before the model saw it: ``route`` "specialist"
+    (a transcript or OCR text, in ``text``) or "encoder"; ``error`` when it was refused
+    (the rest of the message is kept)."""
+
+    id: int
+    kind: str
+    route: str
+    name: str
+    text: str = ""
+    via: str = ""
+    seconds: float = 0.0
+    error: str = ""
+
+
 class Committed(_Base, tag="committed"):
     """The reply finished. finish_reason: stop | length | context | cancelled | error."""
 
@@ -314,7 +329,7 @@ class StatusReply(_Base, tag="status_reply"):
 Message = Union[
     Hello, CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel,
     DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, Committed,
+    Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, MediaInfo, Committed,
     Durable, StatusReply,
 ]
 

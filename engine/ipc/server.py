@@ -189,7 +189,8 @@ class Server:
                     conn.send(err)
                     continue
                 if isinstance(msg, (P.Hello, P.Welcome, P.Error, P.Ok, P.ConversationInfo, P.ConversationList,
-                                    P.Accepted, P.Token, P.Notice, P.Committed, P.Durable, P.StatusReply)):
+                                    P.Accepted, P.Token, P.Notice, P.MediaInfo, P.Committed, P.Durable,
+                                    P.StatusReply)):
                     conn.send(P.Error(id=getattr(msg, "id", 0), code="bad_request",
                                       message=f"{type(msg).__name__} is not a request"))
                     continue

@@ -71,7 +71,8 @@ class Engine:
         self._running: list[Request] = []         # prefill or decode, holding a slot
         self._by_rid: dict[tuple[int, int], Request] = {}
         self._durable_watch: list[tuple[int, Request, str]] = []
-        self._held: list[tuple[Any, Any]] = []  # submissions waiting for journal credit
+        self._held: list[tuple[Any, Any, str | None]] = []  # (op, sink, media text) waiting for journal credit
+        self._media_busy: dict[int, set[int]] = {}  # sink id -> request ids whose media are being prepared
         self._segments_at_checkpoint = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -137,6 +138,11 @@ class Engine:
         if kind == "receipt":
             self._on_receipt(obj)
             return
+        if kind == "media":
+            op, text = obj
+            self._media_busy.get(id(sink), set()).discard(op.id)
+            self._guarded(lambda: self._submit(op, sink, media_text=text), op, sink)
+            return
         if kind == "capsule":
             conv_id, path, n = obj
             if self.store.table.get(conv_id) is not None:
@@ -146,10 +152,14 @@ class Engine:
             for r in list(self._by_rid.values()):
                 if r.sink is obj:
                     self._cancel(r)
-            self._held = [(op, s) for op, s in self._held if s is not obj]
+            self._held = [h for h in self._held if h[1] is not obj]
             return
+        self._guarded(lambda: self._dispatch(obj, sink), obj, sink)
+
+    def _guarded(self, fn, obj, sink) -> None:
+        """Run one client operation; refusals and bugs become an Error reply."""
         try:
-            self._dispatch(obj, sink)
+            fn()
         except AotxError as e:
             code = getattr(e, "code", "bad_request")
             if isinstance(obj, P.SubmitMessage):
@@ -212,13 +222,15 @@ class Engine:
         if conv_id in self._busy_convs():
             raise _Refused("busy", f"conversation {conv_id} is generating; cancel it first")
 
-    def _submit(self, op: P.SubmitMessage, sink) -> None:
+    def _submit(self, op: P.SubmitMessage, sink, media_text: str | None = None) -> None:
         if not self.ready:
             raise _Refused("not_ready", f"the model is not ready: {self.not_ready_reason}")
-        if op.attachments:
-            kinds = ", ".join(sorted({a.kind for a in op.attachments}))
-            raise _Refused("unsupported_media", f"this model's media profile takes no attachments ({kinds}); "
-                           "the message was not sent, its text is kept")
+        if op.attachments and media_text is None:
+            self.store.get(op.conv_id)
+            self._require_idle(op.conv_id)
+            self._prepare_media(op, sink)
+            return
+        text = op.text if media_text is None else media_text
         conv = self.store.get(op.conv_id)
         self._require_idle(op.conv_id)
         # the conversation keeps its default sampling as a plain dict (a journal record's field)
@@ -232,9 +244,9 @@ class Engine:
                            f"{max(map(len, sp.stop), default=0)} characters)")
         tok = self.lm.tokenizer
         if op.raw:
-            prompt = tok.encode(op.text, add_special=True, parse_special=False)
+            prompt = tok.encode(text, add_special=True, parse_special=False)
         else:
-            messages = self.store.chat_messages(op.conv_id) + [{"role": "user", "content": op.text}]
+            messages = self.store.chat_messages(op.conv_id) + [{"role": "user", "content": text}]
             try:
                 prompt = self._encode_chat(messages)
             except TemplateError:
@@ -248,14 +260,14 @@ class Engine:
         if not prompt:
             raise _Refused("bad_request", "the prompt is empty")
         if not self.store.has_credit():
-            if not any(o is op for o, _ in self._held):
+            if not any(o is op for o, _, _ in self._held):
                 free = self.store.journal_free_bytes()
                 sink.send(P.Notice(id=op.id, kind="held", resource="journal", asked=64 << 10, free=free,
                                    message=f"the journal's buffers are full (the disk is behind: {free} bytes "
                                            f"free); the message is held until they drain"))
-                self._held.append((op, sink))
+                self._held.append((op, sink, media_text))
             return
-        msg_id, reply_id, seq = self.store.accept(op.conv_id, "user", op.text, sp, op.attachments, raw=op.raw,
+        msg_id, reply_id, seq = self.store.accept(op.conv_id, "user", text, sp, op.attachments, raw=op.raw,
                                                   tick=self.tick)
         from aotx.engine.model.termination import StopChecker
         from aotx.engine.model.tokenizer import StreamDecoder
@@ -283,6 +295,39 @@ class Engine:
             r.state = "queued"
         self._waiting.append(r)
         self._notify_queue()
+
+    def _prepare_media(self, op: P.SubmitMessage, sink) -> None:
+        """Turn attachments into text through the model's media profile, off the tick
+        thread; then the submission continues with the text the model receives. An
+        attachment that cannot be used is reported and left out; the message is kept."""
+        if op.id in self._media_busy.get(id(sink), set()):
+            return
+        self._media_busy.setdefault(id(sink), set()).add(op.id)
+
+        def work() -> None:
+            results, errors = [], []
+            try:
+                from aotx.media.profile import prepare, render_for_prompt
+            except ImportError as e:
+                for a in op.attachments:
+                    errors.append((a.name or a.path, f"media support is not installed ({e.name}): "
+                                                     "pip install 'aotx[media]'"))
+                text = op.text + "".join(f"\n[Attachment {n} could not be used: {why}]" for n, why in errors)
+            else:
+                for a in op.attachments:
+                    name = a.name or a.path.rsplit("/", 1)[-1]
+                    try:
+                        res = prepare(a.path, a.kind or None, device=self.device)
+                        results.append(res)
+                        sink.send(P.MediaInfo(id=op.id, kind=res.kind, route=res.route, name=name, text=res.text,
+                                              via=str(res.model or ""), seconds=float(res.seconds or 0.0)))
+                    except Exception as e:  # noqa: BLE001 - MediaError, or a decoder's own failure
+                        errors.append((name, str(e)))
+                        sink.send(P.MediaInfo(id=op.id, kind=a.kind, route="refused", name=name, error=str(e)))
+                text = render_for_prompt(results, op.text, errors)
+            self._ops.put(("media", (op, text), sink))
+
+        threading.Thread(target=work, name="aotx-media", daemon=True).start()
 
     def _drafter_for(self, sp: P.SamplingParams):
         """A fresh drafter when speculation is on for this request (the request's own
@@ -313,8 +358,8 @@ class Engine:
         self.store.note_receipt(rc)
         if self._held and self.store.has_credit():
             held, self._held = self._held, []
-            for op, sink in held:
-                self._handle(("op", op, sink))
+            for op, sink, media_text in held:
+                self._guarded(lambda: self._submit(op, sink, media_text=media_text), op, sink)
         keep = []
         sent: set[int] = set()
         receipt = P.Receipt(segment=rc.segment, offset=rc.offset, last_seq=rc.last_seq)
@@ -479,7 +524,7 @@ class Engine:
                 r.sink.send(P.Error(id=r.rid, code="not_ready", message=self.not_ready_reason))
                 self._finish(r, "error")
             held, self._held = self._held, []
-            for op, sink in held:
+            for op, sink, _ in held:
                 sink.send(P.Error(id=op.id, code="not_ready", message=self.not_ready_reason))
             return
         t2 = time.perf_counter()
