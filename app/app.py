@@ -7,7 +7,8 @@ queue and streaming live in ``engine_link.EngineLink``.
 
 The client comes from an injected ``client_factory(on_spawn) -> awaitable client``
 (``main.py`` passes one that calls ``EngineClient.connect``; tests pass a fake), so
-the app never starts an engine on its own.
+the app never starts an engine on its own: ``main.client_factory`` connects and, when
+no engine answers (also after a crash), starts one with the same arguments.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from aotx.app import state as app_state
 from aotx.app.attach import make_attachment
 from aotx.app.bindings import ACTIONS, app_bindings
 from aotx.app.engine_link import DEFAULT_TITLE, EngineLink, Outgoing
-from aotx.app.format import position_of
+from aotx.app.format import position_of, refusal_text
 from aotx.app.paste import parse_pasted_paths
 from aotx.app.screens.details import DetailsScreen
 from aotx.app.screens.file_picker import FilePicker
@@ -52,9 +53,10 @@ class ChatApp(EngineLink, App):
     BINDINGS = app_bindings()
 
     def __init__(self, client_factory: ClientFactory, *, theme: str | None = None,
-                 status_poll_s: float = STATUS_POLL_S) -> None:
+                 status_poll_s: float = STATUS_POLL_S, default_sampling: P.SamplingParams | None = None) -> None:
         super().__init__()
         self.client_factory = client_factory
+        self.default_sampling = default_sampling  # sampling of conversations this app creates (None: engine's)
         self.saved_state = app_state.load_state()
         self.theme_name = theme if theme in THEMES else (
             self.saved_state.theme if self.saved_state.theme in THEMES else "dark")
@@ -285,7 +287,7 @@ class ChatApp(EngineLink, App):
         if self.client is None:
             await self.open_conversation(None)
             return
-        conv = await self._call(self.client.create_conversation(title=DEFAULT_TITLE))
+        conv = await self._call(self.client.create_conversation(title=DEFAULT_TITLE, sampling=self.default_sampling))
         if conv is not None:
             await self.refresh_conversations()
             await self.open_conversation(conv.conv_id)
@@ -342,6 +344,39 @@ class ChatApp(EngineLink, App):
     def on_message_widget_details_requested(self, event: MessageWidget.DetailsRequested) -> None:
         self.push_screen(DetailsScreen(event.widget))
 
+    def on_message_widget_fork_requested(self, event: MessageWidget.ForkRequested) -> None:
+        self.fork_at(event.widget)
+
+    def action_fork(self) -> None:
+        """Fork at the focused message, or at the last one."""
+        focused = self.focused
+        self.fork_at(focused if isinstance(focused, MessageWidget) else self.last_message())
+
+    @work(group="ui")
+    async def fork_at(self, w: MessageWidget | None) -> None:
+        """A new conversation with this one's messages up to and including ``w``
+        (the engine copies them and reuses this conversation's state), opened at once."""
+        if self.conv_id is None or self.client is None or w is None:
+            self.show_notice("Nothing to fork yet: send a message first.")
+            return
+        if not w.msg_id:
+            self.show_notice("That message has not reached the engine yet; fork once it is accepted.")
+            return
+        if self.active is not None and self.active.reply_id and self.active.reply_id == w.msg_id:
+            self.show_notice("That reply is still being written: fork once it is finished (Esc cancels it).")
+            return
+        parent = self.conv_view.title if self.conv_view else self.conv_id
+        ms = self.messages()
+        n = ms.index(w) + 1 if w in ms else 0
+        view = await self._call(self.client.fork(self.conv_id, w.msg_id))
+        if view is None:
+            return
+        await self.refresh_conversations()
+        await self.open_conversation(view.conv_id)
+        self.show_notice(f"Forked “{parent}” after message {n} of {len(ms)} into “{view.title}”; "
+                         "the original is unchanged (it is in the sidebar).")
+        self.chat_input.focus()
+
     @work(group="ui")
     async def action_rename(self) -> None:
         if self.conv_id is None or self.client is None:
@@ -392,7 +427,10 @@ class ChatApp(EngineLink, App):
         except ConnectionLost:
             self.connection_lost()
         except AotxError as e:
-            self.show_notice(f"The engine refused: {e}", "error")
+            code = getattr(e, "code", "")
+            self.show_notice(refusal_text(code, str(e)), "error")
+            if code == "not_found":  # deleted by another client: show what is left
+                await self.refresh_conversations()
         return None
 
     # ---- command palette ---------------------------------------------------

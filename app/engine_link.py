@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from aotx.app.format import error_text, notice_text
+from aotx.app.format import error_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
 from aotx.engine.errors import AotxError
 from aotx.engine.ipc import protocol as P
@@ -166,7 +166,7 @@ class EngineLink:
         except AotxError as e:
             target = item.reply or item.widget
             target.set_position("failed")
-            target.add_notice(f"Failed: {e}", "error")
+            target.add_notice(f"Failed: {refusal_text(getattr(e, 'code', ''), str(e), 'this message')}", "error")
         finally:
             if self.active is item:
                 self.active = None
@@ -175,7 +175,7 @@ class EngineLink:
     async def _ensure_conversation(self, client, item: Outgoing) -> None:
         first_line = item.text.strip().splitlines()[0][:48] if item.text.strip() else DEFAULT_TITLE
         if item.conv_id is None:
-            conv = await client.create_conversation(title=first_line)
+            conv = await client.create_conversation(title=first_line, sampling=self.default_sampling)
             item.conv_id = conv.conv_id
             for other in self.outbox:
                 if other.conv_id is None:
@@ -208,6 +208,7 @@ class EngineLink:
         elif isinstance(ev, P.Token):
             if reply.position == "accepted":
                 reply.set_position("committed")
+            reply.token_seqs.append(ev.seq)
             reply.add_delta(ev.text)
         elif isinstance(ev, P.Notice):
             (reply or user).add_notice(notice_text(ev), ev.kind)
@@ -218,6 +219,8 @@ class EngineLink:
             reply.set_position("cancelled" if ev.finish_reason == "cancelled" else "committed")
         elif isinstance(ev, P.Durable):
             r = ev.receipt
+            if reply is not None:
+                reply.durable_seq = max(reply.durable_seq, r.last_seq)  # its tokens up to here are on disk
             if user.receipt is None and (ev.msg_id == user.msg_id or (user.seq and r.last_seq >= user.seq)):
                 user.receipt = r
                 user.set_position("durable")

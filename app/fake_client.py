@@ -4,7 +4,8 @@ Owns: ``FakeEngine`` (conversations, sequence numbers and a pretend journal kept
 memory) and ``FakeEngineClient``, which has the methods of ``EngineClient`` that the
 app uses and yields the event sequence the protocol documents: Accepted, Durable
 (user message), Notice*, Token*, Committed, Durable (reply). It can be told to load
-slowly, to send notices, to refuse media, and to crash mid-reply.
+slowly, to send notices, to refuse media, and to crash mid-reply; it forks conversations,
+and refuses with the engine's error codes (``EngineError.code``: not_found, busy).
 Leaves to others: everything a real engine does (no model, no disk).
 """
 
@@ -43,6 +44,7 @@ class FakeEngine:
         self.submitted: list[tuple[str, str, list[P.Attachment]]] = []
         self.cancelled: list[int] = []
         self.truncated: list[str] = []
+        self.forked: list[tuple[str, str]] = []
         self.now = 1_700_000_000.0
 
     async def connect(self, on_spawn: Callable[[str], None] | None = None) -> "FakeEngineClient":
@@ -106,7 +108,7 @@ class FakeEngineClient:
     def _conv(self, conv_id: str) -> P.ConversationView:
         self._check()
         if conv_id not in self.engine.convs:
-            raise EngineError(f"no conversation {conv_id!r}")
+            raise refused("not_found", f"no conversation {conv_id!r}")
         return self.engine.convs[conv_id]
 
     async def close(self) -> None:
@@ -156,9 +158,30 @@ class FakeEngineClient:
         conv = self._conv(conv_id)
         ids = [m.msg_id for m in conv.messages]
         if msg_id not in ids:
-            raise EngineError(f"no message {msg_id!r} in {conv_id}")
+            raise refused("not_found", f"no message {msg_id!r} in {conv_id}")
+        if conv.busy:
+            raise refused("busy", f"conversation {conv_id} is generating; cancel it first")
         self.engine.truncated.append(msg_id)
         del conv.messages[ids.index(msg_id):]
+
+    async def fork(self, conv_id: str, at_msg_id: str = "") -> P.ConversationView:
+        """A new conversation with ``conv_id``'s messages up to and including ``at_msg_id``."""
+        conv = self._conv(conv_id)
+        msgs = list(conv.messages)
+        if at_msg_id:
+            ids = [m.msg_id for m in msgs]
+            if at_msg_id not in ids:
+                raise refused("not_found", f"conversation {conv_id} has no message {at_msg_id!r}")
+            msgs = msgs[:ids.index(at_msg_id) + 1]
+        self.engine.forked.append((conv_id, at_msg_id))
+        new = self.engine.add_conversation(f"{conv.title} (fork)")
+        new.system_prompt, new.sampling = conv.system_prompt, conv.sampling
+        new.messages = [self.engine._message(m.role, m.text, status=m.status if m.status != "streaming" else
+                                             "interrupted", durable=True) for m in msgs]
+        for old, m in zip(msgs, new.messages):
+            m.finish_reason = old.finish_reason
+        new.n_messages = len(new.messages)
+        return new
 
     async def cancel(self, target: int = 0, conv_id: str = "") -> None:
         self._check()
@@ -209,6 +232,13 @@ class FakeEngineClient:
                           timings={"ttft_ms": 12.0, "tokens_per_s": 250.0})
         reply.receipt = e._receipt(reply.seq)
         yield P.Durable(id=rid, receipt=reply.receipt, msg_id=reply.msg_id)
+
+
+def refused(code: str, message: str) -> EngineError:
+    """An EngineError as EngineClient raises it for an engine's Error reply."""
+    err = EngineError(message)
+    err.code = code
+    return err
 
 
 def msgspec_replace(notice: P.Notice, **changes) -> P.Notice:

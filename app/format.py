@@ -52,8 +52,19 @@ def fmt_amount(resource: str, n: int) -> str:
     return f"{n} {unit[:-1] if n == 1 else unit}"
 
 
+def capsule_text(n: P.Notice) -> str:
+    """A ``capsule`` notice: how this turn's context was put back (restored from a
+    capsule, or re-prefilled from the journal's tokens, and why)."""
+    msg = n.message.strip().rstrip(".")
+    if msg.startswith("restored"):
+        return f"Context restored from a capsule: {msg} (no re-prefill)."
+    return f"Context not restored from a capsule: {msg}." if msg else "Context re-prefilled from the journal."
+
+
 def notice_text(n: P.Notice) -> str:
-    """One plain sentence for an admission notice."""
+    """One plain sentence for an admission notice (or a capsule notice)."""
+    if n.kind == "capsule":
+        return capsule_text(n)
     head = {"held": "Held", "queued": "Queued", "refused": "Refused", "resumed": "Resumed"}.get(
         n.kind, n.kind.capitalize())
     parts = [f"{head}: {n.resource or 'resources'}"]
@@ -66,6 +77,20 @@ def notice_text(n: P.Notice) -> str:
 
 
 def error_text(e: P.Error) -> str:
-    if e.code in ("unsupported_media", "bad_request") and "media" in e.message.lower():
-        return f"The engine refused the attachment ({e.code}): {e.message}"
-    return f"The engine refused this message ({e.code}): {e.message}"
+    """A refused submit, by the engine's error code."""
+    return refusal_text(e.code, e.message, "this message")
+
+
+def refusal_text(code: str, message: str, what: str = "the request") -> str:
+    """Plain words for an engine refusal, chosen by its error code (never by its wording)."""
+    if code == "unsupported_media":
+        return f"The engine refused the attachment ({code}): {message}"
+    if code == "busy":
+        return f"A reply is still being written in this conversation: Esc cancels it first ({message})."
+    if code == "not_found":
+        return f"Not found on the engine (it may have been deleted elsewhere): {message}"
+    if code == "not_ready":
+        return f"The engine is still loading the model: {message}"
+    if code == "too_long":
+        return f"Too long for the context ({code}): {message}"
+    return f"The engine refused {what} ({code or 'error'}): {message}"

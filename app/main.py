@@ -31,15 +31,22 @@ def engine_args(ns: argparse.Namespace) -> list[str]:
     return args
 
 
-def make_client_factory(ns: argparse.Namespace):
-    """The real factory: connect to (or start) the engine."""
+def client_factory(socket: str | None = None, args: list[str] | None = None, *, spawn: bool = True):
+    """A factory that connects to the engine on ``socket`` and, when none answers and
+    ``spawn``, starts one there with ``args`` (the app calls it again after a crash,
+    so a dead engine is restarted with the same arguments)."""
     from aotx.engine.ipc.client import EngineClient
 
     async def factory(on_spawn: Callable[[str], None]):
-        return await EngineClient.connect(ns.socket, spawn=True, engine_args=engine_args(ns),
+        return await EngineClient.connect(socket, spawn=spawn, engine_args=list(args or []),
                                           client_name="aotx-chat", on_spawn=on_spawn)
 
     return factory
+
+
+def make_client_factory(ns: argparse.Namespace):
+    """The real factory: connect to (or start) the engine."""
+    return client_factory(ns.socket, engine_args(ns))
 
 
 def main(argv: list[str] | None = None) -> int:

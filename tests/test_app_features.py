@@ -254,3 +254,133 @@ def test_cli_flags_pass_engine_args_through():
     assert engine_args(ns) == ["--model", "/m/x.gguf", "--device", "cpu"]
     assert ns.theme == "light" and ns.socket == "/tmp/s"
     assert engine_args(parse_args([])) == []
+
+
+async def test_fork_at_focused_message_opens_the_new_conversation():
+    engine = FakeEngine()
+    engine.add_conversation("Trip", [("user", "where to?"), ("assistant", "Lisbon."),
+                                     ("user", "when?"), ("assistant", "In May.")])
+    app, _ = make_app(engine)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        parent = app.conv_id
+        first_reply = app.messages()[1]
+        first_reply.focus()
+        await pilot.press("f")  # on a message: fork here
+        await settle(pilot)
+        assert engine.forked == [(parent, first_reply.msg_id)]
+        assert app.conv_id != parent and engine.convs[app.conv_id].title == "Trip (fork)"
+        assert [m.text for m in app.messages()] == ["where to?", "Lisbon."]
+        assert "Trip (fork)" in app.sidebar.visible() and "Trip" in app.sidebar.visible()
+        assert "Forked “Trip” after message 2 of 4" in str(app.query_one("#input-notice").render())
+        assert [m.text for m in engine.convs[parent].messages][-1] == "In May."  # the original is unchanged
+        # the key binding (input focused) forks at the last message; the fork goes on by itself
+        fork1 = app.conv_id
+        assert app.chat_input.has_focus
+        await pilot.press("ctrl+g")
+        await settle(pilot)
+        assert engine.forked[-1] == (fork1, engine.convs[fork1].messages[-1].msg_id)
+        assert app.conv_id not in (parent, fork1) and len(app.messages()) == 2
+        app.chat_input.insert("and after?")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert [m.role for m in engine.convs[app.conv_id].messages] == ["user", "assistant"] * 2
+        assert len(engine.convs[fork1].messages) == 2
+
+
+async def test_fork_is_in_palette_and_help_and_refuses_with_nothing_to_fork():
+    app, engine = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        assert "Fork conversation" in {c.title for c in app.get_system_commands(app.screen)}
+        await pilot.press("ctrl+g")
+        await settle(pilot)
+        assert engine.forked == [] and "Nothing to fork" in str(app.query_one("#input-notice").render())
+        await pilot.press("f1")
+        await pilot.pause()
+        table = app.screen.query_one(DataTable)
+        assert "ctrl+g" in {str(table.get_row_at(i)[0]) for i in range(table.row_count)}
+
+
+async def test_settings_speculative_choice_is_stored_in_the_conversation_sampling():
+    from textual.widgets import Select
+
+    engine = engine_with_history()
+    app, _ = make_app(engine)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        await pilot.press("f4")
+        await until(pilot, lambda: app.screen.query("#f-speculative"))
+        select = app.screen.query_one("#f-speculative", Select)
+        assert select.value == ""  # engine default
+        select.value = "off"
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+        assert engine.convs[app.conv_id].sampling.speculative == "off"
+        await pilot.press("f4")
+        await until(pilot, lambda: app.screen.query("#f-speculative"))
+        assert app.screen.query_one("#f-speculative", Select).value == "off"
+        app.screen.query_one("#f-speculative", Select).value = "ngram"
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+        assert engine.convs[app.conv_id].sampling.speculative == "ngram"
+
+
+def test_parse_sampling_speculative():
+    from aotx.app.screens.settings import parse_sampling
+    from aotx.engine.ipc import protocol as P
+
+    base = P.SamplingParams(speculative="ngram")
+    values = {"temperature": "0", "top_k": "40", "top_p": "1", "min_p": "0", "repeat_penalty": "1",
+              "max_tokens": "64", "seed": ""}
+    assert parse_sampling(values, base).speculative == "ngram"  # untouched without the field
+    assert parse_sampling({**values, "speculative": ""}, base).speculative == ""
+    with pytest.raises(ValueError, match="speculative"):
+        parse_sampling({**values, "speculative": "draft"}, base)
+
+
+async def test_capsule_notice_is_shown_inline():
+    from aotx.engine.ipc import protocol as P
+
+    notices = [P.Notice(id=0, kind="capsule", resource="capsule", asked=812,
+                        message="restored 812 tokens of context from the capsule on disk")]
+    app, _ = make_app(FakeEngine(notices=notices))
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        app.chat_input.insert("hi")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert app.messages()[1].notices() == [
+            "Context restored from a capsule: restored 812 tokens of context from the capsule on disk "
+            "(no re-prefill)."]
+
+
+def test_notice_and_refusal_words_follow_codes():
+    from aotx.app.format import error_text, notice_text, refusal_text
+    from aotx.engine.ipc import protocol as P
+
+    n = P.Notice(id=0, kind="capsule", resource="capsule",
+                 message="the capsule on disk belongs to model abc, not def: re-prefilling from the journal's tokens")
+    assert notice_text(n).startswith("Context not restored from a capsule: the capsule on disk belongs")
+    # by code, not wording: a media refusal whose text never says "media" is still about the attachment
+    assert "refused the attachment" in error_text(P.Error(id=1, code="unsupported_media", message="no images"))
+    assert "refused this message (too_long)" not in error_text(P.Error(id=1, code="bad_request", message="media x"))
+    assert refusal_text("busy", "conversation c1 is generating").startswith("A reply is still being written")
+
+
+async def test_engine_error_codes_drive_the_app():
+    """A conversation deleted by another client: the app says so (code not_found) and refreshes the list."""
+    engine = engine_with_history()
+    app, _ = make_app(engine)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        gone = app.conv_id
+        del engine.convs[gone]
+        await pilot.press("f2")
+        await pilot.pause()
+        app.screen.query_one("#prompt-input", Input).value = "New name"
+        await pilot.press("enter")
+        await settle(pilot)
+        notice = str(app.query_one("#input-notice").render())
+        assert notice.startswith("Not found on the engine")
+        assert app.sidebar.visible() == ["Rust lifetimes"]

@@ -19,6 +19,8 @@ def details_lines(w) -> list[tuple[str, str]]:
         rows.append(("sequence", str(w.seq)))
     if w.role == "assistant":
         rows.append(("tokens", str(w.n_tokens)))
+        if w.token_seqs and w.receipt is None:
+            rows.append(("durable tokens", f"{w.durable_tokens} of {len(w.token_seqs)} streamed"))
         if w.finish_reason:
             rows.append(("finish reason", w.finish_reason))
     if w.receipt is not None:

@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Static, TextArea
+from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
 from aotx.engine.ipc import protocol as P
 
@@ -21,10 +21,22 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
     ("seed", int, "empty = random"),
 )
 
+# SamplingParams.speculative: "" leaves it to the engine (prompt lookup where it pays)
+SPECULATIVE: tuple[tuple[str, str], ...] = (
+    ("engine default", ""),
+    ("ngram (prompt lookup)", "ngram"),
+    ("off", "off"),
+)
+
 
 def parse_sampling(values: dict[str, str], base: P.SamplingParams) -> P.SamplingParams:
     """Form strings -> SamplingParams. Raises ValueError naming the bad field."""
     changes = {}
+    if "speculative" in values:
+        mode = values["speculative"] or ""
+        if mode not in {v for _, v in SPECULATIVE}:
+            raise ValueError(f"speculative: {mode!r} is not one of engine default, ngram, off")
+        changes["speculative"] = mode
     for name, kind, _ in FIELDS:
         raw = values.get(name, "").strip()
         if raw == "" and name == "seed":
@@ -56,6 +68,9 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
                     value = getattr(self.sampling, name)
                     yield Label(f"{name} ({hint})")
                     yield Input("" if value is None else str(value), id=f"f-{name}")
+                yield Label("speculative decoding")
+                current = self.sampling.speculative if self.sampling.speculative in {v for _, v in SPECULATIVE} else ""
+                yield Select(SPECULATIVE, value=current, allow_blank=False, id="f-speculative")
             yield Static("", id="settings-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save (ctrl+s)", id="save", variant="primary")
@@ -69,6 +84,7 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
 
     def action_save(self) -> None:
         values = {name: self.query_one(f"#f-{name}", Input).value for name, _, _ in FIELDS}
+        values["speculative"] = self.query_one("#f-speculative", Select).value
         try:
             sampling = parse_sampling(values, self.sampling)
         except ValueError as e:

@@ -9,6 +9,8 @@ Leaves to others: talking to the engine (the app) and the details view.
 
 from __future__ import annotations
 
+import bisect
+
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -29,9 +31,17 @@ class MessageWidget(Vertical, can_focus=True):
     BINDINGS = [
         Binding("c", "copy", "Copy message"),
         Binding("i", "details", "Details / receipt"),
+        Binding("f", "fork", "Fork here"),
     ]
 
     class DetailsRequested(Message):
+        def __init__(self, widget: "MessageWidget") -> None:
+            self.widget = widget
+            super().__init__()
+
+    class ForkRequested(Message):
+        """Fork the conversation at this message."""
+
         def __init__(self, widget: "MessageWidget") -> None:
             self.widget = widget
             super().__init__()
@@ -47,6 +57,8 @@ class MessageWidget(Vertical, can_focus=True):
         self.finish_reason: str | None = None
         self.timings: dict[str, float] = {}
         self.request_id = 0
+        self.token_seqs: list[int] = []  # sequence number of each streamed token
+        self.durable_seq = 0  # the last sequence number a Durable receipt covered
         self._pending: list[str] = []
         self._timer = None
 
@@ -67,7 +79,7 @@ class MessageWidget(Vertical, can_focus=True):
     def _header_text(self) -> str:
         who = "You" if self.role == "user" else "Assistant" if self.role == "assistant" else self.role
         words = self.position if self.position not in ("accepted", "committed", "durable") else ""
-        if self.finish_reason and self.finish_reason not in ("stop",):
+        if self.finish_reason and self.finish_reason not in ("stop", self.position):
             words = (words + " " if words else "") + f"({self.finish_reason})"
         return f"{GLYPHS.get(self.position, '?')} {who} {words}".rstrip()
 
@@ -142,6 +154,14 @@ class MessageWidget(Vertical, can_focus=True):
 
     def action_details(self) -> None:
         self.post_message(self.DetailsRequested(self))
+
+    def action_fork(self) -> None:
+        self.post_message(self.ForkRequested(self))
+
+    @property
+    def durable_tokens(self) -> int:
+        """How many of the streamed tokens a receipt covers (they survive a crash)."""
+        return bisect.bisect_right(self.token_seqs, self.durable_seq)
 
     def on_click(self, event: events.Click) -> None:
         node = event.widget
