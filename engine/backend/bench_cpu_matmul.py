@@ -1,6 +1,7 @@
 """Benchmark of the CPU quantized matmuls on the default model's real weights.
 
-Run: python -m aotx.engine.backend.bench_cpu_matmul [--model PATH] [--reps N]
+Run: python -m aotx.engine.backend.bench_cpu_matmul [--model PATH] [--reps N] [--threads T]
+     python -m aotx.engine.backend.bench_cpu_matmul --forward [--int8] [--model PATH]
 
 Builds a QuantMatrix for every 2-D weight of every layer (memmap via gguf.GGUFReader) plus
 the output head (output.weight, or token_embd.weight when tied), then prints
@@ -11,6 +12,9 @@ the output head (output.weight, or token_embd.weight when tied), then prints
   out, as an engine computes logits for the last prompt token only; its n = 1 cost is
   in the decode number).
 Only matmuls: norms, attention, RoPE and sampling are not in these numbers.
+With --forward it times the whole llama forward pass instead (CpuBackend, --int8 for
+int8 decode activations): prefill tokens/s at n = 128 and 512 (median of 3) and batch-1
+decode tokens/s (median and 90th-percentile-fastest of 100 steps at positions 40..139).
 Note: OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, when set, slow numpy's BLAS (prefill path).
 """
 
@@ -57,6 +61,41 @@ def load(path: str) -> tuple[list[dict[str, QuantMatrix]], QuantMatrix]:
     return [layers[i] for i in sorted(layers)], head or embd
 
 
+def forward_bench(path: str, int8: bool) -> None:
+    """Whole-model tokens/s: prefill chunks and batch-1 decode steps (see module doc)."""
+    import statistics
+
+    from aotx.engine.backend.cpu import CpuBackend
+    from aotx.engine.model.architectures import llama
+    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.config import ModelConfig
+    from aotx.engine.model.gguf_file import GGUFFile
+
+    gf = GGUFFile.open(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, path)
+    m = llama.build(cfg, gf, CpuBackend(int8_activations=int8))
+    kv = m.new_kv_cache(1, 640)
+    ids = (np.arange(600, dtype=np.int32) * 7919 + 1000) % cfg.vocab_size
+    m.forward(ids[:64], [Segment(0, 0, 64)], kv)                       # compile / warm up
+    print("load average before: %.2f %.2f %.2f" % os.getloadavg())
+    for n in (128, 512):
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            m.forward(ids[:n], [Segment(0, 0, n)], kv)
+            ts.append(time.perf_counter() - t0)
+        print(f"prefill n={n}: {n / statistics.median(ts):.0f} tokens/s (median of 3)")
+    m.forward(ids[:40], [Segment(0, 0, 40)], kv)
+    ts = []
+    for i in range(100):
+        t0 = time.perf_counter()
+        m.forward(ids[40 + i:41 + i], [Segment(0, 40 + i, 1)], kv)
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    print(f"decode (int8={int8}): median {1 / ts[50]:.0f} tokens/s, p10 {1 / ts[10]:.0f} tokens/s")
+    print("load average after: %.2f %.2f %.2f" % os.getloadavg())
+
+
 def _time(fn, reps: int) -> float:
     fn()
     best = float("inf")
@@ -72,10 +111,15 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="numba threads (0: numba's default)")
+    ap.add_argument("--forward", action="store_true", help="time the whole forward pass instead")
+    ap.add_argument("--int8", action="store_true", help="with --forward: int8 decode activations")
     args = ap.parse_args()
     if args.threads:
         import numba
         numba.set_num_threads(args.threads)
+    if args.forward:
+        forward_bench(args.model or default_model_path(), args.int8)
+        return
     t0 = time.perf_counter()
     layers, head = load(args.model or default_model_path())
     print(f"loaded {len(layers)} layers + head in {time.perf_counter() - t0:.2f} s; "

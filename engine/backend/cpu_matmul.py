@@ -247,8 +247,9 @@ _local = threading.local()
 def _act_scratch(n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per-thread buffers for n rows of k int8-quantized activations (cpu_qdot.quantize_x):
     xq (n, k) int16, dx and sx (n, k/32) float32, x8 (n, k/32) int16. Reused across calls."""
-    bufs = getattr(_local, "act", None)
-    if bufs is None:
+    try:
+        bufs = _local.act
+    except AttributeError:
         bufs = _local.act = {}
     b = bufs.get((n, k))
     if b is None:
@@ -323,11 +324,10 @@ class QuantMatrix:
         q = self.qtype
         if q in _REPACKED and n <= GEMV_MAX_N and self.int8:
             xq, dx, sx, x8 = _act_scratch(n, self.k)
-            cpu_qdot.quantize_x(x, xq, dx, sx, x8)
             if q == T.Q8_0:
-                cpu_qdot.gemm_q8(self._qs, self._d, xq, dx, out, self._n_chunks)
+                cpu_qdot.matmul_q8(self._qs, self._d, x, xq, dx, sx, x8, out, self._n_chunks)
             else:
-                cpu_qdot.gemm_q4(self._qs, self._d, self._mn, xq, dx, sx, x8, out, self._n_chunks)
+                cpu_qdot.matmul_q4(self._qs, self._d, self._mn, x, xq, dx, sx, x8, out, self._n_chunks)
             return out
         if q in _REPACKED and n <= GEMV_MAX_N:
             if q == T.Q8_0:

@@ -210,3 +210,18 @@ def gemm_q8(qs, d, xq, dx, out, n_chunks):
                 _tile_q8_x1(qs[t], d[t], xq, dx, i, s, acc)
                 for r in range(r1):
                     out[i, t * RR + r] = acc[r]
+
+
+@njit(cache=True, error_model="numpy")
+def matmul_q4(qs, d, mn, x, xq, dx, sx, x8, out, n_chunks):
+    """quantize_x then gemm_q4 in one call (one numba dispatch per GEMV, not two).
+    x (n, k) float32; xq, dx, sx, x8 scratch as quantize_x fills them; out (n, m)."""
+    quantize_x(x, xq, dx, sx, x8)
+    gemm_q4(qs, d, mn, xq, dx, sx, x8, out, n_chunks)
+
+
+@njit(cache=True, error_model="numpy")
+def matmul_q8(qs, d, x, xq, dx, sx, x8, out, n_chunks):
+    """quantize_x then gemm_q8 in one call."""
+    quantize_x(x, xq, dx, sx, x8)
+    gemm_q8(qs, d, xq, dx, out, n_chunks)
