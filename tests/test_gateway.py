@@ -41,6 +41,8 @@ pytestmark = pytest.mark.realmodel
 KEY = "sk-aotx-test-key-0123456789abcdef"
 KEY2 = "sk-aotx-test-key-second-0123456789"
 GREEDY = {"temperature": 0, "max_tokens": 8}
+CHAT = "/v1/chat/completions"
+HELLO = [{"role": "user", "content": "hi"}]
 
 
 # ---- fixtures ---------------------------------------------------------------------------
@@ -214,10 +216,51 @@ def test_openai_client_sees_errors_as_its_exceptions(gw):
     assert e.value.body["param"] == "n"
 
 
+def test_raw_sse_ends_with_receipt_event_then_done(gw):
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=60) as h:
+        with h.stream("POST", "/v1/chat/completions",
+                      json={"messages": HELLO, "stream": True, "temperature": 0, "max_tokens": 4}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            conv = r.headers["x-aotx-conversation"]
+            lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and lines[-3] == "event: aotx.receipt"
+    ev = json.loads(lines[-2][len("data: "):])
+    assert ev["aotx"]["conversation"] == conv and _receipt_ok(ev["aotx"]["receipt"])
+    assert ev["choices"][0]["delta"] == {} and ev["object"] == "chat.completion.chunk"
+    finish = json.loads(lines[-4][len("data: "):])
+    assert finish["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(ln.startswith("data: ") for ln in lines[:-3])
+
+
+GOOD = [
+    # (body, what the parsed request must show)
+    ({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+     lambda r: r.system == "be brief" and r.messages == [("user", "hi")]),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+     lambda r: r.messages == [("user", "ab")]),
+    ({"messages": HELLO, "max_completion_tokens": 7, "stop": "END", "seed": -1},
+     lambda r: r.sampling.max_tokens == 7 and r.sampling.stop == ["END"] and r.sampling.seed == (1 << 63) - 1),
+    ({"messages": HELLO, "temperature": 0, "top_p": 0.5, "top_k": 3, "n": 1, "stream": True,
+      "stream_options": {"include_usage": True}},
+     lambda r: r.sampling.temperature == 0 and r.sampling.top_p == 0.5 and r.sampling.top_k == 3 and r.stream
+     and r.include_usage),
+    ({"messages": HELLO}, lambda r: r.sampling.max_tokens == 512 and r.sampling == P.SamplingParams(max_tokens=512)),
+]
+
+
+@pytest.mark.parametrize("body,check", GOOD)
+def test_parse_chat_good(body, check):
+    assert check(S.parse_chat(body, S.Limits()))
+
+
+def test_fold_history_puts_earlier_turns_in_one_user_message():
+    assert S.fold_history([("user", "hi")]) == "hi"
+    text = S.fold_history([("user", "2+2?"), ("assistant", "4"), ("user", "and 3+3?")])
+    assert "user: 2+2?" in text and "assistant: 4" in text and text.endswith("and 3+3?")
+
+
 # ---- error paths over HTTP ----------------------------------------------------------------
 
-CHAT = "/v1/chat/completions"
-HELLO = [{"role": "user", "content": "hi"}]
 
 BAD_BODIES = [
     # (name, raw body, status, param or None)
@@ -335,9 +378,12 @@ def test_unknown_fields_ignored_and_too_long_is_400_with_numbers(gw, engine):
         assert r.status_code == 400
 
 
-def _open_stream(h, body, headers=None):
+COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 300, "temperature": 0}  # goes on and on
+
+
+def _open_stream(h, body, headers=None, path="/v1/completions"):
     """Start a streaming request and read its first SSE line; returns the open response."""
-    req = h.build_request("POST", CHAT, json={**body, "stream": True}, headers=headers or {})
+    req = h.build_request("POST", path, json={**body, "stream": True}, headers=headers or {})
     r = h.send(req, stream=True)
     assert r.status_code == 200, r.read()
     lines = r.iter_lines()
@@ -347,15 +393,14 @@ def _open_stream(h, body, headers=None):
 
 
 def test_queue_full_and_per_key_limits_are_429_with_retry_after(engine):
-    long = {"messages": [{"role": "user", "content": "Count from one to one hundred."}], "max_tokens": 200,
-            "temperature": 0}
+    long = COUNTING
     with gateway(engine[0], keys=(KEY, KEY2), per_key_concurrency=1, max_queue=2) as url, \
             httpx.Client(base_url=url, timeout=60) as h:
-        a, _ = _open_stream(h, long, _auth(KEY))
+        a, a_lines = _open_stream(h, long, _auth(KEY))  # keep the line iterators: collecting one closes its stream
         r = h.post(CHAT, json={"messages": HELLO, "max_tokens": 1}, headers=_auth(KEY))
         assert r.status_code == 429 and r.json()["error"]["code"] == "concurrency_limit"
         assert int(r.headers["retry-after"]) >= 1
-        b, _ = _open_stream(h, long, _auth(KEY2))  # another key still gets in
+        b, b_lines = _open_stream(h, long, _auth(KEY2))  # another key still gets in
         r = h.post(CHAT, json={"messages": HELLO, "max_tokens": 1}, headers=_auth(KEY2))
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         assert int(r.headers["retry-after"]) >= 1
@@ -371,8 +416,7 @@ def test_queue_full_and_per_key_limits_are_429_with_retry_after(engine):
 
 
 def test_disconnect_cancels_generation_and_busy_conversation_is_409(gw, engine):
-    long = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 400,
-            "temperature": 0}
+    long = COUNTING
     with httpx.Client(base_url=gw, headers=_auth(), timeout=60) as h:
         r, lines = _open_stream(h, long)
         conv = r.headers["x-aotx-conversation"]
@@ -385,7 +429,7 @@ def test_disconnect_cancels_generation_and_busy_conversation_is_409(gw, engine):
     # non-streaming: the client gives up (read timeout) and the reply is cancelled too
     with httpx.Client(base_url=gw, headers=_auth(), timeout=httpx.Timeout(60, read=1.0)) as h:
         with pytest.raises(httpx.ReadTimeout):
-            h.post(CHAT, json=long, headers={"X-AOTX-Conversation": conv})
+            h.post("/v1/completions", json=long, headers={"X-AOTX-Conversation": conv})
     _wait_cancelled(engine[0], conv, n_replies=2)
 
 
@@ -395,7 +439,7 @@ def _wait_cancelled(sock, conv, n_replies=1):
         view = _show(sock, conv)
         replies = [m for m in view.messages if m.role == "assistant"]
         if len(replies) == n_replies and replies[-1].status == "cancelled":
-            assert len(replies[-1].token_ids) < 400
+            assert len(replies[-1].token_ids) < 300
             return
         assert time.monotonic() < deadline, f"not cancelled: {[(m.role, m.status) for m in view.messages]}"
         time.sleep(0.1)

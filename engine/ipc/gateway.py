@@ -350,7 +350,18 @@ class EventStream(Response):
         watch = asyncio.ensure_future(_until_disconnect(receive))
         gone = False
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the server is shutting down: end the stream, cancel the reply
+                gone = True
+                work.cancel()
+                for step in (lambda: work, lambda: send({"type": "http.response.body", "body": b"",
+                                                          "more_body": False})):
+                    try:
+                        await step()
+                    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - best effort on the way out
+                        pass
+                return
             if work.done():
                 watch.cancel()
                 try:
@@ -522,6 +533,10 @@ class Gateway:
             if gen is not None:
                 await gen.abandon()
             return Response(status_code=499)
+        except asyncio.CancelledError:  # the server is shutting down under this request
+            if gen is not None:
+                await gen.abandon()
+            raise
         finally:
             if not handed_over:
                 self.inflight.leave(key)
