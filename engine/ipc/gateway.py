@@ -444,10 +444,18 @@ class Gateway:
                 raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                                headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
             except EngineError as e:
+                code = getattr(e, "code", "not_found")  # the client sets the engine's error code
+                if code != "not_found":
+                    raise _engine_error(P.Error(id=0, code=code, message=str(e)), None,
+                                        self.cfg.retry_after_s) from None
                 raise ApiError(404, f"X-AOTX-Conversation: {e}", "not_found_error",
                                param="X-AOTX-Conversation", code="conversation_not_found") from None
             if system is not None and system != (view.system_prompt or ""):
-                await client.update(hdr, system_prompt=system)
+                try:
+                    await client.update(hdr, system_prompt=system)
+                except EngineError as e:
+                    raise _engine_error(P.Error(id=0, code=getattr(e, "code", "internal"), message=str(e)), None,
+                                        self.cfg.retry_after_s) from None
             return hdr, False
         try:
             conv = await client.create_conversation(title=" ".join(title.split())[:60], system_prompt=system)
