@@ -378,3 +378,21 @@ async def test_submit_to_unknown_conversation_is_an_error(engine_server):
     evs = await stream(c, "c-nope", "Hi", 2)
     assert len(evs) == 1 and isinstance(evs[0], P.Error) and evs[0].code == "not_found"
     await c.close()
+
+
+async def test_conversation_created_with_history_renders_it_as_turns(engine_server, loaded_model):
+    """Earlier turns stored with CreateConversation (the gateway's multi-turn requests)
+    reach the chat template as real user/assistant turns, in order."""
+    h = engine_server(slots=1, context=256)
+    c = await h.connect()
+    conv = await c.create_conversation(title="h", messages=[("user", "My name is Ada."), ("assistant", "Hello Ada!")])
+    view = await c.show(conv.conv_id)
+    assert [(m.role, m.text, m.status) for m in view.messages] == [
+        ("user", "My name is Ada.", "complete"), ("assistant", "Hello Ada!", "complete")]
+    sp = P.SamplingParams(temperature=0.0, max_tokens=2)
+    events = [ev async for ev in c.submit(conv.conv_id, "What is my name?", sampling=sp)]
+    acc = next(e for e in events if isinstance(e, P.Accepted))
+    text = loaded_model.tokenizer.decode(acc.prompt_ids)
+    assert text.index("user\nMy name is Ada.") < text.index("assistant\nHello Ada!") < text.index("What is my name?")
+    with pytest.raises(Exception, match="role"):
+        await c.create_conversation(messages=[("system", "x")])

@@ -174,9 +174,13 @@ class EngineClient:
             self._queues.pop(rid, None)
 
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
-                                  sampling: P.SamplingParams | None = None) -> P.ConversationView:
+                                  sampling: P.SamplingParams | None = None,
+                                  messages: list[tuple[str, str]] | None = None) -> P.ConversationView:
+        """A new conversation; ``messages`` (role, text) are stored as its history
+        without generating anything."""
+        prior = [P.PriorMessage(role=r, text=t) for r, t in (messages or [])]
         r = await self._call(lambda i: P.CreateConversation(id=i, title=title, system_prompt=system_prompt,
-                                                            sampling=sampling))
+                                                            sampling=sampling, messages=prior))
         return r.conversation
 
     async def list_conversations(self) -> list[P.ConversationView]:

@@ -20,10 +20,9 @@ own limits: more generations in flight than ``max_queue`` or than
 ``per_key_concurrency`` for one key -> 429 with Retry-After, a body over
 ``max_body_bytes`` -> 413. A client that disconnects cancels its generation.
 
-Limits: a multi-turn request on a fresh conversation is folded into one user
-turn (``gateway_schema.fold_history``): the protocol cannot yet store prior
-messages without generating. Frequency/presence penalties are accepted but not
-applied.
+A multi-turn request on a fresh conversation stores its earlier turns as the new
+conversation's history (``CreateConversation.messages``), so the chat template sees
+them as real turns. Frequency/presence penalties are accepted but not applied.
 """
 
 from __future__ import annotations
@@ -431,8 +430,9 @@ class Gateway:
                            code="invalid_json") from None
 
     async def _conversation(self, client: EngineClient, request: Request, system: str | None,
-                            title: str) -> tuple[str, bool]:
-        """(conversation id, created) for a request: the header's, or a new one."""
+                            title: str, history: list[tuple[str, str]] = ()) -> tuple[str, bool]:
+        """(conversation id, created) for a request: the header's, or a new one holding
+        ``history`` (the request's earlier turns) as finished messages."""
         hdr = request.headers.get("x-aotx-conversation")
         if hdr:
             if not _CONV_ID.match(hdr):
@@ -458,7 +458,8 @@ class Gateway:
                                         self.cfg.retry_after_s) from None
             return hdr, False
         try:
-            conv = await client.create_conversation(title=" ".join(title.split())[:60], system_prompt=system)
+            conv = await client.create_conversation(title=" ".join(title.split())[:60], system_prompt=system,
+                                                    messages=list(history))
         except ConnectionLost as e:
             raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
@@ -518,8 +519,9 @@ class Gateway:
         gen: Generation | None = None
         try:
             client = await self.link.get()
-            conv_id, created = await self._conversation(client, request, system, title)
-            text = turns[-1][1] if not created else S.fold_history(turns)
+            conv_id, created = await self._conversation(client, request, system, title,
+                                                        history=turns[:-1] if chat else [])
+            text = turns[-1][1]
             gen = Generation(client, conv_id, created, self.cfg)
             await _race_disconnect(request, gen.start(text, sampling, raw=not chat))
             reply = S.Reply(id=S.new_id("chatcmpl" if chat else "cmpl"), model=self.link.model)

@@ -120,11 +120,20 @@ class Hello(_Base, tag="hello"):
     client: str = ""
 
 
+class PriorMessage(msgspec.Struct):
+    """An earlier turn stored with a new conversation without generating (role
+    "user" or "assistant"), e.g. the history of an OpenAI-style request."""
+
+    role: str
+    text: str
+
+
 class CreateConversation(_Base, tag="create"):
     id: int
     title: str = ""
     system_prompt: str | None = None
     sampling: SamplingParams | None = None
+    messages: list[PriorMessage] = []
 
 
 class ListConversations(_Base, tag="list"):

@@ -174,7 +174,11 @@ class Engine:
     def _dispatch(self, op, sink) -> None:
         st = self.store
         if isinstance(op, P.CreateConversation):
-            view = st.create(op.title, op.system_prompt, op.sampling, tick=self.tick)
+            bad = [m.role for m in op.messages if m.role not in ("user", "assistant")]
+            if bad:
+                raise _Refused("bad_request", f"prior message role {bad[0]!r}: use user or assistant")
+            view = st.create(op.title, op.system_prompt, op.sampling, tick=self.tick,
+                             messages=[(m.role, m.text) for m in op.messages])
             sink.send(P.ConversationInfo(id=op.id, conversation=view))
         elif isinstance(op, P.ListConversations):
             sink.send(P.ConversationList(id=op.id, conversations=st.list_views(busy=self._busy_convs())))

@@ -149,10 +149,17 @@ class ConversationStore:
     # ---- writes -----------------------------------------------------------------
 
     def create(self, title: str, system_prompt: str | None, sampling: P.SamplingParams | None,
-               tick: int = 0) -> P.ConversationView:
+               tick: int = 0, messages: list[tuple[str, str]] = ()) -> P.ConversationView:
+        """A new conversation, with ``messages`` (role, text) stored as finished history."""
         cid = _new_id("c")
-        self._record(R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=time.time(),
+        now = time.time()
+        self._record(R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=now,
                                            system_prompt=system_prompt, sampling=_sampling_dict(sampling)), tick)
+        for role, text in messages:
+            mid = _new_id("m")
+            self._record(R.MessageAccepted(conv_id=cid, msg_id=mid, role=role, text=text, created_at=now), tick)
+            if role == "assistant":
+                self._record(R.MessageFinished(conv_id=cid, msg_id=mid, reason="stop"), tick)
         self.flush()
         return self.view(cid)
 
