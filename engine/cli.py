@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     p.add_argument("--concurrency", default="1,2,4,8,16", help="aggregate decode at these slot counts")
     p.add_argument("--capsules", metavar="SIZES", help="capsule benchmark at these context sizes, e.g. 512,2048,8192")
+    p.add_argument("--speculative", action="store_true",
+                   help="prompt-lookup speculative decoding on vs off (acceptance, tokens per pass, speed)")
 
     p = sub.add_parser("journal", help="check or print the journal")
     jsub = p.add_subparsers(dest="jcmd", parser_class=_Parser)
