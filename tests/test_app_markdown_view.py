@@ -46,14 +46,20 @@ async def test_streaming_keeps_widget_count_proportional_to_chunks() -> None:
         await settle(pilot)
         app.chat_input.insert("go")
         await pilot.press("enter")
-        peak = 0
+        peak, first = 0, None
         while app.active is not None:
             await pilot.pause(0.01)
             views = app.query(MarkdownView)
             if views and not views.last().final:
                 peak = max(peak, len(views.last().children))
+                if first is None and views.last().frozen:
+                    first = views.last().children[0]
         await settle(pilot)
-        assert 0 < peak <= len(text) // (CHUNK // 2) + 2
+        # frozen chunks are cut into prose and code blocks once, when they freeze
+        assert 0 < peak <= len(text) // (CHUNK // 2) + 2 + 2 * text.count("```python")
         view = app.query(MarkdownView).last()
         assert view.final and len(view.query(CodeBlock)) == text.count("```python")
+        assert first is not None and first in view.children  # finalize() kept the frozen part
         assert app.messages()[-1].text == text
+        shown = "".join(w.markdown for w in view.children)
+        assert shown.split() == text.split()  # all the text, once (blank lines between blocks aside)

@@ -1,10 +1,11 @@
 """Markdown text of a reply, streamed at a cost proportional to the new text.
 
 Owns: showing Markdown that grows. The text is kept as frozen chunks plus one live
-tail. Each frame re-renders only the tail (Rich's Markdown, bounded by ``CHUNK``
-characters plus one block); when the tail grows past ``CHUNK`` it is cut at the
-last blank line outside a code fence and the part before becomes a frozen chunk,
-never rendered again. ``finalize()`` re-renders the whole text once, as prose
+tail (``StreamTail``). The tail keeps the lines of its ended blocks (cut at the last
+blank line outside a code fence) and each frame renders only the block still being
+written; a frame asks Textual for a layout only when the tail's height changed.
+When the ended blocks pass ``CHUNK`` characters their lines move into a frozen
+chunk widget, never rendered again (at the same width). ``finalize()`` re-renders the whole text once, as prose
 chunks and one ``CodeBlock`` per fenced block (click one to copy its code).
 The widget count stays ~len(text)/CHUNK + code blocks, so the chat's layout
 does not grow with every paragraph.
@@ -24,7 +25,6 @@ from textual.containers import Vertical
 from textual.geometry import Size
 from textual.strip import Strip
 from textual.widget import Widget
-from textual.widgets import Static
 
 CHUNK = 1500  # characters
 _FENCES = ("```", "~~~")
@@ -87,13 +87,18 @@ class Rendered(Widget):
         self._width = -1
         self._lines: list[Strip] = []
 
+    def _md_lines(self, markdown: str, width: int) -> list[Strip]:
+        if not markdown.strip():
+            return []
+        console = self.app.console
+        options = console.options.update(width=max(1, width), height=None)
+        lines = console.render_lines(RichMarkdown(markdown, code_theme=self.code_theme), options,
+                                     style=self.rich_style, pad=True)
+        return [Strip(Segment.simplify(line), width) for line in lines]
+
     def _render_at(self, width: int) -> list[Strip]:
         if width != self._width:
-            console = self.app.console
-            options = console.options.update(width=max(1, width), height=None)
-            lines = console.render_lines(RichMarkdown(self.markdown, code_theme=self.code_theme), options,
-                                         style=self.rich_style, pad=True)
-            self._lines = [Strip(Segment.simplify(line), width) for line in lines]
+            self._lines = self._md_lines(self.markdown, width)
             self._width = width
         return self._lines
 
@@ -103,6 +108,54 @@ class Rendered(Widget):
     def render_line(self, y: int) -> Strip:
         lines = self._render_at(self.content_region.width or self.size.width)
         return lines[y] if 0 <= y < len(lines) else Strip.blank(self.size.width)
+
+
+class StreamTail(Rendered):
+    """The live end of a streaming reply. Blocks that have ended (up to the last blank
+    line outside a code fence) are rendered once and kept as lines; a frame renders
+    only the block still being written, and asks for a layout only when the height
+    changed (most frames add no line). ``take_settled()`` hands the kept lines to a
+    frozen chunk, so freezing renders nothing again."""
+
+    def __init__(self, text: str, code_theme: str) -> None:
+        super().__init__(text, code_theme, classes="stream-tail")
+        self.settled, self.live = "", text
+        self._settled_lines: list[Strip] = []
+        self._settled_width = -1
+
+    def _render_at(self, width: int) -> list[Strip]:
+        if width != self._width:
+            if width != self._settled_width:
+                self._settled_lines = self._md_lines(self.settled, width)
+                self._settled_width = width
+            live = self._md_lines(self.live, width)
+            gap = [Strip.blank(width)] if self._settled_lines and live else []
+            self._lines = self._settled_lines + gap + live
+            self._width = width
+        return self._lines
+
+    def set_text(self, text: str) -> None:
+        cut = safe_cut(text)
+        if cut < len(self.settled) or not text.startswith(self.settled):
+            self.settled, self._settled_lines, self._settled_width = "", [], -1
+        if cut > len(self.settled):
+            if self._settled_width > 0:  # render only the blocks that just ended
+                more = self._md_lines(text[len(self.settled):cut], self._settled_width)
+                gap = [Strip.blank(self._settled_width)] if self._settled_lines and more else []
+                self._settled_lines = self._settled_lines + gap + more
+            self.settled = text[:cut]
+        self.markdown, self.live = text, text[cut:]
+        height = len(self._lines) if self._width >= 0 else -1
+        width, self._width = self._width, -1
+        if width > 0:
+            self._render_at(width)
+        self.refresh(layout=len(self._lines) != height or width <= 0)
+
+    def take_settled(self) -> tuple[str, list[Strip], int]:
+        """(markdown, lines, width) of the ended blocks; the tail keeps only the live block."""
+        out = (self.settled, self._settled_lines, self._settled_width)
+        self.settled, self._settled_lines = "", []
+        return out
 
 
 class CodeBlock(Rendered):
@@ -123,20 +176,17 @@ class MarkdownView(Vertical):
         self.frozen = 0
         self.code_theme = code_theme
         self.final = final
-        self.tail = Static("", classes="stream-tail")
+        self.tail = StreamTail("", code_theme)
 
-    def _md(self, text: str) -> RichMarkdown:
-        return RichMarkdown(text, code_theme=self.code_theme)
-
-    def _segment_widgets(self) -> list[Widget]:
+    def _segment_widgets(self, text: str | None = None) -> list[Widget]:
         return [CodeBlock(md, code, self.code_theme) if kind == "code" else Rendered(md, self.code_theme, "prose")
-                for kind, md, code in segments(self.text)]
+                for kind, md, code in segments(self.text if text is None else text)]
 
     def compose(self) -> ComposeResult:
         if self.final:
             yield from self._segment_widgets()
         else:
-            self.tail.update(self._md(self.text))
+            self.tail.markdown = self.tail.live = self.text
             yield self.tail
 
     async def append(self, delta: str) -> None:
@@ -144,19 +194,33 @@ class MarkdownView(Vertical):
             raise RuntimeError("append after finalize()")
         self.text += delta
         tail = self.text[self.frozen:]
-        if len(tail) > CHUNK:
-            cut = safe_cut(tail)
-            if cut:
-                await self.mount(Rendered(tail[:cut], self.code_theme, "stream-chunk"), before=self.tail)
-                self.frozen += cut
-                tail = tail[cut:]
-        self.tail.update(self._md(tail))
+        self.tail.set_text(tail)
+        if len(self.tail.settled) > CHUNK:  # freeze the ended blocks: their lines move, nothing re-renders
+            markdown, lines, width = self.tail.take_settled()
+            if any(kind == "code" for kind, _, _ in segments(markdown)):
+                chunks = self._segment_widgets(markdown)  # final form now: finalize() keeps them
+            else:
+                chunk = Rendered(markdown, self.code_theme, "stream-chunk")
+                if width > 0:
+                    chunk._lines, chunk._width = lines, width
+                chunks = [chunk]
+            self.frozen += len(markdown)
+            with self.app.batch_update():
+                self.tail.set_text(self.text[self.frozen:])
+                await self.mount_all(chunks, before=self.tail)
 
     async def finalize(self, text: str | None = None) -> None:
-        """Render the whole text once (with click-to-copy code blocks)."""
+        """The final form (with click-to-copy code blocks): frozen chunks stay as they
+        are (they end at a block boundary and have their code blocks already); only
+        the tail is rendered again, unless the final text differs from what streamed."""
+        frozen = self.text[:self.frozen]
         if text is not None:
             self.text = text
         self.final = True
         with self.app.batch_update():
-            await self.remove_children()
-            await self.mount_all(self._segment_widgets())
+            if self.frozen and self.text.startswith(frozen) and self.tail.parent is self:
+                await self.tail.remove()
+                await self.mount_all(self._segment_widgets(self.text[self.frozen:]))
+            else:
+                await self.remove_children()
+                await self.mount_all(self._segment_widgets())
