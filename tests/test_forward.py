@@ -102,7 +102,8 @@ def models(tiny_gguf, tmp_path_factory):
     def get(key: str, **kw):
         if key not in cache:
             p = tiny_gguf.write_tiny_llama(root / f"{key}.gguf", **kw)
-            lm = load_model(p) if key == "Q8_0" else quick_load(p)  # one goes the whole way
+            # float activations: this file checks the float path to 1e-4 of float64
+            lm = load_model(p, int8_activations=False) if key == "Q8_0" else quick_load(p)
             cache[key] = (lm, tiny_gguf.weights(p), lm.gguf.metadata)
         return cache[key]
 

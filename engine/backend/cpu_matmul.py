@@ -310,9 +310,13 @@ class QuantMatrix:
     def __repr__(self) -> str:
         return f"QuantMatrix({self.name!r}, {self.qtype.name}, m={self.m}, k={self.k})"
 
-    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None, *, per_row: bool = False) -> np.ndarray:
         """x @ W.T.  x: (n, k) float32 (C-contiguous; other inputs are converted).
-        out: optional (n, m) float32 C-contiguous buffer to write into. Returns (n, m)."""
+        out: optional (n, m) float32 C-contiguous buffer to write into. Returns (n, m).
+
+        ``per_row``: use the GEMV kernels whatever n is (Q4_0/Q4_1/Q8_0), so each row's
+        result is bit-identical to computing it alone: decode and speculative verify rows
+        then do not depend on what else is in the batch."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.k:
             raise ValueError(f"{self.name or 'matmul'}: x has shape {x.shape}, expected (n, {self.k})")
@@ -322,14 +326,15 @@ class QuantMatrix:
         if n == 0:
             return out
         q = self.qtype
-        if q in _REPACKED and n <= GEMV_MAX_N and self.int8:
+        small = n <= GEMV_MAX_N or per_row
+        if q in _REPACKED and small and self.int8:
             xq, dx, sx, x8 = _act_scratch(n, self.k)
             if q == T.Q8_0:
                 cpu_qdot.matmul_q8(self._qs, self._d, x, xq, dx, sx, x8, out, self._n_chunks)
             else:
                 cpu_qdot.matmul_q4(self._qs, self._d, self._mn, x, xq, dx, sx, x8, out, self._n_chunks)
             return out
-        if q in _REPACKED and n <= GEMV_MAX_N:
+        if q in _REPACKED and small:
             if q == T.Q8_0:
                 _gemv_q8(self._qs, self._d, x, out, self._n_chunks)
             else:

@@ -23,6 +23,8 @@ import numpy as np
 from aotx.engine.errors import ModelError
 from aotx.engine.model.config import ModelConfig
 
+SMALL_SEGMENT = 16  # segments of at most this many tokens run through the per-row kernels
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -196,18 +198,48 @@ class LlamaModel:
             elif s.logits:
                 out_rows.append(row + s.n - 1)
             row += s.n
-        decode = [i for i, s in enumerate(segments) if s.n == 1]
-        dec_rows = np.array([sum(x.n for x in segments[:i]) for i in decode], np.int32)
-        dec_slots = np.array([segments[i].slot for i in decode], np.int32)
-        dec_len = np.array([segments[i].pos + 1 for i in decode], np.int32)
+        # Rows of short segments (decode steps and speculative verify windows) go through
+        # per-row kernels (GEMV matmuls, the decode attention kernel with a length per row),
+        # so a row's numbers never depend on the rest of the batch: batched greedy equals
+        # solo greedy, and a verify window equals the decode steps it replaces. Prefill
+        # chunks go through BLAS.
+        small_rows: list[int] = []
+        small_slots: list[int] = []
+        small_len: list[int] = []
+        row = 0
+        for s in segments:
+            if s.n <= SMALL_SEGMENT:
+                small_rows.extend(range(row, row + s.n))
+                small_slots.extend([s.slot] * s.n)
+                small_len.extend(range(s.pos + 1, s.pos + s.n + 1))
+            row += s.n
+        sr = np.asarray(small_rows, np.int64)
+        if len(small_rows) == N:
+            big = None
+        else:
+            mask = np.ones(N, bool)
+            mask[sr] = False
+            big = np.nonzero(mask)[0]
+        s_slots = np.asarray(small_slots, np.int32)
+        s_len = np.asarray(small_len, np.int32)
+
+        def mm(W, a: np.ndarray) -> np.ndarray:
+            if big is None:
+                return W.matmul(a, per_row=True)
+            if not small_rows:
+                return W.matmul(a)
+            out = np.empty((a.shape[0], W.m), np.float32)
+            out[sr] = W.matmul(a[sr], per_row=True)
+            out[big] = W.matmul(a[big])
+            return out
 
         x = self.tok_embd.rows(tokens.astype(np.int64))
         h = np.empty_like(x)
         for li, L in enumerate(self.layers):
             be.rms_norm(x, L.attn_norm, cfg.norm_eps, h)
-            q = L.wq.matmul(h).reshape(N, H, hd)
-            k = L.wk.matmul(h).reshape(N, KV, hd)
-            v = L.wv.matmul(h).reshape(N, KV, hd)
+            q = mm(L.wq, h).reshape(N, H, hd)
+            k = mm(L.wk, h).reshape(N, KV, hd)
+            v = mm(L.wv, h).reshape(N, KV, hd)
             be.rope(q, positions, self.cos, self.sin)
             be.rope(k, positions, self.cos, self.sin)
             kc, vc = kv.k[li], kv.v[li]
@@ -217,29 +249,29 @@ class LlamaModel:
                 vc[s.slot, :, s.pos:s.pos + s.n, :] = v[row:row + s.n].transpose(1, 0, 2)
                 row += s.n
             att = np.empty((N, H, hd), np.float32)
-            if decode:
-                od = np.empty((len(decode), H, hd), np.float32)
-                be.attention_decode(np.ascontiguousarray(q[dec_rows]), kc, vc, dec_slots, dec_len, self.scale, od)
-                att[dec_rows] = od
+            if small_rows:
+                od = np.empty((len(small_rows), H, hd), np.float32)
+                be.attention_decode(np.ascontiguousarray(q[sr]), kc, vc, s_slots, s_len, self.scale, od)
+                att[sr] = od
             row = 0
             for s in segments:
-                if s.n > 1:
+                if s.n > SMALL_SEGMENT:
                     att[row:row + s.n] = be.attention_prefill(q[row:row + s.n], kc[s.slot], vc[s.slot], s.pos,
                                                               self.scale)
                 row += s.n
-            o = L.wo.matmul(att.reshape(N, H * hd))
+            o = mm(L.wo, att.reshape(N, H * hd))
             be.add(x, o)
             be.rms_norm(x, L.ffn_norm, cfg.norm_eps, h)
-            g = L.w_gate.matmul(h)
-            u = L.w_up.matmul(h)
+            g = mm(L.w_gate, h)
+            u = mm(L.w_up, h)
             be.silu_mul(g, u, g)
-            be.add(x, L.w_down.matmul(g))
+            be.add(x, mm(L.w_down, g))
         if not out_rows:
             return np.empty((0, cfg.vocab_size), np.float32)
         xo = np.ascontiguousarray(x[out_rows])
         ho = np.empty_like(xo)
         be.rms_norm(xo, self.output_norm, cfg.norm_eps, ho)
-        return self.output.matmul(ho)
+        return self.output.matmul(ho, per_row=True)
 
 
 def build(cfg: ModelConfig, gf, backend) -> LlamaModel:
