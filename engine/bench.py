@@ -110,31 +110,45 @@ def bench_engine(lm, concurrency=(1, 2, 4, 8, 16), max_tokens=64, journal: bool 
         for k in concurrency:
             store = open_store(Path(tmp) / f"j{k}" if journal else None)
             eng = Engine(lm, store, n_slots=max(k, 1), n_ctx=n_ctx, prefill_chunk=256)
-            eng.start()
-            convs = []
-            for i in range(k):
-                s = _Sink()
-                s._journaled = journal
-                eng.post(P.CreateConversation(id=1, title=f"bench {i}"), s)
-                convs.append(s)
-            deadline = time.time() + 60
-            while any(not s.events for s in convs) and time.time() < deadline:
-                time.sleep(0.01)
-            ids = [s.events[0][1].conversation.conv_id for s in convs]
-            sinks = [_Sink() for _ in range(k)]
-            for s in sinks:
-                s._journaled = journal
-            st0 = dict(eng.stats)
-            t0 = time.perf_counter()
-            for i, (cid, s) in enumerate(zip(ids, sinks)):
-                sp = P.SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=i)
-                eng.post(P.SubmitMessage(id=10 + i, conv_id=cid, text=PROMPTS[i % len(PROMPTS)], sampling=sp), s)
-            for s in sinks:
-                s.done.wait(300)
-            t_end = time.perf_counter()
-            st1 = dict(eng.stats)
-            eng.stop()
+            box: dict = {}
+
+            def drive(eng=eng, k=k, box=box):
+                """Client side, on a thread: the tick loop runs on this (the main) thread,
+                as in ``aotx serve``."""
+                try:
+                    convs = []
+                    for i in range(k):
+                        s = _Sink()
+                        s._journaled = journal
+                        eng.post(P.CreateConversation(id=1, title=f"bench {i}"), s)
+                        convs.append(s)
+                    deadline = time.time() + 60
+                    while any(not s.events for s in convs) and time.time() < deadline:
+                        time.sleep(0.01)
+                    ids = [s.events[0][1].conversation.conv_id for s in convs]
+                    sinks = [_Sink() for _ in range(k)]
+                    for s in sinks:
+                        s._journaled = journal
+                    box["st0"] = dict(eng.stats)
+                    box["t0"] = time.perf_counter()
+                    for i, (cid, s) in enumerate(zip(ids, sinks)):
+                        sp = P.SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=i)
+                        eng.post(P.SubmitMessage(id=10 + i, conv_id=cid, text=PROMPTS[i % len(PROMPTS)],
+                                                 sampling=sp), s)
+                    for s in sinks:
+                        s.done.wait(300)
+                    box["t_end"] = time.perf_counter()
+                    box["st1"] = dict(eng.stats)
+                    box["sinks"] = sinks
+                finally:
+                    eng.request_stop()
+
+            th = threading.Thread(target=drive, daemon=True)
+            th.start()
+            eng.run()
+            th.join()
             store.close()
+            sinks, t0, t_end, st0, st1 = box["sinks"], box["t0"], box["t_end"], box["st0"], box["st1"]
             toks = [[t for t, m in s.events if isinstance(m, P.Token)] for s in sinks]
             first = max(t[0] for t in toks if t)
             last = max(t[-1] for t in toks if t)

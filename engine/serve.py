@@ -128,25 +128,35 @@ def serve(args) -> int:
         return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=lm.name, device=eng.device,
                          ready=eng.ready, pid=os.getpid(), journal=store.journaled)
 
-    async def main() -> None:
-        server = Server(eng, sock, welcome, lock=lock)
-        await server.start()
-        eng.start()
-        log.info("serving on %s", sock)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        log.info("stopping")
-        await server.close()
-        eng.stop()
-        store.close()
+    # The socket server runs on an asyncio loop in a thread; the tick loop runs here, on
+    # the main thread, where the model was loaded (see Engine.start for why).
+    import threading
 
+    loop = asyncio.new_event_loop()
+    server = Server(eng, sock, welcome, lock=lock)
     try:
-        asyncio.run(main())
+        loop.run_until_complete(server.start())
     except AotxError as e:
         store.close()
+        lock.release()
         print(f"aotx: {e}", file=sys.stderr)
         return 2
+    net = threading.Thread(target=loop.run_forever, name="aotx-socket", daemon=True)
+    net.start()
+    log.info("serving on %s", sock)
+
+    def on_signal(signum, frame) -> None:
+        eng.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    eng.run()
+    log.info("stopping")
+    try:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(5)
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+    net.join(5)
+    store.close()
     return 0

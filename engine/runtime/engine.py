@@ -82,12 +82,24 @@ class Engine:
     # ---- thread plumbing ---------------------------------------------------
 
     def start(self) -> None:
+        """Run the tick loop on a thread of its own (tests, tools). ``aotx serve`` calls
+        ``run()`` on the main thread instead: numba's OpenMP pool belongs to the thread
+        that launches parallel work, and the model was loaded (and warmed up) there; a
+        second launching thread brings a second spinning pool and halves decode speed."""
         self._thread = threading.Thread(target=self._run, name="aotx-tick", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def run(self) -> None:
+        """Run the tick loop on the calling thread until ``request_stop``."""
+        self._run()
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop after the current tick (safe from a signal handler)."""
         self._stop.set()
         self._ops.put(("wake", None, None))
+
+    def stop(self) -> None:
+        self.request_stop()
         if self._thread:
             self._thread.join(timeout=10)
 
@@ -110,7 +122,10 @@ class Engine:
                 except queue.Empty:
                     item = None
             else:
-                item = self._ops.get()
+                try:  # a timeout, so a signal handler on the main thread gets to run
+                    item = self._ops.get(timeout=0.5)
+                except queue.Empty:
+                    continue
             while item is not None:
                 self._handle(item)
                 try:
