@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from aotx.app.format import error_text, notice_text, refusal_text
+from aotx.app.format import error_text, media_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
 from aotx.engine.errors import AotxError
 from aotx.engine.ipc import protocol as P
@@ -212,6 +212,8 @@ class EngineLink:
             reply.add_delta(ev.text)
         elif isinstance(ev, P.Notice):
             (reply or user).add_notice(notice_text(ev), ev.kind)
+        elif isinstance(ev, P.MediaInfo):
+            user.add_notice(media_text(ev), "media" if not ev.error else "error")
         elif isinstance(ev, P.Committed):
             reply.finish_reason, reply.seq, reply.timings = ev.finish_reason, ev.seq, dict(ev.timings)
             reply.n_tokens = ev.n_completion or reply.n_tokens

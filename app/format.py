@@ -94,3 +94,15 @@ def refusal_text(code: str, message: str, what: str = "the request") -> str:
     if code == "too_long":
         return f"Too long for the context ({code}): {message}"
     return f"The engine refused {what} ({code or 'error'}): {message}"
+
+
+def media_text(m: P.MediaInfo) -> str:
+    """What an attachment became, in plain words: the text the model received, and for
+    images that it saw text, not the picture."""
+    if m.error:
+        return f"Attachment {m.name} was not used: {m.error}"
+    if m.kind == "audio":
+        head = f"Transcript of {m.name} ({m.via}), as the model received it:"
+    else:
+        head = (f"Text read from {m.name} by OCR ({m.via}); the model saw this text, not the picture:")
+    return f"{head}\n{m.text or '(nothing recognized)'}"

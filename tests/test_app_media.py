@@ -1,0 +1,22 @@
+"""How aotx-chat words what an attachment became (MediaInfo events)."""
+
+from aotx.app.format import media_text
+from aotx.engine.ipc import protocol as P
+
+
+def test_transcript_is_shown_as_received():
+    t = media_text(P.MediaInfo(id=1, kind="audio", route="specialist", name="clip.wav", text="the quick brown fox",
+                               via="whisper-base"))
+    assert "clip.wav" in t and "whisper-base" in t and t.endswith("the quick brown fox")
+
+
+def test_ocr_says_the_model_saw_text_not_the_picture():
+    t = media_text(P.MediaInfo(id=1, kind="image", route="specialist", name="shot.png", text="Meeting at 3",
+                               via="rapidocr"))
+    assert "not the picture" in t and t.endswith("Meeting at 3")
+    assert "(nothing recognized)" in media_text(P.MediaInfo(id=1, kind="image", route="specialist", name="a.png"))
+
+
+def test_refused_attachment_names_the_reason():
+    t = media_text(P.MediaInfo(id=1, kind="image", route="refused", name="big.png", error="image too large"))
+    assert t == "Attachment big.png was not used: image too large"
