@@ -102,8 +102,6 @@ class GGUFFile:
         raw_align = _peek_alignment(p)
         if raw_align is not None and (raw_align == 0 or raw_align & (raw_align - 1)):
             raise ModelError(f"{p}: general.alignment is {raw_align}; it must be a non-zero power of two")
-        import gguf
-
         try:
             reader = _fast_reader_class()(p, "r")
         except ModelError as e:  # from _check_tensor_infos: names the tensor, not the file

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from aotx.engine.errors import AotxError, TemplateError
+from aotx.engine.errors import AotxError
 from aotx.engine.ipc import protocol as P
 from aotx.engine.model.architectures.llama import Segment
 from aotx.engine.runtime.requests import Request
@@ -202,11 +202,9 @@ class Engine:
         elif isinstance(op, P.SubmitMessage):
             self._submit(op, sink)
         elif isinstance(op, P.Cancel):
-            n = 0
             for r in list(self._by_rid.values()):
                 if (op.target and r.rid == op.target and r.sink is sink) or (op.conv_id and r.conv_id == op.conv_id):
                     self._cancel(r)
-                    n += 1
             sink.send(P.Ok(id=op.id))
         elif isinstance(op, P.DeleteConversation):
             self._require_idle(op.conv_id)
@@ -266,10 +264,7 @@ class Engine:
             prompt = tok.encode(text, add_special=True, parse_special=False)
         else:
             messages = self.store.chat_messages(op.conv_id) + [{"role": "user", "content": text}]
-            try:
-                prompt = self._encode_chat(messages)
-            except TemplateError:
-                raise
+            prompt = self._encode_chat(messages)
         if len(prompt) + 1 > self.n_ctx:
             sink.send(P.Notice(id=op.id, kind="refused", resource="context",
                                message=f"the prompt is {len(prompt)} tokens; the context holds {self.n_ctx} "
