@@ -77,7 +77,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.stats = {"ticks": 0, "tokens": 0, "device_s": 0.0, "host_s": 0.0}
-        store.on_receipt = lambda r: self._ops.put(("receipt", r, None))
+        self._watch_lock = threading.Lock()
+        store.on_receipt = self._receipt_from_drain
 
     # ---- thread plumbing ---------------------------------------------------
 
@@ -303,7 +304,7 @@ class Engine:
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
                              tick=self.tick, prompt_ids=prompt))
         if self.store.journaled:
-            self._durable_watch.append((seq, r, "accepted"))
+            self._watch(seq, r, "accepted")
             self.store.flush()
         else:
             r.state = "queued"
@@ -368,29 +369,44 @@ class Engine:
 
     # ---- durability --------------------------------------------------------
 
-    def _on_receipt(self, rc) -> None:
-        self.store.note_receipt(rc)
-        if self._held and self.store.has_credit():
-            held, self._held = self._held, []
-            for op, sink, media_text in held:
-                self._guarded(lambda: self._submit(op, sink, media_text=media_text), op, sink)
-        keep = []
-        sent: set[int] = set()
+    def _watch(self, seq: int, r: Request, what: str) -> None:
+        """Tell ``r``'s client when record ``seq`` is durable (what: accepted | tokens | final)."""
+        with self._watch_lock:
+            self._durable_watch.append((seq, r, what))
+
+    def _receipt_from_drain(self, rc) -> None:
+        """On the journal's drain thread, right after the fsync: hand each covered client
+        its ``Durable`` at once (sinks are thread-safe), so a long tick never delays a
+        receipt; then let the engine thread update its state."""
+        with self._watch_lock:
+            covered = [w for w in self._durable_watch if w[0] <= rc.last_seq]
+            self._durable_watch = [w for w in self._durable_watch if w[0] > rc.last_seq]
         receipt = P.Receipt(segment=rc.segment, offset=rc.offset, last_seq=rc.last_seq)
-        for seq, r, what in self._durable_watch:
-            if seq > rc.last_seq:
-                keep.append((seq, r, what))
-                continue
+        sent: set[int] = set()
+        accepted = []
+        for seq, r, what in covered:
             if what == "accepted":
                 r.sink.send(P.Durable(id=r.rid, receipt=receipt, msg_id=r.msg_id))
-                if r.state == "durable_wait":
-                    r.state = "queued"
+                accepted.append(r)
             elif what == "final":
                 r.sink.send(P.Durable(id=r.rid, receipt=receipt, msg_id=r.reply_id))
             elif id(r) not in sent:
                 r.sink.send(P.Durable(id=r.rid, receipt=receipt))
             sent.add(id(r))
-        self._durable_watch = keep
+        self._ops.put(("receipt", (rc, accepted), None))
+
+    def _on_receipt(self, obj) -> None:
+        """On the engine thread: mark messages durable in the table, let requests whose
+        user message is now durable be scheduled, retry submissions held for credit."""
+        rc, accepted = obj
+        self.store.note_receipt(rc)
+        for r in accepted:
+            if r.state == "durable_wait":
+                r.state = "queued"
+        if self._held and self.store.has_credit():
+            held, self._held = self._held, []
+            for op, sink, media_text in held:
+                self._guarded(lambda: self._submit(op, sink, media_text=media_text), op, sink)
 
     # ---- the tick ------------------------------------------------------------
 
@@ -594,7 +610,7 @@ class Engine:
                 r.sink.send(P.Token(id=r.rid, token_id=t, text=e, pos=len(r.prompt) + len(r.completion) - len(items) + j,
                                     tick=self.tick, seq=seq))
             if self.store.journaled:
-                self._durable_watch.append((seq, r, "tokens"))
+                self._watch(seq, r, "tokens")
             if r.finish_reason is not None:
                 self._finish(r, r.finish_reason)
         self.store.flush()
@@ -623,7 +639,7 @@ class Engine:
                                 n_completion=len(r.completion), tick=self.tick, seq=seq, text=r.text,
                                 timings=r.timings()))
         if self.store.journaled:
-            self._durable_watch.append((seq, r, "final"))
+            self._watch(seq, r, "final")
         self.store.flush()
         self.store.maybe_checkpoint(self.tick)
         self._notify_queue()
