@@ -38,6 +38,9 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
     sock = getattr(args, "socket", None)
     client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
                                         on_spawn=notice)
+    if getattr(args, "device", None) == "cuda" and client.welcome.device != "cuda":
+        notice(f"--device cuda: the engine runs on the {client.welcome.device} (no CUDA device or CuPy found, "
+               f"or the engine was started without it; see `aotx status`)")
     model = getattr(args, "model", None)
     if model:
         from aotx.engine.model.loader import resolve_model_path
