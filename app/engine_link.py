@@ -197,6 +197,8 @@ class EngineLink:
         user = self._live(item.widget.msg_id, item.widget) if item.widget.msg_id else item.widget
         reply = self._live(item.reply_id, item.reply) if item.reply_id else None
         if isinstance(ev, P.Accepted):
+            if item.widget.position == "queued" and not self.outbox:
+                self.show_notice("")  # "still starting; queued" no longer holds
             item.accepted, item.request_id, item.reply_id = True, ev.id, ev.reply_id
             user.msg_id, user.seq = ev.msg_id, ev.seq
             user.set_position("accepted")
