@@ -253,10 +253,16 @@ def test_parse_chat_good(body, check):
     assert check(S.parse_chat(body, S.Limits()))
 
 
-def test_fold_history_puts_earlier_turns_in_one_user_message():
-    assert S.fold_history([("user", "hi")]) == "hi"
-    text = S.fold_history([("user", "2+2?"), ("assistant", "4"), ("user", "and 3+3?")])
-    assert "user: 2+2?" in text and "assistant: 4" in text and text.endswith("and 3+3?")
+def test_multi_turn_request_stores_earlier_turns_as_history(oa, engine):
+    """A fresh conversation keeps a request's earlier turns as real messages (not one
+    folded user turn), so the chat template renders them as turns."""
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "and 3+3?"}]
+    raw = oa.chat.completions.with_raw_response.create(model="x", messages=msgs, **GREEDY)
+    view = _show(engine[0], raw.headers["x-aotx-conversation"])
+    assert [(m.role, m.text) for m in view.messages[:3]] == [("user", "2+2?"), ("assistant", "4"),
+                                                            ("user", "and 3+3?")]
+    assert view.messages[3].role == "assistant" and view.messages[3].text == raw.parse().choices[0].message.content
 
 
 # ---- error paths over HTTP ----------------------------------------------------------------

@@ -280,23 +280,6 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     return CompletionRequest(prompt=prompt, sampling=sp, stream=stream, include_usage=include_usage, model=model)
 
 
-def fold_history(turns: list[tuple[str, str]]) -> str:
-    """One user turn for a fresh conversation given earlier turns.
-
-    The protocol has no operation that stores prior user/assistant messages
-    without generating, so a multi-turn request on a fresh conversation sends
-    the earlier turns as a transcript inside the new user message. A request
-    with ``X-AOTX-Conversation`` does not need this: the engine has the history."""
-    if len(turns) == 1:
-        return turns[0][1]
-    lines = ["Earlier in this conversation:"]
-    for role, text in turns[:-1]:
-        lines.append(f"{role}: {text}")
-    lines.append("")
-    lines.append(turns[-1][1])
-    return "\n".join(lines)
-
-
 # ---- response shapes -----------------------------------------------------------
 
 FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}

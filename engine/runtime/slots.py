@@ -65,13 +65,6 @@ class SlotTable:
         self._clock += 1
         slot.last_used = self._clock
 
-    def lease(self, conv_id: str, prompt: list[int]) -> tuple[Slot, int] | None:
-        """``choose`` then ``take``: returns (slot, reused prefix length) or None."""
-        got = self.choose(conv_id, prompt)
-        if got is not None:
-            self.take(got[0], conv_id, got[1])
-        return got
-
     def release(self, slot: Slot) -> None:
         """Give the slot back; its KV tokens stay for prefix reuse."""
         slot.state = "free"
