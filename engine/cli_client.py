@@ -208,6 +208,9 @@ async def _status(args) -> int:
         print(f"  {s.slot:>3}  {s.state:<8} {s.conv_id or '-':<14} {s.position} tokens in KV")
     if st.capsules:
         c = st.capsules
+        if c.get("device_budget"):
+            print(f"capsules device {fmt_bytes(c.get('device_bytes', 0))} in {c.get('device_count', 0)} of "
+                  f"{fmt_bytes(c.get('device_budget', 0))}")
         print(f"capsules host {fmt_bytes(c.get('host_bytes', 0))} in {c.get('host_count', 0)} of "
               f"{fmt_bytes(c.get('host_budget', 0))}   disk {fmt_bytes(c.get('disk_bytes', 0))} in "
               f"{c.get('disk_count', 0)} of {fmt_bytes(c.get('disk_budget', 0))}   (least recently used evicted first)")

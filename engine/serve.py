@@ -76,21 +76,29 @@ def build_engine(args, progress=None):
     if n_ctx > lm.config.n_ctx_train:
         log.warning("--context %d exceeds the model's trained context of %d tokens", n_ctx, lm.config.n_ctx_train)
     try:
-        total = admission.parse_size(args.memory_budget) if args.memory_budget else admission.default_cpu_budget()
+        if args.memory_budget:
+            total = admission.parse_size(args.memory_budget)
+        else:
+            total = admission.default_cuda_budget() if device == "cuda" else admission.default_cpu_budget()
     except ValueError:
         raise UsageError(f"--memory-budget: cannot read {args.memory_budget!r} as a size (e.g. 4G, 512M)") from None
     kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx)
     prefill_chunk = getattr(args, "prefill_chunk", 256)
     journal_bytes = 8 << 20
     capsule_host = min(512 << 20, max(64 << 20, total // 16))
+    # on CUDA the budget is the GPU's memory: parked capsules stay on the device up to a share
+    # of it, and host-memory capsules live outside it
+    capsule_device = min(2 << 30, total // 16) if device == "cuda" else 0
     budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
-                            journal_bytes, total, capsule_bytes=capsule_host, media_bytes=media_bytes(lm, device))
+                            journal_bytes, total, capsule_bytes=capsule_host if device != "cuda" else 0,
+                            media_bytes=media_bytes(lm, device), capsule_device_bytes=capsule_device,
+                            prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0))
     from aotx.engine.state.cache import CapsuleCache
 
     no_journal = getattr(args, "no_journal", False)
     store = open_store(None if no_journal else paths.journal_dir(), buffer_bytes=journal_bytes)
     caps = CapsuleCache(None if no_journal else paths.capsules_dir() / lm.fingerprint, host_bytes=capsule_host,
-                        fingerprint=lm.fingerprint)
+                        fingerprint=lm.fingerprint, device_bytes=capsule_device)
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
                  capsules=caps, speculative=getattr(args, "speculative", "off") or "off")
     return eng, store

@@ -62,7 +62,7 @@ def _build(path, device: str):
     if device == "cpu":
         from aotx.engine.backend.cpu import CpuBackend
 
-        be = CpuBackend()
+        be = CpuBackend(int8_activations=False)  # the float path: CUDA computes in float32
     else:
         from aotx.engine.backend.cuda import CudaBackend
 

@@ -67,23 +67,28 @@ class _GreedyOnHost:
 
 
 class _Counting(_GreedyOnHost):
-    """Counts the calls of a model that has its own greedy() (CUDA)."""
+    """Counts the calls of a model that has its own greedy() and sample() (CUDA);
+    both count as "greedy" (ids picked on the device)."""
 
     def greedy(self, tokens, segments, kv):
         self.calls["greedy"] += 1
         return self._m.greedy(tokens, segments, kv)
 
+    def sample(self, tokens, segments, kv, rows, tick=0):
+        self.calls["greedy"] += 1
+        return self._m.sample(tokens, segments, kv, rows, tick=tick)
+
 
 class _NoGreedy(_GreedyOnHost):
-    """Hides ``greedy()``: the engine copies logits and samples on the host."""
+    """Hides ``greedy()`` and ``sample()``: the engine copies logits and samples on the host."""
 
     def __getattribute__(self, name):
-        if name == "greedy":
+        if name in ("greedy", "sample"):
             raise AttributeError(name)
         return object.__getattribute__(self, name)
 
     def __getattr__(self, name):
-        if name == "greedy":
+        if name in ("greedy", "sample"):
             raise AttributeError(name)
         return getattr(self._m, name)
 
@@ -176,7 +181,7 @@ def tiny_pair(tiny_gguf, tmp_path_factory):
 
     path = tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("cuda_state") / "t64.gguf", seed=4, d_model=256,
                                       n_heads=4, n_kv_heads=2, ffn=512)
-    return load_model(path, device="cpu"), load_model(path, device="cuda")
+    return load_model(path, device="cpu", int8_activations=False), load_model(path, device="cuda")
 
 
 @needs_cuda

@@ -179,6 +179,30 @@ def bench(path: Path) -> dict:
         res["tick_device_ms"][B] = round(cp.cuda.get_elapsed_time(e0, e1) / 50, 4)
         if B in (1, 64):
             res.setdefault("kernel_us", {})[B] = profile_kernels(model, kvb, B)
+            # the same ticks with the default sampler chain on the device (T 0.7, top-k 40,
+            # top-p 0.95, min-p 0.05, repeat penalty 1.1 over 64 tokens) instead of argmax
+            from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
+
+            cfg_s = SamplerConfig(repeat_penalty=1.1)
+            states = [SamplerState(seed=s, history=prompts[s, -64:].tolist()) for s in range(B)]
+            model.sample(toks, [Segment(s, 255, 1) for s in range(B)], kvb,
+                         [(cfg_s, states[s], ()) for s in range(B)], tick=99)   # warm-up
+            g, st = kvb.graphs[B], kvb.stream
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(st)
+            for _ in range(50):
+                g.launch(st)
+            e1.record(st)
+            e1.synchronize()
+            res.setdefault("sampled_tick_device_ms", {})[B] = round(cp.cuda.get_elapsed_time(e0, e1) / 50, 4)
+            t = time.perf_counter()
+            for i in range(64):
+                toks = model.sample(toks, [Segment(s, 256 + i, 1) for s in range(B)], kvb,
+                                    [(cfg_s, states[s], ()) for s in range(B)], tick=i + 1)
+                for s in range(B):
+                    states[s].step += 1
+                    states[s].history.append(int(toks[s]))
+            res.setdefault("sampled_tok_s", {})[B] = round(B * 64 / (time.perf_counter() - t), 1)
     del lg
     bw = copy_bandwidth()
     res["copy_bw_GBs"] = round(bw / 1e9, 1)
@@ -212,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     for B in res["aggregate_tok_s"]:
         print(f"{B:>5}  {res['aggregate_tok_s'][B]:>15.1f}  {res['tick_wall_ms'][B]:>12.3f}  "
               f"{res['tick_device_ms'][B]:>14.4f}")
+    for B, v in res.get("sampled_tok_s", {}).items():
+        print(f"slots {B:>3}, sampled on the device (T 0.7, top-k 40, top-p, min-p, penalty): {v:.1f} tok/s, "
+              f"device {res['sampled_tick_device_ms'][B]} ms per tick")
     for B, ks in res.get("kernel_us", {}).items():
         print(f"kernel us, batch {B}: " + ", ".join(f"{k} {v}" for k, v in ks.items()))
     print(f"copy bandwidth {res['copy_bw_GBs']} GB/s (read + write); weight-read floor per tick "

@@ -1,29 +1,37 @@
-"""The llama architecture on the CUDA backend: prefill through cuBLAS, decode as a CUDA graph.
+"""The llama architecture on the CUDA backend: decode (and short batches) as a CUDA graph.
 
 Same interface and math as ``architectures/llama.py`` (LlamaModel): ``forward(tokens,
-segments, kv)`` returns host float32 logits; ``greedy`` returns argmax ids only.
+segments, kv)`` returns host float32 logits; ``sample`` runs the sampler chain on the
+device (``cuda_sampling``) and returns only token ids; ``greedy`` is ``sample`` with
+every row greedy.
 
 Two paths:
-* **decode graph**: a batch where every segment is one token (at most ``kv.b_max``
-  rows) replays a CUDA graph captured once per batch-size bucket (1, 2, 4, ... b_max)
-  and per KV cache. The graph reads the tokens, slots and positions of its rows from a
-  device table ``tab`` (3, b_max) int32 that the host refreshes with one copy before
-  each replay; rows past the batch point at a scratch slot. Per layer it runs 5 of our
+* **graph**: a batch of at most ``kv.b_max`` rows in all (decode steps of many slots,
+  speculative verify windows, a short prefill such as a conversation's next turn)
+  replays a CUDA graph captured once per row-count bucket (1, 2, 4, ... b_max) and per
+  KV cache. The graph reads each row's token, slot and position from the device table
+  ``tab`` (3, b_max) int32 and each output row's sampler settings from ``prm``
+  (``cuda_sampling``), refreshed from pinned host mirrors by one copy each before the
+  replay; rows past the batch point at a scratch slot. Per layer it runs 5 of our
   kernels: QKV GEMV (RMSNorm, RoPE and the KV write fused), split-context attention,
   O GEMV + residual, gate/up GEMV (RMSNorm and SwiGLU fused), down GEMV + residual;
-  then the output GEMV (final RMSNorm fused) and a per-row argmax. No cuBLAS inside.
-* **eager**: anything else (prefill chunks, mixed batches): weights dequantized once to
-  float32 (kept when they fit ``DENSE_CACHE_BYTES``), cuBLAS SGEMM for projections,
-  cuBLAS for prefill attention (scores, causal softmax kernel, values), the decode
-  attention kernel for single-token rows.
+  then the output GEMV (final RMSNorm fused) and ``sample_rows``, which writes one
+  publication record (tick, slot, position, token) per output row; the records come
+  back to pinned host memory with one copy. No cuBLAS inside. Rows of one slot at
+  consecutive positions are causal without a mask: every row's K and V of a layer are
+  written by the QKV kernel before the attention kernel of that layer reads them.
+* **eager**: anything larger (prefill chunks): weights dequantized once to float32
+  (kept when they fit ``DENSE_CACHE_BYTES``), cuBLAS SGEMM for projections, cuBLAS for
+  prefill attention (scores, causal softmax kernel, values), the decode attention
+  kernel for single-token rows, then ``sample_rows`` when ids are asked for.
 
-KV cache: per layer ``(n_slots + 1, n_kv, n_ctx, hd) float32`` (the extra slot is the
-scratch slot), all layers in one allocation. It has the CPU cache's interface for the
-runtime: ``clear`` (speculative rollback), ``slot_shape``, ``snapshot_slot`` and
-``restore_slot`` (capsules; ``snapshot_slot(device=True)`` keeps the copy on the GPU),
-``copy_slot``. Not thread-safe: one engine thread drives it.
+Batch invariance: a row's numbers do not depend on the other rows while the batch
+stays under 16 rows (GEMV blocks of 1 and 4 rows reduce in the same order); at 16
+rows and more the GEMV uses a one-warp-per-row layout for throughput, whose float
+sums round differently.
+
+The KV cache and the device tables live in ``cuda_kv.py``.
 """
-
 from __future__ import annotations
 
 import math
@@ -32,14 +40,15 @@ import cupy as cp
 import numpy as np
 from cupy_backends.cuda.libs import cublas
 
+from aotx.engine.backend import cuda_sampling as CS
 from aotx.engine.backend import cuda_src as S
-from aotx.engine.backend.cuda import CudaBackend, DevMatrix, _u64
+from aotx.engine.backend.cuda import NVRTC_OPTIONS, CudaBackend, DevMatrix, _u64
+from aotx.engine.backend.cuda_kv import ATT_NSMAX, CudaKVCache
 from aotx.engine.errors import ModelError
 from aotx.engine.model.config import ModelConfig
 
 DENSE_CACHE_BYTES = 4 << 30   # float32 copies of the weights for prefill are kept up to this size
 NB_CHOICES = (1, 4, 16)        # batch rows per GEMV block (template instances)
-ATT_NSMAX = 16                 # most context splits per (row, head) in decode attention
 ATT_MINCHUNK = 64              # fewest positions per split (one round of the kernel for head_dim 64)
 GEMV_WARPS = 4
 
@@ -72,99 +81,6 @@ class CudaLayer:
         self.w_up = w_up
         self.w_down = w_down
         self.d_qkv = self.d_gu = None  # dense float32 copies for the eager path
-
-
-class CudaKVCache:
-    """KV for ``n_slots`` slots of ``n_ctx`` tokens on the device, plus the decode
-    buffers and graphs bound to it. ``k``, ``v``: (n_layers, n_slots + 1, n_kv, n_ctx, hd)."""
-
-    def __init__(self, model: "CudaLlamaModel", n_slots: int, n_ctx: int):
-        cfg = model.cfg
-        self.n_slots = n_slots
-        self.n_ctx = n_ctx
-        shape = (cfg.n_layers, n_slots + 1, cfg.n_kv_heads, n_ctx, cfg.head_dim)
-        self.k = cp.zeros(shape, cp.float32)
-        self.v = cp.zeros(shape, cp.float32)
-        self.layer_bytes = int(self.k[0].nbytes)
-        b = 1
-        while b < n_slots:
-            b *= 2
-        self.b_max = b
-        qd = cfg.n_heads * cfg.head_dim
-        # decode buffers (graph path)
-        self.tab = cp.zeros((3, b), cp.int32)                 # token, slot, position per row
-        self.tab_host = cp.cuda.alloc_pinned_memory(3 * b * 4)
-        self.tab_np = np.frombuffer(self.tab_host, np.int32, 3 * b).reshape(3, b)
-        self.ids = cp.zeros(b, cp.int32)
-        self.ids_host = cp.cuda.alloc_pinned_memory(b * 4)
-        self.ids_np = np.frombuffer(self.ids_host, np.int32, b)
-        self.x = cp.zeros((b, cfg.d_model), cp.float32)
-        self.q = cp.zeros((b, qd), cp.float32)
-        self.att = cp.zeros((b, qd), cp.float32)
-        self.g = cp.zeros((b, cfg.ffn_dim), cp.float32)
-        self.logits = cp.zeros((b, model.v_pad), cp.float32)
-        self.part = cp.zeros(b * cfg.n_heads * ATT_NSMAX * (cfg.head_dim + 2), cp.float32)
-        self.counters = cp.zeros(b * cfg.n_heads, cp.int32)
-        self.graphs: dict[int, object] = {}
-        self.stream = cp.cuda.Stream(non_blocking=True)
-
-    @staticmethod
-    def nbytes(cfg: ModelConfig, n_slots: int, n_ctx: int) -> int:
-        return 2 * cfg.n_layers * (n_slots + 1) * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4
-
-    # ---- what the runtime and the capsules use (same interface as llama.KVCache) ----
-    # Every method runs on ``self.stream`` (the decode graph's) and waits for it: the
-    # model's calls return with their work finished, so nothing else is in flight.
-
-    @property
-    def slot_shape(self) -> tuple[int, int, int, int]:
-        """One slot's KV layout: (n_layers, n_kv_heads, n_ctx, head_dim)."""
-        L, _, kvh, n_ctx, hd = self.k.shape
-        return (L, kvh, n_ctx, hd)
-
-    def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.n_slots:
-            raise IndexError(f"slot {slot} out of range (the cache has {self.n_slots} slots)")
-
-    def clear(self, slot: int, start: int, stop: int) -> None:
-        """Zero positions start..stop-1 of ``slot`` in every layer (rollback of rejected
-        draft tokens, as ``llama.KVCache.clear``)."""
-        self._check_slot(slot)
-        with self.stream:
-            self.k[:, slot, :, start:stop, :] = 0
-            self.v[:, slot, :, start:stop, :] = 0
-        self.stream.synchronize()
-
-    def snapshot_slot(self, slot: int, n: int, *, device: bool = False):
-        """Copies of ``slot``'s K and V for positions 0..n-1, (n_layers, n_kv_heads, n,
-        head_dim) float32: host numpy arrays (capsule snapshot), or with ``device=True``
-        CuPy arrays beside the live cache (a device home: no PCIe round trip)."""
-        self._check_slot(slot)
-        with self.stream:
-            k = cp.ascontiguousarray(self.k[:, slot, :, :n, :])
-            v = cp.ascontiguousarray(self.v[:, slot, :, :n, :])
-            if not device:
-                k, v = k.get(stream=self.stream), v.get(stream=self.stream)
-        self.stream.synchronize()
-        return k, v
-
-    def restore_slot(self, slot: int, k, v, n: int) -> None:
-        """Copy positions 0..n-1 of ``k``, ``v`` (numpy or CuPy, as ``snapshot_slot``
-        returns them) into ``slot``; byte-exact."""
-        self._check_slot(slot)
-        with self.stream:
-            self.k[:, slot, :, :n, :] = cp.asarray(k[:, :, :n, :], cp.float32)
-            self.v[:, slot, :, :n, :] = cp.asarray(v[:, :, :n, :], cp.float32)
-        self.stream.synchronize()
-
-    def copy_slot(self, src: int, dst: int, n: int) -> None:
-        """Positions 0..n-1 of slot ``src`` into slot ``dst``, on the device (a fork)."""
-        self._check_slot(src)
-        self._check_slot(dst)
-        with self.stream:
-            self.k[:, dst, :, :n, :] = self.k[:, src, :, :n, :]
-            self.v[:, dst, :, :n, :] = self.v[:, src, :, :n, :]
-        self.stream.synchronize()
 
 
 class CudaLlamaModel:
@@ -239,6 +155,7 @@ class CudaLlamaModel:
         for w in mats:
             names.add(f"dequant<{w.qtype}>")
         self.k = self.backend.module(sorted(names))
+        self.ks = cp.RawModule(code=CS.SRC, options=NVRTC_OPTIONS).get_function("sample_rows")
 
     def _dense_size(self) -> int:
         return sum(4 * w.m * w.k for L in self.layers for w in L.qkv + [L.wo, L.w_gate, L.w_up, L.w_down])
@@ -269,6 +186,11 @@ class CudaLlamaModel:
         """Bytes of the quantized weights on the device (dense prefill copies not counted)."""
         return self.backend.weight_bytes
 
+    @property
+    def prefill_weight_bytes(self) -> int:
+        """Bytes of the float32 weight copies the eager (prefill) path keeps on the device."""
+        return self._dense_size() if self._dense_ok else 0
+
     def kv_cache_bytes(self, n_slots: int, n_ctx: int) -> int:
         """Bytes ``new_kv_cache(n_slots, n_ctx)`` allocates for K and V."""
         return CudaKVCache.nbytes(self.cfg, n_slots, n_ctx)
@@ -287,8 +209,8 @@ class CudaLlamaModel:
 
     def forward(self, tokens: np.ndarray, segments: list, kv: CudaKVCache) -> np.ndarray:
         """Run one batch (see LlamaModel.forward); returns host float32 (R, vocab)."""
-        if self._decode_only(segments, kv):
-            self._replay(tokens, segments, kv, ids=False)
+        if self._graph_ok(tokens, segments, kv):
+            self._replay(tokens, segments, kv, None, 0, want_ids=False)
             return self._last_logits.get()
         lg = self._eager(tokens, segments, kv)
         return lg.get() if lg is not None else np.empty((0, self.cfg.vocab_size), np.float32)
@@ -296,54 +218,114 @@ class CudaLlamaModel:
     def greedy(self, tokens: np.ndarray, segments: list, kv: CudaKVCache) -> np.ndarray:
         """Like ``forward`` but returns only the argmax token id of each logits row,
         int32 (R,), computed on the device (the logits stay in ``last_logits()``)."""
-        if self._decode_only(segments, kv):
-            return self._replay(tokens, segments, kv, ids=True)
+        return self.sample(tokens, segments, kv, None)
+
+    def sample(self, tokens: np.ndarray, segments: list, kv: CudaKVCache, rows: list | None,
+               tick: int = 0) -> np.ndarray:
+        """Run one batch and pick each logits row's next token on the device.
+
+        rows: one ``(SamplerConfig, SamplerState, extra_history)`` per logits row (in
+        ``forward``'s order; each must pass ``cuda_sampling.device_ok``), or None for
+        greedy without penalty everywhere. ``extra_history``: tokens accepted before
+        this row within the same batch (a greedy verify window). The states are not
+        advanced here: the caller mirrors the draws (``step`` += 1 per sampled row) and
+        the history. Returns int32 (R,) ids; the penalized logits stay in
+        ``last_logits()``. Raises RuntimeError when a publication record does not
+        belong to this tick (the device tables are inconsistent)."""
+        if self._graph_ok(tokens, segments, kv):
+            return self._replay(tokens, segments, kv, rows, tick, want_ids=True)
         lg = self._eager(tokens, segments, kv)
         if lg is None:
             return np.empty(0, np.int32)
-        ids = cp.empty(lg.shape[0], cp.int32)
-        self.k["argmax_rows"]((lg.shape[0],), (1024,), (_u64(lg), np.int32(lg.strides[0] // 4),
-                                                         np.int32(self.cfg.vocab_size), _u64(ids)))
+        R = lg.shape[0]
+        prm = np.zeros((R, CS.P_WORDS), np.int32)
+        hist = np.zeros((R, CS.H_MAX), np.int32)
+        self._fill(prm, hist, rows, list(range(R)), tick)
+        ids = cp.empty(R, cp.int32)
+        rec = cp.empty((R, CS.REC_WORDS), cp.int32)
+        meta = cp.asarray(self._eager_out_meta)
+        self.ks((R,), (1024,), (lg, np.int32(self.v_pad), np.int32(self.cfg.vocab_size), cp.asarray(prm),
+                                cp.asarray(hist), meta[0], meta[1], ids, rec))
         return ids.get()
 
-    # ---- decode graph ----------------------------------------------------------
+    @staticmethod
+    def _fill(prm: np.ndarray, hist: np.ndarray, rows: list | None, out: list[int], tick: int) -> bool:
+        """Write the sampler table rows ``out`` (one per logits row; the other rows of
+        ``prm`` must already be zero, i.e. skipped); True when a penalty history is used."""
+        if rows is None:
+            prm[out, 0] = CS.MODE_GREEDY
+            prm[out, 3] = tick & 0x7FFFFFFF
+            prm[out, 4] = np.float32(1.0).view(np.int32)
+            return False
+        if len(rows) != len(out):
+            raise ValueError(f"{len(rows)} sampler rows for {len(out)} logits rows")
+        need = False
+        for j, (cfg, st, extra) in zip(out, rows):
+            need |= CS.fill_row(prm[j], hist[j], cfg, st, tick, extra)
+        return need
+
+    # ---- graph path ------------------------------------------------------------
 
     @staticmethod
-    def _decode_only(segments: list, kv: CudaKVCache) -> bool:
-        if not segments or len(segments) > kv.b_max:
+    def _graph_ok(tokens: np.ndarray, segments: list, kv: CudaKVCache) -> bool:
+        if not segments or int(tokens.shape[0]) > kv.b_max:
             return False
         seen = set()
         for s in segments:
-            if s.n != 1 or not (s.logits or s.all_logits) or s.slot in seen:
+            if s.slot in seen:
                 return False
             seen.add(s.slot)
         return True
 
-    def _replay(self, tokens: np.ndarray, segments: list, kv: CudaKVCache, ids: bool):
-        n = len(segments)
+    def _replay(self, tokens: np.ndarray, segments: list, kv: CudaKVCache, rows: list | None, tick: int,
+                want_ids: bool):
+        """Replay the graph of the smallest bucket holding the batch. rows, tick: as
+        ``sample``; without ``want_ids`` (``forward``) only the logits are wanted."""
+        n = int(tokens.shape[0])
         b = 1
         while b < n:
             b *= 2
         t = kv.tab_np
         t[0, :n] = tokens[:n]
-        t[1, :n] = [s.slot for s in segments]
-        t[2, :n] = [s.pos for s in segments]
+        out: list[int] = []
+        row = 0
+        for s in segments:
+            t[1, row:row + s.n] = s.slot
+            t[2, row:row + s.n] = np.arange(s.pos, s.pos + s.n, dtype=np.int32)
+            if s.all_logits:
+                out.extend(range(row, row + s.n))
+            elif s.logits:
+                out.append(row + s.n - 1)
+            row += s.n
         t[0, n:b] = 0
         t[1, n:b] = kv.n_slots
         t[2, n:b] = 0
+        R = len(out)
+        prm = kv.prm_np
+        prm[:b] = 0
+        need_hist = False
+        if want_ids and R:
+            need_hist = self._fill(prm, kv.hist_np, rows, out, tick)
         g = kv.graphs.get(b)
         if g is None:
             g = kv.graphs[b] = self._capture(kv, b)
         st = kv.stream
-        cp.cuda.runtime.memcpyAsync(kv.tab.data.ptr, kv.tab_np.ctypes.data, kv.tab.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, st.ptr)
+        H2D, D2H = cp.cuda.runtime.memcpyHostToDevice, cp.cuda.runtime.memcpyDeviceToHost
+        cp.cuda.runtime.memcpyAsync(kv.tab.data.ptr, t.ctypes.data, t.nbytes, H2D, st.ptr)
+        cp.cuda.runtime.memcpyAsync(kv.prm.data.ptr, prm.ctypes.data, 4 * CS.P_WORDS * b, H2D, st.ptr)
+        if need_hist:
+            cp.cuda.runtime.memcpyAsync(kv.hist.data.ptr, kv.hist_np.ctypes.data, 4 * CS.H_MAX * b, H2D, st.ptr)
         g.launch(st)
-        self._last_logits = kv.logits[:n, :self.cfg.vocab_size]
-        if ids:
-            cp.cuda.runtime.memcpyAsync(kv.ids_np.ctypes.data, kv.ids.data.ptr, 4 * n,
-                                        cp.cuda.runtime.memcpyDeviceToHost, st.ptr)
+        idx = np.asarray(out, np.int64)
+        self._last_logits = kv.logits[:n, :self.cfg.vocab_size][cp.asarray(idx)] if R != n else \
+            kv.logits[:n, :self.cfg.vocab_size]
+        if want_ids:
+            cp.cuda.runtime.memcpyAsync(kv.rec_np.ctypes.data, kv.rec.data.ptr, 4 * CS.REC_WORDS * n, D2H, st.ptr)
             st.synchronize()
-            return kv.ids_np[:n].copy()
+            rec = kv.rec_np[idx]
+            if R and (rec[:, 0] != (tick & 0x7FFFFFFF)).any():
+                raise RuntimeError(f"publication records of tick {int(rec[0, 0])} where tick {tick} was expected")
+            return rec[:, 3].copy()
         st.synchronize()
         return None
 
@@ -354,6 +336,7 @@ class CudaLlamaModel:
             kv.tab[0].fill(0)
             kv.tab[1].fill(kv.n_slots)
             kv.tab[2].fill(0)
+            kv.prm.fill(0)
             self._decode_launches(kv, b)
             st.synchronize()
             st.begin_capture()
@@ -423,8 +406,8 @@ class CudaLlamaModel:
             self._gemv(S.MODE_SWIGLU, L.w_gate, L.w_up, kv.x, d, B, L.ffn_norm, kv.g, f)
             self._gemv(S.MODE_ADD, L.w_down, None, kv.g, f, B, None, kv.x, d)
         self._gemv(S.MODE_STORE, self.output, None, kv.x, d, B, self.output_norm, kv.logits, self.v_pad)
-        self.k["argmax_rows"]((B,), (1024,), (_u64(kv.logits), np.int32(self.v_pad), np.int32(cfg.vocab_size),
-                                              _u64(kv.ids)))
+        self.ks((B,), (1024,), (_u64(kv.logits), np.int32(self.v_pad), np.int32(cfg.vocab_size), _u64(kv.prm),
+                                _u64(kv.hist), _u64(slot_p), _u64(pos_p), _u64(kv.ids), _u64(kv.rec)))
 
     # ---- eager path (prefill, mixed batches) -----------------------------------
 
@@ -517,6 +500,7 @@ class CudaLlamaModel:
             n_el = N * f
             k["silu_mul"](((n_el + nt - 1) // nt,), (nt,), (gu, np.int32(N), np.int32(f), g))
             self._sgemm(g, f, self._dense(L.w_down), x, d, N, 1.0)     # x += g @ Wdown.T
+        self._eager_out_meta = np.ascontiguousarray(meta[1:, out_rows])
         if not out_rows:
             self._last_logits = None
             cp.cuda.get_current_stream().synchronize()  # the decode graph's stream does not wait on this one

@@ -27,6 +27,15 @@ def default_cpu_budget() -> int:
     return machine_memory_bytes() // 2
 
 
+def default_cuda_budget(device: int = 0) -> int:
+    """Default budget on CUDA: the GPU's total memory less 1 GiB for the CUDA context,
+    CuPy's pools and cuBLAS workspaces (bytes)."""
+    import cupy  # only reached with --device cuda
+
+    _free, total = cupy.cuda.Device(device).mem_info
+    return max(1 << 30, int(total) - (1 << 30))
+
+
 def parse_size(text: str) -> int:
     """'512M', '8G', '1.5GiB', '1000000' -> bytes. Raises ValueError on bad text."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
@@ -83,13 +92,18 @@ def working_bytes(cfg, prefill_chunk: int, n_slots: int, n_ctx: int) -> int:
 
 
 def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefill_chunk: int,
-         journal_bytes: int, total: int, media_bytes: int = 0, capsule_bytes: int = 0) -> Budget:
-    """The budget of a configuration. Raises AdmissionError with every term when it does not fit."""
+         journal_bytes: int, total: int, media_bytes: int = 0, capsule_bytes: int = 0,
+         capsule_device_bytes: int = 0, prefill_weight_bytes: int = 0) -> Budget:
+    """The budget of a configuration (bytes; on CUDA ``total`` is GPU memory and the
+    capsule share is their device home). Raises AdmissionError with every term when it
+    does not fit."""
     tables = n_slots * (n_ctx * 8 + 256)  # slot token lists and table rows
-    b = Budget(total, (("weights", weight_bytes), ("kv cache", kv_bytes),
-                       ("working buffers", working_bytes(cfg, prefill_chunk, n_slots, n_ctx)),
-                       ("runtime tables", tables), ("journal buffers", journal_bytes),
-                       ("capsules (host)", capsule_bytes), ("media", media_bytes)))
+    terms = (("weights", weight_bytes), ("prefill weights", prefill_weight_bytes), ("kv cache", kv_bytes),
+             ("working buffers", working_bytes(cfg, prefill_chunk, n_slots, n_ctx)),
+             ("runtime tables", tables), ("journal buffers", journal_bytes),
+             ("capsules (host)", capsule_bytes), ("capsules (device)", capsule_device_bytes), ("media", media_bytes))
+    optional = {"prefill weights", "capsules (device)", "capsules (host)"}  # shown where the backend has them
+    b = Budget(total, tuple((n, v) for n, v in terms if v or n not in optional))
     if b.used > b.total:
         raise AdmissionError(f"the configuration does not fit: {n_slots} slots x {n_ctx} tokens of context "
                              f"needs {fmt_bytes(b.used)} ({b.used:,} bytes), the budget is {fmt_bytes(total)} "

@@ -456,7 +456,7 @@ class Engine:
         caps = self.capsules
         if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + 16:
             caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=self.lm.fingerprint,
-                                               backend=self.device))
+                                               backend=self.device, device=caps.device_budget > 0))
         own_state = slot.conv_id == r.conv_id and reuse > 0
         if caps is not None and not own_state:
             cap, n, note = caps.best_for(r.conv_id, r.prompt)
@@ -465,8 +465,8 @@ class Engine:
                 C.restore(cap, self.kv, slot.index, fingerprint=self.lm.fingerprint, n=n)
                 slot.tokens[:] = cap.tokens[:n].tolist()
                 reuse = n
-                note = (f"restored {n} tokens of context from the capsule on {cap.home}"
-                        if cap.home == "disk" else f"restored {n} tokens of context from a parked capsule")
+                note = (f"restored {n} tokens of context from the capsule on disk" if cap.home == "disk" else
+                        f"restored {n} tokens of context from a parked capsule ({cap.home} memory)")
             elif note.startswith("restored"):
                 note = ""
             if note:
@@ -531,17 +531,19 @@ class Engine:
         if not segs:
             return
         t1 = time.perf_counter()
-        # device argmax: when every row of this tick is greedy without a penalty and the
-        # model can pick on the device (CUDA: greedy()), only the ids come back, not the
-        # logits; sample()/verify() would pick the same ids (argmax, ties to the lowest)
+        # sampling on the device: when the model can (CUDA: sample()) and every row's
+        # sampler is one the device chain runs exactly, only the ids come back, not the
+        # logits; sample()/verify() on the host would pick the same ids
         model = self.lm.model
         ids = None
-        take_ids = hasattr(model, "greedy") and all(
-            r.sampler.temperature <= 0.0 and r.sampler.repeat_penalty == 1.0 for r, _ in rows)
+        logits = None
         try:
-            if take_ids:
+            srows = self._device_rows(model, rows)
+            if srows is not None:
+                ids = model.sample(np.asarray(toks, np.int32), segs, self.kv, srows, tick=self.tick)
+            elif hasattr(model, "greedy") and all(
+                    r.sampler.temperature <= 0.0 and r.sampler.repeat_penalty == 1.0 for r, _ in rows):
                 ids = model.greedy(np.asarray(toks, np.int32), segs, self.kv)
-                logits = None
             else:
                 logits = model.forward(np.asarray(toks, np.int32), segs, self.kv)
         except Exception as e:  # noqa: BLE001 - fail closed: refuse new work, keep reads
@@ -568,6 +570,8 @@ class Engine:
                 while n_ok < len(drafts) and got[n_ok] == drafts[n_ok]:
                     n_ok += 1
                 produced = got[:n_ok + 1]
+                if r.sampler.temperature > 0.0:
+                    r.sampler_state.step += len(produced)  # one draw per sampled row
                 hist, last_n = r.sampler_state.history, r.sampler.repeat_last_n
                 hist.extend(produced)
                 if last_n > 0 and len(hist) > 4 * last_n:
@@ -619,6 +623,22 @@ class Engine:
         self.stats["tokens"] += n_out
         self.stats["device_s"] += t2 - t1
         self.stats["host_s"] += (t1 - t0) + (t3 - t2)
+
+    @staticmethod
+    def _device_rows(model, rows) -> list | None:
+        """The sampler rows for ``model.sample`` (one per logits row), or None when the
+        model has no device sampler or a row needs the host (``cuda_sampling.device_ok``)."""
+        if not hasattr(model, "sample"):
+            return None
+        from aotx.engine.backend.cuda_sampling import device_ok, fits_history
+
+        out = []
+        for r, drafts in rows:
+            if not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler, r.sampler_state)):
+                return None
+            out.append((r.sampler, r.sampler_state, ()))
+            out.extend((r.sampler, r.sampler_state, drafts[:i]) for i in range(1, len(drafts) + 1))
+        return out
 
     def _finish(self, r: Request, reason: str) -> None:
         if reason in ("cancelled", "error") and r.completion:

@@ -1,7 +1,7 @@
-"""Where parked capsules live: host memory and disk, each with an LRU budget.
+"""Where parked capsules live: device memory, host memory and disk, each with an LRU budget.
 
 Owns: which capsule is in which home, eviction (least recently used first:
-host -> disk -> gone), lookup by conversation or by longest shared token prefix
+device -> host -> disk -> gone), lookup by conversation or by longest shared token prefix
 (so a fork or an edit finds its parent's state), and the bytes per home that
 admission and ``aotx status`` report. Disk files are named by conversation id
 under the capsules folder and written crash-safely by ``capsule.save``.
@@ -18,14 +18,17 @@ from aotx.engine.state import capsule as C
 
 
 class CapsuleCache:
-    """host_bytes / disk_bytes: budgets per home (bytes); directory: the disk home."""
+    """device_bytes / host_bytes / disk_bytes: budgets per home (bytes; device 0 = no
+    device home, as on the CPU backend); directory: the disk home."""
 
     def __init__(self, directory: Path | None, *, host_bytes: int = 512 << 20, disk_bytes: int = 4 << 30,
-                 fingerprint: str = ""):
+                 fingerprint: str = "", device_bytes: int = 0):
         self.dir = Path(directory) if directory else None
+        self.device_budget = device_bytes
         self.host_budget = host_bytes
         self.disk_budget = disk_bytes
         self.fingerprint = fingerprint
+        self.device: dict[str, C.Capsule] = {}
         self.host: dict[str, C.Capsule] = {}
         self.disk: dict[str, tuple[Path, int, float]] = {}  # conv -> (path, bytes, last_used)
         self._lock = threading.Lock()
@@ -38,18 +41,34 @@ class CapsuleCache:
 
     def usage(self) -> dict[str, int]:
         with self._lock:
-            return {"host_bytes": sum(c.nbytes for c in self.host.values()), "host_count": len(self.host),
+            return {"device_bytes": sum(c.nbytes for c in self.device.values()), "device_count": len(self.device),
+                    "device_budget": self.device_budget,
+                    "host_bytes": sum(c.nbytes for c in self.host.values()), "host_count": len(self.host),
                     "disk_bytes": sum(b for _, b, _ in self.disk.values()), "disk_count": len(self.disk),
                     "host_budget": self.host_budget, "disk_budget": self.disk_budget}
 
     # ---- homes ---------------------------------------------------------------------
 
     def park(self, conv_id: str, cap: C.Capsule) -> None:
-        """Keep ``cap`` in host memory as ``conv_id``'s state; evict LRU beyond the budget."""
-        cap.home = "host"
+        """Keep ``cap`` as ``conv_id``'s state: in the device home when it was snapshot
+        there (``capsule.snapshot(device=True)``), else in host memory; evict least
+        recently used beyond each budget (device -> host -> disk)."""
         cap.last_used = time.monotonic()
         with self._lock:
-            self.host[conv_id] = cap
+            self.device.pop(conv_id, None)
+            self.host.pop(conv_id, None)
+            if cap.home == "device":
+                self.device[conv_id] = cap
+                self._evict_device()
+            else:
+                cap.home = "host"
+                self.host[conv_id] = cap
+                self._evict_host()
+
+    def _evict_device(self) -> None:
+        while self.device and sum(c.nbytes for c in self.device.values()) > self.device_budget:
+            victim = min(self.device, key=lambda k: self.device[k].last_used)
+            self.host[victim] = C.to_host(self.device.pop(victim))
             self._evict_host()
 
     def _evict_host(self) -> None:
@@ -79,6 +98,7 @@ class CapsuleCache:
     def drop(self, conv_id: str) -> None:
         """Forget a conversation's capsules (deleted, or its history changed)."""
         with self._lock:
+            self.device.pop(conv_id, None)
             self.host.pop(conv_id, None)
             entry = self.disk.pop(conv_id, None)
         if entry:
@@ -93,11 +113,12 @@ class CapsuleCache:
         A disk capsule of another model is dropped and the note says so."""
         with self._lock:
             best, best_n = None, 0
-            for cid, cap in self.host.items():
+            for cid, cap in list(self.device.items()) + list(self.host.items()):
                 n = common_prefix(cap.tokens.tolist(), prompt)
                 if n > best_n or (n == best_n and n and cid == conv_id):
                     best, best_n = cap, n
-            disk_entry = self.disk.get(conv_id) if conv_id not in self.host else None
+            parked = conv_id in self.host or conv_id in self.device
+            disk_entry = self.disk.get(conv_id) if not parked else None
         note = ""
         if disk_entry is not None:
             try:

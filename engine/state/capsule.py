@@ -89,21 +89,34 @@ def _crc(*arrays: np.ndarray) -> int:
 
 
 def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str = "cpu",
-             pending_token: int = -1, sampler=None) -> Capsule:
+             pending_token: int = -1, sampler=None, device: bool = False) -> Capsule:
     """Copy slot ``slot``'s state for positions 0..len(tokens)-1 out of the live KV cache.
 
     kv: the model's KV cache (any backend's: its ``snapshot_slot(slot, n)`` returns host
     float32 (n_layers, n_kv, n, hd) copies of K and V); tokens: the ids those positions
-    hold; sampler: a SamplerState or None."""
+    hold; sampler: a SamplerState or None. ``device=True`` (CUDA caches only) keeps K
+    and V on the GPU beside the live buffers: home "device", no PCIe copy; its CRC32C
+    is computed when it leaves the device (``to_host``), so the header says 0 until then."""
     n = len(tokens)
-    k, v = kv.snapshot_slot(slot, n)
+    k, v = kv.snapshot_slot(slot, n, device=True) if device else kv.snapshot_slot(slot, n)
     toks = np.asarray(tokens, np.int32)
     hdr = CapsuleHeader(
         fingerprint=fingerprint, backend=backend, layout=f"kv:f32:{list(k.shape[:2])}+n+[{k.shape[3]}]",
-        n_tokens=n, shapes={"k": list(k.shape), "v": list(v.shape), "tokens": [n]}, crc32c=_crc(k, v, toks),
+        n_tokens=n, shapes={"k": list(k.shape), "v": list(v.shape), "tokens": [n]},
+        crc32c=0 if device else _crc(k, v, toks),
         pending_token=pending_token, seed=getattr(sampler, "seed", 0), step=getattr(sampler, "step", 0),
         history=list(getattr(sampler, "history", [])))
-    return Capsule(hdr, k, v, toks)
+    return Capsule(hdr, k, v, toks, home="device" if device else "host")
+
+
+def to_host(cap: Capsule) -> Capsule:
+    """The capsule with its buffers in host memory (numpy) and its checksum set: a
+    device capsule demoted to the host home, or ``cap`` itself when already there."""
+    if isinstance(cap.k, np.ndarray):
+        return cap
+    k, v = cap.k.get(), cap.v.get()
+    hdr = msgspec.structs.replace(cap.header, crc32c=_crc(k, v, cap.tokens))
+    return Capsule(hdr, k, v, cap.tokens, home="host", last_used=cap.last_used)
 
 
 def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = None) -> int:
@@ -124,7 +137,9 @@ def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = No
 
 
 def verify(cap: Capsule) -> None:
-    """Raise CapsuleError unless the buffers' CRC32C equals the header's."""
+    """Raise CapsuleError unless the buffers' CRC32C equals the header's (a device
+    capsule is checked on its host copy)."""
+    cap = to_host(cap)
     got = _crc(cap.k, cap.v, cap.tokens)
     if got != cap.header.crc32c:
         raise CapsuleError(f"capsule checksum mismatch (stored {cap.header.crc32c:#010x}, computed {got:#010x})")
@@ -134,6 +149,7 @@ def save(cap: Capsule, path: Path) -> int:
     """Write the capsule to ``path`` crash-safely (tmp, fsync, rename, fsync dir). Returns bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    cap = to_host(cap)
     head = msgspec.msgpack.encode(cap.header)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
