@@ -317,16 +317,16 @@ class CudaLlamaModel:
             cp.cuda.runtime.memcpyAsync(kv.hist.data.ptr, kv.hist_np.ctypes.data, 4 * CS.H_MAX * b, H2D, st.ptr)
         g.launch(st)
         idx = np.asarray(out, np.int64)
-        self._last_logits = kv.logits[:n, :self.cfg.vocab_size][cp.asarray(idx)] if R != n else \
-            kv.logits[:n, :self.cfg.vocab_size]
         if want_ids:
             cp.cuda.runtime.memcpyAsync(kv.rec_np.ctypes.data, kv.rec.data.ptr, 4 * CS.REC_WORDS * n, D2H, st.ptr)
-            st.synchronize()
+        st.synchronize()  # before anything on another stream reads the graph's output
+        lg = kv.logits[:n, :self.cfg.vocab_size]
+        self._last_logits = lg if R == n else lg[cp.asarray(idx)]
+        if want_ids:
             rec = kv.rec_np[idx]
             if R and (rec[:, 0] != (tick & 0x7FFFFFFF)).any():
                 raise RuntimeError(f"publication records of tick {int(rec[0, 0])} where tick {tick} was expected")
             return rec[:, 3].copy()
-        st.synchronize()
         return None
 
     def _capture(self, kv: CudaKVCache, b: int):
