@@ -188,7 +188,8 @@ def _kernel_ids(logits: np.ndarray, rows: list) -> np.ndarray:
     ids = cupy.empty(R, cupy.int32)
     rec = cupy.empty((R, CS.REC_WORDS), cupy.int32)
     z = cupy.zeros(R, cupy.int32)
-    k((R,), (1024,), (lg, np.int32(V), np.int32(V), cupy.asarray(prm), cupy.asarray(hist), z, z, ids, rec))
+    k((R,), (1024,), (lg, np.int32(V), np.int32(V), cupy.asarray(prm), cupy.asarray(hist), z, z, np.uint64(0), ids,
+                        rec))
     assert (rec[:, 0].get() == 1).all()
     return ids.get()
 

@@ -169,7 +169,7 @@ def bench(path: Path) -> dict:
         res["aggregate_tok_s"][B] = round(B * 128 / dt, 1)
         res["tick_wall_ms"][B] = round(1e3 * dt / 128, 3)
         # device time of one replay (positions as left by the loop: ~256 context)
-        g, st = kvb.graphs[B], kvb.stream
+        g, st = kvb.graphs[(B, B)], kvb.stream
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(st)
         for _ in range(50):
@@ -187,7 +187,7 @@ def bench(path: Path) -> dict:
             states = [SamplerState(seed=s, history=prompts[s, -64:].tolist()) for s in range(B)]
             model.sample(toks, [Segment(s, 255, 1) for s in range(B)], kvb,
                          [(cfg_s, states[s], ()) for s in range(B)], tick=99)   # warm-up
-            g, st = kvb.graphs[B], kvb.stream
+            g, st = kvb.graphs[(B, B)], kvb.stream
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
             e0.record(st)
             for _ in range(50):

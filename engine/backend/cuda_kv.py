@@ -4,7 +4,8 @@ Owns: per layer ``(n_slots + 1, n_kv, n_ctx, hd) float32`` K and V (the extra sl
 the scratch slot that padding rows of a graph write into), all layers in one
 allocation; the decode graph's row tables (token, slot, position), the sampler table
 and penalty history (``cuda_sampling``), the publication records, each with its
-pinned host mirror; the graph's activation buffers; the captured graphs themselves.
+pinned host mirror; the graph's activation buffers; the captured graphs themselves,
+keyed by (row bucket, output-row bucket).
 Leaves the launches to ``cuda_llama.py``.
 
 Rows: ``b_max`` = the slot count rounded up to a power of two, at least
@@ -27,7 +28,7 @@ from aotx.engine.backend import cuda_sampling as CS
 from aotx.engine.model.config import ModelConfig
 
 ATT_NSMAX = 16                 # most context splits per (row, head) in decode attention
-GRAPH_MIN_ROWS = 32            # a graph replay takes at least this many rows (verify windows, short prefills)
+GRAPH_MIN_ROWS = 128           # a graph replay takes at least this many rows (verify windows, short prefills)
 
 
 def _pinned(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -54,8 +55,8 @@ class CudaKVCache:
         self.b_max = b
         qd = cfg.n_heads * cfg.head_dim
         # device tables (graph path), each refreshed from its pinned mirror before a replay
-        self.tab = cp.zeros((3, b), cp.int32)                 # token, slot, position per row
-        self.tab_np = _pinned((3, b), np.int32)
+        self.tab = cp.zeros((4, b), cp.int32)                 # token, slot, position per row; output rows
+        self.tab_np = _pinned((4, b), np.int32)
         self.prm = cp.zeros((b, CS.P_WORDS), cp.int32)        # sampler table
         self.prm_np = _pinned((b, CS.P_WORDS), np.int32)
         self.hist = cp.zeros((b, CS.H_MAX), cp.int32)         # penalty history
@@ -64,6 +65,7 @@ class CudaKVCache:
         self.rec = cp.zeros((b, CS.REC_WORDS), cp.int32)      # publication records
         self.rec_np = _pinned((b, CS.REC_WORDS), np.int32)
         self.x = cp.zeros((b, cfg.d_model), cp.float32)
+        self.xo = cp.zeros((b, cfg.d_model), cp.float32)     # the rows whose logits are wanted
         self.q = cp.zeros((b, qd), cp.float32)
         self.att = cp.zeros((b, qd), cp.float32)
         self.g = cp.zeros((b, cfg.ffn_dim), cp.float32)

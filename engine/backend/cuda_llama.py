@@ -139,7 +139,7 @@ class CudaLlamaModel:
         return f"gemv<{ta},{tb},{nb},{mode},{self._wpp(nb, output)}>"
 
     def _compile(self) -> None:
-        names = {"argmax_rows", "rms_norm", "rope_rows", "kv_write", "causal_softmax", "silu_mul",
+        names = {"argmax_rows", "gather_rows", "rms_norm", "rope_rows", "kv_write", "causal_softmax", "silu_mul",
                  f"attn_decode<{self.cfg.head_dim}>", f"embed<{self.tok_embd.qtype}>"}
         mats = [self.output, self.tok_embd]
         for L in self.layers:
@@ -245,7 +245,7 @@ class CudaLlamaModel:
         rec = cp.empty((R, CS.REC_WORDS), cp.int32)
         meta = cp.asarray(self._eager_out_meta)
         self.ks((R,), (1024,), (lg, np.int32(self.v_pad), np.int32(self.cfg.vocab_size), cp.asarray(prm),
-                                cp.asarray(hist), meta[0], meta[1], ids, rec))
+                                cp.asarray(hist), meta[0], meta[1], _u64(0), ids, rec))
         return ids.get()
 
     @staticmethod
@@ -301,46 +301,51 @@ class CudaLlamaModel:
         t[1, n:b] = kv.n_slots
         t[2, n:b] = 0
         R = len(out)
+        r = 1
+        while r < R:
+            r *= 2
+        t[3, :R] = out
+        t[3, R:] = 0
         prm = kv.prm_np
-        prm[:b] = 0
+        prm[:r] = 0
         need_hist = False
         if want_ids and R:
-            need_hist = self._fill(prm, kv.hist_np, rows, out, tick)
-        g = kv.graphs.get(b)
+            need_hist = self._fill(prm, kv.hist_np, rows, list(range(R)), tick)
+        g = kv.graphs.get((b, r))
         if g is None:
-            g = kv.graphs[b] = self._capture(kv, b)
+            g = kv.graphs[(b, r)] = self._capture(kv, b, r)
         st = kv.stream
         H2D, D2H = cp.cuda.runtime.memcpyHostToDevice, cp.cuda.runtime.memcpyDeviceToHost
         cp.cuda.runtime.memcpyAsync(kv.tab.data.ptr, t.ctypes.data, t.nbytes, H2D, st.ptr)
-        cp.cuda.runtime.memcpyAsync(kv.prm.data.ptr, prm.ctypes.data, 4 * CS.P_WORDS * b, H2D, st.ptr)
+        cp.cuda.runtime.memcpyAsync(kv.prm.data.ptr, prm.ctypes.data, 4 * CS.P_WORDS * r, H2D, st.ptr)
         if need_hist:
-            cp.cuda.runtime.memcpyAsync(kv.hist.data.ptr, kv.hist_np.ctypes.data, 4 * CS.H_MAX * b, H2D, st.ptr)
+            cp.cuda.runtime.memcpyAsync(kv.hist.data.ptr, kv.hist_np.ctypes.data, 4 * CS.H_MAX * r, H2D, st.ptr)
         g.launch(st)
-        idx = np.asarray(out, np.int64)
         if want_ids:
-            cp.cuda.runtime.memcpyAsync(kv.rec_np.ctypes.data, kv.rec.data.ptr, 4 * CS.REC_WORDS * n, D2H, st.ptr)
+            cp.cuda.runtime.memcpyAsync(kv.rec_np.ctypes.data, kv.rec.data.ptr, 4 * CS.REC_WORDS * R, D2H, st.ptr)
         st.synchronize()  # before anything on another stream reads the graph's output
-        lg = kv.logits[:n, :self.cfg.vocab_size]
-        self._last_logits = lg if R == n else lg[cp.asarray(idx)]
+        self._last_logits = kv.logits[:R, :self.cfg.vocab_size]
         if want_ids:
-            rec = kv.rec_np[idx]
+            rec = kv.rec_np[:R]
             if R and (rec[:, 0] != (tick & 0x7FFFFFFF)).any():
                 raise RuntimeError(f"publication records of tick {int(rec[0, 0])} where tick {tick} was expected")
             return rec[:, 3].copy()
         return None
 
-    def _capture(self, kv: CudaKVCache, b: int):
+    def _capture(self, kv: CudaKVCache, b: int, r: int):
+        """Capture the graph of ``b`` batch rows with ``r`` logits rows."""
         st = kv.stream
         with st:
             # a plain run first (loads every kernel), on padding rows only: the scratch slot
             kv.tab[0].fill(0)
             kv.tab[1].fill(kv.n_slots)
             kv.tab[2].fill(0)
+            kv.tab[3].fill(0)
             kv.prm.fill(0)
-            self._decode_launches(kv, b)
+            self._decode_launches(kv, b, r)
             st.synchronize()
             st.begin_capture()
-            self._decode_launches(kv, b)
+            self._decode_launches(kv, b, r)
             g = st.end_capture()
         g.upload(st)
         return g
@@ -390,7 +395,10 @@ class CudaLlamaModel:
             self._gemv(S.MODE_QKV, w, None, x, ldx, B, L.attn_norm, q, self.qd, kv, li, base, tab)
             base += w.m
 
-    def _decode_launches(self, kv: CudaKVCache, B: int) -> None:
+    def _decode_launches(self, kv: CudaKVCache, B: int, R: int | None = None) -> None:
+        """The launches of one graph replay: ``B`` batch rows, ``R`` (default B) logits rows
+        gathered by the table's output-row indices."""
+        R = B if R is None else R
         cfg = self.cfg
         d, f = cfg.d_model, cfg.ffn_dim
         tok_p = kv.tab.data.ptr
@@ -405,9 +413,11 @@ class CudaLlamaModel:
             self._gemv(S.MODE_ADD, L.wo, None, kv.att, self.qd, B, None, kv.x, d)
             self._gemv(S.MODE_SWIGLU, L.w_gate, L.w_up, kv.x, d, B, L.ffn_norm, kv.g, f)
             self._gemv(S.MODE_ADD, L.w_down, None, kv.g, f, B, None, kv.x, d)
-        self._gemv(S.MODE_STORE, self.output, None, kv.x, d, B, self.output_norm, kv.logits, self.v_pad)
-        self.ks((B,), (1024,), (_u64(kv.logits), np.int32(self.v_pad), np.int32(cfg.vocab_size), _u64(kv.prm),
-                                _u64(kv.hist), _u64(slot_p), _u64(pos_p), _u64(kv.ids), _u64(kv.rec)))
+        out_p = tok_p + 12 * kv.b_max
+        self.k["gather_rows"]((R,), (128,), (_u64(kv.x), np.int32(d), _u64(out_p), _u64(kv.xo)))
+        self._gemv(S.MODE_STORE, self.output, None, kv.xo, d, R, self.output_norm, kv.logits, self.v_pad)
+        self.ks((R,), (1024,), (_u64(kv.logits), np.int32(self.v_pad), np.int32(cfg.vocab_size), _u64(kv.prm),
+                                _u64(kv.hist), _u64(slot_p), _u64(pos_p), _u64(out_p), _u64(kv.ids), _u64(kv.rec)))
 
     # ---- eager path (prefill, mixed batches) -----------------------------------
 

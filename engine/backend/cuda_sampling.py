@@ -100,11 +100,13 @@ __device__ int block_scan(int v, int* sh, int* total) {
 //   [0] mode (0 skip, 1 greedy, 2 sample)  [1] top_k  [2] n_hist  [3] tick
 //   [4] penalty (float)  [6,7] temperature (double)  [8,9] top_p (double)  [10,11] min_p (double)
 //   [12,13] seed (u64)  [14,15] step (u64): draws the request made before this one
-// hist: int32 (B, H_MAX) distinct penalty ids. tab_slot / tab_pos: the row's slot and position.
+// hist: int32 (B, H_MAX) distinct penalty ids. tab_slot / tab_pos: slot and position per
+// batch row; out_idx (or null: the identity) maps logits row b to its batch row.
 // Writes ids[b] (-1 for a skipped row) and rec[b] = {tick, slot, pos, token}.
 extern "C" __global__ void __launch_bounds__(1024) sample_rows(
     float* __restrict__ logits, int ld, int V, const int* __restrict__ prm, const int* __restrict__ hist,
-    const int* __restrict__ tab_slot, const int* __restrict__ tab_pos, int* __restrict__ ids, int* __restrict__ rec)
+    const int* __restrict__ tab_slot, const int* __restrict__ tab_pos, const int* __restrict__ out_idx,
+    int* __restrict__ ids, int* __restrict__ rec)
 {
     __shared__ float cv[K_MAX];
     __shared__ int ci[K_MAX];
@@ -277,7 +279,8 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(
         const int tok = s_tok;
         ids[b] = tok;
         int* R = rec + (long long)b * 4;
-        R[0] = P[3]; R[1] = tab_slot[b]; R[2] = tab_pos[b]; R[3] = tok;
+        const int src = out_idx ? out_idx[b] : b;
+        R[0] = P[3]; R[1] = tab_slot[src]; R[2] = tab_pos[src]; R[3] = tok;
     }
 }
 """

@@ -594,6 +594,15 @@ __global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, f
     for (int t = threadIdx.x; t < ld; t += blockDim.x) row[t] = t < lim ? row[t] * inv : 0.f;
 }
 
+// xo[j, :ld] = x[idx[j], :ld], one block per output row j: the rows whose logits a graph
+// replay needs, gathered before the output GEMV so it runs on those rows only
+__global__ void gather_rows(const float* __restrict__ x, int ld, const int* __restrict__ idx, float* __restrict__ xo)
+{
+    const float* src = x + (long long)idx[blockIdx.x] * ld;
+    float* dst = xo + (long long)blockIdx.x * ld;
+    for (int e = threadIdx.x; e < ld; e += blockDim.x) dst[e] = src[e];
+}
+
 // out (n, f) = silu(gu[:, :f]) * gu[:, f:2f]
 __global__ void silu_mul(const float* __restrict__ gu, int n, int f, float* __restrict__ out)
 {
