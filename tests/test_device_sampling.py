@@ -63,7 +63,7 @@ def test_fill_row_packs_the_sampler_table():
     st = SamplerState(seed=2**40 + 3, step=9, history=[5, 6, 6, 7, 8, 9])
     assert CS.fill_row(prm, hist, cfg, st, tick=12, extra_history=[5])
     assert prm[0] == CS.MODE_SAMPLE and prm[1] == 40 and prm[3] == 12
-    assert prm[2] == 4 and list(hist[:4]) == [5, 7, 8, 9]      # distinct ids of the last 4: 7 8 9 5
+    assert prm[2] == 4 and list(hist[:4]) == [7, 8, 9, 5]      # the last 4 tokens, with this tick's draft
     assert prm.view(np.float32)[4] == np.float32(1.1)
     assert prm[6:8].view(np.float64)[0] == 0.7 and prm[8:10].view(np.float64)[0] == 0.95
     assert prm[10:12].view(np.float64)[0] == 0.05
@@ -83,6 +83,15 @@ def test_fill_row_packs_the_sampler_table():
 ])
 def test_device_ok_names_what_the_kernel_runs_exactly(cfg, drafts, ok):
     assert CS.device_ok(cfg, drafts) is ok
+
+
+def test_fits_history_bounds_the_penalty_window_and_the_vocabulary():
+    cfg = SamplerConfig(repeat_penalty=1.1, repeat_last_n=64)
+    st = SamplerState(seed=1, history=list(range(500)))
+    assert CS.fits_history(cfg, st, vocab=49152)
+    assert not CS.fits_history(cfg, st, vocab=CS.V_BITMAP + 1)
+    assert not CS.fits_history(SamplerConfig(repeat_penalty=1.1, repeat_last_n=-1), st, vocab=49152)
+    assert CS.fits_history(SamplerConfig(repeat_penalty=1.0, repeat_last_n=-1), st, vocab=10**6)
 
 
 class _SampleOnHost:

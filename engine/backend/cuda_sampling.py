@@ -23,7 +23,9 @@ within a few ulps of a cumulative boundary may pick the neighbour: measure zero 
 practice, and the tests compare thousands of draws.
 
 Limits (the runtime falls back to host sampling): top-k between 1 and ``K_MAX``
-(1024) when sampling; at most ``H_MAX`` (256) distinct history ids for the penalty.
+(1024) when sampling; a penalty window of at most ``H_MAX`` (256) tokens, over a
+vocabulary of at most ``V_BITMAP`` (131072) ids (the distinct-id bitmap lives in the
+kernel's shared memory).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import numpy as np
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
 
 K_MAX = 1024      # most top-k candidates the kernel sorts
-H_MAX = 256       # most distinct penalty-history ids per row
+H_MAX = 256       # most penalty-history tokens per row
+V_BITMAP = 131072  # largest vocabulary the penalty's distinct-id bitmap covers
 P_WORDS = 16      # int32 words of one row of the sampler table
 REC_WORDS = 4     # int32 words of one publication record: tick, slot, position, token
 
@@ -47,6 +50,7 @@ typedef unsigned long long u64;
 
 #define K_MAX 1024
 #define H_MAX 256
+#define V_BITMAP 131072   // largest vocabulary the penalty's distinct-id bitmap (in pd's words) covers
 
 // Philox4x64-10 (Random123), word 0 of the block at counter (c0, 0, 0, 0), key (k0, 0).
 __device__ __forceinline__ u64 philox4x64_w0(u64 c0, u64 k0) {
@@ -100,7 +104,7 @@ __device__ int block_scan(int v, int* sh, int* total) {
 //   [0] mode (0 skip, 1 greedy, 2 sample)  [1] top_k  [2] n_hist  [3] tick
 //   [4] penalty (float)  [6,7] temperature (double)  [8,9] top_p (double)  [10,11] min_p (double)
 //   [12,13] seed (u64)  [14,15] step (u64): draws the request made before this one
-// hist: int32 (B, H_MAX) distinct penalty ids. tab_slot / tab_pos: slot and position per
+// hist: int32 (B, H_MAX) the last repeat_last_n tokens (duplicates allowed). tab_slot / tab_pos: slot and position per
 // batch row; out_idx (or null: the identity) maps logits row b to its batch row.
 // Writes ids[b] (-1 for a skipped row) and rec[b] = {tick, slot, pos, token}.
 extern "C" __global__ void __launch_bounds__(1024) sample_rows(
@@ -110,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(
 {
     __shared__ float cv[K_MAX];
     __shared__ int ci[K_MAX];
-    __shared__ double pd[K_MAX];
+    __shared__ double pd[K_MAX > V_BITMAP / 64 ? K_MAX : V_BITMAP / 64];
     __shared__ int hbin[256];
     __shared__ int sh[32];
     __shared__ u32 s_prefix, s_mask;
@@ -126,11 +130,18 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(
     }
     float* r = logits + (long long)b * ld;
     const float pen = __int_as_float(P[4]);
-    if (pen != 1.0f) {
+    if (pen != 1.0f) {                    // once per distinct id: a bitmap of the ids seen
+        u32* seen = (u32*)pd;             // K_MAX doubles = 2 * K_MAX words: reused, zeroed here
+        const int nwords = (V + 31) >> 5;
+        for (int i = t; i < nwords; i += blockDim.x) seen[i] = 0u;
+        __syncthreads();
         const int nh = min(P[2], H_MAX);
         for (int i = t; i < nh; i += blockDim.x) {
             const int id = hist[(long long)b * H_MAX + i];
-            if (id >= 0 && id < V) { const float v = r[id]; r[id] = v > 0.f ? v / pen : v * pen; }
+            if (id >= 0 && id < V) {
+                const u32 bit = 1u << (id & 31);
+                if (!(atomicOr(&seen[id >> 5], bit) & bit)) { const float v = r[id]; r[id] = v > 0.f ? v / pen : v * pen; }
+            }
         }
         __syncthreads();
     }
@@ -331,20 +342,22 @@ def fill_row(prm: np.ndarray, hist: np.ndarray, cfg: SamplerConfig | None, st: S
         return False
     h = st.history[-cfg.repeat_last_n:] if cfg.repeat_last_n > 0 else st.history
     if extra_history:
-        h = (list(h) + list(extra_history))
+        h = list(h) + list(extra_history)
         if cfg.repeat_last_n > 0:
             h = h[-cfg.repeat_last_n:]
-    ids = np.unique(np.asarray(h, np.int64))
-    if ids.size > H_MAX:
-        raise ValueError(f"{ids.size} distinct penalty ids (the device table holds {H_MAX})")
-    prm[2] = ids.size
-    hist[:ids.size] = ids
+    if len(h) > H_MAX:
+        raise ValueError(f"a penalty window of {len(h)} tokens (the device table holds {H_MAX})")
+    prm[2] = len(h)
+    hist[:len(h)] = h
     return True
 
 
-def fits_history(cfg: SamplerConfig, st: SamplerState) -> bool:
-    """Whether the row's distinct penalty ids fit the device table."""
+def fits_history(cfg: SamplerConfig, st: SamplerState, vocab: int = 0) -> bool:
+    """Whether the row's penalty window (plus a verify window's drafts) fits the device
+    table and the vocabulary fits the kernel's distinct-id bitmap."""
     if cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0:
         return True
-    h = st.history[-cfg.repeat_last_n:] if cfg.repeat_last_n > 0 else st.history
-    return len(set(h)) <= H_MAX - 16
+    if vocab > V_BITMAP:
+        return False
+    n = min(cfg.repeat_last_n, len(st.history)) if cfg.repeat_last_n > 0 else len(st.history)
+    return n <= H_MAX - 16

@@ -624,8 +624,7 @@ class Engine:
         self.stats["device_s"] += t2 - t1
         self.stats["host_s"] += (t1 - t0) + (t3 - t2)
 
-    @staticmethod
-    def _device_rows(model, rows) -> list | None:
+    def _device_rows(self, model, rows) -> list | None:
         """The sampler rows for ``model.sample`` (one per logits row), or None when the
         model has no device sampler or a row needs the host (``cuda_sampling.device_ok``)."""
         if not hasattr(model, "sample"):
@@ -634,7 +633,8 @@ class Engine:
 
         out = []
         for r, drafts in rows:
-            if not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler, r.sampler_state)):
+            if not (device_ok(r.sampler, len(drafts)) and
+                    fits_history(r.sampler, r.sampler_state, self.lm.config.vocab_size)):
                 return None
             out.append((r.sampler, r.sampler_state, ()))
             out.extend((r.sampler, r.sampler_state, drafts[:i]) for i in range(1, len(drafts) + 1))
