@@ -83,13 +83,16 @@ def working_bytes(cfg, prefill_chunk: int, n_slots: int, n_ctx: int) -> int:
 
 
 def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefill_chunk: int,
-         journal_bytes: int, total: int, media_bytes: int = 0, capsule_bytes: int = 0) -> Budget:
-    """The budget of a configuration. Raises AdmissionError with every term when it does not fit."""
+         journal_bytes: int, total: int, media_bytes: int = 0, capsule_bytes: int = 0,
+         draft_terms: tuple[tuple[str, int], ...] = ()) -> Budget:
+    """The budget of a configuration. ``draft_terms``: a draft model's (name, bytes) terms
+    (``DraftModel.budget_terms``: its weights, its KV for every slot, its working buffers).
+    Raises AdmissionError with every term when it does not fit."""
     tables = n_slots * (n_ctx * 8 + 256)  # slot token lists and table rows
     b = Budget(total, (("weights", weight_bytes), ("kv cache", kv_bytes),
                        ("working buffers", working_bytes(cfg, prefill_chunk, n_slots, n_ctx)),
                        ("runtime tables", tables), ("journal buffers", journal_bytes),
-                       ("capsules (host)", capsule_bytes), ("media", media_bytes)))
+                       ("capsules (host)", capsule_bytes), ("media", media_bytes)) + tuple(draft_terms))
     if b.used > b.total:
         raise AdmissionError(f"the configuration does not fit: {n_slots} slots x {n_ctx} tokens of context "
                              f"needs {fmt_bytes(b.used)} ({b.used:,} bytes), the budget is {fmt_bytes(total)} "
