@@ -401,3 +401,45 @@ def test_park_restore_and_resume_keep_the_drafter_state(models, tmp_path):
         store.close()
     assert restored and restored[0] > 40, "after a restart the draft KV comes back from the capsule on disk"
     assert third == straight[2:]
+
+
+# ---- admission and status ----------------------------------------------------------------------
+
+def test_admission_counts_the_draft_model_and_status_shows_it(models, tmp_path, monkeypatch):
+    import argparse
+
+    from aotx.engine.errors import AdmissionError
+    from aotx.engine.serve import build_engine
+
+    monkeypatch.setenv("AOTX_HOME", str(tmp_path))
+    target, draft = models["target"], models["other"]
+    args = argparse.Namespace(model=str(target.path), device="cpu", slots=3, context=128, memory_budget="4G",
+                              no_journal=True, draft_model=str(draft.path), speculative=None, draft_p_min=None)
+    eng, store = build_engine(args)
+    try:
+        terms = dict(eng.budget.terms)
+        cfg = draft.config
+        # its own KV: K and V, float32, for every layer, slot and position
+        assert terms["draft kv cache"] == 2 * cfg.n_layers * 3 * cfg.n_kv_heads * 128 * cfg.head_dim * 4
+        assert terms["draft weights"] == draft.model.weight_bytes > 0
+        assert terms["draft working"] > 0
+        assert eng.speculative == "draft", "with --draft-model the engine drafts by default"
+        assert eng.draft.kv.k[0].shape == (3, cfg.n_kv_heads, 128, cfg.head_dim)
+        st = eng.status_reply(1)
+        assert st.draft_model == "other" and st.draft_model_path == str(draft.path)
+        assert {"draft weights", "draft kv cache", "draft working"} <= {b.name for b in st.budget}
+    finally:
+        store.close()
+    # admission adds the draft's terms to the rest: one byte short of them is refused
+    from aotx.engine.runtime import admission
+    from aotx.engine.runtime.drafter import DraftModel
+
+    plain = admission.plan(target.config, target.model.weight_bytes, target.model.kv_cache_bytes(3, 128), 3, 128,
+                           256, 8 << 20, 1 << 40)
+    extra = DraftModel.budget_terms(draft, 3, 128)
+    need = plain.used + sum(v for _, v in extra)
+    assert admission.plan(target.config, target.model.weight_bytes, target.model.kv_cache_bytes(3, 128), 3, 128,
+                          256, 8 << 20, need, draft_terms=extra).free == 0
+    with pytest.raises(AdmissionError, match="draft kv cache"):
+        admission.plan(target.config, target.model.weight_bytes, target.model.kv_cache_bytes(3, 128), 3, 128,
+                       256, 8 << 20, need - 1, draft_terms=extra)
