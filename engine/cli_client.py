@@ -38,12 +38,20 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
 
     sock = getattr(args, "socket", None)
     draft = getattr(args, "draft_model", None)
+    client = None
     if draft:  # refuse a mismatched draft model before starting an engine with it
         from aotx.engine.runtime.drafter import check_vocabulary_files
 
-        check_vocabulary_files(getattr(args, "model", None), draft)
-    client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
-                                        on_spawn=notice)
+        if not getattr(args, "model", None):  # a running engine's model is the one meant
+            try:
+                client = await EngineClient.connect(sock, spawn=False, client_name="aotx-cli")
+            except EngineError:
+                client = None
+        if client is None:
+            check_vocabulary_files(getattr(args, "model", None), draft)
+    if client is None:
+        client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
+                                            on_spawn=notice)
     if getattr(args, "device", None) == "cuda" and client.welcome.device != "cuda":
         notice(f"--device cuda: the engine runs on the {client.welcome.device} (no CUDA device or CuPy found, "
                f"or the engine was started without it; see `aotx status`)")
