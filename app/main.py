@@ -17,6 +17,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="aotx-chat", description="Chat with a local model in the terminal.")
     p.add_argument("--model", help="GGUF model path for the engine (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="device for the engine (default: auto)")
+    p.add_argument("--draft-model", help="a smaller GGUF with the model's vocabulary, for speculative decoding "
+                   "(the engine started here drafts with it; F4 chooses per conversation)")
     p.add_argument("--theme", choices=sorted(THEMES), help="colour theme (remembered; F6 switches)")
     p.add_argument("--socket", help="engine socket path (default: under the AOTX data dir)")
     return p.parse_args(argv)
@@ -28,6 +30,8 @@ def engine_args(ns: argparse.Namespace) -> list[str]:
         args += ["--model", ns.model]
     if ns.device:
         args += ["--device", ns.device]
+    if ns.draft_model:
+        args += ["--draft-model", ns.draft_model]
     return args
 
 
@@ -51,6 +55,15 @@ def make_client_factory(ns: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    if ns.draft_model:  # refuse a mismatched draft model before starting anything
+        from aotx.engine.errors import AotxError
+        from aotx.engine.runtime.drafter import check_vocabulary_files
+
+        try:
+            check_vocabulary_files(ns.model, ns.draft_model)
+        except AotxError as e:
+            print(f"aotx-chat: {e}", file=sys.stderr)
+            return e.exit_code
     from aotx.app.app import ChatApp
 
     ChatApp(make_client_factory(ns), theme=ns.theme).run()

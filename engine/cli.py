@@ -55,6 +55,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=None, help="bytes the engine may use, e.g. 4G (default: half the RAM)")
     p.add_argument("--no-journal", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--socket", help="Unix socket of the engine (default: in the runtime dir)")
+    p.add_argument("--draft-model", help="a smaller GGUF with the same vocabulary, for --speculative draft")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -66,8 +67,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=_float("--repeat-penalty", 0.0, 100.0), default=1.0)
     p.add_argument("--seed", type=_int("--seed", 0), default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--speculative", choices=["ngram", "off"], default="",
-                   help="speculative decoding for this reply (default: the engine's choice)")
+    p.add_argument("--speculative", choices=["ngram", "draft", "off"], default="",
+                   help="speculative decoding for this reply: ngram (prompt lookup), draft (the engine's "
+                        "--draft-model) or off (default: the engine's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,9 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the engine in the foreground")
     add_engine_flags(p)
-    p.add_argument("--speculative", choices=["ngram", "off"], default="off",
-                   help="default speculative decoding: ngram (prompt lookup) or off (default: off; on this "
-                        "CPU backend a verify pass costs more than it saves, see BENCHMARKS.md)")
+    p.add_argument("--speculative", choices=["ngram", "draft", "off"], default=None,
+                   help="default speculative decoding: ngram (prompt lookup), draft (--draft-model) or off "
+                        "(default: draft with --draft-model, else off; on this CPU backend a verify pass "
+                        "costs more than it saves, see BENCHMARKS.md)")
+    p.add_argument("--draft-p-min", type=_float("--draft-p-min", 0.0, 1.0), default=None,
+                   help="stop drafting when the draft model's top probability falls below this (default 0.75)")
     p.add_argument("--prefill-chunk", type=_int("--prefill-chunk", 1), default=256, help=argparse.SUPPRESS)
 
     p = sub.add_parser("gateway", help="serve an OpenAI-compatible HTTP API (bearer API keys) in front of the engine")
@@ -135,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,2,4,8,16", help="aggregate decode at these slot counts")
     p.add_argument("--capsules", metavar="SIZES", help="capsule benchmark at these context sizes, e.g. 512,2048,8192")
     p.add_argument("--speculative", action="store_true",
-                   help="prompt-lookup speculative decoding on vs off (acceptance, tokens per pass, speed)")
+                   help="speculative decoding off vs prompt lookup vs a draft model (acceptance, tokens per "
+                        "pass, speed)")
+    p.add_argument("--draft-model", help="draft model for --speculative (default: the model itself, which shows "
+                   "acceptance but not speed)")
 
     p = sub.add_parser("journal", help="check or print the journal")
     jsub = p.add_subparsers(dest="jcmd", parser_class=_Parser)

@@ -24,7 +24,8 @@ def engine_args(args) -> list[str]:
     """The ``serve`` flags to pass on when a client has to start an engine."""
     out: list[str] = []
     for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
-                       ("--context", "context"), ("--memory-budget", "memory_budget")):
+                       ("--context", "context"), ("--memory-budget", "memory_budget"),
+                       ("--draft-model", "draft_model")):
         v = getattr(args, attr, None)
         if v is not None and not (attr == "device" and v == "auto"):
             out += [flag, str(v)]
@@ -36,8 +37,21 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
         print(f"aotx: {msg}", file=sys.stderr)
 
     sock = getattr(args, "socket", None)
-    client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
-                                        on_spawn=notice)
+    draft = getattr(args, "draft_model", None)
+    client = None
+    if draft:  # refuse a mismatched draft model before starting an engine with it
+        from aotx.engine.runtime.drafter import check_vocabulary_files
+
+        if not getattr(args, "model", None):  # a running engine's model is the one meant
+            try:
+                client = await EngineClient.connect(sock, spawn=False, client_name="aotx-cli")
+            except EngineError:
+                client = None
+        if client is None:
+            check_vocabulary_files(getattr(args, "model", None), draft)
+    if client is None:
+        client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
+                                            on_spawn=notice)
     if getattr(args, "device", None) == "cuda" and client.welcome.device != "cuda":
         notice(f"--device cuda: the engine runs on the {client.welcome.device} (no CUDA device or CuPy found, "
                f"or the engine was started without it; see `aotx status`)")
@@ -50,6 +64,15 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
             await client.close()
             raise UsageError(f"the engine on {client.socket_path} serves {client.welcome.model}, not {want}; "
                              f"stop it with `aotx stop` or pass another --socket")
+    if draft:
+        from aotx.engine.model.loader import resolve_model_path
+
+        want = resolve_model_path(draft).stem
+        if client.welcome.draft_model != want:
+            has = f"draft model {client.welcome.draft_model}" if client.welcome.draft_model else "no draft model"
+            await client.close()
+            raise UsageError(f"the engine on {client.socket_path} has {has}, not {want}; stop it with `aotx stop` "
+                             f"or pass another --socket")
     return client
 
 
@@ -193,9 +216,12 @@ async def _status(args) -> int:
                  "tick": st.tick, "slots": [{"slot": s.slot, "state": s.state, "conversation": s.conv_id,
                                              "position": s.position} for s in st.slots],
                  "journal": st.journal, "capsules": st.capsules, "profile": st.profile, "stats": st.stats,
-                 "fingerprint": st.fingerprint})
+                 "fingerprint": st.fingerprint, "draft_model": st.draft_model,
+                 "draft_model_path": st.draft_model_path})
         return 0
     print(f"model   {st.model} ({st.model_path})")
+    if st.draft_model:
+        print(f"draft   {st.draft_model} ({st.draft_model_path}): its own KV per slot, counted below")
     print(f"device  {st.device}   ready: {'yes' if st.ready else 'NO'}   context {st.n_ctx} tokens per slot")
     print("budget")
     for b in st.budget:

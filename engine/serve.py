@@ -66,11 +66,24 @@ def build_engine(args, progress=None):
     from aotx.engine import paths
     from aotx.engine.model.loader import load_model
     from aotx.engine.runtime import admission
+    from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftModel, check_vocabulary_files
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store
 
     device = pick_device(args.device)
+    draft_path = getattr(args, "draft_model", None)
+    if draft_path:  # refuse a mismatch before loading anything
+        check_vocabulary_files(args.model, draft_path)
     lm = load_model(args.model, device=device, progress=progress)
+    draft_lm = None
+    if draft_path:
+        draft_lm = load_model(draft_path, device=device)
+        DraftModel.check_vocabulary(lm, draft_lm)
+        log.info("draft model %s (%d layers, d_model %d)", draft_lm.name, draft_lm.config.n_layers,
+                 draft_lm.config.d_model)
+    speculative = getattr(args, "speculative", None) or ("draft" if draft_lm is not None else "off")
+    if speculative == "draft" and draft_lm is None:
+        raise UsageError("--speculative draft needs --draft-model PATH")
     n_slots = args.slots or DEFAULT_SLOTS
     n_ctx = args.context or min(DEFAULT_CONTEXT, lm.config.n_ctx_train)
     if n_ctx > lm.config.n_ctx_train:
@@ -92,7 +105,8 @@ def build_engine(args, progress=None):
     budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
                             journal_bytes, total, capsule_bytes=capsule_host if device != "cuda" else 0,
                             media_bytes=media_bytes(lm, device), capsule_device_bytes=capsule_device,
-                            prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0))
+                            prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
+                            draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else ())
     from aotx.engine.state.cache import CapsuleCache
 
     no_journal = getattr(args, "no_journal", False)
@@ -100,7 +114,8 @@ def build_engine(args, progress=None):
     caps = CapsuleCache(None if no_journal else paths.capsules_dir() / lm.fingerprint, host_bytes=capsule_host,
                         fingerprint=lm.fingerprint, device_bytes=capsule_device)
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
-                 capsules=caps, speculative=getattr(args, "speculative", "off") or "off")
+                 capsules=caps, speculative=speculative, draft_lm=draft_lm,
+                 draft_p_min=DEFAULT_P_MIN if getattr(args, "draft_p_min", None) is None else args.draft_p_min)
     return eng, store
 
 
@@ -134,7 +149,8 @@ def serve(args) -> int:
 
     def welcome() -> P.Welcome:
         return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=lm.name, device=eng.device,
-                         ready=eng.ready, pid=os.getpid(), journal=store.journaled)
+                         ready=eng.ready, pid=os.getpid(), journal=store.journaled,
+                         draft_model=eng.draft.lm.name if eng.draft else "")
 
     # The socket server runs on an asyncio loop in a thread; the tick loop runs here, on
     # the main thread, where the model was loaded (see Engine.start for why).

@@ -336,7 +336,8 @@ def test_parse_sampling_speculative():
     assert parse_sampling(values, base).speculative == "ngram"  # untouched without the field
     assert parse_sampling({**values, "speculative": ""}, base).speculative == ""
     with pytest.raises(ValueError, match="speculative"):
-        parse_sampling({**values, "speculative": "draft"}, base)
+        parse_sampling({**values, "speculative": "medusa"}, base)
+    assert parse_sampling({**values, "speculative": "draft"}, base).speculative == "draft"
 
 
 async def test_capsule_notice_is_shown_inline():

@@ -25,6 +25,7 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
 SPECULATIVE: tuple[tuple[str, str], ...] = (
     ("engine default", ""),
     ("ngram (prompt lookup)", "ngram"),
+    ("draft model (engine's --draft-model)", "draft"),
     ("off", "off"),
 )
 
@@ -35,7 +36,7 @@ def parse_sampling(values: dict[str, str], base: P.SamplingParams) -> P.Sampling
     if "speculative" in values:
         mode = values["speculative"] or ""
         if mode not in {v for _, v in SPECULATIVE}:
-            raise ValueError(f"speculative: {mode!r} is not one of engine default, ngram, off")
+            raise ValueError(f"speculative: {mode!r} is not one of engine default, ngram, draft, off")
         changes["speculative"] = mode
     for name, kind, _ in FIELDS:
         raw = values.get(name, "").strip()

@@ -49,7 +49,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     seed: int | None = None
     max_tokens: int = 512
     stop: list[str] = []
-    speculative: str = ""  # "" = the engine's default; "ngram" (prompt lookup) or "off"
+    speculative: str = ""  # "" = the engine's default; "ngram" (prompt lookup), "draft" (draft model) or "off"
 
 
 class Attachment(msgspec.Struct, omit_defaults=True):
@@ -213,6 +213,7 @@ class Welcome(_Base, tag="welcome"):
     ready: bool = True
     pid: int = 0
     journal: bool = True  # False: no Durable receipts will come (journal off)
+    draft_model: str = ""  # the draft model's name ("" without one)
 
 
 class Error(_Base, tag="error"):
@@ -333,6 +334,8 @@ class StatusReply(_Base, tag="status_reply"):
     model_path: str = ""
     stats: dict[str, float] = {}
     capsules: dict[str, int] = {}
+    draft_model: str = ""  # the draft model's name ("" without one)
+    draft_model_path: str = ""
 
 
 Message = Union[

@@ -33,6 +33,7 @@ from aotx.engine.ipc import protocol as P
 from aotx.engine.model.architectures.llama import Segment
 from aotx.engine.runtime.requests import Request
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
+from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftDrafter, DraftModel
 from aotx.engine.runtime.speculative import PromptLookup, verify
 from aotx.engine.runtime.slots import SlotTable
 
@@ -47,11 +48,14 @@ class Engine:
 
     lm: a ``loader.LoadedModel``; store: a ``store.ConversationStore`` (journaled or
     in-memory); n_slots, n_ctx: slot count and tokens of context per slot;
-    prefill_chunk: most prompt tokens prefilled per tick (others keep decoding).
+    prefill_chunk: most prompt tokens prefilled per tick (others keep decoding);
+    speculative: the default drafter (ngram | draft | off); draft_lm: a draft model's
+    ``LoadedModel`` (same vocabulary; its own slots and KV: ``drafter.DraftModel``).
     """
 
     def __init__(self, lm, store, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
-                 budget=None, device: str = "cpu", capsules=None, speculative: str = "off"):
+                 budget=None, device: str = "cpu", capsules=None, speculative: str = "off", draft_lm=None,
+                 draft_p_min: float = DEFAULT_P_MIN):
         self.lm = lm
         self.store = store
         self.n_slots = n_slots
@@ -61,7 +65,8 @@ class Engine:
         self.device = device
         self.kv = lm.model.new_kv_cache(n_slots, n_ctx)
         self.capsules = capsules  # state.cache.CapsuleCache or None
-        self.speculative = speculative  # default drafter: "ngram" or "off"
+        self.speculative = speculative  # default drafter: "ngram", "draft" or "off"
+        self.draft = DraftModel(draft_lm, n_slots, n_ctx, p_min=draft_p_min) if draft_lm is not None else None
         self.slots = SlotTable(n_slots)
         self.tick = 0
         self.ready = True
@@ -300,6 +305,8 @@ class Engine:
             accepted_seq=seq,
             drafter=self._drafter_for(sp),
         )
+        if hasattr(r.drafter, "bind"):  # a draft model's drafter reads the request's slot and sampler
+            r.drafter.bind(r)
         self._by_rid[(id(sink), op.id)] = r
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
                              tick=self.tick, prompt_ids=prompt))
@@ -352,7 +359,12 @@ class Engine:
             return PromptLookup()
         if mode in ("off", "none", ""):
             return None
-        raise _Refused("bad_request", f"speculative mode {mode!r} is not available (use ngram or off)")
+        if mode == "draft":
+            if self.draft is None:
+                raise _Refused("bad_request", "speculative mode 'draft' needs a draft model: start the engine with "
+                                              "--draft-model PATH (or use ngram or off)")
+            return DraftDrafter(draft=self.draft)
+        raise _Refused("bad_request", f"speculative mode {mode!r} is not available (use ngram, draft or off)")
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
         from aotx.engine.model.chat_template import encode_chat
@@ -456,13 +468,16 @@ class Engine:
         caps = self.capsules
         if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + 16:
             caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=self.lm.fingerprint,
-                                               backend=self.device, device=caps.device_budget > 0))
+                                               backend=self.device, device=caps.device_budget > 0,
+                                               drafter=self.draft.state(slot.index) if self.draft else None))
         own_state = slot.conv_id == r.conv_id and reuse > 0
         if caps is not None and not own_state:
             cap, n, note = caps.best_for(r.conv_id, r.prompt)
             n = min(n, len(r.prompt) - 1)
             if cap is not None and n > reuse:
                 C.restore(cap, self.kv, slot.index, fingerprint=self.lm.fingerprint, n=n)
+                if self.draft is not None:
+                    self.draft.restore(cap, slot.index, r.prompt)
                 slot.tokens[:] = cap.tokens[:n].tolist()
                 reuse = n
                 note = (f"restored {n} tokens of context from the capsule on disk" if cap.home == "disk" else
@@ -481,7 +496,8 @@ class Engine:
 
         if self.capsules is None or self.capsules.dir is None or not r.slot or len(r.slot.tokens) < 2:
             return
-        cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device)
+        cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device,
+                         drafter=self.draft.state(r.slot.index) if self.draft else None)
         conv_id = r.conv_id
 
         def write() -> None:
@@ -522,6 +538,8 @@ class Engine:
             n = min(budget, len(r.prompt) - r.pos)
             last = r.pos + n == len(r.prompt)
             segs.append(Segment(r.slot.index, r.pos, n, logits=last))
+            if hasattr(r.drafter, "prefill"):  # a draft model prefills the same chunk into its own slot
+                r.drafter.prefill(r.pos, n)
             toks.extend(r.prompt[r.pos:r.pos + n])
             r.slot.tokens.extend(r.prompt[r.pos:r.pos + n])
             r.pos += n
@@ -584,7 +602,8 @@ class Engine:
                 r.t_first = time.perf_counter()
             else:
                 if ids is None:
-                    produced = verify(logits[off:off + 1 + len(drafts)], drafts, r.sampler, r.sampler_state)
+                    produced = verify(logits[off:off + 1 + len(drafts)], drafts, r.sampler, r.sampler_state,
+                                      q=r.drafter.q if drafts else None)
                 fed = [r.next_input] + drafts[:len(produced) - 1]
                 r.slot.tokens.extend(fed)
                 r.pos += len(fed)
@@ -678,6 +697,8 @@ class Engine:
             tick=self.tick, journal=self.store.journal_status(), profile=dict(self.lm.profile),
             capsules=self.capsules.usage() if self.capsules is not None else {},
             fingerprint=self.lm.fingerprint, model_path=str(self.lm.path),
+            draft_model=self.draft.lm.name if self.draft else "",
+            draft_model_path=str(self.draft.lm.path) if self.draft else "",
             stats={k: float(v) for k, v in self.stats.items()},
         )
 

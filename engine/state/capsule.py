@@ -2,10 +2,12 @@
 
 A slot's live state is a closed set of named buffers: K and V of every layer
 for positions ``0..n-1``, the token ids those positions hold, the position
-(``n``), the pending token (sampled, not yet fed), and the sampler state (seed,
-Philox step counter, penalty history). A capsule is a copy of that set with a
-header: the model fingerprint, backend, dtype layout, length and a CRC32C over
-every buffer. Restore copies back into the *same* live buffers (nothing
+(``n``), the pending token (sampled, not yet fed), the sampler state (seed,
+Philox step counter, penalty history) and, with a draft model, the drafter state
+(the draft slot's K and V up to its committed boundary and the ids they hold;
+``runtime/drafter.py``). A capsule is a copy of that set with a header: the
+model fingerprint, backend, dtype layout, length and a CRC32C over every buffer
+(the drafter buffers have their own CRC32C in ``header.drafter``). Restore copies back into the *same* live buffers (nothing
 resolved at load changes) and is byte-exact.
 
 Homes: "host" (a numpy copy in RAM: parking), "disk" (a file written
@@ -16,7 +18,11 @@ restore, token-identical greedy decode); unlike it, capsules here include the
 sampler state and live in three homes.
 
 File format (little-endian): magic ``AOTXCAPS``, u32 version, u32 header
-length, header (msgpack map), then the buffers in header order, raw.
+length, header (msgpack map), then the buffers raw: ``k``, ``v``, ``tokens``,
+then, when ``header.shapes`` names them, ``draft_k``, ``draft_v``,
+``draft_tokens``. The drafter buffers were added without a version change: a
+reader that does not know them stops after ``tokens`` and ignores the header's
+unknown fields, and a capsule without them restores with an empty drafter.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ class CapsuleError(AotxError):
 class CapsuleHeader(msgspec.Struct, frozen=True):
     """What a capsule is: model fingerprint, backend, dtype layout
     (``"kv:f32:(layers,kv_heads,n,head_dim)"``), length in tokens, per-buffer
-    shapes, CRC32C over all buffers, and the sampler state."""
+    shapes, CRC32C over ``k``, ``v``, ``tokens``, and the sampler state.
+    ``drafter``: empty, or the draft model's ``fingerprint`` and ``model`` name,
+    ``n_tokens`` and ``crc32c`` over ``draft_k``, ``draft_v``, ``draft_tokens``."""
 
     fingerprint: str
     backend: str
@@ -63,7 +71,9 @@ class CapsuleHeader(msgspec.Struct, frozen=True):
 @dataclass
 class Capsule:
     """Buffers: ``k``, ``v``: (n_layers, n_kv_heads, n, head_dim) float32;
-    ``tokens``: (n,) int32. Sampler state in the header."""
+    ``tokens``: (n,) int32. Sampler state in the header. Drafter state (or None):
+    ``draft_k``, ``draft_v``: the draft model's (n_layers', n_kv_heads', m, head_dim')
+    float32; ``draft_tokens``: (m,) int32."""
 
     header: CapsuleHeader
     k: np.ndarray
@@ -71,6 +81,9 @@ class Capsule:
     tokens: np.ndarray
     home: str = "host"
     last_used: float = field(default=0.0)
+    draft_k: np.ndarray | None = None
+    draft_v: np.ndarray | None = None
+    draft_tokens: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -78,7 +91,11 @@ class Capsule:
 
     @property
     def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes + self.tokens.nbytes)
+        return int(self.k.nbytes + self.v.nbytes + self.tokens.nbytes) + sum(
+            int(a.nbytes) for a in self._draft_buffers())
+
+    def _draft_buffers(self) -> tuple[np.ndarray, ...]:
+        return () if self.draft_k is None else (self.draft_k, self.draft_v, self.draft_tokens)
 
 
 def _crc(*arrays: np.ndarray) -> int:
@@ -89,24 +106,33 @@ def _crc(*arrays: np.ndarray) -> int:
 
 
 def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str = "cpu",
-             pending_token: int = -1, sampler=None, device: bool = False) -> Capsule:
+             pending_token: int = -1, sampler=None, drafter=None, device: bool = False) -> Capsule:
     """Copy slot ``slot``'s state for positions 0..len(tokens)-1 out of the live KV cache.
 
     kv: the model's KV cache (any backend's: its ``snapshot_slot(slot, n)`` returns host
     float32 (n_layers, n_kv, n, hd) copies of K and V); tokens: the ids those positions
-    hold; sampler: a SamplerState or None. ``device=True`` (CUDA caches only) keeps K
-    and V on the GPU beside the live buffers: home "device", no PCIe copy; its CRC32C
-    is computed when it leaves the device (``to_host``), so the header says 0 until then."""
+    hold; sampler: a SamplerState or None; drafter: None, or the drafter state as
+    ``DraftModel.state(slot)`` returns it: (K, V, ids, header map). ``device=True`` (CUDA
+    caches only) keeps K and V on the GPU beside the live buffers: home "device", no PCIe
+    copy; their CRC32C is computed when they leave the device (``to_host``), so the
+    header says 0 until then."""
     n = len(tokens)
     k, v = kv.snapshot_slot(slot, n, device=True) if device else kv.snapshot_slot(slot, n)
     toks = np.asarray(tokens, np.int32)
+    shapes = {"k": list(k.shape), "v": list(v.shape), "tokens": [n]}
+    dk = dv = dt = None
+    dmeta: dict[str, Any] = {}
+    if drafter is not None:
+        dk, dv, dt, meta = drafter
+        dt = np.asarray(dt, np.int32)
+        shapes.update({"draft_k": list(dk.shape), "draft_v": list(dv.shape), "draft_tokens": [int(dt.shape[0])]})
+        dmeta = {**meta, "n_tokens": int(dt.shape[0]), "crc32c": _crc(dk, dv, dt)}
     hdr = CapsuleHeader(
         fingerprint=fingerprint, backend=backend, layout=f"kv:f32:{list(k.shape[:2])}+n+[{k.shape[3]}]",
-        n_tokens=n, shapes={"k": list(k.shape), "v": list(v.shape), "tokens": [n]},
-        crc32c=0 if device else _crc(k, v, toks),
+        n_tokens=n, shapes=shapes, crc32c=0 if device else _crc(k, v, toks),
         pending_token=pending_token, seed=getattr(sampler, "seed", 0), step=getattr(sampler, "step", 0),
-        history=list(getattr(sampler, "history", [])))
-    return Capsule(hdr, k, v, toks, home="device" if device else "host")
+        history=list(getattr(sampler, "history", [])), drafter=dmeta)
+    return Capsule(hdr, k, v, toks, home="device" if device else "host", draft_k=dk, draft_v=dv, draft_tokens=dt)
 
 
 def to_host(cap: Capsule) -> Capsule:
@@ -116,7 +142,8 @@ def to_host(cap: Capsule) -> Capsule:
         return cap
     k, v = cap.k.get(), cap.v.get()
     hdr = msgspec.structs.replace(cap.header, crc32c=_crc(k, v, cap.tokens))
-    return Capsule(hdr, k, v, cap.tokens, home="host", last_used=cap.last_used)
+    return Capsule(hdr, k, v, cap.tokens, home="host", last_used=cap.last_used, draft_k=cap.draft_k,
+                   draft_v=cap.draft_v, draft_tokens=cap.draft_tokens)
 
 
 def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = None) -> int:
@@ -137,12 +164,18 @@ def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = No
 
 
 def verify(cap: Capsule) -> None:
-    """Raise CapsuleError unless the buffers' CRC32C equals the header's (a device
-    capsule is checked on its host copy)."""
+    """Raise CapsuleError unless the buffers' CRC32C equals the header's (and the
+    drafter buffers' equals ``header.drafter["crc32c"]``); a device capsule is checked
+    on its host copy."""
     cap = to_host(cap)
     got = _crc(cap.k, cap.v, cap.tokens)
     if got != cap.header.crc32c:
         raise CapsuleError(f"capsule checksum mismatch (stored {cap.header.crc32c:#010x}, computed {got:#010x})")
+    if cap.draft_k is not None:
+        want = int(cap.header.drafter.get("crc32c", -1))
+        got = _crc(*cap._draft_buffers())
+        if got != want:
+            raise CapsuleError(f"capsule drafter checksum mismatch (stored {want:#010x}, computed {got:#010x})")
 
 
 def save(cap: Capsule, path: Path) -> int:
@@ -155,7 +188,7 @@ def save(cap: Capsule, path: Path) -> int:
     with open(tmp, "wb") as fh:
         fh.write(_HEAD.pack(MAGIC, VERSION, len(head)))
         fh.write(head)
-        for a in (cap.k, cap.v, cap.tokens):
+        for a in (cap.k, cap.v, cap.tokens) + cap._draft_buffers():
             fh.write(np.ascontiguousarray(a).data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -189,14 +222,18 @@ def load(path: Path) -> Capsule:
         raise CapsuleError(f"{path}: corrupt capsule header ({e})") from None
     off = _HEAD.size + hlen
     out = {}
-    for name, dt in (("k", np.float32), ("v", np.float32), ("tokens", np.int32)):
+    names = [("k", np.float32), ("v", np.float32), ("tokens", np.int32)]
+    if "draft_k" in hdr.shapes:
+        names += [("draft_k", np.float32), ("draft_v", np.float32), ("draft_tokens", np.int32)]
+    for name, dt in names:
         shape = tuple(hdr.shapes.get(name, []))
         nb = int(np.prod(shape)) * np.dtype(dt).itemsize
         if off + nb > len(data):
             raise CapsuleError(f"{path}: truncated capsule (buffer {name} runs past the end)")
         out[name] = np.frombuffer(data, dt, count=int(np.prod(shape)), offset=off).reshape(shape).copy()
         off += nb
-    cap = Capsule(hdr, out["k"], out["v"], out["tokens"], home="disk")
+    cap = Capsule(hdr, out["k"], out["v"], out["tokens"], home="disk", draft_k=out.get("draft_k"),
+                  draft_v=out.get("draft_v"), draft_tokens=out.get("draft_tokens"))
     try:
         verify(cap)
     except CapsuleError as e:
