@@ -1,0 +1,525 @@
+"""Vision encoder + projector from llama.cpp's two-file form (the ``mmproj`` GGUF).
+
+Owns: reading an mmproj GGUF (through ``GGUFFile``, i.e. the ``gguf`` package's
+reader) into a ``VisionConfig`` and float32 weights, checking every key and
+tensor it needs, preprocessing a decoded RGB picture as the metadata says
+(resize, mean/std, patching), the ViT blocks and the projector. The output is
+``(n_tokens, n_embd_text) float32``: one embedding row per image position of the
+text model. Leaves to others: decoding the file (``image.py``), where the rows go
+in the prompt (``engine/runtime/media_prompt.py``) and the text model itself.
+
+Format, as llama.cpp's ``tools/mtmd`` reads it (``clip-impl.h`` names,
+``clip.cpp`` ``clip_model_loader::load_hparams``/``load_tensors``):
+  keys ``clip.projector_type`` (or ``clip.vision.projector_type``),
+  ``clip.vision.{image_size, patch_size, embedding_length, feed_forward_length,
+  block_count, attention.head_count, attention.layer_norm_epsilon, image_mean,
+  image_std}``, optional ``clip.vision.feature_layer``,
+  ``clip.vision.projector.scale_factor`` (idefics3), ``clip.use_gelu`` /
+  ``clip.use_silu`` (else quick GELU, as llama.cpp);
+  tensors ``v.patch_embd.weight`` (ggml ne [P, P, 3, D]) and optional
+  ``v.patch_embd.bias``, ``v.position_embd.weight`` ([D, n_pos]), optional
+  ``v.class_embd``, ``v.pre_ln.*``, ``v.post_ln.*``; per block
+  ``v.blk.N.{ln1, ln2, attn_q, attn_k, attn_v, attn_out, ffn_up, ffn_down}.{weight,
+  bias}``; projector ``mm.0.*``, ``mm.2.*`` (mlp) or ``mm.model.fc.weight``
+  (idefics3).
+
+Computation (llama.cpp ``models/llava.cpp`` ``clip_graph_llava::build`` and
+``models/siglip.cpp`` with ``clip.cpp`` ``clip_graph::build_vit``): patch
+embedding (a stride-P convolution, done as a matmul over flattened patches),
++ position embeddings, optional pre-LayerNorm, pre-norm blocks (LayerNorm ->
+multi-head self attention, all positions see all -> residual -> LayerNorm -> FFN
+-> residual), optional post-LayerNorm, then the projector:
+  * ``mlp`` (LLaVA-1.5): the blocks run up to the second-to-last one (or to
+    ``feature_layer``), the class position is dropped, then
+    ``mm.2 . gelu(mm.0 . x + b0) + b2``;
+  * ``idefics3`` (SmolVLM): every block runs, then pixel shuffle by the scale
+    factor s (each s x s group of patches becomes one row of s*s*D features,
+    ordered (dy, dx, d)) and ``mm.model.fc`` without bias.
+
+Array module: every op goes through ``xp`` (numpy on the CPU, CuPy on CUDA, the
+same code); weights are float32 on ``xp``'s device. Not done (said plainly):
+projector types other than mlp/idefics3 are refused; llama.cpp's image slicing
+(LLaVA-1.6 any-res, idefics3/SmolVLM tiles) is not done, the picture is encoded
+once at ``image_size`` (for idefics3 that is the global image llama.cpp adds after
+the tiles); resizing uses Pillow's bicubic, not llama.cpp's own resampler, so
+only pictures already at ``image_size`` match llama.cpp bit for bit in their
+input; ``clip.vision.feature_layer`` with more than one layer (Granite) is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aotx.engine.errors import MediaError, ModelError
+
+PROJECTORS = ("mlp", "idefics3")
+LLAVA_PAD_COLOR = (122, 116, 104)
+"""Letterbox colour llama.cpp uses for mlp projectors (``load_hparams``: ``image_pad_color``)."""
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Hyperparameters of one mmproj file (see the module docstring for the keys).
+
+    ``n_layer_run`` is how many blocks run (llava: ``block_count - 1`` unless
+    ``feature_layer`` says otherwise); ``n_merge`` the idefics3 pixel-shuffle
+    factor (1 for mlp); ``n_embd_out`` the projector's output width, which must
+    equal the text model's ``embedding_length``."""
+
+    projector: str
+    image_size: int
+    patch_size: int
+    n_embd: int
+    n_head: int
+    n_ff: int
+    n_layer: int
+    n_layer_run: int
+    eps: float
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    ffn_op: str  # "gelu" | "gelu_quick" | "silu"
+    n_merge: int
+    n_embd_out: int
+    has_class: bool
+
+    @property
+    def n_patches(self) -> int:
+        """Patches of one ``image_size`` picture: (image_size / patch_size)^2."""
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def n_tokens(self) -> int:
+        """Embedding rows one picture becomes (positions of the text model's context)."""
+        return self.n_patches // (self.n_merge * self.n_merge)
+
+
+# --------------------------------------------------------------------------- reading the file
+
+def _meta(gf, key: str, kind: type, *, default: Any = None, required: bool = True):
+    v = gf.metadata.get(key, default)
+    if v is None:
+        if required:
+            raise ModelError(f"{gf.path}: mmproj metadata key {key!r} is missing")
+        return None
+    try:
+        if kind is float:
+            return float(v)
+        if kind is int:
+            if isinstance(v, bool) or int(v) != v:
+                raise ValueError
+            return int(v)
+        if kind is bool:
+            return bool(v)
+        if kind is str:
+            return str(v)
+    except (TypeError, ValueError):
+        pass
+    raise ModelError(f"{gf.path}: mmproj metadata key {key!r} is {v!r}, expected a {kind.__name__}")
+
+
+def read_config(gf) -> VisionConfig:
+    """The ``VisionConfig`` of an opened mmproj ``GGUFFile``.
+
+    Raises ModelError naming the file and the key: missing or mistyped keys, a
+    projector type AOTX does not run, non-positive sizes, an image size that is
+    not a multiple of the patch size, heads that do not divide the width."""
+    p = gf.path
+    if not any(str(k).startswith("clip.") for k in gf.metadata):
+        raise ModelError(f"{p}: not an mmproj file (no clip.* metadata; general.architecture is "
+                         f"{gf.architecture!r}); pass the vision projector GGUF, not the text model")
+    if gf.metadata.get("clip.has_vision_encoder") is False:
+        raise ModelError(f"{p}: this mmproj has no vision encoder (clip.has_vision_encoder is false)")
+    proj = _meta(gf, "clip.projector_type", str, required=False) or \
+        _meta(gf, "clip.vision.projector_type", str, required=False)
+    if proj is None:
+        raise ModelError(f"{p}: mmproj metadata key 'clip.projector_type' is missing")
+    if proj not in PROJECTORS:
+        raise ModelError(f"{p}: projector type {proj!r} is not supported (AOTX runs {', '.join(PROJECTORS)})")
+    image_size = _meta(gf, "clip.vision.image_size", int)
+    patch_size = _meta(gf, "clip.vision.patch_size", int)
+    n_embd = _meta(gf, "clip.vision.embedding_length", int)
+    n_head = _meta(gf, "clip.vision.attention.head_count", int)
+    n_ff = _meta(gf, "clip.vision.feed_forward_length", int)
+    n_layer = _meta(gf, "clip.vision.block_count", int)
+    eps = _meta(gf, "clip.vision.attention.layer_norm_epsilon", float)
+    for key, v in (("image_size", image_size), ("patch_size", patch_size), ("embedding_length", n_embd),
+                   ("attention.head_count", n_head), ("feed_forward_length", n_ff), ("block_count", n_layer)):
+        if v <= 0:
+            raise ModelError(f"{p}: clip.vision.{key} is {v}; it must be positive")
+    if image_size % patch_size:
+        raise ModelError(f"{p}: clip.vision.image_size {image_size} is not a multiple of patch_size {patch_size}")
+    if n_embd % n_head:
+        raise ModelError(f"{p}: clip.vision.embedding_length {n_embd} is not a multiple of head_count {n_head}")
+    if not (0.0 < eps < 1.0):
+        raise ModelError(f"{p}: clip.vision.attention.layer_norm_epsilon is {eps}; expected a small positive number")
+    mean, std = gf.metadata.get("clip.vision.image_mean"), gf.metadata.get("clip.vision.image_std")
+    for key, v in (("image_mean", mean), ("image_std", std)):
+        if not isinstance(v, (list, tuple)) or len(v) < 3 or not all(isinstance(x, (int, float)) for x in v[:3]):
+            raise ModelError(f"{p}: mmproj metadata key 'clip.vision.{key}' is {v!r}, expected 3 numbers")
+    if any(float(s) <= 0 for s in std[:3]):
+        raise ModelError(f"{p}: clip.vision.image_std {list(std[:3])} has a non-positive entry")
+    use_gelu = bool(gf.metadata.get("clip.use_gelu", False))
+    use_silu = bool(gf.metadata.get("clip.use_silu", False))
+    if use_gelu and use_silu:
+        raise ModelError(f"{p}: clip.use_gelu and clip.use_silu are both true")
+    ffn_op = "gelu" if use_gelu else "silu" if use_silu else "gelu_quick"
+
+    n_run = n_layer
+    feature = gf.metadata.get("clip.vision.feature_layer")
+    if proj == "mlp":
+        n_run = n_layer - 1  # llava: the second-to-last block's output (clip_graph_llava::build)
+        if feature:
+            layers = sorted({int(x) for x in feature})
+            if len(layers) > 1:
+                raise ModelError(f"{p}: clip.vision.feature_layer {layers} stacks several layers (Granite); "
+                                 "AOTX runs one feature layer")
+            n_run = layers[0]
+        if not 0 <= n_run <= n_layer:
+            raise ModelError(f"{p}: feature layer {n_run} is outside the {n_layer} blocks")
+    n_merge = 1
+    if proj == "idefics3":
+        n_merge = _meta(gf, "clip.vision.projector.scale_factor", int)
+        side = image_size // patch_size
+        if n_merge < 2 or side % n_merge:
+            raise ModelError(f"{p}: clip.vision.projector.scale_factor {n_merge} must be at least 2 and divide "
+                             f"the {side} patches per side")
+    out_name = ("mm.2.weight" if "mm.2.weight" in gf.tensors else "mm.0.weight") if proj == "mlp" \
+        else "mm.model.fc.weight"
+    t = gf.tensors.get(out_name)
+    if t is None:
+        raise ModelError(f"{p}: tensor {out_name!r} is missing (projector {proj!r})")
+    return VisionConfig(
+        projector=proj, image_size=image_size, patch_size=patch_size, n_embd=n_embd, n_head=n_head, n_ff=n_ff,
+        n_layer=n_layer, n_layer_run=n_run, eps=eps, mean=tuple(float(x) for x in mean[:3]),
+        std=tuple(float(x) for x in std[:3]), ffn_op=ffn_op, n_merge=n_merge, n_embd_out=int(t.shape[-1]),
+        has_class="v.class_embd" in gf.tensors)
+
+
+def _dequant(gf, name: str, shape: tuple[int, ...] | None, *, required: bool = True) -> np.ndarray | None:
+    """Tensor ``name`` as float32 in numpy order ((out, in) for a matrix), checked
+    against ``shape`` (numpy order). Raises ModelError naming the file and tensor."""
+    import gguf
+
+    t = gf.tensors.get(name)
+    if t is None:
+        if required:
+            raise ModelError(f"{gf.path}: tensor {name!r} is missing")
+        return None
+    try:
+        a = np.asarray(gguf.quants.dequantize(t.data, t.qtype), dtype=np.float32)
+    except (NotImplementedError, ValueError, TypeError) as e:
+        raise ModelError(f"{gf.path}: tensor {name!r} of type {getattr(t.qtype, 'name', t.qtype)} cannot be "
+                         f"read ({e})") from None
+    want = tuple(reversed(t.shape))
+    a = a.reshape(want)
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        # ggml shapes are reported in ggml order (ne0 first), as gguf tools print them
+        raise ModelError(f"{gf.path}: tensor {name!r} has shape {list(t.shape)}, expected "
+                         f"{list(reversed(shape))}")
+    if not np.isfinite(a).all():
+        raise ModelError(f"{gf.path}: tensor {name!r} holds NaN or infinite values")
+    return a
+
+
+@dataclass
+class _Block:
+    ln1_w: Any
+    ln1_b: Any
+    wq: Any
+    bq: Any
+    wk: Any
+    bk: Any
+    wv: Any
+    bv: Any
+    wo: Any
+    bo: Any
+    ln2_w: Any
+    ln2_b: Any
+    w_up: Any
+    b_up: Any
+    w_down: Any
+    b_down: Any
+
+
+class VisionEncoder:
+    """A loaded mmproj: ``encode(pixels)`` -> ``(n_tokens, n_embd_out) float32``.
+
+    Build with ``VisionEncoder.open(path, device=...)``. ``xp`` is the array module
+    (numpy, or cupy when ``device == "cuda"``). ``encode`` serializes its calls."""
+
+    def __init__(self, path: Path, cfg: VisionConfig, weights: dict[str, np.ndarray | None], xp=np,
+                 name: str = ""):
+        self.path = path
+        self.cfg = cfg
+        self.xp = xp
+        self.name = name or path.stem
+        self._lock = threading.Lock()
+        put = (lambda a: None if a is None else xp.asarray(a, dtype=xp.float32))
+        w = {k: put(v) for k, v in weights.items()}
+        self.weight_bytes = int(sum(v.nbytes for v in weights.values() if v is not None))
+        D, P = cfg.n_embd, cfg.patch_size
+        self.patch_w = w["v.patch_embd.weight"].reshape(D, 3 * P * P)
+        self.patch_b = w.get("v.patch_embd.bias")
+        self.pos = w["v.position_embd.weight"]
+        self.cls = w.get("v.class_embd")
+        self.pre_ln = (w.get("v.pre_ln.weight"), w.get("v.pre_ln.bias"))
+        self.post_ln = (w.get("v.post_ln.weight"), w.get("v.post_ln.bias"))
+        self.blocks = []
+        for i in range(cfg.n_layer):
+            g = (lambda s: w.get(f"v.blk.{i}.{s}"))
+            self.blocks.append(_Block(g("ln1.weight"), g("ln1.bias"), g("attn_q.weight"), g("attn_q.bias"),
+                                      g("attn_k.weight"), g("attn_k.bias"), g("attn_v.weight"), g("attn_v.bias"),
+                                      g("attn_out.weight"), g("attn_out.bias"), g("ln2.weight"), g("ln2.bias"),
+                                      g("ffn_up.weight"), g("ffn_up.bias"), g("ffn_down.weight"),
+                                      g("ffn_down.bias")))
+        self.mm = {k: v for k, v in w.items() if k.startswith("mm.")}
+
+    # ---- loading -------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, device: str = "cpu") -> "VisionEncoder":
+        """Open, check and load the mmproj GGUF at ``path`` onto ``device`` ("cpu" or "cuda").
+
+        Raises ModelError (exit code 2) naming the file and the key or tensor for a
+        missing, truncated or malformed file, a text model passed by mistake, an
+        unsupported projector, missing or mis-shaped tensors; MediaError when
+        ``device`` is "cuda" and CuPy is not installed."""
+        from aotx.engine.model.gguf_file import GGUFFile
+
+        gf = GGUFFile.open(path)
+        cfg = read_config(gf)
+        xp = array_module(device)
+        D, F, P = cfg.n_embd, cfg.n_ff, cfg.patch_size
+        n_pos = cfg.n_patches + (1 if cfg.has_class else 0)
+        wts: dict[str, np.ndarray | None] = {
+            "v.patch_embd.weight": _dequant(gf, "v.patch_embd.weight", (D, 3, P, P)),
+            "v.patch_embd.bias": _dequant(gf, "v.patch_embd.bias", (D,), required=False),
+            "v.position_embd.weight": _dequant(gf, "v.position_embd.weight", (n_pos, D)),
+            "v.class_embd": _dequant(gf, "v.class_embd", (D,), required=False),
+        }
+        for ln in ("pre_ln", "post_ln"):
+            wts[f"v.{ln}.weight"] = _dequant(gf, f"v.{ln}.weight", (D,), required=False)
+            wts[f"v.{ln}.bias"] = _dequant(gf, f"v.{ln}.bias", (D,), required=False)
+        for i in range(cfg.n_layer):
+            b = f"v.blk.{i}."
+            for s in ("ln1", "ln2"):
+                wts[b + s + ".weight"] = _dequant(gf, b + s + ".weight", (D,))
+                wts[b + s + ".bias"] = _dequant(gf, b + s + ".bias", (D,), required=False)
+            for s in ("attn_q", "attn_k", "attn_v", "attn_out"):
+                wts[b + s + ".weight"] = _dequant(gf, b + s + ".weight", (D, D))
+                wts[b + s + ".bias"] = _dequant(gf, b + s + ".bias", (D,), required=False)
+            up = gf.tensors.get(b + "ffn_up.weight")
+            down = gf.tensors.get(b + "ffn_down.weight")
+            # old conversions store up and down swapped; llama.cpp swaps them back when
+            # ffn_down's ne0 equals the width (clip.cpp load_tensors, is_ffn_swapped)
+            swapped = up is not None and down is not None and int(down.shape[0]) == D and D != F
+            nu, nd = (b + "ffn_down", b + "ffn_up") if swapped else (b + "ffn_up", b + "ffn_down")
+            wts[b + "ffn_up.weight"] = _dequant(gf, nu + ".weight", (F, D))
+            wts[b + "ffn_up.bias"] = _dequant(gf, nu + ".bias", (F,), required=False)
+            wts[b + "ffn_down.weight"] = _dequant(gf, nd + ".weight", (D, F))
+            wts[b + "ffn_down.bias"] = _dequant(gf, nd + ".bias", (D,), required=False)
+        if cfg.projector == "mlp":
+            w0 = _dequant(gf, "mm.0.weight", None)
+            if w0.ndim != 2 or w0.shape[1] != D:
+                raise ModelError(f"{gf.path}: tensor 'mm.0.weight' has shape {list(reversed(w0.shape))}, expected "
+                                 f"[{D}, n]")
+            wts["mm.0.weight"] = w0
+            wts["mm.0.bias"] = _dequant(gf, "mm.0.bias", (w0.shape[0],))
+            if "mm.2.weight" in gf.tensors:
+                wts["mm.2.weight"] = _dequant(gf, "mm.2.weight", (cfg.n_embd_out, w0.shape[0]))
+                wts["mm.2.bias"] = _dequant(gf, "mm.2.bias", (cfg.n_embd_out,))
+            if "mm.3.weight" in gf.tensors:
+                raise ModelError(f"{gf.path}: this mmproj has mm.3 (a normed 'Yi-type' mlp projector); AOTX runs "
+                                 "the plain LLaVA mlp")
+        else:
+            s2 = cfg.n_merge * cfg.n_merge
+            wts["mm.model.fc.weight"] = _dequant(gf, "mm.model.fc.weight", (cfg.n_embd_out, D * s2))
+        name = str(gf.metadata.get("general.name") or Path(path).stem)
+        return cls(Path(path), cfg, wts, xp, name)
+
+    # ---- costs ------------------------------------------------------------------
+
+    @property
+    def working_bytes(self) -> int:
+        """Peak extra bytes while one picture is encoded: activations (x, h, q, k, v,
+        attention out: float32), one block's attention scores (heads x n x n) and the
+        FFN's hidden rows; an estimate within a factor of about 2."""
+        c = self.cfg
+        n = c.n_patches + (1 if c.has_class else 0)
+        return 4 * (n * (6 * c.n_embd + c.n_ff) + c.n_head * n * n + c.n_tokens * c.n_embd_out * 2)
+
+    def embeddings_bytes(self) -> int:
+        """Bytes of one picture's output rows (float32)."""
+        return 4 * self.cfg.n_tokens * self.cfg.n_embd_out
+
+    # ---- preprocessing ----------------------------------------------------------
+
+    def preprocess(self, image) -> np.ndarray:
+        """An RGB ``PIL.Image`` -> normalized pixels ``(S, S, 3) float32``, S = image_size.
+
+        mlp: letterboxed (aspect kept, centred on the LLaVA pad colour) with
+        llama.cpp's size rule (``img_tool::resize`` with padding); idefics3: resized
+        to S x S (the global image). A picture already S x S is used as is.
+        Values are ``(u8 / 255 - mean) / std`` per channel (``img_u8_to_f32``)."""
+        from PIL import Image
+
+        c = self.cfg
+        S = c.image_size
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        w, h = image.size
+        if (w, h) != (S, S):
+            if c.projector == "mlp":
+                scale = min(S / w, S / h)
+                nw, nh = min(math.ceil(w * scale), S), min(math.ceil(h * scale), S)
+                canvas = Image.new("RGB", (S, S), LLAVA_PAD_COLOR)
+                canvas.paste(image.resize((max(nw, 1), max(nh, 1)), Image.BICUBIC), ((S - nw) // 2, (S - nh) // 2))
+                image = canvas
+            else:
+                image = image.resize((S, S), Image.BICUBIC)
+        u8 = np.asarray(image, dtype=np.uint8)
+        mean = np.asarray(c.mean, np.float32)
+        std = np.asarray(c.std, np.float32)
+        return ((u8.astype(np.float32) / np.float32(255.0)) - mean) / std
+
+    # ---- the network ------------------------------------------------------------
+
+    def _ln(self, x, w, b):
+        xp = self.xp
+        mu = x.mean(axis=-1, keepdims=True)
+        d = x - mu
+        var = (d * d).mean(axis=-1, keepdims=True)
+        y = d / xp.sqrt(var + xp.float32(self.cfg.eps))
+        if w is not None:
+            y = y * w
+        if b is not None:
+            y = y + b
+        return y
+
+    def _act(self, x, op: str):
+        xp = self.xp
+        if op == "gelu":  # ggml_gelu: the tanh approximation
+            return 0.5 * x * (1.0 + xp.tanh(np.float32(math.sqrt(2.0 / math.pi)) * (x + 0.044715 * x * x * x)))
+        if op == "gelu_quick":  # x * sigmoid(1.702 x)
+            return x / (1.0 + xp.exp(np.float32(-1.702) * x))
+        if op == "silu":
+            return x / (1.0 + xp.exp(-x))
+        raise AssertionError(op)
+
+    @staticmethod
+    def _lin(x, w, b):
+        y = x @ w.T
+        return y if b is None else y + b
+
+    def _attention(self, x, blk: _Block):
+        xp = self.xp
+        c = self.cfg
+        n, D = x.shape
+        H, hd = c.n_head, D // c.n_head
+        q = self._lin(x, blk.wq, blk.bq).reshape(n, H, hd).transpose(1, 0, 2)
+        k = self._lin(x, blk.wk, blk.bk).reshape(n, H, hd).transpose(1, 0, 2)
+        v = self._lin(x, blk.wv, blk.bv).reshape(n, H, hd).transpose(1, 0, 2)
+        s = (q @ k.transpose(0, 2, 1)) * np.float32(1.0 / math.sqrt(hd))
+        s = s - s.max(axis=-1, keepdims=True)
+        e = xp.exp(s)
+        p = e / e.sum(axis=-1, keepdims=True)
+        o = (p @ v).transpose(1, 0, 2).reshape(n, D)
+        return self._lin(o, blk.wo, blk.bo)
+
+    def encode(self, pixels: np.ndarray, *, class_layout: str = "first") -> np.ndarray:
+        """Normalized pixels ``(S, S, 3) float32`` (``preprocess``) -> ``(n_tokens,
+        n_embd_out) float32`` numpy rows for the text model. Thread-safe (serialized).
+
+        ``class_layout`` matters only with a class embedding: "first" is CLIP's
+        order (class at position 0, patches at 1..n, the class row dropped before
+        the projector), what the models were trained with. "llama.cpp-25814"
+        reproduces llama.cpp's llava graph since its refactor (ggml-org/llama.cpp
+        issue 25814, fix proposed in PR 25844): the class row is appended after the
+        patches, positions 0..n follow that order and rows 1..n are projected (patch
+        0 dropped, the class row kept). Only the reference test uses it, to check
+        every other step against llama.cpp's numbers."""
+        c = self.cfg
+        S = c.image_size
+        if pixels.shape != (S, S, 3):
+            raise MediaError(f"vision encoder input has shape {pixels.shape}, expected ({S}, {S}, 3)")
+        if class_layout not in ("first", "llama.cpp-25814"):
+            raise ValueError(f"class_layout {class_layout!r}")
+        with self._lock:
+            out = self._encode(pixels, class_layout)
+        return out
+
+    def _encode(self, pixels: np.ndarray, class_layout: str = "first") -> np.ndarray:
+        xp = self.xp
+        c = self.cfg
+        S, P = c.image_size, c.patch_size
+        g = S // P
+        img = xp.asarray(pixels, dtype=xp.float32)
+        # (S, S, 3) -> (g, P, g, P, 3) -> (g, g, 3, P, P): one row per patch, raster order,
+        # flattened like the conv kernel (channel, ky, kx)
+        patches = img.reshape(g, P, g, P, 3).transpose(0, 2, 4, 1, 3).reshape(g * g, 3 * P * P)
+        x = patches @ self.patch_w.T
+        if self.patch_b is not None:
+            x = x + self.patch_b
+        cls_last = class_layout != "first"
+        if self.cls is not None:
+            parts = [x, self.cls.reshape(1, -1)] if cls_last else [self.cls.reshape(1, -1), x]
+            x = xp.concatenate(parts, axis=0)
+        x = x + self.pos
+        if self.pre_ln[0] is not None:
+            x = self._ln(x, *self.pre_ln)
+        for blk in self.blocks[:c.n_layer_run]:
+            x = x + self._attention(self._ln(x, blk.ln1_w, blk.ln1_b), blk)
+            h = self._ln(x, blk.ln2_w, blk.ln2_b)
+            h = self._act(self._lin(h, blk.w_up, blk.b_up), c.ffn_op)
+            x = x + self._lin(h, blk.w_down, blk.b_down)
+        if self.post_ln[0] is not None:
+            x = self._ln(x, *self.post_ln)
+        if c.projector == "mlp":
+            if self.cls is not None:
+                x = x[1:]  # CLIP order: drop the class row; llama.cpp-25814: drop patch 0
+            x = self._act(self._lin(x, self.mm["mm.0.weight"], self.mm["mm.0.bias"]), "gelu")
+            if "mm.2.weight" in self.mm:
+                x = self._lin(x, self.mm["mm.2.weight"], self.mm["mm.2.bias"])
+        else:
+            s = c.n_merge
+            D = x.shape[1]
+            x = x.reshape(g // s, s, g // s, s, D).transpose(0, 2, 1, 3, 4).reshape((g // s) ** 2, s * s * D)
+            x = x @ self.mm["mm.model.fc.weight"].T
+        out = x.astype(xp.float32)
+        if xp is not np:
+            out = xp.asnumpy(out)
+        return np.ascontiguousarray(out)
+
+    def embed_image(self, image) -> np.ndarray:
+        """``encode(preprocess(image))``: an RGB ``PIL.Image`` -> ``(n_tokens, n_embd_out) float32``."""
+        return self.encode(self.preprocess(image))
+
+
+def array_module(device: str):
+    """numpy for "cpu"; cupy for "cuda" (MediaError naming the package when missing)."""
+    if device == "cuda":
+        try:
+            import cupy
+        except ImportError:
+            raise MediaError("the vision encoder on cuda needs CuPy: pip install 'aotx[cuda]'") from None
+        return cupy
+    if device != "cpu":
+        raise MediaError(f"unknown device {device!r} for the vision encoder (cpu or cuda)")
+    return np
+
+
+def find_mmproj(model_path: str | os.PathLike[str]) -> Path | None:
+    """A file named ``mmproj*.gguf`` beside the text model (the first in name order), or None."""
+    d = Path(model_path).expanduser().parent
+    try:
+        found = sorted(p for p in d.glob("mmproj*.gguf") if p.is_file())
+    except OSError:
+        return None
+    return found[0] if found else None
