@@ -98,9 +98,12 @@ def refusal_text(code: str, message: str, what: str = "the request") -> str:
 
 def media_text(m: P.MediaInfo) -> str:
     """What an attachment became, in plain words: the text the model received, and for
-    images that it saw text, not the picture."""
+    images read by OCR that it saw text, not the picture; for images through the
+    vision encoder, that it saw the picture."""
     if m.error:
         return f"Attachment {m.name} was not used: {m.error}"
+    if m.route == "encoder":
+        return f"Image {m.name} went to the model's vision encoder ({m.via}): the model sees the picture itself."
     if m.kind == "audio":
         head = f"Transcript of {m.name} ({m.via}), as the model received it:"
     else:

@@ -1,6 +1,6 @@
 """The ``aotx-chat`` console script: parse flags, build the client factory, run the app.
 
-Flags that concern the engine (``--model``, ``--device``) are passed to the engine
+Flags that concern the engine (``--model``, ``--device``, ``--mmproj``) are passed to the engine
 the app starts when none answers on the socket; a running engine keeps its own.
 """
 
@@ -17,6 +17,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="aotx-chat", description="Chat with a local model in the terminal.")
     p.add_argument("--model", help="GGUF model path for the engine (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="device for the engine (default: auto)")
+    p.add_argument("--mmproj", metavar="PATH", help="vision projector GGUF for images (default: mmproj*.gguf "
+                                                    "beside the model; 'none' for OCR)")
     p.add_argument("--theme", choices=sorted(THEMES), help="colour theme (remembered; F6 switches)")
     p.add_argument("--socket", help="engine socket path (default: under the AOTX data dir)")
     return p.parse_args(argv)
@@ -28,6 +30,8 @@ def engine_args(ns: argparse.Namespace) -> list[str]:
         args += ["--model", ns.model]
     if ns.device:
         args += ["--device", ns.device]
+    if getattr(ns, "mmproj", None):
+        args += ["--mmproj", ns.mmproj]
     return args
 
 

@@ -48,15 +48,44 @@ def pick_device(requested: str) -> str:
     return "cpu"
 
 
-def media_bytes(lm, device: str) -> int:
-    """Bytes the model's media profile may use (specialists' weights and working memory),
-    0 when the media extra is not installed."""
+def media_bytes(lm, device: str, vision=None) -> int:
+    """Bytes the model's media profile may use (specialists' or the vision encoder's
+    weights and working memory), 0 when the media extra is not installed."""
     try:
         from aotx.media.profile import profile_for
 
-        return int(profile_for(lm, device=device).memory_bytes)
+        return int(profile_for(lm, device=device, vision=vision).memory_bytes)
     except Exception:  # noqa: BLE001 - media support is optional
         return 0
+
+
+def load_vision(arg: str | None, lm, device: str):
+    """The ``media.vision.VisionEncoder`` for ``--mmproj``: a path, "none" (images go
+    through OCR), or None to use a file named ``mmproj*.gguf`` beside the model.
+
+    Raises ModelError (exit 2) for a broken mmproj or one whose output width is not
+    the text model's, MediaError when the vision packages are missing."""
+    from aotx.engine.errors import ModelError
+
+    if arg is not None and arg.strip().lower() == "none":
+        return None
+    try:
+        from aotx.media.vision import VisionEncoder, find_mmproj
+    except ImportError as e:
+        if arg is None:
+            return None
+        raise UsageError(f"--mmproj needs the media extra ({e.name} is missing): pip install 'aotx[media]'") from None
+    path = Path(arg).expanduser() if arg else find_mmproj(lm.path)
+    if path is None:
+        return None
+    enc = VisionEncoder.open(path, device=device)
+    if enc.cfg.n_embd_out != lm.config.d_model:
+        raise ModelError(f"{path}: the projector outputs {enc.cfg.n_embd_out}-wide embeddings, the text model "
+                         f"{lm.path.name} is {lm.config.d_model} wide: they are not a pair (pass the mmproj made "
+                         "for this model, or --mmproj none)")
+    log.info("vision: %s (%s, %d x %d px -> %d positions per image)%s", path.name, enc.cfg.projector,
+             enc.cfg.image_size, enc.cfg.image_size, enc.cfg.n_tokens, "" if arg else ", found beside the model")
+    return enc
 
 
 def build_engine(args, progress=None):
@@ -71,6 +100,7 @@ def build_engine(args, progress=None):
 
     device = pick_device(args.device)
     lm = load_model(args.model, device=device, progress=progress)
+    vision = load_vision(getattr(args, "mmproj", None), lm, device)
     n_slots = args.slots or DEFAULT_SLOTS
     n_ctx = args.context or min(DEFAULT_CONTEXT, lm.config.n_ctx_train)
     if n_ctx > lm.config.n_ctx_train:
@@ -84,7 +114,8 @@ def build_engine(args, progress=None):
     journal_bytes = 8 << 20
     capsule_host = min(512 << 20, max(64 << 20, total // 16))
     budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
-                            journal_bytes, total, capsule_bytes=capsule_host, media_bytes=media_bytes(lm, device))
+                            journal_bytes, total, capsule_bytes=capsule_host,
+                            media_bytes=media_bytes(lm, device, vision))
     from aotx.engine.state.cache import CapsuleCache
 
     no_journal = getattr(args, "no_journal", False)
@@ -93,6 +124,11 @@ def build_engine(args, progress=None):
                         fingerprint=lm.fingerprint)
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
                  capsules=caps, speculative=getattr(args, "speculative", "off") or "off")
+    if vision is not None:
+        from aotx.engine.runtime.media_prompt import ImageStore, special_wrap
+
+        eng.vision = vision
+        eng.images = ImageStore(wrap=special_wrap(lm.tokenizer, vision.cfg.projector))
     return eng, store
 
 

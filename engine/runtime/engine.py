@@ -31,6 +31,7 @@ import numpy as np
 from aotx.engine.errors import AotxError
 from aotx.engine.ipc import protocol as P
 from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.runtime import media_prompt
 from aotx.engine.runtime.requests import Request
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
 from aotx.engine.runtime.speculative import PromptLookup, verify
@@ -48,7 +49,12 @@ class Engine:
     lm: a ``loader.LoadedModel``; store: a ``store.ConversationStore`` (journaled or
     in-memory); n_slots, n_ctx: slot count and tokens of context per slot;
     prefill_chunk: most prompt tokens prefilled per tick (others keep decoding).
+    ``vision`` (a ``media.vision.VisionEncoder``) and ``images`` (a
+    ``media_prompt.ImageStore``) are set by ``serve`` when images go to an encoder.
     """
+
+    vision = None
+    images = None
 
     def __init__(self, lm, store, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
                  budget=None, device: str = "cpu", capsules=None, speculative: str = "off"):
@@ -264,8 +270,11 @@ class Engine:
         if op.raw:
             prompt = tok.encode(text, add_special=True, parse_special=False)
         else:
-            messages = self.store.chat_messages(op.conv_id) + [{"role": "user", "content": text}]
-            prompt = self._encode_chat(messages)
+            history = self.store.chat_messages(op.conv_id)
+            if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
+                text, prompt = self._admit_images(op, sink, history, text)
+            else:
+                prompt = self._encode_chat(history + [{"role": "user", "content": text}])
         if len(prompt) + 1 > self.n_ctx:
             sink.send(P.Notice(id=op.id, kind="refused", resource="context",
                                message=f"the prompt is {len(prompt)} tokens; the context holds {self.n_ctx} "
@@ -332,7 +341,8 @@ class Engine:
                 for a in op.attachments:
                     name = a.name or a.path.rsplit("/", 1)[-1]
                     try:
-                        res = prepare(a.path, a.kind or None, device=self.device)
+                        res = prepare(a.path, a.kind or None, device=self.device, vision=self.vision,
+                                      images=self.images)
                         results.append(res)
                         sink.send(P.MediaInfo(id=op.id, kind=res.kind, route=res.route, name=name, text=res.text,
                                               via=str(res.model or ""), seconds=float(res.seconds or 0.0)))
@@ -358,6 +368,19 @@ class Engine:
         from aotx.engine.model.chat_template import encode_chat
 
         return encode_chat(self.lm.tokenizer, self.lm.template, messages)
+
+    def _admit_images(self, op, sink, history: list[dict], text: str) -> tuple[str, list[int]]:
+        """Prompt ids with image positions (media_prompt); an image of this message that
+        does not fit the context is left out with a refusal notice, the rest is kept."""
+        def encode(t: str) -> list[int]:
+            return media_prompt.encode_chat_with_images(self.lm.tokenizer, self.lm.template,
+                                                        history + [{"role": "user", "content": t}], self.images)
+
+        def refuse(message: str, asked: int, free: int) -> None:
+            sink.send(P.Notice(id=op.id, kind="refused", resource="context", message=message, asked=asked,
+                               free=free))
+
+        return media_prompt.admit_images(text, encode, self.n_ctx, self.lm.config.n_ctx_train, self.images, refuse)
 
     def _cancel(self, r: Request) -> None:
         if r.state == "done":
@@ -530,20 +553,24 @@ class Engine:
                 rows.append((r, []))
         if not segs:
             return
+        tok_arr = np.asarray(toks, np.int32)
+        embeds = self.images.rows_for(tok_arr, self.lm.config.d_model) if self.images is not None else None
         t1 = time.perf_counter()
         # device argmax: when every row of this tick is greedy without a penalty and the
         # model can pick on the device (CUDA: greedy()), only the ids come back, not the
         # logits; sample()/verify() would pick the same ids (argmax, ties to the lowest)
         model = self.lm.model
         ids = None
-        take_ids = hasattr(model, "greedy") and all(
+        take_ids = embeds is None and hasattr(model, "greedy") and all(
             r.sampler.temperature <= 0.0 and r.sampler.repeat_penalty == 1.0 for r, _ in rows)
         try:
             if take_ids:
-                ids = model.greedy(np.asarray(toks, np.int32), segs, self.kv)
+                ids = model.greedy(tok_arr, segs, self.kv)
                 logits = None
+            elif embeds is not None:
+                logits = model.forward(tok_arr, segs, self.kv, embeds=embeds)
             else:
-                logits = model.forward(np.asarray(toks, np.int32), segs, self.kv)
+                logits = model.forward(tok_arr, segs, self.kv)
         except Exception as e:  # noqa: BLE001 - fail closed: refuse new work, keep reads
             log.exception("device work failed at tick %d", self.tick)
             self.ready = False
