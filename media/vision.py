@@ -348,12 +348,8 @@ class VisionEncoder:
 
     @property
     def working_bytes(self) -> int:
-        """Peak extra bytes while one picture is encoded: activations (x, h, q, k, v,
-        attention out: float32), one block's attention scores (heads x n x n) and the
-        FFN's hidden rows; an estimate within a factor of about 2."""
-        c = self.cfg
-        n = c.n_patches + (1 if c.has_class else 0)
-        return 4 * (n * (6 * c.n_embd + c.n_ff) + c.n_head * n * n + c.n_tokens * c.n_embd_out * 2)
+        """Peak extra bytes while one picture is encoded (``working_bytes(cfg)``)."""
+        return working_bytes(self.cfg)
 
     def embeddings_bytes(self) -> int:
         """Bytes of one picture's output rows (float32)."""
@@ -500,6 +496,38 @@ class VisionEncoder:
     def embed_image(self, image) -> np.ndarray:
         """``encode(preprocess(image))``: an RGB ``PIL.Image`` -> ``(n_tokens, n_embd_out) float32``."""
         return self.encode(self.preprocess(image))
+
+
+def working_bytes(c: VisionConfig) -> int:
+    """Peak extra bytes while one picture is encoded: activations (x, h, q, k, v,
+    attention out: float32), one block's attention scores (heads x n x n) and the
+    FFN's hidden rows; an estimate within a factor of about 2."""
+    n = c.n_patches + (1 if c.has_class else 0)
+    return 4 * (n * (6 * c.n_embd + c.n_ff) + c.n_head * n * n + c.n_tokens * c.n_embd_out * 2)
+
+
+@dataclass(frozen=True)
+class VisionInfo:
+    """An mmproj file described without loading its weights (``aotx models``):
+    what ``profile.profile_for`` needs: ``name``, ``cfg``, ``weight_bytes`` (as float32
+    once loaded), ``working_bytes``."""
+
+    path: Path
+    name: str
+    cfg: VisionConfig
+    weight_bytes: int
+    working_bytes: int
+
+
+def inspect_mmproj(path: str | os.PathLike[str]) -> VisionInfo:
+    """Read an mmproj's metadata and tensor sizes (no weights). Raises ModelError like ``open``."""
+    from aotx.engine.model.gguf_file import GGUFFile
+
+    gf = GGUFFile.open(path)
+    cfg = read_config(gf)
+    wb = 4 * sum(t.n_elements for t in gf.tensors.values())
+    return VisionInfo(Path(path), str(gf.metadata.get("general.name") or Path(path).stem), cfg, wb,
+                      working_bytes(cfg))
 
 
 def array_module(device: str):
