@@ -242,3 +242,41 @@ def test_serve_pairs_the_mmproj_with_the_model(pair, tmp_path, tiny_gguf):
     wide = _tv().write_tiny_mmproj(tmp_path / "wide.gguf", n_embd_out=96)
     with pytest.raises(ModelError, match="outputs 96-wide embeddings, the text model text.gguf is 64 wide"):
         load_vision(str(wide), lm, "cpu")
+
+
+def test_prompt_with_a_picture_matches_llama_cpp(tmp_path):
+    """The whole path against llama.cpp's (tests/data/make_vision_refs.py): its
+    mtmd_tokenize + mtmd_helper_eval_chunks on "look: <picture> ok" into a float32 text
+    model; here AOTX's tokenizer, encoder and forward with the rows at those positions.
+    The last position's logits agree to the encoder's GELU-table gap."""
+    from PIL import Image
+
+    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.loader import load_model
+    from aotx.media.vision import VisionEncoder
+
+    refs = sys.modules.get("aotx_tests_make_vision_refs")
+    if refs is None:
+        spec = importlib.util.spec_from_file_location("aotx_tests_make_vision_refs", HERE / "data" / "make_vision_refs.py")
+        refs = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = refs
+        spec.loader.exec_module(refs)
+    mm, _, rgb = refs.write_case(tmp_path, refs.PROMPT_CASE)
+    lm = load_model(refs.write_prompt_text(tmp_path))
+    enc = VisionEncoder.open(mm)
+    want_ids = np.load(HERE / "data" / "vision_prompt_ids.npy")
+    want = np.load(HERE / "data" / "vision_prompt_logits.npy")
+    img = np.nonzero(want_ids < 0)[0]
+    a, b = int(img[0]), int(img[-1]) + 1
+    tok = lm.tokenizer
+    assert want_ids[:a].tolist() == tok.encode("look: ", parse_special=True)
+    assert want_ids[b:].tolist() == tok.encode(" ok", parse_special=True)
+    ids = want_ids.copy()
+    ids[a:b] = PLACEHOLDER_BASE + np.arange(b - a)
+    rows = enc.embed_image(Image.fromarray(rgb))
+    kv = lm.model.new_kv_cache(1, 64)
+    got = lm.model.forward(ids, [Segment(0, 0, len(ids))], kv, embeds=(np.arange(a, b), rows))[0]
+    assert got.shape == want.shape == (300,)
+    np.testing.assert_allclose(got, want, atol=1e-2, rtol=0)  # measured: 2.9e-3 (2.4e-3 with its own rows)
+    assert int(np.argmax(got)) == int(np.argmax(want))
+    assert np.abs(want).max() > 0.5
