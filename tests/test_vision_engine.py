@@ -280,3 +280,37 @@ def test_prompt_with_a_picture_matches_llama_cpp(tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-2, rtol=0)  # measured: 2.9e-3 (2.4e-3 with its own rows)
     assert int(np.argmax(got)) == int(np.argmax(want))
     assert np.abs(want).max() > 0.5
+
+
+def test_aotx_run_attach_with_mmproj_beside_the_model(pair, tmp_path):
+    """`aotx run --attach` end to end: the engine it starts finds mmproj*.gguf beside the
+    model, the JSON media event says the encoder took the picture, and the prompt holds
+    the picture's positions."""
+    import json
+    import os
+    import re
+    import signal
+    import subprocess
+    import tempfile
+
+    _, enc, d = pair
+    img = _png(tmp_path / "cat.png", seed=3)
+    sock = Path(tempfile.mkdtemp(prefix="aotx-v", dir="/tmp")) / "s.sock"
+    env = dict(os.environ, AOTX_HOME=str(tmp_path / "home"))
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "run", "--model", str(d / "text.gguf"), "--socket",
+                        str(sock), "--json", "--temperature", "0", "--max-tokens", "2", "--attach", str(img),
+                        "what is it"], env=env, capture_output=True, text=True, timeout=120)
+    pid = re.search(r"pid (\d+)", r.stderr)
+    try:
+        assert r.returncode == 0, r.stderr
+        events = [json.loads(line) for line in r.stdout.splitlines()]
+        media = [e for e in events if e["event"] == "media"]
+        assert [(m["route"], m["kind"], m["name"], m["via"]) for m in media] == [
+            ("encoder", "image", "cat.png", enc.name)]
+        done = next(e for e in events if e["event"] == "done")
+        assert sum(1 for t in done["prompt_ids"] if t >= PLACEHOLDER_BASE) == 16
+        log = (tmp_path / "home" / "engine.log").read_text()
+        assert "vision: mmproj-tiny.gguf (mlp, 32 x 32 px -> 16 positions per image), found beside the model" in log
+    finally:
+        if pid:
+            os.kill(int(pid.group(1)), signal.SIGTERM)
