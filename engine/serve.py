@@ -101,6 +101,7 @@ def build_engine(args, progress=None):
     device = pick_device(args.device)
     lm = load_model(args.model, device=device, progress=progress)
     vision = load_vision(getattr(args, "mmproj", None), lm, device)
+    from aotx.engine.runtime.media_prompt import DEFAULT_STORE_BYTES as image_store_bytes
     n_slots = args.slots or DEFAULT_SLOTS
     n_ctx = args.context or min(DEFAULT_CONTEXT, lm.config.n_ctx_train)
     if n_ctx > lm.config.n_ctx_train:
@@ -115,7 +116,7 @@ def build_engine(args, progress=None):
     capsule_host = min(512 << 20, max(64 << 20, total // 16))
     budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
                             journal_bytes, total, capsule_bytes=capsule_host,
-                            media_bytes=media_bytes(lm, device, vision))
+                            media_bytes=media_bytes(lm, device, vision) + (image_store_bytes if vision else 0))
     from aotx.engine.state.cache import CapsuleCache
 
     no_journal = getattr(args, "no_journal", False)

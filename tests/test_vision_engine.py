@@ -314,3 +314,14 @@ def test_aotx_run_attach_with_mmproj_beside_the_model(pair, tmp_path):
     finally:
         if pid:
             os.kill(int(pid.group(1)), signal.SIGTERM)
+
+
+def test_models_listing_shows_the_encoder_route(pair):
+    from aotx.engine.cli_local import _media_profile
+
+    _, enc, d = pair
+    prof = _media_profile(str(d / "text.gguf"))
+    assert prof["mmproj"].endswith("mmproj-tiny.gguf")
+    image = next(r for r in prof["routes"] if r["kind"] == "image")
+    assert (image["route"], image["model"], image["weights_bytes"]) == ("encoder", enc.name, enc.weight_bytes)
+    assert "image: encoder tiny-mlp-mmproj" in prof["summary"]
