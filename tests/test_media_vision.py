@@ -60,6 +60,24 @@ def test_mlp_without_class_matches_llama_cpp(refs, tmp_path):
     assert np.abs(ref).max() > 1.0  # the comparison is not between two near-zero arrays
 
 
+@pytest.mark.parametrize("name, size", [("mlp_noclass_gelu_wide", (40, 24)), ("mlp_noclass_gelu_big", (97, 61))])
+def test_mlp_letterbox_of_other_sizes_matches_llama_cpp(refs, tmp_path, name, size):
+    """A picture not at image_size: fitted (aspect kept) and centred on the pad colour
+    as llama.cpp's fixed-size preprocessor does; the same bytes go in."""
+    enc, img, ref = _case(refs, tmp_path, name)
+    assert img.size == size
+    np.testing.assert_allclose(enc.embed_image(img), ref, atol=ATOL, rtol=0)
+
+
+def test_idefics3_other_size_resize_differs_from_llama_cpp_by_a_bounded_amount(refs, tmp_path):
+    """Known gap: AOTX resizes the global image with Lanczos (transformers' Idefics3
+    processor), llama.cpp with its own filter; measured 0.30 on values up to ~3."""
+    enc, img, ref = _case(refs, tmp_path, "idefics3_wide")
+    out = enc.embed_image(img)
+    gap = np.abs(out - ref[:4]).max()
+    assert 0.05 < gap < 0.5, gap
+
+
 def test_mlp_with_class_matches_llama_cpp_in_its_layout_and_differs_in_clips(refs, tmp_path):
     """llama.cpp's llava graph appends the class row after the patches (issue 25814);
     in that layout every other step agrees with it. AOTX's default is CLIP's order,

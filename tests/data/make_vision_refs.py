@@ -43,11 +43,15 @@ def _load(name: str):
 
 
 
-# name -> (mmproj kwargs, picture size)
+# name -> (mmproj kwargs, picture size: side, or (width, height))
 CASES = {
     "mlp": (dict(projector="mlp", seed=11), 32),
     "mlp_noclass_gelu": (dict(projector="mlp", seed=12, class_embd=False, use_gelu=True), 32),
     "idefics3": (dict(projector="idefics3", seed=13), 32),
+    # pictures of other sizes: llama.cpp's own resize (letterbox for mlp, stretch for idefics3)
+    "mlp_noclass_gelu_wide": (dict(projector="mlp", seed=12, class_embd=False, use_gelu=True), (40, 24)),
+    "mlp_noclass_gelu_big": (dict(projector="mlp", seed=12, class_embd=False, use_gelu=True), (97, 61)),
+    "idefics3_wide": (dict(projector="idefics3", seed=13), (40, 24)),
 }
 
 
