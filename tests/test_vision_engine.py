@@ -325,3 +325,34 @@ def test_models_listing_shows_the_encoder_route(pair):
     image = next(r for r in prof["routes"] if r["kind"] == "image")
     assert (image["route"], image["model"], image["weights_bytes"]) == ("encoder", enc.name, enc.weight_bytes)
     assert "image: encoder tiny-mlp-mmproj" in prof["summary"]
+
+
+def test_idefics3_images_are_wrapped_in_the_global_image_tokens(tiny_gguf, tmp_path):
+    """SmolVLM's vocabulary has <fake_token_around_image> and <global-img>: an image is
+    placed as <fake_token_around_image><global-img> rows <fake_token_around_image>, as
+    transformers' Idefics3 processor (without splitting) and llama.cpp's mtmd write it."""
+    import gguf
+    from gguf import GGUFValueType as V
+
+    from aotx.engine.model.loader import load_model
+    from aotx.engine.runtime.media_prompt import encode_chat_with_images, special_wrap
+
+    tokens, types, _ = tiny_gguf.vocabulary(300)
+    tokens[-2:] = ["<fake_token_around_image>", "<global-img>"]
+    types[-2:] = [int(gguf.TokenType.USER_DEFINED)] * 2
+    lm = load_model(tiny_gguf.write_tiny_llama(tmp_path / "smol.gguf", d_model=64, ffn=128, metadata={
+        "tokenizer.ggml.tokens": (tokens, V.ARRAY), "tokenizer.ggml.token_type": (types, V.ARRAY)}))
+    pre, post = special_wrap(lm.tokenizer, "idefics3")
+    assert (pre, post) == ((298, 299), (298,))
+    assert special_wrap(lm.tokenizer, "mlp") == ((), ())
+    st = ImageStore(wrap=(pre, post))
+    item = st.put("0123456789abcdef", "x.png", np.zeros((4, 64), np.float32))
+    ids = encode_chat_with_images(lm.tokenizer, lm.template,
+                                  [{"role": "user", "content": f"{marker(item.key)}\n\nhi"}], st)
+    a = ids.index(item.ids[0])
+    assert ids[a - 2:a] == [298, 299] and ids[a:a + 4] == list(item.ids) and ids[a + 4] == 298
+    # a marker whose picture is gone reads as text, never as placeholders
+    gone = encode_chat_with_images(lm.tokenizer, lm.template,
+                                   [{"role": "user", "content": f"{marker('fedcba9876543210')} hi"}], st)
+    assert all(t < PLACEHOLDER_BASE for t in gone)
+    assert "no longer available" in lm.tokenizer.decode(gone)
