@@ -48,7 +48,7 @@ def _media_profile(path: str) -> dict:
         from aotx.engine.model.gguf_file import GGUFFile
         from aotx.media.profile import profile_for
 
-        from aotx.media.vision import find_mmproj, inspect_mmproj
+        from aotx.media.mmproj import find_mmproj, inspect_mmproj
 
         mm = find_mmproj(path)
         prof = profile_for(GGUFFile.open(path), vision=inspect_mmproj(mm) if mm is not None else None)

@@ -70,7 +70,8 @@ def load_vision(arg: str | None, lm, device: str):
     if arg is not None and arg.strip().lower() == "none":
         return None
     try:
-        from aotx.media.vision import VisionEncoder, find_mmproj
+        from aotx.media.mmproj import find_mmproj
+        from aotx.media.vision import VisionEncoder
     except ImportError as e:
         if arg is None:
             return None

@@ -180,7 +180,7 @@ def test_wrong_files_are_refused(tv, tmp_path, tiny_gguf):
 
 
 def test_find_mmproj_beside_the_model(tmp_path):
-    from aotx.media.vision import find_mmproj
+    from aotx.media.mmproj import find_mmproj
 
     (tmp_path / "model.gguf").write_bytes(b"x")
     assert find_mmproj(tmp_path / "model.gguf") is None

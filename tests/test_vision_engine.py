@@ -24,14 +24,19 @@ from aotx.engine.runtime.media_prompt import PLACEHOLDER_BASE, ImageStore, marke
 HERE = Path(__file__).resolve().parent
 
 
-def _tv():
-    mod = sys.modules.get("aotx_tests_tiny_vision")
+def _load(name: str, path: Path):
+    """A helper module of tests/ by path (pytest's importlib mode puts tests/ on no path)."""
+    mod = sys.modules.get(name)
     if mod is None:
-        spec = importlib.util.spec_from_file_location("aotx_tests_tiny_vision", HERE / "tiny_vision.py")
+        spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
     return mod
+
+
+def _tv():
+    return _load("aotx_tests_tiny_vision", HERE / "tiny_vision.py")
 
 
 class _Sink:
@@ -255,12 +260,7 @@ def test_prompt_with_a_picture_matches_llama_cpp(tmp_path):
     from aotx.engine.model.loader import load_model
     from aotx.media.vision import VisionEncoder
 
-    refs = sys.modules.get("aotx_tests_make_vision_refs")
-    if refs is None:
-        spec = importlib.util.spec_from_file_location("aotx_tests_make_vision_refs", HERE / "data" / "make_vision_refs.py")
-        refs = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = refs
-        spec.loader.exec_module(refs)
+    refs = _load("aotx_tests_make_vision_refs", HERE / "data" / "make_vision_refs.py")
     mm, _, rgb = refs.write_case(tmp_path, refs.PROMPT_CASE)
     lm = load_model(refs.write_prompt_text(tmp_path))
     enc = VisionEncoder.open(mm)
