@@ -356,3 +356,22 @@ def test_idefics3_images_are_wrapped_in_the_global_image_tokens(tiny_gguf, tmp_p
                                    [{"role": "user", "content": f"{marker('fedcba9876543210')} hi"}], st)
     assert all(t < PLACEHOLDER_BASE for t in gone)
     assert "no longer available" in lm.tokenizer.decode(gone)
+
+
+def test_raw_prompt_with_a_picture(pair, tmp_path):
+    """A raw (no template) prompt places the picture too: its words, then its rows."""
+    lm, enc, _ = pair
+    eng = _engine(lm, enc)
+    try:
+        s = _Sink()
+        img = _png(tmp_path / "r.png", seed=5)
+        eng.post(P.SubmitMessage(id=2, conv_id=_conv(eng), text="caption:", raw=True,
+                                 attachments=[P.Attachment(path=str(img), kind="image", name="r.png")],
+                                 sampling=P.SamplingParams(temperature=0.0, max_tokens=2)), s)
+        assert s.done.wait(120), s.events
+    finally:
+        eng.stop()
+    ids = s.one(P.Accepted).prompt_ids
+    a, b = _span(ids)
+    assert (a, b - a) == (0, 16)  # render_for_prompt puts the picture first
+    assert ids[b:] == lm.tokenizer.encode("\n\ncaption:", parse_special=False)

@@ -267,7 +267,9 @@ class Engine:
                            f"characters each (got {len(sp.stop)}, the longest "
                            f"{max(map(len, sp.stop), default=0)} characters)")
         tok = self.lm.tokenizer
-        if op.raw:
+        if op.raw and self.images is not None and media_prompt.MARKER_RE.search(text):
+            prompt = media_prompt.encode_raw_with_images(tok, text, self.images)
+        elif op.raw:
             prompt = tok.encode(text, add_special=True, parse_special=False)
         else:
             history = self.store.chat_messages(op.conv_id)

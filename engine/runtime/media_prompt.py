@@ -18,8 +18,8 @@ over the token embeddings of those positions.
 
 Limits said plainly: the store lives in the engine's memory (bounded, least
 recently used first out); after a restart, or once evicted, an earlier turn's
-marker becomes the text "[an image that is no longer available]". The raw
-(no template) path does not splice images. Two images whose keys lie closer
+marker becomes the text "[an image that is no longer available]". Raw prompts
+(no template) splice images too, without the per-image context check. Two images whose keys lie closer
 than their row count get ids moved apart (so the ids of the stored images never
 clash); an image's ids are then not a function of its key alone, which only costs
 prefix reuse across a restart.
@@ -175,6 +175,32 @@ def encode_chat_with_images(tokenizer, template, messages: Sequence[dict], store
     piece(at, len(text))
     if tokenizer.add_bos and tokenizer.bos_id is not None and not (ids and ids[0] == tokenizer.bos_id):
         ids.insert(0, tokenizer.bos_id)
+    return ids
+
+
+def encode_raw_with_images(tokenizer, text: str, store: ImageStore) -> list[int]:
+    """Prompt ids of a raw (no template) prompt, as ``tokenizer.encode(text,
+    add_special=True)``, with each image marker replaced by its placeholder ids (a
+    marker whose picture is gone becomes ``MISSING_TEXT``)."""
+    text = MARKER_RE.sub(lambda mo: mo.group(0) if store.get(mo.group(1)) else MISSING_TEXT, text)
+    ids: list[int] = []
+    at = 0
+    for mo in MARKER_RE.finditer(text):
+        item = store.get(mo.group(1))
+        if item is None:
+            continue
+        if mo.start() > at:
+            ids.extend(tokenizer.encode(text[at:mo.start()], parse_special=False))
+        ids.extend(store.wrap[0])
+        ids.extend(item.ids)
+        ids.extend(store.wrap[1])
+        at = mo.end()
+    if at < len(text):
+        ids.extend(tokenizer.encode(text[at:], parse_special=False))
+    if tokenizer.add_bos and tokenizer.bos_id is not None:
+        ids.insert(0, tokenizer.bos_id)
+    if tokenizer.add_eos and tokenizer.eos_id is not None:
+        ids.append(tokenizer.eos_id)
     return ids
 
 
