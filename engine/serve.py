@@ -79,6 +79,8 @@ def load_vision(arg: str | None, lm, device: str):
     path = Path(arg).expanduser() if arg else find_mmproj(lm.path)
     if path is None:
         return None
+    if not path.is_file():
+        raise UsageError(f"--mmproj {arg}: no such file (the vision projector GGUF, e.g. mmproj-model-f16.gguf)")
     enc = VisionEncoder.open(path, device=device)
     if enc.cfg.n_embd_out != lm.config.d_model:
         raise ModelError(f"{path}: the projector outputs {enc.cfg.n_embd_out}-wide embeddings, the text model "

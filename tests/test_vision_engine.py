@@ -244,6 +244,10 @@ def test_serve_pairs_the_mmproj_with_the_model(pair, tmp_path, tiny_gguf):
     found = load_vision(None, lm, "cpu")  # mmproj-tiny.gguf sits beside text.gguf
     assert found is not None and found.path.name == "mmproj-tiny.gguf"
     assert load_vision("none", lm, "cpu") is None
+    from aotx.engine.errors import UsageError
+
+    with pytest.raises(UsageError, match="--mmproj nope.gguf: no such file"):
+        load_vision("nope.gguf", lm, "cpu")
     wide = _tv().write_tiny_mmproj(tmp_path / "wide.gguf", n_embd_out=96)
     with pytest.raises(ModelError, match="outputs 96-wide embeddings, the text model text.gguf is 64 wide"):
         load_vision(str(wide), lm, "cpu")
@@ -316,10 +320,20 @@ def test_aotx_run_attach_with_mmproj_beside_the_model(pair, tmp_path):
             os.kill(int(pid.group(1)), signal.SIGTERM)
 
 
-def test_models_listing_shows_the_encoder_route(pair):
+def test_models_listing_shows_the_encoder_route(pair, tmp_path, monkeypatch):
+    import shutil
+
+    from aotx.engine import paths
     from aotx.engine.cli_local import _media_profile
+    from aotx.engine.model.loader import list_models
 
     _, enc, d = pair
+    monkeypatch.setenv("AOTX_HOME", str(tmp_path))
+    paths.models_dir().mkdir(parents=True, exist_ok=True)
+    for f in ("text.gguf", "mmproj-tiny.gguf"):
+        shutil.copy(d / f, paths.models_dir() / f)
+    # the projector goes with its model, it is not a model of its own
+    assert [m["name"] for m in list_models() if not m["default"]] == ["text"]
     prof = _media_profile(str(d / "text.gguf"))
     assert prof["mmproj"].endswith("mmproj-tiny.gguf")
     image = next(r for r in prof["routes"] if r["kind"] == "image")
