@@ -389,3 +389,44 @@ def test_raw_prompt_with_a_picture(pair, tmp_path):
     a, b = _span(ids)
     assert (a, b - a) == (0, 16)  # render_for_prompt puts the picture first
     assert ids[b:] == lm.tokenizer.encode("\n\ncaption:", parse_special=False)
+
+
+def test_restart_encodes_earlier_pictures_again_from_the_journal(pair, tmp_path):
+    """The journal keeps the message's text (with the picture's marker) and its attachment;
+    a restarted engine has no rows in memory and encodes the file again, so the next turn
+    puts the same picture, with the same placeholder ids, in the same place."""
+    from aotx.engine.runtime.engine import Engine
+    from aotx.engine.runtime.store import open_store
+
+    lm, enc, _ = pair
+    img = _png(tmp_path / "kept.png", seed=6)
+    gone = _png(tmp_path / "gone.png", seed=7)
+
+    def engine(store):
+        eng = Engine(lm, store, n_slots=2, n_ctx=256, speculative="off")
+        eng.vision, eng.images = enc, ImageStore()
+        eng.start()
+        return eng
+
+    store = open_store(tmp_path / "journal")
+    eng = engine(store)
+    try:
+        cid = _conv(eng)
+        first = _ask(eng, cid, "look", img).one(P.Accepted).prompt_ids
+        cid2 = _conv(eng)
+        _ask(eng, cid2, "look", gone, rid=3)
+    finally:
+        eng.stop()
+        store.close()
+    gone.unlink()
+    store = open_store(tmp_path / "journal")
+    eng = engine(store)
+    try:
+        again = _ask(eng, cid, "and now?", None, rid=4).one(P.Accepted).prompt_ids
+        lost = _ask(eng, cid2, "and now?", None, rid=5).one(P.Accepted).prompt_ids
+    finally:
+        eng.stop()
+        store.close()
+    assert again[:len(first)] == first and _span(again) == _span(first)
+    assert _span(lost) == (-1, -1)  # its file is gone: the marker reads as text
+    assert "no longer available" in lm.tokenizer.decode(lost)

@@ -79,6 +79,7 @@ class Engine:
         self._durable_watch: list[tuple[int, Request, str]] = []
         self._held: list[tuple[Any, Any, str | None]] = []  # (op, sink, media text) waiting for journal credit
         self._media_busy: dict[int, set[int]] = {}  # sink id -> request ids whose media are being prepared
+        self._restored: set[tuple[int, int]] = set()  # (sink id, request id) whose pictures were re-encoded
         self._segments_at_checkpoint = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -274,6 +275,8 @@ class Engine:
         else:
             history = self.store.chat_messages(op.conv_id)
             if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
+                if self._restore_images(op, sink, text, history):
+                    return
                 text, prompt = self._admit_images(op, sink, history, text)
             else:
                 prompt = self._encode_chat(history + [{"role": "user", "content": text}])
@@ -370,6 +373,30 @@ class Engine:
         from aotx.engine.model.chat_template import encode_chat
 
         return encode_chat(self.lm.tokenizer, self.lm.template, messages)
+
+    def _restore_images(self, op, sink, text: str, history: list[dict]) -> bool:
+        """Earlier turns' pictures whose rows are gone (a restart, an eviction) are encoded
+        again from their journaled files off the tick thread, then the submission comes
+        back as a "media" op. True when it went to do that (once per submission)."""
+        once = (id(sink), op.id)
+        if once in self._restored:
+            self._restored.discard(once)
+            return False
+        missing = media_prompt.missing_keys(history, self.images)
+        if not missing:
+            return False
+        files = [(a.path, a.name) for m in self.store.get(op.conv_id).messages for a in m.attachments
+                 if a.kind == "image" and a.path]
+        self._restored.add(once)
+
+        def work() -> None:
+            try:
+                media_prompt.restore(files, missing, self.vision, self.images)
+            finally:
+                self._ops.put(("media", (op, text), sink))
+
+        threading.Thread(target=work, name="aotx-media-restore", daemon=True).start()
+        return True
 
     def _admit_images(self, op, sink, history: list[dict], text: str) -> tuple[str, list[int]]:
         """Prompt ids with image positions (media_prompt); an image of this message that

@@ -17,8 +17,10 @@ the placeholder ids of a batch to their embedding rows, which the model writes
 over the token embeddings of those positions.
 
 Limits said plainly: the store lives in the engine's memory (bounded, least
-recently used first out); after a restart, or once evicted, an earlier turn's
-marker becomes the text "[an image that is no longer available]". Raw prompts
+recently used first out); after a restart, or once evicted, the engine encodes
+an earlier turn's picture again from its journaled attachment file
+(``restore``); when that file is gone or changed, the marker becomes the text
+"[an image that is no longer available]". Raw prompts
 (no template) splice images too, without the per-image context check. Two images whose keys lie closer
 than their row count get ids moved apart (so the ids of the stored images never
 clash); an image's ids are then not a function of its key alone, which only costs
@@ -135,6 +137,41 @@ class ImageStore:
 
 def has_markers(messages: Sequence[dict]) -> bool:
     return any(isinstance(m.get("content"), str) and MARKER_RE.search(m["content"]) for m in messages)
+
+
+def missing_keys(messages: Sequence[dict], store: ImageStore) -> set[str]:
+    """Keys of the image markers in ``messages`` whose rows are not in ``store``."""
+    keys = {k for m in messages if isinstance(m.get("content"), str) for k in MARKER_RE.findall(m["content"])}
+    return {k for k in keys if store.get(k) is None}
+
+
+def restore(files: Sequence[tuple[str, str]], missing: set[str], vision, store: ImageStore) -> int:
+    """Encode again the pictures among ``files`` ((path, name) of a conversation's image
+    attachments, as journaled) whose key is in ``missing`` (after a restart or an
+    eviction). A file that is gone, changed (another key) or unreadable is skipped: its
+    marker then reads as ``MISSING_TEXT``. Returns how many were restored. Blocking:
+    call it off the tick thread."""
+    from aotx.media import image as image_mod
+
+    done = 0
+    for path, name in files:
+        if not missing:
+            break
+        try:
+            data = open(path, "rb").read()  # noqa: SIM115 - one read
+        except OSError:
+            continue
+        key = image_key(data, vision.name)
+        if key not in missing:
+            continue
+        try:
+            rows = vision.embed_image(image_mod.load_image(path))
+        except Exception:  # noqa: BLE001 - a damaged file stays missing
+            continue
+        store.put(key, name, rows)
+        missing.discard(key)
+        done += 1
+    return done
 
 
 def encode_chat_with_images(tokenizer, template, messages: Sequence[dict], store: ImageStore) -> list[int]:
