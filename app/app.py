@@ -26,7 +26,7 @@ from aotx.app import state as app_state
 from aotx.app.attach import make_attachment
 from aotx.app.bindings import ACTIONS, app_bindings
 from aotx.app.engine_link import DEFAULT_TITLE, EngineLink, Outgoing
-from aotx.app.format import position_of, refusal_text
+from aotx.app.format import position_of, refusal_text, shown_text
 from aotx.app.paste import parse_pasted_paths
 from aotx.app.screens.details import DetailsScreen
 from aotx.app.screens.file_picker import FilePicker
@@ -156,7 +156,8 @@ class ChatApp(EngineLink, App):
         self.chat_widgets = {}
         widgets = []
         for m in view.messages if view else []:
-            w = MessageWidget(m.role, m.text, msg_id=m.msg_id, position=position_of(m), attachments=m.attachments)
+            w = MessageWidget(m.role, shown_text(m.text), msg_id=m.msg_id, position=position_of(m),
+                              attachments=m.attachments)
             w.receipt, w.seq, w.finish_reason = m.receipt, m.seq, m.finish_reason
             w.n_tokens = len(m.token_ids)
             self.chat_widgets[m.msg_id] = w

@@ -96,11 +96,25 @@ def refusal_text(code: str, message: str, what: str = "the request") -> str:
     return f"The engine refused {what} ({code or 'error'}): {message}"
 
 
+def shown_text(text: str) -> str:
+    """A journaled user message as the chat shows it: the markers that stand for
+    pictures given to a vision encoder (``media_prompt.marker``) are left out (the
+    message lists its attachments), so a retry or an edit does not send them twice."""
+    from aotx.engine.runtime.media_prompt import MARKER_RE
+
+    if "<__image_" not in text:
+        return text
+    return MARKER_RE.sub("", text).strip("\n")
+
+
 def media_text(m: P.MediaInfo) -> str:
     """What an attachment became, in plain words: the text the model received, and for
-    images that it saw text, not the picture."""
+    images read by OCR that it saw text, not the picture; for images through the
+    vision encoder, that it saw the picture."""
     if m.error:
         return f"Attachment {m.name} was not used: {m.error}"
+    if m.route == "encoder":
+        return f"Image {m.name} went to the model's vision encoder ({m.via}): the model sees the picture itself."
     if m.kind == "audio":
         head = f"Transcript of {m.name} ({m.via}), as the model received it:"
     else:

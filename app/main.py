@@ -1,6 +1,6 @@
 """The ``aotx-chat`` console script: parse flags, build the client factory, run the app.
 
-Flags that concern the engine (``--model``, ``--device``) are passed to the engine
+Flags that concern the engine (``--model``, ``--device``, ``--mmproj``) are passed to the engine
 the app starts when none answers on the socket; a running engine keeps its own.
 """
 
@@ -19,6 +19,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="device for the engine (default: auto)")
     p.add_argument("--draft-model", help="a smaller GGUF with the model's vocabulary, for speculative decoding "
                    "(the engine started here drafts with it; F4 chooses per conversation)")
+    p.add_argument("--mmproj", metavar="PATH", help="vision projector GGUF for images (default: mmproj*.gguf "
+                                                    "beside the model; 'none' for OCR)")
     p.add_argument("--theme", choices=sorted(THEMES), help="colour theme (remembered; F6 switches)")
     p.add_argument("--socket", help="engine socket path (default: under the AOTX data dir)")
     return p.parse_args(argv)
@@ -32,6 +34,8 @@ def engine_args(ns: argparse.Namespace) -> list[str]:
         args += ["--device", ns.device]
     if ns.draft_model:
         args += ["--draft-model", ns.draft_model]
+    if getattr(ns, "mmproj", None):
+        args += ["--mmproj", ns.mmproj]
     return args
 
 

@@ -53,6 +53,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=_int("--context", 16), default=None,
                    help="tokens of context per slot (default 4096, at most the model's)")
     p.add_argument("--memory-budget", default=None, help="bytes the engine may use, e.g. 4G (default: half the RAM)")
+    p.add_argument("--mmproj", default=None, metavar="PATH",
+                   help="vision projector GGUF (llama.cpp's mmproj) for images; default: a file named mmproj*.gguf "
+                        "beside the model; 'none' turns images into text by OCR")
     p.add_argument("--no-journal", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--socket", help="Unix socket of the engine (default: in the runtime dir)")
     p.add_argument("--draft-model", help="a smaller GGUF with the same vocabulary, for --speculative draft")

@@ -25,7 +25,7 @@ def engine_args(args) -> list[str]:
     out: list[str] = []
     for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
                        ("--context", "context"), ("--memory-budget", "memory_budget"),
-                       ("--draft-model", "draft_model")):
+                       ("--draft-model", "draft_model"), ("--mmproj", "mmproj")):
         v = getattr(args, attr, None)
         if v is not None and not (attr == "device" and v == "auto"):
             out += [flag, str(v)]
@@ -156,6 +156,8 @@ async def _run(args) -> int:
                              "via": ev.via, "seconds": ev.seconds, **({"error": ev.error} if ev.error else {})})
                 elif ev.error:
                     print(f"aotx: attachment {ev.name} was not used: {ev.error}", file=sys.stderr)
+                elif ev.route == "encoder":
+                    print(f"aotx: {ev.name} -> vision encoder {ev.via}: the model sees the picture", file=sys.stderr)
                 else:
                     what = "transcript" if ev.kind == "audio" else "text read by OCR (the model sees text, not the picture)"
                     print(f"aotx: {ev.name} -> {ev.via}: {what}:\n{ev.text}\n", file=sys.stderr)

@@ -42,13 +42,19 @@ def cmd_models(args) -> int:
 
 
 def _media_profile(path: str) -> dict:
-    """The model's media profile as a dict with a one-line ``summary`` ({} when unreadable)."""
+    """The model's media profile as a dict with a one-line ``summary`` ({} when unreadable);
+    a file named ``mmproj*.gguf`` beside the model makes images take the encoder route."""
     try:
         from aotx.engine.model.gguf_file import GGUFFile
         from aotx.media.profile import profile_for
 
-        prof = profile_for(GGUFFile.open(path))
+        from aotx.media.mmproj import find_mmproj, inspect_mmproj
+
+        mm = find_mmproj(path)
+        prof = profile_for(GGUFFile.open(path), vision=inspect_mmproj(mm) if mm is not None else None)
         d = prof.to_dict()
+        if mm is not None:
+            d["mmproj"] = str(mm)
         d["summary"] = prof.describe().replace("\n", "; ")
         return d
     except Exception as e:  # noqa: BLE001 - media support is optional; the listing must not fail

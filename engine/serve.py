@@ -48,15 +48,47 @@ def pick_device(requested: str) -> str:
     return "cpu"
 
 
-def media_bytes(lm, device: str) -> int:
-    """Bytes the model's media profile may use (specialists' weights and working memory),
-    0 when the media extra is not installed."""
+def media_bytes(lm, device: str, vision=None) -> int:
+    """Bytes the model's media profile may use (specialists' or the vision encoder's
+    weights and working memory), 0 when the media extra is not installed."""
     try:
         from aotx.media.profile import profile_for
 
-        return int(profile_for(lm, device=device).memory_bytes)
+        return int(profile_for(lm, device=device, vision=vision).memory_bytes)
     except Exception:  # noqa: BLE001 - media support is optional
         return 0
+
+
+def load_vision(arg: str | None, lm, device: str):
+    """The ``media.vision.VisionEncoder`` for ``--mmproj``: a path, "none" (images go
+    through OCR), or None to use a file named ``mmproj*.gguf`` beside the model.
+
+    Raises ModelError (exit 2) for a broken mmproj or one whose output width is not
+    the text model's, MediaError when the vision packages are missing."""
+    from aotx.engine.errors import ModelError
+
+    if arg is not None and arg.strip().lower() == "none":
+        return None
+    try:
+        from aotx.media.mmproj import find_mmproj
+        from aotx.media.vision import VisionEncoder
+    except ImportError as e:
+        if arg is None:
+            return None
+        raise UsageError(f"--mmproj needs the media extra ({e.name} is missing): pip install 'aotx[media]'") from None
+    path = Path(arg).expanduser() if arg else find_mmproj(lm.path)
+    if path is None:
+        return None
+    if not path.is_file():
+        raise UsageError(f"--mmproj {arg}: no such file (the vision projector GGUF, e.g. mmproj-model-f16.gguf)")
+    enc = VisionEncoder.open(path, device=device)
+    if enc.cfg.n_embd_out != lm.config.d_model:
+        raise ModelError(f"{path}: the projector outputs {enc.cfg.n_embd_out}-wide embeddings, the text model "
+                         f"{lm.path.name} is {lm.config.d_model} wide: they are not a pair (pass the mmproj made "
+                         "for this model, or --mmproj none)")
+    log.info("vision: %s (%s, %d x %d px -> %d positions per image)%s", path.name, enc.cfg.projector,
+             enc.cfg.image_size, enc.cfg.image_size, enc.cfg.n_tokens, "" if arg else ", found beside the model")
+    return enc
 
 
 def build_engine(args, progress=None):
@@ -84,6 +116,8 @@ def build_engine(args, progress=None):
     speculative = getattr(args, "speculative", None) or ("draft" if draft_lm is not None else "off")
     if speculative == "draft" and draft_lm is None:
         raise UsageError("--speculative draft needs --draft-model PATH")
+    vision = load_vision(getattr(args, "mmproj", None), lm, device)
+    from aotx.engine.runtime.media_prompt import DEFAULT_STORE_BYTES as image_store_bytes
     n_slots = args.slots or DEFAULT_SLOTS
     n_ctx = args.context or min(DEFAULT_CONTEXT, lm.config.n_ctx_train)
     if n_ctx > lm.config.n_ctx_train:
@@ -104,7 +138,8 @@ def build_engine(args, progress=None):
     capsule_device = min(2 << 30, total // 16) if device == "cuda" else 0
     budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
                             journal_bytes, total, capsule_bytes=capsule_host if device != "cuda" else 0,
-                            media_bytes=media_bytes(lm, device), capsule_device_bytes=capsule_device,
+                            media_bytes=media_bytes(lm, device, vision) + (image_store_bytes if vision else 0),
+                            capsule_device_bytes=capsule_device,
                             prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
                             draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else ())
     from aotx.engine.state.cache import CapsuleCache
@@ -116,6 +151,11 @@ def build_engine(args, progress=None):
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
                  capsules=caps, speculative=speculative, draft_lm=draft_lm,
                  draft_p_min=DEFAULT_P_MIN if getattr(args, "draft_p_min", None) is None else args.draft_p_min)
+    if vision is not None:
+        from aotx.engine.runtime.media_prompt import ImageStore, special_wrap
+
+        eng.vision = vision
+        eng.images = ImageStore(wrap=special_wrap(lm.tokenizer, vision.cfg.projector))
     return eng, store
 
 

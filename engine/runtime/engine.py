@@ -31,6 +31,7 @@ import numpy as np
 from aotx.engine.errors import AotxError
 from aotx.engine.ipc import protocol as P
 from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.runtime import media_prompt
 from aotx.engine.runtime.requests import Request
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
 from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftDrafter, DraftModel
@@ -51,7 +52,12 @@ class Engine:
     prefill_chunk: most prompt tokens prefilled per tick (others keep decoding);
     speculative: the default drafter (ngram | draft | off); draft_lm: a draft model's
     ``LoadedModel`` (same vocabulary; its own slots and KV: ``drafter.DraftModel``).
+    ``vision`` (a ``media.vision.VisionEncoder``) and ``images`` (a
+    ``media_prompt.ImageStore``) are set by ``serve`` when images go to an encoder.
     """
+
+    vision = None
+    images = None
 
     def __init__(self, lm, store, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
                  budget=None, device: str = "cpu", capsules=None, speculative: str = "off", draft_lm=None,
@@ -78,6 +84,7 @@ class Engine:
         self._durable_watch: list[tuple[int, Request, str]] = []
         self._held: list[tuple[Any, Any, str | None]] = []  # (op, sink, media text) waiting for journal credit
         self._media_busy: dict[int, set[int]] = {}  # sink id -> request ids whose media are being prepared
+        self._restored: set[tuple[int, int]] = set()  # (sink id, request id) whose pictures were re-encoded
         self._segments_at_checkpoint = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -266,11 +273,18 @@ class Engine:
                            f"characters each (got {len(sp.stop)}, the longest "
                            f"{max(map(len, sp.stop), default=0)} characters)")
         tok = self.lm.tokenizer
-        if op.raw:
+        if op.raw and self.images is not None and media_prompt.MARKER_RE.search(text):
+            prompt = media_prompt.encode_raw_with_images(tok, text, self.images)
+        elif op.raw:
             prompt = tok.encode(text, add_special=True, parse_special=False)
         else:
-            messages = self.store.chat_messages(op.conv_id) + [{"role": "user", "content": text}]
-            prompt = self._encode_chat(messages)
+            history = self.store.chat_messages(op.conv_id)
+            if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
+                if self._restore_images(op, sink, text, history):
+                    return
+                text, prompt = self._admit_images(op, sink, history, text)
+            else:
+                prompt = self._encode_chat(history + [{"role": "user", "content": text}])
         if len(prompt) + 1 > self.n_ctx:
             sink.send(P.Notice(id=op.id, kind="refused", resource="context",
                                message=f"the prompt is {len(prompt)} tokens; the context holds {self.n_ctx} "
@@ -339,7 +353,8 @@ class Engine:
                 for a in op.attachments:
                     name = a.name or a.path.rsplit("/", 1)[-1]
                     try:
-                        res = prepare(a.path, a.kind or None, device=self.device)
+                        res = prepare(a.path, a.kind or None, device=self.device, vision=self.vision,
+                                      images=self.images)
                         results.append(res)
                         sink.send(P.MediaInfo(id=op.id, kind=res.kind, route=res.route, name=name, text=res.text,
                                               via=str(res.model or ""), seconds=float(res.seconds or 0.0)))
@@ -370,6 +385,43 @@ class Engine:
         from aotx.engine.model.chat_template import encode_chat
 
         return encode_chat(self.lm.tokenizer, self.lm.template, messages)
+
+    def _restore_images(self, op, sink, text: str, history: list[dict]) -> bool:
+        """Earlier turns' pictures whose rows are gone (a restart, an eviction) are encoded
+        again from their journaled files off the tick thread, then the submission comes
+        back as a "media" op. True when it went to do that (once per submission)."""
+        once = (id(sink), op.id)
+        if once in self._restored:
+            self._restored.discard(once)
+            return False
+        missing = media_prompt.missing_keys(history, self.images)
+        if not missing:
+            return False
+        files = [(a.path, a.name) for m in self.store.get(op.conv_id).messages for a in m.attachments
+                 if a.kind == "image" and a.path]
+        self._restored.add(once)
+
+        def work() -> None:
+            try:
+                media_prompt.restore(files, missing, self.vision, self.images)
+            finally:
+                self._ops.put(("media", (op, text), sink))
+
+        threading.Thread(target=work, name="aotx-media-restore", daemon=True).start()
+        return True
+
+    def _admit_images(self, op, sink, history: list[dict], text: str) -> tuple[str, list[int]]:
+        """Prompt ids with image positions (media_prompt); an image of this message that
+        does not fit the context is left out with a refusal notice, the rest is kept."""
+        def encode(t: str) -> list[int]:
+            return media_prompt.encode_chat_with_images(self.lm.tokenizer, self.lm.template,
+                                                        history + [{"role": "user", "content": t}], self.images)
+
+        def refuse(message: str, asked: int, free: int) -> None:
+            sink.send(P.Notice(id=op.id, kind="refused", resource="context", message=message, asked=asked,
+                               free=free))
+
+        return media_prompt.admit_images(text, encode, self.n_ctx, self.lm.config.n_ctx_train, self.images, refuse)
 
     def _cancel(self, r: Request) -> None:
         if r.state == "done":
@@ -548,6 +600,8 @@ class Engine:
                 rows.append((r, []))
         if not segs:
             return
+        tok_arr = np.asarray(toks, np.int32)
+        embeds = self.images.rows_for(tok_arr, self.lm.config.d_model) if self.images is not None else None
         t1 = time.perf_counter()
         # sampling on the device: when the model can (CUDA: sample()) and every row's
         # sampler is one the device chain runs exactly, only the ids come back, not the
@@ -556,14 +610,16 @@ class Engine:
         ids = None
         logits = None
         try:
-            srows = self._device_rows(model, rows)
+            srows = self._device_rows(model, rows) if embeds is None else None
             if srows is not None:
-                ids = model.sample(np.asarray(toks, np.int32), segs, self.kv, srows, tick=self.tick)
-            elif hasattr(model, "greedy") and all(
+                ids = model.sample(tok_arr, segs, self.kv, srows, tick=self.tick)
+            elif embeds is None and hasattr(model, "greedy") and all(
                     r.sampler.temperature <= 0.0 and r.sampler.repeat_penalty == 1.0 for r, _ in rows):
-                ids = model.greedy(np.asarray(toks, np.int32), segs, self.kv)
+                ids = model.greedy(tok_arr, segs, self.kv)
+            elif embeds is not None:
+                logits = model.forward(tok_arr, segs, self.kv, embeds=embeds)
             else:
-                logits = model.forward(np.asarray(toks, np.int32), segs, self.kv)
+                logits = model.forward(tok_arr, segs, self.kv)
         except Exception as e:  # noqa: BLE001 - fail closed: refuse new work, keep reads
             log.exception("device work failed at tick %d", self.tick)
             self.ready = False

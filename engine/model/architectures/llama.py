@@ -176,13 +176,17 @@ class LlamaModel:
             self._rope_n = n_ctx
         return KVCache(self.cfg, n_slots, n_ctx)
 
-    def forward(self, tokens: np.ndarray, segments: list[Segment], kv: KVCache) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, segments: list[Segment], kv: KVCache,
+                embeds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Run one batch: write each segment's K/V into its slot, return logits.
 
         tokens: (N,) int32, N = sum of segment lengths, in segment order. Returns
         (R, vocab) float32 where R counts one row per segment with ``logits`` (its
         last token) or every row of an ``all_logits`` segment, in order. Positions must lie inside
         the cache (the runtime checks context before scheduling).
+        ``embeds``: ``(rows (k,) int64, values (k, d_model) float32)``: input embeddings
+        that replace the token embeddings of those batch rows (image positions, whose
+        ids are placeholders past the vocabulary; see runtime/media_prompt.py).
         """
         be = self.backend
         cfg = self.cfg
@@ -233,7 +237,13 @@ class LlamaModel:
             out[big] = W.matmul(a[big])
             return out
 
-        x = self.tok_embd.rows(tokens.astype(np.int64))
+        if embeds is None:
+            x = self.tok_embd.rows(tokens.astype(np.int64))
+        else:
+            ids = tokens.astype(np.int64)
+            ids[embeds[0]] = 0
+            x = self.tok_embd.rows(ids)
+            x[embeds[0]] = embeds[1]
         h = np.empty_like(x)
         for li, L in enumerate(self.layers):
             be.rms_norm(x, L.attn_norm, cfg.norm_eps, h)
