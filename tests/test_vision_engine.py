@@ -430,3 +430,40 @@ def test_restart_encodes_earlier_pictures_again_from_the_journal(pair, tmp_path)
     assert again[:len(first)] == first and _span(again) == _span(first)
     assert _span(lost) == (-1, -1)  # its file is gone: the marker reads as text
     assert "no longer available" in lm.tokenizer.decode(lost)
+
+
+def _cuda_why() -> str:
+    try:
+        import cupy
+
+        return "" if cupy.cuda.runtime.getDeviceCount() > 0 else "no CUDA device: CuPy sees 0 devices"
+    except Exception as e:  # noqa: BLE001 - ImportError, or the driver's CUDARuntimeError
+        return f"no CUDA device: {type(e).__name__}: {e}"
+
+
+@pytest.mark.skipif(bool(_cuda_why()), reason=_cuda_why() or "-")
+def test_cuda_engine_places_image_rows_like_the_cpu(tiny_gguf, tmp_path):
+    """The encoder on CuPy and the CUDA forward with image rows (eager path) against
+    the CPU backend's float path on the same picture and prompt."""
+    from PIL import Image
+
+    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.loader import load_model
+    from aotx.media.vision import VisionEncoder
+
+    text = tiny_gguf.write_tiny_llama(tmp_path / "t64.gguf", seed=4, d_model=256, n_heads=4, n_kv_heads=2, ffn=512,
+                                      context_length=512)
+    mm = _tv().write_tiny_mmproj(tmp_path / "mmproj-t.gguf", projector="mlp", seed=11, n_embd_out=256)
+    cpu, gpu = load_model(text, device="cpu", int8_activations=False), load_model(text, device="cuda")
+    enc_c, enc_g = VisionEncoder.open(mm), VisionEncoder.open(mm, device="cuda")
+    img = Image.fromarray(_tv().sample_image(32, seed=1))
+    rc, rg = enc_c.embed_image(img), np.asarray(enc_g.embed_image(img))
+    assert rc.shape == rg.shape and float(np.abs(rg - rc).max()) < 1e-3 * max(1.0, float(np.abs(rc).max()))
+    ids = np.concatenate([np.arange(5, 12), PLACEHOLDER_BASE + np.arange(rc.shape[0]), np.arange(20, 30)])
+    spans = (np.arange(7, 7 + rc.shape[0]), rc)
+    outs = []
+    for lm in (cpu, gpu):
+        kv = lm.model.new_kv_cache(1, 128)
+        outs.append(lm.model.forward(ids.astype(np.int32), [Segment(0, 0, len(ids))], kv, embeds=spans))
+    rel = float(np.linalg.norm(outs[1] - outs[0]) / np.linalg.norm(outs[0]))
+    assert rel < 2e-3, rel
