@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from aotx.engine.errors import AotxError, UsageError
+from aotx.engine.errors import AotxError, ModelError, UsageError
 
 log = logging.getLogger("aotx.serve")
 
@@ -106,7 +106,16 @@ def build_engine(args, progress=None):
     draft_path = getattr(args, "draft_model", None)
     if draft_path:  # refuse a mismatch before loading anything
         check_vocabulary_files(args.model, draft_path)
-    lm = load_model(args.model, device=device, progress=progress)
+    try:
+        lm = load_model(args.model, device=device, progress=progress)
+    except ModelError as e:
+        if device != "cuda" or args.device != "auto":
+            raise
+        # --device auto: a model the CUDA backend cannot run (a head size or tensor type it
+        # lacks) still runs on the CPU; --device cuda asked for the GPU and gets the error
+        log.warning("the CUDA backend cannot run this model (%s); running on the CPU", e)
+        device = "cpu"
+        lm = load_model(args.model, device=device, progress=progress)
     draft_lm = None
     if draft_path:
         draft_lm = load_model(draft_path, device=device)

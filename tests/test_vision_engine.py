@@ -302,7 +302,7 @@ def test_aotx_run_attach_with_mmproj_beside_the_model(pair, tmp_path):
     sock = Path(tempfile.mkdtemp(prefix="aotx-v", dir="/tmp")) / "s.sock"
     env = dict(os.environ, AOTX_HOME=str(tmp_path / "home"))
     r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "run", "--model", str(d / "text.gguf"), "--socket",
-                        str(sock), "--json", "--temperature", "0", "--max-tokens", "2", "--attach", str(img),
+                        str(sock), "--json", "--temperature", "0", "--max-tokens", "2", "--device", "cpu", "--attach", str(img),
                         "what is it"], env=env, capture_output=True, text=True, timeout=120)
     pid = re.search(r"pid (\d+)", r.stderr)
     try:
