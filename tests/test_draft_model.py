@@ -252,25 +252,22 @@ def test_speculative_sampling_with_a_draft_model_keeps_the_distribution(models):
 
 
 def test_verify_with_q_residual():
-    """One draft, q known: accepted with probability min(1, p/q); the residual draw
-    never returns the rejected draft when q(d) >= p(d) everywhere else is 0."""
+    """One fixed draft d = 3 with q(3) = 0.9, q(0) = 0.1 against p = (0.1, 0.2, 0.3, 0.4):
+    accepted with probability min(1, p(3)/q(3)) = 0.444; on rejection the token comes
+    from max(p - q, 0) = (0, 0.2, 0.3, 0) normalized: never 0 (p(0) = q(0)) nor 3."""
     vocab = 6
     logits = np.log(np.array([0.1, 0.2, 0.3, 0.4, 1e-9, 1e-9], np.float32))
     cfg = SamplerConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
-    q = (np.array([3, 0]), np.array([0.9, 0.1]))  # the draft over-proposes token 3
+    q = (np.array([3, 0]), np.array([0.9, 0.1]))
     n, acc = 4000, 0
     firsts = np.zeros(vocab)
     for seed in range(n):
-        rows = np.stack([logits, logits])
-        got = verify(rows, [3], cfg, SamplerState(seed=seed), q=[q])
+        got = verify(np.stack([logits, logits]), [3], cfg, SamplerState(seed=seed), q=[q])
         acc += got[0] == 3 and len(got) == 2
         firsts[got[0]] += 1
-    assert abs(acc / n - 0.4 / 0.9) < 0.03  # P(accept) = min(1, 0.4/0.9)
-    # and the first token is p overall (q chosen so d ~ q has prob 0.9 of being 3 in the engine;
-    # here d is fixed, so the marginal is acc*1[3] + (1-acc)*residual: residual = max(p - q, 0)
-    # is (0, 0.2, 0.3, 0, ...) normalized, never token 0 (p(0) = q(0)) nor 3)
-    assert firsts[0] == 0 and firsts[4] == 0
-    assert abs(firsts[1] / max(1, n - acc) - 0.4) < 0.05
+    assert abs(acc / n - 0.4 / 0.9) < 0.03
+    assert firsts[3] == acc and firsts[0] == 0 and firsts[4] + firsts[5] <= 1
+    assert abs(firsts[1] / (n - acc) - 0.4) < 0.05  # 0.2 / (0.2 + 0.3)
 
 
 # ---- vocabulary ------------------------------------------------------------------------------

@@ -111,8 +111,10 @@ class DraftModel:
     @staticmethod
     def check_vocabulary(target_lm, draft_lm) -> None:
         """Raise ModelError (one line) unless the two loaded models share one vocabulary."""
-        why = vocabulary_mismatch([target_lm.tokenizer.token_to_piece(i) for i in range(target_lm.tokenizer.vocab_size)],
-                                  [draft_lm.tokenizer.token_to_piece(i) for i in range(draft_lm.tokenizer.vocab_size)])
+        def texts(tok) -> list[str]:
+            return [tok.token_to_piece(i) for i in range(tok.vocab_size)]
+
+        why = vocabulary_mismatch(texts(target_lm.tokenizer), texts(draft_lm.tokenizer))
         if not why and target_lm.config.vocab_size != draft_lm.config.vocab_size:
             why = (f"its output layer has {draft_lm.config.vocab_size} rows, the model's has "
                    f"{target_lm.config.vocab_size}")

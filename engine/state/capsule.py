@@ -7,15 +7,16 @@ Philox step counter, penalty history) and, with a draft model, the drafter state
 (the draft slot's K and V up to its committed boundary and the ids they hold;
 ``runtime/drafter.py``). A capsule is a copy of that set with a header: the
 model fingerprint, backend, dtype layout, length and a CRC32C over every buffer
-(the drafter buffers have their own CRC32C in ``header.drafter``). Restore copies back into the *same* live buffers (nothing
-resolved at load changes) and is byte-exact.
+(the drafter buffers have their own CRC32C in ``header.drafter``). Restore
+copies back into the *same* live buffers (nothing resolved at load changes)
+and is byte-exact.
 
 Homes: "host" (a numpy copy in RAM: parking), "disk" (a file written
 crash-safely: write, fsync, rename, fsync the directory), and, on CUDA,
 "device" (a copy beside the live buffers, provided by the CUDA backend).
 Public reference: the FlashRT paper "Execution-State Capsules" (byte-exact
 restore, token-identical greedy decode); unlike it, capsules here include the
-sampler state and live in three homes.
+sampler state and the drafter state, and live in three homes.
 
 File format (little-endian): magic ``AOTXCAPS``, u32 version, u32 header
 length, header (msgpack map), then the buffers raw: ``k``, ``v``, ``tokens``,
