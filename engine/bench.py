@@ -288,7 +288,7 @@ def _spec_once(lm, text: str, mode: str, max_tokens: int, draft_lm=None) -> dict
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store
 
-    eng = Engine(lm, open_store(None), n_slots=1, n_ctx=1024, speculative=mode,
+    eng = Engine(lm, open_store(None), n_slots=1, n_ctx=1024, speculative=mode, device=lm.backend,
                  draft_lm=draft_lm if mode == "draft" else None)
     box: dict = {}
 
@@ -335,7 +335,7 @@ def bench_speculative(lm, max_tokens: int = 160, draft_lm=None, repeats: int = 1
     (rewrite a ~300-token code snippet with one change) and on free chat; checks the
     outputs are identical to plain greedy. Modes alternate within each repeat; the
     reported tok/s is the median over repeats."""
-    modes = ("off", "ngram") + (("draft",) if draft_lm is not None else ())
+    modes = ("off", "auto", "ngram") + (("draft",) if draft_lm is not None else ())
     out = {}
     for task, text in SPEC_TASKS.items():
         runs: dict[str, list[dict]] = {m: [] for m in modes}

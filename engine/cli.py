@@ -70,9 +70,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=_float("--repeat-penalty", 0.0, 100.0), default=1.0)
     p.add_argument("--seed", type=_int("--seed", 0), default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--speculative", choices=["ngram", "draft", "off"], default="",
-                   help="speculative decoding for this reply: ngram (prompt lookup), draft (the engine's "
-                        "--draft-model) or off (default: the engine's choice)")
+    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "off"], default="",
+                   help="speculative decoding for this reply: auto (prompt lookup where it pays), ngram "
+                        "(prompt lookup), draft (the engine's --draft-model) or off (default: the engine's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,10 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the engine in the foreground")
     add_engine_flags(p)
-    p.add_argument("--speculative", choices=["ngram", "draft", "off"], default=None,
-                   help="default speculative decoding: ngram (prompt lookup), draft (--draft-model) or off "
-                        "(default: draft with --draft-model, else off; on this CPU backend a verify pass "
-                        "costs more than it saves, see BENCHMARKS.md)")
+    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "off"], default=None,
+                   help="default speculative decoding: auto (prompt lookup on the CPU after 2-token "
+                        "matches, off on CUDA), ngram (prompt lookup), draft (--draft-model) or off "
+                        "(default: draft with --draft-model, else auto; see BENCHMARKS.md)")
     p.add_argument("--draft-p-min", type=_float("--draft-p-min", 0.0, 1.0), default=None,
                    help="stop drafting when the draft model's top probability falls below this (default 0.75)")
     p.add_argument("--prefill-chunk", type=_int("--prefill-chunk", 1), default=256, help=argparse.SUPPRESS)

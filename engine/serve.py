@@ -122,7 +122,7 @@ def build_engine(args, progress=None):
         DraftModel.check_vocabulary(lm, draft_lm)
         log.info("draft model %s (%d layers, d_model %d)", draft_lm.name, draft_lm.config.n_layers,
                  draft_lm.config.d_model)
-    speculative = getattr(args, "speculative", None) or ("draft" if draft_lm is not None else "off")
+    speculative = getattr(args, "speculative", None) or ("draft" if draft_lm is not None else "auto")
     if speculative == "draft" and draft_lm is None:
         raise UsageError("--speculative draft needs --draft-model PATH")
     vision = load_vision(getattr(args, "mmproj", None), lm, device)

@@ -41,6 +41,11 @@ from aotx.engine.runtime.slots import SlotTable
 log = logging.getLogger("aotx.engine")
 
 MAX_STOP_STRINGS = 64
+# speculative "auto" (the default): prompt lookup on the CPU, where a verify window of a few
+# rows costs little more than one row, drafting only after a match of this many tokens so
+# that free chat (few matches) pays nothing; off on CUDA, where a tick's host time dominates
+# and drafts rarely pay (BENCHMARKS.md, speculative sections)
+AUTO_MIN_NGRAM = 2
 MAX_STOP_CHARS = 1024
 
 
@@ -370,8 +375,10 @@ class Engine:
         """A fresh drafter when speculation is on for this request (the request's own
         choice, else the engine's default), else None (verify window T = 1)."""
         mode = sp.speculative or self.speculative
-        if mode in ("ngram", "auto"):
+        if mode == "ngram":
             return PromptLookup()
+        if mode == "auto":  # where it pays: the CPU, drafting only after a match of 2+ tokens
+            return PromptLookup(min_ngram=AUTO_MIN_NGRAM) if self.device == "cpu" else None
         if mode in ("off", "none", ""):
             return None
         if mode == "draft":
@@ -379,7 +386,7 @@ class Engine:
                 raise _Refused("bad_request", "speculative mode 'draft' needs a draft model: start the engine with "
                                               "--draft-model PATH (or use ngram or off)")
             return DraftDrafter(draft=self.draft)
-        raise _Refused("bad_request", f"speculative mode {mode!r} is not available (use ngram, draft or off)")
+        raise _Refused("bad_request", f"speculative mode {mode!r} is not available (use auto, ngram, draft or off)")
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
         from aotx.engine.model.chat_template import encode_chat
