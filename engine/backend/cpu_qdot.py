@@ -54,8 +54,13 @@ PORTABLE = np.int8(0)    # the same sums in generic LLVM vector IR (any target)
 
 
 def host_has_avx2() -> bool:
-    """True when LLVM reports AVX2 on this CPU (llvmlite's host feature string)."""
+    """True when numba compiles for a CPU with AVX2: llvmlite's host feature string, or,
+    where NUMBA_CPU_NAME / NUMBA_CPU_FEATURES pick another target (portable caches), those."""
+    from numba.core import config
+
     try:
+        if config.CPU_NAME and config.CPU_NAME != "host":
+            return "+avx2" in (config.CPU_FEATURES or "").split(",")
         return "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")
     except Exception:           # noqa: BLE001 - a host LLVM cannot describe: stay portable
         return False
