@@ -7,18 +7,22 @@ dequantization (`quants.py`), choosing tensors and shapes (engine/model).
 How it computes
 * Q4_0, Q4_1 and Q8_0 are repacked once at load into a row-tiled layout (still quantized,
   ~1.2x the file's bytes because the float16 scales become float32):
-      tiles of R = 32 output rows; for tile t, block b (32 inputs), byte j and row r:
-      Q4_*:  qs[t, b, j, r] uint8  (low nibble = input b*32+j, high nibble = b*32+16+j)
+      tiles of R = 32 output rows; for tile t, block b (32 inputs), byte group g, row r
+      and byte c (the GGUF block's byte 4g + c):
+      Q4_*:  qs[t, b, g, r, c] uint8, g < 4  (low nibble = input b*32 + 4g + c,
+             high nibble = input b*32 + 16 + 4g + c)
              d[t, b, r], mn[t, b, r] float32  (w = d * q + mn; Q4_0 stores mn = -8 d)
-      Q8_0:  qs[t, b, j, r] int8 (j < 32), d[t, b, r] float32  (w = d * q)
-  so the GEMV inner loop runs over 32 neighbouring rows with one broadcast input, and
-  LLVM vectorizes it across rows.
+      Q8_0:  qs[t, b, g, r, c] int8, g < 8  (input b*32 + 4g + c), d[t, b, r] float32
+  so one 32-byte load holds 4 consecutive bytes of each of 8 rows: what AVX2's
+  vpmaddubsw / vpmaddwd need to produce 8 rows' int32 dot products in one register
+  (cpu_qdot.py), without the horizontal sums of a row-major layout.
 * Small batches (n <= GEMV_MAX_N, decode) use that kernel with float32 activations
   (uint8 -> int32 -> float32, FMA; ~1e-6 against float64), or, for a matrix built with
   int8=True, quantize x to int8 per 32-block as llama.cpp does (Q8_1 activations) and run
-  the integer kernels of `cpu_qdot.py` (int16 lanes for Q4, int32 for Q8_0): ~2x faster
-  single-threaded, at llama.cpp's fidelity (a dot product's relative error ~5e-3 against
-  float64, from rounding x to int8).
+  the integer kernels of `cpu_qdot.py` (AVX2 vpmaddubsw / vpmaddwd, or portable LLVM vector
+  code on CPUs without AVX2), at llama.cpp's fidelity (a dot product's relative error
+  ~5e-3 against float64, from rounding x to int8). A row's result does not depend on the
+  other rows of the call.
 * Larger batches (prefill) dequantize a tile of W rows into a reused float32 scratch and
   call numpy's BLAS (x @ tile.T): float32 activations, ~1e-6 against float64. (The int8
   kernels with 4 rows per weight load measured ~2x slower than this path at n = 128.)
@@ -57,13 +61,16 @@ def _f16_field(blocks: np.ndarray, off: int) -> np.ndarray:
 
 
 def _tile(a: np.ndarray, m_pad: int) -> np.ndarray:
-    """(m, nb, j) -> (m_pad/R, nb, j, R) contiguous, zero-padded rows; (m, nb) -> (T, nb, R)."""
+    """Zero-pad rows to m_pad, then: (m, nb, G*4) bytes -> (m_pad/R, nb, G, R, 4);
+    (m, nb) scales -> (m_pad/R, nb, R). Contiguous."""
     m = a.shape[0]
     if m_pad != m:
         a = np.concatenate([a, np.zeros((m_pad - m,) + a.shape[1:], a.dtype)])
+    if a.ndim == 3:
+        nb, nbytes = a.shape[1:]
+        a = a.reshape(m_pad // R, R, nb, nbytes // 4, 4)
+        return np.ascontiguousarray(a.transpose(0, 2, 3, 1, 4))
     a = a.reshape((m_pad // R, R) + a.shape[1:])
-    if a.ndim == 4:
-        return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
     return np.ascontiguousarray(a.transpose(0, 2, 1))
 
 
@@ -75,9 +82,9 @@ def repack(b: np.ndarray, qtype: T, m: int, k: int) -> tuple[np.ndarray, np.ndar
     m_pad = -(-m // R) * R
     nt = m_pad // R
     if qtype == T.Q8_0:
-        qs = np.empty((nt, nb, 32, R), np.int8)
+        qs = np.empty((nt, nb, 8, R, 4), np.int8)
     else:
-        qs = np.empty((nt, nb, 16, R), np.uint8)
+        qs = np.empty((nt, nb, 4, R, 4), np.uint8)
     d = np.empty((nt, nb, R), np.float32)
     mn = np.empty((nt, nb, R), np.float32) if qtype != T.Q8_0 else np.empty((0, 0, R), np.float32)
     slab = 64 * R
@@ -105,12 +112,11 @@ def repack(b: np.ndarray, qtype: T, m: int, k: int) -> tuple[np.ndarray, np.ndar
 def _gemv_q4(qs, d, mn, x, xs, out, n_chunks):
     """Q4_0/Q4_1 tiles: out[i, t*R + r] = sum_b d * (sum_j q * x) + mn * xs[i, b].
 
-    qs (T, nb, 16, R) uint8, d/mn (T, nb, R) float32, x (n, k) float32, xs (n, nb) float32
-    block sums of x, out (n, m) float32. The r loops vectorize across 32 rows; the
-    np.uint8 casts keep the nibble math in narrow lanes (int64 -> float32 conversion does
-    not vectorize on AVX2). Four input pairs per pass measured ~15% faster than all 16.
+    qs (T, nb, 4, R, 4) uint8, d/mn (T, nb, R) float32, x (n, k) float32, xs (n, nb) float32
+    block sums of x, out (n, m) float32. The r loops vectorize across 32 rows (stride-4
+    byte loads); the np.uint8 casts keep the nibble math in narrow lanes.
     """
-    nt, nb, _, RR = qs.shape
+    nt, nb, G, RR, C = qs.shape
     n, m = out.shape
     per = (nt + n_chunks - 1) // n_chunks
     F = np.uint8(15)
@@ -124,15 +130,15 @@ def _gemv_q4(qs, d, mn, x, xs, out, n_chunks):
                 for r in range(RR):
                     acc[r] = 0.0
                 for b in range(nb):
-                    W = qs[t, b]
                     for r in range(RR):
                         s[r] = 0.0
-                    for j in range(0, 16, 4):
-                        o = b * 32 + j
+                    for g in range(G):
+                        W = qs[t, b, g]
+                        o = b * 32 + 4 * g
                         x0 = xi[o]; x1 = xi[o + 1]; x2 = xi[o + 2]; x3 = xi[o + 3]
                         y0 = xi[o + 16]; y1 = xi[o + 17]; y2 = xi[o + 18]; y3 = xi[o + 19]
                         for r in range(RR):
-                            q0 = W[j, r]; q1 = W[j + 1, r]; q2 = W[j + 2, r]; q3 = W[j + 3, r]
+                            q0 = W[r, 0]; q1 = W[r, 1]; q2 = W[r, 2]; q3 = W[r, 3]
                             s[r] += (np.float32(np.uint8(q0 & F)) * x0 + np.float32(np.uint8(q0 >> S)) * y0
                                      + np.float32(np.uint8(q1 & F)) * x1 + np.float32(np.uint8(q1 >> S)) * y1
                                      + np.float32(np.uint8(q2 & F)) * x2 + np.float32(np.uint8(q2 >> S)) * y2
@@ -149,8 +155,8 @@ def _gemv_q4(qs, d, mn, x, xs, out, n_chunks):
 
 @njit(cache=True, fastmath=True, parallel=True)
 def _gemv_q8(qs, d, x, out, n_chunks):
-    """Q8_0 tiles: out[i, t*R + r] = sum_b d[t, b, r] * sum_j qs[t, b, j, r] * x[i, b*32+j]."""
-    nt, nb, _, RR = qs.shape
+    """Q8_0 tiles (T, nb, 8, R, 4) int8: out[i, t*R + r] = sum_b d[t, b, r] * sum_j q * x[i, b*32 + j]."""
+    nt, nb, G, RR, C = qs.shape
     n, m = out.shape
     per = (nt + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
@@ -162,15 +168,15 @@ def _gemv_q8(qs, d, x, out, n_chunks):
                 for r in range(RR):
                     acc[r] = 0.0
                 for b in range(nb):
-                    W = qs[t, b]
                     for r in range(RR):
                         s[r] = 0.0
-                    for j in range(0, 32, 4):
-                        x0 = xi[b * 32 + j]; x1 = xi[b * 32 + j + 1]
-                        x2 = xi[b * 32 + j + 2]; x3 = xi[b * 32 + j + 3]
+                    for g in range(G):
+                        W = qs[t, b, g]
+                        o = b * 32 + 4 * g
+                        x0 = xi[o]; x1 = xi[o + 1]; x2 = xi[o + 2]; x3 = xi[o + 3]
                         for r in range(RR):
-                            s[r] += (np.float32(W[j, r]) * x0 + np.float32(W[j + 1, r]) * x1
-                                     + np.float32(W[j + 2, r]) * x2 + np.float32(W[j + 3, r]) * x3)
+                            s[r] += (np.float32(W[r, 0]) * x0 + np.float32(W[r, 1]) * x1
+                                     + np.float32(W[r, 2]) * x2 + np.float32(W[r, 3]) * x3)
                     db = d[t, b]
                     for r in range(RR):
                         acc[r] += db[r] * s[r]
@@ -191,7 +197,7 @@ def _unpack_q4(qs, d, mn, ids, out):
             db = d[t, b, r]
             mb = mn[t, b, r]
             for j in range(16):
-                q = qs[t, b, j, r]
+                q = qs[t, b, j // 4, r, j % 4]
                 out[i, b * 32 + j] = db * np.float32(q & np.uint8(15)) + mb
                 out[i, b * 32 + 16 + j] = db * np.float32(q >> np.uint8(4)) + mb
 
@@ -205,7 +211,7 @@ def _unpack_q8(qs, d, ids, out):
         for b in range(k // 32):
             db = d[t, b, r]
             for j in range(32):
-                out[i, b * 32 + j] = db * np.float32(qs[t, b, j, r])
+                out[i, b * 32 + j] = db * np.float32(qs[t, b, j // 4, r, j % 4])
 
 
 @njit(cache=True)
@@ -219,11 +225,13 @@ def _unpack_q4_range(qs, d, mn, r0, out):
         t = tt // nb
         b = tt % nb
         rmax = min(R, n - t * R)
-        for j in range(16):
-            for r in range(rmax):
-                q = qs[t0 + t, b, j, r]
-                out[t * R + r, b * 32 + j] = d[t0 + t, b, r] * np.float32(q & np.uint8(15)) + mn[t0 + t, b, r]
-                out[t * R + r, b * 32 + 16 + j] = d[t0 + t, b, r] * np.float32(q >> np.uint8(4)) + mn[t0 + t, b, r]
+        for r in range(rmax):
+            db = d[t0 + t, b, r]
+            mb = mn[t0 + t, b, r]
+            for j in range(16):
+                q = qs[t0 + t, b, j // 4, r, j % 4]
+                out[t * R + r, b * 32 + j] = db * np.float32(q & np.uint8(15)) + mb
+                out[t * R + r, b * 32 + 16 + j] = db * np.float32(q >> np.uint8(4)) + mb
 
 
 @njit(cache=True)
@@ -236,9 +244,10 @@ def _unpack_q8_range(qs, d, r0, out):
         t = tt // nb
         b = tt % nb
         rmax = min(R, n - t * R)
-        for j in range(32):
-            for r in range(rmax):
-                out[t * R + r, b * 32 + j] = d[t0 + t, b, r] * np.float32(qs[t0 + t, b, j, r])
+        for r in range(rmax):
+            db = d[t0 + t, b, r]
+            for j in range(32):
+                out[t * R + r, b * 32 + j] = db * np.float32(qs[t0 + t, b, j // 4, r, j % 4])
 
 
 _local = threading.local()
@@ -246,7 +255,7 @@ _local = threading.local()
 
 def _act_scratch(n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per-thread buffers for n rows of k int8-quantized activations (cpu_qdot.quantize_x):
-    xq (n, k) int16, dx and sx (n, k/32) float32, x8 (n, k/32) int16. Reused across calls."""
+    xq (n, k) int8, dx and sx (n, k/32) float32, x8 (n, k/32) int32. Reused across calls."""
     try:
         bufs = _local.act
     except AttributeError:
@@ -256,8 +265,8 @@ def _act_scratch(n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
         if len(bufs) > 64:
             bufs.clear()
         nb = k // 32
-        b = bufs[(n, k)] = (np.empty((n, k), np.int16), np.empty((n, nb), np.float32),
-                            np.empty((n, nb), np.float32), np.empty((n, nb), np.int16))
+        b = bufs[(n, k)] = (np.empty((n, k), np.int8), np.empty((n, nb), np.float32),
+                            np.empty((n, nb), np.float32), np.empty((n, nb), np.int32))
     return b
 
 
@@ -287,6 +296,7 @@ class QuantMatrix:
     def __init__(self, raw: np.ndarray, qtype: T, m: int, k: int, name: str = "", int8: bool = False):
         self.qtype = qtype
         self.int8 = bool(int8)
+        self.isa = cpu_qdot.HOST_ISA    # the int8 kernels' instruction set (tests may swap it)
         self.m = int(m)
         self.k = int(k)
         self.name = name
@@ -330,9 +340,10 @@ class QuantMatrix:
         if q in _REPACKED and small and self.int8:
             xq, dx, sx, x8 = _act_scratch(n, self.k)
             if q == T.Q8_0:
-                cpu_qdot.matmul_q8(self._qs, self._d, x, xq, dx, sx, x8, out, self._n_chunks)
+                cpu_qdot.matmul_q8(self.isa, self._qs, self._d, x, xq, dx, sx, x8, out, self._n_chunks)
             else:
-                cpu_qdot.matmul_q4(self._qs, self._d, self._mn, x, xq, dx, sx, x8, out, self._n_chunks)
+                cpu_qdot.matmul_q4(self.isa, self._qs, self._d, self._mn, x, xq, dx, sx, x8, out,
+                                   self._n_chunks)
             return out
         if q in _REPACKED and small:
             if q == T.Q8_0:

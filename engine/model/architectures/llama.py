@@ -226,6 +226,18 @@ class LlamaModel:
             big = np.nonzero(mask)[0]
         s_slots = np.asarray(small_slots, np.int32)
         s_len = np.asarray(small_len, np.int32)
+        # One-token segments (decode steps) store their K/V rows with one fancy-indexed
+        # assignment per layer instead of one slice assignment per segment.
+        one: list[tuple[int, int, int]] = []        # (row, slot, pos)
+        multi: list[tuple[int, Segment]] = []
+        row = 0
+        for s in segments:
+            if s.n == 1:
+                one.append((row, s.slot, s.pos))
+            else:
+                multi.append((row, s))
+            row += s.n
+        one_rows, one_slots, one_pos = (np.asarray(c, np.int64) for c in zip(*one)) if one else ((),) * 3
 
         def mm(W, a: np.ndarray) -> np.ndarray:
             if big is None:
@@ -253,13 +265,16 @@ class LlamaModel:
             be.rope(q, positions, self.cos, self.sin)
             be.rope(k, positions, self.cos, self.sin)
             kc, vc = kv.k[li], kv.v[li]
-            row = 0
-            for s in segments:
+            if len(one_rows):
+                kc[one_slots, :, one_pos, :] = k[one_rows]
+                vc[one_slots, :, one_pos, :] = v[one_rows]
+            for row, s in multi:
                 kc[s.slot, :, s.pos:s.pos + s.n, :] = k[row:row + s.n].transpose(1, 0, 2)
                 vc[s.slot, :, s.pos:s.pos + s.n, :] = v[row:row + s.n].transpose(1, 0, 2)
-                row += s.n
             att = np.empty((N, H, hd), np.float32)
-            if small_rows:
+            if big is None:                          # every row is a decode / verify row, in order
+                be.attention_decode(q, kc, vc, s_slots, s_len, self.scale, att)
+            elif small_rows:
                 od = np.empty((len(small_rows), H, hd), np.float32)
                 be.attention_decode(np.ascontiguousarray(q[sr]), kc, vc, s_slots, s_len, self.scale, od)
                 att[sr] = od
