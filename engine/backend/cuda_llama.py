@@ -62,6 +62,23 @@ def _nb(b: int) -> int:
     return best
 
 
+def _layout(segments: list, slot_row: np.ndarray, pos_row: np.ndarray) -> list[int]:
+    """Write each batch row's slot and position (int32 rows, in segment order) and return
+    the batch rows whose logits are wanted (every row of an ``all_logits`` segment, the
+    last row of one with ``logits``)."""
+    out: list[int] = []
+    row = 0
+    for s in segments:
+        slot_row[row:row + s.n] = s.slot
+        pos_row[row:row + s.n] = np.arange(s.pos, s.pos + s.n, dtype=np.int32)
+        if s.all_logits:
+            out.extend(range(row, row + s.n))
+        elif s.logits:
+            out.append(row + s.n - 1)
+        row += s.n
+    return out
+
+
 def rope_tables(n_ctx: int, rope_dim: int, base: float, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin (n_ctx, rope_dim // 2) float32, as ``cpu_ops.rope_tables`` computes them
     (float64, then rounded), so both backends rotate by the same numbers."""
@@ -289,16 +306,7 @@ class CudaLlamaModel:
             b *= 2
         t = kv.tab_np
         t[0, :n] = tokens[:n]
-        out: list[int] = []
-        row = 0
-        for s in segments:
-            t[1, row:row + s.n] = s.slot
-            t[2, row:row + s.n] = np.arange(s.pos, s.pos + s.n, dtype=np.int32)
-            if s.all_logits:
-                out.extend(range(row, row + s.n))
-            elif s.logits:
-                out.append(row + s.n - 1)
-            row += s.n
+        out = _layout(segments, t[1], t[2])
         t[0, n:b] = 0
         t[1, n:b] = kv.n_slots
         t[2, n:b] = 0
@@ -442,16 +450,10 @@ class CudaLlamaModel:
         meta[0] = tokens
         if embeds is not None:
             meta[0, embeds[0]] = 0  # placeholder ids lie past the vocabulary; their rows are replaced below
-        out_rows: list[int] = []
+        out_rows = _layout(segments, meta[1], meta[2])
         dec_rows: list[int] = []
         row = 0
         for s in segments:
-            meta[1, row:row + s.n] = s.slot
-            meta[2, row:row + s.n] = np.arange(s.pos, s.pos + s.n, dtype=np.int32)
-            if s.all_logits:
-                out_rows.extend(range(row, row + s.n))
-            elif s.logits:
-                out_rows.append(row + s.n - 1)
             if s.n == 1:
                 dec_rows.append(row)
             row += s.n
