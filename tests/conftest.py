@@ -27,10 +27,11 @@ def default_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def refs_dir() -> Path:
-    """``shared/refs/``: llama.cpp's reference outputs, beside the repository clone."""
-    path = Path(__file__).resolve().parents[2] / "shared" / "refs"
+    """``tests/data/refs/smollm2/``: llama.cpp's reference outputs on the default model
+    (copied into the repository from the project's shared references; see its README)."""
+    path = Path(__file__).resolve().parent / "data" / "refs" / "smollm2"
     if not path.is_dir():
-        pytest.fail(f"llama.cpp references not found at {path} (shared/ must sit beside the clone)")
+        pytest.fail(f"llama.cpp references not found at {path}")
     return path
 
 

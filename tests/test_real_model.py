@@ -1,6 +1,6 @@
-"""The default model against llama.cpp's references in shared/refs/.
+"""The default model against llama.cpp's references in tests/data/refs/smollm2/.
 
-Teacher-forced (shared/refs/README.md): feed prompt + reference completion, and
+Teacher-forced (tests/data/refs/smollm2/README.md): feed prompt + reference completion, and
 at every step compare our logits with llama.cpp's reference top-5. Where the
 reference top-two gap is >= 0.5 our argmax must equal llama.cpp's; over all
 steps the mean absolute logit difference on the reference top-5 ids must stay

@@ -128,7 +128,7 @@ def test_aotx_run_json_output(engine_server, tmp_path, refs_dir):
     assert done["finish_reason"] in ("stop", "length")
     assert len(tok) == 8 or done["finish_reason"] == "stop"
     # end to end, the chat template and greedy decode agree with llama.cpp on this prompt
-    # (its reference: shared/refs/chat_refs.json "code_request", whose first near-tie, a top-two
+    # (its reference: tests/data/refs/smollm2/chat_refs.json "code_request", whose first near-tie, a top-two
     # gap under 0.1, is at step 27; "short_question" has one at step 0)
     ref = next(c for c in json.loads((refs_dir / "chat_refs.json").read_text())["results"]
                if c["name"] == "code_request")
