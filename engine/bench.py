@@ -42,7 +42,7 @@ def _median_rate(fn, n_tokens: int, repeats: int) -> float:
 
 def bench_model(lm, sizes=(128, 512, 1024), decode_steps=128, repeats=3) -> dict:
     """Prefill tokens/s per size and batch-1 decode tokens/s of the model alone."""
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
 
     pool = lm.tokenizer.encode(TEXT)
     while len(pool) < max(sizes):
@@ -173,7 +173,7 @@ def bench_capsules(lm, sizes=(512, 2048), new_tokens: int = 16, chunk: int = 512
     """Per context size n: snapshot/restore seconds per home (host copy, disk write and
     read), and time to first token of a next turn of ``new_tokens`` through a restore
     versus a cold prefill of all n + new_tokens tokens (chunked like the engine)."""
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
     from aotx.engine.state import capsule as C
 
     pool = lm.tokenizer.encode(TEXT)

@@ -21,7 +21,7 @@ import numpy as np
 
 def main(argv: list[str]) -> None:
     from aotx.engine.bench import PROMPTS
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
     from aotx.engine.model.loader import load_model
 
     lm = load_model(None, device="cpu")

@@ -81,7 +81,7 @@ def cmd_tokenize(args) -> int:
 
 
 def cmd_logits(args) -> int:
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
     from aotx.engine.model.loader import load_model
 
     lm = load_model(args.model, device="cpu")

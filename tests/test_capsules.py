@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aotx.engine.ipc import protocol as P
-from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
 from aotx.engine.state import capsule as C
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from aotx.engine.ipc import protocol as P
-from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.model.batch import Segment
 
 try:
     import cupy

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from aotx.engine.backend import cuda_sampling as CS
-from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample, uniform
 
 try:

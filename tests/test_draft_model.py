@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from aotx.engine.ipc import protocol as P
-from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, distribution
 from aotx.engine.runtime.speculative import verify
 from aotx.engine.state import capsule as C

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as T
 
 from aotx.engine.backend.cpu import CpuBackend
 from aotx.engine.model.architectures import llama
-from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.model.batch import Segment
 from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.gguf_file import GGUFFile
 from aotx.engine.model.loader import load_model

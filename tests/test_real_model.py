@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
 
 GAP_STRICT = 0.5

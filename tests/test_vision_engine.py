@@ -122,7 +122,7 @@ def test_image_rows_reach_the_model_at_their_positions(pair, tmp_path):
     assert b - a == enc.cfg.n_tokens == 16 and all(t >= PLACEHOLDER_BASE for t in ids[a:b])
     assert all(t < lm.config.vocab_size for t in ids[:a] + ids[b:])
     # independent: the text model's forward over the same ids with the encoder's rows there
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
 
     rows = enc.embed_image(Image.open(img).convert("RGB"))
     model = lm.model
@@ -260,7 +260,7 @@ def test_prompt_with_a_picture_matches_llama_cpp(tmp_path):
     The last position's logits agree to the encoder's GELU-table gap."""
     from PIL import Image
 
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
     from aotx.engine.model.loader import load_model
     from aotx.media.vision import VisionEncoder
 
@@ -447,7 +447,7 @@ def test_cuda_engine_places_image_rows_like_the_cpu(tiny_gguf, tmp_path):
     the CPU backend's float path on the same picture and prompt."""
     from PIL import Image
 
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
     from aotx.engine.model.loader import load_model
     from aotx.media.vision import VisionEncoder
 

@@ -67,7 +67,7 @@ def forward_bench(path: str, int8: bool) -> None:
 
     from aotx.engine.backend.cpu import CpuBackend
     from aotx.engine.model.architectures import llama
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
 

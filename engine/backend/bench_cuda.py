@@ -118,7 +118,7 @@ def profile_kernels(model, kv, B: int, reps: int = 50) -> dict[str, float]:
 
 
 def bench(path: Path) -> dict:
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
 
     t0 = time.perf_counter()
     model = _build(path)

@@ -45,6 +45,7 @@ from aotx.engine.backend import cuda_src as S
 from aotx.engine.backend.cuda import NVRTC_OPTIONS, CudaBackend, DevMatrix, _u64
 from aotx.engine.backend.cuda_kv import ATT_NSMAX, CudaKVCache
 from aotx.engine.errors import ModelError
+from aotx.engine.model.batch import BatchLayout
 from aotx.engine.model.config import ModelConfig
 
 DENSE_CACHE_BYTES = 4 << 30   # float32 copies of the weights for prefill are kept up to this size
@@ -60,23 +61,6 @@ def _nb(b: int) -> int:
         if n <= b:
             best = n
     return best
-
-
-def _layout(segments: list, slot_row: np.ndarray, pos_row: np.ndarray) -> list[int]:
-    """Write each batch row's slot and position (int32 rows, in segment order) and return
-    the batch rows whose logits are wanted (every row of an ``all_logits`` segment, the
-    last row of one with ``logits``)."""
-    out: list[int] = []
-    row = 0
-    for s in segments:
-        slot_row[row:row + s.n] = s.slot
-        pos_row[row:row + s.n] = np.arange(s.pos, s.pos + s.n, dtype=np.int32)
-        if s.all_logits:
-            out.extend(range(row, row + s.n))
-        elif s.logits:
-            out.append(row + s.n - 1)
-        row += s.n
-    return out
 
 
 def rope_tables(n_ctx: int, rope_dim: int, base: float, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -306,7 +290,7 @@ class CudaLlamaModel:
             b *= 2
         t = kv.tab_np
         t[0, :n] = tokens[:n]
-        out = _layout(segments, t[1], t[2])
+        out = BatchLayout.of(segments).write_rows(t[1], t[2])
         t[0, n:b] = 0
         t[1, n:b] = kv.n_slots
         t[2, n:b] = 0
@@ -450,7 +434,7 @@ class CudaLlamaModel:
         meta[0] = tokens
         if embeds is not None:
             meta[0, embeds[0]] = 0  # placeholder ids lie past the vocabulary; their rows are replaced below
-        out_rows = _layout(segments, meta[1], meta[2])
+        out_rows = BatchLayout.of(segments).write_rows(meta[1], meta[2])
         dec_rows: list[int] = []
         row = 0
         for s in segments:

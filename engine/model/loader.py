@@ -181,7 +181,7 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
         raise ModelError(f"{p}: the tokenizer has {tok.vocab_size} tokens but the model's vocabulary is "
                          f"{cfg.vocab_size}")
     stage("tokenizer")
-    from aotx.engine.model.architectures.llama import Segment
+    from aotx.engine.model.batch import Segment
 
     kv = model.new_kv_cache(1, 8)
     model.forward(np.array([0, 0], np.int32), [Segment(0, 0, 2)], kv)

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from aotx.engine.errors import ModelError
-from aotx.engine.model.architectures.llama import SMALL_SEGMENT, Segment
+from aotx.engine.model.batch import SMALL_SEGMENT, Segment
 from aotx.engine.runtime.sampling import apply_repeat_penalty, distribution, uniform
 from aotx.engine.runtime.slots import common_prefix
 from aotx.engine.runtime.speculative import AdaptiveWindow

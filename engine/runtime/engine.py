@@ -30,7 +30,7 @@ import numpy as np
 
 from aotx.engine.errors import AotxError
 from aotx.engine.ipc import protocol as P
-from aotx.engine.model.architectures.llama import Segment
+from aotx.engine.model.batch import Segment
 from aotx.engine.runtime import media_prompt
 from aotx.engine.runtime.requests import Request
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample

@@ -21,25 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from aotx.engine.errors import ModelError
+from aotx.engine.model.batch import SMALL_SEGMENT, Segment  # noqa: F401 (re-exported)
 from aotx.engine.model.config import ModelConfig
-
-SMALL_SEGMENT = 16  # segments of at most this many tokens run through the per-row kernels
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run of ``n`` consecutive tokens of one slot starting at position ``pos``.
-
-    A batch is a list of segments; their tokens are concatenated in order. With
-    ``all_logits`` every row's logits are returned, otherwise only the last row's,
-    and none when ``logits`` is false (a prefill chunk that does not end the prompt)."""
-
-    slot: int
-    pos: int
-    n: int
-    all_logits: bool = False
-    logits: bool = True
-
 
 @dataclass
 class Layer:
