@@ -13,7 +13,7 @@ from types import ModuleType
 
 from aotx.engine.errors import ModelError
 
-REGISTRY = {name: f"aotx.engine.model.architectures.{name}" for name in ("llama",)}
+REGISTRY = {name: f"aotx.engine.model.architectures.{name}" for name in ("gemma3", "llama", "phi3", "qwen2", "qwen3")}
 
 
 def get_architecture(name: str, path: str = "model") -> ModuleType:

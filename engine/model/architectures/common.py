@@ -77,13 +77,16 @@ def build_ffn(b: ProgramBuilder, w: Weights, p: str, h: Value, act: str) -> Valu
                     name=p + "ffn_out")
 
 
-def rope_factor_tensors(cfg: ModelConfig) -> list:
-    """Llama 3's ``rope_freqs`` and Phi-3's ``rope_factors_long/short`` (all optional,
-    (rope_dim/2,) float, kept on the host: they only shape the RoPE tables)."""
+def rope_factor_tensors(cfg: ModelConfig, longrope: bool) -> list:
+    """RoPE frequency factors, (rope_dim/2,) float kept on the host (they only shape the
+    RoPE tables), all optional: Phi-3's long-rope ``rope_factors_long/short`` when
+    ``longrope``, else Llama 3's ``rope_freqs`` (llama.cpp's llama loads the former only
+    for rope.scaling.type "longrope")."""
     half = cfg.rope_dim // 2
-    return [Tensor("rope_freqs.weight", (half,), "host", True),
-            Tensor("rope_factors_long.weight", (half,), "host", True),
-            Tensor("rope_factors_short.weight", (half,), "host", True)]
+    if longrope:
+        return [Tensor("rope_factors_long.weight", (half,), "host", True),
+                Tensor("rope_factors_short.weight", (half,), "host", True)]
+    return [Tensor("rope_freqs.weight", (half,), "host", True)]
 
 
 def rope_spec(cfg: ModelConfig, mode: str, w: Weights | None = None, base: float | None = None,

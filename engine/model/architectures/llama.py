@@ -38,7 +38,7 @@ def check_config(cfg: ModelConfig, path: str) -> None:
 
 def tensors(cfg: ModelConfig) -> list:
     d, q_out = cfg.d_model, cfg.n_heads * cfg.head_dim
-    out = C.embedding_tensors(cfg) + C.rope_factor_tensors(cfg)
+    out = C.embedding_tensors(cfg) + C.rope_factor_tensors(cfg, longrope=cfg.rope_scaling == "longrope")
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         out += [C.vec(p + "attn_norm.weight", d)] + C.qkv_tensors(cfg, p)
