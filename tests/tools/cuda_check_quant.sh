@@ -8,4 +8,4 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
 nvidia-smi -L || true
 "$PY" -m pytest -q -rs -m cuda tests/test_cuda_quants.py tests/test_cuda_parity.py
-"$PY" tests/tools/cuda_time_quants.py
+"$PY" -m tests.tools.cuda_time_quants

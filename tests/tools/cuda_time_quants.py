@@ -8,24 +8,21 @@ the decode graph's layer matrices) and batch 16 (NB 16, 1 warp), and ``dequant<T
 prefill path's float32 copy), each timed with CUDA events over 100 launches after a warm-up.
 Prints GB/s of weight bytes read (dequant: bytes read + written) per type.
 
-Run from the repository root: ``python tests/tools/cuda_time_quants.py``.
+A device-machine script (run by hand on the GPU machine, never by CI), from the
+repository root: ``python -m tests.tools.cuda_time_quants``.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import cupy as cp
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
 
-import cupy as cp  # noqa: E402
-import gguf  # noqa: E402
-import numpy as np  # noqa: E402
-from gguf import GGMLQuantizationType as T  # noqa: E402
-
-from aotx.engine.backend import cuda_src as S  # noqa: E402
-from aotx.engine.backend.cuda import CudaBackend, _u64  # noqa: E402
+from aotx.engine.backend import cuda_src as S
+from aotx.engine.backend.cuda import CudaBackend, _u64
 
 M = K = 4096
 REPS = 100
