@@ -155,12 +155,13 @@ def test_deq8_equals_gguf(deq_exe, qtype):
 def test_deq8_mxfp4_every_exponent(deq_exe):
     """Random bytes: e = 0, 1 give float32 subnormal scales, e = 255 gives 2^127 (inf after
     the level), as ggml_e8m0_to_fp32_half."""
-    rng = np.random.default_rng()
+    seed = np.random.SeedSequence().entropy                  # fresh each run, named on failure
+    rng = np.random.default_rng(seed)
     raw = random_blocks(T.MXFP4, 16, 32 * 33, rng)
     raw.reshape(16, 33, 17)[0, :, 0] = list(range(0, 4)) + list(range(126, 131)) + list(range(231, 255))
     raw.reshape(16, 33, 17)[1, :4, 0] = [255, 0, 1, 254]
     got = run_deq(deq_exe, T.MXFP4, raw, 16, 32 * 33)
     ref = _reference(raw, T.MXFP4, 32 * 33)
-    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(got, ref, err_msg=f"seed {seed}")
     assert np.isinf(got[1, :32]).any() and 0 < np.abs(got[1, 32:64]).max() < 2.0 ** -124
 

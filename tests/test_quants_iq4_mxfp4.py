@@ -114,7 +114,8 @@ def test_dequantize_equals_gguf_and_the_ggml_loops(qtype, seed):
 def test_mxfp4_every_exponent_byte_equals_ggml():
     """Uniformly random blocks: e = 0, 1 decode to float32 subnormals and e = 255 to 2^127
     (so 2^127 * 6 overflows to inf), exactly as ggml_e8m0_to_fp32_half and gguf do."""
-    rng = np.random.default_rng()
+    seed = np.random.SeedSequence().entropy                  # fresh each run, named on failure
+    rng = np.random.default_rng(seed)
     raw = random_blocks(T.MXFP4, 64, 32 * 64, rng)
     b = raw.reshape(64, 64, 17)
     b[0, :, 0] = [0, 1, 2, 3, 126, 127, 128, 254, 255] + list(range(4, 59))   # every edge in one row
@@ -122,8 +123,8 @@ def test_mxfp4_every_exponent_byte_equals_ggml():
         ref = _gguf(raw, T.MXFP4, 32 * 64)
         scalar = _ggml_scalar(T.MXFP4, bytes(raw[0])).astype(np.float32)
     got = quants.dequantize_rows(raw, T.MXFP4, slice(None), 32 * 64)
-    np.testing.assert_array_equal(got, ref)
-    np.testing.assert_array_equal(got[0], scalar)
+    np.testing.assert_array_equal(got, ref, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(got[0], scalar, err_msg=f"seed {seed}")
     assert np.isinf(got[0, 8 * 32:9 * 32]).any()                        # e = 255
     assert 0 < np.abs(got[0, :32]).max() <= 12 * 2.0 ** -128              # e = 0: 2^-128 times a level
 

@@ -8,10 +8,10 @@ and to ``cuda_llama.py`` the order of launches.
 Layout conventions (all row-major, float32 unless said):
 * weights stay in GGUF block layout, one row of ``k`` inputs = ``row_bytes`` bytes;
   ``deq8<T>(row, u, w)`` dequantizes inputs ``8u .. 8u+7`` of a row into registers.
-  Each reads only loads its block's alignment allows: a row starts at a multiple of
+  Each uses only the loads its block's alignment allows: a row starts at a multiple of
   ``row_bytes`` from a 256-byte aligned buffer, so blocks of 18/22/110 bytes (Q4_0, IQ4_NL,
   Q5_0, Q3_K) are 2-byte aligned, 20/24/84 (Q4_1, Q5_1, Q2_K) 4-byte, 136/144/176 (IQ4_XS,
-  Q4_K, Q5_K) 8-byte, and MXFP4's 17-byte blocks only byte aligned (byte loads).
+  Q4_K, Q5_K) at least 8-byte, and MXFP4's 17-byte blocks only byte aligned (byte loads).
   Every product in a deq8 is exact in float32 (a float16 scale times small integers), so
   the values equal gguf's ``dequantize`` bit for bit whether or not the compiler fuses
   the one add into an FMA.

@@ -56,9 +56,10 @@ KVALUES_IQ4NL: np.ndarray = np.array([-127, -104, -83, -65, -49, -35, -22, -10,
 KVALUES_MXFP4: np.ndarray = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
 #: E8M0 byte e -> 2^(e - 128) as float32, exactly ggml_e8m0_to_fp32_half: the bit pattern
 #: (e - 1) << 23 for e >= 2, the subnormals 2^-128 and 2^-127 for e = 0 and 1.
-E8M0_HALF: np.ndarray = np.where(np.arange(256) < 2, np.uint32(0x00200000) << np.arange(256, dtype=np.uint32),
-                                 (np.arange(256, dtype=np.uint32) - np.uint32(1)) << np.uint32(23)
-                                 ).astype(np.uint32).view(np.float32)
+_E = np.arange(256, dtype=np.uint32)
+E8M0_HALF: np.ndarray = np.where(_E < 2, np.uint32(0x00200000) << np.minimum(_E, 1),
+                                 (_E - np.uint32(1)) << np.uint32(23)).astype(np.uint32).view(np.float32)
+del _E
 
 
 class UnsupportedTensorType(ValueError):
