@@ -3,9 +3,10 @@
 Owns: reading ``<arch>.*`` keys (llama.cpp's names and defaults: its ``llama-arch.cpp``
 LLM_KV table and ``llama-model.cpp`` load_hparams, checked against llama.cpp as vendored
 by llama-cpp-python 0.3.36) into ``ModelConfig`` and checking they are consistent. Leaves
-to the architecture module what the numbers mean for the forward pass (which layers
-slide, which scale the queries use, whether the sliding-window keys apply at all: its
-``SWA_PATTERN``).
+to the architecture module what the numbers mean for the forward pass (which scale the
+queries use, whether the sliding-window keys apply at all and which layers slide by
+default: ``swa_layers`` and ``check_sliding_window`` are called by the architectures that
+have such layers).
 
 Every problem is one ModelError line naming the file and the key.
 """
@@ -35,9 +36,11 @@ class ModelConfig:
     rope.scaling.attn_factor (Phi-3 long-rope); ``n_ctx_orig`` rope.scaling.
     original_context_length (default ``n_ctx_train``: Phi-3 picks its long factors for a
     context past it); ``norm_eps`` the RMSNorm epsilon; ``n_ctx_train`` the trained
-    context (tokens). Sliding-window attention: ``sliding_window`` (0: none) and
-    ``swa_layers`` (one bool per layer: that layer attends to the last ``sliding_window``
-    positions only) with ``rope_base_swa`` the RoPE base of those layers.
+    context (tokens). Sliding-window attention, as the file states it (read for every
+    architecture; only those with sliding layers use it, through ``swa_layers``):
+    ``sliding_window`` (attention.sliding_window, None when absent), ``swa_pattern``
+    (attention.sliding_window_pattern: None, a period n, or one bool per layer) and
+    ``rope_base_swa`` (rope.freq_base_swa, default 10000) the RoPE base of those layers.
     ``final_logit_softcap``: 0, or Gemma's cap on the logits.
     """
 
@@ -58,8 +61,8 @@ class ModelConfig:
     norm_eps: float
     rope_attn_factor: float = 1.0
     n_ctx_orig: int = 0
-    sliding_window: int = 0
-    swa_layers: tuple[bool, ...] = ()
+    sliding_window: int | None = None
+    swa_pattern: int | tuple[bool, ...] | None = None
     rope_base_swa: float = 10000.0
     final_logit_softcap: float = 0.0
 
@@ -68,9 +71,32 @@ class ModelConfig:
         """Query heads per KV head."""
         return self.n_heads // self.n_kv_heads
 
-    def is_swa(self, layer: int) -> bool:
-        """Whether ``layer`` is a sliding-window layer."""
-        return bool(self.swa_layers) and self.swa_layers[layer]
+    def check_sliding_window(self, path: str) -> None:
+        """Raise ModelError unless the file's sliding window can be used: present,
+        positive, at most the trained context (called by architectures with sliding layers)."""
+        key = f"{self.arch}.attention.sliding_window"
+        if self.sliding_window is None or self.sliding_window <= 0:
+            raise ModelError(f"{path}: {key} is {self.sliding_window}; it must be positive "
+                             f"(a model without sliding-window layers has no such key)")
+        if self.sliding_window > self.n_ctx_train:
+            raise ModelError(f"{path}: {key} {self.sliding_window} is larger than the trained context "
+                             f"{self.arch}.context_length {self.n_ctx_train}")
+        if isinstance(self.swa_pattern, tuple) and len(self.swa_pattern) != self.n_layers:
+            raise ModelError(f"{path}: {self.arch}.attention.sliding_window_pattern has {len(self.swa_pattern)} "
+                             f"entries for {self.n_layers} layers")
+        if isinstance(self.swa_pattern, int) and self.swa_pattern < 0:
+            raise ModelError(f"{path}: {self.arch}.attention.sliding_window_pattern is {self.swa_pattern}; "
+                             f"it must not be negative")
+
+    def swa_layers(self, default_pattern: int) -> tuple[bool, ...]:
+        """One bool per layer, True where the layer attends to the last ``sliding_window``
+        positions only: the file's per-layer pattern, or its period n (default
+        ``default_pattern``): layer il slides when il % n < n - 1, every layer when n is 0
+        (llama.cpp's set_swa_pattern)."""
+        if isinstance(self.swa_pattern, tuple):
+            return self.swa_pattern
+        n = default_pattern if self.swa_pattern is None else self.swa_pattern
+        return tuple(n == 0 or (il % n) < n - 1 for il in range(self.n_layers))
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any], path: str = "model") -> "ModelConfig":
@@ -78,13 +104,6 @@ class ModelConfig:
         arch = str(meta.get("general.architecture", ""))
         if not arch:
             raise ModelError(f"{path}: metadata has no general.architecture")
-        from aotx.engine.model.architectures import get_architecture
-
-        module = get_architecture(arch, path)  # an unknown architecture is that, not a missing key
-
-        def raw(key: str) -> Any:
-            return meta.get(f"{arch}.{key}")
-
         def get(key: str, default: Any = None, kind: type = int) -> Any:
             full = f"{arch}.{key}"
             v = meta.get(full, default)
@@ -162,31 +181,16 @@ class ModelConfig:
         n_ctx_orig = get("rope.scaling.original_context_length", n_ctx)
         positive("rope.scaling.original_context_length", n_ctx_orig)
 
-        # sliding-window attention, where the architecture has it (SWA_PATTERN: every
-        # n-th layer is global, llama.cpp's set_swa_pattern(n); None: keys ignored)
-        window, swa_layers, base_swa = 0, (), 10000.0
-        pattern = getattr(module, "SWA_PATTERN", None)
-        if pattern is not None and raw("attention.sliding_window") is not None:
-            window = get("attention.sliding_window")
-            if window <= 0:
-                raise ModelError(f"{path}: {arch}.attention.sliding_window is {window}; it must be positive "
-                                 f"(a model without sliding-window layers has no such key)")
-            if window > n_ctx:
-                raise ModelError(f"{path}: {arch}.attention.sliding_window {window} is larger than the trained "
-                                 f"context {arch}.context_length {n_ctx}")
-            pat = raw("attention.sliding_window_pattern")
-            if isinstance(pat, list):
-                if len(pat) != n_layers:
-                    raise ModelError(f"{path}: {arch}.attention.sliding_window_pattern has {len(pat)} entries "
-                                     f"for {n_layers} layers")
-                swa_layers = tuple(bool(x) for x in pat)
-            else:
-                n = get("attention.sliding_window_pattern", pattern)
-                if n < 0:
-                    raise ModelError(f"{path}: {arch}.attention.sliding_window_pattern is {n}; it must not be negative")
-                swa_layers = tuple(n == 0 or (il % n) < n - 1 for il in range(n_layers))
-            base_swa = get("rope.freq_base_swa", 10000.0, float)
-            positive("rope.freq_base_swa", base_swa)
+        # sliding-window attention as the file states it; the architecture decides whether
+        # it applies (llama.cpp reads these keys for gemma3, and ignores them for phi3)
+        window = None if raw("attention.sliding_window") is None else get("attention.sliding_window")
+        pat = raw("attention.sliding_window_pattern")
+        if isinstance(pat, list):
+            pattern: int | tuple[bool, ...] | None = tuple(bool(x) for x in pat)
+        else:
+            pattern = None if pat is None else get("attention.sliding_window_pattern")
+        base_swa = get("rope.freq_base_swa", 10000.0, float)
+        positive("rope.freq_base_swa", base_swa)
         softcap = get("final_logit_softcapping", 0.0, float)
         if softcap < 0:
             raise ModelError(f"{path}: {arch}.final_logit_softcapping is {softcap}; it must not be negative")
@@ -209,7 +213,7 @@ class ModelConfig:
             rope_attn_factor=attn_factor,
             n_ctx_orig=n_ctx_orig,
             sliding_window=window,
-            swa_layers=swa_layers,
+            swa_pattern=pattern,
             rope_base_swa=base_swa,
             final_logit_softcap=softcap,
         )

@@ -16,7 +16,8 @@ sliding-window layers interleaved with global ones:
 Layer l slides (window_l = attention.sliding_window, base_l = rope.freq_base_swa, default
 10000, no frequency scaling) when l % 6 < 5, or as attention.sliding_window_pattern says;
 the other layers are global (window 0, base_l = rope.freq_base). A file without
-attention.sliding_window has global layers only. f_attention_scale = 1/sqrt(head_dim),
+attention.sliding_window has global layers only (llama.cpp reads a window of 0 that way;
+here it is refused as a defect: the converter omits the key instead). f_attention_scale = 1/sqrt(head_dim),
 or 1/sqrt(d_model / n_heads) for the 27B (62 layers), from the Gemma reference config.
 The norms' weights arrive with Gemma's "1 + w" already added by the converter
 (convert_hf_to_gguf Gemma3Model.norm_shift), so they are used as they are.
@@ -41,6 +42,11 @@ from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.transformer import Weights
 
 SWA_PATTERN = 6     # every 6th layer is global (llama.cpp: load_swa_pattern(ml, 6))
+
+
+def check_config(cfg: ModelConfig, path: str) -> None:
+    if cfg.sliding_window is not None:
+        cfg.check_sliding_window(path)
 
 
 def attention_scale(cfg: ModelConfig) -> float:
@@ -69,18 +75,18 @@ def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
     rope_local = RopeSpec(mode="neox", dim=cfg.rope_dim, base=cfg.rope_base_swa, freq_scale=1.0,
                           attn_factor=cfg.rope_attn_factor)
     scale = attention_scale(cfg)
+    swa = cfg.swa_layers(SWA_PATTERN) if cfg.sliding_window is not None else (False,) * cfg.n_layers
     x = b.embed(w["token_embd.weight"], scale=float(math.sqrt(cfg.d_model)))
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        swa = cfg.is_swa(i)
-        rope = rope_local if swa else rope_global
+        rope = rope_local if swa[i] else rope_global
         h = b.rms_norm(x, w[p + "attn_norm.weight"], eps, name=p + "attn_norm")
         q, k, v = C.build_qkv(b, cfg, w, p, h)
         q = b.head_rms_norm(q, w[p + "attn_q_norm.weight"], eps, hd, name=p + "q_norm")
         k = b.head_rms_norm(k, w[p + "attn_k_norm.weight"], eps, hd, name=p + "k_norm")
         q, k = b.rope(q, rope, hd, name=p + "q_rope"), b.rope(k, rope, hd, name=p + "k_rope")
         a = b.attention(q, k, v, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=hd, scale=scale,
-                        window=cfg.sliding_window if swa else 0, name=p + "attn")
+                        window=cfg.sliding_window if swa[i] else 0, name=p + "attn")
         o = b.rms_norm(b.linear(a, w[p + "attn_output.weight"], name=p + "attn_out"),
                        w[p + "post_attention_norm.weight"], eps, name=p + "attn_post_norm")
         x = b.add(o, x, name=p + "sa_out")

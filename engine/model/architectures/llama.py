@@ -29,7 +29,6 @@ from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.transformer import Weights, build  # noqa: F401 (build: architectures.llama.build)
 from aotx.engine.model.transformer import check_tensor as _check  # noqa: F401 (cuda_llama.py, until issue 14's port)
 
-SWA_PATTERN = None   # no sliding-window layers (llama.cpp ignores the key for llama)
 
 
 def check_config(cfg: ModelConfig, path: str) -> None:

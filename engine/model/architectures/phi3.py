@@ -32,7 +32,6 @@ from aotx.engine.model.architectures import common as C
 from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.transformer import Weights
 
-SWA_PATTERN = None   # llama.cpp: "Phi SWA is currently disabled"
 
 
 def tensors(cfg: ModelConfig) -> list:

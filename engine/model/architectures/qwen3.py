@@ -25,7 +25,6 @@ from aotx.engine.model.architectures import common as C
 from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.transformer import Weights
 
-SWA_PATTERN = None
 
 
 def check_config(cfg: ModelConfig, path: str) -> None:
