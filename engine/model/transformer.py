@@ -226,14 +226,11 @@ class TransformerModel:
         return self.compiled.greedy(tokens, BatchLayout.of(segments), kv)
 
 
-def build(cfg: ModelConfig, gf, backend, arch: ModuleType | None = None) -> TransformerModel:
+def build(cfg: ModelConfig, gf, backend, arch: ModuleType) -> TransformerModel:
     """Load the file ``gf`` (its config ``cfg``) onto ``backend`` as architecture ``arch``
-    (default: the registry's module for ``cfg.arch``). Raises ModelError naming a missing,
-    mis-shaped or unsupported tensor, or a hyperparameter the architecture cannot run."""
-    if arch is None:
-        from aotx.engine.model.architectures import get_architecture
-
-        arch = get_architecture(cfg.arch, str(gf.path))
+    (a module of ``architectures``; ``architectures.build`` looks it up by name). Raises
+    ModelError naming a missing, mis-shaped or unsupported tensor, or a hyperparameter the
+    architecture cannot run."""
     if not hasattr(backend, "compile") and getattr(backend, "name", "") == "cuda":
         # Transition: until the CUDA backend compiles Programs (helper `cuda`, issue 14),
         # llama on CUDA keeps its own model. Removed with engine/backend/cuda_llama.py.

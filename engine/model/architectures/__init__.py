@@ -23,3 +23,11 @@ def get_architecture(name: str, path: str = "model") -> ModuleType:
         raise ModelError(f"{path}: architecture {name!r} is not supported "
                          f"(supported: {', '.join(sorted(REGISTRY))})")
     return importlib.import_module(mod)
+
+
+def build(cfg, gf, backend):
+    """Load ``gf`` (config ``cfg``) onto ``backend`` with the module of ``cfg.arch``
+    (``transformer.build``). Raises ModelError as that does."""
+    from aotx.engine.model.transformer import build as build_model
+
+    return build_model(cfg, gf, backend, get_architecture(cfg.arch, str(gf.path)))

@@ -26,7 +26,7 @@ from aotx.engine.backend.ops import ProgramBuilder, Value
 from aotx.engine.model.architectures import common as C
 from aotx.engine.model.batch import SMALL_SEGMENT, Segment  # noqa: F401 (re-exported)
 from aotx.engine.model.config import ModelConfig
-from aotx.engine.model.transformer import Weights, build  # noqa: F401 (build: architectures.llama.build)
+from aotx.engine.model.transformer import Weights
 from aotx.engine.model.transformer import check_tensor as _check  # noqa: F401 (cuda_llama.py, until issue 14's port)
 
 
@@ -65,3 +65,12 @@ def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
         h = b.rms_norm(x, w[p + "ffn_norm.weight"], eps, name=p + "ffn_norm")
         x = b.add(x, C.build_ffn(b, w, p, h, "silu"), name=p + "l_out")
     return C.output_head(b, cfg, w, x)
+
+
+def build(cfg: ModelConfig, gf, backend):
+    """This architecture loaded onto ``backend`` (tools and tests build llama files directly)."""
+    import sys
+
+    from aotx.engine.model.transformer import build as build_model
+
+    return build_model(cfg, gf, backend, sys.modules[__name__])
