@@ -104,6 +104,10 @@ class ModelConfig:
         arch = str(meta.get("general.architecture", ""))
         if not arch:
             raise ModelError(f"{path}: metadata has no general.architecture")
+
+        def raw(key: str) -> Any:
+            return meta.get(f"{arch}.{key}")
+
         def get(key: str, default: Any = None, kind: type = int) -> Any:
             full = f"{arch}.{key}"
             v = meta.get(full, default)

@@ -53,7 +53,7 @@ class Tensor:
 class OneOf:
     """Alternative tensor sets (fused ``attn_qkv`` or separate ``attn_q/k/v``): the first
     option whose first tensor is in the file is used, and then all of its required
-    tensors must be there; when none is, the error names the last option's first tensor."""
+    tensors must be there; when none is, the error names every option's first tensor."""
 
     options: tuple[tuple[Tensor, ...], ...]
 
@@ -102,7 +102,10 @@ def resolve_tensors(specs: list, gf, backend) -> list[tuple[Tensor, Any]]:
     flat: list[Tensor] = []
     for s in specs:
         if isinstance(s, OneOf):
-            chosen = next((opt for opt in s.options if opt[0].name in gf.tensors), s.options[-1])
+            chosen = next((opt for opt in s.options if opt[0].name in gf.tensors), None)
+            if chosen is None:
+                names = " or ".join(repr(opt[0].name) for opt in s.options)
+                raise ModelError(f"{gf.path}: tensor {s.options[0][0].name!r} is missing (the file has neither {names})")
             flat.extend(chosen)
         else:
             flat.append(s)

@@ -10,7 +10,7 @@ head dim). Leaves the order of a block to each architecture module.
 
 from __future__ import annotations
 
-from aotx.engine.backend.ops import ProgramBuilder, RopeSpec, Value
+from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec, Value
 from aotx.engine.errors import ModelError
 from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.transformer import OneOf, Tensor, Weights
@@ -40,9 +40,9 @@ def qkv_tensors(cfg: ModelConfig, p: str, q_out: int | None = None) -> list:
     d = cfg.d_model
     q = cfg.n_heads * cfg.head_dim if q_out is None else q_out
     kv = cfg.n_kv_heads * cfg.head_dim
-    fused = (mat(p + "attn_qkv.weight", d, q + 2 * kv), vec(p + "attn_qkv.bias", q + 2 * kv, True))
-    split = (mat(p + "attn_q.weight", d, q), mat(p + "attn_k.weight", d, kv), mat(p + "attn_v.weight", d, kv),
-             vec(p + "attn_q.bias", q, True), vec(p + "attn_k.bias", kv, True), vec(p + "attn_v.bias", kv, True))
+    biases = (vec(p + "attn_q.bias", q, True), vec(p + "attn_k.bias", kv, True), vec(p + "attn_v.bias", kv, True))
+    fused = (mat(p + "attn_qkv.weight", d, q + 2 * kv), vec(p + "attn_qkv.bias", q + 2 * kv, True)) + biases
+    split = (mat(p + "attn_q.weight", d, q), mat(p + "attn_k.weight", d, kv), mat(p + "attn_v.weight", d, kv)) + biases
     return [OneOf((fused, split))]
 
 
@@ -51,6 +51,10 @@ def build_qkv(b: ProgramBuilder, cfg: ModelConfig, w: Weights, p: str, h: Value)
     q_out, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     fused = w.get(p + "attn_qkv.weight")
     if fused is not None:
+        if any(p + f"attn_{x}.bias" in w for x in "qkv"):
+            # llama.cpp concatenates such legacy biases; refused rather than dropped here
+            raise ProgramError(f"tensor {p}attn_qkv.weight comes with separate attn_q/k/v biases, "
+                               f"which AOTX does not combine")
         qkv = b.linear(h, fused, w.get(p + "attn_qkv.bias"), name=p + "qkv")
         q, k, v = b.split(qkv, (q_out, kv, kv), names=(p + "q", p + "k", p + "v"))
         return q, k, v
