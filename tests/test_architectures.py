@@ -156,7 +156,6 @@ BAD = [
      r"sliding_window_pattern has 2 entries for 6 layers"),
     ("llama3", dict(metadata={"llama.rope.scaling.type": "dynamic"}), r"'dynamic', an unknown RoPE scaling type"),
     ("qwen2", dict(metadata={"qwen2.rope.scaling.type": "yarn"}), r"rope\.scaling\.type 'yarn' is not supported"),
-    ("qwen3", dict(types={"blk.1.ffn_down.weight": T.IQ2_XXS}), r"'blk\.1\.ffn_down\.weight' has tensor type IQ2_XXS"),
     ("qwen2", dict(metadata={"qwen2.rope.dimension_count": 8}), r"rope\.dimension_count 8 differs from the head"),
 ]
 
@@ -192,6 +191,21 @@ def test_bad_file_is_one_line_naming_it_before_any_weight_loads(broken, monkeypa
     assert str(path) in msg and "\n" not in msg, msg
     assert re.search(pattern, msg), msg
     assert loads == [], f"weights were loaded before the defect was found: {loads[:3]}"
+
+
+def test_unsupported_tensor_type_is_found_before_any_weight_loads(tiny_gguf, tmp_path, monkeypatch):
+    """The last layer's matrix has a type the CPU cannot read (IQ2_XXS): refused by name
+    before the first layer's weights are touched."""
+    from aotx.engine.backend.cpu import CpuBackend
+
+    path = tiny_gguf.write_tiny_llama(tmp_path / "m.gguf", d_model=256, ffn=256,
+                                      tensor_types={"blk.1.ffn_down.weight": T.IQ2_XXS})
+    loads: list[str] = []
+    real = CpuBackend.matrix
+    monkeypatch.setattr(CpuBackend, "matrix", lambda self, t: loads.append(t.name) or real(self, t))
+    with pytest.raises(ModelError, match=r"'blk\.1\.ffn_down\.weight' has tensor type IQ2_XXS, which the CPU"):
+        load_model(path)
+    assert loads == []
 
 
 def test_bad_file_exits_2_from_the_cli(broken, tmp_path):
