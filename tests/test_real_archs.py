@@ -102,8 +102,19 @@ def test_four_concurrent_conversations_equal_each_alone(real):
     assert all(len(r) > 0 for r in alone)
 
 
+def _row_invariant_matmul() -> bool:
+    """Issue 16's matmul (``QuantMatrix.numerics``): one kernel for every row count. Before
+    it, K-quant weights (both real files) go through BLAS, whose sums depend on the row
+    count, so a verify window's rows can differ from decode steps by float rounding."""
+    from aotx.engine.backend.cpu_matmul import QuantMatrix
+
+    return hasattr(QuantMatrix, "numerics")
+
+
 def test_speculative_ngram_equals_plain_greedy(real):
     name, lm = real
+    if not _row_invariant_matmul():
+        pytest.xfail("needs issue 16's row-invariant CPU matmul (helper invariance) for K-quant files")
     prompts = PROMPTS[:2]
     plain = _replies(lm, prompts, n_slots=2, max_tokens=24)
     lookup = _replies(lm, prompts, n_slots=2, max_tokens=24, speculative="ngram")
