@@ -109,7 +109,7 @@ class _Batch:
     """What one forward's kernels need to know about its rows, computed once per call."""
 
     __slots__ = ("n", "tokens", "positions", "out_rows", "all_small", "small", "big", "one_rows", "one_slots",
-                 "one_pos", "multi", "s_slots", "s_len", "long_segs", "embeds", "n_out")
+                 "one_pos", "multi", "s_slots", "s_len", "long_segs", "embeds", "n_out", "views")
 
     def __init__(self, tokens: np.ndarray, layout: Any, embeds: Any):
         n = int(layout.n_rows)
@@ -168,11 +168,6 @@ def _matmul_n(W, x: np.ndarray, out: np.ndarray, bt: _Batch) -> None:
         out[bt.big] = W.matmul(x[bt.big])
 
 
-def _matmul_r(W, x: np.ndarray, out: np.ndarray, bt: _Batch) -> None:
-    """out = x @ W.T over the logits rows: always the per-row GEMV."""
-    W.matmul(x, out, per_row=True)
-
-
 class _Buffers:
     """Reusable float32 buffers by slot id: slot i holds (capacity, width_i) and hands out
     its first ``rows`` rows (a contiguous view)."""
@@ -223,6 +218,7 @@ class CpuProgram:
         bt = _Batch(tokens, layout, embeds)
         if bt.n_out == 0 and bt.n == 0:
             return np.empty((0, self.program.vocab), np.float32)
+        bt.views = self._views(bt)
         env: list[Any] = [None] * len(self.program.values)
         for step in self._steps:
             step(env, bt, kv)
@@ -246,6 +242,7 @@ class CpuProgram:
         self._view = [False] * len(prog.values)  # a column block of another value's buffer
         slot_of: dict[int, int] = {}            # root value id -> buffer slot
         widths: list[int] = []
+        slot_rows: list[str] = []
         free: dict[tuple[str, int], list[int]] = {}
         inplace = [False] * len(nodes)
 
@@ -281,6 +278,7 @@ class CpuProgram:
                     else:
                         slot_of[out.id] = len(widths)
                         widths.append(out.width)
+                        slot_rows.append(out.rows)
             # the buffers whose every value has been read for the last time are free again
             # (after this node's output has its own)
             for x in n.inputs:
@@ -290,20 +288,24 @@ class CpuProgram:
                     if slot_of[r] not in free.setdefault(k, []):
                         free[k].append(slot_of[r])
         self._slot_of = slot_of
+        self._slot_rows = slot_rows
         self._inplace = inplace
         self._buffers = _Buffers(widths)
 
-    def _out(self, v, bt: _Batch) -> np.ndarray:
-        """The buffer node output ``v`` is written into (a fresh array when it has no slot)."""
-        rows = bt.n if v.rows == ROWS_N else bt.n_out
-        s = self._slot_of.get(v.id)
-        if s is None:
-            return np.empty((rows, v.width), np.float32)
-        return self._buffers.get(s, rows)
+    def _views(self, bt: _Batch) -> list[np.ndarray]:
+        """This forward's view of every buffer slot (its first N or R rows)."""
+        get = self._buffers.get
+        return [get(i, bt.n if rows == ROWS_N else bt.n_out) for i, rows in enumerate(self._slot_rows)]
+
+    def _slot(self, v) -> int:
+        """The buffer slot node output ``v`` is written into; -1: a fresh array (the logits)."""
+        return self._slot_of.get(v.id, -1)
 
     # ---- compiling nodes -----------------------------------------------------------
 
     def _compile(self, i: int, node) -> Callable[[list, _Batch, CpuKVCache], None]:
+        if node.outs[0].id == self.program.output.id and node.op not in ("linear", "scale", "softcap", "take_rows"):
+            raise ValueError(f"a program whose output is made by {node.op} is not supported on the CPU")
         return getattr(self, "_c_" + node.op)(i, node)
 
     def _c_embed(self, i, node):
@@ -322,40 +324,44 @@ class CpuProgram:
         return run
 
     def _c_rms_norm(self, i, node):
-        w, eps, xi, out = node.attrs["weight"], node.attrs["eps"], node.inputs[0].id, node.out
+        w, eps, xi, oi, s = node.attrs["weight"], node.attrs["eps"], node.inputs[0].id, node.out.id, self._slot(node.out)
         kern = cpu_ops.rms_norm
 
         def run(env, bt, kv):
-            y = self._out(out, bt)
+            y = bt.views[s]
             kern(env[xi], w, eps, y)
-            env[out.id] = y
+            env[oi] = y
         return run
 
     def _c_head_rms_norm(self, i, node):
         w, eps, hd = node.attrs["weight"], node.attrs["eps"], node.attrs["head_dim"]
-        xi, out, inplace = node.inputs[0].id, node.out, self._inplace[i]
+        xi, oi, inplace, H = node.inputs[0].id, node.out.id, self._inplace[i], node.out.width // hd
         kern = cpu_ops.head_rms_norm
 
         def run(env, bt, kv):
             x = env[xi] if inplace else env[xi].copy()
-            kern(x.reshape(x.shape[0], -1, hd), w, eps)
-            env[out.id] = x
+            kern(x.reshape(x.shape[0], H, hd), w, eps)
+            env[oi] = x
         return run
 
     def _c_linear(self, i, node):
-        W, bias, xi, out = node.attrs["weight"], node.attrs["bias"], node.inputs[0].id, node.out
-        mm = _matmul_n if node.inputs[0].rows == ROWS_N else _matmul_r
+        W, bias, xi, oi, s = node.attrs["weight"], node.attrs["bias"], node.inputs[0].id, node.out.id, self._slot(node.out)
+        on_n = node.inputs[0].rows == ROWS_N
         view = self._view[xi]
+        m = W.m
 
         def run(env, bt, kv):
             x = env[xi]
             if view:
                 x = np.ascontiguousarray(x)
-            y = self._out(out, bt)
-            mm(W, x, y, bt)
+            y = bt.views[s] if s >= 0 else np.empty((x.shape[0], m), np.float32)
+            if not on_n or bt.all_small:
+                W.matmul(x, y, per_row=True)
+            else:
+                _matmul_n(W, x, y, bt)
             if bias is not None:
                 y += bias
-            env[out.id] = y
+            env[oi] = y
         return run
 
     def _c_split(self, i, node):
@@ -373,20 +379,20 @@ class CpuProgram:
         si = self._specs.index(spec)
         hd = node.attrs["head_dim"]
         kern = cpu_ops.rope_inplace if spec.mode == "normal" else cpu_ops.rope_neox_inplace
-        xi, out, inplace = node.inputs[0].id, node.out, self._inplace[i]
+        xi, oi, inplace, H = node.inputs[0].id, node.out.id, self._inplace[i], node.out.width // hd
 
         def run(env, bt, kv):
             x = env[xi] if inplace else env[xi].copy()
             cos, sin = kv.rope[si]
-            kern(x.reshape(x.shape[0], -1, hd), bt.positions, cos, sin)
-            env[out.id] = x
+            kern(x.reshape(bt.n, H, hd), bt.positions, cos, sin)
+            env[oi] = x
         return run
 
     def _c_attention(self, i, node):
         a = node.attrs
         L, H, KV, hd, scale, window = a["layer"], a["n_heads"], a["n_kv_heads"], a["head_dim"], a["scale"], a["window"]
         qi, ki, vi = (x.id for x in node.inputs)
-        out = node.out
+        oi, so = node.out.id, self._slot(node.out)
         rows_kernel = cpu_ops.attention_rows
         prefill = cpu_ops.attention_prefill
 
@@ -396,7 +402,7 @@ class CpuProgram:
             k = env[ki].reshape(n, KV, hd)
             v = env[vi].reshape(n, KV, hd)
             kc, vc = kv.k[L], kv.v[L]
-            if kc.dtype == np.uint16:
+            if kv.kv_type == "f16":
                 k = k.astype(np.float16).view(np.uint16)
                 v = v.astype(np.float16).view(np.uint16)
             if bt.one_rows is not None:
@@ -405,7 +411,7 @@ class CpuProgram:
             for row, slot, pos, m in bt.multi:
                 kc[slot, :, pos:pos + m, :] = k[row:row + m].transpose(1, 0, 2)
                 vc[slot, :, pos:pos + m, :] = v[row:row + m].transpose(1, 0, 2)
-            y = self._out(out, bt)
+            y = bt.views[so]
             att = y.reshape(n, H, hd)
             if bt.all_small:
                 rows_kernel(q, kc, vc, bt.s_slots, bt.s_len, scale, window, att)
@@ -416,22 +422,22 @@ class CpuProgram:
                     att[bt.small] = od
                 for row, slot, pos, m in bt.long_segs:
                     att[row:row + m] = prefill(q[row:row + m], kc[slot], vc[slot], pos, scale, window)
-            env[out.id] = y
+            env[oi] = y
         return run
 
     def _c_glu(self, i, node):
         kern = cpu_ops.silu_mul if node.attrs["act"] == "silu" else cpu_ops.gelu_tanh_mul
-        gi, ui, out, inplace = node.inputs[0].id, node.inputs[1].id, node.out, self._inplace[i]
+        gi, ui, oi, inplace, s = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i], self._slot(node.out)
 
         def run(env, bt, kv):
             g = env[gi]
-            y = g if inplace else self._out(out, bt)
+            y = g if inplace else bt.views[s]
             kern(g, env[ui], y)
-            env[out.id] = y
+            env[oi] = y
         return run
 
     def _c_add(self, i, node):
-        ai, bi, out, inplace = node.inputs[0].id, node.inputs[1].id, node.out, self._inplace[i]
+        ai, bi, oi, inplace, s = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i], self._slot(node.out)
         kern = cpu_ops.add_inplace
 
         def run(env, bt, kv):
@@ -439,40 +445,42 @@ class CpuProgram:
                 y = env[ai]
                 kern(y, env[bi])
             else:
-                y = self._out(out, bt)
+                y = bt.views[s]
                 np.add(env[ai], env[bi], out=y)
-            env[out.id] = y
+            env[oi] = y
         return run
 
     def _c_scale(self, i, node):
-        s, xi, out, inplace = np.float32(node.attrs["s"]), node.inputs[0].id, node.out, self._inplace[i]
+        f, xi, oi, inplace, s = np.float32(node.attrs["s"]), node.inputs[0].id, node.out.id, self._inplace[i], \
+            self._slot(node.out)
 
         def run(env, bt, kv):
-            y = env[xi] if inplace else self._out(out, bt)
-            np.multiply(env[xi], s, out=y)
-            env[out.id] = y
+            y = env[xi] if inplace else (bt.views[s] if s >= 0 else np.empty_like(env[xi]))
+            np.multiply(env[xi], f, out=y)
+            env[oi] = y
         return run
 
     def _c_softcap(self, i, node):
-        cap, xi, out, inplace = np.float32(node.attrs["cap"]), node.inputs[0].id, node.out, self._inplace[i]
+        cap, xi, oi, inplace, s = np.float32(node.attrs["cap"]), node.inputs[0].id, node.out.id, self._inplace[i], \
+            self._slot(node.out)
 
         def run(env, bt, kv):
-            y = env[xi] if inplace else self._out(out, bt)
+            y = env[xi] if inplace else (bt.views[s] if s >= 0 else np.empty_like(env[xi]))
             np.multiply(env[xi], np.float32(1.0) / cap, out=y)
             np.tanh(y, out=y)
             y *= cap
-            env[out.id] = y
+            env[oi] = y
         return run
 
     def _c_take_rows(self, i, node):
-        xi, out = node.inputs[0].id, node.out
+        xi, oi, s = node.inputs[0].id, node.out.id, self._slot(node.out)
 
         def run(env, bt, kv):
             x = env[xi]
-            y = self._out(out, bt)
-            if bt.n_out == bt.n and bt.n_out and bt.out_rows[-1] == bt.n - 1 and bt.out_rows[0] == 0:
+            y = bt.views[s] if s >= 0 else np.empty((bt.n_out, x.shape[1]), np.float32)
+            if bt.n_out == bt.n:              # every row wants logits (out_rows is 0..n-1, in order)
                 y[:] = x
             else:
                 np.take(x, bt.out_rows, axis=0, out=y)
-            env[out.id] = y
+            env[oi] = y
         return run
