@@ -116,7 +116,7 @@ def test_speculative_ngram_equals_plain_greedy(real):
     name, lm = real
     if not _row_invariant_matmul():
         pytest.xfail("needs issue 16's row-invariant CPU matmul (helper invariance) for K-quant files")
-    prompts = PROMPTS[:2]
+    prompts = ["def add(a, b):\n    return a + b\n\n\ndef add(", "one two three four one two three four one two"]
     plain = _replies(lm, prompts, n_slots=2, max_tokens=16)
     lookup = _replies(lm, prompts, n_slots=2, max_tokens=16, speculative="ngram")
     assert lookup == plain
