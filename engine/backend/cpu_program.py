@@ -251,23 +251,34 @@ class CpuProgram:
                 v = base[v]
             return v
 
+        split_of = [-1] * len(prog.values)      # for a column block: the value that was split
+
         def alias(v: int, parent: int, view: bool) -> None:
             base[v] = parent
             self._view[v] = view
             r = root(parent)
             glast[r] = max(glast[r], last[v])
 
+        def dead_after(x: int, i: int) -> bool:
+            """Nothing reads x's elements after node i: a column block only needs itself and
+            the split value dead (its sibling blocks are other columns)."""
+            if self._view[x]:
+                return last[x] <= i and last[split_of[x]] <= i
+            return glast[root(x)] <= i
+
         for i, n in enumerate(nodes):
             op = n.op
             if op == "split":
                 for o in n.outs:
                     alias(o.id, n.inputs[0].id, True)
+                    split_of[o.id] = n.inputs[0].id
                 continue
             out = n.out
             if op != "embed" and out.id != prog.output.id:
                 x = n.inputs[0] if n.inputs else None
-                if (op in ("rope", "head_rms_norm", "scale", "softcap", "add", "glu") and glast[root(x.id)] <= i
+                if (op in ("rope", "head_rms_norm", "scale", "softcap", "add", "glu") and dead_after(x.id, i)
                         and (op in ("rope", "head_rms_norm") or not self._view[x.id])):
+                    split_of[out.id] = split_of[x.id]
                     alias(out.id, x.id, self._view[x.id])
                     inplace[i] = True
                 else:
