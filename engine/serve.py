@@ -158,7 +158,7 @@ def build_engine(args, progress=None):
     no_journal = getattr(args, "no_journal", False)
     store = open_store(None if no_journal else paths.journal_dir(), buffer_bytes=journal_bytes)
     caps = CapsuleCache(None if no_journal else paths.capsules_dir() / lm.fingerprint, host_bytes=capsule_host,
-                        fingerprint=lm.fingerprint, device_bytes=capsule_device)
+                        fingerprint=lm.fingerprint, device_bytes=capsule_device, kv_type=kv_type)
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
                  kv_type=kv_type, capsules=caps, speculative=speculative, draft_lm=draft_lm,
                  draft_p_min=DEFAULT_P_MIN if getattr(args, "draft_p_min", None) is None else args.draft_p_min)

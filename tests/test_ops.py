@@ -300,3 +300,24 @@ def test_capsules_record_kv_type_and_refuse_another(tmp_path):
     with pytest.raises(C.CapsuleError, match=r"holds f16 KV.*is f32.*--kv-type f16"):
         C.restore(back, kv32, 0, fingerprint="fp")
     assert not kv32.k[0].any()                       # a refused restore writes nothing
+
+
+def test_capsule_cache_skips_a_disk_capsule_of_another_kv_type(tmp_path):
+    """Bug guard: an engine restarted with another --kv-type found its old disk capsules
+    and the restore raised inside the tick; now the lookup passes them over, saying why."""
+    from aotx.engine.state import capsule as C
+    from aotx.engine.state.cache import CapsuleCache
+
+    rng = np.random.default_rng(11)
+    cp = CpuProgram(_toy_program(rng))
+    toks = rng.integers(0, 50, 9).astype(np.int32)
+    kv32 = cp.new_kv_cache(1, 16, "f32")
+    cp.forward(toks, BatchLayout.of([Segment(0, 0, 9)]), kv32)
+    C.save(C.snapshot(kv32, 0, toks.tolist(), fingerprint="fp"), tmp_path / "conv1.caps")
+    cache = CapsuleCache(tmp_path, fingerprint="fp", kv_type="f16")
+    cap, n, note = cache.best_for("conv1", toks.tolist() + [1])
+    assert cap is None and "holds f32 KV" in note and "f16" in note
+    C.save(C.snapshot(kv32, 0, toks.tolist(), fingerprint="fp"), tmp_path / "conv1.caps")
+    same = CapsuleCache(tmp_path, fingerprint="fp", kv_type="f32")
+    cap, n, note = same.best_for("conv1", toks.tolist() + [1])
+    assert cap is not None and n == 9
