@@ -321,3 +321,21 @@ def test_capsule_cache_skips_a_disk_capsule_of_another_kv_type(tmp_path):
     same = CapsuleCache(tmp_path, fingerprint="fp", kv_type="f32")
     cap, n, note = same.best_for("conv1", toks.tolist() + [1])
     assert cap is not None and n == 9
+
+
+def test_f16_cache_reads_every_finite_half_exactly_and_inf_as_inf():
+    """attention over one position returns that position's V: all 63,488 finite float16
+    bit patterns (subnormals included) come back as their exact float32 values (-0 as +0:
+    the sum starts at +0), and inf as inf."""
+    pats = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    halves = pats.view(np.float16)
+    keep = np.isfinite(halves)
+    vals = np.concatenate([pats[keep], np.array([0x7C00, 0xFC00] * 32, np.uint16)])   # + inf, -inf
+    vals = vals[: vals.size // 64 * 64].reshape(-1, 1, 1, 64)                            # (slots, KV, T, hd)
+    n = vals.shape[0]
+    q = np.ones((n, 1, 64), np.float32)
+    out = np.empty_like(q)
+    cpu_ops.attention_rows(q, np.zeros_like(vals), vals, np.arange(n, dtype=np.int32), np.ones(n, np.int32), 1.0, 0,
+                           out)
+    want = vals.reshape(n, 64).view(np.float16).astype(np.float32) + np.float32(0.0)   # -0 -> +0
+    assert np.array_equal(out.reshape(n, 64).view(np.uint32), want.view(np.uint32))

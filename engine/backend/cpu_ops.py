@@ -146,21 +146,35 @@ def add_inplace(x: np.ndarray, y: np.ndarray) -> None:
 
 # ---------------------------------------------------------------------------- attention
 
-def _kv_load(a, s, g, t, d, lut):  # pragma: no cover - replaced by the overload inside numba
+def _kv_row(a, s, g, t, bits, row):  # pragma: no cover - replaced by the overload inside numba
     raise NotImplementedError
 
 
-@overload(_kv_load, inline="always")
-def _kv_load_impl(a, s, g, t, d, lut):
-    """One K/V element as float32: a float32 cache directly, a uint16 (f16 bits) cache
-    through the exact lookup table."""
+@overload(_kv_row, inline="always")
+def _kv_row_impl(a, s, g, t, bits, row):
+    """K or V at position t of (slot s, KV head g) as hd float32 values: a float32 cache's
+    own row; a uint16 (f16 bits) cache's row converted exactly into ``row`` (float32 view
+    of the uint32 scratch ``bits``): the f16 sign and exponent/mantissa shifted into
+    float32 place and scaled by 2^112, exact for every finite f16 (normals and
+    subnormals); the all-ones exponent lands at >= 65536 and becomes +-inf (an f16 NaN
+    reads as inf). Integer ops and one multiply per value, so it vectorizes."""
     if a.dtype == nb.types.uint16:
-        return lambda a, s, g, t, d, lut: lut[a[s, g, t, d]]
-    return lambda a, s, g, t, d, lut: a[s, g, t, d]
+        def conv(a, s, g, t, bits, row):
+            src = a[s, g, t]
+            for d in range(src.shape[0]):
+                h = np.uint32(src[d])
+                bits[d] = ((h & np.uint32(0x8000)) << np.uint32(16)) | ((h & np.uint32(0x7FFF)) << np.uint32(13))
+            for d in range(src.shape[0]):
+                f = row[d] * np.float32(5.192296858534828e33)          # 2^112
+                row[d] = f * np.float32(np.inf) if abs(f) >= np.float32(65536.0) else f
+            return row
+        return conv
+    return lambda a, s, g, t, bits, row: a[s, g, t]
 
 
-@nb.njit(cache=True, fastmath=True, parallel=True, error_model="numpy")
-def _attention_rows(q, k_cache, v_cache, lut, slots, lengths, scale, window, out):
+# fastmath without "nnan"/"ninf": an f16 cache's inf must stay inf (see _kv_row)
+@nb.njit(cache=True, fastmath={"nsz", "arcp", "contract", "afn", "reassoc"}, parallel=True, error_model="numpy")
+def _attention_rows(q, k_cache, v_cache, slots, lengths, scale, window, out):
     B, H, hd = q.shape
     KV = k_cache.shape[1]
     G = H // KV
@@ -172,11 +186,14 @@ def _attention_rows(q, k_cache, v_cache, lut, slots, lengths, scale, window, out
         t0 = T - window if window > 0 and T > window else 0
         n = T - t0
         scores = np.empty((G, n), dtype=np.float32)
+        bits = np.empty(hd, dtype=np.uint32)
+        row = bits.view(np.float32)
         for t in range(n):
+            kr = _kv_row(k_cache, s, g, t0 + t, bits, row)
             for gi in range(G):
                 acc = np.float32(0.0)
                 for d in range(hd):
-                    acc += q[b, g * G + gi, d] * _kv_load(k_cache, s, g, t0 + t, d, lut)
+                    acc += q[b, g * G + gi, d] * kr[d]
                 scores[gi, t] = acc * scale
         for gi in range(G):
             m = scores[gi, 0]
@@ -195,10 +212,13 @@ def _attention_rows(q, k_cache, v_cache, lut, slots, lengths, scale, window, out
             h = g * G + gi
             for d in range(hd):
                 out[b, h, d] = 0.0
-            for t in range(n):
+        for t in range(n):
+            vr = _kv_row(v_cache, s, g, t0 + t, bits, row)
+            for gi in range(G):
+                h = g * G + gi
                 p = scores[gi, t]
                 for d in range(hd):
-                    out[b, h, d] += p * _kv_load(v_cache, s, g, t0 + t, d, lut)
+                    out[b, h, d] += p * vr[d]
 
 
 def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
@@ -212,7 +232,7 @@ def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
     (Ainslie et al. 2023). Softmax in float32 with max subtraction; work is split over
     (row, KV head) pairs, and a row's result does not depend on the other rows.
     (SEAMS.md's signature; the interim kernel for decode and verify rows.)"""
-    _attention_rows(q, k_cache, v_cache, F16_LUT, slots, lengths, np.float32(scale), int(window), out)
+    _attention_rows(q, k_cache, v_cache, slots, lengths, np.float32(scale), int(window), out)
 
 
 def kv_as_f32(a: np.ndarray) -> np.ndarray:
