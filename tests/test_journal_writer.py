@@ -237,7 +237,7 @@ def test_a_record_larger_than_the_buffer_is_refused_by_name(tmp_path):
 
 
 def test_every_new_segment_is_made_durable_in_its_directory(tmp_path):
-    from aotx.engine.journal.fileio import FileIO
+    from aotx.engine.fileio import FileIO
 
     calls = []
 

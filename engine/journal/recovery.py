@@ -40,7 +40,7 @@ import msgspec
 
 from aotx.engine.errors import JournalError
 from aotx.engine.journal.conversations import ConversationTable, GapNote, Receipt, checkpoint_parts
-from aotx.engine.journal.fileio import OS, FileIO, describe_os_error, write_file
+from aotx.engine.fileio import OS, FileIO, describe_os_error, write_file
 from aotx.engine.journal.records import (
     FLAG_CHECKPOINT, HEADER_BYTES, Checkpoint, CheckpointEnd, Gap, encode_frame, encode_segment_header, fit_frame,
 )

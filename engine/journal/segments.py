@@ -40,7 +40,7 @@ import msgspec
 import numpy as np
 
 from aotx.engine.errors import JournalError
-from aotx.engine.journal.fileio import OS, FileIO, NotRegularFile, describe_os_error, read_regular
+from aotx.engine.fileio import OS, FileIO, NotRegularFile, describe_os_error, read_regular
 from aotx.engine.journal.records import (
     FORMAT_VERSION, FRAME_OVERHEAD, HEADER_BYTES, RECEIPT_FILE, RECORD_HEADER, RECORD_TYPES, Checkpoint,
     CheckpointEnd, FrameError, Gap, Record, SegmentHeader, decode_frame, decode_receipt, decode_segment_header,

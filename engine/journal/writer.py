@@ -8,7 +8,7 @@ file, which recovery reads to tell a torn tail from damage), segment rotation,
 streamed online checkpoints, and waiting out a full disk. Leaves to others:
 what records mean (``conversations.py``), reading and repairing the files at
 start (``recovery.py``, which ``Journal`` runs first), the file system calls
-themselves (``fileio.py``: tests pass a recording or failing one).
+themselves (``engine/fileio.py``: tests pass a recording or failing one).
 
 Threads. ``reserve``, ``publish``, ``checkpoint_step`` and ``flush`` may be
 called from any thread (a short lock orders them); none of them ever waits on
@@ -62,7 +62,7 @@ import google_crc32c
 
 from aotx.engine.errors import JournalError
 from aotx.engine.journal.conversations import ConversationTable, Receipt, checkpoint_parts
-from aotx.engine.journal.fileio import NO_SPACE, OS, FileIO, describe_os_error, write_all
+from aotx.engine.fileio import NO_SPACE, OS, FileIO, describe_os_error, write_all
 from aotx.engine.journal.records import (
     CRC, FLAG_CHECKPOINT, FRAME_OVERHEAD, HEADER_BYTES, RECEIPT_FILE, RECORD_HEADER, Checkpoint, CheckpointEnd,
     CheckpointPart, Record, crc32c, encode_payload, encode_receipt, encode_segment_header,

@@ -301,9 +301,11 @@ class Engine:
         if not self.store.has_credit():
             if not any(o is op for o, _, _ in self._held):
                 free = self.store.journal_free_bytes()
-                sink.send(P.Notice(id=op.id, kind="held", resource="journal", asked=64 << 10, free=free,
-                                   message=f"the journal's buffers are full (the disk is behind: {free} bytes "
-                                           f"free); the message is held until they drain"))
+                reason = self.store.hold_reason()  # the disk is full: name it and what is needed
+                sink.send(P.Notice(id=op.id, kind="held", resource="disk" if reason else "journal", asked=64 << 10,
+                                   free=free, message=f"{reason}; the message is held" if reason else
+                                   f"the journal's buffers are full (the disk is behind: {free} bytes "
+                                   f"free); the message is held until they drain"))
                 self._held.append((op, sink, media_text))
             return
         msg_id, reply_id, seq = self.store.accept(op.conv_id, "user", text, sp, op.attachments, raw=op.raw,
@@ -763,6 +765,7 @@ class Engine:
             draft_model=self.draft.lm.name if self.draft else "",
             draft_model_path=str(self.draft.lm.path) if self.draft else "",
             stats={k: float(v) for k, v in self.stats.items()},
+            degraded=self.store.hold_reason(), notices=list(self.store.notices),
         )
 
 

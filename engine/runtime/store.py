@@ -41,13 +41,17 @@ def _sampling_dict(sp: P.SamplingParams | None) -> dict[str, Any]:
 class ConversationStore:
     """Conversations, journaled. ``journal`` None keeps them in memory only."""
 
-    def __init__(self, table: ConversationTable, journal=None, recovery_note: str = ""):
+    def __init__(self, table: ConversationTable, journal=None, recovery_note: str = "",
+                 notices: list[str] | None = None):
         self.table = table
         self.journal = journal
         self.recovery_note = recovery_note
+        self.notices: list[str] = list(notices or [])  # for users: damage recovery salvaged at start
         self.on_receipt: Callable[[Any], None] = lambda r: None
         self._seq = table.last_seq
         self._segments_at_checkpoint = 0
+        self._checkpoint = None  # a journal.writer.CheckpointRun in progress
+        self._tick = 0
 
     @property
     def journaled(self) -> bool:
@@ -71,6 +75,8 @@ class ConversationStore:
         from aotx.engine.journal.conversations import Receipt
 
         self.table.note_receipt(Receipt(receipt.segment, receipt.offset, receipt.last_seq))
+        if self._checkpoint is not None and receipt.last_seq >= self._checkpoint.waiting_seq:
+            self._step_checkpoint(self._tick)  # the previous chunk is durable: write the next
 
     def has_credit(self, nbytes: int = 64 << 10) -> bool:
         """Whether the journal's buffers can take about ``nbytes`` more now."""
@@ -85,14 +91,30 @@ class ConversationStore:
 
     def maybe_checkpoint(self, tick: int, every_segments: int = 2) -> None:
         """Compact online once ``every_segments`` new segments have been created since
-        the last checkpoint: the journal writes the live conversations into a fresh
-        segment and drops the older ones after it is durable (deleted conversations go)."""
+        the last checkpoint: the journal streams the live conversations into a fresh
+        segment, one chunk per call or receipt (never waiting on disk), and drops the
+        older segments once it is durable (deleted conversations go)."""
         if self.journal is None:
+            return
+        self._tick = tick
+        if self._checkpoint is not None:
+            self._step_checkpoint(tick)
             return
         created = self.journal.stats().get("segments_created", 0)
         if created - self._segments_at_checkpoint >= every_segments:
-            self._segments_at_checkpoint = created + 1
-            self.journal.checkpoint(self.table, tick)
+            run = self.journal.begin_checkpoint(self.table, tick)
+            if run is not None:
+                self._segments_at_checkpoint = created + 1
+                self._checkpoint = run
+
+    def _step_checkpoint(self, tick: int) -> None:
+        if self.journal.checkpoint_step(self._checkpoint, self.table, tick):
+            self._checkpoint = None
+
+    def hold_reason(self) -> str:
+        """"" normally; while the journal's disk is full, the line saying which disk,
+        how much is needed and how much is free (new work is held meanwhile)."""
+        return self.journal.degraded if self.journal is not None else ""
 
     def close(self) -> None:
         if self.journal is not None:
@@ -243,21 +265,23 @@ class ConversationStore:
 
 
 def open_store(directory: Path | None, *, buffer_bytes: int = 8 << 20,
-               segment_bytes: int = 64 << 20) -> ConversationStore:
+               segment_bytes: int = 64 << 20, fs=None) -> ConversationStore:
     """Recover the journal in ``directory`` (None: no journal) and return a store on it.
 
-    Replies cut by a crash are marked interrupted, and that is journaled too."""
+    Replies cut by a crash are marked interrupted, and that is journaled too.
+    ``fs``: the journal's file layer (``engine.fileio``; tests inject faults)."""
     if directory is None:
         return ConversationStore(ConversationTable(), None, "journal off")
     from aotx.engine.journal.writer import Journal
 
     store_box: list[ConversationStore] = []
+    kw = {} if fs is None else {"fs": fs}
     journal = Journal(directory, segment_bytes=segment_bytes, buffer_bytes=buffer_bytes,
-                      on_receipt=lambda r: store_box[0].deliver_receipt(r) if store_box else None)
+                      on_receipt=lambda r: store_box[0].deliver_receipt(r) if store_box else None, **kw)
     report = journal.recovery
     table = report.table
     cut = table.finish_recovery()  # recovery marks them already; this catches any it left
-    store = ConversationStore(table, journal, report.summary())
+    store = ConversationStore(table, journal, report.summary(), notices=report.notices())
     store_box.append(store)
     # journal the interruption, so the reply's end is on disk like any other finish
     for conv in table.live():
