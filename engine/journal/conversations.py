@@ -148,14 +148,20 @@ def checkpoint_parts(c: Conversation, max_bytes: int = 1 << 20) -> list[Checkpoi
     for m in c.messages:
         raw = msgspec.Raw(_raw_encoder.encode(m))
         if cur and size + len(raw) > max_bytes:
-            parts.append(CheckpointPart(conv_id=c.conv_id, conversation=head if not parts else msgspec.Raw(b""),
-                                        messages=cur, more=True))
+            parts.append(_part(c.conv_id, head if not parts else None, cur, True))
             cur, size = [], 0
         cur.append(raw)
         size += len(raw)
-    parts.append(CheckpointPart(conv_id=c.conv_id, conversation=head if not parts else msgspec.Raw(b""),
-                                messages=cur, more=False))
+    parts.append(_part(c.conv_id, head if not parts else None, cur, False))
     return parts
+
+
+def _part(conv_id: str, head: msgspec.Raw | None, messages: list[msgspec.Raw], more: bool) -> CheckpointPart:
+    # a continuation leaves ``conversation`` at its default, so that it is omitted: an
+    # empty Raw passed explicitly would be written as a key with no value
+    if head is None:
+        return CheckpointPart(conv_id=conv_id, messages=messages, more=more)
+    return CheckpointPart(conv_id=conv_id, conversation=head, messages=messages, more=more)
 
 
 _FINISH_STATUS = {"stop": "complete", "length": "complete", "context": "complete",
@@ -372,7 +378,7 @@ class ConversationTable:
         msgs = [_msg_decoder.decode(m) for m in r.messages]
         for m in msgs:
             m.receipt = None
-        if len(r.conversation):
+        if len(bytes(r.conversation)):
             c = _conv_decoder.decode(r.conversation)
             c.messages = msgs
             self.conversations[c.conv_id] = c
