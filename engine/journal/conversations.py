@@ -397,7 +397,8 @@ class ConversationTable:
     def _gap(self, r: Gap, seq: int) -> None:
         if r.opens_checkpoint and len(self.conversations) == 0 and len(self.gaps) == 0:
             self.loading = True  # the lost record opened the checkpoint whose parts follow
-        note = GapNote(seq, r.last_seq, r.segment, r.offset, r.nbytes, r.copy, r.reason.rstrip(), r.created_at,
+        copy = r.copy or (f"{r.segment:010d}.seg.{int(r.created_at)}.damaged" if r.created_at and r.segment else "")
+        note = GapNote(seq, r.last_seq, r.segment, r.offset, r.nbytes, copy, r.reason.rstrip(), r.created_at,
                        [dict(a) for a in r.affected])
         for c in self.conversations.values():  # replies being written when the records were lost
             if c.deleted:

@@ -214,15 +214,16 @@ class Gap(_Record):
     (its parts follow); ``pad``: filler so the frame takes the damaged bytes' place."""
 
     type_id: ClassVar[int] = 13
-    last_seq: int
-    segment: int = 0
-    offset: int = 0
-    nbytes: int = 0
+    # short names on disk: a Gap often takes the place of one small record
+    last_seq: int = msgspec.field(name="last")
+    segment: int = msgspec.field(default=0, name="seg")
+    offset: int = msgspec.field(default=0, name="off")
+    nbytes: int = msgspec.field(default=0, name="n")
     copy: str = ""
-    reason: str = ""
-    created_at: float = 0.0
-    affected: list[dict[str, Any]] = []
-    opens_checkpoint: bool = False
+    reason: str = msgspec.field(default="", name="why")
+    created_at: int = msgspec.field(default=0, name="at")  # seconds since the epoch
+    affected: list[dict[str, Any]] = msgspec.field(default_factory=list, name="aff")
+    opens_checkpoint: bool = msgspec.field(default=False, name="cp")
     pad: bytes = b""
 
 

@@ -233,8 +233,21 @@ def _damage_reports(salvaged: list[tuple[Damage, str]], table: ConversationTable
         note = by_first.get(dm.first_lost)
         affected: list[dict[str, Any]] = []
         seen = set()
-        for a in (note.affected if note is not None else []) + [
-                {**f, "what": f"its {f['type']} record was lost"} for f in dm.found if "conv_id" in f]:
+        hints = []
+        for f in dm.found:
+            f = dict(f)
+            if "conv_id" not in f:  # a damaged key: match the record's strings to known ids
+                for v in f.get("strings", []):
+                    if v in table.conversations:
+                        f["conv_id"] = v
+                        break
+            if "conv_id" in f and "msg_id" not in f and f["conv_id"] in table.conversations:
+                ids = {m.msg_id for m in table.conversations[f["conv_id"]].messages}
+                f.update({"msg_id": v for v in f.get("strings", []) if v in ids})
+            if "conv_id" in f:
+                hints.append({"conv_id": f["conv_id"], **({"msg_id": f["msg_id"]} if f.get("msg_id") else {}),
+                              "what": f"its {f['type']} record was lost"})
+        for a in hints + (note.affected if note is not None else []):
             key = (a.get("conv_id"), a.get("msg_id"))
             if key in seen or not a.get("conv_id"):
                 continue
@@ -300,23 +313,36 @@ def _salvage(d: Path, scan: JournalScan, fs: FileIO) -> list[tuple[Damage, str]]
     return out
 
 
+def copy_name(segment: int, created_at: int) -> str:
+    """The usual name of the byte-exact copy of ``segment`` made at ``created_at``
+    (a Gap record leaves its ``copy`` field empty when the copy is named so)."""
+    return f"{segment_name(segment)}.{int(created_at)}{DAMAGED_SUFFIX}"
+
+
 def _gap(dm: Damage, copy: str) -> Gap:
-    return Gap(last_seq=dm.last_lost, segment=dm.segment, offset=dm.offset, nbytes=dm.end - dm.offset, copy=copy,
-               reason=dm.message[:200], created_at=time.time(),
+    now = int(time.time())
+    if copy:
+        try:  # the copy's name holds its time: keep the two equal so the name can be derived
+            now = int(copy[len(segment_name(dm.segment)) + 1:-len(DAMAGED_SUFFIX)])
+        except ValueError:
+            pass
+    return Gap(last_seq=dm.last_lost, segment=dm.segment, offset=dm.offset, nbytes=dm.end - dm.offset,
+               copy="" if copy == copy_name(dm.segment, now) else copy,
+               reason=dm.message[:200], created_at=now,
                affected=[{k: v for k, v in f.items() if k in ("conv_id", "msg_id", "type")} for f in dm.found],
                opens_checkpoint=dm.opens_checkpoint)
 
 
 def _gap_frame(dm: Damage, copy: str) -> bytes:
     """The Gap frame for ``dm``: exactly the size of the bad bytes when some form of it
-    fits (dropping detail until it does: what it affected, the reason, the time, the
-    copy's name), so that every later record keeps its offset and every receipt stays
+    fits (dropping detail until it does: what it affected, the reason, where the bad
+    bytes were, the time that names the copy), so that every later record keeps its offset and every receipt stays
     exact; else the full record (later offsets in the segment move)."""
     gap = _gap(dm, copy)
     size = dm.end - dm.offset
-    for drop in ((), ("affected",), ("affected", "reason"), ("affected", "reason", "created_at"),
-                 ("affected", "reason", "created_at", "copy"),
-                 ("affected", "reason", "created_at", "copy", "offset", "nbytes", "segment")):
+    for drop in ((), ("affected",), ("affected", "reason"), ("affected", "reason", "offset", "nbytes"),
+                 ("affected", "reason", "offset", "nbytes", "created_at", "copy"),
+                 ("affected", "reason", "offset", "nbytes", "created_at", "copy", "segment")):
         g = msgspec.structs.replace(gap, **{k: type(getattr(gap, k))() for k in drop})
         f = fit_frame(g, dm.tick, dm.first_lost, size)
         if f is not None:

@@ -234,6 +234,20 @@ def _read_what(data: bytes, start: int, end: int) -> list[dict[str, Any]]:
                 if isinstance(v, str):
                     d[k] = v
             out.append(d)
+        elif type_id in RECORD_TYPES and q + RECORD_HEADER.size < min(fend, end):
+            # the payload does not decode as its type (a flipped bit in a key, say): read it
+            # untyped and keep its short strings, which recovery matches to known ids
+            try:
+                raw = msgspec.msgpack.decode(data[q + RECORD_HEADER.size:min(fend, end) - 4])
+            except (msgspec.DecodeError, ValueError):
+                raw = None
+            if isinstance(raw, dict):
+                strings = [v for v in raw.values() if isinstance(v, str) and 0 < len(v) <= 64]
+                d = {"type": RECORD_TYPES[type_id].__name__, "seq": seq, "strings": strings}
+                for k in ("conv_id", "msg_id"):
+                    if isinstance(raw.get(k), str):
+                        d[k] = raw[k]
+                out.append(d)
         if fend <= q or fend > end or type_id not in RECORD_TYPES:
             break
         q = fend
