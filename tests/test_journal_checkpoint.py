@@ -11,7 +11,7 @@ from aotx.engine.journal import (
     ConversationCreated, ConversationDeleted, ConversationTable, Journal, MessageAccepted, MessageFinished,
     TokensCommitted, compact, dump, recover, verify,
 )
-from aotx.engine.journal.records import Checkpoint, CheckpointEnd, CheckpointPart
+from aotx.engine.journal import records as R
 
 
 def _view(table):
@@ -59,10 +59,10 @@ def test_an_online_checkpoint_larger_than_the_journal_buffer_streams(tmp_path):
     frames = list(dump(tmp_path))
     assert int(segs[0].name[:10]) == frames[0].segment  # the checkpoint segment replaced every older one
     assert len(segs) <= 2  # (and the record after it may open the next: the checkpoint outgrew a segment)
-    parts = [e for e in frames if isinstance(e.record, CheckpointPart)]
-    assert isinstance(frames[0].record, Checkpoint) and frames[0].record.streamed
+    parts = [e for e in frames if isinstance(e.record, R.CheckpointPart)]
+    assert isinstance(frames[0].record, R.Checkpoint) and frames[0].record.streamed
     assert len(parts) >= 63 and max(e.end - e.offset for e in parts) < 64 << 10  # bounded chunks
-    assert any(isinstance(e.record, CheckpointEnd) for e in frames)
+    assert any(isinstance(e.record, R.CheckpointEnd) for e in frames)
     rep = recover(tmp_path)
     assert rep.problem is None and len(rep.table.live()) == 63
     assert _view(rep.table) == _view(table)
@@ -82,7 +82,7 @@ def test_a_long_conversation_is_split_into_consecutive_parts(tmp_path):
         pub(MessageFinished("long", "r", "stop", 10, 500))
         j.flush()
         j.checkpoint(table, 1)
-    parts = [e.record for e in dump(tmp_path) if isinstance(e.record, CheckpointPart)]
+    parts = [e.record for e in dump(tmp_path) if isinstance(e.record, R.CheckpointPart)]
     assert len(parts) > 5 and all(p.more for p in parts[:-1]) and not parts[-1].more
     assert recover(tmp_path).table.get("long").message("r").token_ids == list(range(500))
     assert _view(recover(tmp_path).table) == _view(table)
@@ -201,7 +201,7 @@ def test_a_format_1_checkpoint_still_reads(tmp_path, legacy):
     table = ConversationTable()
     table.apply(ConversationCreated("old", "from version 1"), 1)
     table.apply(MessageAccepted("old", "m", "user", "hi"), 2)
-    cp = Checkpoint(covers_seq=2, conversations=table.snapshot(), created_at=time.time())
+    cp = R.Checkpoint(covers_seq=2, conversations=table.snapshot(), created_at=time.time())
     (tmp_path / "0000000003.seg").write_bytes(encode_segment_header(3, 3, FLAG_CHECKPOINT, version=1)
                                               + encode_frame(cp, 0, 3))
     rep = recover(tmp_path)

@@ -173,8 +173,8 @@ def recover_locked(d: Path, *, repair: bool = False, keep_records: bool = False,
     try:
         return _recover_locked(d, keep_records, fs)
     except OSError as e:
-        raise JournalError(f"journal {d}: {describe_os_error(e)} ({e.filename or d}); nothing acknowledged was "
-                           "removed") from None
+        raise JournalError(f"cannot recover the journal in {d}: {describe_os_error(e)} writing "
+                           f"{e.filename or d}; nothing a receipt covered was changed") from None
 
 
 def _recover_locked(d: Path, keep_records: bool, fs: FileIO) -> RecoveryReport:
