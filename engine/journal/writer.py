@@ -138,10 +138,11 @@ def _mount_point(path: Path) -> Path:
     return path
 
 
-def _fmt(n: int) -> str:
+def _fmt(n: int, exact: bool = False) -> str:
+    """``n`` bytes in words ("1.5 MiB"), with the exact count after it when ``exact``."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:.1f} {unit}"
+            return f"{n / size:.1f} {unit}" + (f" ({n} bytes)" if exact else "")
     return f"{n} bytes"
 
 
@@ -746,9 +747,9 @@ class Journal:
         with self._lock:
             waiting = (self._head - self._tail) + self._side_bytes
         what = "quota exceeded" if e.errno == errno.EDQUOT else "disk full"
-        line = (f"{what}: the journal in {self.directory} (file system at {mount}) needs {_fmt(max(nbytes, waiting))}"
-                f" ({max(nbytes, waiting)} bytes) for records waiting to be written and {_fmt(free)} ({free} bytes) "
-                "are free; new work is held until space returns")
+        need = max(nbytes, waiting)
+        line = (f"{what}: the journal in {self.directory} (file system at {mount}) needs {_fmt(need, True)} for "
+                f"records waiting to be written and {_fmt(free, True)} are free; new work is held until space returns")
         if not self._degraded:
             log.warning("journal: %s", line)
         with self._lock:
