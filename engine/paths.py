@@ -137,8 +137,8 @@ _NOT_OURS = ("models",)
 
 def secure_data_dir(root: Path | None = None) -> tuple[list[str], list[str]]:
     """Make the data dir private: every directory 0700 at most and every file 0600
-    at most (group and other bits cleared, symbolic links not followed, the user's
-    ``models`` folder left as it is under its now-private parent).
+    at most (group and other bits cleared, symbolic links not followed; in the
+    ``models`` folder only the folder itself: the model files in it are the user's).
 
     Returns ``(tightened, failed)``: paths whose mode was narrowed, and paths that
     stay readable by others because they could not be changed (another owner)."""
@@ -161,9 +161,10 @@ def secure_data_dir(root: Path | None = None) -> tuple[list[str], list[str]]:
         return tightened, failed
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
-        if here == root:
+        names = dirnames + filenames
+        if here == root:  # the models folder itself is made private, not the user's files in it
             dirnames[:] = [d for d in dirnames if d not in _NOT_OURS]
-        for name in dirnames + filenames:
+        for name in names:
             p = here / name
             try:
                 st = os.lstat(p)

@@ -148,6 +148,27 @@ def test_a_crash_mid_checkpoint_starts_from_the_segments_it_would_have_replaced(
     assert len(list(tmp_path.glob("*.seg"))) == 1 and _view(recover(tmp_path).table) == _view(table)
 
 
+def test_an_abandoned_checkpoint_lets_segments_rotate_again(tmp_path):
+    table = ConversationTable()
+    with Journal(tmp_path, segment_bytes=4096, part_bytes=256) as j:
+        def pub(r):
+            table.apply(r, j.publish(r, 0))
+
+        for k in range(4):
+            pub(ConversationCreated(f"c{k}", "t"))
+        run = j.begin_checkpoint(table, 1)
+        j.wait_durable(run.begin_seq, 10)
+        j.abort_checkpoint(run)
+        assert not j.checkpointing
+        for i in range(200):
+            pub(MessageAccepted("c1", f"m{i}", "user", "x" * 60))
+            j.flush()
+        j.wait_durable(j.last_seq, 10)
+        assert j.stats()["segments_created"] >= 4  # rotation resumed after the abandoned checkpoint
+    rep = recover(tmp_path)
+    assert rep.segments[0] == 1 and _view(rep.table) == _view(table)
+
+
 def recover_table(j: Journal) -> ConversationTable:
     return j.recovery.table
 

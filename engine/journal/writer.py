@@ -111,6 +111,7 @@ class _Block(NamedTuple):
     checkpoint: bool  # opens a checkpoint segment (rotate, flag it)
     frames: tuple = ()  # a side block: its frames, written instead of ring bytes
     ends_checkpoint: bool = False  # once durable, the segments before the checkpoint's go
+    aborts_checkpoint: bool = False  # an empty block: the open checkpoint will not end
 
     @property
     def nbytes(self) -> int:
@@ -424,6 +425,17 @@ class Journal:
             self._cp_run = None
         return True
 
+    def abort_checkpoint(self, run: CheckpointRun) -> None:
+        """Give up ``run`` without its CheckpointEnd: it stays an incomplete checkpoint
+        that recovery does not start from (the older segments stay), and segments
+        rotate again. Never waits."""
+        with self._lock:
+            if self._cp_run is run:
+                self._cp_run = None
+                self._pending.append(_Block(0, 0, self._flushed_seq + 1, self._flushed_seq, False,
+                                            aborts_checkpoint=True))
+                self._work.notify()
+
     def _put_side(self, type_id: int, payloads: list[bytes], tick: int) -> int:
         """Publish records outside the ring as a block of their own (lock held); returns the last seq."""
         if self._failed is not None or self._closing:
@@ -600,6 +612,9 @@ class Journal:
         run_start = run_end = None
         run_seq = 0
         for b in blocks:
+            if b.aborts_checkpoint:
+                self._cp_open = False
+                continue
             size = b.nbytes
             written = self._seg_size + (0 if run_start is None else run_end - run_start)
             rotate = b.checkpoint or (not self._cp_open and written > HEADER_BYTES

@@ -102,13 +102,23 @@ class ConversationStore:
             return
         created = self.journal.stats().get("segments_created", 0)
         if created - self._segments_at_checkpoint >= every_segments:
-            run = self.journal.begin_checkpoint(self.table, tick)
+            try:
+                run = self.journal.begin_checkpoint(self.table, tick)
+            except AotxError as e:
+                log.warning("online checkpoint not started: %s", e)
+                self._segments_at_checkpoint = created
+                return
             if run is not None:
                 self._segments_at_checkpoint = created + 1
                 self._checkpoint = run
 
     def _step_checkpoint(self, tick: int) -> None:
-        if self.journal.checkpoint_step(self._checkpoint, self.table, tick):
+        try:
+            if self.journal.checkpoint_step(self._checkpoint, self.table, tick):
+                self._checkpoint = None
+        except AotxError as e:  # never let compaction take the engine down: try again later
+            log.warning("online checkpoint abandoned: %s", e)
+            self.journal.abort_checkpoint(self._checkpoint)
             self._checkpoint = None
 
     def hold_reason(self) -> str:
