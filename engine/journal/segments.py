@@ -63,11 +63,14 @@ def list_segments(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     """``(number, path)`` of every segment file in ``directory``, by number."""
     d = Path(directory)
     out = []
-    if d.is_dir():
-        for p in d.iterdir():
-            m = SEGMENT_RE.match(p.name)
-            if m:
-                out.append((int(m.group(1)), p))
+    try:
+        names = os.listdir(d) if d.is_dir() else []
+    except OSError as e:
+        raise JournalError(f"cannot list the journal directory {d}: {describe_os_error(e)}") from None
+    for name in names:
+        m = SEGMENT_RE.match(name)
+        if m:
+            out.append((int(m.group(1)), d / name))
     out.sort()
     return out
 
