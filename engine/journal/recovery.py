@@ -39,8 +39,9 @@ from typing import Any, Iterator
 import msgspec
 
 from aotx.engine.errors import JournalError
-from aotx.engine.journal.conversations import ConversationTable, GapNote, Receipt, checkpoint_parts
 from aotx.engine.fileio import OS, FileIO, describe_os_error, write_file
+from aotx.engine.journal.conversations import ConversationTable, GapNote, Receipt, checkpoint_parts
+from aotx.engine.journal.directory import DirLock, remove_older_segments
 from aotx.engine.journal.records import (
     FLAG_CHECKPOINT, HEADER_BYTES, Checkpoint, CheckpointEnd, Gap, encode_frame, encode_segment_header, fit_frame,
 )
@@ -138,8 +139,6 @@ def recover(directory: str | os.PathLike, *, repair: bool = False, keep_records:
     ``keep_records`` fills ``report.records`` with every entry (memory grows with
     the journal; for tests and tools). Raises ``JournalError`` for a newer format
     version and for a directory or segment that cannot be read or written."""
-    from aotx.engine.journal.writer import DirLock
-
     d = Path(directory)
     _mkdir(d, fs)
     lock = DirLock(d)
@@ -521,8 +520,6 @@ def compact(directory: str | os.PathLike, *, fs: FileIO = OS) -> CompactReport:
     older segments (fsync again). A crash at any point leaves a journal that
     recovers to the same conversations. Takes the directory lock: ``JournalError``
     while an engine runs (the engine checkpoints online instead)."""
-    from aotx.engine.journal.writer import DirLock, remove_older_segments
-
     d = Path(directory)
     _mkdir(d, fs)
     lock = DirLock(d)

@@ -49,7 +49,6 @@ engine; recovery keeps everything a receipt covered.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import threading
@@ -61,8 +60,9 @@ from typing import Callable, NamedTuple
 import google_crc32c
 
 from aotx.engine.errors import JournalError
-from aotx.engine.journal.conversations import ConversationTable, Receipt, checkpoint_parts
 from aotx.engine.fileio import NO_SPACE, OS, FileIO, describe_os_error, write_all
+from aotx.engine.journal.conversations import ConversationTable, Receipt, checkpoint_parts
+from aotx.engine.journal.directory import LOCK_NAME, DirLock, remove_older_segments  # noqa: F401 (re-exported)
 from aotx.engine.journal.records import (
     CRC, FLAG_CHECKPOINT, FRAME_OVERHEAD, HEADER_BYTES, RECEIPT_FILE, RECORD_HEADER, Checkpoint, CheckpointEnd,
     CheckpointPart, Record, crc32c, encode_payload, encode_receipt, encode_segment_header,
@@ -71,36 +71,7 @@ from aotx.engine.journal.segments import list_segments, segment_name
 
 log = logging.getLogger("aotx.journal")
 
-LOCK_NAME = "LOCK"
 RECEIPT_SYNC_S = 1.0  # the RECEIPT file is fdatasynced at most this often (it may lag after a power loss)
-
-
-class DirLock:
-    """An exclusive ``flock`` on ``directory/LOCK``: one writer per journal.
-    Raises ``JournalError`` when another process (a running engine) holds it, or
-    the directory cannot be written (read-only, permissions)."""
-
-    def __init__(self, directory: str | os.PathLike):
-        self.path = Path(directory) / LOCK_NAME
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            hint = (" (the file system is read-only)" if e.errno == errno.EROFS else
-                    " (check the owner and mode of the data dir, or set AOTX_HOME)" if e.errno in (
-                        errno.EACCES, errno.EPERM) else "")
-            raise JournalError(f"cannot write the journal in {directory}: {describe_os_error(e)}{hint}") from None
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise JournalError(f"the journal in {directory} is in use by another process (lock {self.path} is "
-                               "held); stop the running engine first") from None
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
 
 
 class _Block(NamedTuple):
@@ -116,18 +87,6 @@ class _Block(NamedTuple):
     @property
     def nbytes(self) -> int:
         return sum(len(f) for f in self.frames) if self.frames else self.end - self.start
-
-
-def remove_older_segments(directory: Path, number: int, fs: FileIO = OS) -> list[int]:
-    """Unlink every segment numbered below ``number`` and fsync the directory."""
-    removed = []
-    for n, path in list_segments(directory):
-        if n < number:
-            fs.unlink(path)
-            removed.append(n)
-    if removed:
-        fs.fsync_dir(directory)
-    return removed
 
 
 def _mount_point(path: Path) -> Path:

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 from aotx.engine.fileio import OS, FileIO
-
-from aotx.engine.runtime.slots import common_prefix
 from aotx.engine.state import capsule as C
+from aotx.engine.state.prefix import common_prefix
 
 log = logging.getLogger("aotx.capsules")
 
