@@ -135,7 +135,9 @@ def recover(directory: str | os.PathLike, *, repair: bool = False, keep_records:
             fs: FileIO = OS) -> RecoveryReport:
     """Recover the journal in ``directory`` (see the module docstring for the policy).
 
-    Takes the directory lock (``JournalError`` while an engine holds it).
+    Takes the directory lock (``JournalError`` while an engine holds it). ``repair``
+    is what ``aotx journal repair`` passes; the policy is the same either way (a torn
+    tail is cut, damage salvaged), so it changes nothing and is kept for callers.
     ``keep_records`` fills ``report.records`` with every entry (memory grows with
     the journal; for tests and tools). Raises ``JournalError`` for a newer format
     version and for a directory or segment that cannot be read or written."""

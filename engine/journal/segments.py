@@ -289,6 +289,7 @@ class JournalScan:
         self.superseded: list[int] = []
         self.segments: list[SegmentInfo] = []
         self.newer: list[int] = []  # segments of a newer format version (left alone)
+        self.end_seq: int | None = None  # set by entries(): the seq after everything read or lost
         self._header_errors: dict[int, FrameError] = {}
         self._plan()
 
@@ -529,4 +530,4 @@ class JournalScan:
     def next_seq(self) -> int:
         """The sequence number the next record appended after the chain must carry
         (after ``entries()`` has run): past every record read and every seq lost."""
-        return getattr(self, "end_seq", None) or (self.last_seq + 1)
+        return self.end_seq or (self.last_seq + 1)
