@@ -228,3 +228,43 @@ def test_a_damaged_sector_in_the_middle_loses_only_the_records_it_held(tmp_path,
     assert lost and lost <= held  # only records that overlapped the bad sector
     assert rep.last_seq == 300 and all(e.record == recs[e.seq - 1] for e in rep.records if not isinstance(e.record, Gap))
     assert verify(tmp_path).ok
+
+
+def test_a_flipped_bit_anywhere_loses_at_most_the_records_it_touched(tmp_path):
+    """Every 17th byte of a journal (segments, a streamed checkpoint, records after it),
+    one bit flipped each time: recovery never raises, never returns a bad record, keeps
+    the journal's full length, loses at most the few records the bit touched, and a
+    second recovery has nothing left to do."""
+    import shutil
+
+    from aotx.engine.journal import compact
+
+    RECEIPT_FILE, Gap, decode_receipt, encode_receipt, JournalScan = _new()
+    orig = tmp_path / "orig"
+    recs = three_conversations(120)
+    write(orig, recs, segment_bytes=4096)
+    compact(orig)
+    extra = [MessageAccepted("conv1", f"x{i}", "user", "y" * (i % 50)) for i in range(30)]
+    write(orig, extra, every=3, segment_bytes=4096)
+    base = recover(orig)
+    segs = sorted(orig.glob("*.seg"))
+    total = sum(p.stat().st_size for p in segs)
+    checked = 0
+    for pos in range(0, total, 17):
+        d = tmp_path / "j"
+        if d.exists():
+            shutil.rmtree(d)
+        shutil.copytree(orig, d, ignore=shutil.ignore_patterns("LOCK"))
+        q = pos
+        for p in sorted(d.glob("*.seg")):
+            if q < p.stat().st_size:
+                flip(p, q, pos % 8)
+                break
+            q -= p.stat().st_size
+        rep = recover(d, keep_records=True)
+        lost = {s for e in rep.records if isinstance(e.record, Gap) for s in range(e.seq, e.record.last_seq + 1)}
+        assert rep.last_seq == base.last_seq and len(lost) <= 3, (pos, rep.last_seq, lost)
+        again = recover(d)
+        assert again.damage == [] and again.bytes_dropped == 0 and verify(d).ok, pos
+        checked += 1
+    assert checked > 200
