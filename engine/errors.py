@@ -26,6 +26,9 @@ class ErrorCode(enum.StrEnum):
     TOO_LONG = "too_long"                  # does not fit the context or the journal's buffer, ever
     CANCELLED = "cancelled"
     INTERNAL = "internal"                  # a bug: the engine keeps running
+    # an attachment no route takes: clients and the test fake know it; the engine itself
+    # reports media per attachment (MediaInfo, route "refused") and keeps the message
+    UNSUPPORTED_MEDIA = "unsupported_media"
 
 
 class AotxError(Exception):
