@@ -185,15 +185,12 @@ def test_offline_compaction_streams_one_conversation_at_a_time(tmp_path):
 
 
 def test_the_engine_store_steps_its_checkpoint_without_waiting(tmp_path):
-    from aotx.engine.ipc import protocol as P
     from aotx.engine.runtime.store import open_store
 
     store = open_store(tmp_path, buffer_bytes=64 << 10, segment_bytes=16 << 10)
     try:
-        sp = P.SamplingParams()
         for k in range(30):
-            v = store.create(f"chat {k}", None, None)
-            store.accept(v.conv_id, "user", "x" * 2000, sp, [])
+            store.create(f"chat {k}", None, None, messages=[("user", "x" * 2000)])
             store.flush()
             store.journal.wait_durable(store.journal.last_seq, 10)
         live = _view(store.table)
