@@ -98,6 +98,7 @@ def test_an_unreadable_segment_is_one_line(home):
 def test_a_read_only_data_dir_is_one_line(home):
     """Defect 9: a read-only data dir gave raw tracebacks (exit code 1): the engine
     refuses before loading anything, journal commands that write say so, reads work."""
+    (home / "run").mkdir(mode=0o700)
     seg = home / "journal" / "0000000001.seg"
     data = bytearray(seg.read_bytes())
     data[-6] ^= 1  # damage: salvaging it must write a copy beside the segment
@@ -107,6 +108,8 @@ def test_a_read_only_data_dir_is_one_line(home):
             p.chmod(0o555)
     try:
         one_line_error(aotx(home, "serve", "--device", "cpu"), str(home), "permission denied")
+        (home / "run").chmod(0o700)  # the socket's folder exists, the data dir is read-only:
+        one_line_error(aotx(home, "run", "hi"), "engine.log", "permission denied")  # spawning cannot log
         one_line_error(aotx(home, "journal", "repair"), "journal", "permission denied")
         one_line_error(aotx(home, "journal", "compact"), "journal", "permission denied")
         r = aotx(home, "journal", "verify")  # reading needs no write access
