@@ -87,6 +87,31 @@ def tiny_model_path(tiny_models, tiny_tokenizer, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model_path):
+    """Factory: ``tiny_reference("qwen3")`` is ``(path, ref)``: the tiny file written once per
+    session and llama.cpp's references for it (``tests/data/refs/tiny/qwen3.json``), after
+    checking that the file is byte-identical to the one the references were made from (a
+    changed writer, numpy or gguf fails here, before any logit is compared)."""
+    import hashlib
+    import json
+
+    def get(name: str):
+        ref_path = Path(__file__).resolve().parent / "data" / "refs" / "tiny" / f"{name}.json"
+        if not ref_path.is_file():
+            pytest.fail(f"no llama.cpp reference for tiny file {name!r} at {ref_path}")
+        ref = json.loads(ref_path.read_text(encoding="utf-8"))
+        path = tiny_model_path(name)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest != ref["sha256"]:
+            pytest.fail(f"tiny file {name!r} regenerated with sha256 {digest[:16]}..., but llama.cpp's references "
+                        f"were made from {ref['sha256'][:16]}... ({ref['writer']}); regenerate them with "
+                        f"tests/tools/make_refs.py tiny")
+        return path, ref
+
+    return get
+
+
 def _real_model(name: str, tmp_path_factory):
     real = _tests_models().real
     gone = real.missing(name)

@@ -177,7 +177,9 @@ class TinyWriter:
 
     Defects (all optional): ``types`` maps a tensor name or a role (the name without
     ``blk.N.`` and ``.weight``, e.g. ``"attn_q"``) to a tensor type; ``skip`` leaves
-    tensors out; ``shapes`` gives a tensor another numpy shape ((out, in) for a matrix);
+    tensors out (their random values are still drawn, so every other tensor keeps its
+    bytes: a file without, say, its biases differs from the reference only there);
+    ``shapes`` gives a tensor another numpy shape ((out, in) for a matrix);
     ``metadata`` sets (or, with None, drops) metadata keys after everything else."""
 
     def __init__(self, path: str | Path, arch: str, *, seed: int, name: str,
@@ -212,20 +214,20 @@ class TinyWriter:
     def matrix(self, name: str, out: int, inp: int, qtype: T, std: float | None = None) -> None:
         """A weight of numpy shape (out, inp) (ggml {inp, out}), entries of std
         ``std`` (default ``1/sqrt(inp)``)."""
-        if name in self.skip:
-            return
         qtype = self.type_of(name, qtype)
         out, inp = self.shapes.get(name, (out, inp))
         arr, raw = random_matrix(qtype, out, inp, self.rng, std if std is not None else 1.0 / math.sqrt(inp))
+        if name in self.skip:  # drawn all the same: skipping a tensor leaves every other one as it was
+            return
         self.counts[qtype] += out * inp
         self.w.add_tensor(name, arr, raw_dtype=raw)
 
     def vector(self, name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
         """A float32 vector (a norm weight, a bias) of normal entries."""
-        if name in self.skip:
-            return
         shape = self.shapes.get(name, (n,))
-        self.w.add_tensor(name, (mean + std * self.rng.standard_normal(shape)).astype(np.float32))
+        arr = (mean + std * self.rng.standard_normal(shape)).astype(np.float32)
+        if name not in self.skip:
+            self.w.add_tensor(name, arr)
 
     def tensor(self, name: str, arr: np.ndarray) -> None:
         """A tensor given as is (e.g. ``rope_freqs.weight``)."""

@@ -69,7 +69,8 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 35, n_layers: i
         # factors in the ranges of Phi-3-mini-128k's config: short ~1-3, long ~1-60
         n = head_dim // 2
         tw.tensor("rope_factors_long.weight", np.geomspace(1.0, 60.0, n).astype(np.float32))
-        tw.tensor("rope_factors_short.weight", (1.0 + 2.0 * tw.rng.random(n)).astype(np.float32))
+        short = 1.0 + 2.0 * np.random.default_rng(seed + 1000).random(n)  # own stream: weights stay as in phi3
+        tw.tensor("rope_factors_short.weight", short.astype(np.float32))
     kv = n_kv_heads * head_dim
     tw.matrix("token_embd.weight", tokenizer.n_vocab, d_model, TYPES["token_embd"], std=std_vocab(d_model))
     for i in range(n_layers):
