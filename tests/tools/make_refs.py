@@ -296,6 +296,8 @@ def make_real(args) -> None:
     (out_dir / "tokenizer_refs.json").write_text(json.dumps(tok_ref, ensure_ascii=False, indent=1) + "\n",
                                                  encoding="utf-8")
     print(name, "tokenizer:", len(tok_out), "strings", flush=True)
+    if args.tokenizer_only:
+        return
 
     # prompts: Qwen through its chat template, Gemma base as raw text
     results = []
@@ -405,6 +407,7 @@ def main() -> None:
     r.add_argument("name", choices=["qwen2", "gemma3"])
     r.add_argument("--model", required=True)
     r.add_argument("--steps", type=int, default=40)
+    r.add_argument("--tokenizer-only", action="store_true", help="model_facts.json and tokenizer_refs.json only")
     args = ap.parse_args()
     if args.cmd == "tiny":
         make_tiny(args)
