@@ -125,6 +125,20 @@ def llama3_vocab_path(tmp_path_factory):
                                models.hf_vocab.tokenizer("llama3"))
 
 
+@pytest.fixture(scope="session")
+def phi3_vocab_path(tmp_path_factory):
+    """A tiny phi3 GGUF named like a Phi-3 file ("Phi3 Mini 4k Instruct") carrying a real
+    SentencePiece vocabulary of Phi-3's kind (``mistral-common``'s tokenizer.model.v1, byte
+    fallback, dummy-prefix space) with Phi-3's added tokens and Phi-3.5-mini's template;
+    skips when the wheel is not installed."""
+    models = _tests_models()
+    hint = models.hf_vocab.missing("phi3")
+    if hint:
+        pytest.skip(f"Phi-3 style SentencePiece vocabulary missing: {hint}")
+    return models.phi3.write(tmp_path_factory.mktemp("phi3-vocab") / "phi3-vocab.gguf",
+                             models.hf_vocab.tokenizer("phi3"), metadata={"general.name": "Phi3 Mini 4k Instruct"})
+
+
 def _real_model(name: str, tmp_path_factory):
     real = _tests_models().real
     gone = real.missing(name)

@@ -486,7 +486,37 @@ VOCAB_STRINGS = [
     ("llama3_reserved", "<|reserved_special_token_5|>"),
     ("digits_groups", "1234567 12 123 1234"),
     ("apostrophes_case", "IT'S I'M WE'VE they'LL"),
+    ("phi3_turns", "<|system|>\nBe brief.<|end|>\n<|user|>\n  Hi there <|end|>\n<|assistant|>\n"),
+    ("phi3_rstrip_spaces", "<|user|>   \n\t x<|end|>  y <s> z</s>  w"),
+    ("phi3_endoftext_space", "a<|endoftext|> b <unk> c"),
+    ("space_prefix_start", " leading space and\u00a0nbsp"),
 ]
+
+
+def _vocab_file(models, name: str, path: Path) -> Path:
+    """The tiny file that carries vocabulary ``name`` (the same as tests/conftest.py's)."""
+    tok = models.hf_vocab.tokenizer(name)
+    if name == "phi3":  # a name with "phi3" in it: llama.cpp's Phi-3 token attributes
+        return models.phi3.write(path, tok, metadata={"general.name": "Phi3 Mini 4k Instruct"})
+    return models.llama3.write(path, tok)
+
+
+def _llama_detokenize(vocab, ids: list[int], unparse_special: bool) -> str:
+    """llama.cpp's own ``llama_detokenize`` (remove_special=False): unlike llama-cpp-python's
+    ``Llama.detokenize`` (token_to_piece concatenated) it drops the first token's leading
+    space when the vocabulary adds a space prefix."""
+    import ctypes
+
+    import llama_cpp
+
+    arr = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
+    size = 64 + 16 * len(ids)
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, size, False, unparse_special)
+        if n >= 0:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = -n + 16
 
 
 def make_vocab(args) -> None:
@@ -494,14 +524,13 @@ def make_vocab(args) -> None:
     through llama.cpp, on a tiny llama3 file that carries it."""
     models = _models()
     name = args.name
-    tok = models.hf_vocab.tokenizer(name)
     smol_tok = json.loads((REFS / "smollm2" / "tokenizer_refs.json").read_text(encoding="utf-8"))
     strings = [(s["name"], s["text"]) for s in smol_tok["strings"]] + EXTRA_STRINGS + VOCAB_STRINGS
     import llama_cpp
     from llama_cpp import Llama
 
     with tempfile.TemporaryDirectory() as td:
-        path = models.llama3.write(Path(td) / f"{name}.gguf", tok)
+        path = _vocab_file(models, name, Path(td) / f"{name}.gguf")
         m = Llama(model_path=str(path), vocab_only=True, verbose=False)
         vocab = llama_cpp.llama_model_get_vocab(m.model)
         piece = lambda i: llama_cpp.llama_vocab_get_text(vocab, i).decode("utf-8", errors="replace")
@@ -513,13 +542,17 @@ def make_vocab(args) -> None:
                 entry[f"special_{str(special).lower()}"] = {
                     "ids": ids, "pieces": [piece(i) for i in ids],
                     "detok_special_true": m.detokenize(ids, special=True).decode("utf-8", errors="replace"),
-                    "detok_special_false": m.detokenize(ids, special=False).decode("utf-8", errors="replace")}
+                    "detok_special_false": m.detokenize(ids, special=False).decode("utf-8", errors="replace"),
+                    "llama_detokenize_special_true": _llama_detokenize(vocab, ids, True),
+                    "llama_detokenize_special_false": _llama_detokenize(vocab, ids, False)}
             out.append(entry)
         n_vocab = m.n_vocab()
         eog = [i for i in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)]
         ref = {"vocabulary": name, "package": models.hf_vocab.VOCABS[name]["package"], "engine": engine_facts(),
-               "method": "tests/models/hf_vocab.py tokenizer(name) written into a tiny llama3 GGUF, loaded "
-                         "vocab_only; Llama.tokenize(text, add_bos=False, special=True|False), Llama.detokenize",
+               "method": "tests/models/hf_vocab.py tokenizer(name) written into a tiny llama3 (phi3: phi3, named "
+                         "'Phi3 Mini 4k Instruct') GGUF, loaded vocab_only; Llama.tokenize(text, add_bos=False, special=True|False); detok_* = "
+                         "Llama.detokenize (token_to_piece concatenated, what a stream shows), llama_detokenize_* = "
+                         "llama.cpp's llama_detokenize(remove_special=False, unparse_special)",
                "n_vocab": n_vocab, "eog_token_ids": eog, "eog_pieces": [piece(i) for i in eog],
                "bos_token_id": llama_cpp.llama_vocab_bos(vocab), "eos_token_id": llama_cpp.llama_vocab_eos(vocab),
                "add_bos_probe": {"text": "Hello", "tokenize_add_bos_true_special_true":
@@ -544,7 +577,7 @@ def main() -> None:
     r.add_argument("--tokenizer-only", action="store_true", help="model_facts.json and tokenizer_refs.json only")
     sub.add_parser("templates", help="tests/data/refs/templates/rendered.json")
     v = sub.add_parser("vocab", help="tests/data/refs/<name>-vocab/ for a vocabulary of tests/models/hf_vocab.py")
-    v.add_argument("name", choices=["llama3"])
+    v.add_argument("name", choices=["llama3", "phi3"])
     args = ap.parse_args()
     {"tiny": make_tiny, "real": make_real, "templates": make_templates, "vocab": make_vocab}[args.cmd](args)
 
