@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
+
+# The shared test doubles, test models and tools import as ``tests.fakes``,
+# ``tests.models`` and ``tests.tools``: make the repository root importable however
+# pytest was started (``python -m pytest`` from the root already puts it on sys.path).
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -36,19 +44,10 @@ def refs_dir() -> Path:
 
 
 def _tests_models():
-    """``tests/models/`` loaded by path as the package ``aotx_tests_models`` (pytest's
-    importlib mode does not put ``tests/`` on sys.path)."""
-    import sys
+    """The ``tests.models`` package (writers of tiny GGUFs; the repository root is on sys.path)."""
+    import importlib
 
-    mod = sys.modules.get("aotx_tests_models")
-    if mod is None:
-        here = Path(__file__).resolve().parent / "models"
-        spec = importlib.util.spec_from_file_location("aotx_tests_models", here / "__init__.py",
-                                                      submodule_search_locations=[str(here)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("tests.models")
 
 
 @pytest.fixture(scope="session")

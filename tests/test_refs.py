@@ -12,9 +12,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +23,9 @@ TINY_REFS = HERE / "data" / "refs" / "tiny"
 
 
 def _refcheck():
-    mod = sys.modules.get("aotx_tests_refcheck")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("aotx_tests_refcheck", HERE / "refcheck.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    from tests import refcheck
+
+    return refcheck
 
 
 TINY_NAMES = sorted(p.stem for p in TINY_REFS.glob("*.json"))

