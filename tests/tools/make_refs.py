@@ -255,9 +255,7 @@ def make_real(args) -> None:
              "engine": engine_facts()}
     import llama_cpp
 
-    # n_batch 1024 (micro-batches of 512 as for smollm2): llama-cpp-python without logits_all
-    # keeps n_batch rows of logits and indexes them by position, so every prompt + completion
-    # must fit one logical batch
+    # n_batch 1024 (micro-batches of 512 as for smollm2): every prompt in one llama_decode
     m = _open(path, n_ctx=2048, logits_all=False, n_batch=1024, n_ubatch=512)
     vocab = llama_cpp.llama_model_get_vocab(m.model)
     n_vocab = m.n_vocab()
@@ -381,8 +379,11 @@ def _greedy(m, vocab, name: str, ids: list[int], steps: int) -> dict:
     m.eval(ids)
     out, tops, gaps = [], [], []
     stopped = False
+    n_vocab = m.n_vocab()
     for _ in range(steps):
-        row = np.array(m.scores[m.n_tokens - 1], dtype=np.float32)
+        # without logits_all, Llama.eval keeps no logits: read the last row from the context
+        ptr = llama_cpp.llama_get_logits_ith(m._ctx.ctx, -1)
+        row = np.ctypeslib.as_array(ptr, shape=(n_vocab,)).astype(np.float32)
         tops.append(_top(row, 5))
         gaps.append(_gap(row))
         nxt = int(np.argmax(row))
