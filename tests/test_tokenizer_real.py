@@ -169,3 +169,21 @@ def test_eog_text_tokens_become_control_and_gpt_oss_end_is_not_eog():
     end = meta["tokenizer.ggml.tokens"].index("<|end|>")
     assert end not in tok.eog_ids and tok.token_type(end) == TokenType.USER_DEFINED
     assert meta["tokenizer.ggml.tokens"].index("<|return|>") in tok.eog_ids
+
+
+@pytest.mark.parametrize("model", ["qwen2", "gemma3"])
+def test_aotx_tokenize_cli_matches_llama_cpp(model, request, tmp_path):
+    """``aotx tokenize --model FILE --special --json`` gives llama.cpp's ids (one CLI run per
+    file: the strings with control tokens, CJK and code)."""
+    import os
+    import subprocess
+    import sys
+
+    path = request.getfixturevalue(f"{model}_model_path")
+    refs = {s["name"]: s for s in _refs(model, "tokenizer_refs.json")["strings"]}
+    s = refs["qwen_chatml_turn" if model == "qwen2" else "gemma_turns"]
+    env = dict(os.environ, AOTX_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "tokenize", "--model", str(path), "--special",
+                        "--json", s["text"]], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ids"] == s["special_true"]["ids"]
