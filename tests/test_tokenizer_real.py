@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from aotx.engine.model.gguf_file import GGUFFile
 from aotx.engine.model.termination import StopChecker
 from aotx.engine.model.tokenizer import Tokenizer, TokenType
 
@@ -29,29 +28,10 @@ def _refs(model: str, name: str) -> dict:
     return json.loads((REFS / model / name).read_text(encoding="utf-8"))
 
 
-@pytest.fixture(scope="module")
-def qwen2_tok(qwen2_model_path) -> Tokenizer:
-    return Tokenizer.from_metadata(GGUFFile.open(qwen2_model_path).metadata)
-
-
-@pytest.fixture(scope="module")
-def gemma3_tok(gemma3_model_path) -> Tokenizer:
-    return Tokenizer.from_metadata(GGUFFile.open(gemma3_model_path).metadata)
-
-
-@pytest.fixture(scope="module")
-def llama3_tok(llama3_vocab_path) -> Tokenizer:
-    return Tokenizer.from_metadata(GGUFFile.open(llama3_vocab_path).metadata)
-
-
-@pytest.fixture(scope="module")
-def phi3_tok(phi3_vocab_path) -> Tokenizer:
-    return Tokenizer.from_metadata(GGUFFile.open(phi3_vocab_path).metadata)
-
-
 @pytest.fixture(params=["qwen2", "gemma3", "llama3", "phi3"])
-def real(request):
-    return request.param, request.getfixturevalue(f"{request.param}_tok")
+def real(request, gguf_vocab):
+    name = {"llama3": "llama3_vocab", "phi3": "phi3_vocab"}.get(request.param, request.param)
+    return request.param, gguf_vocab(name)[1]
 
 
 def test_every_reference_tokenization_matches(real):
