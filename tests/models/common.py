@@ -204,6 +204,21 @@ class TinyWriter:
             role = role.split(".", 2)[2]
         return self.types.get(name, self.types.get(role, default))
 
+    def decoder_hparams(self, *, n_layers: int, context_length: int, d_model: int, ffn: int, n_heads: int,
+                        n_kv_heads: int, rope_base: float, norm_eps: float) -> None:
+        """The hyperparameters every llama-style converter writes, in its order (block_count,
+        context_length, embedding_length, feed_forward_length, head_count, head_count_kv,
+        rope.freq_base, layer_norm_rms_epsilon); an architecture adds its own keys after."""
+        w = self.w
+        w.add_block_count(n_layers)
+        w.add_context_length(context_length)
+        w.add_embedding_length(d_model)
+        w.add_feed_forward_length(ffn)
+        w.add_head_count(n_heads)
+        w.add_head_count_kv(n_kv_heads)
+        w.add_rope_freq_base(rope_base)
+        w.add_layer_norm_rms_eps(norm_eps)
+
     def tokenizer(self, tok: Tokenizer) -> None:
         for key, val, vt in tok.kv:
             if vt == V.ARRAY:

@@ -28,14 +28,8 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 36, n_layers: i
     head_dim = d_model // n_heads
     tw = TinyWriter(path, "llama", seed=seed, name="tiny-llama-iquants", **defects)
     w = tw.w
-    w.add_block_count(n_layers)
-    w.add_context_length(context_length)
-    w.add_embedding_length(d_model)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv_heads)
-    w.add_rope_freq_base(rope_base)
-    w.add_layer_norm_rms_eps(norm_eps)
+    tw.decoder_hparams(n_layers=n_layers, context_length=context_length, d_model=d_model, ffn=ffn, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, rope_base=rope_base, norm_eps=norm_eps)
     w.add_vocab_size(tokenizer.n_vocab)
     w.add_rope_dimension_count(head_dim)
     tw.tokenizer(tokenizer)

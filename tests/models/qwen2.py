@@ -29,15 +29,8 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 32, n_layers: i
           **defects: Any) -> Path:
     """Write the tiny qwen2 file to ``path``; ``defects`` go to ``TinyWriter``."""
     tw = TinyWriter(path, "qwen2", seed=seed, name="tiny-qwen2", **defects)
-    w = tw.w
-    w.add_block_count(n_layers)
-    w.add_context_length(context_length)
-    w.add_embedding_length(d_model)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv_heads)
-    w.add_rope_freq_base(rope_base)
-    w.add_layer_norm_rms_eps(norm_eps)
+    tw.decoder_hparams(n_layers=n_layers, context_length=context_length, d_model=d_model, ffn=ffn, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, rope_base=rope_base, norm_eps=norm_eps)
     tw.tokenizer(tokenizer.replace({"tokenizer.ggml.pre": "qwen2"}))
 
     head_dim = d_model // n_heads

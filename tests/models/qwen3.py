@@ -30,14 +30,8 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 33, n_layers: i
     """Write the tiny qwen3 file to ``path``; ``defects`` go to ``TinyWriter``."""
     tw = TinyWriter(path, "qwen3", seed=seed, name="tiny-qwen3", **defects)
     w = tw.w
-    w.add_block_count(n_layers)
-    w.add_context_length(context_length)
-    w.add_embedding_length(d_model)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv_heads)
-    w.add_rope_freq_base(rope_base)
-    w.add_layer_norm_rms_eps(norm_eps)
+    tw.decoder_hparams(n_layers=n_layers, context_length=context_length, d_model=d_model, ffn=ffn, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, rope_base=rope_base, norm_eps=norm_eps)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     tw.tokenizer(tokenizer.replace({"tokenizer.ggml.pre": "qwen2"}))
