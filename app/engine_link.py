@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from aotx.app.format import error_text, media_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
-from aotx.engine.errors import AotxError
+from aotx.engine.errors import AotxError, ErrorCode
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost
 
@@ -76,6 +76,8 @@ class EngineLink:
             recovering, self.recovering = self.recovering, False
             if recovering:
                 self.show_notice("The engine is back. Everything it had made durable is here.")
+            for line in s.notices:  # e.g. journal damage the engine salvaged at its start
+                self.show_notice(line, "warning")
             await self.refresh_conversations()
             target = self.conv_id or self.saved_state.last_conversation
             known = {c.conv_id for c in self.sidebar.conversations}
@@ -233,7 +235,7 @@ class EngineLink:
                 if reply.position == "committed":
                     reply.set_position("durable")
         elif isinstance(ev, P.Error):
-            if ev.code == "not_ready" and not item.accepted:
+            if ev.code == ErrorCode.NOT_READY and not item.accepted:
                 return "retry"
             target = reply or user
             target.set_position("failed")

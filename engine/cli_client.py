@@ -18,6 +18,7 @@ from pathlib import Path
 from aotx.engine.errors import EngineError, UsageError
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import EngineClient
+from aotx.media.kinds import kind_of_name
 
 
 def engine_args(args) -> list[str]:
@@ -110,8 +111,8 @@ async def _run(args) -> int:
             p = Path(a).expanduser()
             if not p.is_file():
                 raise UsageError(f"--attach {a}: no such file")
-            kind = "audio" if p.suffix.lower() in (".wav", ".flac", ".ogg", ".mp3", ".m4a") else "image"
-            attachments.append(P.Attachment(path=str(p.resolve()), kind=kind, name=p.name))
+            kind = kind_of_name(p)  # None: the engine tells the kind from the content
+            attachments.append(P.Attachment(path=str(p.resolve()), kind=kind.value if kind else "", name=p.name))
         sampling = P.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                     min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed,
                                     max_tokens=args.max_tokens, stop=list(args.stop),
@@ -219,12 +220,17 @@ async def _status(args) -> int:
                                              "position": s.position} for s in st.slots],
                  "journal": st.journal, "capsules": st.capsules, "profile": st.profile, "stats": st.stats,
                  "fingerprint": st.fingerprint, "draft_model": st.draft_model,
-                 "draft_model_path": st.draft_model_path})
+                 "draft_model_path": st.draft_model_path, "degraded": st.degraded, "notices": st.notices})
         return 0
     print(f"model   {st.model} ({st.model_path})")
     if st.draft_model:
         print(f"draft   {st.draft_model} ({st.draft_model_path}): its own KV per slot, counted below")
-    print(f"device  {st.device}   ready: {'yes' if st.ready else 'NO'}   context {st.n_ctx} tokens per slot")
+    print(f"device  {st.device}   ready: {'yes' if st.ready else 'NO'}"
+          f"{'   DEGRADED: new work is held' if st.degraded else ''}   context {st.n_ctx} tokens per slot")
+    if st.degraded:
+        print(f"disk    {st.degraded}")
+    for line in st.notices:
+        print(f"notice  {line}")
     print("budget")
     for b in st.budget:
         print(f"  {b.name:<16} {fmt_bytes(b.bytes):>10}  ({b.bytes:,} bytes)")
