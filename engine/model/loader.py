@@ -176,7 +176,7 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
         msg = str(e)
         raise ModelError(msg if msg.startswith(str(p)) else f"{p}: {msg}") from None
     stage("weights")
-    model.new_kv_cache(1, 16)  # builds the RoPE tables once; the runtime sizes the real cache
+    model.new_kv_cache(1, 16)  # a small cache (its RoPE tables); the runtime sizes the real one
     stage("tables")
     tok = Tokenizer.from_metadata(gf.metadata)
     template = ChatTemplate.from_metadata(gf.metadata)
