@@ -179,10 +179,11 @@ class EngineClient:
 
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
                                   sampling: P.SamplingParams | None = None,
-                                  messages: list[tuple[str, str]] | None = None) -> P.ConversationView:
-        """A new conversation; ``messages`` (role, text) are stored as its history
-        without generating anything."""
-        prior = [P.PriorMessage(role=r, text=t) for r, t in (messages or [])]
+                                  messages: list[tuple] | None = None) -> P.ConversationView:
+        """A new conversation; ``messages`` (role, text[, meta]) are stored as its history
+        without generating anything (``PriorMessage``)."""
+        prior = [P.PriorMessage(role=m[0], text=m[1], meta=dict(m[2]) if len(m) > 2 and m[2] else {})
+                 for m in (messages or [])]
         r = await self._call(lambda i: P.CreateConversation(id=i, title=title, system_prompt=system_prompt,
                                                             sampling=sampling, messages=prior))
         return r.conversation
@@ -220,17 +221,22 @@ class EngineClient:
 
     async def submit(self, conv_id: str, text: str, *, attachments: list[P.Attachment] | None = None,
                      sampling: P.SamplingParams | None = None, raw: bool = False,
-                     wait_durable: bool = True) -> AsyncIterator[P.Message]:
+                     wait_durable: bool = True, **fields) -> AsyncIterator[P.Message]:
         """Submit a user message and iterate over its events (see the module docstring).
 
+        ``fields``: the other ``SubmitMessage`` fields (role, meta, tools, constraint,
+        logprobs, n, strict_media). With ``n`` > 1 the events of every choice come
+        (each carries its ``choice``) and the iterator ends after the last choice's.
         The request id is the ``id`` of every event (use it with ``cancel(target=...)``).
         Raises ConnectionLost if the engine goes away mid-stream.
         """
         rid, q = self._new()
+        n = int(fields.get("n", 1) or 1)
         try:
             await self._send(P.SubmitMessage(id=rid, conv_id=conv_id, text=text, attachments=attachments or [],
-                                             sampling=sampling, raw=raw))
-            final_seq = None
+                                             sampling=sampling, raw=raw, **fields))
+            final_seq: dict[int, int] = {}
+            done: set[int] = set()
             while True:
                 msg = await q.get()
                 if msg is _CLOSED:
@@ -240,9 +246,14 @@ class EngineClient:
                     return
                 if isinstance(msg, P.Committed):
                     if not wait_durable or not self.welcome.journal:  # no receipt will come without a journal
-                        return
-                    final_seq = msg.seq
-                if isinstance(msg, P.Durable) and final_seq is not None and msg.receipt.last_seq >= final_seq:
+                        done.add(msg.choice)
+                    else:
+                        final_seq[msg.choice] = msg.seq
+                if isinstance(msg, P.Durable) and final_seq.get(msg.choice, 1 << 62) <= msg.receipt.last_seq:
+                    done.add(msg.choice)
+                if isinstance(msg, P.Durable) and msg.choice == 0:  # one receipt covers every choice before it
+                    done.update(c for c, s in final_seq.items() if s <= msg.receipt.last_seq)
+                if len(done) >= n:
                     return
         finally:
             self._queues.pop(rid, None)

@@ -130,6 +130,26 @@ def sampling_problem(sp: Any) -> str | None:
     return None
 
 
+class Constraint(msgspec.Struct, omit_defaults=True):
+    """Constrained decoding of one reply (``runtime/constraints.py``, llguidance): every
+    token is drawn from those the grammar allows next. ``kind``: "json_schema" (``grammar``
+    is the schema as JSON text), "lark" (llguidance's Lark dialect, ``%json`` included),
+    "gbnf" (llama.cpp's GBNF) or "regex". ``field`` is the client's name for it (e.g.
+    ``response_format.json_schema.schema``): the engine's refusal of a grammar it cannot
+    compile starts with it."""
+
+    kind: str
+    grammar: str
+    field: str = ""
+
+
+CONSTRAINT_KINDS = ("json_schema", "lark", "gbnf", "regex")
+MAX_GRAMMAR_CHARS = 1 << 20
+MAX_CHOICES = 16       # SubmitMessage.n
+MAX_TOP_LOGPROBS = 20  # SubmitMessage.logprobs (OpenAI's limit)
+MESSAGE_ROLES = ("user", "tool")  # who a SubmitMessage speaks as
+
+
 class Attachment(msgspec.Struct, omit_defaults=True):
     """A file attached to a message, referenced by content hash (sha256 hex)."""
 
@@ -198,12 +218,16 @@ class Hello(_Base, tag="hello"):
     client: str = ""
 
 
-class PriorMessage(msgspec.Struct):
+class PriorMessage(msgspec.Struct, omit_defaults=True):
     """An earlier turn stored with a new conversation without generating (role
-    "user" or "assistant"), e.g. the history of an OpenAI-style request."""
+    "user", "assistant" or "tool"), e.g. the history of an OpenAI-style request.
+    ``meta``: the message's fields for the chat template beside its text: an
+    assistant's ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+    "arguments"}}]``), a tool result's ``tool_call_id`` and ``name``."""
 
     role: str
     text: str
+    meta: dict[str, Any] = {}
 
 
 class CreateConversation(_Base, tag="create"):
@@ -230,6 +254,14 @@ class SubmitMessage(_Base, tag="submit"):
     attachments: list[Attachment] = []
     sampling: SamplingParams | None = None
     raw: bool = False  # no chat template: the text is the prompt
+    # -- the gateway's fields (a client that sends none gets the plain chat turn) --
+    role: str = "user"  # MESSAGE_ROLES: "tool" for a tool's result fed back
+    meta: dict[str, Any] = {}  # as PriorMessage.meta (a tool result: tool_call_id, name)
+    tools: list[dict[str, Any]] = []  # function tools, given to the chat template as ``tools``
+    constraint: Constraint | None = None  # the reply follows this grammar (constrained decoding)
+    logprobs: int = -1  # -1: none; k >= 0: each Token carries its logprob and the top k
+    n: int = 1  # choices: the prompt is prefilled once, then forked (choice i in its own conversation)
+    strict_media: bool = False  # an attachment that cannot be used refuses the message (else it is left out)
 
 
 class Cancel(_Base, tag="cancel"):
@@ -327,11 +359,15 @@ class Accepted(_Base, tag="accepted"):
     tick: int
     prompt_ids: list[int] = []
     n_reused: int = 0
+    choice: int = 0  # which of the request's n choices (each has its own conversation)
 
 
 class Token(_Base, tag="token"):
     """A committed token of the reply: ``text`` is the safe-to-show delta (may be empty
-    while a multi-byte character or a possible stop string is held back)."""
+    while a multi-byte character or a possible stop string is held back). With
+    ``SubmitMessage.logprobs`` >= 0: ``logprob`` of the token under the model (the log
+    softmax of its raw logits, before sampling filters and constraints) and ``top``,
+    the ``logprobs`` most likely ids as [id, logprob] pairs."""
 
     id: int
     token_id: int
@@ -339,6 +375,9 @@ class Token(_Base, tag="token"):
     pos: int
     tick: int
     seq: int
+    choice: int = 0
+    logprob: float | None = None
+    top: list[tuple[int, float]] = []
 
 
 class Notice(_Base, tag="notice"):
@@ -381,6 +420,7 @@ class Committed(_Base, tag="committed"):
     seq: int
     text: str = ""
     timings: dict[str, float] = {}
+    choice: int = 0
 
 
 class Durable(_Base, tag="durable"):
@@ -390,6 +430,7 @@ class Durable(_Base, tag="durable"):
     id: int
     receipt: Receipt
     msg_id: str = ""
+    choice: int = 0
 
 
 class StatusReply(_Base, tag="status_reply"):
@@ -433,7 +474,22 @@ Operation = Union[
 ]
 OPERATIONS: tuple[type, ...] = Operation.__args__
 
-_ROLES = ("user", "assistant")
+_ROLES = ("user", "assistant", "tool")
+
+
+def constraint_problem(c: Any) -> str | None:
+    """What is wrong with a ``Constraint``'s shape (None: nothing; whether the grammar
+    compiles is the engine's to say)."""
+    if not isinstance(c, Constraint):
+        return f"constraint must be a Constraint, got {type(c).__name__}"
+    where = c.field or "constraint"
+    if c.kind not in CONSTRAINT_KINDS:
+        return f"{where}: unknown grammar kind {c.kind!r} (use {', '.join(CONSTRAINT_KINDS)})"
+    if not isinstance(c.grammar, str) or not c.grammar.strip():
+        return f"{where}: the grammar is empty"
+    if len(c.grammar) > MAX_GRAMMAR_CHARS:
+        return f"{where}: a grammar of {len(c.grammar)} characters (at most {MAX_GRAMMAR_CHARS})"
+    return None
 
 
 def operation_problem(op: Any) -> str | None:
@@ -464,6 +520,15 @@ def operation_problem(op: Any) -> str | None:
     elif isinstance(op, SubmitMessage):
         if not isinstance(op.raw, bool):
             return f"raw must be a boolean, got {op.raw!r}"
+        if op.role not in MESSAGE_ROLES:
+            return f"role {op.role!r}: a message is submitted as {' or '.join(MESSAGE_ROLES)}"
+        if op.raw and (op.role != "user" or op.tools):
+            return "a raw message (no chat template) has no role and no tools"
+        if op.constraint is not None and (why := constraint_problem(op.constraint)):
+            return why
+        for name, v, lo, hi in (("logprobs", op.logprobs, -1, MAX_TOP_LOGPROBS), ("n", op.n, 1, MAX_CHOICES)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                return f"{name} must be an integer between {lo} and {hi}, got {v!r}"
         for a in op.attachments:
             if not isinstance(a, Attachment) or not isinstance(a.path, str) or not a.path:
                 return "an attachment needs the path of its file"

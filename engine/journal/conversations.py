@@ -80,6 +80,7 @@ class Message(msgspec.Struct, omit_defaults=True):
     created_at: float = 0.0
     seq: int = 0
     receipt: Receipt | None = None
+    meta: dict[str, Any] = {}  # chat-template fields (MessageAccepted.meta)
 
 
 class Conversation(msgspec.Struct, omit_defaults=True):
@@ -317,7 +318,8 @@ class ConversationTable:
             return
         status = "accepted" if r.role == "assistant" else "complete"
         m = Message(msg_id=r.msg_id, role=r.role, text=r.text, status=status,
-                    attachments=list(r.attachments), sampling=dict(r.sampling), created_at=r.created_at)
+                    attachments=list(r.attachments), sampling=dict(r.sampling), created_at=r.created_at,
+                    meta=dict(r.meta))
         c.messages.append(m)
         if r.created_at:
             c.updated_at = max(c.updated_at, r.created_at)

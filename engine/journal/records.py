@@ -123,11 +123,14 @@ class MessageAccepted(_Record):
     type_id: ClassVar[int] = 6
     conv_id: str
     msg_id: str
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     text: str = ""
     sampling: dict[str, Any] = {}
     attachments: list[AttachmentRef] = []
     created_at: float = 0.0  # seconds since the epoch
+    # the message's chat-template fields beside its text (protocol.PriorMessage.meta: an
+    # assistant's tool_calls, a tool result's tool_call_id and name); absent for most
+    meta: dict[str, Any] = {}
 
 
 class TokensCommitted(_Record):

@@ -41,8 +41,12 @@ class Commit:
             r.sink.send(P.Notice(id=r.rid, kind="capsule", resource="capsule", message=got.note, asked=got.restored))
         self.slots.take(slot, r.conv_id, got.reuse)
         r.slot, r.pos, r.n_reused = slot, got.reuse, got.reuse
-        r.state = RequestState.PREFILL
-        r.t_start = time.perf_counter()
+        r.t_start = r.t_start or time.perf_counter()
+        if r.completion:  # a forked choice: its prompt restored, its first token sampled
+            r.state = RequestState.DECODE
+            slot.state = "decode"
+        else:
+            r.state = RequestState.PREFILL
         if r.queued_position:
             r.sink.send(P.Notice(id=r.rid, kind="resumed", resource="slots", message=f"got slot {slot.index}"))
 
@@ -68,6 +72,8 @@ class Commit:
                 r.state = RequestState.DECODE
                 r.slot.state = "decode"
                 r.t_first = time.perf_counter()
+            elif r.state is RequestState.FORK_WAIT:  # a forked choice's first token, before it has a slot
+                r.t_start = r.t_first = time.perf_counter()
             else:
                 r.slot.tokens.extend(row.fed)
                 r.pos += len(row.fed)
@@ -75,7 +81,7 @@ class Commit:
                     r.n_drafted += row.n_drafts
                     r.n_draft_accepted += len(row.produced) - 1
             items = per_req.setdefault(r, [])
-            for tok in row.produced:
+            for j, tok in enumerate(row.produced):
                 r.completion.append(tok)
                 n_out += 1
                 delta = r.decoder.feed(tok)
@@ -83,19 +89,26 @@ class Commit:
                 if reason in ("length", "context"):
                     emit += r.decoder.flush()
                 r.text += emit
-                items.append((tok, emit))
+                items.append((tok, emit, row.logprobs[j] if row.logprobs else None))
                 if reason is not None:
                     r.finish_reason = reason
                     break
+            if r.finish_reason is None and r.constraint is not None and r.constraint.error:
+                r.finish_reason = "error"  # the grammar refused a token: a bug, the reply cannot go on
         finished = []
         st = self.store
         for r, items in per_req.items():
             start = len(r.prompt) + len(r.completion) - len(items)
-            seq, nbytes = st.commit_tokens(r.conv_id, r.reply_id, start, [t for t, _ in items],
-                                           "".join(e for _, e in items), tick=tick)
+            seq, nbytes = st.commit_tokens(r.conv_id, r.reply_id, start, [t for t, _, _ in items],
+                                           "".join(e for _, e, _ in items), tick=tick)
             r.credit -= nbytes
-            for j, (t, e) in enumerate(items):
-                r.sink.send(P.Token(id=r.rid, token_id=t, text=e, pos=start + j, tick=tick, seq=seq))
+            for j, (t, e, lp) in enumerate(items):
+                if lp is None:
+                    r.sink.send(P.Token(id=r.rid, token_id=t, text=e, pos=start + j, tick=tick, seq=seq,
+                                        choice=r.choice))
+                else:
+                    r.sink.send(P.Token(id=r.rid, token_id=t, text=e, pos=start + j, tick=tick, seq=seq,
+                                        choice=r.choice, logprob=lp[0], top=lp[1]))
             if st.journaled:
                 st.receipts.watch(seq, r, Covers.TOKENS)
             if r.finish_reason is not None:
@@ -117,7 +130,7 @@ class Commit:
         r.final_seq = seq
         r.sink.send(P.Committed(id=r.rid, msg_id=r.reply_id, finish_reason=reason, n_prompt=len(r.prompt),
                                 n_completion=len(r.completion), tick=tick, seq=seq, text=r.text,
-                                timings=r.timings()))
+                                timings=r.timings(), choice=r.choice))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.FINAL)
         st.flush()

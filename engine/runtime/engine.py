@@ -87,7 +87,7 @@ class Engine:
         self._inbox = store.inbox
         self._waiting: deque[Request] = deque()   # accepted, in arrival order (durable_wait or queued)
         self._running: list[Request] = []         # prefill or decode, holding a slot
-        self._by_rid: dict[tuple[int, int], Request] = {}
+        self._by_rid: dict[tuple[int, int, int], Request] = {}  # Request.key: (sink, request id, choice)
         self.executor = Executor(lm, self.kv, device=device, capsules=capsules, draft=self.draft)
         self.commit = Commit(store, self.slots)
         self.submitter = Submitter(lm, store, self.envelope, self._inbox, self._is_busy, device=device,
@@ -217,6 +217,7 @@ class Engine:
         line, retry the messages held for journal credit that now fits."""
         self.store.note_receipt(ev.receipt)
         for r in ev.accepted:
+            r.durable = True
             if r.state is RequestState.DURABLE_WAIT:
                 r.state = RequestState.QUEUED
         for sub in self.submitter.take_held(self.store.journal_free_bytes()):
@@ -240,7 +241,7 @@ class Engine:
 
     def _create(self, op: P.CreateConversation, sink: Sink) -> None:
         view = self.store.create(op.title, op.system_prompt, op.sampling, tick=self.tick,
-                                 messages=[(m.role, m.text) for m in op.messages])
+                                 messages=[(m.role, m.text, m.meta) for m in op.messages])
         sink.send(P.ConversationInfo(id=op.id, conversation=view))
 
     def _list(self, op: P.ListConversations, sink: Sink) -> None:
@@ -299,22 +300,43 @@ class Engine:
     # ---- requests --------------------------------------------------------------------
 
     def _enqueue(self, r: Request | None) -> None:
-        """An accepted request joins the line (None: the submission is not done yet)."""
+        """An accepted request joins the line (None: the submission is not done yet); its
+        forked choices (n > 1) wait beside it for its prompt."""
         if r is None:
             return
-        self._by_rid[(id(r.sink), r.rid)] = r
+        self._by_rid[r.key] = r
+        for f in r.forks:
+            self._by_rid[f.key] = f
         self._waiting.append(r)
         self.commit.queue_notices(self._waiting, self.n_slots)
+
+    def _forked(self, rows) -> None:
+        """Choices that got their first token and the prompt's capsule this tick join
+        the head of the line (they have waited as long as choice 0)."""
+        joined = [row.request for row in rows if row.request.state is RequestState.FORK_WAIT
+                  and row.request.finish_reason is None]
+        for f in reversed(joined):
+            f.state = RequestState.QUEUED if (f.durable or not self.store.journaled) else RequestState.DURABLE_WAIT
+            self._waiting.appendleft(f)
+        if joined:
+            self.commit.queue_notices(self._waiting, self.n_slots)
 
     def _cancel(self, r: Request) -> None:
         if r.state is RequestState.DONE:
             return
         r.cancelled = True
         if r.state in (RequestState.DURABLE_WAIT, RequestState.QUEUED):
-            self._waiting.remove(r)
+            if r in self._waiting:
+                self._waiting.remove(r)
+            self._finish(r, "cancelled")
+        elif r.state is RequestState.FORK_WAIT:
             self._finish(r, "cancelled")
 
     def _finish(self, r: Request, reason: str) -> None:
+        for f in [f for f in r.forks if f.state is RequestState.FORK_WAIT]:
+            f.fork_capsule = None  # choice 0 ended before its prompt did: its forks end with it
+            self._finish(f, reason)
+        r.forks = []  # (a waiting choice that ends is DONE: the fork skips it)
         if r in self._running:
             self._running.remove(r)
         if r.slot is not None:
@@ -322,7 +344,7 @@ class Engine:
             self.slots.release(r.slot)
             if reason in ("stop", "length", "context"):
                 self.executor.persist(r, lambda conv_id, path, n: self._inbox.put(CapsuleWritten(conv_id, path, n)))
-        self._by_rid.pop((id(r.sink), r.rid), None)
+        self._by_rid.pop(r.key, None)
         self.commit.finish(r, reason, self.tick)
         self.commit.queue_notices(self._waiting, self.n_slots)
 
@@ -349,6 +371,7 @@ class Engine:
         n_out, finished = self.commit.apply(plan, result, self.tick)
         for r in finished:
             self._finish(r, r.finish_reason)
+        self._forked(result.rows)
         self.stats["ticks"] += 1
         self.stats["tokens"] += n_out
         self.stats["device_s"] += result.device_s
@@ -362,6 +385,8 @@ class Engine:
         # the queued ones too: they would otherwise run on a model marked not ready
         waiting, self._waiting = list(self._waiting), deque()
         for r in list(self._running) + waiting:
+            if r.state is RequestState.DONE:  # a forked choice its parent already finished
+                continue
             r.sink.send(P.Error(id=r.rid, code=ErrorCode.NOT_READY, message=reason))
             self._finish(r, "error")
         self.submitter.fail_held(reason)
@@ -382,6 +407,7 @@ class Engine:
             fingerprint=self.lm.fingerprint, model_path=str(self.lm.path),
             draft_model=self.draft.lm.name if self.draft else "",
             draft_model_path=str(self.draft.lm.path) if self.draft else "",
-            stats={k: float(v) for k, v in self.stats.items()},
+            stats={**{k: float(v) for k, v in self.stats.items()},
+                   "prefill_tokens": float(self.executor.prefill_tokens)},
             degraded=self.store.hold_reason(), notices=list(self.store.notices),
         )

@@ -15,10 +15,18 @@ The device path, chosen per tick from what the model declares
 * ``sample``: every row's sampler is one the device chain runs exactly
   (``cuda_sampling.device_ok``): the model returns the ids only; the executor then
   advances each sampler's state as the host chain would have;
-* ``forward``: otherwise (the CPU, image rows, speculative sampling): logits come
-  back and the host samples (``sampling.sample``, ``speculative.verify``).
+* ``forward``: otherwise (the CPU, image rows, speculative sampling, logprobs, the
+  tick where an n > 1 request's prompt ends): logits come back and the host samples
+  (``sampling.sample``, ``speculative.verify``).
 
-All three pick the same ids for the same rows.
+All three pick the same ids for the same rows. A constrained row (``constraints.py``)
+has a token bitmask per logits row (a verify window's row i after its first i drafts):
+on the host ``sampling.apply_mask``, on the device the sampling kernel reads it from
+the mask table (``cuda_sampling.MaskTable``). Its grammar state advances past the
+tokens picked. An n > 1 request forks here: at the end of choice 0's prompt every
+other choice samples its first token from the same logits row and gets a capsule of
+the prompt's KV (``capsule.snapshot``, with the grammar state) that its own slot
+restores when it leases one, so the prompt is prefilled once for all n.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import numpy as np
 from aotx.engine.backend.cuda_sampling import device_ok, fits_history
 from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.requests import Request, RequestState
-from aotx.engine.runtime.sampling import sample
+from aotx.engine.runtime.sampling import log_softmax, sample, top_logprobs
 from aotx.engine.runtime.scheduler import Lease, TickPlan
 from aotx.engine.runtime.speculative import verify
 from aotx.engine.state import capsule as C
@@ -69,12 +77,25 @@ class RowResult:
     produced: list[int]
     fed: list[int]
     n_drafts: int
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per produced token, when asked
 
 
 @dataclass(frozen=True)
 class TickResult:
     rows: list[RowResult]
     device_s: float  # seconds in the model's call
+
+
+@dataclass
+class _RowState:
+    """A sampler state as the device sampler reads it, for one logits row, with the
+    device address of the row's token bitmask (``cuda_sampling.fill_row`` reads
+    ``mask_ptr``; 0: no mask)."""
+
+    seed: int
+    step: int
+    history: list[int]
+    mask_ptr: int = 0
 
 
 class Executor:
@@ -94,6 +115,8 @@ class Executor:
         self.device_sampling = bool(lm.model.device_sampling)
         self.vocab = lm.config.vocab_size
         self.d_model = lm.config.d_model
+        self.masks: Any = None  # cuda_sampling.MaskTable, made on the first constrained device row
+        self.prefill_tokens = 0  # prompt tokens run through the model (tests count prefills with it)
 
     # ---- slots ------------------------------------------------------------------------
 
@@ -103,12 +126,19 @@ class Executor:
         with the prompt (the same conversation, or a fork's parent)."""
         r, slot, reuse = lease.request, lease.slot, lease.reuse
         caps = self.capsules
-        if caps is None:
-            return LeaseResult(reuse)
         fp = self.lm.fingerprint
-        if slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + PARK_MIN_EXTRA:
+        if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + PARK_MIN_EXTRA:
             caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp, backend=self.device,
                                                device=caps.device_budget > 0, drafter=self._drafter_state(slot.index)))
+        if r.fork_capsule is not None:  # a forked choice: the prompt's state, then its first token
+            cap, r.fork_capsule = r.fork_capsule, None
+            n = C.restore(cap, self.kv, slot.index, fingerprint=fp)
+            if self.draft is not None and cap.draft_k is not None:
+                self.draft.restore(cap, slot.index, r.prompt)
+            slot.tokens[:] = cap.tokens[:n].tolist()
+            return LeaseResult(n, f"choice {r.choice}: forked the prompt's state ({n} tokens) from choice 0", n)
+        if caps is None:
+            return LeaseResult(reuse)
         if slot.conv_id == r.conv_id and reuse > 0:
             return LeaseResult(reuse)
         cap, n, note = caps.best_for(r.conv_id, r.prompt)
@@ -171,47 +201,112 @@ class Executor:
             if r.drafter is not None:  # a draft model prefills the same chunk into its own slot
                 r.drafter.prefill(c.start, c.n)
             toks.extend(r.prompt[c.start:c.start + c.n])
+            self.prefill_tokens += c.n
             if c.last:
                 rows.append((r, []))
+        masks = {id(r): self._masks_of(r, drafts) for r, drafts in rows if r.constraint is not None}
         tok_arr = np.asarray(toks, np.int32)
         embeds = self.images.rows_for(tok_arr, self.d_model) if self.images is not None else None
         t1 = time.perf_counter()
         try:
-            ids, logits = self._device_work(tok_arr, segs, rows, embeds, tick)
+            ids, logits = self._device_work(tok_arr, segs, rows, embeds, tick, masks)
         except Exception as e:  # noqa: BLE001 - any failure of the device is one
             raise DeviceError(str(e)) from e
         device_s = time.perf_counter() - t1
-        return TickResult(self._pick(rows, ids, logits), device_s)
+        return TickResult(self._pick(rows, ids, logits, masks), device_s)
 
-    def _device_work(self, tok_arr: np.ndarray, segs: list[Segment], rows: list, embeds, tick: int):
+    @staticmethod
+    def _masks_of(r: Request, drafts: list[int]) -> np.ndarray:
+        """(1 + len(drafts), words) int32: the bitmask of each of the row's logits rows."""
+        if drafts:
+            return r.constraint.window_masks(drafts)
+        return r.constraint.mask()[None, :]
+
+    def _device_work(self, tok_arr: np.ndarray, segs: list[Segment], rows: list, embeds, tick: int,
+                     masks: dict[int, np.ndarray]):
         """(ids, None) when the device picked the tokens, else (None, host logits)."""
         model = self.lm.model
-        if embeds is None and self.device_sampling:
+        if embeds is None and self.device_sampling and not any(r.needs_logits for r, _ in rows):
             if all(r.plain_greedy for r, _ in rows):
                 return model.greedy(tok_arr, segs, self.kv), None
-            srows = self._device_rows(rows)
+            srows = self._device_rows(rows, masks)
             if srows is not None:
                 return model.sample(tok_arr, segs, self.kv, srows, tick=tick), None
         if embeds is not None:
             return None, model.forward(tok_arr, segs, self.kv, embeds=embeds)
         return None, model.forward(tok_arr, segs, self.kv)
 
-    def _device_rows(self, rows: list) -> list | None:
+    def _device_rows(self, rows: list, masks: dict[int, np.ndarray]) -> list | None:
         """The sampler rows for ``model.sample`` (one per logits row), or None when a row
-        needs the host (``cuda_sampling.device_ok``)."""
-        out = []
+        needs the host (``cuda_sampling.device_ok``). A constrained row's bitmasks go to
+        the device's mask table first; its rows carry their addresses."""
         for r, drafts in rows:
             if not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler, r.sampler_state, self.vocab)):
                 return None
-            out.append((r.sampler, r.sampler_state, ()))
-            out.extend((r.sampler, r.sampler_state, drafts[:i]) for i in range(1, len(drafts) + 1))
+        ptrs: dict[int, list[int]] = {}
+        if masks:
+            if self.masks is None:
+                from aotx.engine.backend.cuda_sampling import MaskTable
+
+                self.masks = MaskTable(self.vocab)
+            order = [k for k in masks]
+            addrs = self.masks.load(np.concatenate([masks[k] for k in order]))
+            at = 0
+            for k in order:
+                ptrs[k] = addrs[at:at + masks[k].shape[0]]
+                at += masks[k].shape[0]
+        out = []
+        for r, drafts in rows:
+            st = r.sampler_state
+            p = ptrs.get(id(r))
+            for i in range(len(drafts) + 1):
+                row_st = st if p is None else _RowState(st.seed, st.step, st.history, p[i])
+                out.append((r.sampler, row_st, tuple(drafts[:i])))
         return out
 
-    def _pick(self, rows: list, ids: np.ndarray | None, logits: np.ndarray | None) -> list[RowResult]:
+    @staticmethod
+    def _logprobs(r: Request, row: np.ndarray) -> tuple[np.ndarray, list[tuple[int, float]]] | None:
+        if r.logprobs < 0:
+            return None
+        lp = log_softmax(row)
+        return lp, top_logprobs(lp, r.logprobs)
+
+    def _fork(self, r: Request, raw: np.ndarray) -> list[RowResult]:
+        """Choice 0's prompt is in its slot and ``raw`` is its last row's logits: every
+        waiting choice samples its first token from them and takes a capsule of the
+        prompt's state (the grammar state with it)."""
+        forks, r.forks = [f for f in r.forks if f.state is RequestState.FORK_WAIT], []
+        if not forks:
+            return []
+        cap = C.snapshot(self.kv, r.slot.index, r.prompt, fingerprint=self.lm.fingerprint, backend=self.device,
+                         drafter=self._drafter_state(r.slot.index),
+                         grammar=r.constraint.snapshot() if r.constraint is not None else None)
+        lp = self._logprobs(forks[0], raw) if forks[0].logprobs >= 0 else None
+        out = []
+        for f in forks:
+            mask = f.constraint.mask() if f.constraint is not None else None
+            tok = sample(raw.copy(), f.sampler, f.sampler_state, mask)
+            if f.constraint is not None:
+                f.constraint.consume([tok])
+            f.fork_capsule = cap
+            got = None
+            if lp is not None and f.logprobs >= 0:
+                got = [(float(lp[0][tok]), top_logprobs(lp[0], f.logprobs))]
+            out.append(RowResult(f, [tok], [], 0, got))
+        return out
+
+    def _pick(self, rows: list, ids: np.ndarray | None, logits: np.ndarray | None,
+              masks: dict[int, np.ndarray] | None = None) -> list[RowResult]:
         out: list[RowResult] = []
+        forked: list[RowResult] = []
+        masks = masks or {}
         off = 0
         for r, drafts in rows:
             n = 1 + len(drafts)
+            m = masks.get(id(r))
+            lps = None
+            if logits is not None and r.logprobs >= 0:
+                lps = [self._logprobs(r, logits[off + i]) for i in range(n)]
             if ids is not None:  # picked on the device: accept drafts while they equal its pick
                 got = [int(t) for t in ids[off:off + n]]
                 n_ok = 0
@@ -226,10 +321,19 @@ class Executor:
                 if last_n > 0 and len(st.history) > 4 * last_n:
                     del st.history[: len(st.history) - last_n]
             elif r.state is RequestState.PREFILL:
-                produced = [sample(logits[off], r.sampler, r.sampler_state)]
+                raw = logits[off].copy() if r.forks else None
+                produced = [sample(logits[off], r.sampler, r.sampler_state, m[0] if m is not None else None)]
+                if raw is not None:
+                    forked.extend(self._fork(r, raw))
             else:
                 produced = verify(logits[off:off + n], drafts, r.sampler, r.sampler_state,
-                                  q=r.drafter.q if drafts else None)
+                                  q=r.drafter.q if drafts else None, masks=m)
+            if r.constraint is not None and not r.constraint.consume(produced):
+                log.warning("constrained reply of %s: the grammar refused a token (%s)", r.conv_id,
+                            r.constraint.error)
+            got_lp = None
+            if lps is not None:
+                got_lp = [(float(lps[j][0][t]), lps[j][1]) for j, t in enumerate(produced)]
             fed: list[int] = []
             if r.state is RequestState.DECODE:
                 fed = [r.next_input] + drafts[:len(produced) - 1]
@@ -237,6 +341,6 @@ class Executor:
                     r.drafter.update(len(drafts), len(produced) - 1)
                     if len(fed) < n:  # roll back the rejected drafts' KV cells
                         self.kv.clear(r.slot.index, r.pos + len(fed), r.pos + n)
-            out.append(RowResult(r, produced, fed, len(drafts)))
+            out.append(RowResult(r, produced, fed, len(drafts), got_lp))
             off += n
-        return out
+        return out + forked

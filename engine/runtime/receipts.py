@@ -51,11 +51,11 @@ class Receipts:
         accepted = []
         for _, r, covers in covered:
             if covers is Covers.ACCEPTED:
-                r.sink.send(P.Durable(id=r.rid, receipt=receipt, msg_id=r.msg_id))
+                r.sink.send(P.Durable(id=r.rid, receipt=receipt, msg_id=r.msg_id, choice=r.choice))
                 accepted.append(r)
             elif covers is Covers.FINAL:
-                r.sink.send(P.Durable(id=r.rid, receipt=receipt, msg_id=r.reply_id))
+                r.sink.send(P.Durable(id=r.rid, receipt=receipt, msg_id=r.reply_id, choice=r.choice))
             elif id(r) not in sent:
-                r.sink.send(P.Durable(id=r.rid, receipt=receipt))
+                r.sink.send(P.Durable(id=r.rid, receipt=receipt, choice=r.choice))
             sent.add(id(r))
         self.inbox.put(ReceiptArrived(rc, tuple(accepted)))

@@ -25,8 +25,12 @@ class RequestState(enum.Enum):
     not on disk yet), QUEUED (ready; waiting for a slot), PREFILL (holding a slot,
     its prompt going through the model chunk by chunk), DECODE (one reply token, or a
     verify window, per tick), DONE (finished: stop, length, context, cancelled, error).
-    Without a journal a request starts QUEUED."""
+    Without a journal a request starts QUEUED. A choice i > 0 of an n > 1 request is
+    FORK_WAIT, outside the line, until choice 0's prompt is prefilled: then it has its
+    first token and a capsule of the prompt's KV (``fork_capsule``) and joins the line
+    (its durable wait, if any, still applies)."""
 
+    FORK_WAIT = "fork_wait"
     DURABLE_WAIT = "durable_wait"
     QUEUED = "queued"
     PREFILL = "prefill"
@@ -89,6 +93,17 @@ class Request:
     drafter: Drafter | None = None
     n_drafted: int = 0
     n_draft_accepted: int = 0
+    constraint: Any = None  # constraints.GrammarState of a constrained reply, or None
+    logprobs: int = -1      # -1: none; k >= 0: each token's logprob and the top k
+    choice: int = 0         # which of the request's n choices
+    forks: list[Request] = field(default_factory=list)  # choice 0: the choices waiting for its prompt
+    fork_capsule: Any = None  # a waiting choice: the prompt's state, restored when it leases a slot
+    durable: bool = False     # the user's message is on disk (a forked choice may learn it while waiting)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """The request's key in the engine's tables: (sink, client request id, choice)."""
+        return id(self.sink), self.rid, self.choice
 
     @property
     def next_input(self) -> int:
@@ -97,8 +112,14 @@ class Request:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy without a repetition penalty: the argmax of the logits, nothing else."""
-        return self.sampler.temperature <= 0.0 and self.sampler.repeat_penalty == 1.0
+        """Greedy without a repetition penalty or a constraint: the argmax of the logits."""
+        return self.sampler.temperature <= 0.0 and self.sampler.repeat_penalty == 1.0 and self.constraint is None
+
+    @property
+    def needs_logits(self) -> bool:
+        """The tick must bring this request's logits to the host: logprobs are asked,
+        or choice 0's prompt ends this tick and its forks sample from the same row."""
+        return self.logprobs >= 0 or (bool(self.forks) and self.state is RequestState.PREFILL)
 
     def timings(self) -> dict[str, float]:
         prefill_s = max(1e-9, (self.t_first or self.t_end) - (self.t_start or self.t_submit))

@@ -4,6 +4,11 @@ Owns: the sampler chain and its state. Order as llama.cpp's default chain
 (common/sampling.cpp): repetition penalty, top-k, top-p, min-p, temperature,
 then a draw. Temperature <= 0 is greedy (argmax, ties to the lowest id).
 
+A constrained reply (``constraints.py``) gives each step a token bitmask: it applies
+first (``apply_mask``: every id it forbids gets logit -inf), so greedy picks the best
+allowed id and the sampling filters see only allowed ones; this is the distribution
+llama.cpp's grammar sampler gives (its "grammar first" order).
+
 Randomness is counter-based: the draw at step ``n`` of a request uses Philox
 keyed by the request's seed with counter ``n`` (Salmon et al. 2011, "Parallel
 Random Numbers: As Easy as 1, 2, 3"), so a sampler's whole state is
@@ -66,12 +71,42 @@ def apply_repeat_penalty(logits: np.ndarray, history: list[int], penalty: float,
     ids = np.unique(np.asarray(history[-last_n:] if last_n > 0 else history, dtype=np.int64))
     ids = ids[(ids >= 0) & (ids < logits.shape[0])]
     v = logits[ids]
-    logits[ids] = np.where(v > 0, v / penalty, v * penalty)
+    logits[ids] = np.where(v > 0, v / penalty, v * penalty)  # -inf (masked) stays -inf
 
 
-def sample(logits: np.ndarray, cfg: SamplerConfig, state: SamplerState) -> int:
+def apply_mask(logits: np.ndarray, mask: np.ndarray | None) -> None:
+    """In place: -inf for every id the bitmask forbids (``mask``: (ceil(vocab / 32),)
+    int32, bit ``i % 32`` of word ``i // 32`` set when id ``i`` is allowed; None: all)."""
+    if mask is None:
+        return
+    vocab = logits.shape[0]
+    allowed = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), bitorder="little")[:vocab]
+    np.putmask(logits, allowed == 0, -np.inf)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """(vocab,) float64 log probabilities of raw logits (what ``logprobs`` reports)."""
+    x = logits.astype(np.float64)
+    m = float(np.max(x))
+    return x - (m + np.log(np.sum(np.exp(x - m))))
+
+
+def top_logprobs(lp: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely ids of log probabilities ``lp`` with theirs, most likely
+    first (ties to the lower id)."""
+    if k <= 0:
+        return []
+    k = min(k, lp.shape[0])
+    top = np.argpartition(-lp, k - 1)[:k]
+    top = top[np.lexsort((top, -lp[top]))]
+    return [(int(i), float(lp[i])) for i in top]
+
+
+def sample(logits: np.ndarray, cfg: SamplerConfig, state: SamplerState, mask: np.ndarray | None = None) -> int:
     """Pick the next token from ``logits`` ((vocab,) float32; modified in place) and
-    advance ``state`` (step += 1 for a draw, history append). Returns the token id."""
+    advance ``state`` (step += 1 for a draw, history append). ``mask``: the
+    constraint's bitmask of this step (``apply_mask``), or None. Returns the token id."""
+    apply_mask(logits, mask)
     apply_repeat_penalty(logits, state.history, cfg.repeat_penalty, cfg.repeat_last_n)
     if cfg.temperature <= 0.0:
         tok = int(np.argmax(logits))

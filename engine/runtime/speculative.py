@@ -30,7 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, apply_repeat_penalty, distribution, uniform
+from aotx.engine.runtime.sampling import (
+    SamplerConfig, SamplerState, apply_mask, apply_repeat_penalty, distribution, uniform,
+)
 
 
 @dataclass
@@ -97,7 +99,7 @@ class PromptLookup(AdaptiveWindow):
 
 
 def verify(rows: np.ndarray, drafts: list[int], cfg: SamplerConfig, st: SamplerState,
-           q: list[tuple[np.ndarray, np.ndarray]] | None = None) -> list[int]:
+           q: list[tuple[np.ndarray, np.ndarray]] | None = None, masks: np.ndarray | None = None) -> list[int]:
     """Tokens produced by one verify pass: rows (len(drafts)+1, vocab) float32 logits
     (modified), row i predicting the token after input i. Returns 1..len(drafts)+1
     tokens: the accepted drafts, then the model's own token (the correction at the
@@ -107,10 +109,16 @@ def verify(rows: np.ndarray, drafts: list[int], cfg: SamplerConfig, st: SamplerS
     1), or None when every draft is one-hot (prompt lookup). Under sampling, draft
     d_i is accepted with probability min(1, p(d_i)/q_i(d_i)) (one Philox draw), else
     the correction is drawn from norm(max(p - q_i, 0)) (a second draw): Leviathan et
-    al. 2023, Algorithm 1. Greedy ignores q: accept while d_i is the argmax."""
+    al. 2023, Algorithm 1. Greedy ignores q: accept while d_i is the argmax.
+
+    masks: a constrained reply's (len(drafts)+1, words) bitmasks, row i's after drafts[:i]
+    (``GrammarState.window_masks``): applied before everything, so a draft the grammar
+    forbids has p = 0 and is rejected (greedy: it cannot be the argmax)."""
     out: list[int] = []
     for i in range(len(drafts) + 1):
         logits = rows[i]
+        if masks is not None:
+            apply_mask(logits, masks[i])
         apply_repeat_penalty(logits, st.history, cfg.repeat_penalty, cfg.repeat_last_n)
         d = drafts[i] if i < len(drafts) else None
         if cfg.temperature <= 0.0:

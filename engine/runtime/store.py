@@ -198,31 +198,34 @@ class ConversationStore:
             out.append(msgspec.convert(d, P.ConversationView))
         return out
 
-    def chat_messages(self, conv_id: str) -> list[dict[str, str]]:
+    def chat_messages(self, conv_id: str) -> list[dict[str, Any]]:
         """The conversation as chat-template messages: the system prompt (when set), then
-        every user message and every reply with text (interrupted ones included)."""
+        every user message and every reply with text (interrupted ones included), tool
+        results, and each message's template fields (``meta``: an assistant's
+        ``tool_calls``, a tool result's ``tool_call_id`` and ``name``)."""
         c = self.get(conv_id)
-        msgs: list[dict[str, str]] = []
+        msgs: list[dict[str, Any]] = []
         if c.system_prompt:
             msgs.append({"role": "system", "content": c.system_prompt})
         for m in c.messages:
-            if m.role == "assistant" and (not m.text or m.status == "failed"):
+            if m.role == "assistant" and ((not m.text and not m.meta.get("tool_calls")) or m.status == "failed"):
                 continue
-            msgs.append({"role": m.role, "content": m.text})
+            msgs.append({**m.meta, "role": m.role, "content": m.text})
         return msgs
 
     # ---- writes -----------------------------------------------------------------
 
     def create(self, title: str, system_prompt: str | None, sampling: P.SamplingParams | None,
-               tick: int = 0, messages: list[tuple[str, str]] = ()) -> P.ConversationView:
-        """A new conversation, with ``messages`` (role, text) stored as finished history."""
+               tick: int = 0, messages: Sequence[tuple] = ()) -> P.ConversationView:
+        """A new conversation, with ``messages`` (role, text[, meta]) stored as finished history."""
         cid = _new_id("c")
         now = time.time()
         recs: list[Any] = [R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=now,
                                                  system_prompt=system_prompt, sampling=_sampling_dict(sampling))]
-        for role, text in messages:
+        for role, text, *meta in messages:
             mid = _new_id("m")
-            recs.append(R.MessageAccepted(conv_id=cid, msg_id=mid, role=role, text=text, created_at=now))
+            recs.append(R.MessageAccepted(conv_id=cid, msg_id=mid, role=role, text=text, created_at=now,
+                                          meta=dict(meta[0]) if meta and meta[0] else {}))
             if role == "assistant":
                 recs.append(R.MessageFinished(conv_id=cid, msg_id=mid, reason="stop"))
         self._publish(recs, tick, "a new conversation")
@@ -276,7 +279,7 @@ class ConversationStore:
             mid = _new_id("m")
             recs.append(R.MessageAccepted(conv_id=nid, msg_id=mid, role=m.role, text=m.text if m.role != "assistant"
                                           else "", attachments=list(m.attachments), sampling=dict(m.sampling),
-                                          created_at=m.created_at))
+                                          created_at=m.created_at, meta=dict(m.meta)))
             if m.role == "assistant":
                 recs.append(R.TokensCommitted(conv_id=nid, msg_id=mid, start_pos=m.start_pos,
                                               token_ids=list(m.token_ids), text=m.text))
@@ -287,17 +290,33 @@ class ConversationStore:
         return self.view(nid)
 
     def accept_records(self, conv_id: str, role: str, text: str, sp: P.SamplingParams,
-                       attachments: list[P.Attachment], raw: bool = False) -> tuple[str, str, list[Any]]:
-        """The records of a user's message and the start of its reply, not yet published:
-        (message id, reply id, records). ``publish_accepted`` publishes them once the
-        caller holds credit for them (``record_bytes``)."""
+                       attachments: list[P.Attachment], raw: bool = False,
+                       meta: dict[str, Any] | None = None) -> tuple[str, str, list[Any]]:
+        """The records of a user's message (or a tool's result: ``role`` "tool", its
+        ``meta``) and the start of its reply, not yet published: (message id, reply id,
+        records). ``publish_accepted`` publishes them once the caller holds credit for
+        them (``record_bytes``)."""
         now = time.time()
         mid, rid = _new_id("m"), _new_id("m")
         atts = [R.AttachmentRef(sha256=a.sha256, kind=a.kind, name=a.name, path=a.path) for a in attachments]
         return mid, rid, [R.MessageAccepted(conv_id=conv_id, msg_id=mid, role=role, text=text,
-                                            sampling=_sampling_dict(sp), attachments=atts, created_at=now),
+                                            sampling=_sampling_dict(sp), attachments=atts, created_at=now,
+                                            meta=dict(meta or {})),
                           R.MessageAccepted(conv_id=conv_id, msg_id=rid, role="assistant", text="",
                                             sampling={"raw": True} if raw else {}, created_at=now)]
+
+    def fork_choice(self, conv_id: str, msg_id: str, raw: bool = False, tick: int = 0) -> tuple[str, str, str, int]:
+        """Another choice of the reply to ``msg_id`` (n > 1): a fork of ``conv_id`` up to and
+        including that message, with the start of its own reply, published in one go.
+        Returns (the fork's conversation id, its copy of the message's id, the reply's id,
+        the seq covering them)."""
+        view = self.fork(conv_id, msg_id, tick=tick)
+        mid = view.messages[-1].msg_id
+        rid = _new_id("m")
+        (seq,) = self._publish([R.MessageAccepted(conv_id=view.conv_id, msg_id=rid, role="assistant", text="",
+                                                  sampling={"raw": True} if raw else {}, created_at=time.time())],
+                               tick, "a choice's reply")
+        return view.conv_id, mid, rid, seq
 
     def publish_accepted(self, recs: Sequence[Any], tick: int = 0) -> int:
         """Publish ``accept_records``' records (credit reserved); the seq covering both."""

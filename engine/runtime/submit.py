@@ -23,6 +23,17 @@ Each stage runs once per message, in order:
 
 A refusal at any stage is an ``AotxError`` (the engine answers it with an Error) and
 writes nothing.
+
+The gateway's fields of a ``SubmitMessage`` enter here too: a ``constraint`` compiles
+in stage 1 (``constraints.Compiler``: a grammar llguidance cannot compile is refused,
+the message naming the client's field); ``tools`` go to the chat template (a template
+without a ``tools`` variable gets them in its system prompt, ``tool_calls``), ``role``
+"tool" feeds a tool's result back, and each stored message's template fields
+(``meta``) render with it; ``strict_media`` refuses a message whose attachment cannot
+be used (code ``unsupported_media``) instead of leaving the attachment out; ``n`` > 1
+makes choices 1..n-1 in stage 5: each a fork of the conversation at the user's message
+with its own reply (``store.fork_choice``) and a request that waits for choice 0's
+prompt (``RequestState.FORK_WAIT``; the executor forks the prompt's state to it).
 """
 
 from __future__ import annotations
@@ -37,10 +48,12 @@ import numpy as np
 
 from aotx.engine.errors import Busy, ErrorCode, NotReady, RequestError
 from aotx.engine.ipc import protocol as P
+from aotx.engine.model import tool_calls
 from aotx.engine.model.chat_template import encode_chat
 from aotx.engine.model.termination import StopChecker
 from aotx.engine.model.tokenizer import StreamDecoder
 from aotx.engine.runtime import admission, media_prompt
+from aotx.engine.runtime.constraints import Compiler
 from aotx.engine.runtime.drafter import DraftDrafter
 from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import Inbox, MediaReady
@@ -57,6 +70,12 @@ from aotx.media.kinds import MediaKind
 AUTO_MIN_NGRAM = 2
 
 
+class MediaRefused(RequestError):
+    """An attachment of a ``strict_media`` message cannot be used: the message is refused."""
+
+    code = ErrorCode.UNSUPPORTED_MEDIA
+
+
 @dataclass(eq=False)
 class Submission:
     """A message on its way in. ``text`` is what the model receives for the user's turn
@@ -71,6 +90,8 @@ class Submission:
     held: bool = False
     need: int = 0  # journal credit asked when it was held
     prompt: list[int] = field(default_factory=list)
+    constraint: Any = None  # constraints.GrammarState (compiled in stage 1), or None
+    refused: str = ""  # a strict_media message: why an attachment could not be used
 
 
 class Submitter:
@@ -98,6 +119,7 @@ class Submitter:
         self.not_ready_reason = ""
         self.held: list[Submission] = []
         self._media_busy: set[tuple[int, int]] = set()
+        self.constraints = Compiler(lm.tokenizer)  # llguidance's vocabulary is built on first use
 
     # ---- 1. check ---------------------------------------------------------------------
 
@@ -105,6 +127,9 @@ class Submitter:
         """Stage 1, then media (with attachments) or straight on to the prompt."""
         sp = self._check(op)
         sub = Submission(op, sink, sp, op.text)
+        if op.constraint is not None:
+            c = op.constraint
+            sub.constraint = self.constraints.compile(c.kind, c.grammar, c.field)
         if op.attachments:
             self._media(sub)
             return None
@@ -164,6 +189,8 @@ class Submitter:
                         errors.append((name, str(e)))
                         sink.send(P.MediaInfo(id=op.id, kind=a.kind, route="refused", name=name, error=str(e)))
                 sub.text = render_for_prompt(results, op.text, errors)
+            if op.strict_media and errors:
+                sub.refused = "; ".join(f"{n}: {why}" for n, why in errors)
             self.inbox.put(MediaReady(sub))
 
         threading.Thread(target=work, name="aotx-media", daemon=True).start()
@@ -171,6 +198,8 @@ class Submitter:
     def media_ready(self, sub: Submission, tick: int) -> Request | None:
         """The media stage is done (attachments rendered, or earlier pictures restored)."""
         self._media_busy.discard((id(sub.sink), sub.op.id))
+        if sub.refused:
+            raise MediaRefused(f"attachment refused: {sub.refused}")
         return self.prompt(sub, tick)
 
     # ---- 3. prompt ----------------------------------------------------------------------
@@ -186,13 +215,20 @@ class Submitter:
         elif op.raw:
             prompt = tok.encode(text, add_special=True, parse_special=False)
         else:
-            history = self.store.chat_messages(op.conv_id)
+            history = [tool_calls.template_message(m) for m in self.store.chat_messages(op.conv_id)]
             if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
                 if not sub.restored and self._restore_images(sub, history):
                     return None
                 text, prompt = self._fit_images(sub, history, text)
             else:
-                prompt = encode_chat(tok, self.lm.template, history + [{"role": "user", "content": text}])
+                msgs = history + [{**op.meta, "role": op.role, "content": text}]
+                extra: dict[str, Any] = {}
+                if op.tools:
+                    if tool_calls.takes_tools(self.lm.template.source):
+                        extra["tools"] = op.tools
+                    else:  # the template knows no tools: describe them in the system prompt
+                        msgs = _with_system(msgs, tool_calls.fallback_system_prompt(op.tools))
+                prompt = encode_chat(tok, self.lm.template, msgs, **extra)
         admission.check_prompt(len(prompt), self.envelope)
         sub.prompt = prompt
         return self._accept(sub, text, tick)
@@ -242,44 +278,66 @@ class Submitter:
         op, sink, sp, prompt, st = sub.op, sub.sink, sub.sampling, sub.prompt, self.store
         ctx = self.envelope.context_tokens
         max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
-        msg_id, reply_id, recs = st.accept_records(op.conv_id, "user", text, sp, op.attachments, raw=op.raw)
+        msg_id, reply_id, recs = st.accept_records(op.conv_id, op.role, text, sp, op.attachments, raw=op.raw,
+                                                   meta=op.meta)
         reply = admission.reply_credit(max_tokens, self.envelope)
         if st.journaled:
             need = sum(st.record_bytes(r) for r in recs)
             if need > st.journal_capacity:
                 raise admission.journal_refusal("this message", need, st.journal_free_bytes(), st.journal_capacity)
-            if not st.reserve(need + reply):
-                sub.need = need + reply
+            if not st.reserve(need + reply * op.n):  # every choice's reply
+                sub.need = need + reply * op.n
                 if not sub.held:
                     sub.held = True
-                    sink.send(admission.held_notice(op.id, need + reply, st.journal_free_bytes(), st.hold_reason()))
+                    sink.send(admission.held_notice(op.id, sub.need, st.journal_free_bytes(), st.hold_reason()))
                 self.held.append(sub)
                 return None
         seq = st.publish_accepted(recs, tick=tick)
         seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
-        tok = self.lm.tokenizer
-        r = Request(
-            rid=op.id, sink=sink, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, prompt=prompt,
-            sampler=SamplerConfig.of(sp),
-            sampler_state=SamplerState(seed=seed, history=list(prompt[-max(0, sp.repeat_last_n):])
-                                       if sp.repeat_last_n > 0 else list(prompt)),
-            max_tokens=max_tokens,
-            stop=StopChecker(tok.eog_ids, list(sp.stop), max_tokens, ctx, n_prompt=len(prompt)),
-            decoder=StreamDecoder(tok),
-            accepted_seq=seq,
-            credit=reply if st.journaled else 0,
-            drafter=self._drafter(sp),
-        )
+        r = self._request(sub, op.conv_id, msg_id, reply_id, seq, seed, max_tokens, reply)
+        r.constraint = sub.constraint
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
             r.drafter.bind(r)
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
                              tick=tick, prompt_ids=prompt))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.ACCEPTED)
-            st.flush()
         else:
             r.state = RequestState.QUEUED
+        for i in range(1, op.n):
+            f_conv, f_msg, f_reply, f_seq = st.fork_choice(op.conv_id, msg_id, raw=op.raw, tick=tick)
+            f = self._request(sub, f_conv, f_msg, f_reply, f_seq, (seed + i) & 0x7FFFFFFFFFFFFFFF, max_tokens, reply)
+            f.choice, f.state = i, RequestState.FORK_WAIT
+            f.constraint = sub.constraint.fork() if sub.constraint is not None else None
+            if f.drafter is not None:
+                f.drafter.bind(f)
+            r.forks.append(f)
+            sink.send(P.Accepted(id=op.id, conv_id=f_conv, msg_id=f_msg, reply_id=f_reply, seq=f_seq, tick=tick,
+                                 prompt_ids=prompt, choice=i))
+            if st.journaled:
+                st.receipts.watch(f_seq, f, Covers.ACCEPTED)
+        if st.journaled:
+            st.flush()
         return r
+
+    def _request(self, sub: Submission, conv_id: str, msg_id: str, reply_id: str, seq: int, seed: int,
+                 max_tokens: int, reply_credit: int) -> Request:
+        """The ``Request`` of one choice of ``sub``'s reply (the seed its own)."""
+        op, sp, prompt, tok = sub.op, sub.sampling, sub.prompt, self.lm.tokenizer
+        return Request(
+            rid=op.id, sink=sub.sink, conv_id=conv_id, msg_id=msg_id, reply_id=reply_id, prompt=prompt,
+            sampler=SamplerConfig.of(sp),
+            sampler_state=SamplerState(seed=seed, history=list(prompt[-max(0, sp.repeat_last_n):])
+                                       if sp.repeat_last_n > 0 else list(prompt)),
+            max_tokens=max_tokens,
+            stop=StopChecker(tok.eog_ids, list(sp.stop), max_tokens, self.envelope.context_tokens,
+                             n_prompt=len(prompt)),
+            decoder=StreamDecoder(tok),
+            accepted_seq=seq,
+            credit=reply_credit if self.store.journaled else 0,
+            drafter=self._drafter(sp),
+            logprobs=op.logprobs,
+        )
 
     def _drafter(self, sp: P.SamplingParams) -> Drafter | None:
         """A fresh drafter when speculation is on for this request, else None (T = 1)."""
@@ -311,3 +369,10 @@ class Submitter:
         held, self.held = self.held, []
         for sub in held:
             sub.sink.send(P.Error(id=sub.op.id, code=ErrorCode.NOT_READY, message=reason))
+
+
+def _with_system(msgs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``msgs`` with ``text`` appended to the system message (one is added first when none)."""
+    if msgs and msgs[0].get("role") == "system":
+        return [{**msgs[0], "content": f"{msgs[0].get('content') or ''}\n\n{text}".lstrip()}, *msgs[1:]]
+    return [{"role": "system", "content": text}, *msgs]

@@ -1,0 +1,482 @@
+"""Tool calls in a model's own words: each chat-template family's format, parsed and forced.
+
+Owns, per template family (``family_of`` tells it from the template's source):
+
+* parsing a reply's text into content and tool calls (``parse``), and the same
+  incrementally while it streams (``StreamParser``: text deltas in, content deltas
+  and tool-call deltas out; concatenated, they equal ``parse`` of the whole text);
+* the grammar that forces a call (``call_grammar``: an llguidance Lark grammar with
+  the call's JSON held to each tool's ``parameters`` schema), for ``tool_choice``
+  "required" or a named function;
+* the tools' description for a template that does not take ``tools``
+  (``fallback_system_prompt``: the Hermes format, parsed as ``hermes``).
+
+Families (the formats their models were trained on; vLLM's tool parsers and
+llama.cpp's ``common/chat.cpp`` recognise the same):
+
+* ``hermes``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one
+  block per call (Qwen2.5, Qwen3, Hermes 2/3, and the fallback);
+* ``llama3_json``: ``{"name": ..., "parameters": {...}}`` as the whole reply,
+  optionally after ``<|python_tag|>``, several joined by ``;`` (Llama 3.1-3.3);
+* ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+
+Leaves rendering (the chat template), decoding (the runtime) and the HTTP shapes
+(the gateway) to others. A call whose JSON does not parse stays content (never an
+exception): what the model wrote is what the client gets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass
+class ToolCall:
+    """One call: ``arguments`` is JSON text (the model's own, stripped)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            d["index"] = index
+        return d
+
+
+def family_of(template_source: str) -> str:
+    """The tool-call family of a chat template (by the markup it writes); ``hermes``
+    for a template that names none (the fallback prompt teaches that format)."""
+    src = template_source or ""
+    if "[TOOL_CALLS]" in src:
+        return "mistral"
+    if "<tool_call>" in src:
+        return "hermes"
+    if "<|python_tag|>" in src or ("<|start_header_id|>" in src and "tools" in src):
+        return "llama3_json"
+    return "hermes"
+
+
+def takes_tools(template_source: str) -> bool:
+    """Whether a chat template renders a ``tools`` variable itself."""
+    return bool(re.search(r"\btools\b", template_source or ""))
+
+
+def fallback_system_prompt(tools: list[dict[str, Any]]) -> str:
+    """The tools' description for a template without ``tools`` (Hermes's wording, the
+    format ``hermes`` parses), appended to the system prompt."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            f"{lines}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    """The ``function`` object of an OpenAI tool (or the tool itself, flat forms)."""
+    f = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    return f
+
+
+def template_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates expect it: an assistant's ``tool_calls`` with each
+    ``arguments`` as an object (HF's convention; OpenAI sends JSON text)."""
+    calls = m.get("tool_calls")
+    if not calls:
+        return m
+    out = []
+    for c in calls:
+        c = dict(c)
+        fn = dict(c.get("function") or {})
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # the template gets the text as it came
+        c["function"] = fn
+        out.append(c)
+    return {**m, "tool_calls": out}
+
+
+# ---- parsing ----------------------------------------------------------------------
+
+_DECODER = json.JSONDecoder()
+
+
+def _call_from(obj: Any, args_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args)
+
+
+def _hermes_block(body: str) -> ToolCall | None:
+    """A ``<tool_call>`` block's body -> a call with the raw arguments text."""
+    body = body.strip()
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    call = _call_from(obj, "arguments")
+    if call is None:
+        return None
+    raw = _raw_value(body, "arguments")
+    if raw is not None:
+        call.arguments = raw
+    return call
+
+
+def _raw_value(body: str, key: str) -> str | None:
+    """The exact text of ``key``'s value in a JSON object's text (None if not found)."""
+    m = re.search(r'"%s"\s*:\s*' % re.escape(key), body)
+    if not m:
+        return None
+    try:
+        _, end = _DECODER.raw_decode(body, m.end())
+    except ValueError:
+        return None
+    return body[m.end():end]
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def parse(text: str, family: str) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a finished reply in ``family``'s format. Text that is not a
+    well-formed call stays in the content."""
+    if family == "hermes":
+        calls: list[ToolCall] = []
+        content: list[str] = []
+        pos = 0
+        for m in _HERMES.finditer(text):
+            call = _hermes_block(m.group(1))
+            if call is None:
+                continue
+            content.append(text[pos:m.start()])
+            calls.append(call)
+            pos = m.end()
+        content.append(text[pos:])
+        if not calls:
+            return text, []
+        return "".join(content).strip(), calls
+    if family == "llama3_json":
+        body = text.strip()
+        if body.startswith("<|python_tag|>"):
+            body = body[len("<|python_tag|>"):].strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _split_top(body, ";"):
+            try:
+                c = _call_from(json.loads(part), "parameters")
+            except ValueError:
+                return text, []
+            if c is None:
+                return text, []
+            raw = _raw_value(part, "parameters") or _raw_value(part, "arguments")
+            if raw is not None:
+                c.arguments = raw
+            calls.append(c)
+        return "", calls
+    if family == "mistral":
+        at = text.find("[TOOL_CALLS]")
+        if at < 0:
+            return text, []
+        body = text[at + len("[TOOL_CALLS]"):].strip()
+        try:
+            arr, _ = _DECODER.raw_decode(body)
+        except ValueError:
+            return text, []
+        arr = arr if isinstance(arr, list) else [arr]
+        calls = [c for c in (_call_from(o, "arguments") for o in arr) if c is not None]
+        if not calls:
+            return text, []
+        return text[:at].strip(), calls
+    return text, []
+
+
+def _split_top(s: str, sep: str) -> list[str]:
+    """Split on ``sep`` outside JSON strings and brackets."""
+    parts, depth, start, in_str, esc = [], 0, 0, False, False
+    for i, ch in enumerate(s):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(s[start:i].strip())
+            start = i + 1
+    parts.append(s[start:].strip())
+    return [p for p in parts if p]
+
+
+# ---- streaming ----------------------------------------------------------------------
+
+@dataclass
+class Delta:
+    """What one text delta adds: ``content`` text, and tool-call pieces as
+    ``(index, id or None, name or None, arguments text)`` in order."""
+
+    content: str = ""
+    calls: list[tuple[int, str | None, str | None, str]] = field(default_factory=list)
+
+
+class StreamParser:
+    """Reply text deltas -> content deltas and tool-call deltas (OpenAI's streaming
+    shape: a call's first delta has its id and name, later ones add arguments text).
+
+    ``hermes``: text outside ``<tool_call>`` blocks streams as content at once (a
+    possible start of ``<tool_call>`` is held back); inside a block, the name is sent
+    once ``"name": "..."`` is complete and the arguments text as it arrives, up to the
+    end of its JSON value. ``llama3_json`` and ``mistral``: a reply that starts as a call
+    is held and its calls are sent when it ends (``finish``); other replies stream as
+    content. ``finish`` returns the rest. The calls sent equal ``parse``'s of the whole
+    text; content may differ from ``parse``'s only in surrounding whitespace."""
+
+    def __init__(self, family: str):
+        self.family = family
+        self.text = ""
+        self._sent = 0        # chars of self.text consumed
+        self._index = -1      # current call index
+        self._calls: list[ToolCall] = []
+        self._in_call = False
+        self._call_start = 0  # where the current block's body starts
+        self._args_sent = 0   # chars of the current call's arguments sent
+        self._named = False
+        self._held = family in ("llama3_json", "mistral")
+        self._decided = False
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self._calls
+
+    def feed(self, delta: str) -> Delta:
+        self.text += delta
+        d = self._hermes(final=False) if self.family == "hermes" else self._whole(final=False)
+        return self._trim(d, final=False)
+
+    def finish(self) -> Delta:
+        d = self._hermes(final=True) if self.family == "hermes" else self._whole(final=True)
+        return self._trim(d, final=True)
+
+    _ws = ""          # content whitespace held back (it may end up around a call)
+    _content_sent = False
+
+    def _trim(self, d: Delta, final: bool) -> Delta:
+        """Hold whitespace at the edges of the content: sent once more content follows;
+        dropped at the end when the reply has calls (as ``parse`` strips it)."""
+        text = self._ws + d.content
+        core = text.rstrip()
+        self._ws = text[len(core):]
+        if core and not self._content_sent and self._calls:
+            core = core.lstrip()
+        if core:
+            self._content_sent = True
+        if final and self._ws and not self._calls:
+            core += self._ws
+            self._ws = ""
+        d.content = core
+        return d
+
+    # hermes ---------------------------------------------------------------------------
+
+    def _hermes(self, final: bool) -> Delta:
+        out = Delta()
+        open_tag, close_tag = "<tool_call>", "</tool_call>"
+        while True:
+            t = self.text
+            if not self._in_call:
+                at = t.find(open_tag, self._sent)
+                if at < 0:
+                    # hold back a suffix that may be the start of <tool_call>
+                    keep = 0 if final else _partial_suffix(t, open_tag, self._sent)
+                    end = len(t) - keep
+                    out.content += t[self._sent:end]
+                    self._sent = end
+                    return out
+                out.content += t[self._sent:at]
+                self._in_call = True
+                self._call_start = self._sent = at + len(open_tag)
+                self._named = False
+                self._args_sent = 0
+                continue
+            body_end = t.find(close_tag, self._call_start)
+            body = t[self._call_start:body_end if body_end >= 0 else len(t)]
+            if not self._named:
+                m = re.match(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*', body)
+                if m:
+                    self._named = True
+                    self._index += 1
+                    call = ToolCall(json.loads('"' + m.group(1) + '"'), "")
+                    self._calls.append(call)
+                    out.calls.append((self._index, call.id, call.name, ""))
+                    self._args_at = self._call_start + m.end()
+            if self._named:
+                call = self._calls[-1]
+                args = _json_prefix(t[self._args_at:body_end if body_end >= 0 else len(t)])
+                if args is not None and len(args) > self._args_sent:
+                    piece = args[self._args_sent:]
+                    out.calls.append((self._index, None, None, piece))
+                    call.arguments += piece
+                    self._args_sent = len(args)
+            if body_end < 0:
+                if final:
+                    if not self._named:  # an unfinished block: what the model wrote is content
+                        out.content += open_tag + body
+                    self._sent = len(t)
+                    self._in_call = False
+                return out
+            if not self._named:  # a block in another shape: try it whole
+                call = _hermes_block(body)
+                if call is not None:
+                    self._index += 1
+                    self._calls.append(call)
+                    out.calls.append((self._index, call.id, call.name, call.arguments))
+                else:
+                    out.content += open_tag + body + close_tag
+            else:
+                call = self._calls[-1]
+                full = _hermes_block(body)
+                if full is not None and full.arguments.startswith(call.arguments) and full.arguments != call.arguments:
+                    piece = full.arguments[len(call.arguments):]
+                    out.calls.append((self._index, None, None, piece))
+                    call.arguments = full.arguments
+            self._in_call = False
+            self._sent = body_end + len(close_tag)
+            # the newline between blocks is not content
+            while self._sent < len(t) and t[self._sent] in "\n ":
+                self._sent += 1
+
+    # llama3_json / mistral ---------------------------------------------------------------
+
+    def _whole(self, final: bool) -> Delta:
+        out = Delta()
+        t = self.text
+        if not self._decided:
+            s = t.lstrip()
+            lead = "{" if self.family == "llama3_json" else "[TOOL_CALLS]"
+            alt = "<|python_tag|>" if self.family == "llama3_json" else lead
+            if not s and not final:
+                return out
+            if s.startswith(lead) or s.startswith(alt):
+                self._decided, self._held = True, True
+            elif lead.startswith(s) or alt.startswith(s):
+                if not final:
+                    return out
+                self._decided, self._held = True, False
+            else:
+                self._decided, self._held = True, False
+        if not self._held:
+            out.content = t[self._sent:]
+            self._sent = len(t)
+            return out
+        if not final:
+            return out
+        content, calls = parse(t, self.family)
+        if not calls:
+            out.content = t
+        else:
+            out.content = content
+            for i, c in enumerate(calls):
+                self._calls.append(c)
+                out.calls.append((i, c.id, c.name, c.arguments))
+        self._sent = len(t)
+        return out
+
+
+def _partial_suffix(t: str, tag: str, start: int) -> int:
+    """Length of the longest suffix of ``t[start:]`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(t) - start), 0, -1):
+        if t.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def _json_prefix(s: str) -> str | None:
+    """The arguments text so far: from the first ``{`` or ``[`` of ``s`` (leading
+    whitespace skipped) to the end of ``s`` while that value is open, or to its closing
+    bracket once it closes (so the call object's own ``}`` and what follows are never
+    sent). None before the value starts, or for a value that is not an object/array
+    (the whole block is parsed at its end instead)."""
+    i = len(s) - len(s.lstrip())
+    if i >= len(s) or s[i] not in "{[":
+        return None
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(s)):
+        ch = s[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return s[i:j + 1]
+    return s[i:]
+
+
+# ---- forcing a call ----------------------------------------------------------------------
+
+def _lark_str(s: str) -> str:
+    return json.dumps(s)
+
+
+def call_grammar(tools: list[dict[str, Any]], family: str, *, name: str | None = None,
+                 parallel: bool = True) -> str:
+    """An llguidance Lark grammar for a reply that is one call (``parallel``: one or
+    more) in ``family``'s format, to ``name`` or to any of ``tools``; each call's JSON
+    is held to its tool's ``parameters`` schema (``%json``)."""
+    fns = [_function(t) for t in tools]
+    if name is not None:
+        fns = [f for f in fns if f.get("name") == name]
+    args_key = "parameters" if family == "llama3_json" else "arguments"
+    alts = []
+    for f in fns:
+        params = f.get("parameters") or {"type": "object"}
+        schema = {"type": "object", "properties": {"name": {"const": f["name"]}, args_key: params},
+                  "required": ["name", args_key], "additionalProperties": False,
+                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+        alts.append("%json " + json.dumps(schema, ensure_ascii=False))
+    rules = [f"call_{i}: {a}" for i, a in enumerate(alts)]
+    one = " | ".join(f"call_{i}" for i in range(len(alts)))
+    if family == "hermes":
+        block = f'"<tool_call>\\n" ({one}) "\\n</tool_call>"'
+        start = f"start: block (\"\\n\" block)*" if parallel else "start: block"
+        return "\n".join([start, f"block: {block}", *rules])
+    if family == "llama3_json":
+        start = f"start: ({one}) (\"; \" ({one}))*" if parallel else f"start: {one}"
+        return "\n".join([start, *rules])
+    if family == "mistral":
+        start = (f'start: "[TOOL_CALLS][" ({one}) (", " ({one}))* "]"' if parallel
+                 else f'start: "[TOOL_CALLS][" ({one}) "]"')
+        return "\n".join([start, *rules])
+    raise ValueError(f"unknown tool-call family {family!r}")
+
+
+def tool_names(tools: list[dict[str, Any]]) -> list[str]:
+    return [str(_function(t).get("name", "")) for t in tools]
