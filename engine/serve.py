@@ -177,6 +177,7 @@ def serve(args) -> int:
     from aotx.engine import paths
     from aotx.engine.ipc import protocol as P
     from aotx.engine.ipc.server import Server, SocketLock
+    from aotx.engine.model import tool_calls
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s aotx %(message)s",
                         datefmt="%H:%M:%S")
@@ -207,7 +208,8 @@ def serve(args) -> int:
     def welcome() -> P.Welcome:
         return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=lm.name, device=eng.device,
                          ready=eng.ready, pid=os.getpid(), journal=store.journaled,
-                         draft_model=eng.draft.lm.name if eng.draft else "")
+                         draft_model=eng.draft.lm.name if eng.draft else "",
+                         tool_format=tool_calls.family_of(lm.template.source))
 
     # The socket server runs on an asyncio loop in a thread; the tick loop runs here, on
     # the main thread, where the model was loaded (see Engine.start for why).

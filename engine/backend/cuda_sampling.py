@@ -23,6 +23,15 @@ sums run sequentially in one thread; numpy sums pairwise, so a draw that lands
 within a few ulps of a cumulative boundary may pick the neighbour: measure zero in
 practice, and the tests compare thousands of draws.
 
+A constrained row (the runtime's grammar state, ``runtime/constraints.py``) brings a token
+bitmask: ``MaskTable.load`` copies the tick's masks to a device table and each row's
+sampler-table words 16-17 hold the device address of its mask (0: none; ``fill_row`` reads
+``mask_ptr`` from the row's state). The kernel first sets every logit the mask forbids to
+-inf, then runs the chain unchanged: greedy picks the best allowed id, sampling draws among
+allowed ones only, exactly as ``sampling.apply_mask`` does on the host. The address lives in
+the table (uploaded every replay), not in the kernel's arguments, so captured graphs need
+no change.
+
 Limits (the runtime falls back to host sampling): top-k between 1 and ``K_MAX``
 (1024) when sampling; a penalty window of at most ``H_MAX`` (256) tokens, over a
 vocabulary of at most ``V_BITMAP`` (131072) ids (the distinct-id bitmap lives in the
@@ -43,7 +52,7 @@ SamplerConfig = SamplerState = Any
 K_MAX = 1024      # most top-k candidates the kernel sorts
 H_MAX = 256       # most penalty-history tokens per row
 V_BITMAP = 131072  # largest vocabulary the penalty's distinct-id bitmap covers
-P_WORDS = 16      # int32 words of one row of the sampler table
+P_WORDS = 18      # int32 words of one row of the sampler table (16, 17: the row's mask address)
 REC_WORDS = 4     # int32 words of one publication record: tick, slot, position, token
 
 MODE_SKIP, MODE_GREEDY, MODE_SAMPLE = 0, 1, 2
@@ -55,6 +64,7 @@ typedef unsigned long long u64;
 #define K_MAX 1024
 #define H_MAX 256
 #define V_BITMAP 131072   // largest vocabulary the penalty's distinct-id bitmap (in pd's words) covers
+#define P_WORDS 18        // int32 words of one sampler-table row
 
 // Philox4x64-10 (Random123), word 0 of the block at counter (c0, 0, 0, 0), key (k0, 0).
 __device__ __forceinline__ u64 philox4x64_w0(u64 c0, u64 k0) {
@@ -104,10 +114,12 @@ __device__ int block_scan(int v, int* sh, int* total) {
     return base + x - v;
 }
 
-// One block of 1024 threads per row b. prm: int32 (B, 16):
+// One block of 1024 threads per row b. prm: int32 (B, P_WORDS):
 //   [0] mode (0 skip, 1 greedy, 2 sample)  [1] top_k  [2] n_hist  [3] tick
 //   [4] penalty (float)  [6,7] temperature (double)  [8,9] top_p (double)  [10,11] min_p (double)
 //   [12,13] seed (u64)  [14,15] step (u64): draws the request made before this one
+//   [16,17] device address (u64) of the row's token bitmask (u32 words, bit i%32 of word i/32 set:
+//   id i allowed), 0 for none: forbidden logits become -inf before anything else
 // hist: int32 (B, H_MAX) the last repeat_last_n tokens (duplicates allowed). tab_slot / tab_pos: slot and position per
 // batch row; out_idx (or null: the identity) maps logits row b to its batch row.
 // Writes ids[b] (-1 for a skipped row) and rec[b] = {tick, slot, pos, token}.
@@ -126,13 +138,20 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(
     __shared__ float sv[32];
     __shared__ int si[32];
     const int b = blockIdx.x, t = threadIdx.x;
-    const int* P = prm + (long long)b * 16;
+    const int* P = prm + (long long)b * P_WORDS;
     const int mode = P[0];
     if (mode == 0) {
         if (t == 0) ids[b] = -1;
         return;
     }
     float* r = logits + (long long)b * ld;
+    const u64 mask_addr = ((u64)(u32)P[17] << 32) | (u32)P[16];
+    if (mask_addr) {                      // constrained decoding: forbidden ids out first
+        const u32* M = (const u32*)mask_addr;
+        for (int i = t; i < V; i += blockDim.x)
+            if (!((M[i >> 5] >> (i & 31)) & 1u)) r[i] = -__int_as_float(0x7f800000);
+        __syncthreads();
+    }
     const float pen = __int_as_float(P[4]);
     if (pen != 1.0f) {                    // once per distinct id: a bitmap of the ids seen
         u32* seen = (u32*)pd;             // K_MAX doubles = 2 * K_MAX words: reused, zeroed here
@@ -330,7 +349,7 @@ def _template(cfg: SamplerConfig) -> np.ndarray:
 
 def fill_row(prm: np.ndarray, hist: np.ndarray, cfg: SamplerConfig | None, st: SamplerState | None,
              tick: int, extra_history=()) -> bool:
-    """Write one row of the sampler table: ``prm`` (16,) int32 view, ``hist`` (H_MAX,)
+    """Write one row of the sampler table: ``prm`` (P_WORDS,) int32 view, ``hist`` (H_MAX,)
     int32 view. ``cfg`` None marks a row without output (skip). ``extra_history``: tokens
     already accepted in this tick before the row (greedy verify windows). Returns whether
     the row needs the history table (penalty on). Raises ValueError when the distinct
@@ -342,6 +361,9 @@ def fill_row(prm: np.ndarray, hist: np.ndarray, cfg: SamplerConfig | None, st: S
     prm[3] = tick & 0x7FFFFFFF
     if prm[0] == MODE_SAMPLE:
         prm[12:16].view(np.uint64)[:] = (st.seed & ((1 << 64) - 1), st.step)
+    mask_ptr = getattr(st, "mask_ptr", 0)
+    if mask_ptr:
+        prm[16:18].view(np.uint64)[0] = mask_ptr
     if cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0:
         return False
     h = st.history[-cfg.repeat_last_n:] if cfg.repeat_last_n > 0 else st.history
@@ -354,6 +376,50 @@ def fill_row(prm: np.ndarray, hist: np.ndarray, cfg: SamplerConfig | None, st: S
     prm[2] = len(h)
     hist[:len(h)] = h
     return True
+
+
+class MaskTable:
+    """The device table of token bitmasks for one tick's constrained rows (grown as
+    needed), with a pinned host mirror. ``load`` copies masks in and returns each row's
+    device address for ``fill_row`` (``mask_ptr`` of the row's state). The copy is
+    synchronous (pinned source): it is complete before the tick's graph or kernels
+    launch, on whichever stream they run, and no earlier tick still reads the table (the
+    model synchronizes at the end of every call)."""
+
+    def __init__(self, vocab: int, rows: int = 64):
+        self.words = (vocab + 31) // 32
+        self.rows = 0
+        self._grow(rows)
+
+    def _grow(self, rows: int) -> None:
+        import cupy as cp
+
+        self.rows = rows
+        self.dev = cp.zeros((rows, self.words), cp.int32)
+        mem = cp.cuda.alloc_pinned_memory(rows * self.words * 4)
+        self.host = np.frombuffer(mem, np.int32, rows * self.words).reshape(rows, self.words)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.dev.nbytes)
+
+    def load(self, masks: np.ndarray) -> list[int]:
+        """Copy (n, words) int32 masks to the device; the device address of each row."""
+        import cupy as cp
+
+        n = int(masks.shape[0])
+        if masks.shape[1] != self.words:
+            raise ValueError(f"masks of {masks.shape[1]} words for a table of {self.words}")
+        if n > self.rows:
+            r = self.rows
+            while r < n:
+                r *= 2
+            self._grow(r)
+        self.host[:n] = masks
+        cp.cuda.runtime.memcpy(self.dev.data.ptr, self.host.ctypes.data, n * self.words * 4,
+                               cp.cuda.runtime.memcpyHostToDevice)
+        base, step = self.dev.data.ptr, self.words * 4
+        return [base + i * step for i in range(n)]
 
 
 def fits_history(cfg: SamplerConfig, st: SamplerState, vocab: int = 0) -> bool:

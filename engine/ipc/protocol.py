@@ -324,6 +324,9 @@ class Welcome(_Base, tag="welcome"):
     pid: int = 0
     journal: bool = True  # False: no Durable receipts will come (journal off)
     draft_model: str = ""  # the draft model's name ("" without one)
+    # how the model writes tool calls (``model/tool_calls.FAMILIES``: its chat template's
+    # family); "" from an engine that does not say (the gateway assumes "hermes")
+    tool_format: str = ""
 
 
 class Error(_Base, tag="error"):
@@ -366,8 +369,8 @@ class Token(_Base, tag="token"):
     """A committed token of the reply: ``text`` is the safe-to-show delta (may be empty
     while a multi-byte character or a possible stop string is held back). With
     ``SubmitMessage.logprobs`` >= 0: ``logprob`` of the token under the model (the log
-    softmax of its raw logits, before sampling filters and constraints) and ``top``,
-    the ``logprobs`` most likely ids as [id, logprob] pairs."""
+    softmax of its raw logits, before sampling filters and constraints), ``piece`` its
+    bytes, and ``top``, the ``logprobs`` most likely ids as (id, logprob, bytes)."""
 
     id: int
     token_id: int
@@ -377,7 +380,8 @@ class Token(_Base, tag="token"):
     seq: int
     choice: int = 0
     logprob: float | None = None
-    top: list[tuple[int, float]] = []
+    piece: bytes = b""
+    top: list[tuple[int, float, bytes]] = []
 
 
 class Notice(_Base, tag="notice"):

@@ -108,7 +108,7 @@ class Commit:
                                         choice=r.choice))
                 else:
                     r.sink.send(P.Token(id=r.rid, token_id=t, text=e, pos=start + j, tick=tick, seq=seq,
-                                        choice=r.choice, logprob=lp[0], top=lp[1]))
+                                        choice=r.choice, logprob=lp[0], piece=lp[1], top=lp[2]))
             if st.journaled:
                 st.receipts.watch(seq, r, Covers.TOKENS)
             if r.finish_reason is not None:

@@ -77,7 +77,8 @@ class RowResult:
     produced: list[int]
     fed: list[int]
     n_drafts: int
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per produced token, when asked
+    # per produced token, when asked: (logprob, its bytes, top k as (id, logprob, bytes))
+    logprobs: list[tuple[float, bytes, list[tuple[int, float, bytes]]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,11 @@ class Executor:
         lp = log_softmax(row)
         return lp, top_logprobs(lp, r.logprobs)
 
+    def _lp_entry(self, lp: np.ndarray, top: list[tuple[int, float]], tok: int) -> tuple:
+        """(logprob of ``tok``, its bytes, the top ids with theirs and their bytes)."""
+        tb = self.lm.tokenizer.token_bytes
+        return float(lp[tok]), tb(tok), [(i, v, tb(i)) for i, v in top]
+
     def _fork(self, r: Request, raw: np.ndarray) -> list[RowResult]:
         """Choice 0's prompt is in its slot and ``raw`` is its last row's logits: every
         waiting choice samples its first token from them and takes a capsule of the
@@ -291,7 +297,7 @@ class Executor:
             f.fork_capsule = cap
             got = None
             if lp is not None and f.logprobs >= 0:
-                got = [(float(lp[0][tok]), top_logprobs(lp[0], f.logprobs))]
+                got = [self._lp_entry(lp[0], lp[1], tok)]
             out.append(RowResult(f, [tok], [], 0, got))
         return out
 
@@ -333,7 +339,7 @@ class Executor:
                             r.constraint.error)
             got_lp = None
             if lps is not None:
-                got_lp = [(float(lps[j][0][t]), lps[j][1]) for j, t in enumerate(produced)]
+                got_lp = [self._lp_entry(lps[j][0], lps[j][1], t) for j, t in enumerate(produced)]
             fed: list[int] = []
             if r.state is RequestState.DECODE:
                 fed = [r.next_input] + drafts[:len(produced) - 1]
