@@ -45,10 +45,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
+from aotx.engine.ipc import gateway_media as M
 from aotx.engine.ipc import gateway_schema as S
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost, EngineClient
 from aotx.engine.ipc.gateway_auth import KeyRing
+from aotx.engine.model import tool_calls
 
 _CONV_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -84,6 +86,20 @@ class _ClientGone(Exception):
     pass
 
 
+def call_id_prefix(reply_id: str) -> str:
+    return f"call_{reply_id}_"
+
+
+def _too_large(head: bytes, what: str) -> ApiError:
+    """413 for a body over the limit, naming the field that was still open at the cut
+    (a data URL, mostly) when the first bytes show one."""
+    where = M.open_field(head)
+    if where:
+        what = f"{where}: {what} (a media part may hold at most {M.MAX_PART_BYTES:,} bytes)"
+    return ApiError(413, what, "invalid_request_error", param=where.split("[")[0].split(".")[0] if where else None,
+                    code="body_too_large")
+
+
 # ---- the engine connection ------------------------------------------------------
 
 class EngineLink:
@@ -96,6 +112,7 @@ class EngineLink:
         self._lock = asyncio.Lock()
         self.retry_after_s = retry_after_s
         self.model = ""
+        self.tool_format = "hermes"  # the model's tool-call family (Welcome.tool_format)
 
     async def get(self) -> EngineClient:
         """The live client. Raises ApiError 503 when no engine answers."""
@@ -113,6 +130,7 @@ class EngineLink:
                                headers={"Retry-After": str(self.retry_after_s)}) from None
             self._client = c
             self.model = c.welcome.model
+            self.tool_format = c.welcome.tool_format or "hermes"
             return c
 
     async def close(self) -> None:
@@ -156,24 +174,37 @@ class InFlight:
 
 # ---- one generation -----------------------------------------------------------------
 
+Spec = S.Spec
+
 class Generation:
-    """One message submitted to the engine and its events.
+    """One message submitted to the engine and the events of its ``n`` choices.
 
-    ``start`` reads events up to ``Accepted`` (so refusals become HTTP statuses
-    before a response starts); ``events`` yields the rest and stops at the reply's
-    final receipt, or ``durable_timeout_s`` after ``Committed`` without one."""
+    ``start`` reads events up to every choice's ``Accepted`` (so refusals become HTTP
+    statuses before a response starts); ``events`` yields the rest and stops once every
+    choice has its final receipt, or ``durable_timeout_s`` after the last ``Committed``."""
 
-    def __init__(self, client: EngineClient, conv_id: str, created: bool, cfg: GatewayConfig):
+    def __init__(self, client: EngineClient, conv_id: str, created: bool, cfg: GatewayConfig, n: int = 1):
         self.client = client
         self.conv_id = conv_id
         self.created = created
         self.cfg = cfg
-        self.accepted: P.Accepted | None = None
-        self.committed: P.Committed | None = None
-        self.receipt: P.Receipt | None = None
+        self.n = n
+        self.accepted: dict[int, P.Accepted] = {}
+        self.committed: dict[int, P.Committed] = {}
+        self.receipts: dict[int, P.Receipt] = {}
         self.user_receipt: P.Receipt | None = None
         self._agen: AsyncIterator[P.Message] | None = None
         self._done = False
+        self.constraint_field = ""
+
+    # one-choice views (the first choice)
+    @property
+    def receipt(self) -> P.Receipt | None:
+        return self.receipts.get(0)
+
+    @property
+    def all_committed(self) -> bool:
+        return len(self.committed) >= self.n
 
     async def _next(self) -> P.Message | None:
         try:
@@ -186,9 +217,11 @@ class Generation:
             raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
 
-    async def start(self, text: str, sampling: P.SamplingParams, raw: bool) -> None:
-        """Submit; return once accepted. Raises ApiError for a refusal."""
-        self._agen = self.client.submit(self.conv_id, text, sampling=sampling, raw=raw)
+    async def start(self, text: str, sampling: P.SamplingParams, raw: bool, **fields) -> None:
+        """Submit; return once every choice is accepted. Raises ApiError for a refusal."""
+        c = fields.get("constraint")
+        self.constraint_field = c.field if c is not None else ""
+        self._agen = self.client.submit(self.conv_id, text, sampling=sampling, raw=raw, **fields)
         refused: P.Notice | None = None
         while True:
             ev = await self._next()
@@ -201,14 +234,17 @@ class Generation:
                 self._done = True
                 if self.created:
                     await self._forget()
-                raise _engine_error(ev, refused, self.cfg.retry_after_s)
+                raise _engine_error(ev, refused, self.cfg.retry_after_s, self.constraint_field)
             elif isinstance(ev, P.Accepted):
-                self.accepted = ev
-                return
+                self.accepted[ev.choice] = ev
+                if len(self.accepted) >= self.n:
+                    return
+            elif isinstance(ev, P.Durable) and ev.msg_id and ev.choice == 0:
+                self.user_receipt = ev.receipt
 
     async def events(self) -> AsyncIterator[P.Message]:
         while not self._done:
-            if self.committed is not None:
+            if self.all_committed:
                 try:
                     ev = await asyncio.wait_for(self._next(), self.cfg.durable_timeout_s)
                 except asyncio.TimeoutError:
@@ -218,31 +254,36 @@ class Generation:
                 ev = await self._next()
             if ev is None:
                 return
-            if isinstance(ev, P.Committed):
-                self.committed = ev
+            if isinstance(ev, P.Accepted):
+                self.accepted[ev.choice] = ev
+            elif isinstance(ev, P.Committed):
+                self.committed[ev.choice] = ev
             elif isinstance(ev, P.Durable):
-                if self.accepted is not None and ev.msg_id == self.accepted.msg_id:
+                a = self.accepted.get(0)
+                if a is not None and ev.msg_id == a.msg_id:
                     self.user_receipt = ev.receipt
-                if self.committed is not None and ev.receipt.last_seq >= self.committed.seq:
-                    self.receipt = ev.receipt
+                for ch, cm in self.committed.items():
+                    if ev.receipt.last_seq >= cm.seq and (ev.choice == ch or ev.choice == 0):
+                        self.receipts.setdefault(ch, ev.receipt)
             elif isinstance(ev, P.Error):
                 self._done = True
             yield ev
 
-    def aotx(self) -> dict[str, Any]:
-        """The ``aotx`` object of a reply: conversation, message ids, receipts."""
-        a = self.accepted
-        return {"conversation": self.conv_id, "msg_id": a.msg_id if a else None,
-                "reply_id": a.reply_id if a else None, "receipt": S.receipt_dict(self.receipt),
+    def aotx(self, choice: int = 0) -> dict[str, Any]:
+        """The ``aotx`` object of a reply's choice: conversation, message ids, receipts."""
+        a = self.accepted.get(choice)
+        return {"conversation": a.conv_id if a else self.conv_id, "msg_id": a.msg_id if a else None,
+                "reply_id": a.reply_id if a else None, "receipt": S.receipt_dict(self.receipts.get(choice)),
                 "user_receipt": S.receipt_dict(self.user_receipt)}
 
     async def abandon(self) -> None:
         """The client went away: cancel the generation unless it finished. The
         cancel is sent without waiting for the engine's answer (it comes after
         the current tick), so the HTTP side is released at once."""
-        if self.committed is None:
-            if self.accepted is not None:
-                op = self.client.cancel(target=self.accepted.id)
+        if not self.all_committed:
+            a = self.accepted.get(0)
+            if a is not None:
+                op = self.client.cancel(target=a.id)
             else:
                 op = self.client.cancel(conv_id=self.conv_id)
             task = asyncio.ensure_future(op)
@@ -261,6 +302,80 @@ class Generation:
             pass
 
 
+@dataclass
+class Out:
+    """One piece of a choice's stream, as every API renders it: ``kind`` "content"
+    (``text``), "call" (a tool-call delta: ``call`` = (index, id or None, name or None,
+    arguments text)), "logprob" (``entry``: a chat logprobs entry) or "finish"."""
+
+    kind: str
+    choice: int
+    text: str = ""
+    call: tuple | None = None
+    entry: dict[str, Any] | None = None
+
+
+class ChoiceState:
+    """One choice's text, tool calls and logprobs as its events arrive; ``token`` and
+    ``committed`` return the ``Out`` pieces to send (the tool-call parser of the model's
+    family splits content from calls as the text streams)."""
+
+    def __init__(self, index: int, family: str | None, logprobs: bool, call_prefix: str = ""):
+        self.index = index
+        self.parser = tool_calls.StreamParser(family, call_prefix) if family else None
+        self.sent = ""
+        self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
+        self.choice = S.Choice(index=index, logprobs=self.logprobs)
+        self._calls: dict[int, dict[str, Any]] = {}
+        self.content = ""
+
+    def _text(self, t: str) -> list[Out]:
+        if not t:
+            return []
+        if self.parser is None:
+            self.content += t
+            return [Out("content", self.index, text=t)]
+        return self._delta(self.parser.feed(t))
+
+    def _delta(self, d) -> list[Out]:
+        out = []
+        if d.content:
+            self.content += d.content
+            out.append(Out("content", self.index, text=d.content))
+        for call in d.calls:
+            i, cid, name, args = call
+            c = self._calls.get(i)
+            if c is None:
+                c = self._calls[i] = {"index": i, "id": cid, "type": "function", "function": {"name": name,
+                                                                                            "arguments": ""}}
+            c["function"]["arguments"] += args
+            out.append(Out("call", self.index, call=call))
+        return out
+
+    def token(self, ev: P.Token) -> list[Out]:
+        out = []
+        if self.logprobs is not None and ev.logprob is not None:
+            e = S.logprob_entry(ev.piece, ev.logprob, ev.top)
+            self.logprobs.append(e)
+            out.append(Out("logprob", self.index, entry=e))
+        self.sent += ev.text
+        return out + self._text(ev.text)
+
+    def committed(self, ev: P.Committed) -> list[Out]:
+        rest = ev.text[len(self.sent):] if ev.text.startswith(self.sent) else ""
+        self.sent = ev.text
+        out = self._text(rest)
+        if self.parser is not None:
+            out += self._delta(self.parser.finish())
+        ch = self.choice
+        ch.text = self.content if self.parser is not None else ev.text
+        ch.tool_calls = [{k: v for k, v in c.items() if k != "index"} for _, c in sorted(self._calls.items())]
+        ch.finish_reason = ev.finish_reason
+        ch.n_completion = ev.n_completion
+        out.append(Out("finish", self.index, text=ch.finish))
+        return out
+
+
 _background: set[asyncio.Future] = set()
 
 
@@ -270,8 +385,13 @@ def _settle(task: asyncio.Future) -> None:
         task.exception()  # a lost engine or a finished request: nothing to do
 
 
-def _engine_error(ev: P.Error, refused: P.Notice | None, retry_after_s: int) -> ApiError:
+def _engine_error(ev: P.Error, refused: P.Notice | None, retry_after_s: int, constraint_field: str = "") -> ApiError:
     retry = {"Retry-After": str(retry_after_s)}
+    if ev.code == ErrorCode.BAD_REQUEST and constraint_field and ev.message.startswith(constraint_field + ":"):
+        return ApiError(400, ev.message, "invalid_request_error", param=constraint_field.split(".")[0],
+                        code="invalid_grammar")
+    if ev.code == ErrorCode.UNSUPPORTED_MEDIA:
+        return ApiError(400, ev.message, "invalid_request_error", param="messages", code="invalid_media")
     if ev.code == ErrorCode.TOO_LONG:
         extra = {}
         if refused is not None:
@@ -386,6 +506,11 @@ class EventStream(Response):
 class Gateway:
     """The endpoints. ``keys``: the KeyRing; ``link``: the EngineLink."""
 
+    api_error = ApiError  # for the API modules (gateway_responses, gateway_anthropic)
+
+    def engine_error(self, ev: P.Error) -> ApiError:
+        return _engine_error(ev, None, self.cfg.retry_after_s)
+
     def __init__(self, cfg: GatewayConfig, keys: KeyRing, link: EngineLink):
         self.cfg = cfg
         self.keys = keys
@@ -395,9 +520,12 @@ class Gateway:
     # -- auth and body --
 
     def _auth(self, request: Request) -> str:
-        fp = self.keys.check(request.headers.get("authorization"))
+        auth = request.headers.get("authorization")
+        if auth is None and request.headers.get("x-api-key"):  # Anthropic's clients send the key so
+            auth = "Bearer " + request.headers["x-api-key"]
+        fp = self.keys.check(auth)
         if fp is None:
-            given = "authorization" in request.headers
+            given = "authorization" in request.headers or "x-api-key" in request.headers
             raise ApiError(401, "incorrect API key provided" if given else
                            "no API key provided: send 'Authorization: Bearer <key>' (the key file's path is printed "
                            "when `aotx gateway` starts)", "invalid_request_error", code="invalid_api_key",
@@ -413,14 +541,17 @@ class Gateway:
             except ValueError:
                 raise ApiError(400, f"Content-Length {cl!r} is not a number", "invalid_request_error") from None
             if n > lim:
-                raise ApiError(413, f"the request body is {n} bytes; the limit is {lim}", "invalid_request_error",
-                               code="body_too_large")
+                head = bytearray()
+                async for chunk in request.stream():  # read up to the limit only, to name the field
+                    head += chunk
+                    if len(head) > lim:
+                        break
+                raise _too_large(bytes(head[:lim]), f"the request body is {n:,} bytes; the limit is {lim:,}")
         buf = bytearray()
         async for chunk in request.stream():
             buf += chunk
             if len(buf) > lim:
-                raise ApiError(413, f"the request body exceeds the limit of {lim} bytes", "invalid_request_error",
-                               code="body_too_large")
+                raise _too_large(bytes(buf[:lim]), f"the request body exceeds the limit of {lim:,} bytes")
         if not buf:
             raise ApiError(400, "the request body is empty; send a JSON object", "invalid_request_error")
         try:
@@ -430,10 +561,11 @@ class Gateway:
                            code="invalid_json") from None
 
     async def _conversation(self, client: EngineClient, request: Request, system: str | None,
-                            title: str, history: list[tuple[str, str]] = ()) -> tuple[str, bool]:
-        """(conversation id, created) for a request: the header's, or a new one holding
-        ``history`` (the request's earlier turns) as finished messages."""
-        hdr = request.headers.get("x-aotx-conversation")
+                            title: str, history: list[S.Turn] = (), conv_id: str | None = None) -> tuple[str, bool]:
+        """(conversation id, created) for a request: ``conv_id`` (a response continued),
+        the header's, or a new one holding ``history`` (the request's earlier turns) as
+        finished messages."""
+        hdr = conv_id or request.headers.get("x-aotx-conversation")
         if hdr:
             if not _CONV_ID.match(hdr):
                 raise ApiError(400, f"X-AOTX-Conversation {hdr[:80]!r} is not a conversation id",
@@ -459,7 +591,7 @@ class Gateway:
             return hdr, False
         try:
             conv = await client.create_conversation(title=" ".join(title.split())[:60], system_prompt=system,
-                                                    messages=list(history))
+                                                    messages=[(t.role, t.text, t.meta) for t in history])
         except ConnectionLost as e:
             raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
@@ -505,35 +637,111 @@ class Gateway:
 
     async def chat(self, request: Request) -> Response:
         key = self._auth(request)
-        req = S.parse_chat(await self._json(request), self.cfg.limits)
-        return await self._generate(request, key, chat=True, system=req.system, title=req.messages[-1][1],
-                                    turns=req.messages, sampling=req.sampling, stream=req.stream,
-                                    include_usage=req.include_usage)
+        req = S.parse_chat(await self._json(request), self.cfg.limits, self.keys.file_roots(key))
+        spec = Spec(chat=True, system=req.system, history=req.messages[:-1], last=req.messages[-1],
+                    sampling=req.sampling, stream=req.stream, include_usage=req.include_usage, tools=req.tools,
+                    constraint=req.constraint, logprobs=req.logprobs, n=req.n, title=req.messages[-1].text)
+        return await self.generate(request, key, spec, CHAT)
 
     async def completions(self, request: Request) -> Response:
         key = self._auth(request)
         req = S.parse_completion(await self._json(request), self.cfg.limits)
-        return await self._generate(request, key, chat=False, system=None, title=req.prompt,
-                                    turns=[("user", req.prompt)], sampling=req.sampling, stream=req.stream,
-                                    include_usage=req.include_usage)
+        spec = Spec(chat=False, system=None, history=[], last=S.Turn("user", req.prompt), sampling=req.sampling,
+                    stream=req.stream, include_usage=req.include_usage, constraint=req.constraint,
+                    logprobs=req.logprobs, n=req.n, title=req.prompt)
+        return await self.generate(request, key, spec, COMPLETION)
 
-    async def _generate(self, request: Request, key: str, *, chat: bool, system: str | None, title: str,
-                        turns: list[tuple[str, str]], sampling: P.SamplingParams, stream: bool,
-                        include_usage: bool) -> Response:
+    # -- the generation every endpoint runs --
+
+    def family(self, spec: Spec) -> str | None:
+        """The tool-call format to parse replies with (None: tools are off)."""
+        return (self.link.tool_format or "hermes") if spec.tools.active else None
+
+    async def _attachments(self, parts: tuple[M.MediaPart, ...]) -> list[P.Attachment]:
+        out = []
+        for part in parts:
+            try:
+                out.append(await asyncio.to_thread(M.attach, part))
+            except M.MediaRefusal as e:
+                raise ApiError(e.status, e.message, "invalid_request_error", param="messages",
+                               code="invalid_media" if e.status == 400 else "media_too_large") from None
+            except OSError as e:
+                raise ApiError(500, f"{part.where}: could not store the part ({e.strerror})", "server_error") from None
+        return out
+
+    async def begin(self, request: Request, spec: Spec) -> Generation:
+        """Find or make the conversation, store the media parts, submit; returns once
+        every choice is accepted (raises ApiError for a refusal)."""
+        client = await self.link.get()
+        conv_id, created = await self._conversation(client, request, spec.system, spec.title or spec.last.text,
+                                                    history=spec.history if spec.chat else [],
+                                                    conv_id=spec.conversation)
+        atts = await self._attachments(spec.last.parts)
+        constraint = spec.constraint
+        if spec.tools.forced:
+            grammar = tool_calls.call_grammar(spec.tools.tools, self.family(spec),
+                                              name=spec.tools.name if spec.tools.choice == "function" else None,
+                                              parallel=spec.tools.parallel)
+            constraint = P.Constraint(kind="lark", grammar=grammar, field="tool_choice")
+        fields: dict[str, Any] = {"n": spec.n, "logprobs": spec.logprobs}
+        if spec.chat:
+            fields.update(role=spec.last.role, meta=spec.last.meta, tools=spec.tools.tools if spec.tools.active else [])
+        if constraint is not None:
+            fields["constraint"] = constraint
+        if atts:
+            fields.update(attachments=atts, strict_media=True)
+        gen = Generation(client, conv_id, created, self.cfg, n=spec.n)
+        await _race_disconnect(request, gen.start(spec.last.text, spec.sampling, raw=not spec.chat, **fields))
+        return gen
+
+    def states(self, spec: Spec, gen: Generation) -> list[ChoiceState]:
+        """One state per choice; tool calls are named after their reply (``call_<reply id>_<i>``),
+        so a call id stays meaningful after a restart (the Responses API checks them)."""
+        fam = self.family(spec)
+        return [ChoiceState(i, fam, spec.logprobs >= 0, call_id_prefix(gen.accepted[i].reply_id)
+                            if i in gen.accepted else "") for i in range(spec.n)]
+
+    async def collect(self, gen: Generation, reply: S.Reply, states: list[ChoiceState]) -> None:
+        """Read the whole generation into ``reply`` (every choice). Raises ApiError."""
+        async for ev in gen.events():
+            if isinstance(ev, P.Token):
+                states[ev.choice].token(ev)
+            elif isinstance(ev, P.Committed):
+                states[ev.choice].committed(ev)
+                if ev.choice == 0:
+                    reply.n_prompt = ev.n_prompt
+                    reply.n_cached = int(ev.timings.get("prompt_tokens_reused", 0))
+            elif isinstance(ev, P.Error):
+                raise _engine_error(ev, None, self.cfg.retry_after_s)
+        if not gen.all_committed:
+            raise ApiError(502, "the engine ended the reply without finishing it", "server_error")
+        self._finish_reply(gen, reply, states)
+        if any(c.finish_reason == "error" for c in gen.committed.values()):
+            raise ApiError(500, "the engine failed while generating this reply", "server_error",
+                           code="generation_failed", aotx=gen.aotx())
+
+    @staticmethod
+    def _finish_reply(gen: Generation, reply: S.Reply, states: list[ChoiceState]) -> None:
+        reply.choices = [st.choice for st in states]
+        for st in states:
+            st.choice.aotx = gen.aotx(st.index)
+        reply.aotx = gen.aotx(0)
+        if len(states) > 1:
+            reply.aotx["choices"] = [gen.aotx(st.index) for st in states]
+
+    async def generate(self, request: Request, key: str, spec: Spec, api: Any) -> Response:
+        """Run ``spec`` and answer in ``api``'s shapes (``CHAT``, ``COMPLETION``, or the
+        Responses and Messages renderers): JSON, or server-sent events when streaming."""
         self.inflight.enter(key)
         handed_over = False
         gen: Generation | None = None
         try:
-            client = await self.link.get()
-            conv_id, created = await self._conversation(client, request, system, title,
-                                                        history=turns[:-1] if chat else [])
-            text = turns[-1][1]
-            gen = Generation(client, conv_id, created, self.cfg)
-            await _race_disconnect(request, gen.start(text, sampling, raw=not chat))
-            reply = S.Reply(id=S.new_id("chatcmpl" if chat else "cmpl"), model=self.link.model)
-            headers = {"X-AOTX-Conversation": conv_id}
-            if stream:
-                body = self._stream_body(gen, reply, chat, include_usage)
+            gen = await self.begin(request, spec)
+            reply = S.Reply(id=api.new_id(), model=self.link.model)
+            headers = {"X-AOTX-Conversation": gen.conv_id}
+            states = self.states(spec, gen)
+            if spec.stream:
+                body = api.stream(self, gen, reply, spec, states)
 
                 async def on_close(gone: bool) -> None:
                     if gone:
@@ -542,9 +750,12 @@ class Gateway:
 
                 handed_over = True
                 return EventStream(body, headers, on_close)
-            await _race_disconnect(request, self._collect(gen, reply))
+            try:
+                await _race_disconnect(request, self.collect(gen, reply, states))
+            except ApiError as e:
+                return api.error(e)
             headers["X-AOTX-Receipt"] = json.dumps(reply.aotx["receipt"], separators=(",", ":"))
-            return JSONResponse(S.chat_completion(reply) if chat else S.text_completion(reply), headers=headers)
+            return JSONResponse(await api.final(self, gen, reply, spec), headers=headers)
         except _ClientGone:
             if gen is not None:
                 await gen.abandon()
@@ -557,71 +768,112 @@ class Gateway:
             if not handed_over:
                 self.inflight.leave(key)
 
-    async def _collect(self, gen: Generation, reply: S.Reply) -> None:
-        async for ev in gen.events():
-            if isinstance(ev, P.Committed):
-                reply.text = ev.text
-                reply.finish_reason = ev.finish_reason
-                reply.n_prompt, reply.n_completion = ev.n_prompt, ev.n_completion
-            elif isinstance(ev, P.Error):
-                raise _engine_error(ev, None, self.cfg.retry_after_s)
-        if gen.committed is None:
-            raise ApiError(502, "the engine ended the reply without finishing it", "server_error")
-        if gen.committed.finish_reason == "error":
-            raise ApiError(500, "the engine failed while generating this reply", "server_error",
-                           code="generation_failed", aotx=gen.aotx())
-        reply.aotx = gen.aotx()
 
-    async def _stream_body(self, gen: Generation, reply: S.Reply, chat: bool,
-                           include_usage: bool) -> AsyncIterator[bytes]:
-        sent = ""
+class _OpenAI:
+    """Chat completions and (legacy) completions in OpenAI's shapes."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+
+    def new_id(self) -> str:
+        return S.new_id("chatcmpl" if self.chat else "cmpl")
+
+    @staticmethod
+    def error(e: ApiError) -> Response:
+        return e.response()
+
+    async def final(self, gw: Gateway, gen: Generation, reply: S.Reply, spec: Spec) -> dict[str, Any]:
+        return S.chat_completion(reply) if self.chat else S.text_completion(reply)
+
+    async def stream(self, gw: Gateway, gen: Generation, reply: S.Reply, spec: Spec,
+                     states: list[ChoiceState]) -> AsyncIterator[bytes]:
+        chat = self.chat
         if chat:
-            yield _sse(S.chat_chunk(reply, {"role": "assistant", "content": ""}))
+            for st in states:
+                yield _sse(S.chat_chunk(reply, {"role": "assistant", "content": ""}, index=st.index))
+        pending: dict[int, list] = {}
+
+        def chunk(o: Out) -> bytes | None:
+            i = o.choice
+            if o.kind == "logprob":
+                pending.setdefault(i, []).append(o.entry)
+                return None
+            lp = pending.pop(i, None) if spec.logprobs >= 0 else None
+            if o.kind == "content":
+                return _sse(S.chat_chunk(reply, {"content": o.text}, index=i, logprobs=lp) if chat
+                            else S.text_chunk(reply, o.text, index=i, logprobs=lp))
+            if o.kind == "call":
+                idx, cid, name, args = o.call
+                call: dict[str, Any] = {"index": idx, "function": {"arguments": args}}
+                if cid is not None:
+                    call.update(id=cid, type="function")
+                    call["function"]["name"] = name
+                return _sse(S.chat_chunk(reply, {"tool_calls": [call]}, index=i, logprobs=lp))
+            # finish: any logprobs still pending ride on an empty delta first
+            pre = (_sse(S.chat_chunk(reply, {}, index=i, logprobs=lp) if chat
+                        else S.text_chunk(reply, "", index=i, logprobs=lp)) if lp else b"")
+            return pre + _sse(S.chat_chunk(reply, {}, o.text, index=i) if chat
+                              else S.text_chunk(reply, "", states[i].choice.finish_reason, index=i))
+
         try:
             async for ev in gen.events():
-                if isinstance(ev, P.Token) and ev.text:
-                    sent += ev.text
-                    yield _sse(S.chat_chunk(reply, {"content": ev.text}) if chat else S.text_chunk(reply, ev.text))
+                outs: list[Out] = []
+                if isinstance(ev, P.Token):
+                    outs = states[ev.choice].token(ev)
                 elif isinstance(ev, P.Committed):
-                    rest = ev.text[len(sent):] if ev.text.startswith(sent) else ""
-                    if rest:
-                        yield _sse(S.chat_chunk(reply, {"content": rest}) if chat else S.text_chunk(reply, rest))
-                    reply.text = ev.text
-                    reply.finish_reason = ev.finish_reason
-                    reply.n_prompt, reply.n_completion = ev.n_prompt, ev.n_completion
+                    if ev.choice == 0:
+                        reply.n_prompt = ev.n_prompt
+                        reply.n_cached = int(ev.timings.get("prompt_tokens_reused", 0))
                     if ev.finish_reason == "error":
                         yield _sse(S.error_body("the engine failed while generating this reply", "server_error",
                                                 code="generation_failed"))
                         yield b"data: [DONE]\n\n"
                         return
-                    yield _sse(S.chat_chunk(reply, {}, ev.finish_reason) if chat
-                               else S.text_chunk(reply, "", ev.finish_reason))
-                    if include_usage:
-                        yield _sse(S.usage_chunk(reply, chat))
+                    outs = states[ev.choice].committed(ev)
                 elif isinstance(ev, P.Error):
-                    e = _engine_error(ev, None, self.cfg.retry_after_s)
+                    e = _engine_error(ev, None, gw.cfg.retry_after_s)
                     yield _sse(e.body)
                     yield b"data: [DONE]\n\n"
                     return
+                for o in outs:
+                    b = chunk(o)
+                    if b:
+                        yield b
         except ApiError as e:
             yield _sse(e.body)
             yield b"data: [DONE]\n\n"
             return
-        reply.aotx = gen.aotx()
+        gw._finish_reply(gen, reply, states)
+        if spec.include_usage:
+            yield _sse(S.usage_chunk(reply, chat))
         yield _sse(S.receipt_event(reply, chat), event="aotx.receipt")
         yield b"data: [DONE]\n\n"
+
+
+CHAT, COMPLETION = _OpenAI(True), _OpenAI(False)
 
 
 def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_at_start: bool = True) -> Starlette:
     """The ASGI application. With ``connect_at_start`` its lifespan opens the engine
     connection (a failure there is logged; requests answer 503 until it works)."""
+    from aotx.engine.ipc import gateway_anthropic, gateway_responses
+
     gw = Gateway(cfg, keys, link)
 
     async def api_error(request: Request, exc: ApiError) -> Response:
+        if request.url.path.startswith("/v1/messages"):
+            from aotx.engine.ipc import gateway_anthropic
+
+            return gateway_anthropic.error_response(exc.status, exc.body["error"]["message"], exc.headers)
         return exc.response()
 
     async def bad_request(request: Request, exc: S.BadRequest) -> Response:
-        return JSONResponse(S.error_body(exc.message, "invalid_request_error", exc.param, exc.code), status_code=400)
+        if request.url.path.startswith("/v1/messages"):
+            from aotx.engine.ipc import gateway_anthropic
+
+            return gateway_anthropic.error_response(exc.status, exc.message)
+        return JSONResponse(S.error_body(exc.message, "invalid_request_error", exc.param, exc.code),
+                            status_code=exc.status)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -648,6 +900,9 @@ def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_a
         Route("/v1/models/{name:path}", gw.model, methods=["GET"]),
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
+        Route("/v1/responses", lambda r: gateway_responses.create(gw, r), methods=["POST"]),
+        Route("/v1/responses/{response_id}", lambda r: gateway_responses.retrieve(gw, r), methods=["GET"]),
+        Route("/v1/messages", lambda r: gateway_anthropic.create(gw, r), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: api_error, S.BadRequest: bad_request, HTTPException: http_error,
@@ -719,7 +974,7 @@ def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
     async def main() -> int:
         link = EngineLink(connect, cfg.retry_after_s)
         await link.get()  # start or find the engine before taking requests
-        app = create_app(cfg, KeyRing(keys), link)
+        app = create_app(cfg, KeyRing(keys, gateway_auth.key_options(path.read_text(encoding="utf-8"), path)), link)
         server = uvicorn_server(app)
         shown = f"[{host}]" if ":" in host else host
         print(f"aotx gateway: serving model {link.model} at http://{shown}:{sock.getsockname()[1]}/v1 "

@@ -9,6 +9,10 @@ checking a bearer token against every key in constant time. Leaves HTTP to
 A key is identified to the rest of the gateway by a short fingerprint (the first
 12 hex digits of its SHA-256), never by the key itself, so logs and the
 per-key concurrency table hold no secrets.
+
+A key line may carry options after the key, separated by spaces: ``allow-files=DIR``
+(``:``-separated directories, repeatable) lets that key's requests attach server files
+under those directories (``file://`` image URLs); no key may read any file otherwise.
 """
 
 from __future__ import annotations
@@ -63,16 +67,39 @@ def read_key_file(path: Path) -> list[str]:
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise UsageError(f"API key file {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
                          f"run `chmod 600 {path}`")
-    keys = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    bad = [k for k in keys if any(c.isspace() for c in k)]
-    if bad:
-        raise UsageError(f"API key file {path} has a line with spaces inside a key; one key per line")
+    keys = [ln.split()[0] for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    key_options(text, path)  # checks every option
     if not keys:
         raise UsageError(f"API key file {path} holds no key (one key per line, '#' starts a comment)")
     short = [k for k in keys if len(k) < 16]
     if short:
         raise UsageError(f"API key file {path} has a key of {len(short[0])} characters; use at least 16")
     return keys
+
+
+def key_options(text: str, path: Path | str = "the key file") -> dict[str, tuple[Path, ...]]:
+    """key -> the directories it may read files under (``allow-files=``), for the keys
+    that have any. Raises UsageError naming an unknown option or a directory that does
+    not exist."""
+    out: dict[str, tuple[Path, ...]] = {}
+    for n, ln in enumerate(text.splitlines(), 1):
+        words = ln.split()
+        if not words or words[0].startswith("#"):
+            continue
+        roots: list[Path] = []
+        for opt in words[1:]:
+            name, eq, value = opt.partition("=")
+            if name != "allow-files" or not eq or not value:
+                raise UsageError(f"API key file {path}, line {n}: unknown option {opt!r} after the key (the one "
+                                 "option is allow-files=DIR[:DIR...]; a key has no spaces)")
+            for d in value.split(":"):
+                p = Path(d).expanduser()
+                if not p.is_dir():
+                    raise UsageError(f"API key file {path}, line {n}: allow-files={d}: no such directory")
+                roots.append(p.resolve())
+        if roots:
+            out[words[0]] = tuple(roots)
+    return out
 
 
 def load_or_create(path: str | os.PathLike[str] | None) -> tuple[list[str], Path, bool]:
@@ -96,10 +123,15 @@ class KeyRing:
     """Constant-time bearer-key check: every key is compared (``hmac.compare_digest``
     on SHA-256 digests, so lengths never leak) and no comparison short-circuits."""
 
-    def __init__(self, keys: list[str]):
+    def __init__(self, keys: list[str], file_roots: dict[str, tuple[Path, ...]] | None = None):
         if not keys:
             raise ValueError("a KeyRing needs at least one key")
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        self._roots = {hashlib.sha256(k.encode()).hexdigest()[:12]: tuple(v) for k, v in (file_roots or {}).items()}
+
+    def file_roots(self, fingerprint: str) -> tuple[Path, ...]:
+        """The directories the key of ``fingerprint`` may read files under (none: no file)."""
+        return self._roots.get(fingerprint, ())
 
     def check(self, authorization: str | None) -> str | None:
         """The fingerprint of the key in an ``Authorization: Bearer <key>`` header, or None."""

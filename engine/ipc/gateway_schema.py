@@ -4,69 +4,143 @@ Owns: turning a decoded JSON body of ``POST /v1/chat/completions`` or
 ``POST /v1/completions`` into a ``ChatRequest`` / ``CompletionRequest`` (or a
 ``BadRequest`` naming the field and the bad value), and building the response
 objects (``chat.completion``, ``chat.completion.chunk``, ``text_completion``,
-``list`` of models, error bodies) exactly as the OpenAI API shapes them.
-Leaves to others: HTTP, authentication and the engine (``gateway.py``).
+``list`` of models, error bodies) exactly as the OpenAI API shapes them, with
+several choices, tool calls and log probabilities. Leaves to others: HTTP,
+authentication and the engine (``gateway.py``), media parts (``gateway_media.py``).
 
 What is supported, ignored and refused (the table the tests follow):
 
-* used: ``messages`` (roles system/developer/user/assistant; content a string or
-  a list of ``{"type": "text"}`` parts), ``max_tokens`` / ``max_completion_tokens``,
-  ``temperature``, ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``stream``,
-  ``stream_options.include_usage``, ``n`` = 1; the llama.cpp-style extensions
-  ``top_k``, ``min_p``, ``repeat_penalty``. Sampling fields left out take the
-  engine's defaults (``protocol.SamplingParams``), not OpenAI's.
+* used: ``messages`` (roles system/developer/user/assistant/tool; content a string
+  or a list of ``text``, ``image_url`` and ``input_audio`` parts; an assistant's
+  ``tool_calls``; a tool message's ``tool_call_id``), ``tools`` (functions),
+  ``tool_choice`` (auto, none, required, a named function), ``parallel_tool_calls``,
+  ``response_format`` (text, json_object, json_schema), ``max_tokens`` /
+  ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (a string
+  or up to 4), ``n`` (up to 16), ``logprobs`` and ``top_logprobs`` (up to 20),
+  ``stream``, ``stream_options.include_usage``; the llama.cpp-style extensions
+  ``top_k``, ``min_p``, ``repeat_penalty`` and ``grammar`` (a GBNF string, or
+  ``{"type": "lark" | "gbnf" | "regex", "grammar": ...}``). Sampling fields left out
+  take the engine's defaults (``protocol.SamplingParams``), not OpenAI's.
 * ignored: ``model`` (the engine serves one model; replies name it), ``user``,
   ``frequency_penalty``, ``presence_penalty``, ``metadata``, ``store``,
-  ``service_tier``, ``parallel_tool_calls``, ``reasoning_effort``,
-  ``modalities`` = ["text"], ``response_format`` = text, empty ``tools`` /
-  ``logit_bias``, and any field not named here.
-* refused (400): ``n`` > 1, non-empty ``tools`` / ``functions``, ``logprobs``,
-  ``top_logprobs``, ``logit_bias``, ``response_format`` other than text, audio,
-  image or other non-text content parts, and for completions ``echo``,
-  ``suffix``, ``best_of`` > 1 and token-id prompts.
+  ``service_tier``, ``reasoning_effort``, ``modalities`` = ["text"], empty
+  ``logit_bias``, an image part's ``detail``, and any field not named here.
+* refused (400): non-empty ``logit_bias``, ``functions`` (the deprecated form: use
+  ``tools``), audio output, a tool message whose ``tool_call_id`` no earlier
+  assistant call has, a ``tool_choice`` naming no tool in ``tools``, two
+  constraints at once (a schema or grammar and a required tool call), media parts
+  before the last message (send the conversation's later turns with
+  ``X-AOTX-Conversation``), and for completions ``echo``, ``suffix``, ``best_of`` > 1
+  and token-id prompts.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from aotx.engine.ipc import gateway_media as M
 from aotx.engine.ipc import protocol as P
 
 
 class BadRequest(Exception):
-    """A request the gateway refuses with 400; ``param`` names the field."""
+    """A request the gateway refuses with 400 (or ``status``: 403 for a file the key may
+    not read, 413 for a media part too large); ``param`` names the field."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.status = status
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request limits: bytes of body, messages, and the max_tokens ceiling."""
+    """Per-request limits: bytes of body (pictures come as data URLs: 32 MiB), messages,
+    the max_tokens ceiling, and the decoded bytes of one media part."""
 
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = 32 << 20
     max_messages: int = 256
     max_tokens_ceiling: int = 4096
     default_max_tokens: int = P.SamplingParams().max_tokens
+    max_part_bytes: int = M.MAX_PART_BYTES
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message of a request: ``role`` user | assistant | tool, its text, its
+    chat-template fields (``meta``: an assistant's ``tool_calls``, a tool result's
+    ``tool_call_id`` and ``name``) and its media parts (the last message only)."""
+
+    role: str
+    text: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    parts: tuple[M.MediaPart, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What a request says about tools: the function ``tools`` (OpenAI's shape),
+    ``choice`` "auto" | "none" | "required" | "function" (then ``name``), and whether
+    several calls may come at once."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    choice: str = "auto"
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        return bool(self.tools) and self.choice in ("required", "function")
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A parsed chat request. ``messages``: (role, text) with system/developer
-    folded into ``system``; the last one is a user message."""
+    """A parsed chat request. ``messages``: the turns, with system/developer folded
+    into ``system``; the last one is a user or tool message. ``constraint``: the
+    response format's or grammar's (the tool call's, when forced, is made by the
+    gateway, which knows the model's tool format). ``logprobs``: -1 or top-k."""
 
     system: str | None
-    messages: list[tuple[str, str]]
+    messages: list[Turn]
     sampling: P.SamplingParams
     stream: bool
     include_usage: bool
     model: str | None
+    tools: Tools = field(default_factory=Tools)
+    constraint: P.Constraint | None = None
+    logprobs: int = -1
+    n: int = 1
+
+
+@dataclass
+class Spec:
+    """One generation as every API asks for it (chat, completions, responses, messages):
+    the conversation's ``system`` prompt and earlier ``history`` (turns stored with a new
+    conversation), the ``last`` turn submitted, sampling, tools, the constraint of a
+    response format or grammar, logprobs (-1: none) and the number of choices."""
+
+    chat: bool
+    system: str | None
+    history: list[Turn]
+    last: Turn
+    sampling: P.SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    tools: Tools = field(default_factory=Tools)
+    constraint: P.Constraint | None = None
+    logprobs: int = -1
+    n: int = 1
+    conversation: str | None = None  # continue this conversation (else the request's header, else a new one)
+    title: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,9 +150,12 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     model: str | None
+    constraint: P.Constraint | None = None
+    logprobs: int = -1
+    n: int = 1
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _type_name(v: Any) -> str:
@@ -142,10 +219,6 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest(f"'model' must be a string, got {_type_name(model)}", "model")
-    n = _integer(body, "n", 1, 128)
-    _refuse_if(n is not None and n != 1, "n", f"this server returns one choice per request (n=1), got n={n}")
-    _refuse_if(body.get("logprobs") not in (None, False, 0), "logprobs", "log probabilities are not returned")
-    _refuse_if(body.get("top_logprobs") not in (None, 0), "top_logprobs", "log probabilities are not returned")
     lb = body.get("logit_bias")
     _refuse_if(lb not in (None, {}) , "logit_bias", "logit bias is not applied")
     stream = _bool(body, "stream")
@@ -182,45 +255,190 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
     return sp, stream, include_usage, model
 
 
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        parts = []
+def _n(body: dict) -> int:
+    n = _integer(body, "n", 1, 128)
+    if n is not None and n > P.MAX_CHOICES:
+        raise BadRequest(f"'n' is {n}; this server returns at most {P.MAX_CHOICES} choices", "n")
+    return n or 1
+
+
+def _chat_logprobs(body: dict) -> int:
+    """-1 without ``logprobs``; else ``top_logprobs`` (0 when absent)."""
+    want = _bool(body, "logprobs")
+    top = _integer(body, "top_logprobs", 0, P.MAX_TOP_LOGPROBS)
+    if top is not None and top > 0 and not want:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if want else -1
+
+
+class _Parts:
+    """Collects a message's content: text, and media parts with the field path of each."""
+
+    def __init__(self, limits: Limits, file_roots: tuple):
+        self.limits = limits
+        self.file_roots = file_roots
+
+    def read(self, content: Any, where: str, media_ok: bool) -> tuple[str, list[M.MediaPart]]:
+        if isinstance(content, str):
+            return content, []
+        if content is None:
+            return "", []
+        if not isinstance(content, list):
+            raise BadRequest(f"'{where}.content' must be a string or an array of parts, got {_type_name(content)}",
+                             "messages")
+        texts: list[str] = []
+        media: list[M.MediaPart] = []
         for j, part in enumerate(content):
+            at = f"{where}.content[{j}]"
             if not isinstance(part, dict):
-                raise BadRequest(f"'{where}.content[{j}]' must be an object, got {_type_name(part)}", "messages")
+                raise BadRequest(f"'{at}' must be an object, got {_type_name(part)}", "messages")
             kind = part.get("type")
-            if kind != "text":
-                raise BadRequest(f"'{where}.content[{j}]' is of type {kind!r}; only text parts are supported",
+            if kind in ("text", "input_text", "output_text"):
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise BadRequest(f"'{at}.text' must be a string, got {_type_name(text)}", "messages")
+                texts.append(text)
+                continue
+            if kind not in ("image_url", "input_audio", "input_image"):
+                raise BadRequest(f"'{at}' is of type {kind!r}; the parts taken are text, image_url and input_audio",
                                  "messages", "unsupported_content")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise BadRequest(f"'{where}.content[{j}].text' must be a string, got {_type_name(text)}", "messages")
-            parts.append(text)
-        return "".join(parts)
-    raise BadRequest(f"'{where}.content' must be a string or an array of parts, got {_type_name(content)}", "messages")
+            if not media_ok:
+                raise BadRequest(f"'{at}': media parts are taken in the last message only (continue a conversation "
+                                 "with X-AOTX-Conversation to keep earlier pictures)", "messages", "unsupported_content")
+            try:
+                if kind == "input_audio":
+                    a = part.get("input_audio")
+                    if not isinstance(a, dict):
+                        raise BadRequest(f"'{at}.input_audio' must be an object", "messages")
+                    media.append(M.audio_part(a.get("data"), a.get("format", "wav"), f"{at}.input_audio",
+                                              self.limits.max_part_bytes))
+                else:
+                    iu = part.get("image_url")
+                    url = iu.get("url") if isinstance(iu, dict) else iu
+                    media.append(M.image_url_part(url, f"{at}.image_url", self.file_roots,
+                                                  self.limits.max_part_bytes))
+            except M.MediaRefusal as e:
+                raise BadRequest(e.message, "messages", "invalid_media" if e.status == 400 else
+                                 "media_too_large" if e.status == 413 else "file_not_allowed", status=e.status) from None
+        return "".join(texts), media
 
 
-def parse_chat(body: Any, limits: Limits) -> ChatRequest:
-    """Validate a chat completions body. Raises BadRequest naming the field."""
-    sp, stream, include_usage, model = _common(body, limits)
-    for name in ("tools", "functions"):
-        v = body.get(name)
-        _refuse_if(v not in (None, []), name, "tool and function calling are not supported")
-    tc = body.get("tool_choice")
-    _refuse_if(tc not in (None, "none", "auto"), "tool_choice", "tool calling is not supported")
-    _refuse_if(body.get("audio") is not None, "audio", "audio output is not supported")
-    mods = body.get("modalities")
-    _refuse_if(mods not in (None, ["text"]), "modalities", "only text output is supported")
+def _text_of(content: Any, where: str) -> str:
+    return _Parts(Limits(), ()).read(content, where, media_ok=False)[0]
+
+
+def parse_tools(body: dict, tools_field: str = "tools", choice_field: str = "tool_choice") -> Tools:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat body. Raises BadRequest."""
+    _refuse_if(body.get("functions") not in (None, []), "functions",
+               "the deprecated 'functions' form; send 'tools' with {\"type\": \"function\", \"function\": ...}")
+    raw = body.get(tools_field)
+    tools: list[dict[str, Any]] = []
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise BadRequest(f"'{tools_field}' must be an array, got {_type_name(raw)}", tools_field)
+        for i, t in enumerate(raw):
+            if not isinstance(t, dict) or t.get("type", "function") != "function":
+                raise BadRequest(f"'{tools_field}[{i}]' must be a function tool ({{\"type\": \"function\", "
+                                 f"\"function\": {{...}}}})", tools_field)
+            fn = t.get("function", t if "name" in t else None)
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise BadRequest(f"'{tools_field}[{i}].function.name' must be a non-empty string", tools_field)
+            params = fn.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise BadRequest(f"'{tools_field}[{i}].function.parameters' must be a JSON schema object", tools_field)
+            clean = {"name": fn["name"]}
+            if isinstance(fn.get("description"), str):
+                clean["description"] = fn["description"]
+            clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+            tools.append({"type": "function", "function": clean})
+        names = [t["function"]["name"] for t in tools]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise BadRequest(f"'{tools_field}': the name {sorted(dup)[0]!r} is given twice", tools_field)
+    tc = body.get(choice_field)
+    choice, name = "auto", None
+    if tc is None:
+        choice = "auto" if tools else "none"
+    elif isinstance(tc, str):
+        if tc not in ("auto", "none", "required"):
+            raise BadRequest(f"'{choice_field}' must be auto, none, required or a function, got {tc!r}", choice_field)
+        choice = tc
+    elif isinstance(tc, dict):
+        fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
+        name = fn.get("name")
+        if not isinstance(name, str):
+            raise BadRequest(f"'{choice_field}' names no function ({{\"type\": \"function\", \"function\": "
+                             f"{{\"name\": ...}}}})", choice_field)
+        choice = "function"
+    else:
+        raise BadRequest(f"'{choice_field}' must be a string or an object, got {_type_name(tc)}", choice_field)
+    if choice in ("required", "function") and not tools:
+        raise BadRequest(f"'{choice_field}' is {choice!r} but the request has no tools", choice_field)
+    if choice == "function" and name not in [t["function"]["name"] for t in tools]:
+        raise BadRequest(f"'{choice_field}' names the function {name!r}, which is not in '{tools_field}' "
+                         f"({', '.join(t['function']['name'] for t in tools)})", choice_field, "unknown_tool")
+    par = body.get("parallel_tool_calls", True)
+    if not isinstance(par, bool):
+        raise BadRequest(f"'parallel_tool_calls' must be a boolean, got {_type_name(par)}", "parallel_tool_calls")
+    return Tools(tools, choice, name, par)
+
+
+def parse_constraint(body: dict) -> P.Constraint | None:
+    """The constraint of ``response_format`` or ``grammar`` (at most one). Raises BadRequest."""
+    out: list[P.Constraint] = []
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict):
             raise BadRequest(f"'response_format' must be an object, got {_type_name(rf)}", "response_format")
-        _refuse_if(rf.get("type") != "text", "response_format",
-                   f"only {{\"type\": \"text\"}} is supported, got {rf.get('type')!r}")
+        kind = rf.get("type")
+        if kind == "json_object":
+            out.append(P.Constraint(kind="json_schema", grammar='{"type": "object"}', field="response_format"))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise BadRequest("'response_format.json_schema' must be an object with a 'schema'", "response_format")
+            schema = js.get("schema", {})
+            if not isinstance(schema, (dict, bool)):
+                raise BadRequest("'response_format.json_schema.schema' must be a JSON schema object",
+                                 "response_format")
+            out.append(P.Constraint(kind="json_schema", grammar=json.dumps(schema),
+                                    field="response_format.json_schema.schema"))
+        elif kind not in ("text", None):
+            raise BadRequest(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                             "response_format")
+    g = body.get("grammar")
+    if g is not None:
+        if isinstance(g, str):
+            g = {"type": "gbnf", "grammar": g}
+        if not isinstance(g, dict):
+            raise BadRequest(f"'grammar' must be a GBNF string or an object, got {_type_name(g)}", "grammar")
+        kind = g.get("type", g.get("syntax", "gbnf"))
+        text = g.get("grammar", g.get("value"))
+        if kind not in ("lark", "gbnf", "regex"):
+            raise BadRequest(f"'grammar.type' must be lark, gbnf or regex, got {kind!r}", "grammar")
+        if not isinstance(text, str) or not text.strip():
+            raise BadRequest("'grammar.grammar' must be the grammar's text", "grammar")
+        out.append(P.Constraint(kind=kind, grammar=text, field="grammar"))
+    if len(out) > 1:
+        raise BadRequest("'response_format' and 'grammar' are two constraints; send one", "grammar")
+    c = out[0] if out else None
+    if c is not None and (why := P.constraint_problem(c)):
+        raise BadRequest(why, c.field.split(".")[0])
+    return c
+
+
+def parse_chat(body: Any, limits: Limits, file_roots: tuple = ()) -> ChatRequest:
+    """Validate a chat completions body. Raises BadRequest naming the field.
+    ``file_roots``: the directories the request's key may read for ``file://`` images."""
+    sp, stream, include_usage, model = _common(body, limits)
+    tools = parse_tools(body)
+    constraint = parse_constraint(body)
+    if constraint is not None and tools.forced:
+        raise BadRequest(f"'{constraint.field.split('.')[0]}' and a required tool call ('tool_choice') are two "
+                         "constraints on one reply; send one", "tool_choice")
+    _refuse_if(body.get("audio") is not None, "audio", "audio output is not supported")
+    mods = body.get("modalities")
+    _refuse_if(mods not in (None, ["text"]), "modalities", "only text output is supported")
     msgs = body.get("messages")
     if msgs is None:
         raise BadRequest("'messages' is required", "messages")
@@ -232,29 +450,63 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
         raise BadRequest(f"'messages' has {len(msgs)} entries; this server allows at most {limits.max_messages}",
                          "messages")
     system: list[str] = []
-    turns: list[tuple[str, str]] = []
+    turns: list[Turn] = []
+    reader = _Parts(limits, file_roots)
+    calls: dict[str, str] = {}  # tool_call_id -> function name, of the assistant calls so far
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"'{where}' must be an object, got {_type_name(m)}", "messages")
         role = m.get("role")
         if role not in _ROLES:
-            if role in ("tool", "function"):
-                raise BadRequest(f"'{where}.role' is {role!r}; tool messages are not supported", "messages",
+            if role == "function":
+                raise BadRequest(f"'{where}.role' is 'function' (the deprecated form); send role 'tool'", "messages",
                                  "unsupported_parameter")
             raise BadRequest(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
-        if m.get("tool_calls"):
-            raise BadRequest(f"'{where}.tool_calls': tool calling is not supported", "messages",
-                             "unsupported_parameter")
-        text = _text_of(m.get("content"), where)
+        last = i == len(msgs) - 1
+        text, parts = reader.read(m.get("content"), where, media_ok=last and role == "user")
         if role in ("system", "developer"):
             system.append(text)
-        else:
-            turns.append((role, text))
-    if not turns or turns[-1][0] != "user":
-        raise BadRequest("the last non-system message must have role 'user'", "messages")
+            continue
+        meta: dict[str, Any] = {}
+        if role == "assistant" and m.get("tool_calls"):
+            meta["tool_calls"] = _assistant_calls(m["tool_calls"], where, calls)
+        elif m.get("tool_calls"):
+            raise BadRequest(f"'{where}.tool_calls': only an assistant message has tool calls", "messages")
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            if not isinstance(cid, str) or not cid:
+                raise BadRequest(f"'{where}.tool_call_id' must name the call this message answers", "messages")
+            if cid not in calls:
+                raise BadRequest(f"'{where}.tool_call_id' is {cid!r}, but no earlier assistant message made that call",
+                                 "messages", "unknown_tool_call")
+            meta["tool_call_id"] = cid
+            meta["name"] = calls[cid]
+        turns.append(Turn(role, text, meta, tuple(parts)))
+    if not turns or turns[-1].role not in ("user", "tool"):
+        raise BadRequest("the last non-system message must have role 'user' or 'tool'", "messages")
     return ChatRequest(system="\n\n".join(system) if system else None, messages=turns, sampling=sp,
-                       stream=stream, include_usage=include_usage, model=model)
+                       stream=stream, include_usage=include_usage, model=model, tools=tools, constraint=constraint,
+                       logprobs=_chat_logprobs(body), n=_n(body))
+
+
+def _assistant_calls(raw: Any, where: str, calls: dict[str, str]) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise BadRequest(f"'{where}.tool_calls' must be an array", "messages")
+    out = []
+    for j, c in enumerate(raw):
+        at = f"{where}.tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"'{at}.function.name' must be a string", "messages")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise BadRequest(f"'{at}.function.arguments' must be JSON text", "messages")
+        cid = c.get("id") if isinstance(c.get("id"), str) and c.get("id") else f"call_{len(calls)}"
+        calls[cid] = fn["name"]
+        out.append({"id": cid, "type": "function",
+                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return out
 
 
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
@@ -264,6 +516,8 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     _refuse_if(body.get("suffix") not in (None, ""), "suffix", "insertion (suffix) is not supported")
     bo = _integer(body, "best_of", 1, 128)
     _refuse_if(bo is not None and bo != 1, "best_of", f"best_of must be 1, got {bo}")
+    lp = _integer(body, "logprobs", 0, P.MAX_TOP_LOGPROBS)
+    constraint = parse_constraint(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -276,63 +530,145 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
                          "prompt")
     if not prompt:
         raise BadRequest("'prompt' is empty", "prompt")
-    return CompletionRequest(prompt=prompt, sampling=sp, stream=stream, include_usage=include_usage, model=model)
+    return CompletionRequest(prompt=prompt, sampling=sp, stream=stream, include_usage=include_usage, model=model,
+                             constraint=constraint, logprobs=-1 if lp is None else lp, n=_n(body))
 
 
 # ---- response shapes -----------------------------------------------------------
 
-FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop", "tool_calls": "tool_calls"}
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def logprob_entry(token: bytes, logprob: float, top: list[tuple[int, float, bytes]] | None = None,
+                  chat: bool = True) -> dict[str, Any]:
+    """One token's ``logprobs.content`` entry (chat): token text, logprob, bytes, top."""
+    e = {"token": token.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(token)}
+    if top is not None:
+        e["top_logprobs"] = [{"token": b.decode("utf-8", "replace"), "logprob": v, "bytes": list(b)}
+                             for _, v, b in top]
+    return e
+
+
+@dataclass
+class Choice:
+    """One choice of a reply: its text, finish, tool calls (OpenAI dicts) and, when
+    asked, its tokens' log probabilities (chat ``logprobs.content`` entries)."""
+
+    index: int = 0
+    text: str = ""
+    finish_reason: str = "stop"
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    n_completion: int = 0
+    aotx: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finish(self) -> str:
+        if self.tool_calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return FINISH.get(self.finish_reason, "stop")
+
+
 @dataclass
 class Reply:
-    """What one generation produced, for the response builders."""
+    """What one generation produced (every choice), for the response builders."""
 
     id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
-    text: str = ""
-    finish_reason: str = "stop"
+    choices: list[Choice] = field(default_factory=lambda: [Choice()])
     n_prompt: int = 0
-    n_completion: int = 0
+    n_cached: int = 0
     aotx: dict[str, Any] = field(default_factory=dict)
 
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": self.n_completion,
-                "total_tokens": self.n_prompt + self.n_completion}
+    # one-choice shortcuts (the first choice)
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @text.setter
+    def text(self, v: str) -> None:
+        self.choices[0].text = v
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
+
+    @finish_reason.setter
+    def finish_reason(self, v: str) -> None:
+        self.choices[0].finish_reason = v
+
+    @property
+    def n_completion(self) -> int:
+        return sum(c.n_completion for c in self.choices)
+
+    def usage(self) -> dict[str, Any]:
+        u: dict[str, Any] = {"prompt_tokens": self.n_prompt, "completion_tokens": self.n_completion,
+                             "total_tokens": self.n_prompt + self.n_completion}
+        if self.n_cached:
+            u["prompt_tokens_details"] = {"cached_tokens": self.n_cached}
+        return u
+
+
+def _chat_message(c: Choice) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": c.text if (c.text or not c.tool_calls) else None,
+                           "refusal": None}
+    if c.tool_calls:
+        msg["tool_calls"] = c.tool_calls
+    return msg
 
 
 def chat_completion(r: Reply) -> dict[str, Any]:
     return {"id": r.id, "object": "chat.completion", "created": r.created, "model": r.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text, "refusal": None},
-                         "logprobs": None, "finish_reason": FINISH.get(r.finish_reason, "stop")}],
+            "choices": [{"index": c.index, "message": _chat_message(c),
+                         "logprobs": {"content": c.logprobs, "refusal": None} if c.logprobs is not None else None,
+                         "finish_reason": c.finish, **({"aotx": c.aotx} if len(r.choices) > 1 else {})}
+                        for c in r.choices],
             "usage": r.usage(), "aotx": r.aotx}
 
 
-def chat_chunk(r: Reply, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+def chat_chunk(r: Reply, delta: dict[str, Any], finish: str | None = None, index: int = 0,
+               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": r.id, "object": "chat.completion.chunk", "created": r.created, "model": r.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                         "finish_reason": FINISH.get(finish, "stop") if finish else None}]}
+            "choices": [{"index": index, "delta": delta,
+                         "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
+                         "finish_reason": (finish if finish == "tool_calls" else FINISH.get(finish, "stop"))
+                         if finish else None}]}
+
+
+def _text_logprobs(entries: list[dict[str, Any]] | None, offset0: int = 0) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object from chat-style entries."""
+    if entries is None:
+        return None
+    offsets, at = [], offset0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
+            "text_offset": offsets}
 
 
 def text_completion(r: Reply) -> dict[str, Any]:
     return {"id": r.id, "object": "text_completion", "created": r.created, "model": r.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "text": r.text, "logprobs": None,
-                         "finish_reason": FINISH.get(r.finish_reason, "stop")}],
+            "choices": [{"index": c.index, "text": c.text, "logprobs": _text_logprobs(c.logprobs),
+                         "finish_reason": FINISH.get(c.finish_reason, "stop"),
+                         **({"aotx": c.aotx} if len(r.choices) > 1 else {})} for c in r.choices],
             "usage": r.usage(), "aotx": r.aotx}
 
 
-def text_chunk(r: Reply, text: str, finish: str | None = None) -> dict[str, Any]:
+def text_chunk(r: Reply, text: str, finish: str | None = None, index: int = 0,
+               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"id": r.id, "object": "text_completion", "created": r.created, "model": r.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
+            "choices": [{"index": index, "text": text, "logprobs": _text_logprobs(logprobs),
                          "finish_reason": FINISH.get(finish, "stop") if finish else None}]}
 
 
@@ -345,7 +681,8 @@ def receipt_event(r: Reply, chat: bool) -> dict[str, Any]:
     """Data of the ``aotx.receipt`` SSE event: a well-formed chunk with an empty
     delta (so OpenAI clients, which do not skip named events, see a harmless
     chunk) plus the ``aotx`` object with the receipt."""
-    base = (chat_chunk(r, {}, r.finish_reason) if chat else text_chunk(r, "", r.finish_reason))
+    c = r.choices[0]
+    base = (chat_chunk(r, {}, c.finish) if chat else text_chunk(r, "", c.finish_reason))
     base["aotx"] = r.aotx
     return base
 

@@ -251,8 +251,9 @@ class StreamParser:
     content. ``finish`` returns the rest. The calls sent equal ``parse``'s of the whole
     text; content may differ from ``parse``'s only in surrounding whitespace."""
 
-    def __init__(self, family: str):
+    def __init__(self, family: str, id_prefix: str = ""):
         self.family = family
+        self.id_prefix = id_prefix  # call i gets the id ``id_prefix + str(i)`` (random ids without one)
         self.text = ""
         self._sent = 0        # chars of self.text consumed
         self._index = -1      # current call index
@@ -267,6 +268,10 @@ class StreamParser:
     @property
     def calls(self) -> list[ToolCall]:
         return self._calls
+
+    def _name(self, call: ToolCall, i: int) -> None:
+        if self.id_prefix:
+            call.id = f"{self.id_prefix}{i}"
 
     def feed(self, delta: str) -> Delta:
         self.text += delta
@@ -326,6 +331,7 @@ class StreamParser:
                     self._named = True
                     self._index += 1
                     call = ToolCall(json.loads('"' + m.group(1) + '"'), "")
+                    self._name(call, self._index)
                     self._calls.append(call)
                     out.calls.append((self._index, call.id, call.name, ""))
                     self._args_at = self._call_start + m.end()
@@ -348,6 +354,7 @@ class StreamParser:
                 call = _hermes_block(body)
                 if call is not None:
                     self._index += 1
+                    self._name(call, self._index)
                     self._calls.append(call)
                     out.calls.append((self._index, call.id, call.name, call.arguments))
                 else:
@@ -396,6 +403,7 @@ class StreamParser:
         else:
             out.content = content
             for i, c in enumerate(calls):
+                self._name(c, i)
                 self._calls.append(c)
                 out.calls.append((i, c.id, c.name, c.arguments))
         self._sent = len(t)

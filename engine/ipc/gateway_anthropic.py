@@ -1,0 +1,258 @@
+"""Anthropic's Messages API (``POST /v1/messages``) for clients that speak it.
+
+Owns: parsing a Messages request (``system``, ``messages`` with ``text``, ``image``
+(base64 source), ``tool_use`` and ``tool_result`` blocks, ``tools`` with
+``input_schema``, ``tool_choice`` auto | any | tool | none, ``max_tokens``,
+``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``stream``) into the
+gateway's ``Spec``, and answering in Anthropic's shapes: a ``message`` with ``text``
+and ``tool_use`` content blocks and a ``stop_reason`` (end_turn, max_tokens,
+stop_sequence, tool_use), or the streaming events ``message_start``,
+``content_block_start`` / ``_delta`` (``text_delta``, ``input_json_delta``) /
+``_stop``, ``message_delta`` and ``message_stop``. Errors use Anthropic's body
+(``{"type": "error", "error": {"type", "message"}}``). The key may come as
+``x-api-key`` (Anthropic's clients) or as a bearer token. Leaves HTTP, the engine
+and tool-call parsing to ``gateway.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from aotx.engine.ipc import gateway_media as M
+from aotx.engine.ipc import gateway_schema as S
+from aotx.engine.ipc import protocol as P
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+                429: "rate_limit_error", 500: "api_error", 502: "api_error", 503: "overloaded_error"}
+STOP = {"stop": "end_turn", "length": "max_tokens", "context": "max_tokens", "cancelled": "end_turn",
+        "tool_calls": "tool_use"}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}},
+                        status_code=status, headers=headers)
+
+
+def _blocks(content: Any, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise S.BadRequest(f"'{where}.content' must be a string or an array of blocks", "messages")
+    for j, b in enumerate(content):
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise S.BadRequest(f"'{where}.content[{j}]' must be a content block", "messages")
+    return content
+
+
+def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
+    """(the chat-shaped fields, chat messages, the last message's media parts)."""
+    if not isinstance(body, dict):
+        raise S.BadRequest("the request body must be a JSON object")
+    if body.get("max_tokens") is None:
+        raise S.BadRequest("'max_tokens' is required", "max_tokens")
+    msgs: list[dict] = []
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "".join(b.get("text", "") for b in system if isinstance(b, dict) and b.get("type") == "text")
+    if system is not None and not isinstance(system, str):
+        raise S.BadRequest("'system' must be a string or text blocks", "system")
+    if system:
+        msgs.append({"role": "system", "content": system})
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise S.BadRequest("'messages' must be a non-empty array", "messages")
+    parts: list[M.MediaPart] = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise S.BadRequest(f"'{where}.role' must be user or assistant", "messages")
+        blocks = _blocks(m.get("content"), where)
+        last = i == len(raw) - 1
+        if m["role"] == "assistant":
+            text = "".join(b.get("text", "") for b in blocks if b["type"] == "text")
+            calls = [{"id": b.get("id"), "type": "function",
+                      "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}}
+                     for b in blocks if b["type"] == "tool_use"]
+            msgs.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            continue
+        texts: list[str] = []
+        for j, b in enumerate(blocks):
+            at = f"{where}.content[{j}]"
+            if b["type"] == "text":
+                texts.append(str(b.get("text", "")))
+            elif b["type"] == "tool_result":
+                c = b.get("content", "")
+                if isinstance(c, list):
+                    c = "".join(x.get("text", "") for x in c if isinstance(x, dict) and x.get("type") == "text")
+                msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": str(c)})
+            elif b["type"] == "image":
+                if not last:
+                    raise S.BadRequest(f"'{at}': images are taken in the last message only", "messages")
+                src = b.get("source") or {}
+                if src.get("type") != "base64":
+                    raise S.BadRequest(f"'{at}.source': only base64 images are taken", "messages")
+                try:
+                    parts.append(M.MediaPart("image", f"{at}.source", data=M.decode_b64(str(src.get("data", "")),
+                                                                                      f"{at}.source",
+                                                                                      limits.max_part_bytes)))
+                except M.MediaRefusal as e:
+                    raise S.BadRequest(e.message, "messages", status=e.status) from None
+            else:
+                raise S.BadRequest(f"'{at}.type' {b['type']!r} is not taken (text, image, tool_result)", "messages")
+        if texts or not msgs or msgs[-1].get("role") != "tool":
+            msgs.append({"role": "user", "content": "".join(texts)})
+    chat: dict[str, Any] = {"max_tokens": body["max_tokens"]}
+    for k in ("temperature", "top_p", "top_k", "stream"):
+        if body.get(k) is not None:
+            chat[k] = body[k]
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = body["stop_sequences"]
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise S.BadRequest("'tools' must be an array", "tools")
+        chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                                           "parameters": t.get("input_schema")}}
+                         if isinstance(t, dict) else t for t in tools]
+        for t in chat["tools"]:
+            if isinstance(t, dict) and t["function"].get("description") is None:
+                t["function"].pop("description")
+    tc = body.get("tool_choice")
+    if tc is not None:
+        if not isinstance(tc, dict):
+            raise S.BadRequest("'tool_choice' must be an object", "tool_choice")
+        kind = tc.get("type")
+        mapping = {"auto": "auto", "any": "required", "none": "none"}
+        if kind == "tool":
+            chat["tool_choice"] = {"type": "function", "function": {"name": tc.get("name")}}
+        elif kind in mapping:
+            chat["tool_choice"] = mapping[kind]
+        else:
+            raise S.BadRequest(f"'tool_choice.type' must be auto, any, tool or none, got {kind!r}", "tool_choice")
+        if tc.get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
+    return chat, msgs, parts
+
+
+class MessagesAPI:
+    """The renderer ``Gateway.generate`` calls for ``/v1/messages``."""
+
+    def new_id(self) -> str:
+        return "msg_" + uuid.uuid4().hex[:24]
+
+    @staticmethod
+    def error(e) -> Response:
+        return error_response(e.status, e.body["error"]["message"], e.headers)
+
+    def _content(self, c: S.Choice) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if c.text:
+            out.append({"type": "text", "text": c.text})
+        for call in c.tool_calls:
+            try:
+                args = json.loads(call["function"]["arguments"] or "{}")
+            except ValueError:
+                args = {"_raw": call["function"]["arguments"]}
+            out.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": args})
+        return out
+
+    @staticmethod
+    def _stop(c: S.Choice, spec) -> tuple[str, str | None]:
+        if c.tool_calls:
+            return "tool_use", None
+        if c.finish_reason == "stop" and spec.sampling.stop:
+            hit = next((s for s in spec.sampling.stop if c.text.endswith(s)), None)
+            if hit is not None:
+                return "stop_sequence", hit
+        return STOP.get(c.finish_reason, "end_turn"), None
+
+    async def final(self, gw, gen, reply: S.Reply, spec) -> dict[str, Any]:
+        c = reply.choices[0]
+        stop, seq = self._stop(c, spec)
+        return {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model,
+                "content": self._content(c), "stop_reason": stop, "stop_sequence": seq,
+                "usage": {"input_tokens": reply.n_prompt, "output_tokens": reply.n_completion,
+                          "cache_read_input_tokens": reply.n_cached},
+                "aotx": reply.aotx}
+
+    async def stream(self, gw, gen, reply: S.Reply, spec, states) -> AsyncIterator[bytes]:
+        def ev(obj: dict[str, Any]) -> bytes:
+            return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+        yield ev({"type": "message_start", "message": {
+            "id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
+        block = -1
+        open_kind: str | None = None
+        call_block: dict[int, int] = {}
+        st = states[0]
+        try:
+            async for e in gen.events():
+                outs = []
+                if isinstance(e, P.Token) and e.choice == 0:
+                    outs = st.token(e)
+                elif isinstance(e, P.Committed) and e.choice == 0:
+                    reply.n_prompt = e.n_prompt
+                    reply.n_cached = int(e.timings.get("prompt_tokens_reused", 0))
+                    outs = st.committed(e)
+                elif isinstance(e, P.Error):
+                    err = gw.engine_error(e)
+                    yield ev({"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"),
+                                                         "message": err.body["error"]["message"]}})
+                    return
+                for o in outs:
+                    if o.kind == "content":
+                        if open_kind != "text":
+                            if open_kind is not None:
+                                yield ev({"type": "content_block_stop", "index": block})
+                            block += 1
+                            open_kind = "text"
+                            yield ev({"type": "content_block_start", "index": block,
+                                      "content_block": {"type": "text", "text": ""}})
+                        yield ev({"type": "content_block_delta", "index": block,
+                                  "delta": {"type": "text_delta", "text": o.text}})
+                    elif o.kind == "call":
+                        idx, cid, name, args = o.call
+                        if idx not in call_block:
+                            if open_kind is not None:
+                                yield ev({"type": "content_block_stop", "index": block})
+                            block += 1
+                            open_kind = "tool"
+                            call_block[idx] = block
+                            yield ev({"type": "content_block_start", "index": block,
+                                      "content_block": {"type": "tool_use", "id": cid, "name": name, "input": {}}})
+                        if args:
+                            yield ev({"type": "content_block_delta", "index": call_block[idx],
+                                      "delta": {"type": "input_json_delta", "partial_json": args}})
+        except gw.api_error as err:
+            yield ev({"type": "error", "error": {"type": "api_error", "message": err.body["error"]["message"]}})
+            return
+        if open_kind is not None:
+            yield ev({"type": "content_block_stop", "index": block})
+        gw._finish_reply(gen, reply, states)
+        stop, seq = self._stop(reply.choices[0], spec)
+        yield ev({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": seq},
+                  "usage": {"output_tokens": reply.n_completion, "input_tokens": reply.n_prompt},
+                  "aotx": reply.aotx})
+        yield ev({"type": "message_stop"})
+
+
+async def create(gw, request: Request) -> Response:
+    """``POST /v1/messages``."""
+    key = gw._auth(request)
+    chat, msgs, parts = parse(await gw._json(request), gw.cfg.limits)
+    req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits)
+    last = req.messages[-1]
+    if parts:
+        if last.role != "user":
+            raise S.BadRequest("images go with the user's text, after any tool results", "messages")
+        last = S.Turn(last.role, last.text, last.meta, tuple(parts))
+    spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=last, sampling=req.sampling,
+                stream=req.stream, tools=req.tools, constraint=req.constraint, n=1, title=last.text)
+    return await gw.generate(request, key, spec, MessagesAPI())
