@@ -853,6 +853,13 @@ class _OpenAI:
 CHAT, COMPLETION = _OpenAI(True), _OpenAI(False)
 
 
+def _bound(endpoint, gw: "Gateway"):
+    """An async endpoint ``endpoint(gw, request)`` as Starlette's ``endpoint(request)``."""
+    async def handle(request: Request) -> Response:
+        return await endpoint(gw, request)
+    return handle
+
+
 def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_at_start: bool = True) -> Starlette:
     """The ASGI application. With ``connect_at_start`` its lifespan opens the engine
     connection (a failure there is logged; requests answer 503 until it works)."""
@@ -900,9 +907,9 @@ def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_a
         Route("/v1/models/{name:path}", gw.model, methods=["GET"]),
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
-        Route("/v1/responses", lambda r: gateway_responses.create(gw, r), methods=["POST"]),
-        Route("/v1/responses/{response_id}", lambda r: gateway_responses.retrieve(gw, r), methods=["GET"]),
-        Route("/v1/messages", lambda r: gateway_anthropic.create(gw, r), methods=["POST"]),
+        Route("/v1/responses", _bound(gateway_responses.create, gw), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _bound(gateway_responses.retrieve, gw), methods=["GET"]),
+        Route("/v1/messages", _bound(gateway_anthropic.create, gw), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: api_error, S.BadRequest: bad_request, HTTPException: http_error,
