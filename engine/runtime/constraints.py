@@ -176,16 +176,15 @@ class GrammarState:
         draft is rejected there, so later rows are never used)."""
         out = np.empty((1 + len(drafts), self.compiler.words), np.int32)
         out[0] = self.mask()
-        n_ok = 0
-        for i, d in enumerate(drafts):
-            if not self.matcher.consume_token(int(d)):
-                break
-            n_ok += 1
+        # never consume a draft the grammar refuses: that would leave the matcher in its
+        # error state for good (llguidance's matchers do not leave it)
+        n_ok = self.matcher.validate_tokens([int(d) for d in drafts]) if drafts else 0
+        for i in range(n_ok):
+            if not self.matcher.consume_token(int(drafts[i])):
+                raise RuntimeError(f"grammar state lost on a validated draft: {self.matcher.get_error()}")
             self._fill(out[i + 1])
         if n_ok:
             self.matcher.rollback(n_ok)
-        if self.matcher.is_error():  # a rejected draft must not poison the state
-            raise RuntimeError(f"grammar state lost after a rejected draft: {self.matcher.get_error()}")
         out[n_ok + 1:] = out[n_ok]
         return out
 
@@ -199,6 +198,9 @@ class GrammarState:
         """Advance past ``tokens`` (the ones the sampler produced). False (and ``error``
         set) when the grammar refuses one: then the reply must end."""
         for t in tokens:
+            if self.matcher.is_stopped() and int(t) in self.compiler.eog:
+                self.consumed.append(int(t))  # the end of the reply after the grammar's end
+                continue
             if not self.matcher.consume_token(int(t)):
                 self.error = self.matcher.get_error() or f"token {t} is not allowed here"
                 self._mask = None

@@ -1,0 +1,222 @@
+"""Pure parts of the gateway's tool calling and request parsing: no model, no HTTP.
+
+Tool-call parsing per template family (table of real-world outputs), the streaming
+parser against the whole-text parser on every way of cutting a reply into deltas
+(hypothesis), the forced-call grammar compiled by llguidance and walked with a real
+vocabulary, request parsing (tools, tool_choice, constraints, media parts), naming the
+open field of an oversized body, and the key file's ``allow-files`` option.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aotx.engine.errors import UsageError
+from aotx.engine.ipc import gateway_auth as A
+from aotx.engine.ipc import gateway_media as M
+from aotx.engine.ipc import gateway_schema as S
+from aotx.engine.model import tool_calls as T
+
+ROOT = Path(__file__).resolve().parent.parent
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+PARSE = [
+    # (family, reply text, content, [(name, arguments text)])
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "",
+     [("get_weather", '{"city": "Paris"}')]),
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+               '{"name": "b", "arguments": {"x": [1, "}"]}}\n</tool_call>', "Let me check.",
+     [("a", "{}"), ("b", '{"x": [1, "}"]}')]),
+    ("hermes", "Paris is sunny today.", "Paris is sunny today.", []),
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
+    ("hermes", '<tool_call>{"arguments": {"q": 1}, "name": "s"}</tool_call>', "", [("s", '{"q": 1}')]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [("get_weather", '{"city": "Oslo"}')]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"a": 1}}', "",
+     [("f", "{}"), ("g", '{"a": 1}')]),
+    ("llama3_json", "{braces in prose} are fine", "{braces in prose} are fine", []),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', "", [("f", '{"a": 1}')]),
+    ("mistral", "no calls here", "no calls here", []),
+]
+
+
+@pytest.mark.parametrize("family,text,content,calls", PARSE)
+def test_parse_per_family(family, text, content, calls):
+    got_content, got = T.parse(text, family)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got] == calls
+
+
+def _stream(family: str, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]], list[str]]:
+    p = T.StreamParser(family, "call_m1_")
+    content, calls, ids = "", {}, []
+    pieces, at = [], 0
+    for c in sorted(set(cuts)):
+        pieces.append(text[at:c])
+        at = c
+    pieces.append(text[at:])
+    for d in [p.feed(x) for x in pieces] + [p.finish()]:
+        content += d.content
+        for i, cid, name, args in d.calls:
+            e = calls.setdefault(i, ["", ""])
+            if cid is not None:
+                ids.append(cid)
+                e[0] = name
+            e[1] += args
+    return content, [tuple(calls[i]) for i in sorted(calls)], ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(PARSE), data=st.data())
+def test_streamed_calls_equal_parsed_calls_for_any_chunking(case, data):
+    family, text, content, calls = case
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    got_content, got_calls, ids = _stream(family, text, cuts)
+    assert got_calls == calls
+    assert got_content.strip() == content.strip()
+    assert ids == [f"call_m1_{i}" for i in range(len(calls))]
+
+
+def test_template_family_and_tools_variable():
+    assert T.family_of("... <tool_call>\\n{...} ...{% if tools %}") == "hermes"
+    assert T.family_of("<|start_header_id|>ipython ... <|python_tag|> {{ tools }}") == "llama3_json"
+    assert T.family_of("[AVAILABLE_TOOLS] [TOOL_CALLS] {{ tools }}") == "mistral"
+    assert T.takes_tools("{% if tools %}x{% endif %}") and not T.takes_tools("{{ messages }}")
+    m = T.template_message({"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]})
+    assert m["tool_calls"][0]["function"]["arguments"] == {"a": 1}  # templates want an object (HF's convention)
+
+
+@pytest.fixture(scope="module")
+def smol_tok(default_model_path):
+    """The default model's vocabulary (SmolLM2's 49,152 tokens) as the engine reads it."""
+    from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_metadata(GGUFFile.open(default_model_path).metadata)
+
+
+def test_forced_call_grammar_accepts_only_calls_to_the_named_tools(smol_tok):
+    pytest.importorskip("llguidance")
+    from aotx.engine.runtime.constraints import Compiler
+
+    tiny_tokenizer = smol_tok
+    c = Compiler(tiny_tokenizer)
+    tools = [WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    g = c.compile("lark", T.call_grammar(tools, "hermes", name="get_weather"), "tool_choice")
+    good = tiny_tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    assert g.matcher.validate_tokens(good) == len(good)
+    bad = tiny_tokenizer.encode('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert g.matcher.validate_tokens(bad) < len(bad)
+    for fam in ("llama3_json", "mistral"):
+        c.compile("lark", T.call_grammar(tools, fam), "tool_choice")  # compiles
+
+
+# ---- request parsing -----------------------------------------------------------------------
+
+HELLO = [{"role": "user", "content": "hi"}]
+PNG = (ROOT / "assets" / "screenshot.png").read_bytes()
+
+
+def test_parse_chat_tools_constraints_and_media():
+    r = S.parse_chat({"messages": HELLO, "tools": [WEATHER], "tool_choice": "required", "n": 3, "logprobs": True,
+                      "top_logprobs": 2}, S.Limits())
+    assert r.tools.forced and r.tools.tools[0]["function"]["name"] == "get_weather" and r.n == 3 and r.logprobs == 2
+    r = S.parse_chat({"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, S.Limits())
+    assert r.constraint.kind == "json_schema" and r.constraint.field == "response_format.json_schema.schema"
+    r = S.parse_chat({"messages": HELLO, "grammar": 'root ::= "a"'}, S.Limits())
+    assert (r.constraint.kind, r.constraint.field) == ("gbnf", "grammar")
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = S.parse_chat({"messages": msgs, "tools": [WEATHER]}, S.Limits())
+    assert r.messages[-1].role == "tool" and r.messages[-1].meta == {"tool_call_id": "call_1", "name": "get_weather"}
+    assert r.messages[1].meta["tool_calls"][0]["id"] == "call_1"
+    url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    r = S.parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, {
+        "type": "image_url", "image_url": {"url": url}}]}]}, S.Limits())
+    (part,) = r.messages[-1].parts
+    assert part.kind == "image" and part.data == PNG and part.where == "messages[0].content[1].image_url"
+    assert M.check(part) == ("image", ".png")
+
+
+@pytest.mark.parametrize("body,param,status", [
+    ({"messages": HELLO, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice", 400),
+    ({"messages": HELLO, "tools": [WEATHER, WEATHER]}, "tools", 400),
+    ({"messages": HELLO, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", 400),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "call_9", "content": "x"}]},
+     "messages", 400),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + "A" * (30 << 20)}}]}]}, "messages", 413),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/hosts"}}]}]},
+     "messages", 403),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA",
+                                                                                           "format": "aac"}}]}]},
+     "messages", 400),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}]}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "y"}]}, "messages", 400),
+])
+def test_parse_chat_refusals(body, param, status):
+    with pytest.raises(S.BadRequest) as e:
+        S.parse_chat(body, S.Limits())
+    assert (e.value.param, e.value.status) == (param, status), e.value.message
+
+
+def test_media_parts_are_checked_by_content_and_stored_once(tmp_path):
+    not_png = M.MediaPart("image", "messages[0].content[0].image_url", data=b"GIF89a but really text?")
+    assert M.check(not_png)[0] == "image"  # a GIF is an image
+    with pytest.raises(M.MediaRefusal) as e:
+        M.check(M.MediaPart("image", "messages[0].content[0].image_url", data=b"hello, I am text, not pixels"))
+    assert e.value.status == 400 and e.value.message.startswith("messages[0].content[0].image_url:")
+    wav = (ROOT / "assets" / "clip.wav").read_bytes()
+    with pytest.raises(M.MediaRefusal):
+        M.check(M.MediaPart("image", "x", data=wav))  # audio in an image part
+    a1 = M.attach(M.MediaPart("image", "p", data=PNG), tmp_path)
+    a2 = M.attach(M.MediaPart("image", "p", data=PNG), tmp_path)
+    assert a1.path == a2.path and Path(a1.path).read_bytes() == PNG and (Path(a1.path).stat().st_mode & 0o777) == 0o600
+    root = tmp_path / "pics"
+    root.mkdir()
+    (root / "s.png").write_bytes(PNG)
+    part = M.image_url_part(f"file://{root}/s.png", "w", (root.resolve(),))
+    assert M.attach(part).path == str((root / "s.png").resolve())
+    with pytest.raises(M.MediaRefusal) as e:
+        M.image_url_part(f"file://{root}/../pics/../../etc/passwd", "w", (root.resolve(),))
+    assert e.value.status in (400, 403)
+
+
+@pytest.mark.parametrize("prefix,path", [
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a,b"}, {"type": "image_url", '
+     b'"image_url": {"url": "data:image/png;base64,AAAA', "messages[0].content[1].image_url.url"),
+    (b'{"a": [1, {"b": "x\\"y', "a[1].b"),
+    (b'{"a": 1}', None),
+    (b'{"input": "long long', "input"),
+])
+def test_open_field_of_a_cut_body(prefix, path):
+    assert M.open_field(prefix) == path
+
+
+def test_key_file_allow_files_option(tmp_path):
+    d = tmp_path / "pics"
+    d.mkdir()
+    text = f"# keys\nsk-aotx-aaaaaaaaaaaaaaaaaaaa allow-files={d}\nsk-aotx-bbbbbbbbbbbbbbbbbbbb\n"
+    opts = A.key_options(text)
+    assert opts == {"sk-aotx-aaaaaaaaaaaaaaaaaaaa": (d.resolve(),)}
+    ring = A.KeyRing(["sk-aotx-aaaaaaaaaaaaaaaaaaaa", "sk-aotx-bbbbbbbbbbbbbbbbbbbb"], opts)
+    fa = ring.check("Bearer sk-aotx-aaaaaaaaaaaaaaaaaaaa")
+    fb = ring.check("Bearer sk-aotx-bbbbbbbbbbbbbbbbbbbb")
+    assert ring.file_roots(fa) == (d.resolve(),) and ring.file_roots(fb) == ()
+    with pytest.raises(UsageError):
+        A.key_options("sk-aotx-aaaaaaaaaaaaaaaaaaaa sneaky=1\n")
+    with pytest.raises(UsageError):
+        A.key_options(f"sk-aotx-aaaaaaaaaaaaaaaaaaaa allow-files={tmp_path}/nope\n")
