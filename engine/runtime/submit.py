@@ -127,7 +127,7 @@ class Submitter:
         mode = sp.speculative or self.speculative
         if mode == "draft" and self.draft is None:
             raise RequestError("speculative mode 'draft' needs a draft model: start the engine with "
-                               "--draft-model PATH (or use ngram or off)")
+                               "--draft-model PATH (or use auto, ngram or off)")
         if mode not in P.SPECULATIVE_MODES:
             raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft or off)")
         return mode
