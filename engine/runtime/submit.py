@@ -245,6 +245,7 @@ class Submitter:
         msg_id, reply_id, recs = st.accept_records(op.conv_id, "user", text, sp, op.attachments, raw=op.raw)
         reply = admission.reply_credit(max_tokens, self.envelope)
         if st.journaled:
+            st.check_writable()
             need = sum(st.record_bytes(r) for r in recs)
             if need > st.journal_capacity:
                 raise admission.journal_refusal("this message", need, st.journal_free_bytes(), st.journal_capacity)
@@ -255,7 +256,11 @@ class Submitter:
                     sink.send(admission.held_notice(op.id, need + reply, st.journal_free_bytes()))
                 self.held.append(sub)
                 return None
-        seq = st.publish_accepted(recs, tick=tick)
+        try:
+            seq = st.publish_accepted(recs, tick=tick)
+        except BaseException:
+            st.release(need + reply if st.journaled else 0)  # the credit goes back with the refusal
+            raise
         seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
         tok = self.lm.tokenizer
         r = Request(
