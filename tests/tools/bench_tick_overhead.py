@@ -2,7 +2,7 @@
 
 Run: python tests/tools/bench_tick_overhead.py [--conversations 1,8] [--tokens 160] [--repeats 3]
 
-A tiny random-weight llama (``tests/tiny_gguf.py``: d_model 64, 2 layers, 300-token
+A tiny random-weight llama (``tests/models/llama.py``: d_model 64, 2 layers, 300-token
 vocabulary) makes the device time of a tick small, so what is left of a tick is the
 runtime's: planning, laying out segments, sampling on the host, detokenizing, stop
 checks, records and events. For each number of concurrent conversations (journal off,
@@ -27,7 +27,10 @@ from pathlib import Path
 
 
 def _tiny_gguf():
-    spec = importlib.util.spec_from_file_location("bench_tiny_gguf", Path(__file__).resolve().parents[1] / "tiny_gguf.py")
+    """``tests/models/llama.py`` of the tree this file is in (loaded by path: the tree
+    under measurement may be another one, on PYTHONPATH)."""
+    path = Path(__file__).resolve().parents[1] / "models" / "llama.py"
+    spec = importlib.util.spec_from_file_location("bench_tiny_llama", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
