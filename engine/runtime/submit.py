@@ -152,7 +152,7 @@ class Submitter:
         mode = sp.speculative or self.speculative
         if mode == "draft" and self.draft is None:
             raise RequestError("speculative mode 'draft' needs a draft model: start the engine with "
-                               "--draft-model PATH (or use ngram or off)")
+                               "--draft-model PATH (or use auto, ngram or off)")
         if mode not in P.SPECULATIVE_MODES:
             raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft or off)")
         return mode
@@ -282,6 +282,7 @@ class Submitter:
                                                    meta=op.meta)
         reply = admission.reply_credit(max_tokens, self.envelope)
         if st.journaled:
+            st.check_writable()
             need = sum(st.record_bytes(r) for r in recs)
             if need > st.journal_capacity:
                 raise admission.journal_refusal("this message", need, st.journal_free_bytes(), st.journal_capacity)
@@ -292,7 +293,11 @@ class Submitter:
                     sink.send(admission.held_notice(op.id, sub.need, st.journal_free_bytes(), st.hold_reason()))
                 self.held.append(sub)
                 return None
-        seq = st.publish_accepted(recs, tick=tick)
+        try:
+            seq = st.publish_accepted(recs, tick=tick)
+        except BaseException:
+            st.release(need + reply if st.journaled else 0)  # the credit goes back with the refusal
+            raise
         seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
         r = self._request(sub, op.conv_id, msg_id, reply_id, seq, seed, max_tokens, reply)
         r.constraint = sub.constraint
