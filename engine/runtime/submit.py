@@ -296,7 +296,7 @@ class Submitter:
         try:
             seq = st.publish_accepted(recs, tick=tick)
         except BaseException:
-            st.release(need + reply if st.journaled else 0)  # the credit goes back with the refusal
+            st.release(need + reply * op.n if st.journaled else 0)  # the credit goes back with the refusal
             raise
         seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
         r = self._request(sub, op.conv_id, msg_id, reply_id, seq, seed, max_tokens, reply)
