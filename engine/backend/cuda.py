@@ -2,8 +2,10 @@
 
 Owns: the device check, uploading GGUF tensors (``matrix``, ``vector``), compiling the
 kernels of ``cuda_src.py`` once per set of template instances (CuPy caches the compiled
-module on disk, keyed by source and options) and a small launch helper. The model
-(``cuda_llama.py``) owns buffers, the order of launches and the CUDA graphs.
+module on disk, keyed by source and options), and ``compile(program)``: an
+``ops.Program`` (the architecture's forward, traced once at load) becomes a
+``cuda_program.CudaProgram``, which owns buffers, the order of launches and the graphs.
+Nothing here, nor in any ``cuda*`` module, is specific to an architecture.
 
 Importing this module imports CuPy, so ``import aotx.engine.backend.cuda`` failing with
 ImportError is how ``serve.pick_device`` learns that the CUDA backend is unavailable.
@@ -21,7 +23,7 @@ import cupy as cp
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from aotx.engine.backend import cuda_src
+from aotx.engine.backend import cuda_sampling, cuda_src
 from aotx.engine.errors import ModelError
 
 SUPPORTED_TYPES: frozenset[T] = frozenset(T(c) for c in cuda_src.TYPES)
@@ -60,13 +62,15 @@ class DevMatrix:
 
 class CudaBackend:
     """Op set on one NVIDIA GPU through CuPy. ``weight_bytes`` counts the quantized
-    weights uploaded (dense prefill copies are counted in ``dense_bytes``).
+    weights uploaded (dense prefill copies are counted in ``dense_bytes``). ``fuse=False``
+    compiles programs without the fused kernels (tests of the generic path).
 
     Raises ModelError when CuPy sees no CUDA device."""
 
     name = "cuda"
+    supported_types = SUPPORTED_TYPES
 
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self, device: int = 0, *, fuse: bool = True) -> None:
         try:
             n = cp.cuda.runtime.getDeviceCount()
         except Exception as e:  # noqa: BLE001 - the driver's errors come in many classes
@@ -81,6 +85,17 @@ class CudaBackend:
         self.weight_bytes = 0
         self.dense_bytes = 0
         self._modules: dict[tuple[str, ...], cp.RawModule] = {}
+        self._sampler = None
+        self.fuse = fuse
+
+    def compile(self, program, *, fuse: bool | None = None):
+        """The CudaProgram of ``program`` (kernels compiled, weights placed; graphs are
+        captured per KV cache on first use). ``fuse=False`` runs every op as a generic
+        kernel (the fallback path; for tests). Raises ModelError for a program the CUDA
+        backend cannot run (a head dimension its attention kernel lacks, say)."""
+        from aotx.engine.backend.cuda_program import CudaProgram
+
+        return CudaProgram(program, self, fuse=self.fuse if fuse is None else fuse)
 
     # ---- tensors ---------------------------------------------------------------
 
@@ -149,6 +164,12 @@ class CudaBackend:
             mod = cp.RawModule(code=cuda_src.SRC, options=NVRTC_OPTIONS, name_expressions=list(key))
             self._modules[key] = mod
         return {n: mod.get_function(n) for n in key}
+
+    def sampler_kernel(self) -> cp.RawKernel:
+        """The ``sample_rows`` kernel of ``cuda_sampling`` (compiled once per backend)."""
+        if self._sampler is None:
+            self._sampler = cp.RawModule(code=cuda_sampling.SRC, options=NVRTC_OPTIONS).get_function("sample_rows")
+        return self._sampler
 
     def dequantize(self, kern: cp.RawKernel, w: DevMatrix) -> cp.ndarray:
         """float32 (m, k) copy of ``w`` made by the ``dequant<T>`` kernel ``kern``."""
