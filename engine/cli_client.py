@@ -25,7 +25,7 @@ def engine_args(args) -> list[str]:
     out: list[str] = []
     for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
                        ("--context", "context"), ("--memory-budget", "memory_budget"),
-                       ("--draft-model", "draft_model"), ("--mmproj", "mmproj")):
+                       ("--draft-model", "draft_model"), ("--mmproj", "mmproj"), ("--kv-type", "kv_type")):
         v = getattr(args, attr, None)
         if v is not None and not (attr == "device" and v == "auto"):
             out += [flag, str(v)]

@@ -148,6 +148,7 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
     from aotx.engine.model.tokenizer import Tokenizer
+    from aotx.engine.model.transformer import build
 
     prof: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -168,12 +169,12 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     backend = make_backend(device, int8_activations=int8_activations)
     stage("resolve")
     try:
-        model = arch.build(cfg, gf, backend)
+        model = build(cfg, gf, backend, arch)
     except ModelError as e:
         msg = str(e)
         raise ModelError(msg if msg.startswith(str(p)) else f"{p}: {msg}") from None
     stage("weights")
-    model.new_kv_cache(1, 16)  # builds the RoPE tables; the runtime sizes the real cache
+    model.new_kv_cache(1, 16)  # builds the RoPE tables once; the runtime sizes the real cache
     stage("tables")
     tok = Tokenizer.from_metadata(gf.metadata)
     template = ChatTemplate.from_metadata(gf.metadata)

@@ -55,6 +55,7 @@ class Engine:
     lm: a ``loader.LoadedModel``; store: a ``store.ConversationStore`` (journaled or
     in-memory); n_slots, n_ctx: slot count and tokens of context per slot;
     prefill_chunk: most prompt tokens prefilled per tick (others keep decoding);
+    kv_type: the KV cache's element type, "f16" (default) or "f32";
     speculative: the default drafter (ngram | draft | off); draft_lm: a draft model's
     ``LoadedModel`` (same vocabulary; its own slots and KV: ``drafter.DraftModel``).
     ``vision`` (a ``media.vision.VisionEncoder``) and ``images`` (a
@@ -66,7 +67,7 @@ class Engine:
 
     def __init__(self, lm, store, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
                  budget=None, device: str = "cpu", capsules=None, speculative: str = "off", draft_lm=None,
-                 draft_p_min: float = DEFAULT_P_MIN):
+                 draft_p_min: float = DEFAULT_P_MIN, kv_type: str = "f16"):
         self.lm = lm
         self.store = store
         self.n_slots = n_slots
@@ -74,7 +75,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.budget = budget
         self.device = device
-        self.kv = lm.model.new_kv_cache(n_slots, n_ctx)
+        self.kv = lm.model.new_kv_cache(n_slots, n_ctx, kv_type)
         self.capsules = capsules  # state.cache.CapsuleCache or None
         self.speculative = speculative  # default drafter: "ngram", "draft" or "off"
         self.draft = DraftModel(draft_lm, n_slots, n_ctx, p_min=draft_p_min) if draft_lm is not None else None
