@@ -172,6 +172,8 @@ class _Gemv:
         prog.need.update(self.names.values())
 
     def launch(self, prog, x: int, ldx: int, B: int, y: int, ldy: int, qkv_extra=None) -> None:
+        if B == 0:
+            return              # no logits rows (a prefill chunk): nothing after take_rows runs
         nb = _nb(B)
         wpp = _wpp(nb, self.m_rows)
         kern = prog.k[self.names[nb]]
@@ -180,7 +182,7 @@ class _Gemv:
         extra = qkv_extra if qkv_extra is not None else (Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z64, Z64, Z64, Z64,
                                                           Z64, Z64)
         kern(grid, (GEMV_WARPS * 32,),
-             (np.uint64(self.wa.data.ptr + self.a_off), np.uint64(self.wb.data.ptr + self.b_off_bytes),
+             (np.uint64(self.wa.data.data.ptr + self.a_off), np.uint64(self.wb.data.data.ptr + self.b_off_bytes),
               np.int64(self.wa.row_bytes), np.int64(self.wb.row_bytes), _i(self.a_stride), _i(self.b_off),
               _i(self.n_pairs), _i(self.wa.k), np.uint64(x), _i(ldx), _i(B), _u64(self.nw), _f(self.eps),
               _u64(self.bias_a), _u64(self.bias_b), np.uint64(y), _i(ldy)) + extra)
@@ -618,6 +620,9 @@ class CudaProgram:
         self._dense_ok = self._dense_bytes <= DENSE_CACHE_BYTES
         self._dense: dict = {}
         self._last_logits: cp.ndarray | None = None
+        self._eager_logits: cp.ndarray | None = None
+        self._eager_out_meta = np.zeros((2, 0), np.int32)
+        self._keep: list = []          # the eager path's scratch arrays, alive until its forward returns
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._blas = cp.cuda.device.get_cublas_handle()
         self._one = np.ones(1, np.float32)
