@@ -138,7 +138,7 @@ def test_prefix_reuse_follows_the_picture(pair, tmp_path):
     p1, p2, p3 = (s.one(P.Accepted).prompt_ids for s in (s1, s2, s3))
     a, b = _span(p1)
     # two pictures, same text: the ids part at the first image position
-    from aotx.engine.runtime.slots import common_prefix
+    from aotx.engine.state.prefix import common_prefix
 
     assert common_prefix(p1, p2) == a
     # the later turn re-renders the first picture in the same place with the same ids
