@@ -32,18 +32,18 @@ echo "== 1. CUDA tests"
 TESTS="tests/test_cuda_plan.py tests/test_cuda_program.py tests/test_cuda_parity.py tests/test_cuda_state.py
        tests/test_device_sampling.py tests/test_capsule_homes.py"
 for t in tests/test_cuda_quants.py; do [ -f "$t" ] && TESTS="$TESTS $t"; done
-timeout 420 "$PY" -m pytest -x -q --tb=short -rs -p no:cacheprovider $TESTS 2>&1 | tee "$OUTD/pytest.log" \
+timeout 330 "$PY" -m pytest -x -q --tb=short -rs -p no:cacheprovider $TESTS 2>&1 | tee "$OUTD/pytest.log" \
   | tail -40
 T_RC=${PIPESTATUS[0]}
 
 echo "== 2. benchmarks"
-timeout 150 "$PY" -m tests.tools.bench_cuda --json > "$OUTD/after_f16.json" 2> "$OUTD/after_f16.err" \
+timeout 80 "$PY" -m tests.tools.bench_cuda --json > "$OUTD/after_f16.json" 2> "$OUTD/after_f16.err" \
   || tail -5 "$OUTD/after_f16.err"
-timeout 150 "$PY" -m tests.tools.bench_cuda --json --kv-type f32 > "$OUTD/after_f32.json" 2> "$OUTD/after_f32.err" \
+timeout 60 "$PY" -m tests.tools.bench_cuda --json --kv-type f32 > "$OUTD/after_f32.json" 2> "$OUTD/after_f32.err" \
   || tail -5 "$OUTD/after_f32.err"
 if [ -d .before ]; then
   mkdir -p /tmp/aotx-before && ln -sfn "$ROOT/.before" /tmp/aotx-before/aotx
-  (cd .before && PYTHONPATH=/tmp/aotx-before:$ROOT/.before${SITE:+:$SITE} timeout 150 "$PY" -m aotx.engine.backend.bench_cuda \
+  (cd .before && PYTHONPATH=/tmp/aotx-before:$ROOT/.before${SITE:+:$SITE} timeout 80 "$PY" -m aotx.engine.backend.bench_cuda \
      --json > "$OUTD/before.json" 2> "$OUTD/before.err") || tail -5 "$OUTD/before.err"
 fi
 
