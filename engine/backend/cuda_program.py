@@ -6,7 +6,8 @@ Owns: ``CudaProgram`` (``CudaBackend.compile(program)``; the interface of IR.md 
 and per KV cache the activation buffers, RoPE tables and captured graphs (``_CacheState``).
 Leaves the order of ops to the Program (the architecture's), the fusions to
 ``cuda_plan``, K and V to ``cuda_kv``, the device tables to ``cuda_tables``, the kernels to
-``cuda_src`` and ``cuda_sampling``.
+``cuda_src`` and ``cuda_sampling``, the prefill GEMM to ``cuda_gemm``, the kernel sites and
+their candidates to ``cuda_choice`` and ``cuda_tune``, the artifact to ``kernel_choice``.
 
 Two paths, one Program:
 * **graph**: a batch of at most ``b_max`` rows in all (decode steps of many slots, verify
@@ -19,44 +20,56 @@ Two paths, one Program:
   RMSNorm and SwiGLU; down + residual), then ``sample_rows``, which writes a publication
   record per logits row. No cuBLAS inside. Rows of one slot at consecutive positions are
   causal without a mask: a layer's K and V rows are all written before its attention reads.
-* **eager**: anything larger (prefill chunks) and batches with image rows: weights
-  dequantized once to float32 (kept up to ``DENSE_CACHE_BYTES``), cuBLAS SGEMM for the
-  steps on batch rows, cuBLAS for the attention of long segments (scores, masked softmax
-  kernel, values), the split-context attention kernel for short segments; steps on the
-  logits rows (after ``take_rows``) run the graph's GEMVs.
+  Each GEMV launch runs the variant (rows per block, warps per row pair, where the norm
+  scale is computed) the kernel choice recorded for its (site, bucket).
+* **eager**: anything larger (prefill chunks) and batches with image rows. Steps on batch
+  rows run ``cuda_gemm.PrefillGemm`` (weights dequantized one tile at a time into one
+  scratch buffer, cuBLAS on tensor cores: float16 or TF32 inputs, float32 accumulation;
+  the mode per weight is the kernel choice's); attention of long segments through cuBLAS
+  (scores, masked softmax kernel, values), the split-context attention kernel for short
+  segments; steps on the logits rows (after ``take_rows``) run the graph's GEMVs. With
+  ``prefill="gemv"`` every eager step runs the graph's kernels instead (batch-invariant
+  prefill, slow on large models; see below).
 
-Batch invariance: through the graph, a row's numbers do not depend on the other rows while
-the batch stays under 16 rows (GEMV blocks of 1 and 4 rows reduce in the same order); at
-16 rows and more the GEMV uses a one-warp-per-row layout, whose float sums round
-differently; the eager path's SGEMMs round differently again.
+Batch invariance: every GEMV variant reduces each output element in one canonical order
+(``cuda_src``), so through the graph a row's numbers do not depend on the other rows, the
+bucket or the variant, and the eager path's GEMVs (logits rows) agree with the graph's.
+The eager path's cuBLAS GEMMs and attention round differently: a prefill chunk of more
+rows than a graph takes gives logits within about 1e-3 (relative) of the same rows run
+through the graph, not the same bits; ``prefill="gemv"`` gives the same bits at the cost
+BENCHMARKS.md and tests/tools/GPU_NOTES.md show.
 
 Not thread-safe: one engine thread drives a program and its caches.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import cupy as cp
 import numpy as np
 from cupy_backends.cuda.libs import cublas
 
+from aotx.engine.backend import cuda_choice as CC
 from aotx.engine.backend import cuda_plan as P
 from aotx.engine.backend import cuda_sampling as CS
 from aotx.engine.backend import cuda_src as S
+from aotx.engine.backend.cuda_gemm import PrefillGemm
 from aotx.engine.backend.cuda_kv import CudaKVCache, check_kv_type
 from aotx.engine.backend.cuda_tables import DeviceTables, rows_for
 from aotx.engine.errors import ModelError
 
-DENSE_CACHE_BYTES = 4 << 30   # float32 copies of the weights for the eager path are kept up to this size
-NB_CHOICES = (1, 4, 16)        # batch rows per GEMV block (template instances)
 GEMV_WARPS = 4
 ATT_NSMAX = 16                 # most context splits per (row, head) in the attention kernel
 ATT_MINCHUNK = 64              # fewest positions per split
+ATT_ROWS = 256                 # prefill="gemv": attention kernel launches of at most this many rows
 SHORT_SEGMENT = 16             # eager path: segments up to this long use the attention kernel, not cuBLAS
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-WIDE_ROWS = 16384              # matrices with this many rows use one warp per row pair (fill the GPU)
 NT = 256                       # threads per block of the elementwise kernels
+PREFILL_FORCED = ("f16", "tf32", "f32", "gemv")
+MODE_NAME = {S.MODE_STORE: "store", S.MODE_ADD: "add", S.MODE_SWIGLU: "swiglu", S.MODE_GEGLU: "geglu",
+             S.MODE_QKV: "qkv", S.MODE_QKV16: "qkv"}
 
 
 def _u64(a) -> np.uint64:
@@ -66,22 +79,6 @@ def _u64(a) -> np.uint64:
     if isinstance(a, (int, np.integer)):
         return np.uint64(a)
     return np.uint64(a.data.ptr)
-
-
-def _nb(b: int) -> int:
-    """Batch rows per GEMV block for a batch of ``b`` rows."""
-    best = 1
-    for n in NB_CHOICES:
-        if n <= b:
-            best = n
-    return best
-
-
-def _wpp(nb: int, m: int) -> int:
-    """Warps per row pair: 4 at small batches on layer-sized matrices (latency: more loads
-    in flight per row), 1 for wide matrices (the output head fills the GPU anyway) and for
-    16-row blocks (throughput: no idle lanes)."""
-    return 1 if nb >= 16 or m >= WIDE_ROWS else 4
 
 
 def _pow2(n: int) -> int:
@@ -99,16 +96,26 @@ def _f(v) -> np.float32:
     return np.float32(v)
 
 
+def _qname(qtype: int) -> str:
+    from gguf import GGMLQuantizationType as T
+
+    try:
+        return T(int(qtype)).name
+    except ValueError:
+        return str(qtype)
+
+
 Z64 = np.uint64(0)
 Z32 = np.int32(0)
 
 
 class _Ctx:
     """One run of the steps: buffer addresses and row counts, per-row tables (device
-    addresses), the cache and its state."""
+    addresses), the cache and its state. ``xs``: scratch for the rows' norm scales (at
+    least as many floats as rows); ``qkv``: scratch rows for a QKV step with QK-norm."""
 
     __slots__ = ("bufs", "n", "r", "kv", "st", "tok_p", "slot_p", "pos_p", "out_p", "eager", "layout", "plan",
-                 "part", "counters", "layout_info")
+                 "part", "counters", "layout_info", "xs", "qkv", "rope")
 
     def ptr(self, vid: int) -> int:
         loc = self.plan.loc[vid]
@@ -140,6 +147,7 @@ class _CacheState:
         self.tables = DeviceTables(b)
         self.bufs = [cp.zeros((b, w), cp.float32) for _, w in prog.plan.buffers]
         self.qkv = cp.zeros((b, prog.qkv_width), cp.float32) if prog.qkv_width else None
+        self.xs = cp.zeros(b, cp.float32)
         self.part = cp.zeros(b * prog.max_heads * ATT_NSMAX * (prog.max_hd + 2), cp.float32)
         self.counters = cp.zeros(b * prog.max_heads, cp.int32)
         self.rope = [tuple(cp.asarray(t) for t in spec.tables(kv.n_ctx)) for spec in prog.plan.rope_specs]
@@ -148,7 +156,7 @@ class _CacheState:
     @property
     def nbytes(self) -> int:
         n = sum(int(a.nbytes) for a in self.bufs) + self.tables.nbytes + int(self.part.nbytes + self.counters.nbytes)
-        return n + (int(self.qkv.nbytes) if self.qkv is not None else 0)
+        return n + int(self.xs.nbytes) + (int(self.qkv.nbytes) if self.qkv is not None else 0)
 
 
 # ---- bound steps --------------------------------------------------------------------------------
@@ -156,10 +164,15 @@ class _CacheState:
 # and eager(prog, ctx) (cuBLAS where the rows are many).
 
 class _Gemv:
-    """One GEMV launch: fixed weights, mode and epilogue; x, y, rows supplied per run."""
+    """One GEMV launch: fixed weights, mode and epilogue; x, y, rows supplied per run.
+
+    ``site``: its kernel-choice site (``cuda_choice.gemv_site``; all layers' GEMVs of one
+    shape share it); the variant at each batch bucket comes from ``prog.gemv_variant``.
+    ``qkv``: for the fused QKV epilogue, (first row of [q; k; v] this matrix holds, the
+    _QKV step) so that ``launch`` can pass the cache, RoPE tables and row tables."""
 
     def __init__(self, prog, mode: int, wa, a_ptr_off: int, wb, b_ptr_off: int, n_pairs: int, a_stride: int,
-                 b_off: int, norm, bias_a, bias_b, m_rows: int):
+                 b_off: int, norm, bias_a, bias_b, m_rows: int, qkv=None):
         self.mode = mode
         self.wa, self.wb = wa, wb
         self.a_off, self.b_off_bytes = a_ptr_off, b_ptr_off
@@ -168,24 +181,56 @@ class _Gemv:
         self.eps = float(norm[1]) if norm is not None else 0.0
         self.bias_a, self.bias_b = bias_a, bias_b
         self.m_rows = m_rows
-        self.names = {nb: f"gemv<{wa.qtype},{wb.qtype},{nb},{mode},{_wpp(nb, m_rows)}>" for nb in NB_CHOICES}
-        prog.need.update(self.names.values())
+        self.k = int(wa.k)
+        self.qkv = qkv
+        self.site = CC.gemv_site(MODE_NAME[mode], _qname(wa.qtype), _qname(wb.qtype), m_rows, self.k, norm is not None)
+        prog.gemvs.append(self)
 
-    def launch(self, prog, x: int, ldx: int, B: int, y: int, ldy: int, qkv_extra=None) -> None:
+    def name(self, v: CC.GemvVariant, mode: int | None = None) -> str:
+        return CC.gemv_instance(int(self.wa.qtype), int(self.wb.qtype), self.mode if mode is None else mode, v)
+
+    def modes(self) -> tuple[int, ...]:
+        """Template modes this GEMV may launch (a QKV GEMV: one per KV type)."""
+        return (S.MODE_QKV, S.MODE_QKV16) if self.mode in (S.MODE_QKV, S.MODE_QKV16) else (self.mode,)
+
+    def launch(self, prog, c, x: int, ldx: int, B: int, y: int, ldy: int, variant: CC.GemvVariant | None = None,
+               kernels: dict | None = None) -> None:
         if B == 0:
             return              # no logits rows (a prefill chunk): nothing after take_rows runs
-        nb = _nb(B)
-        wpp = _wpp(nb, self.m_rows)
-        kern = prog.k[self.names[nb]]
-        ppb = GEMV_WARPS // wpp
-        grid = ((self.n_pairs + ppb - 1) // ppb, (B + nb - 1) // nb)
-        extra = qkv_extra if qkv_extra is not None else (Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z64, Z64, Z64, Z64,
-                                                          Z64, Z64)
+        v = variant if variant is not None else prog.gemv_variant(self.site, B)
+        mode = self.mode
+        if self.qkv is not None:
+            mode = S.MODE_QKV16 if c.kv.kvt else S.MODE_QKV
+        kk = kernels if kernels is not None else prog.k
+        kern = kk[self.name(v, mode)]
+        xs = Z64
+        if self.nw is not None and v.pre:
+            kk["row_scale"]((B,), (128,), (np.uint64(x), _i(ldx), _i(self.k), _f(self.eps), c.xs))
+            xs = np.uint64(c.xs.data.ptr)
+        if self.qkv is not None:
+            r0, q = self.qkv
+            kc, vc = c.kv.layer_ptrs(q.s.layer)
+            cos, sin = c.rope[q.spec_i]
+            extra = (_i(r0), _i(q.qd), _i(q.kd), _i(q.s.hd), _i(q.rope_half), _i(q.neox), _i(q.s.n_kv),
+                     _i(c.kv.n_ctx), np.uint64(c.slot_p), np.uint64(c.pos_p), _u64(cos), _u64(sin), np.uint64(kc),
+                     np.uint64(vc))
+        else:
+            extra = (Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z64, Z64, Z64, Z64, Z64, Z64)
+        ppb = GEMV_WARPS // v.wpp
+        grid = ((self.n_pairs + ppb - 1) // ppb, (B + v.nb - 1) // v.nb)
         kern(grid, (GEMV_WARPS * 32,),
              (np.uint64(self.wa.data.data.ptr + self.a_off), np.uint64(self.wb.data.data.ptr + self.b_off_bytes),
               np.int64(self.wa.row_bytes), np.int64(self.wb.row_bytes), _i(self.a_stride), _i(self.b_off),
-              _i(self.n_pairs), _i(self.wa.k), np.uint64(x), _i(ldx), _i(B), _u64(self.nw), _f(self.eps),
+              _i(self.n_pairs), _i(self.k), np.uint64(x), _i(ldx), _i(B), _u64(self.nw), _f(self.eps), xs,
               _u64(self.bias_a), _u64(self.bias_b), np.uint64(y), _i(ldy)) + extra)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one launch reads: two rows of Wa per pair (a_stride 2), or one
+        row of Wa and one of Wb (a GLU's gate and up)."""
+        if self.a_stride == 2:
+            return int(2 * self.n_pairs * self.wa.row_bytes)
+        return int(self.n_pairs * (self.wa.row_bytes + self.wb.row_bytes))
 
 
 def _pad_bias(b, m: int):
@@ -223,21 +268,22 @@ class _Linear:
         mode = S.MODE_ADD if s.mode == "add" else S.MODE_STORE
         self.g = _Gemv(prog, mode, w, 0, w, 0, (w.m + 1) // 2, 2, 1, s.norm, bias, bias, w.m)
         self.bias = bias
-        if rows == P.ROWS_N:
-            prog.dense_need(w)
+        self.psite = prog.prefill_site(self, [w], w.m, s.norm, s.x) if rows == P.ROWS_N else None
 
     def graph(self, prog, c: _Ctx) -> None:
         s = self.s
-        self.g.launch(prog, c.ptr(s.x), c.ld(s.x), c.rows(s.x), c.ptr(s.out), c.ld(s.out))
+        self.g.launch(prog, c, c.ptr(s.x), c.ld(s.x), c.rows(s.x), c.ptr(s.out), c.ld(s.out))
 
     def eager(self, prog, c: _Ctx) -> None:
-        if self.rows != P.ROWS_N:
+        mode = prog.prefill_mode(self.psite)
+        if self.rows != P.ROWS_N or mode == "gemv":
             return self.graph(prog, c)
         s = self.s
         N = c.n
-        x, ldx = prog.normed(c, s.x, s.norm)
         w = s.w
-        prog.sgemm(x, ldx, w.k, prog.dense(w), c.ptr(s.out), c.ld(s.out), w.m, N, s.mode == "add")
+        xp = prog.gemm.prepare(mode, c.ptr(s.x), c.ld(s.x), w.k, N, s.norm)
+        prog.gemm.gemm(xp, w, 0, w.m, N, c.ptr(s.out), c.ld(s.out), s.mode == "add")
+        prog.keep(xp)
         if self.bias is not None:
             prog.bias_rows(c.ptr(s.out), c.ld(s.out), self.bias, N, w.m)
 
@@ -257,24 +303,23 @@ class _Glu:
             self.bias = cp.concatenate([ba if ba is not None else cp.zeros(s.f, cp.float32),
                                         bb if bb is not None else cp.zeros(s.f, cp.float32)])
         self.act = 1 if s.act == "gelu_tanh" else 0
-        if rows == P.ROWS_N:
-            prog.dense_need(s.wa, s.f, s.a0)
-            prog.dense_need(s.wb, s.f, s.b0)
+        self.psite = prog.prefill_site(self, [s.wa, s.wb], 2 * s.f, s.norm, s.x) if rows == P.ROWS_N else None
 
     def graph(self, prog, c: _Ctx) -> None:
         s = self.s
-        self.g.launch(prog, c.ptr(s.x), c.ld(s.x), c.rows(s.x), c.ptr(s.out), c.ld(s.out))
+        self.g.launch(prog, c, c.ptr(s.x), c.ld(s.x), c.rows(s.x), c.ptr(s.out), c.ld(s.out))
 
     def eager(self, prog, c: _Ctx) -> None:
-        if self.rows != P.ROWS_N:
+        mode = prog.prefill_mode(self.psite)
+        if self.rows != P.ROWS_N or mode == "gemv":
             return self.graph(prog, c)
         s = self.s
         N, f = c.n, s.f
-        x, ldx = prog.normed(c, s.x, s.norm)
-        key = ("glu", id(self))
-        W = prog.dense_cat(key, [(s.wa, s.a0, f), (s.wb, s.b0, f)])
         gu = cp.empty((N, 2 * f), cp.float32)
-        prog.sgemm(x, ldx, s.wa.k, W, gu.data.ptr, 2 * f, 2 * f, N, False)
+        xp = prog.gemm.prepare(mode, c.ptr(s.x), c.ld(s.x), s.wa.k, N, s.norm)
+        prog.gemm.gemm(xp, s.wa, s.a0, f, N, gu.data.ptr, 2 * f, False)
+        prog.gemm.gemm(xp, s.wb, s.b0, f, N, gu.data.ptr + 4 * f, 2 * f, False)
+        prog.keep(xp, gu)
         if self.bias is not None:
             prog.bias_rows(gu.data.ptr, 2 * f, self.bias, N, 2 * f)
         n_el = N * f
@@ -308,24 +353,26 @@ class _QKV:
         self.eps = float((s.q_norm or s.k_norm)[1]) if self.head_norm else 0.0
         self.qn = s.q_norm[0] if s.q_norm is not None else None
         self.kn = s.k_norm[0] if s.k_norm is not None else None
-        # graph launches: one per matrix; fused epilogue (both KV types) unless QK-norm
-        self.g = {}
-        for kvt, mode in ((0, S.MODE_QKV), (1, S.MODE_QKV16)):
+        # graph launches: one GEMV per matrix; its epilogue ropes q and writes k, v into the
+        # cache (either KV type: the mode follows the cache at launch), unless QK-norm: then
+        # the GEMVs store [q; k; v] rows and head_rope_kv does the rest
+        self.g = []
+        for m, r0 in mats:
+            sub = None if bias is None else bias[r0:]
             if self.head_norm:
-                mode = S.MODE_STORE
-            self.g[kvt] = [(_Gemv(prog, mode, m, 0, m, 0, m.m // 2, 2, 1, s.norm,
-                                  None if bias is None else bias[r0:],
-                                  None if bias is None else bias[r0:], m.m), r0) for m, r0 in mats]
+                g = _Gemv(prog, S.MODE_STORE, m, 0, m, 0, m.m // 2, 2, 1, s.norm, sub, sub, m.m)
+            else:
+                g = _Gemv(prog, S.MODE_QKV16, m, 0, m, 0, m.m // 2, 2, 1, s.norm, sub, sub, m.m, qkv=(r0, self))
+            self.g.append((g, r0))
         prog.need.update({"head_rope_kv<0>", "head_rope_kv<1>"})
         prog.qkv_width = max(prog.qkv_width, P._pad4(width))
         self.width = width
-        for m, _ in mats:
-            prog.dense_need(m)
+        self.psites = [prog.prefill_site(self, [m], m.m, s.norm, s.x) for m, _ in mats]
 
     def _head_rope_kv(self, prog, c: _Ctx, src: int, ld: int, bias, nrows: int, q_out: int, ldq: int) -> None:
         s = self.s
         kc, vc = c.kv.layer_ptrs(s.layer)
-        cos, sin = c.st.rope[self.spec_i]
+        cos, sin = c.rope[self.spec_i]
         prog.k[f"head_rope_kv<{c.kv.kvt}>"](
             (s.n_heads + 2 * s.n_kv, nrows), (32,),
             (np.uint64(src), _i(ld), _u64(bias), _i(s.n_heads), _i(s.n_kv), _i(s.hd), _i(self.rope_half), _i(self.neox),
@@ -336,27 +383,27 @@ class _QKV:
         s = self.s
         x, ldx, B = c.ptr(s.x), c.ld(s.x), c.n
         if self.head_norm:
-            st = c.st
-            ldq = st.qkv.shape[1]
-            for g, r0 in self.g[c.kv.kvt]:
-                g.launch(prog, x, ldx, B, st.qkv.data.ptr + 4 * r0, ldq)
-            self._head_rope_kv(prog, c, st.qkv.data.ptr, ldq, None, B, c.ptr(s.q_out), c.ld(s.q_out))
+            ldq = c.qkv.shape[1]
+            for g, r0 in self.g:
+                g.launch(prog, c, x, ldx, B, c.qkv.data.ptr + 4 * r0, ldq)
+            self._head_rope_kv(prog, c, c.qkv.data.ptr, ldq, None, B, c.ptr(s.q_out), c.ld(s.q_out))
             return
-        kc, vc = c.kv.layer_ptrs(s.layer)
-        cos, sin = c.st.rope[self.spec_i]
-        for g, r0 in self.g[c.kv.kvt]:
-            extra = (_i(r0), _i(self.qd), _i(self.kd), _i(s.hd), _i(self.rope_half), _i(self.neox), _i(s.n_kv),
-                     _i(c.kv.n_ctx), np.uint64(c.slot_p), np.uint64(c.pos_p), _u64(cos), _u64(sin), np.uint64(kc),
-                     np.uint64(vc))
-            g.launch(prog, x, ldx, B, c.ptr(s.q_out), c.ld(s.q_out), extra)
+        for g, _ in self.g:
+            g.launch(prog, c, x, ldx, B, c.ptr(s.q_out), c.ld(s.q_out))
 
     def eager(self, prog, c: _Ctx) -> None:
+        modes = [prog.prefill_mode(ps) for ps in self.psites]
+        if "gemv" in modes:
+            return self.graph(prog, c)
         s = self.s
         N = c.n
-        x, ldx = prog.normed(c, s.x, s.norm)
-        W = prog.dense_cat(("qkv", id(self)), [(m, 0, m.m) for m, _ in self.mats])
         qkv = cp.empty((N, self.width), cp.float32)
-        prog.sgemm(x, ldx, self.mats[0][0].k, W, qkv.data.ptr, self.width, self.width, N, False)
+        prepared: dict = {}
+        for (m, r0), mode in zip(self.mats, modes):
+            if mode not in prepared:
+                prepared[mode] = prog.gemm.prepare(mode, c.ptr(s.x), c.ld(s.x), m.k, N, s.norm)
+            prog.gemm.gemm(prepared[mode], m, 0, m.m, N, qkv.data.ptr + 4 * r0, self.width, False)
+        prog.keep(qkv, *prepared.values())
         self._head_rope_kv(prog, c, qkv.data.ptr, self.width, self.bias, N, c.ptr(s.q_out), c.ld(s.q_out))
 
 
@@ -388,18 +435,26 @@ class _Attend:
         self._kernel(prog, c, c.ptr(s.q), c.ld(s.q), c.n, c.slot_p, c.pos_p, c.ptr(s.out), c.ld(s.out), c.part,
                      c.counters)
 
+    def _rows(self, prog, c: _Ctx, q: int, ldq: int, n: int, slot_p: int, pos_p: int, out: int, ldo: int, part,
+              counters) -> None:
+        """The attention kernel over ``n`` rows, ATT_ROWS at a time (``part`` holds that many)."""
+        for r0 in range(0, n, ATT_ROWS):
+            nr = min(ATT_ROWS, n - r0)
+            self._kernel(prog, c, q + 4 * r0 * ldq, ldq, nr, slot_p + 4 * r0, pos_p + 4 * r0, out + 4 * r0 * ldo, ldo,
+                         part, counters)
+
     def eager(self, prog, c: _Ctx) -> None:
         s = self.s
         eb = c.layout_info
         if eb.all_short:
-            return self._kernel(prog, c, c.ptr(s.q), c.ld(s.q), c.n, c.slot_p, c.pos_p, c.ptr(s.out), c.ld(s.out),
-                                eb.part, eb.counters)
+            return self._rows(prog, c, c.ptr(s.q), c.ld(s.q), c.n, c.slot_p, c.pos_p, c.ptr(s.out), c.ld(s.out),
+                              eb.part, eb.counters)
         q_all, o_all = c.arr(s.q), c.arr(s.out)
         if eb.short_rows is not None:
             qs = cp.ascontiguousarray(q_all[eb.short_rows])
             os_ = cp.empty_like(qs)
-            self._kernel(prog, c, qs.data.ptr, qs.shape[1], qs.shape[0], eb.short_slot_p, eb.short_pos_p,
-                         os_.data.ptr, os_.shape[1], eb.part, eb.counters)
+            self._rows(prog, c, qs.data.ptr, qs.shape[1], qs.shape[0], eb.short_slot_p, eb.short_pos_p,
+                       os_.data.ptr, os_.shape[1], eb.part, eb.counters)
             o_all[eb.short_rows] = os_
         H, KV, hd = s.n_heads, s.n_kv, s.hd
         G = H // KV
@@ -488,7 +543,7 @@ class _HeadOp:
         rows = c.rows(s.x)
         if rows == 0:
             return
-        cos, sin = c.st.rope[self.spec_i] if self.spec_i >= 0 else (None, None)
+        cos, sin = c.rope[self.spec_i] if self.spec_i >= 0 else (None, None)
         prog.k["head_ops"]((P_width(c, s.x) // s.hd, rows), (32,),
                            (np.uint64(c.ptr(s.x)), _i(c.ld(s.x)), np.uint64(c.ptr(s.out)), _i(c.ld(s.out)), _i(s.hd),
                             _u64(s.w), _f(s.eps), _i(self.rope_half), _i(self.neox), np.uint64(c.pos_p), _u64(cos),
@@ -539,15 +594,17 @@ class _GluRows:
 
 
 class _EagerBatch:
-    """Per-forward facts of the eager path: short and long segments, the tables of the
-    short rows, attention scratch."""
+    """Per-forward facts of the eager path: short and long segments (with ``all_short``
+    every segment counts as short: the attention kernel for every row, as the graph), the
+    tables of the short rows, attention scratch for ATT_ROWS rows."""
 
-    def __init__(self, layout, slot_np: np.ndarray, pos_np: np.ndarray, max_heads: int, max_hd: int):
+    def __init__(self, layout, slot_np: np.ndarray, pos_np: np.ndarray, max_heads: int, max_hd: int,
+                 all_short: bool = False):
         short: list[int] = []
         self.long_segs: list[tuple[int, int, int, int]] = []
         row = 0
         for seg in layout.segments:
-            if seg.n <= SHORT_SEGMENT:
+            if seg.n <= SHORT_SEGMENT or all_short:
                 short.extend(range(row, row + seg.n))
             else:
                 self.long_segs.append((row, seg.slot, seg.pos, seg.n))
@@ -562,7 +619,7 @@ class _EagerBatch:
             self._meta = meta
             self.short_slot_p = meta.data.ptr
             self.short_pos_p = meta.data.ptr + 4 * n_short
-        rows = max(n_short, 1)
+        rows = max(1, min(n_short, ATT_ROWS))
         self.part = cp.empty(rows * max_heads * ATT_NSMAX * (max_hd + 2), cp.float32)
         self.counters = cp.zeros(rows * max_heads, cp.int32)
 
@@ -572,12 +629,23 @@ _BIND = {P.Embed: _Embed, P.QKV: _QKV, P.Attend: _Attend, P.KVStore: _KVStore, P
 
 
 class CudaProgram:
-    """A Program compiled for a CudaBackend. See the module docstring."""
+    """A Program compiled for a CudaBackend. See the module docstring.
+
+    ``prefill``: None (each eager weight's GEMM mode from the kernel choice) or one of
+    ``PREFILL_FORCED`` for every weight ("gemv": the graph's kernels, batch-invariant);
+    ``gemv``: None (the kernel choice's variant per site and bucket) or one variant name
+    (``cuda_choice.GemvVariant``) for every GEMV. ``kernel_choice``: the
+    ``kernel_choice.Resolution`` of this load (its ``summary()`` goes to the startup
+    profile)."""
 
     device_sampling = True
 
-    def __init__(self, program, backend, *, fuse: bool = True):
+    def __init__(self, program, backend, *, fuse: bool = True, prefill: str | None = None, gemv: str | None = None):
         self.backend = backend
+        if prefill is not None and prefill not in PREFILL_FORCED:
+            raise ValueError(f"prefill mode {prefill!r} is not one of {', '.join(PREFILL_FORCED)}")
+        self._forced_prefill = prefill
+        self._forced_gemv = CC.GemvVariant.parse(gemv) if gemv else None
         try:
             self.plan = P.plan(program, fuse=fuse)
         except P.PlanError as e:
@@ -588,20 +656,22 @@ class CudaProgram:
         self.n_layers, self.n_kv, self.head_dim = len(kl), kl[0].n_kv_heads, kl[0].head_dim
         self.vocab = self.plan.vocab
         self.d_model = self.plan.d_model
-        self.need: set[str] = {"rms_norm", "bias_rows", "glu_rows"}
+        self.need: set[str] = {"rms_norm", "bias_rows", "glu_rows", "row_scale"}
         self.qkv_width = 0
         self.max_heads = 1
         self.max_hd = 32
-        self._dense_bytes = 0
-        self._dense_keys: set = set()
+        self.gemvs: list[_Gemv] = []
+        self.psites: dict[str, dict] = {}          # prefill site key -> its weights, shape, input
         self.refs: dict[int, int] = {}
         for s in self.plan.steps:
             for w in _weights(s):
                 self.refs[id(w)] = self.refs.get(id(w), 0) + 1
         rows_of = {}
+        self._producer: dict[int, object] = {}
         for s in self.plan.steps:
             for v in P.writes(s):
                 rows_of[id(s)] = self.plan.buffers[self.plan.loc[v].buf][0]
+                self._producer[v] = s
         self.steps = []
         for s in self.plan.steps:
             rows = rows_of.get(id(s), P.ROWS_N)
@@ -615,71 +685,71 @@ class CudaProgram:
         out_loc = self.plan.loc[self.plan.output]
         self.out_buf = out_loc.buf
         self.v_ld = self.plan.buffers[out_loc.buf][1]
-        self.k = backend.module(sorted(self.need))
+        self._blas = cp.cuda.device.get_cublas_handle()
+        # kernel choice: a variant per (GEMV site, bucket), a GEMM mode per prefill site;
+        # timing (policy auto/force) compiles the candidates itself (cuda_tune.kernels)
+        from aotx.engine.backend import cuda_tune
+
+        t0 = time.perf_counter()
+        self._gv: dict[tuple[str, int], CC.GemvVariant] = {}
+        self._pm: dict[str, str] = {}
+        self._tune_k: dict = {}
+        self.kernel_choice = cuda_tune.resolve_choices(self)
+        self.kernel_choice_s = round(time.perf_counter() - t0, 3)
+        for g in self.gemvs:
+            for v in self._variants_of(g.site):
+                self.need.update(g.name(v, m) for m in g.modes())
+        qtypes = {int(w.qtype) for d in self.psites.values() for w in d["weights"]}
+        self.need.update(PrefillGemm.kernel_names(qtypes))
+        missing = sorted(self.need - set(self._tune_k))
+        self.k = {**self._tune_k, **(backend.module(missing) if missing else {})}
+        self._tune_k = {}
+        self.gemm = PrefillGemm(self.k, self._blas)
         self.ks = backend.sampler_kernel()
-        self._dense_ok = self._dense_bytes <= DENSE_CACHE_BYTES
-        self._dense: dict = {}
         self._last_logits: cp.ndarray | None = None
         self._eager_logits: cp.ndarray | None = None
         self._eager_out_meta = np.zeros((2, 0), np.int32)
         self._keep: list = []          # the eager path's scratch arrays, alive until its forward returns
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._blas = cp.cuda.device.get_cublas_handle()
-        self._one = np.ones(1, np.float32)
-        self._zero = np.zeros(1, np.float32)
 
     # ---- load-time helpers -------------------------------------------------------------------
 
-    def dense_need(self, w, rows: int | None = None, r0: int = 0) -> None:
-        """Count the float32 copy the eager path will make of (rows r0.. of) ``w``."""
-        key = (id(w), r0, rows)
-        if key not in self._dense_keys:
-            self._dense_keys.add(key)
-            self._dense_bytes += 4 * (rows if rows is not None else w.m) * w.k
-            self.need.add(f"dequant<{w.qtype}>")
+    def prefill_site(self, step, weights: list, m: int, norm, x: int) -> str:
+        """Register the eager GEMM of ``weights`` (one op: a linear, the two halves of a
+        GLU, one matrix of a QKV) and return its kernel-choice site key. Its input counts
+        as bounded (float16 is a candidate) when it is RMS-normed here or comes from a
+        non-residual norm or an attention step."""
+        src = self._producer.get(x)
+        bounded = norm is not None or isinstance(src, P.Attend) or (isinstance(src, P.Norm) and not src.add)
+        names = sorted({_qname(w.qtype) for w in weights})
+        key = CC.prefill_site("+".join(names), m, int(weights[0].k), bounded)
+        d = self.psites.setdefault(key, {"weights": [], "m": m, "k": int(weights[0].k), "bounded": bounded,
+                                         "norm": norm})
+        d["weights"].extend(weights)
+        return key
 
-    def dense(self, w) -> cp.ndarray:
-        """float32 (m, k) copy of matrix ``w`` (kept when the copies fit DENSE_CACHE_BYTES)."""
-        d = self._dense.get(id(w))
-        if d is None:
-            d = self.backend.dequantize(self.k[f"dequant<{w.qtype}>"], w)
-            if self._dense_ok:
-                self._dense[id(w)] = d
-                self.backend.dense_bytes += int(d.nbytes)
-        return d
+    def prefill_mode(self, site: str | None) -> str | None:
+        """The eager GEMM mode of a prefill site (None for a step on logits rows)."""
+        if site is None:
+            return None
+        if self._forced_prefill is not None:
+            return self._forced_prefill
+        return self._pm[site]
 
-    def dense_cat(self, key, parts: list) -> cp.ndarray:
-        """float32 rows [r0, r0 + n) of each (matrix, r0, n) in ``parts``, stacked."""
-        d = self._dense.get(key)
-        if d is None:
-            pieces = []
-            for w, r0, n in parts:
-                full = self._dense.get(id(w))
-                if full is None:
-                    full = self.backend.dequantize(self.k[f"dequant<{w.qtype}>"], w)
-                pieces.append(full[r0:r0 + n])
-            d = cp.ascontiguousarray(cp.concatenate(pieces)) if len(pieces) > 1 else cp.ascontiguousarray(pieces[0])
-            if self._dense_ok:
-                self._dense[key] = d
-                self.backend.dense_bytes += int(d.nbytes)
-        return d
+    def gemv_variant(self, site: str, rows: int) -> CC.GemvVariant:
+        """The variant a GEMV of ``site`` launches over ``rows`` batch rows."""
+        if self._forced_gemv is not None:
+            return self._forced_gemv
+        return self._gv[(site, CC.tune_bucket(rows))]
 
-    def normed(self, c: _Ctx, x: int, norm) -> tuple[int, int]:
-        """(address, ld) of ``x`` with ``norm`` applied (eager path: into a scratch buffer)."""
-        if norm is None:
-            return c.ptr(x), c.ld(x)
-        w = c.plan.loc[x].width
-        h = cp.empty((c.rows(x), P._pad4(w)), cp.float32)
-        self.k["rms_norm"]((c.rows(x),), (256,), (np.uint64(c.ptr(x)), _i(c.ld(x)), _u64(norm[0]), _f(norm[1]), _i(w),
-                                                  h, _i(h.shape[1]), Z32))
-        self._keep.append(h)       # alive until the forward returns
-        return h.data.ptr, int(h.shape[1])
+    def _variants_of(self, site: str) -> set:
+        if self._forced_gemv is not None:
+            return {self._forced_gemv}
+        return {v for (s, _), v in self._gv.items() if s == site}
 
-    def sgemm(self, x: int, ldx: int, k: int, W: cp.ndarray, y: int, ldy: int, m: int, N: int, accumulate: bool) -> None:
-        """Y (N, m) = X (N, k) @ W (m, k).T (+ Y when ``accumulate``), row-major float32 with
-        leading dimensions ldx, ldy, through cuBLAS (column-major: Y.T = W.T.T @ X.T)."""
-        cublas.sgemm(self._blas, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, N, k, self._one.ctypes.data,
-                     W.data.ptr, k, x, ldx, (self._one if accumulate else self._zero).ctypes.data, y, ldy)
+    def keep(self, *arrays) -> None:
+        """Keep eager scratch arrays (or Prepared activations) alive until the forward returns."""
+        self._keep.extend(arrays)
 
     def bias_rows(self, y: int, ldy: int, bias: cp.ndarray, N: int, m: int) -> None:
         n_el = N * m
@@ -693,8 +763,11 @@ class CudaProgram:
 
     @property
     def prefill_weight_bytes(self) -> int:
-        """Bytes of the float32 weight copies the eager (prefill) path keeps on the device."""
-        return self._dense_bytes if self._dense_ok else 0
+        """Bytes the eager (prefill) path adds for weights: the one dequantized-tile scratch
+        buffer of the prefill GEMM (0 when every eager step runs the graph's GEMVs)."""
+        if not self.psites or self._forced_prefill == "gemv":
+            return 0
+        return self.gemm.scratch_bytes
 
     def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
         """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates for K and V."""
@@ -785,6 +858,7 @@ class CudaProgram:
         t = st.tables
         c.tok_p, c.slot_p, c.pos_p, c.out_p = t.tok_ptr, t.slot_ptr, t.pos_ptr, t.out_ptr
         c.part, c.counters = st.part, st.counters
+        c.xs, c.qkv, c.rope = st.xs, st.qkv, st.rope
         c.eager, c.layout = False, None
         return c
 
@@ -869,8 +943,12 @@ class CudaProgram:
                                                m_dev.data.ptr + 12 * w)
         c.eager = True
         c.layout = layout
-        c.layout_info = _EagerBatch(layout, meta[1, :N], meta[2, :N], self.max_heads, self.max_hd)
+        gemv_only = self._forced_prefill == "gemv"
+        c.layout_info = _EagerBatch(layout, meta[1, :N], meta[2, :N], self.max_heads, self.max_hd, all_short=gemv_only)
         c.part, c.counters = c.layout_info.part, c.layout_info.counters
+        c.xs = cp.empty(max(N, R, 1), cp.float32)
+        c.qkv = cp.empty((N, self.qkv_width), cp.float32) if gemv_only and self.qkv_width else None
+        c.rope = st.rope
         self._keep = []
         cublas.setStream(self._blas, cp.cuda.get_current_stream().ptr)
         cublas.setPointerMode(self._blas, cublas.CUBLAS_POINTER_MODE_HOST)
@@ -889,7 +967,6 @@ class CudaProgram:
         self._eager_logits = lg
         self._last_logits = lg[:, :self.vocab]
         return self._last_logits
-
 
 
 def _weights(s) -> list:

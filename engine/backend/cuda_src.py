@@ -225,10 +225,58 @@ template <> __device__ __forceinline__ void kv_st<1>(void* c, long long i, float
 #define M_GEGLU 4
 #define M_QKV16 5
 
+// ---- the decode GEMV and its canonical reduction order ------------------------------------
+// Batch invariance (shared/DESIGN.md) asks one reduction order per output element, whatever
+// the batch bucket or the kernel variant the kernel choice picked. Every variant below
+// computes the dot product of one weight row with one (normed) batch row in THE SAME order:
+// * the row's inputs are units u of 8 (u = 0 .. k/8 - 1); "virtual lane" v (0..127) takes
+//   the units u = v, v + 128, v + 256, ... in that order and accumulates, unit by unit,
+//   acc = fmaf(w[i], x[i], acc) for i = 0..7 (w already multiplied by the norm weight);
+// * the 32 virtual lanes of each group g (v = 32 g + lane, g = 0..3) are summed by the warp
+//   butterfly (warp_sum: xor 16, 8, 4, 2, 1; every lane ends with the same bits), giving R_g;
+// * the row's sum is ((R_0 + R_1) + R_2) + R_3; then the epilogue (norm scale, bias, mode).
+// A variant only maps virtual lanes onto threads: WPP warps share a row pair and each
+// thread holds S = 4 / WPP groups' accumulators (g = sub + WPP * s). NB batch rows share
+// each weight load. Explicit fmaf / __fmul_rn / __fadd_rn keep the compiler from fusing
+// differently in different instances.
+// The RMSNorm scale of a batch row is rsqrt(ss / k + eps), ss summed by row_ss: 128 threads,
+// thread t takes elements t, t + 128, ... (fmaf), the warp butterfly, then the 4 warp sums
+// in order. The GEMV's prologue (xs == null) and the row_scale kernel (xs != null: the
+// scale was computed before the launch) call the same function, so both give the same bits.
+
+__device__ __forceinline__ float row_ss(const float* __restrict__ xr, int k, float* red) {
+    float ss = 0.f;
+    for (int e = threadIdx.x; e < k; e += 128) { const float v = xr[e]; ss = fmaf(v, v, ss); }
+    ss = warp_sum(ss);
+    __syncthreads();                         // red may still be read by the previous call
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float t = red[0];
+    t = __fadd_rn(t, red[1]);
+    t = __fadd_rn(t, red[2]);
+    t = __fadd_rn(t, red[3]);
+    return t;
+}
+__device__ __forceinline__ float norm_scale(float ss, int k, float eps) {
+    return rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)k), eps));
+}
+
+// out[r] = rsqrt(mean(x[r]^2) + eps) for r < gridDim.x: the norm scale the GEMV reads when
+// its ``xs`` argument is given (one launch per norm instead of one per GEMV block). 128 threads.
+__global__ void __launch_bounds__(128) row_scale(const float* __restrict__ x, int ldx, int k, float eps,
+                                                 float* __restrict__ out)
+{
+    __shared__ float red[4];
+    const float ss = row_ss(x + (long long)blockIdx.x * ldx, k, red);
+    if (threadIdx.x == 0) out[blockIdx.x] = norm_scale(ss, k, eps);
+}
+
 // y = W . (optionally rmsnorm'ed) x (+ bias): two output rows ("a pair") per WPP warps, NB
-// batch rows per block (grid.y covers the batch). The WPP warps of a pair split the row's inputs.
+// batch rows per block (grid.y covers the batch), GEMV_WARPS / WPP pairs per block (grid.x).
 // Rows of a pair: ra = p * a_stride (of Wa), rb = p * a_stride + b_off (of Wb); bias_a[ra],
-// bias_b[rb] are added after the norm (either pointer may be null).
+// bias_b[rb] are added after the norm (either pointer may be null). nw: the RMSNorm weight
+// (k,) folded into the weights, or null (no norm); then xs: the rows' norm scales computed
+// by row_scale before this launch, or null (computed here, per block).
 // MODE 0 store (rows ra, rb), 1 add, 2 swiglu: y[b, p] = silu(a) * b, 4 geglu: gelu_tanh(a) * b,
 // 3 / 5 qkv (float32 / float16 KV): the pair is two rows of one head of [q; k; v] (global row
 // g = row_base + 2p; adjacent dims for RoPE "norm" and V, dims j and j + rope_half for RoPE
@@ -238,28 +286,35 @@ template <int TA, int TB, int NB, int MODE, int WPP>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,
     int n_pairs, int k, const float* __restrict__ x, int ldx, int B, const float* __restrict__ nw, float eps,
-    const float* __restrict__ bias_a, const float* __restrict__ bias_b, float* __restrict__ y, int ldy,
+    const float* __restrict__ xs, const float* __restrict__ bias_a, const float* __restrict__ bias_b,
+    float* __restrict__ y, int ldy,
     int row_base, int qd, int kd, int hd, int rope_half, int neox, int n_kv, int n_ctx,
     const int* __restrict__ tab_slot, const int* __restrict__ tab_pos,
     const float* __restrict__ rcos, const float* __restrict__ rsin, void* __restrict__ kc, void* __restrict__ vc)
 {
+    static_assert(WPP == 1 || WPP == 2 || WPP == 4, "WPP is 1, 2 or 4");
     constexpr bool QKV = (MODE == M_QKV || MODE == M_QKV16);
+    constexpr int PPB = GEMV_WARPS / WPP;    // row pairs per block
+    constexpr int S = 4 / WPP;               // virtual-lane groups per thread
     __shared__ float s_scale[NB];
-    __shared__ float s_red[WPP > 1 ? GEMV_WARPS : 1][2 * NB];
+    __shared__ float s_red[WPP > 1 ? PPB : 1][4][2 * NB];   // per pair: R_g of A and B rows (WPP > 1)
+    __shared__ float s_ss[4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b0 = blockIdx.y * NB;
     const int nb = min(NB, B - b0);
     if (nw != nullptr) {
-        for (int j = warp; j < NB; j += GEMV_WARPS) {
-            const float* xr = x + (long long)(b0 + min(j, nb - 1)) * ldx;
-            float ss = 0.f;
-            for (int e = lane; e < k; e += 32) { float v = xr[e]; ss += v * v; }
-            ss = warp_sum(ss);
-            if (lane == 0) s_scale[j] = rsqrtf(ss / (float)k + eps);
+        if (xs != nullptr) {
+            if (threadIdx.x < NB) s_scale[threadIdx.x] = xs[b0 + min((int)threadIdx.x, nb - 1)];
+        } else {
+            for (int j = 0; j < NB; j++) {
+                const float ss = row_ss(x + (long long)(b0 + min(j, nb - 1)) * ldx, k, s_ss);
+                if (threadIdx.x == 0) s_scale[j] = norm_scale(ss, k, eps);
+            }
         }
         __syncthreads();
     }
-    const int p_raw = blockIdx.x * (GEMV_WARPS / WPP) + warp / WPP;
+    const int pl = warp / WPP;               // pair within the block
+    const int p_raw = blockIdx.x * PPB + pl;
     const bool valid = p_raw < n_pairs;
     const int p = valid ? p_raw : n_pairs - 1;
     const int sub = warp % WPP;
@@ -281,47 +336,78 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     }
     const u8* rowA = Wa + ra * rba;
     const u8* rowB = Wb + rb * rbb;
-    float accA[NB], accB[NB];
+    float accA[S][NB], accB[S][NB];
 #pragma unroll
-    for (int j = 0; j < NB; j++) { accA[j] = 0.f; accB[j] = 0.f; }
+    for (int s = 0; s < S; s++) {
+#pragma unroll
+        for (int j = 0; j < NB; j++) { accA[s][j] = 0.f; accB[s][j] = 0.f; }
+    }
     const int nu = k >> 3;
-#pragma unroll 2
-    for (int u = sub * 32 + lane; u < nu; u += 32 * WPP) {
-        float wa[8], wb[8];
-        deq8<TA>(rowA, u, wa);
-        deq8<TB>(rowB, u, wb);
-        if (nw != nullptr) {
-            const float4* np = (const float4*)(nw + 8 * u);
-            float4 n0 = np[0], n1 = np[1];
-            float nn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
+#pragma unroll 1
+    for (int u0 = 0; u0 < nu; u0 += 128) {
 #pragma unroll
-            for (int i = 0; i < 8; i++) { wa[i] *= nn[i]; wb[i] *= nn[i]; }
-        }
+        for (int s = 0; s < S; s++) {
+            const int u = u0 + 32 * (sub + WPP * s) + lane;
+            if (u < nu) {
+                float wa[8], wb[8];
+                deq8<TA>(rowA, u, wa);
+                deq8<TB>(rowB, u, wb);
+                if (nw != nullptr) {
+                    const float4* np = (const float4*)(nw + 8 * u);
+                    const float4 n0 = np[0], n1 = np[1];
+                    const float nn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
 #pragma unroll
-        for (int j = 0; j < NB; j++) {
-            const float4* xp = (const float4*)(x + (long long)(b0 + min(j, nb - 1)) * ldx + 8 * u);
-            float4 x0 = xp[0], x1 = xp[1];
-            accA[j] += wa[0] * x0.x + wa[1] * x0.y + wa[2] * x0.z + wa[3] * x0.w
-                     + wa[4] * x1.x + wa[5] * x1.y + wa[6] * x1.z + wa[7] * x1.w;
-            accB[j] += wb[0] * x0.x + wb[1] * x0.y + wb[2] * x0.z + wb[3] * x0.w
-                     + wb[4] * x1.x + wb[5] * x1.y + wb[6] * x1.z + wb[7] * x1.w;
+                    for (int i = 0; i < 8; i++) { wa[i] = __fmul_rn(wa[i], nn[i]); wb[i] = __fmul_rn(wb[i], nn[i]); }
+                }
+#pragma unroll
+                for (int j = 0; j < NB; j++) {
+                    const float4* xp = (const float4*)(x + (long long)(b0 + min(j, nb - 1)) * ldx + 8 * u);
+                    const float4 x0 = xp[0], x1 = xp[1];
+                    const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                    float a = accA[s][j], c = accB[s][j];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) { a = fmaf(wa[i], xv[i], a); c = fmaf(wb[i], xv[i], c); }
+                    accA[s][j] = a;
+                    accB[s][j] = c;
+                }
+            }
         }
     }
 #pragma unroll
-    for (int j = 0; j < NB; j++) { accA[j] = warp_sum(accA[j]); accB[j] = warp_sum(accB[j]); }
-    if (WPP > 1) {
+    for (int s = 0; s < S; s++) {
+#pragma unroll
+        for (int j = 0; j < NB; j++) { accA[s][j] = warp_sum(accA[s][j]); accB[s][j] = warp_sum(accB[s][j]); }
+    }
+    float totA[NB], totB[NB];
+    if constexpr (WPP == 1) {
+#pragma unroll
+        for (int j = 0; j < NB; j++) {
+            float a = accA[0][j], c = accB[0][j];
+#pragma unroll
+            for (int s = 1; s < S; s++) { a = __fadd_rn(a, accA[s][j]); c = __fadd_rn(c, accB[s][j]); }
+            totA[j] = a;
+            totB[j] = c;
+        }
+    } else {
         if (lane == 0) {
 #pragma unroll
-            for (int j = 0; j < NB; j++) { s_red[warp][2 * j] = accA[j]; s_red[warp][2 * j + 1] = accB[j]; }
+            for (int s = 0; s < S; s++) {
+#pragma unroll
+                for (int j = 0; j < NB; j++) {
+                    s_red[pl][sub + WPP * s][2 * j] = accA[s][j];
+                    s_red[pl][sub + WPP * s][2 * j + 1] = accB[s][j];
+                }
+            }
         }
         __syncthreads();
         if (sub != 0) return;
-        if (lane == 0) {
 #pragma unroll
-            for (int j = 0; j < NB; j++) {
+        for (int j = 0; j < NB; j++) {
+            float a = s_red[pl][0][2 * j], c = s_red[pl][0][2 * j + 1];
 #pragma unroll
-                for (int w = 1; w < WPP; w++) { accA[j] += s_red[warp + w][2 * j]; accB[j] += s_red[warp + w][2 * j + 1]; }
-            }
+            for (int g = 1; g < 4; g++) { a = __fadd_rn(a, s_red[pl][g][2 * j]); c = __fadd_rn(c, s_red[pl][g][2 * j + 1]); }
+            totA[j] = a;
+            totB[j] = c;
         }
     }
     if (lane != 0 || !valid) return;
@@ -330,21 +416,23 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     for (int j = 0; j < NB; j++) {
         if (j >= nb) break;
         const int b = b0 + j;
-        float a = accA[j], c = accB[j];
-        if (nw != nullptr) { a *= s_scale[j]; c *= s_scale[j]; }
-        a += ba; c += bb;
+        float a = totA[j], c = totB[j];
+        if (nw != nullptr) { a = __fmul_rn(a, s_scale[j]); c = __fmul_rn(c, s_scale[j]); }
+        a = __fadd_rn(a, ba);
+        c = __fadd_rn(c, bb);
         float* yr = y + (long long)b * ldy;
         if (MODE == M_STORE) { yr[ra] = a; yr[rb] = c; }
-        else if (MODE == M_ADD) { yr[ra] += a; yr[rb] += c; }
-        else if (MODE == M_SWIGLU) { yr[p] = silu(a) * c; }
-        else if (MODE == M_GEGLU) { yr[p] = gelu_tanh(a) * c; }
+        else if (MODE == M_ADD) { yr[ra] = __fadd_rn(yr[ra], a); yr[rb] = __fadd_rn(yr[rb], c); }
+        else if (MODE == M_SWIGLU) { yr[p] = __fmul_rn(silu(a), c); }
+        else if (MODE == M_GEGLU) { yr[p] = __fmul_rn(gelu_tanh(a), c); }
         else {
             const int pos = tab_pos[b];
             if (sect < 2) {
                 const int jj = neox ? (dd < 2 * rope_half ? da : -1) : ((dd >> 1) < rope_half ? (dd >> 1) : -1);
                 if (jj >= 0) {
                     const float cs = rcos[(long long)pos * rope_half + jj], sn = rsin[(long long)pos * rope_half + jj];
-                    const float a2 = a * cs - c * sn, c2 = a * sn + c * cs;
+                    const float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(c, sn));
+                    const float c2 = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(c, cs));
                     a = a2; c = c2;
                 }
             }
@@ -443,6 +531,50 @@ __global__ void dequant(const u8* __restrict__ W, long long rb, int m, int k, fl
     float4* o = (float4*)(out + r * k + 8 * u);
     o[0] = make_float4(w[0], w[1], w[2], w[3]);
     o[1] = make_float4(w[4], w[5], w[6], w[7]);
+}
+
+// float16 bits of f, saturated to +-65504 (NaN stays NaN): the prefill GEMM's inputs never
+// become infinite
+__device__ __forceinline__ u16 f2h_sat(float f) {
+    const float c = fminf(fmaxf(f, -65504.f), 65504.f);
+    return f2h(f == f ? c : f);
+}
+
+// out (m, k) float16 = every row of W dequantized (a tile of rows of a weight for the
+// prefill GEMM: pass W at the tile's first row), saturated like f2h_sat
+template <int T>
+__global__ void dequant_h(const u8* __restrict__ W, long long rb, int m, int k, u16* __restrict__ out)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int nu = k >> 3;
+    if (i >= (long long)m * nu) return;
+    const long long r = i / nu;
+    const int u = (int)(i % nu);
+    float w[8];
+    deq8<T>(W + r * rb, u, w);
+    uint4 o;
+    o.x = (u32)f2h_sat(w[0]) | ((u32)f2h_sat(w[1]) << 16);
+    o.y = (u32)f2h_sat(w[2]) | ((u32)f2h_sat(w[3]) << 16);
+    o.z = (u32)f2h_sat(w[4]) | ((u32)f2h_sat(w[5]) << 16);
+    o.w = (u32)f2h_sat(w[6]) | ((u32)f2h_sat(w[7]) << 16);
+    *(uint4*)(out + r * k + 8 * u) = o;
+}
+
+// out[r, :k] (float16, ld ldo) = x[r] * rsqrt(mean(x[r]^2) + eps) * nw (nw given: the RMSNorm
+// folded in, its scale from row_ss) or x[r] (nw null), saturated like f2h_sat: the prefill
+// GEMM's activations, converted once per op. One block of 128 threads per row.
+__global__ void __launch_bounds__(128) rows_half(const float* __restrict__ x, int ldx, const float* __restrict__ nw,
+                                                 float eps, int k, u16* __restrict__ out, int ldo)
+{
+    __shared__ float red[4];
+    const float* xr = x + (long long)blockIdx.x * ldx;
+    u16* o = out + (long long)blockIdx.x * ldo;
+    if (nw != nullptr) {
+        const float sc = norm_scale(row_ss(xr, k, red), k, eps);
+        for (int e = threadIdx.x; e < k; e += 128) o[e] = f2h_sat(__fmul_rn(__fmul_rn(xr[e], sc), nw[e]));
+    } else {
+        for (int e = threadIdx.x; e < k; e += 128) o[e] = f2h_sat(xr[e]);
+    }
 }
 
 // E consecutive elements of a float32 (KVT 0) or float16 (KVT 1) cache row, element offset i

@@ -18,16 +18,19 @@ import sys
 import tempfile
 
 
-def instances() -> list[str]:
+def instances(types=None) -> list[str]:
+    from aotx.engine.backend import cuda_choice as CC
     from aotx.engine.backend import cuda_src as S
 
-    names = ["gather_rows", "rms_norm", "causal_softmax", "glu_rows", "ew_rows", "bias_rows", "head_ops"]
-    for t in S.TYPES:
-        names += [f"embed<{t}>", f"dequant<{t}>"]
-    for nb in (1, 4, 16):
-        for wpp in (1, 4):
+    types = S.TYPES if types is None else types
+    names = ["gather_rows", "rms_norm", "causal_softmax", "glu_rows", "ew_rows", "bias_rows", "head_ops",
+             "row_scale", "rows_half"]
+    for t in types:
+        names += [f"embed<{t}>", f"dequant<{t}>", f"dequant_h<{t}>"]
+    for nb, wpps in CC.GEMV_GRID.items():
+        for wpp in wpps:
             for mode in (S.MODE_STORE, S.MODE_ADD, S.MODE_QKV, S.MODE_QKV16, S.MODE_SWIGLU, S.MODE_GEGLU):
-                for t in S.TYPES:
+                for t in types:
                     names.append(f"gemv<{t},{t},{nb},{mode},{wpp}>")
     names.append(f"gemv<{S.Q4_K},{S.Q6_K},4,{S.MODE_SWIGLU},4>")
     for hd in (64, 96, 128, 256):
@@ -58,11 +61,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ptxas", action="store_true", help="assemble for sm_90 and print registers and spills")
     ap.add_argument("--filter", default="", help="regex: only report kernels whose mangled name matches")
+    ap.add_argument("--types", default="", help="comma-separated GGML type codes to instantiate (default: all)")
     args = ap.parse_args()
     from aotx.engine.backend import cuda_sampling as CS
     from aotx.engine.backend import cuda_src as S
 
-    names = instances()
+    names = instances([int(t) for t in args.types.split(',')] if args.types else None)
     ptx, log = compile_src(S.SRC, names, "compute_90")
     if log.strip():
         print(log)
