@@ -11,7 +11,7 @@ grids and blocks must be within CUDA's limits, and cuBLAS GEMMs must address onl
 inside their operands' allocations (leading dimensions and extents). A violation raises
 ``LaunchError`` at the launch, naming the kernel and the argument.
 
-For ``tests/fakes/cuda_dryrun.py`` (run in a subprocess by tests/test_cuda_host.py): it
+For ``tests/tools/gpu_dryrun.py`` (run in a subprocess by tests/test_cuda_host.py): it
 finds wrong argument lists, missing template instances and pointer arithmetic off its
 buffer before the code meets a GPU. Numbers are not computed: logits are garbage.
 """

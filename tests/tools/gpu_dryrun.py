@@ -1,7 +1,7 @@
-"""Run the CUDA backend's host code on the CPU against fake CuPy: ``python -m tests.fakes.cuda_dryrun``.
+"""Run the CUDA backend's host code on the CPU against fake CuPy: ``python -m tests.tools.gpu_dryrun``.
 
 Every kernel launch and cuBLAS call of the scenarios below is checked by
-``tests/fakes/fake_cupy.py`` (argument lists against the kernels' signatures, pointers
+``tests/tools/gpu_fake_cupy.py`` (argument lists against the kernels' signatures, pointers
 inside their allocations, GEMM extents); the numbers are not computed. Scenarios, on
 random-weight llama files (``tests/models/cuda_testmodel.py``): every prefill mode
 (default choice, f16, tf32, f32, gemv), both KV types, fused and generic kernels, every
@@ -54,7 +54,7 @@ def _exercise(model, kv_type: str) -> None:
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.fakes import fake_cupy
+    from tests.tools import gpu_fake_cupy as fake_cupy
 
     fake_cupy.install()
     from gguf import GGMLQuantizationType as T
