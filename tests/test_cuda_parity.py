@@ -53,9 +53,9 @@ def _cpu_float_reference(monkeypatch):
 
 
 def _build(path, device: str):
-    from aotx.engine.model.architectures import llama
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.transformer import build
 
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
@@ -66,8 +66,8 @@ def _build(path, device: str):
     else:
         from aotx.engine.backend.cuda import CudaBackend
 
-        be = CudaBackend()
-    return llama.build(cfg, gf, be)
+        be = CudaBackend(prefill="f32")  # the eager path's float32 GEMM (tensor cores: test_cuda_invariance)
+    return build(cfg, gf, be)
 
 
 def _scenario(model, vocab: int) -> list[np.ndarray]:

@@ -6,7 +6,8 @@ post-norms, GEGLU and an embedding scale, phi3 with fused QKV and gate/up) the s
 scenario runs on both backends: a prefill with every row's logits, a prefill with the
 last row's, decode steps of two and three slots and a mixed decode + short prefill
 batch (the captured graph), a 150-token prefill (more rows than a graph takes: the eager
-path, cuBLAS), decode and verify rows past position 150 (attention split over the
+path: float32 SGEMM here, the tensor-core modes are tests/test_cuda_invariance.py's), decode and
+verify rows past position 150 (attention split over the
 context, past gemma3's 16-position window). Every logits array must satisfy
 ||cuda - cpu|| / ||cpu|| <= REL_TOL, in float32 and float16 KV, and with the plan's
 fusions off (every op a generic kernel). The CPU side is its float path
@@ -82,7 +83,7 @@ def _build(path, device: str, fuse: bool = True):
     else:
         from aotx.engine.backend.cuda import CudaBackend
 
-        be = CudaBackend(fuse=fuse)
+        be = CudaBackend(fuse=fuse, prefill="f32")   # the float32 eager path (tensor-core modes: test_cuda_invariance)
     return build(cfg, gf, be)
 
 

@@ -294,3 +294,34 @@ def test_buckets_and_prefill_modes():
     assert CC.prefill_candidates(True) == ("f16", "tf32", "f32") and CC.prefill_default(True) == "f16"
     assert CC.prefill_candidates(False) == ("tf32", "f32") and CC.prefill_default(False) == "tf32"
     assert CC.prefill_site("Q4_K", 4096, 14336, False) == "gemm/Q4_K/m4096/k14336/open"
+
+
+def test_aotx_tune_without_cupy_is_one_line_exit_2(tiny_gguf, tmp_path, capsys, monkeypatch):
+    """``aotx tune`` where CuPy is missing (CI) names the problem in one line; nothing is
+    written to the data dir."""
+    import builtins
+
+    from aotx.engine.cli import main
+
+    monkeypatch.setenv("AOTX_HOME", str(tmp_path / "home"))
+    real_import = builtins.__import__
+
+    def no_cupy(name, *a, **kw):
+        if name == "cupy" or name.startswith("cupy."):
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    monkeypatch.delitem(__import__("sys").modules, "aotx.engine.backend.cuda", raising=False)
+    path = tiny_gguf.write_tiny_llama(tmp_path / "t.gguf")
+    assert main(["tune", "--model", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("aotx: aotx tune needs the CUDA backend (CuPy)")
+    assert not (tmp_path / "home" / "kernel_choice").exists()
+
+
+def test_a_cpu_load_has_no_kernel_choice_note(tiny_gguf, tmp_path):
+    from aotx.engine.model.loader import load_model
+
+    lm = load_model(tiny_gguf.write_tiny_llama(tmp_path / "t.gguf"), device="cpu")
+    assert lm.notes == {}

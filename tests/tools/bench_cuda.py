@@ -42,13 +42,13 @@ def _model_path(arg: str | None, tmp: Path) -> tuple[Path, str]:
 
 def _build(path: Path):
     from aotx.engine.backend.cuda import CudaBackend
-    from aotx.engine.model.architectures import llama
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.transformer import build
 
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
-    return llama.build(cfg, gf, CudaBackend())
+    return build(cfg, gf, CudaBackend())
 
 
 def copy_bandwidth() -> float:
