@@ -78,6 +78,7 @@ def test_a_later_load_reuses_the_artifact_without_timing(tmp_path):
         assert res.status == "ok" and res.reason == ""
         assert res.choice[s2.key] == "b" and res.source[s2.key] == "artifact"
         assert t2.total == 0
+        assert res.timings_us[s2.key] == {"a": 3.0, "b": 1.0, "c": 2.0}     # the recorded timings, for reports
         assert res.summary().startswith("1 of 1 sites from the artifact")
 
 

@@ -24,8 +24,6 @@ Leaves the decision and the artifact to ``kernel_choice``, the candidates to
 
 from __future__ import annotations
 
-import math
-
 import cupy as cp
 import numpy as np
 from cupy_backends.cuda.libs import cublas
@@ -39,6 +37,8 @@ MAX_REPS = 16
 GEMM_ROWS = 512          # prefill rows for timing a GEMM mode
 CHECK_ROWS = 64          # rows for checking a GEMM mode against float32
 GEMM_REPS = 3
+# within the timing budget: every site at batch 1 first (decode), then the aggregate buckets, ...
+BUCKET_PRIORITY = {1: 8, 64: 7, 16: 6, 128: 5, 32: 4, 8: 3, 2: 2, 4: 1}
 
 
 def resolve_choices(prog) -> KC.Resolution:
@@ -57,12 +57,13 @@ def resolve_choices(prog) -> KC.Resolution:
                 key = CC.at_bucket(site, b)
                 sites.append(KC.Site(key, CC.gemv_candidates(b, norm), CC.gemv_default(b, norm, gs[0].m_rows),
                                      measure=tuner.gemv_measure(site, b), check=tuner.gemv_check(site, b),
-                                     weight=nbytes / (1.0 + math.log2(b))))
+                                     weight=BUCKET_PRIORITY.get(b, 0) * 1e15 + nbytes))
     if prog._forced_prefill is None:
         for key, d in prog.psites.items():
             nbytes = sum(int(w.nbytes) for w in d["weights"])
             sites.append(KC.Site(key, CC.prefill_candidates(d["bounded"]), CC.prefill_default(d["bounded"]),
-                                 measure=tuner.gemm_measure(key), check=tuner.gemm_check(key), weight=0.25 * nbytes))
+                                 measure=tuner.gemm_measure(key), check=tuner.gemm_check(key),
+                                 weight=4.5e15 + nbytes))   # after the decode buckets 1, 64, 16, 128
     path = be.artifact_path()
     key = be.device_key() if path is not None else KC.DeviceKey("", "", "", "", "")
     res = KC.resolve(sites, key, path, be.tune, budget_s=be.tune_budget_s)

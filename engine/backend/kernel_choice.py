@@ -303,6 +303,7 @@ def resolve(sites: Iterable[Site], key: DeviceKey, path: Path | None, policy: st
         e = recorded.get(s.key) if policy != "force" else None
         if e is not None and e["winner"] in s.candidates:
             res.choice[s.key], res.source[s.key] = e["winner"], "artifact"
+            res.timings_us[s.key] = dict(e.get("us", {}))      # as recorded (for reports)
             continue
         if e is not None:
             res.notes[s.key] = f"recorded winner {e['winner']!r} is no longer a candidate"

@@ -86,6 +86,10 @@ def empty(shape, dtype=np.float32):
     return _own(np.zeros(shape, dtype))
 
 
+def ones(shape, dtype=np.float32):
+    return _own(np.ones(shape, dtype))
+
+
 def empty_like(a):
     return zeros(a.shape, a.dtype)
 
@@ -375,7 +379,7 @@ def install() -> None:
     cp.ndarray = FakeArray
     for n in ("float32", "float16", "float64", "int32", "int64", "uint8", "uint16", "uint32"):
         setattr(cp, n, getattr(np, n))
-    for f in (zeros, empty, empty_like, asarray, ascontiguousarray, concatenate, arange, matmul):
+    for f in (zeros, ones, empty, empty_like, asarray, ascontiguousarray, concatenate, arange, matmul):
         setattr(cp, f.__name__, f)
     cp.RawModule, cp.RawKernel = RawModule, RawKernel
     cuda = types.ModuleType("cupy.cuda")
