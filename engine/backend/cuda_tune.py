@@ -92,12 +92,15 @@ class _Tuner:
         self.prog = prog
         self.groups = groups
         self._k: dict | None = None
+        self._k_error: Exception | None = None
         self._ready = False
         self._ref: dict = {}
 
     # ---- set-up -------------------------------------------------------------------------------
 
     def kernels(self) -> dict:
+        if self._k_error is not None:
+            raise self._k_error        # compiled once: a failure is not retried for every candidate
         if self._k is None:
             from aotx.engine.backend.cuda_gemm import PrefillGemm
             from aotx.engine.backend import cuda_src as S
@@ -113,7 +116,11 @@ class _Tuner:
             qtypes = {int(w.qtype) for d in self.prog.psites.values() for w in d["weights"]}
             if self.prog.psites:
                 names |= PrefillGemm.kernel_names(qtypes)
-            self._k = self.prog.backend.module(sorted(names))
+            try:
+                self._k = self.prog.backend.module(sorted(names))
+            except Exception as e:  # noqa: BLE001 - NVRTC's errors; every candidate is then rejected
+                self._k_error = RuntimeError(f"compiling the candidates failed: {type(e).__name__}: {e}")
+                raise self._k_error from None
         return self._k
 
     def kernels_if_built(self) -> dict:
