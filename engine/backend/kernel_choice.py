@@ -41,7 +41,7 @@ from pathlib import Path
 FORMAT = "aotx-kernel-choice"
 VERSION = 1
 POLICIES = ("off", "reuse", "auto", "force")
-DEFAULT_BUDGET_S = 60.0   # most seconds a load spends timing candidates (sites after that run their default)
+DEFAULT_BUDGET_S = 30.0   # most seconds a load spends timing candidates (sites after that run their default)
 ROUNDS = 3                # each candidate is measured this many times, interleaved; the median counts
 KEEP_DEFAULT = 1.02       # the default stays unless a candidate is more than 2% faster (fewer flips between runs)
 
