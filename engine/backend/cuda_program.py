@@ -194,9 +194,11 @@ class _Gemv:
         return (S.MODE_QKV, S.MODE_QKV16) if self.mode in (S.MODE_QKV, S.MODE_QKV16) else (self.mode,)
 
     def launch(self, prog, c, x: int, ldx: int, B: int, y: int, ldy: int, variant: CC.GemvVariant | None = None,
-               kernels: dict | None = None) -> None:
+               kernels: dict | None = None, scale_ready: bool = False) -> bool:
+        """Launch over ``B`` rows; returns True when the rows' norm scale is now in ``c.xs``
+        (``scale_ready``: a GEMV just before, on the same x and norm, left it there)."""
         if B == 0:
-            return              # no logits rows (a prefill chunk): nothing after take_rows runs
+            return False        # no logits rows (a prefill chunk): nothing after take_rows runs
         v = variant if variant is not None else prog.gemv_variant(self.site, B)
         mode = self.mode
         if self.qkv is not None:
@@ -205,7 +207,8 @@ class _Gemv:
         kern = kk[self.name(v, mode)]
         xs = Z64
         if self.nw is not None and v.pre:
-            kk["row_scale"]((B,), (128,), (np.uint64(x), _i(ldx), _i(self.k), _f(self.eps), c.xs))
+            if not scale_ready:
+                kk["row_scale"]((B,), (128,), (np.uint64(x), _i(ldx), _i(self.k), _f(self.eps), c.xs))
             xs = np.uint64(c.xs.data.ptr)
         if self.qkv is not None:
             r0, q = self.qkv
@@ -223,6 +226,7 @@ class _Gemv:
               np.int64(self.wa.row_bytes), np.int64(self.wb.row_bytes), _i(self.a_stride), _i(self.b_off),
               _i(self.n_pairs), _i(self.k), np.uint64(x), _i(ldx), _i(B), _u64(self.nw), _f(self.eps), xs,
               _u64(self.bias_a), _u64(self.bias_b), np.uint64(y), _i(ldy)) + extra)
+        return scale_ready or (self.nw is not None and v.pre)
 
     @property
     def weight_bytes(self) -> int:
@@ -335,8 +339,18 @@ class _QKV:
         self.qd, self.kd = H * hd, KV * hd
         width = self.qd + 2 * self.kd
         mats = list(s.mats)
-        if len(mats) == 3 and len({m.qtype for m, _ in mats}) == 1 and all(prog.refs[id(m)] == 1 for m, _ in mats):
-            mats = [(prog.backend.concat(f"blk.{s.layer}.attn_qkv", [m for m, _ in mats]), 0)]
+        if len(mats) == 3 and all(prog.refs[id(m)] == 1 for m, _ in mats):
+            # consecutive matrices of one type become one (q, k, v all Q4_K: one launch; Q4_K_M's
+            # Q6_K v layers: q and k in one launch, v in another)
+            runs: list[list] = []
+            for m, r0 in mats:
+                if runs and runs[-1][0][0].qtype == m.qtype:
+                    runs[-1].append((m, r0))
+                else:
+                    runs.append([(m, r0)])
+            names = {3: "attn_qkv", 2: "attn_qk"}
+            mats = [(prog.backend.concat(f"blk.{s.layer}.{names[len(r)] if r[0][1] == 0 else 'attn_kv'}",
+                                         [m for m, _ in r]), r[0][1]) if len(r) > 1 else r[0] for r in runs]
         self.mats = mats
         bias = None                 # [q; k; v] biases in one vector (zeros where a part has none)
         if any(b is not None for b, _ in s.biases):
@@ -384,12 +398,14 @@ class _QKV:
         x, ldx, B = c.ptr(s.x), c.ld(s.x), c.n
         if self.head_norm:
             ldq = c.qkv.shape[1]
+            ready = False
             for g, r0 in self.g:
-                g.launch(prog, c, x, ldx, B, c.qkv.data.ptr + 4 * r0, ldq)
+                ready = g.launch(prog, c, x, ldx, B, c.qkv.data.ptr + 4 * r0, ldq, scale_ready=ready)
             self._head_rope_kv(prog, c, c.qkv.data.ptr, ldq, None, B, c.ptr(s.q_out), c.ld(s.q_out))
             return
+        ready = False                # the rows' norm scale is in c.xs (the same x and norm for every matrix)
         for g, _ in self.g:
-            g.launch(prog, c, x, ldx, B, c.ptr(s.q_out), c.ld(s.q_out))
+            ready = g.launch(prog, c, x, ldx, B, c.ptr(s.q_out), c.ld(s.q_out), scale_ready=ready)
 
     def eager(self, prog, c: _Ctx) -> None:
         modes = [prog.prefill_mode(ps) for ps in self.psites]
