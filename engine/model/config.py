@@ -66,11 +66,6 @@ class ModelConfig:
     rope_base_swa: float = 10000.0
     final_logit_softcap: float = 0.0
 
-    @property
-    def gqa_group(self) -> int:
-        """Query heads per KV head."""
-        return self.n_heads // self.n_kv_heads
-
     def check_sliding_window(self, path: str) -> None:
         """Raise ModelError unless the file's sliding window can be used: present,
         positive, at most the trained context (called by architectures with sliding layers)."""
