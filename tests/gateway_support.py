@@ -28,13 +28,13 @@ KEY = "sk-aotx-test-key-0123456789abcdef"
 
 
 def start_engine(home: Path, model: Path | None, *, slots: int = 4, context: int = 2048,
-                 timeout: float = 300) -> tuple[subprocess.Popen, Path]:
+                 timeout: float = 300, device: str = "cpu") -> tuple[subprocess.Popen, Path]:
     """``aotx serve`` in the background with ``AOTX_HOME=home``; waits until its socket answers."""
     sock = home / "e.sock"
     env = dict(os.environ, AOTX_HOME=str(home))
     log = open(home / "engine.log", "ab")
     args = [sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", str(slots),
-            "--context", str(context), "--device", "cpu"]
+            "--context", str(context), "--device", device]
     if model is not None:
         args += ["--model", str(model)]
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=log, start_new_session=True)

@@ -212,7 +212,7 @@ def test_openai_client_sees_errors_as_its_exceptions(gw):
         bad.models.list()
     good = openai.OpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
-        good.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
+        good.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=17)
     assert e.value.body["param"] == "n"
 
 

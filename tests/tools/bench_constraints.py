@@ -8,11 +8,17 @@ Two measurements, each printed as a table and one JSON line:
    then applying the mask to one row of logits, on the host (``sampling.apply_mask``)
    and, with ``--device cuda``, in the sampling kernel (``cuda_sampling.sample_rows``
    with and without a mask on the same rows).
-2. **engine**: the engine path a user meets: an in-process engine generates the same
-   greedy reply with and without the JSON-schema constraint; decode tokens/s of each
-   and the ratio (``--device cpu`` or ``cuda``).
+2. **engine**: an in-process engine generates a greedy reply with and without the
+   JSON-schema constraint; the engine's decode tokens/s of each and the ratio.
+3. **gateway**: the path a user meets: ``aotx serve`` in a subprocess, the gateway in a
+   thread, the official ``openai`` client streaming the same request plain and with
+   ``response_format`` ``json_schema`` (strict); per token = time from the first to the
+   last streamed content chunk over (completion tokens - 1), median of ``--reps`` runs,
+   and the ratio. Both replies are greedy; their lengths are printed (the plain one may
+   stop early: per-token figures stay comparable).
 
     python -m tests.tools.bench_constraints --model PATH [--device cpu|cuda] [--tokens 64]
+        [--reps 3] [--skip-engine] [--skip-gateway]
 
 For a CPU figure, unset OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE in that command only
 (GUIDE.md). Without ``--model`` the default model is used.
@@ -181,6 +187,55 @@ def bench_engine(model: Path, device: str, tokens: int) -> dict:
     return out
 
 
+def bench_gateway(model: Path, device: str, tokens: int, reps: int) -> dict:
+    import tempfile
+
+    import openai
+
+    from tests.gateway_support import KEY, gateway, start_engine, stop_engine
+
+    home = Path(tempfile.mkdtemp(prefix="aotx-bench-gw-"))
+    proc, sock = start_engine(home, model, slots=1, context=1024, device=device)
+    out: dict = {}
+    try:
+        with gateway(sock) as url:
+            oa = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
+            fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA, "strict": True}}
+            for label, extra in (("plain", {}), ("json_schema", {"response_format": fmt})):
+                per, totals, n_tok, text = [], [], 0, ""
+                for _ in range(reps + 1):  # the first run warms the engine and the grammar compiler
+                    t0 = time.perf_counter()
+                    stamps, parts, usage = [], [], None
+                    stream = oa.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "Make up a user record as JSON."}],
+                        temperature=0, max_tokens=tokens, stream=True, stream_options={"include_usage": True},
+                        **extra)
+                    for ch in stream:
+                        if ch.usage is not None:
+                            usage = ch.usage
+                        if ch.choices and ch.choices[0].delta.content:
+                            stamps.append(time.perf_counter())
+                            parts.append(ch.choices[0].delta.content)
+                    t1 = time.perf_counter()
+                    n_tok, text = usage.completion_tokens, "".join(parts)
+                    if n_tok > 1 and len(stamps) > 1:
+                        per.append((stamps[-1] - stamps[0]) / (n_tok - 1))
+                    totals.append(t1 - t0)
+                try:
+                    json.loads(text)
+                    whole = True
+                except ValueError:  # plain prose, or a constrained reply cut at max_tokens
+                    whole = False
+                out[label] = {"ms_per_token": round(statistics.median(per[1:] or per) * 1e3, 3),
+                              "request_s": round(statistics.median(totals[1:]), 3), "completion_tokens": n_tok,
+                              "whole_json": whole}
+        out["ratio_constrained_over_plain"] = round(out["json_schema"]["ms_per_token"]
+                                                    / out["plain"]["ms_per_token"], 3)
+    finally:
+        stop_engine(proc)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -188,6 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per engine run")
     ap.add_argument("--reps", type=int, default=3, help="walks of each grammar for the mask timings")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-gateway", action="store_true")
     args = ap.parse_args(argv)
     model = args.model or _default_model()
     from aotx.engine.model.gguf_file import GGUFFile
@@ -197,6 +253,8 @@ def main(argv=None) -> int:
     result = {"model": model.name, "device": args.device, "mask": bench_masks(tok, args.device, args.reps)}
     if not args.skip_engine:
         result["engine"] = bench_engine(model, args.device, args.tokens)
+    if not args.skip_gateway:
+        result["gateway"] = bench_gateway(model, args.device, args.tokens, args.reps)
     m = result["mask"]
     print(f"constrained decoding on {model.name} ({args.device}), vocabulary {m['vocab']:,}")
     print(f"  llguidance tokenizer build: {m['tokenizer_build_s']} s (once per model)")
@@ -211,6 +269,11 @@ def main(argv=None) -> int:
         e = result["engine"]
         print(f"  engine decode: plain {e['plain']['decode_tokens_per_s']} tok/s, json_schema "
               f"{e['json_schema']['decode_tokens_per_s']} tok/s, ratio {e['ratio_constrained_over_plain']}")
+    if "gateway" in result:
+        g = result["gateway"]
+        print(f"  through the gateway (openai client, streamed): plain {g['plain']['ms_per_token']} ms/token "
+              f"({g['plain']['completion_tokens']} tokens), json_schema {g['json_schema']['ms_per_token']} ms/token "
+              f"({g['json_schema']['completion_tokens']} tokens), ratio {g['ratio_constrained_over_plain']}")
     print(json.dumps(result))
     return 0
 
