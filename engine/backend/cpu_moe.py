@@ -35,6 +35,7 @@ other rows chose the same expert.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 import time
@@ -346,10 +347,10 @@ def _touch(flat, step):
     the threads that will read them."""
     n = flat.shape[0]
     pages = (n + step - 1) // step
-    acc = np.zeros(numba.get_num_threads(), np.int64)
+    acc = 0
     for p in prange(pages):
-        acc[numba.get_thread_id()] += flat[p * step]
-    return acc.sum()
+        acc += flat[p * step]
+    return acc
 
 
 class ExpertPool:
@@ -451,3 +452,45 @@ class ExpertPool:
     def stats(self) -> dict[str, Any]:
         return {"threads": self.n_threads, "pinned": {str(k): v for k, v in self.pinned.items()},
                 "rows": self.rows, "expert_calls": self.expert_calls, "seconds": round(self.seconds, 4)}
+
+
+# ------------------------------------------------------------------ tiers on the CPU
+
+CPU_TIERS = ("host", "mmap")
+
+
+def measure(attrs: dict, rows: tuple[int, ...], pool: ExpertPool, reps: int = 5) -> dict[str, Any]:
+    """Seconds for one expert's FFN of this moe node on n rows (for each n in ``rows``),
+    the best of ``reps`` runs after a warm-up, on the CPU pool (pinned first). The expert
+    measured is the node's expert 0 (all experts of a layer have one shape and type)."""
+    pool.ensure_pinned()
+    gate, up, down = attrs["gate"], attrs["up"], attrs["down"]
+    biases = (attrs["gate_bias"], attrs["up_bias"], attrs["down_bias"])
+    rng = np.random.default_rng(0)
+    out: dict[int, float] = {}
+    for n in rows:
+        x = rng.standard_normal((n, gate.k)).astype(np.float32)
+        expert_ffn(gate, up, down, 0, x, attrs["act"], attrs["alpha"], attrs["limit"], biases, True)
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            expert_ffn(gate, up, down, 0, x, attrs["act"], attrs["alpha"], attrs["limit"], biases, True)
+            best = min(best, time.perf_counter() - t0)
+        out[int(n)] = best
+    return {"cpu": out}
+
+
+def place(nodes: list, p: Any, pool: ExpertPool) -> dict[str, Any]:
+    """Apply an expert-tier plan on the CPU backend: "host" experts are materialized and
+    their pages touched now by the pinned pool; "mmap" ones stay in the file's map until a
+    row is routed to them. A "gpu" tier is refused (ValueError): this backend has no GPU.
+    Returns {"gpu_bytes": 0, "host_bytes": bytes now held, "recalibrate": True}."""
+    held = 0
+    for node, tiers in zip(nodes, p.tiers):
+        a = node.attrs
+        if len(tiers) != a["n_expert"] or any(t not in CPU_TIERS for t in tiers):
+            raise ValueError(f"moe layer {a['moe_layer']}: tiers {sorted(set(tiers))} for {a['n_expert']} experts "
+                             f"(the CPU backend has {', '.join(CPU_TIERS)})")
+        host = [e for e, t in enumerate(tiers) if t == "host"]
+        held += pool.warm([a["gate"], a["up"], a["down"]], host)
+    return {"gpu_bytes": 0, "host_bytes": held, "recalibrate": True}

@@ -203,6 +203,7 @@ class CpuProgram:
         # moe layer -> the last forward's (n, k) expert ids and (n,) routing margins
         self.last_routing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.expert_pool = None
+        self.traffic = [np.zeros(n.attrs["n_expert"], np.int64) for n in self.moe_nodes]
         if self.moe_nodes:
             from aotx.engine.backend.cpu_moe import ExpertPool
 
@@ -231,6 +232,25 @@ class CpuProgram:
         for step in self._steps:
             step(env, bt, kv)
         return env[self.program.output.id]
+
+    # ---- expert tiers (issue 22; cpu_moe.py, engine/model/experts.py) ----------------
+
+    def measure_experts(self, layer: int, rows: tuple[int, ...]) -> dict:
+        """Calibration: seconds of one expert of moe layer ``layer`` on n rows, CPU tier."""
+        from aotx.engine.backend import cpu_moe
+
+        return cpu_moe.measure(self.moe_nodes[layer].attrs, rows, self.expert_pool)
+
+    def place_experts(self, plan) -> dict:
+        """Apply an expert-tier plan (every expert "host" or "mmap" here)."""
+        from aotx.engine.backend import cpu_moe
+
+        return cpu_moe.place(self.moe_nodes, plan, self.expert_pool)
+
+    def expert_stats(self) -> dict:
+        """Traffic: rows routed to each expert of each moe layer since load, and the pool's
+        counters."""
+        return {"traffic": [t.tolist() for t in self.traffic], "pool": self.expert_pool.stats()}
 
     # ---- buffer planning -----------------------------------------------------------
 
@@ -507,6 +527,7 @@ class CpuProgram:
         view = self._view[xi]
         pool = self.expert_pool
         attrs = dict(a)
+        traffic = self.traffic[a["moe_layer"]]
 
         def mm(W, x, bt):
             y = np.empty((x.shape[0], W.m), np.float32)
@@ -526,6 +547,7 @@ class CpuProgram:
                 logits += rbias
             sel, w, margin = cpu_moe.route(logits, k, gating, norm_w, w_scale)
             self.last_routing[attrs["moe_layer"]] = (sel, margin)
+            traffic[:] += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
             Y = np.empty((n, k, d), np.float32)
             small = None
             all_small = not on_n or bt.all_small
