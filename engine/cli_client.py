@@ -105,7 +105,8 @@ async def _run(args) -> int:
         st = await client.status()
         if args.profile:
             print(json.dumps({"stages_s": st.profile, "total_s": round(sum(st.profile.values()), 4),
-                              "model": st.model, "device": st.device}), file=sys.stderr if args.json else sys.stdout)
+                              "model": st.model, "device": st.device, "notes": st.notes}),
+                  file=sys.stderr if args.json else sys.stdout)
         attachments = []
         for a in args.attach:
             p = Path(a).expanduser()

@@ -134,7 +134,7 @@ def build_engine(args, progress=None):
     if draft_path:  # refuse a mismatch before loading anything
         check_vocabulary_files(args.model, draft_path)
     try:
-        lm = load_model(args.model, device=device, progress=progress)
+        lm = load_model(args.model, device=device, progress=progress, tune="auto")
     except ModelError as e:
         if device != "cuda" or args.device != "auto":
             raise

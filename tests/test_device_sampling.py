@@ -207,15 +207,6 @@ def test_cuda_sample_rows_equals_host_chain(cfg):
     assert same >= R - 1, f"{R - same} of {R} rows differ"  # one boundary case allowed (pairwise vs serial sums)
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tiny_gguf, tmp_path_factory):
-    from aotx.engine.model.loader import load_model
-
-    path = tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("devsamp_cuda") / "t64.gguf", seed=4, d_model=256,
-                                      n_heads=4, n_kv_heads=2, ffn=512)
-    return load_model(path, device="cpu", int8_activations=False), load_model(path, device="cuda")
-
-
 @needs_cuda
 def test_cuda_graph_runs_multi_token_rows_like_eager(tiny_pair):
     """A short prefill and a verify window go through the graph; logits match the CPU
@@ -231,7 +222,9 @@ def test_cuda_graph_runs_multi_token_rows_like_eager(tiny_pair):
         a = lm.model.forward(toks[:32], segs1, kv)
         b = lm.model.forward(toks[32:40], segs2, kv)
         outs.append((a, b))
-    assert gpu.model._graph_ok(toks[:32], segs1, gpu.model.new_kv_cache(2, 64))
+    from aotx.engine.model.batch import BatchLayout
+
+    assert gpu.model.compiled._graph_ok(BatchLayout.of(segs1), gpu.model.new_kv_cache(2, 64))
     for (ca, cb), (ga, gb) in [(outs[0], outs[1])]:
         assert ga.shape == ca.shape == (13, gpu.config.vocab_size) and gb.shape == cb.shape == (6, gpu.config.vocab_size)
         for c, g in ((ca, ga), (cb, gb)):

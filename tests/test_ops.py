@@ -201,7 +201,8 @@ def _toy_program(rng, window: int = 0):
     for i in range(2):
         h = b.rms_norm(x, (1 + 0.1 * rng.standard_normal(d)).astype(np.float32), 1e-5)
         bias = (0.1 * rng.standard_normal(H * hd + 2 * KV * hd)).astype(np.float32)
-        q, k, v = b.split(b.linear(h, f32_matrix(rng, H * hd + 2 * KV * hd, d, f"qkv{i}"), bias), (H * hd, KV * hd, KV * hd))
+        wqkv = f32_matrix(rng, H * hd + 2 * KV * hd, d, f"qkv{i}")
+        q, k, v = b.split(b.linear(h, wqkv, bias), (H * hd, KV * hd, KV * hd))
         q = b.head_rms_norm(q, rng.standard_normal(hd).astype(np.float32), 1e-6, hd)
         spec = RopeSpec("neox" if i else "normal", hd, 100.0 + i, attn_factor=1.1)
         q, k = b.rope(q, spec, hd), b.rope(k, spec, hd)

@@ -363,7 +363,8 @@ class CpuProgram:
         return run
 
     def _c_rms_norm(self, i, node):
-        w, eps, xi, oi, s = node.attrs["weight"], node.attrs["eps"], node.inputs[0].id, node.out.id, self._slot(node.out)
+        w, eps, xi, oi = node.attrs["weight"], node.attrs["eps"], node.inputs[0].id, node.out.id
+        s = self._slot(node.out)
         kern = cpu_ops.rms_norm
 
         def run(env, bt, kv):
@@ -384,7 +385,8 @@ class CpuProgram:
         return run
 
     def _c_linear(self, i, node):
-        W, bias, xi, oi, s = node.attrs["weight"], node.attrs["bias"], node.inputs[0].id, node.out.id, self._slot(node.out)
+        W, bias, xi, oi = node.attrs["weight"], node.attrs["bias"], node.inputs[0].id, node.out.id
+        s = self._slot(node.out)
         on_n = node.inputs[0].rows == ROWS_N
         view = self._view[xi]
         m = W.m
@@ -468,7 +470,8 @@ class CpuProgram:
 
     def _c_glu(self, i, node):
         kern = cpu_ops.silu_mul if node.attrs["act"] == "silu" else cpu_ops.gelu_tanh_mul
-        gi, ui, oi, inplace, s = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i], self._slot(node.out)
+        gi, ui, oi, inplace = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i]
+        s = self._slot(node.out)
 
         def run(env, bt, kv):
             g = env[gi]
@@ -478,7 +481,8 @@ class CpuProgram:
         return run
 
     def _c_add(self, i, node):
-        ai, bi, oi, inplace, s = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i], self._slot(node.out)
+        ai, bi, oi, inplace = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i]
+        s = self._slot(node.out)
         kern = cpu_ops.add_inplace
 
         def run(env, bt, kv):

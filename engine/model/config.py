@@ -85,11 +85,6 @@ class ModelConfig:
     expert_ffn_dim: int = 0
     shared_ffn_dim: int = 0
 
-    @property
-    def gqa_group(self) -> int:
-        """Query heads per KV head."""
-        return self.n_heads // self.n_kv_heads
-
     def check_sliding_window(self, path: str) -> None:
         """Raise ModelError unless the file's sliding window can be used: present,
         positive, at most the trained context (called by architectures with sliding layers)."""

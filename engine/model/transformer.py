@@ -108,7 +108,8 @@ def resolve_tensors(specs: list, gf, backend) -> list[tuple[Tensor, Any]]:
             chosen = next((opt for opt in s.options if opt[0].name in gf.tensors), None)
             if chosen is None:
                 names = " or ".join(repr(opt[0].name) for opt in s.options)
-                raise ModelError(f"{gf.path}: tensor {s.options[0][0].name!r} is missing (the file has neither {names})")
+                raise ModelError(f"{gf.path}: tensor {s.options[0][0].name!r} is missing "
+                                 f"(the file has neither {names})")
             flat.extend(chosen)
         else:
             flat.append(s)

@@ -378,6 +378,7 @@ class Engine:
             budget=[P.BudgetLine(name=n, bytes=v) for n, v in (b.terms if b else ())],
             slots=slots, n_ctx=self.n_ctx, queue=sum(1 for r in self._waiting if r.state is RequestState.QUEUED),
             tick=self.tick, journal=self.store.journal_status(), profile=dict(self.lm.profile),
+            notes=dict(getattr(self.lm, "notes", {})),
             capsules=self.capsules.usage() if self.capsules is not None else {},
             fingerprint=self.lm.fingerprint, model_path=str(self.lm.path),
             draft_model=self.draft.lm.name if self.draft else "",

@@ -17,8 +17,9 @@ Layer l slides (window_l = attention.sliding_window, base_l = rope.freq_base_swa
 10000, no frequency scaling) when l % 6 < 5, or as attention.sliding_window_pattern says;
 the other layers are global (window 0, base_l = rope.freq_base). A file without
 attention.sliding_window has global layers only (llama.cpp reads a window of 0 that way;
-here it is refused as a defect: the converter omits the key instead). f_attention_scale = 1/sqrt(head_dim),
-or 1/sqrt(d_model / n_heads) for the 27B (62 layers), from the Gemma reference config.
+here 0 is refused as a defect: the converter omits the key instead). f_attention_scale =
+1/sqrt(head_dim), or 1/sqrt(d_model / n_heads) for the 27B (62 layers), from the Gemma
+reference config.
 The norms' weights arrive with Gemma's "1 + w" already added by the converter
 (convert_hf_to_gguf Gemma3Model.norm_shift), so they are used as they are.
 
