@@ -110,7 +110,7 @@ def place_experts(args, lm, device: str, budget, replan):
     host = ram // 2 if gpu else None
     st = X.setup(lm.model, model_fp=lm.fingerprint, gpu_bytes=gpu_bytes, host_bytes=host,
                  policy=getattr(args, "expert_cache", None) or "static")
-    lines = admission.check_experts(st.plan, total, host if host is not None else ram, ram, gpu)
+    lines = admission.check_experts(st.plan, total, ram, gpu)
     lm.profile.update(st.stages)
     lm.notes["experts"] = st.note
     for line in lines:

@@ -359,15 +359,18 @@ class ExpertCache:
     ``resident(l)``: the set of resident experts. ``route(l, rows_by_expert)`` is called once
     per moe layer and forward with {expert: rows routed to it}; it returns the experts to
     copy in now, each with the expert it evicts (or None), and records hits: a routed row of
-    a resident expert is a hit. "static" never copies; "lru" / "lfu" copy an expert that got
-    ``copy_min_rows`` rows or more in this call, or (lfu) that has been used more often than
-    the least used resident."""
+    a resident expert is a hit. "static" never copies; "lru" / "lfu" copy a cold expert once
+    it got ``copy_min_rows`` rows since it last left the cache (in one call, as a prefill
+    chunk, or over many decode steps), or (lfu) once it has been used more than twice as
+    often as the least used resident; the victim is the least recently (lru) or least
+    frequently (lfu) used resident."""
 
     def __init__(self, p: Plan, copy_min_rows: int | None = None):
         self.policy = p.policy
         self.copy_min_rows = p.copy_min_rows if copy_min_rows is None else copy_min_rows
         self._res: list[OrderedDict[int, None]] = []
         self.freq: list[list[int]] = []
+        self.pending: list[list[int]] = []
         for t in p.tiers:
             od: OrderedDict[int, None] = OrderedDict()
             for e, tier in enumerate(t):
@@ -375,6 +378,7 @@ class ExpertCache:
                     od[e] = None
             self._res.append(od)
             self.freq.append([0] * len(t))
+            self.pending.append([0] * len(t))
         self.slots = [len(r) for r in self._res]
         self.hits = 0
         self.misses = 0
@@ -395,7 +399,9 @@ class ExpertCache:
                 continue
             want = False
             if self.policy != "static" and self.slots[layer] > 0:
-                want = bool(self.copy_min_rows) and n >= self.copy_min_rows
+                # rows a cold expert got since it last left the cache (decode sends one row at a time)
+                self.pending[layer][e] += n
+                want = bool(self.copy_min_rows) and self.pending[layer][e] >= self.copy_min_rows
                 if self.policy == "lfu" and not want:
                     coldest = min(res, key=lambda r: freq[r]) if res else None
                     want = coldest is not None and freq[e] > 2 * freq[coldest] + 1
@@ -407,6 +413,7 @@ class ExpertCache:
                 victim = next(iter(res)) if self.policy == "lru" else min(res, key=lambda r: freq[r])
                 del res[victim]
             res[e] = None
+            self.pending[layer][e] = 0
             self.copies += 1
             self.hits += n
             todo.append((e, victim))
@@ -424,9 +431,9 @@ def simulate(trace: list[list[Any]], p: Plan, layers: list[MoeLayer], costs: Cos
     rows) against the plan's cache with ``policy`` (default the plan's). Returns hits,
     misses, copies, hit_rate and, with ``costs``, the modeled seconds of the expert work
     (per layer and forward: max(CPU rows' cost, GPU rows' cost) + copies' cost)."""
-    import numpy as np
-
     import dataclasses
+
+    import numpy as np
 
     cache = ExpertCache(dataclasses.replace(p, policy=policy or p.policy))
     secs = 0.0

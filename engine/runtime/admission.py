@@ -184,19 +184,20 @@ def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefil
 EXPERT_CACHE_RESERVE = 256 << 20
 
 
-def check_experts(plan, total_bytes: int, host_bytes: int, ram_bytes: int, gpu: bool) -> list[str]:
+def check_experts(plan, total_bytes: int, ram_bytes: int, gpu: bool) -> list[str]:
     """Admission of a mixture-of-experts model's experts (``plan``: engine/model/experts.Plan;
-    bytes: all experts, pinned host memory for experts, the machine's RAM; ``gpu``: the
-    engine runs on a GPU). Refuses with the numbers (AdmissionError) when the experts the
-    GPU cache does not hold fit neither pinned host memory nor RAM (the memory-mapped file
-    would be read from disk on every token); otherwise returns the lines to report: where
-    the experts live and, when some run on the CPU on a GPU machine, that the model fits
-    only so, with the speed the calibration predicts."""
+    ``total_bytes``: all routed experts; ``ram_bytes``: the machine's RAM; ``gpu``: the engine
+    runs on a GPU). On the CPU the experts are part of the weights the budget table already
+    counts. On a GPU, the experts the cache does not hold are computed by the CPU pool from
+    host memory: refuses (AdmissionError, with the numbers) when they do not fit the RAM
+    less 2 GiB for everything else (each token would read them from disk). Returns the lines
+    to report: where the experts live and, when some run on the CPU on a GPU machine, that
+    the model fits only so, with the speed the calibration predicts."""
     off_gpu = total_bytes - plan.gpu_bytes
-    if off_gpu > max(host_bytes, 0) + max(ram_bytes - (2 << 30), 0):
+    if gpu and off_gpu > ram_bytes - (2 << 30):
         raise AdmissionError(
             f"the experts do not fit: {fmt_bytes(total_bytes)} ({total_bytes:,} bytes) of experts, the GPU cache holds "
-            f"{fmt_bytes(plan.gpu_bytes)}, pinned host memory {fmt_bytes(host_bytes)} and the machine has "
+            f"{fmt_bytes(plan.gpu_bytes)} and the other {fmt_bytes(off_gpu)} need host memory, but the machine has "
             f"{fmt_bytes(ram_bytes)} of RAM; raise --memory-budget, lower --slots or --context, or use a smaller file")
     lines = [plan.summary()]
     if gpu and plan.count("gpu") < plan.n_experts:
