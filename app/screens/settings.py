@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
@@ -63,15 +63,18 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-box", classes="dialog"):
             yield Static("System prompt and sampling of this conversation", classes="dialog-title")
-            yield TextArea(self.system_prompt, id="system-prompt")
-            with Grid(id="sampling-grid"):
-                for name, _, hint in FIELDS:
-                    value = getattr(self.sampling, name)
-                    yield Label(f"{name} ({hint})")
-                    yield Input("" if value is None else str(value), id=f"f-{name}")
-                yield Label("speculative decoding")
-                current = self.sampling.speculative if self.sampling.speculative in {v for _, v in SPECULATIVE} else ""
-                yield Select(SPECULATIVE, value=current, allow_blank=False, id="f-speculative")
+            # the form scrolls, the buttons stay on screen (at 80x24 too: issue 17, point 14)
+            with VerticalScroll(id="settings-body"):
+                yield TextArea(self.system_prompt, id="system-prompt")
+                with Grid(id="sampling-grid"):
+                    for name, _, hint in FIELDS:
+                        value = getattr(self.sampling, name)
+                        yield Label(f"{name} ({hint})")
+                        yield Input("" if value is None else str(value), id=f"f-{name}")
+                    yield Label("speculative decoding")
+                    current = (self.sampling.speculative if self.sampling.speculative in {v for _, v in SPECULATIVE}
+                               else "")
+                    yield Select(SPECULATIVE, value=current, allow_blank=False, id="f-speculative")
             yield Static("", id="settings-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save (ctrl+s)", id="save", variant="primary")
