@@ -320,7 +320,7 @@ class ChatApp(ChatActions, EngineLink, App):
         """A chip went away: the notice says what is left (issue 17, defect 3)."""
         if self.notice_kind == "attach" or not event.bar.attachments:
             self._attach_notice()
-        if not event.bar.attachments and (self.focused is None or not self.focused.is_mounted):
+        if event.focus_lost:
             self.chat_input.focus()
 
     def on_chat_input_paths_pasted(self, event: ChatInput.PathsPasted) -> None:

@@ -35,8 +35,8 @@ class AttachmentBar(Horizontal):
     """The pending message's attachments. Posts ``Changed`` when one is added or removed."""
 
     class Changed(Message):
-        def __init__(self, bar: "AttachmentBar", removed: list[P.Attachment]) -> None:
-            self.bar, self.removed = bar, removed
+        def __init__(self, bar: "AttachmentBar", removed: list[P.Attachment], focus_lost: bool = False) -> None:
+            self.bar, self.removed, self.focus_lost = bar, removed, focus_lost
             super().__init__()
 
     def __init__(self, **kwargs) -> None:
@@ -60,9 +60,10 @@ class AttachmentBar(Horizontal):
         chip.remove()
         self.set_class(not self.attachments, "empty")
         rest = [c for c in chips if c is not chip]
-        if chip.has_focus and rest:
+        had_focus = chip.has_focus
+        if had_focus and rest:
             rest[min(i, len(rest) - 1)].focus()
-        self.post_message(self.Changed(self, [chip.attachment]))
+        self.post_message(self.Changed(self, [chip.attachment], focus_lost=had_focus and not rest))
 
     def take(self) -> list[P.Attachment]:
         """Hand the attachments to a send and clear the bar."""
