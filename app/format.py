@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from aotx.engine.ipc import protocol as P
+from aotx.engine.units import fmt_bytes
 
 # position -> (glyph, word). accepted/committed/durable are the design's three
 # positions; the rest are how a message can end short of them. The sidebar's legend,
@@ -38,16 +39,6 @@ def position_of(m: P.MessageView) -> str:
     if m.status in ("streaming", "complete"):
         return "committed"
     return "accepted"
-
-
-def fmt_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB'; exact bytes below 1 KiB."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def fmt_amount(resource: str, n: int) -> str:
@@ -115,9 +106,9 @@ def refusal_text(code: str, message: str, what: str = "the request") -> str:
 
 def shown_text(text: str) -> str:
     """A journaled user message as the chat shows it: the markers that stand for
-    pictures given to a vision encoder (``media_prompt.marker``) are left out (the
+    pictures given to a vision encoder (``aotx.media.markers``) are left out (the
     message lists its attachments), so a retry or an edit does not send them twice."""
-    from aotx.engine.runtime.media_prompt import MARKER_RE
+    from aotx.media.markers import MARKER_RE
 
     if "<__image_" not in text:
         return text

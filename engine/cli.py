@@ -185,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(args)
         if args.cmd == "gateway":
+            from aotx.engine import cli_client
             from aotx.engine.ipc.gateway import run_gateway
 
-            return run_gateway(args)
+            return run_gateway(args, lambda: cli_client.connect(args, spawn=True))
         if args.cmd in ("tokenize", "logits", "models", "bench", "journal"):
             from aotx.engine import cli_local
 

@@ -40,7 +40,7 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
     draft = getattr(args, "draft_model", None)
     client = None
     if draft:  # refuse a mismatched draft model before starting an engine with it
-        from aotx.engine.runtime.drafter import check_vocabulary_files
+        from aotx.engine.model.vocabulary import check_vocabulary_files
 
         if not getattr(args, "model", None):  # a running engine's model is the one meant
             try:
@@ -203,7 +203,7 @@ async def _run(args) -> int:
 
 
 async def _status(args) -> int:
-    from aotx.engine.runtime.admission import fmt_bytes
+    from aotx.engine.units import fmt_bytes
 
     client = await connect(args, spawn=False)
     try:

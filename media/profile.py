@@ -319,7 +319,7 @@ def prepare(path: str | os.PathLike[str], kind: str | None = None, *, language: 
     from aotx.media import image as image_mod
 
     if vision is not None and images is not None:
-        from aotx.engine.runtime.media_prompt import image_key
+        from aotx.media.markers import image_key
 
         im = image_mod.load_image(p)
         key = image_key(p.read_bytes(), vision.name)
@@ -360,7 +360,7 @@ def render_for_prompt(results: Sequence[MediaResult], user_text: str,
             else:
                 blocks.append(f"[Audio {r.source}: no speech was recognized in it]")
         elif r.kind == "image" and r.route == "encoder":
-            from aotx.engine.runtime.media_prompt import marker
+            from aotx.media.markers import marker
 
             blocks.append(marker(r.key))
         elif r.kind == "image":

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
+
+# The shared test doubles, test models and tools import as ``tests.fakes``,
+# ``tests.models`` and ``tests.tools``: make the repository root importable however
+# pytest was started (``python -m pytest`` from the root already puts it on sys.path).
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

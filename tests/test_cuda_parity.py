@@ -32,7 +32,7 @@ if _n_dev < 1:
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from aotx.engine.backend.cuda_testmodel import SMOLLM2_135M, write_llama  # noqa: E402
+from tests.models.cuda_testmodel import SMOLLM2_135M, write_llama  # noqa: E402
 from aotx.engine.errors import ModelError  # noqa: E402
 from aotx.engine.model.batch import Segment  # noqa: E402
 

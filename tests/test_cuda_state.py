@@ -15,13 +15,13 @@ the device == the logits path, speculative rollback, parking a slot's capsule).
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import numpy as np
 import pytest
 
 from aotx.engine.ipc import protocol as P
 from aotx.engine.model.batch import Segment
+from tests.fakes.sink import EventSink
 
 try:
     import cupy
@@ -32,17 +32,6 @@ except Exception as e:  # noqa: BLE001 - ImportError, or the driver's CUDARuntim
     _why = f"no CUDA device: {type(e).__name__}: {e}"
 
 needs_cuda = pytest.mark.skipif(bool(_why), reason=_why or "-")
-
-
-class _Sink:
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def send(self, m):
-        self.events.append(m)
-        if isinstance(m, (P.Committed, P.Error, P.ConversationInfo)):
-            self.done.set()
 
 
 class _GreedyOnHost:
@@ -106,11 +95,11 @@ def _generate(lm, texts, *, temperature=0.0, repeat_penalty=1.0, speculative="of
     outs, dones = [], []
     try:
         for i, text in enumerate(texts):
-            s = _Sink()
+            s = EventSink()
             eng.post(P.CreateConversation(id=1, title=f"t{i}"), s)
             assert s.done.wait(30)
             cid = s.events[0].conversation.conv_id
-            s = _Sink()
+            s = EventSink()
             eng.post(P.SubmitMessage(id=2, conv_id=cid, text=text, raw=True,
                                      sampling=P.SamplingParams(temperature=temperature, seed=5, max_tokens=max_tokens,
                                                                top_k=0, top_p=1.0, min_p=0.0,
@@ -287,14 +276,14 @@ def test_cuda_engine_parks_and_restores_capsules(tiny_pair):
     try:
         convs = []
         for i in range(2):
-            s = _Sink()
+            s = EventSink()
             eng.post(P.CreateConversation(id=1, title=f"c{i}"), s)
             assert s.done.wait(30)
             convs.append(s.events[0].conversation.conv_id)
         notes, reused = [], []
         for turn in range(2):
             for j, cid in enumerate(convs):
-                s = _Sink()
+                s = EventSink()
                 eng.post(P.SubmitMessage(id=10 + turn, conv_id=cid, text=f"{TEXTS[j]} {turn}",
                                          sampling=P.SamplingParams(temperature=0.0, max_tokens=12)), s)
                 assert s.done.wait(60)

@@ -129,31 +129,21 @@ def tiny_cpu(tiny_gguf, tmp_path_factory):
 
 def _run(lm, texts, sp: dict, speculative="off", slots=2):
     """Like test_cuda_state._generate with sampling settings of our own (top-k on)."""
-    import threading
-
     from aotx.engine.ipc import protocol as P
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store
-
-    class Sink:
-        def __init__(self):
-            self.events, self.done = [], threading.Event()
-
-        def send(self, m):
-            self.events.append(m)
-            if isinstance(m, (P.Committed, P.Error, P.ConversationInfo)):
-                self.done.set()
+    from tests.fakes.sink import EventSink
 
     eng = Engine(lm, open_store(None), n_slots=slots, n_ctx=256, speculative=speculative, device=lm.backend)
     eng.start()
     outs = []
     try:
         for i, text in enumerate(texts):
-            s = Sink()
+            s = EventSink()
             eng.post(P.CreateConversation(id=1, title=f"t{i}"), s)
             assert s.done.wait(30)
             cid = s.events[0].conversation.conv_id
-            s = Sink()
+            s = EventSink()
             eng.post(P.SubmitMessage(id=2, conv_id=cid, text=text, raw=True,
                                      sampling=P.SamplingParams(max_tokens=40, **sp)), s)
             assert s.done.wait(120)

@@ -688,9 +688,11 @@ def uvicorn_server(app: Starlette):
     return uvicorn.Server(config)
 
 
-def run_gateway(args) -> int:
-    """``aotx gateway``: load or create the keys, connect the engine, serve HTTP."""
-    from aotx.engine import cli_client
+def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
+    """``aotx gateway``: load or create the keys, connect the engine, serve HTTP.
+
+    ``connect()`` opens an ``EngineClient`` (the CLI's: it finds or starts the engine
+    that ``args`` describe) and is called again after the engine goes away."""
     from aotx.engine.ipc import gateway_auth
 
     host, port = args.host, args.port
@@ -709,7 +711,7 @@ def run_gateway(args) -> int:
         per_key_concurrency=args.per_key_concurrency, max_queue=args.max_queue)
 
     async def main() -> int:
-        link = EngineLink(lambda: cli_client.connect(args, spawn=True), cfg.retry_after_s)
+        link = EngineLink(connect, cfg.retry_after_s)
         await link.get()  # start or find the engine before taking requests
         app = create_app(cfg, KeyRing(keys), link)
         server = uvicorn_server(app)

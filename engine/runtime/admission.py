@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from aotx.engine.errors import AdmissionError
+from aotx.engine.units import fmt_bytes, parse_size  # noqa: F401 (re-exported)
 
 
 def machine_memory_bytes() -> int:
@@ -34,28 +35,6 @@ def default_cuda_budget(device: int = 0) -> int:
 
     _free, total = cupy.cuda.Device(device).mem_info
     return max(1 << 30, int(total) - (1 << 30))
-
-
-def parse_size(text: str) -> int:
-    """'512M', '8G', '1.5GiB', '1000000' -> bytes. Raises ValueError on bad text."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
-        if t.endswith(suffix):
-            mult, t = m, t[:-1]
-            break
-    v = float(t)
-    if v <= 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return int(v * mult)
-
-
-def fmt_bytes(n: int) -> str:
-    """Human-readable bytes (binary units) with the exact count."""
-    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= m:
-            return f"{n / m:.1f} {unit}"
-    return f"{n} B"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from aotx.engine.state.prefix import common_prefix
+
 
 @dataclass
 class Slot:
@@ -23,15 +25,6 @@ class Slot:
     conv_id: str | None = None
     state: str = "free"
     last_used: int = 0
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class SlotTable:
