@@ -136,7 +136,7 @@ def history_media(m: P.MessageView) -> tuple[str, list[P.MediaInfo]]:
     text = m.text
     if not m.attachments:
         return text, []
-    from aotx.engine.runtime.media_prompt import MARKER_RE
+    from aotx.media.markers import MARKER_RE
 
     infos: list[P.MediaInfo] = []
     blocks = text.split("\n\n")
