@@ -54,7 +54,7 @@ class Sidebar(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Label("Conversations", classes="sidebar-title")
-        yield Input(placeholder="Search (Enter opens)", id="search")
+        yield Input(placeholder="Search", id="search")
         yield ListView(id="conversations")
         yield Static("\n".join(LEGEND_ITEMS), id="legend", markup=False)
 

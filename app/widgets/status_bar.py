@@ -65,16 +65,22 @@ class StatusBar(Horizontal):
             parts.append(f"context {used}/{self.n_ctx}")
         return " · ".join(parts)
 
-    def line(self) -> str:
-        parts = [self.model or "no model yet", self.device or "?", self.state]
-        if self.detail:
-            parts[-1] += f" ({self.detail})"
+    def line(self, width: int | None = None) -> str:
+        """The status line; with ``width``, shortened to fit: the budget first loses its
+        words, then goes, then the model's name and the device (state and speed stay)."""
+        state = self.state + (f" ({self.detail})" if self.detail else "")
         speed = self.speed_text() if self.state in ("ready", "writing") else ""
-        if speed:
-            parts.append(speed)
-        if self.budget:
-            parts.append(f"budget {fmt_bytes(self.used)} used / {fmt_bytes(self.budget - self.used)} free")
-        return " · ".join(parts)
+        free = fmt_bytes(self.budget - self.used)
+        budgets = ([f"budget {fmt_bytes(self.used)} used / {free} free", f"{free} free", ""] if self.budget
+                   else [""])
+        model = self.model or "no model yet"
+        tries = [(model, self.device or "?", b) for b in budgets] + [("", self.device or "?", ""), ("", "", "")]
+        line = ""
+        for m, d, b in tries:
+            line = " · ".join(x for x in (m, d, state, speed, b) if x)
+            if width is None or len(line) <= width:
+                return line
+        return line
 
     # ---- engine state ------------------------------------------------------
 
@@ -132,9 +138,13 @@ class StatusBar(Horizontal):
             self._timer = None
         self._refresh()
 
+    def on_resize(self) -> None:
+        self._refresh()
+
     def _refresh(self) -> None:
         if self.is_mounted:
             line = self.query_one("#engine-status", Static)
-            line.update(self.line())
+            width = line.content_region.width or self.size.width - 2
+            line.update(self.line(width if width > 0 else None))
             if self.budget:
                 line.tooltip = f"budget: {self.used} bytes used, {self.budget - self.used} bytes free"
