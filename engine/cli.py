@@ -67,6 +67,18 @@ def friendly_error(parser: argparse.ArgumentParser, message: str) -> str:
     return f"{head}{message}"
 
 
+def chosen_parser(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest subcommand parser ``args`` went through (``aotx conversations show``)."""
+    parser = ap
+    for dest in ("cmd", "ccmd", "jcmd"):
+        name = getattr(args, dest, None)
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if not name or sub is None or name not in sub.choices:
+            break
+        parser = sub.choices[name]
+    return parser
+
+
 def version() -> str:
     try:
         from importlib.metadata import version as _version
@@ -242,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         ap = build_parser()
-        args = ap.parse_args(argv)
+        args, extra = ap.parse_known_args(argv)
+        if extra:  # name the subcommand whose options were meant, and suggest one of them
+            chosen_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
         if not args.cmd:
             ap.print_help()
             return 2
