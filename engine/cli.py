@@ -279,10 +279,11 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine import cli_local  # the journal itself; the engine while one runs
 
             return cli_local.cmd_conversations(args)
-        if args.cmd == "run" and args.prompt is None and sys.stdin.isatty():
-            from aotx.app.repl import run_repl
+        if args.cmd == "run" and args.prompt is None and not args.json and sys.stdin.isatty():
+            from aotx.app.repl import run_repl  # no prompt at a terminal: chat there
+            from aotx.engine import cli_client
 
-            return run_repl(args)
+            return run_repl(args, connect=lambda: cli_client.connect(args))
         from aotx.engine import cli_client
 
         if args.cmd == "conversations":  # fork: named as aotx-chat names forks
