@@ -39,22 +39,31 @@ def test_segments_split_code_blocks_and_keep_all_text() -> None:
     assert "".join(md for _, md, _ in segs) == text
 
 
-async def test_streaming_keeps_widget_count_proportional_to_chunks() -> None:
+async def test_streaming_keeps_widget_count_proportional_to_chunks(monkeypatch) -> None:
+    """The widget count while streaming stays ~len(text)/CHUNK (+ code blocks), and the
+    frozen chunks survive finalize(). Observed at every append, not by polling: on a fast
+    machine the fake stream ended before a polling loop saw it (``assert 0 < peak``)."""
     text = long_reply(3000)
+    seen: list[tuple[int, object]] = []  # (children after the append, first child once frozen)
+    real_append = MarkdownView.append
+
+    async def spy(self, delta: str) -> None:
+        await real_append(self, delta)
+        seen.append((len(self.children), self.children[0] if self.frozen else None))
+
+    monkeypatch.setattr(MarkdownView, "append", spy)
     app, _ = make_app(FakeEngine(reply=lambda _t: text, chars_per_token=40, token_delay=0.003))
     async with app.run_test() as pilot:
         await settle(pilot)
         app.chat_input.insert("go")
         await pilot.press("enter")
-        peak, first = 0, None
+        await settle(pilot)
         while app.active is not None:
             await pilot.pause(0.01)
-            views = app.query(MarkdownView)
-            if views and not views.last().final:
-                peak = max(peak, len(views.last().children))
-                if first is None and views.last().frozen:
-                    first = views.last().children[0]
         await settle(pilot)
+        assert len(seen) >= 2, "the reply streamed in more than one frame"
+        peak = max(n for n, _ in seen)
+        first = next((f for _, f in seen if f is not None), None)
         # frozen chunks are cut into prose and code blocks once, when they freeze
         assert 0 < peak <= len(text) // (CHUNK // 2) + 2 + 2 * text.count("```python")
         view = app.query(MarkdownView).last()
