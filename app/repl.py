@@ -42,7 +42,7 @@ HELP = """Commands:
   /attach PATH...       attach images or audio to the next message (quoted or escaped paths work)
   /system [TEXT]        set (or show) the system prompt of this conversation
   /set [NAME VALUE]     set (or show) sampling: temperature, top_k, top_p, min_p, repeat_penalty,
-                        max_tokens, seed, speculative (auto, ngram, draft, off)
+                        max_tokens (a number, or "context"), seed, speculative (auto, ngram, draft, off)
   /fork                 branch this conversation here and continue in the branch
   /new                  start a new conversation
   /show                 this conversation's id, title and settings
@@ -78,6 +78,8 @@ def apply_setting(sp: P.SamplingParams, arg: str) -> P.SamplingParams:
     kind = SETTINGS[name]
     if name == "seed" and value.lower() in ("none", "random"):
         return msgspec.structs.replace(sp, seed=None)
+    if name == "max_tokens" and value.lower() in ("context", "none", "off"):
+        return msgspec.structs.replace(sp, max_tokens=P.UNTIL_CONTEXT)
     try:
         v = kind(value)
     except ValueError:
@@ -96,7 +98,13 @@ def apply_setting(sp: P.SamplingParams, arg: str) -> P.SamplingParams:
 
 
 def settings_line(sp: P.SamplingParams) -> str:
-    return " ".join(f"{k}={getattr(sp, k) if getattr(sp, k) not in (None, '') else '-'}" for k in SETTINGS)
+    def shown(k: str) -> str:
+        v = getattr(sp, k)
+        if k == "max_tokens" and v >= P.UNTIL_CONTEXT:
+            return "context"
+        return "-" if v in (None, "") else str(v)
+
+    return " ".join(f"{k}={shown(k)}" for k in SETTINGS)
 
 
 class Repl:

@@ -131,13 +131,18 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=_int("--max-tokens", 1), default=512)
-    p.add_argument("--temperature", type=_float("--temperature", 0.0, 100.0), default=0.7)
-    p.add_argument("--top-k", type=_int("--top-k", 0), default=40)
-    p.add_argument("--top-p", type=_float("--top-p", 0.0, 1.0), default=0.95)
-    p.add_argument("--min-p", type=_float("--min-p", 0.0, 1.0), default=0.05)
-    p.add_argument("--repeat-penalty", type=_float("--repeat-penalty", 0.0, 100.0), default=1.0)
-    p.add_argument("--seed", type=_int("--seed", 0), default=None)
+    from aotx.engine.ipc.protocol import SamplingParams
+
+    d = SamplingParams()  # the one definition of the defaults
+    p.add_argument("--max-tokens", type=_int("--max-tokens", 1), default=d.max_tokens,
+                   help="reply length limit (default: none short of the context)")
+    p.add_argument("--temperature", type=_float("--temperature", 0.0, 100.0), default=d.temperature)
+    p.add_argument("--top-k", type=_int("--top-k", 0), default=d.top_k)
+    p.add_argument("--top-p", type=_float("--top-p", 0.0, 1.0), default=d.top_p)
+    p.add_argument("--min-p", type=_float("--min-p", 0.0, 1.0), default=d.min_p)
+    p.add_argument("--repeat-penalty", type=_float("--repeat-penalty", 0.0, 100.0), default=d.repeat_penalty,
+                   help=f"penalty on the last {d.repeat_last_n} tokens (1 = off; default {d.repeat_penalty})")
+    p.add_argument("--seed", type=_int("--seed", 0), default=d.seed)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--speculative", choices=["auto", "ngram", "draft", "off"], default="",
                    help="speculative decoding for this reply: auto (prompt lookup where it pays), ngram "

@@ -17,7 +17,7 @@ FIELDS: tuple[tuple[str, type, str], ...] = (
     ("top_p", float, "1 = off"),
     ("min_p", float, "0 = off"),
     ("repeat_penalty", float, "1 = off"),
-    ("max_tokens", int, "reply length limit"),
+    ("max_tokens", int, "empty = to the context"),
     ("seed", int, "empty = random"),
 )
 
@@ -42,6 +42,9 @@ def parse_sampling(values: dict[str, str], base: P.SamplingParams) -> P.Sampling
         raw = values.get(name, "").strip()
         if raw == "" and name == "seed":
             changes[name] = None
+            continue
+        if raw == "" and name == "max_tokens":
+            changes[name] = P.UNTIL_CONTEXT
             continue
         try:
             changes[name] = kind(raw)
@@ -69,6 +72,8 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
                 with Grid(id="sampling-grid"):
                     for name, _, hint in FIELDS:
                         value = getattr(self.sampling, name)
+                        if name == "max_tokens" and value >= P.UNTIL_CONTEXT:
+                            value = None  # no limit short of the context
                         yield Label(f"{name} ({hint})")
                         yield Input("" if value is None else str(value), id=f"f-{name}")
                     yield Label("speculative decoding")

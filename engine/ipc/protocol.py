@@ -36,9 +36,16 @@ class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_
 
 # ---- shared value types ---------------------------------------------------
 
+UNTIL_CONTEXT = 1_000_000
+"""The default ``max_tokens``: more than any context, so a reply runs until it ends by
+itself or the context is full (a requested 1000-word story is ~1,300 tokens: a
+512-token default cut it; issue 17, point 15)."""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Sampling of one reply. temperature 0 means greedy; top_k 0, top_p 1 and
-    min_p 0 disable those filters; repeat_penalty 1 disables it; seed None picks one."""
+    min_p 0 disable those filters; repeat_penalty 1 disables it; seed None picks one;
+    ``max_tokens`` at its default (``UNTIL_CONTEXT``) leaves the context as the limit."""
 
     temperature: float = 0.7
     top_k: int = 40
@@ -47,7 +54,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
-    max_tokens: int = 512
+    max_tokens: int = UNTIL_CONTEXT
     stop: list[str] = []
     speculative: str = ""  # "" = the engine's default; "ngram" (prompt lookup), "draft" (draft model) or "off"
 
