@@ -23,7 +23,7 @@ from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Footer, Input, Static, TextArea
 
 from aotx.app import state as app_state
 from aotx.app.actions import ChatActions
@@ -327,7 +327,11 @@ class ChatApp(ChatActions, EngineLink, App):
         self.attach_paths(event.paths)
 
     async def on_paste(self, event: events.Paste) -> None:
-        """A paste that no focused text box took (e.g. the sidebar had focus)."""
+        """A paste that no focused text box took (e.g. the sidebar had focus). A paste
+        into another text box (TextArea lets it bubble up here) or a dialog is not
+        also put into the input."""
+        if isinstance(self.focused, (TextArea, Input)) or self.screen is not self.screen_stack[0]:
+            return
         items = parse_pasted_paths(event.text)
         paths = [i.value for i in items if i.kind == "path"]
         if paths:

@@ -101,6 +101,7 @@ async def test_defect1_other_text_boxes_take_a_paste_once():
         bracketed_paste(app, "Be brief.")
         await pilot.pause()
         assert box.text == "Be brief."
+        assert app.chat_input.text == ""  # the paste did not also land in the input behind the dialog
 
 
 # ---- defect 3: chips survived Ctrl+N and could not be removed from the keyboard ----
