@@ -23,7 +23,7 @@ from aotx.app.screens.prompts import Confirm, TextPrompt
 from aotx.app.screens.settings import SettingsScreen
 from aotx.app.widgets.chips import AttachmentBar
 from aotx.app.widgets.message import MessageWidget
-from aotx.engine.errors import AotxError
+from aotx.engine.errors import AotxError, EngineError, ErrorCode
 from aotx.engine.ipc.client import ConnectionLost
 
 
@@ -253,8 +253,8 @@ class ChatActions:
         except ConnectionLost:
             self.connection_lost()
         except AotxError as e:
-            code = getattr(e, "code", "")
+            code = e.code if isinstance(e, EngineError) else ""  # the engine's code, when it answered
             self.show_notice(refusal_text(code, str(e)), "error")
-            if code == "not_found":  # deleted by another client: show what is left
+            if code == ErrorCode.NOT_FOUND:  # deleted by another client: show what is left
                 await self.refresh_conversations()
         return None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from aotx.app.format import error_text, media_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
-from aotx.engine.errors import AotxError
+from aotx.engine.errors import AotxError, EngineError, ErrorCode
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost
 
@@ -199,7 +199,7 @@ class EngineLink:
         except AotxError as e:
             target = item.reply or item.widget
             target.set_position("failed")
-            why = refusal_text(getattr(e, 'code', ''), str(e), 'this message')
+            why = refusal_text(e.code if isinstance(e, EngineError) else "", str(e), "this message")
             target.add_notice(f"Failed: {why}", "error")
             if not item.accepted:
                 self.refused_before_accept(item, why)
@@ -276,7 +276,7 @@ class EngineLink:
                 if reply.position == "committed":
                     reply.set_position("durable")
         elif isinstance(ev, P.Error):
-            if ev.code == "not_ready" and not item.accepted:
+            if ev.code == ErrorCode.NOT_READY and not item.accepted:
                 return "retry"
             target = reply or user
             target.set_position("failed")

@@ -26,9 +26,9 @@ How it computes
 * Larger batches (prefill) dequantize a tile of W rows into a reused float32 scratch and
   call numpy's BLAS (x @ tile.T): float32 activations, ~1e-6 against float64. (The int8
   kernels with 4 rows per weight load measured ~2x slower than this path at n = 128.)
-* Other supported types (F32, F16, BF16, Q5_0, Q5_1, Q2_K..Q6_K) stay in the file's
-  layout (a memmap view, no copy) and always take the dequantize-tile + BLAS path:
-  correct, not tuned.
+* Other supported types (F32, F16, BF16, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4)
+  stay in the file's layout (a memmap view, no copy) and always take the
+  dequantize-tile + BLAS path: correct, not tuned.
 
 Not thread-safe per instance: the scratch buffers are per thread, but a QuantMatrix must
 not be mutated (it never is after __init__).
