@@ -203,6 +203,13 @@ class ChatApp(ChatActions, EngineLink, App):
         for w, ns in zip(widgets, notes):
             for text, kind in ns:
                 w.add_notice(text, kind)
+        mine = {self.active.reply_id} if self.active is not None else set()
+        writing = [m for m in view.messages if m.role == "assistant" and m.status in ("streaming", "accepted")
+                   and m.msg_id not in mine] if view else []
+        if writing:  # the engine is still writing it (this app was closed mid-reply): follow it
+            self.chat_widgets[writing[-1].msg_id].add_notice(
+                "Still being written by the engine (it was asked before this window opened).", "notice")
+            self.follow(conv_id, writing[-1].msg_id)
         self.sidebar.mark_current(conv_id)
         target = self.chat_widgets.get(focus_msg) if focus_msg else None
         if target is not None:

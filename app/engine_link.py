@@ -25,6 +25,7 @@ from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost
 
 DEFAULT_TITLE = "New conversation"
+FOLLOW_S = 0.5  # how often a reply the engine writes for nobody here is looked at again
 
 
 @dataclass
@@ -161,6 +162,40 @@ class EngineLink:
                 await asyncio.sleep(0.01)
         if self.sidebar.query_text:
             self.sidebar._fill()
+
+    # ---- a reply the engine is still writing --------------------------------
+
+    def follow(self, conv_id: str, msg_id: str) -> None:
+        """Show a reply the engine is still writing that this app did not ask for (an
+        earlier aotx-chat that was closed or killed mid-reply, or another client): the
+        engine finishes it, and the widget follows it until it is done (issue 17, defect 6)."""
+        self.run_worker(self._follow_reply(conv_id, msg_id), group="follow", exclusive=True, name="follow")
+
+    async def _follow_reply(self, conv_id: str, msg_id: str) -> None:
+        from aotx.app.format import position_of
+
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            w = self.chat_widgets.get(msg_id)
+            if self.conv_id != conv_id or self.client is None or w is None:
+                return
+            try:
+                view = await self.client.show(conv_id)
+            except (ConnectionLost, AotxError):
+                return
+            m = next((m for m in view.messages if m.msg_id == msg_id), None)
+            if m is None:
+                return
+            w.n_tokens = len(m.token_ids)
+            done = m.status not in ("streaming", "accepted")
+            if done:
+                w.finish_reason, w.receipt, w.seq = m.finish_reason, m.receipt, m.seq
+            if m.text != w.text or done:
+                await w.finish(m.text)
+            if done:
+                w.set_position(position_of(m))
+                self.index.put(view)
+                return
 
     # ---- sending -----------------------------------------------------------
 

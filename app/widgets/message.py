@@ -102,8 +102,9 @@ class MessageWidget(Vertical, can_focus=True):
         for p in GLYPHS:
             self.remove_class(f"pos-{p}")
         self.add_class(f"pos-{position}")
-        if self.is_mounted:
-            self.query_one(".msg-header", Static).update(self._header_text())
+        headers = self.query(".msg-header") if self.is_mounted else None
+        if headers:
+            headers.first(Static).update(self._header_text())
 
     def on_mount(self) -> None:
         self.set_position(self.position)
@@ -160,8 +161,9 @@ class MessageWidget(Vertical, can_focus=True):
         self._pending.clear()
         if text is not None:
             self.text = text
-        if self.is_mounted:
-            self.query_one(".msg-header", Static).update(self._header_text())
+        headers = self.query(".msg-header") if self.is_mounted else None
+        if headers:  # composed (a widget still mounting shows self.text when it is)
+            headers.first(Static).update(self._header_text())
             body = self.query_one(".msg-body")
             if isinstance(body, MarkdownView):
                 await body.finalize(self.text)

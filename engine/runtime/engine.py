@@ -230,9 +230,10 @@ class Engine:
             log.warning("capsule of %s not journaled: %s", ev.conv_id, e)
 
     def _on_disconnect(self, ev: Disconnected) -> None:
-        for r in list(self._by_rid.values()):
-            if r.sink is ev.sink:
-                self._cancel(r)
+        """A client went away (closed, or killed mid-reply). Its accepted messages are
+        the user's: their replies run to the end here and are journaled, so the reply is
+        there when the user comes back (nobody cancelled it: issue 17, defect 6); events
+        for the closed connection are dropped. Work not yet accepted is dropped."""
         self.submitter.drop(ev.sink)
 
     # ---- client operations ---------------------------------------------------------------
