@@ -64,7 +64,7 @@ def capsule_text(n: P.Notice, had_history: bool = True) -> str:
         return "Picked up where this conversation left off."
     if not msg:
         return ""
-    if "belongs to model" in msg:
+    if "belongs to model" in msg or "another model" in msg:
         return "Read the earlier messages again: the saved state was made by another model."
     return "Read the earlier messages again: the saved state could not be used."
 

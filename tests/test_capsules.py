@@ -182,7 +182,7 @@ def test_parking_fork_and_resume_reuse_state(lm, tmp_path):
         _turn(eng, b, "Name a color.")  # takes the only slot: a's state is parked
         done, notes = _turn(eng, a, "Name another one.")
         assert done.timings["prompt_tokens_reused"] > 20, "a's context should come back from its parked capsule"
-        assert any("parked capsule" in n.message for n in notes)
+        assert any("picked up where this conversation left off" in n.message for n in notes)
         # fork a: the fork's next turn starts from a's state, not from scratch
         s = EventSink()
         eng.post(P.ForkConversation(id=2, conv_id=a), s)
@@ -197,7 +197,8 @@ def test_parking_fork_and_resume_reuse_state(lm, tmp_path):
     eng, store = _engine(lm, tmp_path, n_slots=1)
     try:
         done, notes = _turn(eng, a, "One more?")
-        assert any("capsule on disk" in n.message for n in notes), [n.message for n in notes]
+        assert any("picked up where this conversation left off" in n.message for n in notes), \
+            [n.message for n in notes]
         assert done.timings["prompt_tokens_reused"] > 20
     finally:
         eng.stop()

@@ -287,5 +287,5 @@ def test_cuda_engine_parks_and_restores_capsules(tiny_pair):
                 reused.append(next(e for e in s.events if isinstance(e, P.Committed)).timings)
     finally:
         eng.stop()
-    assert any("parked capsule" in n for n in notes), notes
+    assert any("picked up where this conversation left off" in n for n in notes), notes
     assert reused[2].get("prompt_tokens_reused", 0) > 16, reused[2]
