@@ -104,7 +104,7 @@ def test_restore_is_byte_exact(lm, tmp_path):
 def test_ablation_each_part_is_needed(lm):
     """KV alone is not the state: without positions, or without the sampler state,
     the continuation changes."""
-    cfg = SamplerConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0)
+    cfg = SamplerConfig(repeat_penalty=1.0, temperature=0.9, top_k=0, top_p=1.0, min_p=0.0)
     prompt = _ids(lm)
     kv = lm.model.new_kv_cache(2, 128)
     straight = _run(lm, kv, 0, prompt, 14, cfg, seed=11)
@@ -159,7 +159,7 @@ def _engine(lm, home, n_slots):
 def _turn(eng, conv_id, text, rid=5):
     s = EventSink()
     eng.post(P.SubmitMessage(id=rid, conv_id=conv_id, text=text,
-                             sampling=P.SamplingParams(temperature=0.0, max_tokens=12)), s)
+                             sampling=P.SamplingParams(repeat_penalty=1.0, temperature=0.0, max_tokens=12)), s)
     done = s.wait()
     assert isinstance(done, P.Committed), done
     # wait for the reply's capsule to reach disk

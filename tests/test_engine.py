@@ -34,7 +34,7 @@ _SOLO: dict[tuple[str, int], list[int]] = {}
 
 
 def greedy(n: int) -> P.SamplingParams:
-    return P.SamplingParams(temperature=0.0, max_tokens=n)
+    return P.SamplingParams(repeat_penalty=1.0, temperature=0.0, max_tokens=n)
 
 
 async def stream(client, conv_id: str, text: str, n: int = 8, *, raw: bool = True, on_event=None) -> list:
@@ -327,7 +327,7 @@ async def test_device_failure_fails_closed(engine_server, loaded_model, monkeypa
 async def test_conversation_operations(engine_server):
     h = engine_server(slots=1, context=256)
     c = await h.connect()
-    sp = P.SamplingParams(temperature=0.0, max_tokens=5)
+    sp = P.SamplingParams(repeat_penalty=1.0, temperature=0.0, max_tokens=5)
     conv = await c.create_conversation(title="first", system_prompt="You are terse.", sampling=sp)
     assert conv.title == "first" and conv.system_prompt == "You are terse." and conv.messages == []
     assert conv.sampling is not None and conv.sampling.max_tokens == 5
@@ -394,7 +394,7 @@ async def test_conversation_created_with_history_renders_it_as_turns(engine_serv
     view = await c.show(conv.conv_id)
     assert [(m.role, m.text, m.status) for m in view.messages] == [
         ("user", "My name is Ada.", "complete"), ("assistant", "Hello Ada!", "complete")]
-    sp = P.SamplingParams(temperature=0.0, max_tokens=2)
+    sp = P.SamplingParams(repeat_penalty=1.0, temperature=0.0, max_tokens=2)
     events = [ev async for ev in c.submit(conv.conv_id, "What is my name?", sampling=sp)]
     acc = next(e for e in events if isinstance(e, P.Accepted))
     text = loaded_model.tokenizer.decode(acc.prompt_ids)
