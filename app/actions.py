@@ -168,7 +168,8 @@ class ChatActions:
     async def action_rename(self) -> None:
         if self.conv_id is None or self.client is None:
             return
-        title = await self.push_screen_wait(TextPrompt("Rename conversation", self.conv_view.title if self.conv_view else ""))
+        current = self.conv_view.title if self.conv_view else ""
+        title = await self.push_screen_wait(TextPrompt("Rename conversation", current))
         if title and await self._call(self.client.rename(self.conv_id, title), ok=True):
             if self.conv_view:
                 self.conv_view.title = title

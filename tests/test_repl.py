@@ -24,7 +24,8 @@ def home(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("line,cmd", [
     ("/bye", Command("bye", "")), ("/set temperature 0.2", Command("set", "temperature 0.2")),
-    ("  /SYSTEM  Be brief.  ", Command("system", "Be brief.")), ("/attach '/tmp/a b.png'", Command("attach", "'/tmp/a b.png'")),
+    ("  /SYSTEM  Be brief.  ", Command("system", "Be brief.")),
+    ("/attach '/tmp/a b.png'", Command("attach", "'/tmp/a b.png'")),
     ("hello", None), ("//etc is a path", None), ("a /set in the middle", None),
 ])
 def test_parse_command(line, cmd):
