@@ -199,11 +199,16 @@ def read_conversations(conv_id: str | None = None, locked: bool = True):
 
 def cmd_conversations(args) -> int:
     """``aotx conversations list|show|export``: from the journal, or from the engine
-    while one runs (its lock is held)."""
+    while one runs (its lock is held) or when ``--socket`` names one."""
     import asyncio
 
     conv_id = None if args.ccmd == "list" else args.id
-    found = read_conversations(conv_id)
+    if getattr(args, "socket", None):  # an engine named by its socket: ask it
+        from aotx.engine import cli_client
+
+        found = asyncio.run(cli_client.fetch_conversations(args, conv_id))
+    else:
+        found = read_conversations(conv_id)
     if found is None:
         from aotx.engine import cli_client
         from aotx.engine.errors import EngineError
