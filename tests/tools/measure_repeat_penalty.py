@@ -18,7 +18,24 @@ penalties, and report per prompt and penalty:
     python -m tests.tools.measure_repeat_penalty [--tokens 160] [--penalties 1,1.05,1.1,1.15,1.2,1.3]
 
 Prints one JSON object per (prompt, penalty) and a summary table. A one-off measurement
-to choose a default, not a benchmark: run it on a quiet machine for the record.
+to choose a default, not a benchmark (its figures are token ids, not times, so a busy
+machine gives the same table). The run behind ``protocol.REPEAT_PENALTY`` (160 tokens;
+each cell: loop share, agreeing tokens of 48, ``e`` when it ended by itself, tokens)::
+
+    prompt              1.0           1.05          1.1           1.15          1.2
+    short_question   0.90 48  160  0.82 15  160  0.00  5e  56  0.00  5e  45  0.00  5e  57
+    code_request     0.00 48e  64  0.00 36e  66  0.00 31e  79  0.00  4e  71  0.00  4e 101
+    list_request     0.20 48e 135  0.25  7e 121  0.22  7e 122  0.23  7  160  0.00  7e  63
+    emoji_accents    0.00 48e  61  0.00 48e  61  0.00 48e  61  0.00 48e  61  0.00 14e  60
+    long_prompt      0.00 48  160  0.00 22  160  0.00  1  160  0.00  1e  79  0.00  1e  85
+
+Without a penalty the capital-of-France prompt loops ("la femme, la femme, ...") to the
+limit, and 1.05 still loops; 1.1 is the least that ends it, with an answer. At 1.1 the
+code answer keeps its function and explanation (31 tokens as without a penalty), the
+French echo is unchanged, and the summary says the same in other words ("In a small
+island on the coast of the northern sea, there lived a keeper named Tobias Wren...");
+from 1.15 the code answer itself changes (another function name). list_request's share
+is a list's own repeated phrasing ("is a great source of vitamin C"), not a loop.
 """
 
 from __future__ import annotations
