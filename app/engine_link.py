@@ -80,6 +80,8 @@ class EngineLink:
             recovering, self.recovering = self.recovering, False
             if recovering:
                 self.show_notice("The engine is back. Everything it had made durable is here.")
+            for line in s.notices:  # e.g. journal damage the engine salvaged at its start
+                self.show_notice(line, "warning")
             await self.refresh_conversations()
             await self.sync_conversations(client)
             target = self.conv_id or self.saved_state.last_conversation

@@ -96,9 +96,9 @@ class StatusBar(Horizontal):
         self.model, self.device = s.model, s.device
         self.used, self.budget = s.used_bytes, s.budget_bytes
         self.n_ctx = s.n_ctx
-        if self.state != "writing" or not s.ready:
-            self.state = "ready" if s.ready else "loading"
-        self.detail = "" if s.ready else s.load_progress
+        if self.state != "writing" or not s.ready or s.degraded:
+            self.state = "loading" if not s.ready else "DEGRADED" if s.degraded else "ready"
+        self.detail = s.load_progress if not s.ready else s.degraded
         self._refresh()
 
     # ---- a streaming reply -------------------------------------------------
