@@ -262,7 +262,7 @@ class _HostOnly(HostOnly):
 @needs_cuda
 def test_cuda_speculative_greedy_equals_plain_with_verify_in_the_graph(tiny_pair):
     _, gpu = tiny_pair
-    greedy = dict(temperature=0.0, seed=1)
+    greedy = dict(temperature=0.0, seed=1, repeat_penalty=1.0)
     plain = _run(gpu, TEXTS, greedy, "off", slots=1)
     spec = _run(gpu, TEXTS, greedy, "ngram", slots=1)
     assert spec == plain
