@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -41,18 +42,29 @@ def test_segments_split_code_blocks_and_keep_all_text() -> None:
 
 async def test_streaming_keeps_widget_count_proportional_to_chunks(monkeypatch) -> None:
     """The widget count while streaming stays ~len(text)/CHUNK (+ code blocks), and the
-    frozen chunks survive finalize(). Observed at every append, not by polling: on a fast
-    machine the fake stream ended before a polling loop saw it (``assert 0 < peak``)."""
-    text = long_reply(3000)
-    seen: list[tuple[int, object]] = []  # (children after the append, first child once frozen)
+    frozen chunks survive finalize(). The test paces the stream: the fake engine sends
+    token i only once the tokens before it are on screen, so every token goes through
+    its own MarkdownView.append, observed there, however fast or slow the machine is
+    (a loop polling the view raced the stream: on a fast machine it ended first and the
+    test failed with ``assert 0 < peak``)."""
+    text, step = long_reply(3000), 60
+    n_tokens = -(-len(text) // step)
+    seen: list[tuple[int, int, object]] = []  # (text shown, children, first child once frozen) per append
+    appended = asyncio.Event()
     real_append = MarkdownView.append
 
     async def spy(self, delta: str) -> None:
         await real_append(self, delta)
-        seen.append((len(self.children), self.children[0] if self.frozen else None))
+        seen.append((len(self.text), len(self.children), self.children[0] if self.frozen else None))
+        appended.set()
+
+    async def gate(i: int) -> None:  # token i waits until tokens 0..i-1 reached the screen
+        while i and (not seen or seen[-1][0] < i * step):
+            appended.clear()
+            await asyncio.wait_for(appended.wait(), 60)  # a deadline only against a hang, never reached
 
     monkeypatch.setattr(MarkdownView, "append", spy)
-    app, _ = make_app(FakeEngine(reply=lambda _t: text, chars_per_token=40, token_delay=0.003))
+    app, _ = make_app(FakeEngine(reply=lambda _t: text, chars_per_token=step, token_gate=gate))
     async with app.run_test() as pilot:
         await settle(pilot)
         app.chat_input.insert("go")
@@ -61,10 +73,10 @@ async def test_streaming_keeps_widget_count_proportional_to_chunks(monkeypatch) 
         while app.active is not None:
             await pilot.pause(0.01)
         await settle(pilot)
-        assert len(seen) >= 2, "the reply streamed in more than one frame"
-        peak = max(n for n, _ in seen)
-        first = next((f for _, f in seen if f is not None), None)
-        # frozen chunks are cut into prose and code blocks once, when they freeze
+        # tokens 0..n-2 each had an append of their own (the last one may go with finish())
+        assert [shown for shown, _, _ in seen[:n_tokens - 1]] == [step * (i + 1) for i in range(n_tokens - 1)]
+        peak = max(n for _, n, _ in seen)
+        first = next((f for _, _, f in seen if f is not None), None)
         assert 0 < peak <= len(text) // (CHUNK // 2) + 2 + 2 * text.count("```python")
         view = app.query(MarkdownView).last()
         assert view.final and len(view.query(CodeBlock)) == text.count("```python")

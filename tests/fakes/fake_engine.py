@@ -6,9 +6,10 @@ app uses and yields the event sequence the protocol documents: Accepted, Durable
 (user message), Notice*, Token*, Committed, Durable (reply). It can be told to load
 slowly, to send notices, to refuse media (or to turn it into text as the engine's
 media profiles do, ``media_text``), to refuse a prompt longer than ``max_prompt_chars``
-(too_long, as the engine does: a refused Notice, then an Error, nothing recorded), and
-to crash mid-reply; it forks conversations, and refuses with the engine's error codes
-(``EngineError.code``: not_found, busy).
+(too_long, as the engine does: a refused Notice, then an Error, nothing recorded), to
+crash mid-reply, and to send each token only when the test lets it (``token_gate``); it
+forks conversations, and refuses with the engine's error codes (``EngineError.code``:
+not_found, busy).
 Leaves to others: everything a real engine does (no model, no disk).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aotx.engine.errors import EngineError, ErrorCode
 from aotx.engine.ipc import protocol as P
@@ -35,7 +36,7 @@ class FakeEngine:
                  chars_per_token: int = 4, load_steps: int = 0, notices: list[P.Notice] | None = None,
                  model: str = "SmolLM2-135M-Instruct Q4_1", device: str = "cpu",
                  media_text: Callable[[P.Attachment], str] | None = None, max_prompt_chars: int = 0,
-                 n_ctx: int = 2048) -> None:
+                 n_ctx: int = 2048, token_gate: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.reply, self.token_delay, self.chars_per_token = reply, token_delay, chars_per_token
         self.load_steps, self.notices, self.model, self.device = load_steps, list(notices or []), model, device
         self.convs: dict[str, P.ConversationView] = {}
@@ -54,6 +55,7 @@ class FakeEngine:
         self.media_text = media_text
         self.max_prompt_chars = max_prompt_chars
         self.n_ctx = n_ctx
+        self.token_gate = token_gate  # tests: awaited before token i is sent (a stream paced by the test)
 
     async def connect(self, on_spawn: Callable[[str], None] | None = None) -> "FakeEngineClient":
         """The client factory the app takes: a new connection to this engine."""
@@ -244,6 +246,8 @@ class FakeEngineClient:
                 e.crash()
             if self.closed:
                 raise ConnectionLost("the engine closed the connection in the middle of a reply")
+            if e.token_gate is not None:
+                await e.token_gate(i)
             if rid in self._cancel:
                 reason = "cancelled"
                 break
