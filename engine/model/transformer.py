@@ -242,36 +242,9 @@ class TransformerModel:
 
 def build(cfg: ModelConfig, gf, backend, arch: ModuleType) -> TransformerModel:
     """Load the file ``gf`` (its config ``cfg``) onto ``backend`` as architecture ``arch``
-    (a module of ``architectures``; ``architectures.build`` looks it up by name). Raises
-    ModelError naming a missing, mis-shaped or unsupported tensor, or a hyperparameter the
-    architecture cannot run."""
-    if not hasattr(backend, "compile") and getattr(backend, "name", "") == "cuda":
-        # Transition: until the CUDA backend compiles Programs (helper `cuda`, issue 14),
-        # llama on CUDA keeps its own model. Removed with engine/backend/cuda_llama.py.
-        if cfg.arch != "llama":
-            raise ModelError(f"{gf.path}: architecture {cfg.arch!r} does not run on the CUDA backend yet")
-        from aotx.engine.backend.cuda_llama import CudaLlamaModel
-
-        return _LegacyCudaModel(CudaLlamaModel(cfg, gf, backend))
+    (a module of ``architectures``; ``architectures.build(cfg, gf, backend)`` looks it up by
+    name). Raises ModelError naming a missing, mis-shaped or unsupported tensor, or a
+    hyperparameter the architecture cannot run."""
     return TransformerModel(cfg, gf, backend, arch)
 
 
-class _LegacyCudaModel:
-    """Transition only (deleted with cuda_llama.py): today's CUDA llama model with the
-    kv_type arguments of SEAMS.md accepted (its KV cache stays float32)."""
-
-    device_sampling = True
-
-    def __init__(self, inner):
-        self._m = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self._m, name)
-
-    def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
-        return self._m.kv_cache_bytes(n_slots, n_ctx)
-
-    def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16"):
-        kv = self._m.new_kv_cache(n_slots, n_ctx)
-        kv.kv_type = "f32"
-        return kv
