@@ -29,8 +29,8 @@ in stage 1 (``constraints.Compiler``: a grammar llguidance cannot compile is ref
 the message naming the client's field); ``tools`` go to the chat template (a template
 without a ``tools`` variable gets them in its system prompt, ``tool_calls``), ``role``
 "tool" feeds a tool's result back, and each stored message's template fields
-(``meta``) render with it; ``strict_media`` refuses a message whose attachment cannot
-be used (code ``unsupported_media``) instead of leaving the attachment out; ``n`` > 1
+(``meta``) render with it (an attachment that cannot be used refuses every message,
+code ``unsupported_media``, so ``strict_media`` changes nothing now); ``n`` > 1
 makes choices 1..n-1 in stage 5: each a fork of the conversation at the user's message
 with its own reply (``store.fork_choice``) and a request that waits for choice 0's
 prompt (``RequestState.FORK_WAIT``; the executor forks the prompt's state to it).
@@ -70,12 +70,6 @@ from aotx.media.kinds import MediaKind
 AUTO_MIN_NGRAM = 2
 
 
-class MediaRefused(RequestError):
-    """An attachment of a ``strict_media`` message cannot be used: the message is refused."""
-
-    code = ErrorCode.UNSUPPORTED_MEDIA
-
-
 @dataclass(eq=False)
 class Submission:
     """A message on its way in. ``text`` is what the model receives for the user's turn
@@ -91,7 +85,7 @@ class Submission:
     need: int = 0  # journal credit asked when it was held
     prompt: list[int] = field(default_factory=list)
     constraint: Any = None  # constraints.GrammarState (compiled in stage 1), or None
-    refused: str = ""  # a strict_media message: why an attachment could not be used
+    media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
 
 
 class Submitter:
@@ -120,6 +114,10 @@ class Submitter:
         self.held: list[Submission] = []
         self._media_busy: set[tuple[int, int]] = set()
         self.constraints = Compiler(lm.tokenizer)  # llguidance's vocabulary is built on first use
+        # the model's media.profile.MediaProfile (set by serve) and the engine's admission of a
+        # specialist when an attachment first needs it: count_media(name, bytes) -> "" or why not
+        self.media_profile: Any = None
+        self.count_media: Callable[[str, int], str] | None = None
 
     # ---- 1. check ---------------------------------------------------------------------
 
@@ -160,11 +158,13 @@ class Submitter:
     # ---- 2. media ---------------------------------------------------------------------
 
     def _media(self, sub: Submission) -> None:
-        """Attachments -> text through the model's media profile, on a thread."""
+        """Attachments -> text through the model's media profile, on a thread. A speech or
+        OCR specialist is admitted into the budget when a first attachment needs it."""
         op, sink = sub.op, sub.sink
         key = (id(sink), op.id)
         if key in self._media_busy:
             return
+        self._admit_specialists(op)
         self._media_busy.add(key)
 
         def work() -> None:
@@ -175,7 +175,6 @@ class Submitter:
                 for a in op.attachments:
                     errors.append((a.name or a.path, f"media support is not installed ({e.name}): "
                                                      "pip install 'aotx[media]'"))
-                sub.text = op.text + "".join(f"\n[Attachment {n} could not be used: {why}]" for n, why in errors)
             else:
                 for a in op.attachments:
                     name = a.name or a.path.rsplit("/", 1)[-1]
@@ -188,18 +187,41 @@ class Submitter:
                     except Exception as e:  # noqa: BLE001 - MediaError, or a decoder's own failure
                         errors.append((name, str(e)))
                         sink.send(P.MediaInfo(id=op.id, kind=a.kind, route="refused", name=name, error=str(e)))
-                sub.text = render_for_prompt(results, op.text, errors)
-            if op.strict_media and errors:
-                sub.refused = "; ".join(f"{n}: {why}" for n, why in errors)
+                if not errors:
+                    sub.text = render_for_prompt(results, op.text)
+            sub.media_errors = errors
             self.inbox.put(MediaReady(sub))
 
         threading.Thread(target=work, name="aotx-media", daemon=True).start()
 
+    def _admit_specialists(self, op: P.SubmitMessage) -> None:
+        """Count each specialist this message's attachments need (Whisper, OCR) the first
+        time one is needed; refuse the message, writing nothing, when one does not fit."""
+        prof, count = self.media_profile, self.count_media
+        if prof is None or count is None:
+            return
+        from aotx.media.kinds import kind_of_name
+
+        for a in op.attachments:
+            kind = a.kind or (k.value if (k := kind_of_name(a.path)) else "")
+            route = prof.route(kind) if kind else None
+            if route is None or route.route != "specialist" or not route.available:
+                continue
+            why = count(f"media: {route.model}", route.memory_bytes)
+            if why:
+                raise admission.Refusal(ErrorCode.UNSUPPORTED_MEDIA, "memory",
+                                        f"{a.name or a.path}: {why}", asked=route.memory_bytes)
+
     def media_ready(self, sub: Submission, tick: int) -> Request | None:
-        """The media stage is done (attachments rendered, or earlier pictures restored)."""
+        """The media stage is done (attachments rendered, or earlier pictures restored).
+        An attachment that could not be used refuses the message, and nothing is written:
+        its refusal never goes into the prompt (issue 17, defect 4), the user sees why."""
         self._media_busy.discard((id(sub.sink), sub.op.id))
-        if sub.refused:
-            raise MediaRefused(f"attachment refused: {sub.refused}")
+        if sub.media_errors:
+            errors, sub.media_errors = sub.media_errors, []
+            raise admission.Refusal(ErrorCode.UNSUPPORTED_MEDIA, "media",
+                                    "; ".join(f"{name}: {why}" for name, why in errors) +
+                                    " (nothing was sent: remove or fix the attachment and send again)")
         return self.prompt(sub, tick)
 
     # ---- 3. prompt ----------------------------------------------------------------------
@@ -277,6 +299,7 @@ class Submitter:
     def _accept(self, sub: Submission, text: str, tick: int) -> Request | None:
         op, sink, sp, prompt, st = sub.op, sub.sink, sub.sampling, sub.prompt, self.store
         ctx = self.envelope.context_tokens
+        has_history = bool(st.get(op.conv_id).messages)  # before this message's records
         max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
         msg_id, reply_id, recs = st.accept_records(op.conv_id, op.role, text, sp, op.attachments, raw=op.raw,
                                                    meta=op.meta)
@@ -300,7 +323,7 @@ class Submitter:
             raise
         seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
         r = self._request(sub, op.conv_id, msg_id, reply_id, seq, seed, max_tokens, reply)
-        r.constraint = sub.constraint
+        r.constraint, r.has_history = sub.constraint, has_history
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
             r.drafter.bind(r)
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
