@@ -59,7 +59,7 @@ def _main() -> int:  # noqa: C901 - one scenario, told in order
     from aotx.engine.model.batch import Segment
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
-    from aotx.engine.model.transformer import build
+    from aotx.engine.model.architectures import build
     from aotx.engine.runtime.executor import Executor
     from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
     from tests.models.cuda_testmodel import write_llama
@@ -139,7 +139,7 @@ def _main() -> int:  # noqa: C901 - one scenario, told in order
             m[i, t >> 5] |= np.uint32(1 << (t & 31))
         return m.view(np.int32)
 
-    greedy = SamplerConfig(temperature=0.0)
+    greedy = SamplerConfig(temperature=0.0, repeat_penalty=1.0)  # a verify window on the device: no penalty
 
     def req(seed):
         return SimpleNamespace(sampler=greedy, sampler_state=SamplerState(seed=seed))
