@@ -148,6 +148,22 @@ def test_parse_chat_tools_constraints_and_media():
     assert M.check(part) == ("image", ".png")
 
 
+def test_no_repetition_penalty_by_default_with_tools_or_a_constraint():
+    """Regression: with the engine's default penalty of 1.1 over the prompt's last tokens,
+    Qwen2.5-Coder answered a tools request with a fenced JSON block, not its <tool_call>."""
+    from aotx.engine.ipc import protocol as P
+
+    fmt = {"type": "json_object"}
+    assert S.parse_chat({"messages": HELLO}, S.Limits()).sampling.repeat_penalty == P.REPEAT_PENALTY
+    assert S.parse_chat({"messages": HELLO, "tools": [WEATHER]}, S.Limits()).sampling.repeat_penalty == 1.0
+    assert S.parse_chat({"messages": HELLO, "tools": [WEATHER], "tool_choice": "none"},
+                        S.Limits()).sampling.repeat_penalty == P.REPEAT_PENALTY
+    assert S.parse_chat({"messages": HELLO, "response_format": fmt}, S.Limits()).sampling.repeat_penalty == 1.0
+    assert S.parse_chat({"messages": HELLO, "response_format": fmt, "repeat_penalty": 1.3},
+                        S.Limits()).sampling.repeat_penalty == 1.3
+    assert S.parse_completion({"prompt": "x", "grammar": 'root ::= "a"'}, S.Limits()).sampling.repeat_penalty == 1.0
+
+
 @pytest.mark.parametrize("body,param,status", [
     ({"messages": HELLO, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice", 400),

@@ -20,7 +20,8 @@ What is supported, ignored and refused (the table the tests follow):
   ``stream``, ``stream_options.include_usage``; the llama.cpp-style extensions
   ``top_k``, ``min_p``, ``repeat_penalty`` and ``grammar`` (a GBNF string, or
   ``{"type": "lark" | "gbnf" | "regex", "grammar": ...}``). Sampling fields left out
-  take the engine's defaults (``protocol.SamplingParams``), not OpenAI's.
+  take the engine's defaults (``protocol.SamplingParams``), not OpenAI's, except
+  ``repeat_penalty``: 1 (none) on a reply with tools or a constraint unless sent.
 * ignored: ``model`` (the engine serves one model; replies name it), ``user``,
   ``frequency_penalty``, ``presence_penalty``, ``metadata``, ``store``,
   ``service_tier``, ``reasoning_effort``, ``modalities`` = ["text"], empty
@@ -255,6 +256,16 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
     return sp, stream, include_usage, model
 
 
+def _structured_penalty(body: dict, sp: P.SamplingParams, structured: bool) -> None:
+    """No repetition penalty by default on a reply with tools or a constraint: the
+    engine's default (``protocol.REPEAT_PENALTY``, against free-chat loops) pushes the
+    model off markup and structure that the prompt has just shown, so a Qwen model asked
+    for a call wrote a fenced JSON block instead of its ``<tool_call>``. A client's own
+    ``repeat_penalty`` is kept."""
+    if structured and body.get("repeat_penalty") is None:
+        sp.repeat_penalty = 1.0
+
+
 def _n(body: dict) -> int:
     n = _integer(body, "n", 1, 128)
     if n is not None and n > P.MAX_CHOICES:
@@ -436,6 +447,7 @@ def parse_chat(body: Any, limits: Limits, file_roots: tuple = ()) -> ChatRequest
     if constraint is not None and tools.forced:
         raise BadRequest(f"'{constraint.field.split('.')[0]}' and a required tool call ('tool_choice') are two "
                          "constraints on one reply; send one", "tool_choice")
+    _structured_penalty(body, sp, tools.active or constraint is not None)
     _refuse_if(body.get("audio") is not None, "audio", "audio output is not supported")
     mods = body.get("modalities")
     _refuse_if(mods not in (None, ["text"]), "modalities", "only text output is supported")
@@ -518,6 +530,7 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     _refuse_if(bo is not None and bo != 1, "best_of", f"best_of must be 1, got {bo}")
     lp = _integer(body, "logprobs", 0, P.MAX_TOP_LOGPROBS)
     constraint = parse_constraint(body)
+    _structured_penalty(body, sp, constraint is not None)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
