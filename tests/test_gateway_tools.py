@@ -37,6 +37,14 @@ PARSE = [
     ("hermes", "Paris is sunny today.", "Paris is sunny today.", []),
     ("hermes", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
     ("hermes", '<tool_call>{"arguments": {"q": 1}, "name": "s"}</tool_call>', "", [("s", '{"q": 1}')]),
+    # bare calls (Qwen2.5-Coder's reply to a tools request after main's merge): whole-reply JSON, or one fence
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}', "",
+     [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    ("hermes", '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```', "",
+     [("get_weather", '{"city": "Paris"}')]),
+    ("hermes", '{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 36}', []),   # an answer, not a call
+    ("hermes", 'See {"name": "f", "arguments": {}}', 'See {"name": "f", "arguments": {}}', []),
+    ("hermes", "```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [("get_weather", '{"city": "Oslo"}')]),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"a": 1}}', "",
      [("f", "{}"), ("g", '{"a": 1}')]),

@@ -166,7 +166,8 @@ def parse(text: str, family: str) -> tuple[str, list[ToolCall]]:
             pos = m.end()
         content.append(text[pos:])
         if not calls:
-            return text, []
+            bare = _bare_calls(text)
+            return ("", bare) if bare else (text, [])
         return "".join(content).strip(), calls
     if family == "llama3_json":
         body = text.strip()
@@ -202,6 +203,53 @@ def parse(text: str, family: str) -> tuple[str, list[ToolCall]]:
             return text, []
         return text[:at].strip(), calls
     return text, []
+
+
+_FENCE = re.compile(r"```[ \t]*(?:json)?[ \t]*\n?(.*?)\n?```", re.S)
+
+
+def _bare_calls(text: str) -> list[ToolCall]:
+    """Calls written without the family's markup, the whole reply being one or more JSON
+    objects ``{"name": ..., "arguments": {...}}`` (or ``"parameters"``), bare or in one
+    ```json fence: what Qwen2.5 models sometimes write instead of ``<tool_call>`` blocks
+    (llama.cpp's Hermes parser takes them too). An object without an arguments key is an
+    answer, not a call (a JSON reply may well have a "name")."""
+    body = text.strip()
+    m = _FENCE.fullmatch(body)
+    if m:
+        body = m.group(1).strip()
+    if not body.startswith("{"):
+        return []
+    calls, pos = [], 0
+    while pos < len(body):
+        try:
+            obj, end = _DECODER.raw_decode(body, pos)
+        except ValueError:
+            return []
+        if not isinstance(obj, dict) or not ({"arguments", "parameters"} & obj.keys()):
+            return []
+        args_key = "arguments" if "arguments" in obj else "parameters"
+        call = _call_from(obj, args_key)
+        if call is None:
+            return []
+        raw = _raw_value(body[pos:end], args_key)
+        if raw is not None:
+            call.arguments = raw
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;,":
+            pos += 1
+    return calls
+
+
+def _bare_start(s: str, final: bool) -> bool | None:
+    """Whether a reply starting with ``s`` (stripped) may be a bare call (held while it
+    streams), None while too short to tell."""
+    if s.startswith("{") or re.match(r"```[ \t]*(?:json)?[ \t]*\n?[ \t]*\{", s):
+        return True
+    if not final and (not s or re.fullmatch(r"`{1,3}|```[ \t]*(?:j|js|jso|json)?[ \t]*\n?[ \t]*", s)):
+        return None
+    return False
 
 
 def _split_top(s: str, sep: str) -> list[str]:
@@ -275,12 +323,37 @@ class StreamParser:
 
     def feed(self, delta: str) -> Delta:
         self.text += delta
-        d = self._hermes(final=False) if self.family == "hermes" else self._whole(final=False)
+        d = self._hermes_or_bare(final=False) if self.family == "hermes" else self._whole(final=False)
         return self._trim(d, final=False)
 
     def finish(self) -> Delta:
-        d = self._hermes(final=True) if self.family == "hermes" else self._whole(final=True)
+        d = self._hermes_or_bare(final=True) if self.family == "hermes" else self._whole(final=True)
         return self._trim(d, final=True)
+
+    _bare: bool | None = None  # hermes: the reply may be a bare JSON call (held to the end)
+
+    def _hermes_or_bare(self, final: bool) -> Delta:
+        """A hermes reply that starts like a bare JSON call (``_bare_calls``) is held and
+        parsed whole at the end; any other streams through ``_hermes``."""
+        if self._bare is None:
+            self._bare = _bare_start(self.text.lstrip(), final)
+            if self._bare is None:
+                return Delta()
+        if self._bare:
+            if not final:
+                return Delta()
+            calls = _bare_calls(self.text)
+            if not calls:  # not a call after all: the text as the tag parser sees it
+                self._bare = False
+                return self._hermes(final=True)
+            out = Delta()
+            for i, c in enumerate(calls):
+                self._name(c, i)
+                self._calls.append(c)
+                out.calls.append((i, c.id, c.name, c.arguments))
+            self._sent = len(self.text)
+            return out
+        return self._hermes(final)
 
     _ws = ""          # content whitespace held back (it may end up around a call)
     _content_sent = False
