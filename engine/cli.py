@@ -128,6 +128,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=None, help="bytes the engine may use, e.g. 4G (default: half the RAM)")
     p.add_argument("--kv-type", choices=["f16", "f32"], default=None,
                    help="KV cache element type (default f16: half the memory of f32, as llama.cpp)")
+    p.add_argument("--expert-cache", choices=["static", "lru", "lfu"], default=None,
+                   help="mixture-of-experts models: the GPU expert cache keeps the calibrated plan's experts "
+                        "(static, default) or learns hot experts from traffic (lru, lfu)")
     p.add_argument("--mmproj", default=None, metavar="PATH",
                    help="vision projector GGUF (llama.cpp's mmproj) for images; default: a file named mmproj*.gguf "
                         "beside the model; 'none' turns images into text by OCR")

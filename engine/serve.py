@@ -118,6 +118,31 @@ def load_vision(arg: str | None, lm, device: str):
     return enc
 
 
+def place_experts(args, lm, device: str, budget, replan):
+    """A mixture-of-experts model: calibrate, plan and place its experts in tiers
+    (engine/model/experts.py) with the GPU budget that admission's table leaves (CUDA) or
+    everything on the CPU tier; the stages go to the startup profile, the plan to the notes
+    and the log. ``replan(cache_bytes)`` is the budget table with the cache. Returns it.
+    Raises AdmissionError when the experts fit nowhere."""
+    from aotx.engine.model import experts as X
+    from aotx.engine.runtime import admission
+
+    layers = X.moe_layers(lm.model.program)
+    total = sum(L.n_expert * L.expert_bytes for L in layers)
+    gpu = device == "cuda"
+    gpu_bytes = max(0, budget.free - admission.EXPERT_CACHE_RESERVE) if gpu else 0
+    ram = admission.machine_memory_bytes()
+    host = ram // 2 if gpu else None
+    st = X.setup(lm.model, model_fp=lm.fingerprint, gpu_bytes=gpu_bytes, host_bytes=host,
+                 policy=getattr(args, "expert_cache", None) or "static")
+    lines = admission.check_experts(st.plan, total, ram, gpu)
+    lm.profile.update(st.stages)
+    lm.notes["experts"] = st.note
+    for line in lines:
+        log.info("%s", line)
+    return replan(st.plan.gpu_bytes) if gpu else budget
+
+
 def build_engine(args, progress=None):
     """Load the model and build an Engine from parsed ``serve`` flags (not started).
 
@@ -182,6 +207,14 @@ def build_engine(args, progress=None):
                             prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
                             draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (),
                             kv_type=kv_type)
+    if getattr(getattr(lm.model, "program", None), "moe_nodes", lambda: [])():
+        budget = place_experts(args, lm, device, budget, lambda cache: admission.plan(
+            lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk, journal_bytes, total,
+            capsule_bytes=capsule_host if device != "cuda" else 0,
+            media_bytes=media_bytes(lm, device, vision) + (image_store_bytes if vision else 0),
+            capsule_device_bytes=capsule_device, prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
+            draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (), kv_type=kv_type,
+            expert_cache_bytes=cache))
     from aotx.engine.state.cache import CapsuleCache
 
     no_journal = getattr(args, "no_journal", False)
