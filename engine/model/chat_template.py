@@ -40,6 +40,7 @@ from datetime import datetime
 from typing import Any
 
 from aotx.engine.errors import TemplateError
+from aotx.engine.model.template_sandbox import RenderBudget
 from aotx.engine.model.tokenizer import Tokenizer
 
 CHATML_TEMPLATE = (
@@ -73,28 +74,10 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 def _make_env() -> Any:
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from aotx.engine.model.template_sandbox import make_environment
 
-    class _Generation(Extension):
-        """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker):
-        renders its body unchanged."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _Generation])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
+    return make_environment(filters={"tojson": _tojson},
+                            globals_={"raise_exception": _raise_exception, "strftime_now": _strftime_now})
 
 
 def _template_line(tb: Any) -> int | None:
@@ -113,16 +96,25 @@ class ChatTemplate:
     ``ChatTemplate(source)`` compiles (TemplateError with the line on a syntax
     error); ``ChatTemplate.from_metadata(meta)`` takes ``tokenizer.chat_template``
     or, only when that is absent or empty, the ChatML fallback
-    (``is_fallback`` is then True).
+    (``is_fallback`` is then True). ``name`` says which template it is in
+    messages (``"tokenizer.chat_template of 'SmolLM2 135M Instruct'"``).
+
+    Every render runs inside a ``RenderBudget`` (``template_sandbox.py``): CPU
+    time and the size of what it builds. A template that passes it is refused
+    with a TemplateError naming the template and the limit.
     """
 
-    def __init__(self, source: str, *, is_fallback: bool = False) -> None:
+    def __init__(self, source: str, *, is_fallback: bool = False, name: str = "") -> None:
         import jinja2
+
+        from aotx.engine.model.template_sandbox import compile_template
 
         self.source = source
         self.is_fallback = is_fallback
+        self.name = name or ("the built-in ChatML template" if is_fallback else "the chat template")
+        self._env = _make_env()
         try:
-            self._template = _make_env().from_string(source)
+            self._template = compile_template(self._env, source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
 
@@ -130,24 +122,34 @@ class ChatTemplate:
     def from_metadata(cls, meta: Mapping[str, Any]) -> "ChatTemplate":
         """The GGUF's template, or ChatML when the file has none."""
         src = meta.get("tokenizer.chat_template")
+        model = meta.get("general.name")
         if isinstance(src, str) and src.strip():
-            return cls(src)
+            return cls(src, name=f"tokenizer.chat_template of {model!r}" if isinstance(model, str) and model
+                       else "the model's tokenizer.chat_template")
         return cls(CHATML_TEMPLATE, is_fallback=True)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               bos_token: str = "", eos_token: str = "", **extra: Any) -> str:
+               bos_token: str = "", eos_token: str = "", budget: RenderBudget | None = None, **extra: Any) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) to prompt text.
 
         ``extra`` goes to the template as further variables (``tools``,
-        ``documents``, ``enable_thinking``, ...). Raises TemplateError naming the
-        template line and the message on any error during rendering, including
-        the template's own ``raise_exception``.
+        ``documents``, ``enable_thinking``, ...); ``budget`` bounds the render
+        (default ``DEFAULT_BUDGET``: 2 s of CPU, 32 Mi characters). Raises
+        TemplateError naming the template line and the message on any error
+        during rendering, including the template's own ``raise_exception``, and
+        naming the template and the limit when it passes its budget.
         """
         import jinja2
 
+        from aotx.engine.model.template_sandbox import DEFAULT_BUDGET, BudgetExceeded, render
+
+        variables = dict(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                         bos_token=bos_token, eos_token=eos_token, **extra)
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token, **extra)
+            return render(self._env, self._template, budget or DEFAULT_BUDGET, variables)
+        except BudgetExceeded as e:
+            raise TemplateError(f"{self.name} was stopped: {e}; a chat template that does this is broken or "
+                                f"hostile: use another model file (or `aotx run --raw`)") from None
         except _TemplateRaised as e:
             line = _template_line(e.__traceback__)
             where = f" at line {line}" if line else ""
