@@ -6,6 +6,7 @@ Notice) to short plain-language text. Pure functions, no widgets.
 
 from __future__ import annotations
 
+from aotx.engine.errors import ErrorCode
 from aotx.engine.ipc import protocol as P
 from aotx.engine.units import fmt_bytes
 
@@ -74,15 +75,15 @@ def error_text(e: P.Error) -> str:
 
 def refusal_text(code: str, message: str, what: str = "the request") -> str:
     """Plain words for an engine refusal, chosen by its error code (never by its wording)."""
-    if code == "unsupported_media":
+    if code == ErrorCode.UNSUPPORTED_MEDIA:
         return f"The engine refused the attachment ({code}): {message}"
-    if code == "busy":
+    if code == ErrorCode.BUSY:
         return f"A reply is still being written in this conversation: Esc cancels it first ({message})."
-    if code == "not_found":
+    if code == ErrorCode.NOT_FOUND:
         return f"Not found on the engine (it may have been deleted elsewhere): {message}"
-    if code == "not_ready":
+    if code == ErrorCode.NOT_READY:
         return f"The engine is still loading the model: {message}"
-    if code == "too_long":
+    if code == ErrorCode.TOO_LONG:
         return f"Too long for the context ({code}): {message}"
     return f"The engine refused {what} ({code or 'error'}): {message}"
 

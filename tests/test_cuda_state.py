@@ -21,6 +21,7 @@ import pytest
 
 from aotx.engine.ipc import protocol as P
 from aotx.engine.model.batch import Segment
+from tests.fakes.models import HostDeviceSampler, host_chain
 from tests.fakes.sink import EventSink
 
 try:
@@ -34,16 +35,15 @@ except Exception as e:  # noqa: BLE001 - ImportError, or the driver's CUDARuntim
 needs_cuda = pytest.mark.skipif(bool(_why), reason=_why or "-")
 
 
-class _GreedyOnHost:
-    """A CPU model with a ``greedy()`` (argmax of its own logits): drives the engine's
-    device-greedy path on any machine. Counts the calls of each kind."""
+class _GreedyOnHost(HostDeviceSampler):
+    """A CPU model with the device-sampling contract (``greedy()``: the argmax of its own
+    logits, ids only): drives the engine's device-greedy path on any machine. Counts the
+    calls of each kind: "greedy" when only ids came back, "forward" when logits did
+    (``sample()`` runs the host chain on logits it copies, as a host sampler would)."""
 
     def __init__(self, model):
-        self._m = model
+        super().__init__(model)
         self.calls = {"greedy": 0, "forward": 0}
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
 
     def forward(self, tokens, segments, kv):
         self.calls["forward"] += 1
@@ -53,6 +53,9 @@ class _GreedyOnHost:
         self.calls["greedy"] += 1
         lg = self._m.forward(tokens, segments, kv)
         return np.argmax(lg, axis=1).astype(np.int32) if lg.shape[0] else np.empty(0, np.int32)
+
+    def sample(self, tokens, segments, kv, rows, tick=0):
+        return host_chain(self.forward(tokens, segments, kv), rows)
 
 
 class _Counting(_GreedyOnHost):
@@ -69,17 +72,9 @@ class _Counting(_GreedyOnHost):
 
 
 class _NoGreedy(_GreedyOnHost):
-    """Hides ``greedy()`` and ``sample()``: the engine copies logits and samples on the host."""
+    """Declares no device sampling: the engine copies logits and samples on the host."""
 
-    def __getattribute__(self, name):
-        if name in ("greedy", "sample"):
-            raise AttributeError(name)
-        return object.__getattribute__(self, name)
-
-    def __getattr__(self, name):
-        if name in ("greedy", "sample"):
-            raise AttributeError(name)
-        return getattr(self._m, name)
+    device_sampling = False
 
 
 def _generate(lm, texts, *, temperature=0.0, repeat_penalty=1.0, speculative="off", slots=2, max_tokens=40,

@@ -50,7 +50,7 @@ def _generate(lm, text, *, drafter_factory=None, temperature=0.0, seed=0, max_to
 
     eng = Engine(lm, open_store(None), n_slots=2, n_ctx=256, speculative="off")
     if drafter_factory is not None:
-        eng._drafter_for = lambda sp: drafter_factory()
+        eng.submitter._drafter = lambda sp: drafter_factory()
     eng.start()
     try:
         s = EventSink()

@@ -44,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aotx.engine.errors import AotxError, EngineError, UsageError
+from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
 from aotx.engine.ipc import gateway_schema as S
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost, EngineClient
@@ -272,19 +272,19 @@ def _settle(task: asyncio.Future) -> None:
 
 def _engine_error(ev: P.Error, refused: P.Notice | None, retry_after_s: int) -> ApiError:
     retry = {"Retry-After": str(retry_after_s)}
-    if ev.code == "too_long":
+    if ev.code == ErrorCode.TOO_LONG:
         extra = {}
         if refused is not None:
             extra = {"prompt_tokens": refused.asked - 1, "context_tokens": refused.free}
         return ApiError(400, f"{ev.message}; shorten the messages", "invalid_request_error",
                         param="messages", code="context_length_exceeded", **extra)
-    if ev.code == "busy":
+    if ev.code == ErrorCode.BUSY:
         return ApiError(409, ev.message, "conflict_error", code="conversation_busy")
-    if ev.code == "not_found":
+    if ev.code == ErrorCode.NOT_FOUND:
         return ApiError(404, ev.message, "not_found_error", code="conversation_not_found")
-    if ev.code == "not_ready":
+    if ev.code == ErrorCode.NOT_READY:
         return ApiError(503, ev.message, "server_error", code="not_ready", headers=retry)
-    if ev.code in ("bad_request", "unsupported_media"):
+    if ev.code in (ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_MEDIA):
         return ApiError(400, ev.message, "invalid_request_error", code=ev.code)
     return ApiError(500, f"the engine failed: {ev.message}", "server_error", code=ev.code)
 
@@ -444,8 +444,8 @@ class Gateway:
                 raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                                headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
             except EngineError as e:
-                code = getattr(e, "code", "not_found")  # the client sets the engine's error code
-                if code != "not_found":
+                code = e.code  # the engine's error code (the client library sets it)
+                if code != ErrorCode.NOT_FOUND:
                     raise _engine_error(P.Error(id=0, code=code, message=str(e)), None,
                                         self.cfg.retry_after_s) from None
                 raise ApiError(404, f"X-AOTX-Conversation: {e}", "not_found_error",
@@ -454,7 +454,7 @@ class Gateway:
                 try:
                     await client.update(hdr, system_prompt=system)
                 except EngineError as e:
-                    raise _engine_error(P.Error(id=0, code=getattr(e, "code", "internal"), message=str(e)), None,
+                    raise _engine_error(P.Error(id=0, code=e.code, message=str(e)), None,
                                         self.cfg.retry_after_s) from None
             return hdr, False
         try:

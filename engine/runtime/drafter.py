@@ -202,8 +202,8 @@ class DraftDrafter(AdaptiveWindow):
     _base: int = 0
     _fed: list[int] = field(default_factory=list)
 
-    def bind(self, req) -> None:
-        self.req = req
+    def bind(self, request) -> None:
+        self.req = request
 
     def prefill(self, pos: int, n: int) -> None:
         """The target prefills ``req.prompt[pos:pos+n]`` this tick: the draft slot does too."""
