@@ -331,3 +331,30 @@ def test_sigterm_with_active_generations_exits_cleanly(tiny_gguf, tmp_path):
     for bad in ("Traceback", "Event loop is closed", "Task was destroyed", "Exception ignored"):
         assert bad not in err, err[-3000:]
     assert "stopping" in err
+
+
+def test_gateway_caps_connections_and_quiets_accept_errors(capsys):
+    """The gateway's side of must-have 8: uvicorn answers 503 past max_connections,
+    and asyncio's traceback per failed accept becomes one line per interval."""
+    pytest.importorskip("uvicorn")
+    from aotx.engine.ipc import gateway as G
+
+    server = G.uvicorn_server(object(), max_connections=7)
+    assert server.config.limit_concurrency == 7
+    assert G.GatewayConfig().max_connections == 512
+
+    loop = asyncio.new_event_loop()
+    try:
+        seen = []
+        loop.default_exception_handler = lambda ctx: seen.append(ctx["message"])  # type: ignore[method-assign]
+        handler = G.quiet_accept_errors(interval_s=3600)
+        err = OSError(24, "Too many open files")
+        for _ in range(500):
+            handler(loop, {"message": "socket.accept() out of system resource", "exception": err})
+        handler(loop, {"message": "something else"})
+    finally:
+        loop.close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["aotx gateway: cannot accept connections: Too many open files (1 time(s) since the last "
+                     "report); retrying"]
+    assert seen == ["something else"]

@@ -34,6 +34,7 @@ EOS is never appended to a prompt.
 from __future__ import annotations
 
 import json
+import re
 import traceback
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -53,6 +54,7 @@ CHATML_TEMPLATE = (
 (the same ChatML template llama.cpp falls back to)."""
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use markers around message content
+_MARKERS = re.compile("[\ue000\ue001]")
 
 
 class _TemplateRaised(Exception):
@@ -197,26 +199,29 @@ def _marked_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
 
 
 def _spans_from_markers(marked: str) -> tuple[str, list[tuple[int, int]]] | None:
-    """Strip the markers; return (text, content spans), or None if unbalanced."""
-    text: list[str] = []
+    """Strip the markers; return (text, content spans), or None if unbalanced.
+    (One regex scan: a long prompt is not walked character by character in Python.)"""
+    pieces: list[str] = []
     spans: list[tuple[int, int]] = []
-    n, start = 0, -1
-    for ch in marked:
-        if ch == _OPEN:
+    n, pos, start = 0, 0, -1
+    for m in _MARKERS.finditer(marked):
+        seg = marked[pos:m.start()]
+        pieces.append(seg)
+        n += len(seg)
+        pos = m.end()
+        if m.group() == _OPEN:
             if start >= 0:
                 return None
             start = n
-        elif ch == _CLOSE:
+        else:
             if start < 0:
                 return None
             spans.append((start, n))
             start = -1
-        else:
-            text.append(ch)
-            n += 1
     if start >= 0:
         return None
-    return "".join(text), spans
+    pieces.append(marked[pos:])
+    return "".join(pieces), spans
 
 
 def content_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], text: str,

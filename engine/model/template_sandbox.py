@@ -40,6 +40,8 @@ from typing import Any
 
 DEFAULT_CPU_SECONDS = 2.0
 DEFAULT_MAX_CHARS = 32 << 20  # twice the protocol's largest frame: any message fits, twice
+YIELD_EVERY_S = 0.002  # of the render thread's CPU time
+YIELD_S = 0.001
 _MAX_INT_BITS = 1 << 20
 _MAX_JSON_INDENT = 1024
 _WIDTH = re.compile(r"\d{7,}")  # a width or precision of a million or more in a format string
@@ -63,19 +65,30 @@ class BudgetExceeded(Exception):
 
 
 class _Meter:
-    __slots__ = ("budget", "deadline", "chars", "n")
+    __slots__ = ("budget", "deadline", "chars", "n", "next_yield")
 
     def __init__(self, budget: RenderBudget) -> None:
         self.budget = budget
-        self.deadline = time.thread_time() + budget.cpu_seconds
+        now = time.thread_time()
+        self.deadline = now + budget.cpu_seconds
+        self.next_yield = now + YIELD_EVERY_S
         self.chars = 0  # output so far
         self.n = 0
 
     def tick(self) -> None:
-        """A checkpoint: reads the clock at every 32nd (the clock costs a system call)."""
+        """A checkpoint: reads the clock at every 32nd (the clock costs a system call);
+        every YIELD_EVERY_S of CPU the render sleeps YIELD_S, handing the GIL to the
+        engine's tick thread (a render is pure Python: without this a long one would
+        take half of every tick's Python time)."""
         self.n += 1
-        if not self.n & 31 and time.thread_time() > self.deadline:
+        if self.n & 31:
+            return
+        now = time.thread_time()
+        if now > self.deadline:
             raise BudgetExceeded(f"it ran for more than {self.budget.cpu_seconds:g} s of CPU time")
+        if now > self.next_yield:
+            time.sleep(YIELD_S)
+            self.next_yield = now + YIELD_EVERY_S
 
     def need(self, n: int, what: str) -> None:
         """Refuse before building something of ``n`` characters or items."""

@@ -4,7 +4,8 @@ Owns: the engine thread, its tables of requests (waiting in line, running in a
 slot, by client request id) and the dispatch of every event by its type
 (``events.py``): client operations (each validated first: ``protocol.validate``,
 whoever the client is, so a refused operation writes nothing), receipts, media
-stages that finished, capsule files written, clients gone.
+and preparation stages that finished (a message's prompt is made on a worker,
+never in the loop: ``prepare.py``), capsule files written, clients gone.
 
 A tick is one bounded step (DESIGN.md, "The tick"): cancellations take effect;
 **admit**: queued requests take free slots (``scheduler.plan_leases``, the KV put in
@@ -39,7 +40,7 @@ from aotx.engine.runtime.commit import Commit
 from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftModel
 from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import (
-    CapsuleWritten, ClientOp, Disconnected, MediaReady, ReceiptArrived, Wake,
+    CapsuleWritten, ClientOp, Disconnected, MediaReady, Prepared, ReceiptArrived, Wake,
 )
 from aotx.engine.runtime.executor import DeviceError, Executor
 from aotx.engine.runtime.requests import Request, RequestState, Sink
@@ -95,7 +96,7 @@ class Engine:
         self._stop = threading.Event()
         self._handlers: dict[type, Callable[[Any], None]] = {
             ClientOp: self._on_client_op, ReceiptArrived: self._on_receipt, MediaReady: self._on_media_ready,
-            CapsuleWritten: self._on_capsule_written, Disconnected: self._on_disconnect, Wake: lambda ev: None,
+            Prepared: self._on_prepared, CapsuleWritten: self._on_capsule_written, Disconnected: self._on_disconnect, Wake: lambda ev: None,
         }
         self._operations: dict[type, Callable[[Any, Sink], None]] = {
             P.CreateConversation: self._create, P.ListConversations: self._list, P.ShowConversation: self._show,
@@ -211,6 +212,10 @@ class Engine:
         sub = ev.submission
         self._guarded(lambda: self._enqueue(self.submitter.media_ready(sub, self.tick)), sub.op, sub.sink)
 
+    def _on_prepared(self, ev: Prepared) -> None:
+        sub = ev.submission
+        self._guarded(lambda: self._enqueue(self.submitter.prepared(ev, self.tick)), sub.op, sub.sink)
+
     def _on_receipt(self, ev: ReceiptArrived) -> None:
         """Mark messages durable, let requests whose user message is now durable into the
         line, retry the messages held for journal credit that now fits."""
@@ -252,6 +257,7 @@ class Engine:
         self._enqueue(self.submitter.submit(op, sink, self.tick))
 
     def _cancel_op(self, op: P.Cancel, sink: Sink) -> None:
+        self.submitter.cancel_preparing(op, sink)
         for r in list(self._by_rid.values()):
             if (op.target and r.rid == op.target and r.sink is sink) or (op.conv_id and r.conv_id == op.conv_id):
                 self._cancel(r)
@@ -286,10 +292,10 @@ class Engine:
         sink.send(self.status_reply(op.id))
 
     def _busy_convs(self) -> set[str]:
-        return {r.conv_id for r in self._by_rid.values()}
+        return {r.conv_id for r in self._by_rid.values()} | set(self.submitter.preparing)
 
     def _is_busy(self, conv_id: str) -> bool:
-        return any(r.conv_id == conv_id for r in self._by_rid.values())
+        return conv_id in self.submitter.preparing or any(r.conv_id == conv_id for r in self._by_rid.values())
 
     def _require_idle(self, conv_id: str) -> None:
         if self._is_busy(conv_id):
