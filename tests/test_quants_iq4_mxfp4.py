@@ -207,7 +207,7 @@ _D_FOR_UNIT_STD = {T.IQ4_NL: 1 / 66.0, T.IQ4_XS: 1 / (66.0 * 18.5)}
 
 
 def write_mixed_model(tiny_gguf, path, seed: int = 0, tensor_types=MIX):
-    """tests/tiny_gguf.py's llama (d_model 256, ffn 256, untied Q8_0 output) with the
+    """tests/models/llama.py's llama (d_model 256, ffn 256, untied Q8_0 output) with the
     `tensor_types` (default MIX). The writer quantizes MXFP4 with gguf and scales the K
     types' random blocks; it writes IQ4_NL/IQ4_XS as random bytes (any float16 d, NaN
     included), so their data is replaced in place by random valid blocks with a sane d,

@@ -3,7 +3,7 @@ image's positions, prefix reuse stops at a different image and continues over th
 same one, an image that does not fit the context is refused with a notice while
 the message is kept, and ``serve`` pairs a text model with its mmproj.
 
-Tiny models throughout: a 64-wide text GGUF (tests/tiny_gguf.py) and a 64-wide
+Tiny models throughout: a 64-wide text GGUF (tests/models/llama.py) and a 64-wide
 mlp mmproj (tests/tiny_vision.py); the independent check is a direct forward
 pass of the text model with the encoder's rows in place of the token embeddings.
 """

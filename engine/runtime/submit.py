@@ -285,7 +285,7 @@ class Submitter:
                 sub.need = need + reply
                 if not sub.held:
                     sub.held = True
-                    sink.send(admission.held_notice(op.id, need + reply, st.journal_free_bytes()))
+                    sink.send(admission.held_notice(op.id, need + reply, st.journal_free_bytes(), st.hold_reason()))
                 self.held.append(sub)
                 return None
         seq = st.publish_accepted(recs, tick=tick)
