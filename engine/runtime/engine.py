@@ -96,7 +96,8 @@ class Engine:
         self._stop = threading.Event()
         self._handlers: dict[type, Callable[[Any], None]] = {
             ClientOp: self._on_client_op, ReceiptArrived: self._on_receipt, MediaReady: self._on_media_ready,
-            Prepared: self._on_prepared, CapsuleWritten: self._on_capsule_written, Disconnected: self._on_disconnect, Wake: lambda ev: None,
+            Prepared: self._on_prepared, CapsuleWritten: self._on_capsule_written,
+            Disconnected: self._on_disconnect, Wake: lambda ev: None,
         }
         self._operations: dict[type, Callable[[Any, Sink], None]] = {
             P.CreateConversation: self._create, P.ListConversations: self._list, P.ShowConversation: self._show,
