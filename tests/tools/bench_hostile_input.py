@@ -156,7 +156,8 @@ class Gateway:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the gateway did not start")
             time.sleep(0.2)
-        self.key = (home / "gateway" / "api_keys").read_text().splitlines()[0].strip()
+        lines = (home / "gateway" / "api_keys").read_text().splitlines()
+        self.key = next(x.strip() for x in lines if x.strip() and not x.lstrip().startswith("#"))
 
     def chat(self, text: str) -> tuple[int, str]:
         body = json.dumps({"model": "x", "messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
