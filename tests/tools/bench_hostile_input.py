@@ -18,8 +18,10 @@ involved) from an `aotx serve` engine; its inter-token gaps are measured alone
 
 Prints a table: the baseline's and the attack's largest gap, their ratio (the
 issue asks for under 2x; before this work: 9.6 s and 4.9 s against a 0.16 s
-baseline), how long the attack took to be answered and what it was answered
-with, and the engine's peak RSS (VmHWM) after the row. Each engine runs with 4
+baseline), how long the attack took to be answered, how many tokens the stream
+received meanwhile (the window the gap covers: use enough ``--tokens`` that the
+stream outlives the attack), what the attack was answered with, and the
+engine's peak RSS (VmHWM) after the row. Each engine runs with 4
 slots and a 4,096-token context on the CPU.
 """
 
@@ -233,7 +235,8 @@ async def row(name: str, sock: Path, n_tokens: int, attack) -> dict:
     window_end = max(t1, t0 + 0.5)
     b, a = max_gap(base), max_gap(times, t0, window_end)
     return {"attack": name, "baseline_max_gap_s": round(b, 3), "attack_max_gap_s": round(a, 3),
-            "ratio": round(a / b, 2), "answered_in_s": round(t1 - t0, 2), "outcome": outcome[:120]}
+            "ratio": round(a / b, 2), "answered_in_s": round(t1 - t0, 2),
+            "tokens_during_attack": sum(1 for t in times if t0 <= t <= t1), "outcome": outcome[:120]}
 
 
 async def main_async(args) -> list[dict]:
@@ -282,11 +285,13 @@ async def main_async(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| attack | baseline max gap (s) | max gap under attack (s) | ratio | answered in (s) | engine peak RSS (MB) | answer |"
-    lines = [head, "|" + "---|" * 7]
+    head = ("| attack | baseline max gap (s) | max gap under attack (s) | ratio | answered in (s) | "
+            "stream tokens meanwhile | engine peak RSS (MB) | answer |")
+    lines = [head, "|" + "---|" * 8]
     for r in rows:
         lines.append(f"| {r['attack']} | {r['baseline_max_gap_s']} | {r['attack_max_gap_s']} | {r['ratio']} | "
-                     f"{r['answered_in_s']} | {r['engine_peak_rss_mb']} | {r['outcome']} |")
+                     f"{r['answered_in_s']} | {r['tokens_during_attack']} | {r['engine_peak_rss_mb']} | "
+                     f"{r['outcome']} |")
     return "\n".join(lines)
 
 
