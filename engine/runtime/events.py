@@ -38,7 +38,7 @@ class MediaReady:
 class Prepared:
     submission: Any  # submit.Submission
     text: str = ""  # the user's turn as the prompt holds it (pictures that did not fit left out)
-    prompt: tuple = ()  # token ids
+    prompt: list[int] | tuple = ()  # token ids
     error: Any = None  # an AotxError raised while preparing (the template refused, too long), or None
 
 
