@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from aotx.engine.errors import AotxError, ErrorCode, NotFound
+from aotx.engine.errors import AotxError, ErrorCode, JournalError, NotFound
 from aotx.engine.ipc import protocol as P
 from aotx.engine.journal import records as R
 from aotx.engine.journal.conversations import ConversationTable, Receipt
@@ -80,6 +80,7 @@ class ConversationStore:
         """Publish ``recs`` all or none: credit for every one is reserved first, else
         ``admission.Refusal`` (resource journal) and nothing is written."""
         if self.journal is not None:
+            self.check_writable()
             need = sum(self.record_bytes(r) for r in recs)
             if not self.journal.reserve(need):
                 if self.journal.degraded:  # the disk is full: say which, and what it needs
@@ -101,6 +102,11 @@ class ConversationStore:
     def record_bytes(rec) -> int:
         """Bytes ``rec`` takes in the journal's buffer (its frame)."""
         return R.FRAME_OVERHEAD + len(R.encode_payload(rec))
+
+    def check_writable(self) -> None:
+        """Raise ``JournalError`` when the journal failed (no credit will ever come back)."""
+        if self.journal is not None and self.journal.failed is not None:
+            raise JournalError(f"the journal failed and takes no more records: {self.journal.failed}")
 
     def reserve(self, nbytes: int) -> bool:
         """Take journal credit for ``nbytes`` (always True without a journal)."""
