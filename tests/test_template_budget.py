@@ -117,3 +117,26 @@ def test_budgeted_operations_give_jinja_results(src, expected):
     filters behave as in plain Jinja."""
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     assert ChatTemplate(src).render(msgs, budget=FAST) == expected
+
+
+def test_filters_over_literals_are_not_run_when_the_template_compiles():
+    """Jinja folds constant expressions while compiling: ``{{ 'a'|center(200000000) }}``
+    allocated its 200 MB string at model load, outside any budget. It runs at render
+    time now, where the budget refuses it."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        t = ChatTemplate("{{ 'a'|center(200000000) }}{{ 'x'|upper }}", name=NAME)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 << 20, peak
+    with pytest.raises(TemplateError, match=r"\|center\) of 200,000,000"):
+        t.render(MSGS, budget=FAST)
+    assert ChatTemplate("{{ 'ab'|upper }}{{ [3, 1]|sort|join(',') }}").render([]) == "AB1,3"
+
+
+def test_template_nested_too_deeply_to_compile_is_a_template_error():
+    with pytest.raises(TemplateError, match=r"nested too deeply to compile"):
+        ChatTemplate("{{" + "(" * 5000 + "1" + ")" * 5000 + "}}", name=NAME)

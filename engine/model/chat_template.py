@@ -176,6 +176,8 @@ class ChatTemplate:
             self._template = compile_template(self._env, source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
+        except RecursionError:
+            raise TemplateError(f"{self.name} is nested too deeply to compile") from None
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "ChatTemplate":

@@ -64,6 +64,10 @@ class BudgetExceeded(Exception):
     """A render went over its budget; the message says which limit and how."""
 
 
+class _NotRendering(Exception):
+    """A filter called outside ``render`` (Jinja's compile-time constant folding)."""
+
+
 class _Meter:
     __slots__ = ("budget", "deadline", "chars", "n", "next_yield")
 
@@ -177,7 +181,10 @@ def _budgeted_filter(env: Any, name: str, f: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         m = env.meter()
         if m is None:
-            return f(*args, **kwargs)
+            # Only inside a budgeted render. Jinja folds a filter over literals when it
+            # compiles ({{ 'a'|center(10**10) }} would run at model load, outside any
+            # budget); an exception here makes it leave the call for render time.
+            raise _NotRendering(name)
         m.tick()
         # pass_context/pass_eval_context/pass_environment filters get that object first
         value_args = args[1:] if getattr(f, "jinja_pass_arg", None) is not None else args
