@@ -216,3 +216,38 @@ def test_prepare_worker_survives_a_bug(engine, monkeypatch):
                              sampling=P.SamplingParams(temperature=0.0, max_tokens=2)), s2)
     assert isinstance(s2.wait(60), P.Committed)
     assert threading.active_count() > 0
+
+
+def test_preparer_keeps_each_clients_order_and_lets_clients_take_turns():
+    """One client's preparations run in the order sent (its messages are accepted in
+    that order); another client's message waits for at most one of them, not all."""
+    from types import SimpleNamespace
+
+    from aotx.engine.runtime.events import Inbox
+    from aotx.engine.runtime.prepare import Preparer
+
+    inbox = Inbox()
+    prep = Preparer(inbox, n_workers=1)
+    a, b = object(), object()
+
+    def job(name, seconds):
+        def work():
+            time.sleep(seconds)
+            return name, []
+        return work
+
+    for i in range(3):
+        prep.submit(SimpleNamespace(sink=a), job(f"a{i}", 0.2))
+    prep.submit(SimpleNamespace(sink=b), job("b0", 0.0))
+    order = []
+    while len(order) < 4:
+        ev = inbox.get(10)
+        assert ev is not None, order
+        order.append(ev.text)
+    assert order == ["a0", "b0", "a1", "a2"]
+
+    prep2 = Preparer(inbox, n_workers=2)  # two workers: still one at a time per client
+    for i in range(4):
+        prep2.submit(SimpleNamespace(sink=a), job(f"a{i}", 0.05 * (4 - i)))  # later ones are quicker
+    got = [inbox.get(10).text for _ in range(4)]
+    assert got == ["a0", "a1", "a2", "a3"]

@@ -22,8 +22,8 @@ Leaves to others: what the stage computes (``submit.py``), admission
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,33 +37,64 @@ N_WORKERS = 2  # one slow preparation (a long paste) does not hold up everyone e
 
 
 class Preparer:
-    """A few daemon worker threads running preparations in arrival order.
+    """A few daemon worker threads running preparations, fairly.
 
     ``submit(sub, work)`` runs ``work() -> (text, prompt ids)`` on a worker and posts
     ``Prepared(sub, text, prompt)`` to ``inbox``, or ``Prepared(sub, error=e)`` when it
     raised (an ``AotxError`` as is; anything else becomes an internal error, logged).
-    Workers start on first use and are daemons: a stuck C call can never keep the
-    process from exiting."""
+
+    Order and fairness: one client's (one ``sub.sink``'s) preparations run one at a
+    time in the order they came, so its messages are accepted in the order it sent
+    them; clients take turns, so one sending slow work (a long paste, a template
+    that runs to its budget) delays another's next message by at most one of its
+    preparations, not by its whole queue. Workers start on first use and are
+    daemons: a stuck C call can never keep the process from exiting."""
 
     def __init__(self, inbox: Inbox, n_workers: int = N_WORKERS):
         self.inbox = inbox
         self.n_workers = n_workers
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending: dict[int, deque] = {}  # id(sink) -> its preparations not yet started
+        self._turns: deque[int] = deque()  # sinks with pending work and none running, in turn order
+        self._running: set[int] = set()  # sinks one of whose preparations is running
         self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
 
     def submit(self, sub: Any, work: Callable[[], tuple[str, list[int]]]) -> None:
-        with self._lock:
+        key = id(sub.sink)
+        with self._cond:
             if not self._threads:
                 for i in range(self.n_workers):
                     t = threading.Thread(target=self._run, name=f"aotx-prepare-{i}", daemon=True)
                     t.start()
                     self._threads.append(t)
-        self._q.put((sub, work))
+            q = self._pending.setdefault(key, deque())
+            q.append((sub, work))
+            if len(q) == 1 and key not in self._running:
+                self._turns.append(key)
+            self._cond.notify()
+
+    def _take(self) -> tuple[int, Any, Callable[[], tuple[str, list[int]]]]:
+        with self._cond:
+            while not self._turns:
+                self._cond.wait()
+            key = self._turns.popleft()
+            q = self._pending[key]
+            sub, work = q.popleft()
+            if not q:
+                del self._pending[key]
+            self._running.add(key)
+            return key, sub, work
+
+    def _done(self, key: int) -> None:
+        with self._cond:
+            self._running.discard(key)
+            if key in self._pending:  # its next one takes a turn at the back
+                self._turns.append(key)
+                self._cond.notify()
 
     def _run(self) -> None:
         while True:
-            sub, work = self._q.get()
+            key, sub, work = self._take()
             try:
                 text, prompt = work()
                 ev = Prepared(sub, text, prompt)
@@ -73,7 +104,9 @@ class Preparer:
                 log.exception("preparing a message failed")
                 ev = Prepared(sub, error=EngineError(f"internal error while preparing the prompt: {e}",
                                                      ErrorCode.INTERNAL))
+            # posted before the client's next preparation may start: its messages stay in order
             self.inbox.put(ev)
+            self._done(key)
 
 
 def longest_piece(tokenizer: Any) -> int:
