@@ -199,21 +199,58 @@ def test_fifo_is_refused_without_blocking(tmp_path):
         GGUFFile.open(p)
 
 
-def test_real_model_metadata_and_tensors(default_model_path):
-    """The strict parser reads the default model as gguf.GGUFReader does: same keys,
-    values and tensor views (the reference is gguf-py, not this parser)."""
+def _same_as_gguf_py(path: Path) -> int:
+    """The strict parser reads ``path`` as gguf.GGUFReader does: same keys, values (and
+    their Python types) and tensor views. Returns the tensor count."""
     import gguf
 
-    gf = GGUFFile.open(default_model_path)
-    r = gguf.GGUFReader(default_model_path)
+    gf = GGUFFile.open(path)
+    r = gguf.GGUFReader(path)
     ref = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
     assert gf.metadata.keys() == ref.keys()
     for k, v in ref.items():
         assert gf.metadata[k] == v, k
         assert type(gf.metadata[k]) is type(v), k
-    assert len(gf.tensors) == len(r.tensors) == 272
+    assert len(gf.tensors) == len(r.tensors)
     for t in r.tensors:
         mine = gf.tensors[t.name]
         assert mine.offset == t.data_offset and mine.n_bytes == t.n_bytes and mine.qtype == t.tensor_type
         assert mine.data.shape == t.data.shape and mine.data.dtype == t.data.dtype
         assert np.array_equal(mine.data[:2], t.data[:2]), t.name
+    return len(r.tensors)
+
+
+def test_real_model_metadata_and_tensors(default_model_path):
+    """The default model (SmolLM2, llama) reads as gguf-py reads it (the reference is
+    gguf-py, not this parser)."""
+    assert _same_as_gguf_py(default_model_path) == 272
+
+
+#: every tiny architecture file of tests/models (qwen2, qwen3, gemma3, phi3, IQ quants ...)
+TINY_NAMES = ["llama3", "qwen2", "qwen3", "gemma3", "phi3", "phi3-longrope", "iquants"]
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_tiny_architecture_files_are_accepted(tiny_models, tiny_model_path, name):
+    """The strictness refuses nothing llama.cpp's converter writes: each tiny architecture
+    file (its metadata keys, arrays of strings, floats and ints, IQ4/MXFP4 tensors) opens
+    and reads as gguf-py reads it."""
+    assert set(TINY_NAMES) == set(tiny_models.TINY)  # a new tiny file is checked here too
+    assert _same_as_gguf_py(tiny_model_path(name)) > 0
+
+
+def test_tiny_llama_and_cuda_test_model_are_accepted(tiny_models, tmp_path):
+    p = tiny_models.llama.write_tiny_llama(tmp_path / "llama.gguf")
+    assert _same_as_gguf_py(p) > 0
+    from tests.models import cuda_testmodel
+
+    p = cuda_testmodel.write_llama(tmp_path / "cuda.gguf", n_layers=1, d_model=256, vocab=512)
+    assert _same_as_gguf_py(p) > 0
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_real_architecture_files_are_accepted(request, name):
+    """The two real files of issue 14 (Qwen2.5-Coder-0.5B-Instruct with its tools template,
+    Gemma 3 270M with its 262144-token SentencePiece vocabulary) read as gguf-py reads them."""
+    path = request.getfixturevalue(f"{name}_model_path")
+    assert _same_as_gguf_py(path) > 0
