@@ -226,16 +226,18 @@ def test_real_model_metadata_and_tensors(default_model_path):
     assert _same_as_gguf_py(default_model_path) == 272
 
 
-#: every tiny architecture file of tests/models (qwen2, qwen3, gemma3, phi3, IQ quants ...)
-TINY_NAMES = ["llama3", "qwen2", "qwen3", "gemma3", "phi3", "phi3-longrope", "iquants"]
+#: every tiny architecture file of tests/models (qwen2, qwen3, gemma3, phi3, IQ quants, the
+#: mixtures of experts)
+TINY_NAMES = ["llama3", "qwen2", "qwen3", "gemma3", "phi3", "phi3-longrope", "iquants", "qwen3moe", "olmoe", "gptoss"]
 
 
 @pytest.mark.parametrize("name", TINY_NAMES)
 def test_tiny_architecture_files_are_accepted(tiny_models, tiny_model_path, name):
     """The strictness refuses nothing llama.cpp's converter writes: each tiny architecture
-    file (its metadata keys, arrays of strings, floats and ints, IQ4/MXFP4 tensors) opens
+    file (its metadata keys, arrays of strings, floats and ints, IQ4/MXFP4 tensors, 3-D
+    expert stacks) opens
     and reads as gguf-py reads it."""
-    assert set(TINY_NAMES) == set(tiny_models.TINY)  # a new tiny file is checked here too
+    assert set(TINY_NAMES) == set(tiny_models.TINY) | set(tiny_models.MOE)  # a new tiny file is checked here too
     assert _same_as_gguf_py(tiny_model_path(name)) > 0
 
 
