@@ -141,7 +141,7 @@ def test_every_logits_row_equals_the_row_computed_alone(name, tiny_file):
     kv_types = _kv_types(model)
     cache: dict = {}
 
-    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(schedules(vocab, kv_types), st.randoms(use_true_random=False))
     def check(schedule, rnd):

@@ -293,7 +293,9 @@ class MediaInfo(_Base, tag="media"):
 
 
 class Committed(_Base, tag="committed"):
-    """The reply finished. finish_reason: stop | length | context | cancelled | error."""
+    """The reply finished. finish_reason: stop | length | context | cancelled | error.
+    numerics: the arithmetic that produced the tokens ("cpu-int8", "cpu-f32", "cuda-f32"):
+    a backend's results are batch-invariant, but two backends need not agree bit for bit."""
 
     id: int
     msg_id: str
@@ -304,6 +306,7 @@ class Committed(_Base, tag="committed"):
     seq: int
     text: str = ""
     timings: dict[str, float] = {}
+    numerics: str = ""
 
 
 class Durable(_Base, tag="durable"):

@@ -94,6 +94,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.stats = {"ticks": 0, "tokens": 0, "device_s": 0.0, "host_s": 0.0}
+        # the arithmetic behind the tokens, reported with every reply (README: CPU and CUDA differ)
+        self.numerics = getattr(getattr(lm.model, "backend", None), "numerics", None) or (
+            "cuda-f32" if device == "cuda" else "cpu-int8")
+        self._sampler_of: dict[str, Any] = {}  # conv_id -> its last reply's SamplerState (capsules)
         self._watch_lock = threading.Lock()
         store.on_receipt = self._receipt_from_drain
 
@@ -528,7 +532,10 @@ class Engine:
         if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + 16:
             caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=self.lm.fingerprint,
                                                backend=self.device, device=caps.device_budget > 0,
+                                               sampler=self._sampler_of.get(slot.conv_id),
                                                drafter=self.draft.state(slot.index) if self.draft else None))
+        if slot.conv_id != r.conv_id:           # the slot's state leaves it: at most one entry per slot
+            self._sampler_of.pop(slot.conv_id, None)
         own_state = slot.conv_id == r.conv_id and reuse > 0
         if caps is not None and not own_state:
             cap, n, note = caps.best_for(r.conv_id, r.prompt)
@@ -556,7 +563,7 @@ class Engine:
         if self.capsules is None or self.capsules.dir is None or not r.slot or len(r.slot.tokens) < 2:
             return
         cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device,
-                         drafter=self.draft.state(r.slot.index) if self.draft else None)
+                         sampler=r.sampler_state, drafter=self.draft.state(r.slot.index) if self.draft else None)
         conv_id = r.conv_id
 
         def write() -> None:
@@ -732,6 +739,7 @@ class Engine:
         if r.slot is not None:
             # the KV holds prompt + completion[:-1]; keep that for prefix reuse
             self.slots.release(r.slot)
+            self._sampler_of[r.conv_id] = r.sampler_state
             if reason in ("stop", "length", "context"):
                 self._persist_capsule(r)
         self._by_rid.pop((id(r.sink), r.rid), None)
@@ -739,7 +747,7 @@ class Engine:
         r.final_seq = seq
         r.sink.send(P.Committed(id=r.rid, msg_id=r.reply_id, finish_reason=reason, n_prompt=len(r.prompt),
                                 n_completion=len(r.completion), tick=self.tick, seq=seq, text=r.text,
-                                timings=r.timings()))
+                                timings=r.timings(), numerics=self.numerics))
         if self.store.journaled:
             self._watch(seq, r, "final")
         self.store.flush()
