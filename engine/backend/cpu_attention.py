@@ -145,47 +145,53 @@ def _job(p, starts, slots, lengths, KV, window, n_ctx):
     return r0, r1, slots[r0], g, lo_min, max(hi_max - lo_min, 0)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
-def _attention_f32(q, kc, vc, slots, lengths, scale, window, out):
-    """attention_rows' kernel for a float32 cache."""
+@njit(cache=True, inline="always", error_model="numpy")
+def _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half):
+    """Job p: a block of rows of one slot against one KV head (float16 caches: its K/V
+    range converted to float32 first, exactly)."""
     N, H, hd = q.shape
-    n_slots, KV, n_ctx, _ = kc.shape
     G = H // KV
-    starts = _blocks(slots, N)
-    kflat = kc.reshape(-1)
-    vflat = vc.reshape(-1)
-    for p in prange((starts.shape[0] - 1) * KV):
-        r0, r1, s, g, lo_min, span = _job(p, starts, slots, lengths, KV, window, n_ctx)
-        sc = np.empty((G, max(span, 1)), np.float32)
-        ones = np.ones(max(span, 1), np.float32)
-        o = np.empty((G, hd), np.float32)
-        den = np.empty(1, np.float32)
-        head0 = ((s * KV + g) * n_ctx + lo_min) * hd
-        _rows(q, kflat, vflat, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den)
-
-
-@njit(cache=True, parallel=True, error_model="numpy")
-def _attention_f16(mode, q, kc, vc, slots, lengths, scale, window, out):
-    """attention_rows' kernel for a float16 (uint16 bits) cache: each job converts its
-    K/V range to float32 (exact) once, then runs the float32 rows."""
-    N, H, hd = q.shape
-    n_slots, KV, n_ctx, _ = kc.shape
-    G = H // KV
-    starts = _blocks(slots, N)
-    kflat = kc.reshape(-1)
-    vflat = vc.reshape(-1)
-    for p in prange((starts.shape[0] - 1) * KV):
-        r0, r1, s, g, lo_min, span = _job(p, starts, slots, lengths, KV, window, n_ctx)
-        sc = np.empty((G, max(span, 1)), np.float32)
-        ones = np.ones(max(span, 1), np.float32)
-        o = np.empty((G, hd), np.float32)
-        den = np.empty(1, np.float32)
-        head0 = ((s * KV + g) * n_ctx + lo_min) * hd
+    r0, r1, s, g, lo_min, span = _job(p, starts, slots, lengths, KV, window, n_ctx)
+    sc = np.empty((G, max(span, 1)), np.float32)
+    ones = np.ones(max(span, 1), np.float32)
+    o = np.empty((G, hd), np.float32)
+    den = np.empty(1, np.float32)
+    head0 = ((s * KV + g) * n_ctx + lo_min) * hd
+    if half:
         kf = np.empty(max(span, 1) * hd, np.float32)
         vf = np.empty(max(span, 1) * hd, np.float32)
         h2f(mode, kflat, head0, kf, 0, span * hd)
         h2f(mode, vflat, head0, vf, 0, span * hd)
         _rows(q, kf, vf, 0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den)
+    else:
+        _rows(q, kflat, vflat, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _attention_parallel(mode, q, kc, vc, slots, lengths, scale, window, out, half):
+    """attention_rows' kernel, jobs over the threads (half: the cache holds float16 bits)."""
+    n_slots, KV, n_ctx, _ = kc.shape
+    starts = _blocks(slots, q.shape[0])
+    kflat = kc.reshape(-1)
+    vflat = vc.reshape(-1)
+    for p in prange((starts.shape[0] - 1) * KV):
+        _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half)
+
+
+@njit(cache=True, error_model="numpy")
+def _attention_serial(mode, q, kc, vc, slots, lengths, scale, window, out, half):
+    """attention_rows' kernel on the calling thread (the same jobs, in order)."""
+    n_slots, KV, n_ctx, _ = kc.shape
+    starts = _blocks(slots, q.shape[0])
+    kflat = kc.reshape(-1)
+    vflat = vc.reshape(-1)
+    for p in range((starts.shape[0] - 1) * KV):
+        _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half)
+
+
+# Below this many multiply-adds attention runs on the calling thread (decode at short
+# context: a parallel region's fork / join would cost more than it saves).
+PARALLEL_MACS = 1_000_000
 
 
 def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
@@ -200,13 +206,14 @@ def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
     H must be a multiple of KV. Returns out."""
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (np.float32, np.uint16):
         raise ValueError(f"KV cache dtype must be float32 or uint16 (float16 bits), got {k_cache.dtype}/{v_cache.dtype}")
-    if q.shape[0]:
-        args = (np.ascontiguousarray(q, np.float32), k_cache, v_cache, np.ascontiguousarray(slots, np.int32),
-                np.ascontiguousarray(lengths, np.int32), np.float32(scale), int(window), out)
-        if k_cache.dtype == np.uint16:
-            _attention_f16(cpu_fdot.HOST_F16, *args)
-        else:
-            _attention_f32(*args)
+    n = q.shape[0]
+    if n:
+        lengths = np.ascontiguousarray(lengths, np.int32)
+        keys = int(lengths.sum()) if window <= 0 else int(np.minimum(lengths, window).sum())
+        run = _attention_parallel if keys * q.shape[1] * q.shape[2] * 2 >= PARALLEL_MACS else _attention_serial
+        run(cpu_fdot.HOST_F16, np.ascontiguousarray(q, np.float32), k_cache, v_cache,
+            np.ascontiguousarray(slots, np.int32), lengths, np.float32(scale), int(window), out,
+            k_cache.dtype == np.uint16)
     return out
 
 

@@ -225,28 +225,45 @@ def repack(b: np.ndarray, qtype: T, m: int, k: int) -> tuple[str, np.ndarray, np
 
 # ------------------------------------------------------------------ the float path
 
-@njit(cache=True, parallel=True, error_model="numpy")
-def gemm_float(x, w, out, col0):
-    """out[i, col0 + j] = dot(x[i], w[j]) in cpu_fdot's order: x (n, k), w (mw, k), out
-    (n, m) float32, C-contiguous. Parallel over groups of 4 weight rows; inside them,
-    activation rows two at a time (each output the same single dot product)."""
+@njit(cache=True, inline="always", error_model="numpy")
+def _float_group(x, w, out, col0, g):
     n, k = x.shape
     mw = w.shape[0]
     m = out.shape[1]
-    ng = (mw + 3) // 4
-    for g in prange(ng):
-        j = 4 * g
-        if j + 4 <= mw:
-            i = 0
-            while i + 2 <= n:
-                cpu_fdot.dots(2, 4, x, i * k, k, w, j * k, k, k, out, i * m + col0 + j, m)
-                i += 2
-            if i < n:
-                cpu_fdot.dots(1, 4, x, i * k, k, w, j * k, k, k, out, i * m + col0 + j, m)
-        else:
-            for jj in range(j, mw):
-                for i in range(n):
-                    cpu_fdot.dots(1, 1, x, i * k, k, w, jj * k, k, k, out, i * m + col0 + jj, m)
+    j = 4 * g
+    if j + 4 <= mw:
+        i = 0
+        while i + 2 <= n:
+            cpu_fdot.dots(2, 4, x, i * k, k, w, j * k, k, k, out, i * m + col0 + j, m)
+            i += 2
+        if i < n:
+            cpu_fdot.dots(1, 4, x, i * k, k, w, j * k, k, k, out, i * m + col0 + j, m)
+    else:
+        for jj in range(j, mw):
+            for i in range(n):
+                cpu_fdot.dots(1, 1, x, i * k, k, w, jj * k, k, k, out, i * m + col0 + jj, m)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _gemm_float_parallel(x, w, out, col0):
+    for g in prange((w.shape[0] + 3) // 4):
+        _float_group(x, w, out, col0, g)
+
+
+@njit(cache=True, error_model="numpy")
+def _gemm_float_serial(x, w, out, col0):
+    for g in range((w.shape[0] + 3) // 4):
+        _float_group(x, w, out, col0, g)
+
+
+def gemm_float(x: np.ndarray, w: np.ndarray, out: np.ndarray, col0: int) -> None:
+    """out[i, col0 + j] = dot(x[i], w[j]) in cpu_fdot's order: x (n, k) float32, w (mw, k)
+    float32 / float16 bits (uint16) / bfloat16 bits (int16), out (n, m) float32, all
+    C-contiguous. Groups of 4 weight rows (over the threads when the work is large);
+    inside them activation rows two at a time (each output the same single dot product)."""
+    run = _gemm_float_parallel if x.shape[0] * w.shape[0] * x.shape[1] >= cpu_qdot.PARALLEL_MACS else \
+        _gemm_float_serial
+    run(x, w, out, col0)
 
 
 _local = threading.local()
@@ -255,11 +272,17 @@ _local = threading.local()
 def _act_scratch(n: int, k: int) -> tuple[np.ndarray, ...]:
     """Per-thread buffers for n rows of k int8-quantized activations (cpu_qdot.quantize_x):
     xq (n, k) int8, dx and sx (n, k/32) float32, xs (n, k/32) and xh (n, k/16) int32.
-    One allocation per k, grown to the largest n seen, sliced to n."""
+    One allocation per k, grown to the largest n seen; the views for each n are kept
+    (a decode step asks for the same few shapes ~200 times)."""
     try:
-        bufs = _local.act
+        views = _local.views
     except AttributeError:
-        bufs = _local.act = {}
+        views = _local.views = {}
+        _local.act = {}
+    v = views.get((n, k))
+    if v is not None:
+        return v
+    bufs = _local.act
     b = bufs.get(k)
     if b is None or b[0].shape[0] < n:
         cap = max(n, 16 if b is None else 2 * b[0].shape[0])
@@ -267,7 +290,12 @@ def _act_scratch(n: int, k: int) -> tuple[np.ndarray, ...]:
         b = bufs[k] = (np.empty((cap, k), np.int8), np.empty((cap, nb), np.float32),
                        np.empty((cap, nb), np.float32), np.empty((cap, nb), np.int32),
                        np.empty((cap, 2 * nb), np.int32))
-    return tuple(a[:n] for a in b)
+        for key in [key for key in views if key[1] == k]:
+            del views[key]
+    if len(views) > 256:
+        views.clear()
+    v = views[(n, k)] = tuple(a[:n] for a in b)
+    return v
 
 
 def _scratch(size: int) -> np.ndarray:
@@ -337,7 +365,8 @@ class QuantMatrix:
         Row-invariant for every n: out[i] depends on x[i] alone, bit for bit (the module
         docstring). ``per_row`` is accepted for older callers and ignored: every call is
         per row."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.k:
             raise ValueError(f"{self.name or 'matmul'}: x has shape {x.shape}, expected (n, {self.k})")
         n = x.shape[0]
@@ -347,8 +376,9 @@ class QuantMatrix:
             return out
         if self.int8:
             xq, dx, sx, xs, xh = _act_scratch(n, self.k)
-            cs, ch = _CORR[(self.kind, int(self.isa))]
-            cpu_qdot.matmul(self._marker, self.isa, self._qs, self._d, self._mn, x, xq, dx, sx, xs, xh, out,
+            isa = self.isa
+            cs, ch = _CORR[(self.kind, int(isa))]
+            cpu_qdot.matmul(self._marker, isa, self._qs, self._d, self._mn, x, xq, dx, sx, xs, xh, out,
                             self._n_chunks, cs, ch)
             return out
         if self._direct is not None:

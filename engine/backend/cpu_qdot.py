@@ -509,7 +509,57 @@ def _group(n, i):
     return 1
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _tiles(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, t0, t1, acc):
+    """Output tiles t0..t1-1 of gemm (acc: 64 float32 scratch)."""
+    nt, nb, G, RR, C = qs.shape
+    S = d.shape[2]
+    n, m = out.shape
+    k = xq.shape[1]
+    for t in range(t0, t1):
+        for r0 in range(0, RR, LANES):
+            r1 = min(LANES, m - t * RR - r0)
+            if r1 <= 0:
+                break
+            w_off = (t * nb * G * RR + r0) * C
+            d_off = t * nb * S * RR + r0
+            i = 0
+            while i < n:
+                nr = _group(n, i)
+                if nr == 8:
+                    _lanes(kind, isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k, acc, 8)
+                elif nr == 4:
+                    _lanes(kind, isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k, acc, 4)
+                else:
+                    _lanes(kind, isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k, acc, 1)
+                for ii in range(nr):
+                    for r in range(r1):
+                        out[i + ii, t * RR + r0 + r] = acc[ii * LANES + r]
+                i += nr
+
+
 @njit(cache=True, parallel=True, error_model="numpy")
+def _gemm_parallel(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
+    nt = qs.shape[0]
+    per = (nt + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        acc = np.empty(8 * LANES, np.float32)
+        _tiles(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, c * per, min(nt, (c + 1) * per), acc)
+
+
+@njit(cache=True, error_model="numpy")
+def _gemm_serial(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out):
+    acc = np.empty(8 * LANES, np.float32)
+    _tiles(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, 0, qs.shape[0], acc)
+
+
+# Below this many multiply-adds a matmul runs on the calling thread alone: a parallel
+# region's fork and join cost more than they save (decode's layer matmuls: 0.1-1 M), and
+# on a loaded machine a join waits for a descheduled thread for milliseconds.
+PARALLEL_MACS = 2_000_000
+
+
+@njit(cache=True, error_model="numpy")
 def gemm(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
     """Weight tiles x int8 activations, out (n, m) float32.
 
@@ -517,35 +567,15 @@ def gemm(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
     int8 tiles, d and mn (T, nb, S, 32) float32 (S scales per block and row; mn unused,
     any float32 array, for Q8 and Q8X2), xq (n, k) int8, dx / sx (n, nb) float32, xs (n,
     nb) int32, xh (n, 2 nb) int32 (quantize_x), out (n, m). out[i, t*32 + r] = the sum
-    over blocks, in order, of the module docstring's t for that kind.
+    over blocks, in order, of the module docstring's t for that kind. Tiles are split
+    over n_chunks parallel jobs when the work is at least PARALLEL_MACS; a tile's
+    arithmetic is the same either way.
     """
-    nt, nb, G, RR, C = qs.shape
-    S = d.shape[2]
     n, m = out.shape
-    k = xq.shape[1]
-    per = (nt + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        acc = np.empty(8 * LANES, np.float32)
-        for t in range(c * per, min(nt, (c + 1) * per)):
-            for r0 in range(0, RR, LANES):
-                r1 = min(LANES, m - t * RR - r0)
-                if r1 <= 0:
-                    break
-                w_off = (t * nb * G * RR + r0) * C
-                d_off = t * nb * S * RR + r0
-                i = 0
-                while i < n:
-                    nr = _group(n, i)
-                    if nr == 8:
-                        _lanes(kind, isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k, acc, 8)
-                    elif nr == 4:
-                        _lanes(kind, isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k, acc, 4)
-                    else:
-                        _lanes(kind, isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k, acc, 1)
-                    for ii in range(nr):
-                        for r in range(r1):
-                            out[i + ii, t * RR + r0 + r] = acc[ii * LANES + r]
-                    i += nr
+    if n_chunks > 1 and n * m * xq.shape[1] >= PARALLEL_MACS:
+        _gemm_parallel(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, n_chunks)
+    else:
+        _gemm_serial(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out)
 
 
 @njit(cache=True, error_model="numpy")
