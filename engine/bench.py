@@ -429,15 +429,18 @@ def bench_engine_path(model=None, device: str = "cpu", sizes=(128, 512, 1024), d
         def drive() -> None:
             try:
                 reply("Hi", P.SamplingParams(temperature=0.0, max_tokens=4), False)        # warm-up
-                for n in sizes:
+                for si, n in enumerate(sizes):
                     rates, cpus, ttft = [], [], []
                     for r in range(repeats):
-                        text = lm.tokenizer.decode(pool[(r + 1) * n:(r + 2) * n])
+                        # a distinct first word: no slot's cached prefix matches (the text repeats)
+                        text = f"Draft {si * repeats + r + 1}. " + lm.tokenizer.decode(pool[:n - 4])
                         t, cpu, _ = reply(text, P.SamplingParams(temperature=0.0, max_tokens=1), True)
                         rates.append(t["prompt_tokens_per_s"])
                         ttft.append(t["ttft_s"])
                         cpus.append(cpu / max(1.0, t["prompt_tokens"] - t["prompt_tokens_reused"]))
                     out["prefill"][n] = {"prompt_tokens_per_s": statistics.median(rates),
+                                         "prompt_tokens": int(t["prompt_tokens"]),
+                                         "prompt_tokens_reused": int(t["prompt_tokens_reused"]),
                                          "ttft_s": statistics.median(ttft),
                                          "cpu_ms_per_token": round(1e3 * statistics.median(cpus), 3)}
                 for mode in ("off", "auto"):

@@ -132,11 +132,23 @@ def test_readonly_memmap_input_is_not_copied_for_file_layout_types(tmp_path):
 def test_repacked_memory_is_as_documented():
     """Bytes per weight of the integer layouts (cpu_matmul's docstring), against the file."""
     rng = np.random.default_rng(4)
-    for qtype, limit in ((T.Q4_1, 1.21), (T.Q4_0, 1.34), (T.Q4_K, 1.34), (T.Q8_0, 1.06), (T.Q5_0, 1.64),
+    for qtype, limit in ((T.Q4_1, 1.0), (T.Q4_0, 1.12), (T.Q4_K, 1.34), (T.Q8_0, 1.0), (T.Q5_0, 1.55),
                          (T.Q6_K, 1.53)):
         k = _k(qtype, 576)
         raw = make_raw(qtype, 256, k, rng)
-        assert QuantMatrix(raw, qtype, 256, k).nbytes <= limit * raw.nbytes
+        assert QuantMatrix(raw, qtype, 256, k).nbytes <= limit * raw.nbytes + 64, qtype.name
+
+
+def test_q4_0_scales_beyond_float16_fall_back_to_float32():
+    """-8 d overflows float16 when |d| > 8188: those tiles keep float32 scales, same results."""
+    rng = np.random.default_rng(6)
+    raw = make_raw(T.Q4_0, 40, 64, rng)
+    raw.reshape(40, -1, 18)[3, 1, 0:2] = np.array([9000.0], np.float16).view(np.uint8)
+    qm = QuantMatrix(raw, T.Q4_0, 40, 64)
+    assert qm._d.dtype == np.float32
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    ref = x.astype(np.float64) @ gguf.quants.dequantize(raw, T.Q4_0).reshape(40, 64).astype(np.float64).T
+    assert _rel(qm.matmul(x), ref) < RTOL_INT8
 
 
 def test_shape_errors_name_the_tensor():

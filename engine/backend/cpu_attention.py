@@ -191,7 +191,7 @@ def _attention_serial(mode, q, kc, vc, slots, lengths, scale, window, out, half)
 
 # Below this many multiply-adds attention runs on the calling thread (decode at short
 # context: a parallel region's fork / join would cost more than it saves).
-PARALLEL_MACS = 1_000_000
+PARALLEL_MACS = 500_000
 
 
 def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,

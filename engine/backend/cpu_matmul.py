@@ -22,7 +22,8 @@ How it computes
   (32 inputs), byte group g, row r and byte c:
       kind Q4  (Q4_0, Q4_1, Q4_K):     qs[t, b, g, r, c] uint8, g < 4: low nibble = input
                4g + c, high nibble = input 16 + 4g + c; d, c [t, b, 0, r] float32 with
-               c = mn + 8 d (w = d q + mn: cpu_qdot's docstring)
+               c = mn + 8 d (w = d q + mn: cpu_qdot's docstring), or d, mn as float16 bits
+               (the kernel forms c = mn + 8 d in float32: the same value)
       kind Q8  (Q8_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4): qs[t, b, g, r, c] int8, g < 8 (input
                4g + c); d [t, b, 0, r]
       kind Q8M (Q5_1, Q5_K):            as Q8 with q in 0..31 and c = mn + 16 d [t, b, 0, r]
@@ -31,8 +32,10 @@ How it computes
   instructions need to produce 8 rows' int32 dot products in one register. The weights
   are gguf's exactly: `decompose` gives int8 q and float32 D, M with D * q + M equal,
   bit for bit, to gguf.quants.dequantize (K-quants' D = d * sc is an exact float32
-  product). Memory: 0.75 byte per weight for Q4 kinds (1.2-1.35x the file), 1.125 for
-  Q8 (Q8_0: 1.06x; Q5_0: 1.64x; IQ4_*: 2x), 1.25 for Q8M and Q8X2 (Q6_K: 1.52x).
+  product). Scales: the file's float16 for Q4_0, Q4_1, Q8_0, Q5_0, IQ4_NL (F16_SCALES;
+  the kernels widen them exactly with F16C), float32 for the others. Memory per weight:
+  Q4_1 0.625 byte (= the file), Q4_0 0.625 (1.11x), Q4_K 0.75 (1.33x), Q8_0 1.0625 (=),
+  Q5_0 1.0625 (1.55x), IQ4_NL 1.0625 (1.89x), Q5_1 / Q5_K / Q6_K / IQ4_XS / MXFP4 1.125-1.25.
 * Float path (every other type: F32, F16, BF16, Q2_K, Q3_K and any type not listed above;
   and every type when the matrix is built with ``int8=False``): float32 activations times
   weight rows - F32, F16 and BF16 read in place (converted exactly as they are loaded),
@@ -66,6 +69,9 @@ KIND_OF: dict[T, str] = {
 }
 # Q3_K would fit Q8X2 exactly (q in -4..3, a scale per 16) but at 2.9x its file size; it
 # stays in its file layout on the float path, as does Q2_K.
+# Types whose scales the file keeps as float16 and the tiles keep so too (the kernels
+# widen them exactly; Q4_0's mn = -8 d is float16-exact): the bytes per weight of the file.
+F16_SCALES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.IQ4_NL})
 _MARKER = {"q4": cpu_qdot.Q4, "q8": cpu_qdot.Q8, "q8m": cpu_qdot.Q8M, "q8x2": cpu_qdot.Q8X2}
 _CORR = {(kind, int(isa)): tuple(np.int32(v) for v in cpu_qdot.corrections(kind, cpu_qdot.isa_name(isa)))
          for kind in _MARKER for isa in (cpu_qdot.VNNI, cpu_qdot.AVX2, cpu_qdot.PORTABLE)}
@@ -189,26 +195,38 @@ def _tile(a: np.ndarray, m_pad: int) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(m_pad // R, R, nb, w).transpose(0, 2, 3, 1))
 
 
-def repack(b: np.ndarray, qtype: T, m: int, k: int) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+class _NotHalf(ValueError):
+    """A scale does not fit float16 (Q4_0's -8 d beyond 65504)."""
+
+
+def repack(b: np.ndarray, qtype: T, m: int, k: int, half: bool | None = None
+           ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
     """Repack uint8 (m, row_bytes) rows of a type in KIND_OF into (kind, qs, d, mn) tiles
-    (module docstring; mn is an empty (0, 0, 1, R) array for kinds without it). Reads the
-    rows in slabs so a memmap is never copied whole."""
+    (module docstring; mn is an empty (0, 0, 1, R) array for kinds without it). Scales are
+    float16 bits (uint16) for the types in F16_SCALES, else float32. Reads the rows in
+    slabs so a memmap is never copied whole."""
+    if half is None:
+        try:
+            return repack(b, qtype, m, k, qtype in F16_SCALES)
+        except _NotHalf:
+            return repack(b, qtype, m, k, False)
     kind = KIND_OF[qtype]
     nb = k // 32
     m_pad = -(-m // R) * R
     nt = m_pad // R
     G, S = cpu_qdot.GROUPS[kind], cpu_qdot.SCALES[kind]
     qs = np.empty((nt, nb, G, R, 4), np.uint8 if kind == "q4" else np.int8)
-    d = np.empty((nt, nb, S, R), np.float32)
+    sdt = np.uint16 if half else np.float32
+    d = np.empty((nt, nb, S, R), sdt)
     has_min = kind in ("q4", "q8m")
-    mn = np.empty((nt, nb, 1, R), np.float32) if has_min else np.empty((0, 0, 1, R), np.float32)
+    mn = np.empty((nt, nb, 1, R), sdt) if has_min else np.empty((0, 0, 1, R), sdt)
     slab = 64 * R
     for r0 in range(0, m_pad, slab):
         r1 = min(m_pad, r0 + slab)
         q, D, M, B = decompose(np.asarray(b[r0:min(r1, m)]), qtype, k)
         t0, t1 = r0 // R, r1 // R
         rows = q.shape[0]
-        d[t0:t1] = _tile(D.reshape(rows, nb, S), r1 - r0)
+        d[t0:t1] = _scales(_tile(D.reshape(rows, nb, S), r1 - r0), half)
         if kind == "q4":
             nib = q.reshape(rows, nb, 32).astype(np.int16)
             if qtype == T.Q4_0:             # q = nibble - 8; w = d q = d nibble + (-8 d)
@@ -218,9 +236,19 @@ def repack(b: np.ndarray, qtype: T, m: int, k: int) -> tuple[str, np.ndarray, np
         else:
             qs[t0:t1] = _tile(q.reshape(rows, nb, 32), r1 - r0)
         if has_min:                         # the kernels take c = mn + off * d (cpu_qdot)
-            C = M + np.float32(8.0 if kind == "q4" else 16.0) * D
-            mn[t0:t1] = _tile(C.reshape(rows, nb, 1), r1 - r0)
+            C = M if half else M + np.float32(8.0 if kind == "q4" else 16.0) * D
+            mn[t0:t1] = _scales(_tile(C.reshape(rows, nb, 1), r1 - r0), half)
     return kind, qs, d, mn
+
+
+def _scales(a: np.ndarray, half: bool) -> np.ndarray:
+    """float32 scales as stored: float16 bits (exact: they came from the file's float16)."""
+    if not half:
+        return a
+    h = a.astype(np.float16)
+    if not np.array_equal(h.astype(np.float32), a, equal_nan=True):
+        raise _NotHalf("a scale is not a float16 value")
+    return h.view(np.uint16)
 
 
 # ------------------------------------------------------------------ the float path

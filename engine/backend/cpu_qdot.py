@@ -17,15 +17,16 @@ ggml/src/ggml-cpu/arch/x86/quants.c):
 * x row i, block b (32 inputs): dx = max|x| / 127, qx = round(x / dx) in [-127, 127]
   (int8), sx = sum of the float x (fixed order), xs = sum of qx (int32), and xh0 / xh1 the
   sums of qx over the block's halves (inputs 0..15 and 16..31).
-* Weight kinds (cpu_matmul's module docstring lists which GGUF type takes which):
-  - Q4: nibbles q in 0..15, per-block float32 d and mn (w = d q + mn). With the exact
-    int32 S = sum_j (q_j - 8) qx_j and c = mn + 8 d:  t = d * (dx * S) + c * sx.
-  - Q8: int8 q, per-block d (w = d q):  t = d * (dx * S),  S = sum_j q_j qx_j.
-  - Q8M: int8 q in 0..31, per-block d and mn (w = d q + mn); S = sum_j (q_j - 16) qx_j,
-    c = mn + 16 d:  t = d * (dx * S) + c * sx.
-  - Q8X2: int8 q, a scale per 16 inputs (w = d_h q, h = half):
-    t = d_0 * (dx * S_0) + d_1 * (dx * S_1).
-  and out = sum over blocks b, in order, of t (float32, acc = acc + t).
+* Weight kinds (cpu_matmul's module docstring lists which GGUF type takes which), per
+  block b with S the exact int32 block sum, u = dx * float(S) (one rounding) and two
+  float32 accumulators per output, main and second, starting at 0, blocks in order:
+  - Q4: nibbles q in 0..15, scales d, mn (w = d q + mn); S = sum_j (q_j - 8) qx_j,
+    c = mn + 8 d:      main = fma(d, u, main);  second = fma(c, sx, second)
+  - Q8: int8 q, scale d (w = d q); S = sum_j q_j qx_j:   main = fma(d, u, main)
+  - Q8M: int8 q in 0..31, d, mn; S = sum_j (q_j - 16) qx_j, c = mn + 16 d: as Q4
+  - Q8X2: int8 q, a scale per 16 inputs (w = d_h q, h = half), S_h and u_h per half:
+                       main = fma(d_0, u_0, main);  second = fma(d_1, u_1, second)
+  and out = main + second (Q8: main). fma rounds once (vfmadd; llvm.fma elsewhere).
 The only error against float arithmetic is the rounding of x to int8 (a dot product's
 relative error ~1e-3..1e-2, the same as llama.cpp's).
 
@@ -42,8 +43,9 @@ NR = 1, 4 or 8 activation rows sharing each weight load:
   vpmaddubsw(|q|, qx * sign(q)), at most 2 * 128 * 127 = 32512) and go to int32 per load.
 * PORTABLE: the same sums in generic LLVM vector IR (widening multiplies).
 So the block sums S are exact integers whichever instructions compute them, and the float
-step after them is emitted without fast-math flags (no FMA contraction, no reassociation):
-a row's result is bit-identical on every path and whatever else shares its batch.
+step after them is the sequence above, emitted without fast-math flags (no contraction
+beyond the explicit fma, no reassociation): a row's result is bit-identical on every path
+and whatever else shares its batch (tests/test_cpu_qdot.py re-computes it in numpy).
 """
 
 from __future__ import annotations
@@ -264,6 +266,15 @@ _LANE_ARGS = ("kind", "isa", "qs", "w_off", "d", "mn", "d_off", "xq", "x_off", "
               "xs_off", "nb", "k", "acc", "nr")
 
 
+def _widen_f16(builder, h):
+    """<8 x i16> float16 bit patterns -> <8 x float>, exact (vcvtph2ps with F16C)."""
+    if "f16c" in _features():
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _V8F32)
+    from .cpu_fdot import _h2f_bits
+
+    return _h2f_bits(builder, h)
+
+
 def _fma(builder, a, b, c):
     """a * b + c rounded once (llvm.fma: vfmadd on AVX2 CPUs, exact in software elsewhere)."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F32, [_V8F32] * 3), "llvm.fma.v8f32")
@@ -299,8 +310,9 @@ def _lanes_codegen(context, builder, signature, args):
     cs, ch = corrections(kind, isa)
     has_min = kind in ("q4", "q8m")
     w0 = ptr("qs", a["w_off"][1], _I8)
-    d0 = ptr("d", a["d_off"][1], _F32)
-    m0 = ptr("mn", a["d_off"][1], _F32) if has_min else None
+    half = a["d"][0].dtype == types.uint16          # scales kept as the file's float16 bits
+    d0 = ptr("d", a["d_off"][1], _I16 if half else _F32)
+    m0 = ptr("mn", a["d_off"][1], _I16 if half else _F32) if has_min else None
     x0 = ptr("xq", a["x_off"][1], _I8)
     fx0 = ptr("dx", a["xs_off"][1], _F32)
     sx0 = ptr("sx", a["xs_off"][1], _F32) if has_min else None
@@ -312,6 +324,9 @@ def _lanes_codegen(context, builder, signature, args):
     second = [cgutils.alloca_once_value(builder, zero) for _ in range(nr)] if has_min or kind == "q8x2" else None
 
     def vload(p, idx):
+        if half:
+            h = builder.load(builder.bitcast(builder.gep(p, [idx]), ir.VectorType(_I16, 8).as_pointer()), align=2)
+            return _widen_f16(builder, h)
         return builder.load(builder.bitcast(builder.gep(p, [idx]), _V8F32.as_pointer()), align=4)
 
     def bcast_i32(p, idx):
@@ -338,8 +353,11 @@ def _lanes_codegen(context, builder, signature, args):
         dv = vload(d0, bd)
         if kind == "q8x2":
             dv1 = vload(d0, builder.add(bd, c(32)))
-        if has_min:
+        if has_min:                 # c = mn + off * d: stored, or from float16 d and mn (the same value)
             cv = vload(m0, bd)
+            if half:
+                off = 8.0 if kind == "q4" else 16.0
+                cv = builder.fadd(cv, builder.fmul(_splat(_V8F32, off), dv))
         for ii in range(nr):
             f = _splat_value(builder, _V8F32, builder.load(builder.gep(fx0, [xi[ii]])))
             if kind == "q8x2":
@@ -554,9 +572,10 @@ def _gemm_serial(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out):
 
 
 # Below this many multiply-adds a matmul runs on the calling thread alone: a parallel
-# region's fork and join cost more than they save (decode's layer matmuls: 0.1-1 M), and
-# on a loaded machine a join waits for a descheduled thread for milliseconds.
-PARALLEL_MACS = 2_000_000
+# region's fork and join (a few microseconds on idle cores, milliseconds when another
+# process holds one) cost more than they save. Decode's layer matmuls are 0.1-1 M: the
+# small K/V projections stay on one thread, the rest spread.
+PARALLEL_MACS = 150_000
 
 
 @njit(cache=True, error_model="numpy")
