@@ -39,7 +39,7 @@ from aotx.app.widgets.chips import AttachmentBar
 from aotx.app.widgets.message import MessageWidget
 from aotx.app.widgets.sidebar import Sidebar
 from aotx.app.widgets.status_bar import StatusBar
-from aotx.engine.errors import AotxError
+from aotx.engine.errors import AotxError, EngineError, ErrorCode
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost
 
@@ -428,9 +428,9 @@ class ChatApp(EngineLink, App):
         except ConnectionLost:
             self.connection_lost()
         except AotxError as e:
-            code = getattr(e, "code", "")
+            code = e.code if isinstance(e, EngineError) else ""  # the engine's code, when it answered
             self.show_notice(refusal_text(code, str(e)), "error")
-            if code == "not_found":  # deleted by another client: show what is left
+            if code == ErrorCode.NOT_FOUND:  # deleted by another client: show what is left
                 await self.refresh_conversations()
         return None
 

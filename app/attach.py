@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aotx.engine.ipc.protocol import Attachment
+from aotx.media import kinds
 
-IMAGE_EXT = {".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp"}
-AUDIO_EXT = {".wav", ".flac", ".ogg", ".oga", ".mp3", ".m4a", ".opus"}
+# the media profile's table (aotx.media.kinds): a chip only for what the engine decodes
+IMAGE_EXT = {e for e, (k, _) in kinds.EXTENSIONS.items() if k is kinds.MediaKind.IMAGE}
+AUDIO_EXT = {e for e, (k, _) in kinds.EXTENSIONS.items() if k is kinds.MediaKind.AUDIO}
 MAX_BYTES = 512 << 20
 
 
@@ -30,23 +32,14 @@ class AttachResult:
 
 
 def sniff(head: bytes) -> str | None:
-    """Media kind ("image" | "audio") from a file's first 16 bytes, or None."""
-    if head.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM")):
-        return "image"
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "image"
-    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
-        return "audio"
-    if head.startswith((b"fLaC", b"OggS", b"ID3")) or head[:2] in (b"\xff\xfb", b"\xff\xf3", b"\xff\xf2"):
-        return "audio"
-    if head[4:8] == b"ftyp" and head[8:11] in (b"M4A", b"mp4", b"iso"):
-        return "audio"
-    return None
+    """Media kind ("image" | "audio") from a file's first 16 bytes, or None (``kinds.sniff``)."""
+    found = kinds.sniff(head)
+    return found[0].value if found else None
 
 
 def kind_of_extension(path: str) -> str | None:
-    ext = Path(path).suffix.lower()
-    return "image" if ext in IMAGE_EXT else "audio" if ext in AUDIO_EXT else None
+    kind = kinds.kind_of_name(path)
+    return kind.value if kind else None
 
 
 def make_attachment(path: str) -> AttachResult:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from aotx.app.format import error_text, media_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
-from aotx.engine.errors import AotxError
+from aotx.engine.errors import AotxError, ErrorCode
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost
 
@@ -233,7 +233,7 @@ class EngineLink:
                 if reply.position == "committed":
                     reply.set_position("durable")
         elif isinstance(ev, P.Error):
-            if ev.code == "not_ready" and not item.accepted:
+            if ev.code == ErrorCode.NOT_READY and not item.accepted:
                 return "retry"
             target = reply or user
             target.set_position("failed")

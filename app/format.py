@@ -6,7 +6,9 @@ Notice) to short plain-language text. Pure functions, no widgets.
 
 from __future__ import annotations
 
+from aotx.engine.errors import ErrorCode
 from aotx.engine.ipc import protocol as P
+from aotx.engine.units import fmt_bytes
 
 # position -> glyph. accepted/committed/durable are the design's three positions;
 # the rest are how a message can end short of them.
@@ -33,16 +35,6 @@ def position_of(m: P.MessageView) -> str:
     if m.status in ("streaming", "complete"):
         return "committed"
     return "accepted"
-
-
-def fmt_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB'; exact bytes below 1 KiB."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def fmt_amount(resource: str, n: int) -> str:
@@ -83,24 +75,24 @@ def error_text(e: P.Error) -> str:
 
 def refusal_text(code: str, message: str, what: str = "the request") -> str:
     """Plain words for an engine refusal, chosen by its error code (never by its wording)."""
-    if code == "unsupported_media":
+    if code == ErrorCode.UNSUPPORTED_MEDIA:
         return f"The engine refused the attachment ({code}): {message}"
-    if code == "busy":
+    if code == ErrorCode.BUSY:
         return f"A reply is still being written in this conversation: Esc cancels it first ({message})."
-    if code == "not_found":
+    if code == ErrorCode.NOT_FOUND:
         return f"Not found on the engine (it may have been deleted elsewhere): {message}"
-    if code == "not_ready":
+    if code == ErrorCode.NOT_READY:
         return f"The engine is still loading the model: {message}"
-    if code == "too_long":
+    if code == ErrorCode.TOO_LONG:
         return f"Too long for the context ({code}): {message}"
     return f"The engine refused {what} ({code or 'error'}): {message}"
 
 
 def shown_text(text: str) -> str:
     """A journaled user message as the chat shows it: the markers that stand for
-    pictures given to a vision encoder (``media_prompt.marker``) are left out (the
+    pictures given to a vision encoder (``aotx.media.markers``) are left out (the
     message lists its attachments), so a retry or an edit does not send them twice."""
-    from aotx.engine.runtime.media_prompt import MARKER_RE
+    from aotx.media.markers import MARKER_RE
 
     if "<__image_" not in text:
         return text

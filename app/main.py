@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.draft_model:  # refuse a mismatched draft model before starting anything
         from aotx.engine.errors import AotxError
-        from aotx.engine.runtime.drafter import check_vocabulary_files
+        from aotx.engine.model.vocabulary import check_vocabulary_files
 
         try:
             check_vocabulary_files(ns.model, ns.draft_model)

@@ -280,7 +280,7 @@ SPEC_TASKS = {
 def dump_spec_prompts(path: str, model: str | None = None) -> None:
     """Write the speculative tasks' prompts as the token ids AOTX feeds the model (chat
     template applied) and the end-of-generation ids, as JSON, for the llama.cpp peer
-    (``engine/bench_llamacpp_lookup.py``)."""
+    (``tests/tools/bench_llamacpp_lookup.py``)."""
     from aotx.engine.model.chat_template import encode_chat
     from aotx.engine.model.loader import load_model
 

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from aotx.engine.errors import AotxError, UsageError
+from aotx.engine.ipc.protocol import SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, SamplingParams, limit_problem
 
 
 class _Parser(argparse.ArgumentParser):
@@ -19,30 +20,33 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _float(name: str, lo: float | None = None, hi: float | None = None):
-    def parse(text: str) -> float:
+def _checked(name: str, limit: Limit):
+    """An argparse type for a number in ``limit``, with the message the engine gives
+    for the same value in an operation (``protocol.limit_problem``)."""
+    def parse(text: str) -> float | int:
         try:
-            v = float(text)
+            v: float | int = int(text) if limit.integer else float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"{name} must be between {lo} and {hi}, got {v}")
+            raise argparse.ArgumentTypeError(limit_problem(name, text, limit)) from None
+        why = limit_problem(name, v, limit)
+        if why:
+            raise argparse.ArgumentTypeError(why)
         return v
 
     return parse
+
+
+def _float(name: str, lo: float | None = None, hi: float | None = None):
+    return _checked(name, Limit(lo, hi))
 
 
 def _int(name: str, lo: int | None = None):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if lo is not None and v < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be at least {lo}, got {v}")
-        return v
+    return _checked(name, Limit(lo, None, integer=True))
 
-    return parse
+
+def _sampling(field: str):
+    """The flag ``--field-name`` of a sampling parameter: its type checks the shared range."""
+    return _checked("--" + field.replace("_", "-"), SAMPLING_LIMITS[field])
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -62,15 +66,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=_int("--max-tokens", 1), default=512)
-    p.add_argument("--temperature", type=_float("--temperature", 0.0, 100.0), default=0.7)
-    p.add_argument("--top-k", type=_int("--top-k", 0), default=40)
-    p.add_argument("--top-p", type=_float("--top-p", 0.0, 1.0), default=0.95)
-    p.add_argument("--min-p", type=_float("--min-p", 0.0, 1.0), default=0.05)
-    p.add_argument("--repeat-penalty", type=_float("--repeat-penalty", 0.0, 100.0), default=1.0)
-    p.add_argument("--seed", type=_int("--seed", 0), default=None)
+    """The sampling flags: names, ranges and defaults from ``protocol.SamplingParams``."""
+    d = SamplingParams()
+    for field in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed"):
+        p.add_argument("--" + field.replace("_", "-"), type=_sampling(field), default=getattr(d, field))
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "off"], default="",
+    p.add_argument("--speculative", choices=[m for m in SPECULATIVE_MODES if m], default=d.speculative,
                    help="speculative decoding for this reply: auto (prompt lookup where it pays), ngram "
                         "(prompt lookup), draft (the engine's --draft-model) or off (default: the engine's choice)")
 
@@ -191,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(args)
         if args.cmd == "gateway":
+            from aotx.engine import cli_client
             from aotx.engine.ipc.gateway import run_gateway
 
-            return run_gateway(args)
+            return run_gateway(args, lambda: cli_client.connect(args, spawn=True))
         if args.cmd in ("tokenize", "logits", "models", "bench", "journal"):
             from aotx.engine import cli_local
 

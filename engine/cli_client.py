@@ -18,6 +18,7 @@ from pathlib import Path
 from aotx.engine.errors import EngineError, UsageError
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import EngineClient
+from aotx.media.kinds import kind_of_name
 
 
 def engine_args(args) -> list[str]:
@@ -40,7 +41,7 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
     draft = getattr(args, "draft_model", None)
     client = None
     if draft:  # refuse a mismatched draft model before starting an engine with it
-        from aotx.engine.runtime.drafter import check_vocabulary_files
+        from aotx.engine.model.vocabulary import check_vocabulary_files
 
         if not getattr(args, "model", None):  # a running engine's model is the one meant
             try:
@@ -110,8 +111,8 @@ async def _run(args) -> int:
             p = Path(a).expanduser()
             if not p.is_file():
                 raise UsageError(f"--attach {a}: no such file")
-            kind = "audio" if p.suffix.lower() in (".wav", ".flac", ".ogg", ".mp3", ".m4a") else "image"
-            attachments.append(P.Attachment(path=str(p.resolve()), kind=kind, name=p.name))
+            kind = kind_of_name(p)  # None: the engine tells the kind from the content
+            attachments.append(P.Attachment(path=str(p.resolve()), kind=kind.value if kind else "", name=p.name))
         sampling = P.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                     min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed,
                                     max_tokens=args.max_tokens, stop=list(args.stop),
@@ -204,7 +205,7 @@ async def _run(args) -> int:
 
 
 async def _status(args) -> int:
-    from aotx.engine.runtime.admission import fmt_bytes
+    from aotx.engine.units import fmt_bytes
 
     client = await connect(args, spawn=False)
     try:

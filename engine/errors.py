@@ -4,15 +4,39 @@ Every error a user can cause (a bad file, a bad flag, a refused request) is an
 ``AotxError``: its message names the bad value, the file and what to do, and the
 CLI prints it as one line with exit code 2. ``assert`` stays for internal
 invariants; anything else escaping is a bug.
+
+``ErrorCode`` is the one list of the codes an engine's ``Error`` reply carries; the
+engine, the client library, the gateway, the app and the test fake all use it.
 """
 
 from __future__ import annotations
 
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """The ``code`` of a protocol ``Error``: what kind of refusal or failure it is."""
+
+    VERSION_MISMATCH = "version_mismatch"  # the client speaks another protocol version
+    BAD_FRAME = "bad_frame"                # a frame that does not decode
+    BAD_REQUEST = "bad_request"            # a field out of range, an unknown type, a bad value
+    NOT_FOUND = "not_found"                # no such conversation or message
+    NOT_READY = "not_ready"                # the model is loading or failed (reads still work)
+    BUSY = "busy"                          # the conversation is generating, or a resource is full now
+    TOO_LONG = "too_long"                  # does not fit the context or the journal's buffer, ever
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"                  # a bug: the engine keeps running
+    # an attachment no route takes: clients and the test fake know it; the engine itself
+    # reports media per attachment (MediaInfo, route "refused") and keeps the message
+    UNSUPPORTED_MEDIA = "unsupported_media"
+
 
 class AotxError(Exception):
-    """Base of every error meant for a user. ``str(err)`` is the whole message."""
+    """Base of every error meant for a user. ``str(err)`` is the whole message;
+    ``code`` is the protocol code the engine answers it with."""
 
     exit_code = 2
+    code: ErrorCode = ErrorCode.BAD_REQUEST
 
 
 class UsageError(AotxError):
@@ -36,11 +60,41 @@ class AdmissionError(AotxError):
 
 
 class EngineError(AotxError):
-    """The engine is unreachable, not ready, or refused the request."""
+    """The engine is unreachable, not ready, or refused the request (``code`` then says
+    how, when the engine answered)."""
+
+    def __init__(self, message: str, code: ErrorCode | str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class NotFound(AotxError):
+    """No such conversation or message."""
+
+    code = ErrorCode.NOT_FOUND
+
+
+class Busy(AotxError):
+    """The conversation is generating (cancel it first), or a resource is full now."""
+
+    code = ErrorCode.BUSY
+
+
+class NotReady(AotxError):
+    """The model is loading or failed; reads still work."""
+
+    code = ErrorCode.NOT_READY
+
+
+class RequestError(AotxError):
+    """An operation's field is out of range or of the wrong type (code bad_request)."""
 
 
 class ProtocolError(AotxError):
     """A frame on the client protocol is malformed or of the wrong version."""
+
+    code = ErrorCode.BAD_FRAME
 
 
 class JournalError(AotxError):

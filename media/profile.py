@@ -30,17 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from aotx.engine.errors import MediaError
+from aotx.media.kinds import EXTENSIONS, MediaKind, sniff  # noqa: F401 (re-exported)
 
-# extension -> (kind, format name as sniff() reports it)
-EXTENSIONS: dict[str, tuple[str, str]] = {
-    ".png": ("image", "PNG"), ".jpg": ("image", "JPEG"), ".jpeg": ("image", "JPEG"), ".jpe": ("image", "JPEG"),
-    ".gif": ("image", "GIF"), ".webp": ("image", "WEBP"), ".bmp": ("image", "BMP"), ".tif": ("image", "TIFF"),
-    ".tiff": ("image", "TIFF"),
-    ".wav": ("audio", "WAV"), ".wave": ("audio", "WAV"), ".flac": ("audio", "FLAC"), ".ogg": ("audio", "OGG"),
-    ".oga": ("audio", "OGG"), ".opus": ("audio", "OGG"), ".mp3": ("audio", "MP3"), ".aif": ("audio", "AIFF"),
-    ".aiff": ("audio", "AIFF"), ".aifc": ("audio", "AIFF"), ".au": ("audio", "AU"),
-}
-KINDS = ("audio", "image")
+KINDS = tuple(k.value for k in MediaKind)
 
 
 # --------------------------------------------------------------------------- profiles
@@ -207,38 +199,6 @@ class MediaResult:
         return {"event": "media", **{k: v for k, v in asdict(self).items() if v is not None}}
 
 
-def sniff(head: bytes) -> tuple[str, str] | None:
-    """``(kind, format)`` of a file from its first bytes (16 or more), None when unknown.
-
-    Kinds: "image" (PNG, JPEG, GIF, WEBP, BMP, TIFF) and "audio" (WAV, FLAC,
-    OGG, AIFF, MP3, AU)."""
-    if head.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image", "PNG"
-    if head.startswith(b"\xff\xd8\xff"):
-        return "image", "JPEG"
-    if head[:6] in (b"GIF87a", b"GIF89a"):
-        return "image", "GIF"
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "image", "WEBP"
-    if head[:4] in (b"II*\x00", b"MM\x00*"):
-        return "image", "TIFF"
-    if head[:2] == b"BM" and len(head) >= 14 and int.from_bytes(head[10:14], "little") < (1 << 20):
-        return "image", "BMP"
-    if head[:4] in (b"RIFF", b"RF64", b"BW64") and head[8:12] == b"WAVE":
-        return "audio", "WAV"
-    if head[:4] == b"fLaC":
-        return "audio", "FLAC"
-    if head[:4] == b"OggS":
-        return "audio", "OGG"
-    if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
-        return "audio", "AIFF"
-    if head[:4] == b".snd":
-        return "audio", "AU"
-    if head[:3] == b"ID3" or (len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0 and head[1] & 0x06):
-        return "audio", "MP3"
-    return None
-
-
 def classify(path: str | os.PathLike[str], kind: str | None = None) -> tuple[str, str, tuple[str, ...]]:
     """Check that ``path`` is a media file and is what its name (and ``kind``) say.
 
@@ -319,7 +279,7 @@ def prepare(path: str | os.PathLike[str], kind: str | None = None, *, language: 
     from aotx.media import image as image_mod
 
     if vision is not None and images is not None:
-        from aotx.engine.runtime.media_prompt import image_key
+        from aotx.media.markers import image_key
 
         im = image_mod.load_image(p)
         key = image_key(p.read_bytes(), vision.name)
@@ -360,7 +320,7 @@ def render_for_prompt(results: Sequence[MediaResult], user_text: str,
             else:
                 blocks.append(f"[Audio {r.source}: no speech was recognized in it]")
         elif r.kind == "image" and r.route == "encoder":
-            from aotx.engine.runtime.media_prompt import marker
+            from aotx.media.markers import marker
 
             blocks.append(marker(r.key))
         elif r.kind == "image":

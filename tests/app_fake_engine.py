@@ -1,4 +1,4 @@
-"""Test helpers around the scripted engine (``aotx.app.fake_client``).
+"""Test helpers around the scripted engine (``tests.fakes.fake_engine``).
 
 ``make_app()`` builds a ChatApp wired to a FakeEngine (never a real engine) and
 ``settle()`` waits until its workers and streams are done.
@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from aotx.app.app import ChatApp
-from aotx.app.fake_client import FakeEngine, FakeEngineClient  # noqa: F401 - re-exported
+from tests.fakes.fake_engine import FakeEngine, FakeEngineClient  # noqa: F401 - re-exported
 
 
 def make_app(engine: FakeEngine | None = None, **kwargs) -> tuple[ChatApp, FakeEngine]:

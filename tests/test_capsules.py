@@ -3,7 +3,6 @@ and their uses in the engine (parking, fork, resume after a restart)."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -13,6 +12,7 @@ from aotx.engine.ipc import protocol as P
 from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
 from aotx.engine.state import capsule as C
+from tests.fakes.sink import EventSink
 
 PROMPT = "<|im_start|>user\nTell me about the moon.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -144,23 +144,6 @@ def test_bad_capsules_are_refused(lm, tmp_path):
 
 # ---- the engine's uses -------------------------------------------------------------
 
-class _Sink:
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def send(self, m):
-        self.events.append(m)
-        if isinstance(m, (P.Committed, P.Error, P.ConversationInfo, P.Ok)):
-            self.done.set()
-
-    def wait(self):
-        assert self.done.wait(120)
-        self.done.clear()
-        return next(e for e in reversed(self.events)
-                    if isinstance(e, (P.Committed, P.Error, P.ConversationInfo, P.Ok)))
-
-
 def _engine(lm, home, n_slots):
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store
@@ -174,7 +157,7 @@ def _engine(lm, home, n_slots):
 
 
 def _turn(eng, conv_id, text, rid=5):
-    s = _Sink()
+    s = EventSink()
     eng.post(P.SubmitMessage(id=rid, conv_id=conv_id, text=text,
                              sampling=P.SamplingParams(temperature=0.0, max_tokens=12)), s)
     done = s.wait()
@@ -185,7 +168,7 @@ def _turn(eng, conv_id, text, rid=5):
 
 
 def _create(eng, title):
-    s = _Sink()
+    s = EventSink()
     eng.post(P.CreateConversation(id=1, title=title), s)
     return s.wait().conversation.conv_id
 
@@ -201,7 +184,7 @@ def test_parking_fork_and_resume_reuse_state(lm, tmp_path):
         assert done.timings["prompt_tokens_reused"] > 20, "a's context should come back from its parked capsule"
         assert any("parked capsule" in n.message for n in notes)
         # fork a: the fork's next turn starts from a's state, not from scratch
-        s = _Sink()
+        s = EventSink()
         eng.post(P.ForkConversation(id=2, conv_id=a), s)
         fork = s.wait().conversation
         assert fork.n_messages == 4

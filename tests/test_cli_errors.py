@@ -2,7 +2,7 @@
 ``aotx:``, naming the file and the problem, exit code 2, never a traceback.
 
 Runs the real CLI in a subprocess (``python -m aotx.engine.cli``) with ``AOTX_HOME``
-in a temp dir; the broken files come from ``tests/tiny_gguf.py``.
+in a temp dir; the broken files come from ``tests/models/llama.py``.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ if _n_dev < 1:
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from aotx.engine.backend.cuda_testmodel import SMOLLM2_135M, write_llama  # noqa: E402
+from tests.models.cuda_testmodel import SMOLLM2_135M, write_llama  # noqa: E402
 from aotx.engine.errors import ModelError  # noqa: E402
 from aotx.engine.model.batch import Segment  # noqa: E402
 
@@ -125,8 +125,8 @@ def test_logits_match_cpu_head_dim_128(tmp_path):
 
 
 def test_unsupported_type_is_refused(tmp_path):
-    path = write_llama(tmp_path / "q2k.gguf", qtype=T.Q8_0, layer_types={"ffn_up.weight": T.Q2_K})
-    with pytest.raises(ModelError, match="Q2_K"):
+    path = write_llama(tmp_path / "iq2xxs.gguf", qtype=T.Q8_0, layer_types={"ffn_up.weight": T.IQ2_XXS})
+    with pytest.raises(ModelError, match="IQ2_XXS"):
         _build(path, "cuda")
 
 

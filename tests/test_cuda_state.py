@@ -15,13 +15,14 @@ the device == the logits path, speculative rollback, parking a slot's capsule).
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import numpy as np
 import pytest
 
 from aotx.engine.ipc import protocol as P
 from aotx.engine.model.batch import Segment
+from tests.fakes.models import HostDeviceSampler, host_chain
+from tests.fakes.sink import EventSink
 
 try:
     import cupy
@@ -34,27 +35,15 @@ except Exception as e:  # noqa: BLE001 - ImportError, or the driver's CUDARuntim
 needs_cuda = pytest.mark.skipif(bool(_why), reason=_why or "-")
 
 
-class _Sink:
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def send(self, m):
-        self.events.append(m)
-        if isinstance(m, (P.Committed, P.Error, P.ConversationInfo)):
-            self.done.set()
-
-
-class _GreedyOnHost:
-    """A CPU model with a ``greedy()`` (argmax of its own logits): drives the engine's
-    device-greedy path on any machine. Counts the calls of each kind."""
+class _GreedyOnHost(HostDeviceSampler):
+    """A CPU model with the device-sampling contract (``greedy()``: the argmax of its own
+    logits, ids only): drives the engine's device-greedy path on any machine. Counts the
+    calls of each kind: "greedy" when only ids came back, "forward" when logits did
+    (``sample()`` runs the host chain on logits it copies, as a host sampler would)."""
 
     def __init__(self, model):
-        self._m = model
+        super().__init__(model)
         self.calls = {"greedy": 0, "forward": 0}
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
 
     def forward(self, tokens, segments, kv):
         self.calls["forward"] += 1
@@ -64,6 +53,9 @@ class _GreedyOnHost:
         self.calls["greedy"] += 1
         lg = self._m.forward(tokens, segments, kv)
         return np.argmax(lg, axis=1).astype(np.int32) if lg.shape[0] else np.empty(0, np.int32)
+
+    def sample(self, tokens, segments, kv, rows, tick=0):
+        return host_chain(self.forward(tokens, segments, kv), rows)
 
 
 class _Counting(_GreedyOnHost):
@@ -80,17 +72,9 @@ class _Counting(_GreedyOnHost):
 
 
 class _NoGreedy(_GreedyOnHost):
-    """Hides ``greedy()`` and ``sample()``: the engine copies logits and samples on the host."""
+    """Declares no device sampling: the engine copies logits and samples on the host."""
 
-    def __getattribute__(self, name):
-        if name in ("greedy", "sample"):
-            raise AttributeError(name)
-        return object.__getattribute__(self, name)
-
-    def __getattr__(self, name):
-        if name in ("greedy", "sample"):
-            raise AttributeError(name)
-        return getattr(self._m, name)
+    device_sampling = False
 
 
 def _generate(lm, texts, *, temperature=0.0, repeat_penalty=1.0, speculative="off", slots=2, max_tokens=40,
@@ -106,11 +90,11 @@ def _generate(lm, texts, *, temperature=0.0, repeat_penalty=1.0, speculative="of
     outs, dones = [], []
     try:
         for i, text in enumerate(texts):
-            s = _Sink()
+            s = EventSink()
             eng.post(P.CreateConversation(id=1, title=f"t{i}"), s)
             assert s.done.wait(30)
             cid = s.events[0].conversation.conv_id
-            s = _Sink()
+            s = EventSink()
             eng.post(P.SubmitMessage(id=2, conv_id=cid, text=text, raw=True,
                                      sampling=P.SamplingParams(temperature=temperature, seed=5, max_tokens=max_tokens,
                                                                top_k=0, top_p=1.0, min_p=0.0,
@@ -287,14 +271,14 @@ def test_cuda_engine_parks_and_restores_capsules(tiny_pair):
     try:
         convs = []
         for i in range(2):
-            s = _Sink()
+            s = EventSink()
             eng.post(P.CreateConversation(id=1, title=f"c{i}"), s)
             assert s.done.wait(30)
             convs.append(s.events[0].conversation.conv_id)
         notes, reused = [], []
         for turn in range(2):
             for j, cid in enumerate(convs):
-                s = _Sink()
+                s = EventSink()
                 eng.post(P.SubmitMessage(id=10 + turn, conv_id=cid, text=f"{TEXTS[j]} {turn}",
                                          sampling=P.SamplingParams(temperature=0.0, max_tokens=12)), s)
                 assert s.done.wait(60)

@@ -24,6 +24,7 @@ import pytest
 from aotx.engine.backend import cuda_sampling as CS
 from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample, uniform
+from tests.fakes.models import HostDeviceSampler, HostOnly
 
 try:
     import cupy
@@ -94,29 +95,17 @@ def test_fits_history_bounds_the_penalty_window_and_the_vocabulary():
     assert CS.fits_history(SamplerConfig(repeat_penalty=1.0, repeat_last_n=-1), st, vocab=10**6)
 
 
-class _SampleOnHost:
+class _SampleOnHost(HostDeviceSampler):
     """A CPU model with the CUDA model's ``sample()`` contract: ids from the host chain
-    run on copies of each row's state (the caller mirrors the draws)."""
+    run on copies of each row's state (the caller mirrors the draws). Counts the calls."""
 
     def __init__(self, model):
-        self._m = model
+        super().__init__(model)
         self.calls = 0
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
 
     def sample(self, tokens, segments, kv, rows, tick=0):
         self.calls += 1
-        lg = self._m.forward(tokens, segments, kv)
-        out = []
-        for i in range(lg.shape[0]):
-            if rows is None:
-                out.append(int(np.argmax(lg[i])))
-                continue
-            cfg, st, extra = rows[i]
-            st2 = SamplerState(st.seed, st.step, list(st.history) + list(extra))
-            out.append(sample(lg[i].copy(), cfg, st2))
-        return np.asarray(out, np.int32)
+        return super().sample(tokens, segments, kv, rows, tick)
 
 
 @pytest.fixture(scope="module")
@@ -129,31 +118,21 @@ def tiny_cpu(tiny_gguf, tmp_path_factory):
 
 def _run(lm, texts, sp: dict, speculative="off", slots=2):
     """Like test_cuda_state._generate with sampling settings of our own (top-k on)."""
-    import threading
-
     from aotx.engine.ipc import protocol as P
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store
-
-    class Sink:
-        def __init__(self):
-            self.events, self.done = [], threading.Event()
-
-        def send(self, m):
-            self.events.append(m)
-            if isinstance(m, (P.Committed, P.Error, P.ConversationInfo)):
-                self.done.set()
+    from tests.fakes.sink import EventSink
 
     eng = Engine(lm, open_store(None), n_slots=slots, n_ctx=256, speculative=speculative, device=lm.backend)
     eng.start()
     outs = []
     try:
         for i, text in enumerate(texts):
-            s = Sink()
+            s = EventSink()
             eng.post(P.CreateConversation(id=1, title=f"t{i}"), s)
             assert s.done.wait(30)
             cid = s.events[0].conversation.conv_id
-            s = Sink()
+            s = EventSink()
             eng.post(P.SubmitMessage(id=2, conv_id=cid, text=text, raw=True,
                                      sampling=P.SamplingParams(max_tokens=40, **sp)), s)
             assert s.done.wait(120)
@@ -283,16 +262,8 @@ class _Counting:
         return self._m.sample(*a, **kw)
 
 
-class _HostOnly:
+class _HostOnly(HostOnly):
     """Hides the device sampler: logits come back and the host samples."""
-
-    def __init__(self, model):
-        self._m = model
-
-    def __getattr__(self, name):
-        if name in ("sample", "greedy"):
-            raise AttributeError(name)
-        return getattr(self._m, name)
 
 
 @needs_cuda

@@ -13,7 +13,6 @@ carry the drafter state through park, restore and a restart.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -24,23 +23,7 @@ from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, distribution
 from aotx.engine.runtime.speculative import verify
 from aotx.engine.state import capsule as C
-
-
-class _Sink:
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def send(self, m):
-        self.events.append(m)
-        if isinstance(m, (P.Committed, P.Error, P.ConversationInfo, P.Ok)):
-            self.done.set()
-
-    def wait(self):
-        assert self.done.wait(120)
-        self.done.clear()
-        return next(e for e in reversed(self.events)
-                    if isinstance(e, (P.Committed, P.Error, P.ConversationInfo, P.Ok)))
+from tests.fakes.sink import EventSink
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +58,13 @@ def _engine(lm, draft=None, *, p_min=0.0, speculative="off", n_slots=2, home=Non
 
 
 def _create(eng):
-    s = _Sink()
+    s = EventSink()
     eng.post(P.CreateConversation(id=1, title="t"), s)
     return s.wait().conversation.conv_id
 
 
 def _say(eng, cid, text, *, speculative="", temperature=0.0, seed=0, max_tokens=40, raw=True, rid=2):
-    s = _Sink()
+    s = EventSink()
     eng.post(P.SubmitMessage(id=rid, conv_id=cid, text=text, raw=raw,
                              sampling=P.SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                                        top_k=0, top_p=1.0, min_p=0.0, speculative=speculative)), s)
@@ -149,7 +132,7 @@ def test_draft_mode_without_a_draft_model_is_refused(models):
     eng, store = _engine(models["target"])
     try:
         cid = _create(eng)
-        s = _Sink()
+        s = EventSink()
         eng.post(P.SubmitMessage(id=2, conv_id=cid, text="hi", raw=True,
                                  sampling=P.SamplingParams(speculative="draft")), s)
         err = s.wait()

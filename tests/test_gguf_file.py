@@ -1,6 +1,6 @@
 """Broken GGUF files: every defect of issue 2 point 3 is a ModelError naming the file
 and the problem, never another exception (and never a crash inside numpy, mmap or a
-numba kernel). Files come from ``tests/tiny_gguf.py``; the CLI side of the same
+numba kernel). Files come from ``tests/models/llama.py``; the CLI side of the same
 errors is in ``test_cli_errors.py``.
 """
 

@@ -23,7 +23,7 @@ def _reference(raw: np.ndarray, qtype: T, k: int) -> np.ndarray:
 def test_supported_types_are_the_documented_set():
     assert {t.name for t in quants.SUPPORTED_TYPES} == {
         "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -38,7 +38,7 @@ def test_block_layout_refuses_unsupported_types_by_name():
 
 def test_which_types_gguf_can_quantize():
     # documents why the K types are built from random blocks in the helpers
-    assert all(can_quantize(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16))
+    assert all(can_quantize(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.MXFP4))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -3,7 +3,6 @@ drafter is fully accepted, and speculative sampling keeps the model's distributi
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -11,17 +10,7 @@ import pytest
 from aotx.engine.ipc import protocol as P
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, distribution
 from aotx.engine.runtime.speculative import PromptLookup, verify
-
-
-class _Sink:
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def send(self, m):
-        self.events.append(m)
-        if isinstance(m, (P.Committed, P.Error, P.ConversationInfo)):
-            self.done.set()
+from tests.fakes.sink import EventSink
 
 
 class WrongDrafter(PromptLookup):
@@ -61,14 +50,14 @@ def _generate(lm, text, *, drafter_factory=None, temperature=0.0, seed=0, max_to
 
     eng = Engine(lm, open_store(None), n_slots=2, n_ctx=256, speculative="off")
     if drafter_factory is not None:
-        eng._drafter_for = lambda sp: drafter_factory()
+        eng.submitter._drafter = lambda sp: drafter_factory()
     eng.start()
     try:
-        s = _Sink()
+        s = EventSink()
         eng.post(P.CreateConversation(id=1, title="t"), s)
         assert s.done.wait(30)
         cid = s.events[0].conversation.conv_id
-        s = _Sink()
+        s = EventSink()
         eng.post(P.SubmitMessage(id=2, conv_id=cid, text=text, raw=True,
                                  sampling=P.SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
                                                            top_k=0, top_p=1.0, min_p=0.0)), s)

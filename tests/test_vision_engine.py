@@ -3,7 +3,7 @@ image's positions, prefix reuse stops at a different image and continues over th
 same one, an image that does not fit the context is refused with a notice while
 the message is kept, and ``serve`` pairs a text model with its mmproj.
 
-Tiny models throughout: a 64-wide text GGUF (tests/tiny_gguf.py) and a 64-wide
+Tiny models throughout: a 64-wide text GGUF (tests/models/llama.py) and a 64-wide
 mlp mmproj (tests/tiny_vision.py); the independent check is a direct forward
 pass of the text model with the encoder's rows in place of the token embeddings.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import pytest
 
 from aotx.engine.ipc import protocol as P
 from aotx.engine.runtime.media_prompt import PLACEHOLDER_BASE, ImageStore, marker
+from tests.fakes.sink import EventSink
 
 HERE = Path(__file__).resolve().parent
 
@@ -37,22 +37,6 @@ def _load(name: str, path: Path):
 
 def _tv():
     return _load("aotx_tests_tiny_vision", HERE / "tiny_vision.py")
-
-
-class _Sink:
-    def __init__(self):
-        self.events = []
-        self.done = threading.Event()
-
-    def send(self, m):
-        self.events.append(m)
-        if isinstance(m, (P.Committed, P.Error, P.ConversationInfo)):
-            self.done.set()
-
-    def one(self, cls):
-        found = [e for e in self.events if isinstance(e, cls)]
-        assert len(found) == 1, self.events
-        return found[0]
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +69,14 @@ def _engine(lm, enc, n_ctx=256):
 
 
 def _conv(eng) -> str:
-    s = _Sink()
+    s = EventSink()
     eng.post(P.CreateConversation(id=1, title="t"), s)
     assert s.done.wait(30)
     return s.events[0].conversation.conv_id
 
 
-def _ask(eng, cid, text, image: Path | None, n=4, rid=2) -> _Sink:
-    s = _Sink()
+def _ask(eng, cid, text, image: Path | None, n=4, rid=2) -> EventSink:
+    s = EventSink()
     att = [P.Attachment(path=str(image), kind="image", name=image.name)] if image else []
     eng.post(P.SubmitMessage(id=rid, conv_id=cid, text=text, attachments=att,
                              sampling=P.SamplingParams(temperature=0.0, max_tokens=n)), s)
@@ -154,7 +138,7 @@ def test_prefix_reuse_follows_the_picture(pair, tmp_path):
     p1, p2, p3 = (s.one(P.Accepted).prompt_ids for s in (s1, s2, s3))
     a, b = _span(p1)
     # two pictures, same text: the ids part at the first image position
-    from aotx.engine.runtime.slots import common_prefix
+    from aotx.engine.state.prefix import common_prefix
 
     assert common_prefix(p1, p2) == a
     # the later turn re-renders the first picture in the same place with the same ids
@@ -377,7 +361,7 @@ def test_raw_prompt_with_a_picture(pair, tmp_path):
     lm, enc, _ = pair
     eng = _engine(lm, enc)
     try:
-        s = _Sink()
+        s = EventSink()
         img = _png(tmp_path / "r.png", seed=5)
         eng.post(P.SubmitMessage(id=2, conv_id=_conv(eng), text="caption:", raw=True,
                                  attachments=[P.Attachment(path=str(img), kind="image", name="r.png")],

@@ -11,15 +11,11 @@ from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
 from aotx.engine.ipc import protocol as P
 
-FIELDS: tuple[tuple[str, type, str], ...] = (
-    ("temperature", float, "0 = greedy"),
-    ("top_k", int, "0 = off"),
-    ("top_p", float, "1 = off"),
-    ("min_p", float, "0 = off"),
-    ("repeat_penalty", float, "1 = off"),
-    ("max_tokens", int, "reply length limit"),
-    ("seed", int, "empty = random"),
-)
+_HINTS = (("temperature", "0 = greedy"), ("top_k", "0 = off"), ("top_p", "1 = off"), ("min_p", "0 = off"),
+          ("repeat_penalty", "1 = off"), ("max_tokens", "reply length limit"), ("seed", "empty = random"))
+# (name, type, hint): the types and ranges are the protocol's (SAMPLING_LIMITS)
+FIELDS: tuple[tuple[str, type, str], ...] = tuple(
+    (name, int if P.SAMPLING_LIMITS[name].integer else float, hint) for name, hint in _HINTS)
 
 # SamplingParams.speculative: "" leaves it to the engine (prompt lookup where it pays)
 SPECULATIVE: tuple[tuple[str, str], ...] = (
@@ -47,7 +43,11 @@ def parse_sampling(values: dict[str, str], base: P.SamplingParams) -> P.Sampling
             changes[name] = kind(raw)
         except ValueError:
             raise ValueError(f"{name}: {raw!r} is not a valid {kind.__name__}") from None
-    return msgspec.structs.replace(base, **changes)
+    sp = msgspec.structs.replace(base, **changes)
+    why = P.sampling_problem(sp)  # what the engine would refuse, refused here with its words
+    if why:
+        raise ValueError(why)
+    return sp
 
 
 class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):

@@ -12,7 +12,7 @@ does not grow with every paragraph.
 
 Why not Textual's Markdown widget: it makes several widgets per block, and with a
 10,000-token reply its append/update made the layout cost grow with the whole
-reply (measured with ``bench_typing``: keystroke-to-screen p50 ~280 ms while
+reply (measured with ``tests/tools/bench_typing.py``: keystroke-to-screen p50 ~280 ms while
 streaming, and a 17 s stall for the final render).
 """
 

@@ -8,9 +8,10 @@ module on disk, keyed by source and options) and a small launch helper. The mode
 Importing this module imports CuPy, so ``import aotx.engine.backend.cuda`` failing with
 ImportError is how ``serve.pick_device`` learns that the CUDA backend is unavailable.
 
-Supported tensor types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
-Q2_K, Q3_K, the IQ*, TQ* and FP4 families are refused with ModelError. Rows must hold a
-multiple of 32 inputs (256 for the K types).
+Supported tensor types (``cuda_src.TYPES``): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4. The other IQ* types, TQ* and NVFP4 are
+refused with ModelError. Rows must hold a multiple of 32 inputs (256 for the K types and
+IQ4_XS).
 """
 
 from __future__ import annotations

@@ -87,6 +87,8 @@ class CudaLayer:
 class CudaLlamaModel:
     """A llama model on a CudaBackend. See the module docstring for the two paths."""
 
+    device_sampling = True  # sample() and greedy() pick ids on the device (SEAMS.md)
+
     def __init__(self, cfg: ModelConfig, gf, backend: CudaBackend):
         from aotx.engine.model.architectures.llama import _check
 

@@ -3,7 +3,8 @@
 Owns: the ``sample_rows`` kernel, the per-row sampler table it reads (the "device
 tables" of shared/DESIGN.md: sampling parameters, RNG key and counter, penalty
 history), the publication records it writes, and the host helpers that fill the
-table from a request's ``SamplerConfig`` / ``SamplerState``. Leaves the order of
+table from a request's ``SamplerConfig`` / ``SamplerState`` (the runtime's objects, read by
+attribute: a backend does not import the runtime). Leaves the order of
 launches and the CUDA graph to ``cuda_llama.py`` and the bookkeeping of the sampler
 state (step counter, history) to the runtime, which mirrors what the kernel did.
 
@@ -31,10 +32,13 @@ kernel's shared memory).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 
-from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
+# the runtime's sampling.SamplerConfig (frozen: temperature, top_k, top_p, min_p,
+# repeat_penalty, repeat_last_n) and SamplerState (seed, step, history)
+SamplerConfig = SamplerState = Any
 
 K_MAX = 1024      # most top-k candidates the kernel sorts
 H_MAX = 256       # most penalty-history tokens per row

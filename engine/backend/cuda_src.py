@@ -8,6 +8,13 @@ and to ``cuda_llama.py`` the order of launches.
 Layout conventions (all row-major, float32 unless said):
 * weights stay in GGUF block layout, one row of ``k`` inputs = ``row_bytes`` bytes;
   ``deq8<T>(row, u, w)`` dequantizes inputs ``8u .. 8u+7`` of a row into registers.
+  Each uses only the loads its block's alignment allows: a row starts at a multiple of
+  ``row_bytes`` from a 256-byte aligned buffer, so blocks of 18/22/110 bytes (Q4_0, IQ4_NL,
+  Q5_0, Q3_K) are 2-byte aligned, 20/24/84 (Q4_1, Q5_1, Q2_K) 4-byte, 136/144/176 (IQ4_XS,
+  Q4_K, Q5_K) at least 8-byte, and MXFP4's 17-byte blocks only byte aligned (byte loads).
+  Every product in a deq8 is exact in float32 (a float16 scale times small integers), so
+  the values equal gguf's ``dequantize`` bit for bit whether or not the compiler fuses
+  the one add into an FMA.
 * activations ``x`` are ``(B, ld)``; KV cache per layer ``(n_slots, n_kv, n_ctx, hd)``.
 * device tables for decode: ``tab_tok``, ``tab_slot``, ``tab_pos`` int32 ``(B,)``.
 
@@ -19,7 +26,9 @@ from __future__ import annotations
 
 # GGML tensor-type codes (gguf.GGMLQuantizationType values)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
-TYPES = (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16)
+Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4 = 10, 11, 20, 23, 39
+#: every type with a ``deq8<T>`` specialization (and so ``embed``/``dequant``/``gemv`` instances)
+TYPES = (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16, MXFP4)
 
 # gemv epilogue modes
 MODE_STORE, MODE_ADD, MODE_SWIGLU, MODE_QKV = 0, 1, 2, 3
@@ -184,6 +193,110 @@ template <> __device__ __forceinline__ void deq8<14>(const u8* __restrict__ row,
         w[i] = ds * (float)((lo | (hi << 4)) - 32);
     }
 }
+
+template <> __device__ __forceinline__ void deq8<10>(const u8* __restrict__ row, int u, float* w) {  // Q2_K
+    // block_q2_K (84 / 256): scales[16] (low nibble scale, high nibble min) | qs[64] | d | dmin;
+    // element e: 2 bits (2 * ((e / 32) % 4)) of qs[32 * (e / 128) + e % 32], sub-block e / 16
+    const u8* b = row + 84 * (u >> 5);
+    const int e0 = 8 * (u & 31);
+    const u32 dm = *(const u32*)(b + 80);
+    const float d = h2f((u16)(dm & 0xffff)), dmin = h2f((u16)(dm >> 16));
+    const int sc = b[e0 >> 4];
+    const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
+    const u32* qp = (const u32*)(b + 16 + 32 * (e0 >> 7) + (e0 & 31));
+    const u32 a = qp[0], c = qp[1];
+    const int sh = 2 * ((e0 >> 5) & 3);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        w[i] = dl * (float)((a >> (8 * i + sh)) & 3) - ml;
+        w[4 + i] = dl * (float)((c >> (8 * i + sh)) & 3) - ml;
+    }
+}
+template <> __device__ __forceinline__ void deq8<11>(const u8* __restrict__ row, int u, float* w) {  // Q3_K
+    // block_q3_K (110 / 256): hmask[32] | qs[64] | scales[12] (16 x 6 bits) | d;
+    // element e: low 2 bits as Q2_K's (qs at 32), minus 4 where bit e / 32 of hmask[e % 32]
+    // is clear; sub-block sb = e / 16 has scale (4 bits of scales[sb % 8], low nibble for
+    // sb < 8) | (2 bits 2 * (sb / 4) of scales[8 + sb % 4]) << 4, minus 32
+    const u8* b = row + 110 * (u >> 5);
+    const int e0 = 8 * (u & 31), sb = e0 >> 4, l0 = e0 & 31;
+    const float d = h2f(ld16(b + 108));
+    const int lo = (b[96 + (sb & 7)] >> (4 * (sb >> 3))) & 15;
+    const int hi = (b[104 + (sb & 3)] >> (2 * (sb >> 2))) & 3;
+    const float dl = d * (float)((lo | (hi << 4)) - 32);
+    const u8* qp = b + 32 + 32 * (e0 >> 7) + l0;
+    const u32 qa = ld32_2(qp), qc = ld32_2(qp + 4);
+    const u32 ha = ld32_2(b + l0), hc = ld32_2(b + l0 + 4);
+    const int sh = 2 * ((e0 >> 5) & 3), hb = e0 >> 5;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int q0 = (int)((qa >> (8 * i + sh)) & 3) - (((ha >> (8 * i + hb)) & 1) ? 0 : 4);
+        const int q1 = (int)((qc >> (8 * i + sh)) & 3) - (((hc >> (8 * i + hb)) & 1) ? 0 : 4);
+        w[i] = dl * (float)q0;
+        w[4 + i] = dl * (float)q1;
+    }
+}
+
+// Non-linear 4-bit types: a nibble indexes a table of 16 int8 levels, held in 4 words of
+// immediates (byte j of word t is entry 4t + j) and read with byte permutes, so a lookup
+// touches no memory. ggml-common.h kvalues_iq4nl (IQ4_NL, IQ4_XS) and kvalues_mxfp4 (the
+// FP4 E2M1 values doubled: 0, .5, 1, 1.5, 2, 3, 4, 6 times 2, then their negatives).
+#define KV_IQ4NL 0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u
+#define KV_MXFP4 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu
+
+// byte i of the result = table entry (byte i of idx), for 4 indices < 16 at once
+__device__ __forceinline__ u32 lut16x4(u32 idx, u32 t0, u32 t1, u32 t2, u32 t3) {
+    u32 sel = (idx | (idx >> 4)) & 0x00ff00ffu;
+    sel = (sel | (sel >> 8)) & 0x7777u;                 // nibble i = index i mod 8
+    const u32 lo = __byte_perm(t0, t1, sel);            // entries 0..7
+    const u32 hi = __byte_perm(t2, t3, sel);            // entries 8..15
+    const u32 m = ((idx >> 3) & 0x01010101u) * 0xffu;   // 0xff in bytes whose index is >= 8
+    return (lo & ~m) | (hi & m);
+}
+__device__ __forceinline__ float i8f(u32 v, int i) { return (float)(i8)((v >> (8 * i)) & 255); }
+
+template <> __device__ __forceinline__ void deq8<20>(const u8* __restrict__ row, int u, float* w) {  // IQ4_NL
+    // block_iq4_nl (18 / 32): d | qs[16]; element j < 16: low nibble of qs[j], 16 + j: high nibble
+    const u8* b = row + 18 * (u >> 2);
+    const int q = u & 3;
+    const float d = h2f(ld16(b));
+    const int sh = (q >> 1) * 4;
+    const u32 va = lut16x4((ld32_2(b + 2 + 8 * (q & 1)) >> sh) & 0x0f0f0f0fu, KV_IQ4NL);
+    const u32 vb = lut16x4((ld32_2(b + 6 + 8 * (q & 1)) >> sh) & 0x0f0f0f0fu, KV_IQ4NL);
+#pragma unroll
+    for (int i = 0; i < 4; i++) { w[i] = d * i8f(va, i); w[4 + i] = d * i8f(vb, i); }
+}
+template <> __device__ __forceinline__ void deq8<23>(const u8* __restrict__ row, int u, float* w) {  // IQ4_XS
+    // block_iq4_xs (136 / 256): d | scales_h u16 | scales_l[4] | qs[128]; sub-block ib = e / 32
+    // has scale ((scales_l[ib / 2] >> 4 * (ib % 2)) & 15 | ((scales_h >> 2 * ib) & 3) << 4) - 32
+    // and its 16 bytes qs[16 ib ..] laid out as an IQ4_NL block's
+    const u8* b = row + 136 * (u >> 5);
+    const int e0 = 8 * (u & 31), ib = e0 >> 5, l0 = e0 & 31;
+    const u32 dh = *(const u32*)b;
+    const float d = h2f((u16)(dh & 0xffff));
+    const int ls = ((b[4 + (ib >> 1)] >> (4 * (ib & 1))) & 15) | ((int)((dh >> (16 + 2 * ib)) & 3) << 4);
+    const float dl = d * (float)(ls - 32);
+    const uint2 v = *(const uint2*)(b + 8 + 16 * ib + (l0 & 15));
+    const int sh = (l0 >> 4) * 4;
+    const u32 va = lut16x4((v.x >> sh) & 0x0f0f0f0fu, KV_IQ4NL), vb = lut16x4((v.y >> sh) & 0x0f0f0f0fu, KV_IQ4NL);
+#pragma unroll
+    for (int i = 0; i < 4; i++) { w[i] = dl * i8f(va, i); w[4 + i] = dl * i8f(vb, i); }
+}
+template <> __device__ __forceinline__ void deq8<39>(const u8* __restrict__ row, int u, float* w) {  // MXFP4
+    // block_mxfp4 (17 / 32): e (E8M0) | qs[16], nibbles as IQ4_NL's; scale 2^(e - 128) as
+    // ggml_e8m0_to_fp32_half (bits (e - 1) << 23, subnormals for e < 2). Byte loads only.
+    const u8* b = row + 17 * (u >> 2);
+    const int q = u & 3;
+    const u32 e = b[0];
+    const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    const u8* p = b + 1 + 8 * (q & 1);
+    const u32 lo = (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+    const u32 hi = (u32)p[4] | ((u32)p[5] << 8) | ((u32)p[6] << 16) | ((u32)p[7] << 24);
+    const int sh = (q >> 1) * 4;
+    const u32 va = lut16x4((lo >> sh) & 0x0f0f0f0fu, KV_MXFP4), vb = lut16x4((hi >> sh) & 0x0f0f0f0fu, KV_MXFP4);
+#pragma unroll
+    for (int i = 0; i < 4; i++) { w[i] = d * i8f(va, i); w[4 + i] = d * i8f(vb, i); }
+}
+// ---- end of the deq8 specializations ----
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -9,13 +9,26 @@ Leaves to others: the fast matmul kernels and the repacked weight layouts
 to load (engine/model).
 
 Sources for the block layouts: ggml-common.h (`block_q4_0`, `block_q4_1`, `block_q5_0`,
-`block_q5_1`, `block_q8_0`, `block_q2_K` .. `block_q6_K`, QK_K = 256) and the gguf
-package's numpy reference `gguf/quants.py`, which the tests compare against bit for bit
-(up to float32 rounding of `d * q + m`). All multi-byte fields are little-endian; every
+`block_q5_1`, `block_q8_0`, `block_q2_K` .. `block_q6_K`, `block_iq4_nl`, `block_iq4_xs`,
+`block_mxfp4`; QK_K = 256), ggml-quants.c (`dequantize_row_*`), ggml-impl.h
+(`ggml_e8m0_to_fp32_half`) and the gguf package's numpy reference `gguf/quants.py`, which
+the tests compare against bit for bit. All multi-byte fields are little-endian; every
 scale `d`/`dmin`/`m` is IEEE float16 unless said otherwise.
 
-Not supported here: the IQ*, TQ*, MXFP4 and NVFP4 families (the loader must refuse them
-with a message naming the tensor and its type).
+The three non-linear 4-bit types:
+* IQ4_NL (32 / 18 bytes): d f16 | qs[16]; w = d * KVALUES_IQ4NL[nibble], low nibbles are
+  elements 0..15, high nibbles 16..31 (as Q4_0, with a table instead of q - 8).
+* IQ4_XS (256 / 136 bytes): d f16 | scales_h u16 | scales_l[4] | qs[128]; 8 sub-blocks of
+  32, each with a 6-bit scale ls = (4 bits of scales_l[ib/2], low nibble for even ib) |
+  (2 bits ib of scales_h) << 4; w = (d * (ls - 32)) * KVALUES_IQ4NL[nibble], the nibbles of
+  each sub-block laid out as one IQ4_NL block's.
+* MXFP4 (32 / 17 bytes, OCP microscaling): e u8 (E8M0 exponent) | qs[16]; w =
+  E8M0_HALF[e] * KVALUES_MXFP4[nibble], KVALUES_MXFP4 being the FP4 (E2M1) values doubled
+  and E8M0_HALF[e] = 2^(e - 128), so the product is the E2M1 value times 2^(e - 127).
+  ggml decodes e = 0 and 1 as float32 subnormals and e = 255 as 2^127 (not NaN); so do we.
+
+Not supported here: the other IQ* types, TQ* and NVFP4 (the loader refuses them with a
+message naming the tensor and its type).
 """
 
 from __future__ import annotations
@@ -28,11 +41,25 @@ SUPPORTED_TYPES: frozenset[T] = frozenset({
     T.F32, T.F16, T.BF16,
     T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
     T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+    T.IQ4_NL, T.IQ4_XS, T.MXFP4,
 })
 
 #: float16 bit pattern -> float32 value, for all 65536 patterns (exact, incl. subnormals,
 #: inf and NaN). 256 KiB; used by every kernel that reads a float16 field.
 F16_LUT: np.ndarray = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+#: IQ4_NL's (and IQ4_XS's) 16 levels, ggml-common.h `kvalues_iq4nl`, as float32.
+KVALUES_IQ4NL: np.ndarray = np.array([-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+#: MXFP4's 16 FP4 (E2M1: sign, 2 exponent bits, 1 mantissa bit) values doubled, ggml-common.h
+#: `kvalues_mxfp4`: nibble 0..7 -> 0, 0.5, 1, 1.5, 2, 3, 4, 6 times 2; 8..15 the negatives.
+KVALUES_MXFP4: np.ndarray = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+#: E8M0 byte e -> 2^(e - 128) as float32, exactly ggml_e8m0_to_fp32_half: the bit pattern
+#: (e - 1) << 23 for e >= 2, the subnormals 2^-128 and 2^-127 for e = 0 and 1.
+_E = np.arange(256, dtype=np.uint32)
+E8M0_HALF: np.ndarray = np.where(_E < 2, np.uint32(0x00200000) << np.minimum(_E, 1),
+                                 (_E - np.uint32(1)) << np.uint32(23)).astype(np.uint32).view(np.float32)
+del _E
 
 
 class UnsupportedTensorType(ValueError):
@@ -306,11 +333,63 @@ def _deq_q6_k(raw, ids, out, lut):
                 out[i, b * 256 + e] = (d * np.float32(sc)) * np.float32((lo | (hi << 4)) - 32)
 
 
+@njit(cache=True, parallel=True)
+def _deq_iq4_nl(raw, ids, out, lut):      # block_iq4_nl: d f16 | qs[16]; 18 / 32
+    kv = KVALUES_IQ4NL
+    n, k = out.shape
+    for i in prange(n):
+        r = ids[i]
+        for b in range(k // 32):
+            o = b * 18
+            d = _h(raw, r, o, lut)
+            for j in range(16):
+                q = np.int64(raw[r, o + 2 + j])
+                out[i, b * 32 + j] = d * kv[q & 15]
+                out[i, b * 32 + 16 + j] = d * kv[q >> 4]
+
+
+@njit(cache=True, parallel=True)
+def _deq_iq4_xs(raw, ids, out, lut):
+    # block_iq4_xs (136 / 256): d f16 | scales_h u16 | scales_l[4] | qs[128]; 8 sub-blocks of 32
+    kv = KVALUES_IQ4NL
+    n, k = out.shape
+    for i in prange(n):
+        r = ids[i]
+        for b in range(k // 256):
+            o = b * 136
+            d = _h(raw, r, o, lut)
+            sh = np.int64(raw[r, o + 2]) | (np.int64(raw[r, o + 3]) << 8)
+            for ib in range(8):
+                ls = ((np.int64(raw[r, o + 4 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)
+                dl = d * np.float32(ls - 32)
+                for j in range(16):
+                    q = np.int64(raw[r, o + 8 + 16 * ib + j])
+                    out[i, b * 256 + 32 * ib + j] = dl * kv[q & 15]
+                    out[i, b * 256 + 32 * ib + 16 + j] = dl * kv[q >> 4]
+
+
+@njit(cache=True, parallel=True)
+def _deq_mxfp4(raw, ids, out, lut):       # block_mxfp4: e u8 (E8M0) | qs[16]; 17 / 32
+    kv = KVALUES_MXFP4
+    e8 = E8M0_HALF
+    n, k = out.shape
+    for i in prange(n):
+        r = ids[i]
+        for b in range(k // 32):
+            o = b * 17
+            d = e8[np.int64(raw[r, o])]
+            for j in range(16):
+                q = np.int64(raw[r, o + 1 + j])
+                out[i, b * 32 + j] = d * kv[q & 15]
+                out[i, b * 32 + 16 + j] = d * kv[q >> 4]
+
+
 _KERNELS = {
     T.F32: _deq_f32, T.F16: _deq_f16,
     T.Q4_0: _deq_q4_0, T.Q4_1: _deq_q4_1, T.Q5_0: _deq_q5_0, T.Q5_1: _deq_q5_1,
     T.Q8_0: _deq_q8_0, T.Q2_K: _deq_q2_k, T.Q3_K: _deq_q3_k, T.Q4_K: _deq_q4_k,
     T.Q5_K: _deq_q5_k, T.Q6_K: _deq_q6_k,
+    T.IQ4_NL: _deq_iq4_nl, T.IQ4_XS: _deq_iq4_xs, T.MXFP4: _deq_mxfp4,
 }
 
 

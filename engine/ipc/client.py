@@ -166,9 +166,7 @@ class EngineClient:
             if msg is _CLOSED:
                 raise ConnectionLost("the engine closed the connection")
             if isinstance(msg, P.Error):
-                err = EngineError(msg.message)
-                err.code = msg.code  # not_found, busy, not_ready, ...
-                raise err
+                raise EngineError(msg.message, msg.code)  # not_found, busy, not_ready, ...
             return msg
         finally:
             self._queues.pop(rid, None)

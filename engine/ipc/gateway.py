@@ -44,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aotx.engine.errors import AotxError, EngineError, UsageError
+from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
 from aotx.engine.ipc import gateway_schema as S
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost, EngineClient
@@ -272,19 +272,19 @@ def _settle(task: asyncio.Future) -> None:
 
 def _engine_error(ev: P.Error, refused: P.Notice | None, retry_after_s: int) -> ApiError:
     retry = {"Retry-After": str(retry_after_s)}
-    if ev.code == "too_long":
+    if ev.code == ErrorCode.TOO_LONG:
         extra = {}
         if refused is not None:
             extra = {"prompt_tokens": refused.asked - 1, "context_tokens": refused.free}
         return ApiError(400, f"{ev.message}; shorten the messages", "invalid_request_error",
                         param="messages", code="context_length_exceeded", **extra)
-    if ev.code == "busy":
+    if ev.code == ErrorCode.BUSY:
         return ApiError(409, ev.message, "conflict_error", code="conversation_busy")
-    if ev.code == "not_found":
+    if ev.code == ErrorCode.NOT_FOUND:
         return ApiError(404, ev.message, "not_found_error", code="conversation_not_found")
-    if ev.code == "not_ready":
+    if ev.code == ErrorCode.NOT_READY:
         return ApiError(503, ev.message, "server_error", code="not_ready", headers=retry)
-    if ev.code in ("bad_request", "unsupported_media"):
+    if ev.code in (ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_MEDIA):
         return ApiError(400, ev.message, "invalid_request_error", code=ev.code)
     return ApiError(500, f"the engine failed: {ev.message}", "server_error", code=ev.code)
 
@@ -444,8 +444,8 @@ class Gateway:
                 raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                                headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
             except EngineError as e:
-                code = getattr(e, "code", "not_found")  # the client sets the engine's error code
-                if code != "not_found":
+                code = e.code  # the engine's error code (the client library sets it)
+                if code != ErrorCode.NOT_FOUND:
                     raise _engine_error(P.Error(id=0, code=code, message=str(e)), None,
                                         self.cfg.retry_after_s) from None
                 raise ApiError(404, f"X-AOTX-Conversation: {e}", "not_found_error",
@@ -454,7 +454,7 @@ class Gateway:
                 try:
                     await client.update(hdr, system_prompt=system)
                 except EngineError as e:
-                    raise _engine_error(P.Error(id=0, code=getattr(e, "code", "internal"), message=str(e)), None,
+                    raise _engine_error(P.Error(id=0, code=e.code, message=str(e)), None,
                                         self.cfg.retry_after_s) from None
             return hdr, False
         try:
@@ -688,9 +688,11 @@ def uvicorn_server(app: Starlette):
     return uvicorn.Server(config)
 
 
-def run_gateway(args) -> int:
-    """``aotx gateway``: load or create the keys, connect the engine, serve HTTP."""
-    from aotx.engine import cli_client
+def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
+    """``aotx gateway``: load or create the keys, connect the engine, serve HTTP.
+
+    ``connect()`` opens an ``EngineClient`` (the CLI's: it finds or starts the engine
+    that ``args`` describe) and is called again after the engine goes away."""
     from aotx.engine.ipc import gateway_auth
 
     host, port = args.host, args.port
@@ -709,7 +711,7 @@ def run_gateway(args) -> int:
         per_key_concurrency=args.per_key_concurrency, max_queue=args.max_queue)
 
     async def main() -> int:
-        link = EngineLink(lambda: cli_client.connect(args, spawn=True), cfg.retry_after_s)
+        link = EngineLink(connect, cfg.retry_after_s)
         await link.get()  # start or find the engine before taking requests
         app = create_app(cfg, KeyRing(keys), link)
         server = uvicorn_server(app)

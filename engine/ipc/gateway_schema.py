@@ -53,7 +53,7 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_messages: int = 256
     max_tokens_ceiling: int = 4096
-    default_max_tokens: int = 512
+    default_max_tokens: int = P.SamplingParams().max_tokens
 
 
 @dataclass(frozen=True)
@@ -86,29 +86,39 @@ def _type_name(v: Any) -> str:
             int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
 
 
-def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
+def _param(body: dict, name: str, limit: P.Limit) -> float | int | None:
+    """``body[name]`` checked against ``limit`` (the protocol's ranges), None when absent."""
     v = body.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if limit.integer:
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        elif isinstance(v, bool) or not isinstance(v, int):
+            raise BadRequest(f"'{name}' must be an integer, got {_type_name(v)}", name)
+    elif isinstance(v, bool) or not isinstance(v, (int, float)):
         raise BadRequest(f"'{name}' must be a number, got {_type_name(v)}", name)
-    if not lo <= v <= hi:
-        raise BadRequest(f"'{name}' must be between {lo:g} and {hi:g}, got {v}", name)
-    return float(v)
+    why = P.limit_problem(f"'{name}'", v, limit)
+    if why:
+        raise BadRequest(why, name)
+    return v if limit.integer else float(v)
+
+
+def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
+    return _param(body, name, P.Limit(lo, hi))
 
 
 def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        else:
-            raise BadRequest(f"'{name}' must be an integer, got {_type_name(v)}", name)
-    if not lo <= v <= hi:
-        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {v}", name)
-    return v
+    return _param(body, name, P.Limit(lo, hi, integer=True))
+
+
+#: OpenAI documents temperature in [0, 2]; the engine takes more (``SAMPLING_LIMITS``)
+OPENAI_MAX_TEMPERATURE = 2.0
+#: the sampling fields the gateway takes, each with the protocol's range
+SAMPLING_FIELDS: dict[str, P.Limit] = {
+    "temperature": P.SAMPLING_LIMITS["temperature"]._replace(hi=OPENAI_MAX_TEMPERATURE),
+    **{name: P.SAMPLING_LIMITS[name] for name in ("top_p", "top_k", "min_p", "repeat_penalty")},
+}
 
 
 def _bool(body: dict, name: str) -> bool:
@@ -153,21 +163,10 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
                          "max_tokens")
     sp = P.SamplingParams(max_tokens=mt if mt is not None else min(limits.default_max_tokens,
                                                                      limits.max_tokens_ceiling))
-    t = _number(body, "temperature", 0.0, 2.0)
-    if t is not None:
-        sp.temperature = t
-    tp = _number(body, "top_p", 0.0, 1.0)
-    if tp is not None:
-        sp.top_p = tp if tp > 0 else 1e-6
-    tk = _integer(body, "top_k", 0, 1 << 20)
-    if tk is not None:
-        sp.top_k = tk
-    mp = _number(body, "min_p", 0.0, 1.0)
-    if mp is not None:
-        sp.min_p = mp
-    rp = _number(body, "repeat_penalty", 0.0, 10.0)
-    if rp is not None:
-        sp.repeat_penalty = rp
+    for name, limit in SAMPLING_FIELDS.items():
+        v = _param(body, name, limit)
+        if v is not None:
+            setattr(sp, name, v if name != "top_p" or v > 0 else 1e-6)  # OpenAI's top_p 0: the top token
     seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
     if seed is not None:
         sp.seed = seed & 0x7FFFFFFFFFFFFFFF  # the engine takes a non-negative seed; negative ones wrap

@@ -20,10 +20,14 @@ last ``Durable`` covering the finish record.
 
 from __future__ import annotations
 
+import math
 import struct
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import msgspec
+
+from aotx.engine.errors import ErrorCode, ProtocolError, RequestError  # noqa: F401 (ErrorCode re-exported)
+from aotx.media.kinds import MediaKind
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 << 20  # bytes
@@ -37,8 +41,11 @@ class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_
 # ---- shared value types ---------------------------------------------------
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
-    """Sampling of one reply. temperature 0 means greedy; top_k 0, top_p 1 and
-    min_p 0 disable those filters; repeat_penalty 1 disables it; seed None picks one."""
+    """Sampling of one reply: the one definition of the parameters and their defaults
+    (the CLI's flags, the gateway, the app and the engine's sampler take them from here;
+    ``SAMPLING_LIMITS`` gives each one's range). temperature 0 means greedy; top_k 0,
+    top_p 1 and min_p 0 disable those filters; repeat_penalty 1 disables it over the
+    last ``repeat_last_n`` tokens (0: none, -1: all); seed None picks one."""
 
     temperature: float = 0.7
     top_k: int = 40
@@ -49,14 +56,85 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     seed: int | None = None
     max_tokens: int = 512
     stop: list[str] = []
-    speculative: str = ""  # "" = the engine's default; "ngram" (prompt lookup), "draft" (draft model) or "off"
+    speculative: str = ""  # "" = the engine's default; SPECULATIVE_MODES
+
+
+class Limit(NamedTuple):
+    """The range of one parameter: ``lo`` and ``hi`` inclusive (None: unbounded), except
+    ``lo`` itself when ``lo_open``; ``integer`` for whole numbers."""
+
+    lo: float | None
+    hi: float | None
+    lo_open: bool = False
+    integer: bool = False
+
+
+#: Each sampling parameter's range, checked the same way by the CLI (``--temperature``)
+#: and by the engine for every operation of every client (``temperature``).
+SAMPLING_LIMITS: dict[str, Limit] = {
+    "temperature": Limit(0.0, 100.0),
+    "top_k": Limit(0, None, integer=True),
+    "top_p": Limit(0.0, 1.0),
+    "min_p": Limit(0.0, 1.0),
+    "repeat_penalty": Limit(0.0, 100.0, lo_open=True),  # 0 would divide by zero
+    "repeat_last_n": Limit(-1, None, integer=True),
+    "seed": Limit(0, (1 << 64) - 1, integer=True),
+    "max_tokens": Limit(1, None, integer=True),
+}
+#: ``SamplingParams.speculative``: "" the engine's default, "auto" prompt lookup where it
+#: pays, "ngram" prompt lookup, "draft" the engine's draft model, "off".
+SPECULATIVE_MODES = ("", "auto", "ngram", "draft", "off")
+MAX_STOP_STRINGS = 64  # the stop checker keeps every prefix of every stop string: bound them
+MAX_STOP_CHARS = 1024
+
+
+def limit_problem(name: str, value: Any, limit: Limit) -> str | None:
+    """What is wrong with ``value`` for a parameter of range ``limit`` (None: nothing).
+    ``name`` is how the caller's user wrote it: ``--top-p`` on the command line,
+    ``top_p`` in an operation. NaN is out of every range."""
+    if limit.integer:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{name} must be an integer, got {value!r}"
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{name} must be a number, got {value!r}"
+    lo, hi = limit.lo, limit.hi
+    bad = (isinstance(value, float) and math.isnan(value)) or (lo is not None and value < lo) or \
+        (limit.lo_open and value == lo) or (hi is not None and value > hi)
+    if not bad:
+        return None
+    if limit.lo_open:
+        return f"{name} must be greater than {lo} and at most {hi}, got {value}"
+    if hi is None:
+        return f"{name} must be at least {lo}, got {value}"
+    return f"{name} must be between {lo} and {hi}, got {value}"
+
+
+def sampling_problem(sp: Any) -> str | None:
+    """The first thing wrong with a ``SamplingParams`` (None: it is valid)."""
+    if not isinstance(sp, SamplingParams):
+        return f"sampling must be a SamplingParams, got {type(sp).__name__}"
+    for name, limit in SAMPLING_LIMITS.items():
+        v = getattr(sp, name)
+        if v is None and name == "seed":
+            continue
+        why = limit_problem(name, v, limit)
+        if why:
+            return why
+    if not isinstance(sp.stop, list) or not all(isinstance(x, str) for x in sp.stop):
+        return "stop must be a list of strings"
+    if len(sp.stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in sp.stop):
+        return (f"stop strings: at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each (got "
+                f"{len(sp.stop)}, the longest {max(map(len, sp.stop), default=0)} characters)")
+    if sp.speculative not in SPECULATIVE_MODES:
+        return f"speculative mode {sp.speculative!r} is not available (use auto, ngram, draft or off)"
+    return None
 
 
 class Attachment(msgspec.Struct, omit_defaults=True):
     """A file attached to a message, referenced by content hash (sha256 hex)."""
 
     path: str
-    kind: str  # "image" | "audio"
+    kind: str  # MediaKind: "image" | "audio"
     sha256: str = ""
     name: str = ""
 
@@ -217,8 +295,7 @@ class Welcome(_Base, tag="welcome"):
 
 
 class Error(_Base, tag="error"):
-    """A refused or failed request. code: version_mismatch | bad_frame | bad_request |
-    not_found | not_ready | busy | too_long | cancelled | internal."""
+    """A refused or failed request. ``code``: an ``errors.ErrorCode``."""
 
     id: int
     code: str
@@ -348,6 +425,62 @@ Message = Union[
     Durable, StatusReply,
 ]
 
+#: The operations a client asks the engine to run (everything but the handshake).
+Operation = Union[
+    CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel, DeleteConversation,
+    RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
+]
+OPERATIONS: tuple[type, ...] = Operation.__args__
+
+_ROLES = ("user", "assistant")
+
+
+def operation_problem(op: Any) -> str | None:
+    """The first field of ``op`` that is out of range or of the wrong type (None: valid).
+    The engine runs this on every operation of every client before it does anything,
+    so a refused operation writes nothing."""
+    if not isinstance(op, OPERATIONS):
+        return f"unexpected message type {type(op).__name__}"
+    if isinstance(op.id, bool) or not isinstance(op.id, int):
+        return f"id must be an integer, got {op.id!r}"
+    for name in ("conv_id", "title", "text", "msg_id", "at_msg_id"):
+        v = getattr(op, name, "")
+        if not isinstance(v, str):
+            return f"{name} must be a string, got {type(v).__name__}"
+    if getattr(op, "system_prompt", None) is not None and not isinstance(op.system_prompt, str):
+        return f"system_prompt must be a string, got {type(op.system_prompt).__name__}"
+    sampling = getattr(op, "sampling", None)
+    if sampling is not None:
+        why = sampling_problem(sampling)
+        if why:
+            return why
+    if isinstance(op, CreateConversation):
+        for m in op.messages:
+            if not isinstance(m, PriorMessage) or not isinstance(m.text, str):
+                return "prior messages must be PriorMessage(role, text)"
+            if m.role not in _ROLES:
+                return f"prior message role {m.role!r}: use user or assistant"
+    elif isinstance(op, SubmitMessage):
+        if not isinstance(op.raw, bool):
+            return f"raw must be a boolean, got {op.raw!r}"
+        for a in op.attachments:
+            if not isinstance(a, Attachment) or not isinstance(a.path, str) or not a.path:
+                return "an attachment needs the path of its file"
+            if a.kind not in ("", *MediaKind):
+                return f"{a.name or a.path}: unknown attachment kind {a.kind!r} (audio or image)"
+    elif isinstance(op, Cancel):
+        if isinstance(op.target, bool) or not isinstance(op.target, int) or op.target < 0:
+            return f"target must be a request id (an integer of at least 0), got {op.target!r}"
+    return None
+
+
+def validate(op: Any) -> None:
+    """Raise ``RequestError`` (code bad_request) naming the first bad field of ``op``."""
+    why = operation_problem(op)
+    if why:
+        raise RequestError(why)
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -360,8 +493,6 @@ def encode_frame(msg: Message) -> bytes:
 
 def decode_payload(body: bytes) -> Message:
     """Decode one frame's payload. Raises ``ProtocolError`` naming what is wrong."""
-    from aotx.engine.errors import ProtocolError
-
     try:
         return _decoder.decode(body)
     except msgspec.ValidationError as e:
@@ -372,8 +503,6 @@ def decode_payload(body: bytes) -> Message:
 
 def frame_length(header: bytes) -> int:
     """Payload length from a 4-byte header. Raises ``ProtocolError`` when above MAX_FRAME."""
-    from aotx.engine.errors import ProtocolError
-
     (n,) = _LEN.unpack(header)
     if n > MAX_FRAME:
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {MAX_FRAME} bytes")

@@ -18,7 +18,7 @@ import socket
 import stat
 from pathlib import Path
 
-from aotx.engine.errors import EngineError, ProtocolError
+from aotx.engine.errors import EngineError, ErrorCode, ProtocolError
 from aotx.engine.ipc import protocol as P
 
 log = logging.getLogger("aotx.server")
@@ -160,15 +160,15 @@ class Server:
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                 return
             except ProtocolError as e:
-                writer.write(P.encode_frame(P.Error(id=0, code="bad_frame", message=str(e))))
+                writer.write(P.encode_frame(P.Error(id=0, code=ErrorCode.BAD_FRAME, message=str(e))))
                 return
             if not isinstance(hello, P.Hello):
-                writer.write(P.encode_frame(P.Error(id=0, code="bad_request",
+                writer.write(P.encode_frame(P.Error(id=0, code=ErrorCode.BAD_REQUEST,
                                                     message="the first message must be hello")))
                 return
             if hello.protocol != P.PROTOCOL_VERSION:
                 writer.write(P.encode_frame(P.Error(
-                    id=0, code="version_mismatch",
+                    id=0, code=ErrorCode.VERSION_MISMATCH,
                     message=f"protocol version {hello.protocol} is not supported; this engine speaks version "
                             f"{P.PROTOCOL_VERSION} (upgrade the client or the engine so they match)")))
                 return
@@ -180,7 +180,7 @@ class Server:
                     msg = await self._read(reader)
                 except ProtocolError as e:
                     # the framing is intact only when the payload was read; a bad length closes
-                    err = P.Error(id=0, code="bad_frame", message=str(e))
+                    err = P.Error(id=0, code=ErrorCode.BAD_FRAME, message=str(e))
                     if "exceeds the limit" in str(e):
                         # written here, not through conn.send: that write would run after
                         # the close below marks the connection closed, and be dropped
@@ -188,10 +188,8 @@ class Server:
                         break
                     conn.send(err)
                     continue
-                if isinstance(msg, (P.Hello, P.Welcome, P.Error, P.Ok, P.ConversationInfo, P.ConversationList,
-                                    P.Accepted, P.Token, P.Notice, P.MediaInfo, P.Committed, P.Durable,
-                                    P.StatusReply)):
-                    conn.send(P.Error(id=getattr(msg, "id", 0), code="bad_request",
+                if not isinstance(msg, P.OPERATIONS):
+                    conn.send(P.Error(id=getattr(msg, "id", 0), code=ErrorCode.BAD_REQUEST,
                                       message=f"{type(msg).__name__} is not a request"))
                     continue
                 self.engine.post(msg, conn)

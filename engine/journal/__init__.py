@@ -8,7 +8,8 @@ torn tail and refuses damage a crash does not explain. See "Three positions"
 and "Journal" in DESIGN.md.
 
 Modules: ``records`` (types and framing), ``conversations`` (the one state
-machine), ``segments`` (files and the read-only scan), ``writer`` (``Journal``),
+machine), ``segments`` (files and the read-only scan), ``directory`` (the writer lock, removing
+segments), ``writer`` (``Journal``),
 ``recovery`` (recover, verify, dump, compact), ``cli_support`` (plain dicts
 for ``aotx journal ...`` and ``aotx conversations ...``).
 

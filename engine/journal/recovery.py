@@ -31,6 +31,7 @@ import msgspec
 
 from aotx.engine.errors import JournalError
 from aotx.engine.journal.conversations import ConversationTable, Receipt
+from aotx.engine.journal.directory import DirLock, remove_older_segments
 from aotx.engine.journal.records import (
     FLAG_CHECKPOINT, HEADER_BYTES, Checkpoint, encode_frame, encode_segment_header,
 )
@@ -87,8 +88,6 @@ def recover(directory: str | os.PathLike, *, repair: bool = False, keep_records:
     ``keep_records`` fills ``report.records`` with every entry (memory grows with
     the journal; for tests and tools). Raises ``JournalError`` for damage a crash
     does not explain (unless ``repair``) and for a newer format version."""
-    from aotx.engine.journal.writer import DirLock
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     lock = DirLock(d)
@@ -269,8 +268,6 @@ def compact(directory: str | os.PathLike) -> CompactReport:
     point leaves a journal that recovers to the same conversations. Takes the
     directory lock: ``JournalError`` while an engine runs (use
     ``Journal.checkpoint`` there)."""
-    from aotx.engine.journal.writer import DirLock, remove_older_segments
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     lock = DirLock(d)

@@ -30,7 +30,6 @@ engine; recovery keeps everything a receipt covered.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 import time
@@ -42,35 +41,12 @@ import google_crc32c
 
 from aotx.engine.errors import JournalError
 from aotx.engine.journal.conversations import ConversationTable, Receipt
+from aotx.engine.journal.directory import LOCK_NAME, DirLock, remove_older_segments  # noqa: F401 (re-exported)
 from aotx.engine.journal.records import (
     CRC, FLAG_CHECKPOINT, FRAME_OVERHEAD, HEADER_BYTES, RECORD_HEADER, Checkpoint, Record,
     crc32c, encode_payload, encode_segment_header,
 )
 from aotx.engine.journal.segments import fsync_dir, list_segments, segment_name
-
-LOCK_NAME = "LOCK"
-
-
-class DirLock:
-    """An exclusive ``flock`` on ``directory/LOCK``: one writer per journal.
-    Raises ``JournalError`` when another process (a running engine) holds it."""
-
-    def __init__(self, directory: str | os.PathLike):
-        self.path = Path(directory) / LOCK_NAME
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise JournalError(f"the journal in {directory} is in use by another process (lock {self.path} is "
-                               "held); stop the running engine first") from None
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
-
 
 class _Block(NamedTuple):
     start: int  # absolute ring offset (bytes published before it)
@@ -78,18 +54,6 @@ class _Block(NamedTuple):
     first_seq: int
     last_seq: int
     checkpoint: bool
-
-
-def remove_older_segments(directory: Path, number: int) -> list[int]:
-    """Unlink every segment numbered below ``number`` and fsync the directory."""
-    removed = []
-    for n, path in list_segments(directory):
-        if n < number:
-            path.unlink()
-            removed.append(n)
-    if removed:
-        fsync_dir(directory)
-    return removed
 
 
 class Journal:

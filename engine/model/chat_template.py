@@ -5,7 +5,7 @@ way Hugging Face ``transformers`` does (``apply_chat_template``: the
 ``ImmutableSandboxedEnvironment`` with ``trim_blocks``/``lstrip_blocks``, the
 ``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a
 ``tojson`` filter that does not HTML-escape; see the HF chat templating docs),
-a ChatML fallback when the file has no template, and ``encode_chat``: the whole
+a fallback when the file has no template (see FALLBACKS), and ``encode_chat``: the whole
 prompt path with the guarantee that message *content* can never turn into
 control tokens. Leaves to others: the vocabulary (``tokenizer.py``) and when to
 stop (``termination.py``).
@@ -34,6 +34,7 @@ EOS is never appended to a prompt.
 from __future__ import annotations
 
 import json
+import logging
 import traceback
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -42,14 +43,68 @@ from typing import Any
 from aotx.engine.errors import TemplateError
 from aotx.engine.model.tokenizer import Tokenizer
 
+log = logging.getLogger("aotx.model")
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-"""The fallback used only when the GGUF has no ``tokenizer.chat_template``
-(the same ChatML template llama.cpp falls back to)."""
+"""ChatML: the fallback for a GGUF without ``tokenizer.chat_template`` whose vocabulary is
+not Gemma's (the template llama.cpp falls back to)."""
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+"""Gemma 3 instruct's own template (the ``chat_template`` of Google's gemma-3 ``-it``
+tokenizer_config.json; a copy with its source is in tests/data/refs/templates/): the fallback
+for a GGUF without a template whose vocabulary has Gemma's ``<start_of_turn>`` and
+``<end_of_turn>`` (Gemma base files such as Gemma 3 270M). A system message folds into the
+first user turn."""
+
+FALLBACKS = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE}
+"""Which template a file without ``tokenizer.chat_template`` gets: ``"gemma"`` when its
+vocabulary holds ``<start_of_turn>`` and ``<end_of_turn>``, else ``"chatml"``."""
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use markers around message content
 
@@ -116,11 +171,12 @@ class ChatTemplate:
     (``is_fallback`` is then True).
     """
 
-    def __init__(self, source: str, *, is_fallback: bool = False) -> None:
+    def __init__(self, source: str, *, is_fallback: bool = False, fallback: str | None = None) -> None:
         import jinja2
 
         self.source = source
-        self.is_fallback = is_fallback
+        self.is_fallback = is_fallback or fallback is not None
+        self.fallback = fallback if fallback is not None else ("chatml" if is_fallback else None)
         try:
             self._template = _make_env().from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -128,11 +184,16 @@ class ChatTemplate:
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "ChatTemplate":
-        """The GGUF's template, or ChatML when the file has none."""
+        """The GGUF's template or, when the file has none, a fallback (``FALLBACKS``:
+        Gemma's for a Gemma vocabulary, ChatML otherwise), said once in the log."""
         src = meta.get("tokenizer.chat_template")
         if isinstance(src, str) and src.strip():
             return cls(src)
-        return cls(CHATML_TEMPLATE, is_fallback=True)
+        tokens = meta.get("tokenizer.ggml.tokens") or ()
+        name = "gemma" if {"<start_of_turn>", "<end_of_turn>"} <= set(tokens) else "chatml"
+        log.warning("%s has no tokenizer.chat_template; using the %s fallback template",
+                    meta.get("general.name") or "the model", name)
+        return cls(FALLBACKS[name], fallback=name)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                bos_token: str = "", eos_token: str = "", **extra: Any) -> str:

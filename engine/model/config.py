@@ -50,10 +50,6 @@ class ModelConfig:
         arch = str(meta.get("general.architecture", ""))
         if not arch:
             raise ModelError(f"{path}: metadata has no general.architecture")
-        from aotx.engine.model.architectures import get_architecture
-
-        get_architecture(arch, path)  # an unknown architecture is that, not a missing key
-
         def get(key: str, default: Any = None, kind: type = int) -> Any:
             full = f"{arch}.{key}"
             v = meta.get(full, default)

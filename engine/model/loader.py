@@ -163,8 +163,10 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     p = resolve_model_path(path)
     gf = GGUFFile.open(p)
     stage("open")
+    name = gf.metadata.get("general.architecture")
+    arch = get_architecture(str(name), str(p)) if name else None  # unknown is that, not a missing key
     cfg = ModelConfig.from_metadata(gf.metadata, str(p))
-    arch = get_architecture(cfg.arch, str(p))
+    arch = arch or get_architecture(cfg.arch, str(p))
     backend = make_backend(device, int8_activations=int8_activations)
     stage("resolve")
     try:

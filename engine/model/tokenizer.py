@@ -24,13 +24,20 @@ How it follows llama.cpp (``src/llama-vocab.cpp``):
   and ``clean_spaces`` pre-tokenizers get llama.cpp's space clean-up passes.
 * End of generation (``eog_ids``): EOS, EOT, EOM, the FIM pad/repo/sep tokens
   and every token whose text is in llama.cpp's list of EOG texts
-  (``<|im_end|>``, ``<|endoftext|>``, ``<|eot_id|>``, ...). On SmolLM2 that is
-  {0 ``<|endoftext|>``, 2 ``<|im_end|>``, 4 ``<reponame>``}; id 4 comes from the
-  FIM-repo rule (``<reponame>`` is Granite's FIM_REP text).
+  (``<|im_end|>``, ``<|endoftext|>``, ``<|eot_id|>``, ``<end_of_turn>``, ``</s>``,
+  ...). On SmolLM2 that is {0 ``<|endoftext|>``, 2 ``<|im_end|>``, 4 ``<reponame>``};
+  id 4 comes from the FIM-repo rule (``<reponame>`` is Granite's FIM_REP text).
+* Token types after llama.cpp's loader (``_token_rules``): tokens found by those
+  texts become CONTROL (Qwen2.5's NORMAL ``</s>``), and a file named like Phi-3
+  gets RSTRIP on its special tokens (whitespace after them is dropped in parsing).
+  Checked token for token against llama.cpp on Qwen2.5, Gemma 3, Llama 3.2 and a
+  Phi-3-style SentencePiece vocabulary (tests/test_tokenizer_real.py).
 
 Not done: WordPiece (``bert``), Unigram (``t5``), RWKV and PLaMo vocabularies
-raise ``TokenizerError``; llama.cpp's per-model LSTRIP/RSTRIP token attributes
-(phi-3) are not applied; ``StreamDecoder`` does not apply ``clean_spaces``.
+raise ``TokenizerError``; LSTRIP/RSTRIP attributes of other model families
+(jina's ``<mask>``, ...); ``StreamDecoder`` does not apply ``clean_spaces``.
+Building a large SentencePiece vocabulary (Gemma's 262,144 pieces) takes seconds:
+its merges are derived in Python.
 """
 
 from __future__ import annotations
@@ -99,19 +106,27 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     "falcon": PreTokenizerSpec((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_RE, r"[0-9][0-9][0-9]")),
 }
 
-# --- token texts llama-vocab.cpp recognises (``impl::load``) -----------------------
+# --- token texts llama-vocab.cpp recognises (``impl::load``, llama.cpp 0c1e5709) -------
 
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
-              "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+              "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
 _EOM_TEXTS = ("<|eom_id|>",)
-_FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")
+_FIM_PRE_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                  "<|code_prefix|>", "<|prefix|>")
+_FIM_SUF_TEXTS = ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                  "<|code_suffix|>", "<|suffix|>")
+_FIM_MID_TEXTS = ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                  "<|code_middle|>", "<|middle|>")
+_FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
 _FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
 _FIM_SEP_TEXTS = ("<|file_sep|>",)
-_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
-                        "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
-                        "<|end_of_text|>", "<end_of_utterance>"})
+_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                        "<｜end▁of▁sentence｜>", "[e~["})
 
 _SPECIAL_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN)
+_C_SPACE = " \t\n\v\f\r"  # C isspace(), what llama.cpp's LSTRIP/RSTRIP skip
 
 
 @lru_cache(maxsize=1)
@@ -151,6 +166,88 @@ def _find_text(text_to_id: Mapping[str, int], texts: Iterable[str]) -> int | Non
     return None
 
 
+@dataclass(frozen=True)
+class _TokenRules:
+    """What llama.cpp's vocabulary loader derives from token texts and the model name on
+    top of the metadata: ``types`` after its overrides, the EOT/EOM ids, the EOG set, and
+    the tokens whose partition strips whitespace to their left/right (LSTRIP/RSTRIP)."""
+
+    types: tuple[int, ...]
+    eot: int | None
+    eom: int | None
+    eog: frozenset[int]
+    lstrip: frozenset[int]
+    rstrip: frozenset[int]
+
+
+def _token_rules(meta: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]) -> _TokenRules:
+    """llama-vocab.cpp ``impl::load`` after the vocabulary is read, in its order:
+
+    1. EOT, EOM and the FIM tokens are found by text when the metadata names none; a
+       found token that is not CONTROL becomes CONTROL.
+    2. The EOG set: the FIM pad/repo/sep tokens, every token whose text is in llama.cpp's
+       list of end-of-generation texts (made CONTROL if it is not: Qwen2.5's NORMAL
+       ``</s>`` turns CONTROL, so ``</s>`` in special-parsed text is one token), EOS,
+       EOT, EOM. Then two repairs: ``<|end|>`` leaves the set (and becomes USER_DEFINED)
+       when ``<|return|>`` + ``<|call|>`` (gpt-oss) or ``<|calls|>`` + ``<|flush|>`` are
+       there; ``</s>`` leaves it (NORMAL) beside ``<|tool_response>`` or
+       ``<|plamo:eos|>``.
+    3. A file whose lower-cased ``general.name`` contains "phi-3" or "phi3" gets Phi-3's
+       attributes: RSTRIP on every special token and on ``</s>``, none on ``<unk>``,
+       ``<s>``, ``<|endoftext|>`` (whitespace after such a token is dropped in parsing).
+    """
+    n = len(tokens)
+    ty = list(types)
+    text_to_id: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        text_to_id.setdefault(t, i)
+
+    def found(key: str, texts: Sequence[str]) -> int | None:
+        tid = _meta_id(meta, f"tokenizer.ggml.{key}_token_id", n)
+        if tid is not None:
+            return tid
+        tid = _find_text(text_to_id, texts)
+        if tid is not None and ty[tid] != TokenType.CONTROL:
+            ty[tid] = int(TokenType.CONTROL)
+        return tid
+
+    eot = found("eot", _EOT_TEXTS)
+    eom = found("eom", _EOM_TEXTS)
+    for key, texts in (("fim_pre", _FIM_PRE_TEXTS), ("fim_suf", _FIM_SUF_TEXTS), ("fim_mid", _FIM_MID_TEXTS)):
+        found(key, texts)
+    eog: set[int] = set()
+    for key, texts in (("fim_pad", _FIM_PAD_TEXTS), ("fim_rep", _FIM_REP_TEXTS), ("fim_sep", _FIM_SEP_TEXTS)):
+        fid = found(key, texts)
+        if fid is not None:
+            eog.add(fid)
+    for t, i in text_to_id.items():
+        if t in _EOG_TEXTS:
+            eog.add(i)
+            if ty[i] != TokenType.CONTROL:
+                ty[i] = int(TokenType.CONTROL)
+    eos = _meta_id(meta, "tokenizer.ggml.eos_token_id", n)
+    eog.update(i for i in (eos, eot, eom) if i is not None)
+    eog_texts = {tokens[i]: i for i in eog}
+    end = eog_texts.get("<|end|>")
+    if end is not None and ((("<|return|>" in eog_texts) and ("<|call|>" in eog_texts or "<|calls|>" in eog_texts))
+                            or (("<|call|>" in eog_texts or "<|calls|>" in eog_texts) and "<|flush|>" in eog_texts)):
+        eog.discard(end)
+        ty[end] = int(TokenType.USER_DEFINED)
+    s_end = eog_texts.get("</s>")
+    if s_end is not None and ("<|tool_response>" in eog_texts or "<|plamo:eos|>" in eog_texts):
+        eog.discard(s_end)
+        ty[s_end] = int(TokenType.NORMAL)
+    rstrip: set[int] = set()
+    name = str(meta.get("general.name") or "").lower()
+    if "phi-3" in name or "phi3" in name:
+        rstrip = {i for i, t in enumerate(ty) if t in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED)}
+        if "</s>" in text_to_id:
+            rstrip.add(text_to_id["</s>"])
+        for t in ("<unk>", "<s>", "<|endoftext|>"):
+            rstrip.discard(text_to_id.get(t, -1))
+    return _TokenRules(tuple(ty), eot, eom, frozenset(eog), frozenset(), frozenset(rstrip))
+
+
 class Tokenizer:
     """A GGUF tokenizer. Build it with ``Tokenizer.from_metadata(meta)``.
 
@@ -163,7 +260,8 @@ class Tokenizer:
     def __init__(self, *, model: str, pre: str, tokens: Sequence[str], token_types: Sequence[int],
                  hf: Any, add_bos: bool, add_eos: bool, add_space_prefix: bool, clean_spaces: bool,
                  bos_id: int | None, eos_id: int | None, eot_id: int | None, eom_id: int | None,
-                 eog_ids: frozenset[int]) -> None:
+                 eog_ids: frozenset[int], lstrip: frozenset[int] = frozenset(),
+                 rstrip: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.pre = pre
         self._tokens = tuple(tokens)
@@ -178,6 +276,8 @@ class Tokenizer:
         self.eot_id = eot_id
         self.eom_id = eom_id
         self.eog_ids = eog_ids
+        self._lstrip = lstrip
+        self._rstrip = rstrip
         # Special-token partition order: longest text first (llama.cpp cache_special_tokens).
         special = [(t, i, TokenType(ty)) for i, (t, ty) in enumerate(zip(self._tokens, self._types))
                    if ty in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED) and t]
@@ -214,16 +314,18 @@ class Tokenizer:
         if bad is not None:
             raise TokenizerError(f"GGUF metadata tokenizer.ggml.token_type[{bad}] is {types[bad]!r}; "
                                  f"expected 0..6")
-        types = [int(t) for t in types]
+        rules = _token_rules(meta, tokens, [int(t) for t in types])
+        types = list(rules.types)
         if model == "gpt2":
-            return cls._build_bpe(meta, list(tokens), types)
+            return cls._build_bpe(meta, list(tokens), types, rules)
         if model == "llama":
-            return cls._build_spm(meta, list(tokens), types)
+            return cls._build_spm(meta, list(tokens), types, rules)
         raise TokenizerError(f"tokenizer.ggml.model {model!r} is not supported "
                              f"(AOTX reads 'gpt2' BPE and 'llama' SentencePiece vocabularies)")
 
     @classmethod
-    def _build_bpe(cls, meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> "Tokenizer":
+    def _build_bpe(cls, meta: Mapping[str, Any], tokens: list[str], types: list[int],
+                   rules: _TokenRules) -> "Tokenizer":
         from tokenizers import Regex
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers
@@ -260,13 +362,14 @@ class Tokenizer:
         cls._register_added(hf, tokens, types)
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
         add_eos = meta.get("tokenizer.ggml.add_eos_token")
-        return cls._finish(meta, "gpt2", pre, tokens, types, hf,
+        return cls._finish(meta, rules, "gpt2", pre, tokens, types, hf,
                            add_bos=spec.add_bos if add_bos is None else bool(add_bos),
                            add_eos=False if add_eos is None else bool(add_eos),
                            add_space_prefix=False, clean_spaces=spec.clean_spaces)
 
     @classmethod
-    def _build_spm(cls, meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> "Tokenizer":
+    def _build_spm(cls, meta: Mapping[str, Any], tokens: list[str], types: list[int],
+                   rules: _TokenRules) -> "Tokenizer":
         """SentencePiece vocabularies (``tokenizer.ggml.model == "llama"``).
 
         llama.cpp's SPM tokenizer greedily merges the adjacent pair whose merged
@@ -311,7 +414,8 @@ class Tokenizer:
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
         add_eos = meta.get("tokenizer.ggml.add_eos_token")
         asp = meta.get("tokenizer.ggml.add_space_prefix")
-        return cls._finish(meta, "llama", str(meta.get("tokenizer.ggml.pre") or "default"), tokens, types, hf,
+        return cls._finish(meta, rules, "llama", str(meta.get("tokenizer.ggml.pre") or "default"), tokens, types,
+                           hf,
                            add_bos=True if add_bos is None else bool(add_bos),
                            add_eos=False if add_eos is None else bool(add_eos),
                            add_space_prefix=True if asp is None else bool(asp), clean_spaces=False)
@@ -333,39 +437,22 @@ class Tokenizer:
         hf.encode_special_tokens = True
 
     @classmethod
-    def _finish(cls, meta: Mapping[str, Any], model: str, pre: str, tokens: list[str], types: list[int],
-                hf: Any, *, add_bos: bool, add_eos: bool, add_space_prefix: bool,
+    def _finish(cls, meta: Mapping[str, Any], rules: _TokenRules, model: str, pre: str, tokens: list[str],
+                types: list[int], hf: Any, *, add_bos: bool, add_eos: bool, add_space_prefix: bool,
                 clean_spaces: bool) -> "Tokenizer":
         n = len(tokens)
-        text_to_id: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            text_to_id.setdefault(t, i)
         bos = _meta_id(meta, "tokenizer.ggml.bos_token_id", n)
         eos = _meta_id(meta, "tokenizer.ggml.eos_token_id", n)
-        eot = _meta_id(meta, "tokenizer.ggml.eot_token_id", n)
-        eom = _meta_id(meta, "tokenizer.ggml.eom_token_id", n)
-        if eot is None:
-            eot = _find_text(text_to_id, _EOT_TEXTS)
-        if eom is None:
-            eom = _find_text(text_to_id, _EOM_TEXTS)
         if add_bos and bos is None:
             raise TokenizerError("tokenizer.ggml.add_bos_token is true but the metadata names no "
                                  "tokenizer.ggml.bos_token_id")
         if add_eos and eos is None:
             raise TokenizerError("tokenizer.ggml.add_eos_token is true but the metadata names no "
                                  "tokenizer.ggml.eos_token_id")
-        eog: set[int] = set()
-        for key, texts in (("fim_pad", _FIM_PAD_TEXTS), ("fim_rep", _FIM_REP_TEXTS), ("fim_sep", _FIM_SEP_TEXTS)):
-            fid = _meta_id(meta, f"tokenizer.ggml.{key}_token_id", n)
-            if fid is None:
-                fid = _find_text(text_to_id, texts)
-            if fid is not None:
-                eog.add(fid)
-        eog.update(i for t, i in text_to_id.items() if t in _EOG_TEXTS)
-        eog.update(i for i in (eos, eot, eom) if i is not None)
         return cls(model=model, pre=pre, tokens=tokens, token_types=types, hf=hf, add_bos=add_bos,
                    add_eos=add_eos, add_space_prefix=add_space_prefix, clean_spaces=clean_spaces,
-                   bos_id=bos, eos_id=eos, eot_id=eot, eom_id=eom, eog_ids=frozenset(eog))
+                   bos_id=bos, eos_id=eos, eot_id=rules.eot, eom_id=rules.eom, eog_ids=rules.eog,
+                   lstrip=rules.lstrip, rstrip=rules.rstrip)
 
     # --- vocabulary ---------------------------------------------------------------------
 
@@ -450,10 +537,18 @@ class Tokenizer:
                     if any(s < m_end and m < e for s, e in plain_spans):
                         pos = m + 1
                         continue
-                    if m > start:
-                        out.append((start, m))
+                    left = m
+                    if tok_id in self._lstrip:
+                        while left > start and text[left - 1] in _C_SPACE:
+                            left -= 1
+                    if left > start:
+                        out.append((start, left))
                     out.append(tok_id)
                     start = pos = m_end
+                    if tok_id in self._rstrip:
+                        while start < end and text[start] in _C_SPACE:
+                            start += 1
+                        pos = start
                 if start < end:
                     out.append((start, end))
             frags = out

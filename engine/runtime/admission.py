@@ -1,9 +1,17 @@
-"""Resource admission: does a configuration fit the device budget, and what is free.
+"""Admission, in one place: does a configuration fit the device, does a request fit the envelope.
 
-Owns: the budget table (bytes per term: weights, KV cache, working buffers,
-runtime tables, journal buffers, media) and the refusal message listing every
-term against the budget. The engine asks ``check`` once at start and reports
-the table in ``status``.
+At start (``plan``): the budget table (bytes per term: weights, KV cache, working
+buffers, runtime tables, journal buffers, capsules, media, a draft model) against
+the device's memory, refused with every term listed when it does not fit; the
+engine reports the table in ``status``.
+
+Per request, against the ``Envelope``: the context (``check_prompt``), journal
+credit (``credit_for`` then ``Journal.reserve``, through the store: a message is
+held with a notice while the disk is behind, an operation whose records could
+never fit is refused), slot availability (``queued_notice``: a request waits in
+line, in order) and media (a picture that does not fit the context is left out
+with a ``refused_notice``). Every refusal is one type, ``Refusal``: which
+resource, how much was asked, how much is free, and what would be accepted.
 """
 
 from __future__ import annotations
@@ -11,7 +19,88 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from aotx.engine.errors import AdmissionError
+from aotx.engine.errors import AdmissionError, ErrorCode
+from aotx.engine.ipc import protocol as P
+from aotx.engine.runtime.envelope import Envelope, working_bytes  # noqa: F401 (re-exported)
+from aotx.engine.units import fmt_bytes, parse_size  # noqa: F401 (re-exported)
+
+#: journal bytes reserved per reply token (one TokensCommitted record per tick holds
+#: ~70 bytes of framing and ids plus the token's ids and text), and for its finish record
+REPLY_BYTES_PER_TOKEN = 160
+REPLY_FINISH_BYTES = 256
+
+
+class Refusal(AdmissionError):
+    """A request that does not fit: ``resource`` (context | journal | slots | media |
+    memory), ``asked`` and ``free`` (tokens or bytes), ``accepts`` what would be
+    taken, ``detail`` the longer sentence a client's notice shows ("" for none)."""
+
+    def __init__(self, code: ErrorCode, resource: str, message: str, *, asked: int = 0, free: int = 0,
+                 accepts: str = "", detail: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.resource = resource
+        self.asked = asked
+        self.free = free
+        self.accepts = accepts
+        self.detail = detail
+
+    def notice(self, rid: int) -> P.Notice | None:
+        """The ``refused`` notice that goes before the Error, when there is a detail."""
+        if not self.detail:
+            return None
+        return refused_notice(rid, self.resource, self.detail, self.asked, self.free)
+
+
+def refused_notice(rid: int, resource: str, message: str, asked: int, free: int) -> P.Notice:
+    return P.Notice(id=rid, kind="refused", resource=resource, message=message, asked=asked, free=free)
+
+
+def check_prompt(n_prompt: int, envelope: Envelope) -> None:
+    """Refuse a prompt that leaves no room for a reply in a slot's context, or is empty."""
+    ctx = envelope.context_tokens
+    if n_prompt + 1 > ctx:
+        raise Refusal(ErrorCode.TOO_LONG, "context", f"prompt of {n_prompt} tokens does not fit the context of "
+                      f"{ctx} tokens", asked=n_prompt + 1, free=ctx, accepts=f"a prompt of at most {ctx - 1} tokens",
+                      detail=f"the prompt is {n_prompt} tokens; the context holds {ctx} (a reply needs at least 1 "
+                             f"more)")
+    if n_prompt == 0:
+        raise Refusal(ErrorCode.BAD_REQUEST, "context", "the prompt is empty", accepts="a prompt of 1 token or more")
+
+
+def reply_credit(max_tokens: int, envelope: Envelope) -> int:
+    """Journal bytes to reserve for a reply of up to ``max_tokens`` tokens: its token
+    records and its finish, at most a share of the buffer (a longer reply then borrows
+    free space as it goes, as records without credit do)."""
+    if not envelope.publication_bytes:
+        return 0
+    return min(max_tokens * REPLY_BYTES_PER_TOKEN + REPLY_FINISH_BYTES,
+               envelope.publication_bytes // (2 * envelope.slots))
+
+
+def journal_refusal(what: str, asked: int, free: int, capacity: int) -> Refusal:
+    """The refusal of an operation whose records have no journal credit: ``too_long``
+    when they could never fit the buffer, else ``busy`` (retry when the disk catches up)."""
+    if asked > capacity:
+        return Refusal(ErrorCode.TOO_LONG, "journal", f"{what} needs {asked} bytes of journal records; the "
+                       f"journal's buffer holds {capacity} bytes", asked=asked, free=free,
+                       accepts=f"records of at most {capacity} bytes")
+    return Refusal(ErrorCode.BUSY, "journal", f"no journal credit for {what}: the journal's buffers are full (the "
+                   f"disk is behind: {free} bytes free, {asked} needed); retry when they drain", asked=asked,
+                   free=free, accepts=f"{free} bytes now")
+
+
+def held_notice(rid: int, asked: int, free: int) -> P.Notice:
+    """A message waits for journal credit (it is retried when receipts free the buffer)."""
+    return P.Notice(id=rid, kind="held", resource="journal", asked=asked, free=free,
+                    message=f"the journal's buffers are full (the disk is behind: {free} bytes free); the message "
+                            f"is held until they drain")
+
+
+def queued_notice(rid: int, position: int, n_slots: int) -> P.Notice:
+    """A request waits for a slot at ``position`` in line."""
+    return P.Notice(id=rid, kind="queued", resource="slots", position=position, asked=1, free=0,
+                    message=f"all {n_slots} slots are busy; queued at position {position}")
 
 
 def machine_memory_bytes() -> int:
@@ -36,28 +125,6 @@ def default_cuda_budget(device: int = 0) -> int:
     return max(1 << 30, int(total) - (1 << 30))
 
 
-def parse_size(text: str) -> int:
-    """'512M', '8G', '1.5GiB', '1000000' -> bytes. Raises ValueError on bad text."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
-        if t.endswith(suffix):
-            mult, t = m, t[:-1]
-            break
-    v = float(t)
-    if v <= 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return int(v * mult)
-
-
-def fmt_bytes(n: int) -> str:
-    """Human-readable bytes (binary units) with the exact count."""
-    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= m:
-            return f"{n / m:.1f} {unit}"
-    return f"{n} B"
-
-
 @dataclass(frozen=True)
 class Budget:
     """The accounted terms (bytes) against ``total`` bytes of budget."""
@@ -78,17 +145,6 @@ class Budget:
         lines.append(f"  {'total':<16} {fmt_bytes(self.used):>10}  ({self.used:,} bytes)")
         lines.append(f"  {'budget':<16} {fmt_bytes(self.total):>10}  ({self.total:,} bytes)")
         return "\n".join(lines)
-
-
-def working_bytes(cfg, prefill_chunk: int, n_slots: int, n_ctx: int) -> int:
-    """Working buffers of one tick: activations of a prefill chunk plus decode rows
-    (x, h, q, k, v, attention out, gate, up: float32), one chunk's attention scores
-    (heads x chunk x context float32) and the logits rows (vocab float32 each)."""
-    rows = prefill_chunk + n_slots
-    act = rows * (3 * cfg.d_model + 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.ffn_dim) * 4
-    scores = cfg.n_heads * prefill_chunk * n_ctx * 4
-    logits = (n_slots + 1) * cfg.vocab_size * 4
-    return act + scores + logits
 
 
 def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefill_chunk: int,

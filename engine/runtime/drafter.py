@@ -40,46 +40,20 @@ does so inside its first decode tick (chunks of ``CATCH_UP_CHUNK`` tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aotx.engine.errors import ModelError
 from aotx.engine.model.batch import SMALL_SEGMENT, Segment
+from aotx.engine.model.vocabulary import check_vocabulary_files, vocabulary_mismatch  # noqa: F401 (re-exported)
 from aotx.engine.runtime.sampling import apply_repeat_penalty, distribution, uniform
-from aotx.engine.runtime.slots import common_prefix
 from aotx.engine.runtime.speculative import AdaptiveWindow
+from aotx.engine.state.prefix import common_prefix
 
 CATCH_UP_CHUNK = 256  # draft tokens per forward call when catching a slot up
 DRAFT_STREAM = 0x5EC0_D5A7_F00D_0001  # added to the request's seed: the draft's Philox key
 DEFAULT_P_MIN = 0.75  # llama.cpp common.h, common_params_speculative.p_min
-
-
-def vocabulary_mismatch(target_tokens, draft_tokens) -> str:
-    """Why two vocabularies differ ("" when identical): sizes, or the first id whose
-    token text differs. Arguments: sequences of token texts indexed by id."""
-    if len(target_tokens) != len(draft_tokens):
-        return f"its vocabulary has {len(draft_tokens)} tokens, the model's has {len(target_tokens)}"
-    for i, (a, b) in enumerate(zip(target_tokens, draft_tokens)):
-        if a != b:
-            return f"token {i} is {b!r} in the draft model but {a!r} in the model"
-    return ""
-
-
-def check_vocabulary_files(target: str | Path | None, draft: str | Path) -> None:
-    """Refuse a draft model whose vocabulary differs from the target's, reading only the
-    two files' GGUF metadata (clients call this before they start an engine).
-
-    Raises ModelError, one line naming the draft file and the first difference."""
-    from aotx.engine.model.gguf_file import GGUFFile
-    from aotx.engine.model.loader import resolve_model_path
-
-    tp, dp = resolve_model_path(target), resolve_model_path(draft)
-    t_meta, d_meta = GGUFFile.open(tp).metadata, GGUFFile.open(dp).metadata
-    why = vocabulary_mismatch(t_meta.get("tokenizer.ggml.tokens", []), d_meta.get("tokenizer.ggml.tokens", []))
-    if why:
-        raise ModelError(f"--draft-model {dp}: {why}; a draft model must share the model's vocabulary")
 
 
 def _top_prob(logits: np.ndarray) -> float:
@@ -228,8 +202,8 @@ class DraftDrafter(AdaptiveWindow):
     _base: int = 0
     _fed: list[int] = field(default_factory=list)
 
-    def bind(self, req) -> None:
-        self.req = req
+    def bind(self, request) -> None:
+        self.req = request
 
     def prefill(self, pos: int, n: int) -> None:
         """The target prefills ``req.prompt[pos:pos+n]`` this tick: the draft slot does too."""

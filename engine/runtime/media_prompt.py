@@ -29,8 +29,6 @@ prefix reuse across a restart.
 
 from __future__ import annotations
 
-import hashlib
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -39,21 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from aotx.media.markers import MARKER_RE, image_key, marker  # noqa: F401 (re-exported)
+
 PLACEHOLDER_BASE = 1 << 30
 _RANGE = (1 << 31) - 1 - PLACEHOLDER_BASE
-MARKER_RE = re.compile(r"<__image_([0-9a-f]{16})__>")
 MISSING_TEXT = "[an image that is no longer available]"
 DEFAULT_STORE_BYTES = 256 << 20
-
-
-def marker(key: str) -> str:
-    """The text that stands for image ``key`` in a message."""
-    return f"<__image_{key}__>"
-
-
-def image_key(data: bytes, encoder: str) -> str:
-    """16 hex digits of sha256(encoder name, NUL, file bytes): one key per picture and encoder."""
-    return hashlib.sha256(encoder.encode() + b"\0" + data).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,66 @@
 """A request in flight: one submitted message and the reply being generated.
 
 Owns the per-request state the tick loop advances: prompt, slot lease,
-positions, sampler state, stop checking, streaming detokenization, timings and
-the sequence numbers still waiting for a durable receipt.
+positions, sampler state, stop checking, streaming detokenization, timings,
+the journal credit still reserved for the reply, and the request's state
+(``RequestState``). Leaves scheduling to ``scheduler.py``, device work to
+``executor.py`` and publication to ``commit.py``.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from aotx.engine.model.termination import StopChecker
+from aotx.engine.model.tokenizer import StreamDecoder
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
+from aotx.engine.runtime.slots import Slot
+
+
+class RequestState(enum.Enum):
+    """Where a request stands. In order: DURABLE_WAIT (accepted; the user's message is
+    not on disk yet), QUEUED (ready; waiting for a slot), PREFILL (holding a slot,
+    its prompt going through the model chunk by chunk), DECODE (one reply token, or a
+    verify window, per tick), DONE (finished: stop, length, context, cancelled, error).
+    Without a journal a request starts QUEUED."""
+
+    DURABLE_WAIT = "durable_wait"
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class Sink(Protocol):
+    """Where a request's events go (a client connection); ``send`` is thread-safe."""
+
+    def send(self, message: Any) -> None: ...
+
+
+class Drafter(Protocol):
+    """A speculative drafter (``speculative.py``: prompt lookup; ``drafter.py``: a draft
+    model). ``window`` is the verify width T; ``q`` the per-draft distributions of the
+    last proposal (None: one-hot)."""
+
+    window: int
+    q: list | None
+
+    def bind(self, request: Request) -> None: ...
+    def prefill(self, pos: int, n: int) -> None: ...
+    def propose(self, tokens: list[int], limit: int) -> list[int]: ...
+    def update(self, n_drafts: int, n_accepted_drafts: int) -> None: ...
 
 
 @dataclass(eq=False)
 class Request:
-    """State: durable_wait -> queued -> prefill -> decode -> done."""
+    """One message's generation. ``pos``: tokens of prompt + completion whose K/V are
+    in the slot; ``credit``: journal bytes still reserved for the reply's records."""
 
     rid: int
-    sink: Any
+    sink: Sink
     conv_id: str
     msg_id: str
     reply_id: str
@@ -27,11 +68,11 @@ class Request:
     sampler: SamplerConfig
     sampler_state: SamplerState
     max_tokens: int
-    stop: Any  # termination.StopChecker
-    decoder: Any  # tokenizer.StreamDecoder
-    state: str = "durable_wait"
-    slot: Any = None
-    pos: int = 0  # tokens of prompt + completion whose K/V are in the slot
+    stop: StopChecker
+    decoder: StreamDecoder
+    state: RequestState = RequestState.DURABLE_WAIT
+    slot: Slot | None = None
+    pos: int = 0
     completion: list[int] = field(default_factory=list)
     text: str = ""
     cancelled: bool = False
@@ -39,12 +80,13 @@ class Request:
     accepted_seq: int = 0
     final_seq: int = 0
     queued_position: int = 0
+    credit: int = 0
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
     n_reused: int = 0
-    drafter: Any = None  # speculative.PromptLookup or None
+    drafter: Drafter | None = None
     n_drafted: int = 0
     n_draft_accepted: int = 0
 
@@ -52,6 +94,11 @@ class Request:
     def next_input(self) -> int:
         """The token to feed in decode: the last sampled one."""
         return self.completion[-1]
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without a repetition penalty: the argmax of the logits, nothing else."""
+        return self.sampler.temperature <= 0.0 and self.sampler.repeat_penalty == 1.0
 
     def timings(self) -> dict[str, float]:
         prefill_s = max(1e-9, (self.t_first or self.t_end) - (self.t_start or self.t_submit))

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aotx.engine.ipc.protocol import SamplingParams
+
 
 @dataclass
 class SamplerState:
@@ -27,17 +29,26 @@ class SamplerState:
     history: list[int] = field(default_factory=list)
 
 
+_DEFAULT = SamplingParams()
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
-    """temperature (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off),
-    repeat_penalty (1 = off) over the last ``repeat_last_n`` tokens (each distinct id once)."""
+    """The sampler chain's part of ``protocol.SamplingParams`` (the one definition of the
+    parameters and their defaults), frozen and hashable: temperature (0 = greedy),
+    top_k (0 = off), top_p (1 = off), min_p (0 = off), repeat_penalty (1 = off) over the
+    last ``repeat_last_n`` tokens (each distinct id once)."""
 
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    temperature: float = _DEFAULT.temperature
+    top_k: int = _DEFAULT.top_k
+    top_p: float = _DEFAULT.top_p
+    min_p: float = _DEFAULT.min_p
+    repeat_penalty: float = _DEFAULT.repeat_penalty
+    repeat_last_n: int = _DEFAULT.repeat_last_n
+
+    @classmethod
+    def of(cls, sp: SamplingParams) -> SamplerConfig:
+        return cls(sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repeat_penalty, sp.repeat_last_n)
 
 
 def uniform(seed: int, step: int) -> float:

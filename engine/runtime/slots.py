@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from aotx.engine.state.prefix import common_prefix
+
 
 @dataclass
 class Slot:
@@ -25,15 +27,6 @@ class Slot:
     last_used: int = 0
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class SlotTable:
     """The fixed set of ``n_slots`` slots."""
 
@@ -44,14 +37,15 @@ class SlotTable:
     def free_count(self) -> int:
         return sum(1 for s in self.slots if s.state == "free")
 
-    def choose(self, conv_id: str, prompt: list[int]) -> tuple[Slot, int] | None:
+    def choose(self, conv_id: str, prompt: list[int], exclude: set[int] = frozenset()) -> tuple[Slot, int] | None:
         """The free slot to lease for ``prompt`` and its reusable prefix length, without
-        leasing it; None when every slot is busy. Prefers the longest shared prefix,
-        then the conversation's own slot, then the least recently used.
+        leasing it; None when every slot is busy (or in ``exclude``: slot indices already
+        planned for others this tick). Prefers the longest shared prefix, then the
+        conversation's own slot, then the least recently used.
 
         The reusable prefix is capped at len(prompt) - 1 so the last prompt token always
         runs through the model (its logits give the first reply token)."""
-        free = [s for s in self.slots if s.state == "free"]
+        free = [s for s in self.slots if s.state == "free" and s.index not in exclude]
         if not free:
             return None
         best = max(free, key=lambda s: (common_prefix(s.tokens, prompt), s.conv_id == conv_id, -s.last_used))

@@ -15,10 +15,11 @@ llama.cpp's lookup decoding), the adaptive window, and acceptance:
   model's. Draws use the request's counter-based Philox stream, so a seed
   reproduces the result.
 
-The drafter interface (duck-typed): ``window`` (the verify width T),
-``propose(tokens, limit) -> list[int]``, ``update(n_drafts, n_accepted)``
-after each verify pass, and ``q`` (None, or one (ids, probs) pair per draft of
-the last proposal). The draft-model drafter lives in ``drafter.py``.
+The drafter interface (``requests.Drafter``): ``window`` (the verify width T),
+``bind(request)`` before the first proposal, ``prefill(pos, n)`` while the
+target prefills, ``propose(tokens, limit) -> list[int]``, ``update(n_drafts,
+n_accepted)`` after each verify pass, and ``q`` (None, or one (ids, probs) pair
+per draft of the last proposal). The draft-model drafter lives in ``drafter.py``.
 
 Leaves the batch layout, KV rollback and publication to the engine.
 """
@@ -47,6 +48,13 @@ class AdaptiveWindow:
 
     #: per-draft distributions of the last proposal; None: each draft is certain (one-hot)
     q = None
+
+    def bind(self, request) -> None:
+        """Given the request before its first proposal (a draft model reads its slot and
+        sampler); prompt lookup needs nothing."""
+
+    def prefill(self, pos: int, n: int) -> None:
+        """The target prefills prompt[pos:pos+n] this tick (a draft model mirrors it)."""
 
     def update(self, n_drafts: int, n_accepted_drafts: int) -> None:
         """Adapt the window after a verify pass of ``n_drafts`` drafts."""

@@ -1,10 +1,14 @@
 """The engine's conversation store: every state change is a journal record.
 
-Owns: ids, turning client operations into records, publishing them through the
-journal (or numbering them in memory when the journal is off, for benchmarks)
-and applying them to the journal's ``ConversationTable``, the one state machine
-that recovery replays too. So what a client sees is exactly what a restart
-rebuilds. Leaves files, fsync and receipts to ``engine/journal``.
+Owns: ids, turning client operations into records, journal credit for them (an
+operation's records are published all or none: credit for every one is reserved
+first, ``Journal.reserve``), publishing them through the journal (or numbering
+them in memory when the journal is off, for benchmarks) and applying them to the
+journal's ``ConversationTable``, the one state machine that recovery replays too.
+So what a client sees is exactly what a restart rebuilds. ``open_store`` wires the
+receipts one way: the journal's drain hands each receipt to ``receipts.Receipts``,
+which tells the clients and the engine's inbox. Leaves files, fsync and receipts'
+making to ``engine/journal``.
 """
 
 from __future__ import annotations
@@ -12,22 +16,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from aotx.engine.errors import AotxError
+from aotx.engine.errors import NotFound
 from aotx.engine.ipc import protocol as P
 from aotx.engine.journal import records as R
-from aotx.engine.journal.conversations import ConversationTable
+from aotx.engine.journal.conversations import ConversationTable, Receipt
+from aotx.engine.runtime.admission import journal_refusal
+from aotx.engine.runtime.events import Inbox
+from aotx.engine.runtime.receipts import Receipts
 
 log = logging.getLogger("aotx.store")
-
-
-class NotFound(AotxError):
-    code = "not_found"
 
 
 def _new_id(prefix: str) -> str:
@@ -39,19 +42,27 @@ def _sampling_dict(sp: P.SamplingParams | None) -> dict[str, Any]:
 
 
 class ConversationStore:
-    """Conversations, journaled. ``journal`` None keeps them in memory only."""
+    """Conversations, journaled. ``journal`` None keeps them in memory only.
 
-    def __init__(self, table: ConversationTable, journal=None, recovery_note: str = ""):
+    ``receipts``: where the journal's receipts go (``open_store`` gives the same object
+    to the Journal); ``receipts.inbox`` is the engine's inbox."""
+
+    def __init__(self, table: ConversationTable, journal=None, recovery_note: str = "",
+                 receipts: Receipts | None = None):
         self.table = table
         self.journal = journal
         self.recovery_note = recovery_note
-        self.on_receipt: Callable[[Any], None] = lambda r: None
+        self.receipts = receipts if receipts is not None else Receipts(Inbox())
         self._seq = table.last_seq
         self._segments_at_checkpoint = 0
 
     @property
     def journaled(self) -> bool:
         return self.journal is not None
+
+    @property
+    def inbox(self) -> Inbox:
+        return self.receipts.inbox
 
     def _record(self, rec, tick: int) -> int:
         if self.journal is not None:
@@ -62,19 +73,38 @@ class ConversationStore:
         self.table.apply(rec, seq, tick)
         return seq
 
-    def deliver_receipt(self, receipt) -> None:
-        """Called from the journal's drain thread: hand the receipt to the engine thread."""
-        self.on_receipt(receipt)
+    def _publish(self, recs: Sequence[Any], tick: int, what: str) -> list[int]:
+        """Publish ``recs`` all or none: credit for every one is reserved first, else
+        ``admission.Refusal`` (resource journal) and nothing is written."""
+        if self.journal is not None:
+            need = sum(self.record_bytes(r) for r in recs)
+            if not self.journal.reserve(need):
+                raise journal_refusal(what, need, self.journal.free_bytes, self.journal.capacity)
+        return [self._record(r, tick) for r in recs]
 
-    def note_receipt(self, receipt) -> None:
+    def note_receipt(self, receipt: Receipt) -> None:
         """On the engine thread: mark the messages the receipt covers as durable."""
-        from aotx.engine.journal.conversations import Receipt
+        self.table.note_receipt(receipt)
 
-        self.table.note_receipt(Receipt(receipt.segment, receipt.offset, receipt.last_seq))
+    # ---- journal credit ---------------------------------------------------------------
 
-    def has_credit(self, nbytes: int = 64 << 10) -> bool:
-        """Whether the journal's buffers can take about ``nbytes`` more now."""
-        return self.journal is None or self.journal.free_bytes >= nbytes
+    @staticmethod
+    def record_bytes(rec) -> int:
+        """Bytes ``rec`` takes in the journal's buffer (its frame)."""
+        return R.FRAME_OVERHEAD + len(R.encode_payload(rec))
+
+    def reserve(self, nbytes: int) -> bool:
+        """Take journal credit for ``nbytes`` (always True without a journal)."""
+        return self.journal is None or self.journal.reserve(nbytes)
+
+    def release(self, nbytes: int) -> None:
+        """Give back credit that will not be used."""
+        if self.journal is not None and nbytes > 0:
+            self.journal.release(nbytes)
+
+    @property
+    def journal_capacity(self) -> int:
+        return self.journal.capacity if self.journal is not None else 0
 
     def journal_free_bytes(self) -> int:
         return self.journal.free_bytes if self.journal is not None else 0
@@ -153,43 +183,44 @@ class ConversationStore:
         """A new conversation, with ``messages`` (role, text) stored as finished history."""
         cid = _new_id("c")
         now = time.time()
-        self._record(R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=now,
-                                           system_prompt=system_prompt, sampling=_sampling_dict(sampling)), tick)
+        recs: list[Any] = [R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=now,
+                                                 system_prompt=system_prompt, sampling=_sampling_dict(sampling))]
         for role, text in messages:
             mid = _new_id("m")
-            self._record(R.MessageAccepted(conv_id=cid, msg_id=mid, role=role, text=text, created_at=now), tick)
+            recs.append(R.MessageAccepted(conv_id=cid, msg_id=mid, role=role, text=text, created_at=now))
             if role == "assistant":
-                self._record(R.MessageFinished(conv_id=cid, msg_id=mid, reason="stop"), tick)
+                recs.append(R.MessageFinished(conv_id=cid, msg_id=mid, reason="stop"))
+        self._publish(recs, tick, "a new conversation")
         self.flush()
         return self.view(cid)
 
     def rename(self, conv_id: str, title: str, tick: int = 0) -> None:
         self.get(conv_id)
-        self._record(R.ConversationRenamed(conv_id=conv_id, title=title), tick)
+        self._publish([R.ConversationRenamed(conv_id=conv_id, title=title)], tick, "a rename")
         self.flush()
 
     def update(self, conv_id: str, system_prompt: str | None, sampling: P.SamplingParams | None,
                tick: int = 0) -> None:
         self.get(conv_id)
-        self._record(R.ConversationUpdated(conv_id=conv_id, system_prompt=system_prompt,
-                                           sampling=_sampling_dict(sampling)), tick)
+        self._publish([R.ConversationUpdated(conv_id=conv_id, system_prompt=system_prompt,
+                                             sampling=_sampling_dict(sampling))], tick, "an update")
         self.flush()
 
     def delete(self, conv_id: str, tick: int = 0) -> None:
         self.get(conv_id)
-        self._record(R.ConversationDeleted(conv_id=conv_id), tick)
+        self._publish([R.ConversationDeleted(conv_id=conv_id)], tick, "a deletion")
         self.flush()
 
     def truncate(self, conv_id: str, msg_id: str, tick: int = 0) -> None:
         c = self.get(conv_id)
         if c.message(msg_id) is None:
             raise NotFound(f"conversation {conv_id} has no message {msg_id!r}")
-        self._record(R.ConversationTruncated(conv_id=conv_id, msg_id=msg_id), tick)
+        self._publish([R.ConversationTruncated(conv_id=conv_id, msg_id=msg_id)], tick, "a truncation")
         self.flush()
 
     def capsule_stored(self, conv_id: str, path: str, fingerprint: str, n_tokens: int, tick: int = 0) -> int:
-        seq = self._record(R.CapsuleStored(conv_id=conv_id, path=path, fingerprint=fingerprint, n_tokens=n_tokens),
-                           tick)
+        (seq,) = self._publish([R.CapsuleStored(conv_id=conv_id, path=path, fingerprint=fingerprint,
+                                                n_tokens=n_tokens)], tick, "a capsule record")
         self.flush()
         return seq
 
@@ -204,61 +235,73 @@ class ConversationStore:
                 raise NotFound(f"conversation {conv_id} has no message {at_msg_id!r}")
             msgs = msgs[:idx + 1]
         nid = _new_id("c")
-        self._record(R.ConversationCreated(conv_id=nid, title=f"{c.title} (fork)", created_at=time.time(),
-                                           system_prompt=c.system_prompt, sampling=dict(c.sampling)), tick)
+        recs: list[Any] = [R.ConversationCreated(conv_id=nid, title=f"{c.title} (fork)", created_at=time.time(),
+                                                 system_prompt=c.system_prompt, sampling=dict(c.sampling))]
         for m in msgs:
             mid = _new_id("m")
-            self._record(R.MessageAccepted(conv_id=nid, msg_id=mid, role=m.role, text=m.text if m.role != "assistant"
-                                           else "", attachments=list(m.attachments), sampling=dict(m.sampling),
-                                           created_at=m.created_at), tick)
+            recs.append(R.MessageAccepted(conv_id=nid, msg_id=mid, role=m.role, text=m.text if m.role != "assistant"
+                                          else "", attachments=list(m.attachments), sampling=dict(m.sampling),
+                                          created_at=m.created_at))
             if m.role == "assistant":
-                self._record(R.TokensCommitted(conv_id=nid, msg_id=mid, start_pos=m.start_pos,
-                                               token_ids=list(m.token_ids), text=m.text), tick)
-                self._record(R.MessageFinished(conv_id=nid, msg_id=mid, reason=m.finish_reason or "stop",
-                                               n_prompt=m.n_prompt, n_completion=m.n_completion), tick)
+                recs.append(R.TokensCommitted(conv_id=nid, msg_id=mid, start_pos=m.start_pos,
+                                              token_ids=list(m.token_ids), text=m.text))
+                recs.append(R.MessageFinished(conv_id=nid, msg_id=mid, reason=m.finish_reason or "stop",
+                                              n_prompt=m.n_prompt, n_completion=m.n_completion))
+        self._publish(recs, tick, "a fork")
         self.flush()
         return self.view(nid)
 
-    def accept(self, conv_id: str, role: str, text: str, sp: P.SamplingParams, attachments: list[P.Attachment],
-               raw: bool = False, tick: int = 0) -> tuple[str, str, int]:
-        """Record the user's message and the start of its reply. Returns
-        (message id, reply id, sequence number covering both)."""
+    def accept_records(self, conv_id: str, role: str, text: str, sp: P.SamplingParams,
+                       attachments: list[P.Attachment], raw: bool = False) -> tuple[str, str, list[Any]]:
+        """The records of a user's message and the start of its reply, not yet published:
+        (message id, reply id, records). ``publish_accepted`` publishes them once the
+        caller holds credit for them (``record_bytes``)."""
         now = time.time()
         mid, rid = _new_id("m"), _new_id("m")
         atts = [R.AttachmentRef(sha256=a.sha256, kind=a.kind, name=a.name, path=a.path) for a in attachments]
-        self._record(R.MessageAccepted(conv_id=conv_id, msg_id=mid, role=role, text=text,
-                                       sampling=_sampling_dict(sp), attachments=atts, created_at=now), tick)
-        seq = self._record(R.MessageAccepted(conv_id=conv_id, msg_id=rid, role="assistant", text="",
-                                             sampling={"raw": True} if raw else {}, created_at=now), tick)
-        return mid, rid, seq
+        return mid, rid, [R.MessageAccepted(conv_id=conv_id, msg_id=mid, role=role, text=text,
+                                            sampling=_sampling_dict(sp), attachments=atts, created_at=now),
+                          R.MessageAccepted(conv_id=conv_id, msg_id=rid, role="assistant", text="",
+                                            sampling={"raw": True} if raw else {}, created_at=now)]
+
+    def publish_accepted(self, recs: Sequence[Any], tick: int = 0) -> int:
+        """Publish ``accept_records``' records (credit reserved); the seq covering both."""
+        seq = 0
+        for rec in recs:
+            seq = self._record(rec, tick)
+        return seq
 
     def commit_tokens(self, conv_id: str, msg_id: str, start_pos: int, ids: list[int], text: str,
-                      tick: int = 0) -> int:
-        return self._record(R.TokensCommitted(conv_id=conv_id, msg_id=msg_id, start_pos=start_pos,
-                                              token_ids=list(ids), text=text), tick)
+                      tick: int = 0) -> tuple[int, int]:
+        """Publish one tick's tokens of a reply: (seq, bytes of credit it took)."""
+        rec = R.TokensCommitted(conv_id=conv_id, msg_id=msg_id, start_pos=start_pos, token_ids=list(ids), text=text)
+        return self._record(rec, tick), self.record_bytes(rec) if self.journal is not None else 0
 
-    def finish(self, conv_id: str, msg_id: str, reason: str, n_prompt: int, n_completion: int, tick: int = 0) -> int:
-        return self._record(R.MessageFinished(conv_id=conv_id, msg_id=msg_id, reason=reason, n_prompt=n_prompt,
-                                              n_completion=n_completion), tick)
+    def finish(self, conv_id: str, msg_id: str, reason: str, n_prompt: int, n_completion: int,
+               tick: int = 0) -> tuple[int, int]:
+        """Publish a reply's finish: (seq, bytes of credit it took)."""
+        rec = R.MessageFinished(conv_id=conv_id, msg_id=msg_id, reason=reason, n_prompt=n_prompt,
+                                n_completion=n_completion)
+        return self._record(rec, tick), self.record_bytes(rec) if self.journal is not None else 0
 
 
 def open_store(directory: Path | None, *, buffer_bytes: int = 8 << 20,
                segment_bytes: int = 64 << 20) -> ConversationStore:
     """Recover the journal in ``directory`` (None: no journal) and return a store on it.
 
+    The receipts' way is fixed here: the Journal gets ``Receipts.deliver`` as its
+    ``on_receipt``, the store the same ``Receipts`` (whose inbox the engine reads).
     Replies cut by a crash are marked interrupted, and that is journaled too."""
+    receipts = Receipts(Inbox())
     if directory is None:
-        return ConversationStore(ConversationTable(), None, "journal off")
+        return ConversationStore(ConversationTable(), None, "journal off", receipts)
     from aotx.engine.journal.writer import Journal
 
-    store_box: list[ConversationStore] = []
-    journal = Journal(directory, segment_bytes=segment_bytes, buffer_bytes=buffer_bytes,
-                      on_receipt=lambda r: store_box[0].deliver_receipt(r) if store_box else None)
+    journal = Journal(directory, segment_bytes=segment_bytes, buffer_bytes=buffer_bytes, on_receipt=receipts.deliver)
     report = journal.recovery
     table = report.table
     cut = table.finish_recovery()  # recovery marks them already; this catches any it left
-    store = ConversationStore(table, journal, report.summary())
-    store_box.append(store)
+    store = ConversationStore(table, journal, report.summary(), receipts)
     # journal the interruption, so the reply's end is on disk like any other finish
     for conv in table.live():
         for m in conv.messages:

@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from aotx.engine.runtime.slots import common_prefix
 from aotx.engine.state import capsule as C
+from aotx.engine.state.prefix import common_prefix
 
 
 class CapsuleCache:

@@ -7,7 +7,7 @@ peer one, with llama-cpp-python (0.3.36 was used) for its binding of llama.cpp's
 multimodal library ``libmtmd`` (``llama_cpp.mtmd_cpp``), runs this script again in
 ``--embed`` mode on them (it needs only numpy and llama_cpp there). For
 each case it writes a tiny mmproj GGUF and a tiny text GGUF of the same width
-from fixed seeds (``tests/tiny_vision.py``, ``tests/tiny_gguf.py``), hands
+from fixed seeds (``tests/tiny_vision.py``, ``tests/models/llama.py``), hands
 llama.cpp a deterministic picture through ``mtmd_bitmap_init``, lets
 ``mtmd_tokenize`` preprocess it and ``mtmd_encode_chunk`` run the encoder and
 projector, reads ``mtmd_get_output_embd`` and saves the rows as
@@ -34,8 +34,8 @@ HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, TESTS / f"{name}.py")
+def _load(name: str, path: Path | None = None):
+    spec = importlib.util.spec_from_file_location(name, path or TESTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -153,13 +153,13 @@ def write_prompt_text(td: Path) -> Path:
     then leaves only summation-order differences)."""
     from gguf import GGMLQuantizationType as T
 
-    return _load("tiny_gguf").write_tiny_llama(td / "text-prompt.gguf", d_model=64, ffn=128, seed=5, qtype=T.F32)
+    return _load("tiny_gguf", TESTS / "models" / "llama.py").write_tiny_llama(td / "text-prompt.gguf", d_model=64, ffn=128, seed=5, qtype=T.F32)
 
 
 def write_case(td: Path, name: str) -> tuple[Path, Path, np.ndarray]:
     """Write case ``name``'s mmproj and text GGUF under ``td``; return them and the picture."""
     tiny_vision = _load("tiny_vision")
-    tiny_gguf = _load("tiny_gguf")
+    tiny_gguf = _load("tiny_gguf", TESTS / "models" / "llama.py")
     kw, size = CASES[name]
     mm = tiny_vision.write_tiny_mmproj(td / f"mmproj-{name}.gguf", **kw)
     text = tiny_gguf.write_tiny_llama(td / f"text-{name}.gguf", d_model=64, ffn=128, seed=5)

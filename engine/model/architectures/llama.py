@@ -106,6 +106,8 @@ def _load(gf, name: str, shape: tuple[int, ...], put):
 class LlamaModel:
     """A loaded llama model on a backend. ``forward`` runs one batch of segments."""
 
+    device_sampling = False  # no sample()/greedy(): the host samples from forward()'s logits (SEAMS.md)
+
     def __init__(self, cfg: ModelConfig, gf, backend):
         self.cfg = cfg
         self.backend = backend

@@ -1,6 +1,6 @@
-"""AOTX's side of engine/bench_llamacpp_parallel.py: the model alone decoding B sequences.
+"""AOTX's side of tests/tools/bench_llamacpp_parallel.py: the model alone decoding B sequences.
 
-Run: NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python -m aotx.engine.bench_parallel_decode 1,2,4,8,16
+Run: NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python -m tests.tools.bench_parallel_decode 1,2,4,8,16
 
 For each B: engine/bench.py's PROMPTS (chat-wrapped) prefilled one sequence at a time,
 then 64 greedy steps, each ONE forward pass with B one-token segments (the engine's decode

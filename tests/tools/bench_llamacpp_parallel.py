@@ -2,7 +2,7 @@
 """The peer for `aotx bench`'s aggregate decode: llama.cpp decoding N sequences at once.
 
 Run with the peer's interpreter (llama-cpp-python, see shared/peer/llamacpp_bench.py):
-    /tmp/peer/bin/python engine/bench_llamacpp_parallel.py --model PATH.gguf [--seqs 1,2,4,8,16]
+    /tmp/peer/bin/python tests/tools/bench_llamacpp_parallel.py --model PATH.gguf [--seqs 1,2,4,8,16]
         [--threads 2] [--tokens 64] [--repeats 3] [--json]
 
 For each N: one context with n_seq_max = N; N different chat prompts (engine/bench.py's

@@ -15,7 +15,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable
 
-from aotx.engine.errors import EngineError
+from aotx.engine.errors import EngineError, ErrorCode
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost
 
@@ -108,7 +108,7 @@ class FakeEngineClient:
     def _conv(self, conv_id: str) -> P.ConversationView:
         self._check()
         if conv_id not in self.engine.convs:
-            raise refused("not_found", f"no conversation {conv_id!r}")
+            raise refused(ErrorCode.NOT_FOUND, f"no conversation {conv_id!r}")
         return self.engine.convs[conv_id]
 
     async def close(self) -> None:
@@ -158,9 +158,9 @@ class FakeEngineClient:
         conv = self._conv(conv_id)
         ids = [m.msg_id for m in conv.messages]
         if msg_id not in ids:
-            raise refused("not_found", f"no message {msg_id!r} in {conv_id}")
+            raise refused(ErrorCode.NOT_FOUND, f"no message {msg_id!r} in {conv_id}")
         if conv.busy:
-            raise refused("busy", f"conversation {conv_id} is generating; cancel it first")
+            raise refused(ErrorCode.BUSY, f"conversation {conv_id} is generating; cancel it first")
         self.engine.truncated.append(msg_id)
         del conv.messages[ids.index(msg_id):]
 
@@ -171,7 +171,7 @@ class FakeEngineClient:
         if at_msg_id:
             ids = [m.msg_id for m in msgs]
             if at_msg_id not in ids:
-                raise refused("not_found", f"conversation {conv_id} has no message {at_msg_id!r}")
+                raise refused(ErrorCode.NOT_FOUND, f"conversation {conv_id} has no message {at_msg_id!r}")
             msgs = msgs[:ids.index(at_msg_id) + 1]
         self.engine.forked.append((conv_id, at_msg_id))
         new = self.engine.add_conversation(f"{conv.title} (fork)")
@@ -195,10 +195,10 @@ class FakeEngineClient:
         conv = self._conv(conv_id)
         e.submitted.append((conv_id, text, list(attachments or [])))
         if not self.welcome.ready and e.load_steps > 0:
-            yield P.Error(id=rid, code="not_ready", message="the model is still loading")
+            yield P.Error(id=rid, code=ErrorCode.NOT_READY, message="the model is still loading")
             return
         if attachments:
-            yield P.Error(id=rid, code="unsupported_media",
+            yield P.Error(id=rid, code=ErrorCode.UNSUPPORTED_MEDIA,
                           message=f"this model has no media profile: {attachments[0].kind} input is not supported yet")
             return
         user = e._message("user", text, status="complete", durable=False)
@@ -234,11 +234,9 @@ class FakeEngineClient:
         yield P.Durable(id=rid, receipt=reply.receipt, msg_id=reply.msg_id)
 
 
-def refused(code: str, message: str) -> EngineError:
+def refused(code: ErrorCode, message: str) -> EngineError:
     """An EngineError as EngineClient raises it for an engine's Error reply."""
-    err = EngineError(message)
-    err.code = code
-    return err
+    return EngineError(message, code)
 
 
 def msgspec_replace(notice: P.Notice, **changes) -> P.Notice:

@@ -7,7 +7,7 @@ For each key it measures (1) until the input's text shows it and (2) until the
 next screen update after that. It does the same with no reply streaming, as the
 baseline. Prints p50/p99/max in milliseconds.
 
-    python -m aotx.app.bench_typing [--tokens 10000] [--rate 1000]
+    python -m tests.tools.bench_typing [--tokens 10000] [--rate 1000]
 
 Limits: headless, so "screen" means Textual composed the update for the
 terminal, not that a terminal emulator drew it.
@@ -89,7 +89,7 @@ def report(label: str, text_ms: list[float], screen_ms: list[float]) -> None:
 
 async def run(n_tokens: int, rate: float, interval_ms: float, n_keys: int) -> None:
     from aotx.app.app import ChatApp
-    from aotx.app.fake_client import FakeEngine
+    from tests.fakes.fake_engine import FakeEngine
 
     text = long_reply(n_tokens)
     engine = FakeEngine(reply=lambda _t: text, token_delay=1.0 / rate)

@@ -14,7 +14,8 @@ The ``corrupt_*`` helpers patch a valid file in place at the byte offsets the
 u64, KV pairs, tensor infos, padding, data), one defect each.
 
 Not a fixture itself: ``tests/conftest.py`` exposes this module as the
-``tiny_gguf`` fixture (pytest runs with ``--import-mode=importlib``).
+``tiny_gguf`` fixture (pytest runs with ``--import-mode=importlib``). It imports nothing
+else from ``tests/models/``, so it can also be loaded alone by path.
 """
 
 from __future__ import annotations

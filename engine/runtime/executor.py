@@ -1,0 +1,250 @@
+"""The executor: runs a tick's plan on the model and picks each row's tokens.
+
+Owns everything of a tick that touches the model, its KV cache, the drafters and
+the samplers: leasing a slot's KV (parking the state it held as a capsule,
+restoring a better capsule), the batch layout of the plan (segments, input ids,
+image rows), the device path (below), sampling and speculative acceptance, and
+rolling back the KV of rejected drafts. It changes no request bookkeeping
+(positions, completions, states: ``commit.py``) and publishes nothing.
+
+The device path, chosen per tick from what the model declares
+(``device_sampling``, SEAMS.md) and what the rows need:
+
+* ``greedy``: every row is greedy without a penalty: the model returns the argmax
+  ids only (CUDA);
+* ``sample``: every row's sampler is one the device chain runs exactly
+  (``cuda_sampling.device_ok``): the model returns the ids only; the executor then
+  advances each sampler's state as the host chain would have;
+* ``forward``: otherwise (the CPU, image rows, speculative sampling): logits come
+  back and the host samples (``sampling.sample``, ``speculative.verify``).
+
+All three pick the same ids for the same rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from aotx.engine.backend.cuda_sampling import device_ok, fits_history
+from aotx.engine.model.batch import Segment
+from aotx.engine.runtime.requests import Request, RequestState
+from aotx.engine.runtime.sampling import sample
+from aotx.engine.runtime.scheduler import Lease, TickPlan
+from aotx.engine.runtime.speculative import verify
+from aotx.engine.state import capsule as C
+
+log = logging.getLogger("aotx.engine")
+PARK_MIN_EXTRA = 16  # park a slot's state only when it holds this many tokens past the new prefix
+
+
+class DeviceError(Exception):
+    """The model's device work failed (the engine fails closed: not ready)."""
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    """What leasing a slot found: ``reuse`` prompt positions in place, and a capsule
+    ``note`` for the client ("" when none) about ``restored`` positions."""
+
+    reuse: int
+    note: str = ""
+    restored: int = 0
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """One logits row group of the batch (a prefill's last chunk, or a decode row and
+    its verify window): ``produced`` the tokens picked (1 + accepted drafts), ``fed``
+    the decode inputs whose KV is now committed (the input and the accepted drafts;
+    empty for prefill), ``n_drafts`` the drafts verified."""
+
+    request: Request
+    produced: list[int]
+    fed: list[int]
+    n_drafts: int
+
+
+@dataclass(frozen=True)
+class TickResult:
+    rows: list[RowResult]
+    device_s: float  # seconds in the model's call
+
+
+class Executor:
+    """Runs plans on ``lm``'s model with KV cache ``kv``.
+
+    device: "cpu" | "cuda" (capsules record it); capsules: a ``state.cache.CapsuleCache``
+    or None; draft: the ``drafter.DraftModel`` or None; images: the ``ImageStore`` of
+    pictures given to a vision encoder, or None."""
+
+    def __init__(self, lm: Any, kv: Any, *, device: str, capsules: Any = None, draft: Any = None):
+        self.lm = lm
+        self.kv = kv
+        self.device = device
+        self.capsules = capsules
+        self.draft = draft
+        self.images: Any = None
+        self._sampler_of: dict[str, Any] = {}  # conv_id -> its last reply's SamplerState (capsule snapshots)
+        # the arithmetic behind the tokens, named in every reply (README: CPU and CUDA differ)
+        self.numerics = getattr(getattr(lm.model, "backend", None), "numerics", None) or (
+            "cuda-f32" if device == "cuda" else "cpu-int8")
+        self.device_sampling = bool(lm.model.device_sampling)
+        self.vocab = lm.config.vocab_size
+        self.d_model = lm.config.d_model
+
+    # ---- slots ------------------------------------------------------------------------
+
+    def lease(self, lease: Lease) -> LeaseResult:
+        """Put the KV in place for ``lease``: park the state of the conversation the slot
+        holds (when it would be lost), restore a parked capsule sharing a longer prefix
+        with the prompt (the same conversation, or a fork's parent)."""
+        r, slot, reuse = lease.request, lease.slot, lease.reuse
+        caps = self.capsules
+        if caps is None:
+            return LeaseResult(reuse)
+        fp = self.lm.fingerprint
+        if slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + PARK_MIN_EXTRA:
+            caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp, backend=self.device,
+                                               device=caps.device_budget > 0, drafter=self._drafter_state(slot.index),
+                                               sampler=self._sampler_of.get(slot.conv_id)))
+        if slot.conv_id != r.conv_id:           # the slot's state leaves it: one entry per slot at most
+            self._sampler_of.pop(slot.conv_id, None)
+        if slot.conv_id == r.conv_id and reuse > 0:
+            return LeaseResult(reuse)
+        cap, n, note = caps.best_for(r.conv_id, r.prompt)
+        n = min(n, len(r.prompt) - 1)
+        if cap is not None and n > reuse:
+            C.restore(cap, self.kv, slot.index, fingerprint=fp, n=n)
+            if self.draft is not None:
+                self.draft.restore(cap, slot.index, r.prompt)
+            slot.tokens[:] = cap.tokens[:n].tolist()
+            reuse = n
+            note = (f"restored {n} tokens of context from the capsule on disk" if cap.home == "disk" else
+                    f"restored {n} tokens of context from a parked capsule ({cap.home} memory)")
+        elif note.startswith("restored"):
+            note = ""
+        return LeaseResult(reuse, note, n)
+
+    def persist(self, r: Request, written: Callable[[str, str, int], None]) -> None:
+        """After a reply: copy the slot's state now and write it to the capsules' disk
+        home on a thread of its own; ``written(conv_id, path, n_tokens)`` once the file
+        is durable (the engine journals it)."""
+        caps = self.capsules
+        self._sampler_of[r.conv_id] = r.sampler_state       # what a capsule of this slot carries
+        if caps is None or caps.dir is None or r.slot is None or len(r.slot.tokens) < 2:
+            return
+        cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device,
+                         drafter=self._drafter_state(r.slot.index), sampler=r.sampler_state)
+        conv_id = r.conv_id
+
+        def write() -> None:
+            try:
+                path = caps.store_on_disk(conv_id, cap)
+            except OSError as e:
+                log.warning("capsule of %s not written: %s", conv_id, e)
+                return
+            if path is not None:
+                written(conv_id, str(path), cap.n_tokens)
+
+        threading.Thread(target=write, name="aotx-capsule-write", daemon=True).start()
+
+    def _drafter_state(self, slot: int):
+        return self.draft.state(slot) if self.draft is not None else None
+
+    # ---- the tick -------------------------------------------------------------------------
+
+    def run(self, plan: TickPlan, tick: int) -> TickResult:
+        """One forward pass over the plan's rows, then each row's tokens. Raises
+        ``DeviceError`` when the model's call fails."""
+        segs: list[Segment] = []
+        toks: list[int] = []
+        rows: list[tuple[Request, list[int]]] = []  # (request, drafts): 1 + len(drafts) logits rows
+        for d in plan.decode:
+            r = d.request
+            drafts = r.drafter.propose(r.prompt + r.completion, d.draft_room) if r.drafter is not None else []
+            segs.append(Segment(r.slot.index, r.pos, 1 + len(drafts), all_logits=bool(drafts)))
+            toks.append(r.next_input)
+            toks.extend(drafts)
+            rows.append((r, drafts))
+        for c in plan.prefill:
+            r = c.request
+            segs.append(Segment(r.slot.index, c.start, c.n, logits=c.last))
+            if r.drafter is not None:  # a draft model prefills the same chunk into its own slot
+                r.drafter.prefill(c.start, c.n)
+            toks.extend(r.prompt[c.start:c.start + c.n])
+            if c.last:
+                rows.append((r, []))
+        tok_arr = np.asarray(toks, np.int32)
+        embeds = self.images.rows_for(tok_arr, self.d_model) if self.images is not None else None
+        t1 = time.perf_counter()
+        try:
+            ids, logits = self._device_work(tok_arr, segs, rows, embeds, tick)
+        except Exception as e:  # noqa: BLE001 - any failure of the device is one
+            raise DeviceError(str(e)) from e
+        device_s = time.perf_counter() - t1
+        return TickResult(self._pick(rows, ids, logits), device_s)
+
+    def _device_work(self, tok_arr: np.ndarray, segs: list[Segment], rows: list, embeds, tick: int):
+        """(ids, None) when the device picked the tokens, else (None, host logits)."""
+        model = self.lm.model
+        if embeds is None and self.device_sampling:
+            if all(r.plain_greedy for r, _ in rows):
+                return model.greedy(tok_arr, segs, self.kv), None
+            srows = self._device_rows(rows)
+            if srows is not None:
+                return model.sample(tok_arr, segs, self.kv, srows, tick=tick), None
+        if embeds is not None:
+            return None, model.forward(tok_arr, segs, self.kv, embeds=embeds)
+        return None, model.forward(tok_arr, segs, self.kv)
+
+    def _device_rows(self, rows: list) -> list | None:
+        """The sampler rows for ``model.sample`` (one per logits row), or None when a row
+        needs the host (``cuda_sampling.device_ok``)."""
+        out = []
+        for r, drafts in rows:
+            if not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler, r.sampler_state, self.vocab)):
+                return None
+            out.append((r.sampler, r.sampler_state, ()))
+            out.extend((r.sampler, r.sampler_state, drafts[:i]) for i in range(1, len(drafts) + 1))
+        return out
+
+    def _pick(self, rows: list, ids: np.ndarray | None, logits: np.ndarray | None) -> list[RowResult]:
+        out: list[RowResult] = []
+        off = 0
+        for r, drafts in rows:
+            n = 1 + len(drafts)
+            if ids is not None:  # picked on the device: accept drafts while they equal its pick
+                got = [int(t) for t in ids[off:off + n]]
+                n_ok = 0
+                while n_ok < len(drafts) and got[n_ok] == drafts[n_ok]:
+                    n_ok += 1
+                produced = got[:n_ok + 1]
+                st = r.sampler_state  # mirror what the host chain would have done
+                if r.sampler.temperature > 0.0:
+                    st.step += len(produced)  # one draw per sampled row
+                st.history.extend(produced)
+                last_n = r.sampler.repeat_last_n
+                if last_n > 0 and len(st.history) > 4 * last_n:
+                    del st.history[: len(st.history) - last_n]
+            elif r.state is RequestState.PREFILL:
+                produced = [sample(logits[off], r.sampler, r.sampler_state)]
+            else:
+                produced = verify(logits[off:off + n], drafts, r.sampler, r.sampler_state,
+                                  q=r.drafter.q if drafts else None)
+            fed: list[int] = []
+            if r.state is RequestState.DECODE:
+                fed = [r.next_input] + drafts[:len(produced) - 1]
+                if drafts:
+                    r.drafter.update(len(drafts), len(produced) - 1)
+                    if len(fed) < n:  # roll back the rejected drafts' KV cells
+                        self.kv.clear(r.slot.index, r.pos + len(fed), r.pos + n)
+            out.append(RowResult(r, produced, fed, len(drafts)))
+            off += n
+        return out

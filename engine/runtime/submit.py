@@ -1,0 +1,313 @@
+"""Submission: one message, from its ``SubmitMessage`` to an admitted ``Request``, stage by stage.
+
+Each stage runs once per message, in order:
+
+1. **check** (engine thread): the model is ready, the conversation exists and is not
+   generating, the sampling (the message's own, else the conversation's default) is
+   valid and its speculative mode available.
+2. **media** (a thread of its own, only for a message with attachments): each
+   attachment becomes what the model receives, through the media profile (a
+   transcript, text read by OCR, or a picture's encoder rows and its marker);
+   ``MediaInfo`` tells the client; an attachment that cannot be used is left out with
+   a note, the message is kept. ``MediaReady`` brings the submission back.
+3. **prompt** (engine thread): the chat template over the conversation (or the raw
+   text), pictures at their markers; pictures of earlier turns whose rows are gone
+   (a restart, an eviction) are encoded again from their journaled files first, on a
+   thread, once (then ``MediaReady`` again).
+4. **admission** (``admission.py``): the context; then journal credit for the
+   message's records and its reply (``Journal.reserve``): while the disk is behind,
+   the message is held with a notice and retried from stage 3 when receipts free the
+   buffer; records that could never fit are refused.
+5. **accept**: the records are published, the ``Request`` is made, the client gets
+   ``Accepted``; the engine puts the request in line.
+
+A refusal at any stage is an ``AotxError`` (the engine answers it with an Error) and
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from aotx.engine.errors import Busy, ErrorCode, NotReady, RequestError
+from aotx.engine.ipc import protocol as P
+from aotx.engine.model.chat_template import encode_chat
+from aotx.engine.model.termination import StopChecker
+from aotx.engine.model.tokenizer import StreamDecoder
+from aotx.engine.runtime import admission, media_prompt
+from aotx.engine.runtime.drafter import DraftDrafter
+from aotx.engine.runtime.envelope import Envelope
+from aotx.engine.runtime.events import Inbox, MediaReady
+from aotx.engine.runtime.receipts import Covers
+from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
+from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
+from aotx.engine.runtime.speculative import PromptLookup
+from aotx.media.kinds import MediaKind
+
+# speculative "auto" (the default): prompt lookup on the CPU, where a verify window of a few
+# rows costs little more than one row, drafting only after a match of this many tokens so
+# that free chat (few matches) pays nothing; off on CUDA, where a tick's host time dominates
+# and drafts rarely pay (BENCHMARKS.md, speculative sections)
+AUTO_MIN_NGRAM = 2
+
+
+@dataclass(eq=False)
+class Submission:
+    """A message on its way in. ``text`` is what the model receives for the user's turn
+    (the message's text, with its attachments rendered in after the media stage);
+    ``restored``: earlier pictures were encoded again (done once)."""
+
+    op: P.SubmitMessage
+    sink: Sink
+    sampling: P.SamplingParams
+    text: str
+    restored: bool = False
+    held: bool = False
+    need: int = 0  # journal credit asked when it was held
+    prompt: list[int] = field(default_factory=list)
+
+
+class Submitter:
+    """The stages of ``submit.py`` for one engine.
+
+    lm: the ``LoadedModel``; store: the ``ConversationStore``; envelope: the engine's;
+    inbox: the engine's (media stages post ``MediaReady`` to it); is_busy(conv_id):
+    whether a conversation is generating; device: "cpu" | "cuda"; speculative: the
+    engine's default mode; draft: the ``DraftModel`` or None. ``vision`` and
+    ``images`` are set when pictures go to an encoder."""
+
+    def __init__(self, lm: Any, store: Any, envelope: Envelope, inbox: Inbox, is_busy: Callable[[str], bool], *,
+                 device: str, speculative: str, draft: Any = None):
+        self.lm = lm
+        self.store = store
+        self.envelope = envelope
+        self.inbox = inbox
+        self.is_busy = is_busy
+        self.device = device
+        self.speculative = speculative
+        self.draft = draft
+        self.vision: Any = None
+        self.images: Any = None
+        self.ready = True
+        self.not_ready_reason = ""
+        self.held: list[Submission] = []
+        self._media_busy: set[tuple[int, int]] = set()
+
+    # ---- 1. check ---------------------------------------------------------------------
+
+    def submit(self, op: P.SubmitMessage, sink: Sink, tick: int) -> Request | None:
+        """Stage 1, then media (with attachments) or straight on to the prompt."""
+        sp = self._check(op)
+        sub = Submission(op, sink, sp, op.text)
+        if op.attachments:
+            self._media(sub)
+            return None
+        return self.prompt(sub, tick)
+
+    def _check(self, op: P.SubmitMessage) -> P.SamplingParams:
+        self._ready_and_idle(op.conv_id)
+        conv = self.store.get(op.conv_id)
+        # the conversation keeps its default sampling as a plain dict (a journal record's field)
+        sp = op.sampling or (msgspec.convert(conv.sampling, P.SamplingParams) if conv.sampling else None) \
+            or P.SamplingParams()
+        why = P.sampling_problem(sp)
+        if why:
+            raise RequestError(why)
+        self._mode(sp)
+        return sp
+
+    def _mode(self, sp: P.SamplingParams) -> str:
+        """The speculative mode of a request: its own choice, else the engine's default."""
+        mode = sp.speculative or self.speculative
+        if mode == "draft" and self.draft is None:
+            raise RequestError("speculative mode 'draft' needs a draft model: start the engine with "
+                               "--draft-model PATH (or use ngram or off)")
+        if mode not in P.SPECULATIVE_MODES:
+            raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft or off)")
+        return mode
+
+    # ---- 2. media ---------------------------------------------------------------------
+
+    def _media(self, sub: Submission) -> None:
+        """Attachments -> text through the model's media profile, on a thread."""
+        op, sink = sub.op, sub.sink
+        key = (id(sink), op.id)
+        if key in self._media_busy:
+            return
+        self._media_busy.add(key)
+
+        def work() -> None:
+            results, errors = [], []
+            try:
+                from aotx.media.profile import prepare, render_for_prompt
+            except ImportError as e:
+                for a in op.attachments:
+                    errors.append((a.name or a.path, f"media support is not installed ({e.name}): "
+                                                     "pip install 'aotx[media]'"))
+                sub.text = op.text + "".join(f"\n[Attachment {n} could not be used: {why}]" for n, why in errors)
+            else:
+                for a in op.attachments:
+                    name = a.name or a.path.rsplit("/", 1)[-1]
+                    try:
+                        res = prepare(a.path, a.kind or None, device=self.device, vision=self.vision,
+                                      images=self.images)
+                        results.append(res)
+                        sink.send(P.MediaInfo(id=op.id, kind=res.kind, route=res.route, name=name, text=res.text,
+                                              via=str(res.model or ""), seconds=float(res.seconds or 0.0)))
+                    except Exception as e:  # noqa: BLE001 - MediaError, or a decoder's own failure
+                        errors.append((name, str(e)))
+                        sink.send(P.MediaInfo(id=op.id, kind=a.kind, route="refused", name=name, error=str(e)))
+                sub.text = render_for_prompt(results, op.text, errors)
+            self.inbox.put(MediaReady(sub))
+
+        threading.Thread(target=work, name="aotx-media", daemon=True).start()
+
+    def media_ready(self, sub: Submission, tick: int) -> Request | None:
+        """The media stage is done (attachments rendered, or earlier pictures restored)."""
+        self._media_busy.discard((id(sub.sink), sub.op.id))
+        return self.prompt(sub, tick)
+
+    # ---- 3. prompt ----------------------------------------------------------------------
+
+    def prompt(self, sub: Submission, tick: int) -> Request | None:
+        """Stage 3 (and again for a held message): the prompt ids, then admission."""
+        op = sub.op
+        self._ready_and_idle(op.conv_id)
+        text = sub.text
+        tok = self.lm.tokenizer
+        if op.raw and self.images is not None and media_prompt.MARKER_RE.search(text):
+            prompt = media_prompt.encode_raw_with_images(tok, text, self.images)
+        elif op.raw:
+            prompt = tok.encode(text, add_special=True, parse_special=False)
+        else:
+            history = self.store.chat_messages(op.conv_id)
+            if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
+                if not sub.restored and self._restore_images(sub, history):
+                    return None
+                text, prompt = self._fit_images(sub, history, text)
+            else:
+                prompt = encode_chat(tok, self.lm.template, history + [{"role": "user", "content": text}])
+        admission.check_prompt(len(prompt), self.envelope)
+        sub.prompt = prompt
+        return self._accept(sub, text, tick)
+
+    def _ready_and_idle(self, conv_id: str) -> None:
+        if not self.ready:
+            raise NotReady(f"the model is not ready: {self.not_ready_reason}")
+        if self.is_busy(conv_id):
+            raise Busy(f"conversation {conv_id} is generating; cancel it first")
+        self.store.get(conv_id)
+
+    def _restore_images(self, sub: Submission, history: list[dict]) -> bool:
+        """Earlier turns' pictures whose rows are gone are encoded again from their
+        journaled files on a thread; True when that started (once per submission)."""
+        sub.restored = True
+        missing = media_prompt.missing_keys(history, self.images)
+        if not missing:
+            return False
+        files = [(a.path, a.name) for m in self.store.get(sub.op.conv_id).messages for a in m.attachments
+                 if a.kind == MediaKind.IMAGE and a.path]
+
+        def work() -> None:
+            try:
+                media_prompt.restore(files, missing, self.vision, self.images)
+            finally:
+                self.inbox.put(MediaReady(sub))
+
+        threading.Thread(target=work, name="aotx-media-restore", daemon=True).start()
+        return True
+
+    def _fit_images(self, sub: Submission, history: list[dict], text: str) -> tuple[str, list[int]]:
+        """Prompt ids with image positions; a picture of this message that does not fit
+        the context is left out with a refusal notice, the rest is kept."""
+        def encode(t: str) -> list[int]:
+            return media_prompt.encode_chat_with_images(self.lm.tokenizer, self.lm.template,
+                                                        history + [{"role": "user", "content": t}], self.images)
+
+        def refuse(message: str, asked: int, free: int) -> None:
+            sub.sink.send(admission.refused_notice(sub.op.id, "context", message, asked, free))
+
+        return media_prompt.admit_images(text, encode, self.envelope.context_tokens, self.lm.config.n_ctx_train,
+                                         self.images, refuse)
+
+    # ---- 4, 5. credit and accept ----------------------------------------------------------------
+
+    def _accept(self, sub: Submission, text: str, tick: int) -> Request | None:
+        op, sink, sp, prompt, st = sub.op, sub.sink, sub.sampling, sub.prompt, self.store
+        ctx = self.envelope.context_tokens
+        max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
+        msg_id, reply_id, recs = st.accept_records(op.conv_id, "user", text, sp, op.attachments, raw=op.raw)
+        reply = admission.reply_credit(max_tokens, self.envelope)
+        if st.journaled:
+            need = sum(st.record_bytes(r) for r in recs)
+            if need > st.journal_capacity:
+                raise admission.journal_refusal("this message", need, st.journal_free_bytes(), st.journal_capacity)
+            if not st.reserve(need + reply):
+                sub.need = need + reply
+                if not sub.held:
+                    sub.held = True
+                    sink.send(admission.held_notice(op.id, need + reply, st.journal_free_bytes()))
+                self.held.append(sub)
+                return None
+        seq = st.publish_accepted(recs, tick=tick)
+        seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
+        tok = self.lm.tokenizer
+        r = Request(
+            rid=op.id, sink=sink, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, prompt=prompt,
+            sampler=SamplerConfig.of(sp),
+            sampler_state=SamplerState(seed=seed, history=list(prompt[-max(0, sp.repeat_last_n):])
+                                       if sp.repeat_last_n > 0 else list(prompt)),
+            max_tokens=max_tokens,
+            stop=StopChecker(tok.eog_ids, list(sp.stop), max_tokens, ctx, n_prompt=len(prompt)),
+            decoder=StreamDecoder(tok),
+            accepted_seq=seq,
+            credit=reply if st.journaled else 0,
+            drafter=self._drafter(sp),
+        )
+        if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
+            r.drafter.bind(r)
+        sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
+                             tick=tick, prompt_ids=prompt))
+        if st.journaled:
+            st.receipts.watch(seq, r, Covers.ACCEPTED)
+            st.flush()
+        else:
+            r.state = RequestState.QUEUED
+        return r
+
+    def _drafter(self, sp: P.SamplingParams) -> Drafter | None:
+        """A fresh drafter when speculation is on for this request, else None (T = 1)."""
+        mode = self._mode(sp)
+        if mode == "ngram":
+            return PromptLookup()
+        if mode == "auto":  # where it pays: the CPU, drafting only after a match of 2+ tokens
+            return PromptLookup(min_ngram=AUTO_MIN_NGRAM) if self.device == "cpu" else None
+        if mode == "draft":
+            return DraftDrafter(draft=self.draft)
+        return None  # "off", or "" with an engine default of "off"
+
+    # ---- held messages -------------------------------------------------------------------
+
+    def take_held(self, free: int) -> list[Submission]:
+        """The held messages whose credit now fits in ``free`` journal bytes, to retry
+        from stage 3 (``prompt``) each; the others stay held, in order."""
+        take = [h for h in self.held if h.need <= free]
+        if take:
+            self.held = [h for h in self.held if h.need > free]
+        return take
+
+    def drop(self, sink: Sink) -> None:
+        """A client went away: its held messages go too."""
+        self.held = [h for h in self.held if h.sink is not sink]
+
+    def fail_held(self, reason: str) -> None:
+        """The model failed: every held message gets a not_ready error."""
+        held, self.held = self.held, []
+        for sub in held:
+            sub.sink.send(P.Error(id=sub.op.id, code=ErrorCode.NOT_READY, message=reason))

@@ -1,0 +1,31 @@
+"""Sizes as people write and read them: ``parse_size('1.5G')`` and ``fmt_bytes(1536)``.
+
+A base module (like ``errors`` and ``paths``): every layer may import it, it imports
+nothing of AOTX. Binary units throughout (1 KiB = 1024 bytes).
+"""
+
+from __future__ import annotations
+
+
+def parse_size(text: str) -> int:
+    """'512M', '8G', '1.5GiB', '1000000' -> bytes. Raises ValueError on bad text."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix):
+            mult, t = m, t[:-1]
+            break
+    v = float(t)
+    if v <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(v * mult)
+
+
+def fmt_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'; exact bytes below 1 KiB (negative sizes keep their sign)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"

