@@ -28,7 +28,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_qdot import _features, _ptr, _splat, _splat_value, bits_f32
+from .cpu_qdot import _features, _h2f_bits, _ptr, _splat, _splat_value, bits_f32
 
 _F32 = ir.FloatType()
 _I16, _I32 = ir.IntType(16), ir.IntType(32)
@@ -214,23 +214,6 @@ def axpy(typingctx, nq, e, e_off, e_stride, v, v_off, hd, nt, out, o_off, o_stri
 
 
 # ------------------------------------------------------------------ float16
-
-def _h2f_bits(builder, h16):
-    """<8 x i16> float16 patterns -> <8 x float>, exactly, with integer operations
-    (subnormals renormalised through one exact float subtraction; inf and NaN kept)."""
-    h = builder.zext(h16, _V8I32)
-    sign = builder.shl(builder.and_(h, _splat(_V8I32, 0x8000)), _splat(_V8I32, 16))
-    o = builder.shl(builder.and_(h, _splat(_V8I32, 0x7FFF)), _splat(_V8I32, 13))
-    e = builder.and_(o, _splat(_V8I32, 0x0F800000))
-    o = builder.add(o, _splat(_V8I32, (127 - 15) << 23))
-    is_inf = builder.icmp_unsigned("==", e, _splat(_V8I32, 0x0F800000))
-    o = builder.select(is_inf, builder.add(o, _splat(_V8I32, (128 - 16) << 23)), o)
-    is_sub = builder.icmp_unsigned("==", e, _splat(_V8I32, 0))
-    sub = builder.fsub(builder.bitcast(builder.add(o, _splat(_V8I32, 1 << 23)), _V8F32),
-                       builder.bitcast(_splat(_V8I32, 113 << 23), _V8F32))
-    o = builder.select(is_sub, builder.bitcast(sub, _V8I32), o)
-    return builder.bitcast(builder.or_(o, sign), _V8F32)
-
 
 def _widen(builder, h16, fmt: str):
     """<8 x i16> float16 ("f16") or bfloat16 ("bf16") patterns -> <8 x float>, exact."""

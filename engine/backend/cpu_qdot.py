@@ -266,12 +266,27 @@ _LANE_ARGS = ("kind", "isa", "qs", "w_off", "d", "mn", "d_off", "xq", "x_off", "
               "xs_off", "nb", "k", "acc", "nr")
 
 
+def _h2f_bits(builder, h16):
+    """<8 x i16> float16 patterns -> <8 x float>, exactly, with integer operations
+    (subnormals renormalised through one exact float subtraction; inf and NaN kept)."""
+    h = builder.zext(h16, _V8I32)
+    sign = builder.shl(builder.and_(h, _splat(_V8I32, 0x8000)), _splat(_V8I32, 16))
+    o = builder.shl(builder.and_(h, _splat(_V8I32, 0x7FFF)), _splat(_V8I32, 13))
+    e = builder.and_(o, _splat(_V8I32, 0x0F800000))
+    o = builder.add(o, _splat(_V8I32, (127 - 15) << 23))
+    is_inf = builder.icmp_unsigned("==", e, _splat(_V8I32, 0x0F800000))
+    o = builder.select(is_inf, builder.add(o, _splat(_V8I32, (128 - 16) << 23)), o)
+    is_sub = builder.icmp_unsigned("==", e, _splat(_V8I32, 0))
+    sub = builder.fsub(builder.bitcast(builder.add(o, _splat(_V8I32, 1 << 23)), _V8F32),
+                       builder.bitcast(_splat(_V8I32, 113 << 23), _V8F32))
+    o = builder.select(is_sub, builder.bitcast(sub, _V8I32), o)
+    return builder.bitcast(builder.or_(o, sign), _V8F32)
+
+
 def _widen_f16(builder, h):
     """<8 x i16> float16 bit patterns -> <8 x float>, exact (vcvtph2ps with F16C)."""
     if "f16c" in _features():
         return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _V8F32)
-    from .cpu_fdot import _h2f_bits
-
     return _h2f_bits(builder, h)
 
 
