@@ -132,8 +132,8 @@ def test_readonly_memmap_input_is_not_copied_for_file_layout_types(tmp_path):
 def test_repacked_memory_is_as_documented():
     """Bytes per weight of the integer layouts (cpu_matmul's docstring), against the file."""
     rng = np.random.default_rng(4)
-    for qtype, limit in ((T.Q4_1, 1.0), (T.Q4_0, 1.12), (T.Q4_K, 1.34), (T.Q8_0, 1.0), (T.Q5_0, 1.55),
-                         (T.Q6_K, 1.53)):
+    for qtype, limit in ((T.Q4_1, 1.0), (T.Q4_0, 1.12), (T.Q4_K, 1.34), (T.Q8_0, 1.0), (T.Q5_0, 1.1),
+                         (T.Q5_1, 1.0), (T.Q5_K, 1.28), (T.Q6_K, 1.53)):
         k = _k(qtype, 576)
         raw = make_raw(qtype, 256, k, rng)
         assert QuantMatrix(raw, qtype, 256, k).nbytes <= limit * raw.nbytes + 64, qtype.name

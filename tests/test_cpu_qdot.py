@@ -98,9 +98,9 @@ def emulate(raw: np.ndarray, qtype: T, k: int, x: np.ndarray) -> np.ndarray:
                 acc = main if h == 0 else second
                 acc[...] = fma32(D[None, :, 2 * b + h], u, acc)
             continue
-        off = {"q4": 8, "q8m": 16}.get(kind, 0)
-        if kind == "q4" and qtype == T.Q4_0:            # q = nibble - 8, d nibble + (-8 d)
-            qn, Mb = qw[:, b] + 8, np.float32(-8.0) * D[:, b]
+        off = cpu_qdot.OFFSET.get(kind, 0)
+        if qtype in (T.Q4_0, T.Q5_0):                   # q = u - off, w = d u + (-off d)
+            qn, Mb = qw[:, b] + off, np.float32(-off) * D[:, b]
         else:
             qn, Mb = qw[:, b], (M[:, b] if M is not None else None)
         S = qi[:, b] @ (qn - off).T
@@ -109,7 +109,7 @@ def emulate(raw: np.ndarray, qtype: T, k: int, x: np.ndarray) -> np.ndarray:
         if Mb is not None:
             c = Mb + np.float32(off) * D[:, b]
             second = fma32(c[None, :], sx[:, b, None], second)
-    return main + second if kind in ("q4", "q8m", "q8x2") else main
+    return main + second if kind in ("q4", "q5", "q8x2") else main
 
 
 def extreme(raw: np.ndarray, qtype: T) -> np.ndarray:
@@ -170,7 +170,7 @@ def test_markers_are_checked():
         qm.matmul(np.ones((1, 32), np.float32))
 
 
-@pytest.mark.parametrize("kind,isa", [("q4", "vnni"), ("q8", "avx2"), ("q8m", "vnni"), ("q8x2", "vnni")])
+@pytest.mark.parametrize("kind,isa", [("q4", "vnni"), ("q8", "avx2"), ("q5", "vnni"), ("q8", "vnni"), ("q8x2", "vnni")])
 def test_quantize_x_follows_its_documented_rounding(kind, isa):
     """xq = rint(x * (127 / amax)) (ties to even), dx = amax / 127, sx = the block sum in
     the documented order, xs / xh = -corrections * (sums of xq); float32 throughout."""

@@ -24,18 +24,21 @@ How it computes
                4g + c, high nibble = input 16 + 4g + c; d, c [t, b, 0, r] float32 with
                c = mn + 8 d (w = d q + mn: cpu_qdot's docstring), or d, mn as float16 bits
                (the kernel forms c = mn + 8 d in float32: the same value)
-      kind Q8  (Q8_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4): qs[t, b, g, r, c] int8, g < 8 (input
+      kind Q5  (Q5_0, Q5_1, Q5_K):     as Q4 for the low 4 bits of q in 0..31, with c =
+               mn + 16 d, and qh[t, b, g, L, h] uint32: bit 4 rr + c is the high bit of
+               row 8 L + rr, input 16 h + 4 g + c (1 bit per weight, as the file has it)
+      kind Q8  (Q8_0, IQ4_NL, IQ4_XS, MXFP4): qs[t, b, g, r, c] int8, g < 8 (input
                4g + c); d [t, b, 0, r]
-      kind Q8M (Q5_1, Q5_K):            as Q8 with q in 0..31 and c = mn + 16 d [t, b, 0, r]
       kind Q8X2 (Q6_K):                 as Q8 with d [t, b, h, r], h = 16-input half
   so one 32-byte load holds 4 consecutive bytes of each of 8 rows, what the integer
   instructions need to produce 8 rows' int32 dot products in one register. The weights
   are gguf's exactly: `decompose` gives int8 q and float32 D, M with D * q + M equal,
   bit for bit, to gguf.quants.dequantize (K-quants' D = d * sc is an exact float32
-  product). Scales: the file's float16 for Q4_0, Q4_1, Q8_0, Q5_0, IQ4_NL (F16_SCALES;
-  the kernels widen them exactly with F16C), float32 for the others. Memory per weight:
-  Q4_1 0.625 byte (= the file), Q4_0 0.625 (1.11x), Q4_K 0.75 (1.33x), Q8_0 1.0625 (=),
-  Q5_0 1.0625 (1.55x), IQ4_NL 1.0625 (1.89x), Q5_1 / Q5_K / Q6_K / IQ4_XS / MXFP4 1.125-1.25.
+  product). Scales: the file's float16 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
+  (F16_SCALES; the kernels widen them exactly with F16C), float32 for the others. Memory
+  per weight: Q4_1 0.625 byte (= the file), Q4_0 0.625 (1.11x), Q4_K 0.75 (1.33x), Q5_1
+  0.75 (=), Q5_0 0.75 (1.09x), Q5_K 0.875 (1.27x), Q8_0 1.0625 (=), IQ4_NL 1.0625
+  (1.89x), Q6_K 1.25 (1.52x), IQ4_XS / MXFP4 1.125.
 * Float path (every other type: F32, F16, BF16, Q2_K, Q3_K and any type not listed above;
   and every type when the matrix is built with ``int8=False``): float32 activations times
   weight rows - F32, F16 and BF16 read in place (converted exactly as they are loaded),
@@ -63,16 +66,16 @@ TILE_FLOATS = 1 << 20  # float path: scratch size (float32 elements) of one dequ
 
 KIND_OF: dict[T, str] = {
     T.Q4_0: "q4", T.Q4_1: "q4", T.Q4_K: "q4",
-    T.Q8_0: "q8", T.Q5_0: "q8", T.IQ4_NL: "q8", T.IQ4_XS: "q8", T.MXFP4: "q8",
-    T.Q5_1: "q8m", T.Q5_K: "q8m",
+    T.Q5_0: "q5", T.Q5_1: "q5", T.Q5_K: "q5",
+    T.Q8_0: "q8", T.IQ4_NL: "q8", T.IQ4_XS: "q8", T.MXFP4: "q8",
     T.Q6_K: "q8x2",
 }
 # Q3_K would fit Q8X2 exactly (q in -4..3, a scale per 16) but at 2.9x its file size; it
 # stays in its file layout on the float path, as does Q2_K.
 # Types whose scales the file keeps as float16 and the tiles keep so too (the kernels
 # widen them exactly; Q4_0's mn = -8 d is float16-exact): the bytes per weight of the file.
-F16_SCALES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.IQ4_NL})
-_MARKER = {"q4": cpu_qdot.Q4, "q8": cpu_qdot.Q8, "q8m": cpu_qdot.Q8M, "q8x2": cpu_qdot.Q8X2}
+F16_SCALES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.IQ4_NL})
+_MARKER = {"q4": cpu_qdot.Q4, "q5": cpu_qdot.Q5, "q8": cpu_qdot.Q8, "q8x2": cpu_qdot.Q8X2}
 _CORR = {(kind, int(isa)): tuple(np.int32(v) for v in cpu_qdot.corrections(kind, cpu_qdot.isa_name(isa)))
          for kind in _MARKER for isa in (cpu_qdot.VNNI, cpu_qdot.AVX2, cpu_qdot.PORTABLE)}
 
@@ -200,11 +203,11 @@ class _NotHalf(ValueError):
 
 
 def repack(b: np.ndarray, qtype: T, m: int, k: int, half: bool | None = None
-           ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
-    """Repack uint8 (m, row_bytes) rows of a type in KIND_OF into (kind, qs, d, mn) tiles
-    (module docstring; mn is an empty (0, 0, 1, R) array for kinds without it). Scales are
-    float16 bits (uint16) for the types in F16_SCALES, else float32. Reads the rows in
-    slabs so a memmap is never copied whole."""
+           ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Repack uint8 (m, row_bytes) rows of a type in KIND_OF into (kind, qs, qh, d, mn)
+    tiles (module docstring; qh is an empty (0, 0, 4, 4, 2) array and mn an empty (0, 0,
+    1, R) one for kinds without them). Scales are float16 bits (uint16) for the types in
+    F16_SCALES, else float32. Reads the rows in slabs so a memmap is never copied whole."""
     if half is None:
         try:
             return repack(b, qtype, m, k, qtype in F16_SCALES)
@@ -215,10 +218,12 @@ def repack(b: np.ndarray, qtype: T, m: int, k: int, half: bool | None = None
     m_pad = -(-m // R) * R
     nt = m_pad // R
     G, S = cpu_qdot.GROUPS[kind], cpu_qdot.SCALES[kind]
-    qs = np.empty((nt, nb, G, R, 4), np.uint8 if kind == "q4" else np.int8)
+    nibbles = kind in ("q4", "q5")
+    qs = np.empty((nt, nb, G, R, 4), np.uint8 if nibbles else np.int8)
+    qh = np.empty((nt, nb, 4, R // 8, 2), np.uint32) if kind == "q5" else np.empty((0, 0, 4, R // 8, 2), np.uint32)
     sdt = np.uint16 if half else np.float32
     d = np.empty((nt, nb, S, R), sdt)
-    has_min = kind in ("q4", "q8m")
+    has_min = kind in cpu_qdot.OFFSET
     mn = np.empty((nt, nb, 1, R), sdt) if has_min else np.empty((0, 0, 1, R), sdt)
     slab = 64 * R
     for r0 in range(0, m_pad, slab):
@@ -227,18 +232,36 @@ def repack(b: np.ndarray, qtype: T, m: int, k: int, half: bool | None = None
         t0, t1 = r0 // R, r1 // R
         rows = q.shape[0]
         d[t0:t1] = _scales(_tile(D.reshape(rows, nb, S), r1 - r0), half)
-        if kind == "q4":
-            nib = q.reshape(rows, nb, 32).astype(np.int16)
-            if qtype == T.Q4_0:             # q = nibble - 8; w = d q = d nibble + (-8 d)
-                nib = nib + 8
-                M = np.float32(-8.0) * D
+        if nibbles:
+            u = q.reshape(rows, nb, 32).astype(np.int16)
+            if qtype in (T.Q4_0, T.Q5_0):   # q = u - 8 (or 16); w = d q = d u + (-8 d)
+                off = cpu_qdot.OFFSET[kind]
+                u = u + off
+                M = np.float32(-off) * D
+            nib = u & 15
             qs[t0:t1] = _tile((nib[:, :, :16] | (nib[:, :, 16:] << 4)).astype(np.uint8), r1 - r0)
+            if kind == "q5":
+                qh[t0:t1] = _high_bits((u >> 4).astype(np.uint8), r1 - r0)
         else:
             qs[t0:t1] = _tile(q.reshape(rows, nb, 32), r1 - r0)
         if has_min:                         # the kernels take c = mn + off * d (cpu_qdot)
-            C = M if half else M + np.float32(8.0 if kind == "q4" else 16.0) * D
+            C = M if half else M + np.float32(cpu_qdot.OFFSET[kind]) * D
             mn[t0:t1] = _scales(_tile(C.reshape(rows, nb, 1), r1 - r0), half)
-    return kind, qs, d, mn
+    return kind, qs, qh, d, mn
+
+
+def _high_bits(hb: np.ndarray, m_pad: int) -> np.ndarray:
+    """(m, nb, 32) 0/1 high bits (input order) -> (m_pad/R, nb, 4, R/8, 2) uint32: for
+    group g, 8-row lane group L and half h, bit 4 rr + c = the high bit of row 8 L + rr,
+    input 16 h + 4 g + c (byte 4 rr + c of that group's 32-byte nibble load)."""
+    m = hb.shape[0]
+    if m_pad != m:
+        hb = np.concatenate([hb, np.zeros((m_pad - m,) + hb.shape[1:], hb.dtype)])
+    nb = hb.shape[1]
+    a = hb.reshape(m_pad // R, R // 8, 8, nb, 2, 4, 4)             # t, L, rr, b, h, g, c
+    a = np.ascontiguousarray(a.transpose(0, 3, 5, 1, 4, 2, 6))     # t, b, g, L, h, rr, c
+    return np.packbits(a.reshape(-1, 32), axis=-1, bitorder="little").view(np.uint32).reshape(
+        m_pad // R, nb, 4, R // 8, 2)
 
 
 def _scales(a: np.ndarray, half: bool) -> np.ndarray:
@@ -372,9 +395,9 @@ class QuantMatrix:
         self.kind = KIND_OF.get(qtype) if int8 else None
         self.int8 = self.kind is not None
         if self.kind is not None:
-            self.kind, self._qs, self._d, self._mn = repack(b, qtype, self.m, self.k)
+            self.kind, self._qs, self._qh, self._d, self._mn = repack(b, qtype, self.m, self.k)
             self._marker = _MARKER[self.kind]
-            self.nbytes = self._qs.nbytes + self._d.nbytes + self._mn.nbytes
+            self.nbytes = self._qs.nbytes + self._qh.nbytes + self._d.nbytes + self._mn.nbytes
         else:
             self.nbytes = b.nbytes
 
@@ -406,7 +429,7 @@ class QuantMatrix:
             xq, dx, sx, xs, xh = _act_scratch(n, self.k)
             isa = self.isa
             cs, ch = _CORR[(self.kind, int(isa))]
-            cpu_qdot.matmul(self._marker, isa, self._qs, self._d, self._mn, x, xq, dx, sx, xs, xh, out,
+            cpu_qdot.matmul(self._marker, isa, self._qs, self._qh, self._d, self._mn, x, xq, dx, sx, xs, xh, out,
                             self._n_chunks, cs, ch)
             return out
         if self._direct is not None:

@@ -23,7 +23,8 @@ ggml/src/ggml-cpu/arch/x86/quants.c):
   - Q4: nibbles q in 0..15, scales d, mn (w = d q + mn); S = sum_j (q_j - 8) qx_j,
     c = mn + 8 d:      main = fma(d, u, main);  second = fma(c, sx, second)
   - Q8: int8 q, scale d (w = d q); S = sum_j q_j qx_j:   main = fma(d, u, main)
-  - Q8M: int8 q in 0..31, d, mn; S = sum_j (q_j - 16) qx_j, c = mn + 16 d: as Q4
+  - Q5: q in 0..31 as a nibble and a high bit, d, mn (w = d q + mn); S = sum_j (q_j - 16)
+    qx_j, c = mn + 16 d: as Q4
   - Q8X2: int8 q, a scale per 16 inputs (w = d_h q, h = half), S_h and u_h per half:
                        main = fma(d_0, u_0, main);  second = fma(d_1, u_1, second)
   and out = main + second (Q8: main). fma rounds once (vfmadd; llvm.fma elsewhere).
@@ -33,7 +34,9 @@ relative error ~1e-3..1e-2, the same as llama.cpp's).
 Integer step, per 32-input block, 8 weight rows at a time (one 256-bit register of int32),
 NR = 1, 4 or 8 activation rows sharing each weight load:
 * a 32-byte load holds 4 consecutive bytes of each of 8 rows (Q4: 4 low nibbles = inputs
-  4g..4g+3, 4 high nibbles = inputs 16+4g..16+4g+3; Q8*: inputs 4g..4g+3).
+  4g..4g+3, 4 high nibbles = inputs 16+4g..16+4g+3; Q8*: inputs 4g..4g+3). Q5 adds two
+  32-bit words per load, the high bits of those 64 values, turned into bytes (0 or 16)
+  and or-ed into the nibbles.
 * VNNI: vpdpbusd(acc, u8 weights, s8 activations) adds 4 byte products into each int32
   lane. Q4 nibbles are unsigned already; int8 weights are biased to unsigned (q xor 0x80
   = q + 128) and 128 * (sum of the qx) is subtracted after: exact.
@@ -70,14 +73,15 @@ VNNI = np.uint16(2)      # vpdpbusd (llvm.x86.avx512.vpdpbusd.256: AVX-VNNI or A
 # weight kinds (cpu_matmul.repack builds their tiles)
 Q4 = np.int16(0)
 Q8 = np.int32(0)
-Q8M = np.int64(0)
 Q8X2 = np.uint32(0)
+Q5 = np.uint64(0)
 
 _ISA_NAMES = {types.int8: "portable", types.uint8: "avx2", types.uint16: "vnni"}
-_KIND_NAMES = {types.int16: "q4", types.int32: "q8", types.int64: "q8m", types.uint32: "q8x2"}
+_KIND_NAMES = {types.int16: "q4", types.int32: "q8", types.uint32: "q8x2", types.uint64: "q5"}
 # per kind: bytes of one tile block (groups x 32 rows x 4), scale floats per block and row
-GROUPS = {"q4": 4, "q8": 8, "q8m": 8, "q8x2": 8}
-SCALES = {"q4": 1, "q8": 1, "q8m": 1, "q8x2": 2}
+GROUPS = {"q4": 4, "q8": 8, "q8x2": 8, "q5": 4}
+SCALES = {"q4": 1, "q8": 1, "q8x2": 2, "q5": 1}
+OFFSET = {"q4": 8, "q5": 16}     # the kinds with a minimum: S = sum (q - OFFSET) qx
 
 
 def _features() -> set[str]:
@@ -219,6 +223,50 @@ def _q4_sums(builder, isa: str, wblk, xrows, init, intp):
     return [builder.add(_pairs32(builder, isa, a), c) for a, c in zip(acc, init)]
 
 
+def _bits_to_bytes(builder, word, value: int):
+    """<32 x i8>: byte i = value where bit i of the i32 ``word`` is set, else 0 (llama.cpp's
+    bytes_from_bits_32: broadcast, byte shuffle, bit test)."""
+    v = builder.bitcast(_splat_value(builder, _V8I32, word), _V32I8)
+    v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
+    bit = ir.Constant(_V32I8, [1 << (i % 8) for i in range(32)])
+    on = builder.icmp_unsigned("!=", builder.and_(v, bit), _splat(_V32I8, 0))
+    return builder.select(on, _splat(_V32I8, value), _splat(_V32I8, 0))
+
+
+def _q5_sums(builder, isa: str, wblk, hblk, xrows, init, intp):
+    """As _q4_sums for 5-bit q = nibble | (high bit << 4) in 0..31: hblk is i32* to the
+    block's high-bit words for these 8 rows (group g: words [g * 8], [g * 8 + 1] for the
+    low- and high-nibble inputs; bit i = byte i of the group's 32-byte load). On AVX2 /
+    portable, int16 lanes take two groups at most (4 x 2 x 31 x 127 = 31496 < 32767)."""
+    n = len(xrows)
+    if isa == "vnni":
+        lo_acc, hi_acc = list(init), [_splat(_V8I32, 0)] * n
+    else:
+        acc32 = list(init)
+        acc = [_splat(_V16I16, 0)] * n
+    for g in range(4):
+        wv = _load32(builder, wblk, intp, g)
+        hl = builder.load(builder.gep(hblk, [ir.Constant(intp, 8 * g)]))
+        hh = builder.load(builder.gep(hblk, [ir.Constant(intp, 8 * g + 1)]))
+        lo = builder.or_(builder.and_(wv, _splat(_V32I8, 15)), _bits_to_bytes(builder, hl, 16))
+        hi = builder.or_(builder.lshr(wv, _splat(_V32I8, 4)), _bits_to_bytes(builder, hh, 16))
+        for ii, xr in enumerate(xrows):
+            xa = _bcast4(builder, builder.gep(xr, [ir.Constant(intp, 4 * g)]))
+            xb = _bcast4(builder, builder.gep(xr, [ir.Constant(intp, 16 + 4 * g)]))
+            if isa == "vnni":
+                lo_acc[ii] = _dpbusd(builder, lo_acc[ii], lo, xa)
+                hi_acc[ii] = _dpbusd(builder, hi_acc[ii], hi, xb)
+            else:
+                acc[ii] = builder.add(acc[ii], builder.add(_maddubs(builder, isa, lo, xa),
+                                                           _maddubs(builder, isa, hi, xb)))
+        if isa != "vnni" and g % 2 == 1:
+            acc32 = [builder.add(c32, _pairs32(builder, isa, a)) for c32, a in zip(acc32, acc)]
+            acc = [_splat(_V16I16, 0)] * n
+    if isa == "vnni":
+        return [builder.add(a, b) for a, b in zip(lo_acc, hi_acc)]
+    return acc32
+
+
 def _q8_sums(builder, isa: str, wblk, xrows, init, intp, halves: bool):
     """Exact <8 x i32> per activation row of init + sum_j q_j' qx_j over one int8 block
     (8 groups of 4 bytes), or with ``halves`` a pair (groups 0..3, groups 4..7; init a
@@ -256,14 +304,14 @@ def _q8_sums(builder, isa: str, wblk, xrows, init, intp, halves: bool):
 def corrections(kind: str, isa: str) -> tuple[int, int]:
     """(cs, ch): quantize_x stores xs = -cs * (sum of a block's qx) and xh = -ch * (sum of
     a half's qx), the integer terms the kernel of this kind and isa adds to its block
-    sums (module docstring): Q4 subtracts 8 * sum qx, Q8M 16 * sum qx, and the VNNI path
-    another 128 per unit of bias on int8 weights."""
+    sums (module docstring): Q4 subtracts 8 * sum qx, Q5 16 * sum qx, and the VNNI path
+    128 * sum qx for the bias of int8 weights."""
     vnni = 128 if isa == "vnni" else 0
-    return {"q4": (8, 0), "q8": (vnni, 0), "q8m": (16 + vnni, 0), "q8x2": (0, vnni)}[kind]
+    return {"q4": (8, 0), "q8": (vnni, 0), "q8x2": (0, vnni), "q5": (16, 0)}[kind]
 
 
-_LANE_ARGS = ("kind", "isa", "qs", "w_off", "d", "mn", "d_off", "xq", "x_off", "dx", "sx", "xs", "xh",
-              "xs_off", "nb", "k", "acc", "nr")
+_LANE_ARGS = ("kind", "isa", "qs", "qh", "w_off", "h_off", "d", "mn", "d_off", "xq", "x_off", "dx", "sx", "xs",
+              "xh", "xs_off", "nb", "k", "acc", "nr")
 
 
 def _h2f_bits(builder, h16):
@@ -323,8 +371,9 @@ def _lanes_codegen(context, builder, signature, args):
     wstride = 128 * GROUPS[kind]
     dstride = 32 * SCALES[kind]
     cs, ch = corrections(kind, isa)
-    has_min = kind in ("q4", "q8m")
+    has_min = kind in OFFSET
     w0 = ptr("qs", a["w_off"][1], _I8)
+    h0 = ptr("qh", a["h_off"][1], _I32) if kind == "q5" else None
     half = a["d"][0].dtype == types.uint16          # scales kept as the file's float16 bits
     d0 = ptr("d", a["d_off"][1], _I16 if half else _F32)
     m0 = ptr("mn", a["d_off"][1], _I16 if half else _F32) if has_min else None
@@ -362,6 +411,9 @@ def _lanes_codegen(context, builder, signature, args):
             init = [bcast_i32(xs0, x) if cs else _splat(_V8I32, 0) for x in xi]
             if kind == "q4":
                 sums = _q4_sums(builder, isa, wblk, xrows, init, intp)
+            elif kind == "q5":
+                hblk = builder.gep(h0, [builder.mul(b, c(32))])
+                sums = _q5_sums(builder, isa, wblk, hblk, xrows, init, intp)
             else:
                 sums = _q8_sums(builder, isa, wblk, xrows, init, intp, halves=False)
         bd = builder.mul(b, c(dstride))
@@ -371,8 +423,7 @@ def _lanes_codegen(context, builder, signature, args):
         if has_min:                 # c = mn + off * d: stored, or from float16 d and mn (the same value)
             cv = vload(m0, bd)
             if half:
-                off = 8.0 if kind == "q4" else 16.0
-                cv = builder.fadd(cv, builder.fmul(_splat(_V8F32, off), dv))
+                cv = builder.fadd(cv, builder.fmul(_splat(_V8F32, float(OFFSET[kind])), dv))
         for ii in range(nr):
             f = _splat_value(builder, _V8F32, builder.load(builder.gep(fx0, [xi[ii]])))
             if kind == "q8x2":
@@ -396,14 +447,14 @@ def _lanes_codegen(context, builder, signature, args):
 
 
 @intrinsic(prefer_literal=True)
-def _lanes(typingctx, kind, isa, qs, w_off, d, mn, d_off, xq, x_off, dx, sx, xs, xh, xs_off, nb, k, acc, nr):
+def _lanes(typingctx, kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, x_off, dx, sx, xs, xh, xs_off, nb, k, acc, nr):
     if kind not in _KIND_NAMES:
-        raise TypeError(f"kind marker must be cpu_qdot.Q4/Q8/Q8M/Q8X2, got {kind}")
+        raise TypeError(f"kind marker must be cpu_qdot.Q4/Q5/Q8/Q8X2, got {kind}")
     if isa not in _ISA_NAMES:
         raise TypeError(f"isa marker must be cpu_qdot.VNNI, AVX2 or PORTABLE, got {isa}")
     if not isinstance(nr, types.IntegerLiteral) or nr.literal_value not in (1, 4, 8):
         raise TypeError("nr must be the literal 1, 4 or 8")
-    sig = types.void(kind, isa, qs, w_off, d, mn, d_off, xq, x_off, dx, sx, xs, xh, xs_off, nb, k, acc, nr)
+    sig = types.void(kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, x_off, dx, sx, xs, xh, xs_off, nb, k, acc, nr)
     return sig, _lanes_codegen
 
 
@@ -543,7 +594,7 @@ def _group(n, i):
 
 
 @njit(cache=True, inline="always", error_model="numpy")
-def _tiles(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, t0, t1, acc):
+def _tiles(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, t0, t1, acc):
     """Output tiles t0..t1-1 of gemm (acc: 64 float32 scratch)."""
     nt, nb, G, RR, C = qs.shape
     S = d.shape[2]
@@ -555,16 +606,20 @@ def _tiles(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, t0, t1, acc):
             if r1 <= 0:
                 break
             w_off = (t * nb * G * RR + r0) * C
+            h_off = t * nb * 32 + (r0 // LANES) * 2
             d_off = t * nb * S * RR + r0
             i = 0
             while i < n:
                 nr = _group(n, i)
                 if nr == 8:
-                    _lanes(kind, isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k, acc, 8)
+                    _lanes(kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k,
+                           acc, 8)
                 elif nr == 4:
-                    _lanes(kind, isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k, acc, 4)
+                    _lanes(kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k,
+                           acc, 4)
                 else:
-                    _lanes(kind, isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k, acc, 1)
+                    _lanes(kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k,
+                           acc, 1)
                 for ii in range(nr):
                     for r in range(r1):
                         out[i + ii, t * RR + r0 + r] = acc[ii * LANES + r]
@@ -572,18 +627,18 @@ def _tiles(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, t0, t1, acc):
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def _gemm_parallel(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
+def _gemm_parallel(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
     nt = qs.shape[0]
     per = (nt + n_chunks - 1) // n_chunks
     for c in prange(n_chunks):
         acc = np.empty(8 * LANES, np.float32)
-        _tiles(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, c * per, min(nt, (c + 1) * per), acc)
+        _tiles(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, c * per, min(nt, (c + 1) * per), acc)
 
 
 @njit(cache=True, error_model="numpy")
-def _gemm_serial(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out):
+def _gemm_serial(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out):
     acc = np.empty(8 * LANES, np.float32)
-    _tiles(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, 0, qs.shape[0], acc)
+    _tiles(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, 0, qs.shape[0], acc)
 
 
 # Below this many multiply-adds a matmul runs on the calling thread alone: a parallel
@@ -594,12 +649,13 @@ PARALLEL_MACS = 150_000
 
 
 @njit(cache=True, error_model="numpy")
-def gemm(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
+def gemm(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
     """Weight tiles x int8 activations, out (n, m) float32.
 
-    kind: Q4, Q8, Q8M or Q8X2; isa: VNNI, AVX2 or PORTABLE. qs (T, nb, G, 32, 4) uint8 /
-    int8 tiles, d and mn (T, nb, S, 32) float32 (S scales per block and row; mn unused,
-    any float32 array, for Q8 and Q8X2), xq (n, k) int8, dx / sx (n, nb) float32, xs (n,
+    kind: Q4, Q5, Q8 or Q8X2; isa: VNNI, AVX2 or PORTABLE. qs (T, nb, G, 32, 4) uint8
+    / int8 tiles, qh (T, nb, 4, 4, 2) uint32 high bits (Q5; any uint32 array otherwise),
+    d and mn (T, nb, S, 32) float32 or float16 bits (S scales per block and row; mn
+    unused, any such array, for Q8 and Q8X2), xq (n, k) int8, dx / sx (n, nb) float32, xs (n,
     nb) int32, xh (n, 2 nb) int32 (quantize_x), out (n, m). out[i, t*32 + r] = the sum
     over blocks, in order, of the module docstring's t for that kind. Tiles are split
     over n_chunks parallel jobs when the work is at least PARALLEL_MACS; a tile's
@@ -607,15 +663,15 @@ def gemm(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
     """
     n, m = out.shape
     if n_chunks > 1 and n * m * xq.shape[1] >= PARALLEL_MACS:
-        _gemm_parallel(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, n_chunks)
+        _gemm_parallel(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks)
     else:
-        _gemm_serial(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out)
+        _gemm_serial(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out)
 
 
 @njit(cache=True, error_model="numpy")
-def matmul(kind, isa, qs, d, mn, x, xq, dx, sx, xs, xh, out, n_chunks, cs, ch):
+def matmul(kind, isa, qs, qh, d, mn, x, xq, dx, sx, xs, xh, out, n_chunks, cs, ch):
     """quantize_x then gemm in one call (one numba dispatch per matmul, not two).
     x (n, k) float32; xq, dx, sx, xs, xh scratch as quantize_x fills them (cs, ch =
     corrections(kind, isa)); out (n, m)."""
     quantize_x(x, xq, dx, sx, xs, xh, cs, ch)
-    gemm(kind, isa, qs, d, mn, xq, dx, sx, xs, xh, out, n_chunks)
+    gemm(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks)
