@@ -53,12 +53,24 @@ and whatever else shares its batch (tests/test_cpu_qdot.py re-computes it in num
 
 from __future__ import annotations
 
-import numpy as np
-from llvmlite import binding as llvm_binding
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+import os
+
+# numba's parallel regions run on libgomp's pool, whose threads spin between regions:
+# 300,000 pause loops by default (~10 ms on recent Intel cores). On a machine where
+# another process holds a core, a join then waits for a descheduled thread while the
+# spinning one burns its time slice: decode measured 0.7 tok/s on this workplace's busy
+# 2-core machine, 24 tok/s with OMP_WAIT_POLICY=PASSIVE, 12 with GOMP_SPINCOUNT=2000
+# (~100 us of spinning: enough to keep the pool awake between one decode step's regions).
+# Set before libgomp loads (at numba's first parallel launch); the user's settings win.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
+
+import numpy as np  # noqa: E402
+from llvmlite import binding as llvm_binding  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, prange, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 QB = 32      # inputs per quantization block
 LANES = 8    # weight rows per integer step (one 256-bit register of int32)
