@@ -468,7 +468,7 @@ def bench_engine_path(model=None, device: str = "cpu", sizes=(128, 512, 1024), d
         if "error" in box:
             raise box["error"]
         out["config"] = {"slots": eng.n_slots, "n_ctx": eng.n_ctx, "prefill_chunk": eng.prefill_chunk,
-                         "numerics": getattr(eng, "numerics", "")}
+                         "numerics": getattr(getattr(eng, "executor", eng), "numerics", "")}
         out["model_alone"] = bench_model(lm, sizes=sizes, decode_steps=decode_tokens, repeats=repeats)
     return out
 
