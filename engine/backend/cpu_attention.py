@@ -55,15 +55,13 @@ def _blocks(slots, n):
 
 
 @njit(cache=True, fastmath={"nnan", "ninf", "nsz"}, error_model="numpy")
-def _scale_max(sc, gi, n, scale):
-    """sc[gi, :n] *= scale (each product IEEE-rounded) and return the largest. The flags
-    (no NaN, no inf, no signed zeros) only let the max reduction vectorize: a max is the
-    same in any order, and a signed zero max gives the same exp(s - max)."""
+def _max(a):
+    """The largest element of a 1-D float32 array. The flags (no NaN, no inf, no signed
+    zeros) only let the reduction vectorize: a max is the same in any order, and a
+    signed zero max gives the same exp(s - max) below."""
     mx = np.float32(-3.4e38)
-    for u in range(n):
-        s = sc[gi, u] * scale
-        sc[gi, u] = s
-        mx = max(mx, s)
+    for u in range(a.shape[0]):
+        mx = max(mx, a[u])
     return mx
 
 
@@ -106,9 +104,10 @@ def _rows(q, K, V, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones
                     t += 1
                 gi += 1
         for gi in range(G):
-            mx = _scale_max(sc, gi, n, scale)
+            # max_t fl(scale * dot_t) = fl(scale * max_t dot_t) for scale > 0 (rounding is monotonic)
+            mx = _max(sc[gi, :n]) * scale
             for u in range(n):
-                sc[gi, u] = exp_nonpos(sc[gi, u] - mx)
+                sc[gi, u] = exp_nonpos(sc[gi, u] * scale - mx)
         gi = 0
         while gi < G:
             if gi + 2 <= G:
@@ -202,8 +201,10 @@ def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
     float16 bit patterns (both the same dtype), C-contiguous, already holding this
     batch's K/V; slots, lengths: (N,) int32 - row i reads positions
     [max(0, lengths[i] - window) if window > 0 else 0, lengths[i]) of slot slots[i];
-    scale: the score scale (1/sqrt(hd) usually); out: (N, H, hd) float32, written.
+    scale: the score scale (> 0; 1/sqrt(hd) usually); out: (N, H, hd) float32, written.
     H must be a multiple of KV. Returns out."""
+    if not scale > 0:
+        raise ValueError(f"attention scale must be positive, got {scale}")
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (np.float32, np.uint16):
         raise ValueError(f"KV cache dtype must be float32 or uint16 (float16 bits), got {k_cache.dtype}/{v_cache.dtype}")
     n = q.shape[0]
