@@ -17,8 +17,10 @@ llama.cpp runs on the same file before and after AOTX, through
 ``tests/tools/llamacpp_peer.py`` (a source checkout), and the table gives the ratios.
 
 Timings are wall-clock on this machine: compare ratios against a peer measured
-in the same run, never absolute numbers across machines. A loaded machine (other
-processes on the cores) distorts them: each section also reports CPU seconds per token.
+in the same run (llama.cpp through ``tests/tools/llamacpp_peer.py`` and
+``tests/tools/bench_llamacpp_*.py``), never absolute numbers across machines. A loaded
+machine (other processes on the cores) distorts them: the engine-path section also
+reports CPU seconds per token.
 """
 
 from __future__ import annotations

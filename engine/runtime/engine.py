@@ -382,4 +382,5 @@ class Engine:
             draft_model=self.draft.lm.name if self.draft else "",
             draft_model_path=str(self.draft.lm.path) if self.draft else "",
             stats={k: float(v) for k, v in self.stats.items()},
+            degraded=self.store.hold_reason(), notices=list(self.store.notices),
         )
