@@ -566,6 +566,12 @@ def run_engine_path(args, device: str) -> int:
         f"{n}: {r['cpu_ms_per_token']}" for n, r in a["prefill"].items()) + "; decode " + ", ".join(
         f"{m}: {r['cpu_ms_per_token']} (tick device {r['tick_device_ms']} ms, host {r['tick_host_ms']} ms)"
         for m, r in a["decode"].items()))
+    for key in ("llama_cpp_before", "llama_cpp_after"):
+        if key in res:
+            pr = res[key]
+            print(f"CPU ms per token, llama.cpp ({key[10:]}): prefill " + ", ".join(
+                f"{n}: {v}" for n, v in pr.get("prefill_cpu_ms_per_token", {}).items())
+                + f"; decode {pr.get('decode_cpu_ms_per_token')} ({pr.get('threads')} threads)")
     return 0
 
 
