@@ -26,7 +26,7 @@ def engine_args(args) -> list[str]:
     out: list[str] = []
     for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
                        ("--context", "context"), ("--memory-budget", "memory_budget"),
-                       ("--draft-model", "draft_model"), ("--mmproj", "mmproj")):
+                       ("--draft-model", "draft_model"), ("--mmproj", "mmproj"), ("--kv-type", "kv_type")):
         v = getattr(args, attr, None)
         if v is not None and not (attr == "device" and v == "auto"):
             out += [flag, str(v)]
@@ -105,7 +105,8 @@ async def _run(args) -> int:
         st = await client.status()
         if args.profile:
             print(json.dumps({"stages_s": st.profile, "total_s": round(sum(st.profile.values()), 4),
-                              "model": st.model, "device": st.device}), file=sys.stderr if args.json else sys.stdout)
+                              "model": st.model, "device": st.device, "notes": st.notes}),
+                  file=sys.stderr if args.json else sys.stdout)
         attachments = []
         for a in args.attach:
             p = Path(a).expanduser()

@@ -7,7 +7,7 @@ prefill chunking, the slot, or whether the row is a decode, prefill or verify ro
 
 Property, checked with hypothesis on every tiny file of `tiny_file_names()` (the one
 list: a llama file per tensor type the CPU runs, and every architecture of
-tests/models.TINY where that package exists): several sequences are fed to one KV cache
+tests/models.TINY): several sequences are fed to one KV cache
 through a random schedule - random slots, random chunk lengths (decode rows, verify
 windows, prefill chunks), several sequences per batch in random order, and verify windows
 whose draft tokens are rejected and rolled back (kv.clear) before the true tokens come -
@@ -19,7 +19,6 @@ file, sequences of at most 24 tokens, 2-layer models.
 from __future__ import annotations
 
 import inspect
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -45,18 +44,10 @@ def _llama_types() -> list[T]:
 
 
 def _architectures() -> list[str]:
-    """The names of tests/models.TINY (helper refs' tiny architecture files), when present."""
-    init = ROOT / "models" / "__init__.py"
-    if not init.exists():
-        return []
-    spec = importlib.util.spec_from_file_location("_tiny_models_for_invariance", init,
-                                                  submodule_search_locations=[str(init.parent)])
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-    except Exception:                   # noqa: BLE001 - a package this branch cannot import yet
-        return []
-    return sorted(getattr(mod, "TINY", {}))
+    """The names of tests/models.TINY (every tiny architecture file)."""
+    from tests.models import TINY
+
+    return sorted(TINY)
 
 
 def tiny_file_names() -> list[str]:

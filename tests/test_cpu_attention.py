@@ -33,7 +33,7 @@ def _as_f32(a: np.ndarray) -> np.ndarray:
     return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
 
 
-def reference(q, kc, vc, slots, lengths, scale, window) -> np.ndarray:
+def reference(q, kc, vc, slots, lengths, scale, window, sinks=None) -> np.ndarray:
     kc, vc = _as_f32(kc).astype(np.float64), _as_f32(vc).astype(np.float64)
     out = np.zeros(q.shape)
     G = q.shape[1] // kc.shape[1]
@@ -42,15 +42,20 @@ def reference(q, kc, vc, slots, lengths, scale, window) -> np.ndarray:
         for h in range(q.shape[1]):
             k, v = kc[s, h // G, lo:L], vc[s, h // G, lo:L]
             sc = k @ q[i, h].astype(np.float64) * scale
-            p = np.exp(sc - sc.max())
-            out[i, h] = p @ v / p.sum()
+            if sinks is None:
+                p = np.exp(sc - sc.max())
+                out[i, h] = p @ v / p.sum()
+            else:      # gpt-oss: the sink logit joins the softmax, with no value
+                m = max(sc.max(), float(sinks[h]))
+                p = np.exp(sc - m)
+                out[i, h] = p @ v / (p.sum() + np.exp(float(sinks[h]) - m))
     return out
 
 
-def run(q, kc, vc, slots, lengths, scale=0.17, window=0) -> np.ndarray:
+def run(q, kc, vc, slots, lengths, scale=0.17, window=0, sinks=None) -> np.ndarray:
     out = np.full(q.shape, np.nan, np.float32)
     assert cpu_attention.attention_rows(q, kc, vc, np.asarray(slots, np.int32), np.asarray(lengths, np.int32),
-                                        scale, window, out) is out
+                                        scale, window, out, sinks) is out
     return out
 
 
@@ -106,16 +111,26 @@ def test_every_row_equals_itself_alone(batch, seed):
                                                         window=window))
 
 
-def test_older_entry_points_equal_attention_rows():
-    rng = np.random.default_rng(2)
-    kc, vc = _cache(rng, "f32")
-    q = rng.standard_normal((9, H, HD)).astype(np.float32)
-    rows = run(q, kc, vc, [1] * 9, list(range(31, 40)))
-    np.testing.assert_array_equal(cpu_attention.attention_prefill(q, kc[1], vc[1], 30, 0.17), rows)
-    out = np.empty((2, H, HD), np.float32)
-    cpu_attention.attention_decode(q[3:5], kc, vc, np.array([1, 1], np.int32), np.array([34, 35], np.int32),
-                                   0.17, out)
-    np.testing.assert_array_equal(out, rows[3:5])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_sinks_match_float64_and_stay_row_invariant(dtype):
+    """Attention sinks (gpt-oss): per-head logits in the softmax denominator. Sinks above
+    and below the scores, a decode row and a prefill run; each row equals itself alone."""
+    rng = np.random.default_rng(5)
+    kc, vc = _cache(rng, dtype)
+    sinks = np.array([-3.0, 0.0, 2.5, 8.0, -0.5, 1.0], np.float32)
+    slots = [1] + [0] * 12
+    lengths = [50] + list(range(20, 32))
+    q = rng.standard_normal((len(slots), H, HD)).astype(np.float32)
+    got = run(q, kc, vc, slots, lengths, window=9, sinks=sinks)
+    ref = reference(q, kc, vc, slots, lengths, 0.17, 9, sinks)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-6
+    plain = reference(q, kc, vc, slots, lengths, 0.17, 9)
+    assert np.abs(ref - plain).max() > 1e-2                  # the sinks changed the result
+    for i in (0, 5):
+        np.testing.assert_array_equal(got[i:i + 1], run(q[i:i + 1], kc, vc, slots[i:i + 1], lengths[i:i + 1],
+                                                        window=9, sinks=sinks))
+    with pytest.raises(ValueError, match="sinks has 2 entries"):
+        run(q, kc, vc, slots, lengths, sinks=sinks[:2])
 
 
 def test_store_kv_rounds_float16_to_nearest_even():

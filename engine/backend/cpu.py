@@ -1,17 +1,17 @@
 """The CPU backend: weights kept quantized in memory, numba kernels, numpy BLAS.
 
-Owns: turning GGUF tensors into backend objects (``matrix``, ``vector``) and the
-op entry points the architecture modules call. The kernels live in
-``cpu_matmul.py`` (quantized matmul), ``cpu_attention.py`` (attention over the KV cache)
-and ``cpu_ops.py`` (everything else). Every op computes a row from that row alone, by
-one fixed sequence of operations (batch invariance, shared/DESIGN.md).
+Owns: turning GGUF tensors into backend objects (``matrix``, ``vector``) and compiling
+an ``ops.Program`` (``compile`` -> ``cpu_program.CpuProgram``: prebound kernel calls and
+the CPU KV cache). The kernels live in ``cpu_matmul.py`` (quantized matmul),
+``cpu_attention.py`` (attention over the KV cache) and ``cpu_ops.py`` (everything else).
+Every op computes a row from that row alone, by one fixed sequence of operations (batch
+invariance, shared/DESIGN.md). The interface is /work/coord/IR.md section 6.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from aotx.engine.backend import cpu_attention, cpu_ops
 from aotx.engine.errors import ModelError
 
 
@@ -28,16 +28,18 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, int8_activations: bool = False) -> None:
+        from aotx.engine.backend.quants import SUPPORTED_TYPES
+
         self.int8_activations = bool(int8_activations)
         self.numerics = "cpu-int8" if self.int8_activations else "cpu-f32"
         self.weight_bytes = 0
-        self.rms_norm = cpu_ops.rms_norm
-        self.rope = cpu_ops.rope_inplace
-        self.attention_rows = cpu_attention.attention_rows
-        self.attention_decode = cpu_attention.attention_decode
-        self.attention_prefill = cpu_attention.attention_prefill
-        self.silu_mul = cpu_ops.silu_mul
-        self.add = cpu_ops.add_inplace
+        self.supported_types = SUPPORTED_TYPES
+
+    def compile(self, program):
+        """The CPU executor of ``program`` (an ops.Program): see cpu_program.py."""
+        from aotx.engine.backend.cpu_program import CpuProgram
+
+        return CpuProgram(program)
 
     def matrix(self, t):
         """A 2-D GGUF tensor (ggml shape ``[k, m]``) as a QuantMatrix of shape (m, k)."""

@@ -1,10 +1,9 @@
 """Attention over the KV cache on the CPU: one kernel for every row.
 
 Owns: `attention_rows` (decode, speculative verify and prefill rows alike, a sliding
-window, float32 or float16 KV) and the thin wrappers older model code calls
-(`attention_decode`, `attention_prefill`); `store_kv`, which writes K/V rows into either
-cache dtype. Leaves to others: the cache's allocation and layout choice (engine/model),
-RoPE and the projections (cpu_ops.py, cpu_matmul.py).
+window, float32 or float16 KV, optional per-head attention sinks); `store_kv`, which
+writes K/V rows into either cache dtype. Leaves to others: the cache's allocation and
+layout (cpu_program.py), RoPE and the projections (cpu_ops.py, cpu_matmul.py).
 
 KV cache layout, per layer: (n_slots, n_kv_heads, n_ctx, head_dim), float32, or float16
 kept as its uint16 bit patterns (numba has no float16): one slot's one head is a
@@ -18,6 +17,8 @@ h // (H // KV), Ainslie et al. 2023), in this order:
     s_t = dots(q_h, k_t) * scale           for t in [lo, L)   (cpu_fdot's fixed order)
     m = max_t s_t;   e_t = exp_nonpos(s_t - m)                (cpu_fdot's exp)
     den = dots(e, ones)                    (8 lanes by (t - lo) mod 8, then the tree)
+    with a sink logit z_h (gpt-oss): m = max(max_t s_t, z_h), den += exp_nonpos(z_h - m)
+    after the sum (the sink takes probability mass and adds no value)
     o = axpy: sum over t, in increasing order, of e_t * v_t   (one fma per term)
     out = o * (1 / den)
 float16 K/V are converted to float32 exactly (F16C's vcvtph2ps) before any arithmetic.
@@ -66,10 +67,11 @@ def _max(a):
 
 
 @njit(cache=True, error_model="numpy")
-def _rows(q, K, V, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den):
+def _rows(q, K, V, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks, has_sinks):
     """Rows r0..r1-1, KV head g, over K / V (flat float32 arrays): position t of this slot
     and head at element base + (t - t0) * hd. sc: (G, span) scores scratch, ones: span
-    ones, o: (G, hd) accumulators, den: (1,) scratch."""
+    ones, o: (G, hd) accumulators, den: (1 + G,) scratch (the sum, each head's max); sinks: (H,) sink logits, read when
+    has_sinks."""
     N, H, hd = q.shape
     span = sc.shape[1]
     for r in range(r0, r1):
@@ -106,6 +108,9 @@ def _rows(q, K, V, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones
         for gi in range(G):
             # max_t fl(scale * dot_t) = fl(scale * max_t dot_t) for scale > 0 (rounding is monotonic)
             mx = _max(sc[gi, :n]) * scale
+            if has_sinks:
+                mx = max(mx, sinks[g * G + gi])
+                den[1 + gi] = mx
             for u in range(n):
                 sc[gi, u] = exp_nonpos(sc[gi, u] * scale - mx)
         gi = 0
@@ -118,7 +123,10 @@ def _rows(q, K, V, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones
                 gi += 1
         for gi in range(G):
             dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
-            inv = np.float32(1.0) / den[0]
+            d_sum = den[0]
+            if has_sinks:
+                d_sum += exp_nonpos(sinks[g * G + gi] - den[1 + gi])
+            inv = np.float32(1.0) / d_sum
             h = g * G + gi
             for d in range(hd):
                 out[r, h, d] = o[gi, d] * inv
@@ -145,7 +153,8 @@ def _job(p, starts, slots, lengths, KV, window, n_ctx):
 
 
 @njit(cache=True, inline="always", error_model="numpy")
-def _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half):
+def _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half, sinks,
+             has_sinks):
     """Job p: a block of rows of one slot against one KV head (float16 caches: its K/V
     range converted to float32 first, exactly)."""
     N, H, hd = q.shape
@@ -154,38 +163,42 @@ def _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, ou
     sc = np.empty((G, max(span, 1)), np.float32)
     ones = np.ones(max(span, 1), np.float32)
     o = np.empty((G, hd), np.float32)
-    den = np.empty(1, np.float32)
+    den = np.empty(1 + G, np.float32)
     head0 = ((s * KV + g) * n_ctx + lo_min) * hd
     if half:
         kf = np.empty(max(span, 1) * hd, np.float32)
         vf = np.empty(max(span, 1) * hd, np.float32)
         h2f(mode, kflat, head0, kf, 0, span * hd)
         h2f(mode, vflat, head0, vf, 0, span * hd)
-        _rows(q, kf, vf, 0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den)
+        _rows(q, kf, vf, 0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks,
+              has_sinks)
     else:
-        _rows(q, kflat, vflat, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den)
+        _rows(q, kflat, vflat, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks,
+              has_sinks)
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def _attention_parallel(mode, q, kc, vc, slots, lengths, scale, window, out, half):
+def _attention_parallel(mode, q, kc, vc, slots, lengths, scale, window, out, half, sinks, has_sinks):
     """attention_rows' kernel, jobs over the threads (half: the cache holds float16 bits)."""
     n_slots, KV, n_ctx, _ = kc.shape
     starts = _blocks(slots, q.shape[0])
     kflat = kc.reshape(-1)
     vflat = vc.reshape(-1)
     for p in prange((starts.shape[0] - 1) * KV):
-        _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half)
+        _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half, sinks,
+                 has_sinks)
 
 
 @njit(cache=True, error_model="numpy")
-def _attention_serial(mode, q, kc, vc, slots, lengths, scale, window, out, half):
+def _attention_serial(mode, q, kc, vc, slots, lengths, scale, window, out, half, sinks, has_sinks):
     """attention_rows' kernel on the calling thread (the same jobs, in order)."""
     n_slots, KV, n_ctx, _ = kc.shape
     starts = _blocks(slots, q.shape[0])
     kflat = kc.reshape(-1)
     vflat = vc.reshape(-1)
     for p in range((starts.shape[0] - 1) * KV):
-        _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half)
+        _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half, sinks,
+                 has_sinks)
 
 
 # Below this many multiply-adds attention runs on the calling thread (decode at short
@@ -193,20 +206,31 @@ def _attention_serial(mode, q, kc, vc, slots, lengths, scale, window, out, half)
 PARALLEL_MACS = 500_000
 
 
+_NO_SINKS = np.zeros(1, np.float32)
+
+
 def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
-                   lengths: np.ndarray, scale: float, window: int, out: np.ndarray) -> np.ndarray:
+                   lengths: np.ndarray, scale: float, window: int, out: np.ndarray,
+                   sinks: np.ndarray | None = None) -> np.ndarray:
     """Every row attends to its slot's cached positions (the module docstring's order).
 
     q: (N, H, hd) float32; k_cache, v_cache: (n_slots, KV, n_ctx, hd) float32, or uint16
     float16 bit patterns (both the same dtype), C-contiguous, already holding this
     batch's K/V; slots, lengths: (N,) int32 - row i reads positions
     [max(0, lengths[i] - window) if window > 0 else 0, lengths[i]) of slot slots[i];
-    scale: the score scale (> 0; 1/sqrt(hd) usually); out: (N, H, hd) float32, written.
-    H must be a multiple of KV. Returns out."""
+    scale: the score scale (> 0; 1/sqrt(hd) usually); out: (N, H, hd) float32, written;
+    sinks: None, or (H,) float32 attention-sink logits (gpt-oss; not scaled): head h's
+    softmax denominator also holds exp(sinks[h] - m), m the max over the scores and the
+    sink. H must be a multiple of KV. Returns out."""
     if not scale > 0:
         raise ValueError(f"attention scale must be positive, got {scale}")
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (np.float32, np.uint16):
         raise ValueError(f"KV cache dtype must be float32 or uint16 (float16 bits), got {k_cache.dtype}/{v_cache.dtype}")
+    has_sinks = sinks is not None
+    if has_sinks:
+        sinks = np.ascontiguousarray(sinks, np.float32).reshape(-1)
+        if sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"sinks has {sinks.shape[0]} entries for {q.shape[1]} heads")
     n = q.shape[0]
     if n:
         lengths = np.ascontiguousarray(lengths, np.int32)
@@ -214,24 +238,7 @@ def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
         run = _attention_parallel if keys * q.shape[1] * q.shape[2] * 2 >= PARALLEL_MACS else _attention_serial
         run(cpu_fdot.HOST_F16, np.ascontiguousarray(q, np.float32), k_cache, v_cache,
             np.ascontiguousarray(slots, np.int32), lengths, np.float32(scale), int(window), out,
-            k_cache.dtype == np.uint16)
-    return out
-
-
-def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
-                     lengths: np.ndarray, scale: float, out: np.ndarray) -> None:
-    """attention_rows without a window (older callers: one query row per slot)."""
-    attention_rows(q, k_cache, v_cache, slots, lengths, scale, 0, out)
-
-
-def attention_prefill(q: np.ndarray, k_slot: np.ndarray, v_slot: np.ndarray, pos0: int, scale: float) -> np.ndarray:
-    """Causal attention of n query rows at positions pos0..pos0+n-1 over one slot's cache
-    (k_slot, v_slot: (KV, n_ctx, hd) views, already holding the new rows); returns
-    (n, H, hd) float32: attention_rows with lengths pos0+1 .. pos0+n, bit for bit."""
-    n = q.shape[0]
-    out = np.empty(q.shape, np.float32)
-    attention_rows(q, np.ascontiguousarray(k_slot)[None], np.ascontiguousarray(v_slot)[None],
-                   np.zeros(n, np.int32), np.arange(pos0 + 1, pos0 + n + 1, dtype=np.int32), scale, 0, out)
+            k_cache.dtype == np.uint16, sinks if has_sinks else _NO_SINKS, has_sinks)
     return out
 
 

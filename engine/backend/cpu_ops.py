@@ -1,9 +1,17 @@
-"""The CPU op set besides matmul and attention: RMSNorm, RoPE, SwiGLU, residual adds.
+"""The CPU op set besides matmul and attention: norms, RoPE (both modes), activations, adds.
 
 Owns: numba kernels (compiled once, cached on disk). Leaves the quantized matmul to
-``cpu_matmul.py``, attention over the KV cache to ``cpu_attention.py`` and the order of
-ops to the architecture module. Every kernel here computes a row from that row alone
+``cpu_matmul.py``, attention over the KV cache (and storing K/V into it) to
+``cpu_attention.py``, the order of ops to the architecture module and the program
+executor (``cpu_program.py``). Every kernel here computes a row from that row alone
 (one compiled loop per row, whatever the number of rows): batch-invariant.
+
+Each kernel is compiled for ONE array layout (any strides, numba's "A"), given as an
+explicit signature: numba would otherwise compile a second version for C-contiguous
+arguments, and a one-row column block of a fused matrix IS C-contiguous while the same
+block of two rows is not - the two versions vectorize differently (exp, tanh, fused
+multiply-adds), so a row's numbers would depend on how many rows came with it (issue 16:
+phi3's fused gate/up rows differed in the last bits between a 1-row and a 2-row batch).
 """
 
 from __future__ import annotations
@@ -13,8 +21,16 @@ import math
 import numba as nb
 import numpy as np
 
+_F2 = "float32[:, :]"
+_F3 = "float32[:, :, :]"
+_SIG_RMS = [f"void({_F2}, float32[:], float64, {_F2})"]
+_SIG_HEAD_RMS = [f"void({_F3}, float32[:], float64)"]
+_SIG_ROPE = [f"void({_F3}, {ix}[:], {_F2}, {_F2})" for ix in ("int32", "int64")]
+_SIG_GLU = [f"void({_F2}, {_F2}, {_F2})"]
+_SIG_ADD = [f"void({_F2}, {_F2})"]
 
-@nb.njit(cache=True, fastmath=True, error_model="numpy")
+
+@nb.njit(_SIG_RMS, cache=True, fastmath=True, error_model="numpy")
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out[i] = x[i] / sqrt(mean(x[i]**2) + eps) * w.  x, out: (n, d) float32; w: (d,) float32.
 
@@ -33,14 +49,33 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
             out[i, j] = x[i, j] * scale * w[j]
 
 
-@nb.njit(cache=True, fastmath=True, error_model="numpy")
-def rope_inplace(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-    """Rotate adjacent pairs (x[2j], x[2j+1]) of every head by angle pos * theta_j.
+@nb.njit(_SIG_HEAD_RMS, cache=True, fastmath=True, error_model="numpy")
+def head_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> None:
+    """In place: every head vector x[i, h] (length hd) becomes x / sqrt(mean(x**2) + eps) * w.
 
-    x: (n, n_heads, head_dim) float32, modified in place; positions: (n,) int32;
-    cos, sin: (n_ctx, rope_dim // 2) float32 tables from ``rope_tables``. Only the
-    first rope_dim dimensions rotate. Source: Su et al. 2021 (RoFormer), in ggml's
-    "normal" mode (GGML_ROPE_TYPE_NORM) that llama-architecture GGUFs use.
+    x: (n, n_heads, hd) float32, may be a strided view (a column block of a fused QKV
+    output); w: (hd,) float32, shared by the heads (QK-norm: Qwen3, Gemma 3)."""
+    n, H, hd = x.shape
+    for i in range(n):
+        for h in range(H):
+            s = 0.0
+            for j in range(hd):
+                v = np.float64(x[i, h, j])
+                s += v * v
+            ms = s / hd + eps
+            scale = np.float32(1.0 / math.sqrt(ms)) if ms > 0.0 else np.float32(0.0)
+            for j in range(hd):
+                x[i, h, j] = x[i, h, j] * scale * w[j]
+
+
+@nb.njit(_SIG_ROPE, cache=True, fastmath=True, error_model="numpy")
+def rope_inplace(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate adjacent pairs (x[2j], x[2j+1]) of every head by the table angle of row i's position.
+
+    x: (n, n_heads, head_dim) float32, modified in place (may be a strided view);
+    positions: (n,) int32; cos, sin: (n_ctx, rope_dim // 2) float32 from
+    ``ops.RopeSpec.tables``. Only the first rope_dim dimensions rotate. Source: Su et al.
+    2021 (RoFormer), in ggml's "normal" mode (GGML_ROPE_TYPE_NORM) that llama GGUFs use.
     """
     n, h, _ = x.shape
     half = cos.shape[1]
@@ -56,19 +91,28 @@ def rope_inplace(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.
                 x[i, hh, 2 * j + 1] = a * s + b * c
 
 
-def rope_tables(n_ctx: int, rope_dim: int, base: float, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin tables, each (n_ctx, rope_dim // 2) float32: angle = (pos / scale) * base**(-2j/rope_dim).
+@nb.njit(_SIG_ROPE, cache=True, fastmath=True, error_model="numpy")
+def rope_neox_inplace(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate the pairs (x[j], x[j + rope_dim/2]) of every head (GGML_ROPE_TYPE_NEOX: the
+    GPT-NeoX layout that Qwen, Gemma and Phi-3 GGUFs use). Same arguments as rope_inplace."""
+    n, h, _ = x.shape
+    half = cos.shape[1]
+    for i in range(n):
+        p = positions[i]
+        for hh in range(h):
+            for j in range(half):
+                c = cos[p, j]
+                s = sin[p, j]
+                a = x[i, hh, j]
+                b = x[i, hh, j + half]
+                x[i, hh, j] = a * c - b * s
+                x[i, hh, j + half] = a * s + b * c
 
-    Computed in float64 then rounded, as llama.cpp's ggml_rope computes theta in float."""
-    j = np.arange(rope_dim // 2, dtype=np.float64)
-    inv = base ** (-2.0 * j / rope_dim)
-    ang = (np.arange(n_ctx, dtype=np.float64)[:, None] / scale) * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
-
-@nb.njit(cache=True, fastmath=True, error_model="numpy")
+@nb.njit(_SIG_GLU, cache=True, fastmath=True, error_model="numpy")
 def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
-    """SwiGLU: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). All (n, f) float32.
+    """SwiGLU: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). All (n, f) float32
+    (gate and up may be strided views; out may be gate).
 
     Source: Shazeer 2020, "GLU Variants Improve Transformer"."""
     n, f = gate.shape
@@ -78,10 +122,27 @@ def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
             out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
 
 
-@nb.njit(cache=True, fastmath=True, error_model="numpy")
+@nb.njit(_SIG_GLU, cache=True, fastmath=True, error_model="numpy")
+def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """GeGLU with the tanh approximation of GELU: out = 0.5 g (1 + tanh(sqrt(2/pi) (g +
+    0.044715 g^3))) * up. All (n, f) float32 (out may be gate).
+
+    Source: Hendrycks & Gimpel 2016 (GELU, tanh form), Shazeer 2020 (GeGLU); ggml's
+    ggml_gelu_f32 uses the same constants (its CPU path reads a float16 table instead)."""
+    n, f = gate.shape
+    c = np.float32(0.7978845608028654)
+    a3 = np.float32(0.044715)
+    for i in range(n):
+        for j in range(f):
+            g = gate[i, j]
+            out[i, j] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + a3 * g * g * g))) * up[i, j]
+
+
+@nb.njit(_SIG_ADD, cache=True, fastmath=True, error_model="numpy")
 def add_inplace(x: np.ndarray, y: np.ndarray) -> None:
     """x += y for (n, d) float32 (the residual add, without a temporary)."""
     n, d = x.shape
     for i in range(n):
         for j in range(d):
             x[i, j] += y[i, j]
+

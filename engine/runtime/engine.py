@@ -58,7 +58,8 @@ class Engine:
     lm: a ``loader.LoadedModel``; store: a ``store.ConversationStore`` (journaled or
     in-memory; its inbox is the engine's); n_slots, n_ctx: slot count and tokens of
     context per slot; prefill_chunk: most prompt tokens prefilled per tick (others keep
-    decoding); budget: admission's start-up ``Budget`` (for status); speculative: the
+    decoding); budget: admission's start-up ``Budget`` (for status); kv_type: the KV
+    cache's element type, "f16" (default) or "f32"; speculative: the
     default drafter (auto | ngram | draft | off); draft_lm: a draft model's
     ``LoadedModel`` (same vocabulary; its own slots and KV: ``drafter.DraftModel``).
     ``vision`` (a ``media.vision.VisionEncoder``) and ``images`` (a
@@ -67,7 +68,7 @@ class Engine:
 
     def __init__(self, lm: Any, store: Any, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
                  budget: Budget | None = None, device: str = "cpu", capsules: Any = None, speculative: str = "off",
-                 draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN):
+                 draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN, kv_type: str = "f16"):
         self.lm = lm
         self.store = store
         self.n_slots = n_slots
@@ -78,7 +79,7 @@ class Engine:
         self.capsules = capsules  # state.cache.CapsuleCache or None
         self.speculative = speculative
         self.envelope = Envelope.of(lm.config, n_slots, n_ctx, prefill_chunk, store.journal_capacity)
-        self.kv = lm.model.new_kv_cache(n_slots, n_ctx)
+        self.kv = lm.model.new_kv_cache(n_slots, n_ctx, kv_type)
         self.draft = DraftModel(draft_lm, n_slots, n_ctx, p_min=draft_p_min) if draft_lm is not None else None
         self.slots = SlotTable(n_slots)
         self.tick = 0
@@ -377,6 +378,7 @@ class Engine:
             budget=[P.BudgetLine(name=n, bytes=v) for n, v in (b.terms if b else ())],
             slots=slots, n_ctx=self.n_ctx, queue=sum(1 for r in self._waiting if r.state is RequestState.QUEUED),
             tick=self.tick, journal=self.store.journal_status(), profile=dict(self.lm.profile),
+            notes=dict(getattr(self.lm, "notes", {})),
             capsules=self.capsules.usage() if self.capsules is not None else {},
             fingerprint=self.lm.fingerprint, model_path=str(self.lm.path),
             draft_model=self.draft.lm.name if self.draft else "",
