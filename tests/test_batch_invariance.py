@@ -7,7 +7,7 @@ prefill chunking, the slot, or whether the row is a decode, prefill or verify ro
 
 Property, checked with hypothesis on every tiny file of `tiny_file_names()` (the one
 list: a llama file per tensor type the CPU runs, and every architecture of
-tests/models.TINY): several sequences are fed to one KV cache
+tests/models.TINY and .MOE): several sequences are fed to one KV cache
 through a random schedule - random slots, random chunk lengths (decode rows, verify
 windows, prefill chunks), several sequences per batch in random order, and verify windows
 whose draft tokens are rejected and rolled back (kv.clear) before the true tokens come -
@@ -44,10 +44,11 @@ def _llama_types() -> list[T]:
 
 
 def _architectures() -> list[str]:
-    """The names of tests/models.TINY (every tiny architecture file)."""
-    from tests.models import TINY
+    """The names of tests/models.TINY (every tiny architecture file) and tests/models.MOE
+    (the tiny mixture-of-experts files)."""
+    import tests.models as models
 
-    return sorted(TINY)
+    return sorted(models.TINY) + sorted(getattr(models, "MOE", {}))
 
 
 def tiny_file_names() -> list[str]:

@@ -45,7 +45,7 @@ NEAR_TIE = 0.05
 def _build(path, device: str):
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
-    from aotx.engine.model.transformer import build
+    from aotx.engine.model.architectures import build
 
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))

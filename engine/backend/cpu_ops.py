@@ -145,4 +145,3 @@ def add_inplace(x: np.ndarray, y: np.ndarray) -> None:
     for i in range(n):
         for j in range(d):
             x[i, j] += y[i, j]
-

@@ -170,6 +170,15 @@ class CpuProgram:
         if len(kv_shapes) > 1:
             raise ValueError(f"layers with different KV shapes {sorted(kv_shapes)} are not supported")
         self._plan_buffers()
+        self.moe_nodes = program.moe_nodes()
+        # moe layer -> the last forward's (n, k) expert ids and (n,) routing margins
+        self.last_routing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.expert_pool = None
+        self.traffic = [np.zeros(n.attrs["n_expert"], np.int64) for n in self.moe_nodes]
+        if self.moe_nodes:
+            from aotx.engine.backend.cpu_moe import ExpertPool
+
+            self.expert_pool = ExpertPool.shared()
         self._steps: list[Callable[[list, _Batch, CpuKVCache], None]] = [self._compile(i, n)
                                                                           for i, n in enumerate(program.nodes)]
 
@@ -194,6 +203,25 @@ class CpuProgram:
         for step in self._steps:
             step(env, bt, kv)
         return env[self.program.output.id]
+
+    # ---- expert tiers (issue 22; cpu_moe.py, engine/model/experts.py) ----------------
+
+    def measure_experts(self, layer: int, rows: tuple[int, ...]) -> dict:
+        """Calibration: seconds of one expert of moe layer ``layer`` on n rows, CPU tier."""
+        from aotx.engine.backend import cpu_moe
+
+        return cpu_moe.measure(self.moe_nodes[layer].attrs, rows, self.expert_pool)
+
+    def place_experts(self, plan) -> dict:
+        """Apply an expert-tier plan (every expert "host" or "mmap" here)."""
+        from aotx.engine.backend import cpu_moe
+
+        return cpu_moe.place(self.moe_nodes, plan, self.expert_pool)
+
+    def expert_stats(self) -> dict:
+        """Traffic: rows routed to each expert of each moe layer since load, and the pool's
+        counters."""
+        return {"traffic": [t.tolist() for t in self.traffic], "pool": self.expert_pool.stats()}
 
     # ---- buffer planning -----------------------------------------------------------
 
@@ -444,6 +472,50 @@ class CpuProgram:
             np.multiply(env[xi], np.float32(1.0) / cap, out=y)
             np.tanh(y, out=y)
             y *= cap
+            env[oi] = y
+        return run
+
+    def _c_moe(self, i, node):
+        """Router, top-k, the experts on the rows routed to them (the CPU expert pool), the
+        join in selection order, the shared expert (cpu_moe.py)."""
+        from aotx.engine.backend import cpu_moe
+
+        a = node.attrs
+        router, rbias, k = a["router"], a["router_bias"], a["n_used"]
+        gating, norm_w, w_scale = a["gating"], a["norm_w"], a["w_scale"]
+        shared, sgate = a["shared"], a["shared_gate"]
+        xi, oi, s, d = node.inputs[0].id, node.out.id, self._slot(node.out), node.out.width
+        view = self._view[xi]
+        pool = self.expert_pool
+        attrs = dict(a)
+        traffic = self.traffic[a["moe_layer"]]
+
+        def mm(W, x, bt):
+            return W.matmul(x, np.empty((x.shape[0], W.m), np.float32))   # row-invariant for every n
+
+        def run(env, bt, kv):
+            x = env[xi]
+            if view:
+                x = np.ascontiguousarray(x)
+            n = x.shape[0]
+            logits = mm(router, x, bt)
+            if rbias is not None:
+                logits += rbias
+            sel, w, margin = cpu_moe.route(logits, k, gating, norm_w, w_scale)
+            self.last_routing[attrs["moe_layer"]] = (sel, margin)
+            traffic[:] += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
+            Y = np.empty((n, k, d), np.float32)
+            # every matmul is row-invariant for every n: no rows need a separate kernel
+            pool.compute(attrs, x, sel, Y, cpu_moe.groups(sel), None, True)
+            y = bt.views[s] if s >= 0 else np.empty((n, d), np.float32)
+            cpu_moe.join(Y, w, y)
+            if shared is not None:
+                g = mm(shared[0], x, bt)
+                cpu_moe.silu_mul(g, mm(shared[1], x, bt), g)
+                h = mm(shared[2], g, bt)
+                if sgate is not None:
+                    h *= 1.0 / (1.0 + np.exp(-mm(sgate, x, bt)))
+                y += h
             env[oi] = y
         return run
 

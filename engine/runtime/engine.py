@@ -46,6 +46,7 @@ from aotx.engine.runtime.requests import Request, RequestState, Sink
 from aotx.engine.runtime.scheduler import plan_leases, plan_tick
 from aotx.engine.runtime.slots import SlotTable
 from aotx.engine.runtime.submit import Submitter
+from aotx.engine.units import fmt_bytes
 
 log = logging.getLogger("aotx.engine")
 
@@ -92,6 +93,7 @@ class Engine:
         self.commit = Commit(store, self.slots, self.executor.numerics)
         self.submitter = Submitter(lm, store, self.envelope, self._inbox, self._is_busy, device=device,
                                    speculative=speculative, draft=self.draft)
+        self.submitter.count_media = self.count_media
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -157,7 +159,7 @@ class Engine:
         self._inbox.put(ClientOp(op, sink))
 
     def post_disconnect(self, sink: Sink) -> None:
-        """The client behind ``sink`` went away: cancel its generations within one tick."""
+        """The client behind ``sink`` went away: its accepted replies finish (``_on_disconnect``)."""
         self._inbox.put(Disconnected(sink))
 
     def _has_work(self) -> bool:
@@ -231,9 +233,10 @@ class Engine:
             log.warning("capsule of %s not journaled: %s", ev.conv_id, e)
 
     def _on_disconnect(self, ev: Disconnected) -> None:
-        for r in list(self._by_rid.values()):
-            if r.sink is ev.sink:
-                self._cancel(r)
+        """A client went away (closed, or killed mid-reply). Its accepted messages are
+        the user's: their replies run to the end here and are journaled, so the reply is
+        there when the user comes back (nobody cancelled it: issue 17, defect 6); events
+        for the closed connection are dropped. Work not yet accepted is dropped."""
         self.submitter.drop(ev.sink)
 
     # ---- client operations ---------------------------------------------------------------
@@ -365,6 +368,23 @@ class Engine:
             r.sink.send(P.Error(id=r.rid, code=ErrorCode.NOT_READY, message=reason))
             self._finish(r, "error")
         self.submitter.fail_held(reason)
+
+    # ---- media loaded when first needed ----------------------------------------------------
+
+    def count_media(self, name: str, nbytes: int) -> str:
+        """Admit a media specialist (``name``, e.g. "media: whisper-base") into the budget
+        the first time an attachment needs it: "" when it fits (the budget now counts it,
+        ``aotx status`` shows it), else why not. A text-only chat never counts it (issue 17,
+        defect 8: the specialists took 1.1 GiB of the budget before any audio or picture)."""
+        b = self.budget
+        if b is None or any(n == name for n, _ in b.terms):
+            return ""
+        if nbytes > b.free:
+            return (f"{name.removeprefix('media: ')} needs {fmt_bytes(nbytes)} ({nbytes:,} bytes) of the memory "
+                    f"budget, {fmt_bytes(max(0, b.free))} is free: start the engine with a larger --memory-budget")
+        self.budget = Budget(b.total, b.terms + ((name, nbytes),))
+        log.info("budget: %s counted now (%d bytes), %d of %d bytes used", name, nbytes, self.budget.used, b.total)
+        return ""
 
     # ---- status --------------------------------------------------------------------------
 
