@@ -277,7 +277,7 @@ def test_parked_and_restored_capsule_continues_token_identically(lm, tmp_path, s
     finally:
         d.close()
     notes = [e.message for e in second.events if isinstance(e, P.Notice)]
-    assert any("parked capsule" in m for m in notes), notes
+    assert any("picked up where this conversation left off" in m for m in notes), notes   # a capsule restored
     assert second.committed.timings["prompt_tokens_reused"] > 20
     ref = _history_turn(lm, "Name a planet and say why it is interesting.", first.committed.text,
                         "Tell me more about it.", **sampling)
@@ -302,7 +302,8 @@ def test_restart_from_the_disk_capsule_continues_token_identically(lm, tmp_path,
     finally:
         d.close()
     notes = [e.message for e in second.events if isinstance(e, P.Notice)]
-    assert any("capsule on disk" in m for m in notes), notes
+    # a capsule restored: after the restart only the disk has one
+    assert any("picked up where this conversation left off" in m for m in notes), notes
     ref = _history_turn(lm, "Describe a lighthouse in two sentences.", first.committed.text,
                         "Now describe the sea around it.", **sampling)
     assert _prompt(second) == _prompt(ref)
