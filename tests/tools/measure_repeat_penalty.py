@@ -49,10 +49,11 @@ Again on main at 12:58 (the new executor; same prompts, 1.2 left out)::
 
 The first token of the France reply is a near-tie (AOTX's logits now: "The" 25.313, "L"
 25.290; llama.cpp takes "L"), and the new executor's rounding now gives "The capital of
-France is Paris." at every penalty, so the loop no longer shows on AOTX itself: it is still llama.cpp's greedy reply,
-and it was AOTX's an hour before. The rest holds: 1.1 keeps the code answer's start (27
-tokens, as 1.05) where 1.15 changes it, and halves the list's repeated phrasing ("is a
-great source of vitamin C": 0.31 to 0.15, not a loop). So the default stays 1.1.
+France is Paris." at every penalty, so the loop no longer shows on AOTX itself: it is
+still llama.cpp's greedy reply, and it was AOTX's an hour before. The rest holds: 1.1
+keeps the code answer's start (27 tokens, as 1.05) where 1.15 changes it, and halves the
+list's repeated phrasing ("is a great source of vitamin C": 0.31 to 0.15, not a loop).
+So the default stays 1.1.
 """
 
 from __future__ import annotations
