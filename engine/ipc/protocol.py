@@ -49,11 +49,12 @@ itself or the context is full (a requested 1000-word story is ~1,300 tokens: a
 REPEAT_PENALTY = 1.1
 """The default repetition penalty (over the last 64 tokens). Measured on llama.cpp's
 reference prompts for the default model (tests/tools/measure_repeat_penalty.py,
-greedy): without it "What is the capital of France?" loops ("la femme, la femme, ...")
-to the token limit, 1.05 still loops; 1.1 ends it with a real answer and keeps the code
-answer's function and explanation (31 of its first 48 tokens as without a penalty);
-from 1.15 the code answer itself changes. (Ollama's default is 1.1 too.) Issue 17,
-point 15."""
+greedy; its docstring has the tables): without a penalty "What is the capital of
+France?" loops ("la femme, la femme, ...") to the token limit in llama.cpp's greedy
+reply and did in AOTX's (its first token is a near-tie: today's executor answers
+instead), and 1.05 still looped; 1.1 ended it with a real answer, keeps the code
+answer's start and halves a list's repeated phrasing; from 1.15 the code answer itself
+changes. (Ollama's default is 1.1 too.) Issue 17, point 15."""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
