@@ -90,7 +90,7 @@ class Engine:
         self._running: list[Request] = []         # prefill or decode, holding a slot
         self._by_rid: dict[tuple[int, int], Request] = {}
         self.executor = Executor(lm, self.kv, device=device, capsules=capsules, draft=self.draft)
-        self.commit = Commit(store, self.slots)
+        self.commit = Commit(store, self.slots, self.executor.numerics)
         self.submitter = Submitter(lm, store, self.envelope, self._inbox, self._is_busy, device=device,
                                    speculative=speculative, draft=self.draft)
         self.submitter.count_media = self.count_media
