@@ -89,6 +89,7 @@ class Request:
     drafter: Drafter | None = None
     n_drafted: int = 0
     n_draft_accepted: int = 0
+    model: str = ""  # the name of the loaded model it runs on (``models.ModelSet``)
 
     @property
     def next_input(self) -> int:
