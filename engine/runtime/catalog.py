@@ -292,7 +292,7 @@ def close_matches(name: str, names: list[str], n: int = 3) -> list[str]:
 
 def unknown_model_message(name: str, names: list[str], folder: Path) -> str:
     near = close_matches(name, names)
-    hint = f"; did you mean {', '.join(near)}?" if near else ""
+    hint = f" (did you mean {' or '.join(near)}?)" if near else ""
     have = f" (installed: {', '.join(names)})" if names and not near else ""
-    return (f"no model named {name!r}{hint}{have}; `aotx models` lists them, `aotx pull hf:...` downloads one "
+    return (f"no model named {name!r}{hint}{have}: `aotx models` lists them, `aotx pull hf:...` downloads one "
             f"into {folder}")
