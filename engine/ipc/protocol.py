@@ -443,7 +443,8 @@ class MediaInfo(_Base, tag="media"):
 
 
 class Committed(_Base, tag="committed"):
-    """The reply finished. finish_reason: stop | length | context | cancelled | error."""
+    """The reply finished. finish_reason: stop | length | context | cancelled | error |
+    interrupted (a remote model's stream was dropped midway: what arrived is kept)."""
 
     id: int
     msg_id: str
