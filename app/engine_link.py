@@ -76,6 +76,8 @@ class EngineLink:
             recovering, self.recovering = self.recovering, False
             if recovering:
                 self.show_notice("The engine is back. Everything it had made durable is here.")
+            for line in s.notices:  # e.g. journal damage the engine salvaged at its start
+                self.show_notice(line, "warning")
             await self.refresh_conversations()
             target = self.conv_id or self.saved_state.last_conversation
             known = {c.conv_id for c in self.sidebar.conversations}

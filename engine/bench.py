@@ -8,7 +8,7 @@ device and host time, with the journal off and on, and the durable-receipt
 latency (commit to receipt) at 1 and 8 conversations.
 
 Timings are wall-clock on this machine: compare ratios against a peer measured
-in the same run (``../shared/peer/llamacpp_bench.py``), never absolute numbers
+in the same run (llama.cpp through ``tests/tools/bench_llamacpp_*.py``), never absolute numbers
 across machines.
 """
 

@@ -239,12 +239,17 @@ async def _status(args) -> int:
                                              "position": s.position} for s in st.slots],
                  "journal": st.journal, "capsules": st.capsules, "profile": st.profile, "stats": st.stats,
                  "fingerprint": st.fingerprint, "draft_model": st.draft_model,
-                 "draft_model_path": st.draft_model_path})
+                 "draft_model_path": st.draft_model_path, "degraded": st.degraded, "notices": st.notices})
         return 0
     print(f"model   {st.model} ({st.model_path})")
     if st.draft_model:
         print(f"draft   {st.draft_model} ({st.draft_model_path}): its own KV per slot, counted below")
-    print(f"device  {st.device}   ready: {'yes' if st.ready else 'NO'}   context {st.n_ctx} tokens per slot")
+    print(f"device  {st.device}   ready: {'yes' if st.ready else 'NO'}"
+          f"{'   DEGRADED: new work is held' if st.degraded else ''}   context {st.n_ctx} tokens per slot")
+    if st.degraded:
+        print(f"disk    {st.degraded}")
+    for line in st.notices:
+        print(f"notice  {line}")
     print("budget")
     for b in st.budget:
         print(f"  {b.name:<16} {fmt_bytes(b.bytes):>10}  ({b.bytes:,} bytes)")

@@ -138,10 +138,22 @@ def cmd_journal(args) -> int:
             p = rep.get("problem")
             print(f"{rep['directory']}: {rep['records']} records in {len(rep['segments'])} segment(s), last seq "
                   f"{rep['last_seq']}, {rep['bytes']} bytes")
-            if p:
+            for line in rep.get("damage", []):
+                print(f"damage: {line}")
+            t = rep.get("tail")
+            if t:
+                print(f"torn tail: segment {t['segment']} offset {t['offset']}: {t['kind']}: {t['message']} "
+                      "(a crash leaves this; the engine's start cuts it)")
+            if p and not rep.get("damage") and not t:
                 print(f"problem: segment {p.get('segment')} offset {p.get('offset')}: {p.get('kind')}: "
                       f"{p.get('message')}")
-            else:
+            if rep.get("damage"):
+                print("the damage is not what a crash leaves: `aotx journal repair` (or the engine's next start) "
+                      "keeps a byte-exact copy and salvages every valid record after it")
+            for g in rep.get("gaps", []):
+                print(f"salvaged earlier: seq {g['first_seq']}..{g['last_seq']} lost"
+                      + (f" (copy {g['copy']})" if g.get("copy") else ""))
+            if not p:
                 print("ok: every record's checksum verifies")
         return 0 if rep.get("ok") else 1
     if args.jcmd == "dump":
@@ -155,6 +167,15 @@ def cmd_journal(args) -> int:
     rep = J.repair_cmd() if args.jcmd == "repair" else J.compact_cmd()
     if args.json:
         _jprint(rep)
+    elif args.jcmd == "repair":
+        print(f"{rep['conversations']} conversations, {rep['records']} records up to seq {rep['last_seq']} in "
+              f"{len(rep['segments'])} segment(s)")
+        if rep.get("bytes_dropped"):
+            print(f"cut a torn tail: {rep['problem']}")
+        for line in rep.get("notices", []):
+            print(line)
+        if not rep.get("problem"):
+            print("ok: nothing to repair")
     else:
         print(json.dumps(rep, indent=1, default=str))
     return 0

@@ -103,3 +103,8 @@ class JournalError(AotxError):
 
 class MediaError(AotxError):
     """An attachment cannot be decoded or the model's media profile cannot take it."""
+
+
+class StorageError(AotxError):
+    """A directory or file under the data dir cannot be created, read or written
+    (read-only file system, permissions, a FIFO where a file should be)."""

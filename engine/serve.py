@@ -1,9 +1,11 @@
 """``aotx serve``: assemble and run the engine process in the foreground.
 
-Owns: the start-up order (lock the socket, load the model stage by stage with
-one log line each, check the configuration against the budget, recover the
-journal, start the tick thread, serve the socket) and a clean stop on SIGTERM
-or SIGINT. One log line per notable event goes to stderr.
+Owns: the start-up order (make the data dir private and check it is writable,
+lock the socket, load the model stage by stage with one log line each, check the
+configuration against the budget, recover the journal, start the tick thread,
+serve the socket) and a clean stop on SIGTERM or SIGINT. One log line per
+notable event goes to stderr. The engine runs with umask 077: every file it
+writes is its user's alone.
 """
 
 from __future__ import annotations
@@ -209,6 +211,8 @@ def serve(args) -> int:
     # onnxruntime (the OCR specialist) records usage telemetry unless told not to, and
     # reads the setting once, at its first import: set it before anything imports it
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+    os.umask(0o077)  # conversations, capsules and logs are private to the user
+    check_data_dir()
     sock = Path(args.socket).expanduser() if args.socket else paths.socket_path()
     # take the lock before the (slow) model load so a second engine fails fast
     lock = SocketLock(sock)
@@ -225,6 +229,8 @@ def serve(args) -> int:
     log.info("budget: %d of %d bytes used\n%s", eng.budget.used, eng.budget.total, eng.budget.table())
     if store.recovery_note:
         log.info("journal: %s", store.recovery_note)
+    for line in store.notices:
+        log.warning("%s", line)
 
     def welcome() -> P.Welcome:
         d = eng.models.default
@@ -263,5 +269,26 @@ def serve(args) -> int:
         pass
     loop.call_soon_threadsafe(loop.stop)
     net.join(5)
-    store.close()
+    try:
+        store.close()
+    except AotxError as e:  # e.g. the disk stayed full: what was never receipted is not on disk
+        log.error("journal: %s", e)
+        return 1
     return 0
+
+
+def check_data_dir() -> None:
+    """Before anything slow: the data dir exists, is writable (``StorageError``, one
+    line, exit 2, for a read-only or foreign one) and is private: anything under it
+    that other users could read is tightened, with a warning naming how many."""
+    from aotx.engine import paths
+
+    root = paths.data_dir()
+    paths.check_writable(root)
+    tightened, failed = paths.secure_data_dir(root)
+    if tightened:
+        log.warning("made %d path(s) under %s private (they were readable by other users), e.g. %s",
+                    len(tightened), root, tightened[0])
+    if failed:
+        log.warning("%d path(s) under %s stay readable by other users (not owned by you?), e.g. %s; the data "
+                    "dir itself is private", len(failed), root, failed[0])

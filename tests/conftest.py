@@ -187,6 +187,17 @@ def gemma3_model_path(tmp_path_factory):
     yield from _real_model("gemma3", tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_gguf, tmp_path_factory):
+    """The same tiny model (head_dim 64, as the CUDA attention needs) on both backends:
+    (CPU with float activations, CUDA). Only for tests that need CUDA (``needs_cuda``)."""
+    from aotx.engine.model.loader import load_model
+
+    path = tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("tiny_pair") / "t64.gguf", seed=4, d_model=256,
+                                      n_heads=4, n_kv_heads=2, ffn=512)
+    return load_model(path, device="cpu", int8_activations=False), load_model(path, device="cuda")
+
+
 @pytest.fixture(scope="session")
 def loaded_model(default_model_path):
     """The default model loaded once per session on the CPU (a ``loader.LoadedModel``).

@@ -158,16 +158,6 @@ def test_engine_samples_on_host_unless_plain_greedy(tiny_cpu, kw):
 # ---- CUDA ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tiny_gguf, tmp_path_factory):
-    """The same tiny model (head_dim 64, as the CUDA attention needs) on both backends."""
-    from aotx.engine.model.loader import load_model
-
-    path = tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("cuda_state") / "t64.gguf", seed=4, d_model=256,
-                                      n_heads=4, n_kv_heads=2, ffn=512)
-    return load_model(path, device="cpu", int8_activations=False), load_model(path, device="cuda")
-
-
 @needs_cuda
 def test_cuda_clear_zeroes_exactly_those_positions(tiny_pair):
     cpu, gpu = tiny_pair

@@ -207,15 +207,6 @@ def test_cuda_sample_rows_equals_host_chain(cfg):
     assert same >= R - 1, f"{R - same} of {R} rows differ"  # one boundary case allowed (pairwise vs serial sums)
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tiny_gguf, tmp_path_factory):
-    from aotx.engine.model.loader import load_model
-
-    path = tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("devsamp_cuda") / "t64.gguf", seed=4, d_model=256,
-                                      n_heads=4, n_kv_heads=2, ffn=512)
-    return load_model(path, device="cpu", int8_activations=False), load_model(path, device="cuda")
-
-
 @needs_cuda
 def test_cuda_graph_runs_multi_token_rows_like_eager(tiny_pair):
     """A short prefill and a verify window go through the graph; logits match the CPU

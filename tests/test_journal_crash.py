@@ -13,7 +13,8 @@ import subprocess
 import sys
 import time
 
-from aotx.engine.journal import Checkpoint, TokensCommitted, compact, recover, verify
+from aotx.engine.journal import TokensCommitted, compact, recover, verify
+from aotx.engine.journal.records import CHECKPOINT_RECORDS
 
 CHILD = r"""
 import os, sys, time
@@ -100,10 +101,12 @@ def test_kill_9_at_random_moments_loses_nothing_a_receipt_covered(tmp_path):
         assert rep.last_seq >= durable, (rep.last_seq, durable, rep.problem)
         # the records: contiguous seqs, exact content, nothing torn
         entries = rep.records
-        if isinstance(entries[0].record, Checkpoint):
-            assert entries[0].seq == checkpoint_seq
-            entries = entries[1:]
-        first = checkpoint_seq + 1 if checkpoint_seq else 1
+        if isinstance(entries[0].record, CHECKPOINT_RECORDS):
+            assert entries[0].seq == checkpoint_seq[0]
+            assert [e.seq for e in entries if isinstance(e.record, CHECKPOINT_RECORDS)] == list(
+                range(checkpoint_seq[0], checkpoint_seq[1] + 1))
+            entries = [e for e in entries if not isinstance(e.record, CHECKPOINT_RECORDS)]
+        first = checkpoint_seq[1] + 1 if checkpoint_seq else 1
         assert [e.seq for e in entries] == list(range(first, rep.last_seq + 1))
         for e in entries:
             if e.seq > SETUP:
@@ -117,13 +120,15 @@ def test_kill_9_at_random_moments_loses_nothing_a_receipt_covered(tmp_path):
             assert m.token_ids == sorted(m.token_ids) and m.status == "interrupted"
             assert m.text == "".join(f"{t}," for t in m.token_ids)
             tokens += m.token_ids
-        expected = set(range(SETUP + 1, rep.last_seq + 1)) - {checkpoint_seq}
+        expected = set(range(SETUP + 1, rep.last_seq + 1)) - (
+            set(range(checkpoint_seq[0], checkpoint_seq[1] + 1)) if checkpoint_seq else set())
         assert len(tokens) == len(expected) and set(tokens) == expected
         assert verify(d).ok
         next_seq = rep.last_seq + 1
         if round_ == 5:  # compaction between crashes: writers continue after the checkpoint
             cr = compact(d)
             assert cr.covers_seq == rep.last_seq and len(list(d.glob("*.seg"))) == 1
-            checkpoint_seq = next_seq
-            next_seq += 1
+            assert cr.parts == 8  # one CheckpointPart per conversation
+            checkpoint_seq = (next_seq, cr.end_seq)
+            next_seq = cr.end_seq + 1
     assert durable > 1000

@@ -236,17 +236,22 @@ def test_a_record_larger_than_the_buffer_is_refused_by_name(tmp_path):
         assert j.publish(MessageAccepted("c", "m", "user", "fits"), 0) == 1
 
 
-def test_every_new_segment_is_made_durable_in_its_directory(tmp_path, monkeypatch):
-    import aotx.engine.journal.writer as w
+def test_every_new_segment_is_made_durable_in_its_directory(tmp_path):
+    from aotx.engine.fileio import FileIO
 
     calls = []
-    real = w.fsync_dir
-    monkeypatch.setattr(w, "fsync_dir", lambda d: (calls.append(str(d)), real(d)))
-    with Journal(tmp_path, segment_bytes=4096) as j:
+
+    class Counting(FileIO):
+        def fsync_dir(self, path):
+            calls.append(str(path))
+            super().fsync_dir(path)
+
+    with Journal(tmp_path, segment_bytes=4096, fs=Counting()) as j:
+        base = len(calls)  # the RECEIPT file and the first segment
         for i in range(300):
             j.publish(tok(i), i)
             if i % 10 == 9:
                 j.flush()
     created = j.stats()["segments_created"]
     assert created == len(list(tmp_path.glob("*.seg"))) > 3
-    assert calls == [str(tmp_path)] * created
+    assert base == 2 and calls == [str(tmp_path)] * (created + 1)  # + the RECEIPT file

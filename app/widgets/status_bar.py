@@ -47,8 +47,8 @@ class StatusBar(Horizontal):
     def set_status(self, s: P.StatusReply) -> None:
         self.model, self.device = s.model, s.device
         self.used, self.budget = s.used_bytes, s.budget_bytes
-        self.state = "ready" if s.ready else "loading"
-        self.detail = "" if s.ready else s.load_progress
+        self.state = "loading" if not s.ready else "DEGRADED" if s.degraded else "ready"
+        self.detail = s.load_progress if not s.ready else s.degraded
         self._refresh()
 
     def _refresh(self) -> None:

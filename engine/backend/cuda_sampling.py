@@ -1,7 +1,7 @@
 """Sampling on the GPU: the sampler chain of ``runtime/sampling.py`` as one CUDA kernel.
 
 Owns: the ``sample_rows`` kernel, the per-row sampler table it reads (the "device
-tables" of shared/DESIGN.md: sampling parameters, RNG key and counter, penalty
+tables" of DESIGN.md: sampling parameters, RNG key and counter, penalty
 history), the publication records it writes, and the host helpers that fill the
 table from a request's ``SamplerConfig`` / ``SamplerState`` (the runtime's objects, read by
 attribute: a backend does not import the runtime). Leaves the order of

@@ -73,7 +73,13 @@ class EngineClient:
                 raise EngineError(f"no engine answers on {sock}; start one with `aotx serve`") from None
         log = paths.data_dir() / "engine.log"
         args = [sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), *(engine_args or [])]
-        with open(log, "ab") as fh:
+        try:  # the engine's log is private (0600), like everything in the data dir
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as e:  # a read-only or foreign data dir: one line, not a traceback
+            raise EngineError(f"cannot start an engine: cannot write its log {log}: "
+                              f"{(e.strerror or str(e)).lower()} (check the data dir's owner and mode, or set "
+                              "AOTX_HOME)") from None
+        with os.fdopen(fd, "ab") as fh:
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh, start_new_session=True)
         if on_spawn:
             on_spawn(f"started an engine in the background (pid {proc.pid}, log {log})")

@@ -480,10 +480,16 @@ class Gateway:
             msg = e.body["error"]["message"] if isinstance(e, ApiError) else str(e)
             return JSONResponse({"status": "unavailable", "message": msg}, status_code=503,
                                 headers={"Retry-After": str(self.cfg.retry_after_s)})
-        body = {"status": "ok" if st.ready else "loading", "model": st.model, "device": st.device,
+        status = "loading" if not st.ready else "degraded" if st.degraded else "ok"
+        body = {"status": status, "model": st.model, "device": st.device,
                 "ready": st.ready, "context": st.n_ctx, "slots": len(st.slots), "queue": st.queue,
                 "in_flight": self.inflight.total}
-        return JSONResponse(body, status_code=200 if st.ready else 503)
+        if st.degraded:  # the journal's disk is full: new work is held until space returns
+            body["degraded"] = st.degraded
+        if st.notices:
+            body["notices"] = st.notices
+        return JSONResponse(body, status_code=200 if status == "ok" else 503,
+                            headers={} if status == "ok" else {"Retry-After": str(self.cfg.retry_after_s)})
 
     async def _models(self) -> list[P.ModelInfo]:
         """The engine's models (installed and loaded), asked at most once a second."""

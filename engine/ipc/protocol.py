@@ -487,6 +487,10 @@ class StatusReply(_Base, tag="status_reply"):
     capsules: dict[str, int] = {}
     draft_model: str = ""  # the draft model's name ("" without one)
     draft_model_path: str = ""
+    # "" normally; while the engine holds new work because the journal's disk is full, a
+    # line naming the disk, the bytes needed and the bytes free (it clears by itself)
+    degraded: str = ""
+    notices: list[str] = []  # engine-wide notices for users (journal damage salvaged at start)
     models: list[ModelInfo] = []  # the loaded models (``model`` is the default one)
 
 

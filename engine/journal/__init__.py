@@ -2,16 +2,20 @@
 
 Records are written complete into a preallocated buffer, then published; a
 flush groups them into blocks; a drain thread appends blocks to segment files,
-fdatasyncs, and only then issues receipts (segment, offset, last seq). At
-start, recovery replays every good record into the conversation table, cuts a
-torn tail and refuses damage a crash does not explain. See "Three positions"
-and "Journal" in DESIGN.md.
+fdatasyncs, and only then issues receipts (segment, offset, last seq), the
+last of which it records in the directory's ``RECEIPT`` file. At start,
+recovery replays every valid record into the conversation table, cuts a torn
+tail past the acknowledged point, and salvages damage a crash does not explain
+(a byte-exact copy kept, every valid record after it kept, a ``Gap`` record in
+place of what was lost, the conversations and messages affected named). Online
+checkpoints stream beside the live records. Every write goes through the file
+layer ``aotx.engine.fileio``. See "Three positions" and "Journal" in DESIGN.md.
 
 Modules: ``records`` (types and framing), ``conversations`` (the one state
-machine), ``segments`` (files and the read-only scan), ``directory`` (the writer lock, removing
-segments), ``writer`` (``Journal``),
-``recovery`` (recover, verify, dump, compact), ``cli_support`` (plain dicts
-for ``aotx journal ...`` and ``aotx conversations ...``).
+machine), ``segments`` (files and the read-only scan, with resynchronisation),
+``directory`` (the writer lock, removing segments), ``writer`` (``Journal``),
+``recovery`` (recover, salvage, verify, dump, compact), ``cli_support`` (plain
+dicts for ``aotx journal ...`` and ``aotx conversations ...``).
 
 Typical engine use::
 
@@ -28,19 +32,20 @@ from aotx.engine.journal.conversations import (
     CapsuleRef, Conversation, ConversationTable, Message, Receipt,
 )
 from aotx.engine.journal.records import (
-    FORMAT_VERSION, AttachmentRef, CapsuleStored, Checkpoint, ConversationCreated,
+    FORMAT_VERSION, AttachmentRef, CapsuleStored, Checkpoint, CheckpointEnd, CheckpointPart, ConversationCreated,
     ConversationDeleted, ConversationRenamed, ConversationTruncated, ConversationUpdated,
-    FrameError, MessageAccepted, MessageFinished, Record, TokensCommitted, decode_frame,
+    FrameError, Gap, MessageAccepted, MessageFinished, Record, TokensCommitted, decode_frame,
     encode_frame, frame_size,
 )
 from aotx.engine.journal.recovery import (
     CompactReport, RecoveryReport, VerifyReport, compact, dump, read_table, recover, verify,
 )
-from aotx.engine.journal.segments import Entry, Problem
+from aotx.engine.journal.segments import Damage, Entry, Problem
 from aotx.engine.journal.writer import Journal
 
 __all__ = [
-    "FORMAT_VERSION", "AttachmentRef", "CapsuleRef", "CapsuleStored", "Checkpoint", "CompactReport",
+    "FORMAT_VERSION", "AttachmentRef", "CapsuleRef", "CapsuleStored", "Checkpoint", "CheckpointEnd",
+    "CheckpointPart", "CompactReport", "Damage", "Gap",
     "Conversation", "ConversationCreated", "ConversationDeleted", "ConversationRenamed",
     "ConversationTable", "ConversationTruncated", "ConversationUpdated", "Entry", "FrameError",
     "Journal", "Message", "MessageAccepted", "MessageFinished", "Problem", "Receipt", "Record",

@@ -16,6 +16,20 @@ finished; ``finish_recovery()`` marks these after a replay).
 The table is lenient: a record naming an unknown or deleted conversation or
 message changes nothing and is counted in ``ignored`` (a journal written by a
 correct engine has none). It never raises on a decoded record.
+
+Checkpoints. A ``Checkpoint`` replaces the table only when it is the first record
+replayed (the chain starts there); met later in a replay it is a summary of
+history already applied and is skipped with its parts. While a streamed
+checkpoint loads (until its ``CheckpointEnd``), records naming a conversation
+whose part is still to come are expected and skipped silently: that part holds
+them already.
+
+Gaps. A ``Gap`` (records lost to damage, written by salvage) is noted in
+``gaps`` with what it affected: the conversations and messages its lost records
+named as far as they could be read, the replies that were being written when the
+records were lost, and every inconsistency met after it (a record naming a
+conversation or message the table does not know, tokens that do not continue
+where the message's last tokens ended).
 """
 
 from __future__ import annotations
@@ -26,8 +40,8 @@ from typing import Any
 import msgspec
 
 from aotx.engine.journal.records import (
-    AttachmentRef, CapsuleStored, Checkpoint, ConversationCreated, ConversationDeleted,
-    ConversationRenamed, ConversationTruncated, ConversationUpdated, MessageAccepted,
+    AttachmentRef, CapsuleStored, Checkpoint, CheckpointEnd, CheckpointPart, ConversationCreated,
+    ConversationDeleted, ConversationRenamed, ConversationTruncated, ConversationUpdated, Gap, MessageAccepted,
     MessageFinished, Record, TokensCommitted,
 )
 
@@ -103,6 +117,55 @@ class Conversation(msgspec.Struct, omit_defaults=True):
         return d
 
 
+class GapNote(msgspec.Struct):
+    """A ``Gap`` met in a replay: records ``first_seq..last_seq`` are lost; ``affected``
+    lists maps of ``conv_id``, ``msg_id`` (may be absent) and ``what``."""
+
+    first_seq: int
+    last_seq: int
+    segment: int = 0
+    offset: int = 0
+    nbytes: int = 0
+    copy: str = ""
+    reason: str = ""
+    created_at: float = 0.0
+    affected: list[dict[str, Any]] = []
+
+
+_conv_decoder = msgspec.msgpack.Decoder(Conversation)
+_msg_decoder = msgspec.msgpack.Decoder(Message)
+_raw_encoder = msgspec.msgpack.Encoder()
+MAX_ANOMALIES = 1000
+
+
+def checkpoint_parts(c: Conversation, max_bytes: int = 1 << 20) -> list[CheckpointPart]:
+    """``c`` as the ``CheckpointPart`` records of a streamed checkpoint: the first holds
+    the conversation's fields and its first messages, later ones (``more`` on every
+    part but the last) the following messages, each part about ``max_bytes`` at most
+    (a single message larger than that gets a part of its own)."""
+    head = msgspec.Raw(_raw_encoder.encode(msgspec.structs.replace(c, messages=[])))
+    parts: list[CheckpointPart] = []
+    cur: list[msgspec.Raw] = []
+    size = len(head)
+    for m in c.messages:
+        raw = msgspec.Raw(_raw_encoder.encode(m))
+        if cur and size + len(raw) > max_bytes:
+            parts.append(_part(c.conv_id, head if not parts else None, cur, True))
+            cur, size = [], 0
+        cur.append(raw)
+        size += len(raw)
+    parts.append(_part(c.conv_id, head if not parts else None, cur, False))
+    return parts
+
+
+def _part(conv_id: str, head: msgspec.Raw | None, messages: list[msgspec.Raw], more: bool) -> CheckpointPart:
+    # a continuation leaves ``conversation`` at its default, so that it is omitted: an
+    # empty Raw passed explicitly would be written as a key with no value
+    if head is None:
+        return CheckpointPart(conv_id=conv_id, messages=messages, more=more)
+    return CheckpointPart(conv_id=conv_id, conversation=head, messages=messages, more=more)
+
+
 _FINISH_STATUS = {"stop": "complete", "length": "complete", "context": "complete",
                   "cancelled": "cancelled", "error": "failed", "interrupted": "interrupted"}
 
@@ -114,13 +177,17 @@ class ConversationTable:
         self.conversations: dict[str, Conversation] = {}
         self.last_seq = 0
         self.ignored = 0  # records that named an unknown conversation or message
+        self.gaps: list[GapNote] = []  # records lost to damage (``Gap`` records met)
+        self.anomalies: list[dict[str, Any]] = []  # inconsistencies met (at most MAX_ANOMALIES)
+        self.loading = False  # a streamed checkpoint is being loaded
         self._pending: deque[tuple[int, Message]] = deque()  # (seq, message) awaiting a receipt
         self._apply = {
             ConversationCreated: self._created, ConversationRenamed: self._renamed,
             ConversationDeleted: self._deleted, ConversationUpdated: self._updated,
             ConversationTruncated: self._truncated, MessageAccepted: self._accepted,
             TokensCommitted: self._tokens, MessageFinished: self._finished,
-            CapsuleStored: self._capsule, Checkpoint: self._checkpoint,
+            CapsuleStored: self._capsule, Checkpoint: self._checkpoint, CheckpointPart: self._part,
+            CheckpointEnd: self._checkpoint_end, Gap: self._gap,
         }
 
     # ---- queries --------------------------------------------------------------
@@ -151,7 +218,14 @@ class ConversationTable:
         if seq:
             if seq <= self.last_seq:
                 return
+            fresh = self.last_seq == 0 and not self.conversations
             self.last_seq = seq
+        else:
+            fresh = not self.conversations
+        if isinstance(record, Checkpoint):
+            if fresh:
+                self._checkpoint(record, seq)
+            return
         self._apply[type(record)](record, seq)
 
     def note_receipt(self, receipt: Receipt) -> list[Message]:
@@ -180,10 +254,23 @@ class ConversationTable:
 
     # ---- one method per record type --------------------------------------------
 
+    def _anomaly(self, seq: int, conv_id: str, msg_id: str | None, what: str) -> None:
+        if len(self.anomalies) < MAX_ANOMALIES:
+            d = {"seq": seq, "conv_id": conv_id, "what": what}
+            if msg_id:
+                d["msg_id"] = msg_id
+            self.anomalies.append(d)
+            if self.gaps:
+                self.gaps[-1].affected.append(dict(d))
+
     def _conv(self, conv_id: str, seq: int) -> Conversation | None:
         c = self.conversations.get(conv_id)
         if c is None or c.deleted:
+            if self.loading:
+                return None  # its checkpoint part is still to come and holds this record
             self.ignored += 1
+            self._anomaly(seq, conv_id, None, "a record names a conversation that is not known"
+                          if c is None else "a record names a deleted conversation")
             return None
         c.seq = seq
         return c
@@ -252,6 +339,9 @@ class ConversationTable:
             c.messages.append(m)
         if not m.token_ids:
             m.start_pos = r.start_pos
+        elif r.start_pos != m.start_pos + len(m.token_ids) and self.gaps:
+            self._anomaly(seq, r.conv_id, r.msg_id, f"tokens at position {r.start_pos} follow tokens ending at "
+                          f"{m.start_pos + len(m.token_ids)}: tokens are missing")
         m.token_ids.extend(r.token_ids)
         m.text += r.text
         if m.status == "accepted":
@@ -264,6 +354,7 @@ class ConversationTable:
         m = c.message(r.msg_id)
         if m is None:
             self.ignored += 1
+            self._anomaly(seq, r.conv_id, r.msg_id, "a reply finished that was never started")
             return
         m.status = _FINISH_STATUS.get(r.reason, "complete")
         m.finish_reason = r.reason
@@ -278,11 +369,51 @@ class ConversationTable:
     def _checkpoint(self, r: Checkpoint, seq: int) -> None:
         self.conversations = {}
         self._pending.clear()
-        for d in r.conversations:
+        for d in r.conversations:  # format 1: inline
             c = msgspec.convert(d, Conversation)
             self.conversations[c.conv_id] = c
             for m in c.messages:
                 m.receipt = None  # old receipts name segments compaction removed
                 self._touch(m, seq)
+        self.loading = r.streamed
         if r.covers_seq > self.last_seq:
             self.last_seq = r.covers_seq
+
+    def _part(self, r: CheckpointPart, seq: int) -> None:
+        if not self.loading:
+            return  # a checkpoint met after the start of the replay: its history was applied
+        msgs = [_msg_decoder.decode(m) for m in r.messages]
+        for m in msgs:
+            m.receipt = None
+        if len(bytes(r.conversation)):
+            c = _conv_decoder.decode(r.conversation)
+            c.messages = msgs
+            self.conversations[c.conv_id] = c
+        else:
+            c = self.conversations.get(r.conv_id)
+            if c is None:
+                self._anomaly(seq, r.conv_id, None, "a checkpoint continues a conversation it never began")
+                return
+            c.messages.extend(msgs)
+        for m in msgs:
+            self._touch(m, seq)
+
+    def _checkpoint_end(self, r: CheckpointEnd, seq: int) -> None:
+        self.loading = False
+
+    def _gap(self, r: Gap, seq: int) -> None:
+        if r.opens_checkpoint and len(self.conversations) == 0 and len(self.gaps) == 0:
+            self.loading = True  # the lost record opened the checkpoint whose parts follow
+        copy = r.copy or (f"{r.segment:010d}.seg.{int(r.created_at)}.damaged" if r.created_at and r.segment else "")
+        note = GapNote(seq, r.last_seq, r.segment, r.offset, r.nbytes, copy, r.reason.rstrip(), r.created_at,
+                       [dict(a) for a in r.affected])
+        for c in self.conversations.values():  # replies being written when the records were lost
+            if c.deleted:
+                continue
+            for m in c.messages:
+                if m.status in ("accepted", "streaming"):
+                    note.affected.append({"conv_id": c.conv_id, "msg_id": m.msg_id,
+                                          "what": "a reply being written when the records were lost"})
+        self.gaps.append(note)
+        if r.last_seq > self.last_seq:
+            self.last_seq = r.last_seq

@@ -26,6 +26,19 @@ Record frame, 26 + n bytes, little-endian::
 Payloads are maps so a later version can add fields with defaults; an older
 reader ignores fields it does not know. A new record *type* needs a new format
 version, because an old reader cannot tell it from corruption.
+
+Format versions: 1 (the first), 2 (streamed checkpoints: ``CheckpointPart`` and
+``CheckpointEnd``; salvage: ``Gap``). This reader reads both and writes 2.
+
+Streamed checkpoint. A checkpoint segment opens with ``Checkpoint(streamed=True)``;
+``CheckpointPart`` records follow, each holding one conversation (or a run of a
+long conversation's messages: the parts of one conversation are consecutive),
+interleaved with live records published meanwhile; ``CheckpointEnd`` closes it,
+in the same segment. Replayed from its start, the checkpoint resets the table and
+each part (re)creates its conversation as it was when the part was written; a
+live record for a conversation whose part comes later is already in that part.
+A checkpoint segment without its ``CheckpointEnd`` (a crash mid-checkpoint) is
+not a starting point: the older segments it would replace are still there.
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ from typing import Any, ClassVar, Union
 import google_crc32c
 import msgspec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this reader reads (and its writer writes); 1 is read too
 MAGIC = b"AOTXJRNL"
 FLAG_CHECKPOINT = 1
 
@@ -155,22 +168,76 @@ class CapsuleStored(_Record):
 
 
 class Checkpoint(_Record):
-    """The whole live conversation table as of ``covers_seq`` (compaction).
+    """Opens a checkpoint segment: the live conversation table as of ``covers_seq``.
 
-    ``conversations`` holds ``conversations.Conversation`` values encoded as plain
-    maps (kept as builtins here so this module does not import the state machine)."""
+    ``streamed`` (format 2): the conversations follow as ``CheckpointPart`` records
+    and a ``CheckpointEnd`` closes the checkpoint; ``n_conversations`` is how many
+    were live when it began. Format 1 (``streamed`` False) held them inline in
+    ``conversations``, ``conversations.Conversation`` values as plain maps (kept as
+    builtins here so this module does not import the state machine)."""
 
     type_id: ClassVar[int] = 10
     covers_seq: int
     conversations: list[dict[str, Any]] = []
     created_at: float = 0.0
+    streamed: bool = False
+    n_conversations: int = 0
+
+
+class CheckpointPart(_Record):
+    """One conversation of a streamed checkpoint, as of the record before this one.
+
+    ``conversation``: the ``Conversation`` map without its messages (first part of
+    a conversation), or empty (a continuation); ``messages``: encoded ``Message``
+    maps in order; ``more``: further parts of this conversation follow at once."""
+
+    type_id: ClassVar[int] = 11
+    conv_id: str
+    conversation: msgspec.Raw = msgspec.Raw(b"")
+    messages: list[msgspec.Raw] = []
+    more: bool = False
+
+
+class CheckpointEnd(_Record):
+    """Closes the streamed checkpoint opened by the Checkpoint record ``begin_seq``."""
+
+    type_id: ClassVar[int] = 12
+    begin_seq: int
+    n_conversations: int = 0
+    n_parts: int = 0
+
+
+class Gap(_Record):
+    """Records ``seq .. last_seq`` were lost to damage and salvage wrote this in their place.
+
+    The frame's own seq is the first lost seq. ``segment``/``offset``/``nbytes``:
+    where the damaged bytes were; ``copy``: the file (in the journal directory)
+    that keeps the damaged segment byte for byte; ``affected``: what the lost
+    records were, as far as could be told (maps with ``conv_id``, ``msg_id``,
+    ``what``); ``opens_checkpoint``: the lost record opened a streamed checkpoint
+    (its parts follow); ``pad``: filler so the frame takes the damaged bytes' place."""
+
+    type_id: ClassVar[int] = 13
+    # short names on disk: a Gap often takes the place of one small record
+    last_seq: int = msgspec.field(name="last")
+    segment: int = msgspec.field(default=0, name="seg")
+    offset: int = msgspec.field(default=0, name="off")
+    nbytes: int = msgspec.field(default=0, name="n")
+    copy: str = ""
+    reason: str = msgspec.field(default="", name="why")
+    created_at: int = msgspec.field(default=0, name="at")  # seconds since the epoch
+    affected: list[dict[str, Any]] = msgspec.field(default_factory=list, name="aff")
+    opens_checkpoint: bool = msgspec.field(default=False, name="cp")
+    pad: bytes = b""
 
 
 Record = Union[
     ConversationCreated, ConversationRenamed, ConversationDeleted, ConversationUpdated,
     ConversationTruncated, MessageAccepted, TokensCommitted, MessageFinished, CapsuleStored,
-    Checkpoint,
+    Checkpoint, CheckpointPart, CheckpointEnd, Gap,
 ]
+#: records that belong to a checkpoint, not to the history it summarises
+CHECKPOINT_RECORDS = (Checkpoint, CheckpointPart, CheckpointEnd)
 RECORD_TYPES: dict[int, type] = {cls.type_id: cls for cls in Record.__args__}  # type: ignore[attr-defined]
 assert len(RECORD_TYPES) == len(Record.__args__), "duplicate record type id"  # type: ignore[attr-defined]
 
@@ -205,6 +272,52 @@ def encode_frame(record: Record, tick: int, seq: int) -> bytes:
     head = RECORD_HEADER.pack(record.type_id, tick, seq, len(payload))
     crc = google_crc32c.extend(google_crc32c.value(head), payload)
     return head + payload + CRC.pack(crc)
+
+
+def frame_of(type_id: int, tick: int, seq: int, payload: bytes) -> bytes:
+    """The frame of an already encoded payload."""
+    head = RECORD_HEADER.pack(type_id, tick, seq, len(payload))
+    return head + payload + CRC.pack(google_crc32c.extend(google_crc32c.value(head), payload))
+
+
+def fit_frame(record: Gap, tick: int, seq: int, size: int) -> bytes | None:
+    """The frame of ``record`` padded (its ``pad`` field) to exactly ``size`` bytes, so
+    that it can take the place of ``size`` damaged bytes without moving any later
+    record; None when even the unpadded frame is larger than ``size``."""
+    base = frame_size(record)
+    if base > size:
+        return None
+    want = size - base
+    # msgpack: a bin header grows with the length (2, 3 or 5 bytes) and the field's
+    # name is only written when pad is not empty; try the few lengths near the target
+    for extra in range(0, 40):  # trailing spaces on ``reason`` fill what ``pad`` cannot
+        r = msgspec.structs.replace(record, reason=record.reason + " " * extra)
+        for n in range(max(0, want - extra - 16), want - extra + 1):
+            f = encode_frame(msgspec.structs.replace(r, pad=b"\0" * n) if n else r, tick, seq)
+            if len(f) == size:
+                return f
+    return None
+
+
+def peek_frame(data: bytes | memoryview, offset: int) -> tuple[int, int, int, int, Record | None]:
+    """Best-effort look at a frame whose CRC may be wrong: ``(type, tick, seq, end,
+    record or None)``; the record is decoded ignoring the CRC when the header's type
+    and length are plausible and the payload still decodes. For damage reports only:
+    never replay what this returns. Raises ``FrameError`` (torn) when not even the
+    header fits."""
+    n = len(data)
+    if offset + RECORD_HEADER.size > n:
+        raise FrameError("torn", offset, "no room for a record header")
+    type_id, tick, seq, length = RECORD_HEADER.unpack_from(data, offset)
+    end = offset + RECORD_HEADER.size + length + CRC.size
+    record = None
+    decoder = _decoders.get(type_id)
+    if decoder is not None and end <= n:
+        try:
+            record = decoder.decode(data[offset + RECORD_HEADER.size:end - CRC.size])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            record = None
+    return type_id, tick, seq, end, record
 
 
 def frame_size(record: Record) -> int:
@@ -282,3 +395,32 @@ def decode_segment_header(data: bytes | memoryview) -> SegmentHeader:
     if stored != actual:
         raise FrameError("corrupt", 0, f"segment header CRC32C mismatch: stored {stored:#010x}, computed {actual:#010x}")
     return SegmentHeader(version, flags, number, base)
+
+
+# ---- the receipt file ----------------------------------------------------------
+
+#: The journal directory's ``RECEIPT`` file: the last receipt the writer issued,
+#: overwritten in place after every fsync (40 bytes, little-endian): magic 8s
+#: ``AOTXRCPT``, version u16, reserved u16, segment u64, offset u64, last_seq u64,
+#: CRC32C u32 of the 36 bytes before it. Recovery reads it to tell a torn tail
+#: (past it) from damage (at or before it). It may lag behind after a power loss
+#: (it is fsynced at most once a second), never run ahead of the data.
+RECEIPT_FILE = "RECEIPT"
+RECEIPT_MAGIC = b"AOTXRCPT"
+RECEIPT_STRUCT = struct.Struct("<8sHHQQQI")
+
+
+def encode_receipt(segment: int, offset: int, last_seq: int) -> bytes:
+    body = RECEIPT_STRUCT.pack(RECEIPT_MAGIC, 1, 0, segment, offset, last_seq, 0)[:-4]
+    return body + CRC.pack(crc32c(body))
+
+
+def decode_receipt(data: bytes) -> tuple[int, int, int] | None:
+    """``(segment, offset, last_seq)`` from a receipt file's bytes; None when it is
+    missing, short or fails its check (then recovery knows no acknowledged point)."""
+    if len(data) < RECEIPT_STRUCT.size:
+        return None
+    magic, version, _, segment, offset, last_seq, stored = RECEIPT_STRUCT.unpack_from(data)
+    if magic != RECEIPT_MAGIC or version != 1 or stored != crc32c(data[:RECEIPT_STRUCT.size - 4]):
+        return None
+    return segment, offset, last_seq

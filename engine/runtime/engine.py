@@ -578,5 +578,6 @@ class Engine:
             draft_model=d.draft.lm.name if d is not None and d.draft else "",
             draft_model_path=str(d.draft.lm.path) if d is not None and d.draft else "",
             stats={k: float(v) for k, v in self.stats.items()},
+            degraded=self.store.hold_reason(), notices=list(self.store.notices),
             models=[m.info() for m in self.models],
         )

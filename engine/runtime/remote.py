@@ -250,8 +250,9 @@ class RemoteSubmitter:
                                                    model=self.model_name)
         ctx = self.owner.spec.context
         max_tokens = sp.max_tokens if not ctx else min(sp.max_tokens, ctx)
-        credit = 0
+        credit = need = 0
         if st.journaled:
+            st.check_writable()
             need = sum(st.record_bytes(r) for r in recs)
             cap = st.journal_capacity
             credit = min(min(max_tokens, 4096) * admission.REPLY_BYTES_PER_TOKEN + admission.REPLY_FINISH_BYTES,
@@ -260,7 +261,11 @@ class RemoteSubmitter:
                 raise admission.journal_refusal("this message", need, st.journal_free_bytes(), cap)
             if not st.reserve(need + credit):
                 raise admission.journal_refusal("this message", need + credit, st.journal_free_bytes(), cap)
-        seq = st.publish_accepted(recs, tick=tick)
+        try:
+            seq = st.publish_accepted(recs, tick=tick)
+        except BaseException:
+            st.release(need + credit if st.journaled else 0)  # the credit goes back with the refusal
+            raise
         seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
         r = Request(rid=op.id, sink=sink, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, prompt=[],
                     sampler=SamplerConfig.of(sp), sampler_state=SamplerState(seed=seed), max_tokens=max_tokens,

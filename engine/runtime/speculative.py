@@ -21,7 +21,7 @@ target prefills, ``propose(tokens, limit) -> list[int]``, ``update(n_drafts,
 n_accepted)`` after each verify pass, and ``q`` (None, or one (ids, probs) pair
 per draft of the last proposal). The draft-model drafter lives in ``drafter.py``.
 
-Leaves the batch layout, KV rollback and publication to the engine.
+Leaves the batch layout and the KV rollback to ``executor.py``, publication to ``commit.py``.
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ from typing import Any
 
 import msgspec
 
-from aotx.engine.errors import NotFound
+from aotx.engine.errors import AotxError, ErrorCode, JournalError, NotFound
 from aotx.engine.ipc import protocol as P
 from aotx.engine.journal import records as R
 from aotx.engine.journal.conversations import ConversationTable, Receipt
-from aotx.engine.runtime.admission import journal_refusal
+from aotx.engine.runtime.admission import Refusal, journal_refusal
 from aotx.engine.runtime.events import Inbox
 from aotx.engine.runtime.receipts import Receipts
 
@@ -48,13 +48,16 @@ class ConversationStore:
     to the Journal); ``receipts.inbox`` is the engine's inbox."""
 
     def __init__(self, table: ConversationTable, journal=None, recovery_note: str = "",
-                 receipts: Receipts | None = None):
+                 receipts: Receipts | None = None, notices: list[str] | None = None):
         self.table = table
         self.journal = journal
         self.recovery_note = recovery_note
+        self.notices: list[str] = list(notices or [])  # for users: damage recovery salvaged at start
         self.receipts = receipts if receipts is not None else Receipts(Inbox())
         self._seq = table.last_seq
         self._segments_at_checkpoint = 0
+        self._checkpoint = None  # a journal.writer.CheckpointRun in progress
+        self._tick = 0
 
     @property
     def journaled(self) -> bool:
@@ -77,14 +80,21 @@ class ConversationStore:
         """Publish ``recs`` all or none: credit for every one is reserved first, else
         ``admission.Refusal`` (resource journal) and nothing is written."""
         if self.journal is not None:
+            self.check_writable()
             need = sum(self.record_bytes(r) for r in recs)
             if not self.journal.reserve(need):
+                if self.journal.degraded:  # the disk is full: say which, and what it needs
+                    raise Refusal(ErrorCode.BUSY, "disk", f"{what} was not written: {self.journal.degraded}",
+                                  asked=need, free=0, accepts="nothing until space returns")
                 raise journal_refusal(what, need, self.journal.free_bytes, self.journal.capacity)
         return [self._record(r, tick) for r in recs]
 
     def note_receipt(self, receipt: Receipt) -> None:
-        """On the engine thread: mark the messages the receipt covers as durable."""
+        """On the engine thread: mark the messages the receipt covers as durable (and
+        write the next chunk of an online checkpoint whose last chunk it covers)."""
         self.table.note_receipt(receipt)
+        if self._checkpoint is not None and receipt.last_seq >= self._checkpoint.waiting_seq:
+            self._step_checkpoint(self._tick)
 
     # ---- journal credit ---------------------------------------------------------------
 
@@ -92,6 +102,11 @@ class ConversationStore:
     def record_bytes(rec) -> int:
         """Bytes ``rec`` takes in the journal's buffer (its frame)."""
         return R.FRAME_OVERHEAD + len(R.encode_payload(rec))
+
+    def check_writable(self) -> None:
+        """Raise ``JournalError`` when the journal failed (no credit will ever come back)."""
+        if self.journal is not None and self.journal.failed is not None:
+            raise JournalError(f"the journal failed and takes no more records: {self.journal.failed}")
 
     def reserve(self, nbytes: int) -> bool:
         """Take journal credit for ``nbytes`` (always True without a journal)."""
@@ -115,14 +130,40 @@ class ConversationStore:
 
     def maybe_checkpoint(self, tick: int, every_segments: int = 2) -> None:
         """Compact online once ``every_segments`` new segments have been created since
-        the last checkpoint: the journal writes the live conversations into a fresh
-        segment and drops the older ones after it is durable (deleted conversations go)."""
+        the last checkpoint: the journal streams the live conversations into a fresh
+        segment, one chunk per call or receipt (never waiting on disk), and drops the
+        older segments once it is durable (deleted conversations go)."""
         if self.journal is None:
+            return
+        self._tick = tick
+        if self._checkpoint is not None:
+            self._step_checkpoint(tick)
             return
         created = self.journal.stats().get("segments_created", 0)
         if created - self._segments_at_checkpoint >= every_segments:
-            self._segments_at_checkpoint = created + 1
-            self.journal.checkpoint(self.table, tick)
+            try:
+                run = self.journal.begin_checkpoint(self.table, tick)
+            except AotxError as e:
+                log.warning("online checkpoint not started: %s", e)
+                self._segments_at_checkpoint = created
+                return
+            if run is not None:
+                self._segments_at_checkpoint = created + 1
+                self._checkpoint = run
+
+    def _step_checkpoint(self, tick: int) -> None:
+        try:
+            if self.journal.checkpoint_step(self._checkpoint, self.table, tick):
+                self._checkpoint = None
+        except AotxError as e:  # never let compaction take the engine down: try again later
+            log.warning("online checkpoint abandoned: %s", e)
+            self.journal.abort_checkpoint(self._checkpoint)
+            self._checkpoint = None
+
+    def hold_reason(self) -> str:
+        """"" normally; while the journal's disk is full, the line saying which disk,
+        how much is needed and how much is free (new work is held meanwhile)."""
+        return self.journal.degraded if self.journal is not None else ""
 
     def close(self) -> None:
         if self.journal is not None:
@@ -299,22 +340,24 @@ class ConversationStore:
 
 
 def open_store(directory: Path | None, *, buffer_bytes: int = 8 << 20,
-               segment_bytes: int = 64 << 20) -> ConversationStore:
+               segment_bytes: int = 64 << 20, fs=None) -> ConversationStore:
     """Recover the journal in ``directory`` (None: no journal) and return a store on it.
 
     The receipts' way is fixed here: the Journal gets ``Receipts.deliver`` as its
     ``on_receipt``, the store the same ``Receipts`` (whose inbox the engine reads).
-    Replies cut by a crash are marked interrupted, and that is journaled too."""
+    Replies cut by a crash are marked interrupted, and that is journaled too.
+    ``fs``: the journal's file layer (``aotx.engine.fileio``; tests inject faults)."""
     receipts = Receipts(Inbox())
     if directory is None:
         return ConversationStore(ConversationTable(), None, "journal off", receipts)
     from aotx.engine.journal.writer import Journal
 
-    journal = Journal(directory, segment_bytes=segment_bytes, buffer_bytes=buffer_bytes, on_receipt=receipts.deliver)
+    journal = Journal(directory, segment_bytes=segment_bytes, buffer_bytes=buffer_bytes, on_receipt=receipts.deliver,
+                      **({} if fs is None else {"fs": fs}))
     report = journal.recovery
     table = report.table
     cut = table.finish_recovery()  # recovery marks them already; this catches any it left
-    store = ConversationStore(table, journal, report.summary(), receipts)
+    store = ConversationStore(table, journal, report.summary(), receipts, notices=report.notices())
     # journal the interruption, so the reply's end is on disk like any other finish
     for conv in table.live():
         for m in conv.messages:

@@ -129,7 +129,7 @@ class Submitter:
         mode = sp.speculative or self.speculative
         if mode == "draft" and self.draft is None:
             raise RequestError("speculative mode 'draft' needs a draft model: start the engine with "
-                               "--draft-model PATH (or use ngram or off)")
+                               "--draft-model PATH (or use auto, ngram or off)")
         if mode not in P.SPECULATIVE_MODES:
             raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft or off)")
         return mode
@@ -248,6 +248,7 @@ class Submitter:
                                                    model=self.model_name)
         reply = admission.reply_credit(max_tokens, self.envelope)
         if st.journaled:
+            st.check_writable()
             need = sum(st.record_bytes(r) for r in recs)
             if need > st.journal_capacity:
                 raise admission.journal_refusal("this message", need, st.journal_free_bytes(), st.journal_capacity)
@@ -255,10 +256,14 @@ class Submitter:
                 sub.need = need + reply
                 if not sub.held:
                     sub.held = True
-                    sink.send(admission.held_notice(op.id, need + reply, st.journal_free_bytes()))
+                    sink.send(admission.held_notice(op.id, need + reply, st.journal_free_bytes(), st.hold_reason()))
                 self.held.append(sub)
                 return None
-        seq = st.publish_accepted(recs, tick=tick)
+        try:
+            seq = st.publish_accepted(recs, tick=tick)
+        except BaseException:
+            st.release(need + reply if st.journaled else 0)  # the credit goes back with the refusal
+            raise
         seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
         tok = self.lm.tokenizer
         r = Request(

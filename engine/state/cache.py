@@ -4,17 +4,24 @@ Owns: which capsule is in which home, eviction (least recently used first:
 device -> host -> disk -> gone), lookup by conversation or by longest shared token prefix
 (so a fork or an edit finds its parent's state), and the bytes per home that
 admission and ``aotx status`` report. Disk files are named by conversation id
-under the capsules folder and written crash-safely by ``capsule.save``.
+under the capsules folder and written crash-safely by ``capsule.save``; a write
+that fails (a full disk) leaves no temporary file, drops that capsule (it is a
+cache: the journal's tokens rebuild the state) and is counted in ``usage()``,
+and temporary files a crash left are removed when the cache opens.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
 
+from aotx.engine.fileio import OS, FileIO
 from aotx.engine.state import capsule as C
 from aotx.engine.state.prefix import common_prefix
+
+log = logging.getLogger("aotx.capsules")
 
 
 class CapsuleCache:
@@ -22,8 +29,11 @@ class CapsuleCache:
     device home, as on the CPU backend); directory: the disk home."""
 
     def __init__(self, directory: Path | None, *, host_bytes: int = 512 << 20, disk_bytes: int = 4 << 30,
-                 fingerprint: str = "", device_bytes: int = 0):
+                 fingerprint: str = "", device_bytes: int = 0, fs: FileIO = OS):
         self.dir = Path(directory) if directory else None
+        self.fs = fs
+        self.write_errors = 0
+        self.last_write_error = ""
         self.device_budget = device_bytes
         self.host_budget = host_bytes
         self.disk_budget = disk_bytes
@@ -33,9 +43,14 @@ class CapsuleCache:
         self.disk: dict[str, tuple[Path, int, float]] = {}  # conv -> (path, bytes, last_used)
         self._lock = threading.Lock()
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            fs.mkdir(self.dir)
+            removed = C.remove_temporary(self.dir, fs)
+            if removed:
+                log.info("capsules: removed %d temporary file(s) a failed or interrupted write left: %s",
+                         len(removed), ", ".join(removed))
             for p in self.dir.glob("*.caps"):
-                self.disk[p.stem] = (p, p.stat().st_size, p.stat().st_mtime)
+                if p.is_file():
+                    self.disk[p.stem] = (p, p.stat().st_size, p.stat().st_mtime)
 
     # ---- accounting ------------------------------------------------------------
 
@@ -45,7 +60,8 @@ class CapsuleCache:
                     "device_budget": self.device_budget,
                     "host_bytes": sum(c.nbytes for c in self.host.values()), "host_count": len(self.host),
                     "disk_bytes": sum(b for _, b, _ in self.disk.values()), "disk_count": len(self.disk),
-                    "host_budget": self.host_budget, "disk_budget": self.disk_budget}
+                    "host_budget": self.host_budget, "disk_budget": self.disk_budget,
+                    "write_errors": self.write_errors}
 
     # ---- homes ---------------------------------------------------------------------
 
@@ -76,17 +92,35 @@ class CapsuleCache:
             victim = min(self.host, key=lambda k: self.host[k].last_used)
             cap = self.host.pop(victim)
             if self.dir is not None and victim not in self.disk:
-                self._write(victim, cap)
+                try:
+                    self._write(victim, cap)
+                except OSError:
+                    pass  # counted and logged by _write; the capsule is dropped (a cache)
 
     def _write(self, conv_id: str, cap: C.Capsule) -> Path:
         path = self.dir / f"{conv_id}.caps"
-        size = C.save(cap, path)
+        try:
+            size = C.save(cap, path, self.fs)
+        except OSError as e:
+            self.write_errors += 1
+            self.last_write_error = f"{path}: {e.strerror or e}"
+            log.warning("capsule of %s not written (%s); its state will be rebuilt from the journal", conv_id,
+                        e.strerror or e)
+            raise
         self.disk[conv_id] = (path, size, time.monotonic())
         while self.disk and sum(b for _, b, _ in self.disk.values()) > self.disk_budget:
             victim = min(self.disk, key=lambda k: self.disk[k][2])
             p, _, _ = self.disk.pop(victim)
-            p.unlink(missing_ok=True)
+            self._unlink(p)
         return path
+
+    def _unlink(self, p: Path) -> None:
+        try:
+            self.fs.unlink(p)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove capsule %s: %s", p, e.strerror or e)
 
     def store_on_disk(self, conv_id: str, cap: C.Capsule) -> Path | None:
         """Write ``cap`` to the disk home (crash-safe). Returns its path, or None without a disk home."""
@@ -102,7 +136,7 @@ class CapsuleCache:
             self.host.pop(conv_id, None)
             entry = self.disk.pop(conv_id, None)
         if entry:
-            entry[0].unlink(missing_ok=True)
+            self._unlink(entry[0])
 
     # ---- lookup ----------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ copies back into the *same* live buffers (nothing resolved at load changes)
 and is byte-exact.
 
 Homes: "host" (a numpy copy in RAM: parking), "disk" (a file written
-crash-safely: write, fsync, rename, fsync the directory), and, on CUDA,
+crash-safely through the journal's file layer: a private (0600) temporary file,
+fsync, rename, fsync the directory; a failed write, such as a full disk, removes
+the temporary file), and, on CUDA,
 "device" (a copy beside the live buffers, provided by the CUDA backend).
 Public reference: the FlashRT paper "Execution-State Capsules" (byte-exact
 restore, token-identical greedy decode); unlike it, capsules here include the
@@ -28,7 +30,6 @@ unknown fields, and a capsule without them restores with an empty drafter.
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ import msgspec
 import numpy as np
 
 from aotx.engine.errors import AotxError
+from aotx.engine.fileio import OS, FileIO, describe_os_error, read_regular, write_file
 
 MAGIC = b"AOTXCAPS"
 VERSION = 1
@@ -179,37 +181,55 @@ def verify(cap: Capsule) -> None:
             raise CapsuleError(f"capsule drafter checksum mismatch (stored {want:#010x}, computed {got:#010x})")
 
 
-def save(cap: Capsule, path: Path) -> int:
-    """Write the capsule to ``path`` crash-safely (tmp, fsync, rename, fsync dir). Returns bytes."""
+TMP_SUFFIX = ".tmp"
+
+
+def save(cap: Capsule, path: Path, fs: FileIO = OS) -> int:
+    """Write the capsule to ``path`` crash-safely: a 0600 temporary file beside it
+    (in a 0700 directory), fsync, rename, fsync the directory. Returns bytes.
+    Raises OSError (ENOSPC, ...) with the temporary file already removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    fs.mkdir(path.parent)
     cap = to_host(cap)
     head = msgspec.msgpack.encode(cap.header)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(_HEAD.pack(MAGIC, VERSION, len(head)))
-        fh.write(head)
-        for a in (cap.k, cap.v, cap.tokens) + cap._draft_buffers():
-            fh.write(np.ascontiguousarray(a).data)
-        fh.flush()
-        os.fsync(fh.fileno())
-        size = fh.tell()
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    chunks = [_HEAD.pack(MAGIC, VERSION, len(head)), head] + [
+        np.ascontiguousarray(a).data for a in (cap.k, cap.v, cap.tokens) + cap._draft_buffers()]
+    size = write_file(fs, tmp, chunks)  # removes tmp on failure
     try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        fs.replace(tmp, path)
+        fs.fsync_dir(path.parent)
+    except BaseException:
+        try:
+            fs.unlink(tmp)
+        except OSError:
+            pass
+        raise
     return size
+
+
+def remove_temporary(directory: Path, fs: FileIO = OS) -> list[str]:
+    """Remove the temporary files a capsule write that failed or crashed left in
+    ``directory`` (at start: a leftover tmp must never hold the disk's last space)."""
+    removed = []
+    d = Path(directory)
+    if d.is_dir():
+        for p in d.glob("*.caps" + TMP_SUFFIX):
+            try:
+                fs.unlink(p)
+                removed.append(p.name)
+            except OSError:
+                pass
+    return removed
 
 
 def load(path: Path) -> Capsule:
     """Read and verify a capsule file. Raises CapsuleError naming the file and problem."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_regular(path)
     except OSError as e:
-        raise CapsuleError(f"{path}: cannot read capsule ({e.strerror})") from None
+        raise CapsuleError(f"{path}: cannot read capsule ({describe_os_error(e)})") from None
     if len(data) < _HEAD.size:
         raise CapsuleError(f"{path}: truncated capsule ({len(data)} bytes)")
     magic, version, hlen = _HEAD.unpack_from(data)
