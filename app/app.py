@@ -31,6 +31,7 @@ from aotx.app.paste import parse_pasted_paths
 from aotx.app.screens.details import DetailsScreen
 from aotx.app.screens.file_picker import FilePicker
 from aotx.app.screens.help import HelpScreen
+from aotx.app.screens.model_picker import ModelPicker
 from aotx.app.screens.prompts import Confirm, TextPrompt
 from aotx.app.screens.settings import SettingsScreen
 from aotx.app.theming import CSS_PATHS, THEMES
@@ -70,6 +71,7 @@ class ChatApp(EngineLink, App):
         self.outbox: list[Outgoing] = []
         self.active: Outgoing | None = None
         self.editing: MessageWidget | None = None
+        self.next_model = ""  # the model of the next conversation this app creates ("": the engine's default)
 
     # ---- layout ------------------------------------------------------------
 
@@ -143,6 +145,9 @@ class ChatApp(EngineLink, App):
     def set_open_conversation(self, conv_id: str | None, view: P.ConversationView | None) -> None:
         self.conv_id, self.conv_view = conv_id, view
         self.sidebar.current = conv_id
+        model = view.model if view is not None and view.model else self.next_model
+        self.status_bar.set_conversation_model(model)
+        self.sub_title = model
         if conv_id and conv_id != self.saved_state.last_conversation:
             self.saved_state = app_state.update_state(last_conversation=conv_id)
 
@@ -288,7 +293,8 @@ class ChatApp(EngineLink, App):
         if self.client is None:
             await self.open_conversation(None)
             return
-        conv = await self._call(self.client.create_conversation(title=DEFAULT_TITLE, sampling=self.default_sampling))
+        conv = await self._call(self.client.create_conversation(title=DEFAULT_TITLE, sampling=self.default_sampling,
+                                                                model=self.next_model))
         if conv is not None:
             await self.refresh_conversations()
             await self.open_conversation(conv.conv_id)
@@ -399,6 +405,38 @@ class ChatApp(EngineLink, App):
             await self.refresh_conversations()
             rest = self.sidebar.conversations
             await self.open_conversation(rest[0].conv_id if rest else None)
+
+    @work(group="ui")
+    async def action_pick_model(self) -> None:
+        """Ctrl+O: the model picker; the choice is the open conversation's model from its
+        next message on (the history is kept), or the next new conversation's."""
+        if self.client is None:
+            self.show_notice("the engine is not connected yet", "warning")
+            return
+        listed = await self._call(self.client.list_models())
+        if listed is None:
+            return
+        current = (self.conv_view.model if self.conv_view is not None else "") or self.next_model or \
+            next((m.name for m in listed.models if m.default), "")
+
+        async def chosen(name: str | None) -> None:
+            if not name or name == current:
+                return
+            if self.conv_id is None:
+                self.next_model = name
+                self.status_bar.set_conversation_model(name)
+                self.show_notice(f"new conversations run on {name}")
+                return
+            view = await self._call(self.client.switch_model(self.conv_id, name))
+            if view is not None:
+                self.conv_view = view
+                self.status_bar.set_conversation_model(name)
+                self.sub_title = name
+                self.show_notice(f"this conversation runs on {name} from the next message: {name} reads its history "
+                                 f"again; {current}'s saved state stays valid for {current}")
+                await self.refresh_conversations()
+
+        self.push_screen(ModelPicker(listed.models, current), chosen)
 
     @work(group="ui")
     async def action_settings(self) -> None:

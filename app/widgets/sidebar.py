@@ -16,8 +16,14 @@ from aotx.engine.ipc import protocol as P
 
 
 class ConversationItem(ListItem):
+    """A conversation's title, and below it the model it runs on."""
+
     def __init__(self, conv: P.ConversationView) -> None:
-        super().__init__(Label(conv.title or "(untitled)", markup=False))
+        labels = [Label(conv.title or "(untitled)", markup=False)]
+        if conv.model:
+            labels.append(Label(conv.model, markup=False, classes="conv-model"))
+        super().__init__(*labels)
+        self.model = conv.model
         self.conv_id = conv.conv_id
         self.title = conv.title
 

@@ -19,7 +19,8 @@ class StatusBar(Horizontal):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.model = ""
+        self.model = ""  # the engine's default model
+        self.conv_model = ""  # the open conversation's model ("": the default)
         self.device = ""
         self.state = "starting"
         self.detail = ""
@@ -29,7 +30,7 @@ class StatusBar(Horizontal):
         yield Static(self.line(), id="engine-status", markup=False)
 
     def line(self) -> str:
-        parts = [self.model or "no model yet", self.device or "?", self.state]
+        parts = [self.conv_model or self.model or "no model yet", self.device or "?", self.state]
         if self.detail:
             parts[-1] += f" ({self.detail})"
         if self.budget:
@@ -49,6 +50,10 @@ class StatusBar(Horizontal):
         self.used, self.budget = s.used_bytes, s.budget_bytes
         self.state = "loading" if not s.ready else "DEGRADED" if s.degraded else "ready"
         self.detail = s.load_progress if not s.ready else s.degraded
+        self._refresh()
+
+    def set_conversation_model(self, model: str) -> None:
+        self.conv_model = model
         self._refresh()
 
     def _refresh(self) -> None:
