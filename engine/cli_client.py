@@ -256,9 +256,17 @@ async def _status(args) -> int:
     print(f"  {'used':<16} {fmt_bytes(st.used_bytes):>10}  ({st.used_bytes:,} bytes)")
     print(f"  {'free':<16} {fmt_bytes(st.budget_bytes - st.used_bytes):>10}  "
           f"({st.budget_bytes - st.used_bytes:,} bytes of {st.budget_bytes:,})")
+    if len(st.models) > 1:
+        print("models  (loaded)")
+        for m in st.models:
+            what = "remote" if m.kind == "remote" else fmt_bytes(m.needs_bytes)
+            busy = f"generating ({m.busy})" if m.busy else f"idle {m.idle_s:.0f} s"
+            print(f"  {'*' if m.default else ' '} {m.name:<36} {what:>10}  {busy}")
     print(f"slots   ({st.queue} queued)")
+    several = len({s.model for s in st.slots}) > 1
     for s in st.slots:
-        print(f"  {s.slot:>3}  {s.state:<8} {s.conv_id or '-':<14} {s.position} tokens in KV")
+        owner = f"{s.model}: " if several else ""
+        print(f"  {owner}{s.slot:>3}  {s.state:<8} {s.conv_id or '-':<14} {s.position} tokens in KV")
     if st.capsules:
         c = st.capsules
         if c.get("device_budget"):
