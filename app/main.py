@@ -21,6 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(the engine started here drafts with it; F4 chooses per conversation)")
     p.add_argument("--mmproj", metavar="PATH", help="vision projector GGUF for images (default: mmproj*.gguf "
                                                     "beside the model; 'none' for OCR)")
+    p.add_argument("--kv-type", choices=["f16", "f32"], help="KV cache element type for the engine (default: f16)")
     p.add_argument("--theme", choices=sorted(THEMES), help="colour theme (remembered; F6 switches)")
     p.add_argument("--socket", help="engine socket path (default: under the AOTX data dir)")
     return p.parse_args(argv)
@@ -36,6 +37,8 @@ def engine_args(ns: argparse.Namespace) -> list[str]:
         args += ["--draft-model", ns.draft_model]
     if getattr(ns, "mmproj", None):
         args += ["--mmproj", ns.mmproj]
+    if getattr(ns, "kv_type", None):
+        args += ["--kv-type", ns.kv_type]
     return args
 
 

@@ -360,7 +360,7 @@ def run_bench(args) -> int:
     from aotx.engine.serve import pick_device
 
     device = pick_device(args.device)
-    lm = load_model(args.model, device=device)
+    lm = load_model(args.model, device=device, tune="auto")
     if getattr(args, "speculative", False):
         # the draft model: --draft-model, else the model itself loaded a second time (its own
         # weights and KV): that shows acceptance (~100%), not speed
@@ -401,7 +401,7 @@ def run_bench(args) -> int:
     sizes = (128, 512) if args.quick else (128, 512, 1024)
     if device == "cuda":
         sizes = sizes + (2048,)
-    out = {"device": device, "model": lm.name, "load_profile_s": lm.profile,
+    out = {"device": device, "model": lm.name, "load_profile_s": lm.profile, "load_notes": lm.notes,
            "model_only": bench_model(lm, sizes=sizes, repeats=1 if args.quick else 3,
                                      decode_steps=32 if args.quick else 128)}
     out["engine_journal_off"] = bench_engine(lm, conc, max_tokens=32 if args.quick else 64, journal=False)

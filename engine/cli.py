@@ -57,6 +57,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=_int("--context", 16), default=None,
                    help="tokens of context per slot (default 4096, at most the model's)")
     p.add_argument("--memory-budget", default=None, help="bytes the engine may use, e.g. 4G (default: half the RAM)")
+    p.add_argument("--kv-type", choices=["f16", "f32"], default=None,
+                   help="KV cache element type (default f16: half the memory of f32, as llama.cpp)")
     p.add_argument("--mmproj", default=None, metavar="PATH",
                    help="vision projector GGUF (llama.cpp's mmproj) for images; default: a file named mmproj*.gguf "
                         "beside the model; 'none' turns images into text by OCR")
@@ -183,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", help="draft model for --speculative (default: the model itself, which shows "
                    "acceptance but not speed)")
 
+    p = sub.add_parser("tune", help="time the CUDA kernel candidates for a model on this GPU and record the winners")
+    p.add_argument("--model")
+    p.add_argument("--budget", type=_float("--budget", 1.0), default=600.0,
+                   help="most seconds spent timing (default 600; sites after that keep their default kernel)")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("journal", help="check or print the journal")
     jsub = p.add_subparsers(dest="jcmd", parser_class=_Parser)
     for name in ("verify", "dump", "repair", "compact"):
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.pull import cmd_pull
 
             return cmd_pull(args)
-        if args.cmd in ("tokenize", "logits", "models", "bench", "journal"):
+        if args.cmd in ("tokenize", "logits", "models", "bench", "journal", "tune"):
             from aotx.engine import cli_local
 
             return getattr(cli_local, f"cmd_{args.cmd}")(args)

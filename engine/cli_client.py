@@ -26,7 +26,8 @@ def engine_args(args) -> list[str]:
     out: list[str] = []
     for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
                        ("--context", "context"), ("--memory-budget", "memory_budget"),
-                       ("--draft-model", "draft_model"), ("--mmproj", "mmproj"), ("--keep-alive", "keep_alive")):
+                       ("--draft-model", "draft_model"), ("--mmproj", "mmproj"), ("--keep-alive", "keep_alive"),
+                       ("--kv-type", "kv_type")):
         v = getattr(args, attr, None)
         if attr == "model" and v is not None and not _is_model_file(v):
             continue  # a remote entry, or a name the engine's catalog resolves: loaded beside the default
@@ -122,7 +123,8 @@ async def _run(args) -> int:
         st = await client.status()
         if args.profile:
             print(json.dumps({"stages_s": st.profile, "total_s": round(sum(st.profile.values()), 4),
-                              "model": st.model, "device": st.device}), file=sys.stderr if args.json else sys.stdout)
+                              "model": st.model, "device": st.device, "notes": st.notes}),
+                  file=sys.stderr if args.json else sys.stdout)
         attachments = []
         for a in args.attach:
             p = Path(a).expanduser()

@@ -179,3 +179,25 @@ def cmd_journal(args) -> int:
     else:
         print(json.dumps(rep, indent=1, default=str))
     return 0
+
+
+def cmd_tune(args) -> int:
+    """``aotx tune``: load the model on CUDA with the kernel-choice policy "force" (every
+    kernel site timed again, the winners written to the artifact in the data dir); prints
+    the summary, or with --json the artifact path and every site's choice and timings."""
+    from aotx.engine.errors import ModelError
+    from aotx.engine.model.loader import load_model, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    try:
+        import aotx.engine.backend.cuda  # noqa: F401 - ImportError: no CuPy
+    except ImportError as e:
+        raise ModelError(f"aotx tune needs the CUDA backend (CuPy): {e}") from None
+    lm = load_model(path, device="cuda", tune="force", tune_budget_s=float(args.budget))
+    res = lm.model.compiled.kernel_choice
+    if args.json:
+        _jprint({"model": lm.name, "artifact": str(res.path), "summary": res.summary(), "choice": res.choice,
+                 "source": res.source, "timings_us": res.timings_us, "notes": res.notes})
+    else:
+        print(f"{lm.name}: {res.summary()}")
+    return 0

@@ -123,7 +123,7 @@ def build_engine(args, progress=None):
     if draft_path:  # refuse a mismatch before loading anything
         check_vocabulary_files(args.model, draft_path)
     try:
-        lm = load_model(args.model, device=device, progress=progress)
+        lm = load_model(args.model, device=device, progress=progress, tune="auto")
     except ModelError as e:
         if device != "cuda" or args.device != "auto":
             raise
@@ -154,7 +154,8 @@ def build_engine(args, progress=None):
             total = admission.default_cuda_budget() if device == "cuda" else admission.default_cpu_budget()
     except ValueError:
         raise UsageError(f"--memory-budget: cannot read {args.memory_budget!r} as a size (e.g. 4G, 512M)") from None
-    kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx)
+    kv_type = getattr(args, "kv_type", None) or "f16"
+    kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type)
     prefill_chunk = getattr(args, "prefill_chunk", 256)
     journal_bytes = 8 << 20
     capsule_host = min(512 << 20, max(64 << 20, total // 16))
@@ -166,20 +167,21 @@ def build_engine(args, progress=None):
                             media_bytes=media_bytes(lm, device, vision) + (image_store_bytes if vision else 0),
                             capsule_device_bytes=capsule_device,
                             prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
-                            draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else ())
+                            draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (),
+                            kv_type=kv_type)
     from aotx.engine.state.cache import CapsuleCache
 
     no_journal = getattr(args, "no_journal", False)
     store = open_store(None if no_journal else paths.journal_dir(), buffer_bytes=journal_bytes)
     caps = CapsuleCache(None if no_journal else paths.capsules_dir() / lm.fingerprint, host_bytes=capsule_host,
-                        fingerprint=lm.fingerprint, device_bytes=capsule_device)
+                        fingerprint=lm.fingerprint, device_bytes=capsule_device, kv_type=kv_type)
     from aotx.engine.runtime.catalog import Catalog
 
     def load_entry(entry):
         """Load a model beside the default one, on this device (the CPU for a model the
         CUDA backend cannot run, when --device auto chose CUDA)."""
         try:
-            return load_model(entry.path, device=device)
+            return load_model(entry.path, device=device, tune="auto")
         except ModelError as e:
             if device != "cuda" or args.device != "auto":
                 raise
@@ -187,7 +189,7 @@ def build_engine(args, progress=None):
             return load_model(entry.path, device="cpu")
 
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
-                 capsules=caps, speculative=speculative, draft_lm=draft_lm,
+                 kv_type=kv_type, capsules=caps, speculative=speculative, draft_lm=draft_lm,
                  draft_p_min=DEFAULT_P_MIN if getattr(args, "draft_p_min", None) is None else args.draft_p_min,
                  catalog=Catalog(), loader=load_entry, capsule_root=None if no_journal else paths.capsules_dir(),
                  keep_alive_s=keep_alive_seconds(getattr(args, "keep_alive", None)),

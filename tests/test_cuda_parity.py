@@ -53,9 +53,9 @@ def _cpu_float_reference(monkeypatch):
 
 
 def _build(path, device: str):
-    from aotx.engine.model.architectures import llama
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.transformer import build
 
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
@@ -66,14 +66,14 @@ def _build(path, device: str):
     else:
         from aotx.engine.backend.cuda import CudaBackend
 
-        be = CudaBackend()
-    return llama.build(cfg, gf, be)
+        be = CudaBackend(prefill="f32")  # the eager path's float32 GEMM (tensor cores: test_cuda_invariance)
+    return build(cfg, gf, be)
 
 
 def _scenario(model, vocab: int) -> list[np.ndarray]:
     rng = np.random.default_rng(7)
     tok = lambda n: rng.integers(0, vocab, n).astype(np.int32)  # noqa: E731
-    kv = model.new_kv_cache(4, 256)
+    kv = model.new_kv_cache(4, 256, "f32")  # float32 on both sides (test_cuda_program covers f16)
     out = [model.forward(tok(9), [Segment(1, 0, 9, all_logits=True)], kv),
            model.forward(tok(5), [Segment(0, 0, 5)], kv)]
     for i in range(3):
@@ -137,7 +137,7 @@ def _greedy_agreement(path, vocab: int, prompt_len: int = 12, steps: int = 24) -
     runs = []
     for dev in ("cpu", "cuda"):
         m = _build(path, dev)
-        kv = m.new_kv_cache(1, prompt_len + steps + 1)
+        kv = m.new_kv_cache(1, prompt_len + steps + 1, "f32")
         lg = m.forward(prompt, [Segment(0, 0, prompt_len)], kv)
         toks, gaps = [], []
         for i in range(steps):

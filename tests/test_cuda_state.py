@@ -2,7 +2,7 @@
 backends, and the engine's device-greedy path (ids from ``model.greedy()`` instead of
 host logits).
 
-The CPU tests run everywhere: ``llama.KVCache``'s snapshot/restore methods, and the
+The CPU tests run everywhere: the CPU KV cache's snapshot/restore methods (f16 and f32), and the
 engine's device-greedy path driven through a CPU model given a ``greedy()`` (argmax of
 its own logits), which must produce exactly the tokens of the logits path, with and
 without speculative decoding. The CUDA tests skip with a visible reason where CuPy or a
@@ -123,14 +123,15 @@ def tiny_cpu(tiny_gguf, tmp_path_factory):
     return load_model(path)
 
 
-def test_cpu_kv_snapshot_restore_methods(tiny_cpu):
+@pytest.mark.parametrize("kv_type,dtype", [("f16", np.float16), ("f32", np.float32)])
+def test_cpu_kv_snapshot_restore_methods(tiny_cpu, kv_type, dtype):
     m = tiny_cpu.model
-    kv = m.new_kv_cache(3, 32)
+    kv = m.new_kv_cache(3, 32, kv_type)
     m.forward(np.arange(10, dtype=np.int32), [Segment(0, 0, 10)], kv)
     L, KV, n_ctx, hd = kv.slot_shape
     assert (L, KV, n_ctx) == (tiny_cpu.config.n_layers, tiny_cpu.config.n_kv_heads, 32)
     k, v = kv.snapshot_slot(0, 10)
-    assert k.shape == (L, KV, 10, hd) and k.dtype == np.float32 and k.any()
+    assert k.shape == (L, KV, 10, hd) and k.dtype == dtype and k.any()
     kv.restore_slot(2, k, v, 7)
     k2, v2 = kv.snapshot_slot(2, 10)
     assert k2[:, :, :7].tobytes() == k[:, :, :7].tobytes() and v2[:, :, :7].tobytes() == v[:, :, :7].tobytes()

@@ -222,7 +222,9 @@ def test_cuda_graph_runs_multi_token_rows_like_eager(tiny_pair):
         a = lm.model.forward(toks[:32], segs1, kv)
         b = lm.model.forward(toks[32:40], segs2, kv)
         outs.append((a, b))
-    assert gpu.model._graph_ok(toks[:32], segs1, gpu.model.new_kv_cache(2, 64))
+    from aotx.engine.model.batch import BatchLayout
+
+    assert gpu.model.compiled._graph_ok(BatchLayout.of(segs1), gpu.model.new_kv_cache(2, 64))
     for (ca, cb), (ga, gb) in [(outs[0], outs[1])]:
         assert ga.shape == ca.shape == (13, gpu.config.vocab_size) and gb.shape == cb.shape == (6, gpu.config.vocab_size)
         for c, g in ((ca, ga), (cb, gb)):

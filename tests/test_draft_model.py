@@ -399,8 +399,8 @@ def test_admission_counts_the_draft_model_and_status_shows_it(models, tmp_path, 
     try:
         terms = dict(eng.budget.terms)
         cfg = draft.config
-        # its own KV: K and V, float32, for every layer, slot and position
-        assert terms["draft kv cache"] == 2 * cfg.n_layers * 3 * cfg.n_kv_heads * 128 * cfg.head_dim * 4
+        # its own KV: K and V, float16 (the default KV type), for every layer, slot and position
+        assert terms["draft kv cache"] == 2 * cfg.n_layers * 3 * cfg.n_kv_heads * 128 * cfg.head_dim * 2
         assert terms["draft weights"] == draft.model.weight_bytes > 0
         assert terms["draft working"] > 0
         assert eng.speculative == "draft", "with --draft-model the engine drafts by default"

@@ -8,7 +8,8 @@ grouped-query attention (query head h reads KV head h // (n_heads / n_kv_heads))
 SwiGLU, a final RMSNorm and the output head (tied to the token embedding when the
 file has no ``output.weight``).
 
-Tolerances: the engine computes in float32 against float64 here, so logits must agree
+Tolerances: the engine computes in float32 (with a float32 KV cache: ``"f32"`` below; the
+f16 default is checked separately) against float64 here, so logits must agree
 to max|diff| / max|ref| < 1e-4 (observed 4e-7 .. 9e-7 for every type). Batching consistency compares the
 engine with itself across code paths (GEMV for <= 4 rows, dequantize + BLAS above),
 so it allows float32 rounding: 1e-4 relative.
@@ -125,7 +126,7 @@ def quick_load(path) -> Loaded:
 
 
 def run_engine(lm, tokens: list[int], all_logits: bool = True) -> np.ndarray:
-    kv = lm.model.new_kv_cache(1, len(tokens))
+    kv = lm.model.new_kv_cache(1, len(tokens), "f32")
     return lm.model.forward(np.asarray(tokens, np.int32), [Segment(0, 0, len(tokens), all_logits=all_logits)], kv)
 
 
@@ -142,7 +143,7 @@ def test_logits_match_float64_reference(models, qtype):
     got = run_engine(lm, TOKENS)                      # prefill path (11 rows: dequantize + BLAS)
     assert got.shape == ref.shape and got.dtype == np.float32
     assert rel_err(got, ref) < REL_TOL_REF
-    kv = lm.model.new_kv_cache(1, len(TOKENS))        # decode path (1 row: GEMV kernels)
+    kv = lm.model.new_kv_cache(1, len(TOKENS), "f32")  # decode path (1 row: GEMV kernels)
     for i, t in enumerate(TOKENS[:2]):
         row = lm.model.forward(np.array([t], np.int32), [Segment(0, i, 1)], kv)
         assert rel_err(row[0], ref[i]) < REL_TOL_REF
@@ -179,14 +180,14 @@ def test_prefill_chunked_and_decode_agree(lm):
     n = len(TOKENS)
     one = run_engine(lm, TOKENS, all_logits=True)
     # chunked prefill over several ticks: 5 + 4 + 2 tokens, logits only at the end
-    kv = lm.model.new_kv_cache(1, n)
+    kv = lm.model.new_kv_cache(1, n, "f32")
     out = None
     for a, b in [(0, 5), (5, 9), (9, 11)]:
         out = lm.model.forward(np.asarray(TOKENS[a:b], np.int32), [Segment(0, a, b - a, logits=b == n)], kv)
         assert out.shape[0] == (1 if b == n else 0)
     assert rel_err(out[0], one[-1]) < REL_TOL_SELF
     # token by token
-    kv = lm.model.new_kv_cache(1, n)
+    kv = lm.model.new_kv_cache(1, n, "f32")
     for i, t in enumerate(TOKENS):
         row = lm.model.forward(np.array([t], np.int32), [Segment(0, i, 1)], kv)
         assert rel_err(row[0], one[i]) < REL_TOL_SELF
@@ -205,7 +206,7 @@ def test_mixed_batch_equals_each_slot_alone(lm):
     b = [5, 6, 7, 8, 9, 10, 11]  # slot 0: decoding its last token in the mixed batch
     c = [42, 43, 44]      # slot 1: a fresh prompt of 3 tokens in the same batch
     ref_a, ref_b, ref_c = alone(lm, a), alone(lm, b), alone(lm, c)
-    kv = lm.model.new_kv_cache(3, 16)
+    kv = lm.model.new_kv_cache(3, 16, "f32")
     lm.model.forward(np.asarray(a[:6], np.int32), [Segment(2, 0, 6, logits=False)], kv)
     lm.model.forward(np.asarray(b[:6], np.int32), [Segment(0, 0, 6, logits=False)], kv)
     toks = np.asarray(a[6:] + [b[6]] + c, np.int32)
@@ -223,7 +224,7 @@ def test_mixed_batch_equals_each_slot_alone(lm):
 
 def test_kv_of_different_slots_never_mixes(lm):
     cfg = lm.config
-    kv = lm.model.new_kv_cache(4, 16)
+    kv = lm.model.new_kv_cache(4, 16, "f32")
     lm.model.forward(np.asarray(TOKENS[:8], np.int32), [Segment(1, 0, 8)], kv)
     before = [k[1].copy() for k in kv.k] + [v[1].copy() for v in kv.v]
     # a batch over slots 0 and 3 (prefill and decode) must not touch slot 1 or slot 2
@@ -240,7 +241,7 @@ def test_kv_of_different_slots_never_mixes(lm):
     out = lm.model.forward(np.asarray([TOKENS[8]], np.int32), [Segment(1, 8, 1)], kv)
     assert rel_err(out[0], alone(lm, TOKENS[:9])[-1]) < REL_TOL_SELF
     # and a slot's KV equals the KV of the same tokens run alone in slot 0
-    kv1 = lm.model.new_kv_cache(1, 16)
+    kv1 = lm.model.new_kv_cache(1, 16, "f32")
     lm.model.forward(np.asarray([9, 9, 9, 9, 9], np.int32), [Segment(0, 0, 5)], kv1)
     for li in range(cfg.n_layers):
         np.testing.assert_allclose(kv.k[li][0, :, :5], kv1.k[li][0, :, :5], rtol=1e-4, atol=1e-5)

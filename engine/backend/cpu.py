@@ -1,15 +1,15 @@
 """The CPU backend: weights kept quantized in memory, numba kernels, numpy BLAS.
 
-Owns: turning GGUF tensors into backend objects (``matrix``, ``vector``) and the
-op entry points the architecture modules call. The kernels live in
-``cpu_matmul.py`` (quantized matmul) and ``cpu_ops.py`` (everything else).
+Owns: turning GGUF tensors into backend objects (``matrix``, ``vector``) and compiling
+an ``ops.Program`` (``compile`` -> ``cpu_program.CpuProgram``: prebound kernel calls and
+the CPU KV cache). The kernels live in ``cpu_matmul.py`` (quantized matmul) and
+``cpu_ops.py`` (everything else). The interface is /work/coord/IR.md section 6.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from aotx.engine.backend import cpu_ops
 from aotx.engine.errors import ModelError
 
 
@@ -23,14 +23,17 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, int8_activations: bool = False) -> None:
+        from aotx.engine.backend.quants import SUPPORTED_TYPES
+
         self.int8_activations = bool(int8_activations)
         self.weight_bytes = 0
-        self.rms_norm = cpu_ops.rms_norm
-        self.rope = cpu_ops.rope_inplace
-        self.attention_decode = cpu_ops.attention_decode
-        self.attention_prefill = cpu_ops.attention_prefill
-        self.silu_mul = cpu_ops.silu_mul
-        self.add = cpu_ops.add_inplace
+        self.supported_types = SUPPORTED_TYPES
+
+    def compile(self, program):
+        """The CPU executor of ``program`` (an ops.Program): see cpu_program.py."""
+        from aotx.engine.backend.cpu_program import CpuProgram
+
+        return CpuProgram(program)
 
     def matrix(self, t):
         """A 2-D GGUF tensor (ggml shape ``[k, m]``) as a QuantMatrix of shape (m, k)."""

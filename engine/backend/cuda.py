@@ -2,8 +2,10 @@
 
 Owns: the device check, uploading GGUF tensors (``matrix``, ``vector``), compiling the
 kernels of ``cuda_src.py`` once per set of template instances (CuPy caches the compiled
-module on disk, keyed by source and options) and a small launch helper. The model
-(``cuda_llama.py``) owns buffers, the order of launches and the CUDA graphs.
+module on disk, keyed by source and options), and ``compile(program)``: an
+``ops.Program`` (the architecture's forward, traced once at load) becomes a
+``cuda_program.CudaProgram``, which owns buffers, the order of launches and the graphs.
+Nothing here, nor in any ``cuda*`` module, is specific to an architecture.
 
 Importing this module imports CuPy, so ``import aotx.engine.backend.cuda`` failing with
 ImportError is how ``serve.pick_device`` learns that the CUDA backend is unavailable.
@@ -16,13 +18,13 @@ IQ4_XS).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from aotx.engine.backend import cuda_src
+from aotx.engine.backend import cuda_choice, cuda_sampling, cuda_src, kernel_choice
 from aotx.engine.errors import ModelError
 
 SUPPORTED_TYPES: frozenset[T] = frozenset(T(c) for c in cuda_src.TYPES)
@@ -43,8 +45,7 @@ class DevMatrix:
     """A weight W of shape (m, k) on the device, rows in the file's block layout.
 
     ``data``: uint8 (m_pad, row_bytes); ``m_pad`` is m rounded up to even (kernels
-    compute two rows per warp; the pad row is zero). ``dense`` is a float32 (m, k)
-    copy made on demand for the cuBLAS (prefill) path, or None."""
+    compute two rows per warp; the pad row is zero)."""
 
     name: str
     qtype: int
@@ -52,7 +53,6 @@ class DevMatrix:
     k: int
     row_bytes: int
     data: cp.ndarray
-    dense: cp.ndarray | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -61,13 +61,27 @@ class DevMatrix:
 
 class CudaBackend:
     """Op set on one NVIDIA GPU through CuPy. ``weight_bytes`` counts the quantized
-    weights uploaded (dense prefill copies are counted in ``dense_bytes``).
+    weights uploaded. ``fuse=False`` compiles programs without the fused kernels (tests of
+    the generic path).
+
+    Kernel choice (shared/DESIGN.md; ``kernel_choice``): ``tune`` is the policy for the
+    artifact under ``artifact_root`` (default: the data dir): "off" (default: fixed
+    default kernels, no file read or written: tests and tools), "reuse" (a valid
+    artifact's winners, else defaults), "auto" (what the engine uses: sites without a
+    valid winner are timed at load, within ``tune_budget_s``, and recorded) or "force"
+    (``aotx tune``: every site timed again). ``prefill`` / ``gemv`` force one eager GEMM
+    mode / one GEMV variant everywhere (``CudaProgram``; tests and benchmarks).
 
     Raises ModelError when CuPy sees no CUDA device."""
 
     name = "cuda"
+    supported_types = SUPPORTED_TYPES
 
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self, device: int = 0, *, fuse: bool = True, tune: str = "off",
+                 tune_budget_s: float = kernel_choice.DEFAULT_BUDGET_S, artifact_root=None,
+                 prefill: str | None = None, gemv: str | None = None) -> None:
+        if tune not in kernel_choice.POLICIES:
+            raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
             n = cp.cuda.runtime.getDeviceCount()
         except Exception as e:  # noqa: BLE001 - the driver's errors come in many classes
@@ -80,8 +94,43 @@ class CudaBackend:
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.n_sm = int(props["multiProcessorCount"])
         self.weight_bytes = 0
-        self.dense_bytes = 0
-        self._modules: dict[tuple[str, ...], cp.RawModule] = {}
+        self._modules: dict[tuple[str, ...], dict] = {}
+        self._sampler = None
+        self.fuse = fuse
+        self.tune = tune
+        self.tune_budget_s = float(tune_budget_s)
+        self.artifact_root = artifact_root
+        self.prefill = prefill
+        self.gemv = gemv
+
+    def device_key(self) -> kernel_choice.DeviceKey:
+        """The kernel-choice artifact key of this device and build: GPU name, driver and
+        runtime versions, CuPy version, hash of the kernel sources and options."""
+        rt = cp.cuda.runtime
+        return kernel_choice.DeviceKey(
+            gpu=self.device_name, driver=str(rt.driverGetVersion()), cuda=str(rt.runtimeGetVersion()),
+            cupy=str(cp.__version__),
+            source=kernel_choice.source_hash(cuda_src.SRC, cuda_sampling.SRC, " ".join(NVRTC_OPTIONS),
+                                             cuda_choice.CHOICE_VERSION))
+
+    def artifact_path(self):
+        """Where this device's kernel-choice artifact lives (None with tune "off")."""
+        if self.tune == "off":
+            return None
+        from aotx.engine import paths
+
+        root = self.artifact_root if self.artifact_root is not None else paths.data_dir()
+        return kernel_choice.artifact_path(root, self.device_name)
+
+    def compile(self, program, *, fuse: bool | None = None):
+        """The CudaProgram of ``program`` (kernels chosen and compiled, weights placed;
+        graphs are captured per KV cache on first use). ``fuse=False`` runs every op as a
+        generic kernel (the fallback path; for tests). Raises ModelError for a program the
+        CUDA backend cannot run (a head dimension its attention kernel lacks, say)."""
+        from aotx.engine.backend.cuda_program import CudaProgram
+
+        return CudaProgram(program, self, fuse=self.fuse if fuse is None else fuse, prefill=self.prefill,
+                           gemv=self.gemv)
 
     # ---- tensors ---------------------------------------------------------------
 
@@ -141,20 +190,18 @@ class CudaBackend:
 
     # ---- kernels ---------------------------------------------------------------
 
-    def module(self, names: list[str]) -> dict[str, cp.RawKernel]:
+    def module(self, names) -> dict[str, cp.RawKernel]:
         """Compile (or fetch from CuPy's disk cache) the source with these template
         instances and plain kernels; returns name -> RawKernel."""
         key = tuple(sorted(set(names)))
-        mod = self._modules.get(key)
-        if mod is None:
+        got = self._modules.get(key)
+        if got is None:
             mod = cp.RawModule(code=cuda_src.SRC, options=NVRTC_OPTIONS, name_expressions=list(key))
-            self._modules[key] = mod
-        return {n: mod.get_function(n) for n in key}
+            got = self._modules[key] = {n: mod.get_function(n) for n in key}
+        return dict(got)
 
-    def dequantize(self, kern: cp.RawKernel, w: DevMatrix) -> cp.ndarray:
-        """float32 (m, k) copy of ``w`` made by the ``dequant<T>`` kernel ``kern``."""
-        out = cp.empty((w.m, w.k), cp.float32)
-        n = w.m * (w.k // 8)
-        kern(((n + 255) // 256,), (256,), (_u64(w.data), np.int64(w.row_bytes), np.int32(w.m), np.int32(w.k),
-                                           _u64(out)))
-        return out
+    def sampler_kernel(self) -> cp.RawKernel:
+        """The ``sample_rows`` kernel of ``cuda_sampling`` (compiled once per backend)."""
+        if self._sampler is None:
+            self._sampler = cp.RawModule(code=cuda_sampling.SRC, options=NVRTC_OPTIONS).get_function("sample_rows")
+        return self._sampler

@@ -1,22 +1,17 @@
-"""The CUDA backend's KV cache and the device tables of the decode graph.
+"""The CUDA backend's KV cache: K and V of every layer for every slot, float16 or float32.
 
-Owns: per layer ``(n_slots + 1, n_kv, n_ctx, hd) float32`` K and V (the extra slot is
-the scratch slot that padding rows of a graph write into), all layers in one
-allocation; the decode graph's row tables (token, slot, position), the sampler table
-and penalty history (``cuda_sampling``), the publication records, each with its
-pinned host mirror; the graph's activation buffers; the captured graphs themselves,
-keyed by (row bucket, output-row bucket).
-Leaves the launches to ``cuda_llama.py``.
+Owns: per layer ``(n_slots + 1, n_kv, n_ctx, hd)`` K and V (the extra slot is the scratch
+slot that padding rows of a graph replay write into), all layers in one allocation per
+tensor, in the cache's ``kv_type`` ("f16", the default, or "f32"); the stream the decode
+graph replays on; and the interface the runtime and the capsules use: ``clear``
+(speculative rollback), ``slot_shape``, ``snapshot_slot`` / ``restore_slot`` (capsules;
+byte-exact, same dtype; ``snapshot_slot(device=True)`` keeps the copy on the GPU: the
+device home) and ``copy_slot`` (a fork on the device).
+Leaves the device tables (rows, sampler, penalty history, publication records) to
+``cuda_tables.py`` and the activation buffers and graphs to ``cuda_program.py``.
 
-Rows: ``b_max`` = the slot count rounded up to a power of two, at least
-``GRAPH_MIN_ROWS``: a graph replay runs up to ``b_max`` rows, which may be the
-decode steps of many slots, a speculative verify window, or a short prefill (the
-next turn of a conversation), all through the same captured kernels.
-
-Same interface as ``llama.KVCache`` for the runtime: ``clear`` (speculative
-rollback), ``slot_shape``, ``snapshot_slot`` / ``restore_slot`` (capsules;
-``snapshot_slot(device=True)`` keeps the copy on the GPU: the device home),
-``copy_slot``. Not thread-safe: one engine thread drives it.
+Not thread-safe: one engine thread drives it. Every method runs on ``self.stream`` and
+waits for it, so nothing else is in flight when it returns.
 """
 
 from __future__ import annotations
@@ -24,65 +19,50 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from aotx.engine.backend import cuda_sampling as CS
-from aotx.engine.model.config import ModelConfig
-
-ATT_NSMAX = 16                 # most context splits per (row, head) in decode attention
-GRAPH_MIN_ROWS = 128           # a graph replay takes at least this many rows (verify windows, short prefills)
+KV_TYPES = ("f16", "f32")
+KV_DTYPE = {"f16": np.float16, "f32": np.float32}
 
 
-def _pinned(shape: tuple[int, ...], dtype) -> np.ndarray:
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    mem = cp.cuda.alloc_pinned_memory(n)
-    return np.frombuffer(mem, dtype, int(np.prod(shape))).reshape(shape)
+def check_kv_type(kv_type: str) -> str:
+    """``kv_type`` itself, or ValueError naming the accepted types."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"KV cache type {kv_type!r} is not supported (use f16 or f32)")
+    return kv_type
 
 
 class CudaKVCache:
-    """KV for ``n_slots`` slots of ``n_ctx`` tokens on the device, plus the decode
-    buffers and graphs bound to it. ``k``, ``v``: (n_layers, n_slots + 1, n_kv, n_ctx, hd)."""
+    """KV for ``n_slots`` slots of ``n_ctx`` tokens on the device. ``k``, ``v``: (n_layers,
+    n_slots + 1, n_kv, n_ctx, hd) of float16 or float32; ``layer_bytes``: bytes of one
+    layer of one of them (kernels address layer ``l`` at ``k.data.ptr + l * layer_bytes``)."""
 
-    def __init__(self, model, n_slots: int, n_ctx: int):
-        cfg = model.cfg
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, n_slots: int, n_ctx: int, kv_type: str = "f16"):
+        self.kv_type = check_kv_type(kv_type)
+        self.kvt = 1 if self.kv_type == "f16" else 0     # the kernels' KVT template argument
         self.n_slots = n_slots
         self.n_ctx = n_ctx
-        shape = (cfg.n_layers, n_slots + 1, cfg.n_kv_heads, n_ctx, cfg.head_dim)
-        self.k = cp.zeros(shape, cp.float32)
-        self.v = cp.zeros(shape, cp.float32)
+        self.scratch_slot = n_slots
+        shape = (n_layers, n_slots + 1, n_kv, n_ctx, head_dim)
+        dt = KV_DTYPE[self.kv_type]
+        self.k = cp.zeros(shape, dt)
+        self.v = cp.zeros(shape, dt)
         self.layer_bytes = int(self.k[0].nbytes)
-        b = 1
-        while b < max(n_slots, GRAPH_MIN_ROWS):
-            b *= 2
-        self.b_max = b
-        qd = cfg.n_heads * cfg.head_dim
-        # device tables (graph path), each refreshed from its pinned mirror before a replay
-        self.tab = cp.zeros((4, b), cp.int32)                 # token, slot, position per row; output rows
-        self.tab_np = _pinned((4, b), np.int32)
-        self.prm = cp.zeros((b, CS.P_WORDS), cp.int32)        # sampler table
-        self.prm_np = _pinned((b, CS.P_WORDS), np.int32)
-        self.hist = cp.zeros((b, CS.H_MAX), cp.int32)         # penalty history
-        self.hist_np = _pinned((b, CS.H_MAX), np.int32)
-        self.ids = cp.zeros(b, cp.int32)
-        self.rec = cp.zeros((b, CS.REC_WORDS), cp.int32)      # publication records
-        self.rec_np = _pinned((b, CS.REC_WORDS), np.int32)
-        self.x = cp.zeros((b, cfg.d_model), cp.float32)
-        self.xo = cp.zeros((b, cfg.d_model), cp.float32)     # the rows whose logits are wanted
-        self.q = cp.zeros((b, qd), cp.float32)
-        self.att = cp.zeros((b, qd), cp.float32)
-        self.g = cp.zeros((b, cfg.ffn_dim), cp.float32)
-        self.logits = cp.zeros((b, model.v_pad), cp.float32)
-        self.part = cp.zeros(b * cfg.n_heads * ATT_NSMAX * (cfg.head_dim + 2), cp.float32)
-        self.counters = cp.zeros(b * cfg.n_heads, cp.int32)
-        self.graphs: dict[int, object] = {}
         self.stream = cp.cuda.Stream(non_blocking=True)
 
     @staticmethod
-    def nbytes(cfg: ModelConfig, n_slots: int, n_ctx: int) -> int:
+    def nbytes(n_layers: int, n_kv: int, head_dim: int, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
         """Bytes of K and V for ``n_slots`` slots (plus the scratch slot) of ``n_ctx`` tokens."""
-        return 2 * cfg.n_layers * (n_slots + 1) * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4
+        item = np.dtype(KV_DTYPE[check_kv_type(kv_type)]).itemsize
+        return 2 * n_layers * (n_slots + 1) * n_kv * n_ctx * head_dim * item
 
-    # ---- what the runtime and the capsules use (same interface as llama.KVCache) ----
-    # Every method runs on ``self.stream`` (the decode graph's) and waits for it: the
-    # model's calls return with their work finished, so nothing else is in flight.
+    def layer_ptrs(self, layer: int) -> tuple[int, int]:
+        """Device addresses of layer ``layer``'s K and V."""
+        off = layer * self.layer_bytes
+        return self.k.data.ptr + off, self.v.data.ptr + off
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the cache and of what ``snapshot_slot`` returns."""
+        return np.dtype(KV_DTYPE[self.kv_type])
 
     @property
     def slot_shape(self) -> tuple[int, int, int, int]:
@@ -96,17 +76,17 @@ class CudaKVCache:
 
     def clear(self, slot: int, start: int, stop: int) -> None:
         """Zero positions start..stop-1 of ``slot`` in every layer (rollback of rejected
-        draft tokens, as ``llama.KVCache.clear``)."""
+        draft tokens)."""
         self._check_slot(slot)
         with self.stream:
             self.k[:, slot, :, start:stop, :] = 0
             self.v[:, slot, :, start:stop, :] = 0
         self.stream.synchronize()
 
-    def snapshot_slot(self, slot: int, n: int, *, device: bool = False):
+    def snapshot_slot(self, slot: int, n: int, device: bool = False):
         """Copies of ``slot``'s K and V for positions 0..n-1, (n_layers, n_kv_heads, n,
-        head_dim) float32: host numpy arrays (capsule snapshot), or with ``device=True``
-        CuPy arrays beside the live cache (a device home: no PCIe round trip)."""
+        head_dim) in the cache's dtype: host numpy arrays (capsule snapshot), or with
+        ``device=True`` CuPy arrays beside the live cache (a device home)."""
         self._check_slot(slot)
         with self.stream:
             k = cp.ascontiguousarray(self.k[:, slot, :, :n, :])
@@ -118,20 +98,12 @@ class CudaKVCache:
 
     def restore_slot(self, slot: int, k, v, n: int) -> None:
         """Copy positions 0..n-1 of ``k``, ``v`` (numpy or CuPy, as ``snapshot_slot``
-        returns them) into ``slot``; byte-exact."""
+        returns them, in this cache's dtype) into ``slot``; byte-exact. Raises ValueError
+        for another dtype (a capsule of an f32 cache into an f16 one, say)."""
         self._check_slot(slot)
+        if np.dtype(k.dtype) != self.dtype or np.dtype(v.dtype) != self.dtype:
+            raise ValueError(f"KV of dtype {np.dtype(k.dtype).name} cannot restore into an {self.kv_type} cache")
         with self.stream:
-            self.k[:, slot, :, :n, :] = cp.asarray(k[:, :, :n, :], cp.float32)
-            self.v[:, slot, :, :n, :] = cp.asarray(v[:, :, :n, :], cp.float32)
+            self.k[:, slot, :, :n, :] = cp.asarray(k[:, :, :n, :])
+            self.v[:, slot, :, :n, :] = cp.asarray(v[:, :, :n, :])
         self.stream.synchronize()
-
-    def copy_slot(self, src: int, dst: int, n: int) -> None:
-        """Positions 0..n-1 of slot ``src`` into slot ``dst``, on the device (a fork)."""
-        self._check_slot(src)
-        self._check_slot(dst)
-        with self.stream:
-            self.k[:, dst, :, :n, :] = self.k[:, src, :, :n, :]
-            self.v[:, dst, :, :n, :] = self.v[:, src, :, :n, :]
-        self.stream.synchronize()
-
-

@@ -3,7 +3,7 @@
 Owns: every device kernel the CUDA backend launches, as one source string, and the
 tensor-type codes the templates take (GGML's enum values). Leaves to ``cuda.py`` the
 compilation (``cupy.RawModule`` with exactly the template instances a model needs)
-and to ``cuda_llama.py`` the order of launches.
+and to ``cuda_program.py`` the order of launches.
 
 Layout conventions (all row-major, float32 unless said):
 * weights stay in GGUF block layout, one row of ``k`` inputs = ``row_bytes`` bytes;
@@ -15,8 +15,12 @@ Layout conventions (all row-major, float32 unless said):
   Every product in a deq8 is exact in float32 (a float16 scale times small integers), so
   the values equal gguf's ``dequantize`` bit for bit whether or not the compiler fuses
   the one add into an FMA.
-* activations ``x`` are ``(B, ld)``; KV cache per layer ``(n_slots, n_kv, n_ctx, hd)``.
+* activations ``x`` are ``(B, ld)``; KV cache per layer ``(n_slots, n_kv, n_ctx, hd)``,
+  float32 or float16 (template argument ``KVT``: 0 or 1).
 * device tables for decode: ``tab_tok``, ``tab_slot``, ``tab_pos`` int32 ``(B,)``.
+* RoPE reads cos/sin tables ``(n_ctx, rope_half)`` float32 made on the host (frequency
+  factors and scaling folded in); "neox" rotates dims j and j + rope_half of a head, the
+  llama ("norm") style adjacent dims 2j and 2j + 1.
 
 No headers are included (NVRTC has none by default): half/bfloat16 conversion uses
 PTX ``cvt`` and bit shifts.
@@ -30,8 +34,10 @@ Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4 = 10, 11, 20, 23, 39
 #: every type with a ``deq8<T>`` specialization (and so ``embed``/``dequant``/``gemv`` instances)
 TYPES = (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16, MXFP4)
 
-# gemv epilogue modes
-MODE_STORE, MODE_ADD, MODE_SWIGLU, MODE_QKV = 0, 1, 2, 3
+# gemv epilogue modes: store, add (residual), SwiGLU and GEGLU of a gate/up pair, the QKV
+# projection with RoPE and the KV write fused (float32 or float16 KV cache)
+MODE_STORE, MODE_ADD, MODE_SWIGLU, MODE_QKV, MODE_GEGLU, MODE_QKV16 = 0, 1, 2, 3, 4, 5
+KV_TYPES = {"f32": 0, "f16": 1}          # KVT template argument of the attention and KV-write kernels
 
 SRC = r"""
 typedef unsigned char u8;
@@ -311,125 +317,308 @@ __device__ __forceinline__ float warp_max(float v) {
 
 #define GEMV_WARPS 4
 
-// y = (optionally rmsnorm'ed) x @ W.T: two output rows ("a pair") per WPP warps, NB batch
-// rows per block (grid.y covers the batch). The WPP warps of a pair split the row's inputs.
-// Rows of a pair: ra = p * a_stride (of Wa), rb = p * a_stride + b_off (of Wb).
-// MODE 0 store (rows 2p, 2p+1), 1 add, 2 swiglu: y[b, p] = silu(a) * b,
-// 3 qkv: global row r = row_base + 2p of [q; k; v]; q rows roped into y, k roped into kc, v into vc.
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+// GELU, tanh approximation (ggml_gelu's formula)
+__device__ __forceinline__ float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x)));
+}
+
+// KV cache element i of a float32 (KVT 0) or float16 (KVT 1) cache
+template <int KVT> __device__ __forceinline__ void kv_st(void* c, long long i, float v);
+template <> __device__ __forceinline__ void kv_st<0>(void* c, long long i, float v) { ((float*)c)[i] = v; }
+template <> __device__ __forceinline__ void kv_st<1>(void* c, long long i, float v) { ((u16*)c)[i] = f2h(v); }
+
+// gemv epilogue modes (MODE_* in Python)
+#define M_STORE 0
+#define M_ADD 1
+#define M_SWIGLU 2
+#define M_QKV 3
+#define M_GEGLU 4
+#define M_QKV16 5
+
+// ---- the decode GEMV and its canonical reduction order ------------------------------------
+// Batch invariance (shared/DESIGN.md) asks one reduction order per output element, whatever
+// the batch bucket or the kernel variant the kernel choice picked. Every variant below
+// computes the dot product of one weight row with one (normed) batch row in THE SAME order:
+// * the row's inputs are units u of 8 (u = 0 .. k/8 - 1); "virtual lane" v (0..127) takes
+//   the units u = v, v + 128, v + 256, ... in that order and accumulates, unit by unit,
+//   acc = fmaf(w[i], x[i], acc) for i = 0..7 (w already multiplied by the norm weight);
+// * the 32 virtual lanes of each group g (v = 32 g + lane, g = 0..3) are summed by the warp
+//   butterfly (warp_sum: xor 16, 8, 4, 2, 1; every lane ends with the same bits), giving R_g;
+// * the row's sum is ((R_0 + R_1) + R_2) + R_3; then the epilogue (norm scale, bias, mode).
+// A variant only maps virtual lanes onto threads: WPP warps share a row pair and each
+// thread holds S = 4 / WPP groups' accumulators (g = sub + WPP * s). NB batch rows share
+// each weight load. Explicit fmaf / __fmul_rn / __fadd_rn keep the compiler from fusing
+// differently in different instances.
+// The RMSNorm scale of a batch row is rsqrt(ss / k + eps), ss summed by row_ss: 128 threads,
+// thread t takes elements t, t + 128, ... (fmaf), the warp butterfly, then the 4 warp sums
+// in order. The GEMV's prologue (xs == null) and the row_scale kernel (xs != null: the
+// scale was computed before the launch) call the same function, so both give the same bits.
+
+__device__ __forceinline__ float row_ss(const float* __restrict__ xr, int k, float* red) {
+    float ss = 0.f;
+    for (int e = threadIdx.x; e < k; e += 128) { const float v = xr[e]; ss = fmaf(v, v, ss); }
+    ss = warp_sum(ss);
+    __syncthreads();                         // red may still be read by the previous call
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float t = red[0];
+    t = __fadd_rn(t, red[1]);
+    t = __fadd_rn(t, red[2]);
+    t = __fadd_rn(t, red[3]);
+    return t;
+}
+__device__ __forceinline__ float norm_scale(float ss, int k, float eps) {
+    return rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)k), eps));
+}
+
+// out[r] = rsqrt(mean(x[r]^2) + eps) for r < gridDim.x: the norm scale the GEMV reads when
+// its ``xs`` argument is given (one launch per norm instead of one per GEMV block). 128 threads.
+__global__ void __launch_bounds__(128) row_scale(const float* __restrict__ x, int ldx, int k, float eps,
+                                                 float* __restrict__ out)
+{
+    __shared__ float red[4];
+    const float ss = row_ss(x + (long long)blockIdx.x * ldx, k, red);
+    if (threadIdx.x == 0) out[blockIdx.x] = norm_scale(ss, k, eps);
+}
+
+// y = W . (optionally rmsnorm'ed) x (+ bias): two output rows ("a pair") per WPP warps, NB
+// batch rows per block (grid.y covers the batch), GEMV_WARPS / WPP pairs per block (grid.x).
+// Rows of a pair: ra = p * a_stride (of Wa), rb = p * a_stride + b_off (of Wb); bias_a[ra],
+// bias_b[rb] are added after the norm (either pointer may be null). nw: the RMSNorm weight
+// (k,) folded into the weights, or null (no norm); then xs: the rows' norm scales computed
+// by row_scale before this launch, or null (computed here, per block).
+// MODE 0 store (rows ra, rb), 1 add, 2 swiglu: y[b, p] = silu(a) * b, 4 geglu: gelu_tanh(a) * b,
+// 3 / 5 qkv (float32 / float16 KV): the pair is two rows of one head of [q; k; v] (global row
+// g = row_base + 2p; adjacent dims for RoPE "norm" and V, dims j and j + rope_half for RoPE
+// "neox"); q rows are roped into y, k rows roped into kc, v rows into vc at (slot, pos) of the
+// batch row.
 template <int TA, int TB, int NB, int MODE, int WPP>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,
     int n_pairs, int k, const float* __restrict__ x, int ldx, int B, const float* __restrict__ nw, float eps,
+    const float* __restrict__ xs, const float* __restrict__ bias_a, const float* __restrict__ bias_b,
     float* __restrict__ y, int ldy,
-    int row_base, int qd, int kd, int hd, int rope_half, int n_kv, int n_ctx,
+    int row_base, int qd, int kd, int hd, int rope_half, int neox, int n_kv, int n_ctx,
     const int* __restrict__ tab_slot, const int* __restrict__ tab_pos,
-    const float* __restrict__ rcos, const float* __restrict__ rsin, float* __restrict__ kc, float* __restrict__ vc)
+    const float* __restrict__ rcos, const float* __restrict__ rsin, void* __restrict__ kc, void* __restrict__ vc)
 {
+    static_assert(WPP == 1 || WPP == 2 || WPP == 4, "WPP is 1, 2 or 4");
+    constexpr bool QKV = (MODE == M_QKV || MODE == M_QKV16);
+    constexpr int PPB = GEMV_WARPS / WPP;    // row pairs per block
+    constexpr int S = 4 / WPP;               // virtual-lane groups per thread
     __shared__ float s_scale[NB];
-    __shared__ float s_red[WPP > 1 ? GEMV_WARPS : 1][2 * NB];
+    __shared__ float s_red[WPP > 1 ? PPB : 1][4][2 * NB];   // per pair: R_g of A and B rows (WPP > 1)
+    __shared__ float s_ss[4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b0 = blockIdx.y * NB;
     const int nb = min(NB, B - b0);
     if (nw != nullptr) {
-        for (int j = warp; j < NB; j += GEMV_WARPS) {
-            const float* xr = x + (long long)(b0 + min(j, nb - 1)) * ldx;
-            float ss = 0.f;
-            for (int e = lane; e < k; e += 32) { float v = xr[e]; ss += v * v; }
-            ss = warp_sum(ss);
-            if (lane == 0) s_scale[j] = rsqrtf(ss / (float)k + eps);
+        if (xs != nullptr) {
+            if (threadIdx.x < NB) s_scale[threadIdx.x] = xs[b0 + min((int)threadIdx.x, nb - 1)];
+        } else {
+            for (int j = 0; j < NB; j++) {
+                const float ss = row_ss(x + (long long)(b0 + min(j, nb - 1)) * ldx, k, s_ss);
+                if (threadIdx.x == 0) s_scale[j] = norm_scale(ss, k, eps);
+            }
         }
         __syncthreads();
     }
-    const int p_raw = blockIdx.x * (GEMV_WARPS / WPP) + warp / WPP;
+    const int pl = warp / WPP;               // pair within the block
+    const int p_raw = blockIdx.x * PPB + pl;
     const bool valid = p_raw < n_pairs;
     const int p = valid ? p_raw : n_pairs - 1;
     const int sub = warp % WPP;
-    const long long ra = (long long)p * a_stride, rb = ra + b_off;
+    long long ra, rb;
+    int sect = 0, head = 0, dd = 0, da = 0, db = 0, s0 = 0;
+    if (QKV) {
+        const int g = row_base + 2 * p;
+        sect = g < qd ? 0 : (g < qd + kd ? 1 : 2);
+        s0 = sect == 0 ? 0 : (sect == 1 ? qd : qd + kd);
+        head = (g - s0) / hd;
+        dd = g - s0 - head * hd;
+        if (neox && sect < 2 && dd < 2 * rope_half) { da = dd >> 1; db = da + rope_half; }
+        else { da = dd; db = dd + 1; }
+        ra = (long long)(s0 + head * hd + da - row_base);
+        rb = (long long)(s0 + head * hd + db - row_base);
+    } else {
+        ra = (long long)p * a_stride;
+        rb = ra + b_off;
+    }
     const u8* rowA = Wa + ra * rba;
     const u8* rowB = Wb + rb * rbb;
-    float accA[NB], accB[NB];
+    float accA[S][NB], accB[S][NB];
 #pragma unroll
-    for (int j = 0; j < NB; j++) { accA[j] = 0.f; accB[j] = 0.f; }
-    const int nu = k >> 3;
-#pragma unroll 2
-    for (int u = sub * 32 + lane; u < nu; u += 32 * WPP) {
-        float wa[8], wb[8];
-        deq8<TA>(rowA, u, wa);
-        deq8<TB>(rowB, u, wb);
-        if (nw != nullptr) {
-            const float4* np = (const float4*)(nw + 8 * u);
-            float4 n0 = np[0], n1 = np[1];
-            float nn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
+    for (int s = 0; s < S; s++) {
 #pragma unroll
-            for (int i = 0; i < 8; i++) { wa[i] *= nn[i]; wb[i] *= nn[i]; }
-        }
-#pragma unroll
-        for (int j = 0; j < NB; j++) {
-            const float4* xp = (const float4*)(x + (long long)(b0 + min(j, nb - 1)) * ldx + 8 * u);
-            float4 x0 = xp[0], x1 = xp[1];
-            accA[j] += wa[0] * x0.x + wa[1] * x0.y + wa[2] * x0.z + wa[3] * x0.w
-                     + wa[4] * x1.x + wa[5] * x1.y + wa[6] * x1.z + wa[7] * x1.w;
-            accB[j] += wb[0] * x0.x + wb[1] * x0.y + wb[2] * x0.z + wb[3] * x0.w
-                     + wb[4] * x1.x + wb[5] * x1.y + wb[6] * x1.z + wb[7] * x1.w;
-        }
+        for (int j = 0; j < NB; j++) { accA[s][j] = 0.f; accB[s][j] = 0.f; }
     }
+    const int nu = k >> 3;
+#pragma unroll 1
+    for (int u0 = 0; u0 < nu; u0 += 128) {
 #pragma unroll
-    for (int j = 0; j < NB; j++) { accA[j] = warp_sum(accA[j]); accB[j] = warp_sum(accB[j]); }
-    if (WPP > 1) {
-        if (lane == 0) {
+        for (int s = 0; s < S; s++) {
+            const int u = u0 + 32 * (sub + WPP * s) + lane;
+            if (u < nu) {
+                float wa[8], wb[8];
+                deq8<TA>(rowA, u, wa);
+                deq8<TB>(rowB, u, wb);
+                if (nw != nullptr) {
+                    const float4* np = (const float4*)(nw + 8 * u);
+                    const float4 n0 = np[0], n1 = np[1];
+                    const float nn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
 #pragma unroll
-            for (int j = 0; j < NB; j++) { s_red[warp][2 * j] = accA[j]; s_red[warp][2 * j + 1] = accB[j]; }
-        }
-        __syncthreads();
-        if (sub != 0) return;
-        if (lane == 0) {
+                    for (int i = 0; i < 8; i++) { wa[i] = __fmul_rn(wa[i], nn[i]); wb[i] = __fmul_rn(wb[i], nn[i]); }
+                }
 #pragma unroll
-            for (int j = 0; j < NB; j++) {
+                for (int j = 0; j < NB; j++) {
+                    const float4* xp = (const float4*)(x + (long long)(b0 + min(j, nb - 1)) * ldx + 8 * u);
+                    const float4 x0 = xp[0], x1 = xp[1];
+                    const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                    float a = accA[s][j], c = accB[s][j];
 #pragma unroll
-                for (int w = 1; w < WPP; w++) { accA[j] += s_red[warp + w][2 * j]; accB[j] += s_red[warp + w][2 * j + 1]; }
+                    for (int i = 0; i < 8; i++) { a = fmaf(wa[i], xv[i], a); c = fmaf(wb[i], xv[i], c); }
+                    accA[s][j] = a;
+                    accB[s][j] = c;
+                }
             }
         }
     }
+#pragma unroll
+    for (int s = 0; s < S; s++) {
+#pragma unroll
+        for (int j = 0; j < NB; j++) { accA[s][j] = warp_sum(accA[s][j]); accB[s][j] = warp_sum(accB[s][j]); }
+    }
+    float totA[NB], totB[NB];
+    if constexpr (WPP == 1) {
+#pragma unroll
+        for (int j = 0; j < NB; j++) {
+            float a = accA[0][j], c = accB[0][j];
+#pragma unroll
+            for (int s = 1; s < S; s++) { a = __fadd_rn(a, accA[s][j]); c = __fadd_rn(c, accB[s][j]); }
+            totA[j] = a;
+            totB[j] = c;
+        }
+    } else {
+        if (lane == 0) {
+#pragma unroll
+            for (int s = 0; s < S; s++) {
+#pragma unroll
+                for (int j = 0; j < NB; j++) {
+                    s_red[pl][sub + WPP * s][2 * j] = accA[s][j];
+                    s_red[pl][sub + WPP * s][2 * j + 1] = accB[s][j];
+                }
+            }
+        }
+        __syncthreads();
+        if (sub != 0) return;
+#pragma unroll
+        for (int j = 0; j < NB; j++) {
+            float a = s_red[pl][0][2 * j], c = s_red[pl][0][2 * j + 1];
+#pragma unroll
+            for (int g = 1; g < 4; g++) { a = __fadd_rn(a, s_red[pl][g][2 * j]); c = __fadd_rn(c, s_red[pl][g][2 * j + 1]); }
+            totA[j] = a;
+            totB[j] = c;
+        }
+    }
     if (lane != 0 || !valid) return;
+    const float ba = bias_a != nullptr ? bias_a[ra] : 0.f, bb = bias_b != nullptr ? bias_b[rb] : 0.f;
 #pragma unroll
     for (int j = 0; j < NB; j++) {
         if (j >= nb) break;
         const int b = b0 + j;
-        float a = accA[j], c = accB[j];
-        if (nw != nullptr) { a *= s_scale[j]; c *= s_scale[j]; }
+        float a = totA[j], c = totB[j];
+        if (nw != nullptr) { a = __fmul_rn(a, s_scale[j]); c = __fmul_rn(c, s_scale[j]); }
+        a = __fadd_rn(a, ba);
+        c = __fadd_rn(c, bb);
         float* yr = y + (long long)b * ldy;
-        if (MODE == 0) { yr[ra] = a; yr[rb] = c; }
-        else if (MODE == 1) { yr[ra] += a; yr[rb] += c; }
-        else if (MODE == 2) { yr[p] = silu(a) * c; }
+        if (MODE == M_STORE) { yr[ra] = a; yr[rb] = c; }
+        else if (MODE == M_ADD) { yr[ra] = __fadd_rn(yr[ra], a); yr[rb] = __fadd_rn(yr[rb], c); }
+        else if (MODE == M_SWIGLU) { yr[p] = __fmul_rn(silu(a), c); }
+        else if (MODE == M_GEGLU) { yr[p] = __fmul_rn(gelu_tanh(a), c); }
         else {
-            int r = row_base + 2 * p;
-            int pos = tab_pos[b];
-            if (r < qd + kd) {
-                int rr = r < qd ? r : r - qd;
-                int dd = rr % hd, jj = dd >> 1;
-                if (jj < rope_half) {
-                    float cs = rcos[(long long)pos * rope_half + jj], sn = rsin[(long long)pos * rope_half + jj];
-                    float a2 = a * cs - c * sn, c2 = a * sn + c * cs;
+            const int pos = tab_pos[b];
+            if (sect < 2) {
+                const int jj = neox ? (dd < 2 * rope_half ? da : -1) : ((dd >> 1) < rope_half ? (dd >> 1) : -1);
+                if (jj >= 0) {
+                    const float cs = rcos[(long long)pos * rope_half + jj], sn = rsin[(long long)pos * rope_half + jj];
+                    const float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(c, sn));
+                    const float c2 = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(c, cs));
                     a = a2; c = c2;
                 }
-                if (r < qd) { yr[r] = a; yr[r + 1] = c; }
-                else {
-                    long long o = (((long long)tab_slot[b] * n_kv + rr / hd) * n_ctx + pos) * hd + dd;
-                    kc[o] = a; kc[o + 1] = c;
-                }
-            } else {
-                int rr = r - qd - kd, dd = rr % hd;
-                long long o = (((long long)tab_slot[b] * n_kv + rr / hd) * n_ctx + pos) * hd + dd;
-                vc[o] = a; vc[o + 1] = c;
+            }
+            if (sect == 0) { yr[head * hd + da] = a; yr[head * hd + db] = c; }
+            else {
+                const long long o = (((long long)tab_slot[b] * n_kv + head) * n_ctx + pos) * hd;
+                void* cache = sect == 1 ? kc : vc;
+                kv_st<MODE == M_QKV16 ? 1 : 0>(cache, o + da, a);
+                kv_st<MODE == M_QKV16 ? 1 : 0>(cache, o + db, c);
             }
         }
     }
 }
 
-// x[b, :] = row tab_tok[b] of W (embedding lookup), k inputs.
+// One warp per (head, row): grid (H + 2 n_kv, N), 32 threads. Row r of src (N, ld) holds
+// [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)] (plus bias, when not null). Per head: RMSNorm over
+// its hd values with weight q_norm (q heads) or k_norm (k heads) when given (QK-norm), RoPE
+// on q and k (rope_half pairs: adjacent dims, or j and j + rope_half for "neox"), then q to
+// q_out (N, ldq; may alias src), k and v to the caches at (slot[r], pos[r]).
+template <int KVT>
+__global__ void __launch_bounds__(32) head_rope_kv(
+    const float* src, int ld, const float* __restrict__ bias, int H, int n_kv, int hd, int rope_half, int neox,
+    const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+    const int* __restrict__ slot, const int* __restrict__ pos,
+    const float* __restrict__ rcos, const float* __restrict__ rsin, float* q_out, int ldq,
+    void* __restrict__ kc, void* __restrict__ vc, int n_ctx)
+{
+    __shared__ float s[256];
+    const int hh = blockIdx.x, r = blockIdx.y, lane = threadIdx.x;
+    const int qd = H * hd, kd = n_kv * hd;
+    const int sect = hh < H ? 0 : (hh < H + n_kv ? 1 : 2);
+    const int head = sect == 0 ? hh : (sect == 1 ? hh - H : hh - H - n_kv);
+    const int col0 = (sect == 0 ? 0 : (sect == 1 ? qd : qd + kd)) + head * hd;
+    const float* xr = src + (long long)r * ld + col0;
+    float ss = 0.f;
+    for (int d = lane; d < hd; d += 32) {
+        const float v = xr[d] + (bias != nullptr ? bias[col0 + d] : 0.f);
+        s[d] = v;
+        ss += v * v;
+    }
+    const float* nw = sect == 0 ? q_norm : (sect == 1 ? k_norm : nullptr);
+    __syncwarp();
+    if (nw != nullptr) {
+        ss = warp_sum(ss);
+        const float sc = rsqrtf(ss / (float)hd + eps);
+        for (int d = lane; d < hd; d += 32) s[d] = s[d] * sc * nw[d];
+        __syncwarp();
+    }
+    const int p = pos[r];
+    if (sect < 2) {
+        for (int j = lane; j < rope_half; j += 32) {
+            const int ia = neox ? j : 2 * j, ib = neox ? j + rope_half : 2 * j + 1;
+            const float a = s[ia], c = s[ib];
+            const float cs = rcos[(long long)p * rope_half + j], sn = rsin[(long long)p * rope_half + j];
+            s[ia] = a * cs - c * sn;
+            s[ib] = a * sn + c * cs;
+        }
+        __syncwarp();
+    }
+    if (sect == 0) {
+        float* o = q_out + (long long)r * ldq + head * hd;
+        for (int d = lane; d < hd; d += 32) o[d] = s[d];
+    } else {
+        const long long o = (((long long)slot[r] * n_kv + head) * n_ctx + p) * hd;
+        void* cache = sect == 1 ? kc : vc;
+        for (int d = lane; d < hd; d += 32) kv_st<KVT>(cache, o + d, s[d]);
+    }
+}
+
+// x[b, :] = scale * row tab_tok[b] of W (embedding lookup), k inputs.
 template <int T>
 __global__ void embed(const u8* __restrict__ W, long long rb, const int* __restrict__ tok, int k,
-                      float* __restrict__ x, int ldx)
+                      float* __restrict__ x, int ldx, float scale)
 {
     const int b = blockIdx.y;
     const int u = blockIdx.x * blockDim.x + threadIdx.x;
@@ -438,7 +627,7 @@ __global__ void embed(const u8* __restrict__ W, long long rb, const int* __restr
     deq8<T>(W + (long long)tok[b] * rb, u, w);
     float* o = x + (long long)b * ldx + 8 * u;
 #pragma unroll
-    for (int i = 0; i < 8; i++) o[i] = w[i];
+    for (int i = 0; i < 8; i++) o[i] = w[i] * scale;
 }
 
 // out (m, k) float32 = every row of W dequantized
@@ -457,25 +646,98 @@ __global__ void dequant(const u8* __restrict__ W, long long rb, int m, int k, fl
     o[1] = make_float4(w[4], w[5], w[6], w[7]);
 }
 
-template <int E> __device__ __forceinline__ void ldv(const float* p, float* o);
-template <> __device__ __forceinline__ void ldv<2>(const float* p, float* o) {
-    float2 v = *(const float2*)p; o[0] = v.x; o[1] = v.y;
-}
-template <> __device__ __forceinline__ void ldv<4>(const float* p, float* o) {
-    float4 v = *(const float4*)p; o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+// float16 bits of f, saturated to +-65504 (NaN stays NaN): the prefill GEMM's inputs never
+// become infinite
+__device__ __forceinline__ u16 f2h_sat(float f) {
+    const float c = fminf(fmaxf(f, -65504.f), 65504.f);
+    return f2h(f == f ? c : f);
 }
 
-// Decode attention, split over the context: grid (NSMAX, H, B), 128 threads.
-// Row b attends to positions 0..tab_pos[b] of slot tab_slot[b]; the block of split s
-// handles a contiguous chunk in rounds of 4 * PW positions: each warp loads the K and V
-// rows of its PW positions into registers at once (lane holds E = HD/32 dims), then
-// updates its online softmax. Partials (m, l, acc[HD]) go to part; the last split block
-// to finish (atomic ticket) combines them and resets its counter.
-template <int HD>
+// out (m, k) float16 = every row of W dequantized (a tile of rows of a weight for the
+// prefill GEMM: pass W at the tile's first row), saturated like f2h_sat
+template <int T>
+__global__ void dequant_h(const u8* __restrict__ W, long long rb, int m, int k, u16* __restrict__ out)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int nu = k >> 3;
+    if (i >= (long long)m * nu) return;
+    const long long r = i / nu;
+    const int u = (int)(i % nu);
+    float w[8];
+    deq8<T>(W + r * rb, u, w);
+    uint4 o;
+    o.x = (u32)f2h_sat(w[0]) | ((u32)f2h_sat(w[1]) << 16);
+    o.y = (u32)f2h_sat(w[2]) | ((u32)f2h_sat(w[3]) << 16);
+    o.z = (u32)f2h_sat(w[4]) | ((u32)f2h_sat(w[5]) << 16);
+    o.w = (u32)f2h_sat(w[6]) | ((u32)f2h_sat(w[7]) << 16);
+    *(uint4*)(out + r * k + 8 * u) = o;
+}
+
+// out[r, :k] (float16, ld ldo) = x[r] * rsqrt(mean(x[r]^2) + eps) * nw (nw given: the RMSNorm
+// folded in, its scale from row_ss) or x[r] (nw null), saturated like f2h_sat: the prefill
+// GEMM's activations, converted once per op. One block of 128 threads per row.
+__global__ void __launch_bounds__(128) rows_half(const float* __restrict__ x, int ldx, const float* __restrict__ nw,
+                                                 float eps, int k, u16* __restrict__ out, int ldo)
+{
+    __shared__ float red[4];
+    const float* xr = x + (long long)blockIdx.x * ldx;
+    u16* o = out + (long long)blockIdx.x * ldo;
+    if (nw != nullptr) {
+        const float sc = norm_scale(row_ss(xr, k, red), k, eps);
+        for (int e = threadIdx.x; e < k; e += 128) o[e] = f2h_sat(__fmul_rn(__fmul_rn(xr[e], sc), nw[e]));
+    } else {
+        for (int e = threadIdx.x; e < k; e += 128) o[e] = f2h_sat(xr[e]);
+    }
+}
+
+// E consecutive elements of a float32 (KVT 0) or float16 (KVT 1) cache row, element offset i
+// (i * element size is a multiple of E * element size for E = 2, 4, 8)
+template <int E, int KVT> __device__ __forceinline__ void ldkv(const void* c, long long i, float* o) {
+    if (KVT == 0) {
+        const float* p = (const float*)c + i;
+        if (E == 2) { float2 v = *(const float2*)p; o[0] = v.x; o[1] = v.y; }
+        else if (E % 4 == 0) {
+#pragma unroll
+            for (int e = 0; e < E; e += 4) {
+                float4 v = *(const float4*)(p + e);
+                o[e] = v.x; o[e + 1] = v.y; o[e + 2] = v.z; o[e + 3] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < E; e++) o[e] = p[e];
+        }
+    } else {
+        const u16* p = (const u16*)c + i;
+        if (E == 2) { u32 v = *(const u32*)p; o[0] = h2f((u16)(v & 0xffff)); o[1] = h2f((u16)(v >> 16)); }
+        else if (E == 4) {
+            uint2 v = *(const uint2*)p;
+            o[0] = h2f((u16)(v.x & 0xffff)); o[1] = h2f((u16)(v.x >> 16));
+            o[2] = h2f((u16)(v.y & 0xffff)); o[3] = h2f((u16)(v.y >> 16));
+        } else if (E == 8) {
+            uint4 v = *(const uint4*)p;
+            u32 a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) { o[2 * e] = h2f((u16)(a[e] & 0xffff)); o[2 * e + 1] = h2f((u16)(a[e] >> 16)); }
+        } else {
+#pragma unroll
+            for (int e = 0; e < E; e++) o[e] = h2f(p[e]);
+        }
+    }
+}
+
+// Attention of rows over their slot's KV, split over the context: grid (NSMAX, H, B), 128
+// threads. Row b attends to positions lo .. tab_pos[b] of slot tab_slot[b], lo = 0, or
+// tab_pos[b] + 1 - window for a sliding window (window > 0). The block of split s handles a
+// contiguous chunk in rounds of 4 * PW positions: each warp loads the K and V rows of its PW
+// positions into registers at once (lane holds E = HD/32 dims), then updates its online
+// softmax. Partials (m, l, acc[HD]) go to part; the last split block to finish (atomic
+// ticket) combines them and resets its counter. Query head h reads KV head h / (H / n_kv).
+template <int HD, int KVT>
 __global__ void __launch_bounds__(128) attn_decode(
-    const float* __restrict__ q, int ldq, const float* __restrict__ kc, const float* __restrict__ vc,
+    const float* __restrict__ q, int ldq, const void* __restrict__ kc, const void* __restrict__ vc,
     const int* __restrict__ tab_slot, const int* __restrict__ tab_pos, int H, int n_kv, int n_ctx, float scale,
-    float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out, int ldo, int nsmax, int minchunk)
+    int window, float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out, int ldo, int nsmax,
+    int minchunk)
 {
     constexpr int E = HD / 32;
     constexpr int PW = 32 / E;
@@ -484,17 +746,21 @@ __global__ void __launch_bounds__(128) attn_decode(
     const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int len = tab_pos[b] + 1;
-    int nsplit = (len + minchunk - 1) / minchunk;
+    const int lo = (window > 0 && len > window) ? len - window : 0;
+    const int span = len - lo;
+    int nsplit = (span + minchunk - 1) / minchunk;
     if (nsplit > nsmax) nsplit = nsmax;
     if (s >= nsplit) return;
-    const int chunk = (len + nsplit - 1) / nsplit;
-    const int t0 = s * chunk, t1 = min(len, t0 + chunk);
+    const int chunk = (span + nsplit - 1) / nsplit;
+    const int t0 = lo + s * chunk, t1 = min(len, t0 + chunk);
     const int g = h / (H / n_kv);
-    const long long base = ((long long)tab_slot[b] * n_kv + g) * n_ctx * HD;
-    const float* K = kc + base + lane * E;
-    const float* V = vc + base + lane * E;
+    const long long base = ((long long)tab_slot[b] * n_kv + g) * n_ctx * HD + lane * E;
     float qv[E], acc[E];
-    ldv<E>(q + (long long)b * ldq + h * HD + lane * E, qv);
+    {
+        const float* qp = q + (long long)b * ldq + h * HD + lane * E;
+#pragma unroll
+        for (int e = 0; e < E; e++) qv[e] = qp[e];
+    }
 #pragma unroll
     for (int e = 0; e < E; e++) { qv[e] *= scale; acc[e] = 0.f; }
     float m = -1e30f, l = 0.f;
@@ -503,8 +769,8 @@ __global__ void __launch_bounds__(128) attn_decode(
 #pragma unroll
         for (int i = 0; i < PW; i++) {
             const int t = (r0 + i < t1) ? r0 + i : t0;
-            ldv<E>(K + (long long)t * HD, kr[i]);
-            ldv<E>(V + (long long)t * HD, vr[i]);
+            ldkv<E, KVT>(kc, base + (long long)t * HD, kr[i]);
+            ldkv<E, KVT>(vc, base + (long long)t * HD, vr[i]);
         }
 #pragma unroll
         for (int i = 0; i < PW; i++) {
@@ -580,50 +846,15 @@ __global__ void __launch_bounds__(128) attn_decode(
     if (threadIdx.x == 0) counters[bh] = 0;
 }
 
-// ids[b] = first index of the largest of logits[b, :V]; 1024 threads per row.
-__global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int ld, int V,
-                                                    int* __restrict__ ids)
-{
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const int b = blockIdx.x;
-    const float* r = logits + (long long)b * ld;
-    float best = -3.0e38f; int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        float v = r[i];
-        if (v > best) { best = v; bi = i; }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0) { sv[warp] = best; si[warp] = bi; }
-    __syncthreads();
-    if (warp == 0) {
-        const int nw = blockDim.x >> 5;
-        best = lane < nw ? sv[lane] : -3.0e38f;
-        bi = lane < nw ? si[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-        }
-        if (lane == 0) ids[b] = bi;
-    }
-}
+// ---- eager (prefill and mixed batches) and generic helpers --------------------------------
 
-// ---- eager (prefill and mixed batches) helpers -----------------------------------
-
-// out[i] = x[i] * rsqrt(mean(x[i]^2) + eps) * w; one block per row.
-__global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float eps, int d,
-                         float* __restrict__ out)
+// out[r] = (add ? out[r] : 0) + x[r] * rsqrt(mean(x[r]^2) + eps) * w; one block per row
+// (add: a norm after a sublayer whose result joins the residual stream, as gemma3's).
+__global__ void rms_norm(const float* __restrict__ x, int ldx, const float* __restrict__ w, float eps, int d,
+                         float* __restrict__ out, int ldo, int add)
 {
     __shared__ float red[32];
-    const float* xr = x + (long long)blockIdx.x * d;
+    const float* xr = x + (long long)blockIdx.x * ldx;
     float ss = 0.f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) { float v = xr[i]; ss += v * v; }
     ss = warp_sum(ss);
@@ -636,51 +867,26 @@ __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ 
     }
     __syncthreads();
     const float sc = rsqrtf(red[0] / (float)d + eps);
-    float* o = out + (long long)blockIdx.x * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = xr[i] * sc * w[i];
+    float* o = out + (long long)blockIdx.x * ldo;
+    if (add) { for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] += xr[i] * sc * w[i]; }
+    else { for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = xr[i] * sc * w[i]; }
 }
 
-// Rotate adjacent pairs of rows x[n, ld] in columns [c0, c0 + nh*hd): one thread per pair.
-__global__ void rope_rows(float* __restrict__ x, int ld, int c0, int n, int nh, int hd, int rope_half,
-                          const int* __restrict__ pos, const float* __restrict__ rcos, const float* __restrict__ rsin)
-{
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const int pairs = nh * rope_half;
-    if (i >= (long long)n * pairs) return;
-    const int r = (int)(i / pairs), pi = (int)(i % pairs);
-    const int hh = pi / rope_half, j = pi % rope_half;
-    float* p = x + (long long)r * ld + c0 + hh * hd + 2 * j;
-    const float cs = rcos[(long long)pos[r] * rope_half + j], sn = rsin[(long long)pos[r] * rope_half + j];
-    const float a = p[0], c = p[1];
-    p[0] = a * cs - c * sn;
-    p[1] = a * sn + c * cs;
-}
-
-// Write K and V rows (columns [ck, ck+n_kv*hd) and [cv, ...) of src (n, ld)) into the caches.
-__global__ void kv_write(const float* __restrict__ src, int ld, int ck, int cv, int n, int n_kv, int hd, int n_ctx,
-                         const int* __restrict__ slot, const int* __restrict__ pos,
-                         float* __restrict__ kc, float* __restrict__ vc)
-{
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const int w = n_kv * hd;
-    if (i >= (long long)n * w) return;
-    const int r = (int)(i / w), c = (int)(i % w);
-    const long long o = (((long long)slot[r] * n_kv + c / hd) * n_ctx + pos[r]) * hd + (c % hd);
-    kc[o] = src[(long long)r * ld + ck + c];
-    vc[o] = src[(long long)r * ld + cv + c];
-}
-
-// Causal softmax over rows of S (rows, ld): row r is query i = r % n at position pos0 + i;
-// columns beyond pos0 + i are zeroed. Scores are multiplied by scale first.
-__global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, float scale)
+// Softmax over rows of S (rows, ld) for one segment's queries: row r is query i = r % n at
+// position pos0 + i; column t is key position c0 + t. Keys after the query, and with a sliding
+// window (window > 0) keys at or before query - window, get probability 0. Scores are
+// multiplied by scale first.
+__global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, int c0, int window, float scale)
 {
     __shared__ float red[32];
     __shared__ float bc;
     const long long r = blockIdx.x;
     float* row = S + r * ld;
-    const int lim = pos0 + (int)(r % n) + 1;
+    const int qp = pos0 + (int)(r % n);
+    const int hi = qp + 1 - c0;                                          // columns [lo, hi) are attended
+    const int lo = (window > 0 && qp + 1 - window > c0) ? qp + 1 - window - c0 : 0;
     float mx = -3.0e38f;
-    for (int t = threadIdx.x; t < lim; t += blockDim.x) mx = fmaxf(mx, row[t] * scale);
+    for (int t = lo + threadIdx.x; t < hi; t += blockDim.x) mx = fmaxf(mx, row[t] * scale);
     mx = warp_max(mx);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
     __syncthreads();
@@ -692,7 +898,7 @@ __global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, f
     __syncthreads();
     mx = bc;
     float sum = 0.f;
-    for (int t = threadIdx.x; t < lim; t += blockDim.x) { float e = expf(row[t] * scale - mx); row[t] = e; sum += e; }
+    for (int t = lo + threadIdx.x; t < hi; t += blockDim.x) { float e = expf(row[t] * scale - mx); row[t] = e; sum += e; }
     sum = warp_sum(sum);
     __syncthreads();
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = sum;
@@ -704,7 +910,7 @@ __global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, f
     }
     __syncthreads();
     const float inv = 1.0f / bc;
-    for (int t = threadIdx.x; t < ld; t += blockDim.x) row[t] = t < lim ? row[t] * inv : 0.f;
+    for (int t = threadIdx.x; t < ld; t += blockDim.x) row[t] = (t >= lo && t < hi) ? row[t] * inv : 0.f;
 }
 
 // xo[j, :ld] = x[idx[j], :ld], one block per output row j: the rows whose logits a graph
@@ -716,12 +922,91 @@ __global__ void gather_rows(const float* __restrict__ x, int ld, const int* __re
     for (int e = threadIdx.x; e < ld; e += blockDim.x) dst[e] = src[e];
 }
 
-// out (n, f) = silu(gu[:, :f]) * gu[:, f:2f]
-__global__ void silu_mul(const float* __restrict__ gu, int n, int f, float* __restrict__ out)
+// out[r, c] = act(g[r, c]) * u[r, c] for r < n, c < f; act 0 silu (SwiGLU), 1 gelu_tanh (GEGLU)
+__global__ void glu_rows(const float* __restrict__ g, int ldg, const float* __restrict__ u, int ldu, int n, int f,
+                         int act, float* __restrict__ out, int ldo)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n * f) return;
     const long long r = i / f, c = i % f;
-    out[i] = silu(gu[r * 2 * f + c]) * gu[r * 2 * f + f + c];
+    const float a = g[r * ldg + c];
+    out[r * ldo + c] = (act ? gelu_tanh(a) : silu(a)) * u[r * ldu + c];
+}
+
+// out[r, c] = a + b (op 0), s * a (op 1), s * tanh(a / s) (op 2, soft-capping), a (op 3);
+// out may be a (in place)
+__global__ void ew_rows(const float* a, int lda, const float* b, int ldb, float* out, int ldo, int n_rows, int n,
+                        int op, float s)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_rows * n) return;
+    const long long r = i / n, c = i % n;
+    const float x = a[r * lda + c];
+    float y;
+    if (op == 0) y = x + b[r * ldb + c];
+    else if (op == 1) y = s * x;
+    else if (op == 2) y = s * tanhf(x / s);
+    else y = x;
+    out[r * ldo + c] = y;
+}
+
+// y[r, c] += bias[c] for r < n_rows, c < n
+__global__ void bias_rows(float* __restrict__ y, int ldy, const float* __restrict__ bias, int n_rows, int n)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_rows * n) return;
+    const long long r = i / n, c = i % n;
+    y[r * ldy + c] += bias[c];
+}
+
+// Generic per-head op, one warp per (head, row): grid (n_heads, rows). Head chunk of row r of x
+// (hd values at column head * hd): RMSNorm with weight nw (when not null), then RoPE (when
+// rope_half > 0; positions pos[r]), written to out (may be x).
+__global__ void __launch_bounds__(32) head_ops(const float* x, int ldx, float* out, int ldo, int hd,
+                                               const float* __restrict__ nw, float eps, int rope_half, int neox,
+                                               const int* __restrict__ pos, const float* __restrict__ rcos,
+                                               const float* __restrict__ rsin)
+{
+    __shared__ float s[256];
+    const int h = blockIdx.x, r = blockIdx.y, lane = threadIdx.x;
+    const float* xr = x + (long long)r * ldx + h * hd;
+    float ss = 0.f;
+    for (int d = lane; d < hd; d += 32) { const float v = xr[d]; s[d] = v; ss += v * v; }
+    __syncwarp();
+    if (nw != nullptr) {
+        ss = warp_sum(ss);
+        const float sc = rsqrtf(ss / (float)hd + eps);
+        for (int d = lane; d < hd; d += 32) s[d] = s[d] * sc * nw[d];
+        __syncwarp();
+    }
+    if (rope_half > 0) {
+        const int p = pos[r];
+        for (int j = lane; j < rope_half; j += 32) {
+            const int ia = neox ? j : 2 * j, ib = neox ? j + rope_half : 2 * j + 1;
+            const float a = s[ia], c = s[ib];
+            const float cs = rcos[(long long)p * rope_half + j], sn = rsin[(long long)p * rope_half + j];
+            s[ia] = a * cs - c * sn;
+            s[ib] = a * sn + c * cs;
+        }
+        __syncwarp();
+    }
+    float* o = out + (long long)r * ldo + h * hd;
+    for (int d = lane; d < hd; d += 32) o[d] = s[d];
+}
+
+// Generic KV store: rows r < n_rows of k (ldk) and v (ldv), n_kv * hd values each, into the
+// caches at (slot[r], pos[r]).
+template <int KVT>
+__global__ void kv_store(const float* __restrict__ k, int ldk, const float* __restrict__ v, int ldv, int n_rows,
+                         int n_kv, int hd, int n_ctx, const int* __restrict__ slot, const int* __restrict__ pos,
+                         void* __restrict__ kc, void* __restrict__ vc)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int w = n_kv * hd;
+    if (i >= (long long)n_rows * w) return;
+    const int r = (int)(i / w), c = (int)(i % w);
+    const long long o = (((long long)slot[r] * n_kv + c / hd) * n_ctx + pos[r]) * hd + (c % hd);
+    kv_st<KVT>(kc, o, k[(long long)r * ldk + c]);
+    kv_st<KVT>(vc, o, v[(long long)r * ldv + c]);
 }
 """

@@ -481,6 +481,7 @@ class StatusReply(_Base, tag="status_reply"):
     journal: dict[str, Any] = {}
     load_progress: str = ""
     profile: dict[str, float] = {}
+    notes: dict[str, str] = {}          # startup notes (the CUDA kernel choice: where it came from, why)
     fingerprint: str = ""
     model_path: str = ""
     stats: dict[str, float] = {}

@@ -119,6 +119,7 @@ class LoadedModel:
     backend: str
     fingerprint: str
     profile: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)   # startup notes for --profile (kernel choice)
 
     @property
     def name(self) -> str:
@@ -129,12 +130,14 @@ class LoadedModel:
         return self.tokenizer.eog_ids
 
 
-def make_backend(device: str, *, int8_activations: bool = True):
+def make_backend(device: str, *, int8_activations: bool = True, tune: str = "reuse",
+                 tune_budget_s: float | None = None):
     """Backend object for ``device`` (``cpu`` or ``cuda``). Raises ModelError for others.
 
     On the CPU, ``int8_activations`` rounds decode activations to int8 per 32-block for
     Q4_0/Q4_1/Q8_0 weights, as llama.cpp does (ggml-quants.c, Q8_1): about 2x faster
-    decode, logits within about 1e-2 relative of float arithmetic."""
+    decode, logits within about 1e-2 relative of float arithmetic. On CUDA, ``tune`` is
+    the kernel-choice policy (``engine/backend/kernel_choice.py``: off, reuse, auto, force)."""
     if device == "cpu":
         from aotx.engine.backend.cpu import CpuBackend
 
@@ -142,21 +145,27 @@ def make_backend(device: str, *, int8_activations: bool = True):
     if device == "cuda":
         from aotx.engine.backend.cuda import CudaBackend  # type: ignore[import-not-found]
 
-        return CudaBackend()
+        kw = {} if tune_budget_s is None else {"tune_budget_s": float(tune_budget_s)}
+        return CudaBackend(tune=tune, **kw)
     raise ModelError(f"unknown device {device!r} (use auto, cpu or cuda)")
 
 
 def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu",
                progress: Callable[[str, float], None] | None = None,
-               int8_activations: bool = True) -> LoadedModel:
+               int8_activations: bool = True, tune: str = "reuse",
+               tune_budget_s: float | None = None) -> LoadedModel:
     """Load a model stage by stage; ``progress(stage, seconds)`` after each stage.
 
+    ``tune``: the CUDA kernel-choice policy ("reuse": a recorded artifact's kernels, else
+    the defaults; the engine passes "auto", which times them on the first load on a
+    device; ``aotx tune`` "force"). ``notes["kernel_choice"]`` says what it did and why.
     Raises ModelError (one line naming the file and the problem) on any defect."""
     from aotx.engine.model.architectures import get_architecture
     from aotx.engine.model.chat_template import ChatTemplate
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
     from aotx.engine.model.tokenizer import Tokenizer
+    from aotx.engine.model.transformer import build
 
     prof: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -176,15 +185,19 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     arch = get_architecture(str(name), str(p)) if name else None  # unknown is that, not a missing key
     cfg = ModelConfig.from_metadata(gf.metadata, str(p))
     arch = arch or get_architecture(cfg.arch, str(p))
-    backend = make_backend(device, int8_activations=int8_activations)
+    backend = make_backend(device, int8_activations=int8_activations, tune=tune, tune_budget_s=tune_budget_s)
     stage("resolve")
     try:
-        model = arch.build(cfg, gf, backend)
+        model = build(cfg, gf, backend, arch)
     except ModelError as e:
         msg = str(e)
         raise ModelError(msg if msg.startswith(str(p)) else f"{p}: {msg}") from None
     stage("weights")
-    model.new_kv_cache(1, 16)  # builds the RoPE tables; the runtime sizes the real cache
+    notes: dict[str, str] = {}
+    kc = getattr(getattr(model, "compiled", None), "kernel_choice", None)
+    if kc is not None:
+        notes["kernel_choice"] = kc.summary()
+    model.new_kv_cache(1, 16)  # a small cache (its RoPE tables); the runtime sizes the real one
     stage("tables")
     tok = Tokenizer.from_metadata(gf.metadata)
     template = ChatTemplate.from_metadata(gf.metadata)
@@ -198,4 +211,4 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     model.forward(np.array([0, 0], np.int32), [Segment(0, 0, 2)], kv)
     model.forward(np.array([0], np.int32), [Segment(0, 2, 1)], kv)
     stage("warm-up")
-    return LoadedModel(p, gf, cfg, model, tok, template, backend.name, fingerprint(gf), prof)
+    return LoadedModel(p, gf, cfg, model, tok, template, backend.name, fingerprint(gf), prof, notes)

@@ -155,13 +155,15 @@ class Budget:
 def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefill_chunk: int,
          journal_bytes: int, total: int, media_bytes: int = 0, capsule_bytes: int = 0,
          capsule_device_bytes: int = 0, prefill_weight_bytes: int = 0,
-         draft_terms: tuple[tuple[str, int], ...] = ()) -> Budget:
+         draft_terms: tuple[tuple[str, int], ...] = (), kv_type: str = "f16") -> Budget:
     """The budget of a configuration (bytes; on CUDA ``total`` is GPU memory and the
     capsule share is their device home). ``draft_terms``: a draft model's (name, bytes)
     terms (``DraftModel.budget_terms``: its weights, its KV for every slot, its working
-    buffers). Raises AdmissionError with every term when it does not fit."""
+    buffers). ``kv_type``: the KV cache's element type ("f16" | "f32"), whose size
+    ``kv_bytes`` already is; shown in the table. Raises AdmissionError with every term
+    when it does not fit."""
     tables = n_slots * (n_ctx * 8 + 256)  # slot token lists and table rows
-    terms = (("weights", weight_bytes), ("prefill weights", prefill_weight_bytes), ("kv cache", kv_bytes),
+    terms = (("weights", weight_bytes), ("prefill weights", prefill_weight_bytes), (f"kv cache ({kv_type})", kv_bytes),
              ("working buffers", working_bytes(cfg, prefill_chunk, n_slots, n_ctx)),
              ("runtime tables", tables), ("journal buffers", journal_bytes),
              ("capsules (host)", capsule_bytes), ("capsules (device)", capsule_device_bytes), ("media", media_bytes))
@@ -170,5 +172,6 @@ def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefil
     if b.used > b.total:
         raise AdmissionError(f"the configuration does not fit: {n_slots} slots x {n_ctx} tokens of context "
                              f"needs {fmt_bytes(b.used)} ({b.used:,} bytes), the budget is {fmt_bytes(total)} "
-                             f"({total:,} bytes):\n{b.table()}\nlower --slots or --context, or raise --memory-budget")
+                             f"({total:,} bytes):\n{b.table()}\nlower --slots or --context, "
+                             f"{'use --kv-type f16, ' if kv_type == 'f32' else ''}or raise --memory-budget")
     return b

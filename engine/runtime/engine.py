@@ -65,7 +65,8 @@ class Engine:
     tokens of context per slot (of every model; a model's context is at most its
     trained one); prefill_chunk: most prompt tokens prefilled per tick (others keep
     decoding); budget: admission's start-up ``Budget`` (the default model's terms and the
-    engine's shared ones; None: no accounting); speculative: the default drafter (auto |
+    engine's shared ones; None: no accounting); kv_type: the KV cache's element type
+    of every model, "f16" (default) or "f32"; speculative: the default drafter (auto |
     ngram | draft | off); draft_lm: a draft model's ``LoadedModel`` for the default model
     (same vocabulary; its own slots and KV: ``drafter.DraftModel``). ``vision`` (a
     ``media.vision.VisionEncoder``) and ``images`` (a ``media_prompt.ImageStore``) are set
@@ -83,7 +84,8 @@ class Engine:
                  budget: Budget | None = None, device: str = "cpu", capsules: Any = None, speculative: str = "off",
                  draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN, catalog: Catalog | None = None,
                  loader: Callable[[ModelEntry], Any] | None = None, capsule_root: Any = None,
-                 keep_alive_s: float = 0.0, evict_idle: bool = False, name: str = ""):
+                 keep_alive_s: float = 0.0, evict_idle: bool = False, name: str = "",
+                 kv_type: str = "f16"):
         self.store = store
         self.n_slots = n_slots
         self.n_ctx = n_ctx
@@ -92,6 +94,7 @@ class Engine:
         self.speculative = speculative
         self.capsule_root = capsule_root
         self._loader = loader
+        self.kv_type = kv_type
         self.tick = 0
         self.stats = {"ticks": 0, "tokens": 0, "device_s": 0.0, "host_s": 0.0}
         self._inbox = store.inbox
@@ -104,9 +107,9 @@ class Engine:
         self._capsules_on = capsules is not None
         default = LocalModel(name, lm, store, self._inbox, self._is_busy, n_slots=n_slots, n_ctx=n_ctx,
                              prefill_chunk=prefill_chunk, device=device, capsules=capsules, speculative=speculative,
-                             draft_lm=draft_lm, draft_p_min=draft_p_min, default=True,
+                             draft_lm=draft_lm, draft_p_min=draft_p_min, default=True, kv_type=kv_type,
                              terms=tuple((n, v) for n, v in budget.terms if not is_shared_term(n)) if budget else
-                             local_terms(lm, n_slots, n_ctx, prefill_chunk))
+                             local_terms(lm, n_slots, n_ctx, prefill_chunk, kv_type=kv_type))
         self.models = ModelSet(self.catalog, budget.total if budget else 1 << 62,
                                tuple((n, v) for n, v in budget.terms if is_shared_term(n)) if budget else (),
                                keep_alive_s=keep_alive_s, evict_idle=evict_idle)
@@ -114,7 +117,7 @@ class Engine:
         self.models.make_remote = self._make_remote
         self.models.estimate = self._estimate
         self.models.add(default, default=True)
-        kv1 = lm.model.kv_cache_bytes(1, 16)
+        kv1 = lm.model.kv_cache_bytes(1, 16, kv_type)
         cfg = lm.config
         self._kv_value_bytes = max(1, round(kv1 / max(1, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 16)))
         self._thread: threading.Thread | None = None
@@ -238,13 +241,13 @@ class Engine:
 
             root = self.capsule_root
             caps = CapsuleCache(root / lm.fingerprint if root is not None else None, host_bytes=EXTRA_CAPSULE_HOST,
-                                fingerprint=lm.fingerprint)
+                                fingerprint=lm.fingerprint, kv_type=self.kv_type)
         terms = local_terms(lm, self.n_slots, n_ctx, self.prefill_chunk,
-                            capsule_host=EXTRA_CAPSULE_HOST if caps is not None else 0)
+                            capsule_host=EXTRA_CAPSULE_HOST if caps is not None else 0, kv_type=self.kv_type)
         return LocalModel(entry.name, lm, self.store, self._inbox, self._is_busy, n_slots=self.n_slots, n_ctx=n_ctx,
                           prefill_chunk=self.prefill_chunk, device=self.device, capsules=caps,
                           speculative="auto" if self.speculative == "draft" else self.speculative, terms=terms,
-                          entry=entry)
+                          entry=entry, kv_type=self.kv_type)
 
     def _make_remote(self, entry: ModelEntry) -> Any:
         from aotx.engine.runtime.remote import RemoteModel
@@ -573,6 +576,7 @@ class Engine:
             budget=[P.BudgetLine(name=n, bytes=v) for n, v in (b.terms if b else ())],
             slots=slots, n_ctx=self.n_ctx, queue=sum(1 for r in self._waiting if r.state is RequestState.QUEUED),
             tick=self.tick, journal=self.store.journal_status(), profile=dict(lm.profile) if lm else {},
+            notes=dict(getattr(lm, "notes", {})) if lm else {},
             capsules=d.capsules.usage() if d is not None and d.capsules is not None else {},
             fingerprint=lm.fingerprint if lm else "", model_path=str(lm.path) if lm else "",
             draft_model=d.draft.lm.name if d is not None and d.draft else "",

@@ -68,7 +68,8 @@ class LocalModel:
     def __init__(self, name: str, lm: Any, store: Any, inbox: Any, is_busy: Callable[[str], bool], *,
                  n_slots: int, n_ctx: int, prefill_chunk: int, device: str, capsules: Any = None,
                  speculative: str = "off", draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN,
-                 terms: tuple[tuple[str, int], ...] = (), entry: ModelEntry | None = None, default: bool = False):
+                 terms: tuple[tuple[str, int], ...] = (), entry: ModelEntry | None = None, default: bool = False,
+                 kv_type: str = "f16"):
         self.name = name
         self.lm = lm
         self.store = store
@@ -80,7 +81,7 @@ class LocalModel:
         self.prefill_chunk = prefill_chunk
         self.capsules = capsules
         self.envelope = Envelope.of(lm.config, n_slots, n_ctx, prefill_chunk, store.journal_capacity)
-        self.kv = lm.model.new_kv_cache(n_slots, n_ctx)
+        self.kv = lm.model.new_kv_cache(n_slots, n_ctx, kv_type)
         self.draft = DraftModel(draft_lm, n_slots, n_ctx, p_min=draft_p_min) if draft_lm is not None else None
         self.slots = SlotTable(n_slots)
         self.waiting: deque[Request] = deque()  # accepted, in arrival order (durable_wait or queued)
@@ -407,11 +408,11 @@ def entry_info(e: ModelEntry, estimate: Callable | None = None, default: bool = 
 
 
 def local_terms(lm: Any, n_slots: int, n_ctx: int, prefill_chunk: int, *, capsule_host: int = 0,
-                capsule_device: int = 0) -> tuple[tuple[str, int], ...]:
+                capsule_device: int = 0, kv_type: str = "f16") -> tuple[tuple[str, int], ...]:
     """The budget terms of a loaded model beside the default one."""
     terms = [("weights", int(lm.model.weight_bytes)),
              ("prefill weights", int(getattr(lm.model, "prefill_weight_bytes", 0) or 0)),
-             ("kv cache", int(lm.model.kv_cache_bytes(n_slots, n_ctx))),
+             (f"kv cache ({kv_type})", int(lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type))),
              ("working buffers", working_bytes(lm.config, prefill_chunk, n_slots, n_ctx)),
              ("runtime tables", n_slots * (n_ctx * 8 + 256)),
              ("capsules (host)", capsule_host), ("capsules (device)", capsule_device)]

@@ -29,8 +29,9 @@ class CapsuleCache:
     device home, as on the CPU backend); directory: the disk home."""
 
     def __init__(self, directory: Path | None, *, host_bytes: int = 512 << 20, disk_bytes: int = 4 << 30,
-                 fingerprint: str = "", device_bytes: int = 0, fs: FileIO = OS):
+                 fingerprint: str = "", device_bytes: int = 0, fs: FileIO = OS, kv_type: str = ""):
         self.dir = Path(directory) if directory else None
+        self.kv_type = kv_type  # the engine's KV type: a disk capsule of another is not restored
         self.fs = fs
         self.write_errors = 0
         self.last_write_error = ""
@@ -144,7 +145,7 @@ class CapsuleCache:
         """The capsule sharing the longest token prefix with ``prompt`` (its own
         conversation's first, then any parked one, e.g. a fork's parent).
         Returns (capsule, shared prefix length, note); loads from disk when needed.
-        A disk capsule of another model is dropped and the note says so."""
+        A disk capsule of another model or KV type is dropped and the note says so."""
         with self._lock:
             best, best_n = None, 0
             for cid, cap in list(self.device.items()) + list(self.host.items()):
@@ -160,6 +161,10 @@ class CapsuleCache:
                 if cap.header.fingerprint != self.fingerprint:
                     note = (f"the capsule on disk belongs to model {cap.header.fingerprint}, not "
                             f"{self.fingerprint}: re-prefilling from the journal's tokens")
+                    self.drop(conv_id)
+                elif self.kv_type and cap.header.kv_type != self.kv_type:
+                    note = (f"the capsule on disk holds {cap.header.kv_type} KV, this engine's KV cache is "
+                            f"{self.kv_type} (--kv-type): re-prefilling from the journal's tokens")
                     self.drop(conv_id)
                 else:
                     n = common_prefix(cap.tokens.tolist(), prompt)

@@ -6,7 +6,7 @@ for positions ``0..n-1``, the token ids those positions hold, the position
 Philox step counter, penalty history) and, with a draft model, the drafter state
 (the draft slot's K and V up to its committed boundary and the ids they hold;
 ``runtime/drafter.py``). A capsule is a copy of that set with a header: the
-model fingerprint, backend, dtype layout, length and a CRC32C over every buffer
+model fingerprint, backend, KV type (f16 | f32), dtype layout, length and a CRC32C over every buffer
 (the drafter buffers have their own CRC32C in ``header.drafter``). Restore
 copies back into the *same* live buffers (nothing resolved at load changes)
 and is byte-exact.
@@ -26,6 +26,10 @@ then, when ``header.shapes`` names them, ``draft_k``, ``draft_v``,
 ``draft_tokens``. The drafter buffers were added without a version change: a
 reader that does not know them stops after ``tokens`` and ignores the header's
 unknown fields, and a capsule without them restores with an empty drafter.
+``k`` and ``v`` are float16 when ``header.kv_type`` is "f16" and float32 for "f32"
+(the field's default: capsules written before it were float32); the drafter's are
+``header.drafter["kv_type"]`` likewise. A capsule restores only into a KV cache of its
+own type (converting would not be byte-exact).
 """
 
 from __future__ import annotations
@@ -69,14 +73,24 @@ class CapsuleHeader(msgspec.Struct, frozen=True):
     step: int = 0
     history: list[int] = []
     drafter: dict[str, Any] = {}
+    kv_type: str = "f32"
+
+
+_KV_DTYPES = {"f16": np.float16, "f32": np.float32}
+
+
+def _kv_type_of(a) -> str:
+    """ "f16" or "f32" from an array's dtype (numpy or cupy)."""
+    return "f16" if np.dtype(a.dtype) == np.float16 else "f32"
 
 
 @dataclass
 class Capsule:
-    """Buffers: ``k``, ``v``: (n_layers, n_kv_heads, n, head_dim) float32;
+    """Buffers: ``k``, ``v``: (n_layers, n_kv_heads, n, head_dim) float16 or float32 (the
+    header's kv_type);
     ``tokens``: (n,) int32. Sampler state in the header. Drafter state (or None):
     ``draft_k``, ``draft_v``: the draft model's (n_layers', n_kv_heads', m, head_dim')
-    float32; ``draft_tokens``: (m,) int32."""
+    float16 or float32; ``draft_tokens``: (m,) int32."""
 
     header: CapsuleHeader
     k: np.ndarray
@@ -113,7 +127,7 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
     """Copy slot ``slot``'s state for positions 0..len(tokens)-1 out of the live KV cache.
 
     kv: the model's KV cache (any backend's: its ``snapshot_slot(slot, n)`` returns host
-    float32 (n_layers, n_kv, n, hd) copies of K and V); tokens: the ids those positions
+    (n_layers, n_kv, n, hd) copies of K and V, float16 or float32 by its ``kv_type``); tokens: the ids those positions
     hold; sampler: a SamplerState or None; drafter: None, or the drafter state as
     ``DraftModel.state(slot)`` returns it: (K, V, ids, header map). ``device=True`` (CUDA
     caches only) keeps K and V on the GPU beside the live buffers: home "device", no PCIe
@@ -129,12 +143,13 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
         dk, dv, dt, meta = drafter
         dt = np.asarray(dt, np.int32)
         shapes.update({"draft_k": list(dk.shape), "draft_v": list(dv.shape), "draft_tokens": [int(dt.shape[0])]})
-        dmeta = {**meta, "n_tokens": int(dt.shape[0]), "crc32c": _crc(dk, dv, dt)}
+        dmeta = {**meta, "n_tokens": int(dt.shape[0]), "crc32c": _crc(dk, dv, dt), "kv_type": _kv_type_of(dk)}
+    kv_type = _kv_type_of(k)
     hdr = CapsuleHeader(
-        fingerprint=fingerprint, backend=backend, layout=f"kv:f32:{list(k.shape[:2])}+n+[{k.shape[3]}]",
+        fingerprint=fingerprint, backend=backend, layout=f"kv:{kv_type}:{list(k.shape[:2])}+n+[{k.shape[3]}]",
         n_tokens=n, shapes=shapes, crc32c=0 if device else _crc(k, v, toks),
         pending_token=pending_token, seed=getattr(sampler, "seed", 0), step=getattr(sampler, "step", 0),
-        history=list(getattr(sampler, "history", [])), drafter=dmeta)
+        history=list(getattr(sampler, "history", [])), drafter=dmeta, kv_type=kv_type)
     return Capsule(hdr, k, v, toks, home="device" if device else "host", draft_k=dk, draft_v=dv, draft_tokens=dt)
 
 
@@ -152,10 +167,15 @@ def to_host(cap: Capsule) -> Capsule:
 def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = None) -> int:
     """Copy the capsule's first ``n`` positions (default all) back into slot ``slot``.
 
-    Raises CapsuleError when the capsule belongs to another model or layout, or the
-    cache cannot hold it. Returns the number of positions restored."""
+    Raises CapsuleError when the capsule belongs to another model, KV type or layout, or
+    the cache cannot hold it. Returns the number of positions restored."""
     if cap.header.fingerprint != fingerprint:
         raise CapsuleError(f"capsule of model {cap.header.fingerprint} cannot restore into model {fingerprint}")
+    kv_type = getattr(kv, "kv_type", "f32")
+    if cap.header.kv_type != kv_type:
+        raise CapsuleError(f"capsule holds {cap.header.kv_type} KV but this engine's KV cache is {kv_type}: "
+                           f"restart with --kv-type {cap.header.kv_type} to restore it (or start the conversation "
+                           f"over: its text is in the journal)")
     n = cap.n_tokens if n is None else min(n, cap.n_tokens)
     n_layers, n_kv, n_ctx, hd = kv.slot_shape
     if cap.k.shape[0] != n_layers or cap.k.shape[1] != n_kv or cap.k.shape[3] != hd:
@@ -243,9 +263,13 @@ def load(path: Path) -> Capsule:
         raise CapsuleError(f"{path}: corrupt capsule header ({e})") from None
     off = _HEAD.size + hlen
     out = {}
-    names = [("k", np.float32), ("v", np.float32), ("tokens", np.int32)]
+    kdt = _KV_DTYPES.get(hdr.kv_type)
+    ddt = _KV_DTYPES.get(str(hdr.drafter.get("kv_type", "f32")))
+    if kdt is None or ddt is None:
+        raise CapsuleError(f"{path}: unknown KV type {hdr.kv_type!r} in the capsule header")
+    names = [("k", kdt), ("v", kdt), ("tokens", np.int32)]
     if "draft_k" in hdr.shapes:
-        names += [("draft_k", np.float32), ("draft_v", np.float32), ("draft_tokens", np.int32)]
+        names += [("draft_k", ddt), ("draft_v", ddt), ("draft_tokens", np.int32)]
     for name, dt in names:
         shape = tuple(hdr.shapes.get(name, []))
         nb = int(np.prod(shape)) * np.dtype(dt).itemsize

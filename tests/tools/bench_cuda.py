@@ -42,13 +42,13 @@ def _model_path(arg: str | None, tmp: Path) -> tuple[Path, str]:
 
 def _build(path: Path):
     from aotx.engine.backend.cuda import CudaBackend
-    from aotx.engine.model.architectures import llama
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.transformer import build
 
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
-    return llama.build(cfg, gf, CudaBackend())
+    return build(cfg, gf, CudaBackend())
 
 
 def copy_bandwidth() -> float:
@@ -67,36 +67,29 @@ def copy_bandwidth() -> float:
 
 
 def profile_kernels(model, kv, B: int, reps: int = 50) -> dict[str, float]:
-    """Device microseconds of each launch of the decode step for bucket B (layer 0's
-    kernels; ``reps`` back-to-back launches of one kernel captured in a graph, CUDA events
-    around its replay), and the host time of one eager launch from Python. Overwrites the KV rows at
-    the table's current positions: call it only when that cache is done with."""
-    from aotx.engine.backend import cuda_src as S
-
-    cfg = model.cfg
-    d, f = cfg.d_model, cfg.ffn_dim
-    L = model.layers[0]
-    tok_p = kv.tab.data.ptr
-    slot_p, pos_p = tok_p + 4 * kv.b_max, tok_p + 8 * kv.b_max
-    parts = {
-        "qkv (norm, rope, kv write)": lambda: model._qkv(L, kv, 0, kv.x, d, B, kv.q, (slot_p, pos_p)),
-        "attention": lambda: model._attn_decode(kv, 0, kv.q, model.qd, B, slot_p, pos_p, kv.att, model.qd),
-        "o + residual": lambda: model._gemv(S.MODE_ADD, L.wo, None, kv.att, model.qd, B, None, kv.x, d),
-        "gate/up (norm, swiglu)": lambda: model._gemv(S.MODE_SWIGLU, L.w_gate, L.w_up, kv.x, d, B, L.ffn_norm,
-                                                       kv.g, f),
-        "down + residual": lambda: model._gemv(S.MODE_ADD, L.w_down, None, kv.g, f, B, None, kv.x, d),
-        "output (norm)": lambda: model._gemv(S.MODE_STORE, model.output, None, kv.x, d, B, model.output_norm,
-                                              kv.logits, model.v_pad),
-    }
+    """Device microseconds of each step of the decode graph for bucket B (the first
+    layer's steps and the steps after the last layer; ``reps`` back-to-back launches of
+    one step captured in a graph, CUDA events around its replay). Overwrites the KV rows
+    at the table's current positions: call it only when that cache is done with."""
+    prog = model.compiled
+    st_ = prog._state(kv)
+    c = prog._ctx(kv, st_, B, B)
+    kinds = [type(s).__name__.strip("_") for s in prog.steps]
+    second = [i for i, k in enumerate(kinds) if k == "QKV"][1:2]
+    first_layer = range(1, second[0]) if second else range(len(kinds))
+    take = next((i for i, k in enumerate(kinds) if k == "TakeRows"), len(kinds))
+    chosen = list(first_layer) + list(range(take, len(kinds)))
     out = {}
     st = kv.stream
     with st:
-        for name, fn in parts.items():
-            fn()
+        for i in chosen:
+            step = prog.steps[i]
+            name = f"{i}:{kinds[i]}"
+            step.graph(prog, c)
             st.synchronize()
             st.begin_capture()
             for _ in range(reps):
-                fn()
+                step.graph(prog, c)
             g = st.end_capture()
             g.launch(st)
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
@@ -105,19 +98,19 @@ def profile_kernels(model, kv, B: int, reps: int = 50) -> dict[str, float]:
             e1.record(st)
             e1.synchronize()
             out[name] = round(1e3 * cp.cuda.get_elapsed_time(e0, e1) / reps, 2)
-        # host cost of one eager launch from Python (the eager path pays it per op)
-        fn = parts["o + residual"]
+        # host cost of one launch from Python (the eager path pays it per kernel)
+        step = prog.steps[chosen[0]]
         st.synchronize()
         t = time.perf_counter()
         for _ in range(200):
-            fn()
+            step.graph(prog, c)
         t1 = time.perf_counter()
         st.synchronize()
-        out["host us per eager gemv launch"] = round(1e6 * (t1 - t) / 200, 2)
+        out["host us per launch"] = round(1e6 * (t1 - t) / 200, 2)
     return out
 
 
-def bench(path: Path) -> dict:
+def bench(path: Path, kv_type: str = "f16") -> dict:
     from aotx.engine.model.batch import Segment
 
     t0 = time.perf_counter()
@@ -128,7 +121,7 @@ def bench(path: Path) -> dict:
     rng = np.random.default_rng(0)
 
     # prefill
-    kv = model.new_kv_cache(1, 4096)
+    kv = model.new_kv_cache(1, 4096, kv_type)
     res["prefill_tok_s"] = {}
     for n in (128, 512, 2048):
         toks = rng.integers(0, cfg.vocab_size, n).astype(np.int32)
@@ -154,7 +147,7 @@ def bench(path: Path) -> dict:
     res["aggregate_tok_s"] = {}
     res["tick_device_ms"] = {}
     res["tick_wall_ms"] = {}
-    kvb = model.new_kv_cache(64, 512)
+    kvb = model.new_kv_cache(64, 512, kv_type)
     for B in (1, 4, 16, 64):
         prompts = rng.integers(0, cfg.vocab_size, (B, 128)).astype(np.int32)
         for s0 in range(0, B, 16):
@@ -169,7 +162,7 @@ def bench(path: Path) -> dict:
         res["aggregate_tok_s"][B] = round(B * 128 / dt, 1)
         res["tick_wall_ms"][B] = round(1e3 * dt / 128, 3)
         # device time of one replay (positions as left by the loop: ~256 context)
-        g, st = kvb.graphs[(B, B)], kvb.stream
+        g, st = model.compiled._state(kvb).graphs[(B, B)], kvb.stream
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(st)
         for _ in range(50):
@@ -187,7 +180,7 @@ def bench(path: Path) -> dict:
             states = [SamplerState(seed=s, history=prompts[s, -64:].tolist()) for s in range(B)]
             model.sample(toks, [Segment(s, 255, 1) for s in range(B)], kvb,
                          [(cfg_s, states[s], ()) for s in range(B)], tick=99)   # warm-up
-            g, st = kvb.graphs[(B, B)], kvb.stream
+            g, st = model.compiled._state(kvb).graphs[(B, B)], kvb.stream
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
             e0.record(st)
             for _ in range(50):
@@ -214,10 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF path (default: the default model, else a random one of its shape)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--kv-type", default="f16", choices=("f16", "f32"), help="KV cache type (default f16)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path, kind = _model_path(args.model, Path(tmp))
-        res = bench(path)
+        res = bench(path, args.kv_type)
+        res["kv_type"] = args.kv_type
     props = cp.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     res.update(model=str(path.name), model_kind=kind, device=name, cupy=cp.__version__,

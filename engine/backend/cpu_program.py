@@ -1,0 +1,501 @@
+"""The CPU executor of an ``ops.Program``: a list of prebound kernel calls, and the CPU KV cache.
+
+Owns: compiling a Program once at load (``CpuProgram``): every node becomes a closure
+bound to its kernel, weights and attributes; buffers are assigned by a small liveness
+pass (a value's buffer is reused once its last reader has run; row-wise ops on a dead
+input run in place); the per-batch facts (which rows are short segments, where each
+row's K/V goes, each row's attention span) are computed once per forward from the
+``BatchLayout``, not per layer. Also the KV cache (``CpuKVCache``: float32 or f16 bits)
+and its RoPE tables. Leaves the kernels to ``cpu_ops.py`` / ``cpu_matmul.py``, the order
+of ops to the architecture (the Program), slots and scheduling to the runtime.
+
+Batch invariance (shared/DESIGN.md): rows of short segments (decode steps, speculative
+verify windows: at most SMALL_SEGMENT tokens) go through per-row kernels (GEMV matmuls,
+``attention_rows``), so their numbers never depend on the rest of the batch; rows of
+prefill chunks go through BLAS (matmul and attention). Logits rows (after
+``take_rows``) always go through the per-row GEMV. Until helper ``invariance`` makes the
+matmul and attention row-invariant for every n, a prefill row's numbers can differ from
+a decode row's by float32 rounding.
+
+Not thread-safe: one thread runs a CpuProgram's forwards (the engine's tick thread); the
+buffers are reused across calls. The returned logits are a fresh array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from aotx.engine.backend import cpu_ops
+from aotx.engine.backend.ops import ROWS_N, Program, RopeSpec
+
+SMALL_SEGMENT = 16          # segments of at most this many rows use the per-row kernels
+KV_TYPES = ("f16", "f32")
+_KV_DTYPE = {"f16": np.uint16, "f32": np.float32}
+
+
+def check_kv_type(kv_type: str) -> str:
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"KV cache type {kv_type!r} is not supported (use f16 or f32)")
+    return kv_type
+
+
+class CpuKVCache:
+    """Per layer K and V: ``(n_slots, n_kv_heads, n_ctx, head_dim)``, float32 for kv_type
+    "f32", uint16 float16 bits for "f16" (rounded to nearest even when stored). Also the
+    RoPE tables of the program's specs for this cache's ``n_ctx`` (``rope[i]`` = (cos, sin)
+    of ``program.rope_specs()[i]``), since Phi-3's factors depend on the context size.
+
+    The interface of SEAMS.md: ``clear``, ``slot_shape``, ``snapshot_slot``, ``restore_slot``."""
+
+    def __init__(self, program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16"):
+        self.kv_type = check_kv_type(kv_type)
+        dt = _KV_DTYPE[kv_type]
+        self.k = [np.zeros((n_slots, L.n_kv_heads, n_ctx, L.head_dim), dt) for L in program.kv_layers]
+        self.v = [np.zeros((n_slots, L.n_kv_heads, n_ctx, L.head_dim), dt) for L in program.kv_layers]
+        self.n_slots = n_slots
+        self.n_ctx = n_ctx
+        self.rope = [spec.tables(n_ctx) for spec in program.rope_specs()]
+
+    @staticmethod
+    def nbytes(program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
+        item = np.dtype(_KV_DTYPE[check_kv_type(kv_type)]).itemsize
+        return sum(2 * n_slots * L.n_kv_heads * n_ctx * L.head_dim * item for L in program.kv_layers)
+
+    def clear(self, slot: int, start: int, stop: int) -> None:
+        """Zero positions start..stop-1 of ``slot`` in every layer (rollback of rejected
+        draft tokens: the live buffers never keep a rejected token)."""
+        for layer in self.k:
+            layer[slot, :, start:stop, :] = 0
+        for layer in self.v:
+            layer[slot, :, start:stop, :] = 0
+
+    @property
+    def slot_shape(self) -> tuple[int, int, int, int]:
+        """One slot's KV layout: (n_layers, n_kv_heads, n_ctx, head_dim)."""
+        return (len(self.k),) + tuple(self.k[0].shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype ``snapshot_slot`` returns: float16 or float32."""
+        return np.dtype(np.float16 if self.kv_type == "f16" else np.float32)
+
+    def snapshot_slot(self, slot: int, n: int, device: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of ``slot``'s K and V for positions 0..n-1: two (n_layers, n_kv_heads, n,
+        head_dim) arrays, float16 for an f16 cache and float32 for f32 (capsule snapshot;
+        ``device`` is accepted for the interface and means nothing on the CPU)."""
+        k = np.stack([layer[slot, :, :n, :] for layer in self.k])
+        v = np.stack([layer[slot, :, :n, :] for layer in self.v])
+        if self.kv_type == "f16":
+            k, v = k.view(np.float16), v.view(np.float16)
+        return k, v
+
+    def restore_slot(self, slot: int, k: np.ndarray, v: np.ndarray, n: int) -> None:
+        """Copy positions 0..n-1 of ``k``, ``v`` (as ``snapshot_slot`` returns them, same
+        dtype) into ``slot`` (capsule restore; byte-exact). Raises ValueError on a dtype
+        that is not this cache's."""
+        if np.dtype(k.dtype) != self.dtype or np.dtype(v.dtype) != self.dtype:
+            raise ValueError(f"KV of dtype {k.dtype} cannot restore into an {self.kv_type} cache")
+        if self.kv_type == "f16":
+            k, v = k.view(np.uint16), v.view(np.uint16)
+        for li in range(len(self.k)):
+            self.k[li][slot, :, :n, :] = k[li, :, :n, :]
+            self.v[li][slot, :, :n, :] = v[li, :, :n, :]
+
+
+class _Batch:
+    """What one forward's kernels need to know about its rows, computed once per call."""
+
+    __slots__ = ("n", "tokens", "positions", "out_rows", "all_small", "small", "big", "one_rows", "one_slots",
+                 "one_pos", "multi", "s_slots", "s_len", "long_segs", "embeds", "n_out", "views")
+
+    def __init__(self, tokens: np.ndarray, layout: Any, embeds: Any):
+        n = int(layout.n_rows)
+        self.n = n
+        self.tokens = tokens
+        self.positions = layout.positions
+        self.out_rows = layout.out_rows
+        self.n_out = int(layout.out_rows.shape[0])
+        self.embeds = embeds
+        small: list[int] = []
+        s_len: list[int] = []
+        s_slots: list[int] = []
+        one: list[tuple[int, int, int]] = []
+        self.multi: list[tuple[int, int, int, int]] = []      # (row, slot, pos, n) of segments > 1 row
+        self.long_segs: list[tuple[int, int, int, int]] = []  # the same for segments > SMALL_SEGMENT
+        row = 0
+        for s in layout.segments:
+            if s.n <= SMALL_SEGMENT:
+                small.extend(range(row, row + s.n))
+                s_slots.extend([s.slot] * s.n)
+                s_len.extend(range(s.pos + 1, s.pos + s.n + 1))
+            else:
+                self.long_segs.append((row, s.slot, s.pos, s.n))
+            if s.n == 1:
+                one.append((row, s.slot, s.pos))
+            elif s.n > 1:
+                self.multi.append((row, s.slot, s.pos, s.n))
+            row += s.n
+        self.all_small = len(small) == n
+        self.small = np.asarray(small, np.int64)
+        if self.all_small or not small:
+            self.big = None
+        else:
+            mask = np.ones(n, bool)
+            mask[self.small] = False
+            self.big = np.nonzero(mask)[0]
+        self.s_slots = np.asarray(s_slots, np.int32)
+        self.s_len = np.asarray(s_len, np.int32)
+        if one:
+            r, sl, p = zip(*one)
+            self.one_rows = np.asarray(r, np.int64)
+            self.one_slots = np.asarray(sl, np.int64)
+            self.one_pos = np.asarray(p, np.int64)
+        else:
+            self.one_rows = None
+
+
+def _matmul_n(W, x: np.ndarray, out: np.ndarray, bt: _Batch) -> None:
+    """out = x @ W.T over the batch rows: short-segment rows per row (GEMV), the others by BLAS."""
+    if bt.all_small:
+        W.matmul(x, out, per_row=True)
+    elif bt.big is None:
+        W.matmul(x, out)
+    else:
+        out[bt.small] = W.matmul(x[bt.small], per_row=True)
+        out[bt.big] = W.matmul(x[bt.big])
+
+
+class _Buffers:
+    """Reusable float32 buffers by slot id: slot i holds (capacity, width_i) and hands out
+    its first ``rows`` rows (a contiguous view)."""
+
+    def __init__(self, widths: list[int]):
+        self.widths = widths
+        self.bufs: list[np.ndarray | None] = [None] * len(widths)
+
+    def get(self, i: int, rows: int) -> np.ndarray:
+        b = self.bufs[i]
+        if b is None or b.shape[0] < rows:
+            b = self.bufs[i] = np.empty((max(rows, 1), self.widths[i]), np.float32)
+        return b[:rows]
+
+
+class CpuProgram:
+    """A Program compiled for the CPU. See the module docstring.
+
+    ``forward(tokens, layout, kv, embeds=None) -> (R, vocab) float32`` (the interface of
+    /work/coord/IR.md section 6); ``new_kv_cache`` / ``kv_cache_bytes``."""
+
+    device_sampling = False
+    prefill_weight_bytes = 0
+
+    def __init__(self, program: Program):
+        self.program = program
+        self._specs = program.rope_specs()
+        kv_shapes = {(L.n_kv_heads, L.head_dim) for L in program.kv_layers}
+        if len(kv_shapes) > 1:
+            raise ValueError(f"layers with different KV shapes {sorted(kv_shapes)} are not supported")
+        self._plan_buffers()
+        self._steps: list[Callable[[list, _Batch, CpuKVCache], None]] = [self._compile(i, n)
+                                                                          for i, n in enumerate(program.nodes)]
+
+    # ---- public --------------------------------------------------------------------
+
+    def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> CpuKVCache:
+        """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed)."""
+        return CpuKVCache(self.program, n_slots, n_ctx, kv_type)
+
+    def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
+        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates."""
+        return CpuKVCache.nbytes(self.program, n_slots, n_ctx, kv_type)
+
+    def forward(self, tokens: np.ndarray, layout: Any, kv: CpuKVCache,
+                embeds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Run one batch; returns (R, vocab) float32 logits (a fresh array)."""
+        bt = _Batch(tokens, layout, embeds)
+        if bt.n_out == 0 and bt.n == 0:
+            return np.empty((0, self.program.vocab), np.float32)
+        bt.views = self._views(bt)
+        env: list[Any] = [None] * len(self.program.values)
+        for step in self._steps:
+            step(env, bt, kv)
+        return env[self.program.output.id]
+
+    # ---- buffer planning -----------------------------------------------------------
+
+    def _plan_buffers(self) -> None:
+        """Give every value a buffer slot, an alias (in place / a view of another value's
+        buffer) or its own fresh array (the embedding rows and the logits)."""
+        prog = self.program
+        nodes = prog.nodes
+        last = [-1] * len(prog.values)
+        for i, n in enumerate(nodes):
+            for x in n.inputs:
+                last[x.id] = i
+        last[prog.output.id] = len(nodes)
+        self._last = last
+        base = list(range(len(prog.values)))     # the value whose buffer a value lives in
+        glast = list(last)                       # per root: the last reader of any value in its buffer
+        self._view = [False] * len(prog.values)  # a column block of another value's buffer
+        slot_of: dict[int, int] = {}            # root value id -> buffer slot
+        widths: list[int] = []
+        slot_rows: list[str] = []
+        free: dict[tuple[str, int], list[int]] = {}
+        inplace = [False] * len(nodes)
+
+        def root(v: int) -> int:
+            while base[v] != v:
+                v = base[v]
+            return v
+
+        split_of = [-1] * len(prog.values)      # for a column block: the value that was split
+
+        def alias(v: int, parent: int, view: bool) -> None:
+            base[v] = parent
+            self._view[v] = view
+            r = root(parent)
+            glast[r] = max(glast[r], last[v])
+
+        def dead_after(x: int, i: int) -> bool:
+            """Nothing reads x's elements after node i: a column block only needs itself and
+            the split value dead (its sibling blocks are other columns)."""
+            if self._view[x]:
+                return last[x] <= i and last[split_of[x]] <= i
+            return glast[root(x)] <= i
+
+        for i, n in enumerate(nodes):
+            op = n.op
+            if op == "split":
+                for o in n.outs:
+                    alias(o.id, n.inputs[0].id, True)
+                    split_of[o.id] = n.inputs[0].id
+                continue
+            out = n.out
+            if op != "embed" and out.id != prog.output.id:
+                x = n.inputs[0] if n.inputs else None
+                if (op in ("rope", "head_rms_norm", "scale", "softcap", "add", "glu") and dead_after(x.id, i)
+                        and (op in ("rope", "head_rms_norm") or not self._view[x.id])):
+                    split_of[out.id] = split_of[x.id]
+                    alias(out.id, x.id, self._view[x.id])
+                    inplace[i] = True
+                else:
+                    key = (out.rows, out.width)
+                    pool = free.setdefault(key, [])
+                    if pool:
+                        slot_of[out.id] = pool.pop()
+                    else:
+                        slot_of[out.id] = len(widths)
+                        widths.append(out.width)
+                        slot_rows.append(out.rows)
+            # the buffers whose every value has been read for the last time are free again
+            # (after this node's output has its own)
+            for x in n.inputs:
+                r = root(x.id)
+                if r in slot_of and glast[r] <= i and r != root(out.id):
+                    k = (prog.values[r].rows, prog.values[r].width)
+                    if slot_of[r] not in free.setdefault(k, []):
+                        free[k].append(slot_of[r])
+        self._slot_of = slot_of
+        self._slot_rows = slot_rows
+        self._inplace = inplace
+        self._buffers = _Buffers(widths)
+
+    def _views(self, bt: _Batch) -> list[np.ndarray]:
+        """This forward's view of every buffer slot (its first N or R rows)."""
+        get = self._buffers.get
+        return [get(i, bt.n if rows == ROWS_N else bt.n_out) for i, rows in enumerate(self._slot_rows)]
+
+    def _slot(self, v) -> int:
+        """The buffer slot node output ``v`` is written into; -1: a fresh array (the logits)."""
+        return self._slot_of.get(v.id, -1)
+
+    # ---- compiling nodes -----------------------------------------------------------
+
+    def _compile(self, i: int, node) -> Callable[[list, _Batch, CpuKVCache], None]:
+        if node.outs[0].id == self.program.output.id and node.op not in ("linear", "scale", "softcap", "take_rows"):
+            raise ValueError(f"a program whose output is made by {node.op} is not supported on the CPU")
+        return getattr(self, "_c_" + node.op)(i, node)
+
+    def _c_embed(self, i, node):
+        table, scale, o = node.attrs["table"], node.attrs["scale"], node.out.id
+
+        def run(env, bt, kv):
+            ids = bt.tokens.astype(np.int64)
+            if bt.embeds is not None:
+                ids[bt.embeds[0]] = 0
+            x = table.rows(ids)
+            if scale != 1.0:
+                x *= np.float32(scale)
+            if bt.embeds is not None:
+                x[bt.embeds[0]] = bt.embeds[1]
+            env[o] = x
+        return run
+
+    def _c_rms_norm(self, i, node):
+        w, eps, xi, oi = node.attrs["weight"], node.attrs["eps"], node.inputs[0].id, node.out.id
+        s = self._slot(node.out)
+        kern = cpu_ops.rms_norm
+
+        def run(env, bt, kv):
+            y = bt.views[s]
+            kern(env[xi], w, eps, y)
+            env[oi] = y
+        return run
+
+    def _c_head_rms_norm(self, i, node):
+        w, eps, hd = node.attrs["weight"], node.attrs["eps"], node.attrs["head_dim"]
+        xi, oi, inplace, H = node.inputs[0].id, node.out.id, self._inplace[i], node.out.width // hd
+        kern = cpu_ops.head_rms_norm
+
+        def run(env, bt, kv):
+            x = env[xi] if inplace else env[xi].copy()
+            kern(x.reshape(x.shape[0], H, hd), w, eps)
+            env[oi] = x
+        return run
+
+    def _c_linear(self, i, node):
+        W, bias, xi, oi = node.attrs["weight"], node.attrs["bias"], node.inputs[0].id, node.out.id
+        s = self._slot(node.out)
+        on_n = node.inputs[0].rows == ROWS_N
+        view = self._view[xi]
+        m = W.m
+
+        def run(env, bt, kv):
+            x = env[xi]
+            if view:
+                x = np.ascontiguousarray(x)
+            y = bt.views[s] if s >= 0 else np.empty((x.shape[0], m), np.float32)
+            if not on_n or bt.all_small:
+                W.matmul(x, y, per_row=True)
+            else:
+                _matmul_n(W, x, y, bt)
+            if bias is not None:
+                y += bias
+            env[oi] = y
+        return run
+
+    def _c_split(self, i, node):
+        xi = node.inputs[0].id
+        parts = [(o.id, off, off + o.width) for o, off in zip(node.outs, node.attrs["offsets"])]
+
+        def run(env, bt, kv):
+            x = env[xi]
+            for oid, a, b in parts:
+                env[oid] = x[:, a:b]
+        return run
+
+    def _c_rope(self, i, node):
+        spec: RopeSpec = node.attrs["spec"]
+        si = self._specs.index(spec)
+        hd = node.attrs["head_dim"]
+        kern = cpu_ops.rope_inplace if spec.mode == "normal" else cpu_ops.rope_neox_inplace
+        xi, oi, inplace, H = node.inputs[0].id, node.out.id, self._inplace[i], node.out.width // hd
+
+        def run(env, bt, kv):
+            x = env[xi] if inplace else env[xi].copy()
+            cos, sin = kv.rope[si]
+            kern(x.reshape(bt.n, H, hd), bt.positions, cos, sin)
+            env[oi] = x
+        return run
+
+    def _c_attention(self, i, node):
+        a = node.attrs
+        L, H, KV, hd, scale, window = a["layer"], a["n_heads"], a["n_kv_heads"], a["head_dim"], a["scale"], a["window"]
+        qi, ki, vi = (x.id for x in node.inputs)
+        oi, so = node.out.id, self._slot(node.out)
+        rows_kernel = cpu_ops.attention_rows
+        prefill = cpu_ops.attention_prefill
+
+        def run(env, bt, kv):
+            n = bt.n
+            q = env[qi].reshape(n, H, hd)
+            k = env[ki].reshape(n, KV, hd)
+            v = env[vi].reshape(n, KV, hd)
+            kc, vc = kv.k[L], kv.v[L]
+            if kv.kv_type == "f16":
+                k = k.astype(np.float16).view(np.uint16)
+                v = v.astype(np.float16).view(np.uint16)
+            if bt.one_rows is not None:
+                kc[bt.one_slots, :, bt.one_pos, :] = k[bt.one_rows]
+                vc[bt.one_slots, :, bt.one_pos, :] = v[bt.one_rows]
+            for row, slot, pos, m in bt.multi:
+                kc[slot, :, pos:pos + m, :] = k[row:row + m].transpose(1, 0, 2)
+                vc[slot, :, pos:pos + m, :] = v[row:row + m].transpose(1, 0, 2)
+            y = bt.views[so]
+            att = y.reshape(n, H, hd)
+            if bt.all_small:
+                rows_kernel(q, kc, vc, bt.s_slots, bt.s_len, scale, window, att)
+            else:
+                if bt.small.size:
+                    od = np.empty((bt.small.size, H, hd), np.float32)
+                    rows_kernel(np.ascontiguousarray(q[bt.small]), kc, vc, bt.s_slots, bt.s_len, scale, window, od)
+                    att[bt.small] = od
+                for row, slot, pos, m in bt.long_segs:
+                    att[row:row + m] = prefill(q[row:row + m], kc[slot], vc[slot], pos, scale, window)
+            env[oi] = y
+        return run
+
+    def _c_glu(self, i, node):
+        kern = cpu_ops.silu_mul if node.attrs["act"] == "silu" else cpu_ops.gelu_tanh_mul
+        gi, ui, oi, inplace = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i]
+        s = self._slot(node.out)
+
+        def run(env, bt, kv):
+            g = env[gi]
+            y = g if inplace else bt.views[s]
+            kern(g, env[ui], y)
+            env[oi] = y
+        return run
+
+    def _c_add(self, i, node):
+        ai, bi, oi, inplace = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i]
+        s = self._slot(node.out)
+        kern = cpu_ops.add_inplace
+
+        def run(env, bt, kv):
+            if inplace:
+                y = env[ai]
+                kern(y, env[bi])
+            else:
+                y = bt.views[s]
+                np.add(env[ai], env[bi], out=y)
+            env[oi] = y
+        return run
+
+    def _c_scale(self, i, node):
+        f, xi, oi, inplace, s = np.float32(node.attrs["s"]), node.inputs[0].id, node.out.id, self._inplace[i], \
+            self._slot(node.out)
+
+        def run(env, bt, kv):
+            y = env[xi] if inplace else (bt.views[s] if s >= 0 else np.empty_like(env[xi]))
+            np.multiply(env[xi], f, out=y)
+            env[oi] = y
+        return run
+
+    def _c_softcap(self, i, node):
+        cap, xi, oi, inplace, s = np.float32(node.attrs["cap"]), node.inputs[0].id, node.out.id, self._inplace[i], \
+            self._slot(node.out)
+
+        def run(env, bt, kv):
+            y = env[xi] if inplace else (bt.views[s] if s >= 0 else np.empty_like(env[xi]))
+            np.multiply(env[xi], np.float32(1.0) / cap, out=y)
+            np.tanh(y, out=y)
+            y *= cap
+            env[oi] = y
+        return run
+
+    def _c_take_rows(self, i, node):
+        xi, oi, s = node.inputs[0].id, node.out.id, self._slot(node.out)
+
+        def run(env, bt, kv):
+            x = env[xi]
+            y = bt.views[s] if s >= 0 else np.empty((bt.n_out, x.shape[1]), np.float32)
+            if bt.n_out == bt.n:              # every row wants logits (out_rows is 0..n-1, in order)
+                y[:] = x
+            else:
+                np.take(x, bt.out_rows, axis=0, out=y)
+            env[oi] = y
+        return run

@@ -1,0 +1,131 @@
+"""The CUDA backend's kernel sites and their candidates (pure Python: tested without a GPU).
+
+Owns: the names of the decode GEMV variants (``GemvVariant``: batch rows per block NB,
+warps per row pair WPP, and where the RMSNorm scale is computed) and of the prefill GEMM
+modes; which variants are candidates at each batch bucket, and which one runs by default
+(no artifact, or ``kernel_choice`` policy "off"/"reuse" without one); the site keys the
+artifact records. Leaves the artifact to ``kernel_choice``, the launches and their timing
+to ``cuda_program`` and ``cuda_gemm``, the kernels to ``cuda_src``.
+
+Every GEMV variant computes each output element in the same order (``cuda_src``, "the
+canonical reduction order"), so the choice between them changes speed, never a bit of
+the logits. The prefill GEMM modes differ in arithmetic (float16 or TF32 tensor-core
+inputs, or float32), so their candidates are checked against float32 within a tolerance.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+CHOICE_VERSION = "1"      # the naming of sites and candidates; part of the artifact key
+
+# (NB, WPP) pairs compiled as gemv<...,NB,MODE,WPP> instances: at most 32 accumulators per
+# thread (S = 4 / WPP groups x NB rows x 2 output rows), so registers stay low.
+GEMV_GRID: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 8: (2, 4), 16: (4,)}
+NB_MAX = 16
+TUNE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets timed; larger ones use the last one's choice
+WIDE_ROWS = 16384        # default: matrices with this many output rows (the output head) run one warp per pair
+PRE_ROWS = 2048          # default: matrices with at least this many rows read a precomputed norm scale
+
+PREFILL_MODES = ("f16", "tf32", "f32")
+# "f16": weights dequantized per tile to float16, activations converted once per op, cuBLAS
+#        GemmEx with float32 accumulation (tensor cores); only for inputs that stay well inside
+#        float16's range (a linear whose input is RMS-normed or an attention output)
+# "tf32": weights dequantized per tile to float32, GemmEx with TF32 tensor-core math
+#        (float32's range, float16's precision); the default for the other linears
+# "f32": weights dequantized per tile to float32, SGEMM (no tensor cores; the reference)
+PREFILL_TOL = {"f16": 1e-2, "tf32": 1e-2, "f32": 1e-5}   # the check: ||Y - Y_f32|| / ||Y_f32|| at most this
+
+
+@dataclass(frozen=True)
+class GemvVariant:
+    """``nb`` batch rows per block, ``wpp`` warps per row pair, ``pre``: the RMSNorm scale
+    comes from a ``row_scale`` launch before the GEMV (True) or is computed per block
+    (False; the only form for a GEMV without a norm, where it means nothing)."""
+
+    nb: int
+    wpp: int
+    pre: bool
+
+    @property
+    def name(self) -> str:
+        return f"nb{self.nb}w{self.wpp}{'p' if self.pre else 'i'}"
+
+    @staticmethod
+    def parse(name: str) -> "GemvVariant":
+        m = re.fullmatch(r"nb(\d+)w(\d+)([pi])", name)
+        if not m or int(m.group(1)) not in GEMV_GRID or int(m.group(2)) not in GEMV_GRID[int(m.group(1))]:
+            raise ValueError(f"not a GEMV variant: {name!r}")
+        return GemvVariant(int(m.group(1)), int(m.group(2)), m.group(3) == "p")
+
+
+def pow2(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+def tune_bucket(rows: int) -> int:
+    """The bucket whose choice a launch over ``rows`` rows uses."""
+    return min(pow2(max(1, rows)), TUNE_BUCKETS[-1])
+
+
+def gemv_candidates(bucket: int, norm: bool) -> tuple[str, ...]:
+    """Variant names worth timing at ``bucket`` rows: NB = the bucket (up to 16) or half of
+    it, every WPP compiled for that NB, and with a norm both places for its scale (the
+    per-block one only up to NB 4: beyond, every block would re-read NB rows of x)."""
+    top = min(bucket, NB_MAX)
+    nbs = [top] + ([top // 2] if top > 1 else [])
+    out = []
+    for nb in nbs:
+        for wpp in GEMV_GRID[nb]:
+            if norm:
+                out.append(GemvVariant(nb, wpp, True).name)
+                if nb <= 4:
+                    out.append(GemvVariant(nb, wpp, False).name)
+            else:
+                out.append(GemvVariant(nb, wpp, False).name)
+    return tuple(out)
+
+
+def gemv_default(bucket: int, norm: bool, m_rows: int) -> str:
+    """The variant that runs without a recorded choice: NB = the bucket (up to 16); WPP 4 on
+    layer-sized matrices at NB <= 4 (more loads in flight per row), 1 on the output head
+    (enough rows to fill the GPU), 2 at NB 8, 4 at NB 16; the norm scale precomputed for
+    large matrices or NB >= 8, else per block."""
+    nb = min(pow2(max(1, bucket)), NB_MAX)
+    if nb <= 4:
+        wpp = 1 if m_rows >= WIDE_ROWS else 4
+    else:
+        wpp = 2 if nb == 8 else 4
+    pre = norm and (m_rows >= PRE_ROWS or nb >= 8)
+    return GemvVariant(nb, wpp, pre).name
+
+
+def gemv_instance(ta: int, tb: int, mode: int, v: GemvVariant) -> str:
+    """The template instance a variant launches."""
+    return f"gemv<{ta},{tb},{v.nb},{mode},{v.wpp}>"
+
+
+def gemv_site(mode: str, ta: str, tb: str, m_rows: int, k: int, norm: bool) -> str:
+    """Site key of a GEMV (without its bucket): mode, tensor types, output rows, inputs."""
+    return f"gemv/{mode}/{ta}x{tb}/m{m_rows}/k{k}/{'norm' if norm else 'plain'}"
+
+
+def at_bucket(site: str, bucket: int) -> str:
+    return f"{site}@b{bucket}"
+
+
+def prefill_candidates(bounded_input: bool) -> tuple[str, ...]:
+    """Prefill GEMM modes for a linear (float16 only where its input is bounded)."""
+    return PREFILL_MODES if bounded_input else ("tf32", "f32")
+
+
+def prefill_default(bounded_input: bool) -> str:
+    return "f16" if bounded_input else "tf32"
+
+
+def prefill_site(qtype: str, m: int, k: int, bounded_input: bool) -> str:
+    return f"gemm/{qtype}/m{m}/k{k}/{'bounded' if bounded_input else 'open'}"

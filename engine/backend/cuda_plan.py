@@ -1,0 +1,526 @@
+"""How the CUDA backend runs a Program: its nodes matched into fused steps, and buffers.
+
+Owns: ``plan(program)``, a pure function of the ``ops.Program`` (no CuPy: it runs and is
+tested on machines without a GPU) that returns the list of steps both CUDA executors run
+(``cuda_program.py``: the captured graph and the eager path) and where every value lives.
+Leaves the kernels to ``cuda_src.py`` and the launches to ``cuda_program.py``.
+
+Fusions (what today's decode graph does for llama, found by pattern in any program):
+* ``rms_norm`` whose every reader is a ``linear``: the norm becomes the GEMV's prologue
+  (the eager path computes it once per step into a scratch buffer).
+* ``attention(rope(linear(h)), rope(linear(h)), linear(h))``, with the three linears
+  separate or one ``split`` of a fused QKV linear, optionally ``head_rms_norm`` between
+  a linear and its rope (QK-norm): one ``QKV`` step. Without QK-norm the graph runs it
+  as GEMVs whose epilogue adds the bias, rotates and writes K and V into the cache; with
+  QK-norm as one GEMV into a scratch row and ``head_rope_kv``. The attention node then
+  only reads the cache (``Attend``).
+* ``glu(linear(h), linear(h))`` (or the two halves of one fused gate/up linear): one GEMV
+  with the SwiGLU / GEGLU epilogue.
+* ``add(r, linear(a))``, where the residual ``r`` is read by nothing after the linear:
+  the GEMV adds into r's buffer (``mode "add"``); ``add(r, rms_norm(linear(a)))``
+  (gemma3's post-norms): the linear stores, then the norm adds into r's buffer.
+Anything else runs as generic steps, one per node (``split`` is a view: no step).
+
+Buffers: every materialized value gets a column range of a buffer ``(rows, width)``;
+buffers are reused once their last reader has run. Widths are multiples of 4 floats
+(the GEMV reads rows with float4 loads; an odd-row matrix writes its pad row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROWS_N, ROWS_R = "N", "R"
+
+
+class PlanError(ValueError):
+    """The program cannot be run by the CUDA backend (say, a view that is not aligned)."""
+
+
+def _pad4(n: int) -> int:
+    return (n + 3) // 4 * 4
+
+
+# ---- steps ------------------------------------------------------------------------------------
+# Value ids refer to Program.values; ``norm`` is (weight vector, eps) or None.
+
+@dataclass
+class Embed:
+    out: int
+    table: Any
+    scale: float
+
+
+@dataclass
+class Linear:
+    """out = W . norm(x) (+ bias); mode "store" or "add" (out is the residual's buffer)."""
+    x: int
+    norm: tuple | None
+    w: Any
+    bias: Any
+    out: int
+    mode: str = "store"
+
+
+@dataclass
+class Glu:
+    """out = act(Wa[a0:a0+f] . norm(x) + bias_a) * (Wb[b0:b0+f] . norm(x) + bias_b)."""
+    x: int
+    norm: tuple | None
+    wa: Any
+    a0: int
+    wb: Any
+    b0: int
+    f: int
+    bias_a: Any
+    bias_b: Any
+    act: str
+    out: int
+
+
+@dataclass
+class QKV:
+    """The attention input of layer ``layer``: q (to ``q_out``), k and v (into the cache).
+
+    mats: one (matrix, first row of [q; k; v] it holds) per launched matrix (one fused
+    matrix, or Wq, Wk, Wv); biases: one (vector or None, first row) per bias part;
+    q_norm / k_norm: (weight (hd,), eps) for QK-norm, or None."""
+    x: int
+    norm: tuple | None
+    mats: list
+    biases: list
+    q_out: int
+    layer: int
+    spec: Any
+    n_heads: int
+    n_kv: int
+    hd: int
+    q_norm: tuple | None
+    k_norm: tuple | None
+
+
+@dataclass
+class Attend:
+    q: int
+    out: int
+    layer: int
+    n_heads: int
+    n_kv: int
+    hd: int
+    scale: float
+    window: int
+
+
+@dataclass
+class KVStore:
+    """Generic: store rows of k and v into layer ``layer`` of the cache."""
+    k: int
+    v: int
+    layer: int
+    n_kv: int
+    hd: int
+
+
+@dataclass
+class TakeRows:
+    x: int
+    out: int
+
+
+@dataclass
+class Norm:
+    """out (+)= rms_norm(x) * w; with ``add`` out is the residual's buffer."""
+    x: int
+    w: Any
+    eps: float
+    out: int
+    add: bool = False
+
+
+@dataclass
+class HeadOp:
+    """Generic per-head RMSNorm (``w`` not None) and/or RoPE (``spec`` not None)."""
+    x: int
+    out: int
+    hd: int
+    w: Any = None
+    eps: float = 0.0
+    spec: Any = None
+
+
+@dataclass
+class Elementwise:
+    """out = a + b ("add"), s * a ("scale"), s * tanh(a / s) ("softcap")."""
+    op: str
+    a: int
+    b: int | None
+    out: int
+    s: float = 0.0
+
+
+@dataclass
+class GluRows:
+    gate: int
+    up: int
+    act: str
+    out: int
+
+
+@dataclass
+class Loc:
+    """Where a value lives: columns [col, col + width) of buffer ``buf``."""
+    buf: int
+    col: int
+    width: int
+
+
+@dataclass
+class Plan:
+    steps: list
+    loc: dict[int, Loc]
+    buffers: list[tuple[str, int]]          # (rows "N" | "R", width) per buffer id
+    output: int
+    vocab: int
+    d_model: int
+    kv_layers: tuple
+    rope_specs: list
+    fused: dict[str, int] = field(default_factory=dict)   # counts, for tests and the startup profile
+
+    def buffer_of(self, vid: int) -> int:
+        return self.loc[vid].buf
+
+
+# ---- matching ---------------------------------------------------------------------------------
+
+class _Graph:
+    def __init__(self, program):
+        self.nodes = list(program.nodes)
+        self.prod: dict[int, int] = {}
+        self.cons: dict[int, list[int]] = {}
+        for i, n in enumerate(self.nodes):
+            for o in n.outs:
+                self.prod[o.id] = i
+            for x in n.inputs:
+                self.cons.setdefault(x.id, []).append(i)
+        self.output = program.output.id
+        self.cons.setdefault(self.output, []).append(len(self.nodes))   # read by the caller
+
+    def node_of(self, vid: int):
+        i = self.prod.get(vid)
+        return (i, self.nodes[i]) if i is not None else (None, None)
+
+    def only_reader(self, vid: int) -> int | None:
+        c = self.cons.get(vid, [])
+        return c[0] if len(c) == 1 else None
+
+
+def plan(program, *, fuse: bool = True) -> Plan:
+    """The steps and buffers of ``program`` (an ``ops.Program``, duck-typed). ``fuse=False``
+    runs every node as a generic step (the fallback path, tested on its own).
+    Raises PlanError for a program the CUDA backend cannot run."""
+    g = _Graph(program)
+    nodes = g.nodes
+    width = {v.id: v.width for v in program.values}
+    rows = {v.id: v.rows for v in program.values}
+    done: set[int] = set()                  # node indices consumed by a fused step
+    at: dict[int, list] = {}               # node index -> steps emitted at that position
+    alias: dict[int, int] = {}             # value id -> value id whose location it shares
+    fused = {"qkv": 0, "glu": 0, "add": 0, "post_norm": 0, "norm_prologue": 0}
+
+    def emit(i: int, step) -> None:
+        at.setdefault(i, []).append(step)
+
+    def linear_src(vid: int):
+        """(linear node index, first row of its matrix) when ``vid`` is a linear's output,
+        or a split output of a linear read only by that split; else None."""
+        i, n = g.node_of(vid)
+        if n is None:
+            return None
+        if n.op == "linear":
+            return i, 0
+        if n.op == "split":
+            j, lin = g.node_of(n.inputs[0].id)
+            if lin is not None and lin.op == "linear" and g.only_reader(lin.out.id) == i:
+                k = [o.id for o in n.outs].index(vid)
+                return j, int(n.attrs["offsets"][k])
+        return None
+
+    def norm_of(x_vid: int):
+        """(input value, (weight, eps)) when x is an rms_norm output read only by linears
+        (the norm folds into their prologue), else (x, None)."""
+        if not fuse:
+            return x_vid, None
+        i, n = g.node_of(x_vid)
+        if n is None or n.op != "rms_norm":
+            return x_vid, None
+        if all(c < len(nodes) and nodes[c].op == "linear" for c in g.cons.get(x_vid, [])):
+            return n.inputs[0].id, (n.attrs["weight"], n.attrs["eps"])
+        return x_vid, None
+
+    # -- QKV + attention
+    def match_qkv(ia: int, a):
+        """The QKV step and the node indices it replaces, or None."""
+        hd, H, KV = a.attrs["head_dim"], a.attrs["n_heads"], a.attrs["n_kv_heads"]
+        qd, kd = H * hd, KV * hd
+        spec, heads, proj, chain = None, [], [], []
+        for vid in (a.inputs[0].id, a.inputs[1].id):
+            ir, r = g.node_of(vid)
+            if r is None or r.op != "rope" or r.attrs["head_dim"] != hd or g.only_reader(vid) != ia:
+                return None
+            if spec is not None and r.attrs["spec"] != spec:
+                return None
+            spec = r.attrs["spec"]
+            chain.append(ir)
+            src = r.inputs[0].id
+            if g.only_reader(src) != ir:
+                return None
+            ih, hn = g.node_of(src)
+            if hn is not None and hn.op == "head_rms_norm":
+                if hn.attrs["head_dim"] != hd or g.only_reader(hn.inputs[0].id) != ih:
+                    return None
+                chain.append(ih)
+                heads.append((hn.attrs["weight"], hn.attrs["eps"]))
+                src = hn.inputs[0].id
+            else:
+                heads.append(None)
+            proj.append(src)
+        if g.only_reader(a.inputs[2].id) != ia:
+            return None
+        proj.append(a.inputs[2].id)
+        if heads[0] is not None and heads[1] is not None and heads[0][1] != heads[1][1]:
+            return None          # one eps in head_rope_kv
+        srcs = [linear_src(p) for p in proj]
+        if any(s is None for s in srcs):
+            return None
+        lin_idx = sorted({s[0] for s in srcs})
+        lins = [nodes[i] for i in lin_idx]
+        if len({n.inputs[0].id for n in lins}) != 1:
+            return None
+        if len(lins) == 1:       # one fused matrix split into q, k, v (in this order)
+            split_i = g.node_of(proj[0])[0]
+            if ([s[1] for s in srcs] != [0, qd, qd + kd] or lins[0].out.width != qd + 2 * kd
+                    or len(nodes[split_i].outs) != 3):
+                return None
+            mats = [(lins[0].attrs["weight"], 0)]
+            biases = [(lins[0].attrs.get("bias"), 0)]
+            chain.append(split_i)
+        elif len(lins) == 3 and all(s[1] == 0 for s in srcs):
+            order = [g.node_of(p)[1] for p in proj]
+            if [n.out.width for n in order] != [qd, kd, kd]:
+                return None
+            mats = [(order[0].attrs["weight"], 0), (order[1].attrs["weight"], qd),
+                    (order[2].attrs["weight"], qd + kd)]
+            biases = [(order[0].attrs.get("bias"), 0), (order[1].attrs.get("bias"), qd),
+                      (order[2].attrs.get("bias"), qd + kd)]
+        else:
+            return None
+        x, norm = norm_of(lins[0].inputs[0].id)
+        step = QKV(x, norm, mats, biases, a.inputs[0].id, a.attrs["layer"], spec, H, KV, hd, heads[0], heads[1])
+        return step, min(lin_idx), set(lin_idx) | set(chain)
+
+    for ia, a in enumerate(nodes):
+        if a.op != "attention" or not fuse:
+            continue
+        m = match_qkv(ia, a)
+        if m is None:
+            continue
+        step, first, used = m
+        done.update(used)
+        done.add(ia)
+        emit(first, step)
+        emit(ia, Attend(step.q_out, a.out.id, a.attrs["layer"], step.n_heads, step.n_kv, step.hd, a.attrs["scale"],
+                        a.attrs["window"]))
+        fused["qkv"] += 1
+        if step.norm is not None:
+            fused["norm_prologue"] += 1
+
+    # -- GLU of two linears
+    for ig, n in enumerate(nodes):
+        if n.op != "glu" or not fuse or ig in done:
+            continue
+        ga, gb = n.inputs[0].id, n.inputs[1].id
+        if g.only_reader(ga) != ig or g.only_reader(gb) != ig:
+            continue
+        sa, sb = linear_src(ga), linear_src(gb)
+        if sa is None or sb is None:
+            continue
+        la, lb = nodes[sa[0]], nodes[sb[0]]
+        if la.inputs[0].id != lb.inputs[0].id:
+            continue
+        if sa[0] == sb[0]:
+            split_i = g.node_of(ga)[0]
+            if split_i != g.node_of(gb)[0]:
+                continue
+            done.add(split_i)
+        x, norm = norm_of(la.inputs[0].id)
+        f = n.out.width
+        ba, bb = la.attrs.get("bias"), lb.attrs.get("bias")
+        done.update({sa[0], sb[0], ig})
+        emit(min(sa[0], sb[0]), Glu(x, norm, la.attrs["weight"], sa[1], lb.attrs["weight"], sb[1], f,
+                                    (ba, sa[1]) if ba is not None else None, (bb, sb[1]) if bb is not None else None,
+                                    n.attrs["act"], n.out.id))
+        fused["glu"] += 1
+        if norm is not None:
+            fused["norm_prologue"] += 1
+
+    # -- residual adds into the residual's buffer
+    def dead_after(vid: int, i: int, add_i: int) -> bool:
+        """Nothing but the add reads ``vid`` at or after node ``i``, and vid is defined before i."""
+        p = g.prod.get(vid)
+        if p is None or p >= i:
+            return False
+        return all(c < i or c == add_i for c in g.cons.get(vid, []))
+
+    for i_add, n in enumerate(nodes):
+        if n.op != "add" or not fuse or i_add in done:
+            continue
+        for r_vid, o_vid in ((n.inputs[0].id, n.inputs[1].id), (n.inputs[1].id, n.inputs[0].id)):
+            if r_vid == o_vid or g.only_reader(o_vid) != i_add:
+                continue
+            io, o = g.node_of(o_vid)
+            if o is None or io in done:
+                continue
+            if o.op == "linear" and dead_after(r_vid, io, i_add) and rows[r_vid] == rows[o_vid]:
+                x, norm = norm_of(o.inputs[0].id)
+                done.update({io, i_add})
+                emit(io, Linear(x, norm, o.attrs["weight"], o.attrs.get("bias"), n.out.id, "add"))
+                alias[n.out.id] = r_vid
+                fused["add"] += 1
+                if norm is not None:
+                    fused["norm_prologue"] += 1
+                break
+            if o.op == "rms_norm" and dead_after(r_vid, io, i_add) and rows[r_vid] == rows[o_vid]:
+                done.update({io, i_add})
+                emit(io, Norm(o.inputs[0].id, o.attrs["weight"], o.attrs["eps"], n.out.id, add=True))
+                alias[n.out.id] = r_vid
+                fused["post_norm"] += 1
+                break
+
+    # -- everything else: one generic step per node
+    for i, n in enumerate(nodes):
+        if i in done:
+            continue
+        op, A = n.op, n.attrs
+        if op == "embed":
+            emit(i, Embed(n.out.id, A["table"], A["scale"]))
+        elif op == "linear":
+            x, norm = norm_of(n.inputs[0].id)
+            emit(i, Linear(x, norm, A["weight"], A.get("bias"), n.out.id))
+            if norm is not None:
+                fused["norm_prologue"] += 1
+        elif op == "rms_norm":
+            if norm_of(n.out.id)[1] is not None:
+                continue        # folded into every reader's prologue
+            emit(i, Norm(n.inputs[0].id, A["weight"], A["eps"], n.out.id))
+        elif op == "head_rms_norm":
+            emit(i, HeadOp(n.inputs[0].id, n.out.id, A["head_dim"], w=A["weight"], eps=A["eps"]))
+        elif op == "rope":
+            emit(i, HeadOp(n.inputs[0].id, n.out.id, A["head_dim"], spec=A["spec"]))
+        elif op == "split":
+            for o, off in zip(n.outs, A["offsets"]):
+                alias[o.id] = (n.inputs[0].id, int(off))   # a view
+        elif op == "attention":
+            emit(i, KVStore(n.inputs[1].id, n.inputs[2].id, A["layer"], A["n_kv_heads"], A["head_dim"]))
+            emit(i, Attend(n.inputs[0].id, n.out.id, A["layer"], A["n_heads"], A["n_kv_heads"], A["head_dim"],
+                           A["scale"], A["window"]))
+        elif op == "glu":
+            emit(i, GluRows(n.inputs[0].id, n.inputs[1].id, A["act"], n.out.id))
+        elif op == "add":
+            emit(i, Elementwise("add", n.inputs[0].id, n.inputs[1].id, n.out.id))
+        elif op == "scale":
+            emit(i, Elementwise("scale", n.inputs[0].id, None, n.out.id, A["s"]))
+        elif op == "softcap":
+            emit(i, Elementwise("softcap", n.inputs[0].id, None, n.out.id, A["cap"]))
+        elif op == "take_rows":
+            emit(i, TakeRows(n.inputs[0].id, n.out.id))
+        else:
+            raise PlanError(f"op {op!r} is not supported by the CUDA backend")
+
+    steps = [s for i in sorted(at) for s in at[i]]
+    loc, buffers = _assign(steps, alias, width, rows, g.output)
+    return Plan(steps, loc, buffers, g.output, int(program.output.width), int(program.d_model),
+                tuple(program.kv_layers), list(program.rope_specs()), fused)
+
+
+# ---- buffers ----------------------------------------------------------------------------------
+
+def reads(s) -> list[int]:
+    """Value ids a step reads."""
+    if isinstance(s, (Linear, Glu, QKV)):
+        return [s.x] + ([s.out] if isinstance(s, Linear) and s.mode == "add" else [])
+    if isinstance(s, Attend):
+        return [s.q]
+    if isinstance(s, KVStore):
+        return [s.k, s.v]
+    if isinstance(s, TakeRows):
+        return [s.x]
+    if isinstance(s, Norm):
+        return [s.x] + ([s.out] if s.add else [])
+    if isinstance(s, HeadOp):
+        return [s.x]
+    if isinstance(s, Elementwise):
+        return [s.a] + ([s.b] if s.b is not None else [])
+    if isinstance(s, GluRows):
+        return [s.gate, s.up]
+    return []
+
+
+def writes(s) -> list[int]:
+    if isinstance(s, QKV):
+        return [s.q_out]
+    if isinstance(s, KVStore):
+        return []
+    return [s.out]
+
+
+def _assign(steps: list, alias: dict, width: dict, rows: dict, output: int) -> tuple[dict, list]:
+    """Give every written value a Loc; reuse a buffer once its values are dead."""
+    def root(v: int) -> tuple[int, int]:
+        off = 0
+        while v in alias:
+            a = alias[v]
+            if isinstance(a, tuple):
+                v, o = a
+                off += o
+            else:
+                v = a
+        return v, off
+
+    last: dict[int, int] = {}
+    for i, s in enumerate(steps):
+        for v in reads(s) + writes(s):
+            r, _ = root(v)
+            last[r] = i
+    last[root(output)[0]] = len(steps)
+    loc: dict[int, Loc] = {}
+    buffers: list[tuple[str, int]] = []
+    free: dict[tuple[str, int], list[int]] = {}
+    live: dict[int, int] = {}           # buffer -> root value that owns it
+    for i, s in enumerate(steps):
+        for v in writes(s):
+            r, _ = root(v)
+            if r in loc or r != v:
+                continue
+            key = (rows[r], _pad4(width[r]))
+            # an Attend's output must not share the buffer it reads q from
+            lst = free.get(key, [])
+            if lst:
+                b = lst.pop()
+            else:
+                b = len(buffers)
+                buffers.append(key)
+            loc[r] = Loc(b, 0, width[r])
+            live[b] = r
+        # free buffers whose owner's last use is this step (after the writes: in-place is not assumed)
+        for b, r in list(live.items()):
+            if last.get(r, -1) <= i and r != root(output)[0]:
+                free.setdefault(buffers[b], []).append(b)
+                del live[b]
+    for v in width:
+        r, off = root(v)
+        if r in loc and v not in loc:
+            if off % 4:
+                raise PlanError(f"value {v} is a view at column {off} of value {r}: not a multiple of 4 floats")
+            loc[v] = Loc(loc[r].buf, loc[r].col + off, width[v])
+    return loc, buffers

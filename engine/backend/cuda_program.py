@@ -1,0 +1,997 @@
+"""A Program on the CUDA backend: its plan's steps run as a captured CUDA graph or eagerly.
+
+Owns: ``CudaProgram`` (``CudaBackend.compile(program)``; the interface of IR.md section 6:
+``forward``, ``sample``, ``greedy``, ``last_logits``, ``new_kv_cache``,
+``kv_cache_bytes``), the kernels' launch arguments for every step of ``cuda_plan.plan``,
+and per KV cache the activation buffers, RoPE tables and captured graphs (``_CacheState``).
+Leaves the order of ops to the Program (the architecture's), the fusions to
+``cuda_plan``, K and V to ``cuda_kv``, the device tables to ``cuda_tables``, the kernels to
+``cuda_src`` and ``cuda_sampling``, the prefill GEMM to ``cuda_gemm``, the kernel sites and
+their candidates to ``cuda_choice`` and ``cuda_tune``, the artifact to ``kernel_choice``.
+
+Two paths, one Program:
+* **graph**: a batch of at most ``b_max`` rows in all (decode steps of many slots, verify
+  windows, a short prefill) with at most one segment per slot replays a CUDA graph
+  captured once per (row bucket, logits-row bucket) and KV cache: rows 1, 2, 4, ...
+  b_max. Every kernel reads each row's token, slot and position from the row table;
+  padding rows point at the scratch slot. The steps are GEMVs over the quantized weights
+  with the plan's fusions in their prologues and epilogues (for llama, per layer: QKV with
+  RMSNorm, RoPE and the KV write; split-context attention; O + residual; gate/up with
+  RMSNorm and SwiGLU; down + residual), then ``sample_rows``, which writes a publication
+  record per logits row. No cuBLAS inside. Rows of one slot at consecutive positions are
+  causal without a mask: a layer's K and V rows are all written before its attention reads.
+  Each GEMV launch runs the variant (rows per block, warps per row pair, where the norm
+  scale is computed) the kernel choice recorded for its (site, bucket).
+* **eager**: anything larger (prefill chunks) and batches with image rows. Steps on batch
+  rows run ``cuda_gemm.PrefillGemm`` (weights dequantized one tile at a time into one
+  scratch buffer, cuBLAS on tensor cores: float16 or TF32 inputs, float32 accumulation;
+  the mode per weight is the kernel choice's); attention of long segments through cuBLAS
+  (scores, masked softmax kernel, values), the split-context attention kernel for short
+  segments; steps on the logits rows (after ``take_rows``) run the graph's GEMVs. With
+  ``prefill="gemv"`` every eager step runs the graph's kernels instead (batch-invariant
+  prefill, slow on large models; see below).
+
+Batch invariance: every GEMV variant reduces each output element in one canonical order
+(``cuda_src``), so through the graph a row's numbers do not depend on the other rows, the
+bucket or the variant, and the eager path's GEMVs (logits rows) agree with the graph's.
+The eager path's cuBLAS GEMMs and attention round differently: a prefill chunk of more
+rows than a graph takes gives logits within about 1e-3 (relative) of the same rows run
+through the graph, not the same bits; ``prefill="gemv"`` gives the same bits at the cost
+BENCHMARKS.md and tests/tools/GPU_NOTES.md show.
+
+Not thread-safe: one engine thread drives a program and its caches.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import cupy as cp
+import numpy as np
+from cupy_backends.cuda.libs import cublas
+
+from aotx.engine.backend import cuda_choice as CC
+from aotx.engine.backend import cuda_plan as P
+from aotx.engine.backend import cuda_sampling as CS
+from aotx.engine.backend import cuda_src as S
+from aotx.engine.backend.cuda_gemm import PrefillGemm
+from aotx.engine.backend.cuda_kv import CudaKVCache, check_kv_type
+from aotx.engine.backend.cuda_tables import DeviceTables, rows_for
+from aotx.engine.errors import ModelError
+
+GEMV_WARPS = 4
+ATT_NSMAX = 16                 # most context splits per (row, head) in the attention kernel
+ATT_MINCHUNK = 64              # fewest positions per split
+ATT_ROWS = 256                 # prefill="gemv": attention kernel launches of at most this many rows
+SHORT_SEGMENT = 16             # eager path: segments up to this long use the attention kernel, not cuBLAS
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+NT = 256                       # threads per block of the elementwise kernels
+PREFILL_FORCED = ("f16", "tf32", "f32", "gemv")
+MODE_NAME = {S.MODE_STORE: "store", S.MODE_ADD: "add", S.MODE_SWIGLU: "swiglu", S.MODE_GEGLU: "geglu",
+             S.MODE_QKV: "qkv", S.MODE_QKV16: "qkv"}
+
+
+def _u64(a) -> np.uint64:
+    """A device pointer as a kernel argument (a cupy array, a raw address or None)."""
+    if a is None:
+        return np.uint64(0)
+    if isinstance(a, (int, np.integer)):
+        return np.uint64(a)
+    return np.uint64(a.data.ptr)
+
+
+def _pow2(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+def _i(v) -> np.int32:
+    return np.int32(v)
+
+
+def _f(v) -> np.float32:
+    return np.float32(v)
+
+
+def _qname(qtype: int) -> str:
+    from gguf import GGMLQuantizationType as T
+
+    try:
+        return T(int(qtype)).name
+    except ValueError:
+        return str(qtype)
+
+
+Z64 = np.uint64(0)
+Z32 = np.int32(0)
+
+
+class _Ctx:
+    """One run of the steps: buffer addresses and row counts, per-row tables (device
+    addresses), the cache and its state. ``xs``: scratch for the rows' norm scales (at
+    least as many floats as rows); ``qkv``: scratch rows for a QKV step with QK-norm."""
+
+    __slots__ = ("bufs", "n", "r", "kv", "st", "tok_p", "slot_p", "pos_p", "out_p", "eager", "layout", "plan",
+                 "part", "counters", "layout_info", "xs", "qkv", "rope")
+
+    def ptr(self, vid: int) -> int:
+        loc = self.plan.loc[vid]
+        return self.bufs[loc.buf].data.ptr + 4 * loc.col
+
+    def ld(self, vid: int) -> int:
+        return int(self.bufs[self.plan.loc[vid].buf].shape[1])
+
+    def arr(self, vid: int) -> cp.ndarray:
+        """The value as a (rows, width) view of its buffer."""
+        loc = self.plan.loc[vid]
+        rows = self.n if self.plan_rows(vid) == P.ROWS_N else self.r
+        return self.bufs[loc.buf][:rows, loc.col:loc.col + loc.width]
+
+    def plan_rows(self, vid: int) -> str:
+        return self.plan.buffers[self.plan.loc[vid].buf][0]
+
+    def rows(self, vid: int) -> int:
+        return self.n if self.plan_rows(vid) == P.ROWS_N else self.r
+
+
+class _CacheState:
+    """What the graphs of one KV cache use: device tables, activation buffers (b_max rows),
+    attention scratch, RoPE tables, and the graphs themselves by (rows, logits rows)."""
+
+    def __init__(self, prog: "CudaProgram", kv: CudaKVCache):
+        b = rows_for(kv.n_slots)
+        self.b_max = b
+        self.tables = DeviceTables(b)
+        self.bufs = [cp.zeros((b, w), cp.float32) for _, w in prog.plan.buffers]
+        self.qkv = cp.zeros((b, prog.qkv_width), cp.float32) if prog.qkv_width else None
+        self.xs = cp.zeros(b, cp.float32)
+        self.part = cp.zeros(b * prog.max_heads * ATT_NSMAX * (prog.max_hd + 2), cp.float32)
+        self.counters = cp.zeros(b * prog.max_heads, cp.int32)
+        self.rope = [tuple(cp.asarray(t) for t in spec.tables(kv.n_ctx)) for spec in prog.plan.rope_specs]
+        self.graphs: dict[tuple[int, int], object] = {}
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(int(a.nbytes) for a in self.bufs) + self.tables.nbytes + int(self.part.nbytes + self.counters.nbytes)
+        return n + int(self.xs.nbytes) + (int(self.qkv.nbytes) if self.qkv is not None else 0)
+
+
+# ---- bound steps --------------------------------------------------------------------------------
+# Each has graph(prog, ctx) (GEMV kernels; also the eager path's launches on logits rows)
+# and eager(prog, ctx) (cuBLAS where the rows are many).
+
+class _Gemv:
+    """One GEMV launch: fixed weights, mode and epilogue; x, y, rows supplied per run.
+
+    ``site``: its kernel-choice site (``cuda_choice.gemv_site``; all layers' GEMVs of one
+    shape share it); the variant at each batch bucket comes from ``prog.gemv_variant``.
+    ``qkv``: for the fused QKV epilogue, (first row of [q; k; v] this matrix holds, the
+    _QKV step) so that ``launch`` can pass the cache, RoPE tables and row tables."""
+
+    def __init__(self, prog, mode: int, wa, a_ptr_off: int, wb, b_ptr_off: int, n_pairs: int, a_stride: int,
+                 b_off: int, norm, bias_a, bias_b, m_rows: int, qkv=None):
+        self.mode = mode
+        self.wa, self.wb = wa, wb
+        self.a_off, self.b_off_bytes = a_ptr_off, b_ptr_off
+        self.n_pairs, self.a_stride, self.b_off = n_pairs, a_stride, b_off
+        self.nw = norm[0] if norm is not None else None
+        self.eps = float(norm[1]) if norm is not None else 0.0
+        self.bias_a, self.bias_b = bias_a, bias_b
+        self.m_rows = m_rows
+        self.k = int(wa.k)
+        self.qkv = qkv
+        self.site = CC.gemv_site(MODE_NAME[mode], _qname(wa.qtype), _qname(wb.qtype), m_rows, self.k, norm is not None)
+        prog.gemvs.append(self)
+
+    def name(self, v: CC.GemvVariant, mode: int | None = None) -> str:
+        return CC.gemv_instance(int(self.wa.qtype), int(self.wb.qtype), self.mode if mode is None else mode, v)
+
+    def modes(self) -> tuple[int, ...]:
+        """Template modes this GEMV may launch (a QKV GEMV: one per KV type)."""
+        return (S.MODE_QKV, S.MODE_QKV16) if self.mode in (S.MODE_QKV, S.MODE_QKV16) else (self.mode,)
+
+    def launch(self, prog, c, x: int, ldx: int, B: int, y: int, ldy: int, variant: CC.GemvVariant | None = None,
+               kernels: dict | None = None, scale_ready: bool = False) -> bool:
+        """Launch over ``B`` rows; returns True when the rows' norm scale is now in ``c.xs``
+        (``scale_ready``: a GEMV just before, on the same x and norm, left it there)."""
+        if B == 0:
+            return False        # no logits rows (a prefill chunk): nothing after take_rows runs
+        v = variant if variant is not None else prog.gemv_variant(self.site, B)
+        mode = self.mode
+        if self.qkv is not None:
+            mode = S.MODE_QKV16 if c.kv.kvt else S.MODE_QKV
+        kk = kernels if kernels is not None else prog.k
+        kern = kk[self.name(v, mode)]
+        xs = Z64
+        if self.nw is not None and v.pre:
+            if not scale_ready:
+                kk["row_scale"]((B,), (128,), (np.uint64(x), _i(ldx), _i(self.k), _f(self.eps), c.xs))
+            xs = np.uint64(c.xs.data.ptr)
+        if self.qkv is not None:
+            r0, q = self.qkv
+            kc, vc = c.kv.layer_ptrs(q.s.layer)
+            cos, sin = c.rope[q.spec_i]
+            extra = (_i(r0), _i(q.qd), _i(q.kd), _i(q.s.hd), _i(q.rope_half), _i(q.neox), _i(q.s.n_kv),
+                     _i(c.kv.n_ctx), np.uint64(c.slot_p), np.uint64(c.pos_p), _u64(cos), _u64(sin), np.uint64(kc),
+                     np.uint64(vc))
+        else:
+            extra = (Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z64, Z64, Z64, Z64, Z64, Z64)
+        ppb = GEMV_WARPS // v.wpp
+        grid = ((self.n_pairs + ppb - 1) // ppb, (B + v.nb - 1) // v.nb)
+        kern(grid, (GEMV_WARPS * 32,),
+             (np.uint64(self.wa.data.data.ptr + self.a_off), np.uint64(self.wb.data.data.ptr + self.b_off_bytes),
+              np.int64(self.wa.row_bytes), np.int64(self.wb.row_bytes), _i(self.a_stride), _i(self.b_off),
+              _i(self.n_pairs), _i(self.k), np.uint64(x), _i(ldx), _i(B), _u64(self.nw), _f(self.eps), xs,
+              _u64(self.bias_a), _u64(self.bias_b), np.uint64(y), _i(ldy)) + extra)
+        return scale_ready or (self.nw is not None and v.pre)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one launch reads: two rows of Wa per pair (a_stride 2), or one
+        row of Wa and one of Wb (a GLU's gate and up)."""
+        if self.a_stride == 2:
+            return int(2 * self.n_pairs * self.wa.row_bytes)
+        return int(self.n_pairs * (self.wa.row_bytes + self.wb.row_bytes))
+
+
+def _pad_bias(b, m: int):
+    """A bias vector as a float32 device array of even length (the pad row reads it)."""
+    if b is None:
+        return None
+    b = cp.asarray(b, cp.float32).reshape(-1)
+    if b.shape[0] != m:
+        raise ModelError(f"a bias of {b.shape[0]} values for a matrix of {m} rows")
+    return cp.concatenate([b, cp.zeros(2, cp.float32)]) if m % 2 else cp.ascontiguousarray(b)
+
+
+class _Embed:
+    def __init__(self, prog, s: P.Embed):
+        self.s = s
+        self.name = f"embed<{s.table.qtype}>"
+        prog.need.add(self.name)
+
+    def graph(self, prog, c: _Ctx) -> None:
+        t = self.s.table
+        d = t.k
+        nu = d // 8
+        prog.k[self.name](((nu + 127) // 128, c.n), (128,),
+                          (_u64(t.data), np.int64(t.row_bytes), np.uint64(c.tok_p), _i(d), np.uint64(c.ptr(self.s.out)),
+                           _i(c.ld(self.s.out)), _f(self.s.scale)))
+
+    eager = graph
+
+
+class _Linear:
+    def __init__(self, prog, s: P.Linear, rows: str):
+        self.s, self.rows = s, rows
+        w = s.w
+        bias = _pad_bias(s.bias, w.m)
+        mode = S.MODE_ADD if s.mode == "add" else S.MODE_STORE
+        self.g = _Gemv(prog, mode, w, 0, w, 0, (w.m + 1) // 2, 2, 1, s.norm, bias, bias, w.m)
+        self.bias = bias
+        self.psite = prog.prefill_site(self, [w], w.m, s.norm, s.x) if rows == P.ROWS_N else None
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        self.g.launch(prog, c, c.ptr(s.x), c.ld(s.x), c.rows(s.x), c.ptr(s.out), c.ld(s.out))
+
+    def eager(self, prog, c: _Ctx) -> None:
+        mode = prog.prefill_mode(self.psite)
+        if self.rows != P.ROWS_N or mode == "gemv":
+            return self.graph(prog, c)
+        s = self.s
+        N = c.n
+        w = s.w
+        xp = prog.gemm.prepare(mode, c.ptr(s.x), c.ld(s.x), w.k, N, s.norm)
+        prog.gemm.gemm(xp, w, 0, w.m, N, c.ptr(s.out), c.ld(s.out), s.mode == "add")
+        prog.keep(xp)
+        if self.bias is not None:
+            prog.bias_rows(c.ptr(s.out), c.ld(s.out), self.bias, N, w.m)
+
+
+class _Glu:
+    def __init__(self, prog, s: P.Glu, rows: str):
+        self.s, self.rows = s, rows
+        mode = S.MODE_GEGLU if s.act == "gelu_tanh" else S.MODE_SWIGLU
+        ba = cp.ascontiguousarray(cp.asarray(s.bias_a[0], cp.float32)[s.bias_a[1]:s.bias_a[1] + s.f]) \
+            if s.bias_a is not None else None
+        bb = cp.ascontiguousarray(cp.asarray(s.bias_b[0], cp.float32)[s.bias_b[1]:s.bias_b[1] + s.f]) \
+            if s.bias_b is not None else None
+        self.g = _Gemv(prog, mode, s.wa, s.a0 * s.wa.row_bytes, s.wb, s.b0 * s.wb.row_bytes, s.f, 1, 0, s.norm, ba, bb,
+                       s.f)
+        self.bias = None
+        if ba is not None or bb is not None:
+            self.bias = cp.concatenate([ba if ba is not None else cp.zeros(s.f, cp.float32),
+                                        bb if bb is not None else cp.zeros(s.f, cp.float32)])
+        self.act = 1 if s.act == "gelu_tanh" else 0
+        self.psite = prog.prefill_site(self, [s.wa, s.wb], 2 * s.f, s.norm, s.x) if rows == P.ROWS_N else None
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        self.g.launch(prog, c, c.ptr(s.x), c.ld(s.x), c.rows(s.x), c.ptr(s.out), c.ld(s.out))
+
+    def eager(self, prog, c: _Ctx) -> None:
+        mode = prog.prefill_mode(self.psite)
+        if self.rows != P.ROWS_N or mode == "gemv":
+            return self.graph(prog, c)
+        s = self.s
+        N, f = c.n, s.f
+        gu = cp.empty((N, 2 * f), cp.float32)
+        xp = prog.gemm.prepare(mode, c.ptr(s.x), c.ld(s.x), s.wa.k, N, s.norm)
+        prog.gemm.gemm(xp, s.wa, s.a0, f, N, gu.data.ptr, 2 * f, False)
+        prog.gemm.gemm(xp, s.wb, s.b0, f, N, gu.data.ptr + 4 * f, 2 * f, False)
+        prog.keep(xp, gu)
+        if self.bias is not None:
+            prog.bias_rows(gu.data.ptr, 2 * f, self.bias, N, 2 * f)
+        n_el = N * f
+        prog.k["glu_rows"](((n_el + NT - 1) // NT,), (NT,),
+                           (gu, _i(2 * f), np.uint64(gu.data.ptr + 4 * f), _i(2 * f), _i(N), _i(f), _i(self.act),
+                            np.uint64(c.ptr(s.out)), _i(c.ld(s.out))))
+
+
+class _QKV:
+    def __init__(self, prog, s: P.QKV):
+        self.s = s
+        H, KV, hd = s.n_heads, s.n_kv, s.hd
+        self.qd, self.kd = H * hd, KV * hd
+        width = self.qd + 2 * self.kd
+        mats = list(s.mats)
+        if len(mats) == 3 and all(prog.refs[id(m)] == 1 for m, _ in mats):
+            # consecutive matrices of one type become one (q, k, v all Q4_K: one launch; Q4_K_M's
+            # Q6_K v layers: q and k in one launch, v in another)
+            runs: list[list] = []
+            for m, r0 in mats:
+                if runs and runs[-1][0][0].qtype == m.qtype:
+                    runs[-1].append((m, r0))
+                else:
+                    runs.append([(m, r0)])
+            names = {3: "attn_qkv", 2: "attn_qk"}
+            mats = [(prog.backend.concat(f"blk.{s.layer}.{names[len(r)] if r[0][1] == 0 else 'attn_kv'}",
+                                         [m for m, _ in r]), r[0][1]) if len(r) > 1 else r[0] for r in runs]
+        self.mats = mats
+        bias = None                 # [q; k; v] biases in one vector (zeros where a part has none)
+        if any(b is not None for b, _ in s.biases):
+            bias = cp.zeros(width + 2, cp.float32)
+            for b, r0 in s.biases:
+                if b is not None:
+                    bb = cp.asarray(b, cp.float32).reshape(-1)
+                    bias[r0:r0 + bb.shape[0]] = bb
+        self.bias = bias
+        self.head_norm = s.q_norm is not None or s.k_norm is not None
+        self.rope_half = s.spec.dim // 2
+        self.neox = 1 if s.spec.mode == "neox" else 0
+        self.spec_i = prog.plan.rope_specs.index(s.spec)
+        self.eps = float((s.q_norm or s.k_norm)[1]) if self.head_norm else 0.0
+        self.qn = s.q_norm[0] if s.q_norm is not None else None
+        self.kn = s.k_norm[0] if s.k_norm is not None else None
+        # graph launches: one GEMV per matrix; its epilogue ropes q and writes k, v into the
+        # cache (either KV type: the mode follows the cache at launch), unless QK-norm: then
+        # the GEMVs store [q; k; v] rows and head_rope_kv does the rest
+        self.g = []
+        for m, r0 in mats:
+            sub = None if bias is None else bias[r0:]
+            if self.head_norm:
+                g = _Gemv(prog, S.MODE_STORE, m, 0, m, 0, m.m // 2, 2, 1, s.norm, sub, sub, m.m)
+            else:
+                g = _Gemv(prog, S.MODE_QKV16, m, 0, m, 0, m.m // 2, 2, 1, s.norm, sub, sub, m.m, qkv=(r0, self))
+            self.g.append((g, r0))
+        prog.need.update({"head_rope_kv<0>", "head_rope_kv<1>"})
+        prog.qkv_width = max(prog.qkv_width, P._pad4(width))
+        self.width = width
+        self.psites = [prog.prefill_site(self, [m], m.m, s.norm, s.x) for m, _ in mats]
+
+    def _head_rope_kv(self, prog, c: _Ctx, src: int, ld: int, bias, nrows: int, q_out: int, ldq: int) -> None:
+        s = self.s
+        kc, vc = c.kv.layer_ptrs(s.layer)
+        cos, sin = c.rope[self.spec_i]
+        prog.k[f"head_rope_kv<{c.kv.kvt}>"](
+            (s.n_heads + 2 * s.n_kv, nrows), (32,),
+            (np.uint64(src), _i(ld), _u64(bias), _i(s.n_heads), _i(s.n_kv), _i(s.hd), _i(self.rope_half), _i(self.neox),
+             _u64(self.qn), _u64(self.kn), _f(self.eps), np.uint64(c.slot_p), np.uint64(c.pos_p), _u64(cos), _u64(sin),
+             np.uint64(q_out), _i(ldq), np.uint64(kc), np.uint64(vc), _i(c.kv.n_ctx)))
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        x, ldx, B = c.ptr(s.x), c.ld(s.x), c.n
+        if self.head_norm:
+            ldq = c.qkv.shape[1]
+            ready = False
+            for g, r0 in self.g:
+                ready = g.launch(prog, c, x, ldx, B, c.qkv.data.ptr + 4 * r0, ldq, scale_ready=ready)
+            self._head_rope_kv(prog, c, c.qkv.data.ptr, ldq, None, B, c.ptr(s.q_out), c.ld(s.q_out))
+            return
+        ready = False                # the rows' norm scale is in c.xs (the same x and norm for every matrix)
+        for g, _ in self.g:
+            ready = g.launch(prog, c, x, ldx, B, c.ptr(s.q_out), c.ld(s.q_out), scale_ready=ready)
+
+    def eager(self, prog, c: _Ctx) -> None:
+        modes = [prog.prefill_mode(ps) for ps in self.psites]
+        if "gemv" in modes:
+            return self.graph(prog, c)
+        s = self.s
+        N = c.n
+        qkv = cp.empty((N, self.width), cp.float32)
+        prepared: dict = {}
+        for (m, r0), mode in zip(self.mats, modes):
+            if mode not in prepared:
+                prepared[mode] = prog.gemm.prepare(mode, c.ptr(s.x), c.ld(s.x), m.k, N, s.norm)
+            prog.gemm.gemm(prepared[mode], m, 0, m.m, N, qkv.data.ptr + 4 * r0, self.width, False)
+        prog.keep(qkv, *prepared.values())
+        self._head_rope_kv(prog, c, qkv.data.ptr, self.width, self.bias, N, c.ptr(s.q_out), c.ld(s.q_out))
+
+
+class _Attend:
+    def __init__(self, prog, s: P.Attend):
+        self.s = s
+        if s.hd not in HEAD_DIMS:
+            raise ModelError(f"head dimension {s.hd}: the CUDA attention kernel supports {', '.join(map(str, HEAD_DIMS))}")
+        if s.n_heads % s.n_kv:
+            raise ModelError(f"{s.n_heads} heads are not a multiple of {s.n_kv} KV heads")
+        self.names = {kvt: f"attn_decode<{s.hd},{kvt}>" for kvt in (0, 1)}
+        prog.need.update(self.names.values())
+        prog.need.add("causal_softmax")
+        prog.max_heads = max(prog.max_heads, s.n_heads)
+        prog.max_hd = max(prog.max_hd, s.hd)
+
+    def _kernel(self, prog, c: _Ctx, q: int, ldq: int, B: int, slot_p: int, pos_p: int, out: int, ldo: int, part,
+                counters) -> None:
+        s = self.s
+        kc, vc = c.kv.layer_ptrs(s.layer)
+        prog.k[self.names[c.kv.kvt]](
+            (ATT_NSMAX, s.n_heads, B), (128,),
+            (np.uint64(q), _i(ldq), np.uint64(kc), np.uint64(vc), np.uint64(slot_p), np.uint64(pos_p), _i(s.n_heads),
+             _i(s.n_kv), _i(c.kv.n_ctx), _f(s.scale), _i(s.window), _u64(part), _u64(counters), np.uint64(out), _i(ldo),
+             _i(ATT_NSMAX), _i(ATT_MINCHUNK)))
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        self._kernel(prog, c, c.ptr(s.q), c.ld(s.q), c.n, c.slot_p, c.pos_p, c.ptr(s.out), c.ld(s.out), c.part,
+                     c.counters)
+
+    def _rows(self, prog, c: _Ctx, q: int, ldq: int, n: int, slot_p: int, pos_p: int, out: int, ldo: int, part,
+              counters) -> None:
+        """The attention kernel over ``n`` rows, ATT_ROWS at a time (``part`` holds that many)."""
+        for r0 in range(0, n, ATT_ROWS):
+            nr = min(ATT_ROWS, n - r0)
+            self._kernel(prog, c, q + 4 * r0 * ldq, ldq, nr, slot_p + 4 * r0, pos_p + 4 * r0, out + 4 * r0 * ldo, ldo,
+                         part, counters)
+
+    def eager(self, prog, c: _Ctx) -> None:
+        s = self.s
+        eb = c.layout_info
+        if eb.all_short:
+            return self._rows(prog, c, c.ptr(s.q), c.ld(s.q), c.n, c.slot_p, c.pos_p, c.ptr(s.out), c.ld(s.out),
+                              eb.part, eb.counters)
+        q_all, o_all = c.arr(s.q), c.arr(s.out)
+        if eb.short_rows is not None:
+            qs = cp.ascontiguousarray(q_all[eb.short_rows])
+            os_ = cp.empty_like(qs)
+            self._rows(prog, c, qs.data.ptr, qs.shape[1], qs.shape[0], eb.short_slot_p, eb.short_pos_p,
+                       os_.data.ptr, os_.shape[1], eb.part, eb.counters)
+            o_all[eb.short_rows] = os_
+        H, KV, hd = s.n_heads, s.n_kv, s.hd
+        G = H // KV
+        qd = H * hd
+        for row, slot, pos, n in eb.long_segs:
+            T_ = pos + n
+            c0 = max(0, pos + 1 - s.window) if s.window > 0 else 0
+            kc = c.kv.k[s.layer, slot, :, c0:T_, :]
+            vc = c.kv.v[s.layer, slot, :, c0:T_, :]
+            if c.kv.kvt:
+                kc, vc = kc.astype(cp.float32), vc.astype(cp.float32)
+            qs = q_all[row:row + n].reshape(n, KV, G, hd).transpose(1, 2, 0, 3).reshape(KV, G * n, hd)
+            sc = cp.matmul(qs, kc.transpose(0, 2, 1))
+            Tw = T_ - c0
+            prog.k["causal_softmax"]((KV * G * n,), (256,),
+                                     (sc, _i(Tw), _i(n), _i(pos), _i(c0), _i(s.window), _f(s.scale)))
+            o = cp.matmul(sc, vc)
+            o_all[row:row + n] = o.reshape(KV, G, n, hd).transpose(2, 0, 1, 3).reshape(n, qd)
+
+
+class _KVStore:
+    def __init__(self, prog, s: P.KVStore):
+        self.s = s
+        prog.need.update({"kv_store<0>", "kv_store<1>"})
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        kc, vc = c.kv.layer_ptrs(s.layer)
+        n_el = c.n * s.n_kv * s.hd
+        prog.k[f"kv_store<{c.kv.kvt}>"](((n_el + NT - 1) // NT,), (NT,),
+                                        (np.uint64(c.ptr(s.k)), _i(c.ld(s.k)), np.uint64(c.ptr(s.v)), _i(c.ld(s.v)),
+                                         _i(c.n), _i(s.n_kv), _i(s.hd), _i(c.kv.n_ctx), np.uint64(c.slot_p),
+                                         np.uint64(c.pos_p), np.uint64(kc), np.uint64(vc)))
+
+    eager = graph
+
+
+class _TakeRows:
+    def __init__(self, prog, s: P.TakeRows):
+        self.s = s
+        prog.need.add("gather_rows")
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        if c.r == 0:
+            return
+        prog.k["gather_rows"]((c.r,), (128,), (np.uint64(c.ptr(s.x)), _i(c.ld(s.x)), np.uint64(c.out_p),
+                                               np.uint64(c.ptr(s.out))))
+
+    eager = graph
+
+
+class _Norm:
+    def __init__(self, prog, s: P.Norm):
+        self.s = s
+        prog.need.add("rms_norm")
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        rows = c.rows(s.x)
+        if rows == 0:
+            return
+        prog.k["rms_norm"]((rows,), (256,), (np.uint64(c.ptr(s.x)), _i(c.ld(s.x)), _u64(s.w), _f(s.eps),
+                                            _i(P_width(c, s.x)), np.uint64(c.ptr(s.out)), _i(c.ld(s.out)),
+                                            _i(1 if s.add else 0)))
+
+    eager = graph
+
+
+def P_width(c: _Ctx, vid: int) -> int:
+    return c.plan.loc[vid].width
+
+
+class _HeadOp:
+    def __init__(self, prog, s: P.HeadOp):
+        self.s = s
+        if s.hd > 256:
+            raise ModelError(f"head dimension {s.hd}: the CUDA head kernels support up to 256")
+        self.spec_i = prog.plan.rope_specs.index(s.spec) if s.spec is not None else -1
+        self.rope_half = s.spec.dim // 2 if s.spec is not None else 0
+        self.neox = 1 if s.spec is not None and s.spec.mode == "neox" else 0
+        prog.need.add("head_ops")
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        rows = c.rows(s.x)
+        if rows == 0:
+            return
+        cos, sin = c.rope[self.spec_i] if self.spec_i >= 0 else (None, None)
+        prog.k["head_ops"]((P_width(c, s.x) // s.hd, rows), (32,),
+                           (np.uint64(c.ptr(s.x)), _i(c.ld(s.x)), np.uint64(c.ptr(s.out)), _i(c.ld(s.out)), _i(s.hd),
+                            _u64(s.w), _f(s.eps), _i(self.rope_half), _i(self.neox), np.uint64(c.pos_p), _u64(cos),
+                            _u64(sin)))
+
+    eager = graph
+
+
+class _Elementwise:
+    OPS = {"add": 0, "scale": 1, "softcap": 2}
+
+    def __init__(self, prog, s: P.Elementwise):
+        self.s = s
+        prog.need.add("ew_rows")
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        rows, n = c.rows(s.a), P_width(c, s.a)
+        if rows == 0:
+            return
+        b = c.ptr(s.b) if s.b is not None else 0
+        ldb = c.ld(s.b) if s.b is not None else 0
+        n_el = rows * n
+        prog.k["ew_rows"](((n_el + NT - 1) // NT,), (NT,),
+                          (np.uint64(c.ptr(s.a)), _i(c.ld(s.a)), np.uint64(b), _i(ldb), np.uint64(c.ptr(s.out)),
+                           _i(c.ld(s.out)), _i(rows), _i(n), _i(self.OPS[s.op]), _f(s.s)))
+
+    eager = graph
+
+
+class _GluRows:
+    def __init__(self, prog, s: P.GluRows):
+        self.s = s
+        prog.need.add("glu_rows")
+
+    def graph(self, prog, c: _Ctx) -> None:
+        s = self.s
+        rows, f = c.rows(s.gate), P_width(c, s.gate)
+        if rows == 0:
+            return
+        n_el = rows * f
+        prog.k["glu_rows"](((n_el + NT - 1) // NT,), (NT,),
+                           (np.uint64(c.ptr(s.gate)), _i(c.ld(s.gate)), np.uint64(c.ptr(s.up)), _i(c.ld(s.up)),
+                            _i(rows), _i(f), _i(1 if s.act == "gelu_tanh" else 0), np.uint64(c.ptr(s.out)),
+                            _i(c.ld(s.out))))
+
+    eager = graph
+
+
+class _EagerBatch:
+    """Per-forward facts of the eager path: short and long segments (with ``all_short``
+    every segment counts as short: the attention kernel for every row, as the graph), the
+    tables of the short rows, attention scratch for ATT_ROWS rows."""
+
+    def __init__(self, layout, slot_np: np.ndarray, pos_np: np.ndarray, max_heads: int, max_hd: int,
+                 all_short: bool = False):
+        short: list[int] = []
+        self.long_segs: list[tuple[int, int, int, int]] = []
+        row = 0
+        for seg in layout.segments:
+            if seg.n <= SHORT_SEGMENT or all_short:
+                short.extend(range(row, row + seg.n))
+            else:
+                self.long_segs.append((row, seg.slot, seg.pos, seg.n))
+            row += seg.n
+        self.all_short = not self.long_segs
+        n_short = len(short)
+        self.short_rows = None
+        if short and not self.all_short:
+            idx = np.asarray(short, np.int64)
+            self.short_rows = cp.asarray(idx)
+            meta = cp.asarray(np.stack([slot_np[idx], pos_np[idx]]).astype(np.int32))
+            self._meta = meta
+            self.short_slot_p = meta.data.ptr
+            self.short_pos_p = meta.data.ptr + 4 * n_short
+        rows = max(1, min(n_short, ATT_ROWS))
+        self.part = cp.empty(rows * max_heads * ATT_NSMAX * (max_hd + 2), cp.float32)
+        self.counters = cp.zeros(rows * max_heads, cp.int32)
+
+
+_BIND = {P.Embed: _Embed, P.QKV: _QKV, P.Attend: _Attend, P.KVStore: _KVStore, P.TakeRows: _TakeRows,
+         P.Norm: _Norm, P.HeadOp: _HeadOp, P.Elementwise: _Elementwise, P.GluRows: _GluRows}
+
+
+class CudaProgram:
+    """A Program compiled for a CudaBackend. See the module docstring.
+
+    ``prefill``: None (each eager weight's GEMM mode from the kernel choice) or one of
+    ``PREFILL_FORCED`` for every weight ("gemv": the graph's kernels, batch-invariant);
+    ``gemv``: None (the kernel choice's variant per site and bucket) or one variant name
+    (``cuda_choice.GemvVariant``) for every GEMV. ``kernel_choice``: the
+    ``kernel_choice.Resolution`` of this load (its ``summary()`` goes to the startup
+    profile)."""
+
+    device_sampling = True
+
+    def __init__(self, program, backend, *, fuse: bool = True, prefill: str | None = None, gemv: str | None = None):
+        self.backend = backend
+        if prefill is not None and prefill not in PREFILL_FORCED:
+            raise ValueError(f"prefill mode {prefill!r} is not one of {', '.join(PREFILL_FORCED)}")
+        self._forced_prefill = prefill
+        self._forced_gemv = CC.GemvVariant.parse(gemv) if gemv else None
+        try:
+            self.plan = P.plan(program, fuse=fuse)
+        except P.PlanError as e:
+            raise ModelError(f"the CUDA backend cannot run this model: {e}") from None
+        kl = self.plan.kv_layers
+        if not kl or len({(L.n_kv_heads, L.head_dim) for L in kl}) != 1:
+            raise ModelError("the CUDA backend needs the same KV heads and head dimension in every layer")
+        self.n_layers, self.n_kv, self.head_dim = len(kl), kl[0].n_kv_heads, kl[0].head_dim
+        self.vocab = self.plan.vocab
+        self.d_model = self.plan.d_model
+        self.need: set[str] = {"rms_norm", "bias_rows", "glu_rows", "row_scale"}
+        self.qkv_width = 0
+        self.max_heads = 1
+        self.max_hd = 32
+        self.gemvs: list[_Gemv] = []
+        self.psites: dict[str, dict] = {}          # prefill site key -> its weights, shape, input
+        self.refs: dict[int, int] = {}
+        for s in self.plan.steps:
+            for w in _weights(s):
+                self.refs[id(w)] = self.refs.get(id(w), 0) + 1
+        rows_of = {}
+        self._producer: dict[int, object] = {}
+        for s in self.plan.steps:
+            for v in P.writes(s):
+                rows_of[id(s)] = self.plan.buffers[self.plan.loc[v].buf][0]
+                self._producer[v] = s
+        self.steps = []
+        for s in self.plan.steps:
+            rows = rows_of.get(id(s), P.ROWS_N)
+            if isinstance(s, P.Linear):
+                b = _Linear(self, s, rows)
+            elif isinstance(s, P.Glu):
+                b = _Glu(self, s, rows)
+            else:
+                b = _BIND[type(s)](self, s)
+            self.steps.append(b)
+        out_loc = self.plan.loc[self.plan.output]
+        self.out_buf = out_loc.buf
+        self.v_ld = self.plan.buffers[out_loc.buf][1]
+        self._blas = cp.cuda.device.get_cublas_handle()
+        # kernel choice: a variant per (GEMV site, bucket), a GEMM mode per prefill site;
+        # timing (policy auto/force) compiles the candidates itself (cuda_tune.kernels)
+        from aotx.engine.backend import cuda_tune
+
+        t0 = time.perf_counter()
+        self._gv: dict[tuple[str, int], CC.GemvVariant] = {}
+        self._pm: dict[str, str] = {}
+        self._tune_k: dict = {}
+        self.kernel_choice = cuda_tune.resolve_choices(self)
+        self.kernel_choice_s = round(time.perf_counter() - t0, 3)
+        for g in self.gemvs:
+            for v in self._variants_of(g.site):
+                self.need.update(g.name(v, m) for m in g.modes())
+        qtypes = {int(w.qtype) for d in self.psites.values() for w in d["weights"]}
+        self.need.update(PrefillGemm.kernel_names(qtypes))
+        missing = sorted(self.need - set(self._tune_k))
+        self.k = {**self._tune_k, **(backend.module(missing) if missing else {})}
+        self._tune_k = {}
+        self.gemm = PrefillGemm(self.k, self._blas)
+        self.ks = backend.sampler_kernel()
+        self._last_logits: cp.ndarray | None = None
+        self._eager_logits: cp.ndarray | None = None
+        self._eager_out_meta = np.zeros((2, 0), np.int32)
+        self._keep: list = []          # the eager path's scratch arrays, alive until its forward returns
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    # ---- load-time helpers -------------------------------------------------------------------
+
+    def prefill_site(self, step, weights: list, m: int, norm, x: int) -> str:
+        """Register the eager GEMM of ``weights`` (one op: a linear, the two halves of a
+        GLU, one matrix of a QKV) and return its kernel-choice site key. Its input counts
+        as bounded (float16 is a candidate) when it is RMS-normed here or comes from a
+        non-residual norm or an attention step."""
+        src = self._producer.get(x)
+        bounded = norm is not None or isinstance(src, P.Attend) or (isinstance(src, P.Norm) and not src.add)
+        names = sorted({_qname(w.qtype) for w in weights})
+        key = CC.prefill_site("+".join(names), m, int(weights[0].k), bounded)
+        d = self.psites.setdefault(key, {"weights": [], "m": m, "k": int(weights[0].k), "bounded": bounded,
+                                         "norm": norm})
+        d["weights"].extend(weights)
+        return key
+
+    def prefill_mode(self, site: str | None) -> str | None:
+        """The eager GEMM mode of a prefill site (None for a step on logits rows)."""
+        if site is None:
+            return None
+        if self._forced_prefill is not None:
+            return self._forced_prefill
+        return self._pm[site]
+
+    def gemv_variant(self, site: str, rows: int) -> CC.GemvVariant:
+        """The variant a GEMV of ``site`` launches over ``rows`` batch rows."""
+        if self._forced_gemv is not None:
+            return self._forced_gemv
+        return self._gv[(site, CC.tune_bucket(rows))]
+
+    def _variants_of(self, site: str) -> set:
+        if self._forced_gemv is not None:
+            return {self._forced_gemv}
+        return {v for (s, _), v in self._gv.items() if s == site}
+
+    def keep(self, *arrays) -> None:
+        """Keep eager scratch arrays (or Prepared activations) alive until the forward returns."""
+        self._keep.extend(arrays)
+
+    def bias_rows(self, y: int, ldy: int, bias: cp.ndarray, N: int, m: int) -> None:
+        n_el = N * m
+        self.k["bias_rows"](((n_el + NT - 1) // NT,), (NT,), (np.uint64(y), _i(ldy), bias, _i(N), _i(m)))
+
+    # ---- the interface of IR.md section 6 -----------------------------------------------------
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.backend.weight_bytes
+
+    @property
+    def prefill_weight_bytes(self) -> int:
+        """Bytes the eager (prefill) path adds for weights: the one dequantized-tile scratch
+        buffer of the prefill GEMM (0 when every eager step runs the graph's GEMVs)."""
+        if not self.psites or self._forced_prefill == "gemv":
+            return 0
+        return self.gemm.scratch_bytes
+
+    def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
+        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates for K and V."""
+        return CudaKVCache.nbytes(self.n_layers, self.n_kv, self.head_dim, n_slots, n_ctx, kv_type)
+
+    def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> CudaKVCache:
+        """A zeroed cache of ``n_slots`` slots of ``n_ctx`` tokens, with its graphs' state."""
+        check_kv_type(kv_type)
+        kv = CudaKVCache(self.n_layers, self.n_kv, self.head_dim, n_slots, n_ctx, kv_type)
+        self._states[kv] = _CacheState(self, kv)
+        return kv
+
+    def _state(self, kv: CudaKVCache) -> _CacheState:
+        st = self._states.get(kv)
+        if st is None:
+            raise ValueError("this KV cache was not made by this program's new_kv_cache")
+        return st
+
+    def last_logits(self) -> cp.ndarray | None:
+        """Device float32 (rows, vocab) logits of the last forward, greedy or sample call."""
+        return self._last_logits
+
+    def forward(self, tokens: np.ndarray, layout, kv: CudaKVCache, embeds=None) -> np.ndarray:
+        """Run one batch; host float32 (R, vocab) logits (IR.md section 6)."""
+        if embeds is None and self._graph_ok(layout, kv):
+            self._replay(tokens, layout, kv, None, 0, want_ids=False)
+            return self._last_logits.get()
+        lg = self._eager(tokens, layout, kv, embeds)
+        return lg.get() if lg is not None else np.empty((0, self.vocab), np.float32)
+
+    def greedy(self, tokens: np.ndarray, layout, kv: CudaKVCache) -> np.ndarray:
+        """Like ``forward`` but returns only the argmax id of each logits row, int32 (R,),
+        computed on the device (the logits stay in ``last_logits()``)."""
+        return self.sample(tokens, layout, kv, None)
+
+    def sample(self, tokens: np.ndarray, layout, kv: CudaKVCache, rows, tick: int = 0) -> np.ndarray:
+        """Run one batch and pick each logits row's next token on the device.
+
+        rows: one ``(SamplerConfig, SamplerState, extra_history)`` per logits row (each must
+        pass ``cuda_sampling.device_ok``), or None for greedy without penalty everywhere.
+        The states are not advanced here (the caller mirrors the draws). Returns int32
+        (R,) ids; the penalized logits stay in ``last_logits()``. Raises RuntimeError when
+        a publication record does not belong to this tick."""
+        if self._graph_ok(layout, kv):
+            return self._replay(tokens, layout, kv, rows, tick, want_ids=True)
+        lg = self._eager(tokens, layout, kv)
+        if lg is None:
+            return np.empty(0, np.int32)
+        R = lg.shape[0]
+        prm = np.zeros((R, CS.P_WORDS), np.int32)
+        hist = np.zeros((R, CS.H_MAX), np.int32)
+        self._fill(prm, hist, rows, list(range(R)), tick)
+        ids = cp.empty(R, cp.int32)
+        rec = cp.empty((R, CS.REC_WORDS), cp.int32)
+        meta = cp.asarray(self._eager_out_meta)
+        self.ks((R,), (1024,), (self._eager_logits, _i(self._eager_logits.shape[1]), _i(self.vocab), cp.asarray(prm),
+                                cp.asarray(hist), meta[0], meta[1], Z64, ids, rec))
+        return ids.get()
+
+    @staticmethod
+    def _fill(prm: np.ndarray, hist: np.ndarray, rows, out: list[int], tick: int) -> bool:
+        """Write the sampler table rows ``out`` (the other rows of ``prm`` must already be
+        zero, i.e. skipped); True when a penalty history is used."""
+        if rows is None:
+            prm[out, 0] = CS.MODE_GREEDY
+            prm[out, 3] = tick & 0x7FFFFFFF
+            prm[out, 4] = np.float32(1.0).view(np.int32)
+            return False
+        if len(rows) != len(out):
+            raise ValueError(f"{len(rows)} sampler rows for {len(out)} logits rows")
+        need = False
+        for j, (cfg, st, extra) in zip(out, rows):
+            need |= CS.fill_row(prm[j], hist[j], cfg, st, tick, extra)
+        return need
+
+    # ---- graph path ---------------------------------------------------------------------------
+
+    def _graph_ok(self, layout, kv: CudaKVCache) -> bool:
+        n = int(layout.n_rows)
+        if n == 0 or n > self._state(kv).b_max:
+            return False
+        slots = [s.slot for s in layout.segments]
+        return len(set(slots)) == len(slots)
+
+    def _ctx(self, kv: CudaKVCache, st: _CacheState, n: int, r: int) -> _Ctx:
+        c = _Ctx()
+        c.plan, c.kv, c.st, c.bufs, c.n, c.r = self.plan, kv, st, st.bufs, n, r
+        t = st.tables
+        c.tok_p, c.slot_p, c.pos_p, c.out_p = t.tok_ptr, t.slot_ptr, t.pos_ptr, t.out_ptr
+        c.part, c.counters = st.part, st.counters
+        c.xs, c.qkv, c.rope = st.xs, st.qkv, st.rope
+        c.eager, c.layout = False, None
+        return c
+
+    def _launches(self, kv: CudaKVCache, st: _CacheState, b: int, r: int) -> None:
+        """Every launch of one replay: ``b`` batch rows, ``r`` logits rows."""
+        c = self._ctx(kv, st, b, r)
+        for s in self.steps:
+            s.graph(self, c)
+        t = st.tables
+        self.ks((r,), (1024,), (st.bufs[self.out_buf], _i(self.v_ld), _i(self.vocab), t.prm, t.hist,
+                                np.uint64(t.slot_ptr), np.uint64(t.pos_ptr), np.uint64(t.out_ptr), t.ids, t.rec))
+
+    def _capture(self, kv: CudaKVCache, st: _CacheState, b: int, r: int):
+        s = kv.stream
+        t = st.tables
+        with s:
+            # a plain run first (loads every kernel), on padding rows only: the scratch slot
+            t.tab[0].fill(0)
+            t.tab[1].fill(kv.scratch_slot)
+            t.tab[2].fill(0)
+            t.tab[3].fill(0)
+            t.prm.fill(0)
+            self._keep = []
+            self._launches(kv, st, b, r)
+            s.synchronize()
+            s.begin_capture()
+            self._launches(kv, st, b, r)
+            g = s.end_capture()
+        g.upload(s)
+        return g
+
+    def _replay(self, tokens: np.ndarray, layout, kv: CudaKVCache, rows, tick: int, want_ids: bool):
+        st = self._state(kv)
+        t = st.tables
+        n = int(tokens.shape[0])
+        b = _pow2(n)
+        out = t.fill_rows(tokens, layout, b, kv.scratch_slot)
+        R = len(out)
+        r = _pow2(max(R, 1))
+        prm = t.prm_np
+        prm[:r] = 0
+        need_hist = False
+        if want_ids and R:
+            need_hist = self._fill(prm, t.hist_np, rows, list(range(R)), tick)
+        g = st.graphs.get((b, r))
+        if g is None:
+            g = st.graphs[(b, r)] = self._capture(kv, st, b, r)
+        s = kv.stream
+        t.upload(s, r, need_hist)
+        g.launch(s)
+        if want_ids:
+            t.download_records(s, R)
+        s.synchronize()  # before anything on another stream reads the graph's output
+        self._last_logits = st.bufs[self.out_buf][:R, :self.vocab]
+        if want_ids:
+            rec = t.rec_np[:R]
+            if R and (rec[:, 0] != (tick & 0x7FFFFFFF)).any():
+                raise RuntimeError(f"publication records of tick {int(rec[0, 0])} where tick {tick} was expected")
+            return rec[:, 3].copy()
+        return None
+
+    # ---- eager path (prefill, image rows) ----------------------------------------------------
+
+    def _eager(self, tokens: np.ndarray, layout, kv: CudaKVCache, embeds=None) -> cp.ndarray | None:
+        st = self._state(kv)
+        N = int(tokens.shape[0])
+        out_rows = layout.out_rows.astype(np.int32)
+        R = int(out_rows.shape[0])
+        meta = np.empty((4, max(N, R, 1)), np.int32)
+        meta[0, :N] = tokens
+        if embeds is not None:
+            meta[0, np.asarray(embeds[0], np.int64)] = 0   # placeholder ids lie past the vocabulary
+        meta[1, :N] = layout.slots
+        meta[2, :N] = layout.positions
+        meta[3, :R] = out_rows
+        m_dev = cp.asarray(meta)
+        w = meta.shape[1]
+        c = _Ctx()
+        c.plan, c.kv, c.st, c.n, c.r = self.plan, kv, st, N, R
+        c.bufs = [cp.empty((N if rk == P.ROWS_N else max(R, 1), wd), cp.float32) for rk, wd in self.plan.buffers]
+        c.tok_p, c.slot_p, c.pos_p, c.out_p = (m_dev.data.ptr, m_dev.data.ptr + 4 * w, m_dev.data.ptr + 8 * w,
+                                               m_dev.data.ptr + 12 * w)
+        c.eager = True
+        c.layout = layout
+        gemv_only = self._forced_prefill == "gemv"
+        c.layout_info = _EagerBatch(layout, meta[1, :N], meta[2, :N], self.max_heads, self.max_hd, all_short=gemv_only)
+        c.part, c.counters = c.layout_info.part, c.layout_info.counters
+        c.xs = cp.empty(max(N, R, 1), cp.float32)
+        c.qkv = cp.empty((N, self.qkv_width), cp.float32) if gemv_only and self.qkv_width else None
+        c.rope = st.rope
+        self._keep = []
+        cublas.setStream(self._blas, cp.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(self._blas, cublas.CUBLAS_POINTER_MODE_HOST)
+        for s in self.steps:
+            s.eager(self, c)
+            if embeds is not None and isinstance(s, _Embed):
+                x = c.arr(s.s.out)
+                x[cp.asarray(np.asarray(embeds[0], np.int64))] = cp.asarray(embeds[1], dtype=cp.float32)
+        self._keep = []
+        self._eager_out_meta = np.ascontiguousarray(meta[1:3, out_rows]) if R else np.zeros((2, 0), np.int32)
+        if R == 0:
+            self._last_logits = None
+            cp.cuda.get_current_stream().synchronize()  # the graph's stream does not wait on this one
+            return None
+        lg = c.bufs[self.out_buf][:R]
+        self._eager_logits = lg
+        self._last_logits = lg[:, :self.vocab]
+        return self._last_logits
+
+
+def _weights(s) -> list:
+    if isinstance(s, P.QKV):
+        return [m for m, _ in s.mats]
+    if isinstance(s, P.Linear):
+        return [s.w]
+    if isinstance(s, P.Glu):
+        return [s.wa, s.wb]
+    if isinstance(s, P.Embed):
+        return [s.table]
+    return []

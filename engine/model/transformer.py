@@ -1,0 +1,267 @@
+"""The one loaded-model class: tensors checked and loaded, the forward traced once, run by the backend.
+
+Owns: turning an architecture module's tensor declarations into loaded weights (every
+tensor's presence, shape and type checked against the file before any weight is loaded,
+one ModelError line naming the tensor and the file otherwise), tracing the architecture's
+``forward`` into an ``ops.Program`` once, asking the backend to compile it, and the model
+interface of SEAMS.md that the runtime, the drafter and the capsules call
+(``forward``, ``new_kv_cache``, ``kv_cache_bytes``, ``weight_bytes``, ``device_sampling``,
+``sample`` / ``greedy`` / ``last_logits`` where the backend samples on the device).
+
+Leaves to the architecture module (``architectures/<arch>.py``) which tensors exist and
+the order of ops; to the backend the kernels, buffers and graphs; to ``batch.py`` the
+batch layout. Nothing here depends on the architecture or the backend by name.
+
+An architecture module exposes ``tensors(cfg) -> list[Tensor | OneOf]`` and
+``forward(b: ops.ProgramBuilder, cfg, w: Weights) -> Value`` (the (R, vocab) logits), and
+optionally ``check_config(cfg, path)`` (hyperparameters it cannot run, as ModelError) and
+``SWA_PATTERN`` (read by ``config.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from aotx.engine.backend.ops import ProgramBuilder, ProgramError
+from aotx.engine.errors import ModelError
+from aotx.engine.model.batch import BatchLayout, Segment
+from aotx.engine.model.config import ModelConfig
+
+KINDS = ("matrix", "vector", "host")
+VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor an architecture reads: ``name``, ``shape`` in ggml order (``(k, m)`` for an
+    (m, k) matrix, ``(n,)`` for a vector), ``kind``: "matrix" (``backend.matrix``),
+    "vector" (``backend.vector``: norms, biases) or "host" (a float32 numpy array kept on
+    the host: RoPE frequency factors); ``optional``: absent is fine (the weight is None)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str = "matrix"
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """Alternative tensor sets (fused ``attn_qkv`` or separate ``attn_q/k/v``): the first
+    option whose first tensor is in the file is used, and then all of its required
+    tensors must be there; when none is, the error names every option's first tensor."""
+
+    options: tuple[tuple[Tensor, ...], ...]
+
+
+class Weights:
+    """Loaded weights by tensor name: ``w[name]`` (KeyError for a tensor that is absent or
+    was never declared) and ``w.get(name)`` (None when absent)."""
+
+    def __init__(self, loaded: dict[str, Any]):
+        self._w = loaded
+
+    def __getitem__(self, name: str) -> Any:
+        v = self._w.get(name)
+        if v is None:
+            raise KeyError(f"tensor {name!r} was not loaded")
+        return v
+
+    def get(self, name: str) -> Any:
+        return self._w.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return self._w.get(name) is not None
+
+
+def _type_name(qtype: Any) -> str:
+    return getattr(qtype, "name", str(qtype))
+
+
+def check_tensor(gf, name: str, shape: tuple[int, ...]):
+    """The file's tensor ``name``, checked to have ``shape`` (ggml order). Raises ModelError
+    naming the file and the tensor when it is missing or mis-shaped."""
+    t = gf.tensors.get(name)
+    if t is None:
+        raise ModelError(f"{gf.path}: tensor {name!r} is missing")
+    if tuple(t.shape) != tuple(shape):
+        raise ModelError(f"{gf.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+def resolve_tensors(specs: list, gf, backend) -> list[tuple[Tensor, Any]]:
+    """Check every declared tensor against the file before anything is loaded: presence
+    (alternatives of a OneOf resolved), shape and tensor type (matrices: the backend's
+    ``supported_types``; vectors and host arrays: F32, F16 or BF16). Returns (spec, file
+    tensor) pairs for the tensors present. Raises ModelError naming the first bad tensor."""
+    supported = getattr(backend, "supported_types", None)
+    flat: list[Tensor] = []
+    for s in specs:
+        if isinstance(s, OneOf):
+            chosen = next((opt for opt in s.options if opt[0].name in gf.tensors), None)
+            if chosen is None:
+                names = " or ".join(repr(opt[0].name) for opt in s.options)
+                raise ModelError(f"{gf.path}: tensor {s.options[0][0].name!r} is missing "
+                                 f"(the file has neither {names})")
+            flat.extend(chosen)
+        else:
+            flat.append(s)
+    out: list[tuple[Tensor, Any]] = []
+    for spec in flat:
+        if spec.kind not in KINDS:
+            raise ValueError(f"{spec.name}: unknown tensor kind {spec.kind!r}")
+        if spec.optional and spec.name not in gf.tensors:
+            continue
+        t = check_tensor(gf, spec.name, spec.shape)
+        if spec.kind == "matrix":
+            if supported is not None and t.qtype not in supported:
+                raise ModelError(f"{gf.path}: tensor {spec.name!r} has tensor type {_type_name(t.qtype)}, which the "
+                                 f"{backend.name.upper()} backend does not support (supported: "
+                                 f"{', '.join(sorted(_type_name(q) for q in supported))})")
+        elif t.qtype not in VECTOR_TYPES:
+            raise ModelError(f"{gf.path}: tensor {spec.name!r} has tensor type {_type_name(t.qtype)}, which is not "
+                             f"supported for a 1-D tensor (supported: F32, F16, BF16)")
+        out.append((spec, t))
+    return out
+
+
+def _host_vector(t) -> np.ndarray:
+    raw = np.ascontiguousarray(t.data).reshape(-1)
+    if t.qtype == T.F32:
+        return raw.view(np.float32).astype(np.float32)
+    if t.qtype == T.F16:
+        return raw.view(np.float16).astype(np.float32)
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def load_weights(resolved: list[tuple[Tensor, Any]], gf, backend) -> Weights:
+    """Hand every resolved tensor to the backend (``matrix`` / ``vector``) or keep it on
+    the host ("host"). The backend's ValueErrors (rows that do not match a block size, an
+    unsupported type it found itself) become ModelError naming the file and the tensor."""
+    loaded: dict[str, Any] = {}
+    for spec, t in resolved:
+        try:
+            if spec.kind == "host":
+                loaded[spec.name] = _host_vector(t)
+            else:
+                loaded[spec.name] = (backend.matrix if spec.kind == "matrix" else backend.vector)(t)
+        except ModelError as e:
+            msg = str(e)
+            raise ModelError(msg if msg.startswith(str(gf.path)) else f"{gf.path}: {msg}") from None
+        except ValueError as e:
+            msg = str(e)
+            raise ModelError(f"{gf.path}: {msg if spec.name in msg else f'tensor {spec.name!r}: {msg}'}") from None
+    return Weights(loaded)
+
+
+class TransformerModel:
+    """A loaded model of any supported architecture on any backend.
+
+    ``cfg``: the ModelConfig; ``program``: the traced ops.Program; ``compiled``: the
+    backend's executor. The interface is SEAMS.md's (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, gf, backend, arch: ModuleType):
+        self.cfg = cfg
+        self.backend = backend
+        self.arch = arch
+        check = getattr(arch, "check_config", None)
+        if check is not None:
+            check(cfg, str(gf.path))
+        resolved = resolve_tensors(arch.tensors(cfg), gf, backend)
+        w = load_weights(resolved, gf, backend)
+        b = ProgramBuilder()
+        try:
+            logits = arch.forward(b, cfg, w)
+            self.program = b.finish(logits)
+            self.compiled = backend.compile(self.program)
+        except ProgramError as e:
+            raise ModelError(f"{gf.path}: the {cfg.arch} forward pass cannot be built from this file ({e})") from None
+        # sample / greedy / last_logits exist only where the backend samples on the device:
+        # the runtime asks hasattr(model, "sample") (and SEAMS.md's device_sampling)
+        self.device_sampling = bool(getattr(self.compiled, "device_sampling", False))
+        if self.device_sampling:
+            self.sample = self._sample
+            self.greedy = self._greedy
+            self.last_logits = self.compiled.last_logits
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy in the backend's memory."""
+        return self.backend.weight_bytes
+
+    @property
+    def prefill_weight_bytes(self) -> int:
+        """Bytes of extra weight copies the backend keeps for prefill (CUDA's dense copies)."""
+        return int(getattr(self.compiled, "prefill_weight_bytes", 0))
+
+    def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
+        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` would allocate."""
+        return self.compiled.kv_cache_bytes(n_slots, n_ctx, kv_type)
+
+    def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16"):
+        """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed); kv_type
+        "f16" (default) or "f32"."""
+        return self.compiled.new_kv_cache(n_slots, n_ctx, kv_type)
+
+    def forward(self, tokens: np.ndarray, segments: list[Segment], kv,
+                embeds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Run one batch: write each segment's K/V into its slot, return logits.
+
+        tokens: (N,) int32, N = sum of segment lengths, in segment order. Returns
+        (R, vocab) float32 where R counts one row per segment with ``logits`` (its last
+        token) or every row of an ``all_logits`` segment, in order. Positions must lie
+        inside the cache (the runtime checks context before scheduling). ``embeds``:
+        ``(rows (k,) int64, values (k, d_model) float32)``: input embeddings that replace
+        the token embeddings of those batch rows (image positions, whose ids are
+        placeholders past the vocabulary; see runtime/media_prompt.py)."""
+        return self.compiled.forward(tokens, BatchLayout.of(segments), kv, embeds)
+
+    def _sample(self, tokens: np.ndarray, segments: list[Segment], kv, rows, tick: int = 0) -> np.ndarray:
+        """Run one batch and pick each logits row's next token on the device (only where
+        ``device_sampling``; see the CUDA backend). Returns (R,) int32."""
+        return self.compiled.sample(tokens, BatchLayout.of(segments), kv, rows, tick)
+
+    def _greedy(self, tokens: np.ndarray, segments: list[Segment], kv) -> np.ndarray:
+        """``sample`` with every row greedy (only where ``device_sampling``)."""
+        return self.compiled.greedy(tokens, BatchLayout.of(segments), kv)
+
+
+def build(cfg: ModelConfig, gf, backend, arch: ModuleType) -> TransformerModel:
+    """Load the file ``gf`` (its config ``cfg``) onto ``backend`` as architecture ``arch``
+    (a module of ``architectures``; ``architectures.build`` looks it up by name). Raises
+    ModelError naming a missing, mis-shaped or unsupported tensor, or a hyperparameter the
+    architecture cannot run."""
+    if not hasattr(backend, "compile") and getattr(backend, "name", "") == "cuda":
+        # Transition: until the CUDA backend compiles Programs (helper `cuda`, issue 14),
+        # llama on CUDA keeps its own model. Removed with engine/backend/cuda_llama.py.
+        if cfg.arch != "llama":
+            raise ModelError(f"{gf.path}: architecture {cfg.arch!r} does not run on the CUDA backend yet")
+        from aotx.engine.backend.cuda_llama import CudaLlamaModel
+
+        return _LegacyCudaModel(CudaLlamaModel(cfg, gf, backend))
+    return TransformerModel(cfg, gf, backend, arch)
+
+
+class _LegacyCudaModel:
+    """Transition only (deleted with cuda_llama.py): today's CUDA llama model with the
+    kv_type arguments of SEAMS.md accepted (its KV cache stays float32)."""
+
+    device_sampling = True
+
+    def __init__(self, inner):
+        self._m = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._m, name)
+
+    def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
+        return self._m.kv_cache_bytes(n_slots, n_ctx)
+
+    def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16"):
+        kv = self._m.new_kv_cache(n_slots, n_ctx)
+        kv.kv_type = "f32"
+        return kv

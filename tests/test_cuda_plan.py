@@ -1,0 +1,140 @@
+"""``cuda_plan.plan``: the CUDA backend's fusions found in programs of every architecture's shape.
+
+Runs without a GPU (the planner is pure Python): programs are traced with
+``ops.ProgramBuilder`` over stand-in weights in the shapes of llama, qwen2 (QKV bias),
+qwen3 (QK-norm), gemma3 (post-norms, GEGLU, soft-capping) and phi3 (fused QKV and
+gate/up), and the plan must fuse each layer's attention input into one QKV step, its
+FFN into one GLU GEMV and its residual adds into the GEMV (or the post-norm) that
+produces them; the unfused plan must run every op generically. Buffers: no two values
+alive at once share columns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aotx.engine.backend import cuda_plan as CP
+from aotx.engine.backend import ops
+
+
+class _Mat:
+    def __init__(self, name: str, m: int, k: int):
+        self.name, self.m, self.k, self.qtype = name, m, k, 8
+
+
+def _program(arch: str, L: int = 2, d: int = 64, H: int = 4, KV: int = 2, hd: int = 32, f: int = 128,
+             vocab: int = 101) -> ops.Program:
+    b = ops.ProgramBuilder()
+    spec = ops.RopeSpec("normal" if arch == "llama" else "neox", hd, 10000.0)
+    vec = lambda n: np.ones(n, np.float32)  # noqa: E731
+    x = b.embed(_Mat("tok", vocab, d), 8.0 if arch == "gemma3" else 1.0)
+    for i in range(L):
+        h = b.rms_norm(x, vec(d), 1e-5)
+        if arch == "phi3":
+            q, k, v = b.split(b.linear(h, _Mat("qkv", H * hd + 2 * KV * hd, d)), (H * hd, KV * hd, KV * hd))
+        else:
+            bias = arch == "qwen2"
+            q = b.linear(h, _Mat("q", H * hd, d), vec(H * hd) if bias else None)
+            k = b.linear(h, _Mat("k", KV * hd, d), vec(KV * hd) if bias else None)
+            v = b.linear(h, _Mat("v", KV * hd, d), vec(KV * hd) if bias else None)
+        if arch in ("qwen3", "gemma3"):
+            q, k = b.head_rms_norm(q, vec(hd), 1e-6, hd), b.head_rms_norm(k, vec(hd), 1e-6, hd)
+        q, k = b.rope(q, spec, hd), b.rope(k, spec, hd)
+        a = b.attention(q, k, v, n_heads=H, n_kv_heads=KV, head_dim=hd, scale=0.2,
+                        window=16 if arch == "gemma3" and i % 2 == 0 else 0)
+        o = b.linear(a, _Mat("o", d, H * hd))
+        if arch == "gemma3":
+            o = b.rms_norm(o, vec(d), 1e-6)
+        x = b.add(x, o)
+        if i == L - 1:
+            x = b.take_rows(x)
+        h = b.rms_norm(x, vec(d), 1e-5)
+        if arch == "phi3":
+            gate, up = b.split(b.linear(h, _Mat("gu", 2 * f, d)), (f, f))
+        else:
+            gate, up = b.linear(h, _Mat("g", f, d)), b.linear(h, _Mat("u", f, d))
+        dn = b.linear(b.glu(gate, up, "gelu_tanh" if arch == "gemma3" else "silu"), _Mat("dn", d, f))
+        if arch == "gemma3":
+            dn = b.rms_norm(dn, vec(d), 1e-6)
+        x = b.add(x, dn)
+    lg = b.linear(b.rms_norm(x, vec(d), 1e-5), _Mat("out", vocab, d))
+    if arch == "gemma3":
+        lg = b.softcap(lg, 30.0)
+    return b.finish(lg)
+
+
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
+
+
+def _no_overlap(p: CP.Plan) -> None:
+    """Walk the steps: a value written must not land on columns of a value still to be read."""
+    last = {}
+    for i, s in enumerate(p.steps):
+        for v in CP.reads(s) + CP.writes(s):
+            last[v] = i
+    last[p.output] = len(p.steps)
+    live: dict[int, CP.Loc] = {}
+    for i, s in enumerate(p.steps):
+        inplace = set(CP.reads(s)) & set(CP.writes(s))
+        for v in CP.writes(s):
+            if v in inplace:
+                continue
+            lv = p.loc[v]
+            for u, lu in live.items():
+                if u == v or last.get(u, -1) < i or u in CP.reads(s) and u not in inplace and False:
+                    continue
+                same = lu.buf == lv.buf and lu.col < lv.col + lv.width and lv.col < lu.col + lu.width
+                # a residual add writes into its own residual's buffer (aliased values share a root)
+                assert not same or _alias_ok(s, u, v), f"step {i} {type(s).__name__}: value {v} overwrites {u}"
+        for v in CP.writes(s):
+            live[v] = p.loc[v]
+
+
+def _alias_ok(s, u: int, v: int) -> bool:
+    return (isinstance(s, CP.Linear) and s.mode == "add") or (isinstance(s, CP.Norm) and s.add)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_plan(arch):
+    p = CP.plan(_program(arch))
+    kinds = [type(s).__name__ for s in p.steps]
+    assert p.fused["qkv"] == 2 and p.fused["glu"] == 2, p.fused
+    assert p.fused["add"] + p.fused["post_norm"] == 4, p.fused
+    assert kinds.count("QKV") == 2 and kinds.count("Attend") == 2 and kinds.count("TakeRows") == 1
+    assert "HeadOp" not in kinds and "KVStore" not in kinds and "GluRows" not in kinds
+    # every rms_norm that feeds linears is a prologue: only post-norms run as their own step
+    assert kinds.count("Norm") == (4 if arch == "gemma3" else 0)
+    q = next(s for s in p.steps if isinstance(s, CP.QKV))
+    assert (q.q_norm is not None) == (arch in ("qwen3", "gemma3"))
+    assert len(q.mats) == (1 if arch == "phi3" else 3)
+    assert q.norm is not None
+    g = next(s for s in p.steps if isinstance(s, CP.Glu))
+    assert (g.wa is g.wb and (g.a0, g.b0) == (0, 128)) if arch == "phi3" else g.wa is not g.wb
+    _no_overlap(p)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_unfused_plan_runs_every_op(arch):
+    p = CP.plan(_program(arch), fuse=False)
+    kinds = [type(s).__name__ for s in p.steps]
+    assert not any(p.fused.values())
+    assert kinds.count("KVStore") == 2 and kinds.count("HeadOp") == (8 if arch in ("qwen3", "gemma3") else 4)
+    assert kinds.count("Norm") == (9 if arch == "gemma3" else 5)
+    _no_overlap(p)
+
+
+def test_logits_buffer_is_padded_for_the_pair_gemv():
+    """An odd vocabulary: the output GEMV writes two rows per warp, so the logits buffer
+    holds a pad column (width rounded up to 4)."""
+    p = CP.plan(_program("llama", vocab=101))
+    assert p.loc[p.output].width == 101 and p.buffers[p.loc[p.output].buf][1] == 104
+
+
+def test_views_of_a_split_are_aligned_or_refused():
+    b = ops.ProgramBuilder()
+    x = b.embed(_Mat("tok", 50, 64))
+    a, c = b.split(b.linear(x, _Mat("w", 66, 64)), (2, 64))
+    y = b.take_rows(b.add(c, c))
+    with pytest.raises(CP.PlanError, match="multiple of 4"):
+        CP.plan(b.finish(b.linear(y, _Mat("o", 50, 64))), fuse=False)

@@ -1,0 +1,107 @@
+"""Run the CUDA backend's host code on the CPU against fake CuPy: ``python -m tests.tools.gpu_dryrun``.
+
+Every kernel launch and cuBLAS call of the scenarios below is checked by
+``tests/tools/gpu_fake_cupy.py`` (argument lists against the kernels' signatures, pointers
+inside their allocations, GEMM extents); the numbers are not computed. Scenarios, on
+random-weight llama files (``tests/models/cuda_testmodel.py``): every prefill mode
+(default choice, f16, tf32, f32, gemv), both KV types, fused and generic kernels, every
+GEMV variant forced, graph buckets 1 to 128 and the eager path past them, a QK-norm-free
+model with mixed tensor types and an untied odd vocabulary, and the kernel-choice tuner
+(policy force, then reuse of the artifact it wrote). Prints one line per scenario and
+``dry run OK`` last; exit code 1 on the first violation.
+
+Run in a subprocess by tests/test_cuda_host.py (the fake must not replace a real CuPy in
+the test process).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+
+def _build(path, **backend_kw):
+    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.model.config import ModelConfig
+    from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.transformer import build
+
+    gf = GGUFFile.open(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, str(path))
+    return build(cfg, gf, CudaBackend(**backend_kw))
+
+
+def _exercise(model, kv_type: str) -> None:
+    from aotx.engine.model.batch import Segment
+
+    V = model.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    kv = model.new_kv_cache(4, 512, kv_type)
+    toks = rng.integers(0, V, 300).astype(np.int32)
+    model.forward(toks[:150], [Segment(0, 0, 150, all_logits=True)], kv)          # eager: more rows than a graph
+    model.forward(toks[:40], [Segment(1, 0, 40)], kv)                         # graph bucket 64
+    model.forward(toks[:1], [Segment(0, 150, 1)], kv)                        # graph bucket 1
+    model.forward(toks[:3], [Segment(0, 151, 1), Segment(1, 40, 1), Segment(2, 0, 1)], kv)
+    model.forward(toks[:129], [Segment(2, 1, 129)], kv)                       # past b_max 128: eager, 1 logits row
+    model.forward(toks[:20], [Segment(3, 0, 10), Segment(3, 10, 10)], kv)     # one slot twice: eager, short rows
+    model.forward(toks[:5], [Segment(0, 152, 5, all_logits=True)], kv)        # a verify window
+    model.forward(toks[:200], [Segment(1, 41, 180, logits=False), Segment(2, 130, 20)], kv)   # long + short
+
+
+def main() -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.tools import gpu_fake_cupy as fake_cupy
+
+    fake_cupy.install()
+    from gguf import GGMLQuantizationType as T
+
+    from aotx.engine.backend import cuda_choice as CC
+    from tests.models.cuda_testmodel import write_llama
+
+    tmp = Path(tempfile.mkdtemp(prefix="aotx-dryrun-"))
+    files = {
+        "q4k": write_llama(tmp / "q4k.gguf", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=512,
+                           qtype=T.Q4_K, layer_types={"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K},
+                           emb_qtype=T.Q4_K, out_qtype=T.Q6_K),
+        "q8": write_llama(tmp / "q8.gguf", n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, ffn=256, vocab=301,
+                          qtype=T.Q8_0, out_qtype=T.Q4_0),
+        "q41": write_llama(tmp / "q41.gguf", n_layers=2, d_model=192, n_heads=3, n_kv_heads=1, ffn=384, vocab=256,
+                           qtype=T.Q4_1, emb_qtype=T.Q8_0),
+    }
+    scenarios = []
+    for name in files:
+        for kv_type in ("f16", "f32"):
+            scenarios.append((f"{name} default kernels, kv {kv_type}", name, {}, kv_type))
+        for mode in ("f16", "tf32", "f32", "gemv"):
+            scenarios.append((f"{name} prefill {mode}", name, {"prefill": mode}, "f16"))
+        scenarios.append((f"{name} generic kernels", name, {"fuse": False}, "f16"))
+    variants = sorted({c for b in CC.TUNE_BUCKETS for norm in (False, True) for c in CC.gemv_candidates(b, norm)})
+    for v in variants:
+        scenarios.append((f"q4k gemv {v}", "q4k", {"gemv": v, "prefill": "gemv"}, "f16"))
+    root = tmp / "home"
+    scenarios.append(("q4k tuner (force)", "q4k", {"tune": "force", "artifact_root": root}, "f16"))
+    scenarios.append(("q4k artifact reused", "q4k", {"tune": "reuse", "artifact_root": root}, "f16"))
+    scenarios.append(("q8 tuner (auto, new shapes)", "q8", {"tune": "auto", "artifact_root": root}, "f16"))
+    for label, name, kw, kv_type in scenarios:
+        before = fake_cupy.stats["launches"]
+        try:
+            model = _build(files[name], **kw)
+            _exercise(model, kv_type)
+        except Exception:  # noqa: BLE001 - report the scenario and stop
+            print(f"FAIL {label}")
+            traceback.print_exc()
+            return 1
+        kc = model.compiled.kernel_choice
+        extra = f"; kernel choice: {kc.summary()}" if kw.get("tune") else ""
+        print(f"ok   {label}: {fake_cupy.stats['launches'] - before} launches{extra}")
+    print(f"dry run OK: {fake_cupy.stats['launches']} launches, {fake_cupy.stats['gemms']} GEMMs, "
+          f"{fake_cupy.stats['captures']} graph captures, kernels: {', '.join(sorted(fake_cupy.stats['kernels']))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,407 @@
+"""A stand-in for CuPy that runs the CUDA backend's host code on a machine without a GPU.
+
+Owns: ``install()``, which puts fake ``cupy`` and ``cupy_backends.cuda.libs.cublas``
+modules into ``sys.modules``. Device arrays are numpy arrays (a subclass with
+``.data.ptr`` and ``.get()``), so slicing, copies and the host-to-device tables behave;
+kernels do NOT run. Instead every launch is CHECKED against the kernel's signature parsed
+from the CUDA source (argument count, and numpy type per parameter: ``np.int32`` for
+``int``, ``np.int64`` for ``long long``, ``np.float32`` for ``float``, ``np.uint64`` or an
+array for a pointer), every non-null device pointer must lie inside a live allocation,
+grids and blocks must be within CUDA's limits, and cuBLAS GEMMs must address only memory
+inside their operands' allocations (leading dimensions and extents). A violation raises
+``LaunchError`` at the launch, naming the kernel and the argument.
+
+For ``tests/tools/gpu_dryrun.py`` (run in a subprocess by tests/test_cuda_host.py): it
+finds wrong argument lists, missing template instances and pointer arithmetic off its
+buffer before the code meets a GPU. Numbers are not computed: logits are garbage.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import sys
+import types
+import weakref
+
+import numpy as np
+
+
+class LaunchError(AssertionError):
+    """A kernel launch or cuBLAS call the real device would reject or misread."""
+
+
+# ---- device memory -------------------------------------------------------------------------
+
+_allocs: list = []          # weakrefs to base FakeArrays (their memory is "device memory")
+stats = {"launches": 0, "gemms": 0, "kernels": set(), "captures": 0}
+
+
+class _Mem:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class FakeArray(np.ndarray):
+    """A device array: a numpy array whose memory stands for device memory."""
+
+    def __array_finalize__(self, obj):
+        _allocs.append(weakref.ref(self))     # views too: their memory is inside their base's
+
+    @property
+    def data(self):            # noqa: D401 - cupy's .data.ptr
+        return _Mem(self.__array_interface__["data"][0])
+
+    def get(self, stream=None):
+        return np.array(np.asarray(self), copy=True)
+
+
+def _own(a: np.ndarray) -> FakeArray:
+    out = np.array(a, copy=True, order="C").view(FakeArray)
+    _allocs.append(weakref.ref(out))
+    return out
+
+
+def _span_ok(p: int, nbytes: int) -> bool:
+    """[p, p + nbytes) inside one live allocation."""
+    if len(_allocs) > 20000:
+        _allocs[:] = [r for r in _allocs if r() is not None]
+    for r in reversed(_allocs):
+        a = r()
+        if a is None:
+            continue
+        base = a.__array_interface__["data"][0]
+        if base <= p and p + nbytes <= base + a.nbytes:
+            return True
+    return False
+
+
+def zeros(shape, dtype=np.float32):
+    return _own(np.zeros(shape, dtype))
+
+
+def empty(shape, dtype=np.float32):
+    return _own(np.zeros(shape, dtype))
+
+
+def ones(shape, dtype=np.float32):
+    return _own(np.ones(shape, dtype))
+
+
+def empty_like(a):
+    return zeros(a.shape, a.dtype)
+
+
+def asarray(a, dtype=None):
+    if isinstance(a, FakeArray) and (dtype is None or np.dtype(dtype) == a.dtype):
+        return a
+    return _own(np.asarray(a, dtype=dtype))
+
+
+def ascontiguousarray(a):
+    return _own(np.ascontiguousarray(a))
+
+
+def concatenate(parts, axis=0):
+    return _own(np.concatenate([np.asarray(p) for p in parts], axis=axis))
+
+
+def arange(*a, dtype=None):
+    return _own(np.arange(*a, dtype=dtype))
+
+
+def matmul(a, b):
+    return _own(np.matmul(np.asarray(a), np.asarray(b)))
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+_SIG = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)", re.S)
+
+
+def signatures(src: str) -> dict[str, list[tuple[str, str]]]:
+    """kernel name -> [(kind, param name)], kind one of ptr, int, i64, float."""
+    out = {}
+    for m in _SIG.finditer(src):
+        params = []
+        for p in m.group(2).split(","):
+            p = " ".join(p.replace("__restrict__", "").replace("const", "").split())
+            if not p:
+                continue
+            name = re.split(r"[\s*]+", p)[-1]
+            if "*" in p:
+                kind = "ptr"
+            elif p.startswith("long long"):
+                kind = "i64"
+            elif p.startswith("int"):
+                kind = "int"
+            elif p.startswith("float"):
+                kind = "float"
+            else:
+                raise ValueError(f"unknown parameter type in {m.group(1)}: {p!r}")
+            params.append((kind, name))
+        out[m.group(1)] = params
+    return out
+
+
+_KIND = {"int": np.int32, "i64": np.int64, "float": np.float32}
+
+
+class RawKernel:
+    def __init__(self, name: str, params: list):
+        self.name, self.params = name, params
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        where = f"kernel {self.name}"
+        grid = tuple(grid) if isinstance(grid, tuple) else (grid,)
+        block = tuple(block) if isinstance(block, tuple) else (block,)
+        lim = (2 ** 31 - 1, 65535, 65535)
+        for i, g in enumerate(grid):
+            if not isinstance(g, (int, np.integer)) or not 1 <= int(g) <= lim[i]:
+                raise LaunchError(f"{where}: grid {grid} (dimension {i} out of range)")
+        if int(np.prod(block)) > 1024 or any(int(b) < 1 for b in block):
+            raise LaunchError(f"{where}: block {block}")
+        if len(args) != len(self.params):
+            raise LaunchError(f"{where}: {len(args)} arguments for {len(self.params)} parameters "
+                              f"({', '.join(n for _, n in self.params)})")
+        for a, (kind, pname) in zip(args, self.params):
+            if kind == "ptr":
+                if isinstance(a, FakeArray):
+                    continue
+                if not isinstance(a, np.uint64):
+                    raise LaunchError(f"{where}: pointer {pname} passed as {type(a).__name__}")
+                p = int(a)
+                if p and not _span_ok(p, 1):
+                    raise LaunchError(f"{where}: pointer {pname} = {p:#x} is outside every device allocation")
+            elif not isinstance(a, _KIND[kind]):
+                raise LaunchError(f"{where}: {pname} ({kind}) passed as {type(a).__name__}")
+        _extents(self.name, grid, {n: a for a, (_, n) in zip(args, self.params)})
+        stats["launches"] += 1
+        stats["kernels"].add(self.name.split("<")[0])
+
+
+def _addr(a) -> int:
+    return a.data.ptr if isinstance(a, FakeArray) else int(a)
+
+
+def _need(where: str, a, nbytes: int, what: str) -> None:
+    p = _addr(a)
+    if p and nbytes > 0 and not _span_ok(p, int(nbytes)):
+        raise LaunchError(f"{where}: {what} ({int(nbytes)} bytes from {p:#x}) runs outside its allocation")
+
+
+def _extents(name: str, grid, a: dict) -> None:
+    """Per-kernel extent checks for the kernels whose addressing is easy to get wrong."""
+    base = name.split("<")[0]
+    tpl = [int(t) for t in name[name.index("<") + 1:-1].split(",")] if "<" in name else []
+    w = f"kernel {name}"
+    i = lambda k: int(a[k])   # noqa: E731
+    if base == "gemv":
+        nb, mode = tpl[2], tpl[3]
+        B, k, n_pairs = i("B"), i("k"), i("n_pairs")
+        if mode in (3, 5):                               # QKV: rows [0, 2 n_pairs) of the matrix
+            rows_a = rows_b = 2 * n_pairs
+            ycols = 1
+        else:
+            max_ra = (n_pairs - 1) * i("a_stride")
+            rows_a, rows_b = max_ra + 1, max_ra + i("b_off") + 1
+            ycols = rows_b if mode in (0, 1) else n_pairs
+            if mode in (0, 1) and ycols > i("ldy"):
+                raise LaunchError(f"{w}: writes column {ycols - 1} of rows only {i('ldy')} wide")
+        _need(w, a["Wa"], rows_a * i("rba"), "Wa")
+        _need(w, a["Wb"], rows_b * i("rbb"), "Wb")
+        _need(w, a["x"], 4 * ((B - 1) * i("ldx") + k), "x")
+        _need(w, a["y"], 4 * ((B - 1) * i("ldy") + ycols), "y")
+        _need(w, a["nw"], 4 * k, "norm weight")
+        _need(w, a["xs"], 4 * B, "norm scales")
+        _need(w, a["bias_a"], 4 * (rows_a if mode in (0, 1, 3, 5) else n_pairs), "bias_a")
+        _need(w, a["bias_b"], 4 * (rows_b if mode in (0, 1, 3, 5) else n_pairs), "bias_b")
+        if grid[1] * nb < B:
+            raise LaunchError(f"{w}: grid.y {grid[1]} x NB {nb} does not cover {B} rows")
+        if mode in (3, 5):
+            for t in ("tab_slot", "tab_pos"):
+                _need(w, a[t], 4 * B, t)
+    elif base in ("dequant", "dequant_h"):
+        m, k = i("m"), i("k")
+        _need(w, a["W"], m * i("rb"), "W")
+        _need(w, a["out"], m * k * (4 if base == "dequant" else 2), "out")
+    elif base == "rows_half":
+        n = grid[0]
+        _need(w, a["x"], 4 * ((n - 1) * i("ldx") + i("k")), "x")
+        _need(w, a["out"], 2 * ((n - 1) * i("ldo") + i("k")), "out")
+        _need(w, a["nw"], 4 * i("k"), "nw")
+    elif base == "row_scale":
+        n = grid[0]
+        _need(w, a["x"], 4 * ((n - 1) * i("ldx") + i("k")), "x")
+        _need(w, a["out"], 4 * n, "out")
+    elif base == "attn_decode":
+        hd = tpl[0]
+        B, H = grid[2], i("H")
+        _need(w, a["q"], 4 * ((B - 1) * i("ldq") + H * hd), "q")
+        _need(w, a["out"], 4 * ((B - 1) * i("ldo") + H * hd), "out")
+        _need(w, a["part"], 4 * B * H * i("nsmax") * (hd + 2), "part")
+        _need(w, a["counters"], 4 * B * H, "counters")
+        _need(w, a["tab_slot"], 4 * B, "tab_slot")
+        _need(w, a["tab_pos"], 4 * B, "tab_pos")
+
+
+class RawModule:
+    def __init__(self, code: str, options=(), name_expressions=None):
+        self.sigs = signatures(code)
+        self.names = set(name_expressions or ())
+        for n in self.names:
+            if n.split("<")[0] not in self.sigs:
+                raise LaunchError(f"name expression {n!r}: no such kernel")
+
+    def get_function(self, name: str) -> RawKernel:
+        base = name.split("<")[0]
+        if "<" in name and name not in self.names:
+            raise LaunchError(f"{name} was not among the module's name expressions")
+        if base not in self.sigs:
+            raise LaunchError(f"no kernel {base}")
+        return RawKernel(name, self.sigs[base])
+
+
+# ---- streams, events, graphs, runtime ----------------------------------------------------------
+
+class _Graph:
+    def upload(self, s=None):
+        pass
+
+    def launch(self, s=None):
+        pass
+
+
+class Stream:
+    _current: list = []
+
+    def __init__(self, non_blocking: bool = False, null: bool = False):
+        self.ptr = 0 if null else id(self)
+        self.capturing = False
+
+    def __enter__(self):
+        Stream._current.append(self)
+        return self
+
+    def __exit__(self, *a):
+        Stream._current.pop()
+
+    def synchronize(self):
+        if self.capturing:
+            raise LaunchError("synchronize during stream capture")
+
+    def begin_capture(self):
+        if self.ptr == 0:
+            raise LaunchError("capture on the legacy default stream")
+        self.capturing = True
+
+    def end_capture(self):
+        self.capturing = False
+        stats["captures"] += 1
+        return _Graph()
+
+
+_null = Stream(null=True)
+
+
+def get_current_stream():
+    return Stream._current[-1] if Stream._current else _null
+
+
+class Event:
+    def record(self, s=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def get_elapsed_time(a, b) -> float:
+    return 1.0
+
+
+class Device:
+    def __init__(self, i: int = 0):
+        self.id = i
+
+    def use(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _memcpy(dst, src, n, kind, stream=0):
+    ctypes.memmove(int(dst), int(src), int(n))
+
+
+def _pinned(n: int):
+    return bytearray(int(n))
+
+
+def _cublas_check(name, A, lda, Ak, Am, asize, B, ldb, Bk, Bn, bsize, C, ldc, m, n):
+    """Column-major operands: op(A) is m x k read as a (k, m) block with ld lda (transposed),
+    B a (k, n) block with ld ldb, C an (m, n) block with ld ldc (float32)."""
+    if lda < Ak or ldb < Bk or ldc < m:
+        raise LaunchError(f"{name}: leading dimensions lda {lda} (>= {Ak}), ldb {ldb} (>= {Bk}), ldc {ldc} (>= {m})")
+    for what, p, ld, rows, cols, size in (("A", A, lda, Ak, Am, asize), ("B", B, ldb, Bk, Bn, bsize),
+                                           ("C", C, ldc, m, n, 4)):
+        span = ((cols - 1) * ld + rows) * size
+        if not _span_ok(int(p), span):
+            raise LaunchError(f"{name}: operand {what} at {int(p):#x} ({cols} columns of {rows}, ld {ld}) "
+                              f"runs outside its allocation")
+    stats["gemms"] += 1
+
+
+def _sgemm(handle, ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc):
+    if (ta, tb) != (1, 0):
+        raise LaunchError("sgemm: the backend only uses op(A) = T, op(B) = N")
+    _cublas_check("sgemm", A, lda, k, m, 4, B, ldb, k, n, 4, C, ldc, m, n)
+
+
+def _gemm_ex(handle, ta, tb, m, n, k, alpha, A, atype, lda, B, btype, ldb, beta, C, ctype, ldc, compute, algo):
+    size = {0: 4, 2: 2, 14: 2}
+    if atype not in size or btype != atype or ctype != 0:
+        raise LaunchError(f"gemmEx: types A {atype}, B {btype}, C {ctype}")
+    if compute not in (68, 77) or (compute == 77 and atype != 0) or (compute == 68 and atype != 2):
+        raise LaunchError(f"gemmEx: compute type {compute} with inputs of type {atype}")
+    if (ta, tb) != (1, 0):
+        raise LaunchError("gemmEx: the backend only uses op(A) = T, op(B) = N")
+    _cublas_check("gemmEx", A, lda, k, m, size[atype], B, ldb, k, n, size[btype], C, ldc, m, n)
+
+
+def install() -> None:
+    """Make ``import cupy`` and ``from cupy_backends.cuda.libs import cublas`` the fakes."""
+    cp = types.ModuleType("cupy")
+    cp.__version__ = "0.0-fake"
+    cp.ndarray = FakeArray
+    for n in ("float32", "float16", "float64", "int32", "int64", "uint8", "uint16", "uint32"):
+        setattr(cp, n, getattr(np, n))
+    for f in (zeros, ones, empty, empty_like, asarray, ascontiguousarray, concatenate, arange, matmul):
+        setattr(cp, f.__name__, f)
+    cp.RawModule, cp.RawKernel = RawModule, RawKernel
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.Stream, cuda.Event, cuda.Device = Stream, Event, Device
+    cuda.get_current_stream, cuda.get_elapsed_time, cuda.alloc_pinned_memory = get_current_stream, get_elapsed_time, \
+        _pinned
+    rt = types.SimpleNamespace(
+        getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"Fake GPU", "multiProcessorCount": 132},
+        driverGetVersion=lambda: 13000, runtimeGetVersion=lambda: 13000, memcpyAsync=_memcpy,
+        memcpyHostToDevice=1, memcpyDeviceToHost=2)
+    cuda.runtime = rt
+    cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 1)
+    cp.cuda = cuda
+    cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
+    cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T, cublas.CUBLAS_POINTER_MODE_HOST = 0, 1, 0
+    cublas.sgemm, cublas.gemmEx = _sgemm, _gemm_ex
+    cublas.setStream = lambda h, s: None
+    cublas.setPointerMode = lambda h, m: None
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.cublas = cublas
+    cb = types.ModuleType("cupy_backends")
+    cbc = types.ModuleType("cupy_backends.cuda")
+    cb.cuda, cbc.libs = cbc, libs
+    sys.modules.update({"cupy": cp, "cupy.cuda": cuda, "cupy_backends": cb, "cupy_backends.cuda": cbc,
+                        "cupy_backends.cuda.libs": libs, "cupy_backends.cuda.libs.cublas": cublas})

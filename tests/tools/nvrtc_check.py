@@ -1,0 +1,110 @@
+"""Compile the CUDA backend's kernels with NVRTC for sm_90 on a machine without a GPU.
+
+``python tests/tools/nvrtc_check.py [--ptxas]``: compiles ``cuda_src.SRC`` with every
+template instance a model of each supported architecture could ask for, and
+``cuda_sampling.SRC``, through NVRTC (``pip install nvidia-cuda-nvrtc cupy-cuda13x``;
+NVRTC needs no device). With ``--ptxas`` (``pip install nvidia-cuda-nvcc``) it also
+assembles the PTX and prints each kernel's registers, spills and shared memory.
+Exit code 1 on a compile error (the log is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+
+def instances(types=None) -> list[str]:
+    from aotx.engine.backend import cuda_choice as CC
+    from aotx.engine.backend import cuda_src as S
+
+    types = S.TYPES if types is None else types
+    names = ["gather_rows", "rms_norm", "causal_softmax", "glu_rows", "ew_rows", "bias_rows", "head_ops",
+             "row_scale", "rows_half"]
+    for t in types:
+        names += [f"embed<{t}>", f"dequant<{t}>", f"dequant_h<{t}>"]
+    for nb, wpps in CC.GEMV_GRID.items():
+        for wpp in wpps:
+            for mode in (S.MODE_STORE, S.MODE_ADD, S.MODE_QKV, S.MODE_QKV16, S.MODE_SWIGLU, S.MODE_GEGLU):
+                for t in types:
+                    names.append(f"gemv<{t},{t},{nb},{mode},{wpp}>")
+    names.append(f"gemv<{S.Q4_K},{S.Q6_K},4,{S.MODE_SWIGLU},4>")
+    for hd in (64, 96, 128, 256):
+        for kvt in (0, 1):
+            names.append(f"attn_decode<{hd},{kvt}>")
+    for kvt in (0, 1):
+        names += [f"head_rope_kv<{kvt}>", f"kv_store<{kvt}>"]
+    return names
+
+
+def compile_src(src: str, names: list[str], arch: str) -> tuple[bytes, str]:
+    import cupy_backends.cuda.libs.nvrtc as nvrtc
+
+    prog = nvrtc.createProgram(src, "aotx.cu", [], [])
+    for n in names:
+        nvrtc.addNameExpression(prog, n)
+    try:
+        nvrtc.compileProgram(prog, ["-std=c++17", f"-arch={arch}"])
+    except Exception:  # noqa: BLE001 - NVRTCError; the log says what
+        print(nvrtc.getProgramLog(prog))
+        raise SystemExit(1)
+    log = nvrtc.getProgramLog(prog)
+    ptx = nvrtc.getPTX(prog)
+    return ptx, log
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ptxas", action="store_true", help="assemble for sm_90 and print registers and spills")
+    ap.add_argument("--filter", default="", help="regex: only report kernels whose mangled name matches")
+    ap.add_argument("--types", default="", help="comma-separated GGML type codes to instantiate (default: all)")
+    args = ap.parse_args()
+    from aotx.engine.backend import cuda_sampling as CS
+    from aotx.engine.backend import cuda_src as S
+
+    names = instances([int(t) for t in args.types.split(',')] if args.types else None)
+    ptx, log = compile_src(S.SRC, names, "compute_90")
+    if log.strip():
+        print(log)
+    ptx2, log2 = compile_src(CS.SRC, [], "compute_90")
+    if log2.strip():
+        print(log2)
+    print(f"NVRTC: cuda_src ({len(names)} instances) and cuda_sampling compile for compute_90")
+    if args.ptxas:
+        import nvidia  # the nvidia-cuda-nvcc wheel's ptxas
+
+        ptxas = None
+        for root in nvidia.__path__:
+            for cand in ("cu13/bin/ptxas", "cuda_nvcc/bin/ptxas"):
+                if os.path.exists(os.path.join(root, cand)):
+                    ptxas = os.path.join(root, cand)
+        if ptxas is None:
+            print("ptxas not found (pip install nvidia-cuda-nvcc)")
+            return 1
+        for i, p in enumerate((ptx, ptx2)):
+            with tempfile.NamedTemporaryFile("wb", suffix=".ptx", delete=False) as f:
+                f.write(p if isinstance(p, bytes) else p.encode())
+            r = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+            os.unlink(f.name)
+            if r.returncode:
+                print(r.stderr)
+                return 1
+            fn = None
+            for ln in r.stderr.splitlines():
+                m = re.search(r"Compiling entry function '(\S+)'", ln)
+                if m:
+                    fn = m.group(1)
+                    continue
+                if fn and args.filter and not re.search(args.filter, fn):
+                    continue
+                if "registers" in ln or ("spill" in ln and not " 0 bytes spill stores, 0 bytes spill loads" in ln):
+                    print(fn, ln.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
