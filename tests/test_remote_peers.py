@@ -186,15 +186,18 @@ def test_llama_cpp_server_as_the_remote(loaded_model, default_model_path, llama_
     openai = pytest.importorskip("openai")
     with llama_server(llama_python, default_model_path, home / "llama.log") as (url, proc):
         write_remote(home / "models", "llama", RemoteSpec(url=url, model="smollm", api_key=KEY))
+        direct = openai.OpenAI(base_url=url, api_key=KEY).chat.completions.create(
+            model="smollm", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0.0, top_p=0.95, max_tokens=24, extra_body={"top_k": 40, "min_p": 0.05}, seed=None)
+        if not direct.choices[0].message.content:  # seen with a llama-cpp-python wheel built for another CPU
+            pytest.skip(f"llama-cpp-python's server at {llama_python} answers with no text even to the openai "
+                        f"client (a broken build; set $AOTX_LLAMA_VENV to a working venv)")
         eng = make_engine(loaded_model, home)
         try:
             c = Client(eng)
             conv = c.create(model="llama")
             _, end = c.run(conv.conv_id, "What is the capital of France?", raw=False, n=24)
             assert isinstance(end, P.Committed) and end.finish_reason in ("stop", "length"), end
-            direct = openai.OpenAI(base_url=url, api_key=KEY).chat.completions.create(
-                model="smollm", messages=[{"role": "user", "content": "What is the capital of France?"}],
-                temperature=0.0, top_p=0.95, max_tokens=24, extra_body={"top_k": 40, "min_p": 0.05}, seed=None)
             assert end.text == direct.choices[0].message.content and end.text
             view = c.call(P.ShowConversation, P.ConversationInfo, conv_id=conv.conv_id).conversation
             assert view.messages[-1].text == end.text and view.messages[-1].model == "llama"
