@@ -1,9 +1,12 @@
-"""ChatApp: the aotx-chat screen, its actions and its user-facing behaviour.
+"""ChatApp: the aotx-chat screen, its layout and its user-facing behaviour.
 
-Owns: layout (sidebar, chat, attachment chips, input, status bar), every user
-action (bindings.ACTIONS), opening and rendering conversations, attachments from
-pastes, /attach and the file picker, themes. The engine connection, the send
-queue and streaming live in ``engine_link.EngineLink``.
+Owns: layout (sidebar, chat, attachment chips, input, status bar; at 80x24 the sidebar
+narrows and folds its legend), opening and rendering conversations (a reopened
+message shows what its attachments became, as it did live), sending, attachments
+from pastes, /attach and the file picker (checked at attach time), the search index
+beside the sidebar, themes (AOTX's and Textual's built-in ones). The user's actions
+live in ``actions.ChatActions``; the engine connection, the send queue, streaming
+and keeping the list and index in step live in ``engine_link.EngineLink``.
 
 The client comes from an injected ``client_factory(on_spawn) -> awaitable client``
 (``main.py`` passes one that calls ``EngineClient.connect``; tests pass a fake), so
@@ -20,38 +23,35 @@ from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Footer, Input, Static, TextArea
 
 from aotx.app import state as app_state
+from aotx.app.actions import ChatActions
 from aotx.app.attach import make_attachment
 from aotx.app.bindings import ACTIONS, app_bindings
-from aotx.app.engine_link import DEFAULT_TITLE, EngineLink, Outgoing
-from aotx.app.format import position_of, refusal_text, shown_text
+from aotx.app.engine_link import EngineLink, Outgoing
+from aotx.app.format import history_media, media_text, position_of
 from aotx.app.paste import parse_pasted_paths
-from aotx.app.screens.details import DetailsScreen
-from aotx.app.screens.file_picker import FilePicker
-from aotx.app.screens.help import HelpScreen
-from aotx.app.screens.model_picker import ModelPicker
-from aotx.app.screens.prompts import Confirm, TextPrompt
-from aotx.app.screens.settings import SettingsScreen
-from aotx.app.theming import CSS_PATHS, THEMES
+from aotx.app.search import SearchIndex
+from aotx.app.theming import CSS_PATHS, THEMES, theme_for_textual
 from aotx.app.widgets.chat_input import ChatInput
 from aotx.app.widgets.chips import AttachmentBar
 from aotx.app.widgets.message import MessageWidget
 from aotx.app.widgets.sidebar import Sidebar
 from aotx.app.widgets.status_bar import StatusBar
-from aotx.engine.errors import AotxError, EngineError, ErrorCode
 from aotx.engine.ipc import protocol as P
-from aotx.engine.ipc.client import ConnectionLost
 
 ClientFactory = Callable[[Callable[[str], None]], Awaitable[Any]]
 STATUS_POLL_S = 2.0
+THEME_ORDER = list(THEMES)  # AOTX's own first (dark, light), then Textual's
 
 
-class ChatApp(EngineLink, App):
+class ChatApp(ChatActions, EngineLink, App):
     TITLE = "aotx-chat"
     CSS_PATH = CSS_PATHS
     BINDINGS = app_bindings()
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
 
     def __init__(self, client_factory: ClientFactory, *, theme: str | None = None,
                  status_poll_s: float = STATUS_POLL_S, default_sampling: P.SamplingParams | None = None) -> None:
@@ -71,13 +71,14 @@ class ChatApp(EngineLink, App):
         self.outbox: list[Outgoing] = []
         self.active: Outgoing | None = None
         self.editing: MessageWidget | None = None
-        self.next_model = ""  # the model of the next conversation this app creates ("": the engine's default)
+        self.index = SearchIndex()
+        self.notice_kind = ""  # what the line above the input says now ("attach", "refusal", ...)
 
     # ---- layout ------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
-            yield Sidebar(id="sidebar")
+            yield Sidebar(self.index, id="sidebar")
             with Vertical(id="chat-pane"):
                 yield VerticalScroll(id="chat")
                 yield Static("", id="input-notice", classes="empty", markup=False)
@@ -104,6 +105,7 @@ class ChatApp(EngineLink, App):
 
     def on_mount(self) -> None:
         self.apply_theme(self.theme_name, remember=False)
+        self.theme_changed_signal.subscribe(self, self._on_textual_theme)
         self.chat.anchor()
         self.chat_input.focus()
         self.start_engine()
@@ -113,26 +115,33 @@ class ChatApp(EngineLink, App):
     # ---- themes ------------------------------------------------------------
 
     def apply_theme(self, name: str, remember: bool = True) -> None:
-        for other in THEMES:
-            self.remove_class(f"theme-{other}")
-        self.add_class(f"theme-{name}")
-        self.theme = THEMES[name].textual_theme
+        t = THEMES[name]
+        for other in THEMES.values():
+            self.remove_class(other.css_class)
+        self.add_class(t.css_class)
         self.theme_name = name
+        self.theme = t.textual_theme
         if remember:
             self.saved_state = app_state.update_state(theme=name)
 
+    def _on_textual_theme(self, theme) -> None:
+        """Textual's own "Change theme" command: take it as an AOTX theme and remember it."""
+        name = theme_for_textual(theme.name)
+        if name is not None and name != self.theme_name:
+            self.apply_theme(name)
+
     def action_toggle_theme(self) -> None:
-        names = list(THEMES)
-        self.apply_theme(names[(names.index(self.theme_name) + 1) % len(names)])
+        self.apply_theme(THEME_ORDER[(THEME_ORDER.index(self.theme_name) + 1) % len(THEME_ORDER)])
         self.notify(f"Theme: {self.theme_name}")
 
     # ---- notices -----------------------------------------------------------
 
-    def show_notice(self, text: str, severity: str = "information") -> None:
+    def show_notice(self, text: str, severity: str = "information", kind: str = "") -> None:
         """A line above the input that stays until the next send (plus a toast for problems)."""
         line = self.query_one("#input-notice", Static)
         line.update(text)
         line.set_class(not text, "empty")
+        self.notice_kind = kind if text else ""
         if severity != "information":
             self.notify(text, severity=severity)
 
@@ -145,28 +154,44 @@ class ChatApp(EngineLink, App):
     def set_open_conversation(self, conv_id: str | None, view: P.ConversationView | None) -> None:
         self.conv_id, self.conv_view = conv_id, view
         self.sidebar.current = conv_id
-        model = view.model if view is not None and view.model else self.next_model
-        self.status_bar.set_conversation_model(model)
-        self.sub_title = model
+        self.status_bar.max_tokens = view.sampling.max_tokens if view is not None and view.sampling else None
         if conv_id and conv_id != self.saved_state.last_conversation:
             self.saved_state = app_state.update_state(last_conversation=conv_id)
 
-    async def open_conversation(self, conv_id: str | None) -> None:
-        """Show a conversation's history from the engine (None: an empty new one)."""
+    def _drop_draft_attachments(self) -> None:
+        """Another conversation opens: the chips of the message being written belonged
+        to this one and must not go with the next one's first message (issue 17, defect 3)."""
+        dropped = self.query_one(AttachmentBar).take()
+        if dropped or self.notice_kind == "attach":
+            self.show_notice("")
+
+    async def open_conversation(self, conv_id: str | None, focus_msg: str = "") -> None:
+        """Show a conversation's history from the engine (None: an empty new one);
+        ``focus_msg``: a message to scroll to and focus (a search hit)."""
         view = await self.client.show(conv_id) if conv_id and self.client else None
+        if conv_id != self.conv_id:
+            self._drop_draft_attachments()
         self.set_open_conversation(conv_id, view)
+        if view is not None:
+            self.index.put(view)
         self.editing = None
         self.chat_input.remove_class("editing")
         await self.chat.remove_children()
         self.chat_widgets = {}
         widgets = []
+        notes: list[list[tuple[str, str]]] = []
         for m in view.messages if view else []:
-            w = MessageWidget(m.role, shown_text(m.text), msg_id=m.msg_id, position=position_of(m),
-                              attachments=m.attachments)
+            text, infos = history_media(m) if m.role == "user" else (m.text, [])
+            w = MessageWidget(m.role, text, msg_id=m.msg_id, position=position_of(m), attachments=m.attachments)
             w.receipt, w.seq, w.finish_reason = m.receipt, m.seq, m.finish_reason
             w.n_tokens = len(m.token_ids)
             self.chat_widgets[m.msg_id] = w
             widgets.append(w)
+            ns = [(media_text(i), "error" if i.error else "media") for i in infos]
+            if m.status == "interrupted":
+                ns.append(("The engine stopped while writing this reply; the part that reached the disk is kept.",
+                           "interrupted"))
+            notes.append(ns)
         # replies still on their way to this conversation stay live
         for item in ([self.active] if self.active else []) + self.outbox:
             if item.conv_id == conv_id and not item.accepted and item.widget not in widgets:
@@ -175,12 +200,27 @@ class ChatApp(EngineLink, App):
             await self.chat.mount_all(widgets)
         else:
             await self.chat.mount(Static("Type a message below. F1 lists every key.", id="chat-empty"))
-        for w, m in zip(widgets, view.messages if view else []):
-            if m.status == "interrupted":
-                w.add_notice("The engine stopped while writing this reply; the part that reached the disk is kept.",
-                             "interrupted")
-        self.sidebar._fill()
-        self.chat.scroll_end(animate=False)
+        for w, ns in zip(widgets, notes):
+            for text, kind in ns:
+                w.add_notice(text, kind)
+        mine = {self.active.reply_id} if self.active is not None else set()
+        writing = [m for m in view.messages if m.role == "assistant" and m.status in ("streaming", "accepted")
+                   and m.msg_id not in mine] if view else []
+        if writing:  # the engine is still writing it (this app was closed mid-reply): follow it
+            self.chat_widgets[writing[-1].msg_id].add_notice(
+                "Still being written by the engine (it was asked before this window opened).", "notice")
+            self.follow(conv_id, writing[-1].msg_id)
+        self.sidebar.mark_current(conv_id)
+        target = self.chat_widgets.get(focus_msg) if focus_msg else None
+        if target is not None:
+            self.call_after_refresh(self._focus_message, target)
+        else:
+            self.chat.scroll_end(animate=False)
+
+    def _focus_message(self, w: MessageWidget) -> None:
+        if w.is_mounted:
+            w.focus()
+            w.scroll_visible(animate=False, top=True)
 
     async def add_message_widget(self, w: MessageWidget) -> None:
         for empty in self.chat.query("#chat-empty"):
@@ -199,8 +239,9 @@ class ChatApp(EngineLink, App):
 
     async def on_sidebar_opened(self, event: Sidebar.Opened) -> None:
         if self.client is not None:
-            await self.open_conversation(event.conv_id)
-            self.chat_input.focus()
+            await self.open_conversation(event.conv_id, focus_msg=event.msg_id)
+            if not event.msg_id:
+                self.chat_input.focus()
 
     # ---- sending -----------------------------------------------------------
 
@@ -228,17 +269,29 @@ class ChatApp(EngineLink, App):
             await self._remove_from(truncate_from)
         self.chat_input.clear()
         self.show_notice("")
+        had_history = bool(self.messages())  # earlier turns (a capsule notice helps only then)
         w = MessageWidget("user", text, position="queued", attachments=atts)
         await self.add_message_widget(w)
         if not self.ready:
             self.show_notice("The engine is still starting; your message is queued and will be sent when it is ready.")
-        self.enqueue(Outgoing(text, atts, w, self.conv_id, truncate_from=cut))
+        self.enqueue(Outgoing(text, atts, w, self.conv_id, truncate_from=cut, had_history=had_history))
 
     async def _remove_from(self, first: MessageWidget) -> None:
         ms = self.messages()
         for w in ms[ms.index(first):] if first in ms else []:
             self.chat_widgets.pop(w.msg_id, None)
             await w.remove()
+
+    def refused_before_accept(self, item: Outgoing, why: str) -> None:
+        """A message the engine refused before accepting it (nothing was journaled):
+        say so above the input, where the user looks, and put the words back in an
+        empty input to shorten or change (issue 17, defect 5)."""
+        back = not self.chat_input.text.strip() and self.conv_id == item.conv_id
+        if back:
+            self.chat_input.text = item.text
+            self.chat_input.move_cursor(self.chat_input.document.end)
+        self.show_notice(why + (" Your message is back in the input." if back else ""), "error", kind="refusal")
+        self.chat.scroll_end(animate=False)
 
     # ---- attachments -------------------------------------------------------
 
@@ -257,220 +310,42 @@ class ChatApp(EngineLink, App):
             if r.attachment is not None:
                 bar.add(r.attachment)
         if problems:
-            self.show_notice("Not attached: " + "; ".join(problems), severity="warning")
+            self.show_notice("Not attached: " + "; ".join(problems), severity="warning", kind="attach")
         else:
-            self.show_notice(f"Attached {len(results)} file(s) to the next message.")
+            self._attach_notice()
+
+    def _attach_notice(self) -> None:
+        atts = self.query_one(AttachmentBar).attachments
+        if atts:
+            names = ", ".join(a.name for a in atts)
+            self.show_notice(f"Attached to the next message: {names} (Tab to a chip, Delete removes it).",
+                             kind="attach")
+        elif self.notice_kind == "attach":
+            self.show_notice("")
+
+    def on_attachment_bar_changed(self, event: AttachmentBar.Changed) -> None:
+        """A chip went away: the notice says what is left (issue 17, defect 3)."""
+        if self.notice_kind == "attach" or not event.bar.attachments:
+            self._attach_notice()
+        if event.focus_lost:
+            self.chat_input.focus()
 
     def on_chat_input_paths_pasted(self, event: ChatInput.PathsPasted) -> None:
         self.attach_paths(event.paths)
 
     async def on_paste(self, event: events.Paste) -> None:
-        """A paste that no focused text box took (e.g. the sidebar had focus)."""
+        """A paste that no focused text box took (e.g. the sidebar had focus). A paste
+        into another text box (TextArea lets it bubble up here) or a dialog is not
+        also put into the input."""
+        if isinstance(self.focused, (TextArea, Input)) or self.screen is not self.screen_stack[0]:
+            return
         items = parse_pasted_paths(event.text)
-        if items and all(i.kind == "path" for i in items):
-            self.attach_paths([i.value for i in items])
-        elif items:
-            self.chat_input.insert(event.text)
-            self.chat_input.focus()
-
-    # ---- actions -----------------------------------------------------------
-
-    def action_help(self) -> None:
-        self.push_screen(HelpScreen())
-
-    def action_focus_input(self) -> None:
-        self.chat_input.focus()
-
-    def action_toggle_sidebar(self) -> None:
-        self.sidebar.display = not self.sidebar.display
-
-    def action_search(self) -> None:
-        self.sidebar.display = True
-        self.sidebar.query_one("#search").focus()
-
-    @work(group="ui")
-    async def action_new_conversation(self) -> None:
-        if self.client is None:
-            await self.open_conversation(None)
-            return
-        conv = await self._call(self.client.create_conversation(title=DEFAULT_TITLE, sampling=self.default_sampling,
-                                                                model=self.next_model))
-        if conv is not None:
-            await self.refresh_conversations()
-            await self.open_conversation(conv.conv_id)
-        self.chat_input.focus()
-
-    @work(group="ui")
-    async def action_cancel(self) -> None:
-        if self.editing is not None:
-            self.editing = None
-            self.chat_input.remove_class("editing")
-            self.chat_input.clear()
-            self.show_notice("Left edit mode.")
-            return
-        item = self.active
-        if item is None or not item.accepted or self.client is None:
-            return
-        self.show_notice("Cancelling the reply…")
-        await self._call(self.client.cancel(target=item.request_id, conv_id=item.conv_id or ""))
-
-    async def action_retry(self) -> None:
-        if self.active is not None:
-            self.show_notice("A reply is still being written: Esc cancels it first.", "warning")
-            return
-        user = self.last_message("user")
-        if user is None or not user.msg_id:
-            self.show_notice("Nothing to retry yet.")
-            return
-        self.query_one(AttachmentBar).take()
-        for a in user.attachments:
-            self.query_one(AttachmentBar).add(a)
-        await self.send(user.text, truncate_from=user)
-
-    def action_edit_last(self) -> None:
-        user = self.last_message("user")
-        if user is None or not user.msg_id or self.active is not None:
-            self.show_notice("No sent message to edit (or a reply is still running).")
-            return
-        self.editing = user
-        self.chat_input.text = user.text
-        self.chat_input.add_class("editing")
-        self.chat_input.focus()
-        self.show_notice("Editing your last message: Enter resends it (later messages are dropped), Esc leaves.")
-
-    def action_copy_last(self) -> None:
-        w = self.last_message("assistant")
-        if w is not None:
-            w.action_copy()
-
-    def action_details_last(self) -> None:
-        w = self.last_message()
-        if w is not None:
-            self.push_screen(DetailsScreen(w))
-
-    def on_message_widget_details_requested(self, event: MessageWidget.DetailsRequested) -> None:
-        self.push_screen(DetailsScreen(event.widget))
-
-    def on_message_widget_fork_requested(self, event: MessageWidget.ForkRequested) -> None:
-        self.fork_at(event.widget)
-
-    def action_fork(self) -> None:
-        """Fork at the focused message, or at the last one."""
-        focused = self.focused
-        self.fork_at(focused if isinstance(focused, MessageWidget) else self.last_message())
-
-    @work(group="ui")
-    async def fork_at(self, w: MessageWidget | None) -> None:
-        """A new conversation with this one's messages up to and including ``w``
-        (the engine copies them and reuses this conversation's state), opened at once."""
-        if self.conv_id is None or self.client is None or w is None:
-            self.show_notice("Nothing to fork yet: send a message first.")
-            return
-        if not w.msg_id:
-            self.show_notice("That message has not reached the engine yet; fork once it is accepted.")
-            return
-        if self.active is not None and self.active.reply_id and self.active.reply_id == w.msg_id:
-            self.show_notice("That reply is still being written: fork once it is finished (Esc cancels it).")
-            return
-        parent = self.conv_view.title if self.conv_view else self.conv_id
-        ms = self.messages()
-        n = ms.index(w) + 1 if w in ms else 0
-        view = await self._call(self.client.fork(self.conv_id, w.msg_id))
-        if view is None:
-            return
-        await self.refresh_conversations()
-        await self.open_conversation(view.conv_id)
-        self.show_notice(f"Forked “{parent}” after message {n} of {len(ms)} into “{view.title}”; "
-                         "the original is unchanged (it is in the sidebar).")
-        self.chat_input.focus()
-
-    @work(group="ui")
-    async def action_rename(self) -> None:
-        if self.conv_id is None or self.client is None:
-            return
-        title = await self.push_screen_wait(TextPrompt("Rename conversation", self.conv_view.title if self.conv_view else ""))
-        if title and await self._call(self.client.rename(self.conv_id, title), ok=True):
-            if self.conv_view:
-                self.conv_view.title = title
-            await self.refresh_conversations()
-
-    @work(group="ui")
-    async def action_delete(self) -> None:
-        if self.conv_id is None or self.client is None:
-            return
-        title = self.conv_view.title if self.conv_view else self.conv_id
-        if not await self.push_screen_wait(Confirm(f"Delete the conversation “{title}”?")):
-            return
-        if await self._call(self.client.delete(self.conv_id), ok=True):
-            await self.refresh_conversations()
-            rest = self.sidebar.conversations
-            await self.open_conversation(rest[0].conv_id if rest else None)
-
-    @work(group="ui")
-    async def action_pick_model(self) -> None:
-        """Ctrl+O: the model picker; the choice is the open conversation's model from its
-        next message on (the history is kept), or the next new conversation's."""
-        if self.client is None:
-            self.show_notice("the engine is not connected yet", "warning")
-            return
-        listed = await self._call(self.client.list_models())
-        if listed is None:
-            return
-        current = (self.conv_view.model if self.conv_view is not None else "") or self.next_model or \
-            next((m.name for m in listed.models if m.default), "")
-
-        async def chosen(name: str | None) -> None:
-            if not name or name == current:
-                return
-            if self.conv_id is None:
-                self.next_model = name
-                self.status_bar.set_conversation_model(name)
-                self.show_notice(f"new conversations run on {name}")
-                return
-            view = await self._call(self.client.switch_model(self.conv_id, name))
-            if view is not None:
-                self.conv_view = view
-                self.status_bar.set_conversation_model(name)
-                self.sub_title = name
-                self.show_notice(f"this conversation runs on {name} from the next message: {name} reads its history "
-                                 f"again; {current}'s saved state stays valid for {current}")
-                await self.refresh_conversations()
-
-        self.push_screen(ModelPicker(listed.models, current), chosen)
-
-    @work(group="ui")
-    async def action_settings(self) -> None:
-        if self.conv_id is None or self.client is None:
-            self.show_notice("Send a message or create a conversation first.")
-            return
-        view = await self._call(self.client.show(self.conv_id))
-        if view is None:
-            return
-        result = await self.push_screen_wait(SettingsScreen(view.system_prompt, view.sampling))
-        if result is not None:
-            prompt, sampling = result
-            if await self._call(self.client.update(self.conv_id, system_prompt=prompt, sampling=sampling), ok=True):
-                self.show_notice("Saved the system prompt and sampling of this conversation.")
-
-    @work(group="ui")
-    async def action_attach(self) -> None:
-        path = await self.push_screen_wait(FilePicker())
-        if path:
-            self.attach_paths([path])
-
-    async def _call(self, aw: Awaitable, ok: bool = False):
-        """Await an engine request; show its failure instead of raising."""
-        try:
-            result = await aw
-            return True if ok else result
-        except ConnectionLost:
-            self.connection_lost()
-        except AotxError as e:
-            code = e.code if isinstance(e, EngineError) else ""  # the engine's code, when it answered
-            self.show_notice(refusal_text(code, str(e)), "error")
-            if code == ErrorCode.NOT_FOUND:  # deleted by another client: show what is left
-                await self.refresh_conversations()
-        return None
+        paths = [i.value for i in items if i.kind == "path"]
+        if paths:
+            self.attach_paths(paths)
+        text = "".join(i.value for i in items if i.kind == "text")
+        if text:
+            self.chat_input.insert_text(text)
 
     # ---- command palette ---------------------------------------------------
 

@@ -22,41 +22,44 @@ class Action:
 
 
 ACTIONS: tuple[Action, ...] = (
-    Action("f1", "help", "Help", "Show every key binding", show=True),
+    Action("f1", "help", "Help", "Show every key", show=True),
     Action("ctrl+n", "new_conversation", "New conversation", "Start a new conversation", show=True),
-    Action("escape", "cancel", "Cancel reply", "Cancel the reply being written (or leave edit mode)"),
-    Action("ctrl+r", "retry", "Retry", "Drop the last reply and ask the last question again", show=True),
-    Action("ctrl+t", "edit_last", "Edit last message", "Put your last message back in the input to edit and resend"),
-    Action("ctrl+o", "pick_model", "Pick model", "Pick the model of the open conversation (or of the next new one)",
-           show=True),
-    Action("ctrl+b", "copy_last", "Copy last reply", "Copy the last reply to the clipboard"),
-    Action("f2", "rename", "Rename conversation", "Rename the open conversation"),
-    Action("f3", "search", "Search conversations", "Search conversations by title"),
-    Action("f4", "settings", "System prompt & sampling", "Edit the open conversation's system prompt and sampling"),
-    Action("f5", "attach", "Attach file", "Pick an image or audio file to attach"),
-    Action("f6", "toggle_theme", "Next theme", "Switch to the next theme (remembered)", show=True),
-    Action("f7", "details_last", "Details of last message", "Show the last message's position and receipt"),
-    Action("f8", "delete", "Delete conversation", "Delete the open conversation"),
-    Action("ctrl+g", "fork", "Fork conversation",
-           "Fork the open conversation at the focused message (or the last one) into a new one"),
+    Action("escape", "cancel", "Cancel reply", "Cancel the reply (or leave edit mode)"),
+    Action("ctrl+r", "retry", "Retry", "Drop the last reply, ask again", show=True),
+    Action("ctrl+t", "edit_last", "Edit last message", "Edit and resend your last message"),
+    Action("ctrl+o", "copy_last", "Copy last reply", "Copy the last reply"),
+    Action("f2", "rename", "Rename conversation", "Rename the conversation"),
+    Action("f3", "search", "Search conversations", "Search titles and messages"),
+    Action("f4", "settings", "System prompt & sampling", "System prompt and sampling"),
+    Action("f5", "attach", "Attach file", "Attach an image or audio file"),
+    Action("shift+delete", "clear_attachments", "Remove attachments", "Remove the attachments"),
+    Action("f6", "toggle_theme", "Next theme", "Next theme (remembered)", show=True),
+    Action("f7", "details_last", "Details of last message", "Details and receipt of the last message"),
+    Action("ctrl+s", "export", "Export conversation", "Save it as Markdown or JSON"),
+    Action("f8", "delete", "Delete conversation", "Delete the conversation"),
+    Action("ctrl+g", "fork", "Fork conversation", "Fork at the focused (or last) message"),
     Action("f9", "toggle_sidebar", "Toggle sidebar", "Show or hide the conversation list"),
-    Action("ctrl+l", "focus_input", "Focus input", "Move the cursor to the message input"),
-    Action("ctrl+q", "quit", "Quit", "Quit aotx-chat (the engine keeps running)", priority=True),
+    Action("ctrl+l", "focus_input", "Focus input", "Move the cursor to the input"),
+    Action("ctrl+q", "quit", "Quit", "Quit (the engine keeps running)", priority=True),
 )
 
 # Keys handled by widgets rather than the app, listed for the help screen.
 WIDGET_KEYS: tuple[tuple[str, str], ...] = (
-    ("enter", "Send the message (in the input)"),
-    ("ctrl+j", "New line in the input (also shift+enter / alt+enter where the terminal sends them)"),
-    ("c", "Copy the focused message"),
-    ("i", "Details and receipt of the focused message"),
-    ("f", "Fork the conversation at the focused message"),
-    ("click a code block", "Copy the code block"),
-    ("click a chip", "Remove that attachment"),
-    ("tab / shift+tab", "Move focus (input, messages, sidebar)"),
-    ("ctrl+p", "Command palette: every action above by name"),
-    ("/attach PATH", "Type in the input: attach a file (several paths, quoted or escaped, work too)"),
+    ("enter", "Send the message"),
+    ("ctrl+j", "New line (also shift+enter, alt+enter)"),
+    ("up / down", "Previous / next message (up: from empty input)"),
+    ("c / i / f", "On a message: copy / details / fork here"),
+    ("delete", "Remove the focused attachment chip"),
+    ("enter in search", "Open the first hit"),
+    ("click", "Copy a code block; remove a chip"),
+    ("tab / shift+tab", "Move focus: input, chips, messages, list"),
+    ("ctrl+p", "Command palette: every action by name"),
+    ("/attach PATH", "Attach files (quoted or escaped paths too)"),
 )
+
+# Help rows must fit an 80-column terminal (issue 17, point 14): the help table's key
+# column plus its description column, each with a cell of padding, inside the dialog.
+HELP_KEY_WIDTH, HELP_TEXT_WIDTH = 16, 46
 
 
 def app_bindings() -> list[Binding]:

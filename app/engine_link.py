@@ -1,12 +1,14 @@
 """The app's side of the engine connection: connect, poll, send, stream, recover.
 
 Owns: the connection worker (connect or start an engine, wait for the model to
-load, show progress), the status poll (budget), the outgoing queue (messages typed
-before the engine is ready or while a reply runs wait here), streaming one
-submitted message's events into its widgets, and recovery when the connection is
-lost (say so, reconnect, which restarts the engine, and reload the open
-conversation from the engine, where an interrupted reply shows as such).
-Leaves to others: widgets and user actions (``app.py``).
+load, show progress), the status poll (budget, and the conversation list: a
+conversation another client added or changed shows up, and the search index is kept
+in step), the outgoing queue (messages typed before the engine is ready or while a
+reply runs wait here), streaming one submitted message's events into its widgets
+and the status line (tokens/s, context), and recovery when the connection is lost
+(say so, reconnect, which restarts the engine, and reload the open conversation
+from the engine, where an interrupted reply shows as such).
+Leaves to others: widgets and user actions (``app.py``, ``actions.py``).
 
 A mixin of ``ChatApp``; it uses the app's ``client_factory``, ``chat``, ``status_bar``.
 """
@@ -18,11 +20,12 @@ from dataclasses import dataclass, field
 
 from aotx.app.format import error_text, media_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
-from aotx.engine.errors import AotxError, ErrorCode
+from aotx.engine.errors import AotxError, EngineError, ErrorCode
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost
 
 DEFAULT_TITLE = "New conversation"
+FOLLOW_S = 0.5  # how often a reply the engine writes for nobody here is looked at again
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Outgoing:
     reply: MessageWidget | None = None
     reply_id: str = ""
     events: list[str] = field(default_factory=list)
+    had_history: bool = False  # the conversation had messages before this one
 
 
 class EngineLink:
@@ -79,6 +83,7 @@ class EngineLink:
             for line in s.notices:  # e.g. journal damage the engine salvaged at its start
                 self.show_notice(line, "warning")
             await self.refresh_conversations()
+            await self.sync_conversations(client)
             target = self.conv_id or self.saved_state.last_conversation
             known = {c.conv_id for c in self.sidebar.conversations}
             if target not in known:
@@ -125,11 +130,74 @@ class EngineLink:
         client = self.client
         try:
             self.status_bar.set_status(await client.status())
+            await self.sync_conversations(client)
         except ConnectionLost:
             if client is self.client:
                 self.connection_lost()
         except AotxError:
             pass
+
+    async def sync_conversations(self, client=None) -> None:
+        """Bring the sidebar and the search index in step with the engine's table: a
+        conversation another client added, renamed, continued or deleted shows up here
+        without a restart (issue 17, point 13)."""
+        client = client or self.client
+        if client is None:
+            return
+        convs = await client.list_conversations()
+        key = sorted((c.conv_id, c.title, c.updated_at) for c in convs)
+        if key != sorted((c.conv_id, c.title, c.updated_at) for c in self.sidebar.conversations):
+            self.sidebar.set_conversations(convs, self.conv_id)
+        changed, gone = self.index.stale(convs)
+        for cid in gone:
+            self.index.drop(cid)
+        if changed:
+            self.run_worker(self._index_conversations(client, changed), group="index", name="index")
+
+    async def _index_conversations(self, client, conv_ids: list[str]) -> None:
+        for i, cid in enumerate(conv_ids):
+            try:
+                self.index.put(await client.show(cid))
+            except (ConnectionLost, AotxError):
+                return
+            if i % 8 == 7:  # many at start: leave the engine's other clients room between them
+                await asyncio.sleep(0.01)
+        if self.sidebar.query_text:
+            self.sidebar._fill()
+
+    # ---- a reply the engine is still writing --------------------------------
+
+    def follow(self, conv_id: str, msg_id: str) -> None:
+        """Show a reply the engine is still writing that this app did not ask for (an
+        earlier aotx-chat that was closed or killed mid-reply, or another client): the
+        engine finishes it, and the widget follows it until it is done (issue 17, defect 6)."""
+        self.run_worker(self._follow_reply(conv_id, msg_id), group="follow", exclusive=True, name="follow")
+
+    async def _follow_reply(self, conv_id: str, msg_id: str) -> None:
+        from aotx.app.format import position_of
+
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            w = self.chat_widgets.get(msg_id)
+            if self.conv_id != conv_id or self.client is None or w is None:
+                return
+            try:
+                view = await self.client.show(conv_id)
+            except (ConnectionLost, AotxError):
+                return
+            m = next((m for m in view.messages if m.msg_id == msg_id), None)
+            if m is None:
+                return
+            w.n_tokens = len(m.token_ids)
+            done = m.status not in ("streaming", "accepted")
+            if done:
+                w.finish_reason, w.receipt, w.seq = m.finish_reason, m.receipt, m.seq
+            if m.text != w.text or done:
+                await w.finish(m.text)
+            if done:
+                w.set_position(position_of(m))
+                self.index.put(view)
+                return
 
     # ---- sending -----------------------------------------------------------
 
@@ -168,7 +236,11 @@ class EngineLink:
         except AotxError as e:
             target = item.reply or item.widget
             target.set_position("failed")
-            target.add_notice(f"Failed: {refusal_text(getattr(e, 'code', ''), str(e), 'this message')}", "error")
+            why = refusal_text(e.code if isinstance(e, EngineError) else "", str(e), "this message")
+            target.add_notice(f"Failed: {why}", "error")
+            if not item.accepted:
+                self.refused_before_accept(item, why)
+            self.status_bar.reply_finished()
         finally:
             if self.active is item:
                 self.active = None
@@ -177,8 +249,7 @@ class EngineLink:
     async def _ensure_conversation(self, client, item: Outgoing) -> None:
         first_line = item.text.strip().splitlines()[0][:48] if item.text.strip() else DEFAULT_TITLE
         if item.conv_id is None:
-            conv = await client.create_conversation(title=first_line, sampling=self.default_sampling,
-                                                    model=getattr(self, "next_model", ""))
+            conv = await client.create_conversation(title=first_line, sampling=self.default_sampling)
             item.conv_id = conv.conv_id
             for other in self.outbox:
                 if other.conv_id is None:
@@ -207,6 +278,7 @@ class EngineLink:
             user.set_position("accepted")
             item.reply = MessageWidget("assistant", msg_id=ev.reply_id, position="accepted")
             item.reply.request_id = ev.id
+            self.status_bar.reply_started(len(ev.prompt_ids))
             if self.conv_id == item.conv_id:
                 self.chat_widgets[ev.msg_id] = user
                 await self.add_message_widget(item.reply)
@@ -215,8 +287,9 @@ class EngineLink:
                 reply.set_position("committed")
             reply.token_seqs.append(ev.seq)
             reply.add_delta(ev.text)
+            self.status_bar.reply_token()
         elif isinstance(ev, P.Notice):
-            (reply or user).add_notice(notice_text(ev), ev.kind)
+            (reply or user).add_notice(notice_text(ev, item.had_history), ev.kind)
         elif isinstance(ev, P.MediaInfo):
             user.add_notice(media_text(ev), "media" if not ev.error else "error")
         elif isinstance(ev, P.Committed):
@@ -224,6 +297,10 @@ class EngineLink:
             reply.n_tokens = ev.n_completion or reply.n_tokens
             await reply.finish(ev.text or reply.text)
             reply.set_position("cancelled" if ev.finish_reason == "cancelled" else "committed")
+            t = ev.timings
+            self.status_bar.reply_finished(ev.n_prompt, ev.n_completion,
+                                           t.get("decode_tokens_per_s", t.get("tokens_per_s", 0.0)))
+            self.run_worker(self._index_conversations(self.client, [item.conv_id]), group="index", name="index")
         elif isinstance(ev, P.Durable):
             r = ev.receipt
             if reply is not None:
@@ -243,4 +320,7 @@ class EngineLink:
             target.add_notice(error_text(ev), "error")
             if reply is not None:
                 await reply.finish()
+            if not item.accepted:
+                self.refused_before_accept(item, error_text(ev))
+            self.status_bar.reply_finished()
         return None

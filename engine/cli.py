@@ -9,6 +9,8 @@ engine), ``cli_local.py`` (commands that open the model in-process).
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 
 from aotx.engine.errors import AotxError, UsageError
@@ -16,8 +18,75 @@ from aotx.engine.ipc.protocol import SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, 
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse with AOTX's error line: exit code 2, one line, no internal names, and a
+    "did you mean" for a mistyped command or option (issue 17, defect 9)."""
+
     def error(self, message: str) -> None:  # argparse's default prints usage and exits 2: keep 2, one line
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(friendly_error(self, message))
+
+
+def _choices_of(text: str) -> list[str]:
+    return [c.strip().strip("'\"") for c in text.split(",") if c.strip()]
+
+
+def _all_options(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of ``parser`` and of its subcommands."""
+    out: list[str] = []
+    for action in parser._actions:
+        out += [o for o in action.option_strings if o.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _all_options(sub)
+    return sorted(set(out))
+
+
+def friendly_error(parser: argparse.ArgumentParser, message: str) -> str:
+    """argparse's message in the user's words: ``run: unknown command 'rnu'; did you
+    mean 'run'?`` (no ``argument cmd:``), the subcommand named once (the caller prints
+    the leading ``aotx:``)."""
+    where = parser.prog.removeprefix("aotx").strip()
+    head = f"{where}: " if where else ""
+    m = re.match(r"argument (\S+): invalid choice: '?([^']*?)'? \(choose from (.*)\)$", message)
+    if m:
+        name, bad, choices = m.group(1), m.group(2), _choices_of(m.group(3))
+        close = difflib.get_close_matches(bad, choices, n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        if name.startswith("-"):
+            return f"{head}{name} {bad!r} is not one of {', '.join(choices)}{hint}"
+        what = "command" if not where else f"{where} command"
+        return f"unknown {what} '{bad}'{hint} (choose from {', '.join(choices)})"
+    m = re.match(r"unrecognized arguments: (.*)$", message)
+    if m:
+        first = m.group(1).split()[0]
+        close = difflib.get_close_matches(first.split("=")[0], _all_options(parser), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close and first.startswith("-") else ""
+        return f"{head}unknown argument {first}{hint} (see `{parser.prog} --help`)"
+    m = re.match(r"argument (\S+): (.*)$", message)
+    if m:  # the option's own message usually names it already
+        name, rest = m.group(1), m.group(2)
+        return f"{head}{rest}" if name.split("/")[0] in rest else f"{head}{name}: {rest}"
+    return f"{head}{message}"
+
+
+def chosen_parser(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest subcommand parser ``args`` went through (``aotx conversations show``)."""
+    parser = ap
+    for dest in ("cmd", "ccmd", "jcmd"):
+        name = getattr(args, dest, None)
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if not name or sub is None or name not in sub.choices:
+            break
+        parser = sub.choices[name]
+    return parser
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as _version
+
+        return _version("aotx")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (a bare checkout)
+        return "unknown"
 
 
 def _checked(name: str, limit: Limit):
@@ -59,6 +128,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=None, help="bytes the engine may use, e.g. 4G (default: half the RAM)")
     p.add_argument("--kv-type", choices=["f16", "f32"], default=None,
                    help="KV cache element type (default f16: half the memory of f32, as llama.cpp)")
+    p.add_argument("--expert-cache", choices=["static", "lru", "lfu"], default=None,
+                   help="mixture-of-experts models: the GPU expert cache keeps the calibrated plan's experts "
+                        "(static, default) or learns hot experts from traffic (lru, lfu)")
     p.add_argument("--mmproj", default=None, metavar="PATH",
                    help="vision projector GGUF (llama.cpp's mmproj) for images; default: a file named mmproj*.gguf "
                         "beside the model; 'none' turns images into text by OCR")
@@ -76,8 +148,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     """The sampling flags: names, ranges and defaults from ``protocol.SamplingParams``."""
     d = SamplingParams()
+    helps = {"max_tokens": "reply length limit (default: none short of the context)",
+             "repeat_penalty": f"penalty on the last {d.repeat_last_n} tokens (1 = off; default {d.repeat_penalty})"}
     for field in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed"):
-        p.add_argument("--" + field.replace("_", "-"), type=_sampling(field), default=getattr(d, field))
+        p.add_argument("--" + field.replace("_", "-"), type=_sampling(field), default=getattr(d, field),
+                       help=helps.get(field))
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--speculative", choices=[m for m in SPECULATIVE_MODES if m], default=d.speculative,
                    help="speculative decoding for this reply: auto (prompt lookup where it pays), ngram "
@@ -86,9 +161,10 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="aotx", description="AOTX: a local assistant runtime for GGUF models")
-    sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
+    ap.add_argument("--version", action="version", version=f"aotx {version()}")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
 
-    p = sub.add_parser("run", help="ask the model once and stream the answer to stdout")
+    p = sub.add_parser("run", help="ask the model and stream the answer; with no prompt, chat in the terminal")
     add_engine_flags(p)
     add_sampling_flags(p)
     p.add_argument("--system", help="system prompt")
@@ -97,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="print the startup profile (seconds per stage) as JSON")
     p.add_argument("--conversation", help="continue this conversation id")
     p.add_argument("--attach", action="append", default=[], help="attach a media file")
-    p.add_argument("prompt", help="the prompt ('-' reads standard input)")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt ('-' reads standard input); none: an interactive chat (/help lists its "
+                        "commands), or standard input when it is not a terminal")
 
     p = sub.add_parser("serve", help="run the engine in the foreground")
     add_engine_flags(p)
@@ -192,14 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("journal", help="check or print the journal")
-    jsub = p.add_subparsers(dest="jcmd", parser_class=_Parser)
+    jsub = p.add_subparsers(dest="jcmd", metavar="ACTION", parser_class=_Parser)
     for name in ("verify", "dump", "repair", "compact"):
         q = jsub.add_parser(name)
         q.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("conversations", help="list, show or fork conversations")
-    csub = p.add_subparsers(dest="ccmd", parser_class=_Parser)
-    q = csub.add_parser("list")
+    p = sub.add_parser("conversations", help="list, show, export or fork conversations")
+    csub = p.add_subparsers(dest="ccmd", metavar="ACTION", parser_class=_Parser)
+    q = csub.add_parser("list", help="every conversation (read from the journal; from the engine while one runs)")
     q.add_argument("--json", action="store_true")
     q.add_argument("--socket")
     q = csub.add_parser("fork", help="branch a conversation at a message, reusing its state")
@@ -207,9 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--at", default="", help="message id to fork at (default: the last)")
     q.add_argument("--json", action="store_true")
     q.add_argument("--socket")
-    q = csub.add_parser("show")
+    q = csub.add_parser("show", help="messages, token ids and receipts of a conversation")
     q.add_argument("id")
     q.add_argument("--json", action="store_true")
+    q.add_argument("--socket")
+    q = csub.add_parser("export", help="write a conversation as Markdown or JSON")
+    q.add_argument("id")
+    q.add_argument("--format", choices=["md", "json"], default=None,
+                   help="md (Markdown, the default) or json; default from the --output extension")
+    q.add_argument("-o", "--output", help="file to write (default: standard output)")
     q.add_argument("--socket")
     return ap
 
@@ -219,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         ap = build_parser()
-        args = ap.parse_args(argv)
+        args, extra = ap.parse_known_args(argv)
+        if extra:  # name the subcommand whose options were meant, and suggest one of them
+            chosen_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
         if not args.cmd:
             ap.print_help()
             return 2
@@ -245,9 +331,22 @@ def main(argv: list[str] | None = None) -> int:
 
             return getattr(cli_local, f"cmd_{args.cmd}")(args)
         if args.cmd == "conversations" and not args.ccmd:
-            raise UsageError("aotx conversations: choose list or show")
+            raise UsageError("conversations: choose list, show, export or fork")
+        if args.cmd == "conversations" and args.ccmd in ("list", "show", "export"):
+            from aotx.engine import cli_local  # the journal itself; the engine while one runs
+
+            return cli_local.cmd_conversations(args)
+        if args.cmd == "run" and args.prompt is None and not args.json and sys.stdin.isatty():
+            from aotx.app.repl import run_repl  # no prompt at a terminal: chat there
+            from aotx.engine import cli_client
+
+            return run_repl(args, connect=lambda: cli_client.connect(args))
         from aotx.engine import cli_client
 
+        if args.cmd == "conversations":  # fork: named as aotx-chat names forks
+            from aotx.app.format import fork_title
+
+            return cli_client.dispatch(args, fork_title=fork_title)
         return cli_client.dispatch(args)
     except AotxError as e:
         print(f"aotx: {e}", file=sys.stderr)

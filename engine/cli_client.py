@@ -95,7 +95,7 @@ def model_ref(arg: str | None) -> str:
     return str(p.resolve()) if ("/" in arg or arg.endswith(".gguf")) and p.exists() else arg
 
 
-def dispatch(args) -> int:
+def dispatch(args, **kw) -> int:
     cmd = args.cmd
     if cmd == "run":
         return asyncio.run(_run(args))
@@ -104,8 +104,19 @@ def dispatch(args) -> int:
     if cmd == "stop":
         return _stop(args)
     if cmd == "conversations":
-        return asyncio.run(_conversations(args))
+        return asyncio.run(_conversations(args, **kw))
     raise UsageError(f"unknown command {cmd}")
+
+
+def capsule_words(n: P.Notice, continuing: bool) -> str:
+    """A capsule notice on stderr, in the user's words and only when it helps: when an
+    earlier conversation is continued (``--conversation``); a new one's shared start is
+    no news (issue 17, defect 7). ``--json`` keeps the engine's own notice."""
+    if not continuing or not n.message:
+        return ""
+    if n.message.startswith(("restored", "picked up")):
+        return "picked up where this conversation left off"
+    return "reading the earlier messages again (their saved state could not be used)"
 
 
 def _jprint(obj) -> None:
@@ -114,7 +125,7 @@ def _jprint(obj) -> None:
 
 
 async def _run(args) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = sys.stdin.read() if args.prompt in ("-", None) else args.prompt
     if not prompt:
         raise UsageError("aotx run: the prompt is empty")
     t0 = time.perf_counter()
@@ -193,6 +204,10 @@ async def _run(args) -> int:
                 if args.json:
                     _jprint({"event": "notice", "kind": ev.kind, "resource": ev.resource, "message": ev.message,
                              "asked": ev.asked, "free": ev.free, "position": ev.position})
+                elif ev.kind == "capsule":
+                    words = capsule_words(ev, continuing=bool(args.conversation))
+                    if words:
+                        print(f"aotx: {words}", file=sys.stderr)
                 else:
                     print(f"aotx: {ev.message}", file=sys.stderr)
             elif isinstance(ev, P.Error):
@@ -308,42 +323,34 @@ def _stop(args) -> int:
     return 0
 
 
-async def _conversations(args) -> int:
+async def fetch_conversations(args, conv_id: str | None = None):
+    """The running engine's conversations (``conv_id``: that one, with its messages).
+    Starts no engine: this is asked only while one holds the journal."""
+    client = await connect(args, spawn=False)
+    try:
+        return await client.list_conversations() if conv_id is None else await client.show(conv_id)
+    finally:
+        await client.close()
+
+
+async def _conversations(args, fork_title=None) -> int:
+    """``aotx conversations fork``: the engine copies the messages and reuses the state
+    (list, show and export read the journal: ``cli_local.cmd_conversations``).
+    ``fork_title(parent title, existing titles)`` names the fork (the CLI passes
+    aotx-chat's rule, so both name forks alike; None keeps the engine's title)."""
     client = await connect(args, spawn=True)
     try:
-        if args.ccmd == "list":
-            convs = await client.list_conversations()
-            if args.json:
-                _jprint([{"id": c.conv_id, "title": c.title, "messages": c.n_messages, "created_at": c.created_at,
-                          "updated_at": c.updated_at} for c in convs])
-            else:
-                for c in convs:
-                    print(f"{c.conv_id}  {c.n_messages:>3} messages  {c.title}")
-            return 0
-        if args.ccmd == "fork":
-            conv = await client.fork(args.id, args.at)
-            if args.json:
-                _jprint({"id": conv.conv_id, "title": conv.title, "messages": conv.n_messages, "parent": args.id})
-            else:
-                print(f"{conv.conv_id}  forked from {args.id} with {conv.n_messages} messages; continue it with "
-                      f"`aotx run --conversation {conv.conv_id} ...`")
-            return 0
-        conv = await client.show(args.id)
+        parent = await client.show(args.id)
+        conv = await client.fork(args.id, args.at)
+        if fork_title is not None:
+            title = fork_title(parent.title, [c.title for c in await client.list_conversations()])
+            await client.rename(conv.conv_id, title)
+            conv.title = title
     finally:
         await client.close()
     if args.json:
-        import msgspec
-
-        _jprint(msgspec.to_builtins(conv))
-        return 0
-    print(f"{conv.conv_id}  {conv.title}")
-    if conv.system_prompt:
-        print(f"system: {conv.system_prompt}")
-    for m in conv.messages:
-        r = m.receipt
-        where = f"durable in segment {r.segment} at offset {r.offset} (seq <= {r.last_seq})" if r else "not durable"
-        print(f"--- {m.role} {m.msg_id} [{m.status}{', ' + m.finish_reason if m.finish_reason else ''}] {where}")
-        print(m.text)
-        if m.token_ids:
-            print(f"    token ids ({len(m.token_ids)}): {m.token_ids}")
+        _jprint({"id": conv.conv_id, "title": conv.title, "messages": conv.n_messages, "parent": args.id})
+    else:
+        print(f"{conv.conv_id}  “{conv.title}”, forked from {args.id} with {conv.n_messages} messages; continue "
+              f"it with `aotx run --conversation {conv.conv_id} ...`")
     return 0

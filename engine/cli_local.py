@@ -1,7 +1,10 @@
-"""Commands that open the model in this process: tokenize, logits, models, bench, journal.
+"""Commands that work in this process: tokenize, logits, models, bench, journal, and
+``conversations list|show|export`` (read from the journal itself).
 
 Owns: their output formats. ``aotx logits`` is the engine-comparison tool: one
-teacher-forced pass, the top-K ``(id, logit)`` pairs at every position.
+teacher-forced pass, the top-K ``(id, logit)`` pairs at every position. The
+conversation commands read the journal under its writer lock and start no engine;
+while an engine holds the lock they ask it over its socket instead.
 """
 
 from __future__ import annotations
@@ -178,6 +181,114 @@ def cmd_journal(args) -> int:
             print("ok: nothing to repair")
     else:
         print(json.dumps(rep, indent=1, default=str))
+    return 0
+
+
+# ---- conversations read from the journal -------------------------------------------
+
+def read_conversations(conv_id: str | None = None, locked: bool = True):
+    """The journal's conversations as ``ConversationView`` objects (``conv_id``: that one,
+    with its messages), read under the journal's lock rules: with the writer lock taken
+    (no engine writes meanwhile, so the read is consistent and no reply in flight is
+    mistaken for an interrupted one). Returns None when an engine holds the lock: then
+    ask it over the socket. ``locked=False`` reads without the lock (the journal's
+    rule for readers while a writer runs: a tail may still be in flight). Starts no
+    engine (issue 17, defect 9)."""
+    import msgspec
+
+    from aotx.engine import paths
+    from aotx.engine.errors import JournalError
+    from aotx.engine.ipc import protocol as P
+    from aotx.engine.journal import cli_support as J
+    from aotx.engine.journal.directory import DirLock
+
+    directory = paths.journal_dir()
+    lock = None
+    if locked:
+        try:
+            lock = DirLock(directory)
+        except JournalError:
+            return None  # an engine is running: it has the up-to-date table
+    try:
+        if conv_id is None:
+            return [msgspec.convert(d, P.ConversationView) for d in J.conversations_list_cmd(directory)]
+        return msgspec.convert(J.conversation_show_cmd(conv_id, directory), P.ConversationView)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def cmd_conversations(args) -> int:
+    """``aotx conversations list|show|export``: from the journal, or from the engine
+    while one runs (its lock is held) or when ``--socket`` names one."""
+    import asyncio
+
+    conv_id = None if args.ccmd == "list" else args.id
+    if getattr(args, "socket", None):  # an engine named by its socket: ask it
+        from aotx.engine import cli_client
+
+        found = asyncio.run(cli_client.fetch_conversations(args, conv_id))
+    else:
+        found = read_conversations(conv_id)
+    if found is None:
+        from aotx.engine import cli_client
+        from aotx.engine.errors import EngineError
+
+        try:
+            found = asyncio.run(cli_client.fetch_conversations(args, conv_id))
+        except EngineError as e:  # the writer holds the journal but does not answer (yet): read what is on disk
+            print(f"aotx: an engine holds the journal but {e}; showing the journal as it is on disk "
+                  "(a reply being written shows as interrupted)", file=sys.stderr)
+            found = read_conversations(conv_id, locked=False)
+    if args.ccmd == "list":
+        return print_conversation_list(found, args.json)
+    if args.ccmd == "export":
+        return export_conversation(found, args)
+    return print_conversation(found, args.json)
+
+
+def print_conversation_list(convs, as_json: bool) -> int:
+    if as_json:
+        _jprint([{"id": c.conv_id, "title": c.title, "messages": c.n_messages, "created_at": c.created_at,
+                  "updated_at": c.updated_at} for c in convs])
+    elif not convs:
+        print("no conversations yet: start one with `aotx run` or `aotx-chat`")
+    else:
+        for c in convs:
+            print(f"{c.conv_id}  {c.n_messages:>3} messages  {c.title}")
+    return 0
+
+
+def print_conversation(conv, as_json: bool) -> int:
+    if as_json:
+        import msgspec
+
+        _jprint(msgspec.to_builtins(conv))
+        return 0
+    print(f"{conv.conv_id}  {conv.title}")
+    if conv.system_prompt:
+        print(f"system: {conv.system_prompt}")
+    for m in conv.messages:
+        r = m.receipt
+        where = f"durable in segment {r.segment} at offset {r.offset} (seq <= {r.last_seq})" if r else "not durable"
+        print(f"--- {m.role} {m.msg_id} [{m.status}{', ' + m.finish_reason if m.finish_reason else ''}] {where}")
+        print(m.text)
+        if m.token_ids:
+            print(f"    token ids ({len(m.token_ids)}): {m.token_ids}")
+    return 0
+
+
+def export_conversation(conv, args) -> int:
+    """``aotx conversations export ID [--format md|json] [-o FILE]``."""
+    from aotx.app.export import format_of, render, write_export
+
+    fmt = args.format or (format_of(args.output) if args.output else "md")
+    if args.output:
+        path = write_export(conv, args.output, fmt)
+        kind = "JSON" if fmt == "json" else "Markdown"
+        print(f"exported {conv.conv_id} ({len(conv.messages)} messages) to {path} as {kind}", file=sys.stderr)
+    else:
+        sys.stdout.write(render(conv, fmt))
     return 0
 
 

@@ -26,8 +26,9 @@ class ErrorCode(enum.StrEnum):
     TOO_LONG = "too_long"                  # does not fit the context or the journal's buffer, ever
     CANCELLED = "cancelled"
     INTERNAL = "internal"                  # a bug: the engine keeps running
-    # an attachment no route takes: clients and the test fake know it; the engine itself
-    # reports media per attachment (MediaInfo, route "refused") and keeps the message
+    # an attachment that cannot be used (no route takes it, it is broken or over a limit, its
+    # specialist does not fit the budget): the engine reports each (MediaInfo, route "refused")
+    # and refuses the message, writing nothing; its refusal never goes into a prompt
     UNSUPPORTED_MEDIA = "unsupported_media"
 
 

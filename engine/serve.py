@@ -50,15 +50,40 @@ def pick_device(requested: str) -> str:
     return "cpu"
 
 
-def media_bytes(lm, device: str, vision=None) -> int:
-    """Bytes the model's media profile may use (specialists' or the vision encoder's
-    weights and working memory), 0 when the media extra is not installed."""
+def media_profile(lm, device: str, vision=None):
+    """The model's ``media.profile.MediaProfile`` (None when the media extra is not installed)."""
     try:
         from aotx.media.profile import profile_for
 
-        return int(profile_for(lm, device=device, vision=vision).memory_bytes)
+        return profile_for(lm, device=device, vision=vision)
     except Exception:  # noqa: BLE001 - media support is optional
+        return None
+
+
+def media_bytes(lm, device: str, vision=None) -> int:
+    """Bytes the media routes loaded at start use: the vision encoder's weights and
+    working memory (its route is "encoder"). The speech and OCR specialists load when
+    a first attachment needs one, and admission counts them then (``Engine.count_media``):
+    a text-only chat never pays for them (issue 17, defect 8). 0 without the media extra."""
+    prof = media_profile(lm, device, vision)
+    if prof is None:
         return 0
+    return int(sum(r.memory_bytes for r in prof.routes if r.available and r.route == "encoder"))
+
+
+def clamp_budget(total: int, device: str, asked: str | None) -> int:
+    """``--memory-budget`` past what the machine has is clamped to it, and the log says so
+    (issue 17, defect 8: 500G on a 23 GiB machine sized 24.3 GiB of KV without a word)."""
+    from aotx.engine.runtime import admission
+    from aotx.engine.units import fmt_bytes
+
+    have = admission.default_cuda_budget() if device == "cuda" else admission.machine_memory_bytes()
+    if asked and total > have:
+        where = "GPU memory (less 1 GiB for CUDA)" if device == "cuda" else "memory"
+        log.warning("--memory-budget %s is more than this machine's %s of %s; using %s", asked, fmt_bytes(have),
+                    where, fmt_bytes(have))
+        return have
+    return total
 
 
 def load_vision(arg: str | None, lm, device: str):
@@ -106,6 +131,31 @@ def keep_alive_seconds(text: str | None) -> float:
     return v
 
 
+def place_experts(args, lm, device: str, budget, replan):
+    """A mixture-of-experts model: calibrate, plan and place its experts in tiers
+    (engine/model/experts.py) with the GPU budget that admission's table leaves (CUDA) or
+    everything on the CPU tier; the stages go to the startup profile, the plan to the notes
+    and the log. ``replan(cache_bytes)`` is the budget table with the cache. Returns it.
+    Raises AdmissionError when the experts fit nowhere."""
+    from aotx.engine.model import experts as X
+    from aotx.engine.runtime import admission
+
+    layers = X.moe_layers(lm.model.program)
+    total = sum(L.n_expert * L.expert_bytes for L in layers)
+    gpu = device == "cuda"
+    gpu_bytes = max(0, budget.free - admission.EXPERT_CACHE_RESERVE) if gpu else 0
+    ram = admission.machine_memory_bytes()
+    host = ram // 2 if gpu else None
+    st = X.setup(lm.model, model_fp=lm.fingerprint, gpu_bytes=gpu_bytes, host_bytes=host,
+                 policy=getattr(args, "expert_cache", None) or "static")
+    lines = admission.check_experts(st.plan, total, ram, gpu)
+    lm.profile.update(st.stages)
+    lm.notes["experts"] = st.note
+    for line in lines:
+        log.info("%s", line)
+    return replan(st.plan.gpu_bytes) if gpu else budget
+
+
 def build_engine(args, progress=None):
     """Load the model and build an Engine from parsed ``serve`` flags (not started).
 
@@ -145,11 +195,13 @@ def build_engine(args, progress=None):
     from aotx.engine.runtime.media_prompt import DEFAULT_STORE_BYTES as image_store_bytes
     n_slots = args.slots or DEFAULT_SLOTS
     n_ctx = args.context or min(DEFAULT_CONTEXT, lm.config.n_ctx_train)
-    if n_ctx > lm.config.n_ctx_train:
-        log.warning("--context %d exceeds the model's trained context of %d tokens", n_ctx, lm.config.n_ctx_train)
+    if n_ctx > lm.config.n_ctx_train:  # past it the model's positions mean nothing: cap, and say so
+        log.warning("--context %d is more than the %d tokens %s was trained for; using %d", n_ctx,
+                    lm.config.n_ctx_train, lm.name, lm.config.n_ctx_train)
+        n_ctx = lm.config.n_ctx_train
     try:
         if args.memory_budget:
-            total = admission.parse_size(args.memory_budget)
+            total = clamp_budget(admission.parse_size(args.memory_budget), device, args.memory_budget)
         else:
             total = admission.default_cuda_budget() if device == "cuda" else admission.default_cpu_budget()
     except ValueError:
@@ -169,6 +221,14 @@ def build_engine(args, progress=None):
                             prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
                             draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (),
                             kv_type=kv_type)
+    if getattr(getattr(lm.model, "program", None), "moe_nodes", lambda: [])():
+        budget = place_experts(args, lm, device, budget, lambda cache: admission.plan(
+            lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk, journal_bytes, total,
+            capsule_bytes=capsule_host if device != "cuda" else 0,
+            media_bytes=media_bytes(lm, device, vision) + (image_store_bytes if vision else 0),
+            capsule_device_bytes=capsule_device, prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
+            draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (), kv_type=kv_type,
+            expert_cache_bytes=cache))
     from aotx.engine.state.cache import CapsuleCache
 
     no_journal = getattr(args, "no_journal", False)
@@ -194,6 +254,7 @@ def build_engine(args, progress=None):
                  catalog=Catalog(), loader=load_entry, capsule_root=None if no_journal else paths.capsules_dir(),
                  keep_alive_s=keep_alive_seconds(getattr(args, "keep_alive", None)),
                  evict_idle=bool(getattr(args, "evict_idle", False)))
+    eng.submitter.media_profile = media_profile(lm, device, vision)  # specialists: counted when first used
     if vision is not None:
         from aotx.engine.runtime.media_prompt import ImageStore, special_wrap
 

@@ -52,7 +52,7 @@ def open_image(path: str | os.PathLike[str], *, max_pixels: int = MAX_PIXELS):
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             im = Image.open(p)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise MediaError(f"{p}: image too large to decode safely ({e}); the limit is {max_pixels:,} pixels") from None
+        raise MediaError(_too_many_pixels(p, e, max_pixels)) from None
     except UnidentifiedImageError:
         raise MediaError(f"{p}: not an image Pillow can read (unknown or corrupt format)") from None
     except (OSError, ValueError, SyntaxError) as e:
@@ -66,6 +66,16 @@ def open_image(path: str | os.PathLike[str], *, max_pixels: int = MAX_PIXELS):
         raise MediaError(f"{p}: image is {w:,} x {h:,} = {w * h:,} pixels, over the limit of {max_pixels:,}; "
                          "scale it down or crop it")
     return im
+
+
+def _too_many_pixels(name, e: Exception, max_pixels: int) -> str:
+    """The refusal of an image past Pillow's own decompression-bomb guard, naming only
+    AOTX's limit (Pillow's message names its own, larger one: two numbers confuse)."""
+    import re
+
+    m = re.search(r"\((\d+) pixels\)", str(e))
+    size = f"{int(m.group(1)):,} pixels" if m else "more pixels than Pillow will open"
+    return f"{name}: image is {size}, over the limit of {max_pixels:,}; scale it down or crop it"
 
 
 def first_frame(im):
@@ -182,7 +192,7 @@ def load_image_bytes(data: bytes, name: str = "<bytes>", *, max_pixels: int = MA
     except MediaError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise MediaError(f"{name}: image too large to decode safely ({e})") from None
+        raise MediaError(_too_many_pixels(name, e, max_pixels)) from None
     except UnidentifiedImageError:
         raise MediaError(f"{name}: not an image Pillow can read") from None
     except (OSError, ValueError, SyntaxError, EOFError, struct.error) as e:

@@ -12,7 +12,8 @@ from tests.fakes.fake_engine import FakeEngine, FakeEngineClient  # noqa: F401 -
 
 def make_app(engine: FakeEngine | None = None, **kwargs) -> tuple[ChatApp, FakeEngine]:
     engine = engine or FakeEngine()
-    return ChatApp(engine.connect, status_poll_s=0, **kwargs), engine
+    kwargs.setdefault("status_poll_s", 0)
+    return ChatApp(engine.connect, **kwargs), engine
 
 
 async def settle(pilot, rounds: int = 3) -> None:

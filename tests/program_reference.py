@@ -30,14 +30,9 @@ def _rope(x: np.ndarray, spec, head_dim: int, positions: np.ndarray, n_ctx: int)
     n = x.shape[0]
     x = x.reshape(n, -1, head_dim).copy()
     half = spec.dim // 2
-    j = np.arange(half, dtype=np.float64)
-    inv = spec.base ** (-2.0 * j / spec.dim)
-    ff = spec.factors_for(n_ctx)
-    if ff is not None:
-        inv = inv / np.asarray(ff, np.float64)
-    ang = positions[:, None].astype(np.float64) * spec.freq_scale * inv[None, :]
-    c = (np.cos(ang) * spec.attn_factor)[:, None, :]
-    s = (np.sin(ang) * spec.attn_factor)[:, None, :]
+    ang, mscale = spec.angles(positions, n_ctx)   # RopeSpec's formula (YaRN included), in float64
+    c = (np.cos(ang) * mscale)[:, None, :]
+    s = (np.sin(ang) * mscale)[:, None, :]
     if spec.mode == "normal":
         ia, ib = np.arange(0, spec.dim, 2), np.arange(1, spec.dim, 2)
     else:
@@ -51,6 +46,7 @@ def _rope(x: np.ndarray, spec, head_dim: int, positions: np.ndarray, n_ctx: int)
 def _attention(q, k, v, a: dict) -> np.ndarray:
     n = q.shape[0]
     H, KV, hd, window = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["window"]
+    sinks = a.get("sinks")
     q, k, v = q.reshape(n, H, hd), k.reshape(n, KV, hd), v.reshape(n, KV, hd)
     out = np.zeros((n, H, hd))
     for i in range(n):
@@ -58,9 +54,61 @@ def _attention(q, k, v, a: dict) -> np.ndarray:
         for h in range(H):
             g = h // (H // KV)
             s = a["scale"] * (k[lo:i + 1, g] @ q[i, h])
-            s = np.exp(s - s.max())
-            out[i, h] = (s / s.sum()) @ v[lo:i + 1, g]
+            m = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            e = np.exp(s - m)
+            den = e.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+            out[i, h] = (e / den) @ v[lo:i + 1, g]
     return out.reshape(n, H * hd)
+
+
+def _experts(st, cache: dict) -> list[np.ndarray]:
+    key = id(st)
+    if key not in cache:
+        cache[key] = [np.asarray(st.dequantize(e), np.float64) for e in range(st.n_expert)]
+    return cache[key]
+
+
+def _moe(x: np.ndarray, a: dict, mats: dict) -> np.ndarray:
+    """ops.ProgramBuilder.moe's definition, row by row, in float64."""
+    n, d = x.shape
+    lg = x @ _matrix(a["router"], mats).T
+    if a["router_bias"] is not None:
+        lg = lg + np.asarray(a["router_bias"], np.float64)
+    G, U, D = (_experts(a[k], mats) for k in ("gate", "up", "down"))
+    bias = [None if a[k] is None else np.asarray(a[k], np.float64) for k in ("gate_bias", "up_bias", "down_bias")]
+    k = a["n_used"]
+    out = np.zeros((n, d))
+    for i in range(n):
+        p = np.exp(lg[i] - lg[i].max()) / np.exp(lg[i] - lg[i].max()).sum() if a["gating"] == "softmax" else lg[i]
+        sel = sorted(range(a["n_expert"]), key=lambda e: (-p[e], e))[:k]
+        w = p[sel]
+        if a["gating"] == "softmax_weight":
+            w = np.exp(w - w.max()) / np.exp(w - w.max()).sum()
+        if a["norm_w"]:
+            w = w / max(w.sum(), 6.103515625e-5)
+        if a["w_scale"] not in (0.0, 1.0):
+            w = w * a["w_scale"]
+        for j, e in enumerate(sel):
+            g, u = G[e] @ x[i], U[e] @ x[i]
+            if bias[0] is not None:
+                g, u = g + bias[0][e], u + bias[1][e]
+            if a["act"] == "silu":
+                h = g / (1.0 + np.exp(-g)) * u
+            else:
+                gc, uc = np.minimum(g, a["limit"]), np.clip(u, -a["limit"], a["limit"])
+                h = gc / (1.0 + np.exp(-a["alpha"] * gc)) * (uc + 1.0)
+            y = D[e] @ h
+            if bias[2] is not None:
+                y = y + bias[2][e]
+            out[i] += w[j] * y
+    if a["shared"] is not None:
+        sg, su, sd = (_matrix(m, mats) for m in a["shared"])
+        g = x @ sg.T
+        h = (g / (1.0 + np.exp(-g)) * (x @ su.T)) @ sd.T
+        if a["shared_gate"] is not None:
+            h = h / (1.0 + np.exp(-(x @ _matrix(a["shared_gate"], mats).T)))
+        out = out + h
+    return out
 
 
 def reference_logits(program, tokens, n_ctx: int | None = None) -> np.ndarray:
@@ -108,6 +156,8 @@ def reference_logits(program, tokens, n_ctx: int | None = None) -> np.ndarray:
             y = a["cap"] * np.tanh(x[0] / a["cap"])
         elif op == "take_rows":
             y = x[0]
+        elif op == "moe":
+            y = _moe(x[0], a, mats)
         else:
             raise ValueError(f"unknown op {op!r}")
         env[node.out.id] = y

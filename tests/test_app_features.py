@@ -11,13 +11,14 @@ from textual.widgets import DataTable, Input
 
 sys.path.insert(0, str(Path(__file__).parent))
 from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
+from fakes.media_files import png_bytes, wav_header  # noqa: E402
 
 from aotx.app.bindings import ACTIONS  # noqa: E402
 from aotx.app.screens.help import HelpScreen  # noqa: E402
 from aotx.app.widgets.chips import AttachmentBar  # noqa: E402
 
-PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
-WAV = b"RIFF\x24\0\0\0WAVEfmt " + b"\0" * 64
+PNG = png_bytes(4, 4)
+WAV = wav_header(800) + b"\x80" * 800  # 0.1 s at 8 kHz
 
 
 @pytest.fixture(autouse=True)
@@ -269,10 +270,10 @@ async def test_fork_at_focused_message_opens_the_new_conversation():
         await pilot.press("f")  # on a message: fork here
         await settle(pilot)
         assert engine.forked == [(parent, first_reply.msg_id)]
-        assert app.conv_id != parent and engine.convs[app.conv_id].title == "Trip (fork)"
+        assert app.conv_id != parent and engine.convs[app.conv_id].title == "Trip (fork 1)"
         assert [m.text for m in app.messages()] == ["where to?", "Lisbon."]
-        assert "Trip (fork)" in app.sidebar.visible() and "Trip" in app.sidebar.visible()
-        assert "Forked “Trip” after message 2 of 4" in str(app.query_one("#input-notice").render())
+        assert "Trip (fork 1)" in app.sidebar.visible() and "Trip" in app.sidebar.visible()
+        assert "Forked “Trip” after message 2 of 4 into “Trip (fork 1)”" in str(app.query_one("#input-notice").render())
         assert [m.text for m in engine.convs[parent].messages][-1] == "In May."  # the original is unchanged
         # the key binding (input focused) forks at the last message; the fork goes on by itself
         fork1 = app.conv_id
@@ -340,20 +341,28 @@ def test_parse_sampling_speculative():
     assert parse_sampling({**values, "speculative": "draft"}, base).speculative == "draft"
 
 
-async def test_capsule_notice_is_shown_inline():
+async def test_capsule_notice_speaks_plainly_and_only_when_it_helps():
+    """Regression (issue 17, defect 7): "Context restored from a capsule: restored 29 tokens
+    of context from a parked capsule (host memory) (no re-prefill)" on a brand-new chat.
+    A new conversation has nothing to pick up: no notice; a continued one says so plainly."""
     from aotx.engine.ipc import protocol as P
 
-    notices = [P.Notice(id=0, kind="capsule", resource="capsule", asked=812,
-                        message="restored 812 tokens of context from the capsule on disk")]
-    app, _ = make_app(FakeEngine(notices=notices))
+    notices = [P.Notice(id=0, kind="capsule", resource="capsule", asked=29,
+                        message="restored 29 tokens of context from a parked capsule (host memory)")]
+    engine = FakeEngine(notices=notices)
+    app, _ = make_app(engine)
     async with app.run_test() as pilot:
         await settle(pilot)
         app.chat_input.insert("hi")
         await pilot.press("enter")
         await settle(pilot)
-        assert app.messages()[1].notices() == [
-            "Context restored from a capsule: restored 812 tokens of context from the capsule on disk "
-            "(no re-prefill)."]
+        assert app.messages()[1].notices() == []
+        app.chat_input.insert("and then?")
+        await pilot.press("enter")
+        await settle(pilot)
+        notices = app.messages()[3].notices()
+        assert notices == ["Picked up where this conversation left off."]
+        assert not any(w in notices[0] for w in ("capsule", "prefill", "host memory"))
 
 
 def test_notice_and_refusal_words_follow_codes():
@@ -362,7 +371,8 @@ def test_notice_and_refusal_words_follow_codes():
 
     n = P.Notice(id=0, kind="capsule", resource="capsule",
                  message="the capsule on disk belongs to model abc, not def: re-prefilling from the journal's tokens")
-    assert notice_text(n).startswith("Context not restored from a capsule: the capsule on disk belongs")
+    assert notice_text(n) == "Read the earlier messages again: the saved state was made by another model."
+    assert notice_text(n, had_history=False) == ""
     # by code, not wording: a media refusal whose text never says "media" is still about the attachment
     assert "refused the attachment" in error_text(P.Error(id=1, code="unsupported_media", message="no images"))
     assert "refused this message (too_long)" not in error_text(P.Error(id=1, code="bad_request", message="media x"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -39,23 +40,43 @@ def test_segments_split_code_blocks_and_keep_all_text() -> None:
     assert "".join(md for _, md, _ in segs) == text
 
 
-async def test_streaming_keeps_widget_count_proportional_to_chunks() -> None:
-    text = long_reply(3000)
-    app, _ = make_app(FakeEngine(reply=lambda _t: text, chars_per_token=40, token_delay=0.003))
+async def test_streaming_keeps_widget_count_proportional_to_chunks(monkeypatch) -> None:
+    """The widget count while streaming stays ~len(text)/CHUNK (+ code blocks), and the
+    frozen chunks survive finalize(). The test paces the stream: the fake engine sends
+    token i only once the tokens before it are on screen, so every token goes through
+    its own MarkdownView.append, observed there, however fast or slow the machine is
+    (a loop polling the view raced the stream: on a fast machine it ended first and the
+    test failed with ``assert 0 < peak``)."""
+    text, step = long_reply(3000), 60
+    n_tokens = -(-len(text) // step)
+    seen: list[tuple[int, int, object]] = []  # (text shown, children, first child once frozen) per append
+    appended = asyncio.Event()
+    real_append = MarkdownView.append
+
+    async def spy(self, delta: str) -> None:
+        await real_append(self, delta)
+        seen.append((len(self.text), len(self.children), self.children[0] if self.frozen else None))
+        appended.set()
+
+    async def gate(i: int) -> None:  # token i waits until tokens 0..i-1 reached the screen
+        while i and (not seen or seen[-1][0] < i * step):
+            appended.clear()
+            await asyncio.wait_for(appended.wait(), 60)  # a deadline only against a hang, never reached
+
+    monkeypatch.setattr(MarkdownView, "append", spy)
+    app, _ = make_app(FakeEngine(reply=lambda _t: text, chars_per_token=step, token_gate=gate))
     async with app.run_test() as pilot:
         await settle(pilot)
         app.chat_input.insert("go")
         await pilot.press("enter")
-        peak, first = 0, None
+        await settle(pilot)
         while app.active is not None:
             await pilot.pause(0.01)
-            views = app.query(MarkdownView)
-            if views and not views.last().final:
-                peak = max(peak, len(views.last().children))
-                if first is None and views.last().frozen:
-                    first = views.last().children[0]
         await settle(pilot)
-        # frozen chunks are cut into prose and code blocks once, when they freeze
+        # tokens 0..n-2 each had an append of their own (the last one may go with finish())
+        assert [shown for shown, _, _ in seen[:n_tokens - 1]] == [step * (i + 1) for i in range(n_tokens - 1)]
+        peak = max(n for _, n, _ in seen)
+        first = next((f for _, _, f in seen if f is not None), None)
         assert 0 < peak <= len(text) // (CHUNK // 2) + 2 + 2 * text.count("```python")
         view = app.query(MarkdownView).last()
         assert view.final and len(view.query(CodeBlock)) == text.count("```python")

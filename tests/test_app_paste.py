@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
 from aotx.app.attach import make_attachment, sniff
 from aotx.app.paste import PastedItem, parse_pasted_paths
 
@@ -46,7 +50,35 @@ CASES = [
     ("non-media path still a path", "/etc/hosts", P("/etc/hosts")),
     ("mixed quoting styles", "'/tmp/a b.png' /tmp/c\\ d.wav \"/tmp/e f.ogg\"",
      P("/tmp/a b.png", "/tmp/c d.wav", "/tmp/e f.ogg")),
+    # issue 15 item 11: cases from public bug reports
+    ("quoted path then text (issue 15)", "'/tmp/cat.jpg' describe this", P("/tmp/cat.jpg") + T("describe this")),
+    ("double-quoted path then a question", '"/tmp/my cat.png" what is in it?',
+     P("/tmp/my cat.png") + T("what is in it?")),
+    ("escaped path then text", r"/tmp/my\ cat.png what is it?", P("/tmp/my cat.png") + T("what is it?")),
+    ("file URL then text", "file:///tmp/a%20b.wav transcribe", P("/tmp/a b.wav") + T("transcribe")),
+    ("two quoted paths then text", "'/tmp/a.png' '/tmp/b.png' compare these",
+     P("/tmp/a.png", "/tmp/b.png") + T("compare these")),
+    ("quoted path then text with an apostrophe", "'/tmp/cat.jpg' what's this?",
+     P("/tmp/cat.jpg") + T("what's this?")),
+    ("quoted path line, then a text line", "'/tmp/a.png'\nwhat is this?\nand this?",
+     P("/tmp/a.png") + T("what is this?\nand this?")),
+    ("backslash-escaped space, relative (issue 15)", r"Example\ file.wav", P("Example file.wav")),
+    ("backslash-escaped, relative, trailing space", "Screen\\ Shot\\ 2024-01-01\\ at\\ 9.41.00.png ",
+     P("Screen Shot 2024-01-01 at 9.41.00.png")),
+    ("quoted relative name", "'my cat.png'", P("my cat.png")),
+    ("Windows-quoted path (issue 15)", r'"C:\Users\me\My Pictures\cat 1.png"', P(r"C:\Users\me\My Pictures\cat 1.png")),
+    ("Windows path unquoted", r"C:\Users\me\cat.png", P(r"C:\Users\me\cat.png")),
+    ("Windows path with forward slashes", "C:/Users/me/cat.png", P("C:/Users/me/cat.png")),
+    ("Windows-quoted path then text", r'"D:\clips\a b.wav" what is said?', P(r"D:\clips\a b.wav") + T("what is said?")),
+    ("two Windows-quoted paths", r'"C:\a b\x.png" "C:\c\y.png"', P(r"C:\a b\x.png", r"C:\c\y.png")),
+    ("Windows UNC path", r"\\nas\photos\cat.png", P(r"\\nas\photos\cat.png")),
+    ("POSIX quote-in-quotes idiom", "'/tmp/it'\\''s.png'", P("/tmp/it's.png")),
     # text stays text
+    ("quoted word, no extension", "'hello' world", T("'hello' world")),
+    ("quoted prose", '"to be or not to be" who said it?', T('"to be or not to be" who said it?')),
+    ("unmarked path then prose stays text", "/tmp/cat.png what is it", T("/tmp/cat.png what is it")),
+    ("escaped name that is not media", r"my\ notes.txt", T(r"my\ notes.txt")),
+    ("drive-like word in prose", "Plan C: go home", T("Plan C: go home")),
     ("a word", "hello", T("hello")),
     ("a sentence", "what is in this picture?", T("what is in this picture?")),
     ("a sentence with a path", "look at /tmp/cat.png please", T("look at /tmp/cat.png please")),
@@ -70,7 +102,7 @@ def test_parse_pasted_paths(paste: str, expected: list[PastedItem]) -> None:
     assert parse_pasted_paths(paste, home=H) == expected
 
 
-PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 32
+PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 32  # sniffing reads only the magic bytes
 WAV = b"RIFF\x24\0\0\0WAVEfmt " + b"\0" * 32
 
 
@@ -84,9 +116,11 @@ def test_sniff(head: bytes, kind: str | None) -> None:
 
 
 def test_make_attachment(tmp_path) -> None:
-    (tmp_path / "cat.png").write_bytes(PNG)
+    from fakes.media_files import png_bytes, write_wav
+
+    (tmp_path / "cat.png").write_bytes(png_bytes(3, 3))
     (tmp_path / "fake.png").write_bytes(b"not really a png")
-    (tmp_path / "a.wav").write_bytes(WAV)
+    write_wav(tmp_path / "a.wav", 0.5)
     ok = make_attachment(str(tmp_path / "cat.png"))
     assert ok.attachment and ok.attachment.kind == "image" and len(ok.attachment.sha256) == 64
     assert make_attachment(str(tmp_path / "a.wav")).attachment.kind == "audio"

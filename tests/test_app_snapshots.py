@@ -1,4 +1,6 @@
-"""Snapshot tests (pytest-textual-snapshot) of the main screen, help screen and details view.
+"""Snapshot tests (pytest-textual-snapshot) at 80x24 and 150x45: the main screen in
+three themes (AOTX dark and light, Textual's nord), the help screen, the details view,
+the F4 settings dialog and search hits.
 
 Update after an intended change with ``pytest tests/test_app_snapshots.py --snapshot-update``
 and look at the SVGs in ``tests/__snapshots__/``.
@@ -16,7 +18,7 @@ from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
 
 from aotx.engine.ipc import protocol as P  # noqa: E402
 
-SIZE = (110, 32)
+SIZES = {"80x24": (80, 24), "150x45": (150, 45)}
 
 
 @pytest.fixture(autouse=True)
@@ -44,27 +46,54 @@ async def _prepare(pilot, send: str | None = "Show me a loop") -> None:
     await pilot.pause()
 
 
-def test_main_screen_dark(snap_compare):
-    assert snap_compare(demo_app("dark"), terminal_size=SIZE, run_before=_prepare)
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("theme", ["dark", "light", "nord"])
+def test_main_screen(snap_compare, theme, size):
+    assert snap_compare(demo_app(theme), terminal_size=SIZES[size], run_before=_prepare)
 
 
-def test_main_screen_light(snap_compare):
-    assert snap_compare(demo_app("light"), terminal_size=SIZE, run_before=_prepare)
-
-
-def test_help_screen(snap_compare):
+@pytest.mark.parametrize("size", SIZES)
+def test_help_screen(snap_compare, size):
     async def run_before(pilot):
         await _prepare(pilot, send=None)
         await pilot.press("f1")
         await pilot.pause()
 
-    assert snap_compare(demo_app(), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(demo_app(), terminal_size=SIZES[size], run_before=run_before)
 
 
-def test_details_view(snap_compare):
+@pytest.mark.parametrize("size", SIZES)
+def test_details_view(snap_compare, size):
     async def run_before(pilot):
         await _prepare(pilot)
         await pilot.press("f7")
         await pilot.pause()
 
-    assert snap_compare(demo_app(), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(demo_app(), terminal_size=SIZES[size], run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_settings_dialog(snap_compare, size):
+    async def run_before(pilot):
+        await _prepare(pilot, send=None)
+        await pilot.press("f4")  # its worker waits for the dialog: no settle() here
+        for _ in range(100):
+            if pilot.app.screen.query("#system-prompt"):
+                break
+            await pilot.pause(0.02)
+        pilot.app.screen.query_one("#system-prompt").cursor_blink = False
+        await pilot.pause()
+
+    assert snap_compare(demo_app(), terminal_size=SIZES[size], run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_search_hits(snap_compare, size):
+    async def run_before(pilot):
+        await _prepare(pilot, send=None)
+        await pilot.press("f3")
+        await pilot.press(*"guanc")
+        pilot.app.sidebar.query_one("#search").cursor_blink = False
+        await pilot.pause()
+
+    assert snap_compare(demo_app(), terminal_size=SIZES[size], run_before=run_before)

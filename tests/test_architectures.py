@@ -156,7 +156,8 @@ BAD = [
     ("gemma3", dict(metadata={"gemma3.attention.sliding_window_pattern": [True, False]}),
      r"sliding_window_pattern has 2 entries for 6 layers"),
     ("llama3", dict(metadata={"llama.rope.scaling.type": "dynamic"}), r"'dynamic', an unknown RoPE scaling type"),
-    ("qwen2", dict(metadata={"qwen2.rope.scaling.type": "yarn"}), r"rope\.scaling\.type 'yarn' is not supported"),
+    ("qwen2", dict(metadata={"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.original_context_length": 0}),
+     r"rope\.scaling\.original_context_length is 0; it must be positive"),
     ("qwen2", dict(metadata={"qwen2.rope.dimension_count": 8}), r"rope\.dimension_count 8 differs from the head"),
 ]
 

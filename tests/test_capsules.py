@@ -104,7 +104,7 @@ def test_restore_is_byte_exact(lm, tmp_path):
 def test_ablation_each_part_is_needed(lm):
     """KV alone is not the state: without positions, or without the sampler state,
     the continuation changes."""
-    cfg = SamplerConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0)
+    cfg = SamplerConfig(repeat_penalty=1.0, temperature=0.9, top_k=0, top_p=1.0, min_p=0.0)
     prompt = _ids(lm)
     kv = lm.model.new_kv_cache(2, 128)
     straight = _run(lm, kv, 0, prompt, 14, cfg, seed=11)
@@ -159,7 +159,7 @@ def _engine(lm, home, n_slots):
 def _turn(eng, conv_id, text, rid=5):
     s = EventSink()
     eng.post(P.SubmitMessage(id=rid, conv_id=conv_id, text=text,
-                             sampling=P.SamplingParams(temperature=0.0, max_tokens=12)), s)
+                             sampling=P.SamplingParams(repeat_penalty=1.0, temperature=0.0, max_tokens=12)), s)
     done = s.wait()
     assert isinstance(done, P.Committed), done
     # wait for the reply's capsule to reach disk
@@ -182,7 +182,7 @@ def test_parking_fork_and_resume_reuse_state(lm, tmp_path):
         _turn(eng, b, "Name a color.")  # takes the only slot: a's state is parked
         done, notes = _turn(eng, a, "Name another one.")
         assert done.timings["prompt_tokens_reused"] > 20, "a's context should come back from its parked capsule"
-        assert any("parked capsule" in n.message for n in notes)
+        assert any("picked up where this conversation left off" in n.message for n in notes)
         # fork a: the fork's next turn starts from a's state, not from scratch
         s = EventSink()
         eng.post(P.ForkConversation(id=2, conv_id=a), s)
@@ -197,7 +197,8 @@ def test_parking_fork_and_resume_reuse_state(lm, tmp_path):
     eng, store = _engine(lm, tmp_path, n_slots=1)
     try:
         done, notes = _turn(eng, a, "One more?")
-        assert any("capsule on disk" in n.message for n in notes), [n.message for n in notes]
+        assert any("picked up where this conversation left off" in n.message for n in notes), \
+            [n.message for n in notes]
         assert done.timings["prompt_tokens_reused"] > 20
     finally:
         eng.stop()

@@ -48,7 +48,7 @@ async def _connect(sock, proc, timeout=120.0) -> EngineClient:
 
 async def _stream(client, conv_id, text, seen):
     """Collect (seq, token_id) of Token events and the highest receipt seen."""
-    sp = P.SamplingParams(temperature=0.0, max_tokens=200)
+    sp = P.SamplingParams(repeat_penalty=1.0, temperature=0.0, max_tokens=200)
     try:
         async for ev in client.submit(conv_id, text, sampling=sp):
             if isinstance(ev, P.Accepted):
@@ -100,7 +100,7 @@ def test_kill_9_during_generation_loses_nothing_durable(tmp_path, default_model_
                 if reply.status == "interrupted":
                     assert reply.finish_reason == "interrupted"
             # the engine takes new work and the conversation continues
-            sp = P.SamplingParams(temperature=0.0, max_tokens=4)
+            sp = P.SamplingParams(repeat_penalty=1.0, temperature=0.0, max_tokens=4)
             events = [ev async for ev in client.submit(convs[0], "Go on.", sampling=sp)]
             done = [e for e in events if isinstance(e, P.Committed)]
             assert done and done[0].n_completion >= 1

@@ -49,7 +49,7 @@ def _build(path, **kw):
     from aotx.engine.backend.cuda import CudaBackend
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
-    from aotx.engine.model.transformer import build
+    from aotx.engine.model.architectures import build
 
     gf = GGUFFile.open(path)
     return build(ModelConfig.from_metadata(gf.metadata, str(path)), gf, CudaBackend(**kw))

@@ -55,7 +55,7 @@ def _cpu_float_reference(monkeypatch):
 def _build(path, device: str):
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
-    from aotx.engine.model.transformer import build
+    from aotx.engine.model.architectures import build
 
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))

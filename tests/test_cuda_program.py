@@ -72,7 +72,7 @@ def arch_files(tiny_models, tiny_gguf, tmp_path_factory):
 def _build(path, device: str, fuse: bool = True):
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
-    from aotx.engine.model.transformer import build
+    from aotx.engine.model.architectures import build
 
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))

@@ -69,18 +69,18 @@ def test_fill_row_packs_the_sampler_table():
     assert prm[6:8].view(np.float64)[0] == 0.7 and prm[8:10].view(np.float64)[0] == 0.95
     assert prm[10:12].view(np.float64)[0] == 0.05
     assert prm[12:14].view(np.uint64)[0] == 2**40 + 3 and prm[14:16].view(np.uint64)[0] == 9
-    assert not CS.fill_row(prm, hist, SamplerConfig(temperature=0.0), st, tick=1)
+    assert not CS.fill_row(prm, hist, SamplerConfig(repeat_penalty=1.0, temperature=0.0), st, tick=1)
     assert prm[0] == CS.MODE_GREEDY and prm.view(np.float32)[4] == 1.0
     assert not CS.fill_row(prm, hist, None, None, tick=1) and prm[0] == CS.MODE_SKIP
 
 
 @pytest.mark.parametrize("cfg,drafts,ok", [
-    (SamplerConfig(temperature=0.0), 3, True),
+    (SamplerConfig(repeat_penalty=1.0, temperature=0.0), 3, True),
     (SamplerConfig(temperature=0.0, repeat_penalty=1.2), 3, False),
-    (SamplerConfig(temperature=0.7, top_k=40), 0, True),
-    (SamplerConfig(temperature=0.7, top_k=40), 2, False),   # acceptance p/q runs on the host
-    (SamplerConfig(temperature=0.7, top_k=0), 0, False),    # whole-vocabulary top-p: host
-    (SamplerConfig(temperature=0.7, top_k=2000), 0, False),
+    (SamplerConfig(repeat_penalty=1.0, temperature=0.7, top_k=40), 0, True),
+    (SamplerConfig(repeat_penalty=1.0, temperature=0.7, top_k=40), 2, False),   # acceptance p/q runs on the host
+    (SamplerConfig(repeat_penalty=1.0, temperature=0.7, top_k=0), 0, False),    # whole-vocabulary top-p: host
+    (SamplerConfig(repeat_penalty=1.0, temperature=0.7, top_k=2000), 0, False),
 ])
 def test_device_ok_names_what_the_kernel_runs_exactly(cfg, drafts, ok):
     assert CS.device_ok(cfg, drafts) is ok
@@ -184,12 +184,12 @@ def _kernel_ids(logits: np.ndarray, rows: list) -> np.ndarray:
 
 @needs_cuda
 @pytest.mark.parametrize("cfg", [
-    SamplerConfig(temperature=0.0),
+    SamplerConfig(repeat_penalty=1.0, temperature=0.0),
     SamplerConfig(temperature=0.0, repeat_penalty=1.5, repeat_last_n=64),
-    SamplerConfig(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05),
+    SamplerConfig(repeat_penalty=1.0, temperature=0.7, top_k=40, top_p=0.95, min_p=0.05),
     SamplerConfig(temperature=1.3, top_k=1024, top_p=0.9, min_p=0.0, repeat_penalty=1.1),
-    SamplerConfig(temperature=0.5, top_k=1, top_p=1.0, min_p=0.0),
-    SamplerConfig(temperature=2.0, top_k=200, top_p=1.0, min_p=0.1),
+    SamplerConfig(repeat_penalty=1.0, temperature=0.5, top_k=1, top_p=1.0, min_p=0.0),
+    SamplerConfig(repeat_penalty=1.0, temperature=2.0, top_k=200, top_p=1.0, min_p=0.1),
 ], ids=["greedy", "greedy-penalty", "default", "k1024", "k1", "minp"])
 def test_cuda_sample_rows_equals_host_chain(cfg):
     rng = np.random.default_rng(0)
@@ -262,7 +262,7 @@ class _HostOnly(HostOnly):
 @needs_cuda
 def test_cuda_speculative_greedy_equals_plain_with_verify_in_the_graph(tiny_pair):
     _, gpu = tiny_pair
-    greedy = dict(temperature=0.0, seed=1)
+    greedy = dict(temperature=0.0, seed=1, repeat_penalty=1.0)
     plain = _run(gpu, TEXTS, greedy, "off", slots=1)
     spec = _run(gpu, TEXTS, greedy, "ngram", slots=1)
     assert spec == plain

@@ -67,7 +67,8 @@ def _say(eng, cid, text, *, speculative="", temperature=0.0, seed=0, max_tokens=
     s = EventSink()
     eng.post(P.SubmitMessage(id=rid, conv_id=cid, text=text, raw=raw,
                              sampling=P.SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                                                       top_k=0, top_p=1.0, min_p=0.0, speculative=speculative)), s)
+                                                       top_k=0, top_p=1.0, min_p=0.0, speculative=speculative,
+                                                       repeat_penalty=1.0)), s)
     done = s.wait()
     assert isinstance(done, P.Committed), done
     return [e.token_id for e in s.events if isinstance(e, P.Token)], done
@@ -220,7 +221,7 @@ def test_speculative_sampling_with_a_draft_model_keeps_the_distribution(models):
     the target's own joint distribution (top-k 4, temperature 1: 16 cells), and not the
     draft's (so the test can tell the two apart: a rule that leaked q would fail)."""
     target, draft = models["target"], models["first_layer"]
-    cfg = SamplerConfig(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
+    cfg = SamplerConfig(repeat_penalty=1.0, temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
     prompt = target.tokenizer.encode("the cat")
     n = 1000
     counts, acc, rej = _two_token_counts(target, draft, prompt, cfg, range(n))
@@ -240,7 +241,7 @@ def test_verify_with_q_residual():
     from max(p - q, 0) = (0, 0.2, 0.3, 0) normalized: never 0 (p(0) = q(0)) nor 3."""
     vocab = 6
     logits = np.log(np.array([0.1, 0.2, 0.3, 0.4, 1e-9, 1e-9], np.float32))
-    cfg = SamplerConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    cfg = SamplerConfig(repeat_penalty=1.0, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     q = (np.array([3, 0]), np.array([0.9, 0.1]))
     n, acc = 4000, 0
     firsts = np.zeros(vocab)

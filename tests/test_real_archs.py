@@ -83,7 +83,7 @@ def _replies(lm, prompts: list[str], *, n_slots: int, speculative: str = "off", 
             sinks.append((s, cid))
         for i, (s, cid) in enumerate(sinks):
             eng.post(P.SubmitMessage(id=200 + i, conv_id=cid, text=prompts[i], raw=raw, sampling=P.SamplingParams(
-                temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=max_tokens, seed=1,
+                temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, max_tokens=max_tokens, seed=1,
                 speculative=speculative)), s)
         out = []
         for s, _ in sinks:

@@ -76,7 +76,7 @@ def test_greedy_reproduces_reference_until_a_near_tie(lm, chat_refs, name):
     prompt = ref["prompt_token_ids"]
     kv = lm.model.new_kv_cache(1, len(prompt) + n + 1)
     logits = lm.model.forward(np.asarray(prompt, np.int32), [Segment(0, 0, len(prompt))], kv)
-    cfg, st = SamplerConfig(temperature=0.0), SamplerState(seed=0)
+    cfg, st = SamplerConfig(repeat_penalty=1.0, temperature=0.0), SamplerState(seed=0)
     out = []
     for i in range(n):
         tok = sample(logits[0].copy(), cfg, st)

@@ -7,6 +7,7 @@ media kinds were decided in three places that disagreed (the app and the CLI too
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from aotx.engine.ipc import protocol as P
@@ -30,7 +31,9 @@ def test_sampler_and_gateway_default_to_the_protocol():
     assert SamplerConfig() == SamplerConfig.of(DEFAULTS)
     assert Limits().default_max_tokens == DEFAULTS.max_tokens
     sp = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, Limits()).sampling
-    assert sp == DEFAULTS
+    # the protocol's default runs to the context; the gateway caps it at its own ceiling
+    ceiling = Limits().max_tokens_ceiling
+    assert sp == msgspec.structs.replace(DEFAULTS, max_tokens=min(DEFAULTS.max_tokens, ceiling))
 
 
 @pytest.mark.parametrize("body,param", [

@@ -60,7 +60,7 @@ def _generate(lm, text, *, drafter_factory=None, temperature=0.0, seed=0, max_to
         s = EventSink()
         eng.post(P.SubmitMessage(id=2, conv_id=cid, text=text, raw=True,
                                  sampling=P.SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                                                           top_k=0, top_p=1.0, min_p=0.0)), s)
+                                                           top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)), s)
         assert s.done.wait(120)
         acc = next(e for e in s.events if isinstance(e, P.Accepted))
         done = next(e for e in s.events if isinstance(e, P.Committed))
@@ -91,9 +91,9 @@ def test_first_draft_token_is_verified():
     rows = np.zeros((3, 10), np.float32)
     rows[0, 4] = 5.0  # the model wants 4 first
     rows[1, 6] = 5.0
-    out = verify(rows.copy(), [7, 6], SamplerConfig(temperature=0.0), SamplerState(seed=0))
+    out = verify(rows.copy(), [7, 6], SamplerConfig(repeat_penalty=1.0, temperature=0.0), SamplerState(seed=0))
     assert out == [4], "a wrong first draft is rejected and replaced by the model's token"
-    out = verify(rows.copy(), [4, 6], SamplerConfig(temperature=0.0), SamplerState(seed=0))
+    out = verify(rows.copy(), [4, 6], SamplerConfig(repeat_penalty=1.0, temperature=0.0), SamplerState(seed=0))
     assert out[:2] == [4, 6] and len(out) == 3
 
 
@@ -103,7 +103,7 @@ def test_speculative_sampling_keeps_the_distribution():
     rng = np.random.default_rng(0)
     vocab = 12
     logits = rng.normal(size=vocab).astype(np.float32) * 1.5
-    cfg = SamplerConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    cfg = SamplerConfig(repeat_penalty=1.0, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
     ids, p = distribution(logits.copy(), cfg)
     probs = np.zeros(vocab)
     probs[ids] = p

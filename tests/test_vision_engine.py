@@ -79,7 +79,7 @@ def _ask(eng, cid, text, image: Path | None, n=4, rid=2) -> EventSink:
     s = EventSink()
     att = [P.Attachment(path=str(image), kind="image", name=image.name)] if image else []
     eng.post(P.SubmitMessage(id=rid, conv_id=cid, text=text, attachments=att,
-                             sampling=P.SamplingParams(temperature=0.0, max_tokens=n)), s)
+                             sampling=P.SamplingParams(repeat_penalty=1.0, temperature=0.0, max_tokens=n)), s)
     assert s.done.wait(120), s.events
     return s
 
@@ -365,7 +365,7 @@ def test_raw_prompt_with_a_picture(pair, tmp_path):
         img = _png(tmp_path / "r.png", seed=5)
         eng.post(P.SubmitMessage(id=2, conv_id=_conv(eng), text="caption:", raw=True,
                                  attachments=[P.Attachment(path=str(img), kind="image", name="r.png")],
-                                 sampling=P.SamplingParams(temperature=0.0, max_tokens=2)), s)
+                                 sampling=P.SamplingParams(repeat_penalty=1.0, temperature=0.0, max_tokens=2)), s)
         assert s.done.wait(120), s.events
     finally:
         eng.stop()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import msgspec
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
 from aotx.engine.ipc import protocol as P
 
 _HINTS = (("temperature", "0 = greedy"), ("top_k", "0 = off"), ("top_p", "1 = off"), ("min_p", "0 = off"),
-          ("repeat_penalty", "1 = off"), ("max_tokens", "reply length limit"), ("seed", "empty = random"))
+          ("repeat_penalty", "1 = off"), ("max_tokens", "empty = to the context"), ("seed", "empty = random"))
 # (name, type, hint): the types and ranges are the protocol's (SAMPLING_LIMITS)
 FIELDS: tuple[tuple[str, type, str], ...] = tuple(
     (name, int if P.SAMPLING_LIMITS[name].integer else float, hint) for name, hint in _HINTS)
@@ -39,6 +39,9 @@ def parse_sampling(values: dict[str, str], base: P.SamplingParams) -> P.Sampling
         if raw == "" and name == "seed":
             changes[name] = None
             continue
+        if raw == "" and name == "max_tokens":
+            changes[name] = P.UNTIL_CONTEXT
+            continue
         try:
             changes[name] = kind(raw)
         except ValueError:
@@ -63,15 +66,20 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-box", classes="dialog"):
             yield Static("System prompt and sampling of this conversation", classes="dialog-title")
-            yield TextArea(self.system_prompt, id="system-prompt")
-            with Grid(id="sampling-grid"):
-                for name, _, hint in FIELDS:
-                    value = getattr(self.sampling, name)
-                    yield Label(f"{name} ({hint})")
-                    yield Input("" if value is None else str(value), id=f"f-{name}")
-                yield Label("speculative decoding")
-                current = self.sampling.speculative if self.sampling.speculative in {v for _, v in SPECULATIVE} else ""
-                yield Select(SPECULATIVE, value=current, allow_blank=False, id="f-speculative")
+            # the form scrolls, the buttons stay on screen (at 80x24 too: issue 17, point 14)
+            with VerticalScroll(id="settings-body"):
+                yield TextArea(self.system_prompt, id="system-prompt")
+                with Grid(id="sampling-grid"):
+                    for name, _, hint in FIELDS:
+                        value = getattr(self.sampling, name)
+                        if name == "max_tokens" and value >= P.UNTIL_CONTEXT:
+                            value = None  # no limit short of the context
+                        yield Label(f"{name} ({hint})")
+                        yield Input("" if value is None else str(value), id=f"f-{name}")
+                    yield Label("speculative decoding")
+                    current = (self.sampling.speculative if self.sampling.speculative in {v for _, v in SPECULATIVE}
+                               else "")
+                    yield Select(SPECULATIVE, value=current, allow_blank=False, id="f-speculative")
             yield Static("", id="settings-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save (ctrl+s)", id="save", variant="primary")

@@ -1,7 +1,8 @@
 """The message input: multi-line, Enter sends, Ctrl+J inserts a newline.
 
 Owns: key handling of the input and catching pastes that are file paths (they
-become attachments instead of text). Leaves what a send means to the app.
+become attachments instead of text; text typed after the dropped paths stays text).
+Leaves what a send means to the app.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class ChatInput(TextArea):
             self.text = text
             super().__init__()
 
+    class LeaveUp(Message):
+        """Up in the empty input: the app moves to the last message."""
+
     class PathsPasted(Message):
         def __init__(self, paths: list[str]) -> None:
             self.paths = paths
@@ -46,6 +50,11 @@ class ChatInput(TextArea):
             if text.strip():
                 self.post_message(self.Submitted(text))
             return
+        if event.key == "up" and not self.text:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.LeaveUp())
+            return
         if event.key in NEWLINE_KEYS:
             event.stop()
             event.prevent_default()
@@ -54,11 +63,28 @@ class ChatInput(TextArea):
         await super()._on_key(event)
 
     async def _on_paste(self, event: events.Paste) -> None:
-        items = parse_pasted_paths(event.text)
-        if items and all(i.kind == "path" for i in items):
-            event.stop()
-            event.prevent_default()
-            self.post_message(self.PathsPasted([i.value for i in items]))
-            return
-        await super()._on_paste(event)
+        """A paste of dropped files becomes attachments (the text typed after them goes
+        into the input); any other paste is inserted once, as TextArea does.
+
+        Textual calls ``_on_paste`` of every class in the MRO unless the default is
+        prevented: calling TextArea's handler here without ``prevent_default()`` made
+        it run twice and every paste appear twice (issue 17, defect 1)."""
         event.stop()
+        event.prevent_default()
+        items = parse_pasted_paths(event.text)
+        paths = [i.value for i in items if i.kind == "path"]
+        if paths:
+            self.post_message(self.PathsPasted(paths))
+            text = "".join(i.value for i in items if i.kind == "text")
+            if text:
+                self.insert_text(text)
+            return
+        self.insert_text(event.text)
+
+    def insert_text(self, text: str) -> None:
+        """Insert ``text`` at the cursor (replacing a selection), as a paste does."""
+        if self.read_only:
+            return
+        if result := self._replace_via_keyboard(text, *self.selection):
+            self.move_cursor(result.end_location)
+        self.focus()

@@ -32,7 +32,16 @@ class MessageWidget(Vertical, can_focus=True):
         Binding("c", "copy", "Copy message"),
         Binding("i", "details", "Details / receipt"),
         Binding("f", "fork", "Fork here"),
+        Binding("up,k", "step(-1)", "Previous message", show=False),
+        Binding("down,j", "step(1)", "Next message", show=False),
     ]
+
+    class Step(Message):
+        """Move focus ``by`` messages from this one (arrow keys)."""
+
+        def __init__(self, widget: "MessageWidget", by: int) -> None:
+            self.widget, self.by = widget, by
+            super().__init__()
 
     class DetailsRequested(Message):
         def __init__(self, widget: "MessageWidget") -> None:
@@ -61,6 +70,7 @@ class MessageWidget(Vertical, can_focus=True):
         self.durable_seq = 0  # the last sequence number a Durable receipt covered
         self._pending: list[str] = []
         self._timer = None
+        self._early_notices: list[tuple[str, str]] = []  # added before the widget was mounted
 
     # ---- composition -------------------------------------------------------
 
@@ -69,12 +79,14 @@ class MessageWidget(Vertical, can_focus=True):
         if self.attachments:
             yield Static("  ".join(f"[{a.kind}] {a.name}" for a in self.attachments), classes="msg-attachments",
                          markup=False)
-        yield Vertical(classes="msg-notices")  # admission notices come before the text
+        yield Vertical(classes="msg-notices msg-start-notices")  # admission and media notices come before the text
         if self.role == "assistant":
             yield MarkdownView(self.text, code_theme=self._code_theme(), final=self.position != "accepted",
                                classes="msg-body")
         else:
             yield Static(self.text, classes="msg-body", markup=False)
+        # refusals come after it: a long message's refusal must be where the view is (its end)
+        yield Vertical(classes="msg-notices msg-end-notices")
 
     def _header_text(self) -> str:
         who = "You" if self.role == "user" else "Assistant" if self.role == "assistant" else self.role
@@ -90,16 +102,27 @@ class MessageWidget(Vertical, can_focus=True):
         for p in GLYPHS:
             self.remove_class(f"pos-{p}")
         self.add_class(f"pos-{position}")
-        if self.is_mounted:
-            self.query_one(".msg-header", Static).update(self._header_text())
+        headers = self.query(".msg-header") if self.is_mounted else None
+        if headers:
+            headers.first(Static).update(self._header_text())
 
     def on_mount(self) -> None:
         self.set_position(self.position)
+        early, self._early_notices = self._early_notices, []
+        for text, kind in early:
+            self.add_notice(text, kind)
 
     def add_notice(self, text: str, kind: str = "notice") -> None:
+        """A line under the header (admission, media), or for an error or refusal under
+        the text, where the view is when it comes (issue 17, defect 5)."""
+        if not text:
+            return
         line = Static(text, classes=f"msg-notice {kind}", markup=False)
         if self.is_mounted:
-            self.query_one(".msg-notices", Vertical).mount(line)
+            where = ".msg-end-notices" if kind in ("error", "refused") else ".msg-start-notices"
+            self.query_one(where, Vertical).mount(line)
+        else:
+            self._early_notices.append((text, kind))
 
     def notices(self) -> list[str]:
         return [str(s.render()) for s in self.query(".msg-notice").results(Static)]
@@ -138,8 +161,9 @@ class MessageWidget(Vertical, can_focus=True):
         self._pending.clear()
         if text is not None:
             self.text = text
-        if self.is_mounted:
-            self.query_one(".msg-header", Static).update(self._header_text())
+        headers = self.query(".msg-header") if self.is_mounted else None
+        if headers:  # composed (a widget still mounting shows self.text when it is)
+            headers.first(Static).update(self._header_text())
             body = self.query_one(".msg-body")
             if isinstance(body, MarkdownView):
                 await body.finalize(self.text)
@@ -157,6 +181,9 @@ class MessageWidget(Vertical, can_focus=True):
 
     def action_fork(self) -> None:
         self.post_message(self.ForkRequested(self))
+
+    def action_step(self, by: int) -> None:
+        self.post_message(self.Step(self, by))
 
     @property
     def durable_tokens(self) -> int:

@@ -1,7 +1,11 @@
-"""The conversation list: search by title, select to open.
+"""The conversation list: search titles and messages, select to open.
 
-Owns: showing conversations (newest first) and filtering them by a title search.
-Leaves create/rename/delete to the app, which refreshes the list afterwards.
+Owns: showing conversations (newest first, the open one marked ``▸`` and highlighted,
+forks marked ``⑂``), and the search box: typing filters the list to the conversations
+whose title or messages match (``search.SearchIndex``; a matching message's words
+shown under the title), Enter opens the first hit at its message. Leaves
+create/rename/delete and keeping the index in step to the app, which refreshes the
+list afterwards.
 """
 
 from __future__ import annotations
@@ -11,41 +15,48 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView, Static
 
-from aotx.app.format import GLYPHS
+from aotx.app.format import LEGEND_ITEMS
+from aotx.app.search import Hit, SearchIndex
 from aotx.engine.ipc import protocol as P
 
 
-class ConversationItem(ListItem):
-    """A conversation's title, and below it the model it runs on."""
+def is_fork(title: str) -> bool:
+    return "(fork" in title
 
-    def __init__(self, conv: P.ConversationView) -> None:
-        labels = [Label(conv.title or "(untitled)", markup=False)]
-        if conv.model:
-            labels.append(Label(conv.model, markup=False, classes="conv-model"))
-        super().__init__(*labels)
-        self.model = conv.model
+
+class ConversationItem(ListItem):
+    def __init__(self, conv: P.ConversationView, current: bool, hit: Hit | None = None) -> None:
+        title = conv.title or "(untitled)"
+        mark = "▸ " if current else "⑂ " if is_fork(title) else "  "
+        children = [Label(mark + title, markup=False, classes="conv-title")]
+        if hit is not None and hit.snippet:
+            children.append(Label("  " + hit.snippet, markup=False, classes="conv-snippet"))
+        super().__init__(*children, classes="-current" if current else "")
         self.conv_id = conv.conv_id
         self.title = conv.title
+        self.hit = hit
 
 
 class Sidebar(Vertical):
     """Search box and list of conversations. Posts ``Opened`` when one is chosen."""
 
     class Opened(Message):
-        def __init__(self, conv_id: str) -> None:
-            self.conv_id = conv_id
+        def __init__(self, conv_id: str, msg_id: str = "") -> None:
+            self.conv_id, self.msg_id = conv_id, msg_id
             super().__init__()
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, index: SearchIndex | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.conversations: list[P.ConversationView] = []
         self.current: str | None = None
+        self.index = index or SearchIndex()
+        self.hits: list[Hit] = []
 
     def compose(self) -> ComposeResult:
         yield Label("Conversations", classes="sidebar-title")
-        yield Input(placeholder="Search titles", id="search")
+        yield Input(placeholder="Search", id="search")
         yield ListView(id="conversations")
-        yield Static("\n".join(f"{g} {name}" for name, g in GLYPHS.items()), id="legend", markup=False)
+        yield Static("\n".join(LEGEND_ITEMS), id="legend", markup=False)
 
     def set_conversations(self, convs: list[P.ConversationView], current: str | None) -> None:
         self.conversations = sorted(convs, key=lambda c: (c.updated_at, c.created_at), reverse=True)
@@ -56,22 +67,56 @@ class Sidebar(Vertical):
         """Titles shown now (after the search filter)."""
         return [item.title for item in self.query(ConversationItem)]
 
+    @property
+    def query_text(self) -> str:
+        return self.query_one("#search", Input).value.strip()
+
     def _fill(self) -> None:
-        needle = self.query_one("#search", Input).value.strip().lower()
+        needle = self.query_text
         lv = self.query_one("#conversations", ListView)
+        by_id = {c.conv_id: c for c in self.conversations}
+        if needle:
+            self.hits = [h for h in self.index.search(needle) if h.conv_id in by_id]
+            # a conversation not indexed yet still matches by its title
+            seen = {h.conv_id for h in self.hits}
+            low = needle.lower()
+            self.hits += [Hit(c.conv_id, c.title) for c in self.conversations
+                          if c.conv_id not in seen and low in (c.title or "").lower()]
+            shown = [(by_id[h.conv_id], h) for h in self.hits]
+        else:
+            self.hits = []
+            shown = [(c, None) for c in self.conversations]
+        old = lv.index
         lv.clear()
-        shown = [c for c in self.conversations if needle in (c.title or "").lower()]
-        lv.extend(ConversationItem(c) for c in shown)
-        for i, c in enumerate(shown):
-            if c.conv_id == self.current:
-                lv.index = i
+        lv.extend(ConversationItem(c, c.conv_id == self.current, h) for c, h in shown)
+        ids = [c.conv_id for c, _ in shown]
+        if self.current in ids:
+            lv.index = ids.index(self.current)
+        elif shown and old is not None:
+            lv.index = min(old, len(shown) - 1)
+
+    def mark_current(self, conv_id: str | None) -> None:
+        """Highlight the open conversation (without a new search)."""
+        self.current = conv_id
+        self._fill()
 
     def on_input_changed(self, event: Input.Changed) -> None:
         if event.input.id == "search":
             event.stop()
             self._fill()
 
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        """Enter in the search box: open the first hit (at its matching message)."""
+        if event.input.id != "search":
+            return
+        event.stop()
+        items = list(self.query(ConversationItem))
+        if items:
+            first = items[0]
+            self.post_message(self.Opened(first.conv_id, first.hit.msg_id if first.hit else ""))
+
     def on_list_view_selected(self, event: ListView.Selected) -> None:
         event.stop()
         if isinstance(event.item, ConversationItem):
-            self.post_message(self.Opened(event.item.conv_id))
+            hit = event.item.hit
+            self.post_message(self.Opened(event.item.conv_id, hit.msg_id if hit else ""))

@@ -49,6 +49,31 @@ class CpuBackend:
         self.weight_bytes += qm.nbytes
         return qm
 
+    def experts(self, t):
+        """A 3-D GGUF expert tensor (ggml shape ``[k, m, E]``) as ``cpu_moe.CpuExperts``: E
+        matrices (m, k) over the file's memory map, built when first computed. Counted in
+        ``weight_bytes`` at their file size (the CPU tier holds every expert)."""
+        from aotx.engine.backend.cpu_moe import CpuExperts
+        from aotx.engine.backend.quants import SUPPORTED_TYPES
+
+        if t.qtype not in SUPPORTED_TYPES:
+            raise ModelError(f"tensor {t.name!r} has tensor type {getattr(t.qtype, 'name', t.qtype)}, "
+                             f"which AOTX does not support "
+                             f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
+        if len(t.shape) != 3:
+            raise ModelError(f"tensor {t.name!r} should be 3-D (experts), has shape {list(t.shape)}")
+        st = CpuExperts(t, int8=self.int8_activations)
+        self.weight_bytes += int(t.n_bytes)
+        return st
+
+    def expert_vectors(self, t) -> np.ndarray:
+        """A 2-D GGUF tensor of per-expert biases (ggml ``[n, E]``) as float32 (E, n)."""
+        from aotx.engine.backend.cpu_moe import expert_vectors
+
+        arr = expert_vectors(t)
+        self.weight_bytes += arr.nbytes
+        return arr
+
     def vector(self, t) -> np.ndarray:
         """A 1-D F32/F16 tensor as a float32 array (copied: these are small)."""
         from aotx.engine.backend.quants import dequantize_rows

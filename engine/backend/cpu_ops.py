@@ -174,7 +174,7 @@ def _kv_row_impl(a, s, g, t, bits, row):
 
 # fastmath without "nnan"/"ninf": an f16 cache's inf must stay inf (see _kv_row)
 @nb.njit(cache=True, fastmath={"nsz", "arcp", "contract", "afn", "reassoc"}, parallel=True, error_model="numpy")
-def _attention_rows(q, k_cache, v_cache, slots, lengths, scale, window, out):
+def _attention_rows(q, k_cache, v_cache, slots, lengths, scale, window, out, sinks, has_sinks):
     B, H, hd = q.shape
     KV = k_cache.shape[1]
     G = H // KV
@@ -200,11 +200,15 @@ def _attention_rows(q, k_cache, v_cache, slots, lengths, scale, window, out):
             for t in range(1, n):
                 if scores[gi, t] > m:
                     m = scores[gi, t]
+            if has_sinks and sinks[g * G + gi] > m:
+                m = sinks[g * G + gi]
             tot = np.float32(0.0)
             for t in range(n):
                 e = np.exp(scores[gi, t] - m)
                 scores[gi, t] = e
                 tot += e
+            if has_sinks:
+                tot += np.exp(sinks[g * G + gi] - m)
             inv = np.float32(1.0) / tot
             for t in range(n):
                 scores[gi, t] *= inv
@@ -221,8 +225,12 @@ def _attention_rows(q, k_cache, v_cache, slots, lengths, scale, window, out):
                     out[b, h, d] += p * vr[d]
 
 
+_NO_SINKS = np.zeros(1, np.float32)
+
+
 def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
-                   lengths: np.ndarray, scale: float, window: int, out: np.ndarray) -> None:
+                   lengths: np.ndarray, scale: float, window: int, out: np.ndarray,
+                   sinks: np.ndarray | None = None) -> None:
     """Every query row attends to its slot's cached positions [lo, length), lo =
     max(0, length - window) if window > 0 else 0 (the rows' K/V are already stored).
 
@@ -231,8 +239,13 @@ def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
     hd) float32. Grouped-query attention: query head h reads KV head h // (n_heads / n_kv)
     (Ainslie et al. 2023). Softmax in float32 with max subtraction; work is split over
     (row, KV head) pairs, and a row's result does not depend on the other rows.
-    (SEAMS.md's signature; the interim kernel for decode and verify rows.)"""
-    _attention_rows(q, k_cache, v_cache, slots, lengths, np.float32(scale), int(window), out)
+    ``sinks``: None, or (n_heads,) float32 attention-sink logits (gpt-oss): head h's
+    softmax denominator also holds exp(sinks[h] - m), m the max over the scores and the
+    sink; the sink adds no value. (SEAMS.md's signature, plus sinks; the interim kernel
+    for decode and verify rows.)"""
+    has = sinks is not None
+    _attention_rows(q, k_cache, v_cache, slots, lengths, np.float32(scale), int(window), out,
+                    np.ascontiguousarray(sinks, np.float32) if has else _NO_SINKS, has)
 
 
 def kv_as_f32(a: np.ndarray) -> np.ndarray:
@@ -241,13 +254,14 @@ def kv_as_f32(a: np.ndarray) -> np.ndarray:
 
 
 def attention_prefill(q: np.ndarray, k_slot: np.ndarray, v_slot: np.ndarray, pos0: int, scale: float,
-                      window: int = 0) -> np.ndarray:
+                      window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal attention of n new query rows at positions pos0..pos0+n-1 over one slot.
 
     q: (n, n_heads, hd) float32; k_slot, v_slot: (n_kv, n_ctx, hd) float32 or uint16 (f16
     bits) views of the slot's cache (already holding the new rows); returns (n, n_heads,
     hd) float32. Row i sees positions [lo_i, pos0 + i] with lo_i = max(0, pos0 + i + 1 -
-    window) when window > 0, else 0. Matrix products go through numpy's BLAS.
+    window) when window > 0, else 0. Matrix products go through numpy's BLAS. ``sinks``:
+    (n_heads,) attention-sink logits or None (as ``attention_rows``).
     """
     n, H, hd = q.shape
     KV = k_slot.shape[0]
@@ -268,9 +282,16 @@ def attention_prefill(q: np.ndarray, k_slot: np.ndarray, v_slot: np.ndarray, pos
         s = (qg @ kg.T).reshape(G, n, T - t0)
         s *= scale
         s[:, mask] = -np.inf
-        s -= s.max(axis=2, keepdims=True)
+        mx = s.max(axis=2, keepdims=True)
+        if sinks is not None:
+            sk = np.asarray(sinks[g * G:(g + 1) * G], np.float32)[:, None, None]
+            mx = np.maximum(mx, sk)
+        s -= mx
         np.exp(s, out=s)
-        s /= s.sum(axis=2, keepdims=True)
+        tot = s.sum(axis=2, keepdims=True)
+        if sinks is not None:
+            tot += np.exp(sk - mx)
+        s /= tot
         o = s.reshape(G * n, T - t0) @ vg
         out[:, g * G:(g + 1) * G, :] = o.reshape(G, n, hd).transpose(1, 0, 2)
     return out

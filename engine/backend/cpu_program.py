@@ -199,6 +199,15 @@ class CpuProgram:
         if len(kv_shapes) > 1:
             raise ValueError(f"layers with different KV shapes {sorted(kv_shapes)} are not supported")
         self._plan_buffers()
+        self.moe_nodes = program.moe_nodes()
+        # moe layer -> the last forward's (n, k) expert ids and (n,) routing margins
+        self.last_routing: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.expert_pool = None
+        self.traffic = [np.zeros(n.attrs["n_expert"], np.int64) for n in self.moe_nodes]
+        if self.moe_nodes:
+            from aotx.engine.backend.cpu_moe import ExpertPool
+
+            self.expert_pool = ExpertPool.shared()
         self._steps: list[Callable[[list, _Batch, CpuKVCache], None]] = [self._compile(i, n)
                                                                           for i, n in enumerate(program.nodes)]
 
@@ -223,6 +232,25 @@ class CpuProgram:
         for step in self._steps:
             step(env, bt, kv)
         return env[self.program.output.id]
+
+    # ---- expert tiers (issue 22; cpu_moe.py, engine/model/experts.py) ----------------
+
+    def measure_experts(self, layer: int, rows: tuple[int, ...]) -> dict:
+        """Calibration: seconds of one expert of moe layer ``layer`` on n rows, CPU tier."""
+        from aotx.engine.backend import cpu_moe
+
+        return cpu_moe.measure(self.moe_nodes[layer].attrs, rows, self.expert_pool)
+
+    def place_experts(self, plan) -> dict:
+        """Apply an expert-tier plan (every expert "host" or "mmap" here)."""
+        from aotx.engine.backend import cpu_moe
+
+        return cpu_moe.place(self.moe_nodes, plan, self.expert_pool)
+
+    def expert_stats(self) -> dict:
+        """Traffic: rows routed to each expert of each moe layer since load, and the pool's
+        counters."""
+        return {"traffic": [t.tolist() for t in self.traffic], "pool": self.expert_pool.stats()}
 
     # ---- buffer planning -----------------------------------------------------------
 
@@ -408,6 +436,7 @@ class CpuProgram:
         oi, so = node.out.id, self._slot(node.out)
         rows_kernel = cpu_ops.attention_rows
         prefill = cpu_ops.attention_prefill
+        sinks = a.get("sinks")
 
         def run(env, bt, kv):
             n = bt.n
@@ -427,14 +456,15 @@ class CpuProgram:
             y = bt.views[so]
             att = y.reshape(n, H, hd)
             if bt.all_small:
-                rows_kernel(q, kc, vc, bt.s_slots, bt.s_len, scale, window, att)
+                rows_kernel(q, kc, vc, bt.s_slots, bt.s_len, scale, window, att, sinks)
             else:
                 if bt.small.size:
                     od = np.empty((bt.small.size, H, hd), np.float32)
-                    rows_kernel(np.ascontiguousarray(q[bt.small]), kc, vc, bt.s_slots, bt.s_len, scale, window, od)
+                    rows_kernel(np.ascontiguousarray(q[bt.small]), kc, vc, bt.s_slots, bt.s_len, scale, window, od,
+                                sinks)
                     att[bt.small] = od
                 for row, slot, pos, m in bt.long_segs:
-                    att[row:row + m] = prefill(q[row:row + m], kc[slot], vc[slot], pos, scale, window)
+                    att[row:row + m] = prefill(q[row:row + m], kc[slot], vc[slot], pos, scale, window, sinks)
             env[oi] = y
         return run
 
@@ -484,6 +514,60 @@ class CpuProgram:
             np.multiply(env[xi], np.float32(1.0) / cap, out=y)
             np.tanh(y, out=y)
             y *= cap
+            env[oi] = y
+        return run
+
+    def _c_moe(self, i, node):
+        """Router, top-k, the experts on the rows routed to them (the CPU expert pool), the
+        join in selection order, the shared expert (cpu_moe.py)."""
+        from aotx.engine.backend import cpu_moe
+
+        a = node.attrs
+        router, rbias, k = a["router"], a["router_bias"], a["n_used"]
+        gating, norm_w, w_scale = a["gating"], a["norm_w"], a["w_scale"]
+        shared, sgate = a["shared"], a["shared_gate"]
+        xi, oi, s, d = node.inputs[0].id, node.out.id, self._slot(node.out), node.out.width
+        on_n = node.inputs[0].rows == ROWS_N
+        view = self._view[xi]
+        pool = self.expert_pool
+        attrs = dict(a)
+        traffic = self.traffic[a["moe_layer"]]
+
+        def mm(W, x, bt):
+            y = np.empty((x.shape[0], W.m), np.float32)
+            if not on_n or bt.all_small:
+                W.matmul(x, y, per_row=True)
+            else:
+                _matmul_n(W, x, y, bt)
+            return y
+
+        def run(env, bt, kv):
+            x = env[xi]
+            if view:
+                x = np.ascontiguousarray(x)
+            n = x.shape[0]
+            logits = mm(router, x, bt)
+            if rbias is not None:
+                logits += rbias
+            sel, w, margin = cpu_moe.route(logits, k, gating, norm_w, w_scale)
+            self.last_routing[attrs["moe_layer"]] = (sel, margin)
+            traffic[:] += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
+            Y = np.empty((n, k, d), np.float32)
+            small = None
+            all_small = not on_n or bt.all_small
+            if not all_small:
+                small = np.zeros(n, bool)
+                small[bt.small] = True
+            pool.compute(attrs, x, sel, Y, cpu_moe.groups(sel), small, all_small)
+            y = bt.views[s] if s >= 0 else np.empty((n, d), np.float32)
+            cpu_moe.join(Y, w, y)
+            if shared is not None:
+                g = mm(shared[0], x, bt)
+                cpu_moe.silu_mul(g, mm(shared[1], x, bt), g)
+                h = mm(shared[2], g, bt)
+                if sgate is not None:
+                    h *= 1.0 / (1.0 + np.exp(-mm(sgate, x, bt)))
+                y += h
             env[oi] = y
         return run
 

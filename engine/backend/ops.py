@@ -32,7 +32,18 @@ ROWS_R = "R"   # one row per logits row (BatchLayout.out_rows)
 ROPE_MODES = ("normal", "neox")
 GLU_ACTS = ("silu", "gelu_tanh")
 OPS = ("embed", "rms_norm", "head_rms_norm", "linear", "split", "rope", "attention", "glu", "add", "scale",
-       "softcap", "take_rows")
+       "softcap", "take_rows", "moe")
+#: how a ``moe`` node turns router logits into expert weights (llama.cpp's
+#: llama_expert_gating_func_type): "softmax" (probabilities over every expert, the top-k
+#: of them kept: Qwen3-MoE, OLMoE, Qwen2-MoE) or "softmax_weight" (top-k of the raw
+#: logits, then a softmax over those k: gpt-oss)
+MOE_GATINGS = ("softmax", "softmax_weight")
+#: an expert's gated activation: "silu" (SwiGLU: silu(g) * u) or "swiglu_oai" (gpt-oss:
+#: g clamped above at ``limit``, u clamped to +-limit, g * sigmoid(alpha g) * (u + 1))
+MOE_ACTS = ("silu", "swiglu_oai")
+#: llama.cpp clamps the sum of the kept weights from below before dividing by it
+#: (build_moe_ffn: the smallest normal float16)
+MOE_NORM_MIN = 6.103515625e-5
 
 
 class ProgramError(ValueError):
@@ -71,6 +82,14 @@ class RopeSpec:
     long_factors, long_ctx: Phi-3's long factors: a KV cache with n_ctx > long_ctx uses
           long_factors instead of freq_factors (llama.cpp get_rope_factors: n_ctx_seq >
           n_ctx_orig_yarn). None / 0 when absent.
+    ext_factor, beta_fast, beta_slow, yarn_ctx: YaRN (Peng et al. 2023, as ggml's
+          rope_yarn; gpt-oss): with ext_factor != 0 pair j turns by a mix of the scaled
+          and the unscaled angle, theta = theta_s (1 - r_j) + theta_u r_j with
+          r_j = ext_factor * (1 - clamp((j - lo) / max(0.001, hi - lo), 0, 1)), where
+          lo = max(0, floor(c(beta_fast))), hi = min(dim - 1, ceil(c(beta_slow))),
+          c(b) = dim * ln(yarn_ctx / (2 pi b)) / (2 ln base) (ggml_rope_yarn_corr_dims),
+          and cos, sin are further multiplied by 1 + 0.1 ln(1 / freq_scale). ext_factor
+          0 (the default) is plain RoPE.
     Hashable: backends share one table per distinct spec and cache size."""
 
     mode: str
@@ -81,6 +100,10 @@ class RopeSpec:
     freq_factors: tuple[float, ...] | None = None
     long_factors: tuple[float, ...] | None = None
     long_ctx: int = 0
+    ext_factor: float = 0.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    yarn_ctx: int = 0
 
     def factors_for(self, n_ctx: int) -> tuple[float, ...] | None:
         """The frequency factors a KV cache of ``n_ctx`` positions uses."""
@@ -91,17 +114,39 @@ class RopeSpec:
     def tables(self, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin for positions 0..n_ctx-1: two (n_ctx, dim/2) float32 arrays,
         ``attn_factor * cos(angle)`` and ``attn_factor * sin(angle)`` with the angle of
-        the class docstring, computed in float64 and rounded once (ggml computes theta in
-        float32 by repeated multiplication; the two agree to ~1e-6 relative)."""
+        the class docstring (YaRN's mix and magnitude factor when ext_factor != 0), computed
+        in float64 and rounded once (ggml computes theta in float32 by repeated
+        multiplication; the two agree to ~1e-6 relative)."""
+        ang, mscale = self.angles(np.arange(n_ctx, dtype=np.float64), n_ctx)
+        return ((np.cos(ang) * mscale).astype(np.float32), (np.sin(ang) * mscale).astype(np.float32))
+
+    def angles(self, positions: np.ndarray, n_ctx: int) -> tuple[np.ndarray, float]:
+        """float64 (len(positions), dim/2) rotation angles, and the factor cos and sin are
+        multiplied by (attn_factor, times YaRN's magnitude correction when ext_factor != 0),
+        for a KV cache of ``n_ctx`` positions (the class docstring's formulas)."""
         half = self.dim // 2
         j = np.arange(half, dtype=np.float64)
         inv = self.base ** (-2.0 * j / self.dim)
         ff = self.factors_for(n_ctx)
         if ff is not None:
             inv = inv / np.asarray(ff, np.float64)
-        ang = (np.arange(n_ctx, dtype=np.float64)[:, None] * self.freq_scale) * inv[None, :]
-        return ((np.cos(ang) * self.attn_factor).astype(np.float32),
-                (np.sin(ang) * self.attn_factor).astype(np.float32))
+        extrap = np.asarray(positions, np.float64)[:, None] * inv[None, :]
+        ang = extrap * self.freq_scale
+        mscale = self.attn_factor
+        if self.ext_factor != 0.0:
+            lo, hi = self.yarn_corr_dims()
+            mix = (1.0 - np.clip((j - lo) / max(0.001, hi - lo), 0.0, 1.0)) * self.ext_factor
+            ang = ang * (1.0 - mix)[None, :] + extrap * mix[None, :]
+            mscale *= 1.0 + 0.1 * math.log(1.0 / self.freq_scale)
+        return ang, mscale
+
+    def yarn_corr_dims(self) -> tuple[float, float]:
+        """YaRN's correction range (ggml_rope_yarn_corr_dims): pairs below ``lo`` keep the
+        unscaled angle, pairs above ``hi`` the scaled one."""
+        def corr(b: float) -> float:
+            return self.dim * math.log(self.yarn_ctx / (b * 2.0 * math.pi)) / (2.0 * math.log(self.base))
+
+        return max(0.0, math.floor(corr(self.beta_fast))), min(self.dim - 1.0, math.ceil(corr(self.beta_slow)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,8 +164,14 @@ class Node:
         return self.outs[0]
 
     def __repr__(self) -> str:
-        shown = {k: (getattr(v, "name", None) or type(v).__name__) if k in ("weight", "bias", "table") and v is not None
-                 else v for k, v in self.attrs.items()}
+        def show(k: str, v: Any) -> Any:
+            if v is None or isinstance(v, (str, int, float, bool, RopeSpec)):
+                return v
+            if isinstance(v, tuple):
+                return tuple(show(k, x) for x in v)
+            return getattr(v, "name", None) or type(v).__name__     # weights, vectors, expert stacks
+
+        shown = {k: show(k, v) for k, v in self.attrs.items()}
         outs = ", ".join(map(repr, self.outs))
         return f"{outs} = {self.op}({', '.join(map(repr, self.inputs))}; {shown})"
 
@@ -158,6 +209,10 @@ class Program:
             if n.op == "rope" and n.attrs["spec"] not in out:
                 out.append(n.attrs["spec"])
         return out
+
+    def moe_nodes(self) -> list[Node]:
+        """The program's ``moe`` nodes in order (``attrs["moe_layer"]`` is the index)."""
+        return [n for n in self.nodes if n.op == "moe"]
 
     def dump(self) -> str:
         """One line per node (for debugging and for backend authors)."""
@@ -204,6 +259,13 @@ class ProgramBuilder:
     scale(x, s)           -> s * x.
     softcap(x, cap)       -> cap * tanh(x / cap) (Gemma's final logit soft-capping).
     take_rows(x)          -> (R, width): the rows of BatchLayout.out_rows, in that order.
+    moe(x, router, gate, up, down, n_used, ...)
+                          -> (rows, width): a routed mixture of gated FFN experts, row-wise;
+                             see ``moe`` for the exact semantics.
+
+    ``attention`` takes optional ``sinks`` (n_heads,): a per-head logit that joins the
+    softmax's denominator and contributes no value (gpt-oss's attention sinks):
+    p_t = exp(s_t - m) / (sum_u exp(s_u - m) + exp(sinks[h] - m)), m = max(max_u s_u, sinks[h]).
     """
 
     def __init__(self) -> None:
@@ -290,7 +352,7 @@ class ProgramBuilder:
         return out
 
     def attention(self, q: Value, k: Value, v: Value, *, n_heads: int, n_kv_heads: int, head_dim: int,
-                  scale: float, window: int = 0, name: str = "") -> Value:
+                  scale: float, window: int = 0, sinks: Any = None, name: str = "") -> Value:
         if not (q.rows == k.rows == v.rows == ROWS_N):
             raise ProgramError("attention: q, k and v must be batch rows (N), before take_rows")
         if (q.width != n_heads * head_dim or k.width != n_kv_heads * head_dim or v.width != k.width
@@ -299,11 +361,14 @@ class ProgramBuilder:
                                f"{n_kv_heads} KV heads of {head_dim}")
         if window < 0:
             raise ProgramError(f"attention: window {window} must be 0 (none) or positive")
+        if sinks is not None and _width_of(sinks) != (n_heads,):
+            raise ProgramError(f"attention: sinks {getattr(sinks, 'name', '')} have shape {_width_of(sinks)}, "
+                               f"expected ({n_heads},)")
         layer = len(self._kv)
         self._kv.append(KVLayer(int(n_kv_heads), int(head_dim)))
         out = self._new(ROWS_N, n_heads * head_dim, name)
         self._emit("attention", (q, k, v), (out,), layer=layer, n_heads=int(n_heads), n_kv_heads=int(n_kv_heads),
-                   head_dim=int(head_dim), scale=float(scale), window=int(window))
+                   head_dim=int(head_dim), scale=float(scale), window=int(window), sinks=sinks)
         return out
 
     def glu(self, gate: Value, up: Value, act: str, name: str = "") -> Value:
@@ -337,6 +402,75 @@ class ProgramBuilder:
             raise ProgramError(f"take_rows: {x!r} already has the logits rows")
         out = self._new(ROWS_R, x.width, name)
         self._emit("take_rows", (x,), (out,))
+        return out
+
+    def moe(self, x: Value, *, router: Any, gate: Any, up: Any, down: Any, n_used: int,
+            gating: str = "softmax", norm_w: bool = False, w_scale: float = 1.0, act: str = "silu",
+            router_bias: Any = None, gate_bias: Any = None, up_bias: Any = None, down_bias: Any = None,
+            alpha: float = 1.702, limit: float = 7.0, shared: tuple[Any, Any, Any] | None = None,
+            shared_gate: Any = None, name: str = "") -> Value:
+        """A mixture of E gated FFN experts with top-``n_used`` routing (llama.cpp's
+        build_moe_ffn), row-wise. For each row x (width d):
+
+            l   = router x (+ router_bias)                      (E,)   router: matrix (E, d)
+            p   = softmax(l) if gating == "softmax" else l      ("softmax_weight")
+            S   = the n_used experts of largest p, in decreasing p (ties: lower index first)
+            w_j = p[S_j];  "softmax_weight": w = softmax(w);  norm_w: w = w / max(sum w, MOE_NORM_MIN);
+                  w = w * w_scale unless w_scale is 0 or 1
+            y_j = down_e(act(gate_e x + gate_bias[e], up_e x + up_bias[e])) + down_bias[e],  e = S_j
+            out = sum_j w_j y_j  (j = 0 .. n_used-1, in that order)
+                  + s * shared_down(silu(shared_gate_w x) * shared_up x)   when ``shared``
+                    (s = sigmoid(shared_gate x) when ``shared_gate``, else 1)
+
+        gate, up: expert stacks of E matrices (ff, d); down: E matrices (d, ff) (backend
+        objects from ``backend.experts``: ``.n_expert``, ``.m``, ``.k``, ``.name``, ``.qtype``);
+        the biases: (E, ff) / (E, d) float32 (``backend.expert_vectors``) or None; act:
+        MOE_ACTS ("swiglu_oai" uses ``alpha`` and ``limit``); shared: (gate (fs, d), up
+        (fs, d), down (d, fs)) matrices of an always-on shared expert; shared_gate: a
+        (1, d) matrix. The node's ``moe_layer`` attribute numbers the moe nodes in call
+        order (the expert tiers plan per moe layer)."""
+        d = x.width
+        if gating not in MOE_GATINGS:
+            raise ProgramError(f"moe: gating {gating!r} (known: {', '.join(MOE_GATINGS)})")
+        if act not in MOE_ACTS:
+            raise ProgramError(f"moe: activation {act!r} (known: {', '.join(MOE_ACTS)})")
+        E, rk = _width_of(router)
+        if rk != d:
+            raise ProgramError(f"moe: router {getattr(router, 'name', '')} takes {rk} inputs, {x!r} has width {d}")
+        for st, want_k, what in ((gate, d, "gate"), (up, d, "up"), (down, None, "down")):
+            if int(st.n_expert) != E:
+                raise ProgramError(f"moe: {what} experts {st.name} number {st.n_expert}, the router routes {E}")
+            if want_k is not None and int(st.k) != want_k:
+                raise ProgramError(f"moe: {what} experts {st.name} take {st.k} inputs, {x!r} has width {d}")
+        ff = int(gate.m)
+        if int(up.m) != ff or int(down.k) != ff or int(down.m) != d:
+            raise ProgramError(f"moe: expert shapes gate {gate.m}x{gate.k}, up {up.m}x{up.k}, down {down.m}x{down.k} "
+                               f"do not chain for width {d}")
+        if not 0 < n_used <= E:
+            raise ProgramError(f"moe: {n_used} experts used per row of {E}")
+        for b, shape, what in ((router_bias, (E,), "router"), (gate_bias, (E, ff), "gate"), (up_bias, (E, ff), "up"),
+                               (down_bias, (E, d), "down")):
+            if b is not None and _width_of(b) != shape:
+                raise ProgramError(f"moe: {what} bias {getattr(b, 'name', '')} has shape {_width_of(b)}, "
+                                   f"expected {shape}")
+        if shared is not None:
+            sg, su, sd = shared
+            fs = _width_of(sg)[0]
+            if _width_of(sg) != (fs, d) or _width_of(su) != (fs, d) or _width_of(sd) != (d, fs):
+                raise ProgramError(f"moe: shared expert shapes {_width_of(sg)}, {_width_of(su)}, {_width_of(sd)} do "
+                                   f"not chain for width {d}")
+            if shared_gate is not None and _width_of(shared_gate) != (1, d):
+                raise ProgramError(f"moe: shared expert gate has shape {_width_of(shared_gate)}, expected (1, {d})")
+        elif shared_gate is not None:
+            raise ProgramError("moe: a shared expert gate without a shared expert")
+        if not (limit > 0 and alpha > 0):
+            raise ProgramError(f"moe: swiglu_oai alpha {alpha} and limit {limit} must be positive")
+        layer = sum(n.op == "moe" for n in self._nodes)
+        out = self._new(x.rows, d, name)
+        self._emit("moe", (x,), (out,), moe_layer=layer, router=router, router_bias=router_bias, gate=gate, up=up,
+                   down=down, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, n_expert=E,
+                   n_used=int(n_used), ffn_dim=ff, gating=gating, norm_w=bool(norm_w), w_scale=float(w_scale),
+                   act=act, alpha=float(alpha), limit=float(limit), shared=shared, shared_gate=shared_gate)
         return out
 
     def finish(self, logits: Value) -> Program:

@@ -1,8 +1,9 @@
 """API keys of the gateway: the key file, generation on first start, checking.
 
 Owns: reading a key file (one key per line; blank lines and ``#`` comments
-skipped), generating ``<data dir>/gateway/api_keys`` with one random key (mode
-0600, written and fsynced, directory fsynced) when no key file is given, and
+skipped), generating ``<data dir>/gateway/api_keys`` with one random key on its first line
+(then a comment; mode 0600, written and fsynced, directory fsynced) when no key
+file is given, and
 checking a bearer token against every key in constant time. Leaves HTTP to
 ``gateway.py``.
 
@@ -37,8 +38,9 @@ def generate_key_file(path: Path) -> str:
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.write(fd, (f"# AOTX gateway API keys, one per line (send as 'Authorization: Bearer <key>')\n"
-                      f"{key}\n").encode())
+        # the key is the first line, so `head -1 api_keys` gives it (issue 17, defect 9)
+        os.write(fd, (f"{key}\n# AOTX gateway API keys above, one per line (send as 'Authorization: Bearer "
+                      f"<key>'); lines starting with # are comments\n").encode())
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -40,21 +40,38 @@ class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_
 
 # ---- shared value types ---------------------------------------------------
 
+UNTIL_CONTEXT = 1_000_000
+"""The default ``max_tokens``: more than any context, so a reply runs until it ends by
+itself or the context is full (a requested 1000-word story is ~1,300 tokens: a
+512-token default cut it; issue 17, point 15)."""
+
+
+REPEAT_PENALTY = 1.1
+"""The default repetition penalty (over the last 64 tokens). Measured on llama.cpp's
+reference prompts for the default model (tests/tools/measure_repeat_penalty.py,
+greedy): without it "What is the capital of France?" loops ("la femme, la femme, ...")
+to the token limit, 1.05 still loops; 1.1 ends it with a real answer and keeps the code
+answer's function and explanation (31 of its first 48 tokens as without a penalty);
+from 1.15 the code answer itself changes. (Ollama's default is 1.1 too.) Issue 17,
+point 15."""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """Sampling of one reply: the one definition of the parameters and their defaults
     (the CLI's flags, the gateway, the app and the engine's sampler take them from here;
     ``SAMPLING_LIMITS`` gives each one's range). temperature 0 means greedy; top_k 0,
     top_p 1 and min_p 0 disable those filters; repeat_penalty 1 disables it over the
-    last ``repeat_last_n`` tokens (0: none, -1: all); seed None picks one."""
+    last ``repeat_last_n`` tokens (0: none, -1: all); seed None picks one; ``max_tokens``
+    at its default (``UNTIL_CONTEXT``) leaves the context as the limit."""
 
     temperature: float = 0.7
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
-    repeat_penalty: float = 1.0
+    repeat_penalty: float = REPEAT_PENALTY
     repeat_last_n: int = 64
     seed: int | None = None
-    max_tokens: int = 512
+    max_tokens: int = UNTIL_CONTEXT
     stop: list[str] = []
     speculative: str = ""  # "" = the engine's default; SPECULATIVE_MODES
 

@@ -22,7 +22,12 @@ from aotx.engine.errors import ModelError
 # ones AOTX runs. "longrope" (Phi-3) works through the rope_factors_long/short tensors;
 # Llama 3's "llama3" scaling arrives as the rope_freqs tensor with no scaling type.
 ROPE_SCALING_KNOWN = ("none", "linear", "yarn", "longrope")
-ROPE_SCALING_SUPPORTED = ("none", "linear", "longrope")
+ROPE_SCALING_SUPPORTED = ("none", "linear", "yarn", "longrope")
+# YaRN as llama.cpp runs it for every architecture: its context constants (llama-context.cpp)
+# with the hparams defaults (llama-hparams.h; the rope.scaling.yarn_* keys are not read for
+# the architectures here): ext_factor 1 when the scaling type is yarn, beta_fast 32, beta_slow 1
+YARN_BETA_FAST = 32.0
+YARN_BETA_SLOW = 1.0
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,15 @@ class ModelConfig:
     ``sliding_window`` (attention.sliding_window, None when absent), ``swa_pattern``
     (attention.sliding_window_pattern: None, a period n, or one bool per layer) and
     ``rope_base_swa`` (rope.freq_base_swa, default 10000) the RoPE base of those layers.
-    ``final_logit_softcap``: 0, or Gemma's cap on the logits.
+    ``final_logit_softcap``: 0, or Gemma's cap on the logits. ``yarn_ext_factor``: 1.0
+    for rope.scaling.type "yarn" (``rope_scale`` then holds its factor), else 0.
+    ``rope_base_swa_set``: the file has rope.freq_base_swa (gpt-oss's sliding layers
+    keep rope.freq_base without it; gemma3's take the 10000 default).
+
+    Mixture of experts (0 for a dense model): ``n_expert`` (expert_count), ``n_expert_used``
+    (expert_used_count: experts per token), ``expert_ffn_dim`` (expert_feed_forward_length,
+    0 when absent: the architecture picks its default), ``shared_ffn_dim``
+    (expert_shared_feed_forward_length, 0 when absent).
     """
 
     arch: str
@@ -65,6 +78,12 @@ class ModelConfig:
     swa_pattern: int | tuple[bool, ...] | None = None
     rope_base_swa: float = 10000.0
     final_logit_softcap: float = 0.0
+    yarn_ext_factor: float = 0.0
+    rope_base_swa_set: bool = False
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ffn_dim: int = 0
+    shared_ffn_dim: int = 0
 
     def check_sliding_window(self, path: str) -> None:
         """Raise ModelError unless the file's sliding window can be used: present,
@@ -174,7 +193,7 @@ class ModelConfig:
         if factor < 0:
             raise ModelError(f"{path}: {arch}.{factor_key} is {factor}; it must be positive")
         # llama.cpp: a factor of 0 (or none) means 1; scaling "none" never scales
-        scale = factor if scaling == "linear" and factor > 0 else 1.0
+        scale = factor if scaling in ("linear", "yarn") and factor > 0 else 1.0
         attn_factor = get("rope.scaling.attn_factor", 1.0, float)
         positive("rope.scaling.attn_factor", attn_factor)
         n_ctx_orig = get("rope.scaling.original_context_length", n_ctx)
@@ -193,6 +212,17 @@ class ModelConfig:
         softcap = get("final_logit_softcapping", 0.0, float)
         if softcap < 0:
             raise ModelError(f"{path}: {arch}.final_logit_softcapping is {softcap}; it must not be negative")
+        # experts (llama.cpp load_hparams: expert_count, expert_used_count <= expert_count)
+        n_expert = get("expert_count", 0)
+        n_used = get("expert_used_count", 0)
+        if n_expert < 0 or n_used < 0 or n_used > n_expert or (n_expert > 0) != (n_used > 0):
+            raise ModelError(f"{path}: {arch}.expert_used_count {n_used} does not fit {arch}.expert_count {n_expert} "
+                             f"(a model with experts uses 1 to expert_count of them per token)")
+        expert_ff = get("expert_feed_forward_length", 0)
+        shared_ff = get("expert_shared_feed_forward_length", 0)
+        if expert_ff < 0 or shared_ff < 0:
+            raise ModelError(f"{path}: {arch}.expert_feed_forward_length {expert_ff} / "
+                             f"expert_shared_feed_forward_length {shared_ff} must not be negative")
         return cls(
             arch=arch,
             name=str(meta.get("general.name", "")),
@@ -215,4 +245,10 @@ class ModelConfig:
             swa_pattern=pattern,
             rope_base_swa=base_swa,
             final_logit_softcap=softcap,
+            yarn_ext_factor=1.0 if scaling == "yarn" else 0.0,
+            rope_base_swa_set=raw("rope.freq_base_swa") is not None,
+            n_expert=n_expert,
+            n_expert_used=n_used,
+            expert_ffn_dim=expert_ff,
+            shared_ffn_dim=shared_ff,
         )

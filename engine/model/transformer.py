@@ -32,7 +32,7 @@ from aotx.engine.errors import ModelError
 from aotx.engine.model.batch import BatchLayout, Segment
 from aotx.engine.model.config import ModelConfig
 
-KINDS = ("matrix", "vector", "host")
+KINDS = ("matrix", "vector", "host", "experts", "expert_vectors")
 VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
 
 
@@ -41,7 +41,10 @@ class Tensor:
     """A tensor an architecture reads: ``name``, ``shape`` in ggml order (``(k, m)`` for an
     (m, k) matrix, ``(n,)`` for a vector), ``kind``: "matrix" (``backend.matrix``),
     "vector" (``backend.vector``: norms, biases) or "host" (a float32 numpy array kept on
-    the host: RoPE frequency factors); ``optional``: absent is fine (the weight is None)."""
+    the host: RoPE frequency factors); for mixtures of experts "experts" (a 3-D stack of E
+    matrices, ggml shape ``(k, m, E)``: ``backend.experts``) and "expert_vectors" (one bias
+    per expert, ggml ``(n, E)``: ``backend.expert_vectors``); ``optional``: absent is fine
+    (the weight is None)."""
 
     name: str
     shape: tuple[int, ...]
@@ -117,14 +120,15 @@ def resolve_tensors(specs: list, gf, backend) -> list[tuple[Tensor, Any]]:
         if spec.optional and spec.name not in gf.tensors:
             continue
         t = check_tensor(gf, spec.name, spec.shape)
-        if spec.kind == "matrix":
+        if spec.kind in ("matrix", "experts"):
             if supported is not None and t.qtype not in supported:
                 raise ModelError(f"{gf.path}: tensor {spec.name!r} has tensor type {_type_name(t.qtype)}, which the "
                                  f"{backend.name.upper()} backend does not support (supported: "
                                  f"{', '.join(sorted(_type_name(q) for q in supported))})")
         elif t.qtype not in VECTOR_TYPES:
             raise ModelError(f"{gf.path}: tensor {spec.name!r} has tensor type {_type_name(t.qtype)}, which is not "
-                             f"supported for a 1-D tensor (supported: F32, F16, BF16)")
+                             f"supported for a {'per-expert bias' if spec.kind == 'expert_vectors' else '1-D tensor'} "
+                             f"(supported: F32, F16, BF16)")
         out.append((spec, t))
     return out
 
@@ -148,7 +152,13 @@ def load_weights(resolved: list[tuple[Tensor, Any]], gf, backend) -> Weights:
             if spec.kind == "host":
                 loaded[spec.name] = _host_vector(t)
             else:
-                loaded[spec.name] = (backend.matrix if spec.kind == "matrix" else backend.vector)(t)
+                load = {"matrix": backend.matrix, "vector": backend.vector}.get(spec.kind)
+                if load is None:  # the expert kinds: only backends that run mixtures of experts have them
+                    load = getattr(backend, spec.kind, None)
+                    if load is None:
+                        raise ModelError(f"{gf.path}: the {backend.name.upper()} backend does not run mixtures of "
+                                         f"experts (tensor {spec.name!r})")
+                loaded[spec.name] = load(t)
         except ModelError as e:
             msg = str(e)
             raise ModelError(msg if msg.startswith(str(gf.path)) else f"{gf.path}: {msg}") from None
@@ -232,36 +242,9 @@ class TransformerModel:
 
 def build(cfg: ModelConfig, gf, backend, arch: ModuleType) -> TransformerModel:
     """Load the file ``gf`` (its config ``cfg``) onto ``backend`` as architecture ``arch``
-    (a module of ``architectures``; ``architectures.build`` looks it up by name). Raises
-    ModelError naming a missing, mis-shaped or unsupported tensor, or a hyperparameter the
-    architecture cannot run."""
-    if not hasattr(backend, "compile") and getattr(backend, "name", "") == "cuda":
-        # Transition: until the CUDA backend compiles Programs (helper `cuda`, issue 14),
-        # llama on CUDA keeps its own model. Removed with engine/backend/cuda_llama.py.
-        if cfg.arch != "llama":
-            raise ModelError(f"{gf.path}: architecture {cfg.arch!r} does not run on the CUDA backend yet")
-        from aotx.engine.backend.cuda_llama import CudaLlamaModel
-
-        return _LegacyCudaModel(CudaLlamaModel(cfg, gf, backend))
+    (a module of ``architectures``; ``architectures.build(cfg, gf, backend)`` looks it up by
+    name). Raises ModelError naming a missing, mis-shaped or unsupported tensor, or a
+    hyperparameter the architecture cannot run."""
     return TransformerModel(cfg, gf, backend, arch)
 
 
-class _LegacyCudaModel:
-    """Transition only (deleted with cuda_llama.py): today's CUDA llama model with the
-    kv_type arguments of SEAMS.md accepted (its KV cache stays float32)."""
-
-    device_sampling = True
-
-    def __init__(self, inner):
-        self._m = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self._m, name)
-
-    def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
-        return self._m.kv_cache_bytes(n_slots, n_ctx)
-
-    def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16"):
-        kv = self._m.new_kv_cache(n_slots, n_ctx)
-        kv.kv_type = "f32"
-        return kv

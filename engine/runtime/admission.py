@@ -155,19 +155,22 @@ class Budget:
 def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefill_chunk: int,
          journal_bytes: int, total: int, media_bytes: int = 0, capsule_bytes: int = 0,
          capsule_device_bytes: int = 0, prefill_weight_bytes: int = 0,
-         draft_terms: tuple[tuple[str, int], ...] = (), kv_type: str = "f16") -> Budget:
+         draft_terms: tuple[tuple[str, int], ...] = (), kv_type: str = "f16", expert_cache_bytes: int = 0) -> Budget:
     """The budget of a configuration (bytes; on CUDA ``total`` is GPU memory and the
     capsule share is their device home). ``draft_terms``: a draft model's (name, bytes)
     terms (``DraftModel.budget_terms``: its weights, its KV for every slot, its working
     buffers). ``kv_type``: the KV cache's element type ("f16" | "f32"), whose size
-    ``kv_bytes`` already is; shown in the table. Raises AdmissionError with every term
-    when it does not fit."""
+    ``kv_bytes`` already is; shown in the table. ``expert_cache_bytes``: a mixture-of-experts
+    model's GPU expert cache (sized from what the other terms leave; its experts are not
+    in ``weight_bytes`` on CUDA). Raises AdmissionError with every term when it does not fit."""
     tables = n_slots * (n_ctx * 8 + 256)  # slot token lists and table rows
     terms = (("weights", weight_bytes), ("prefill weights", prefill_weight_bytes), (f"kv cache ({kv_type})", kv_bytes),
              ("working buffers", working_bytes(cfg, prefill_chunk, n_slots, n_ctx)),
              ("runtime tables", tables), ("journal buffers", journal_bytes),
-             ("capsules (host)", capsule_bytes), ("capsules (device)", capsule_device_bytes), ("media", media_bytes))
-    optional = {"prefill weights", "capsules (device)", "capsules (host)"}  # shown where the backend has them
+             ("capsules (host)", capsule_bytes), ("capsules (device)", capsule_device_bytes), ("media", media_bytes),
+             ("experts (gpu cache)", expert_cache_bytes))
+    # shown where the backend has them
+    optional = {"prefill weights", "capsules (device)", "capsules (host)", "experts (gpu cache)"}
     b = Budget(total, tuple((n, v) for n, v in terms if v or n not in optional) + tuple(draft_terms))
     if b.used > b.total:
         raise AdmissionError(f"the configuration does not fit: {n_slots} slots x {n_ctx} tokens of context "
@@ -175,3 +178,30 @@ def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefil
                              f"({total:,} bytes):\n{b.table()}\nlower --slots or --context, "
                              f"{'use --kv-type f16, ' if kv_type == 'f32' else ''}or raise --memory-budget")
     return b
+
+
+#: GPU memory kept free beside the expert cache (allocator slack, copy staging)
+EXPERT_CACHE_RESERVE = 256 << 20
+
+
+def check_experts(plan, total_bytes: int, ram_bytes: int, gpu: bool) -> list[str]:
+    """Admission of a mixture-of-experts model's experts (``plan``: engine/model/experts.Plan;
+    ``total_bytes``: all routed experts; ``ram_bytes``: the machine's RAM; ``gpu``: the engine
+    runs on a GPU). On the CPU the experts are part of the weights the budget table already
+    counts. On a GPU, the experts the cache does not hold are computed by the CPU pool from
+    host memory: refuses (AdmissionError, with the numbers) when they do not fit the RAM
+    less 2 GiB for everything else (each token would read them from disk). Returns the lines
+    to report: where the experts live and, when some run on the CPU on a GPU machine, that
+    the model fits only so, with the speed the calibration predicts."""
+    off_gpu = total_bytes - plan.gpu_bytes
+    if gpu and off_gpu > ram_bytes - (2 << 30):
+        raise AdmissionError(
+            f"the experts do not fit: {fmt_bytes(total_bytes)} ({total_bytes:,} bytes) of experts, the GPU cache holds "
+            f"{fmt_bytes(plan.gpu_bytes)} and the other {fmt_bytes(off_gpu)} need host memory, but the machine has "
+            f"{fmt_bytes(ram_bytes)} of RAM; raise --memory-budget, lower --slots or --context, or use a smaller file")
+    lines = [plan.summary()]
+    if gpu and plan.count("gpu") < plan.n_experts:
+        lines.append(f"this model fits the GPU budget only with {plan.n_experts - plan.count('gpu')} of its "
+                     f"{plan.n_experts} experts on the CPU: expect about {plan.decode_tok_s:.1f} tokens/s decode and "
+                     f"{plan.prefill_tok_s:.0f} tokens/s prefill (calibrated on this machine)")
+    return lines

@@ -51,6 +51,7 @@ from aotx.engine.runtime.models import (
     EXTRA_CAPSULE_HOST, LocalModel, ModelSet, header_terms, is_shared_term, local_terms,
 )
 from aotx.engine.runtime.requests import Request, RequestState, Sink
+from aotx.engine.units import fmt_bytes
 
 log = logging.getLogger("aotx.engine")
 
@@ -117,6 +118,7 @@ class Engine:
         self.models.make_remote = self._make_remote
         self.models.estimate = self._estimate
         self.models.add(default, default=True)
+        default.submitter.count_media = self.count_media
         kv1 = lm.model.kv_cache_bytes(1, 16, kv_type)
         cfg = lm.config
         self._kv_value_bytes = max(1, round(kv1 / max(1, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 16)))
@@ -244,10 +246,12 @@ class Engine:
                                 fingerprint=lm.fingerprint, kv_type=self.kv_type)
         terms = local_terms(lm, self.n_slots, n_ctx, self.prefill_chunk,
                             capsule_host=EXTRA_CAPSULE_HOST if caps is not None else 0, kv_type=self.kv_type)
-        return LocalModel(entry.name, lm, self.store, self._inbox, self._is_busy, n_slots=self.n_slots, n_ctx=n_ctx,
-                          prefill_chunk=self.prefill_chunk, device=self.device, capsules=caps,
-                          speculative="auto" if self.speculative == "draft" else self.speculative, terms=terms,
-                          entry=entry, kv_type=self.kv_type)
+        m = LocalModel(entry.name, lm, self.store, self._inbox, self._is_busy, n_slots=self.n_slots, n_ctx=n_ctx,
+                       prefill_chunk=self.prefill_chunk, device=self.device, capsules=caps,
+                       speculative="auto" if self.speculative == "draft" else self.speculative, terms=terms,
+                       entry=entry, kv_type=self.kv_type)
+        m.submitter.count_media = self.count_media
+        return m
 
     def _make_remote(self, entry: ModelEntry) -> Any:
         from aotx.engine.runtime.remote import RemoteModel
@@ -296,7 +300,7 @@ class Engine:
         self._inbox.put(ClientOp(op, sink))
 
     def post_disconnect(self, sink: Sink) -> None:
-        """The client behind ``sink`` went away: cancel its generations within one tick."""
+        """The client behind ``sink`` went away: its accepted replies finish (``_on_disconnect``)."""
         self._inbox.put(Disconnected(sink))
 
     def _has_work(self) -> bool:
@@ -386,9 +390,10 @@ class Engine:
             log.warning("capsule of %s not journaled: %s", ev.conv_id, e)
 
     def _on_disconnect(self, ev: Disconnected) -> None:
-        for r in list(self._by_rid.values()):
-            if r.sink is ev.sink:
-                self._cancel(r)
+        """A client went away (closed, or killed mid-reply). Its accepted messages are
+        the user's: their replies run to the end here and are journaled, so the reply is
+        there when the user comes back (nobody cancelled it: issue 17, defect 6); events
+        for the closed connection are dropped. Work not yet accepted is dropped."""
         for m in self.models:
             m.submitter.drop(ev.sink)
 
@@ -562,6 +567,23 @@ class Engine:
         requests; the other models and every read go on."""
         log.error("device work of model %s failed at tick %d", m.name, self.tick, exc_info=e.__cause__)
         m.fail_closed(f"device work failed at tick {self.tick}: {e}", self._finish)
+
+    # ---- media loaded when first needed ----------------------------------------------------
+
+    def count_media(self, name: str, nbytes: int) -> str:
+        """Admit a media specialist (``name``, e.g. "media: whisper-base") into the budget
+        the first time an attachment needs it: "" when it fits (the budget now counts it,
+        ``aotx status`` shows it), else why not. A text-only chat never counts it (issue 17,
+        defect 8: the specialists took 1.1 GiB of the budget before any audio or picture)."""
+        b = self.budget
+        if b is None or any(n == name for n, _ in b.terms):
+            return ""
+        if nbytes > b.free:
+            return (f"{name.removeprefix('media: ')} needs {fmt_bytes(nbytes)} ({nbytes:,} bytes) of the memory "
+                    f"budget, {fmt_bytes(max(0, b.free))} is free: start the engine with a larger --memory-budget")
+        self.models.add_shared(name, nbytes)  # the engine's, not one model's: kept when a model unloads
+        log.info("budget: %s counted now (%d bytes), %d of %d bytes used", name, nbytes, self.budget.used, b.total)
+        return ""
 
     # ---- status --------------------------------------------------------------------------
 

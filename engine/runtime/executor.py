@@ -119,10 +119,13 @@ class Executor:
                 self.draft.restore(cap, slot.index, r.prompt)
             slot.tokens[:] = cap.tokens[:n].tolist()
             reuse = n
-            note = (f"restored {n} tokens of context from the capsule on disk" if cap.home == "disk" else
-                    f"restored {n} tokens of context from a parked capsule ({cap.home} memory)")
+            # the user's words (issue 17, defect 7); where it came from is in `aotx status`
+            note = f"picked up where this conversation left off ({n} tokens of context kept, not read again)"
         elif note.startswith("restored"):
             note = ""
+        elif note:  # the saved state could not be used: the earlier messages are read again
+            why = "it was made by another model" if "belongs to model" in note else note.split(": re-prefilling")[0]
+            note = f"reading this conversation's earlier messages again: its saved state could not be used ({why})"
         return LeaseResult(reuse, note, n)
 
     def persist(self, r: Request, written: Callable[[str, str, int], None]) -> None:

@@ -72,6 +72,7 @@ class Submission:
     need: int = 0  # journal credit asked when it was held
     prompt: list[int] = field(default_factory=list)
     model: str = ""  # the loaded model whose submitter runs its stages
+    media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
 
 
 class Submitter:
@@ -100,6 +101,10 @@ class Submitter:
         self.held: list[Submission] = []
         self._media_busy: set[tuple[int, int]] = set()
         self.model_name: str = getattr(lm, "name", "")  # the engine's name for this model (models.ModelSet)
+        # the model's media.profile.MediaProfile (set by serve) and the engine's admission of a
+        # specialist when an attachment first needs it: count_media(name, bytes) -> "" or why not
+        self.media_profile: Any = None
+        self.count_media: Callable[[str, int], str] | None = None
 
     # ---- 1. check ---------------------------------------------------------------------
 
@@ -137,11 +142,13 @@ class Submitter:
     # ---- 2. media ---------------------------------------------------------------------
 
     def _media(self, sub: Submission) -> None:
-        """Attachments -> text through the model's media profile, on a thread."""
+        """Attachments -> text through the model's media profile, on a thread. A speech or
+        OCR specialist is admitted into the budget when a first attachment needs it."""
         op, sink = sub.op, sub.sink
         key = (id(sink), op.id)
         if key in self._media_busy:
             return
+        self._admit_specialists(op)
         self._media_busy.add(key)
 
         def work() -> None:
@@ -152,7 +159,6 @@ class Submitter:
                 for a in op.attachments:
                     errors.append((a.name or a.path, f"media support is not installed ({e.name}): "
                                                      "pip install 'aotx[media]'"))
-                sub.text = op.text + "".join(f"\n[Attachment {n} could not be used: {why}]" for n, why in errors)
             else:
                 for a in op.attachments:
                     name = a.name or a.path.rsplit("/", 1)[-1]
@@ -165,14 +171,41 @@ class Submitter:
                     except Exception as e:  # noqa: BLE001 - MediaError, or a decoder's own failure
                         errors.append((name, str(e)))
                         sink.send(P.MediaInfo(id=op.id, kind=a.kind, route="refused", name=name, error=str(e)))
-                sub.text = render_for_prompt(results, op.text, errors)
+                if not errors:
+                    sub.text = render_for_prompt(results, op.text)
+            sub.media_errors = errors
             self.inbox.put(MediaReady(sub))
 
         threading.Thread(target=work, name="aotx-media", daemon=True).start()
 
+    def _admit_specialists(self, op: P.SubmitMessage) -> None:
+        """Count each specialist this message's attachments need (Whisper, OCR) the first
+        time one is needed; refuse the message, writing nothing, when one does not fit."""
+        prof, count = self.media_profile, self.count_media
+        if prof is None or count is None:
+            return
+        from aotx.media.kinds import kind_of_name
+
+        for a in op.attachments:
+            kind = a.kind or (k.value if (k := kind_of_name(a.path)) else "")
+            route = prof.route(kind) if kind else None
+            if route is None or route.route != "specialist" or not route.available:
+                continue
+            why = count(f"media: {route.model}", route.memory_bytes)
+            if why:
+                raise admission.Refusal(ErrorCode.UNSUPPORTED_MEDIA, "memory",
+                                        f"{a.name or a.path}: {why}", asked=route.memory_bytes)
+
     def media_ready(self, sub: Submission, tick: int) -> Request | None:
-        """The media stage is done (attachments rendered, or earlier pictures restored)."""
+        """The media stage is done (attachments rendered, or earlier pictures restored).
+        An attachment that could not be used refuses the message, and nothing is written:
+        its refusal never goes into the prompt (issue 17, defect 4), the user sees why."""
         self._media_busy.discard((id(sub.sink), sub.op.id))
+        if sub.media_errors:
+            errors, sub.media_errors = sub.media_errors, []
+            raise admission.Refusal(ErrorCode.UNSUPPORTED_MEDIA, "media",
+                                    "; ".join(f"{name}: {why}" for name, why in errors) +
+                                    " (nothing was sent: remove or fix the attachment and send again)")
         return self.prompt(sub, tick)
 
     # ---- 3. prompt ----------------------------------------------------------------------
@@ -243,6 +276,7 @@ class Submitter:
     def _accept(self, sub: Submission, text: str, tick: int) -> Request | None:
         op, sink, sp, prompt, st = sub.op, sub.sink, sub.sampling, sub.prompt, self.store
         ctx = self.envelope.context_tokens
+        has_history = bool(st.get(op.conv_id).messages)  # before this message's records
         max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
         msg_id, reply_id, recs = st.accept_records(op.conv_id, "user", text, sp, op.attachments, raw=op.raw,
                                                    model=self.model_name)
@@ -278,6 +312,7 @@ class Submitter:
             credit=reply if st.journaled else 0,
             drafter=self._drafter(sp),
             model=self.model_name,
+            has_history=has_history,
         )
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
             r.drafter.bind(r)

@@ -4,8 +4,12 @@ Owns: ``FakeEngine`` (conversations, sequence numbers and a pretend journal kept
 memory) and ``FakeEngineClient``, which has the methods of ``EngineClient`` that the
 app uses and yields the event sequence the protocol documents: Accepted, Durable
 (user message), Notice*, Token*, Committed, Durable (reply). It can be told to load
-slowly, to send notices, to refuse media, and to crash mid-reply; it forks conversations,
-and refuses with the engine's error codes (``EngineError.code``: not_found, busy).
+slowly, to send notices, to refuse media (or to turn it into text as the engine's
+media profiles do, ``media_text``), to refuse a prompt longer than ``max_prompt_chars``
+(too_long, as the engine does: a refused Notice, then an Error, nothing recorded), to
+crash mid-reply, and to send each token only when the test lets it (``token_gate``); it
+forks conversations, and refuses with the engine's error codes (``EngineError.code``:
+not_found, busy).
 Leaves to others: everything a real engine does (no model, no disk).
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aotx.engine.errors import EngineError, ErrorCode
 from aotx.engine.ipc import protocol as P
@@ -30,7 +34,9 @@ class FakeEngine:
 
     def __init__(self, *, reply: Callable[[str], str] = default_reply, token_delay: float = 0.0,
                  chars_per_token: int = 4, load_steps: int = 0, notices: list[P.Notice] | None = None,
-                 model: str = "SmolLM2-135M-Instruct Q4_1", device: str = "cpu") -> None:
+                 model: str = "SmolLM2-135M-Instruct Q4_1", device: str = "cpu",
+                 media_text: Callable[[P.Attachment], str] | None = None, max_prompt_chars: int = 0,
+                 n_ctx: int = 2048, token_gate: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.reply, self.token_delay, self.chars_per_token = reply, token_delay, chars_per_token
         self.load_steps, self.notices, self.model, self.device = load_steps, list(notices or []), model, device
         self.convs: dict[str, P.ConversationView] = {}
@@ -46,6 +52,10 @@ class FakeEngine:
         self.truncated: list[str] = []
         self.forked: list[tuple[str, str]] = []
         self.now = 1_700_000_000.0
+        self.media_text = media_text
+        self.max_prompt_chars = max_prompt_chars
+        self.n_ctx = n_ctx
+        self.token_gate = token_gate  # tests: awaited before token i is sent (a stream paced by the test)
 
     async def connect(self, on_spawn: Callable[[str], None] | None = None) -> "FakeEngineClient":
         """The client factory the app takes: a new connection to this engine."""
@@ -123,7 +133,7 @@ class FakeEngineClient:
             progress = f"weights {100 - 25 * e.load_steps}%"
         budget = [P.BudgetLine("weights", 120 << 20), P.BudgetLine("kv", 96 << 20)]
         return P.StatusReply(id=0, model=e.model, device=e.device, ready=e.load_steps == 0, budget_bytes=1 << 30,
-                             used_bytes=sum(b.bytes for b in budget), budget=budget, slots=[], n_ctx=2048,
+                             used_bytes=sum(b.bytes for b in budget), budget=budget, slots=[], n_ctx=e.n_ctx,
                              load_progress=progress)
 
     async def list_conversations(self) -> list[P.ConversationView]:
@@ -215,16 +225,35 @@ class FakeEngineClient:
         if not self.welcome.ready and e.load_steps > 0:
             yield P.Error(id=rid, code=ErrorCode.NOT_READY, message="the model is still loading")
             return
-        if attachments:
+        if attachments and e.media_text is None:
             yield P.Error(id=rid, code=ErrorCode.UNSUPPORTED_MEDIA,
                           message=f"this model has no media profile: {attachments[0].kind} input is not supported yet")
             return
-        user = e._message("user", text, status="complete", durable=False)
+        if e.max_prompt_chars and len(text) > e.max_prompt_chars:
+            asked = len(text) // e.chars_per_token
+            yield P.Notice(id=rid, kind="refused", resource="context", asked=asked, free=e.n_ctx,
+                           message=f"the prompt of {asked} tokens does not fit the context of {e.n_ctx}")
+            yield P.Error(id=rid, code=ErrorCode.TOO_LONG,
+                          message=f"prompt of {asked} tokens does not fit the context of {e.n_ctx} tokens")
+            return
+        journaled = text
+        if attachments:  # as the engine's media profiles do: the text the model receives
+            from aotx.media.profile import MediaResult, render_for_prompt
+
+            results = [MediaResult(a.kind, "specialist", e.media_text(a), 0.1, "fake-specialist", a.name)
+                       for a in attachments]
+            for r in results:
+                yield P.MediaInfo(id=rid, kind=r.kind, route=r.route, name=r.source, text=r.text, via=r.model)
+            journaled = render_for_prompt(results, text)
+        user = e._message("user", journaled, status="complete", durable=False)
+        user.attachments = list(attachments or [])
         conv.messages.append(user)
         reply = e._message("assistant", "", status="streaming", durable=False)
         conv.messages.append(reply)
         conv.busy, conv.updated_at = True, e._tick()
-        yield P.Accepted(id=rid, conv_id=conv_id, msg_id=user.msg_id, reply_id=reply.msg_id, seq=user.seq, tick=1)
+        prompt_ids = list(range(sum(len(m.text) for m in conv.messages) // e.chars_per_token + 8))
+        yield P.Accepted(id=rid, conv_id=conv_id, msg_id=user.msg_id, reply_id=reply.msg_id, seq=user.seq, tick=1,
+                         prompt_ids=prompt_ids)
         user.receipt = e._receipt(user.seq)
         yield P.Durable(id=rid, receipt=user.receipt, msg_id=user.msg_id)
         for n in e.notices:
@@ -235,6 +264,8 @@ class FakeEngineClient:
                 e.crash()
             if self.closed:
                 raise ConnectionLost("the engine closed the connection in the middle of a reply")
+            if e.token_gate is not None:
+                await e.token_gate(i)
             if rid in self._cancel:
                 reason = "cancelled"
                 break

@@ -27,7 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import common, gemma3, hf_vocab, iquants, llama, llama3, phi3, qwen2, qwen3, real
+from . import common, experts, gemma3, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe, real
 from .common import Tokenizer, tokenizer_from_gguf
 
 #: every tiny reference file: name -> (writer module, its keyword arguments)
@@ -41,13 +41,20 @@ TINY: dict[str, tuple[Any, dict[str, Any]]] = {
     "iquants": (iquants, {}),
 }
 
+#: the tiny mixture-of-experts files (issue 22; references in tests/data/refs/moe/)
+MOE: dict[str, tuple[Any, dict[str, Any]]] = {
+    "qwen3moe": (qwen3moe, {}),
+    "olmoe": (olmoe, {}),
+    "gptoss": (gptoss, {}),
+}
+
 
 def write(name: str, path: str | Path, tokenizer: Tokenizer, **overrides: Any) -> Path:
-    """Write the tiny file ``name`` (a key of ``TINY``) to ``path``; ``overrides`` change
+    """Write the tiny file ``name`` (a key of ``TINY`` or ``MOE``) to ``path``; ``overrides`` change
     its writer's arguments (the result then no longer matches the stored reference)."""
-    module, kwargs = TINY[name]
+    module, kwargs = TINY[name] if name in TINY else MOE[name]
     return module.write(path, tokenizer, **{**kwargs, **overrides})
 
 
-__all__ = ["TINY", "Tokenizer", "common", "gemma3", "hf_vocab", "iquants", "llama", "llama3", "phi3", "qwen2", "qwen3",
-           "real", "tokenizer_from_gguf", "write"]
+__all__ = ["MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gptoss", "hf_vocab", "iquants", "llama",
+           "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "real", "tokenizer_from_gguf", "write"]

@@ -44,7 +44,7 @@ def _build(path: Path):
     from aotx.engine.backend.cuda import CudaBackend
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
-    from aotx.engine.model.transformer import build
+    from aotx.engine.model.architectures import build
 
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))

@@ -98,7 +98,7 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     from aotx.engine.model.batch import Segment
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
-    from aotx.engine.model.transformer import build
+    from aotx.engine.model.architectures import build
 
     res: dict = {"engine": "aotx", "model": name}
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec, Value
 from aotx.engine.errors import ModelError
-from aotx.engine.model.config import ModelConfig
+from aotx.engine.model.config import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig
 from aotx.engine.model.transformer import OneOf, Tensor, Weights
 
 
@@ -110,9 +110,13 @@ def rope_spec(cfg: ModelConfig, mode: str, w: Weights | None = None, base: float
             long = tuple(float(x) for x in lng) if lng is not None else None
             if long is not None and ff is None:
                 ff = (1.0,) * (cfg.rope_dim // 2)
+    yarn = {}
+    if cfg.yarn_ext_factor:  # llama.cpp applies YaRN to every rope of the graph (cparams)
+        yarn = dict(ext_factor=cfg.yarn_ext_factor, beta_fast=YARN_BETA_FAST, beta_slow=YARN_BETA_SLOW,
+                    yarn_ctx=cfg.n_ctx_orig)
     return RopeSpec(mode=mode, dim=cfg.rope_dim, base=cfg.rope_base if base is None else float(base),
                     freq_scale=1.0 / cfg.rope_scale, attn_factor=cfg.rope_attn_factor, freq_factors=ff,
-                    long_factors=long, long_ctx=cfg.n_ctx_orig if long is not None else 0)
+                    long_factors=long, long_ctx=cfg.n_ctx_orig if long is not None else 0, **yarn)
 
 
 def output_head(b: ProgramBuilder, cfg: ModelConfig, w: Weights, x: Value) -> Value:

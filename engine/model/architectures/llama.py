@@ -27,7 +27,6 @@ from aotx.engine.model.architectures import common as C
 from aotx.engine.model.batch import SMALL_SEGMENT, Segment  # noqa: F401 (re-exported)
 from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.transformer import Weights
-from aotx.engine.model.transformer import check_tensor as _check  # noqa: F401 (cuda_llama.py, until issue 14's port)
 
 
 

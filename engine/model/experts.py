@@ -1,0 +1,558 @@
+"""Expert tiers: where each routed expert of a mixture-of-experts model lives, decided by measurement.
+
+Owns:
+* ``moe_layers(program)``: the moe nodes of a traced Program as ``MoeLayer`` facts (experts,
+  experts per token, bytes per expert).
+* ``Costs``: what the calibration measured on this machine, per moe layer: seconds for one
+  expert's FFN on n rows on the CPU tier (the CPU expert pool) and on the GPU, and seconds
+  to copy one expert from pinned host memory into the GPU cache; each a line a + b n fitted
+  to timings at two row counts. Keyed by a device fingerprint; stored under the cache dir
+  and reused when the fingerprint matches (no re-timing).
+* ``plan(layers, costs, ...)``: the placement. Every expert gets a tier: "gpu" (the GPU
+  expert cache, sized from the budget left after weights, KV and working memory), "host"
+  (pinned host memory: the CPU pool computes it, or it is copied to the GPU when a tick
+  routes many rows to it) or "mmap" (computed by the CPU pool from the memory-mapped file).
+  The cache's slots go to the experts with the largest expected saving (traffic share x
+  (CPU cost - GPU cost)), so layers share it evenly when traffic is uniform; ``copy_min_rows``
+  is the row count from which copying a cold expert and running it on the GPU beats the
+  CPU; ``decode_tok_s`` / ``prefill_tok_s`` are the speeds the measured costs predict.
+* ``ExpertCache``: the GPU cache's replacement policy at run time: "static" (the plan's
+  experts stay), "lru" or "lfu" (a cold expert that a tick routes ``copy_min_rows`` rows or
+  more to is copied in, evicting the least recently / least frequently used one).
+  ``simulate(trace, ...)`` replays a routing trace against a policy: hits, copies and the
+  modeled time, so a traffic-learned cache is measured against the static plan.
+* ``setup(model, ...)``: the whole sequence at engine start: calibrate (or reuse), plan,
+  place (the backend allocates the cache, pins host memory, pins the CPU pool and touches
+  the pages), then a second pass against the memory that was actually obtained and the
+  pool's costs after pinning, and place again if the plan changed. The stages and their
+  seconds go to the startup profile, the plan's one-line summary to the notes.
+
+Leaves to the backends the measurements themselves and every copy and kernel
+(``compiled.measure_experts``, ``compiled.place_experts``, ``compiled.expert_stats``: duck
+typed; the CPU backend has only the CPU tiers), to admission the budget table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TIERS = ("gpu", "host", "mmap")
+POLICIES = ("static", "lru", "lfu")
+PLAN_VERSION = 1
+CALIBRATION_ROWS = (1, 16)     # each cost line is fitted to timings at these row counts
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One moe node: ``index`` (its moe_layer), ``n_expert``, ``n_used`` (experts per
+    token), ``expert_bytes`` (gate + up + down of one expert, in the file's types),
+    ``d_model``, ``ffn_dim``."""
+
+    index: int
+    n_expert: int
+    n_used: int
+    expert_bytes: int
+    d_model: int
+    ffn_dim: int
+
+
+def _stack_bytes(st: Any) -> int:
+    n = getattr(st, "nbytes_per_expert", None)
+    if n is not None:
+        return int(n)
+    return int(st.m) * int(st.k) * 4
+
+
+def moe_layers(program: Any) -> list[MoeLayer]:
+    """The moe nodes of ``program`` (an ops.Program) as MoeLayer facts, in order."""
+    out = []
+    for n in program.moe_nodes():
+        a = n.attrs
+        out.append(MoeLayer(a["moe_layer"], a["n_expert"], a["n_used"],
+                            sum(_stack_bytes(a[k]) for k in ("gate", "up", "down")), n.out.width, a["ffn_dim"]))
+    return out
+
+
+# ------------------------------------------------------------------ costs
+
+@dataclass(frozen=True)
+class Line:
+    """seconds(n) = a + b * n (n rows), fitted to two timings; never negative."""
+
+    a: float
+    b: float
+
+    def __call__(self, n: float) -> float:
+        return max(0.0, self.a + self.b * n)
+
+    @classmethod
+    def fit(cls, t1: float, n1: int, t2: float, n2: int) -> Line:
+        b = max(0.0, (t2 - t1) / max(1, n2 - n1))
+        return cls(max(0.0, t1 - b * n1), b)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per moe layer: ``cpu[l]`` (CPU pool, one expert), ``gpu[l]`` (one expert on the GPU;
+    empty without a GPU) and ``copy[l]`` (seconds to copy one expert into the GPU cache;
+    empty without a GPU); ``dense_decode_s``: the rest of a decode step (attention and dense
+    layers) when measured, else 0; ``dense_prefill_s``: the same per token of a prefill
+    chunk; ``device``: the device fingerprint they were measured on; ``measured_s``: how
+    long the calibration took (0 when reused)."""
+
+    cpu: tuple[Line, ...]
+    gpu: tuple[Line, ...] = ()
+    copy: tuple[float, ...] = ()
+    dense_decode_s: float = 0.0
+    device: str = ""
+    measured_s: float = 0.0
+    dense_prefill_s: float = 0.0
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpu)
+
+    def to_dict(self) -> dict:
+        return {"cpu": [[c.a, c.b] for c in self.cpu], "gpu": [[c.a, c.b] for c in self.gpu], "copy": list(self.copy),
+                "dense_decode_s": self.dense_decode_s, "dense_prefill_s": self.dense_prefill_s, "device": self.device}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Costs:
+        return cls(tuple(Line(float(a), float(b)) for a, b in d["cpu"]),
+                   tuple(Line(float(a), float(b)) for a, b in d.get("gpu", [])),
+                   tuple(float(x) for x in d.get("copy", [])), float(d.get("dense_decode_s", 0.0)),
+                   str(d.get("device", "")), 0.0, float(d.get("dense_prefill_s", 0.0)))
+
+
+def device_fingerprint(compiled: Any) -> str:
+    """What the costs depend on: the CPU (model name, cores the process may use, numba
+    threads), the GPU when the backend has one (``compiled.device_facts()``), and the
+    backend's name. sha256, 16 hex chars."""
+    import numba
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    facts = {"cpu": cpu, "cores": cores, "numba_threads": numba.get_num_threads(),
+             "backend": type(compiled).__name__}
+    dev = getattr(compiled, "device_facts", None)
+    if dev is not None:
+        facts["gpu"] = dev()
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+PREFILL_ROWS = 64   # the prefill step the calibration times
+
+
+def step_seconds(model: Any, reps: int = 3) -> tuple[float, float]:
+    """The best of ``reps`` timings of a decode step (one token, one slot, a short context)
+    and of a PREFILL_ROWS-token prefill chunk, through ``model.forward``, with the experts
+    wherever they are now."""
+    import numpy as np
+
+    from aotx.engine.model.batch import Segment
+
+    kv = model.new_kv_cache(1, PREFILL_ROWS + 16)
+    toks = (np.arange(PREFILL_ROWS, dtype=np.int64) * 7919 % max(2, model.cfg.vocab_size)).astype(np.int32)
+    best_p = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model.forward(toks, [Segment(0, 0, PREFILL_ROWS, logits=False)], kv)
+        best_p = min(best_p, time.perf_counter() - t0)
+    best_d = math.inf
+    for i in range(reps + 2):
+        t0 = time.perf_counter()
+        model.forward(toks[i:i + 1], [Segment(0, PREFILL_ROWS + i, 1)], kv)
+        best_d = min(best_d, time.perf_counter() - t0)
+    return best_d, best_p
+
+
+def calibrate(compiled: Any, layers: list[MoeLayer], rows: tuple[int, int] = CALIBRATION_ROWS,
+              model: Any = None) -> Costs:
+    """Measure ``Costs`` on this machine through the backend: ``compiled.measure_experts(layer,
+    rows) -> {"cpu": {n: s}, "gpu": {n: s}, "copy": s}`` (the best of a few runs, each on a
+    real expert of that layer). With ``model`` (the TransformerModel), also a decode step,
+    whose time less the modeled expert work (every expert on the CPU, as before placement)
+    is ``dense_decode_s``."""
+    t0 = time.perf_counter()
+    cpu, gpu, copy = [], [], []
+    for L in layers:
+        m = compiled.measure_experts(L.index, rows)
+        c = m["cpu"]
+        cpu.append(Line.fit(c[rows[0]], rows[0], c[rows[1]], rows[1]))
+        if m.get("gpu"):
+            g = m["gpu"]
+            gpu.append(Line.fit(g[rows[0]], rows[0], g[rows[1]], rows[1]))
+            copy.append(float(m["copy"]))
+    dense = dense_p = 0.0
+    if model is not None:
+        dec, pre = step_seconds(model)
+        dense = max(0.0, dec - sum(L.n_used * c(1) for L, c in zip(layers, cpu)))
+        rows = PREFILL_ROWS * 1.0
+        dense_p = max(0.0, pre - sum(L.n_expert * c(rows * L.n_used / L.n_expert) for L, c in zip(layers, cpu))) / rows
+    return Costs(tuple(cpu), tuple(gpu) if len(gpu) == len(layers) else (),
+                 tuple(copy) if len(copy) == len(layers) else (), dense, device_fingerprint(compiled),
+                 time.perf_counter() - t0, dense_p)
+
+
+# ------------------------------------------------------------------ the plan
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every expert lives: ``tiers[l][e]`` in TIERS; ``policy`` of the GPU cache;
+    ``copy_min_rows``: a tick that routes at least this many rows to an expert off the GPU
+    copies it in and runs it there (0: never); bytes per tier; the speeds the costs predict
+    (decode batch 1, prefill of 512 tokens); ``reason``: why the plan is what it is."""
+
+    tiers: tuple[tuple[str, ...], ...]
+    policy: str = "static"
+    copy_min_rows: int = 0
+    gpu_bytes: int = 0
+    host_bytes: int = 0
+    mmap_bytes: int = 0
+    decode_tok_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    reason: str = ""
+
+    def count(self, tier: str) -> int:
+        return sum(t.count(tier) for t in self.tiers)
+
+    @property
+    def n_experts(self) -> int:
+        return sum(len(t) for t in self.tiers)
+
+    @property
+    def cpu_only_fit(self) -> bool:
+        """True when some experts run off the GPU on a machine that has one."""
+        return self.count("gpu") < self.n_experts
+
+    def summary(self) -> str:
+        n = self.n_experts or 1
+        parts = [f"{self.count(t)} {t} ({self.count(t) / n:.0%})" for t in TIERS if self.count(t)]
+        speed = f"; expected decode {self.decode_tok_s:.1f} tok/s, prefill {self.prefill_tok_s:.0f} tok/s" \
+            if self.decode_tok_s else ""
+        copy = f", copy a cold expert at >= {self.copy_min_rows} rows" if self.copy_min_rows else ""
+        return (f"experts: {self.n_experts} in {len(self.tiers)} layers: {', '.join(parts)}; cache policy "
+                f"{self.policy}{copy}{speed}" + (f" ({self.reason})" if self.reason else ""))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        d = dict(d)
+        d["tiers"] = tuple(tuple(t) for t in d["tiers"])
+        return cls(**d)
+
+
+def _speeds(layers: list[MoeLayer], costs: Costs, on_gpu: list[int], copy_min_rows: int) -> tuple[float, float]:
+    """Modeled decode tok/s (batch 1) and prefill tok/s (512 tokens, uniform routing) of a
+    placement with ``on_gpu[l]`` experts of layer l on the GPU. Within a layer the CPU and
+    the GPU run at once (the slower one counts)."""
+    dec = costs.dense_decode_s
+    pre = 512 * costs.dense_prefill_s
+    for L, g in zip(layers, on_gpu):
+        f = g / L.n_expert
+        cpu = costs.cpu[L.index]
+        if costs.has_gpu:
+            gpu = costs.gpu[L.index]
+            dec += max(L.n_used * (1 - f) * cpu(1), L.n_used * f * gpu(1))
+        else:
+            dec += L.n_used * cpu(1)
+        rows = 512 * L.n_used / L.n_expert     # rows per expert in a 512-token prefill
+        n_cpu = L.n_expert - g
+        if costs.has_gpu:
+            gpu = costs.gpu[L.index]
+            if copy_min_rows and rows >= copy_min_rows:
+                t_gpu = L.n_expert * gpu(rows) + n_cpu * costs.copy[L.index]
+                pre += t_gpu
+            else:
+                pre += max(n_cpu * cpu(rows), g * gpu(rows))
+        else:
+            pre += L.n_expert * cpu(rows)
+    return (1.0 / dec if dec > 0 else 0.0), (512.0 / pre if pre > 0 else 0.0)
+
+
+def plan(layers: list[MoeLayer], costs: Costs, *, gpu_bytes: int = 0, host_bytes: int | None = None,
+         policy: str = "static", traffic: list[list[float]] | None = None) -> Plan:
+    """Place every expert (module docstring). ``gpu_bytes``: the GPU expert cache's budget
+    (0 without a GPU); ``host_bytes``: pinned host memory for experts (None: unlimited;
+    experts past it stay in the memory-mapped file); ``traffic[l][e]``: the expected share
+    of layer l's routed rows that go to expert e (default uniform), e.g. learned from an
+    earlier run's counters. Raises ValueError on an unknown policy."""
+    if policy not in POLICIES:
+        raise ValueError(f"expert cache policy {policy!r} (known: {', '.join(POLICIES)})")
+    tiers = [["mmap"] * L.n_expert for L in layers]
+    share = [list(traffic[i]) if traffic else [1.0 / L.n_expert] * L.n_expert for i, L in enumerate(layers)]
+    left = gpu_bytes if costs.has_gpu else 0
+    reason = "no GPU: every expert on the CPU tier" if not costs.has_gpu else ""
+    on_gpu = [0] * len(layers)
+    if left > 0:
+        # greedy by expected saving per byte: traffic share x (CPU - GPU) seconds for one row
+        cand = []
+        for i, L in enumerate(layers):
+            save = max(0.0, costs.cpu[L.index](1) - costs.gpu[L.index](1)) * L.n_used
+            rank = {e: r for r, e in enumerate(sorted(range(L.n_expert), key=lambda e: (-share[i][e], e)))}
+            for e in range(L.n_expert):
+                # ties (uniform traffic, equal layers) go round-robin over layers: the cache is shared evenly
+                # savings within measurement noise (2 significant digits) count as equal
+                cand.append((-float(f"{share[i][e] * save / max(1, L.expert_bytes):.2g}"), rank[e], i, e))
+        cand.sort()
+        cand = [(c[0], c[2], c[3]) for c in cand]
+        for _, i, e in cand:
+            b = layers[i].expert_bytes
+            if b <= left:
+                tiers[i][e] = "gpu"
+                on_gpu[i] += 1
+                left -= b
+        if all(g == L.n_expert for g, L in zip(on_gpu, layers)):
+            reason = "every expert fits the GPU cache"
+        else:
+            reason = "the GPU budget holds part of the experts; the CPU pool computes the others"
+    host_left = math.inf if host_bytes is None else host_bytes
+    for i, L in enumerate(layers):
+        for e in sorted(range(L.n_expert), key=lambda e: -share[i][e]):
+            if tiers[i][e] == "mmap" and L.expert_bytes <= host_left:
+                tiers[i][e] = "host"
+                host_left -= L.expert_bytes
+    copy_min = 0
+    if costs.has_gpu and any(g < L.n_expert for g, L in zip(on_gpu, layers)):
+        # the fewest rows from which copy + GPU beats the CPU for one expert (max over layers)
+        need = []
+        for L in layers:
+            cpu, gpu, cp = costs.cpu[L.index], costs.gpu[L.index], costs.copy[L.index]
+            slope = cpu.b - gpu.b
+            if slope <= 0:
+                need.append(0)
+                continue
+            n = max(1, math.ceil((cp + gpu.a - cpu.a) / slope))
+            need.append(n if n <= 1 << 16 else 0)
+        copy_min = 0 if 0 in need else max(need)
+    dec, pre = _speeds(layers, costs, on_gpu, copy_min)
+    by_tier = {t: sum(L.expert_bytes for i, L in enumerate(layers) for x in tiers[i] if x == t) for t in TIERS}
+    return Plan(tuple(tuple(t) for t in tiers), policy, copy_min, by_tier["gpu"], by_tier["host"], by_tier["mmap"],
+                round(dec, 2), round(pre, 1), reason)
+
+
+# ------------------------------------------------------------------ the cache at run time
+
+class ExpertCache:
+    """The GPU cache's residents and its replacement policy (``Plan.policy``).
+
+    ``slots[l]``: how many experts of layer l the cache holds (the plan's gpu count);
+    ``resident(l)``: the set of resident experts. ``route(l, rows_by_expert)`` is called once
+    per moe layer and forward with {expert: rows routed to it}; it returns the experts to
+    copy in now, each with the expert it evicts (or None), and records hits: a routed row of
+    a resident expert is a hit. "static" never copies; "lru" / "lfu" copy a cold expert once
+    it got ``copy_min_rows`` rows since it last left the cache (in one call, as a prefill
+    chunk, or over many decode steps), or (lfu) once it has been used more than twice as
+    often as the least used resident; the victim is the least recently (lru) or least
+    frequently (lfu) used resident."""
+
+    def __init__(self, p: Plan, copy_min_rows: int | None = None):
+        self.policy = p.policy
+        self.copy_min_rows = p.copy_min_rows if copy_min_rows is None else copy_min_rows
+        self._res: list[OrderedDict[int, None]] = []
+        self.freq: list[list[int]] = []
+        self.pending: list[list[int]] = []
+        for t in p.tiers:
+            od: OrderedDict[int, None] = OrderedDict()
+            for e, tier in enumerate(t):
+                if tier == "gpu":
+                    od[e] = None
+            self._res.append(od)
+            self.freq.append([0] * len(t))
+            self.pending.append([0] * len(t))
+        self.slots = [len(r) for r in self._res]
+        self.hits = 0
+        self.misses = 0
+        self.copies = 0
+
+    def resident(self, layer: int) -> set[int]:
+        return set(self._res[layer])
+
+    def route(self, layer: int, rows_by_expert: dict[int, int]) -> list[tuple[int, int | None]]:
+        res, freq = self._res[layer], self.freq[layer]
+        todo: list[tuple[int, int | None]] = []
+        for e, n in rows_by_expert.items():
+            freq[e] += n
+        for e, n in sorted(rows_by_expert.items(), key=lambda kv: -kv[1]):
+            if e in res:
+                self.hits += n
+                res.move_to_end(e)
+                continue
+            want = False
+            if self.policy != "static" and self.slots[layer] > 0:
+                # rows a cold expert got since it last left the cache (decode sends one row at a time)
+                self.pending[layer][e] += n
+                want = bool(self.copy_min_rows) and self.pending[layer][e] >= self.copy_min_rows
+                if self.policy == "lfu" and not want:
+                    coldest = min(res, key=lambda r: freq[r]) if res else None
+                    want = coldest is not None and freq[e] > 2 * freq[coldest] + 1
+            if not want:
+                self.misses += n
+                continue
+            victim = None
+            if len(res) >= self.slots[layer]:
+                victim = next(iter(res)) if self.policy == "lru" else min(res, key=lambda r: freq[r])
+                del res[victim]
+            res[e] = None
+            self.pending[layer][e] = 0
+            self.copies += 1
+            self.hits += n
+            todo.append((e, victim))
+        return todo
+
+    @property
+    def hit_rate(self) -> float:
+        tot = self.hits + self.misses
+        return self.hits / tot if tot else 0.0
+
+
+def simulate(trace: list[list[Any]], p: Plan, layers: list[MoeLayer], costs: Costs | None = None,
+             policy: str | None = None) -> dict[str, float]:
+    """Replay ``trace`` (per forward: per moe layer, the (n, k) selected expert ids of its
+    rows) against the plan's cache with ``policy`` (default the plan's). Returns hits,
+    misses, copies, hit_rate and, with ``costs``, the modeled seconds of the expert work
+    (per layer and forward: max(CPU rows' cost, GPU rows' cost) + copies' cost)."""
+    import dataclasses
+
+    import numpy as np
+
+    cache = ExpertCache(dataclasses.replace(p, policy=policy or p.policy))
+    secs = 0.0
+    for step in trace:
+        for li, sel in enumerate(step):
+            sel = np.asarray(sel).reshape(-1)
+            counts = np.bincount(sel, minlength=layers[li].n_expert)
+            rows = {int(e): int(c) for e, c in enumerate(counts) if c}
+            copies = cache.route(li, rows)
+            if costs is not None:
+                res = cache.resident(li)
+                cpu_t = sum(costs.cpu[li](n) for e, n in rows.items() if e not in res)
+                gpu_t = sum(costs.gpu[li](n) for e, n in rows.items() if e in res) if costs.has_gpu else 0.0
+                secs += max(cpu_t, gpu_t) + len(copies) * (costs.copy[li] if costs.copy else 0.0)
+    out = {"hits": cache.hits, "misses": cache.misses, "copies": cache.copies, "hit_rate": round(cache.hit_rate, 4)}
+    if costs is not None:
+        out["modeled_s"] = round(secs, 6)
+    return out
+
+
+# ------------------------------------------------------------------ stored plans and setup
+
+def _store_path(root: Path, model_fp: str, device_fp: str) -> Path:
+    return Path(root) / "expert_plans" / f"{model_fp}-{device_fp}.json"
+
+
+def load_stored(root: Path, model_fp: str, device_fp: str) -> tuple[Costs | None, str]:
+    """The costs stored for this model on this device, or (None, why not)."""
+    p = _store_path(root, model_fp, device_fp)
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, "no stored calibration for this device"
+    except (OSError, ValueError) as e:
+        return None, f"stored calibration unreadable ({type(e).__name__}); measured again"
+    if d.get("version") != PLAN_VERSION or d.get("device") != device_fp:
+        return None, "stored calibration is for another device or version; measured again"
+    try:
+        return Costs.from_dict(d["costs"]), "stored calibration reused"
+    except (KeyError, TypeError, ValueError):
+        return None, "stored calibration malformed; measured again"
+
+
+def store(root: Path, model_fp: str, device_fp: str, costs: Costs, p: Plan) -> None:
+    """Write the costs and the plan (atomically: a temporary file renamed). Never raises:
+    a read-only data dir only costs a calibration next time."""
+    path = _store_path(root, model_fp, device_fp)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": PLAN_VERSION, "device": device_fp, "costs": costs.to_dict(),
+                                   "plan": p.to_dict()}, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+@dataclass
+class Setup:
+    """What ``setup`` did: the final plan, the costs, the stages' seconds (for the startup
+    profile), a note for --profile, the placement the backend reported, the cache."""
+
+    plan: Plan
+    costs: Costs
+    stages: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+    placed: dict[str, Any] = field(default_factory=dict)
+    cache: ExpertCache | None = None
+
+
+def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | None = None, policy: str = "static",
+          root: Path | None = None, reuse: bool = True) -> Setup:
+    """Calibrate (or reuse the stored costs), plan, place, re-plan against what was placed,
+    and place again when the plan changed. ``model``: a TransformerModel with moe nodes;
+    ``gpu_bytes``: the GPU budget left for the expert cache (0 on the CPU); ``host_bytes``:
+    pinned host memory for experts (None: unlimited); ``root``: where stored calibrations
+    live (default the cache dir). Returns a Setup."""
+    compiled = model.compiled
+    layers = moe_layers(model.program)
+    stages: dict[str, float] = {}
+    t = time.perf_counter()
+    dev = device_fingerprint(compiled)
+    if root is None:
+        from aotx.engine import paths
+
+        try:
+            root = paths.cache_dir()
+        except Exception:  # noqa: BLE001 - an unwritable data dir must not stop a load
+            root = None
+    costs, why = (load_stored(root, model_fp, dev) if (reuse and root is not None) else (None, "calibration forced"))
+    if costs is None or len(costs.cpu) != len(layers):
+        costs = calibrate(compiled, layers, model=model)
+    stages["experts calibrate"] = round(time.perf_counter() - t, 4)
+    t = time.perf_counter()
+    p1 = plan(layers, costs, gpu_bytes=gpu_bytes, host_bytes=host_bytes, policy=policy)
+    stages["experts plan"] = round(time.perf_counter() - t, 4)
+    t = time.perf_counter()
+    placed = compiled.place_experts(p1)
+    stages["experts place"] = round(time.perf_counter() - t, 4)
+    # second pass: the memory that actually exists, the CPU pool's costs after pinning
+    t = time.perf_counter()
+    got_gpu = int(placed.get("gpu_bytes", p1.gpu_bytes))
+    got_host = placed.get("host_bytes")
+    re = calibrate(compiled, layers) if placed.get("recalibrate", True) else costs
+    # a timing can only be slowed down by other work on the machine: per layer, the faster
+    # of the two passes' lines (at the larger calibration row count) is the better estimate
+    n = CALIBRATION_ROWS[-1]
+    cpu = tuple(a if a(n) <= b(n) else b for a, b in zip(costs.cpu, re.cpu))
+    costs2 = Costs(cpu, costs.gpu or re.gpu, costs.copy or re.copy, re.dense_decode_s or costs.dense_decode_s,
+                   dev, costs.measured_s + re.measured_s, re.dense_prefill_s or costs.dense_prefill_s)
+    p2 = plan(layers, costs2, gpu_bytes=got_gpu, host_bytes=host_bytes if got_host is None else int(got_host),
+              policy=policy)
+    if p2.tiers != p1.tiers:
+        placed = compiled.place_experts(p2)
+    stages["experts replan"] = round(time.perf_counter() - t, 4)
+    if root is not None:
+        store(root, model_fp, dev, costs2, p2)
+    cache = ExpertCache(p2)
+    attach = getattr(compiled, "attach_expert_cache", None)
+    if attach is not None:
+        attach(cache)
+    return Setup(p2, costs2, stages, f"{p2.summary()}; calibration: {why}", placed, cache)

@@ -1,0 +1,192 @@
+"""Expert tiers (issue 22, engine/model/experts.py): the placement from measured costs, the
+GPU cache's policies replayed on routing traces, stored calibrations, admission's lines,
+and the whole setup on a tiny MoE file on the CPU (every expert on the CPU tier).
+
+The planner is device-independent: its GPU cases use costs written here (lines a + b n,
+chosen so each answer can be worked out by hand in the test), the CPU case the costs this
+machine measures.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from aotx.engine.errors import AdmissionError
+from aotx.engine.model import experts as X
+from aotx.engine.runtime import admission
+
+EB = 1000                                  # bytes per expert in the synthetic layers
+
+
+def layers(n_layers=2, n_expert=8, n_used=2):
+    return [X.MoeLayer(i, n_expert, n_used, EB, 64, 128) for i in range(n_layers)]
+
+
+def gpu_costs(n_layers=2, cpu=(1e-4, 1e-4), gpu=(2e-5, 1e-6), copy=1e-3):
+    return X.Costs(tuple(X.Line(*cpu) for _ in range(n_layers)), tuple(X.Line(*gpu) for _ in range(n_layers)),
+                   tuple(copy for _ in range(n_layers)), dense_decode_s=1e-3, device="test")
+
+
+def test_without_a_gpu_every_expert_is_on_the_cpu_tier_host_first_then_the_file():
+    L = layers()
+    c = X.Costs(tuple(X.Line(1e-4, 1e-4) for _ in L))
+    p = X.plan(L, c)
+    assert p.count("host") == 16 and p.count("gpu") == 0 and p.copy_min_rows == 0
+    assert "no GPU" in p.reason
+    p = X.plan(L, c, host_bytes=5 * EB + 10)          # pinned host memory for five experts
+    assert p.count("host") == 5 and p.count("mmap") == 11 and p.host_bytes == 5 * EB and p.mmap_bytes == 11 * EB
+
+
+def test_a_gpu_budget_for_part_of_the_experts_is_shared_evenly_over_layers():
+    L = layers()
+    p = X.plan(L, gpu_costs(), gpu_bytes=6 * EB + 999)
+    assert p.count("gpu") == 6 and p.gpu_bytes == 6 * EB
+    assert [t.count("gpu") for t in p.tiers] == [3, 3]           # uniform traffic: the cache split evenly
+    assert p.count("host") == 10
+    # copy + GPU beats the CPU for one expert from n rows: 1e-3 + 2e-5 + 1e-6 n < 1e-4 + 1e-4 n -> n >= 10
+    assert p.copy_min_rows == 10
+    assert "part of the experts" in p.reason
+    lines = admission.check_experts(p, 16 * EB, 64 << 30, gpu=True)
+    assert "6 gpu (38%)" in lines[0] and "10 host" in lines[0]
+    assert "only with 10 of its 16 experts on the CPU" in lines[1] and "tokens/s decode" in lines[1]
+
+
+def test_everything_fits_the_gpu_cache():
+    p = X.plan(layers(), gpu_costs(), gpu_bytes=100 * EB)
+    assert p.count("gpu") == 16 and p.copy_min_rows == 0 and p.reason == "every expert fits the GPU cache"
+    assert len(admission.check_experts(p, 16 * EB, 64 << 30, gpu=True)) == 1
+
+
+def test_traffic_puts_the_hot_experts_on_the_gpu():
+    L = layers(1)
+    share = [[0.02] * 8]
+    share[0][5], share[0][2] = 0.5, 0.38
+    p = X.plan(L, gpu_costs(1), gpu_bytes=2 * EB, traffic=share)
+    assert [e for e, t in enumerate(p.tiers[0]) if t == "gpu"] == [2, 5]
+
+
+def test_modeled_speeds_follow_the_costs():
+    # one layer, no GPU: decode = dense + n_used * cpu(1) = 1e-3 + 2 * 2e-4
+    L = layers(1)
+    c = X.Costs((X.Line(1e-4, 1e-4),), dense_decode_s=1e-3)
+    p = X.plan(L, c)
+    assert p.decode_tok_s == pytest.approx(1 / 1.4e-3, rel=1e-2)
+    # prefill 512 tokens: 8 experts x cpu(128 rows) = 8 x (1e-4 + 1.28e-2)
+    assert p.prefill_tok_s == pytest.approx(512 / (8 * (1e-4 + 128e-4)), rel=1e-2)
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="expert cache policy 'mru'"):
+        X.plan(layers(), gpu_costs(), policy="mru")
+
+
+def _zipf_trace(n_steps=200, n_expert=8, k=2, hot=(6, 7), seed=0):
+    """Per forward (decode, one row): one layer's (1, k) experts, mostly the ``hot`` ones."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_steps):
+        if rng.random() < 0.9:
+            sel = np.array(hot[:k])
+        else:
+            sel = rng.choice(n_expert, k, replace=False)
+        out.append([sel.reshape(1, k)])
+    return out
+
+
+def test_learned_cache_beats_a_static_plan_that_guessed_wrong():
+    L = layers(1)
+    costs = gpu_costs(1)
+    p = X.plan(L, costs, gpu_bytes=2 * EB)                 # uniform guess: experts 0 and 1
+    assert [e for e, t in enumerate(p.tiers[0]) if t == "gpu"] == [0, 1]
+    trace = _zipf_trace()
+    static = X.simulate(trace, p, L, costs)
+    assert static["copies"] == 0 and static["hit_rate"] < 0.2
+    learned_s = []
+    for policy in ("lfu", "lru"):
+        got = X.simulate(trace, X.plan(L, costs, gpu_bytes=2 * EB, policy=policy), L, costs, policy=policy)
+        assert got["hit_rate"] > 0.8 and got["copies"] >= 2, (policy, got)
+        assert got["modeled_s"] < static["modeled_s"], (policy, got, static)
+        learned_s.append(got["modeled_s"])
+    # the static plan made from the learned traffic (counters of an earlier run) is the best of all
+    counts = np.bincount(np.concatenate([s[0].reshape(-1) for s in trace]), minlength=8)
+    learned = X.plan(L, costs, gpu_bytes=2 * EB, traffic=[list(counts / counts.sum())])
+    best = X.simulate(trace, learned, L, costs)
+    assert best["hit_rate"] > 0.85 and best["copies"] == 0 and best["modeled_s"] < min(learned_s)
+
+
+def test_lru_evicts_the_least_recently_used_resident():
+    p = X.Plan((("gpu", "gpu", "host", "host"),), policy="lru", copy_min_rows=4)
+    cache = X.ExpertCache(p)
+    assert cache.route(0, {0: 1, 2: 3}) == []              # 3 rows < copy_min_rows: computed on the CPU
+    assert cache.route(0, {2: 4}) == [(2, 1)]              # expert 1 was used least recently
+    assert cache.resident(0) == {0, 2}
+    assert cache.route(0, {3: 9}) == [(3, 0)]
+    assert (cache.hits, cache.misses, cache.copies) == (1 + 4 + 9, 3, 2)
+    static = X.ExpertCache(X.Plan(p.tiers, policy="static", copy_min_rows=4))
+    assert static.route(0, {3: 100}) == [] and static.resident(0) == {0, 1}
+
+
+def test_stored_calibration_is_reused_only_on_the_same_device(tmp_path):
+    c = gpu_costs()
+    p = X.plan(layers(), c, gpu_bytes=4 * EB)
+    X.store(tmp_path, "model1", "dev1", c, p)
+    got, why = X.load_stored(tmp_path, "model1", "dev1")
+    assert why == "stored calibration reused" and got.cpu == c.cpu and got.gpu == c.gpu and got.copy == c.copy
+    assert X.load_stored(tmp_path, "model1", "dev2") == (None, "no stored calibration for this device")
+    f = tmp_path / "expert_plans" / "model1-dev1.json"
+    d = json.loads(f.read_text())
+    assert X.Plan.from_dict(d["plan"]) == p
+    d["device"] = "other"
+    f.write_text(json.dumps(d))
+    assert X.load_stored(tmp_path, "model1", "dev1")[0] is None
+    f.write_text("{not json")
+    got, why = X.load_stored(tmp_path, "model1", "dev1")
+    assert got is None and "unreadable" in why
+
+
+def test_experts_that_fit_no_host_memory_are_refused_with_the_numbers():
+    p = X.plan(layers(), gpu_costs(), gpu_bytes=2 * EB)
+    with pytest.raises(AdmissionError, match="the experts do not fit") as e:
+        admission.check_experts(p, 40 << 30, 16 << 30, gpu=True)
+    assert "\n" not in str(e.value) and "16.0 GiB of RAM" in str(e.value)
+    # on the CPU the experts are weights, which the budget table counts: no second refusal
+    assert len(admission.check_experts(X.plan(layers(), X.Costs(gpu_costs().cpu)), 40 << 30, 16 << 30,
+                                       gpu=False)) == 1
+
+
+# ------------------------------------------------------------------ on a tiny file, CPU
+
+def test_setup_on_a_tiny_moe_file_places_every_expert_on_the_cpu_tier(request, tmp_path):
+    from aotx.engine.model.loader import load_model
+
+    path = request.getfixturevalue("tiny_model_path")("qwen3moe")
+    lm = load_model(path)
+    m = lm.model
+    L = X.moe_layers(m.program)
+    assert [(x.n_expert, x.n_used) for x in L] == [(m.cfg.n_expert, m.cfg.n_expert_used)] * len(L)
+    assert all(x.expert_bytes > 0 for x in L)
+    st = X.setup(m, model_fp=lm.fingerprint, root=tmp_path)
+    assert set(st.stages) == {"experts calibrate", "experts plan", "experts place", "experts replan"}
+    assert st.plan.count("host") == st.plan.n_experts == sum(x.n_expert for x in L)
+    assert all(line.b >= 0 and line(1) > 0 for line in st.costs.cpu) and not st.costs.has_gpu
+    assert st.placed["gpu_bytes"] == 0 and st.placed["host_bytes"] > 0
+    assert st.plan.decode_tok_s > 0 and "calibration: no stored calibration" in st.note
+    again = X.setup(m, model_fp=lm.fingerprint, root=tmp_path)
+    assert again.note.endswith("calibration: stored calibration reused")
+    # the logits do not depend on the placement: host (materialized) against the file's map
+    from aotx.engine.model.batch import Segment
+
+    ids = np.array([1, 200, 3000, 42, 7], np.int32)
+    kv = m.new_kv_cache(1, 8)
+    a = m.forward(ids, [Segment(0, 0, 5, all_logits=True)], kv)
+    fresh = load_model(path)
+    kv = fresh.model.new_kv_cache(1, 8)
+    b = fresh.model.forward(ids, [Segment(0, 0, 5, all_logits=True)], kv)
+    assert np.array_equal(a, b)
+    stats = m.compiled.expert_stats()
+    assert len(stats["traffic"]) == len(L) and sum(stats["traffic"][0]) >= 5 * m.cfg.n_expert_used
+    with pytest.raises(ValueError, match="tiers"):
+        m.compiled.place_experts(X.Plan(tuple(("gpu",) * x.n_expert for x in L)))

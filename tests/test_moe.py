@@ -1,0 +1,517 @@
+"""Mixtures of experts on the CPU (issue 22): qwen3moe, olmoe and gpt-oss against llama.cpp,
+the ``moe`` op against float64 written from its definition, the routing rules of each
+family, attention sinks, YaRN, batch invariance, and bad input.
+
+References no one here wrote: llama.cpp's logits on the tiny random-weight files of
+``tests/models/{qwen3moe,olmoe,gptoss}.py`` (``tests/data/refs/moe/``, made by
+``tests/tools/make_refs_moe.py`` with llama-cpp-python 0.3.36; never recomputed here), and
+float64 numpy of the op definitions (``tests/program_reference.py``, and the formulas in
+the tests below, from llama.cpp's build_moe_ffn, ggml_compute_forward_soft_max's sink
+correction, ggml_swiglu_oai and ggml's rope_yarn).
+
+Routing ties: a router whose k-th and (k+1)-th logits are nearly equal may send a row to
+different experts in two correct engines (llama.cpp against itself with flash attention on
+flips a row of the qwen3moe file: its references record it). The llama.cpp comparison
+therefore excuses a strict-row argmax mismatch only at a row where, in our forward, some
+layer's routing margin (k-th kept logit minus the best one left out) is below
+TIE_MARGIN, and counts those rows; the mean |logit diff| bound holds for every row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from aotx.engine.backend import cpu_moe, cpu_ops
+from aotx.engine.backend.cpu_matmul import QuantMatrix
+from aotx.engine.backend.cpu_program import CpuProgram
+from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec
+from aotx.engine.errors import ModelError
+from aotx.engine.model.batch import BatchLayout, Segment
+from aotx.engine.model.loader import load_model
+
+HERE = Path(__file__).resolve().parent
+MOE_REFS = HERE / "data" / "refs" / "moe"
+NAMES = ("qwen3moe", "olmoe", "gptoss")
+TIE_MARGIN = 0.25      # router logits: rows closer than this to a routing tie may differ from llama.cpp
+MAX_TIE_ROWS = 4       # ... and at most this many such rows per file
+
+
+def _by_path(name: str, file: str):
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, HERE / file)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def refcheck():
+    return _by_path("aotx_tests_refcheck", "refcheck.py")
+
+
+def program_reference():
+    return _by_path("aotx_tests_program_reference", "program_reference.py")
+
+
+@pytest.fixture(scope="module")
+def moe_cache():
+    return {}
+
+
+def moe_file(request, name: str):
+    """(path, llama.cpp reference) of the tiny MoE file ``name``, written once per session and
+    checked byte-identical to the file the reference was made from."""
+    ref = json.loads((MOE_REFS / f"{name}.json").read_text(encoding="utf-8"))
+    path = request.getfixturevalue("tiny_model_path")(name)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != ref["sha256"]:
+        pytest.fail(f"tiny file {name!r} regenerated with sha256 {digest[:16]}..., but llama.cpp's references were "
+                    f"made from {ref['sha256'][:16]}... ({ref['writer']}); rerun tests/tools/make_refs_moe.py")
+    return path, ref
+
+
+def loaded(request, moe_cache, name: str, int8: bool = True):
+    key = (name, int8)
+    if key not in moe_cache:
+        path, _ = moe_file(request, name)
+        moe_cache[key] = load_model(path, int8_activations=int8)
+    return moe_cache[key]
+
+
+def all_logits(lm, ids, kv_type: str = "f16") -> np.ndarray:
+    kv = lm.model.new_kv_cache(1, len(ids) + 1, kv_type)
+    return lm.model.forward(np.asarray(ids, np.int32), [Segment(0, 0, len(ids), all_logits=True)], kv)
+
+
+def rel_err(got, ref) -> float:
+    return float(np.max(np.abs(np.asarray(got, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+# ------------------------------------------------------------------ against llama.cpp
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_moe_file_matches_llama_cpp_teacher_forced(request, moe_cache, name):
+    """Issue 22's correctness on every tiny MoE file: mean |logit diff| on llama.cpp's top-5
+    <= 0.5 (observed 0.09 .. 0.16) and the argmax where its top-two gap is >= 0.5, except at
+    rows within TIE_MARGIN of a routing tie (module docstring), at most MAX_TIE_ROWS."""
+    path, ref = moe_file(request, name)
+    lm = loaded(request, moe_cache, name)
+    margins: dict[tuple[int, ...], np.ndarray] = {}
+
+    def forward(ids):
+        logits = refcheck().model_forward(lm)(ids)
+        per_layer = [m for _, m in lm.model.compiled.last_routing.values()]
+        margins[tuple(int(i) for i in ids)] = np.min(np.stack(per_layer), axis=0)
+        return logits
+
+    report = refcheck().compare(forward, ref)
+    assert report.mad < 0.25, report.summary()   # a lost feature costs 1.2 .. 6.8 (the references' sensitivity)
+    excused = []
+    for case, pr in zip(report.cases, ref["prompts"]):
+        m = margins[tuple(pr["token_ids"])]
+        for bad in case.mismatches:
+            r = bad["row"]
+            # a routing flip at an earlier row reaches this one through the KV cache
+            assert float(m[:r + 1].min()) < TIE_MARGIN, f"{case.name} row {r}: {bad} far from any routing tie\n" \
+                                                       f"{report.summary()}"
+            excused.append((case.name, r))
+    assert len(excused) <= MAX_TIE_ROWS, f"{len(excused)} rows differ near routing ties: {excused}"
+
+
+def test_references_notice_each_moe_feature():
+    """Guards the test above: llama.cpp itself, with one feature changed (one expert per
+    token, no sinks, no YaRN, no sliding window), misses its own references by far more
+    than our forward does."""
+    for name in NAMES:
+        ref = json.loads((MOE_REFS / f"{name}.json").read_text(encoding="utf-8"))
+        for variant, facts in ref["sensitivity"].items():
+            if variant == "what":
+                continue
+            assert facts["mad"] > 1.0 and facts["strict_mismatches"] > 20, (name, variant, facts)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_moe_cpu_program_matches_float64_interpreter(request, moe_cache, name):
+    """The CPU executor (float activations, f32 KV) computes the traced Program, moe nodes
+    included: tests/program_reference.py's float64 interpreter agrees to float32 rounding."""
+    _, ref = moe_file(request, name)
+    lm = loaded(request, moe_cache, name, int8=False)
+    ids = ref["prompts"][-1]["token_ids"][:40]
+    want = program_reference().reference_logits(lm.model.program, ids, n_ctx=len(ids) + 1)
+    assert rel_err(all_logits(lm, ids, "f32"), want) < 1e-4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_moe_chunks_decode_steps_and_mixed_batches_agree(request, moe_cache, name):
+    """Batch invariance with experts: a sequence in prefill chunks and decode steps, next to
+    another slot's prefill (so other rows choose the same experts in the same call), gives
+    the logits of the sequence at once (float32 rounding)."""
+    _, ref = moe_file(request, name)
+    lm = loaded(request, moe_cache, name, int8=False)
+    ids = ref["prompts"][-1]["token_ids"][:40]
+    n = len(ids)
+    whole = all_logits(lm, ids, "f32")
+    kv = lm.model.new_kv_cache(3, n + 1, "f32")
+    other = np.asarray(ref["prompts"][2]["token_ids"][:20], np.int32)
+    rows = [lm.model.forward(np.asarray(ids[:22], np.int32), [Segment(2, 0, 22, all_logits=True)], kv)]
+    for p in range(22, 25):
+        toks = np.concatenate([[ids[p]], other[:1 + 18 * (p == 22)]]).astype(np.int32)
+        segs = [Segment(2, p, 1), Segment(0, 0, len(toks) - 1, logits=False)] if p == 22 else [Segment(2, p, 1)]
+        rows.append(lm.model.forward(toks if p == 22 else toks[:1], segs, kv)[:1])
+    rows.append(lm.model.forward(np.asarray(ids[25:], np.int32), [Segment(2, 25, n - 25, all_logits=True)], kv))
+    assert rel_err(np.concatenate(rows), whole) < 1e-4
+
+
+ROW_INVARIANT_MATMUL = hasattr(QuantMatrix, "numerics")   # issue 16's QuantMatrix: every type, every n
+
+
+def test_decode_rows_do_not_depend_on_the_batch(request, moe_cache):
+    """Four slots decoding at once give each slot's logits as decoding it alone (their rows
+    share experts in one call). Bit for bit once every matmul is row-invariant (issue 16's
+    QuantMatrix); before that the F16/Q5_0/Q6_K matrices of this file round by batch size."""
+    _, ref = moe_file(request, "qwen3moe")
+    lm = loaded(request, moe_cache, "qwen3moe")
+    prompts = [np.asarray(p["token_ids"][:9], np.int32) for p in ref["prompts"]]
+    kv = lm.model.new_kv_cache(4, 16)
+    for s, p in enumerate(prompts):
+        lm.model.forward(p[:8], [Segment(s, 0, 8, logits=False)], kv)
+    toks = np.array([p[8] for p in prompts], np.int32)
+    together = lm.model.forward(toks, [Segment(s, 8, 1) for s in range(4)], kv)
+    routing = lm.model.compiled.last_routing[0][0]
+    assert np.bincount(routing.reshape(-1)).max() > 1   # some experts serve several rows
+    for s in range(4):
+        alone = lm.model.forward(toks[s:s + 1], [Segment(s, 8, 1)], kv)
+        if ROW_INVARIANT_MATMUL:
+            assert np.array_equal(alone[0], together[s]), s
+        else:
+            assert rel_err(alone[0], together[s].astype(np.float64)) < 1e-5, s
+
+
+def test_moe_rows_are_bitwise_independent_of_the_batch():
+    """The moe op adds no batch dependence of its own: with Q8_0 weights (per-row kernels in
+    every matmul), rows routed to the same experts in one call give bit for bit the logits
+    they give alone, for decode rows and for a long prefill segment's rows."""
+    from tests.models.common import random_matrix
+
+    rng = np.random.default_rng(21)
+    d, ff, E, k, vocab = 64, 64, 8, 2, 40
+
+    def q8(m, kk, name, std):
+        raw, _ = random_matrix(T.Q8_0, m, kk, rng, std)
+        return QuantMatrix(raw, T.Q8_0, m, kk, name, int8=True)
+
+    class Q8Stack(_Stack):
+        def __init__(self, E, m, kk, name):
+            self.n_expert, self.m, self.k, self.name, self.qtype = E, m, kk, name, T.Q8_0
+            self._mats = [q8(m, kk, f"{name}[{e}]", 1 / np.sqrt(kk)) for e in range(E)]
+
+    b = ProgramBuilder()
+    x = b.embed(q8(vocab, d, "emb", 1.0))
+    y = b.add(x, b.moe(x, router=q8(E, d, "router", 2 / np.sqrt(d)), gate=Q8Stack(E, ff, d, "g"),
+                       up=Q8Stack(E, ff, d, "u"), down=Q8Stack(E, d, ff, "dn"), n_used=k, norm_w=True))
+    y = b.take_rows(y)
+    cp = CpuProgram(b.finish(b.linear(y, q8(vocab, d, "head", 1 / np.sqrt(d)))))
+    kv = cp.new_kv_cache(4, 64, "f32")
+    toks = rng.integers(0, vocab, 40).astype(np.int32)
+    segs = [Segment(0, 0, 1), Segment(1, 0, 1), Segment(2, 0, 1), Segment(3, 0, 37, all_logits=True)]
+    together = cp.forward(toks, BatchLayout.of(segs), kv)
+    assert np.bincount(cp.last_routing[0][0].reshape(-1)).max() > 1   # rows shared experts
+    for i, s in enumerate(segs[:3]):
+        alone = cp.forward(toks[i:i + 1], BatchLayout.of([s]), kv)
+        assert np.array_equal(alone[0], together[i]), i
+
+
+# ------------------------------------------------------------------ the moe op
+
+class _Stack:
+    """A test expert stack of float32 experts (the op set's stack interface)."""
+
+    def __init__(self, rng, E, m, k, name):
+        self.n_expert, self.m, self.k, self.name, self.qtype = E, m, k, name, T.F32
+        self.w = (rng.standard_normal((E, m, k)) / np.sqrt(k)).astype(np.float32)
+        self._mats = [QuantMatrix(self.w[e], T.F32, m, k, f"{name}[{e}]") for e in range(E)]
+
+    def matrix(self, e):
+        return self._mats[e]
+
+    def dequantize(self, e):
+        return self.w[e]
+
+
+def _float64_moe(x, router, g, u, dn, k, gating="softmax", norm_w=False, act="silu", biases=None, alpha=1.702,
+                 limit=7.0, w_scale=1.0):
+    """build_moe_ffn in float64, written from llama.cpp's graph (not from ours)."""
+    x = x.astype(np.float64)
+    lg = x @ router.T.astype(np.float64)
+    if biases is not None:
+        lg = lg + biases["router"]
+    out = np.zeros_like(x)
+    for i in range(x.shape[0]):
+        probs = np.exp(lg[i] - lg[i].max()) / np.sum(np.exp(lg[i] - lg[i].max())) if gating == "softmax" else lg[i]
+        sel = np.argsort(-probs, kind="stable")[:k]
+        w = probs[sel]
+        if gating == "softmax_weight":
+            w = np.exp(w - w.max()) / np.sum(np.exp(w - w.max()))
+        if norm_w:
+            w = w / max(w.sum(), 6.103515625e-5)
+        if w_scale not in (0.0, 1.0):
+            w = w * w_scale
+        for j, e in enumerate(sel):
+            gg, uu = g[e] @ x[i], u[e] @ x[i]
+            if biases is not None:
+                gg, uu = gg + biases["gate"][e], uu + biases["up"][e]
+            if act == "silu":
+                h = gg / (1 + np.exp(-gg)) * uu
+            else:
+                xg, yu = np.minimum(gg, limit), np.clip(uu, -limit, limit)
+                h = xg / (1 + np.exp(-alpha * xg)) * (yu + 1)
+            y = dn[e] @ h
+            if biases is not None:
+                y = y + biases["down"][e]
+            out[i] += w[j] * y
+    return out
+
+
+@pytest.mark.parametrize("gating,norm_w,act,w_scale", [("softmax", True, "silu", 1.0), ("softmax", False, "silu", 2.5),
+                                                       ("softmax_weight", False, "swiglu_oai", 1.0)])
+def test_moe_op_matches_float64_build_moe_ffn(gating, norm_w, act, w_scale):
+    """The CPU executor's moe node against llama.cpp's build_moe_ffn written in float64:
+    qwen3moe's renormalised softmax, olmoe's plain softmax (with an expert weight scale),
+    gpt-oss's softmax over the top-k logits with biases and the clamped SwiGLU."""
+    rng = np.random.default_rng(7)
+    d, ff, E, k, vocab = 32, 64, 6, 3, 50
+    emb_w = (rng.standard_normal((vocab, d)) * 3).astype(np.float32)   # big inputs: the clamp at 7 is reached
+    router_w = (rng.standard_normal((E, d)) * 2 / np.sqrt(d)).astype(np.float32)
+    head_w = (rng.standard_normal((vocab, d)) / np.sqrt(d)).astype(np.float32)
+    g, u, dn = _Stack(rng, E, ff, d, "gate"), _Stack(rng, E, ff, d, "up"), _Stack(rng, E, d, ff, "down")
+    biases = None
+    extra = {}
+    if gating == "softmax_weight":
+        biases = {"router": (rng.standard_normal(E) * 0.3).astype(np.float32),
+                  "gate": (rng.standard_normal((E, ff)) * 0.5).astype(np.float32),
+                  "up": (rng.standard_normal((E, ff)) * 0.5).astype(np.float32),
+                  "down": (rng.standard_normal((E, d)) * 0.1).astype(np.float32)}
+        extra = dict(router_bias=biases["router"], gate_bias=biases["gate"], up_bias=biases["up"],
+                     down_bias=biases["down"])
+    b = ProgramBuilder()
+    x = b.take_rows(b.embed(QuantMatrix(emb_w, T.F32, vocab, d, "emb")))
+    y = b.moe(x, router=QuantMatrix(router_w, T.F32, E, d, "router"), gate=g, up=u, down=dn, n_used=k,
+              gating=gating, norm_w=norm_w, act=act, w_scale=w_scale, **extra)
+    cp = CpuProgram(b.finish(b.linear(y, QuantMatrix(head_w, T.F32, vocab, d, "head"))))
+    tokens = (np.arange(20, dtype=np.int32) * 2) % vocab
+    got = cp.forward(tokens, BatchLayout.of([Segment(0, 0, 20, all_logits=True)]), cp.new_kv_cache(1, 32, "f32"))
+    xs = emb_w[tokens].astype(np.float64)
+    want = _float64_moe(xs, router_w, g.w, u.w, dn.w, k, gating, norm_w, act, biases, w_scale=w_scale) @ head_w.T
+    assert rel_err(got, want) < 1e-5
+    if act == "swiglu_oai":   # the clamp is exercised on these inputs
+        assert (np.einsum("efd,nd->nef", g.w, xs) > 7.0).any()
+
+
+def test_routing_rules_ties_and_a_nan_row():
+    """route(): top-k in decreasing probability, ties to the lower expert id; each family's
+    normalisation; a row of NaN logits still routes to k distinct experts (no crash)."""
+    lg = np.array([[1.0, 3.0, 3.0, 0.0, 2.0],
+                   [0.0, 0.0, 0.0, 0.0, 0.0],
+                   [np.nan] * 5], np.float32)
+    sel, w, margin = cpu_moe.route(lg, 2, "softmax", True, 1.0)
+    assert sel[0].tolist() == [1, 2] and sel[1].tolist() == [0, 1]
+    assert np.allclose(w[0], [0.5, 0.5]) and np.allclose(w[1], [0.5, 0.5])
+    assert len(set(sel[2].tolist())) == 2
+    assert margin[0] == pytest.approx(1.0) and margin[1] == 0.0
+    # softmax without renormalisation: the kept probabilities of all five
+    sel, w, _ = cpu_moe.route(lg[:1], 3, "softmax", False, 1.0)
+    p = np.exp(lg[0] - 3.0) / np.exp(lg[0] - 3.0).sum()
+    assert sel[0].tolist() == [1, 2, 4] and np.allclose(w[0], p[[1, 2, 4]], rtol=1e-6)
+    # gpt-oss: the top-k logits, softmaxed among themselves
+    sel, w, _ = cpu_moe.route(lg[:1], 3, "softmax_weight", False, 1.0)
+    e = np.exp(np.array([3.0, 3.0, 2.0]) - 3.0)
+    assert sel[0].tolist() == [1, 2, 4] and np.allclose(w[0], e / e.sum(), rtol=1e-6)
+    # the weight sum is clamped below before dividing (llama.cpp: 6.1e-5)
+    tiny = np.array([[-100.0, -100.0, 0.0]], np.float32)
+    sel, w, _ = cpu_moe.route(tiny, 2, "softmax_weight", True, 1.0)
+    assert np.allclose(w.sum(), 1.0)
+
+
+def test_join_sums_in_selection_order():
+    """join() adds w_j * y_j in the order j = 0..k-1 with each step rounded to float32, the
+    same numbers whichever tier computed which expert."""
+    rng = np.random.default_rng(3)
+    Y = rng.standard_normal((5, 4, 7)).astype(np.float32) * np.float32(1e4)
+    w = rng.random((5, 4)).astype(np.float32)
+    out = cpu_moe.join(Y, w, np.empty((5, 7), np.float32))
+    want = w[:, 0, None] * Y[:, 0]
+    for j in range(1, 4):
+        want = (want + w[:, j, None] * Y[:, j]).astype(np.float32)
+    assert np.array_equal(out, want)
+
+
+def test_swiglu_oai_matches_ggml():
+    rng = np.random.default_rng(5)
+    g = (rng.standard_normal((3, 40)) * 6).astype(np.float32)
+    u = (rng.standard_normal((3, 40)) * 6).astype(np.float32)
+    out = np.empty_like(g)
+    cpu_moe.swiglu_oai(g, u, 1.702, 7.0, out)
+    x = np.minimum(g.astype(np.float64), 7.0)
+    y = np.clip(u.astype(np.float64), -7.0, 7.0)
+    assert np.allclose(out, x / (1 + np.exp(-1.702 * x)) * (y + 1), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_program_checks_its_operands():
+    rng = np.random.default_rng(1)
+    d, E = 16, 4
+    router = QuantMatrix(np.zeros((E, d), np.float32), T.F32, E, d, "r")
+    g, u, dn = _Stack(rng, E, 32, d, "g"), _Stack(rng, E, 32, d, "u"), _Stack(rng, E, d, 32, "d")
+    b = ProgramBuilder()
+    x = b.embed(QuantMatrix(np.zeros((8, d), np.float32), T.F32, 8, d, "e"))
+    with pytest.raises(ProgramError, match="experts used"):
+        b.moe(x, router=router, gate=g, up=u, down=dn, n_used=5)
+    with pytest.raises(ProgramError, match="gating"):
+        b.moe(x, router=router, gate=g, up=u, down=dn, n_used=2, gating="sigmoid")
+    with pytest.raises(ProgramError, match="do not chain"):
+        b.moe(x, router=router, gate=g, up=_Stack(rng, E, 16, d, "u2"), down=dn, n_used=2)
+    with pytest.raises(ProgramError, match="number 3"):
+        b.moe(x, router=router, gate=_Stack(rng, 3, 32, d, "g3"), up=u, down=dn, n_used=2)
+    y = b.moe(x, router=router, gate=g, up=u, down=dn, n_used=2)
+    assert y.width == d and b._nodes[-1].attrs["moe_layer"] == 0
+
+
+# ------------------------------------------------------------------ sinks and YaRN
+
+def _attention_f64(q, K, V, scale, window, sinks, lengths):
+    N, H, hd = q.shape
+    KV = K.shape[0]
+    out = np.zeros((N, H, hd))
+    for i in range(N):
+        L = lengths[i]
+        lo = max(0, L - window) if window > 0 else 0
+        for h in range(H):
+            g = h // (H // KV)
+            s = scale * (K[g, lo:L].astype(np.float64) @ q[i, h])
+            m = max(s.max(), sinks[h])
+            e = np.exp(s - m)
+            out[i, h] = e @ V[g, lo:L] / (e.sum() + np.exp(sinks[h] - m))
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_sinks_decode_and_prefill_kernels(window):
+    """Both CPU attention kernels with gpt-oss's sinks (one sink above every score, one far
+    below: no effect) against ggml's soft_max sink correction in float64."""
+    rng = np.random.default_rng(11)
+    H, KV, hd, n = 4, 2, 16, 12
+    K = rng.standard_normal((1, KV, 16, hd)).astype(np.float32)
+    V = rng.standard_normal((1, KV, 16, hd)).astype(np.float32)
+    q = rng.standard_normal((n, H, hd)).astype(np.float32)
+    sinks = np.array([0.5, 9.0, -1e4, -1.0], np.float32)
+    lengths = np.arange(1, n + 1, dtype=np.int32)
+    want = _attention_f64(q, K[0], V[0], 0.25, window, sinks, lengths)
+    out = np.empty((n, H, hd), np.float32)
+    cpu_ops.attention_rows(q, K, V, np.zeros(n, np.int32), lengths, 0.25, window, out, sinks)
+    assert np.allclose(out, want, atol=2e-5)
+    pre = cpu_ops.attention_prefill(q, K[0], V[0], 0, 0.25, window, sinks)
+    assert np.allclose(pre, want, atol=2e-5)
+    plain = cpu_ops.attention_prefill(q, K[0], V[0], 0, 0.25, window)
+    assert not np.allclose(plain, want, atol=1e-2)       # the sinks matter
+
+
+def _ggml_rope_yarn_tables(dim, base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig, n_ctx):
+    """ggml-cpu's rope cache (ggml_rope_cache_init + rope_yarn + ggml_rope_yarn_corr_dims),
+    transcribed in float64: theta_base *= theta_scale per pair, as ggml iterates."""
+    def corr(b):
+        return dim * math.log(n_ctx_orig / (b * 2 * math.pi)) / (2 * math.log(base))
+    lo, hi = max(0.0, math.floor(corr(beta_fast))), min(dim - 1.0, math.ceil(corr(beta_slow)))
+    theta_scale = base ** (-2.0 / dim)
+    cos = np.zeros((n_ctx, dim // 2))
+    sin = np.zeros((n_ctx, dim // 2))
+    for p in range(n_ctx):
+        theta = float(p)
+        for i0 in range(0, dim, 2):
+            theta_interp = freq_scale * theta
+            th, ms = theta_interp, attn_factor
+            if ext_factor != 0:
+                y = (i0 // 2 - lo) / max(0.001, hi - lo)
+                mix = (1 - min(1, max(0, y))) * ext_factor
+                th = theta_interp * (1 - mix) + theta * mix
+                ms *= 1 + 0.1 * math.log(1 / freq_scale)
+            cos[p, i0 // 2], sin[p, i0 // 2] = math.cos(th) * ms, math.sin(th) * ms
+            theta *= theta_scale
+    return cos, sin
+
+
+def test_yarn_tables_follow_ggml():
+    """RopeSpec with YaRN (gpt-oss: factor 32, original context 4096, beta 32/1) against
+    ggml's rope cache transcribed from ggml-cpu/ops.cpp."""
+    spec = RopeSpec("neox", 64, 150000.0, freq_scale=1 / 32, ext_factor=1.0, beta_fast=32.0, beta_slow=1.0,
+                    yarn_ctx=4096)
+    cos, sin = spec.tables(300)
+    wc, ws = _ggml_rope_yarn_tables(64, 150000.0, 1 / 32, 1.0, 1.0, 32.0, 1.0, 4096, 300)
+    assert np.allclose(cos, wc, atol=2e-6) and np.allclose(sin, ws, atol=2e-6)
+    plain = RopeSpec("neox", 64, 150000.0, freq_scale=1 / 32).tables(300)[0]
+    assert not np.allclose(plain, wc, atol=1e-2)
+
+
+def test_gptoss_config_reads_yarn_window_and_experts(request, moe_cache):
+    lm = loaded(request, moe_cache, "gptoss")
+    cfg = lm.config
+    assert (cfg.arch, cfg.n_expert, cfg.n_expert_used, cfg.expert_ffn_dim) == ("gpt-oss", 8, 3, 64)
+    assert cfg.yarn_ext_factor == 1.0 and cfg.rope_scale == 32.0 and cfg.n_ctx_orig == 4096
+    windows = [n.attrs["window"] for n in lm.model.program.nodes if n.op == "attention"]
+    assert windows == [16, 0, 16, 0]
+    assert all(n.attrs["sinks"] is not None for n in lm.model.program.nodes if n.op == "attention")
+
+
+# ------------------------------------------------------------------ bad input
+
+BAD = [
+    ("qwen3moe", dict(skip=["blk.2.ffn_up_exps.weight"]), r"'blk\.2\.ffn_up_exps\.weight' is missing"),
+    ("olmoe", dict(shapes={"blk.1.ffn_down_exps.weight": (8, 64, 64)}), r"'blk\.1\.ffn_down_exps\.weight' has shape"),
+    ("gptoss", dict(skip=["blk.3.attn_sinks.weight"]), r"'blk\.3\.attn_sinks\.weight' is missing"),
+    ("gptoss", dict(skip=["blk.0.ffn_down_exps.bias"]), r"'blk\.0\.ffn_down_exps\.bias' is missing"),
+    ("qwen3moe", dict(metadata={"qwen3moe.expert_used_count": 9}), r"expert_used_count 9 does not fit"),
+    ("olmoe", dict(metadata={"olmoe.expert_count": None, "olmoe.expert_used_count": None}),
+     r"olmoe\.expert_count is 0 and olmoe\.expert_used_count 0"),
+    ("gptoss", dict(metadata={"gpt-oss.attention.sliding_window": None}), r"sliding_window' is missing"),
+]
+
+
+@pytest.mark.parametrize("name,defects,pattern", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_moe_file_is_one_line_naming_it_before_any_weight_loads(request, tmp_path, monkeypatch, name, defects,
+                                                                     pattern):
+    import re
+
+    from aotx.engine.backend.cpu import CpuBackend
+
+    models = request.getfixturevalue("tiny_models")
+    tok = request.getfixturevalue("tiny_tokenizer")
+    path = models.write(name, tmp_path / f"{name}-bad.gguf", tok, **defects)
+    loads: list[str] = []
+    for meth in ("matrix", "vector", "experts", "expert_vectors"):
+        real = getattr(CpuBackend, meth)
+        monkeypatch.setattr(CpuBackend, meth, lambda self, t, real=real: loads.append(t.name) or real(self, t))
+    with pytest.raises(ModelError) as ei:
+        load_model(path)
+    msg = str(ei.value)
+    assert str(path) in msg and "\n" not in msg, msg
+    assert re.search(pattern, msg), msg
+    assert loads == [], f"weights were loaded before the defect was found: {loads[:3]}"
+
+
+def test_expert_tensor_type_the_backend_lacks_is_refused_by_name(request, monkeypatch):
+    """An expert stack of a type the backend cannot run (here: MXFP4 taken out of the CPU's
+    types) is named in one line before any weight loads."""
+    from aotx.engine.backend import quants
+
+    path, _ = moe_file(request, "gptoss")
+    monkeypatch.setattr(quants, "SUPPORTED_TYPES", quants.SUPPORTED_TYPES - {T.MXFP4})
+    with pytest.raises(ModelError, match=r"'blk\.0\.ffn_gate_exps\.weight' has tensor type MXFP4, which the CPU"):
+        load_model(path)
