@@ -609,6 +609,51 @@ class _GluRows:
     eager = graph
 
 
+def _host_matrix(dm, int8: bool):
+    """A DevMatrix's rows copied back into a CPU QuantMatrix (the host step's router and
+    shared-expert weights: small; once, at load)."""
+    from gguf import GGMLQuantizationType as T
+
+    from aotx.engine.backend.cpu_matmul import QuantMatrix
+
+    return QuantMatrix(dm.data[:dm.m].get(), T(dm.qtype), dm.m, dm.k, dm.name, int8=int8)
+
+
+class _MoeHost:
+    """The moe op on the CPU expert tier (``cuda_plan.MoeHost``): x's rows to the host, the
+    whole op there on the per-row kernels (``cpu_moe.moe_rows``), the result back. Eager
+    only: ``CudaProgram._graph_ok`` keeps a program with one off the graph path."""
+
+    def __init__(self, prog, s: P.MoeHost):
+        from aotx.engine.backend import cpu_moe
+
+        self.s = s
+        a = dict(s.attrs)
+        int8 = bool(getattr(prog.backend, "expert_int8", True))
+        a["router"] = _host_matrix(a["router"], int8)
+        if a.get("router_bias") is not None:
+            a["router_bias"] = a["router_bias"].get()
+        if a.get("shared") is not None:
+            a["shared"] = tuple(_host_matrix(w, int8) for w in a["shared"])
+        if a.get("shared_gate") is not None:
+            a["shared_gate"] = _host_matrix(a["shared_gate"], int8)
+        self.attrs = a
+        self.pool = cpu_moe.ExpertPool.shared()
+        self.traffic = np.zeros(a["n_expert"], np.int64)
+        self._moe_rows = cpu_moe.moe_rows
+
+    def graph(self, prog, c: _Ctx) -> None:
+        raise RuntimeError("the moe step runs on the host; a program with one has no CUDA graph")
+
+    def eager(self, prog, c: _Ctx) -> None:
+        x = c.arr(self.s.x)
+        if x.shape[0] == 0:
+            return
+        xh = x.get()                # waits for the steps before on this stream
+        y = self._moe_rows(self.attrs, xh, self.pool, self.traffic)
+        c.arr(self.s.out)[...] = cp.asarray(y)
+
+
 class _EagerBatch:
     """Per-forward facts of the eager path: short and long segments (with ``all_short``
     every segment counts as short: the attention kernel for every row, as the graph), the
@@ -641,7 +686,7 @@ class _EagerBatch:
 
 
 _BIND = {P.Embed: _Embed, P.QKV: _QKV, P.Attend: _Attend, P.KVStore: _KVStore, P.TakeRows: _TakeRows,
-         P.Norm: _Norm, P.HeadOp: _HeadOp, P.Elementwise: _Elementwise, P.GluRows: _GluRows}
+         P.Norm: _Norm, P.HeadOp: _HeadOp, P.Elementwise: _Elementwise, P.GluRows: _GluRows, P.MoeHost: _MoeHost}
 
 
 class CudaProgram:
@@ -698,6 +743,7 @@ class CudaProgram:
             else:
                 b = _BIND[type(s)](self, s)
             self.steps.append(b)
+        self.moe_steps = [b for b in self.steps if isinstance(b, _MoeHost)]
         out_loc = self.plan.loc[self.plan.output]
         self.out_buf = out_loc.buf
         self.v_ld = self.plan.buffers[out_loc.buf][1]
@@ -859,9 +905,33 @@ class CudaProgram:
             need |= CS.fill_row(prm[j], hist[j], cfg, st, tick, extra)
         return need
 
+    # ---- expert tiers (issue 22; engine/model/experts.py): every expert on the CPU tier -------
+
+    def measure_experts(self, layer: int, rows: tuple[int, ...]) -> dict:
+        """Calibration: seconds of one expert of moe layer ``layer`` on n rows, CPU tier
+        (no GPU timings: this backend has no GPU expert tier yet)."""
+        from aotx.engine.backend import cpu_moe
+
+        return cpu_moe.measure(self.moe_steps[layer].attrs, rows, self.moe_steps[layer].pool)
+
+    def place_experts(self, plan) -> dict:
+        """Apply an expert-tier plan: every expert "host" or "mmap" (the CPU tiers)."""
+        from aotx.engine.backend import cpu_moe
+
+        if not self.moe_steps:
+            return {"gpu_bytes": 0, "host_bytes": 0, "recalibrate": False}
+        return cpu_moe.place(self.moe_steps, plan, self.moe_steps[0].pool)
+
+    def expert_stats(self) -> dict:
+        """Rows routed to each expert of each moe layer since load."""
+        return {"traffic": [b.traffic.tolist() for b in self.moe_steps],
+                "pool": self.moe_steps[0].pool.stats() if self.moe_steps else {}}
+
     # ---- graph path ---------------------------------------------------------------------------
 
     def _graph_ok(self, layout, kv: CudaKVCache) -> bool:
+        if self.moe_steps:
+            return False
         n = int(layout.n_rows)
         if n == 0 or n > self._state(kv).b_max:
             return False

@@ -301,7 +301,7 @@ def plan(layers: list[MoeLayer], costs: Costs, *, gpu_bytes: int = 0, host_bytes
     tiers = [["mmap"] * L.n_expert for L in layers]
     share = [list(traffic[i]) if traffic else [1.0 / L.n_expert] * L.n_expert for i, L in enumerate(layers)]
     left = gpu_bytes if costs.has_gpu else 0
-    reason = "no GPU: every expert on the CPU tier" if not costs.has_gpu else ""
+    reason = "no GPU expert tier: every expert on the CPU tier" if not costs.has_gpu else ""
     on_gpu = [0] * len(layers)
     if left > 0:
         # greedy by expected saving per byte: traffic share x (CPU - GPU) seconds for one row

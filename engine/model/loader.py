@@ -185,11 +185,6 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     arch = get_architecture(str(name), str(p)) if name else None  # unknown is that, not a missing key
     cfg = ModelConfig.from_metadata(gf.metadata, str(p))
     arch = arch or get_architecture(cfg.arch, str(p))
-    if device == "cuda" and cfg.n_expert > 0:
-        # issue 22: the moe op has a CPU executor only (expert tiers on the GPU are not written);
-        # refused before a byte goes to the GPU
-        raise ModelError(f"{p}: mixture-of-experts models ({cfg.arch}, {cfg.n_expert} experts) do not run on the "
-                         f"CUDA backend yet; use --device cpu")
     backend = make_backend(device, int8_activations=int8_activations, tune=tune, tune_budget_s=tune_budget_s)
     stage("resolve")
     try:
