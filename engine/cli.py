@@ -262,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "pass, speed)")
     p.add_argument("--draft-model", help="draft model for --speculative (default: the model itself, which shows "
                    "acceptance but not speed)")
+    p.add_argument("--engine-path", action="store_true",
+                   help="prefill and decode as aotx run --json reports them, from an engine built as aotx serve "
+                        "builds it, next to the model alone")
+    p.add_argument("--peer", metavar="PYTHON",
+                   help="with --engine-path: a Python with llama-cpp-python; llama.cpp runs on the same file "
+                        "before and after AOTX and the table shows the ratios")
 
     p = sub.add_parser("tune", help="time the CUDA kernel candidates for a model on this GPU and record the winners")
     p.add_argument("--model")

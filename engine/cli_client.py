@@ -221,6 +221,7 @@ async def _run(args) -> int:
                 if args.json:
                     _jprint({"event": "done", "conversation": conv_id, "prompt_ids": prompt_ids,
                              "completion_ids": completion, "text": ev.text, "finish_reason": ev.finish_reason,
+                             "numerics": ev.numerics,
                              "timings": {"load_s": round(sum(st.profile.values()), 4),
                                          "prompt_tokens": int(t.get("prompt_tokens", 0)),
                                          "prompt_tokens_reused": int(t.get("prompt_tokens_reused", 0)),

@@ -49,11 +49,12 @@ itself or the context is full (a requested 1000-word story is ~1,300 tokens: a
 REPEAT_PENALTY = 1.1
 """The default repetition penalty (over the last 64 tokens). Measured on llama.cpp's
 reference prompts for the default model (tests/tools/measure_repeat_penalty.py,
-greedy): without it "What is the capital of France?" loops ("la femme, la femme, ...")
-to the token limit, 1.05 still loops; 1.1 ends it with a real answer and keeps the code
-answer's function and explanation (31 of its first 48 tokens as without a penalty);
-from 1.15 the code answer itself changes. (Ollama's default is 1.1 too.) Issue 17,
-point 15."""
+greedy; its docstring has the tables): without a penalty "What is the capital of
+France?" loops ("la femme, la femme, ...") to the token limit in llama.cpp's greedy
+reply and did in AOTX's (its first token is a near-tie: today's executor answers
+instead), and 1.05 still looped; 1.1 ended it with a real answer, keeps the code
+answer's start and halves a list's repeated phrasing; from 1.15 the code answer itself
+changes. (Ollama's default is 1.1 too.) Issue 17, point 15."""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -461,7 +462,10 @@ class MediaInfo(_Base, tag="media"):
 
 class Committed(_Base, tag="committed"):
     """The reply finished. finish_reason: stop | length | context | cancelled | error |
-    interrupted (a remote model's stream was dropped midway: what arrived is kept)."""
+    interrupted (a remote model's stream was dropped midway: what arrived is kept).
+    numerics: the arithmetic that produced the tokens ("cpu-int8", "cpu-f32", "cuda-f32";
+    "remote" for a remote model's): a backend's results are batch-invariant, but two
+    backends need not agree bit for bit."""
 
     id: int
     msg_id: str
@@ -472,6 +476,7 @@ class Committed(_Base, tag="committed"):
     seq: int
     text: str = ""
     timings: dict[str, float] = {}
+    numerics: str = ""
 
 
 class Durable(_Base, tag="durable"):

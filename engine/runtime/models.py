@@ -87,7 +87,7 @@ class LocalModel:
         self.waiting: deque[Request] = deque()  # accepted, in arrival order (durable_wait or queued)
         self.running: list[Request] = []        # prefill or decode, holding a slot
         self.executor = Executor(lm, self.kv, device=device, capsules=capsules, draft=self.draft)
-        self.commit = Commit(store, self.slots)
+        self.commit = Commit(store, self.slots, self.executor.numerics)
         self.submitter = Submitter(lm, store, self.envelope, inbox, is_busy, device=device, speculative=speculative,
                                    draft=self.draft)
         self.submitter.model_name = name

@@ -467,7 +467,7 @@ class RemoteModel:
         t["prompt_tokens"] = float(n_prompt)
         t["completion_tokens"] = float(n_comp)
         r.sink.send(P.Committed(id=r.rid, msg_id=r.reply_id, finish_reason=reason, n_prompt=n_prompt,
-                                n_completion=n_comp, tick=tick, seq=seq, text=r.text, timings=t))
+                                n_completion=n_comp, tick=tick, seq=seq, text=r.text, timings=t, numerics="remote"))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.FINAL)
         st.flush()
