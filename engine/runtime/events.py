@@ -47,6 +47,14 @@ class CapsuleWritten:
     conv_id: str
     path: str
     n_tokens: int
+    fingerprint: str = ""  # the model whose state it holds
+
+
+@dataclass(frozen=True)
+class RemoteEvent:
+    """Something arrived from a remote model's stream (``remote.py``): look at it."""
+
+    model: str
 
 
 @dataclass(frozen=True)
@@ -59,7 +67,7 @@ class Wake:
     pass
 
 
-Event = Union[ClientOp, ReceiptArrived, MediaReady, Prepared, CapsuleWritten, Disconnected, Wake]
+Event = Union[ClientOp, ReceiptArrived, MediaReady, Prepared, CapsuleWritten, RemoteEvent, Disconnected, Wake]
 
 
 class Inbox:
