@@ -218,7 +218,11 @@ _EMFILE_SCRIPT = textwrap.dedent("""
     loop = asyncio.new_event_loop()
     loop.run_until_complete(srv.start())
     print("ready", flush=True)
-    threading.Thread(target=lambda: (sys.stdin.readline(), loop.call_soon_threadsafe(loop.stop)), daemon=True).start()
+    def stop():  # as serve stops: the server's tasks finish before the loop does
+        sys.stdin.readline()
+        asyncio.run_coroutine_threadsafe(srv.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+    threading.Thread(target=stop, daemon=True).start()
     loop.run_forever()
     print("active", srv.active, "refused", srv.refused, flush=True)
 """)

@@ -529,6 +529,8 @@ class Engine:
         return conv_id in self._preparing() or any(r.conv_id == conv_id for r in self._by_rid.values())
 
     def _require_idle(self, conv_id: str) -> None:
+        if conv_id in self._preparing():
+            raise Busy(f"conversation {conv_id} is preparing a message; wait for it or cancel it first")
         if self._is_busy(conv_id):
             raise Busy(f"conversation {conv_id} is generating; cancel it first")
 
