@@ -3,11 +3,9 @@ with ``--n-cpu-moe`` (issue 22). Driven by tests/tools/moe_gpu_bench.sh; subcomm
 
 * ``write OUT.gguf --tokenizer .gpubench/tokenizer.json [--layers N]``: the file, streamed
   tensor by tensor (qwen3moe: 48 layers, d_model 2048, 32 query heads and 4 KV heads of
-  128, 128 experts of width 768, 8 per token; attention Q4_K with Q6_K ``attn_v`` on
-  llama-quantize's use_more_bits layers, as Q4_K_M; the experts Q4_0 with Q8_0
-  ``ffn_down_exps`` on those layers (the same bytes as Q4_K_M's Q4_K / Q6_K, in types the
-  CPU tier's int8 kernels take on main today; Q4_K's int8 kernel is issue 16's); router
-  F32; SmolLM2's vocabulary of 49,152 tokens, so the output head is smaller than the real
+  128, 128 experts of width 768, 8 per token; Q4_K with Q6_K ``attn_v`` and
+  ``ffn_down_exps`` on llama-quantize's use_more_bits layers, as Q4_K_M; router F32;
+  SmolLM2's vocabulary of 49,152 tokens, so the output head is smaller than the real
   model's), about 17 GB. Every
   matrix row is drawn from a small pool of valid random rows of its type (seconds per GB).
 * ``aotx FILE --json OUT.json [--budget 8G]``: AOTX on the CUDA backend: dense layers on the
@@ -78,8 +76,8 @@ def write(out: Path, tokenizer_json: Path, n_layers: int) -> Path:
                     (p + "attn_q_norm.weight", (hd,), T.F32), (p + "attn_k_norm.weight", (hd,), T.F32),
                     (p + "attn_output.weight", (d, H * hd), T.Q4_K), (p + "ffn_norm.weight", (d,), T.F32),
                     (p + "ffn_gate_inp.weight", (E, d), T.F32),
-                    (p + "ffn_gate_exps.weight", (E, F, d), T.Q4_0), (p + "ffn_up_exps.weight", (E, F, d), T.Q4_0),
-                    (p + "ffn_down_exps.weight", (E, d, F), T.Q8_0 if more(i, n_layers) else T.Q4_0)]
+                    (p + "ffn_gate_exps.weight", (E, F, d), T.Q4_K), (p + "ffn_up_exps.weight", (E, F, d), T.Q4_K),
+                    (p + "ffn_down_exps.weight", (E, d, F), T.Q6_K if more(i, n_layers) else T.Q4_K)]
     tensors += [("output_norm.weight", (d,), T.F32), ("output.weight", (V, d), T.Q6_K)]
     pools: dict = {}
 
