@@ -37,6 +37,14 @@ class CapsuleWritten:
     conv_id: str
     path: str
     n_tokens: int
+    fingerprint: str = ""  # the model whose state it holds
+
+
+@dataclass(frozen=True)
+class RemoteEvent:
+    """Something arrived from a remote model's stream (``remote.py``): look at it."""
+
+    model: str
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class Wake:
     pass
 
 
-Event = Union[ClientOp, ReceiptArrived, MediaReady, CapsuleWritten, Disconnected, Wake]
+Event = Union[ClientOp, ReceiptArrived, MediaReady, CapsuleWritten, RemoteEvent, Disconnected, Wake]
 
 
 class Inbox:

@@ -71,6 +71,7 @@ class Submission:
     held: bool = False
     need: int = 0  # journal credit asked when it was held
     prompt: list[int] = field(default_factory=list)
+    model: str = ""  # the loaded model whose submitter runs its stages
     media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
 
 
@@ -99,6 +100,7 @@ class Submitter:
         self.not_ready_reason = ""
         self.held: list[Submission] = []
         self._media_busy: set[tuple[int, int]] = set()
+        self.model_name: str = getattr(lm, "name", "")  # the engine's name for this model (models.ModelSet)
         # the model's media.profile.MediaProfile (set by serve) and the engine's admission of a
         # specialist when an attachment first needs it: count_media(name, bytes) -> "" or why not
         self.media_profile: Any = None
@@ -109,7 +111,7 @@ class Submitter:
     def submit(self, op: P.SubmitMessage, sink: Sink, tick: int) -> Request | None:
         """Stage 1, then media (with attachments) or straight on to the prompt."""
         sp = self._check(op)
-        sub = Submission(op, sink, sp, op.text)
+        sub = Submission(op, sink, sp, op.text, model=self.model_name)
         if op.attachments:
             self._media(sub)
             return None
@@ -276,7 +278,8 @@ class Submitter:
         ctx = self.envelope.context_tokens
         has_history = bool(st.get(op.conv_id).messages)  # before this message's records
         max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
-        msg_id, reply_id, recs = st.accept_records(op.conv_id, "user", text, sp, op.attachments, raw=op.raw)
+        msg_id, reply_id, recs = st.accept_records(op.conv_id, "user", text, sp, op.attachments, raw=op.raw,
+                                                   model=self.model_name)
         reply = admission.reply_credit(max_tokens, self.envelope)
         if st.journaled:
             st.check_writable()
@@ -308,6 +311,7 @@ class Submitter:
             accepted_seq=seq,
             credit=reply if st.journaled else 0,
             drafter=self._drafter(sp),
+            model=self.model_name,
             has_history=has_history,
         )
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
