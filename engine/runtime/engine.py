@@ -247,8 +247,10 @@ class Engine:
                                 fingerprint=lm.fingerprint, kv_type=self.kv_type)
         terms = local_terms(lm, self.n_slots, n_ctx, self.prefill_chunk,
                             capsule_host=EXTRA_CAPSULE_HOST if caps is not None else 0, kv_type=self.kv_type)
+        # the device it was loaded on: serve's loader falls back to the CPU for a file CUDA cannot run
+        device = lm.backend if getattr(lm, "backend", "") in ("cpu", "cuda") else self.device
         m = LocalModel(entry.name, lm, self.store, self._inbox, self._is_busy, n_slots=self.n_slots, n_ctx=n_ctx,
-                       prefill_chunk=self.prefill_chunk, device=self.device, capsules=caps,
+                       prefill_chunk=self.prefill_chunk, device=device, capsules=caps,
                        speculative="auto" if self.speculative == "draft" else self.speculative, terms=terms,
                        entry=entry, kv_type=self.kv_type)
         m.submitter.count_media = self.count_media
