@@ -199,6 +199,29 @@ def test_fifo_is_refused_without_blocking(tmp_path):
         GGUFFile.open(p)
 
 
+# ---- the header reader the model list and `aotx pull` use (gguf_header.read_header) ----------
+
+def test_header_reader_refuses_the_same_defects(tmp_path):
+    """Regression (issue 15 defect 10, on the second reader): the model list reads each
+    file's header with ``gguf_header``; there too a big-endian file said only 'version
+    50331648', an empty key passed, and a pipe in the models folder blocked the list."""
+    from aotx.engine.model.gguf_header import read_file_header, read_header
+
+    with pytest.raises(ModelError) as ei:
+        read_file_header(_write(tmp_path / "be.gguf", endian=GGUFEndian.BIG))
+    assert "big-endian" in str(ei.value) and "50331648" not in str(ei.value), ei.value
+    with pytest.raises(ModelError, match=r"'test\.nested' holds arrays \(nested arrays are not supported\)"):
+        read_file_header(_write(tmp_path / "nested.gguf", arrays=[("test.nested", [[1, 2], [3]])]))
+    with pytest.raises(ModelError, match=r"a metadata key is empty"):
+        read_header(gguf_bytes([ARCH, kv("", U32, struct.pack("<I", 1))]))
+    assert read_file_header(_write(tmp_path / "le.gguf", arrays=[("test.flat", [1, 2, 3])])).array_lengths == \
+        {"test.flat": 3}
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "pipe.gguf")
+        with pytest.raises(ModelError, match=r"not a regular file"):
+            read_file_header(tmp_path / "pipe.gguf")
+
+
 def _same_as_gguf_py(path: Path) -> int:
     """The strict parser reads ``path`` as gguf.GGUFReader does: same keys, values (and
     their Python types) and tensor views. Returns the tensor count."""
