@@ -392,3 +392,23 @@ def test_three_real_models_in_one_engine(loaded_model, home, qwen2_model_path, g
         assert len(set(vocab.values())) == 3
     finally:
         stop(eng)
+
+
+# ---- a mixture of experts beside the default --------------------------------------------------
+
+def test_a_mixture_of_experts_model_runs_beside_the_default_exactly_as_alone(loaded_model, home, tiny_models,
+                                                                           tiny_tokenizer):
+    path = tiny_models.olmoe.write(home / "models" / "tiny-moe.gguf", tiny_tokenizer)
+    eng = make_engine(loaded_model, home)
+    try:
+        c = Client(eng)
+        moe, dense = c.create(model="tiny-moe"), c.create()
+        r_moe = c.submit(moe.conv_id, "hello there", n=8)
+        r_dense = c.submit(dense.conv_id, "The capital of France is", n=8)
+        assert isinstance(reply(c.sink, r_moe), P.Committed) and isinstance(reply(c.sink, r_dense), P.Committed)
+        got = c.tokens(r_moe)
+        assert {m.name for m in c.call(P.ListModels, P.ModelList).models if m.loaded} == {loaded_model.name,
+                                                                                          "tiny-moe"}
+    finally:
+        stop(eng)
+    assert got == solo_tokens(path, "hello there", home, n=8)
