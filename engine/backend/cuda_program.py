@@ -651,7 +651,16 @@ class _MoeHost:
         if x.shape[0] == 0:
             return
         xh = x.get()                # waits for the steps before on this stream
-        y = self._moe_rows(self.attrs, xh, self.pool, self.traffic)
+        small = None                # rows of long segments take the CPU's prefill path
+        segs = c.layout.segments if c.layout is not None else ()
+        if sum(seg.n for seg in segs) == xh.shape[0] and any(seg.n > SHORT_SEGMENT for seg in segs):
+            small = np.zeros(xh.shape[0], bool)
+            row = 0
+            for seg in segs:
+                if seg.n <= SHORT_SEGMENT:
+                    small[row:row + seg.n] = True
+                row += seg.n
+        y = self._moe_rows(self.attrs, xh, self.pool, self.traffic, small)
         c.arr(self.s.out)[...] = cp.asarray(y)
 
 
