@@ -161,3 +161,20 @@ def test_defect9_gateway_key_file_first_line_is_the_key(tmp_path):
     assert A.read_key_file(path) == [key]
     head = subprocess.run(["head", "-1", str(path)], capture_output=True, text=True)
     assert head.stdout.strip() == key
+
+
+def test_defect7_aotx_run_says_capsule_notices_in_the_users_words_and_only_when_continuing():
+    """Regression (issue 17, defect 7): ``aotx run`` printed "restored 29 tokens of context
+    from a parked capsule (host memory) (no re-prefill)" on stderr for a brand-new chat."""
+    from aotx.engine.cli_client import capsule_words
+    from aotx.engine.ipc import protocol as P
+
+    picked = P.Notice(id=1, kind="capsule", resource="capsule", asked=29,
+                      message="picked up where this conversation left off (29 tokens of context kept, not read again)")
+    assert capsule_words(picked, continuing=False) == ""  # a new chat's shared start is no news
+    assert capsule_words(picked, continuing=True) == "picked up where this conversation left off"
+    again = P.Notice(id=1, kind="capsule", resource="capsule",
+                     message="reading this conversation's earlier messages again: its saved state could not be used "
+                             "(it was made by another model)")
+    words = capsule_words(again, continuing=True)
+    assert words.startswith("reading") and "capsule" not in words and "prefill" not in words

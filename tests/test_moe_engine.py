@@ -1,8 +1,8 @@
 """A mixture-of-experts file through the whole engine on the CPU (issue 22): ``aotx run``
 with the startup profile's expert stages and the plan's note, a conversation continued
 from its slot's KV, the engine restarted (the journal recovers the conversation; the
-stored calibration is reused), ``--device cuda`` refused in one line before any weight
-loads, and a capsule round trip on each MoE architecture.
+stored calibration is reused), and a capsule round trip on each MoE architecture. The
+CUDA side is tests/test_cuda_moe.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aotx.engine.errors import ModelError
 from aotx.engine.model.batch import Segment
 from aotx.engine.model.loader import load_model
 
@@ -66,15 +65,6 @@ def test_aotx_run_on_a_moe_file_profile_journal_and_restart(request, tmp_path):
         assert third["prompt_ids"][len(second["prompt_ids"]):n2] == second["completion_ids"]
     finally:
         _aotx(env, "stop", "--socket", str(sock), timeout=120)
-
-
-def test_moe_file_on_cuda_is_refused_in_one_line_before_loading(request):
-    path = request.getfixturevalue("tiny_model_path")("qwen3moe")
-    with pytest.raises(ModelError) as e:
-        load_model(path, device="cuda")
-    msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(str(path))
-    assert "mixture-of-experts models (qwen3moe, 8 experts) do not run on the CUDA backend yet; use --device cpu" in msg
 
 
 @pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "gptoss"])

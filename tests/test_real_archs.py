@@ -30,20 +30,22 @@ from tests.fakes.sink import EventSink
 
 HERE = Path(__file__).resolve().parent
 MODELS = ["qwen2", "gemma3"]
+DEVICE = os.environ.get("AOTX_REAL_DEVICE", "cpu")   # "cuda" on a GPU machine (tests/tools/gpu_real.sh)
 PROMPTS = ["def reverse_string(s):", "The capital of France is", "Three prime numbers: 2, 3,",
            "A hash map is"]
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def real(request):
-    """(name, LoadedModel) of one real file on the CPU, loaded once per module."""
+    """(name, LoadedModel) of one real file on DEVICE (the CPU unless AOTX_REAL_DEVICE says),
+    loaded once per module."""
     try:
         path = request.getfixturevalue(f"{request.param}_model_path")
     except pytest.FixtureLookupError:
         pytest.skip(f"needs helper refs' {request.param}_model_path fixture (tests/conftest.py)")
     from aotx.engine.model.loader import load_model
 
-    return request.param, load_model(path, device="cpu")
+    return request.param, load_model(path, device=DEVICE)
 
 
 def _refcheck():
@@ -114,7 +116,7 @@ def _row_invariant_matmul() -> bool:
 
 def test_speculative_ngram_equals_plain_greedy(real):
     name, lm = real
-    if not _row_invariant_matmul():
+    if DEVICE == "cpu" and not _row_invariant_matmul():
         pytest.xfail("needs issue 16's row-invariant CPU matmul (helper invariance) for K-quant files")
     prompts = ["def add(a, b):\n    return a + b\n\n\ndef add(", "one two three four one two three four one two"]
     plain = _replies(lm, prompts, n_slots=2, max_tokens=16)
@@ -151,14 +153,14 @@ def test_capsule_round_trip_continues_byte_exactly(real, tmp_path):
     assert a == b                      # same tokens and bit-identical logits from the restored slot
 
 
-def test_aotx_run_answers_on_the_cpu(real, tmp_path):
+def test_aotx_run_answers(real, tmp_path):
     name, lm = real
     home = tmp_path / "home"
     sock = Path(tempfile.mkdtemp(prefix="aotx-r", dir="/tmp")) / "e.sock"
     env = dict(os.environ, AOTX_HOME=str(home), PYTHONDONTWRITEBYTECODE="1")
     cmd = [sys.executable, "-m", "aotx.engine.cli"]
     try:
-        r = subprocess.run(cmd + ["run", "--model", str(lm.path), "--device", "cpu", "--socket", str(sock),
+        r = subprocess.run(cmd + ["run", "--model", str(lm.path), "--device", DEVICE, "--socket", str(sock),
                                   "--slots", "1", "--context", "512", "--json", "--temperature", "0",
                                   "--max-tokens", "6", "Hello"],
                            capture_output=True, text=True, env=env, timeout=900)

@@ -71,6 +71,10 @@ class CudaBackend:
     valid winner are timed at load, within ``tune_budget_s``, and recorded) or "force"
     (``aotx tune``: every site timed again). ``prefill`` / ``gemv`` force one eager GEMM
     mode / one GEMV variant everywhere (``CudaProgram``; tests and benchmarks).
+    ``dense_prefill``: the eager GEMMs keep dense dequantized weight copies when they fit
+    the budget (``cuda_gemm``; default), False: always per-tile dequantization.
+    ``expert_int8``: the CPU expert tier of a mixture of experts uses the CPU backend's
+    int8-activation kernels (default; False: its float path, for comparisons).
 
     Raises ModelError when CuPy sees no CUDA device."""
 
@@ -79,7 +83,8 @@ class CudaBackend:
 
     def __init__(self, device: int = 0, *, fuse: bool = True, tune: str = "off",
                  tune_budget_s: float = kernel_choice.DEFAULT_BUDGET_S, artifact_root=None,
-                 prefill: str | None = None, gemv: str | None = None) -> None:
+                 prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
+                 dense_prefill: bool = True) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
@@ -94,6 +99,8 @@ class CudaBackend:
         self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.n_sm = int(props["multiProcessorCount"])
         self.weight_bytes = 0
+        self.host_expert_bytes = 0       # mixtures of experts: experts kept for the CPU tier
+        self.expert_int8 = bool(expert_int8)   # the CPU tier's kernels: int8 activations (False: float, tests)
         self._modules: dict[tuple[str, ...], dict] = {}
         self._sampler = None
         self.fuse = fuse
@@ -102,6 +109,7 @@ class CudaBackend:
         self.artifact_root = artifact_root
         self.prefill = prefill
         self.gemv = gemv
+        self.dense_prefill = bool(dense_prefill)
 
     def device_key(self) -> kernel_choice.DeviceKey:
         """The kernel-choice artifact key of this device and build: GPU name, driver and
@@ -175,6 +183,26 @@ class CudaBackend:
             raise ModelError(f"tensor {t.name!r} is {qt.name}; 1-D tensors must be F32, F16 or BF16")
         arr = cp.asarray(np.ascontiguousarray(v, dtype=np.float32))
         self.weight_bytes += int(arr.nbytes)
+        return arr
+
+    def experts(self, t):
+        """A 3-D GGUF expert tensor (ggml ``[k, m, E]``) for the CPU expert tier:
+        ``cpu_moe.CpuExperts`` over the file's memory map (no GPU memory; counted in
+        ``host_expert_bytes``). The moe op runs on the host (``cuda_plan.MoeHost``)."""
+        from aotx.engine.backend.cpu_moe import CpuExperts
+
+        if len(t.shape) != 3:
+            raise ModelError(f"tensor {t.name!r} should be 3-D (experts), has shape {list(t.shape)}")
+        st = CpuExperts(t, int8=self.expert_int8)
+        self.host_expert_bytes += int(t.n_bytes)
+        return st
+
+    def expert_vectors(self, t) -> np.ndarray:
+        """Per-expert biases (ggml ``[n, E]``) as host float32 (E, n), for the CPU tier."""
+        from aotx.engine.backend.cpu_moe import expert_vectors
+
+        arr = expert_vectors(t)
+        self.host_expert_bytes += int(arr.nbytes)
         return arr
 
     def concat(self, name: str, parts: list[DevMatrix]) -> DevMatrix:

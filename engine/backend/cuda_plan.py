@@ -19,7 +19,8 @@ Fusions (what today's decode graph does for llama, found by pattern in any progr
 * ``add(r, linear(a))``, where the residual ``r`` is read by nothing after the linear:
   the GEMV adds into r's buffer (``mode "add"``); ``add(r, rms_norm(linear(a)))``
   (gemma3's post-norms): the linear stores, then the norm adds into r's buffer.
-Anything else runs as generic steps, one per node (``split`` is a view: no step).
+Anything else runs as generic steps, one per node (``split`` is a view: no step); the
+``moe`` op as a host step (``MoeHost``: the CPU expert tier).
 
 Buffers: every materialized value gets a column range of a buffer ``(rows, width)``;
 buffers are reused once their last reader has run. Widths are multiples of 4 floats
@@ -168,6 +169,17 @@ class GluRows:
 
 
 @dataclass
+class MoeHost:
+    """The ``moe`` op on the CPU expert tier (issue 22): the rows of x go to the host, the
+    router, routing, experts, join and shared expert run there (``cpu_moe.moe_rows``), the
+    result comes back into out. ``attrs``: the node's attributes. A program with one runs
+    every forward on the eager path (no CUDA graph: the step waits for the host)."""
+    x: int
+    out: int
+    attrs: Any
+
+
+@dataclass
 class Loc:
     """Where a value lives: columns [col, col + width) of buffer ``buf``."""
     buf: int
@@ -221,6 +233,9 @@ def plan(program, *, fuse: bool = True) -> Plan:
     Raises PlanError for a program the CUDA backend cannot run."""
     g = _Graph(program)
     nodes = g.nodes
+    for n in nodes:
+        if n.op == "attention" and n.attrs.get("sinks") is not None:
+            raise PlanError("attention sinks (gpt-oss) are not supported by the CUDA backend yet")
     width = {v.id: v.width for v in program.values}
     rows = {v.id: v.rows for v in program.values}
     done: set[int] = set()                  # node indices consumed by a fused step
@@ -434,6 +449,8 @@ def plan(program, *, fuse: bool = True) -> Plan:
             emit(i, Elementwise("softcap", n.inputs[0].id, None, n.out.id, A["cap"]))
         elif op == "take_rows":
             emit(i, TakeRows(n.inputs[0].id, n.out.id))
+        elif op == "moe":
+            emit(i, MoeHost(n.inputs[0].id, n.out.id, A))
         else:
             raise PlanError(f"op {op!r} is not supported by the CUDA backend")
 
@@ -463,6 +480,8 @@ def reads(s) -> list[int]:
         return [s.a] + ([s.b] if s.b is not None else [])
     if isinstance(s, GluRows):
         return [s.gate, s.up]
+    if isinstance(s, MoeHost):
+        return [s.x]
     return []
 
 

@@ -23,9 +23,10 @@ Two paths, one Program:
   Each GEMV launch runs the variant (rows per block, warps per row pair, where the norm
   scale is computed) the kernel choice recorded for its (site, bucket).
 * **eager**: anything larger (prefill chunks) and batches with image rows. Steps on batch
-  rows run ``cuda_gemm.PrefillGemm`` (weights dequantized one tile at a time into one
-  scratch buffer, cuBLAS on tensor cores: float16 or TF32 inputs, float32 accumulation;
-  the mode per weight is the kernel choice's); attention of long segments through cuBLAS
+  rows run ``cuda_gemm.PrefillGemm`` (cuBLAS on tensor cores: float16 or TF32 inputs,
+  float32 accumulation; the mode per weight is the kernel choice's; the weights' dense
+  dequantized copies, kept when they fit a budget, else dequantized one tile at a time
+  into one scratch buffer); attention of long segments through cuBLAS
   (scores, masked softmax kernel, values), the split-context attention kernel for short
   segments; steps on the logits rows (after ``take_rows``) run the graph's GEMVs. With
   ``prefill="gemv"`` every eager step runs the graph's kernels instead (batch-invariant
@@ -609,6 +610,60 @@ class _GluRows:
     eager = graph
 
 
+def _host_matrix(dm, int8: bool):
+    """A DevMatrix's rows copied back into a CPU QuantMatrix (the host step's router and
+    shared-expert weights: small; once, at load)."""
+    from gguf import GGMLQuantizationType as T
+
+    from aotx.engine.backend.cpu_matmul import QuantMatrix
+
+    return QuantMatrix(dm.data[:dm.m].get(), T(dm.qtype), dm.m, dm.k, dm.name, int8=int8)
+
+
+class _MoeHost:
+    """The moe op on the CPU expert tier (``cuda_plan.MoeHost``): x's rows to the host, the
+    whole op there on the per-row kernels (``cpu_moe.moe_rows``), the result back. Eager
+    only: ``CudaProgram._graph_ok`` keeps a program with one off the graph path."""
+
+    def __init__(self, prog, s: P.MoeHost):
+        from aotx.engine.backend import cpu_moe
+
+        self.s = s
+        a = dict(s.attrs)
+        int8 = bool(getattr(prog.backend, "expert_int8", True))
+        a["router"] = _host_matrix(a["router"], int8)
+        if a.get("router_bias") is not None:
+            a["router_bias"] = a["router_bias"].get()
+        if a.get("shared") is not None:
+            a["shared"] = tuple(_host_matrix(w, int8) for w in a["shared"])
+        if a.get("shared_gate") is not None:
+            a["shared_gate"] = _host_matrix(a["shared_gate"], int8)
+        self.attrs = a
+        self.pool = cpu_moe.ExpertPool.shared()
+        self.traffic = np.zeros(a["n_expert"], np.int64)
+        self._moe_rows = cpu_moe.moe_rows
+
+    def graph(self, prog, c: _Ctx) -> None:
+        raise RuntimeError("the moe step runs on the host; a program with one has no CUDA graph")
+
+    def eager(self, prog, c: _Ctx) -> None:
+        x = c.arr(self.s.x)
+        if x.shape[0] == 0:
+            return
+        xh = x.get()                # waits for the steps before on this stream
+        small = None                # rows of long segments take the CPU's prefill path
+        segs = c.layout.segments if c.layout is not None else ()
+        if sum(seg.n for seg in segs) == xh.shape[0] and any(seg.n > SHORT_SEGMENT for seg in segs):
+            small = np.zeros(xh.shape[0], bool)
+            row = 0
+            for seg in segs:
+                if seg.n <= SHORT_SEGMENT:
+                    small[row:row + seg.n] = True
+                row += seg.n
+        y = self._moe_rows(self.attrs, xh, self.pool, self.traffic, small)
+        c.arr(self.s.out)[...] = cp.asarray(y)
+
+
 class _EagerBatch:
     """Per-forward facts of the eager path: short and long segments (with ``all_short``
     every segment counts as short: the attention kernel for every row, as the graph), the
@@ -641,7 +696,7 @@ class _EagerBatch:
 
 
 _BIND = {P.Embed: _Embed, P.QKV: _QKV, P.Attend: _Attend, P.KVStore: _KVStore, P.TakeRows: _TakeRows,
-         P.Norm: _Norm, P.HeadOp: _HeadOp, P.Elementwise: _Elementwise, P.GluRows: _GluRows}
+         P.Norm: _Norm, P.HeadOp: _HeadOp, P.Elementwise: _Elementwise, P.GluRows: _GluRows, P.MoeHost: _MoeHost}
 
 
 class CudaProgram:
@@ -698,6 +753,7 @@ class CudaProgram:
             else:
                 b = _BIND[type(s)](self, s)
             self.steps.append(b)
+        self.moe_steps = [b for b in self.steps if isinstance(b, _MoeHost)]
         out_loc = self.plan.loc[self.plan.output]
         self.out_buf = out_loc.buf
         self.v_ld = self.plan.buffers[out_loc.buf][1]
@@ -721,6 +777,7 @@ class CudaProgram:
         self.k = {**self._tune_k, **(backend.module(missing) if missing else {})}
         self._tune_k = {}
         self.gemm = PrefillGemm(self.k, self._blas)
+        self._plan_dense()
         self.ks = backend.sampler_kernel()
         self._last_logits: cp.ndarray | None = None
         self._eager_logits: cp.ndarray | None = None
@@ -743,6 +800,24 @@ class CudaProgram:
                                          "norm": norm})
         d["weights"].extend(weights)
         return key
+
+    def _plan_dense(self) -> None:
+        """Dense prefill copies (``cuda_gemm``) when every eager GEMM's dequantized weight
+        fits the budget (``CudaBackend(dense_prefill=False)``: always tiles)."""
+        uses = []
+        for key, d in self.psites.items():
+            mode = self.prefill_mode(key)
+            if mode in ("f16", "tf32", "f32"):
+                uses.extend((w, mode) for w in d["weights"])
+        if not getattr(self.backend, "dense_prefill", True):
+            self.gemm.plan_dense(uses, -1)
+            self.gemm.dense_reason = "tiles: dense prefill copies turned off"
+            return
+        try:
+            free = int(cp.cuda.Device().mem_info[0])
+        except Exception:  # noqa: BLE001 - a runtime without the query: the fixed cap alone
+            free = None
+        self.gemm.plan_dense(uses, PrefillGemm.dense_budget(free))
 
     def prefill_mode(self, site: str | None) -> str | None:
         """The eager GEMM mode of a prefill site (None for a step on logits rows)."""
@@ -779,11 +854,12 @@ class CudaProgram:
 
     @property
     def prefill_weight_bytes(self) -> int:
-        """Bytes the eager (prefill) path adds for weights: the one dequantized-tile scratch
-        buffer of the prefill GEMM (0 when every eager step runs the graph's GEMVs)."""
+        """Bytes the eager (prefill) path adds for weights: the dense dequantized copies
+        when the model's fit the budget, else the one dequantized-tile scratch buffer of
+        the prefill GEMM (0 when every eager step runs the graph's GEMVs)."""
         if not self.psites or self._forced_prefill == "gemv":
             return 0
-        return self.gemm.scratch_bytes
+        return self.gemm.weight_bytes
 
     def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
         """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates for K and V."""
@@ -859,9 +935,33 @@ class CudaProgram:
             need |= CS.fill_row(prm[j], hist[j], cfg, st, tick, extra)
         return need
 
+    # ---- expert tiers (issue 22; engine/model/experts.py): every expert on the CPU tier -------
+
+    def measure_experts(self, layer: int, rows: tuple[int, ...]) -> dict:
+        """Calibration: seconds of one expert of moe layer ``layer`` on n rows, CPU tier
+        (no GPU timings: this backend has no GPU expert tier yet)."""
+        from aotx.engine.backend import cpu_moe
+
+        return cpu_moe.measure(self.moe_steps[layer].attrs, rows, self.moe_steps[layer].pool)
+
+    def place_experts(self, plan) -> dict:
+        """Apply an expert-tier plan: every expert "host" or "mmap" (the CPU tiers)."""
+        from aotx.engine.backend import cpu_moe
+
+        if not self.moe_steps:
+            return {"gpu_bytes": 0, "host_bytes": 0, "recalibrate": False}
+        return cpu_moe.place(self.moe_steps, plan, self.moe_steps[0].pool)
+
+    def expert_stats(self) -> dict:
+        """Rows routed to each expert of each moe layer since load."""
+        return {"traffic": [b.traffic.tolist() for b in self.moe_steps],
+                "pool": self.moe_steps[0].pool.stats() if self.moe_steps else {}}
+
     # ---- graph path ---------------------------------------------------------------------------
 
     def _graph_ok(self, layout, kv: CudaKVCache) -> bool:
+        if self.moe_steps:
+            return False
         n = int(layout.n_rows)
         if n == 0 or n > self._state(kv).b_max:
             return False

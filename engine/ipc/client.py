@@ -179,13 +179,15 @@ class EngineClient:
 
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
                                   sampling: P.SamplingParams | None = None,
-                                  messages: list[tuple] | None = None) -> P.ConversationView:
-        """A new conversation; ``messages`` (role, text[, meta]) are stored as its history
-        without generating anything (``PriorMessage``)."""
+                                  messages: list[tuple] | None = None,
+                                  model: str = "") -> P.ConversationView:
+        """A new conversation on ``model`` ("": the engine's default); ``messages``
+        (role, text[, meta]) are stored as its history without generating anything
+        (``PriorMessage``)."""
         prior = [P.PriorMessage(role=m[0], text=m[1], meta=dict(m[2]) if len(m) > 2 and m[2] else {})
                  for m in (messages or [])]
         r = await self._call(lambda i: P.CreateConversation(id=i, title=title, system_prompt=system_prompt,
-                                                            sampling=sampling, messages=prior))
+                                                            sampling=sampling, messages=prior, model=model))
         return r.conversation
 
     async def list_conversations(self) -> list[P.ConversationView]:
@@ -219,9 +221,41 @@ class EngineClient:
     async def status(self) -> P.StatusReply:
         return await self._call(lambda i: P.Status(id=i))
 
+    async def list_models(self) -> P.ModelList:
+        """Every installed model (files and remote endpoints) and which are loaded."""
+        return await self._call(lambda i: P.ListModels(id=i))
+
+    async def load_model(self, model: str, *, evict_idle: bool = False,
+                         on_notice: Callable[[P.Notice], None] | None = None) -> P.ModelLoaded:
+        """Load ``model`` beside the others (``on_notice`` sees the loading notices).
+        Raises EngineError (code busy with the numbers when it does not fit)."""
+        rid, q = self._new()
+        try:
+            await self._send(P.LoadModel(id=rid, model=model, evict_idle=evict_idle))
+            while True:
+                msg = await q.get()
+                if msg is _CLOSED:
+                    raise ConnectionLost("the engine closed the connection")
+                if isinstance(msg, P.Notice):
+                    if on_notice is not None:
+                        on_notice(msg)
+                    continue
+                if isinstance(msg, P.Error):
+                    raise EngineError(msg.message, msg.code)
+                return msg
+        finally:
+            self._queues.pop(rid, None)
+
+    async def unload_model(self, model: str) -> None:
+        await self._call(lambda i: P.UnloadModel(id=i, model=model))
+
+    async def switch_model(self, conv_id: str, model: str) -> P.ConversationView:
+        """Run ``conv_id`` on ``model`` from its next message on (the history is kept)."""
+        return (await self._call(lambda i: P.SwitchModel(id=i, conv_id=conv_id, model=model))).conversation
+
     async def submit(self, conv_id: str, text: str, *, attachments: list[P.Attachment] | None = None,
                      sampling: P.SamplingParams | None = None, raw: bool = False,
-                     wait_durable: bool = True, **fields) -> AsyncIterator[P.Message]:
+                     wait_durable: bool = True, model: str = "", **fields) -> AsyncIterator[P.Message]:
         """Submit a user message and iterate over its events (see the module docstring).
 
         ``fields``: the other ``SubmitMessage`` fields (role, meta, tools, constraint,
@@ -234,7 +268,7 @@ class EngineClient:
         n = int(fields.get("n", 1) or 1)
         try:
             await self._send(P.SubmitMessage(id=rid, conv_id=conv_id, text=text, attachments=attachments or [],
-                                             sampling=sampling, raw=raw, **fields))
+                                             sampling=sampling, raw=raw, model=model, **fields))
             final_seq: dict[int, int] = {}
             done: set[int] = set()
             while True:

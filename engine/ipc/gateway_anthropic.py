@@ -254,5 +254,6 @@ async def create(gw, request: Request) -> Response:
             raise S.BadRequest("images go with the user's text, after any tool results", "messages")
         last = S.Turn(last.role, last.text, last.meta, tuple(parts))
     spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=last, sampling=req.sampling,
-                stream=req.stream, tools=req.tools, constraint=req.constraint, n=1, title=last.text)
+                stream=req.stream, tools=req.tools, constraint=req.constraint, n=1, title=last.text,
+                  model=req.model)
     return await gw.generate(request, key, spec, MessagesAPI())

@@ -293,7 +293,8 @@ async def create(gw, request: Request) -> Response:
     req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits, gw.keys.file_roots(key))
     spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=req.messages[-1],
                 sampling=req.sampling, stream=req.stream, tools=req.tools, constraint=req.constraint,
-                logprobs=req.logprobs, n=1, conversation=conv, title=req.messages[-1].text)
+                logprobs=req.logprobs, n=1, conversation=conv, title=req.messages[-1].text,
+                  model=req.model)
     return await gw.generate(request, key, spec, ResponsesAPI(raw, prev))
 
 

@@ -22,7 +22,8 @@ What is supported, ignored and refused (the table the tests follow):
   ``{"type": "lark" | "gbnf" | "regex", "grammar": ...}``). Sampling fields left out
   take the engine's defaults (``protocol.SamplingParams``), not OpenAI's, except
   ``repeat_penalty``: 1 (none) on a reply with tools or a constraint unless sent.
-* ignored: ``model`` (the engine serves one model; replies name it), ``user``,
+* ``model`` routes the request (``Gateway.route``: an installed model by name, else the
+  default one; replies name the model that ran); ignored: ``user``,
   ``frequency_penalty``, ``presence_penalty``, ``metadata``, ``store``,
   ``service_tier``, ``reasoning_effort``, ``modalities`` = ["text"], empty
   ``logit_bias``, an image part's ``detail``, and any field not named here.
@@ -141,6 +142,7 @@ class Spec:
     logprobs: int = -1
     n: int = 1
     conversation: str | None = None  # continue this conversation (else the request's header, else a new one)
+    model: str | None = None  # the request's ``model`` (``Gateway.route`` picks the engine model)
     title: str = ""
 
 

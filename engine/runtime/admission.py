@@ -191,8 +191,9 @@ def check_experts(plan, total_bytes: int, ram_bytes: int, gpu: bool) -> list[str
     counts. On a GPU, the experts the cache does not hold are computed by the CPU pool from
     host memory: refuses (AdmissionError, with the numbers) when they do not fit the RAM
     less 2 GiB for everything else (each token would read them from disk). Returns the lines
-    to report: where the experts live and, when some run on the CPU on a GPU machine, that
-    the model fits only so, with the speed the calibration predicts."""
+    to report: where the experts live and, on a GPU, that the CPU tier computes all of
+    them (the CUDA backend has no GPU expert cache yet) or that the model fits only with
+    some on the CPU, with the speed the calibration predicts."""
     off_gpu = total_bytes - plan.gpu_bytes
     if gpu and off_gpu > ram_bytes - (2 << 30):
         raise AdmissionError(
@@ -200,7 +201,11 @@ def check_experts(plan, total_bytes: int, ram_bytes: int, gpu: bool) -> list[str
             f"{fmt_bytes(plan.gpu_bytes)} and the other {fmt_bytes(off_gpu)} need host memory, but the machine has "
             f"{fmt_bytes(ram_bytes)} of RAM; raise --memory-budget, lower --slots or --context, or use a smaller file")
     lines = [plan.summary()]
-    if gpu and plan.count("gpu") < plan.n_experts:
+    if gpu and plan.count("gpu") == 0:
+        lines.append(f"the CUDA backend computes the routed experts on the CPU tier (no GPU expert cache yet): "
+                     f"expect about {plan.decode_tok_s:.1f} tokens/s decode and {plan.prefill_tok_s:.0f} tokens/s "
+                     f"prefill (calibrated on this machine)")
+    elif gpu and plan.count("gpu") < plan.n_experts:
         lines.append(f"this model fits the GPU budget only with {plan.n_experts - plan.count('gpu')} of its "
                      f"{plan.n_experts} experts on the CPU: expect about {plan.decode_tok_s:.1f} tokens/s decode and "
                      f"{plan.prefill_tok_s:.0f} tokens/s prefill (calibrated on this machine)")

@@ -99,6 +99,7 @@ class Request:
     forks: list[Request] = field(default_factory=list)  # choice 0: the choices waiting for its prompt
     fork_capsule: Any = None  # a waiting choice: the prompt's state, restored when it leases a slot
     durable: bool = False     # the user's message is on disk (a forked choice may learn it while waiting)
+    model: str = ""  # the name of the loaded model it runs on (``models.ModelSet``)
     has_history: bool = False  # the conversation had messages before this one (a capsule notice helps then)
 
     @property

@@ -10,10 +10,14 @@ Each stage runs once per message, in order:
    transcript, text read by OCR, or a picture's encoder rows and its marker);
    ``MediaInfo`` tells the client; an attachment that cannot be used is left out with
    a note, the message is kept. ``MediaReady`` brings the submission back.
-3. **prompt** (engine thread): the chat template over the conversation (or the raw
-   text), pictures at their markers; pictures of earlier turns whose rows are gone
-   (a restart, an eviction) are encoded again from their journaled files first, on a
-   thread, once (then ``MediaReady`` again).
+3. **prompt** (the preparation stage, ``prepare.py``: a worker, never the tick
+   thread): the chat template over the conversation (or the raw text), pictures at
+   their markers, tokenized; a text too long for the context whatever its tokens is
+   refused before any work, and the template renders inside its budget. The
+   conversation counts as busy meanwhile; ``Prepared`` brings the submission back.
+   Pictures of earlier turns whose rows are gone (a restart, an eviction) are
+   encoded again from their journaled files first, on a thread, once (then
+   ``MediaReady`` again).
 4. **admission** (``admission.py``): the context; then journal credit for the
    message's records and its reply (``Journal.reserve``): while the disk is behind,
    the message is held with a notice and retried from stage 3 when receipts free the
@@ -56,7 +60,8 @@ from aotx.engine.runtime import admission, media_prompt
 from aotx.engine.runtime.constraints import Compiler
 from aotx.engine.runtime.drafter import DraftDrafter
 from aotx.engine.runtime.envelope import Envelope
-from aotx.engine.runtime.events import Inbox, MediaReady
+from aotx.engine.runtime.events import Inbox, MediaReady, Prepared
+from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece
 from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
@@ -85,6 +90,8 @@ class Submission:
     need: int = 0  # journal credit asked when it was held
     prompt: list[int] = field(default_factory=list)
     constraint: Any = None  # constraints.GrammarState (compiled in stage 1), or None
+    dropped: bool = False  # its client went away or cancelled it while it was being prepared
+    model: str = ""  # the loaded model whose submitter runs its stages
     media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
 
 
@@ -114,6 +121,10 @@ class Submitter:
         self.held: list[Submission] = []
         self._media_busy: set[tuple[int, int]] = set()
         self.constraints = Compiler(lm.tokenizer)  # llguidance's vocabulary is built on first use
+        self.preparer = Preparer(inbox)
+        self.preparing: dict[str, Submission] = {}  # conv_id -> its message in the preparation stage
+        self._longest: int | None = None  # bytes of the vocabulary's longest token
+        self.model_name: str = getattr(lm, "name", "")  # the engine's name for this model (models.ModelSet)
         # the model's media.profile.MediaProfile (set by serve) and the engine's admission of a
         # specialist when an attachment first needs it: count_media(name, bytes) -> "" or why not
         self.media_profile: Any = None
@@ -124,7 +135,7 @@ class Submitter:
     def submit(self, op: P.SubmitMessage, sink: Sink, tick: int) -> Request | None:
         """Stage 1, then media (with attachments) or straight on to the prompt."""
         sp = self._check(op)
-        sub = Submission(op, sink, sp, op.text)
+        sub = Submission(op, sink, sp, op.text, model=self.model_name)
         if op.constraint is not None:
             c = op.constraint
             sub.constraint = self.constraints.compile(c.kind, c.grammar, c.field)
@@ -226,38 +237,63 @@ class Submitter:
 
     # ---- 3. prompt ----------------------------------------------------------------------
 
-    def prompt(self, sub: Submission, tick: int) -> Request | None:
-        """Stage 3 (and again for a held message): the prompt ids, then admission."""
+    def prompt(self, sub: Submission, tick: int) -> None:
+        """Stage 3 (and again for a held message): hand the prompt's preparation to a
+        worker (``prepare.py``); ``prepared`` continues when it comes back. The
+        conversation is busy until then. Returns None (nothing to enqueue yet)."""
         op = sub.op
         self._ready_and_idle(op.conv_id)
-        text = sub.text
-        tok = self.lm.tokenizer
+        history = [] if op.raw else self.store.chat_messages(op.conv_id)
+        if not op.raw and self.images is not None and media_prompt.has_markers(history + [{"content": sub.text}]):
+            if not sub.restored and self._restore_images(sub, history):
+                return None
+        self.preparing[op.conv_id] = sub
+        self.preparer.submit(sub, lambda: self._prepare(sub, history))
+        return None
+
+    def _prepare(self, sub: Submission, history: list[dict]) -> tuple[str, list[int]]:
+        """The work of stage 3, on a preparation worker: (the user's turn as the prompt
+        holds it, the prompt's token ids). Raises Refusal (too long for the context,
+        whatever its tokens) or TemplateError (the template failed or passed its budget)."""
+        op, text, tok = sub.op, sub.text, self.lm.tokenizer
+        if self._longest is None:
+            self._longest = longest_piece(tok)
+        check_size(text, self._longest, self.envelope.context_tokens)
         if op.raw and self.images is not None and media_prompt.MARKER_RE.search(text):
-            prompt = media_prompt.encode_raw_with_images(tok, text, self.images)
-        elif op.raw:
-            prompt = tok.encode(text, add_special=True, parse_special=False)
-        else:
-            history = [tool_calls.template_message(m) for m in self.store.chat_messages(op.conv_id)]
-            if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
-                if not sub.restored and self._restore_images(sub, history):
-                    return None
-                text, prompt = self._fit_images(sub, history, text)
-            else:
-                msgs = history + [{**op.meta, "role": op.role, "content": text}]
-                extra: dict[str, Any] = {}
-                if op.tools:
-                    if tool_calls.takes_tools(self.lm.template.source):
-                        extra["tools"] = op.tools
-                    else:  # the template knows no tools: describe them in the system prompt
-                        msgs = _with_system(msgs, tool_calls.fallback_system_prompt(op.tools))
-                prompt = encode_chat(tok, self.lm.template, msgs, **extra)
-        admission.check_prompt(len(prompt), self.envelope)
-        sub.prompt = prompt
-        return self._accept(sub, text, tick)
+            return text, media_prompt.encode_raw_with_images(tok, text, self.images)
+        if op.raw:
+            return text, tok.encode(text, add_special=True, parse_special=False)
+        history = [tool_calls.template_message(m) for m in history]
+        if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
+            return self._fit_images(sub, history, text)
+        msgs = history + [{**op.meta, "role": op.role, "content": text}]
+        extra: dict[str, Any] = {}
+        if op.tools:
+            if tool_calls.takes_tools(self.lm.template.source):
+                extra["tools"] = op.tools
+            else:  # the template knows no tools: describe them in the system prompt
+                msgs = _with_system(msgs, tool_calls.fallback_system_prompt(op.tools))
+        return text, encode_chat(tok, self.lm.template, msgs, **extra)
+
+    def prepared(self, ev: Prepared, tick: int) -> Request | None:
+        """Stage 3 came back (engine thread): admission and acceptance, or its refusal."""
+        sub = ev.submission
+        if self.preparing.get(sub.op.conv_id) is sub:
+            del self.preparing[sub.op.conv_id]
+        if sub.dropped:
+            return None
+        if ev.error is not None:
+            raise ev.error
+        self._ready_and_idle(sub.op.conv_id)
+        admission.check_prompt(len(ev.prompt), self.envelope)
+        sub.prompt = list(ev.prompt)
+        return self._accept(sub, ev.text, tick)
 
     def _ready_and_idle(self, conv_id: str) -> None:
         if not self.ready:
             raise NotReady(f"the model is not ready: {self.not_ready_reason}")
+        if conv_id in self.preparing:
+            raise Busy(f"conversation {conv_id} is preparing a message; wait for it or cancel it first")
         if self.is_busy(conv_id):
             raise Busy(f"conversation {conv_id} is generating; cancel it first")
         self.store.get(conv_id)
@@ -302,7 +338,7 @@ class Submitter:
         has_history = bool(st.get(op.conv_id).messages)  # before this message's records
         max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
         msg_id, reply_id, recs = st.accept_records(op.conv_id, op.role, text, sp, op.attachments, raw=op.raw,
-                                                   meta=op.meta)
+                                                   meta=op.meta, model=self.model_name)
         reply = admission.reply_credit(max_tokens, self.envelope)
         if st.journaled:
             st.check_writable()
@@ -333,7 +369,7 @@ class Submitter:
         else:
             r.state = RequestState.QUEUED
         for i in range(1, op.n):
-            f_conv, f_msg, f_reply, f_seq = st.fork_choice(op.conv_id, msg_id, raw=op.raw, tick=tick)
+            f_conv, f_msg, f_reply, f_seq = st.fork_choice(op.conv_id, msg_id, raw=op.raw, tick=tick, model=self.model_name)
             f = self._request(sub, f_conv, f_msg, f_reply, f_seq, (seed + i) & 0x7FFFFFFFFFFFFFFF, max_tokens, reply)
             f.choice, f.state = i, RequestState.FORK_WAIT
             f.constraint = sub.constraint.fork() if sub.constraint is not None else None
@@ -365,6 +401,7 @@ class Submitter:
             credit=reply_credit if self.store.journaled else 0,
             drafter=self._drafter(sp),
             logprobs=op.logprobs,
+            model=self.model_name,
         )
 
     def _drafter(self, sp: P.SamplingParams) -> Drafter | None:
@@ -389,8 +426,24 @@ class Submitter:
         return take
 
     def drop(self, sink: Sink) -> None:
-        """A client went away: its held messages go too."""
+        """A client went away: its held messages go too, and those being prepared are
+        dropped when their preparation comes back (their conversations are free now)."""
         self.held = [h for h in self.held if h.sink is not sink]
+        for conv_id, sub in list(self.preparing.items()):
+            if sub.sink is sink:
+                sub.dropped = True
+                del self.preparing[conv_id]
+
+    def cancel_preparing(self, op: P.Cancel, sink: Sink) -> None:
+        """A ``Cancel`` of a message still being prepared (by its request id on the same
+        connection, or by conversation): it ends with a ``cancelled`` Error now, writes
+        nothing, and its preparation's result is dropped."""
+        for conv_id, sub in list(self.preparing.items()):
+            if (op.target and sub.op.id == op.target and sub.sink is sink) or (op.conv_id and conv_id == op.conv_id):
+                sub.dropped = True
+                del self.preparing[conv_id]
+                sub.sink.send(P.Error(id=sub.op.id, code=ErrorCode.CANCELLED,
+                                      message="cancelled before the message was accepted; nothing was written"))
 
     def fail_held(self, reason: str) -> None:
         """The model failed: every held message gets a not_ready error."""
