@@ -347,10 +347,11 @@ class StreamParser:
                 self._bare = False
                 return self._hermes(final=True)
             out = Delta()
-            for i, c in enumerate(calls):
+            for i, c in enumerate(calls):  # OpenAI's shape: the call's header, then its arguments
                 self._name(c, i)
                 self._calls.append(c)
-                out.calls.append((i, c.id, c.name, c.arguments))
+                out.calls.append((i, c.id, c.name, ""))
+                out.calls.append((i, None, None, c.arguments))
             self._sent = len(self.text)
             return out
         return self._hermes(final)
