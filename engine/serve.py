@@ -3,9 +3,11 @@
 Owns: the start-up order (make the data dir private and check it is writable,
 lock the socket, load the model stage by stage with one log line each, check the
 configuration against the budget, recover the journal, start the tick thread,
-serve the socket) and a clean stop on SIGTERM or SIGINT. One log line per
-notable event goes to stderr. The engine runs with umask 077: every file it
-writes is its user's alone.
+serve the socket) and a clean stop on SIGTERM or SIGINT: the tick loop ends
+after its current tick, every connection is closed by its own task before the
+socket loop stops (no task is left pending to die with a traceback at exit),
+and a second signal exits at once. One log line per notable event goes to
+stderr. The engine runs with umask 077: every file it writes is its user's alone.
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ def serve(args) -> int:
     """Run the engine until SIGTERM/SIGINT. Returns the exit code."""
     from aotx.engine import paths
     from aotx.engine.ipc import protocol as P
-    from aotx.engine.ipc.server import Server, SocketLock
+    from aotx.engine.ipc.server import Server, SocketLock, raise_fd_limit
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s aotx %(message)s",
                         datefmt="%H:%M:%S")
@@ -306,6 +308,7 @@ def serve(args) -> int:
     # the main thread, where the model was loaded (see Engine.start for why).
     import threading
 
+    raise_fd_limit()  # so the connection limit, not the descriptor limit, is what clients meet
     loop = asyncio.new_event_loop()
     server = Server(eng, sock, welcome, lock=lock)
     try:
@@ -319,8 +322,17 @@ def serve(args) -> int:
     net.start()
     log.info("serving on %s", sock)
 
+    signals = []
+
     def on_signal(signum, frame) -> None:
-        eng.request_stop()
+        signals.append(signum)
+        if len(signals) == 1:
+            eng.request_stop()
+            return
+        # a second signal while the first is being honoured: leave now. Nothing durable
+        # is lost (the journal survives kill -9); what was not yet receipted was never promised.
+        os.write(2, b"aotx: second signal, exiting without waiting for the current tick\n")
+        os._exit(1)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -332,6 +344,8 @@ def serve(args) -> int:
         pass
     loop.call_soon_threadsafe(loop.stop)
     net.join(5)
+    if not net.is_alive():
+        loop.close()
     try:
         store.close()
     except AotxError as e:  # e.g. the disk stayed full: what was never receipted is not on disk

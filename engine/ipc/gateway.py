@@ -50,6 +50,7 @@ from aotx.engine.ipc import gateway_schema as S
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost, EngineClient
 from aotx.engine.ipc.gateway_auth import KeyRing
+from aotx.engine.ipc.server import raise_fd_limit
 
 _CONV_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -65,6 +66,8 @@ class GatewayConfig:
     max_queue: int = 64
     retry_after_s: int = 1
     durable_timeout_s: float = 30.0
+    # concurrent HTTP connections (idle keep-alives included) before uvicorn answers 503
+    max_connections: int = 512
 
 
 class ApiError(Exception):
@@ -726,12 +729,38 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return s
 
 
-def uvicorn_server(app: Starlette):
+def uvicorn_server(app: Starlette, max_connections: int = GatewayConfig.max_connections):
+    """The uvicorn server of ``app``: past ``max_connections`` concurrent connections
+    a new request is answered 503 at once (uvicorn's ``limit_concurrency``)."""
     import uvicorn
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", server_header=False,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5, limit_concurrency=max_connections)
     return uvicorn.Server(config)
+
+
+ACCEPT_LOG_INTERVAL_S = 10.0
+
+
+def quiet_accept_errors(interval_s: float = ACCEPT_LOG_INTERVAL_S) -> Callable[[Any, dict], None]:
+    """An asyncio exception handler that turns the traceback asyncio logs for every
+    failed accept (out of file descriptors: EMFILE) into one line per ``interval_s``
+    with a count; every other error goes to the default handler."""
+    state = {"n": 0, "last": -1e9}
+
+    def handler(loop: Any, context: dict) -> None:
+        if context.get("message") != "socket.accept() out of system resource":
+            loop.default_exception_handler(context)
+            return
+        state["n"] += 1
+        now = time.monotonic()
+        if now - state["last"] >= interval_s:
+            exc = context.get("exception")
+            print(f"aotx gateway: cannot accept connections: {getattr(exc, 'strerror', None) or exc} "
+                  f"({state['n']} time(s) since the last report); retrying", file=sys.stderr)
+            state["n"], state["last"] = 0, now
+
+    return handler
 
 
 def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
@@ -751,16 +780,18 @@ def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
               file=sys.stderr)
     else:
         print(f"aotx gateway: {len(keys)} API key(s) from {path}", file=sys.stderr)
+    raise_fd_limit()  # so the connection limit, not the descriptor limit, is what clients meet
     sock = listen_socket(host, port)
     cfg = GatewayConfig(
         limits=S.Limits(max_tokens_ceiling=args.max_tokens_ceiling),
         per_key_concurrency=args.per_key_concurrency, max_queue=args.max_queue)
 
     async def main() -> int:
+        asyncio.get_running_loop().set_exception_handler(quiet_accept_errors())
         link = EngineLink(connect, cfg.retry_after_s)
         await link.get()  # start or find the engine before taking requests
         app = create_app(cfg, KeyRing(keys), link)
-        server = uvicorn_server(app)
+        server = uvicorn_server(app, cfg.max_connections)
         shown = f"[{host}]" if ":" in host else host
         print(f"aotx gateway: serving model {link.model} at http://{shown}:{sock.getsockname()[1]}/v1 "
               f"(engine socket {(await link.get()).socket_path})", file=sys.stderr)

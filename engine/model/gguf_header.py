@@ -15,6 +15,7 @@ Format: the GGUF spec (ggml's docs/gguf.md), versions 2 and 3, little-endian.
 
 from __future__ import annotations
 
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,6 +163,9 @@ def read_header(data: bytes | memoryview, what: str = "file") -> Header:
     if magic != MAGIC:
         raise ModelError(f"{what} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     version = r.scalar("<I")
+    if version not in (2, 3) and int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+        raise ModelError(f"{what}: a big-endian GGUF file; AOTX reads little-endian GGUF files only "
+                         f"(convert it with `gguf-convert-endian FILE little`)")
     if version not in (2, 3):
         raise ModelError(f"{what}: GGUF version {version} is not supported (2 and 3 are)")
     n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
@@ -171,10 +175,14 @@ def read_header(data: bytes | memoryview, what: str = "file") -> Header:
     arrays: dict[str, int] = {}
     for _ in range(n_kv):
         key = r.string(what)
+        if not key:
+            raise ModelError(f"{what}: a metadata key is empty (key {len(meta) + 1} of {n_kv}): malformed GGUF")
         vt = r.scalar("<I")
         if vt == 9:
             it, n = r.scalar("<I"), r.scalar("<Q")
             arrays[key] = n
+            if it == 9:
+                raise ModelError(f"{what}: metadata array {key!r} holds arrays (nested arrays are not supported)")
             if it == 8:
                 r.skip_strings(n, what)
             elif it in _SCALARS:
@@ -212,6 +220,8 @@ def read_file_header(path: str | Path, first: int = 8 << 20) -> Header:
     Raises ModelError for a file that is not GGUF or ends inside its header."""
     p = Path(path)
     n = first
+    if not stat.S_ISREG(p.stat().st_mode):  # a pipe would block the open (and the model list) forever
+        raise ModelError(f"{p}: is not a regular file (a pipe, socket or device), not a GGUF file")
     with open(p, "rb") as fh:
         size = p.stat().st_size
         while True:

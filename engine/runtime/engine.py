@@ -4,7 +4,8 @@ Owns: the engine thread, its tables of requests (waiting in line, running in a
 slot, by client request id) and the dispatch of every event by its type
 (``events.py``): client operations (each validated first: ``protocol.validate``,
 whoever the client is, so a refused operation writes nothing), receipts, media
-stages that finished, capsule files written, clients gone.
+and preparation stages that finished (a message's prompt is made on a worker,
+never in the loop: ``prepare.py``), capsule files written, clients gone.
 
 A tick is one bounded step (DESIGN.md, "The tick"): cancellations take effect;
 **admit**: queued requests take free slots (``scheduler.plan_leases``, the KV put in
@@ -44,7 +45,7 @@ from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry
 from aotx.engine.runtime.drafter import DEFAULT_P_MIN
 from aotx.engine.runtime.events import (
-    CapsuleWritten, ClientOp, Disconnected, MediaReady, ReceiptArrived, RemoteEvent, Wake,
+    CapsuleWritten, ClientOp, Disconnected, MediaReady, Prepared, ReceiptArrived, RemoteEvent, Wake,
 )
 from aotx.engine.runtime.executor import DeviceError
 from aotx.engine.runtime.models import (
@@ -126,8 +127,8 @@ class Engine:
         self._stop = threading.Event()
         self._handlers: dict[type, Callable[[Any], None]] = {
             ClientOp: self._on_client_op, ReceiptArrived: self._on_receipt, MediaReady: self._on_media_ready,
-            CapsuleWritten: self._on_capsule_written, Disconnected: self._on_disconnect,
-            RemoteEvent: lambda ev: None, Wake: lambda ev: None,
+            Prepared: self._on_prepared, CapsuleWritten: self._on_capsule_written,
+            Disconnected: self._on_disconnect, RemoteEvent: lambda ev: None, Wake: lambda ev: None,
         }
         self._operations: dict[type, Callable[[Any, Sink], None]] = {
             P.CreateConversation: self._create, P.ListConversations: self._list, P.ShowConversation: self._show,
@@ -370,6 +371,11 @@ class Engine:
         submitter, m = self._submitter_of(sub)
         self._guarded(lambda: self._enqueue(submitter.media_ready(sub, self.tick), m), sub.op, sub.sink)
 
+    def _on_prepared(self, ev: Prepared) -> None:
+        sub = ev.submission
+        submitter, m = self._submitter_of(sub)
+        self._guarded(lambda: self._enqueue(submitter.prepared(ev, self.tick), m), sub.op, sub.sink)
+
     def _on_receipt(self, ev: ReceiptArrived) -> None:
         """Mark messages durable, let requests whose user message is now durable into the
         line, retry the messages held for journal credit that now fits."""
@@ -441,6 +447,9 @@ class Engine:
         self._enqueue(m.submitter.submit(op, sink, self.tick), m)
 
     def _cancel_op(self, op: P.Cancel, sink: Sink) -> None:
+        for m in self.models:
+            if hasattr(m.submitter, "cancel_preparing"):  # a remote model prepares nothing here
+                m.submitter.cancel_preparing(op, sink)
         for r in list(self._by_rid.values()):
             if (op.target and r.rid == op.target and r.sink is sink) or (op.conv_id and r.conv_id == op.conv_id):
                 self._cancel(r)
@@ -511,13 +520,19 @@ class Engine:
         self.store.switch_model(op.conv_id, name, tick=self.tick)
         sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
 
+    def _preparing(self) -> set[str]:
+        """Conversations whose message is in some local model's preparation stage."""
+        return {c for m in self.models for c in getattr(m.submitter, "preparing", ())}
+
     def _busy_convs(self) -> set[str]:
-        return {r.conv_id for r in self._by_rid.values()}
+        return {r.conv_id for r in self._by_rid.values()} | self._preparing()
 
     def _is_busy(self, conv_id: str) -> bool:
-        return any(r.conv_id == conv_id for r in self._by_rid.values())
+        return conv_id in self._preparing() or any(r.conv_id == conv_id for r in self._by_rid.values())
 
     def _require_idle(self, conv_id: str) -> None:
+        if conv_id in self._preparing():
+            raise Busy(f"conversation {conv_id} is preparing a message; wait for it or cancel it first")
         if self._is_busy(conv_id):
             raise Busy(f"conversation {conv_id} is generating; cancel it first")
 

@@ -13,7 +13,7 @@ cache (compiling is not measured). Prints one table of medians and new/old ratio
 the JSON of every run with ``--json``. The machine's load distorts both alike only
 roughly: compare the CPU ms per token columns too, and run on a quiet machine::
 
-    .venv/bin/python tests/tools/bench_ab.py --old a2a0fce [--model PATH] [--quick] [--rounds 2]
+    .venv/bin/python tests/tools/bench_ab.py --old 35efe8c [--model PATH] [--quick] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _rows(r: dict) -> dict[str, tuple[float, float]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--old", required=True, help="the older commit (e.g. a2a0fce: main before issue 16 landed)")
+    ap.add_argument("--old", required=True, help="the older commit (e.g. 35efe8c: main just before issue 16 landed)")
     ap.add_argument("--model", default="", help="GGUF path (default: the default model)")
     ap.add_argument("--quick", action="store_true", help="sizes 128,512, 32 decode tokens, 1 repeat")
     ap.add_argument("--rounds", type=int, default=2, help="old/new alternations (default 2)")
