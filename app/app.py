@@ -31,6 +31,7 @@ from aotx.app.attach import make_attachment
 from aotx.app.bindings import ACTIONS, app_bindings
 from aotx.app.engine_link import EngineLink, Outgoing
 from aotx.app.format import history_media, media_text, position_of
+from aotx.app.models_ui import ModelActions
 from aotx.app.paste import parse_pasted_paths
 from aotx.app.search import SearchIndex
 from aotx.app.theming import CSS_PATHS, THEMES, theme_for_textual
@@ -46,7 +47,7 @@ STATUS_POLL_S = 2.0
 THEME_ORDER = list(THEMES)  # AOTX's own first (dark, light), then Textual's
 
 
-class ChatApp(ChatActions, EngineLink, App):
+class ChatApp(ChatActions, ModelActions, EngineLink, App):
     TITLE = "aotx-chat"
     CSS_PATH = CSS_PATHS
     BINDINGS = app_bindings()
@@ -155,6 +156,7 @@ class ChatApp(ChatActions, EngineLink, App):
         self.conv_id, self.conv_view = conv_id, view
         self.sidebar.current = conv_id
         self.status_bar.max_tokens = view.sampling.max_tokens if view is not None and view.sampling else None
+        self.show_conversation_model(view)
         if conv_id and conv_id != self.saved_state.last_conversation:
             self.saved_state = app_state.update_state(last_conversation=conv_id)
 

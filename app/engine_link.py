@@ -69,6 +69,7 @@ class EngineLink:
                 delay = min(delay * 2, 5.0)
         self.client = client
         self.status_bar.set_welcome(client.welcome)
+        self.sidebar.default_model = client.welcome.model
         try:
             while True:
                 s = await client.status()
@@ -249,7 +250,8 @@ class EngineLink:
     async def _ensure_conversation(self, client, item: Outgoing) -> None:
         first_line = item.text.strip().splitlines()[0][:48] if item.text.strip() else DEFAULT_TITLE
         if item.conv_id is None:
-            conv = await client.create_conversation(title=first_line, sampling=self.default_sampling)
+            conv = await client.create_conversation(title=first_line, sampling=self.default_sampling,
+                                                    model=getattr(self, "next_model", ""))
             item.conv_id = conv.conv_id
             for other in self.outbox:
                 if other.conv_id is None:

@@ -137,6 +137,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-journal", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--socket", help="Unix socket of the engine (default: in the runtime dir)")
     p.add_argument("--draft-model", help="a smaller GGUF with the same vocabulary, for --speculative draft")
+    p.add_argument("--keep-alive", default=None, metavar="DURATION",
+                   help="unload a model loaded beside the default after it has been idle this long (5m, 1h; "
+                        "default 0 = never)")
+    p.add_argument("--evict-idle", action="store_true",
+                   help="when a model to load does not fit the budget, unload the least recently used idle models "
+                        "(default: refuse the load with the numbers)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -200,8 +206,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("models", help="list the default model and the GGUFs in the models folder")
+    p = sub.add_parser("models", help="the installed models (files, remote endpoints), which are loaded, what each "
+                       "needs in memory")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--socket")
+    msub = p.add_subparsers(dest="mcmd", parser_class=_Parser)
+    q = msub.add_parser("add", help="add a remote OpenAI-compatible endpoint (vLLM, SGLang, llama-server, Ollama) "
+                        "as a model")
+    q.add_argument("name")
+    q.add_argument("--url", required=True, help="the endpoint's base URL, e.g. http://gpu-box:8000/v1")
+    q.add_argument("--remote-model", help="the model's id on the server (default: NAME)")
+    q.add_argument("--api-key-env", help="environment variable holding the API key")
+    q.add_argument("--api-key-file", help="file holding the API key")
+    q.add_argument("--api-key", help="the API key itself (stored in the entry, mode 0600)")
+    q.add_argument("--context", type=_int("--context", 0), default=None, help="the server's context in tokens")
+    q = msub.add_parser("remove", help="remove a remote model entry")
+    q.add_argument("name")
+
+    p = sub.add_parser("unload", help="unload a model from the running engine")
+    p.add_argument("name")
+    p.add_argument("--socket")
+
+    p = sub.add_parser("pull", help="download a GGUF into the models folder (hf:ORG/REPO/FILE.gguf), checked "
+                       "against the memory budget before the download")
+    p.add_argument("ref", help="hf:ORG/REPO/FILE.gguf (optionally hf:ORG/REPO/FILE.gguf@REVISION)")
+    p.add_argument("--memory-budget", default=None, help="the budget to check against (default: the engine's, or "
+                   "half the RAM)")
+    p.add_argument("--slots", type=_int("--slots", 1), default=None)
+    p.add_argument("--context", type=_int("--context", 16), default=None)
+    p.add_argument("--force", action="store_true", help="download even when it would not fit the budget")
+    p.add_argument("--name", help="file name in the models folder (default: the file's own)")
 
     p = sub.add_parser("tokenize", help="print the token ids of TEXT")
     p.add_argument("--model")
@@ -228,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "pass, speed)")
     p.add_argument("--draft-model", help="draft model for --speculative (default: the model itself, which shows "
                    "acceptance but not speed)")
+    p.add_argument("--engine-path", action="store_true",
+                   help="prefill and decode as aotx run --json reports them, from an engine built as aotx serve "
+                        "builds it, next to the model alone")
+    p.add_argument("--peer", metavar="PYTHON",
+                   help="with --engine-path: a Python with llama-cpp-python; llama.cpp runs on the same file "
+                        "before and after AOTX and the table shows the ratios")
 
     p = sub.add_parser("tune", help="time the CUDA kernel candidates for a model on this GPU and record the winners")
     p.add_argument("--model")
@@ -284,6 +324,14 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.ipc.gateway import run_gateway
 
             return run_gateway(args, lambda: cli_client.connect(args, spawn=True))
+        if args.cmd in ("models", "unload"):
+            from aotx.engine import cli_models
+
+            return getattr(cli_models, f"cmd_{args.cmd}")(args)
+        if args.cmd == "pull":
+            from aotx.engine.pull import cmd_pull
+
+            return cmd_pull(args)
         if args.cmd in ("tokenize", "logits", "models", "bench", "journal", "tune"):
             from aotx.engine import cli_local
 

@@ -26,11 +26,27 @@ def engine_args(args) -> list[str]:
     out: list[str] = []
     for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
                        ("--context", "context"), ("--memory-budget", "memory_budget"),
-                       ("--draft-model", "draft_model"), ("--mmproj", "mmproj"), ("--kv-type", "kv_type")):
+                       ("--draft-model", "draft_model"), ("--mmproj", "mmproj"), ("--keep-alive", "keep_alive"),
+                       ("--kv-type", "kv_type")):
         v = getattr(args, attr, None)
+        if attr == "model" and v is not None and not _is_model_file(v):
+            continue  # a remote entry, or a name the engine's catalog resolves: loaded beside the default
         if v is not None and not (attr == "device" and v == "auto"):
             out += [flag, str(v)]
+    if getattr(args, "evict_idle", False):
+        out.append("--evict-idle")
     return out
+
+
+def _is_model_file(arg: str) -> bool:
+    from aotx.engine.errors import ModelError
+    from aotx.engine.model.loader import resolve_model_path
+
+    try:
+        resolve_model_path(arg)
+        return True
+    except ModelError:
+        return False
 
 
 async def connect(args, *, spawn: bool = True) -> EngineClient:
@@ -56,15 +72,8 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
     if getattr(args, "device", None) == "cuda" and client.welcome.device != "cuda":
         notice(f"--device cuda: the engine runs on the {client.welcome.device} (no CUDA device or CuPy found, "
                f"or the engine was started without it; see `aotx status`)")
-    model = getattr(args, "model", None)
-    if model:
-        from aotx.engine.model.loader import resolve_model_path
-
-        want = resolve_model_path(model).stem
-        if client.welcome.model != want:
-            await client.close()
-            raise UsageError(f"the engine on {client.socket_path} serves {client.welcome.model}, not {want}; "
-                             f"stop it with `aotx stop` or pass another --socket")
+    # --model names the model a command runs on: a running engine with another default
+    # loads it beside its own (no restart); see _run
     if draft:
         from aotx.engine.model.loader import resolve_model_path
 
@@ -75,6 +84,15 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
             raise UsageError(f"the engine on {client.socket_path} has {has}, not {want}; stop it with `aotx stop` "
                              f"or pass another --socket")
     return client
+
+
+def model_ref(arg: str | None) -> str:
+    """``--model`` as the engine should read it: a name as given, a path made absolute
+    (the engine runs in another directory)."""
+    if not arg:
+        return ""
+    p = Path(arg).expanduser()
+    return str(p.resolve()) if ("/" in arg or arg.endswith(".gguf")) and p.exists() else arg
 
 
 def dispatch(args, **kw) -> int:
@@ -135,7 +153,8 @@ async def _run(args) -> int:
                 await client.update(conv_id, system_prompt=args.system)
         else:
             title = " ".join(prompt.split())[:60]
-            conv = await client.create_conversation(title=title, system_prompt=args.system)
+            conv = await client.create_conversation(title=title, system_prompt=args.system,
+                                                    model=model_ref(args.model))
             conv_id = conv.conv_id
         rid_box: list[int] = []
         loop = asyncio.get_running_loop()
@@ -148,7 +167,8 @@ async def _run(args) -> int:
         code = 0
         prompt_ids: list[int] = []
         completion: list[int] = []
-        async for ev in client.submit(conv_id, prompt, attachments=attachments, sampling=sampling, raw=args.raw):
+        async for ev in client.submit(conv_id, prompt, attachments=attachments, sampling=sampling, raw=args.raw,
+                                      model=model_ref(args.model)):
             if isinstance(ev, P.Accepted):
                 rid_box.append(ev.id)
                 prompt_ids = list(ev.prompt_ids)
@@ -201,6 +221,7 @@ async def _run(args) -> int:
                 if args.json:
                     _jprint({"event": "done", "conversation": conv_id, "prompt_ids": prompt_ids,
                              "completion_ids": completion, "text": ev.text, "finish_reason": ev.finish_reason,
+                             "numerics": ev.numerics,
                              "timings": {"load_s": round(sum(st.profile.values()), 4),
                                          "prompt_tokens": int(t.get("prompt_tokens", 0)),
                                          "prompt_tokens_reused": int(t.get("prompt_tokens_reused", 0)),
@@ -253,9 +274,17 @@ async def _status(args) -> int:
     print(f"  {'used':<16} {fmt_bytes(st.used_bytes):>10}  ({st.used_bytes:,} bytes)")
     print(f"  {'free':<16} {fmt_bytes(st.budget_bytes - st.used_bytes):>10}  "
           f"({st.budget_bytes - st.used_bytes:,} bytes of {st.budget_bytes:,})")
+    if len(st.models) > 1:
+        print("models  (loaded)")
+        for m in st.models:
+            what = "remote" if m.kind == "remote" else fmt_bytes(m.needs_bytes)
+            busy = f"generating ({m.busy})" if m.busy else f"idle {m.idle_s:.0f} s"
+            print(f"  {'*' if m.default else ' '} {m.name:<36} {what:>10}  {busy}")
     print(f"slots   ({st.queue} queued)")
+    several = len({s.model for s in st.slots}) > 1
     for s in st.slots:
-        print(f"  {s.slot:>3}  {s.state:<8} {s.conv_id or '-':<14} {s.position} tokens in KV")
+        owner = f"{s.model}: " if several else ""
+        print(f"  {owner}{s.slot:>3}  {s.state:<8} {s.conv_id or '-':<14} {s.position} tokens in KV")
     if st.capsules:
         c = st.capsules
         if c.get("device_budget"):

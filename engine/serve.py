@@ -3,9 +3,11 @@
 Owns: the start-up order (make the data dir private and check it is writable,
 lock the socket, load the model stage by stage with one log line each, check the
 configuration against the budget, recover the journal, start the tick thread,
-serve the socket) and a clean stop on SIGTERM or SIGINT. One log line per
-notable event goes to stderr. The engine runs with umask 077: every file it
-writes is its user's alone.
+serve the socket) and a clean stop on SIGTERM or SIGINT: the tick loop ends
+after its current tick, every connection is closed by its own task before the
+socket loop stops (no task is left pending to die with a traceback at exit),
+and a second signal exits at once. One log line per notable event goes to
+stderr. The engine runs with umask 077: every file it writes is its user's alone.
 """
 
 from __future__ import annotations
@@ -118,6 +120,35 @@ def load_vision(arg: str | None, lm, device: str):
     return enc
 
 
+def keep_alive_seconds(text: str | None) -> float:
+    """``--keep-alive`` (5m, 30s, 1h, 0 = never) in seconds; UsageError when unreadable."""
+    from aotx.engine.units import parse_duration
+
+    if text is None:
+        return 0.0
+    try:
+        v = parse_duration(text)
+    except ValueError:
+        raise UsageError(f"--keep-alive: cannot read {text!r} as a duration (e.g. 5m, 30s, 1h; 0 = never)") from None
+    return v
+
+
+def load_beside(entry, device: str, asked: str | None):
+    """Load a model (catalog ``entry``) beside the default one, on the engine's
+    ``device``; when ``--device`` was ``asked`` auto and CUDA cannot run the file, on
+    the CPU (the engine runs it there: ``Engine._make_local``). A mixture of experts
+    keeps its routed experts on the CPU tier (no GPU expert cache is planned for it)."""
+    from aotx.engine.model.loader import load_model
+
+    try:
+        return load_model(entry.path, device=device, tune="auto")
+    except ModelError as e:
+        if device != "cuda" or (asked or "auto") != "auto":
+            raise
+        log.warning("the CUDA backend cannot run %s (%s); it runs on the CPU", entry.name, e)
+        return load_model(entry.path, device="cpu")
+
+
 def place_experts(args, lm, device: str, budget, replan):
     """A mixture-of-experts model: calibrate, plan and place its experts in tiers
     (engine/model/experts.py) with the GPU budget that admission's table leaves (CUDA) or
@@ -155,6 +186,7 @@ def build_engine(args, progress=None):
     from aotx.engine.runtime.store import open_store
 
     device = pick_device(args.device)
+    keep_alive_seconds(getattr(args, "keep_alive", None))  # refuse a bad flag before loading anything
     draft_path = getattr(args, "draft_model", None)
     if draft_path:  # refuse a mismatch before loading anything
         check_vocabulary_files(args.model, draft_path)
@@ -221,9 +253,17 @@ def build_engine(args, progress=None):
     store = open_store(None if no_journal else paths.journal_dir(), buffer_bytes=journal_bytes)
     caps = CapsuleCache(None if no_journal else paths.capsules_dir() / lm.fingerprint, host_bytes=capsule_host,
                         fingerprint=lm.fingerprint, device_bytes=capsule_device, kv_type=kv_type)
+    from aotx.engine.runtime.catalog import Catalog
+
+    def load_entry(entry):
+        return load_beside(entry, device, args.device)
+
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
                  kv_type=kv_type, capsules=caps, speculative=speculative, draft_lm=draft_lm,
-                 draft_p_min=DEFAULT_P_MIN if getattr(args, "draft_p_min", None) is None else args.draft_p_min)
+                 draft_p_min=DEFAULT_P_MIN if getattr(args, "draft_p_min", None) is None else args.draft_p_min,
+                 catalog=Catalog(), loader=load_entry, capsule_root=None if no_journal else paths.capsules_dir(),
+                 keep_alive_s=keep_alive_seconds(getattr(args, "keep_alive", None)),
+                 evict_idle=bool(getattr(args, "evict_idle", False)))
     eng.submitter.media_profile = media_profile(lm, device, vision)  # specialists: counted when first used
     if vision is not None:
         from aotx.engine.runtime.media_prompt import ImageStore, special_wrap
@@ -237,7 +277,7 @@ def serve(args) -> int:
     """Run the engine until SIGTERM/SIGINT. Returns the exit code."""
     from aotx.engine import paths
     from aotx.engine.ipc import protocol as P
-    from aotx.engine.ipc.server import Server, SocketLock
+    from aotx.engine.ipc.server import Server, SocketLock, raise_fd_limit
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s aotx %(message)s",
                         datefmt="%H:%M:%S")
@@ -266,14 +306,17 @@ def serve(args) -> int:
         log.warning("%s", line)
 
     def welcome() -> P.Welcome:
-        return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=lm.name, device=eng.device,
-                         ready=eng.ready, pid=os.getpid(), journal=store.journaled,
-                         draft_model=eng.draft.lm.name if eng.draft else "")
+        d = eng.models.default
+        return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=eng.models.default_name,
+                         device=eng.device, ready=eng.ready, pid=os.getpid(), journal=store.journaled,
+                         draft_model=d.draft.lm.name if d is not None and d.draft else "",
+                         models=list(eng.models.loaded))
 
     # The socket server runs on an asyncio loop in a thread; the tick loop runs here, on
     # the main thread, where the model was loaded (see Engine.start for why).
     import threading
 
+    raise_fd_limit()  # so the connection limit, not the descriptor limit, is what clients meet
     loop = asyncio.new_event_loop()
     server = Server(eng, sock, welcome, lock=lock)
     try:
@@ -287,8 +330,17 @@ def serve(args) -> int:
     net.start()
     log.info("serving on %s", sock)
 
+    signals = []
+
     def on_signal(signum, frame) -> None:
-        eng.request_stop()
+        signals.append(signum)
+        if len(signals) == 1:
+            eng.request_stop()
+            return
+        # a second signal while the first is being honoured: leave now. Nothing durable
+        # is lost (the journal survives kill -9); what was not yet receipted was never promised.
+        os.write(2, b"aotx: second signal, exiting without waiting for the current tick\n")
+        os._exit(1)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -300,6 +352,8 @@ def serve(args) -> int:
         pass
     loop.call_soon_threadsafe(loop.stop)
     net.join(5)
+    if not net.is_alive():
+        loop.close()
     try:
         store.close()
     except AotxError as e:  # e.g. the disk stayed full: what was never receipted is not on disk

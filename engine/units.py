@@ -29,3 +29,18 @@ def fmt_bytes(n: int) -> str:
             return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"
+
+
+def parse_duration(text: str) -> float:
+    """'5m', '30s', '1h', '1h30m', '90', '0' -> seconds (a bare number is seconds).
+    Raises ValueError on bad or negative text."""
+    import re
+
+    t = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        return float(t)
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)", t)
+    if not parts or re.sub(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)", "", t).strip():
+        raise ValueError(f"not a duration: {text!r} (e.g. 5m, 30s, 1h, 0)")
+    mult = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    return sum(float(v) * mult[u] for v, u in parts)

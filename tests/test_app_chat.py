@@ -155,7 +155,7 @@ async def test_copy_message_and_code_block():
         await settle(pilot)
         await type_and_send(pilot, "code")
         await settle(pilot)
-        await pilot.press("ctrl+o")
+        await pilot.press("ctrl+b")
         assert app.clipboard == engine.reply("code")
         from aotx.app.widgets.markdown_view import CodeBlock
         fence = app.messages()[1].query_one(CodeBlock)

@@ -6,8 +6,8 @@ row's logits, prefill with the last row's, decode steps of two and three slots (
 graph path, buckets 2 and 4 with a padded row), a mixed batch (decode row + prefill
 chunk) and a decode at position 150 (attention split over the context). Each CUDA logits
 array must satisfy ||cuda - cpu|| / ||cpu|| <= REL_TOL (float32 on both sides; only the
-order of summation differs). The CPU side runs its float path (``GEMV_MAX_N = 0``): its
-int8-activation kernels are an approximation of their own.
+order of summation differs). The CPU side runs its float path (``int8_activations=False``):
+its int8-activation kernels are an approximation of their own.
 
 On the default model's shape (random weights; the real file when installed) the two
 backends must produce the same greedy tokens up to the first near-tie (CPU top-two gap
@@ -40,16 +40,6 @@ pytestmark = pytest.mark.cuda
 
 REL_TOL = 1e-3
 NEAR_TIE = 0.05
-
-
-@pytest.fixture(autouse=True)
-def _cpu_float_reference(monkeypatch):
-    """The CPU backend's float path for every batch size: its small-batch kernels for
-    Q4_0/Q4_1/Q8_0 may round activations to int8 (llama.cpp's trade, ~1e-3..1e-2
-    relative error), while the CUDA kernels keep activations in float32."""
-    from aotx.engine.backend import cpu_matmul
-
-    monkeypatch.setattr(cpu_matmul, "GEMV_MAX_N", 0)
 
 
 def _build(path, device: str):

@@ -17,10 +17,9 @@ from aotx.engine.errors import EngineError
 from aotx.engine.ipc import protocol as P
 
 
-# Raw prompts whose 6 greedy steps all have a top-1/top-2 logit margin of at least 0.05.
-# Near ties flip with the batch: a decode row goes through the quantized GEMV kernels in a
-# tick of <= GEMV_MAX_N rows and through dequantize + BLAS in a larger one, and the two round
-# differently (seen: "The largest planet is", margin 0.002 at step 3, differs batched vs solo).
+# Raw prompts (their greedy steps had top-1/top-2 margins of at least 0.05 when a decode
+# row's numbers still depended on its batch; since issue 16 they no longer do, and
+# tests/test_batch_invariance_e2e.py runs prompts with near-ties too).
 PROMPTS = [
     "The capital of France is", "Snow is", "The moon orbits", "My favourite colour is",
     "Once upon a time", "The quick brown fox", "In 1969, humans", "A haiku about rain:",

@@ -269,6 +269,7 @@ def test_a_default_outside_the_candidates_is_a_programming_error():
 def test_gemv_default_is_a_candidate_and_names_round_trip(bucket, norm, m_rows):
     cands = CC.gemv_candidates(bucket, norm)
     assert CC.gemv_default(bucket, norm, m_rows) in cands
+    assert CC.gemv_default(bucket, norm, m_rows, 4096) in cands
     assert len(cands) == len(set(cands))
     for c in cands:
         v = CC.GemvVariant.parse(c)
@@ -280,12 +281,15 @@ def test_gemv_default_is_a_candidate_and_names_round_trip(bucket, norm, m_rows):
 def test_gemv_candidate_sets():
     assert CC.gemv_candidates(1, False) == ("nb1w1i", "nb1w2i", "nb1w4i")
     assert CC.gemv_candidates(1, True) == ("nb1w1p", "nb1w1i", "nb1w2p", "nb1w2i", "nb1w4p", "nb1w4i")
-    assert CC.gemv_candidates(64, True) == ("nb16w4p", "nb8w2p", "nb8w4p")
-    assert CC.gemv_default(64, True, 4096) == "nb16w4p"
+    assert CC.gemv_candidates(64, True) == ("nb16w1p", "nb16w2p", "nb16w4p", "nb8w1p", "nb8w2p", "nb8w4p")
+    assert CC.gemv_default(64, True, 4096) == "nb16w1p"
+    assert CC.gemv_default(16, False, 576) == "nb16w1i"
+    assert CC.gemv_default(64, True, 4096, 576) == "nb16w1p" and CC.gemv_default(64, True, 4096, 4096) == "nb16w4p"
+    assert CC.gemv_default(8, True, 576) == "nb8w2p"
     assert CC.gemv_default(1, True, 576) == "nb1w4i"
     assert CC.gemv_default(1, True, 4096) == "nb1w4p"
     assert CC.gemv_default(2, False, 49152) == "nb2w1i"
-    for bad in ("nb3w1p", "nb16w1p", "nb4w4x", "gemv"):
+    for bad in ("nb3w1p", "nb32w1p", "nb16w3p", "nb4w4x", "gemv"):
         with pytest.raises(ValueError):
             CC.GemvVariant.parse(bad)
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cpu_moe, cpu_ops
+from aotx.engine.backend import cpu_attention, cpu_moe
 from aotx.engine.backend.cpu_matmul import QuantMatrix
 from aotx.engine.backend.cpu_program import CpuProgram
 from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec
@@ -405,8 +405,9 @@ def _attention_f64(q, K, V, scale, window, sinks, lengths):
 
 @pytest.mark.parametrize("window", [0, 5])
 def test_attention_sinks_decode_and_prefill_kernels(window):
-    """Both CPU attention kernels with gpt-oss's sinks (one sink above every score, one far
-    below: no effect) against ggml's soft_max sink correction in float64."""
+    """The CPU attention kernel (cpu_attention.attention_rows: decode and prefill rows alike)
+    with gpt-oss's sinks (one sink above every score, one far below: no effect) against
+    ggml's soft_max sink correction in float64."""
     rng = np.random.default_rng(11)
     H, KV, hd, n = 4, 2, 16, 12
     K = rng.standard_normal((1, KV, 16, hd)).astype(np.float32)
@@ -416,11 +417,13 @@ def test_attention_sinks_decode_and_prefill_kernels(window):
     lengths = np.arange(1, n + 1, dtype=np.int32)
     want = _attention_f64(q, K[0], V[0], 0.25, window, sinks, lengths)
     out = np.empty((n, H, hd), np.float32)
-    cpu_ops.attention_rows(q, K, V, np.zeros(n, np.int32), lengths, 0.25, window, out, sinks)
+    cpu_attention.attention_rows(q, K, V, np.zeros(n, np.int32), lengths, 0.25, window, out, sinks)
     assert np.allclose(out, want, atol=2e-5)
-    pre = cpu_ops.attention_prefill(q, K[0], V[0], 0, 0.25, window, sinks)
-    assert np.allclose(pre, want, atol=2e-5)
-    plain = cpu_ops.attention_prefill(q, K[0], V[0], 0, 0.25, window)
+    one = np.empty((1, H, hd), np.float32)                # a decode row alone: the same bits
+    cpu_attention.attention_rows(q[5:6], K, V, np.zeros(1, np.int32), lengths[5:6], 0.25, window, one, sinks)
+    np.testing.assert_array_equal(one, out[5:6])
+    plain = np.empty((n, H, hd), np.float32)
+    cpu_attention.attention_rows(q, K, V, np.zeros(n, np.int32), lengths, 0.25, window, plain)
     assert not np.allclose(plain, want, atol=1e-2)       # the sinks matter
 
 

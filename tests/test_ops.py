@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cpu_ops
+from aotx.engine.backend import cpu_attention, cpu_ops
 from aotx.engine.backend.cpu_matmul import QuantMatrix
 from aotx.engine.backend.cpu_program import CpuProgram
 from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec
@@ -151,7 +151,7 @@ def test_attention_rows_window_and_f16_cache(kv_type, window):
     lengths = np.array([1, 9, 48, 30], np.int32)
     store = (lambda a: a.view(np.uint16)) if kv_type == "f16" else (lambda a: a)
     out = np.empty_like(q)
-    cpu_ops.attention_rows(q, store(kc), store(vc), slots, lengths, 0.3, window, out)
+    cpu_attention.attention_rows(q, store(kc), store(vc), slots, lengths, 0.3, window, out)
     ref = _attend64(q, kc, vc, slots, lengths, 0.3, window)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
     if window:
@@ -159,13 +159,15 @@ def test_attention_rows_window_and_f16_cache(kv_type, window):
 
 
 @pytest.mark.parametrize("window", [0, 4, 11])
-def test_attention_prefill_equals_rows_kernel_with_window(window):
+def test_attention_prefill_rows_with_window(window):
     rng = np.random.default_rng(5)
     n, pos0 = 9, 6
     q = rng.standard_normal((n, 4, 8)).astype(np.float32)
     kc = rng.standard_normal((1, 2, 32, 8)).astype(np.float32)
     vc = rng.standard_normal((1, 2, 32, 8)).astype(np.float32)
-    got = cpu_ops.attention_prefill(q, kc[0], vc[0], pos0, 0.5, window)
+    got = np.empty_like(q)
+    cpu_attention.attention_rows(q, kc, vc, np.zeros(n, np.int32), np.arange(pos0 + 1, pos0 + n + 1, dtype=np.int32),
+                                 0.5, window, got)
     ref = _attend64(q, kc, vc, np.zeros(n, np.int32), np.arange(pos0 + 1, pos0 + n + 1), 0.5, window)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
@@ -336,7 +338,7 @@ def test_f16_cache_reads_every_finite_half_exactly_and_inf_as_inf():
     n = vals.shape[0]
     q = np.ones((n, 1, 64), np.float32)
     out = np.empty_like(q)
-    cpu_ops.attention_rows(q, np.zeros_like(vals), vals, np.arange(n, dtype=np.int32), np.ones(n, np.int32), 1.0, 0,
-                           out)
+    cpu_attention.attention_rows(q, np.zeros_like(vals), vals, np.arange(n, dtype=np.int32), np.ones(n, np.int32),
+                                 1.0, 0, out)
     want = vals.reshape(n, 64).view(np.float16).astype(np.float32) + np.float32(0.0)   # -0 -> +0
     assert np.array_equal(out.reshape(n, 64).view(np.uint32), want.view(np.uint32))

@@ -166,15 +166,16 @@ def test_quant_matrix_matmul_and_rows(qtype, n):
     m = 75                                                 # not a multiple of the 32-row tile
     raw = make_raw(qtype, m, k, rng)
     w = _gguf(raw, qtype, k).astype(np.float64)
-    for int8 in (False, True):                             # int8 changes only the repacked types
+    for int8 in (False, True):      # int8: cpu_matmul's integer path (int8 activations, llama.cpp's 2e-2)
         qm = QuantMatrix(raw, qtype, m, k, "blk.0.ffn_up.weight", int8=int8)
         x = rng.standard_normal((n, k)).astype(np.float32)
         out = qm.matmul(x)
         assert out.shape == (n, m) and out.dtype == np.float32
-        assert _rel(out, x.astype(np.float64) @ w.T) < RTOL
-    ids = np.array([0, m - 1, 40, 40, -2])
-    np.testing.assert_array_equal(qm.rows(ids), w.astype(np.float32)[ids])
-    assert qm.nbytes == raw.nbytes                         # kept in the file's layout
+        assert _rel(out, x.astype(np.float64) @ w.T) < (2e-2 if qm.int8 else RTOL)
+        ids = np.array([0, m - 1, 40, 40, -2])
+        np.testing.assert_array_equal(qm.rows(ids), w.astype(np.float32)[ids])
+        if not int8:
+            assert qm.nbytes == raw.nbytes                 # the float path keeps the file's layout
 
 
 @pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda t: t.name)
@@ -187,7 +188,7 @@ def test_quant_matrix_several_tiles_and_memmap(qtype, tmp_path, monkeypatch):
     p = tmp_path / "w.bin"
     raw.tofile(p)
     mm = np.memmap(p, np.uint8, "r", shape=raw.shape)
-    qm = QuantMatrix(mm, qtype, m, k)
+    qm = QuantMatrix(mm, qtype, m, k, int8=False)         # the float path reads the file's layout
     assert np.shares_memory(qm._raw, mm)
     x = rng.standard_normal((9, k)).astype(np.float32)
     assert _rel(qm.matmul(x), x.astype(np.float64) @ _gguf(raw, qtype, k).astype(np.float64).T) < RTOL

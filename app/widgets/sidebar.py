@@ -25,15 +25,19 @@ def is_fork(title: str) -> bool:
 
 
 class ConversationItem(ListItem):
-    def __init__(self, conv: P.ConversationView, current: bool, hit: Hit | None = None) -> None:
+    def __init__(self, conv: P.ConversationView, current: bool, hit: Hit | None = None,
+                 default_model: str = "") -> None:
         title = conv.title or "(untitled)"
         mark = "▸ " if current else "⑂ " if is_fork(title) else "  "
         children = [Label(mark + title, markup=False, classes="conv-title")]
+        if conv.model and conv.model != default_model:  # the default model's conversations say nothing
+            children.append(Label("  " + conv.model, markup=False, classes="conv-model"))
         if hit is not None and hit.snippet:
             children.append(Label("  " + hit.snippet, markup=False, classes="conv-snippet"))
         super().__init__(*children, classes="-current" if current else "")
         self.conv_id = conv.conv_id
         self.title = conv.title
+        self.model = conv.model
         self.hit = hit
 
 
@@ -51,6 +55,7 @@ class Sidebar(Vertical):
         self.current: str | None = None
         self.index = index or SearchIndex()
         self.hits: list[Hit] = []
+        self.default_model = ""  # the engine's default model (set by the app)
 
     def compose(self) -> ComposeResult:
         yield Label("Conversations", classes="sidebar-title")
@@ -88,7 +93,7 @@ class Sidebar(Vertical):
             shown = [(c, None) for c in self.conversations]
         old = lv.index
         lv.clear()
-        lv.extend(ConversationItem(c, c.conv_id == self.current, h) for c, h in shown)
+        lv.extend(ConversationItem(c, c.conv_id == self.current, h, self.default_model) for c, h in shown)
         ids = [c.conv_id for c, _ in shown]
         if self.current in ids:
             lv.index = ids.index(self.current)

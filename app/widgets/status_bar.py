@@ -29,7 +29,8 @@ class StatusBar(Horizontal):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.model = ""
+        self.model = ""  # the engine's default model
+        self.conv_model = ""  # the open conversation's model ("": the default)
         self.device = ""
         self.state = "starting"
         self.detail = ""
@@ -73,7 +74,7 @@ class StatusBar(Horizontal):
         free = fmt_bytes(self.budget - self.used)
         budgets = ([f"budget {fmt_bytes(self.used)} used / {free} free", f"{free} free", ""] if self.budget
                    else [""])
-        model = self.model or "no model yet"
+        model = self.conv_model or self.model or "no model yet"
         tries = [(model, self.device or "?", b) for b in budgets] + [("", self.device or "?", ""), ("", "", "")]
         line = ""
         for m, d, b in tries:
@@ -90,6 +91,10 @@ class StatusBar(Horizontal):
 
     def set_welcome(self, w: P.Welcome) -> None:
         self.model, self.device = w.model, w.device
+        self._refresh()
+
+    def set_conversation_model(self, model: str) -> None:
+        self.conv_model = model
         self._refresh()
 
     def set_status(self, s: P.StatusReply) -> None:

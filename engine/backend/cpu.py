@@ -2,8 +2,10 @@
 
 Owns: turning GGUF tensors into backend objects (``matrix``, ``vector``) and compiling
 an ``ops.Program`` (``compile`` -> ``cpu_program.CpuProgram``: prebound kernel calls and
-the CPU KV cache). The kernels live in ``cpu_matmul.py`` (quantized matmul) and
-``cpu_ops.py`` (everything else). The interface is /work/coord/IR.md section 6.
+the CPU KV cache). The kernels live in ``cpu_matmul.py`` (quantized matmul),
+``cpu_attention.py`` (attention over the KV cache) and ``cpu_ops.py`` (everything else).
+Every op computes a row from that row alone, by one fixed sequence of operations (batch
+invariance, shared/DESIGN.md). The interface is /work/coord/IR.md section 6.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from aotx.engine.errors import ModelError
 class CpuBackend:
     """Op set on the CPU. ``weight_bytes`` counts the bytes of every weight loaded.
 
-    ``int8_activations``: decode GEMVs of Q4_0/Q4_1/Q8_0 weights round x to int8 per
-    32-block as llama.cpp does (~2x faster single-threaded; logits then differ from a
-    float64 reference by ~1e-2 relative instead of ~1e-6). Off by default."""
+    ``int8_activations``: every matmul of a weight type with an integer form (Q4_0, Q4_1,
+    Q4_K, Q5_*, Q6_K, Q3_K, Q8_0, IQ4_*, MXFP4) rounds its activations to int8 per
+    32-block as llama.cpp does and runs integer kernels (what the engine loads: fast;
+    logits differ from a float64 reference by ~1e-2 relative); False: float32
+    activations for every type (~1e-6 relative; slower). Either way a row's logits do
+    not depend on the batch. ``numerics`` names the path: "cpu-int8" or "cpu-f32"."""
 
     name = "cpu"
 
@@ -26,6 +31,7 @@ class CpuBackend:
         from aotx.engine.backend.quants import SUPPORTED_TYPES
 
         self.int8_activations = bool(int8_activations)
+        self.numerics = "cpu-int8" if self.int8_activations else "cpu-f32"
         self.weight_bytes = 0
         self.supported_types = SUPPORTED_TYPES
 

@@ -498,21 +498,34 @@ def place(nodes: list, p: Any, pool: ExpertPool) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ the whole op on host rows
 
-def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray | None = None) -> np.ndarray:
-    """The ``moe`` op on host rows x (n, d) float32 with every matmul on the per-row
-    kernels (each row's numbers independent of the batch): router (+ bias), routing, the
-    experts on the pool, the join, the shared expert. ``attrs``: the node's attributes
-    with CPU weights (``router`` and the shared expert's matrices as QuantMatrix, biases
-    as numpy); ``traffic`` (E,) int64 gets the routed rows per expert added. For a backend
-    whose own rows live elsewhere (the CUDA backend's CPU expert tier). Returns (n, d)."""
+def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray | None = None,
+             small: np.ndarray | None = None) -> np.ndarray:
+    """The ``moe`` op on host rows x (n, d) float32: router (+ bias), routing, the experts
+    on the pool, the join, the shared expert. ``small``: bool (n,), the rows of short
+    segments (decode, verify), which go through the per-row kernels (their numbers
+    independent of the batch) while the others take the prefill path; None: every row is
+    small. ``attrs``: the node's attributes with CPU weights (``router`` and the shared
+    expert's matrices as QuantMatrix, biases as numpy); ``traffic`` (E,) int64 gets the
+    routed rows per expert added. For a backend whose own rows live elsewhere (the CUDA
+    backend's CPU expert tier). Returns (n, d)."""
     x = np.ascontiguousarray(x, np.float32)
     n = x.shape[0]
     d = attrs["down"].m
     if n == 0:
         return np.empty((0, d), np.float32)
+    all_small = small is None or bool(small.all())
+    if all_small:
+        small = None
 
     def mm(W, v):
-        return W.matmul(np.ascontiguousarray(v), per_row=True)
+        v = np.ascontiguousarray(v)
+        if small is None:
+            return W.matmul(v, per_row=True)
+        y = np.empty((v.shape[0], W.m), np.float32)
+        if small.any():
+            y[small] = W.matmul(np.ascontiguousarray(v[small]), per_row=True)
+        y[~small] = W.matmul(np.ascontiguousarray(v[~small]), per_row=False)
+        return y
 
     logits = mm(attrs["router"], x)
     if attrs["router_bias"] is not None:
@@ -522,7 +535,7 @@ def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray |
     if traffic is not None:
         traffic += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
     Y = np.empty((n, k, d), np.float32)
-    pool.compute(attrs, x, sel, Y, groups(sel), None, True)
+    pool.compute(attrs, x, sel, Y, groups(sel), small, all_small)
     y = join(Y, w, np.empty((n, d), np.float32))
     shared = attrs.get("shared")
     if shared is not None:

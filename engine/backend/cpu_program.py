@@ -3,19 +3,17 @@
 Owns: compiling a Program once at load (``CpuProgram``): every node becomes a closure
 bound to its kernel, weights and attributes; buffers are assigned by a small liveness
 pass (a value's buffer is reused once its last reader has run; row-wise ops on a dead
-input run in place); the per-batch facts (which rows are short segments, where each
-row's K/V goes, each row's attention span) are computed once per forward from the
-``BatchLayout``, not per layer. Also the KV cache (``CpuKVCache``: float32 or f16 bits)
-and its RoPE tables. Leaves the kernels to ``cpu_ops.py`` / ``cpu_matmul.py``, the order
-of ops to the architecture (the Program), slots and scheduling to the runtime.
+input run in place); the per-batch facts (where each row's K/V goes, each row's slot and
+attention length) are computed once per forward from the ``BatchLayout``, not per layer. Also the KV cache (``CpuKVCache``: float32 or f16 bits)
+and its RoPE tables. Leaves the kernels to ``cpu_ops.py`` / ``cpu_matmul.py`` /
+``cpu_attention.py``, the order of ops to the architecture (the Program), slots and
+scheduling to the runtime.
 
-Batch invariance (shared/DESIGN.md): rows of short segments (decode steps, speculative
-verify windows: at most SMALL_SEGMENT tokens) go through per-row kernels (GEMV matmuls,
-``attention_rows``), so their numbers never depend on the rest of the batch; rows of
-prefill chunks go through BLAS (matmul and attention). Logits rows (after
-``take_rows``) always go through the per-row GEMV. Until helper ``invariance`` makes the
-matmul and attention row-invariant for every n, a prefill row's numbers can differ from
-a decode row's by float32 rounding.
+Batch invariance (shared/DESIGN.md): every row of a batch - decode step, speculative
+verify window, prefill chunk, logits row - goes through the same kernels in one call per
+op: ``QuantMatrix.matmul`` and ``cpu_attention.attention_rows`` compute each row by one
+fixed sequence of operations whatever the other rows are, so a row's logits do not
+depend on how it was batched, chunked or which slot it sits in.
 
 Not thread-safe: one thread runs a CpuProgram's forwards (the engine's tick thread); the
 buffers are reused across calls. The returned logits are a fresh array.
@@ -28,10 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from aotx.engine.backend import cpu_ops
+from aotx.engine.backend import cpu_attention, cpu_ops
 from aotx.engine.backend.ops import ROWS_N, Program, RopeSpec
 
-SMALL_SEGMENT = 16          # segments of at most this many rows use the per-row kernels
 KV_TYPES = ("f16", "f32")
 _KV_DTYPE = {"f16": np.uint16, "f32": np.float32}
 
@@ -106,10 +103,12 @@ class CpuKVCache:
 
 
 class _Batch:
-    """What one forward's kernels need to know about its rows, computed once per call."""
+    """What one forward's kernels need to know about its rows, computed once per call:
+    where each row's K/V goes (``one_*`` for one-row segments, ``multi`` for the others)
+    and each row's slot and attention length (``slots``, ``lengths``)."""
 
-    __slots__ = ("n", "tokens", "positions", "out_rows", "all_small", "small", "big", "one_rows", "one_slots",
-                 "one_pos", "multi", "s_slots", "s_len", "long_segs", "embeds", "n_out", "views")
+    __slots__ = ("n", "tokens", "positions", "out_rows", "one_rows", "one_slots", "one_pos", "multi", "slots",
+                 "lengths", "embeds", "n_out", "views")
 
     def __init__(self, tokens: np.ndarray, layout: Any, embeds: Any):
         n = int(layout.n_rows)
@@ -119,35 +118,18 @@ class _Batch:
         self.out_rows = layout.out_rows
         self.n_out = int(layout.out_rows.shape[0])
         self.embeds = embeds
-        small: list[int] = []
-        s_len: list[int] = []
-        s_slots: list[int] = []
         one: list[tuple[int, int, int]] = []
         self.multi: list[tuple[int, int, int, int]] = []      # (row, slot, pos, n) of segments > 1 row
-        self.long_segs: list[tuple[int, int, int, int]] = []  # the same for segments > SMALL_SEGMENT
         row = 0
         for s in layout.segments:
-            if s.n <= SMALL_SEGMENT:
-                small.extend(range(row, row + s.n))
-                s_slots.extend([s.slot] * s.n)
-                s_len.extend(range(s.pos + 1, s.pos + s.n + 1))
-            else:
-                self.long_segs.append((row, s.slot, s.pos, s.n))
             if s.n == 1:
                 one.append((row, s.slot, s.pos))
             elif s.n > 1:
                 self.multi.append((row, s.slot, s.pos, s.n))
             row += s.n
-        self.all_small = len(small) == n
-        self.small = np.asarray(small, np.int64)
-        if self.all_small or not small:
-            self.big = None
-        else:
-            mask = np.ones(n, bool)
-            mask[self.small] = False
-            self.big = np.nonzero(mask)[0]
-        self.s_slots = np.asarray(s_slots, np.int32)
-        self.s_len = np.asarray(s_len, np.int32)
+        # a row at position p attends to positions .. p (its own K/V stored first)
+        self.slots = np.ascontiguousarray(layout.slots, np.int32)
+        self.lengths = (np.asarray(layout.positions, np.int32) + 1).astype(np.int32)
         if one:
             r, sl, p = zip(*one)
             self.one_rows = np.asarray(r, np.int64)
@@ -155,17 +137,6 @@ class _Batch:
             self.one_pos = np.asarray(p, np.int64)
         else:
             self.one_rows = None
-
-
-def _matmul_n(W, x: np.ndarray, out: np.ndarray, bt: _Batch) -> None:
-    """out = x @ W.T over the batch rows: short-segment rows per row (GEMV), the others by BLAS."""
-    if bt.all_small:
-        W.matmul(x, out, per_row=True)
-    elif bt.big is None:
-        W.matmul(x, out)
-    else:
-        out[bt.small] = W.matmul(x[bt.small], per_row=True)
-        out[bt.big] = W.matmul(x[bt.big])
 
 
 class _Buffers:
@@ -387,7 +358,6 @@ class CpuProgram:
     def _c_linear(self, i, node):
         W, bias, xi, oi = node.attrs["weight"], node.attrs["bias"], node.inputs[0].id, node.out.id
         s = self._slot(node.out)
-        on_n = node.inputs[0].rows == ROWS_N
         view = self._view[xi]
         m = W.m
 
@@ -396,10 +366,7 @@ class CpuProgram:
             if view:
                 x = np.ascontiguousarray(x)
             y = bt.views[s] if s >= 0 else np.empty((x.shape[0], m), np.float32)
-            if not on_n or bt.all_small:
-                W.matmul(x, y, per_row=True)
-            else:
-                _matmul_n(W, x, y, bt)
+            W.matmul(x, y)                   # row-invariant for every number of rows
             if bias is not None:
                 y += bias
             env[oi] = y
@@ -434,9 +401,9 @@ class CpuProgram:
         L, H, KV, hd, scale, window = a["layer"], a["n_heads"], a["n_kv_heads"], a["head_dim"], a["scale"], a["window"]
         qi, ki, vi = (x.id for x in node.inputs)
         oi, so = node.out.id, self._slot(node.out)
-        rows_kernel = cpu_ops.attention_rows
-        prefill = cpu_ops.attention_prefill
         sinks = a.get("sinks")
+        sinks = None if sinks is None else np.ascontiguousarray(sinks, np.float32)
+        kern = cpu_attention.attention_rows
 
         def run(env, bt, kv):
             n = bt.n
@@ -454,17 +421,8 @@ class CpuProgram:
                 kc[slot, :, pos:pos + m, :] = k[row:row + m].transpose(1, 0, 2)
                 vc[slot, :, pos:pos + m, :] = v[row:row + m].transpose(1, 0, 2)
             y = bt.views[so]
-            att = y.reshape(n, H, hd)
-            if bt.all_small:
-                rows_kernel(q, kc, vc, bt.s_slots, bt.s_len, scale, window, att, sinks)
-            else:
-                if bt.small.size:
-                    od = np.empty((bt.small.size, H, hd), np.float32)
-                    rows_kernel(np.ascontiguousarray(q[bt.small]), kc, vc, bt.s_slots, bt.s_len, scale, window, od,
-                                sinks)
-                    att[bt.small] = od
-                for row, slot, pos, m in bt.long_segs:
-                    att[row:row + m] = prefill(q[row:row + m], kc[slot], vc[slot], pos, scale, window, sinks)
+            # every row (decode, verify, prefill) in one call, one kernel
+            kern(q, kc, vc, bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd), sinks)
             env[oi] = y
         return run
 
@@ -527,19 +485,13 @@ class CpuProgram:
         gating, norm_w, w_scale = a["gating"], a["norm_w"], a["w_scale"]
         shared, sgate = a["shared"], a["shared_gate"]
         xi, oi, s, d = node.inputs[0].id, node.out.id, self._slot(node.out), node.out.width
-        on_n = node.inputs[0].rows == ROWS_N
         view = self._view[xi]
         pool = self.expert_pool
         attrs = dict(a)
         traffic = self.traffic[a["moe_layer"]]
 
         def mm(W, x, bt):
-            y = np.empty((x.shape[0], W.m), np.float32)
-            if not on_n or bt.all_small:
-                W.matmul(x, y, per_row=True)
-            else:
-                _matmul_n(W, x, y, bt)
-            return y
+            return W.matmul(x, np.empty((x.shape[0], W.m), np.float32))   # row-invariant for every n
 
         def run(env, bt, kv):
             x = env[xi]
@@ -553,12 +505,8 @@ class CpuProgram:
             self.last_routing[attrs["moe_layer"]] = (sel, margin)
             traffic[:] += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
             Y = np.empty((n, k, d), np.float32)
-            small = None
-            all_small = not on_n or bt.all_small
-            if not all_small:
-                small = np.zeros(n, bool)
-                small[bt.small] = True
-            pool.compute(attrs, x, sel, Y, cpu_moe.groups(sel), small, all_small)
+            # every matmul is row-invariant for every n: no rows need a separate kernel
+            pool.compute(attrs, x, sel, Y, cpu_moe.groups(sel), None, True)
             y = bt.views[s] if s >= 0 else np.empty((n, d), np.float32)
             cpu_moe.join(Y, w, y)
             if shared is not None:

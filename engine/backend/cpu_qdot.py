@@ -1,89 +1,158 @@
 """Integer dot-product kernels: quantized weights times int8-quantized activations.
 
 Owns: `quantize_x` (activations to int8 per 32-block, as llama.cpp's Q8_1 does) and the
-GEMV kernels `gemm_q4` / `gemm_q8` over the tiles that `cpu_matmul.repack` builds, with
-their integer inner step written as LLVM IR (numba `intrinsic`): AVX2's
-`vpmaddubsw` / `vpmaddwd` where the CPU has them, plain LLVM vector IR elsewhere. Leaves
-to others: the weight layouts and choosing a kernel (`cpu_matmul.py`).
+matmul kernel `gemm` over the weight tiles that `cpu_matmul.repack` builds, for every row
+count n, with its integer inner step written as LLVM IR (numba `intrinsic`): AVX-VNNI /
+AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw` / `vpmaddwd`, or plain LLVM vector IR, picked
+by the CPU. Leaves to others: the weight layouts and which tensor takes which kernel
+(`cpu_matmul.py`).
+
+Batch invariance (shared/DESIGN.md): out[i, j] is computed by one fixed sequence of
+operations that depends only on x[i] and weight row j - not on n, on the other rows, on
+how rows are grouped to share a weight load, on the thread that runs it, or on the
+instruction set. Prefill, decode and speculative verify rows all take this one kernel.
 
 Arithmetic (the trade llama.cpp makes in ggml_vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0,
-ggml/src/ggml-cpu/arch/x86/quants.c, helpers mul_sum_us8_pairs / mul_sum_i8_pairs):
+ggml/src/ggml-cpu/arch/x86/quants.c):
 * x row i, block b (32 inputs): dx = max|x| / 127, qx = round(x / dx) in [-127, 127]
-  (int8), sx = sum of the float x, x8 = 8 * sum of qx (int32).
-* Q4_0 / Q4_1 weights q in 0..15 with w = d * q + mn (mn = m for Q4_1, -8 d for Q4_0).
-  With S = sum_j q_j qx_j - x8 = sum_j (q_j - 8) qx_j (an exact int32) and c = mn + 8 d:
-      sum_j w_j x_j ~= d * (dx * S) + c * sx          (c = 0 exactly for Q4_0)
-* Q8_0 weights q in -128..127 with w = d * q:  sum_j w_j x_j ~= d * (dx * S), S = sum q qx.
-The only error against float arithmetic is the rounding of x to int8 (relative error of a
-dot product ~1e-3..1e-2, the same as llama.cpp's).
+  (int8), sx = sum of the float x (fixed order), xs = sum of qx (int32), and xh0 / xh1 the
+  sums of qx over the block's halves (inputs 0..15 and 16..31).
+* Weight kinds (cpu_matmul's module docstring lists which GGUF type takes which), per
+  block b with S the exact int32 block sum, u = dx * float(S) (one rounding) and two
+  float32 accumulators per output, main and second, starting at 0, blocks in order:
+  - Q4: nibbles q in 0..15, scales d, mn (w = d q + mn); S = sum_j (q_j - 8) qx_j,
+    c = mn + 8 d:      main = fma(d, u, main);  second = fma(c, sx, second)
+  - Q8: int8 q, scale d (w = d q); S = sum_j q_j qx_j:   main = fma(d, u, main)
+  - Q5: q in 0..31 as a nibble and a high bit, d, mn (w = d q + mn); S = sum_j (q_j - 16)
+    qx_j, c = mn + 16 d: as Q4
+  - Q8X2: int8 q, a scale per 16 inputs (w = d_h q, h = half), S_h and u_h per half:
+                       main = fma(d_0, u_0, main);  second = fma(d_1, u_1, second)
+  and out = main + second (Q8: main). fma rounds once (vfmadd; llvm.fma elsewhere).
+The only error against float arithmetic is the rounding of x to int8 (a dot product's
+relative error ~1e-3..1e-2, the same as llama.cpp's).
 
-Integer step, per 32-input block, 8 weight rows at a time, and NR = 1, 4 or 8 activation
-rows sharing each weight load (the layout: cpu_matmul's module docstring):
-* Q4: a 32-byte load holds 4 bytes of each of 8 rows; its low nibbles are inputs
-  4g..4g+3 of a row and its high nibbles inputs 16+4g..16+4g+3. vpmaddubsw(nibbles as
-  uint8, the 4 matching qx broadcast) gives, per int16 lane, q_a qx_a + q_b qx_b, at most
-  2 * 15 * 127 = 3810 in magnitude, so it never saturates; the 8 such results of a block
-  (4 loads x low/high) are added in int16: at most 8 * 3810 = 30480 < 32767, exact.
-  One vpmaddwd against ones then sums the 2 lanes of each row into int32.
-* Q8_0: the sign trick of llama.cpp's mul_sum_i8_pairs: vpmaddubsw(|q| as uint8,
-  qx * sign(q)); a lane is at most 2 * 128 * 127 = 32512 < 32767 in magnitude, exact;
-  each load's lanes go through vpmaddwd into int32 at once (two would overflow int16).
-So the block sums S are exact integers whichever instructions compute them, and the
-float step after them is numba code without fastmath (no reassociation, no FMA
-contraction): a row's result is bit-identical on the AVX2 and the portable path, and
-whatever number of other rows shares its batch (the decode path relies on it).
+Integer step, per 32-input block, 8 weight rows at a time (one 256-bit register of int32),
+NR = 1, 4 or 8 activation rows sharing each weight load:
+* a 32-byte load holds 4 consecutive bytes of each of 8 rows (Q4: 4 low nibbles = inputs
+  4g..4g+3, 4 high nibbles = inputs 16+4g..16+4g+3; Q8*: inputs 4g..4g+3). Q5 adds two
+  32-bit words per load, the high bits of those 64 values, turned into bytes (0 or 16)
+  and or-ed into the nibbles.
+* VNNI: vpdpbusd(acc, u8 weights, s8 activations) adds 4 byte products into each int32
+  lane. Q4 nibbles are unsigned already; int8 weights are biased to unsigned (q xor 0x80
+  = q + 128) and 128 * (sum of the qx) is subtracted after: exact.
+* AVX2: vpmaddubsw (u8 x s8 pairs to int16) then vpmaddwd against ones (pairs to int32).
+  Q4: a lane is at most 2 * 15 * 127 = 3810, the 8 of a block add to at most 30480 <
+  32767 in int16; int8 weights take llama.cpp's sign trick (mul_sum_i8_pairs:
+  vpmaddubsw(|q|, qx * sign(q)), at most 2 * 128 * 127 = 32512) and go to int32 per load.
+* PORTABLE: the same sums in generic LLVM vector IR (widening multiplies).
+So the block sums S are exact integers whichever instructions compute them, and the float
+step after them is the sequence above, emitted without fast-math flags (no contraction
+beyond the explicit fma, no reassociation): a row's result is bit-identical on every path
+and whatever else shares its batch (tests/test_cpu_qdot.py re-computes it in numpy).
 """
 
 from __future__ import annotations
 
-import numpy as np
-from llvmlite import binding as llvm_binding
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+import os
+
+# numba's parallel regions run on libgomp's pool, whose threads spin between regions:
+# 300,000 pause loops by default (~10 ms on recent Intel cores). On a machine where
+# another process holds a core, a join then waits for a descheduled thread while the
+# spinning one burns its time slice: decode measured 0.7 tok/s on this workplace's busy
+# 2-core machine, 24 tok/s with OMP_WAIT_POLICY=PASSIVE, 12 with GOMP_SPINCOUNT=2000
+# (~100 us of spinning: enough to keep the pool awake between one decode step's regions).
+# Set before libgomp loads (at numba's first parallel launch); the user's settings win.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
+
+import numpy as np  # noqa: E402
+from llvmlite import binding as llvm_binding  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, prange, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 QB = 32      # inputs per quantization block
-LANES = 8    # weight rows per integer step (one AVX2 register of int32)
+LANES = 8    # weight rows per integer step (one 256-bit register of int32)
+R = 32       # rows per tile of the repacked layouts (cpu_matmul.repack)
 
-# The kernels take an `isa` marker whose *type* picks the integer step's instructions:
-# numba compiles (and caches) one specialization per argument type, so the AVX2 code is
-# never compiled on a CPU without AVX2, and tests can run both paths on one that has it.
+# The kernels take marker arguments whose *numba type* picks what is compiled: numba
+# compiles (and caches) one specialization per argument type, so the VNNI code is never
+# compiled on a CPU without VNNI, and tests can run every path on one that has them all.
+PORTABLE = np.int8(0)    # generic LLVM vector IR (any target)
 AVX2 = np.uint8(1)       # vpmaddubsw / vpmaddwd (llvm.x86.avx2.pmadd.ub.sw / pmadd.wd)
-PORTABLE = np.int8(0)    # the same sums in generic LLVM vector IR (any target)
+VNNI = np.uint16(2)      # vpdpbusd (llvm.x86.avx512.vpdpbusd.256: AVX-VNNI or AVX512-VNNI+VL)
+# weight kinds (cpu_matmul.repack builds their tiles)
+Q4 = np.int16(0)
+Q8 = np.int32(0)
+Q8X2 = np.uint32(0)
+Q5 = np.uint64(0)
+
+_ISA_NAMES = {types.int8: "portable", types.uint8: "avx2", types.uint16: "vnni"}
+_KIND_NAMES = {types.int16: "q4", types.int32: "q8", types.uint32: "q8x2", types.uint64: "q5"}
+# per kind: bytes of one tile block (groups x 32 rows x 4), scale floats per block and row
+GROUPS = {"q4": 4, "q8": 8, "q8x2": 8, "q5": 4}
+SCALES = {"q4": 1, "q8": 1, "q8x2": 2, "q5": 1}
+OFFSET = {"q4": 8, "q5": 16}     # the kinds with a minimum: S = sum (q - OFFSET) qx
 
 
-def host_has_avx2() -> bool:
-    """True when numba compiles for a CPU with AVX2: llvmlite's host feature string, or,
-    where NUMBA_CPU_NAME / NUMBA_CPU_FEATURES pick another target (portable caches), those."""
+def _features() -> set[str]:
+    """The CPU features numba compiles for: llvmlite's host feature string, or, where
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES pick another target (portable caches), those."""
     from numba.core import config
 
     try:
         if config.CPU_NAME and config.CPU_NAME != "host":
-            return "+avx2" in (config.CPU_FEATURES or "").split(",")
-        return "+avx2" in llvm_binding.get_host_cpu_features().flatten().split(",")
+            flags = (config.CPU_FEATURES or "").split(",")
+        else:
+            flags = llvm_binding.get_host_cpu_features().flatten().split(",")
     except Exception:           # noqa: BLE001 - a host LLVM cannot describe: stay portable
-        return False
+        return set()
+    return {f[1:] for f in flags if f.startswith("+")}
 
 
-HOST_ISA = AVX2 if host_has_avx2() else PORTABLE
+def host_has_avx2() -> bool:
+    """True when numba compiles for a CPU with AVX2."""
+    return "avx2" in _features()
+
+
+def host_has_vnni() -> bool:
+    """True when numba compiles for a CPU with 256-bit vpdpbusd (AVX-VNNI, or AVX512-VNNI
+    with AVX512VL)."""
+    f = _features()
+    return "avx2" in f and ("avxvnni" in f or {"avx512vnni", "avx512vl"} <= f)
+
+
+def host_isa():
+    """The fastest integer path this CPU runs: VNNI, AVX2 or PORTABLE."""
+    return VNNI if host_has_vnni() else AVX2 if host_has_avx2() else PORTABLE
+
+
+def isa_name(isa) -> str:
+    """'vnni', 'avx2' or 'portable' for an isa marker."""
+    return {int(VNNI): "vnni", int(AVX2): "avx2", int(PORTABLE): "portable"}[int(isa)]
+
+
+HOST_ISA = host_isa()
 
 
 # ------------------------------------------------------------------ LLVM IR helpers
 
-_I1, _I8, _I16, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_F32 = ir.FloatType()
 _V32I8 = ir.VectorType(_I8, 32)
 _V32I16 = ir.VectorType(_I16, 32)
 _V16I16 = ir.VectorType(_I16, 16)
 _V16I32 = ir.VectorType(_I32, 16)
 _V8I32 = ir.VectorType(_I32, 8)
+_V8F32 = ir.VectorType(_F32, 8)
 _EVEN16 = ir.Constant(ir.VectorType(_I32, 16), list(range(0, 32, 2)))
 _ODD16 = ir.Constant(ir.VectorType(_I32, 16), list(range(1, 32, 2)))
 _EVEN8 = ir.Constant(ir.VectorType(_I32, 8), list(range(0, 16, 2)))
 _ODD8 = ir.Constant(ir.VectorType(_I32, 8), list(range(1, 16, 2)))
 
 
-def _splat(ty: ir.VectorType, v: int) -> ir.Constant:
+def _splat(ty: ir.VectorType, v) -> ir.Constant:
     return ir.Constant(ty, [ir.Constant(ty.element, v)] * ty.count)
 
 
@@ -93,234 +162,438 @@ def _ptr(builder, context, aryty, ary, off, elt: ir.Type):
     return builder.bitcast(builder.gep(data, [off]), elt.as_pointer())
 
 
-def _bcast4(builder, p8):
-    """The 4 bytes at i8* p8 repeated 8 times: <32 x i8> (vpbroadcastd)."""
-    v = builder.load(builder.bitcast(p8, _I32.as_pointer()), align=1)
-    v8 = builder.insert_element(ir.Constant(_V8I32, ir.Undefined), v, ir.Constant(_I32, 0))
-    v8 = builder.shuffle_vector(v8, ir.Constant(_V8I32, ir.Undefined), _splat(_V8I32, 0))
-    return builder.bitcast(v8, _V32I8)
-
-
-def _maddubs(builder, avx2: bool, u, s):
-    """<16 x i16>: u[2l] * s[2l] + u[2l+1] * s[2l+1], u unsigned and s signed <32 x i8>.
-    The callers' ranges never reach vpmaddubsw's saturation, so both forms agree."""
-    if avx2:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I16, [_V32I8, _V32I8]),
-                                            "llvm.x86.avx2.pmadd.ub.sw")
-        return builder.call(fn, [u, s])
-    p = builder.mul(builder.zext(u, _V32I16), builder.sext(s, _V32I16))
-    return builder.add(builder.shuffle_vector(p, p, _EVEN16), builder.shuffle_vector(p, p, _ODD16))
-
-
-def _pairs32(builder, avx2: bool, a):
-    """<8 x i32>: a[2l] + a[2l+1] for a <16 x i16> (vpmaddwd against ones)."""
-    if avx2:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8I32, [_V16I16, _V16I16]),
-                                            "llvm.x86.avx2.pmadd.wd")
-        return builder.call(fn, [a, _splat(_V16I16, 1)])
-    w = builder.sext(a, _V16I32)
-    return builder.add(builder.shuffle_vector(w, w, _EVEN8), builder.shuffle_vector(w, w, _ODD8))
-
-
-def _sign(builder, avx2: bool, x, q):
-    """x * sign(q) per byte (0 where q = 0), x in [-127, 127] so it never overflows."""
-    if avx2:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V32I8, [_V32I8, _V32I8]),
-                                            "llvm.x86.avx2.psign.b")
-        return builder.call(fn, [x, q])
-    zero = _splat(_V32I8, 0)
-    neg = builder.icmp_signed("<", q, zero)
-    isz = builder.icmp_signed("==", q, zero)
-    return builder.select(isz, zero, builder.select(neg, builder.sub(zero, x), x))
-
-
-def _isa_is_avx2(isa_ty) -> bool:
-    if isa_ty == types.uint8:
-        return True
-    if isa_ty == types.int8:
-        return False
-    raise TypeError(f"isa marker must be cpu_qdot.AVX2 (uint8) or PORTABLE (int8), got {isa_ty}")
-
-
 def _splat_value(builder, vty: ir.VectorType, v):
     """A scalar IR value repeated over vty's lanes."""
     u = builder.insert_element(ir.Constant(vty, ir.Undefined), v, ir.Constant(_I32, 0))
     return builder.shuffle_vector(u, ir.Constant(vty, ir.Undefined), _splat(ir.VectorType(_I32, vty.count), 0))
 
 
-def _q4_block(builder, avx2: bool, wblk, xrows, intp):
-    """Exact int32 block sums <8 x i32> per activation row: sum_j q_j qx_j over one Q4
-    block (nibbles q in 0..15) of 8 weight rows. wblk: i8* to the block's group 0 for these
-    rows (group stride 32 rows * 4 bytes); xrows: i8* to each row's 32 block inputs."""
-    acc = [_splat(_V16I16, 0)] * len(xrows)
+def _bcast4(builder, p8):
+    """The 4 bytes at i8* p8 repeated 8 times: <32 x i8> (vpbroadcastd)."""
+    v = builder.load(builder.bitcast(p8, _I32.as_pointer()), align=1)
+    return builder.bitcast(_splat_value(builder, _V8I32, v), _V32I8)
+
+
+def _x86(builder, name: str, ret: ir.Type, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _maddubs(builder, isa: str, u, s):
+    """<16 x i16>: u[2l] * s[2l] + u[2l+1] * s[2l+1], u unsigned and s signed <32 x i8>.
+    The callers' ranges never reach vpmaddubsw's saturation, so both forms agree."""
+    if isa == "avx2":
+        return _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [u, s])
+    p = builder.mul(builder.zext(u, _V32I16), builder.sext(s, _V32I16))
+    return builder.add(builder.shuffle_vector(p, p, _EVEN16), builder.shuffle_vector(p, p, _ODD16))
+
+
+def _pairs32(builder, isa: str, a):
+    """<8 x i32>: a[2l] + a[2l+1] for a <16 x i16> (vpmaddwd against ones)."""
+    if isa == "avx2":
+        return _x86(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, [a, _splat(_V16I16, 1)])
+    w = builder.sext(a, _V16I32)
+    return builder.add(builder.shuffle_vector(w, w, _EVEN8), builder.shuffle_vector(w, w, _ODD8))
+
+
+def _dpbusd(builder, acc, u, s):
+    """acc + (sum of the 4 products u * s in each int32 lane), u unsigned, s signed bytes."""
+    return _x86(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I32,
+                [acc, builder.bitcast(u, _V8I32), builder.bitcast(s, _V8I32)])
+
+
+def _load32(builder, wblk, intp, g: int):
+    """<32 x i8> at byte g * 128 of a tile block (group g of 32 rows x 4 bytes)."""
+    return builder.load(builder.bitcast(builder.gep(wblk, [ir.Constant(intp, g * 128)]),
+                                        _V32I8.as_pointer()), align=1)
+
+
+def _q4_sums(builder, isa: str, wblk, xrows, init, intp):
+    """Exact <8 x i32> per activation row: init + sum_j q_j qx_j over one Q4 block
+    (nibbles q in 0..15) of 8 weight rows. wblk: i8* to the block's group 0 for these
+    rows; xrows: i8* to each activation row's 32 block inputs; init: <8 x i32> per row."""
+    n = len(xrows)
+    if isa == "vnni":                   # two chains: half the dependent-latency depth
+        lo_acc, hi_acc = list(init), [_splat(_V8I32, 0)] * n
+    else:
+        acc = [_splat(_V16I16, 0)] * n
     for g in range(4):
-        wv = builder.load(builder.bitcast(builder.gep(wblk, [ir.Constant(intp, g * 128)]),
-                                          _V32I8.as_pointer()), align=1)
+        wv = _load32(builder, wblk, intp, g)
         lo = builder.and_(wv, _splat(_V32I8, 15))
         hi = builder.lshr(wv, _splat(_V32I8, 4))
         for ii, xr in enumerate(xrows):
             xa = _bcast4(builder, builder.gep(xr, [ir.Constant(intp, 4 * g)]))
             xb = _bcast4(builder, builder.gep(xr, [ir.Constant(intp, 16 + 4 * g)]))
-            acc[ii] = builder.add(acc[ii], builder.add(_maddubs(builder, avx2, lo, xa),
-                                                       _maddubs(builder, avx2, hi, xb)))
-    return [_pairs32(builder, avx2, a) for a in acc]
+            if isa == "vnni":
+                lo_acc[ii] = _dpbusd(builder, lo_acc[ii], lo, xa)
+                hi_acc[ii] = _dpbusd(builder, hi_acc[ii], hi, xb)
+            else:
+                acc[ii] = builder.add(acc[ii], builder.add(_maddubs(builder, isa, lo, xa),
+                                                           _maddubs(builder, isa, hi, xb)))
+    if isa == "vnni":
+        return [builder.add(a, b) for a, b in zip(lo_acc, hi_acc)]
+    return [builder.add(_pairs32(builder, isa, a), c) for a, c in zip(acc, init)]
 
 
-def _q8_block(builder, avx2: bool, wblk, xrows, intp):
-    """As _q4_block for a Q8_0 block (q signed, 8 groups of 4 bytes)."""
-    out = [_splat(_V8I32, 0)] * len(xrows)
-    zero = _splat(_V32I8, 0)
-    for g in range(8):
-        wv = builder.load(builder.bitcast(builder.gep(wblk, [ir.Constant(intp, g * 128)]),
-                                          _V32I8.as_pointer()), align=1)
-        aw = builder.select(builder.icmp_signed("<", wv, zero), builder.sub(zero, wv), wv)
+def _bits_to_bytes(builder, word, value: int):
+    """<32 x i8>: byte i = value where bit i of the i32 ``word`` is set, else 0 (llama.cpp's
+    bytes_from_bits_32: broadcast, byte shuffle, bit test)."""
+    v = builder.bitcast(_splat_value(builder, _V8I32, word), _V32I8)
+    v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 32), [i // 8 for i in range(32)]))
+    bit = ir.Constant(_V32I8, [1 << (i % 8) for i in range(32)])
+    on = builder.icmp_unsigned("!=", builder.and_(v, bit), _splat(_V32I8, 0))
+    return builder.select(on, _splat(_V32I8, value), _splat(_V32I8, 0))
+
+
+def _q5_sums(builder, isa: str, wblk, hblk, xrows, init, intp):
+    """As _q4_sums for 5-bit q = nibble | (high bit << 4) in 0..31: hblk is i32* to the
+    block's high-bit words for these 8 rows (group g: words [g * 8], [g * 8 + 1] for the
+    low- and high-nibble inputs; bit i = byte i of the group's 32-byte load). On AVX2 /
+    portable, int16 lanes take two groups at most (4 x 2 x 31 x 127 = 31496 < 32767)."""
+    n = len(xrows)
+    if isa == "vnni":
+        lo_acc, hi_acc = list(init), [_splat(_V8I32, 0)] * n
+    else:
+        acc32 = list(init)
+        acc = [_splat(_V16I16, 0)] * n
+    for g in range(4):
+        wv = _load32(builder, wblk, intp, g)
+        hl = builder.load(builder.gep(hblk, [ir.Constant(intp, 8 * g)]))
+        hh = builder.load(builder.gep(hblk, [ir.Constant(intp, 8 * g + 1)]))
+        lo = builder.or_(builder.and_(wv, _splat(_V32I8, 15)), _bits_to_bytes(builder, hl, 16))
+        hi = builder.or_(builder.lshr(wv, _splat(_V32I8, 4)), _bits_to_bytes(builder, hh, 16))
         for ii, xr in enumerate(xrows):
             xa = _bcast4(builder, builder.gep(xr, [ir.Constant(intp, 4 * g)]))
-            if avx2:
-                p = _maddubs(builder, True, aw, _sign(builder, True, xa, wv))
-            else:       # |q| = 128 does not fit a signed byte: multiply the signed bytes
+            xb = _bcast4(builder, builder.gep(xr, [ir.Constant(intp, 16 + 4 * g)]))
+            if isa == "vnni":
+                lo_acc[ii] = _dpbusd(builder, lo_acc[ii], lo, xa)
+                hi_acc[ii] = _dpbusd(builder, hi_acc[ii], hi, xb)
+            else:
+                acc[ii] = builder.add(acc[ii], builder.add(_maddubs(builder, isa, lo, xa),
+                                                           _maddubs(builder, isa, hi, xb)))
+        if isa != "vnni" and g % 2 == 1:
+            acc32 = [builder.add(c32, _pairs32(builder, isa, a)) for c32, a in zip(acc32, acc)]
+            acc = [_splat(_V16I16, 0)] * n
+    if isa == "vnni":
+        return [builder.add(a, b) for a, b in zip(lo_acc, hi_acc)]
+    return acc32
+
+
+def _q8_sums(builder, isa: str, wblk, xrows, init, intp, halves: bool):
+    """Exact <8 x i32> per activation row of init + sum_j q_j' qx_j over one int8 block
+    (8 groups of 4 bytes), or with ``halves`` a pair (groups 0..3, groups 4..7; init a
+    pair too). q' = q + 128 on the VNNI path (biased to unsigned: the caller's init
+    carries -128 * sum qx), q' = q elsewhere."""
+    n = len(xrows)
+    zero8 = _splat(_V32I8, 0)
+    if halves:
+        parts = [[a for a, _ in init], [b for _, b in init]]
+    else:                               # two chains (even and odd groups)
+        parts = [list(init), [_splat(_V8I32, 0)] * n]
+    for g in range(8):
+        wv = _load32(builder, wblk, intp, g)
+        h = g // 4 if halves else g % 2
+        if isa == "vnni":
+            wu = builder.xor(wv, _splat(_V32I8, 0x80))      # q + 128 as unsigned
+        elif isa == "avx2":
+            aw = builder.select(builder.icmp_signed("<", wv, zero8), builder.sub(zero8, wv), wv)
+        for ii, xr in enumerate(xrows):
+            xa = _bcast4(builder, builder.gep(xr, [ir.Constant(intp, 4 * g)]))
+            if isa == "vnni":
+                parts[h][ii] = _dpbusd(builder, parts[h][ii], wu, xa)
+                continue
+            if isa == "avx2":
+                p = _maddubs(builder, "avx2", aw, _x86(builder, "llvm.x86.avx2.psign.b", _V32I8, [xa, wv]))
+            else:               # |q| = 128 does not fit a signed byte: multiply the signed bytes
                 pr = builder.mul(builder.sext(wv, _V32I16), builder.sext(xa, _V32I16))
                 p = builder.add(builder.shuffle_vector(pr, pr, _EVEN16), builder.shuffle_vector(pr, pr, _ODD16))
-            out[ii] = builder.add(out[ii], _pairs32(builder, avx2, p))
-    return out
+            parts[h][ii] = builder.add(parts[h][ii], _pairs32(builder, isa, p))
+    if halves:
+        return list(zip(parts[0], parts[1]))
+    return [builder.add(a, b) for a, b in zip(parts[0], parts[1])]
 
 
-def _make_lanes(kind: str, nr: int):
-    """An intrinsic that computes 8 weight rows times nr activation rows over all nb
-    blocks and stores acc[ii * 8 + r] (float32), for activation row ii and weight row r:
-        Q4:   acc = sum over b, in order, of  d * (dx * (S - x8)) + (mn + 8 d) * sx
-        Q8_0: acc = sum over b, in order, of  d * (dx * S)
-    with S the exact int32 block sum (_q4_block / _q8_block), every float operation
-    rounded to float32 on its own (fmul / fadd without fast-math flags: no FMA, no
-    reassociation), so the result does not depend on `isa` or on nr.
+def corrections(kind: str, isa: str) -> tuple[int, int]:
+    """(cs, ch): quantize_x stores xs = -cs * (sum of a block's qx) and xh = -ch * (sum of
+    a half's qx), the integer terms the kernel of this kind and isa adds to its block
+    sums (module docstring): Q4 subtracts 8 * sum qx, Q5 16 * sum qx, and the VNNI path
+    128 * sum qx for the bias of int8 weights."""
+    vnni = 128 if isa == "vnni" else 0
+    return {"q4": (8, 0), "q8": (vnni, 0), "q8x2": (0, vnni), "q5": (16, 0)}[kind]
 
-    Q4 arguments: (isa, qs, w_off, d, mn, d_off, xq, x_off, dx, sx, x8, xs_off, nb, k, acc)
-    Q8_0:         (isa, qs, w_off, d, d_off, xq, x_off, dx, xs_off, nb, k, acc)
+
+_LANE_ARGS = ("kind", "isa", "qs", "qh", "w_off", "h_off", "d", "mn", "d_off", "xq", "x_off", "dx", "sx", "xs",
+              "xh", "xs_off", "nb", "k", "acc", "nr")
+
+
+def _h2f_bits(builder, h16):
+    """<8 x i16> float16 patterns -> <8 x float>, exactly, with integer operations
+    (subnormals renormalised through one exact float subtraction; inf and NaN kept)."""
+    h = builder.zext(h16, _V8I32)
+    sign = builder.shl(builder.and_(h, _splat(_V8I32, 0x8000)), _splat(_V8I32, 16))
+    o = builder.shl(builder.and_(h, _splat(_V8I32, 0x7FFF)), _splat(_V8I32, 13))
+    e = builder.and_(o, _splat(_V8I32, 0x0F800000))
+    o = builder.add(o, _splat(_V8I32, (127 - 15) << 23))
+    is_inf = builder.icmp_unsigned("==", e, _splat(_V8I32, 0x0F800000))
+    o = builder.select(is_inf, builder.add(o, _splat(_V8I32, (128 - 16) << 23)), o)
+    is_sub = builder.icmp_unsigned("==", e, _splat(_V8I32, 0))
+    sub = builder.fsub(builder.bitcast(builder.add(o, _splat(_V8I32, 1 << 23)), _V8F32),
+                       builder.bitcast(_splat(_V8I32, 113 << 23), _V8F32))
+    o = builder.select(is_sub, builder.bitcast(sub, _V8I32), o)
+    return builder.bitcast(builder.or_(o, sign), _V8F32)
+
+
+def _widen_f16(builder, h):
+    """<8 x i16> float16 bit patterns -> <8 x float>, exact (vcvtph2ps with F16C)."""
+    if "f16c" in _features():
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), _V8F32)
+    return _h2f_bits(builder, h)
+
+
+def _fma(builder, a, b, c):
+    """a * b + c rounded once (llvm.fma: vfmadd on AVX2 CPUs, exact in software elsewhere)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F32, [_V8F32] * 3), "llvm.fma.v8f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _lanes_codegen(context, builder, signature, args):
+    """8 weight rows times nr activation rows over all nb blocks; stores acc[ii * 8 + r]
+    (float32) for activation row ii and weight row r, as the module docstring's sums.
+
     *_off are flat element offsets (intp) of block 0: w_off into qs (group 0, row r0),
-    d_off into d / mn (row r0), x_off into xq (n, k) int8 (activation row 0 of the nr),
-    xs_off into dx / sx / x8 (n, nb); block b adds b * 1024 (Q8_0) or 512 (Q4) to w_off,
-    b * 32 to d_off and x_off, b to xs_off; activation row ii adds ii * k to x_off and
-    ii * nb to xs_off."""
-    q4 = kind == "q4"
-    wstride = 512 if q4 else 1024
+    d_off into d / mn (row r0; block b adds b * 32 * SCALES[kind]), x_off into xq (n, k)
+    int8 (activation row 0 of the nr), xs_off into dx / sx / xs (n, nb) (xh: 2 * xs_off);
+    block b adds b * 128 * GROUPS[kind] to w_off, b * 32 to x_off, b to xs_off; activation
+    row ii adds ii * k to x_off and ii * nb to xs_off. Every float operation is one IEEE
+    operation in a fixed order: fmul, llvm.fma (one rounding), fadd; no fast-math flags."""
+    kind = _KIND_NAMES[signature.args[0]]
+    isa = _ISA_NAMES[signature.args[1]]
+    nr = signature.args[-1].literal_value
+    intp = context.get_value_type(types.intp)
+    a = dict(zip(_LANE_ARGS, zip(signature.args, args)))
 
-    def codegen(context, builder, signature, args):
-        avx2 = _isa_is_avx2(signature.args[0])
-        intp = context.get_value_type(types.intp)
-        a = dict(zip(_Q4_ARGS if q4 else _Q8_ARGS, zip(signature.args, args)))
+    def ptr(name, off, elt):
+        ty, val = a[name]
+        return _ptr(builder, context, ty, val, off, elt)
 
-        def ptr(name, off, elt):
-            ty, val = a[name]
-            return _ptr(builder, context, ty, val, off, elt)
+    def c(v):
+        return ir.Constant(intp, v)
 
-        nb, k = a["nb"][1], a["k"][1]
-        w0 = ptr("qs", a["w_off"][1], _I8)
-        d0 = ptr("d", a["d_off"][1], ir.FloatType())
-        m0 = ptr("mn", a["d_off"][1], ir.FloatType()) if q4 else None
-        x0 = ptr("xq", a["x_off"][1], _I8)
-        fx0 = ptr("dx", a["xs_off"][1], ir.FloatType())
-        sx0 = ptr("sx", a["xs_off"][1], ir.FloatType()) if q4 else None
-        e0 = ptr("x8", a["xs_off"][1], _I32) if q4 else None
-        out = ptr("acc", ir.Constant(intp, 0), _V8F32)
-        slots = [cgutils.alloca_once_value(builder, _splat_f(0.0)) for _ in range(nr)]
-        eight = _splat_f(8.0)
-        with cgutils.for_range(builder, nb, intp=intp) as loop:
-            b = loop.index
-            wblk = builder.gep(w0, [builder.mul(b, ir.Constant(intp, wstride))])
-            b32 = builder.mul(b, ir.Constant(intp, 32))
-            xrows = [builder.gep(x0, [builder.add(b32, builder.mul(k, ir.Constant(intp, ii)))])
-                     for ii in range(nr)]
-            sums = (_q4_block if q4 else _q8_block)(builder, avx2, wblk, xrows, intp)
-            dv = builder.load(builder.bitcast(builder.gep(d0, [b32]), _V8F32.as_pointer()), align=4)
-            if q4:
-                mv = builder.load(builder.bitcast(builder.gep(m0, [b32]), _V8F32.as_pointer()), align=4)
-                cv = builder.fadd(mv, builder.fmul(eight, dv))
-            for ii in range(nr):
-                xi = builder.add(b, builder.mul(nb, ir.Constant(intp, ii)))
-                f = _splat_value(builder, _V8F32, builder.load(builder.gep(fx0, [xi])))
-                s = sums[ii]
-                if q4:
-                    s = builder.sub(s, _splat_value(builder, _V8I32, builder.load(builder.gep(e0, [xi]))))
-                t = builder.fmul(dv, builder.fmul(f, builder.sitofp(s, _V8F32)))
-                if q4:
-                    g = _splat_value(builder, _V8F32, builder.load(builder.gep(sx0, [xi])))
-                    t = builder.fadd(t, builder.fmul(cv, g))
-                builder.store(builder.fadd(builder.load(slots[ii]), t), slots[ii])
+    nb, k = a["nb"][1], a["k"][1]
+    wstride = 128 * GROUPS[kind]
+    dstride = 32 * SCALES[kind]
+    cs, ch = corrections(kind, isa)
+    has_min = kind in OFFSET
+    w0 = ptr("qs", a["w_off"][1], _I8)
+    h0 = ptr("qh", a["h_off"][1], _I32) if kind == "q5" else None
+    half = a["d"][0].dtype == types.uint16          # scales kept as the file's float16 bits
+    d0 = ptr("d", a["d_off"][1], _I16 if half else _F32)
+    m0 = ptr("mn", a["d_off"][1], _I16 if half else _F32) if has_min else None
+    x0 = ptr("xq", a["x_off"][1], _I8)
+    fx0 = ptr("dx", a["xs_off"][1], _F32)
+    sx0 = ptr("sx", a["xs_off"][1], _F32) if has_min else None
+    xs0 = ptr("xs", a["xs_off"][1], _I32)
+    xh0 = ptr("xh", builder.mul(a["xs_off"][1], c(2)), _I32)
+    out = ptr("acc", c(0), _V8F32)
+    zero = _splat(_V8F32, 0.0)
+    main = [cgutils.alloca_once_value(builder, zero) for _ in range(nr)]
+    second = [cgutils.alloca_once_value(builder, zero) for _ in range(nr)] if has_min or kind == "q8x2" else None
+
+    def vload(p, idx):
+        if half:
+            h = builder.load(builder.bitcast(builder.gep(p, [idx]), ir.VectorType(_I16, 8).as_pointer()), align=2)
+            return _widen_f16(builder, h)
+        return builder.load(builder.bitcast(builder.gep(p, [idx]), _V8F32.as_pointer()), align=4)
+
+    def bcast_i32(p, idx):
+        return _splat_value(builder, _V8I32, builder.load(builder.gep(p, [idx])))
+
+    with cgutils.for_range(builder, nb, intp=intp) as loop:
+        b = loop.index
+        wblk = builder.gep(w0, [builder.mul(b, c(wstride))])
+        b32 = builder.mul(b, c(32))
+        xrows = [builder.gep(x0, [builder.add(b32, builder.mul(k, c(ii)))]) for ii in range(nr)]
+        xi = [builder.add(b, builder.mul(nb, c(ii))) for ii in range(nr)]
+        if kind == "q8x2":
+            zi = _splat(_V8I32, 0)
+            init = [(bcast_i32(xh0, builder.mul(x, c(2))), bcast_i32(xh0, builder.add(builder.mul(x, c(2)), c(1))))
+                    if ch else (zi, zi) for x in xi]
+            sums = _q8_sums(builder, isa, wblk, xrows, init, intp, halves=True)
+        else:
+            init = [bcast_i32(xs0, x) if cs else _splat(_V8I32, 0) for x in xi]
+            if kind == "q4":
+                sums = _q4_sums(builder, isa, wblk, xrows, init, intp)
+            elif kind == "q5":
+                hblk = builder.gep(h0, [builder.mul(b, c(32))])
+                sums = _q5_sums(builder, isa, wblk, hblk, xrows, init, intp)
+            else:
+                sums = _q8_sums(builder, isa, wblk, xrows, init, intp, halves=False)
+        bd = builder.mul(b, c(dstride))
+        dv = vload(d0, bd)
+        if kind == "q8x2":
+            dv1 = vload(d0, builder.add(bd, c(32)))
+        if has_min:                 # c = mn + off * d: stored, or from float16 d and mn (the same value)
+            cv = vload(m0, bd)
+            if half:
+                cv = builder.fadd(cv, builder.fmul(_splat(_V8F32, float(OFFSET[kind])), dv))
         for ii in range(nr):
-            builder.store(builder.load(slots[ii]), builder.gep(out, [ir.Constant(intp, ii)]), align=4)
-        return context.get_dummy_value()
-
-    if q4:
-        @intrinsic
-        def lanes(typingctx, isa, qs, w_off, d, mn, d_off, xq, x_off, dx, sx, x8, xs_off, nb, k, acc):
-            _isa_is_avx2(isa)
-            return types.void(isa, qs, w_off, d, mn, d_off, xq, x_off, dx, sx, x8, xs_off, nb, k, acc), codegen
-    else:
-        @intrinsic
-        def lanes(typingctx, isa, qs, w_off, d, d_off, xq, x_off, dx, xs_off, nb, k, acc):
-            _isa_is_avx2(isa)
-            return types.void(isa, qs, w_off, d, d_off, xq, x_off, dx, xs_off, nb, k, acc), codegen
-    return lanes
-
-
-_Q4_ARGS = ("isa", "qs", "w_off", "d", "mn", "d_off", "xq", "x_off", "dx", "sx", "x8", "xs_off", "nb", "k", "acc")
-_Q8_ARGS = ("isa", "qs", "w_off", "d", "d_off", "xq", "x_off", "dx", "xs_off", "nb", "k", "acc")
-_V8F32 = ir.VectorType(ir.FloatType(), 8)
-
-
-def _splat_f(v: float) -> ir.Constant:
-    return ir.Constant(_V8F32, [ir.Constant(ir.FloatType(), v)] * 8)
+            f = _splat_value(builder, _V8F32, builder.load(builder.gep(fx0, [xi[ii]])))
+            if kind == "q8x2":
+                s0, s1 = sums[ii]
+                builder.store(_fma(builder, dv, builder.fmul(f, builder.sitofp(s0, _V8F32)), builder.load(main[ii])),
+                              main[ii])
+                builder.store(_fma(builder, dv1, builder.fmul(f, builder.sitofp(s1, _V8F32)),
+                                   builder.load(second[ii])), second[ii])
+                continue
+            u = builder.fmul(f, builder.sitofp(sums[ii], _V8F32))
+            builder.store(_fma(builder, dv, u, builder.load(main[ii])), main[ii])
+            if has_min:
+                g = _splat_value(builder, _V8F32, builder.load(builder.gep(sx0, [xi[ii]])))
+                builder.store(_fma(builder, cv, g, builder.load(second[ii])), second[ii])
+    for ii in range(nr):
+        v = builder.load(main[ii])
+        if second is not None:
+            v = builder.fadd(v, builder.load(second[ii]))
+        builder.store(v, builder.gep(out, [c(ii)]), align=4)
+    return context.get_dummy_value()
 
 
-_q4_x1 = _make_lanes("q4", 1)
-_q4_x4 = _make_lanes("q4", 4)
-_q4_x8 = _make_lanes("q4", 8)
-_q8_x1 = _make_lanes("q8", 1)
-_q8_x4 = _make_lanes("q8", 4)
-_q8_x8 = _make_lanes("q8", 8)
+@intrinsic(prefer_literal=True)
+def _lanes(typingctx, kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, x_off, dx, sx, xs, xh, xs_off, nb, k, acc, nr):
+    if kind not in _KIND_NAMES:
+        raise TypeError(f"kind marker must be cpu_qdot.Q4/Q5/Q8/Q8X2, got {kind}")
+    if isa not in _ISA_NAMES:
+        raise TypeError(f"isa marker must be cpu_qdot.VNNI, AVX2 or PORTABLE, got {isa}")
+    if not isinstance(nr, types.IntegerLiteral) or nr.literal_value not in (1, 4, 8):
+        raise TypeError("nr must be the literal 1, 4 or 8")
+    sig = types.void(kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, x_off, dx, sx, xs, xh, xs_off, nb, k, acc, nr)
+    return sig, _lanes_codegen
 
 
 # ------------------------------------------------------------------ activations
 
-@njit(cache=True, error_model="numpy")
-def quantize_x(x, xq, dx, sx, x8):
-    """x (n, k) float32 -> xq (n, k) int8 in [-127, 127], dx (n, k/32) float32 block
-    scales, sx (n, k/32) float32 block sums of x, x8 (n, k/32) int32 = 8 * sum of the
-    block's xq (the Q4 kernels' nibble offset). Rounds half to even (np.rint).
+@intrinsic
+def bits_f32(typingctx, i):
+    """The float32 whose bit pattern is the integer i's low 32 bits (a bitcast)."""
+    if not isinstance(i, types.Integer):
+        raise TypeError("bits_f32 takes an integer")
 
-    No fastmath: every rounding is IEEE float32 in a fixed order (sx adds 8 strided
-    partial sums, then pairs), so the result does not depend on how LLVM vectorizes this
-    function in one caller or another."""
-    n, k = x.shape
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.int32)
+        return builder.bitcast(v, _F32)
+
+    return types.float32(i), codegen
+
+
+def _hreduce(builder, v, op):
+    """op over the 8 lanes of v (a fixed tree of shuffles: exact for max and integer add)."""
+    for width in (4, 2, 1):
+        idx = ir.Constant(ir.VectorType(_I32, 8), list(range(width, 2 * width)) + [0] * (8 - width))
+        v = op(v, builder.shuffle_vector(v, v, idx))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _qblock_codegen(context, builder, sig, args):
+    """One 32-input block: xq, dx, sx, xs, xh as quantize_x documents (see there)."""
+    intp = context.get_value_type(types.intp)
+    (x_ty, _, q_ty, _, dx_ty, sx_ty, xs_ty, xh_ty, _, _, _) = sig.args
+    x, x_off, xq, q_off, dx, sx, xs, xh, s_off, cs, ch = args
+    cs = builder.trunc(cs, _I32) if cs.type.width > 32 else cs
+    ch = builder.trunc(ch, _I32) if ch.type.width > 32 else ch
+    xp = _ptr(builder, context, x_ty, x, x_off, _F32)
+    v = [builder.load(builder.bitcast(builder.gep(xp, [ir.Constant(intp, 8 * c)]), _V8F32.as_pointer()), align=4)
+         for c in range(4)]
+    bits = [builder.and_(builder.bitcast(a, _V8I32), _splat(_V8I32, 0x7FFFFFFF)) for a in v]
+
+    def smax(a, b):
+        return builder.select(builder.icmp_signed(">", a, b), a, b)
+
+    am = smax(smax(bits[0], bits[1]), smax(bits[2], bits[3]))
+    amax = builder.bitcast(_hreduce(builder, am, smax), _F32)
+    p8 = builder.fadd(builder.fadd(builder.fadd(v[0], v[1]), v[2]), v[3])      # x_j + x_8+j + ...
+    lo = builder.shuffle_vector(p8, p8, ir.Constant(ir.VectorType(_I32, 4), [0, 1, 2, 3]))
+    hi = builder.shuffle_vector(p8, p8, ir.Constant(ir.VectorType(_I32, 4), [4, 5, 6, 7]))
+    v4 = builder.fadd(lo, hi)
+    v2 = builder.fadd(builder.shuffle_vector(v4, v4, ir.Constant(ir.VectorType(_I32, 2), [0, 1])),
+                      builder.shuffle_vector(v4, v4, ir.Constant(ir.VectorType(_I32, 2), [2, 3])))
+    total = builder.fadd(builder.extract_element(v2, ir.Constant(_I32, 0)),
+                         builder.extract_element(v2, ir.Constant(_I32, 1)))
+    c127 = ir.Constant(_F32, 127.0)
+    d = builder.fdiv(amax, c127)
+    pos = builder.fcmp_ordered(">", amax, ir.Constant(_F32, 0.0))
+    inv = builder.select(pos, builder.fdiv(c127, amax), ir.Constant(_F32, 0.0))
+    iv = _splat_value(builder, _V8F32, inv)
+    rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F32, [_V8F32]), "llvm.rint.v8f32")
+    qi = [builder.fptosi(builder.call(rint, [builder.fmul(a, iv)]), _V8I32) for a in v]
+    qp = _ptr(builder, context, q_ty, xq, q_off, _I8)
+    for c in range(4):
+        builder.store(builder.trunc(qi[c], ir.VectorType(_I8, 8)),
+                      builder.bitcast(builder.gep(qp, [ir.Constant(intp, 8 * c)]), ir.VectorType(_I8, 8).as_pointer()),
+                      align=1)
+    t0 = _hreduce(builder, builder.add(qi[0], qi[1]), builder.add)
+    t1 = _hreduce(builder, builder.add(qi[2], qi[3]), builder.add)
+    builder.store(d, builder.gep(_ptr(builder, context, dx_ty, dx, s_off, _F32), [ir.Constant(intp, 0)]))
+    builder.store(total, builder.gep(_ptr(builder, context, sx_ty, sx, s_off, _F32), [ir.Constant(intp, 0)]))
+    builder.store(builder.mul(builder.neg(cs), builder.add(t0, t1)),
+                  builder.gep(_ptr(builder, context, xs_ty, xs, s_off, _I32), [ir.Constant(intp, 0)]))
+    hp = _ptr(builder, context, xh_ty, xh, builder.mul(s_off, ir.Constant(intp, 2)), _I32)
+    builder.store(builder.mul(builder.neg(ch), t0), builder.gep(hp, [ir.Constant(intp, 0)]))
+    builder.store(builder.mul(builder.neg(ch), t1), builder.gep(hp, [ir.Constant(intp, 1)]))
+    return context.get_dummy_value()
+
+
+@intrinsic
+def _qblock(typingctx, x, x_off, xq, q_off, dx, sx, xs, xh, s_off, cs, ch):
+    return types.void(x, x_off, xq, q_off, dx, sx, xs, xh, s_off, cs, ch), _qblock_codegen
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _quantize_row(x, i, xq, dx, sx, xs, xh, cs, ch):
+    """quantize_x for row i."""
+    k = x.shape[1]
     nb = k // QB
-    p = np.empty(8, np.float32)
-    for i in range(n):
-        for b in range(nb):
-            o = b * QB
-            amax = np.float32(0.0)
-            for j in range(QB):
-                a = abs(x[i, o + j])
-                if a > amax:
-                    amax = a
-            for j in range(8):
-                p[j] = ((x[i, o + j] + x[i, o + 8 + j]) + x[i, o + 16 + j]) + x[i, o + 24 + j]
-            s = ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]))
-            d = amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            t = 0
-            for j in range(QB):
-                q = np.int8(np.rint(x[i, o + j] * inv))
-                xq[i, o + j] = q
-                t += q
-            dx[i, b] = d
-            x8[i, b] = np.int32(8 * t)
-            sx[i, b] = s
+    for b in range(nb):
+        _qblock(x, i * k + b * QB, xq, i * k + b * QB, dx, sx, xs, xh, i * nb + b, cs, ch)
 
 
-# ------------------------------------------------------------------ GEMV kernels
+@njit(cache=True, error_model="numpy")
+def _quantize_serial(x, xq, dx, sx, xs, xh, cs, ch):
+    for i in range(x.shape[0]):
+        _quantize_row(x, i, xq, dx, sx, xs, xh, cs, ch)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _quantize_parallel(x, xq, dx, sx, xs, xh, cs, ch):
+    for i in prange(x.shape[0]):
+        _quantize_row(x, i, xq, dx, sx, xs, xh, cs, ch)
+
+
+PARALLEL_QUANTIZE_ROWS = 32   # from this many rows quantize_x runs on every thread
+
+
+@njit(cache=True, error_model="numpy")
+def quantize_x(x, xq, dx, sx, xs, xh, cs, ch):
+    """x (n, k) float32 -> xq (n, k) int8 in [-127, 127], dx (n, k/32) float32 block
+    scales (max |x| / 127), sx (n, k/32) float32 block sums of x, xs (n, k/32) int32 =
+    -cs * (sum of the block's xq), xh (n, k/16) int32 = -ch * (sum of each 16-input half's
+    xq) (cs, ch: `corrections`). xq = rint(x * (127 / max|x|)), ties to even; a block of
+    zeros gives dx = 0 and xq = 0. max|x| is taken on the bit patterns (exact).
+
+    Order of sx: p_j = ((x_j + x_8+j) + x_16+j) + x_24+j for j < 8, then
+    ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)); every operation IEEE float32 (no
+    fast-math), so the result does not depend on vectorization or on whether rows run on
+    one thread or several: a row's outputs depend on that row alone."""
+    if x.shape[0] >= PARALLEL_QUANTIZE_ROWS:
+        _quantize_parallel(x, xq, dx, sx, xs, xh, cs, ch)
+    else:
+        _quantize_serial(x, xq, dx, sx, xs, xh, cs, ch)
+
+
+# ------------------------------------------------------------------ the matmul kernel
 # Parallel over chunks of 32-row tiles; inside a tile, 8-row lane groups; inside those,
 # activation rows in groups of 8, 4 and 1 that share each weight load. A row's float
-# arithmetic is the same whichever group it falls in (see _make_lanes).
+# arithmetic is the same whichever group it falls in (see _lanes_codegen), so the
+# grouping (which depends on n) never shows in the result.
 
 @njit(cache=True, error_model="numpy")
 def _group(n, i):
@@ -332,86 +605,85 @@ def _group(n, i):
     return 1
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
-def gemm_q4(isa, qs, d, mn, xq, dx, sx, x8, out, n_chunks):
-    """Q4 tiles x int8 activations.
+@njit(cache=True, inline="always", error_model="numpy")
+def _tiles(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, t0, t1, acc):
+    """Output tiles t0..t1-1 of gemm (acc: 64 float32 scratch)."""
+    nt, nb, G, RR, C = qs.shape
+    S = d.shape[2]
+    n, m = out.shape
+    k = xq.shape[1]
+    for t in range(t0, t1):
+        for r0 in range(0, RR, LANES):
+            r1 = min(LANES, m - t * RR - r0)
+            if r1 <= 0:
+                break
+            w_off = (t * nb * G * RR + r0) * C
+            h_off = t * nb * 32 + (r0 // LANES) * 2
+            d_off = t * nb * S * RR + r0
+            i = 0
+            while i < n:
+                nr = _group(n, i)
+                if nr == 8:
+                    _lanes(kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k,
+                           acc, 8)
+                elif nr == 4:
+                    _lanes(kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k,
+                           acc, 4)
+                else:
+                    _lanes(kind, isa, qs, qh, w_off, h_off, d, mn, d_off, xq, i * k, dx, sx, xs, xh, i * nb, nb, k,
+                           acc, 1)
+                for ii in range(nr):
+                    for r in range(r1):
+                        out[i + ii, t * RR + r0 + r] = acc[ii * LANES + r]
+                i += nr
 
-    isa: AVX2 or PORTABLE. qs (T, nb, 4, 32, 4) uint8, d/mn (T, nb, 32) float32 (see
-    cpu_matmul.repack), xq (n, k) int8, dx/sx (n, nb) float32, x8 (n, nb) int32, out (n, m)
-    float32. out[i, t*32 + r] = sum over b, in order, of d * (dx * S) + (mn + 8 d) * sx,
-    S = sum_j (q_j - 8) qx_j exact.
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _gemm_parallel(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
+    nt = qs.shape[0]
+    per = (nt + n_chunks - 1) // n_chunks
+    for c in prange(n_chunks):
+        acc = np.empty(8 * LANES, np.float32)
+        _tiles(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, c * per, min(nt, (c + 1) * per), acc)
+
+
+@njit(cache=True, error_model="numpy")
+def _gemm_serial(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out):
+    acc = np.empty(8 * LANES, np.float32)
+    _tiles(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, 0, qs.shape[0], acc)
+
+
+# Below this many multiply-adds a matmul runs on the calling thread alone: a parallel
+# region's fork and join (a few microseconds on idle cores, milliseconds when another
+# process holds one) cost more than they save. Decode's layer matmuls are 0.1-1 M: the
+# small K/V projections stay on one thread, the rest spread.
+PARALLEL_MACS = 150_000
+
+
+@njit(cache=True, error_model="numpy")
+def gemm(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
+    """Weight tiles x int8 activations, out (n, m) float32.
+
+    kind: Q4, Q5, Q8 or Q8X2; isa: VNNI, AVX2 or PORTABLE. qs (T, nb, G, 32, 4) uint8
+    / int8 tiles, qh (T, nb, 4, 4, 2) uint32 high bits (Q5; any uint32 array otherwise),
+    d and mn (T, nb, S, 32) float32 or float16 bits (S scales per block and row; mn
+    unused, any such array, for Q8 and Q8X2), xq (n, k) int8, dx / sx (n, nb) float32, xs (n,
+    nb) int32, xh (n, 2 nb) int32 (quantize_x), out (n, m). out[i, t*32 + r] = the sum
+    over blocks, in order, of the module docstring's t for that kind. Tiles are split
+    over n_chunks parallel jobs when the work is at least PARALLEL_MACS; a tile's
+    arithmetic is the same either way.
     """
-    nt, nb, G, RR, C = qs.shape
     n, m = out.shape
-    k = xq.shape[1]
-    per = (nt + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        acc = np.empty(8 * LANES, np.float32)
-        for t in range(c * per, min(nt, (c + 1) * per)):
-            for r0 in range(0, RR, LANES):
-                r1 = min(LANES, m - t * RR - r0)
-                if r1 <= 0:
-                    break
-                w_off = (t * nb * G * RR + r0) * C
-                d_off = t * nb * RR + r0
-                i = 0
-                while i < n:
-                    nr = _group(n, i)
-                    if nr == 8:
-                        _q4_x8(isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, x8, i * nb, nb, k, acc)
-                    elif nr == 4:
-                        _q4_x4(isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, x8, i * nb, nb, k, acc)
-                    else:
-                        _q4_x1(isa, qs, w_off, d, mn, d_off, xq, i * k, dx, sx, x8, i * nb, nb, k, acc)
-                    for ii in range(nr):
-                        for r in range(r1):
-                            out[i + ii, t * RR + r0 + r] = acc[ii * LANES + r]
-                    i += nr
-
-
-@njit(cache=True, parallel=True, error_model="numpy")
-def gemm_q8(isa, qs, d, xq, dx, out, n_chunks):
-    """Q8_0 tiles x int8 activations: qs (T, nb, 8, 32, 4) int8, d (T, nb, 32) float32,
-    xq (n, k) int8, dx (n, nb) float32, out (n, m) float32.
-    out[i, t*32 + r] = sum over b, in order, of d * (dx * S), S the exact int32 block sum."""
-    nt, nb, G, RR, C = qs.shape
-    n, m = out.shape
-    k = xq.shape[1]
-    per = (nt + n_chunks - 1) // n_chunks
-    for c in prange(n_chunks):
-        acc = np.empty(8 * LANES, np.float32)
-        for t in range(c * per, min(nt, (c + 1) * per)):
-            for r0 in range(0, RR, LANES):
-                r1 = min(LANES, m - t * RR - r0)
-                if r1 <= 0:
-                    break
-                w_off = (t * nb * G * RR + r0) * C
-                d_off = t * nb * RR + r0
-                i = 0
-                while i < n:
-                    nr = _group(n, i)
-                    if nr == 8:
-                        _q8_x8(isa, qs, w_off, d, d_off, xq, i * k, dx, i * nb, nb, k, acc)
-                    elif nr == 4:
-                        _q8_x4(isa, qs, w_off, d, d_off, xq, i * k, dx, i * nb, nb, k, acc)
-                    else:
-                        _q8_x1(isa, qs, w_off, d, d_off, xq, i * k, dx, i * nb, nb, k, acc)
-                    for ii in range(nr):
-                        for r in range(r1):
-                            out[i + ii, t * RR + r0 + r] = acc[ii * LANES + r]
-                    i += nr
+    if n_chunks > 1 and n * m * xq.shape[1] >= PARALLEL_MACS:
+        _gemm_parallel(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks)
+    else:
+        _gemm_serial(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out)
 
 
 @njit(cache=True, error_model="numpy")
-def matmul_q4(isa, qs, d, mn, x, xq, dx, sx, x8, out, n_chunks):
-    """quantize_x then gemm_q4 in one call (one numba dispatch per GEMV, not two).
-    x (n, k) float32; xq, dx, sx, x8 scratch as quantize_x fills them; out (n, m)."""
-    quantize_x(x, xq, dx, sx, x8)
-    gemm_q4(isa, qs, d, mn, xq, dx, sx, x8, out, n_chunks)
-
-
-@njit(cache=True, error_model="numpy")
-def matmul_q8(isa, qs, d, x, xq, dx, sx, x8, out, n_chunks):
-    """quantize_x then gemm_q8 in one call."""
-    quantize_x(x, xq, dx, sx, x8)
-    gemm_q8(isa, qs, d, xq, dx, out, n_chunks)
+def matmul(kind, isa, qs, qh, d, mn, x, xq, dx, sx, xs, xh, out, n_chunks, cs, ch):
+    """quantize_x then gemm in one call (one numba dispatch per matmul, not two).
+    x (n, k) float32; xq, dx, sx, xs, xh scratch as quantize_x fills them (cs, ch =
+    corrections(kind, isa)); out (n, m)."""
+    quantize_x(x, xq, dx, sx, xs, xh, cs, ch)
+    gemm(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks)

@@ -71,6 +71,8 @@ class CudaBackend:
     valid winner are timed at load, within ``tune_budget_s``, and recorded) or "force"
     (``aotx tune``: every site timed again). ``prefill`` / ``gemv`` force one eager GEMM
     mode / one GEMV variant everywhere (``CudaProgram``; tests and benchmarks).
+    ``dense_prefill``: the eager GEMMs keep dense dequantized weight copies when they fit
+    the budget (``cuda_gemm``; default), False: always per-tile dequantization.
     ``expert_int8``: the CPU expert tier of a mixture of experts uses the CPU backend's
     int8-activation kernels (default; False: its float path, for comparisons).
 
@@ -81,7 +83,8 @@ class CudaBackend:
 
     def __init__(self, device: int = 0, *, fuse: bool = True, tune: str = "off",
                  tune_budget_s: float = kernel_choice.DEFAULT_BUDGET_S, artifact_root=None,
-                 prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True) -> None:
+                 prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
+                 dense_prefill: bool = True) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
@@ -106,6 +109,7 @@ class CudaBackend:
         self.artifact_root = artifact_root
         self.prefill = prefill
         self.gemv = gemv
+        self.dense_prefill = bool(dense_prefill)
 
     def device_key(self) -> kernel_choice.DeviceKey:
         """The kernel-choice artifact key of this device and build: GPU name, driver and

@@ -18,14 +18,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-CHOICE_VERSION = "1"      # the naming of sites and candidates; part of the artifact key
+CHOICE_VERSION = "2"      # the naming of sites and candidates; part of the artifact key
 
-# (NB, WPP) pairs compiled as gemv<...,NB,MODE,WPP> instances: at most 32 accumulators per
-# thread (S = 4 / WPP groups x NB rows x 2 output rows), so registers stay low.
-GEMV_GRID: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 8: (2, 4), 16: (4,)}
+# (NB, WPP) pairs compiled as gemv<...,NB,MODE,WPP> instances: a thread holds 2 NB
+# accumulators (S = 4 / WPP groups, one after the other when S * NB > 4), so every WPP is
+# affordable at every NB.
+GEMV_GRID: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 8: (1, 2, 4), 16: (1, 2, 4)}
 NB_MAX = 16
 TUNE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets timed; larger ones use the last one's choice
 WIDE_ROWS = 16384        # default: matrices with this many output rows (the output head) run one warp per pair
+WIDE_K = 2048            # default at NB 16: WPP 1 up to this many inputs, WPP 4 beyond
 PRE_ROWS = 2048          # default: matrices with at least this many rows read a precomputed norm scale
 
 PREFILL_MODES = ("f16", "tf32", "f32")
@@ -90,16 +92,19 @@ def gemv_candidates(bucket: int, norm: bool) -> tuple[str, ...]:
     return tuple(out)
 
 
-def gemv_default(bucket: int, norm: bool, m_rows: int) -> str:
+def gemv_default(bucket: int, norm: bool, m_rows: int, k: int | None = None) -> str:
     """The variant that runs without a recorded choice: NB = the bucket (up to 16); WPP 4 on
     layer-sized matrices at NB <= 4 (more loads in flight per row), 1 on the output head
-    (enough rows to fill the GPU), 2 at NB 8, 4 at NB 16; the norm scale precomputed for
-    large matrices or NB >= 8, else per block."""
+    (enough rows to fill the GPU), 2 at NB 8, 1 at NB 16 (four row pairs per block share
+    the x rows; one warp per pair, as the pre-port kernels ran 16-row blocks) for inputs up
+    to ``WIDE_K`` (k None: taken as small), 4 beyond (7B/8B: k 3584-18944, where one warp
+    per pair walks too many units in a row and WPP 4 measured faster); the norm scale
+    precomputed for large matrices or NB >= 8, else per block."""
     nb = min(pow2(max(1, bucket)), NB_MAX)
     if nb <= 4:
         wpp = 1 if m_rows >= WIDE_ROWS else 4
     else:
-        wpp = 2 if nb == 8 else 4
+        wpp = 2 if nb == 8 else (1 if k is None or k <= WIDE_K else 4)
     pre = norm and (m_rows >= PRE_ROWS or nb >= 8)
     return GemvVariant(nb, wpp, pre).name
 

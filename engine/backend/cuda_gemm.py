@@ -2,13 +2,22 @@
 
 Owns: ``PrefillGemm``, which computes ``Y[:, :m] (+)= norm(X) @ W[r0:r0 + m].T`` for the
 many-row batches the eager path runs (prefill chunks), in one of three modes
-(``cuda_choice.PREFILL_MODES``): the weight is dequantized tile by tile (at most
-``TILE_BYTES``, about 4,000 rows of a 4096-wide matrix) into one reused scratch buffer and
-multiplied by cuBLAS: ``f16`` (float16 tile and activations, GemmEx, float32 accumulation:
-tensor cores), ``tf32`` (float32 tile, GemmEx with TF32 tensor-core math), ``f32``
-(float32 tile, SGEMM). No whole-model copies: the scratch is the only weight memory the
-eager path adds (``scratch_bytes``). The activations are converted (and RMS-normed) once
-per op (``prepare``) and reused by every GEMM of that op (q, k, v; gate and up).
+(``cuda_choice.PREFILL_MODES``): ``f16`` (float16 weights and activations, GemmEx,
+float32 accumulation: tensor cores), ``tf32`` (float32 weights, GemmEx with TF32
+tensor-core math), ``f32`` (float32 weights, SGEMM). Where the weights come from:
+* **dense** (``plan_dense`` accepted the model: every prefill weight's dequantized copy,
+  float16 for "f16" sites, float32 for the others, fits ``dense_budget``, at most
+  ``DENSE_MAX_BYTES`` and ``DENSE_FREE_FRACTION`` of the device's free memory at load):
+  each weight is dequantized once, on its first prefill, kept, and multiplied in one
+  GEMM. Small models: no dequantize launch per op per prefill (the eager path of a
+  135M-parameter model is bound by the host's launches).
+* **tiles** (otherwise, e.g. 7B/8B models): the weight is dequantized tile by tile (at most
+  ``TILE_BYTES``, about 4,000 rows of a 4096-wide matrix) into one reused scratch buffer
+  every prefill; the scratch is the only weight memory the eager path adds.
+``weight_bytes`` is what admission counts (``prefill_weight_bytes``). The activations are
+converted (and RMS-normed) once per op (``prepare``) and reused by every GEMM of that op
+(q, k, v; gate and up). Both sources hold the same dequantized values (the same kernels
+write them); only cuBLAS's blocking of the rows differs.
 
 Leaves which mode each weight uses to the kernel choice (``cuda_choice``, ``kernel_choice``)
 and the order of ops to ``cuda_program``. Runs on CuPy's current stream (the eager path's).
@@ -25,6 +34,8 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 TILE_BYTES = 32 << 20           # the dequantized weight tile (fits the H200's 60 MB L2 with room)
+DENSE_MAX_BYTES = 4 << 30       # dense prefill copies: at most this much in all ...
+DENSE_FREE_FRACTION = 0.25      # ... and at most this fraction of the free device memory at load
 # cuBLAS enums (cudaDataType, cublasComputeType_t, cublasGemmAlgo_t): fixed by the CUDA ABI
 R_32F, R_16F = 0, 2
 COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77
@@ -60,10 +71,67 @@ class PrefillGemm:
         self._scratch: cp.ndarray | None = None
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
+        self._dense_ok: set[tuple[int, int]] = set()      # (id(DevMatrix), element bytes) kept dense
+        self._dense: dict[tuple[int, int], cp.ndarray] = {}
+        self.dense_bytes = 0
+        self.dense_reason = "not planned"
 
     @property
     def scratch_bytes(self) -> int:
         return self.tile_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """Device bytes the eager path adds for weights: the dense copies when accepted
+        (then no tile scratch is ever allocated), else the one tile scratch."""
+        return self.dense_bytes if self._dense_ok else self.tile_bytes
+
+    @staticmethod
+    def dense_budget(free_bytes: int | None) -> int:
+        """Bytes dense prefill copies may take, given the device's free memory (None: unknown)."""
+        if free_bytes is None:
+            return DENSE_MAX_BYTES
+        return int(min(DENSE_MAX_BYTES, DENSE_FREE_FRACTION * max(0, int(free_bytes))))
+
+    def plan_dense(self, uses, budget: int) -> bool:
+        """Accept dense copies when they all fit ``budget`` bytes. ``uses``: (DevMatrix,
+        mode) for every eager GEMM (a matrix used in two modes counts twice). All or
+        nothing: a model either keeps every copy or runs every GEMM on tiles."""
+        need: dict[tuple[int, int], int] = {}
+        for w, mode in uses:
+            item = 2 if mode == "f16" else 4
+            need[(id(w), item)] = int(w.m) * int(w.k) * item
+        total = sum(need.values())
+        if not need:
+            self._dense_ok, self.dense_bytes, self.dense_reason = set(), 0, "no eager GEMM"
+        elif total <= budget:
+            self._dense_ok, self.dense_bytes = set(need), total
+            self.dense_reason = f"dense: {total / 2**20:.1f} MiB of dequantized weights kept (budget {budget / 2**20:.0f} MiB)"
+        else:
+            self._dense_ok, self.dense_bytes = set(), 0
+            self.dense_reason = (f"tiles: dense copies would take {total / 2**20:.1f} MiB, over the budget of "
+                                 f"{budget / 2**20:.0f} MiB")
+        return bool(self._dense_ok)
+
+    def _dense_of(self, w, half: bool) -> cp.ndarray | None:
+        """The dense dequantized copy of ``w`` (made on first use), or None (tiles)."""
+        key = (id(w), 2 if half else 4)
+        if key not in self._dense_ok:
+            return None
+        d = self._dense.get(key)
+        if d is None:
+            m, k = int(w.m), int(w.k)
+            d = cp.empty((m, k), cp.float16 if half else cp.float32)
+            deq = self.k[f"{'dequant_h' if half else 'dequant'}<{int(w.qtype)}>"]
+            step = max(1, (1 << 30) // max(1, k // 8))     # rows per launch: m * k / 8 threads stay below 2^30
+            for r0 in range(0, m, step):
+                nr = min(step, m - r0)
+                n_el = nr * (k // 8)
+                deq(((n_el + NT - 1) // NT,), (NT,), (np.uint64(w.data.data.ptr + r0 * w.row_bytes),
+                                                      np.int64(w.row_bytes), np.int32(nr), np.int32(k),
+                                                      np.uint64(d.data.ptr + r0 * k * d.itemsize)))
+            self._dense[key] = d
+        return d
 
     def scratch(self) -> cp.ndarray:
         if self._scratch is None:
@@ -105,22 +173,29 @@ class PrefillGemm:
         k = w.k
         half = p.mode == "f16"
         item = 2 if half else 4
+        beta = self._one if accumulate else self._zero
+        dense = self._dense_of(w, half)
+        if dense is not None:
+            self._blas_gemm(p, half, dense.data.ptr + r0 * k * item, k, m, n, y, ldy, beta)
+            return
         rows = self.tile_rows(k, item)
         buf = self.scratch()
         deq = self.k[f"{'dequant_h' if half else 'dequant'}<{int(w.qtype)}>"]
-        beta = self._one if accumulate else self._zero
         base = w.data.data.ptr
         for t0 in range(0, m, rows):
             nr = min(rows, m - t0)
             n_el = nr * (k // 8)
             deq(((n_el + NT - 1) // NT,), (NT,), (np.uint64(base + (r0 + t0) * w.row_bytes), np.int64(w.row_bytes),
                                                   np.int32(nr), np.int32(k), buf))
-            c = y + 4 * t0
-            if p.mode == "f32":
-                cublas.sgemm(self.blas, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, nr, n, k, self._one.ctypes.data,
-                             buf.data.ptr, k, p.ptr, p.ld, beta.ctypes.data, c, ldy)
-            else:
-                cublas.gemmEx(self.blas, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, nr, n, k, self._one.ctypes.data,
-                              buf.data.ptr, R_16F if half else R_32F, k, p.ptr, R_16F if half else R_32F, p.ld,
-                              beta.ctypes.data, c, R_32F, ldy, COMPUTE_32F if half else COMPUTE_32F_FAST_TF32,
-                              GEMM_DEFAULT)
+            self._blas_gemm(p, half, buf.data.ptr, k, nr, n, y + 4 * t0, ldy, beta)
+
+    def _blas_gemm(self, p: Prepared, half: bool, a: int, k: int, m: int, n: int, c: int, ldy: int, beta) -> None:
+        """C (n, m; ld ldy, float32) (+)= p @ A.T, A (m, k) row-major at address a."""
+        if p.mode == "f32":
+            cublas.sgemm(self.blas, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
+                         a, k, p.ptr, p.ld, beta.ctypes.data, c, ldy)
+        else:
+            cublas.gemmEx(self.blas, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
+                          a, R_16F if half else R_32F, k, p.ptr, R_16F if half else R_32F, p.ld,
+                          beta.ctypes.data, c, R_32F, ldy, COMPUTE_32F if half else COMPUTE_32F_FAST_TF32,
+                          GEMM_DEFAULT)

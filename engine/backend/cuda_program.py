@@ -23,9 +23,10 @@ Two paths, one Program:
   Each GEMV launch runs the variant (rows per block, warps per row pair, where the norm
   scale is computed) the kernel choice recorded for its (site, bucket).
 * **eager**: anything larger (prefill chunks) and batches with image rows. Steps on batch
-  rows run ``cuda_gemm.PrefillGemm`` (weights dequantized one tile at a time into one
-  scratch buffer, cuBLAS on tensor cores: float16 or TF32 inputs, float32 accumulation;
-  the mode per weight is the kernel choice's); attention of long segments through cuBLAS
+  rows run ``cuda_gemm.PrefillGemm`` (cuBLAS on tensor cores: float16 or TF32 inputs,
+  float32 accumulation; the mode per weight is the kernel choice's; the weights' dense
+  dequantized copies, kept when they fit a budget, else dequantized one tile at a time
+  into one scratch buffer); attention of long segments through cuBLAS
   (scores, masked softmax kernel, values), the split-context attention kernel for short
   segments; steps on the logits rows (after ``take_rows``) run the graph's GEMVs. With
   ``prefill="gemv"`` every eager step runs the graph's kernels instead (batch-invariant
@@ -650,7 +651,16 @@ class _MoeHost:
         if x.shape[0] == 0:
             return
         xh = x.get()                # waits for the steps before on this stream
-        y = self._moe_rows(self.attrs, xh, self.pool, self.traffic)
+        small = None                # rows of long segments take the CPU's prefill path
+        segs = c.layout.segments if c.layout is not None else ()
+        if sum(seg.n for seg in segs) == xh.shape[0] and any(seg.n > SHORT_SEGMENT for seg in segs):
+            small = np.zeros(xh.shape[0], bool)
+            row = 0
+            for seg in segs:
+                if seg.n <= SHORT_SEGMENT:
+                    small[row:row + seg.n] = True
+                row += seg.n
+        y = self._moe_rows(self.attrs, xh, self.pool, self.traffic, small)
         c.arr(self.s.out)[...] = cp.asarray(y)
 
 
@@ -767,6 +777,7 @@ class CudaProgram:
         self.k = {**self._tune_k, **(backend.module(missing) if missing else {})}
         self._tune_k = {}
         self.gemm = PrefillGemm(self.k, self._blas)
+        self._plan_dense()
         self.ks = backend.sampler_kernel()
         self._last_logits: cp.ndarray | None = None
         self._eager_logits: cp.ndarray | None = None
@@ -789,6 +800,24 @@ class CudaProgram:
                                          "norm": norm})
         d["weights"].extend(weights)
         return key
+
+    def _plan_dense(self) -> None:
+        """Dense prefill copies (``cuda_gemm``) when every eager GEMM's dequantized weight
+        fits the budget (``CudaBackend(dense_prefill=False)``: always tiles)."""
+        uses = []
+        for key, d in self.psites.items():
+            mode = self.prefill_mode(key)
+            if mode in ("f16", "tf32", "f32"):
+                uses.extend((w, mode) for w in d["weights"])
+        if not getattr(self.backend, "dense_prefill", True):
+            self.gemm.plan_dense(uses, -1)
+            self.gemm.dense_reason = "tiles: dense prefill copies turned off"
+            return
+        try:
+            free = int(cp.cuda.Device().mem_info[0])
+        except Exception:  # noqa: BLE001 - a runtime without the query: the fixed cap alone
+            free = None
+        self.gemm.plan_dense(uses, PrefillGemm.dense_budget(free))
 
     def prefill_mode(self, site: str | None) -> str | None:
         """The eager GEMM mode of a prefill site (None for a step on logits rows)."""
@@ -825,11 +854,12 @@ class CudaProgram:
 
     @property
     def prefill_weight_bytes(self) -> int:
-        """Bytes the eager (prefill) path adds for weights: the one dequantized-tile scratch
-        buffer of the prefill GEMM (0 when every eager step runs the graph's GEMVs)."""
+        """Bytes the eager (prefill) path adds for weights: the dense dequantized copies
+        when the model's fit the budget, else the one dequantized-tile scratch buffer of
+        the prefill GEMM (0 when every eager step runs the graph's GEMVs)."""
         if not self.psites or self._forced_prefill == "gemv":
             return 0
-        return self.gemm.scratch_bytes
+        return self.gemm.weight_bytes
 
     def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
         """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates for K and V."""

@@ -349,13 +349,18 @@ template <> __device__ __forceinline__ void kv_st<1>(void* c, long long i, float
 //   butterfly (warp_sum: xor 16, 8, 4, 2, 1; every lane ends with the same bits), giving R_g;
 // * the row's sum is ((R_0 + R_1) + R_2) + R_3; then the epilogue (norm scale, bias, mode).
 // A variant only maps virtual lanes onto threads: WPP warps share a row pair and each
-// thread holds S = 4 / WPP groups' accumulators (g = sub + WPP * s). NB batch rows share
-// each weight load. Explicit fmaf / __fmul_rn / __fadd_rn keep the compiler from fusing
-// differently in different instances.
+// thread computes S = 4 / WPP groups (g = sub + WPP * s): interleaved in one pass when few
+// accumulators (S * NB <= 4), else one group after the other (then a thread holds 2 NB
+// accumulators, not 2 S NB: NB 16 runs with WPP 1). NB batch rows share each weight load.
+// The butterfly runs as a reduce-scatter (warp_sum_scatter: the same adds, so the same
+// bits, in fewer shuffles): lane j ends with A of batch row j, lane NB + j with its B, and
+// lane j runs row j's epilogue. Explicit fmaf / __fmul_rn / __fadd_rn keep the compiler from
+// fusing differently in different instances; loop unrolling never reorders a sum.
 // The RMSNorm scale of a batch row is rsqrt(ss / k + eps), ss summed by row_ss: 128 threads,
 // thread t takes elements t, t + 128, ... (fmaf), the warp butterfly, then the 4 warp sums
-// in order. The GEMV's prologue (xs == null) and the row_scale kernel (xs != null: the
-// scale was computed before the launch) call the same function, so both give the same bits.
+// in order. The GEMV's prologue (xs == null: rows_scale, all NB rows in one pass) and the
+// row_scale kernel (xs != null: the scale was computed before the launch) form the same
+// sums in the same order, so both give the same bits.
 
 __device__ __forceinline__ float row_ss(const float* __restrict__ xr, int k, float* red) {
     float ss = 0.f;
@@ -372,6 +377,106 @@ __device__ __forceinline__ float row_ss(const float* __restrict__ xr, int k, flo
 }
 __device__ __forceinline__ float norm_scale(float ss, int k, float eps) {
     return rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)k), eps));
+}
+
+// The warp butterfly of V = 2 NB values at once, as a reduce-scatter: the first stages
+// (xor 16 .. V) add all V values, each later stage (xor V/2 .. 1) halves the values a lane
+// keeps (the lane with bit o set keeps the upper half) and sends the other half to its
+// partner. Every add is v(lane) + v(lane ^ o) of the same partial sums warp_sum forms, in
+// the same stage order, so on return lane l holds exactly warp_sum's bits of value
+// (l & (V - 1)), with 31 + V * (5 - log2 V) shuffles instead of 5 V.
+template <int V, int O>       // a full stage: every value v(lane) + v(lane ^ O)
+__device__ __forceinline__ void ws_full(float (&v)[V]) {
+#pragma unroll
+    for (int i = 0; i < V; i++) v[i] += __shfl_xor_sync(0xffffffffu, v[i], O);
+}
+template <int V, int O>       // a halving stage: values [0, 2 O) -> [0, O)
+__device__ __forceinline__ void ws_half(float (&v)[V], int lane) {
+    const bool up = (lane & O) != 0;
+#pragma unroll
+    for (int i = 0; i < O; i++) {
+        const float send = up ? v[i] : v[i + O];
+        const float keep = up ? v[i + O] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+}
+template <int V>
+__device__ __forceinline__ float warp_sum_scatter(float (&v)[V]) {
+    static_assert(V >= 2 && V <= 32 && (V & (V - 1)) == 0, "V is a power of two, 2 .. 32");
+    const int lane = threadIdx.x & 31;
+    if constexpr (V <= 16) ws_full<V, 16>(v);
+    if constexpr (V <= 8) ws_full<V, 8>(v);
+    if constexpr (V <= 4) ws_full<V, 4>(v);
+    if constexpr (V <= 2) ws_full<V, 2>(v);
+    if constexpr (V >= 32) ws_half<V, 16>(v, lane);
+    if constexpr (V >= 16) ws_half<V, 8>(v, lane);
+    if constexpr (V >= 8) ws_half<V, 4>(v, lane);
+    if constexpr (V >= 4) ws_half<V, 2>(v, lane);
+    ws_half<V, 1>(v, lane);
+    return v[0];
+}
+
+// One unit u (inputs 8u .. 8u + 7) of the rows A and B against NB batch rows: acc[j] (A) and
+// acc[NB + j] (B) += w[i] * x[i], i = 0..7 in order (fmaf), w multiplied by the norm weight.
+template <int TA, int TB, int NB>
+__device__ __forceinline__ void gemv_unit(const u8* __restrict__ rowA, const u8* __restrict__ rowB, int u,
+                                          const float* __restrict__ nw, const float* __restrict__ x, int ldx, int b0,
+                                          int nb, float (&acc)[2 * NB]) {
+    float wa[8], wb[8];
+    deq8<TA>(rowA, u, wa);
+    deq8<TB>(rowB, u, wb);
+    if (nw != nullptr) {
+        const float4* np = (const float4*)(nw + 8 * u);
+        const float4 n0 = np[0], n1 = np[1];
+        const float nn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) { wa[i] = __fmul_rn(wa[i], nn[i]); wb[i] = __fmul_rn(wb[i], nn[i]); }
+    }
+#pragma unroll
+    for (int j = 0; j < NB; j++) {
+        const float4* xp = (const float4*)(x + (long long)(b0 + min(j, nb - 1)) * ldx + 8 * u);
+        const float4 x0 = xp[0], x1 = xp[1];
+        const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        float a = acc[j], c = acc[NB + j];
+#pragma unroll
+        for (int i = 0; i < 8; i++) { a = fmaf(wa[i], xv[i], a); c = fmaf(wb[i], xv[i], c); }
+        acc[j] = a;
+        acc[NB + j] = c;
+    }
+}
+
+// The norm scales of NB batch rows at once (the GEMV's per-block prologue; 128 threads):
+// for each row the same per-thread chains, butterfly and final adds as row_ss, so the same
+// bits as row_scale, with one pass over the rows and one barrier instead of NB of each.
+// s_scale[j] is ready after the caller's __syncthreads.
+template <int NB>
+__device__ __forceinline__ void rows_scale(const float* __restrict__ x, int ldx, int b0, int nb, int k, float eps,
+                                           float* s_scale, float (*red)[4]) {
+    float ss[NB];
+#pragma unroll
+    for (int j = 0; j < NB; j++) ss[j] = 0.f;
+    for (int e = threadIdx.x; e < k; e += 128) {
+#pragma unroll
+        for (int j = 0; j < NB; j++) {
+            const float v = x[(long long)(b0 + min(j, nb - 1)) * ldx + e];
+            ss[j] = fmaf(v, v, ss[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NB; j++) ss[j] = warp_sum(ss[j]);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int j = 0; j < NB; j++) red[j][threadIdx.x >> 5] = ss[j];
+    }
+    __syncthreads();
+    if (threadIdx.x < NB) {
+        const int j = threadIdx.x;
+        float t = red[j][0];
+        t = __fadd_rn(t, red[j][1]);
+        t = __fadd_rn(t, red[j][2]);
+        t = __fadd_rn(t, red[j][3]);
+        s_scale[j] = norm_scale(t, k, eps);
+    }
 }
 
 // out[r] = rsqrt(mean(x[r]^2) + eps) for r < gridDim.x: the norm scale the GEMV reads when
@@ -411,7 +516,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     constexpr int S = 4 / WPP;               // virtual-lane groups per thread
     __shared__ float s_scale[NB];
     __shared__ float s_red[WPP > 1 ? PPB : 1][4][2 * NB];   // per pair: R_g of A and B rows (WPP > 1)
-    __shared__ float s_ss[4];
+    __shared__ float s_ss[NB][4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b0 = blockIdx.y * NB;
     const int nb = min(NB, B - b0);
@@ -419,10 +524,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
         if (xs != nullptr) {
             if (threadIdx.x < NB) s_scale[threadIdx.x] = xs[b0 + min((int)threadIdx.x, nb - 1)];
         } else {
-            for (int j = 0; j < NB; j++) {
-                const float ss = row_ss(x + (long long)(b0 + min(j, nb - 1)) * ldx, k, s_ss);
-                if (threadIdx.x == 0) s_scale[j] = norm_scale(ss, k, eps);
-            }
+            rows_scale<NB>(x, ldx, b0, nb, k, eps, s_scale, s_ss);
         }
         __syncthreads();
     }
@@ -449,87 +551,68 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     }
     const u8* rowA = Wa + ra * rba;
     const u8* rowB = Wb + rb * rbb;
-    float accA[S][NB], accB[S][NB];
-#pragma unroll
-    for (int s = 0; s < S; s++) {
-#pragma unroll
-        for (int j = 0; j < NB; j++) { accA[s][j] = 0.f; accB[s][j] = 0.f; }
-    }
+    // accumulate: value i of acc is A row of batch row i (i < NB) or B row of batch row i - NB
+    constexpr int V = 2 * NB;
     const int nu = k >> 3;
-#pragma unroll 1
-    for (int u0 = 0; u0 < nu; u0 += 128) {
+    float R[S];                              // R_g of value (lane & (V - 1)) for g = sub + WPP * s
+    if constexpr (S * NB <= 4) {
+        // few accumulators: the S groups interleaved in one pass over the row
+        constexpr int UNR = S == 1 ? 4 : (S == 2 ? 2 : 1);
+        float acc[S][V];
 #pragma unroll
         for (int s = 0; s < S; s++) {
-            const int u = u0 + 32 * (sub + WPP * s) + lane;
-            if (u < nu) {
-                float wa[8], wb[8];
-                deq8<TA>(rowA, u, wa);
-                deq8<TB>(rowB, u, wb);
-                if (nw != nullptr) {
-                    const float4* np = (const float4*)(nw + 8 * u);
-                    const float4 n0 = np[0], n1 = np[1];
-                    const float nn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
 #pragma unroll
-                    for (int i = 0; i < 8; i++) { wa[i] = __fmul_rn(wa[i], nn[i]); wb[i] = __fmul_rn(wb[i], nn[i]); }
-                }
-#pragma unroll
-                for (int j = 0; j < NB; j++) {
-                    const float4* xp = (const float4*)(x + (long long)(b0 + min(j, nb - 1)) * ldx + 8 * u);
-                    const float4 x0 = xp[0], x1 = xp[1];
-                    const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                    float a = accA[s][j], c = accB[s][j];
-#pragma unroll
-                    for (int i = 0; i < 8; i++) { a = fmaf(wa[i], xv[i], a); c = fmaf(wb[i], xv[i], c); }
-                    accA[s][j] = a;
-                    accB[s][j] = c;
-                }
-            }
+            for (int i = 0; i < V; i++) acc[s][i] = 0.f;
         }
-    }
-#pragma unroll
-    for (int s = 0; s < S; s++) {
-#pragma unroll
-        for (int j = 0; j < NB; j++) { accA[s][j] = warp_sum(accA[s][j]); accB[s][j] = warp_sum(accB[s][j]); }
-    }
-    float totA[NB], totB[NB];
-    if constexpr (WPP == 1) {
-#pragma unroll
-        for (int j = 0; j < NB; j++) {
-            float a = accA[0][j], c = accB[0][j];
-#pragma unroll
-            for (int s = 1; s < S; s++) { a = __fadd_rn(a, accA[s][j]); c = __fadd_rn(c, accB[s][j]); }
-            totA[j] = a;
-            totB[j] = c;
-        }
-    } else {
-        if (lane == 0) {
+#pragma unroll UNR
+        for (int u0 = 0; u0 < nu; u0 += 128) {
 #pragma unroll
             for (int s = 0; s < S; s++) {
-#pragma unroll
-                for (int j = 0; j < NB; j++) {
-                    s_red[pl][sub + WPP * s][2 * j] = accA[s][j];
-                    s_red[pl][sub + WPP * s][2 * j + 1] = accB[s][j];
-                }
+                const int u = u0 + 32 * (sub + WPP * s) + lane;
+                if (u < nu) gemv_unit<TA, TB, NB>(rowA, rowB, u, nw, x, ldx, b0, nb, acc[s]);
             }
+        }
+#pragma unroll
+        for (int s = 0; s < S; s++) R[s] = warp_sum_scatter<V>(acc[s]);
+    } else {
+        // many accumulators: one group after the other (registers: V accumulators, not S * V)
+#pragma unroll
+        for (int s = 0; s < S; s++) {
+            float acc[V];
+#pragma unroll
+            for (int i = 0; i < V; i++) acc[i] = 0.f;
+#pragma unroll 1
+            for (int u = 32 * (sub + WPP * s) + lane; u < nu; u += 128)
+                gemv_unit<TA, TB, NB>(rowA, rowB, u, nw, x, ldx, b0, nb, acc);
+            R[s] = warp_sum_scatter<V>(acc);
+        }
+    }
+    // the row's sum ((R_0 + R_1) + R_2) + R_3, for value vi = lane & (V - 1)
+    const int vi = lane & (V - 1);
+    float tot;
+    if constexpr (WPP == 1) {
+        tot = R[0];
+#pragma unroll
+        for (int s = 1; s < S; s++) tot = __fadd_rn(tot, R[s]);
+    } else {
+        if (lane < V) {
+#pragma unroll
+            for (int s = 0; s < S; s++) s_red[pl][sub + WPP * s][lane] = R[s];
         }
         __syncthreads();
         if (sub != 0) return;
+        tot = s_red[pl][0][vi];
 #pragma unroll
-        for (int j = 0; j < NB; j++) {
-            float a = s_red[pl][0][2 * j], c = s_red[pl][0][2 * j + 1];
-#pragma unroll
-            for (int g = 1; g < 4; g++) { a = __fadd_rn(a, s_red[pl][g][2 * j]); c = __fadd_rn(c, s_red[pl][g][2 * j + 1]); }
-            totA[j] = a;
-            totB[j] = c;
-        }
+        for (int g = 1; g < 4; g++) tot = __fadd_rn(tot, s_red[pl][g][vi]);
     }
-    if (lane != 0 || !valid) return;
+    // lane j < NB holds A of batch row j; lane j + NB holds its B
+    const float other = __shfl_xor_sync(0xffffffffu, tot, NB);
+    if (lane >= nb || !valid) return;
     const float ba = bias_a != nullptr ? bias_a[ra] : 0.f, bb = bias_b != nullptr ? bias_b[rb] : 0.f;
-#pragma unroll
-    for (int j = 0; j < NB; j++) {
-        if (j >= nb) break;
+    {
+        const int j = lane;
         const int b = b0 + j;
-        float a = totA[j], c = totB[j];
+        float a = tot, c = other;
         if (nw != nullptr) { a = __fmul_rn(a, s_scale[j]); c = __fmul_rn(c, s_scale[j]); }
         a = __fadd_rn(a, ba);
         c = __fadd_rn(c, bb);

@@ -55,7 +55,8 @@ def resolve_choices(prog) -> KC.Resolution:
             nbytes = sum(g.weight_bytes for g in gs)
             for b in CC.TUNE_BUCKETS:
                 key = CC.at_bucket(site, b)
-                sites.append(KC.Site(key, CC.gemv_candidates(b, norm), CC.gemv_default(b, norm, gs[0].m_rows),
+                dflt = CC.gemv_default(b, norm, gs[0].m_rows, gs[0].k)
+                sites.append(KC.Site(key, CC.gemv_candidates(b, norm), dflt,
                                      measure=tuner.gemv_measure(site, b), check=tuner.gemv_check(site, b),
                                      weight=BUCKET_PRIORITY.get(b, 0) * 1e15 + nbytes))
     if prog._forced_prefill is None:
@@ -176,7 +177,8 @@ class _Tuner:
         def check(cand: str):
             self._setup()
             ref = self._ref.get((site, b))
-            default = CC.gemv_default(b, self.groups[site][0].nw is not None, self.groups[site][0].m_rows)
+            default = CC.gemv_default(b, self.groups[site][0].nw is not None, self.groups[site][0].m_rows,
+                                      self.groups[site][0].k)
             if ref is None:
                 ref = self._ref[(site, b)] = self._gemv_out(site, b, CC.GemvVariant.parse(default))
             if cand == default:

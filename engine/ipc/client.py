@@ -179,12 +179,13 @@ class EngineClient:
 
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
                                   sampling: P.SamplingParams | None = None,
-                                  messages: list[tuple[str, str]] | None = None) -> P.ConversationView:
-        """A new conversation; ``messages`` (role, text) are stored as its history
-        without generating anything."""
+                                  messages: list[tuple[str, str]] | None = None,
+                                  model: str = "") -> P.ConversationView:
+        """A new conversation on ``model`` ("": the engine's default); ``messages``
+        (role, text) are stored as its history without generating anything."""
         prior = [P.PriorMessage(role=r, text=t) for r, t in (messages or [])]
         r = await self._call(lambda i: P.CreateConversation(id=i, title=title, system_prompt=system_prompt,
-                                                            sampling=sampling, messages=prior))
+                                                            sampling=sampling, messages=prior, model=model))
         return r.conversation
 
     async def list_conversations(self) -> list[P.ConversationView]:
@@ -218,9 +219,41 @@ class EngineClient:
     async def status(self) -> P.StatusReply:
         return await self._call(lambda i: P.Status(id=i))
 
+    async def list_models(self) -> P.ModelList:
+        """Every installed model (files and remote endpoints) and which are loaded."""
+        return await self._call(lambda i: P.ListModels(id=i))
+
+    async def load_model(self, model: str, *, evict_idle: bool = False,
+                         on_notice: Callable[[P.Notice], None] | None = None) -> P.ModelLoaded:
+        """Load ``model`` beside the others (``on_notice`` sees the loading notices).
+        Raises EngineError (code busy with the numbers when it does not fit)."""
+        rid, q = self._new()
+        try:
+            await self._send(P.LoadModel(id=rid, model=model, evict_idle=evict_idle))
+            while True:
+                msg = await q.get()
+                if msg is _CLOSED:
+                    raise ConnectionLost("the engine closed the connection")
+                if isinstance(msg, P.Notice):
+                    if on_notice is not None:
+                        on_notice(msg)
+                    continue
+                if isinstance(msg, P.Error):
+                    raise EngineError(msg.message, msg.code)
+                return msg
+        finally:
+            self._queues.pop(rid, None)
+
+    async def unload_model(self, model: str) -> None:
+        await self._call(lambda i: P.UnloadModel(id=i, model=model))
+
+    async def switch_model(self, conv_id: str, model: str) -> P.ConversationView:
+        """Run ``conv_id`` on ``model`` from its next message on (the history is kept)."""
+        return (await self._call(lambda i: P.SwitchModel(id=i, conv_id=conv_id, model=model))).conversation
+
     async def submit(self, conv_id: str, text: str, *, attachments: list[P.Attachment] | None = None,
                      sampling: P.SamplingParams | None = None, raw: bool = False,
-                     wait_durable: bool = True) -> AsyncIterator[P.Message]:
+                     wait_durable: bool = True, model: str = "") -> AsyncIterator[P.Message]:
         """Submit a user message and iterate over its events (see the module docstring).
 
         The request id is the ``id`` of every event (use it with ``cancel(target=...)``).
@@ -229,7 +262,7 @@ class EngineClient:
         rid, q = self._new()
         try:
             await self._send(P.SubmitMessage(id=rid, conv_id=conv_id, text=text, attachments=attachments or [],
-                                             sampling=sampling, raw=raw))
+                                             sampling=sampling, raw=raw, model=model))
             final_seq = None
             while True:
                 msg = await q.get()

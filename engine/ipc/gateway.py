@@ -34,6 +34,7 @@ import json
 import re
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ from aotx.engine.ipc import gateway_schema as S
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import ConnectionLost, EngineClient
 from aotx.engine.ipc.gateway_auth import KeyRing
+from aotx.engine.ipc.server import raise_fd_limit
 
 _CONV_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -64,6 +66,8 @@ class GatewayConfig:
     max_queue: int = 64
     retry_after_s: int = 1
     durable_timeout_s: float = 30.0
+    # concurrent HTTP connections (idle keep-alives included) before uvicorn answers 503
+    max_connections: int = 512
 
 
 class ApiError(Exception):
@@ -83,6 +87,8 @@ class ApiError(Exception):
 class _ClientGone(Exception):
     pass
 
+
+MODEL_LIST_TTL_S = 1.0  # the engine's model list is asked at most this often
 
 # ---- the engine connection ------------------------------------------------------
 
@@ -186,9 +192,10 @@ class Generation:
             raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
 
-    async def start(self, text: str, sampling: P.SamplingParams, raw: bool) -> None:
-        """Submit; return once accepted. Raises ApiError for a refusal."""
-        self._agen = self.client.submit(self.conv_id, text, sampling=sampling, raw=raw)
+    async def start(self, text: str, sampling: P.SamplingParams, raw: bool, model: str = "") -> None:
+        """Submit (on ``model``; "" the conversation's); return once accepted. Raises
+        ApiError for a refusal."""
+        self._agen = self.client.submit(self.conv_id, text, sampling=sampling, raw=raw, model=model)
         refused: P.Notice | None = None
         while True:
             ev = await self._next()
@@ -391,6 +398,7 @@ class Gateway:
         self.keys = keys
         self.link = link
         self.inflight = InFlight(cfg)
+        self._model_cache: tuple[float, list[P.ModelInfo]] | None = None
 
     # -- auth and body --
 
@@ -430,7 +438,7 @@ class Gateway:
                            code="invalid_json") from None
 
     async def _conversation(self, client: EngineClient, request: Request, system: str | None,
-                            title: str, history: list[tuple[str, str]] = ()) -> tuple[str, bool]:
+                            title: str, history: list[tuple[str, str]] = (), model: str = "") -> tuple[str, bool]:
         """(conversation id, created) for a request: the header's, or a new one holding
         ``history`` (the request's earlier turns) as finished messages."""
         hdr = request.headers.get("x-aotx-conversation")
@@ -459,7 +467,7 @@ class Gateway:
             return hdr, False
         try:
             conv = await client.create_conversation(title=" ".join(title.split())[:60], system_prompt=system,
-                                                    messages=list(history))
+                                                    messages=list(history), model=model)
         except ConnectionLost as e:
             raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
@@ -486,51 +494,86 @@ class Gateway:
         return JSONResponse(body, status_code=200 if status == "ok" else 503,
                             headers={} if status == "ok" else {"Retry-After": str(self.cfg.retry_after_s)})
 
-    def _model_obj(self) -> dict[str, Any]:
-        return {"id": self.link.model, "object": "model", "created": 0, "owned_by": "aotx"}
+    async def _models(self) -> list[P.ModelInfo]:
+        """The engine's models (installed and loaded), asked at most once a second."""
+        now = time.monotonic()
+        if self._model_cache is not None and now - self._model_cache[0] < MODEL_LIST_TTL_S:
+            return self._model_cache[1]
+        client = await self.link.get()
+        try:
+            models = (await client.list_models()).models
+        except AotxError as e:
+            raise ApiError(503, f"the engine did not list its models: {e}", "server_error",
+                           code="engine_unavailable", headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+        self._model_cache = (now, models)
+        return models
+
+    async def route(self, name: str | None) -> str:
+        """The engine model a request's ``model`` names ("" the default): an installed or
+        loaded model by name (``NAME.gguf`` and case aside); a name that matches none
+        (clients send placeholders such as ``gpt-4o``) runs on the default model, as a
+        single-model server would, and the reply's ``model`` says which one it was."""
+        if not name:
+            return ""
+        models = await self._models()
+        names = {m.name for m in models if not m.error}
+        if name in names:
+            return name
+        low = {n.lower(): n for n in names}
+        return low.get(name.lower().removesuffix(".gguf"), "")
+
+    def _model_obj(self, m: P.ModelInfo) -> dict[str, Any]:
+        return {"id": m.name, "object": "model", "created": 0, "owned_by": "aotx" if m.kind == "gguf" else "remote",
+                "aotx": {"loaded": m.loaded, "default": m.default, "kind": m.kind, "arch": m.arch, "quant": m.quant,
+                         "context": m.n_ctx_train, "size_bytes": m.size_bytes, "needs_bytes": m.needs_bytes}}
 
     async def models(self, request: Request) -> Response:
+        """Every installed model (files, remote endpoints) and every loaded one, default first."""
         self._auth(request)
-        await self.link.get()
-        return JSONResponse({"object": "list", "data": [self._model_obj()]})
+        models = sorted((m for m in await self._models() if not m.error), key=lambda m: not m.default)
+        return JSONResponse({"object": "list", "data": [self._model_obj(m) for m in models]})
 
     async def model(self, request: Request) -> Response:
         self._auth(request)
-        await self.link.get()
         name = request.path_params["name"]
-        if name != self.link.model:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.link.model!r}",
-                           "invalid_request_error", param="model", code="model_not_found")
-        return JSONResponse(self._model_obj())
+        models = [m for m in await self._models() if not m.error]
+        for m in models:
+            if m.name == name:
+                return JSONResponse(self._model_obj(m))
+        raise ApiError(404, f"the model {name!r} does not exist; this server has "
+                            f"{', '.join(m.name for m in models) or 'none'}",
+                       "invalid_request_error", param="model", code="model_not_found")
 
     async def chat(self, request: Request) -> Response:
         key = self._auth(request)
         req = S.parse_chat(await self._json(request), self.cfg.limits)
         return await self._generate(request, key, chat=True, system=req.system, title=req.messages[-1][1],
                                     turns=req.messages, sampling=req.sampling, stream=req.stream,
-                                    include_usage=req.include_usage)
+                                    include_usage=req.include_usage, model=req.model)
 
     async def completions(self, request: Request) -> Response:
         key = self._auth(request)
         req = S.parse_completion(await self._json(request), self.cfg.limits)
         return await self._generate(request, key, chat=False, system=None, title=req.prompt,
                                     turns=[("user", req.prompt)], sampling=req.sampling, stream=req.stream,
-                                    include_usage=req.include_usage)
+                                    include_usage=req.include_usage, model=req.model)
 
     async def _generate(self, request: Request, key: str, *, chat: bool, system: str | None, title: str,
                         turns: list[tuple[str, str]], sampling: P.SamplingParams, stream: bool,
-                        include_usage: bool) -> Response:
+                        include_usage: bool, model: str | None = None) -> Response:
         self.inflight.enter(key)
         handed_over = False
         gen: Generation | None = None
         try:
             client = await self.link.get()
+            target = await self.route(model)
             conv_id, created = await self._conversation(client, request, system, title,
-                                                        history=turns[:-1] if chat else [])
+                                                        history=turns[:-1] if chat else [], model=target)
             text = turns[-1][1]
             gen = Generation(client, conv_id, created, self.cfg)
-            await _race_disconnect(request, gen.start(text, sampling, raw=not chat))
-            reply = S.Reply(id=S.new_id("chatcmpl" if chat else "cmpl"), model=self.link.model)
+            await _race_disconnect(request, gen.start(text, sampling, raw=not chat, model=target))
+            self._model_cache = None  # it may have loaded a model
+            reply = S.Reply(id=S.new_id("chatcmpl" if chat else "cmpl"), model=target or self.link.model)
             headers = {"X-AOTX-Conversation": conv_id}
             if stream:
                 body = self._stream_body(gen, reply, chat, include_usage)
@@ -686,12 +729,38 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return s
 
 
-def uvicorn_server(app: Starlette):
+def uvicorn_server(app: Starlette, max_connections: int = GatewayConfig.max_connections):
+    """The uvicorn server of ``app``: past ``max_connections`` concurrent connections
+    a new request is answered 503 at once (uvicorn's ``limit_concurrency``)."""
     import uvicorn
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", server_header=False,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5, limit_concurrency=max_connections)
     return uvicorn.Server(config)
+
+
+ACCEPT_LOG_INTERVAL_S = 10.0
+
+
+def quiet_accept_errors(interval_s: float = ACCEPT_LOG_INTERVAL_S) -> Callable[[Any, dict], None]:
+    """An asyncio exception handler that turns the traceback asyncio logs for every
+    failed accept (out of file descriptors: EMFILE) into one line per ``interval_s``
+    with a count; every other error goes to the default handler."""
+    state = {"n": 0, "last": -1e9}
+
+    def handler(loop: Any, context: dict) -> None:
+        if context.get("message") != "socket.accept() out of system resource":
+            loop.default_exception_handler(context)
+            return
+        state["n"] += 1
+        now = time.monotonic()
+        if now - state["last"] >= interval_s:
+            exc = context.get("exception")
+            print(f"aotx gateway: cannot accept connections: {getattr(exc, 'strerror', None) or exc} "
+                  f"({state['n']} time(s) since the last report); retrying", file=sys.stderr)
+            state["n"], state["last"] = 0, now
+
+    return handler
 
 
 def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
@@ -711,16 +780,18 @@ def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
               file=sys.stderr)
     else:
         print(f"aotx gateway: {len(keys)} API key(s) from {path}", file=sys.stderr)
+    raise_fd_limit()  # so the connection limit, not the descriptor limit, is what clients meet
     sock = listen_socket(host, port)
     cfg = GatewayConfig(
         limits=S.Limits(max_tokens_ceiling=args.max_tokens_ceiling),
         per_key_concurrency=args.per_key_concurrency, max_queue=args.max_queue)
 
     async def main() -> int:
+        asyncio.get_running_loop().set_exception_handler(quiet_accept_errors())
         link = EngineLink(connect, cfg.retry_after_s)
         await link.get()  # start or find the engine before taking requests
         app = create_app(cfg, KeyRing(keys), link)
-        server = uvicorn_server(app)
+        server = uvicorn_server(app, cfg.max_connections)
         shown = f"[{host}]" if ":" in host else host
         print(f"aotx gateway: serving model {link.model} at http://{shown}:{sock.getsockname()[1]}/v1 "
               f"(engine socket {(await link.get()).socket_path})", file=sys.stderr)

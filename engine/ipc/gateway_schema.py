@@ -15,7 +15,8 @@ What is supported, ignored and refused (the table the tests follow):
   ``stream_options.include_usage``, ``n`` = 1; the llama.cpp-style extensions
   ``top_k``, ``min_p``, ``repeat_penalty``. Sampling fields left out take the
   engine's defaults (``protocol.SamplingParams``), not OpenAI's.
-* ignored: ``model`` (the engine serves one model; replies name it), ``user``,
+* ``model`` routes the request (``Gateway.route``: an installed model by name, else the
+  default one; replies name the model that ran); ignored: ``user``,
   ``frequency_penalty``, ``presence_penalty``, ``metadata``, ``store``,
   ``service_tier``, ``parallel_tool_calls``, ``reasoning_effort``,
   ``modalities`` = ["text"], ``response_format`` = text, empty ``tools`` /

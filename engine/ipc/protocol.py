@@ -49,11 +49,12 @@ itself or the context is full (a requested 1000-word story is ~1,300 tokens: a
 REPEAT_PENALTY = 1.1
 """The default repetition penalty (over the last 64 tokens). Measured on llama.cpp's
 reference prompts for the default model (tests/tools/measure_repeat_penalty.py,
-greedy): without it "What is the capital of France?" loops ("la femme, la femme, ...")
-to the token limit, 1.05 still loops; 1.1 ends it with a real answer and keeps the code
-answer's function and explanation (31 of its first 48 tokens as without a penalty);
-from 1.15 the code answer itself changes. (Ollama's default is 1.1 too.) Issue 17,
-point 15."""
+greedy; its docstring has the tables): without a penalty "What is the capital of
+France?" loops ("la femme, la femme, ...") to the token limit in llama.cpp's greedy
+reply and did in AOTX's (its first token is a near-tie: today's executor answers
+instead), and 1.05 still looped; 1.1 ended it with a real answer, keeps the code
+answer's start and halves a list's repeated phrasing; from 1.15 the code answer itself
+changes. (Ollama's default is 1.1 too.) Issue 17, point 15."""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -168,7 +169,8 @@ class Receipt(msgspec.Struct):
 class MessageView(msgspec.Struct, omit_defaults=True):
     """One message of a conversation as clients see it.
 
-    status: accepted | streaming | complete | interrupted | cancelled | failed."""
+    status: accepted | streaming | complete | interrupted | cancelled | failed.
+    ``model``: the model that wrote a reply ("" in journals older than several models)."""
 
     msg_id: str
     role: str
@@ -180,9 +182,12 @@ class MessageView(msgspec.Struct, omit_defaults=True):
     attachments: list[Attachment] = []
     receipt: Receipt | None = None
     seq: int = 0
+    model: str = ""
 
 
 class ConversationView(msgspec.Struct, omit_defaults=True):
+    """``model``: the model the conversation's next reply runs on ("": the engine's default)."""
+
     conv_id: str
     title: str = ""  # renamed to "": the table omits it then
     created_at: float = 0.0
@@ -192,6 +197,7 @@ class ConversationView(msgspec.Struct, omit_defaults=True):
     sampling: SamplingParams | None = None
     messages: list[MessageView] = []
     busy: bool = False
+    model: str = ""
 
 
 class BudgetLine(msgspec.Struct):
@@ -206,6 +212,33 @@ class SlotView(msgspec.Struct, omit_defaults=True):
     conv_id: str | None = None
     state: str = "free"  # free | prefill | decode
     position: int = 0
+    model: str = ""  # the loaded model whose slot it is
+
+
+class ModelInfo(msgspec.Struct, omit_defaults=True):
+    """One model the engine can run: an installed GGUF file or a remote endpoint.
+
+    kind: "gguf" | "remote"; ``quant``: the file's tensor type (llama.cpp's file type
+    name, e.g. Q4_K_M); ``n_ctx_train``: its trained context (tokens); ``needs_bytes``:
+    the memory it takes at the engine's slots and context (accounted when loaded,
+    estimated from the file's header otherwise; 0 for a remote one); ``idle_s``:
+    seconds since a loaded model last generated; ``busy``: its requests in flight;
+    ``error``: why the file cannot be used ("" when it can)."""
+
+    name: str
+    kind: str = "gguf"
+    path: str = ""
+    url: str = ""
+    size_bytes: int = 0
+    arch: str = ""
+    quant: str = ""
+    n_ctx_train: int = 0
+    loaded: bool = False
+    default: bool = False
+    needs_bytes: int = 0
+    busy: int = 0
+    idle_s: float = 0.0
+    error: str = ""
 
 
 # ---- client -> engine ------------------------------------------------------
@@ -224,11 +257,14 @@ class PriorMessage(msgspec.Struct):
 
 
 class CreateConversation(_Base, tag="create"):
+    """A new conversation; ``model`` names the model it runs on ("": the engine's default)."""
+
     id: int
     title: str = ""
     system_prompt: str | None = None
     sampling: SamplingParams | None = None
     messages: list[PriorMessage] = []
+    model: str = ""
 
 
 class ListConversations(_Base, tag="list"):
@@ -241,12 +277,16 @@ class ShowConversation(_Base, tag="show"):
 
 
 class SubmitMessage(_Base, tag="submit"):
+    """A user's message. ``model``: run the reply on this model, switching the
+    conversation to it when it is another ("": the conversation's model)."""
+
     id: int
     conv_id: str
     text: str
     attachments: list[Attachment] = []
     sampling: SamplingParams | None = None
     raw: bool = False  # no chat template: the text is the prompt
+    model: str = ""
 
 
 class Cancel(_Base, tag="cancel"):
@@ -298,6 +338,38 @@ class Status(_Base, tag="status"):
     id: int
 
 
+class ListModels(_Base, tag="list_models"):
+    """Every model the engine can run (installed files, remote endpoints) and which are loaded."""
+
+    id: int
+
+
+class LoadModel(_Base, tag="load_model"):
+    """Load ``model`` beside the others. ``evict_idle``: unload least recently used idle
+    models when it would not fit otherwise (else a refusal with the numbers)."""
+
+    id: int
+    model: str
+    evict_idle: bool = False
+
+
+class UnloadModel(_Base, tag="unload_model"):
+    """Unload ``model`` (refused while it generates); its conversations keep it as their
+    model and load it again on their next message."""
+
+    id: int
+    model: str
+
+
+class SwitchModel(_Base, tag="switch_model"):
+    """Run conversation ``conv_id`` on ``model`` from its next message on (the history is
+    kept: the new model prefills it). Answered by ``ConversationInfo``."""
+
+    id: int
+    conv_id: str
+    model: str
+
+
 # ---- engine -> client ------------------------------------------------------
 
 class Welcome(_Base, tag="welcome"):
@@ -309,6 +381,7 @@ class Welcome(_Base, tag="welcome"):
     pid: int = 0
     journal: bool = True  # False: no Durable receipts will come (journal off)
     draft_model: str = ""  # the draft model's name ("" without one)
+    models: list[str] = []  # every loaded model (``model`` is the default one)
 
 
 class Error(_Base, tag="error"):
@@ -359,8 +432,9 @@ class Token(_Base, tag="token"):
 
 
 class Notice(_Base, tag="notice"):
-    """Admission feedback. kind: held | queued | refused | resumed.
-    resource names what is short (slots, context, journal, memory, media)."""
+    """Admission feedback. kind: held | queued | refused | resumed | model (a model was
+    loaded, unloaded or switched for this request).
+    resource names what is short (slots, context, journal, memory, media, model)."""
 
     id: int
     kind: str
@@ -387,7 +461,11 @@ class MediaInfo(_Base, tag="media"):
 
 
 class Committed(_Base, tag="committed"):
-    """The reply finished. finish_reason: stop | length | context | cancelled | error."""
+    """The reply finished. finish_reason: stop | length | context | cancelled | error |
+    interrupted (a remote model's stream was dropped midway: what arrived is kept).
+    numerics: the arithmetic that produced the tokens ("cpu-int8", "cpu-f32", "cuda-f32";
+    "remote" for a remote model's): a backend's results are batch-invariant, but two
+    backends need not agree bit for bit."""
 
     id: int
     msg_id: str
@@ -398,6 +476,7 @@ class Committed(_Base, tag="committed"):
     seq: int
     text: str = ""
     timings: dict[str, float] = {}
+    numerics: str = ""
 
 
 class Durable(_Base, tag="durable"):
@@ -435,19 +514,41 @@ class StatusReply(_Base, tag="status_reply"):
     # line naming the disk, the bytes needed and the bytes free (it clears by itself)
     degraded: str = ""
     notices: list[str] = []  # engine-wide notices for users (journal damage salvaged at start)
+    models: list[ModelInfo] = []  # the loaded models (``model`` is the default one)
+
+
+class ModelList(_Base, tag="models"):
+    """Answer to ``ListModels``: every model, the budget and the models folder."""
+
+    id: int
+    models: list[ModelInfo]
+    budget_bytes: int = 0
+    used_bytes: int = 0
+    models_dir: str = ""
+
+
+class ModelLoaded(_Base, tag="model_loaded"):
+    """Answer to ``LoadModel``: the model is loaded (``unloaded``: idle models evicted for it)."""
+
+    id: int
+    model: ModelInfo
+    unloaded: list[str] = []
+    already: bool = False
 
 
 Message = Union[
     Hello, CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel,
     DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
+    ListModels, LoadModel, UnloadModel, SwitchModel,
     Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, MediaInfo, Committed,
-    Durable, StatusReply,
+    Durable, StatusReply, ModelList, ModelLoaded,
 ]
 
 #: The operations a client asks the engine to run (everything but the handshake).
 Operation = Union[
     CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel, DeleteConversation,
     RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
+    ListModels, LoadModel, UnloadModel, SwitchModel,
 ]
 OPERATIONS: tuple[type, ...] = Operation.__args__
 
@@ -462,7 +563,7 @@ def operation_problem(op: Any) -> str | None:
         return f"unexpected message type {type(op).__name__}"
     if isinstance(op.id, bool) or not isinstance(op.id, int):
         return f"id must be an integer, got {op.id!r}"
-    for name in ("conv_id", "title", "text", "msg_id", "at_msg_id"):
+    for name in ("conv_id", "title", "text", "msg_id", "at_msg_id", "model"):
         v = getattr(op, name, "")
         if not isinstance(v, str):
             return f"{name} must be a string, got {type(v).__name__}"
@@ -487,6 +588,11 @@ def operation_problem(op: Any) -> str | None:
                 return "an attachment needs the path of its file"
             if a.kind not in ("", *MediaKind):
                 return f"{a.name or a.path}: unknown attachment kind {a.kind!r} (audio or image)"
+    elif isinstance(op, (LoadModel, UnloadModel, SwitchModel)):
+        if not op.model.strip():
+            return "model must name a model (see ListModels)"
+        if isinstance(op, LoadModel) and not isinstance(op.evict_idle, bool):
+            return f"evict_idle must be a boolean, got {op.evict_idle!r}"
     elif isinstance(op, Cancel):
         if isinstance(op.target, bool) or not isinstance(op.target, int) or op.target < 0:
             return f"target must be a request id (an integer of at least 0), got {op.target!r}"

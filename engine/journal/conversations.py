@@ -80,6 +80,7 @@ class Message(msgspec.Struct, omit_defaults=True):
     created_at: float = 0.0
     seq: int = 0
     receipt: Receipt | None = None
+    model: str = ""  # a reply's model
 
 
 class Conversation(msgspec.Struct, omit_defaults=True):
@@ -93,6 +94,7 @@ class Conversation(msgspec.Struct, omit_defaults=True):
     messages: list[Message] = []
     capsule: CapsuleRef | None = None
     seq: int = 0
+    model: str = ""  # the model its next reply runs on ("": the engine's default)
 
     def message(self, msg_id: str) -> Message | None:
         for m in reversed(self.messages):
@@ -284,7 +286,7 @@ class ConversationTable:
             return
         self.conversations[r.conv_id] = Conversation(
             conv_id=r.conv_id, title=r.title, created_at=r.created_at, updated_at=r.created_at,
-            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq)
+            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq, model=r.model)
 
     def _renamed(self, r: ConversationRenamed, seq: int) -> None:
         if (c := self._conv(r.conv_id, seq)) is not None:
@@ -299,6 +301,8 @@ class ConversationTable:
         if (c := self._conv(r.conv_id, seq)) is not None:
             c.system_prompt = r.system_prompt
             c.sampling = dict(r.sampling)
+            if r.model is not None:
+                c.model = r.model
 
     def _truncated(self, r: ConversationTruncated, seq: int) -> None:
         if (c := self._conv(r.conv_id, seq)) is not None:
@@ -317,8 +321,11 @@ class ConversationTable:
             return
         status = "accepted" if r.role == "assistant" else "complete"
         m = Message(msg_id=r.msg_id, role=r.role, text=r.text, status=status,
-                    attachments=list(r.attachments), sampling=dict(r.sampling), created_at=r.created_at)
+                    attachments=list(r.attachments), sampling=dict(r.sampling), created_at=r.created_at,
+                    model=r.model)
         c.messages.append(m)
+        if r.model:  # a reply written by a model: the conversation runs on it
+            c.model = r.model
         if r.created_at:
             c.updated_at = max(c.updated_at, r.created_at)
         self._touch(m, seq)

@@ -86,6 +86,7 @@ class ConversationCreated(_Record):
     created_at: float = 0.0  # seconds since the epoch
     system_prompt: str | None = None
     sampling: dict[str, Any] = {}
+    model: str = ""  # the model it runs on ("": the engine's default; journals before several models)
 
 
 class ConversationRenamed(_Record):
@@ -100,12 +101,14 @@ class ConversationDeleted(_Record):
 
 
 class ConversationUpdated(_Record):
-    """New system prompt and default sampling (protocol ``UpdateConversation``)."""
+    """New system prompt and default sampling (protocol ``UpdateConversation``), and
+    the model its next replies run on when ``model`` is set (None: unchanged)."""
 
     type_id: ClassVar[int] = 4
     conv_id: str
     system_prompt: str | None = None
     sampling: dict[str, Any] = {}
+    model: str | None = None
 
 
 class ConversationTruncated(_Record):
@@ -128,6 +131,7 @@ class MessageAccepted(_Record):
     sampling: dict[str, Any] = {}
     attachments: list[AttachmentRef] = []
     created_at: float = 0.0  # seconds since the epoch
+    model: str = ""  # a reply's: the model that writes it ("" in journals before several models)
 
 
 class TokensCommitted(_Record):

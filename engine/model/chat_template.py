@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import traceback
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from aotx.engine.errors import TemplateError
+from aotx.engine.model.template_sandbox import RenderBudget
 from aotx.engine.model.tokenizer import Tokenizer
 
 log = logging.getLogger("aotx.model")
@@ -107,6 +109,7 @@ FALLBACKS = {"gemma": GEMMA_TEMPLATE, "chatml": CHATML_TEMPLATE}
 vocabulary holds ``<start_of_turn>`` and ``<end_of_turn>``, else ``"chatml"``."""
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use markers around message content
+_MARKERS = re.compile("[\ue000\ue001]")
 
 
 class _TemplateRaised(Exception):
@@ -128,28 +131,10 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 def _make_env() -> Any:
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from aotx.engine.model.template_sandbox import make_environment
 
-    class _Generation(Extension):
-        """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker):
-        renders its body unchanged."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _Generation])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
+    return make_environment(filters={"tojson": _tojson},
+                            globals_={"raise_exception": _raise_exception, "strftime_now": _strftime_now})
 
 
 def _template_line(tb: Any) -> int | None:
@@ -167,28 +152,42 @@ class ChatTemplate:
 
     ``ChatTemplate(source)`` compiles (TemplateError with the line on a syntax
     error); ``ChatTemplate.from_metadata(meta)`` takes ``tokenizer.chat_template``
-    or, only when that is absent or empty, the ChatML fallback
-    (``is_fallback`` is then True).
+    or, only when that is absent or empty, a fallback (``FALLBACKS``; ``is_fallback``
+    is then True and ``fallback`` names it). ``name`` says which template it is in
+    messages (``"tokenizer.chat_template of 'SmolLM2 135M Instruct'"``).
+
+    Every render runs inside a ``RenderBudget`` (``template_sandbox.py``): CPU
+    time and the size of what it builds. A template that passes it is refused
+    with a TemplateError naming the template and the limit.
     """
 
-    def __init__(self, source: str, *, is_fallback: bool = False, fallback: str | None = None) -> None:
+    def __init__(self, source: str, *, is_fallback: bool = False, fallback: str | None = None,
+                 name: str = "") -> None:
         import jinja2
+
+        from aotx.engine.model.template_sandbox import compile_template
 
         self.source = source
         self.is_fallback = is_fallback or fallback is not None
         self.fallback = fallback if fallback is not None else ("chatml" if is_fallback else None)
+        self.name = name or (f"the built-in {self.fallback} template" if self.fallback else "the chat template")
+        self._env = _make_env()
         try:
-            self._template = _make_env().from_string(source)
+            self._template = compile_template(self._env, source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
+        except RecursionError:
+            raise TemplateError(f"{self.name} is nested too deeply to compile") from None
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "ChatTemplate":
         """The GGUF's template or, when the file has none, a fallback (``FALLBACKS``:
         Gemma's for a Gemma vocabulary, ChatML otherwise), said once in the log."""
         src = meta.get("tokenizer.chat_template")
+        model = meta.get("general.name")
         if isinstance(src, str) and src.strip():
-            return cls(src)
+            return cls(src, name=f"tokenizer.chat_template of {model!r}" if isinstance(model, str) and model
+                       else "the model's tokenizer.chat_template")
         tokens = meta.get("tokenizer.ggml.tokens") or ()
         name = "gemma" if {"<start_of_turn>", "<end_of_turn>"} <= set(tokens) else "chatml"
         log.warning("%s has no tokenizer.chat_template; using the %s fallback template",
@@ -196,19 +195,27 @@ class ChatTemplate:
         return cls(FALLBACKS[name], fallback=name)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-               bos_token: str = "", eos_token: str = "", **extra: Any) -> str:
+               bos_token: str = "", eos_token: str = "", budget: RenderBudget | None = None, **extra: Any) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) to prompt text.
 
         ``extra`` goes to the template as further variables (``tools``,
-        ``documents``, ``enable_thinking``, ...). Raises TemplateError naming the
-        template line and the message on any error during rendering, including
-        the template's own ``raise_exception``.
+        ``documents``, ``enable_thinking``, ...); ``budget`` bounds the render
+        (default ``DEFAULT_BUDGET``: 2 s of CPU, 32 Mi characters). Raises
+        TemplateError naming the template line and the message on any error
+        during rendering, including the template's own ``raise_exception``, and
+        naming the template and the limit when it passes its budget.
         """
         import jinja2
 
+        from aotx.engine.model.template_sandbox import DEFAULT_BUDGET, BudgetExceeded, render
+
+        variables = dict(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                         bos_token=bos_token, eos_token=eos_token, **extra)
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token, eos_token=eos_token, **extra)
+            return render(self._env, self._template, budget or DEFAULT_BUDGET, variables)
+        except BudgetExceeded as e:
+            raise TemplateError(f"{self.name} was stopped: {e}; a chat template that does this is broken or "
+                                f"hostile: use another model file (or `aotx run --raw`)") from None
         except _TemplateRaised as e:
             line = _template_line(e.__traceback__)
             where = f" at line {line}" if line else ""
@@ -256,26 +263,29 @@ def _marked_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
 
 
 def _spans_from_markers(marked: str) -> tuple[str, list[tuple[int, int]]] | None:
-    """Strip the markers; return (text, content spans), or None if unbalanced."""
-    text: list[str] = []
+    """Strip the markers; return (text, content spans), or None if unbalanced.
+    (One regex scan: a long prompt is not walked character by character in Python.)"""
+    pieces: list[str] = []
     spans: list[tuple[int, int]] = []
-    n, start = 0, -1
-    for ch in marked:
-        if ch == _OPEN:
+    n, pos, start = 0, 0, -1
+    for m in _MARKERS.finditer(marked):
+        seg = marked[pos:m.start()]
+        pieces.append(seg)
+        n += len(seg)
+        pos = m.end()
+        if m.group() == _OPEN:
             if start >= 0:
                 return None
             start = n
-        elif ch == _CLOSE:
+        else:
             if start < 0:
                 return None
             spans.append((start, n))
             start = -1
-        else:
-            text.append(ch)
-            n += 1
     if start >= 0:
         return None
-    return "".join(text), spans
+    pieces.append(marked[pos:])
+    return "".join(pieces), spans
 
 
 def content_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], text: str,

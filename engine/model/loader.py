@@ -134,10 +134,12 @@ def make_backend(device: str, *, int8_activations: bool = True, tune: str = "reu
                  tune_budget_s: float | None = None):
     """Backend object for ``device`` (``cpu`` or ``cuda``). Raises ModelError for others.
 
-    On the CPU, ``int8_activations`` rounds decode activations to int8 per 32-block for
-    Q4_0/Q4_1/Q8_0 weights, as llama.cpp does (ggml-quants.c, Q8_1): about 2x faster
-    decode, logits within about 1e-2 relative of float arithmetic. On CUDA, ``tune`` is
-    the kernel-choice policy (``engine/backend/kernel_choice.py``: off, reuse, auto, force)."""
+    On the CPU, ``int8_activations`` rounds matmul activations to int8 per 32-block for
+    every weight type with an integer form, as llama.cpp does (ggml-quants.c, Q8_1; see
+    cpu_matmul): logits within about 1e-2 relative of float arithmetic; False keeps them
+    float32 (slower). Either way a row's logits do not depend on its batch. On CUDA,
+    ``tune`` is the kernel-choice policy (``engine/backend/kernel_choice.py``: off, reuse,
+    auto, force)."""
     if device == "cpu":
         from aotx.engine.backend.cpu import CpuBackend
 

@@ -30,9 +30,10 @@ from aotx.engine.runtime.slots import SlotTable
 class Commit:
     """The commit step of one engine: ``store`` a ``ConversationStore``, ``slots`` its table."""
 
-    def __init__(self, store: Any, slots: SlotTable):
+    def __init__(self, store: Any, slots: SlotTable, numerics: str = ""):
         self.store = store
         self.slots = slots
+        self.numerics = numerics  # the arithmetic behind the tokens, named in every Committed
 
     def leased(self, lease: Lease, got: LeaseResult) -> None:
         """A queued request took its slot: ``got.reuse`` prompt positions are in place."""
@@ -119,7 +120,7 @@ class Commit:
         r.final_seq = seq
         r.sink.send(P.Committed(id=r.rid, msg_id=r.reply_id, finish_reason=reason, n_prompt=len(r.prompt),
                                 n_completion=len(r.completion), tick=tick, seq=seq, text=r.text,
-                                timings=r.timings()))
+                                timings=r.timings(), numerics=self.numerics))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.FINAL)
         st.flush()

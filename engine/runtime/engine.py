@@ -4,7 +4,8 @@ Owns: the engine thread, its tables of requests (waiting in line, running in a
 slot, by client request id) and the dispatch of every event by its type
 (``events.py``): client operations (each validated first: ``protocol.validate``,
 whoever the client is, so a refused operation writes nothing), receipts, media
-stages that finished, capsule files written, clients gone.
+and preparation stages that finished (a message's prompt is made on a worker,
+never in the loop: ``prepare.py``), capsule files written, clients gone.
 
 A tick is one bounded step (DESIGN.md, "The tick"): cancellations take effect;
 **admit**: queued requests take free slots (``scheduler.plan_leases``, the KV put in
@@ -14,6 +15,13 @@ with sampling (``executor.run``: continuous batching, speculative verify windows
 **publish**: records and events (``commit.apply``) and the finish of replies that
 ended; the journal groups the tick's records into one block and a tick never waits
 on disk. Records and events carry ``(tick, seq)``.
+
+Several models (``models.py``): each loaded model has its own slots, KV, line and
+running requests; a tick runs each model's batch through its own forward, one after
+the other. Operations name a model or follow their conversation's (the default
+model's when it names none); a model not loaded is loaded on demand (admission
+across all of them: ``ModelSet.ensure``). Remote models (``remote.py``) join the same
+way: their stream's arrivals are committed in the tick like a local model's tokens.
 
 Leaves to others: sockets (``ipc/server.py``), a message's way in (``submit.py``),
 admission (``admission.py``), conversation state (``store.py``), receipts
@@ -28,24 +36,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from aotx.engine.errors import AotxError, Busy, ErrorCode
+from aotx.engine.errors import AotxError, Busy, ErrorCode, NotFound
 from aotx.engine.ipc import protocol as P
 from aotx.engine.runtime.admission import Budget, Refusal
-from aotx.engine.runtime.commit import Commit
-from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftModel
-from aotx.engine.runtime.envelope import Envelope
+from aotx.engine.runtime.catalog import Catalog, ModelEntry
+from aotx.engine.runtime.drafter import DEFAULT_P_MIN
 from aotx.engine.runtime.events import (
-    CapsuleWritten, ClientOp, Disconnected, MediaReady, ReceiptArrived, Wake,
+    CapsuleWritten, ClientOp, Disconnected, MediaReady, Prepared, ReceiptArrived, RemoteEvent, Wake,
 )
-from aotx.engine.runtime.executor import DeviceError, Executor
+from aotx.engine.runtime.executor import DeviceError
+from aotx.engine.runtime.models import (
+    EXTRA_CAPSULE_HOST, LocalModel, ModelSet, header_terms, is_shared_term, local_terms,
+)
 from aotx.engine.runtime.requests import Request, RequestState, Sink
-from aotx.engine.runtime.scheduler import plan_leases, plan_tick
-from aotx.engine.runtime.slots import SlotTable
-from aotx.engine.runtime.submit import Submitter
 from aotx.engine.units import fmt_bytes
 
 log = logging.getLogger("aotx.engine")
@@ -54,69 +60,151 @@ IDLE_WAIT_S = 0.5  # an idle loop wakes this often, so a signal handler on the m
 
 
 class Engine:
-    """Runs one model for many conversations and clients.
+    """Runs several models for many conversations and clients.
 
-    lm: a ``loader.LoadedModel``; store: a ``store.ConversationStore`` (journaled or
-    in-memory; its inbox is the engine's); n_slots, n_ctx: slot count and tokens of
-    context per slot; prefill_chunk: most prompt tokens prefilled per tick (others keep
-    decoding); budget: admission's start-up ``Budget`` (for status); kv_type: the KV
-    cache's element type, "f16" (default) or "f32"; speculative: the
-    default drafter (auto | ngram | draft | off); draft_lm: a draft model's
-    ``LoadedModel`` (same vocabulary; its own slots and KV: ``drafter.DraftModel``).
-    ``vision`` (a ``media.vision.VisionEncoder``) and ``images`` (a
-    ``media_prompt.ImageStore``) are set by ``serve`` when images go to an encoder.
+    lm: the default model's ``loader.LoadedModel``; store: a ``store.ConversationStore``
+    (journaled or in-memory; its inbox is the engine's); n_slots, n_ctx: slot count and
+    tokens of context per slot (of every model; a model's context is at most its
+    trained one); prefill_chunk: most prompt tokens prefilled per tick (others keep
+    decoding); budget: admission's start-up ``Budget`` (the default model's terms and the
+    engine's shared ones; None: no accounting); kv_type: the KV cache's element type
+    of every model, "f16" (default) or "f32"; speculative: the default drafter (auto |
+    ngram | draft | off); draft_lm: a draft model's ``LoadedModel`` for the default model
+    (same vocabulary; its own slots and KV: ``drafter.DraftModel``). ``vision`` (a
+    ``media.vision.VisionEncoder``) and ``images`` (a ``media_prompt.ImageStore``) are set
+    by ``serve`` when images go to the default model's encoder.
+
+    Several models: ``catalog`` (``catalog.Catalog``) names the installed ones;
+    ``loader(entry)`` loads one (default: ``loader.load_model`` on ``device``);
+    ``capsule_root``: the folder of capsule folders (one per model fingerprint; None:
+    models loaded later keep capsules in memory only); ``keep_alive_s``: unload a model
+    idle that long (0: never; never the default one); ``evict_idle``: unload idle models
+    when a load would not fit (else the load is refused with the numbers).
     """
 
     def __init__(self, lm: Any, store: Any, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
                  budget: Budget | None = None, device: str = "cpu", capsules: Any = None, speculative: str = "off",
-                 draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN, kv_type: str = "f16"):
-        self.lm = lm
+                 draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN, catalog: Catalog | None = None,
+                 loader: Callable[[ModelEntry], Any] | None = None, capsule_root: Any = None,
+                 keep_alive_s: float = 0.0, evict_idle: bool = False, name: str = "",
+                 kv_type: str = "f16"):
         self.store = store
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
-        self.budget = budget
         self.device = device
-        self.capsules = capsules  # state.cache.CapsuleCache or None
         self.speculative = speculative
-        self.envelope = Envelope.of(lm.config, n_slots, n_ctx, prefill_chunk, store.journal_capacity)
-        self.kv = lm.model.new_kv_cache(n_slots, n_ctx, kv_type)
-        self.draft = DraftModel(draft_lm, n_slots, n_ctx, p_min=draft_p_min) if draft_lm is not None else None
-        self.slots = SlotTable(n_slots)
+        self.capsule_root = capsule_root
+        self._loader = loader
+        self.kv_type = kv_type
         self.tick = 0
         self.stats = {"ticks": 0, "tokens": 0, "device_s": 0.0, "host_s": 0.0}
         self._inbox = store.inbox
-        self._waiting: deque[Request] = deque()   # accepted, in arrival order (durable_wait or queued)
-        self._running: list[Request] = []         # prefill or decode, holding a slot
         self._by_rid: dict[tuple[int, int], Request] = {}
-        self.executor = Executor(lm, self.kv, device=device, capsules=capsules, draft=self.draft)
-        self.commit = Commit(store, self.slots)
-        self.submitter = Submitter(lm, store, self.envelope, self._inbox, self._is_busy, device=device,
-                                   speculative=speculative, draft=self.draft)
-        self.submitter.count_media = self.count_media
+        self.catalog = catalog if catalog is not None else Catalog()
+        name = name or lm.name
+        if name not in self.catalog.entries():
+            self.catalog.extra[name] = lm.path
+        self._has_budget = budget is not None
+        self._capsules_on = capsules is not None
+        default = LocalModel(name, lm, store, self._inbox, self._is_busy, n_slots=n_slots, n_ctx=n_ctx,
+                             prefill_chunk=prefill_chunk, device=device, capsules=capsules, speculative=speculative,
+                             draft_lm=draft_lm, draft_p_min=draft_p_min, default=True, kv_type=kv_type,
+                             terms=tuple((n, v) for n, v in budget.terms if not is_shared_term(n)) if budget else
+                             local_terms(lm, n_slots, n_ctx, prefill_chunk, kv_type=kv_type))
+        self.models = ModelSet(self.catalog, budget.total if budget else 1 << 62,
+                               tuple((n, v) for n, v in budget.terms if is_shared_term(n)) if budget else (),
+                               keep_alive_s=keep_alive_s, evict_idle=evict_idle)
+        self.models.make_local = self._make_local
+        self.models.make_remote = self._make_remote
+        self.models.estimate = self._estimate
+        self.models.add(default, default=True)
+        default.submitter.count_media = self.count_media
+        kv1 = lm.model.kv_cache_bytes(1, 16, kv_type)
+        cfg = lm.config
+        self._kv_value_bytes = max(1, round(kv1 / max(1, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 16)))
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._handlers: dict[type, Callable[[Any], None]] = {
             ClientOp: self._on_client_op, ReceiptArrived: self._on_receipt, MediaReady: self._on_media_ready,
-            CapsuleWritten: self._on_capsule_written, Disconnected: self._on_disconnect, Wake: lambda ev: None,
+            Prepared: self._on_prepared, CapsuleWritten: self._on_capsule_written,
+            Disconnected: self._on_disconnect, RemoteEvent: lambda ev: None, Wake: lambda ev: None,
         }
         self._operations: dict[type, Callable[[Any, Sink], None]] = {
             P.CreateConversation: self._create, P.ListConversations: self._list, P.ShowConversation: self._show,
             P.SubmitMessage: self._submit, P.Cancel: self._cancel_op, P.DeleteConversation: self._delete,
             P.RenameConversation: self._rename, P.UpdateConversation: self._update,
             P.TruncateConversation: self._truncate, P.ForkConversation: self._fork, P.Status: self._status,
+            P.ListModels: self._list_models, P.LoadModel: self._load_model, P.UnloadModel: self._unload_model,
+            P.SwitchModel: self._switch_model,
         }
         assert set(self._operations) == set(P.OPERATIONS), "every protocol operation has a handler"
+
+    # ---- the default model's parts (what single-model callers read) ---------------------------
+
+    @property
+    def default_model(self) -> LocalModel:
+        return self.models.default
+
+    @property
+    def lm(self) -> Any:
+        return self.default_model.lm
+
+    @property
+    def kv(self) -> Any:
+        return self.default_model.kv
+
+    @property
+    def slots(self) -> Any:
+        return self.default_model.slots
+
+    @property
+    def envelope(self) -> Any:
+        return self.default_model.envelope
+
+    @property
+    def executor(self) -> Any:
+        return self.default_model.executor
+
+    @property
+    def commit(self) -> Any:
+        return self.default_model.commit
+
+    @property
+    def submitter(self) -> Any:
+        return self.default_model.submitter
+
+    @property
+    def draft(self) -> Any:
+        return self.default_model.draft
+
+    @property
+    def capsules(self) -> Any:
+        return self.default_model.capsules
+
+    @property
+    def budget(self) -> Budget | None:
+        return self.models.budget() if self._has_budget else None
+
+    @property
+    def _waiting(self) -> list[Request]:
+        return [r for m in self.models for r in m.waiting]
+
+    @property
+    def _running(self) -> list[Request]:
+        return [r for m in self.models for r in m.running]
 
     # ---- what other parts set and read ----------------------------------------------
 
     @property
     def ready(self) -> bool:
-        return self.submitter.ready
+        d = self.models.default
+        return d.ready if d is not None else True
 
     @property
     def not_ready_reason(self) -> str:
-        return self.submitter.not_ready_reason
+        d = self.models.default
+        return d.submitter.not_ready_reason if d is not None else ""
 
     @property
     def vision(self) -> Any:
@@ -133,6 +221,59 @@ class Engine:
     @images.setter
     def images(self, store: Any) -> None:
         self.submitter.images = self.executor.images = store
+
+    # ---- loading models ------------------------------------------------------------------
+
+    def _estimate(self, entry: ModelEntry) -> tuple[tuple[str, int], ...]:
+        ctx = min(self.n_ctx, entry.n_ctx_train) if entry.n_ctx_train else self.n_ctx
+        return header_terms(entry, self.n_slots, ctx, self.prefill_chunk, self._kv_value_bytes,
+                            EXTRA_CAPSULE_HOST if self._capsules_on else 0)
+
+    def _make_local(self, entry: ModelEntry) -> LocalModel:
+        """Load ``entry`` beside the others, with the engine's slots and context."""
+        if self._loader is not None:
+            lm = self._loader(entry)
+        else:
+            from aotx.engine.model.loader import load_model
+
+            lm = load_model(entry.path, device=self.device)
+        n_ctx = min(self.n_ctx, lm.config.n_ctx_train) if lm.config.n_ctx_train else self.n_ctx
+        caps = None
+        if self._capsules_on:
+            from aotx.engine.state.cache import CapsuleCache
+
+            root = self.capsule_root
+            caps = CapsuleCache(root / lm.fingerprint if root is not None else None, host_bytes=EXTRA_CAPSULE_HOST,
+                                fingerprint=lm.fingerprint, kv_type=self.kv_type)
+        terms = local_terms(lm, self.n_slots, n_ctx, self.prefill_chunk,
+                            capsule_host=EXTRA_CAPSULE_HOST if caps is not None else 0, kv_type=self.kv_type)
+        # the device it was loaded on: serve's loader falls back to the CPU for a file CUDA cannot run
+        device = lm.backend if getattr(lm, "backend", "") in ("cpu", "cuda") else self.device
+        m = LocalModel(entry.name, lm, self.store, self._inbox, self._is_busy, n_slots=self.n_slots, n_ctx=n_ctx,
+                       prefill_chunk=self.prefill_chunk, device=device, capsules=caps,
+                       speculative="auto" if self.speculative == "draft" else self.speculative, terms=terms,
+                       entry=entry, kv_type=self.kv_type)
+        m.submitter.count_media = self.count_media
+        return m
+
+    def _make_remote(self, entry: ModelEntry) -> Any:
+        from aotx.engine.runtime.remote import RemoteModel
+
+        return RemoteModel(entry, self.store, self._inbox, self._is_busy)
+
+    def _ensure(self, name: str, rid: int, sink: Sink, evict_idle: bool | None = None) -> tuple[Any, list[str]]:
+        """The loaded model ``name`` (loaded now when it is not; the client is told)."""
+        def on_load(message: str) -> None:
+            sink.send(P.Notice(id=rid, kind="model", resource="model", message=message))
+
+        m, unloaded = self.models.ensure(name, evict_idle=evict_idle, on_load=on_load)
+        for u in unloaded:
+            sink.send(P.Notice(id=rid, kind="model", resource="memory",
+                               message=f"unloaded the idle model {u} to make room for {m.name}"))
+        return m, unloaded
+
+    def _model_of(self, r: Request) -> Any:
+        return self.models.get(r.model) or self.models.default
 
     # ---- thread plumbing ---------------------------------------------------------------
 
@@ -153,6 +294,9 @@ class Engine:
         self.request_stop()
         if self._thread:
             self._thread.join(timeout=10)
+        for m in self.models:
+            if m.kind == "remote":
+                m.close()
 
     def post(self, op: Any, sink: Sink) -> None:
         """Queue a client operation (a protocol ``Operation``), answered through ``sink.send``."""
@@ -163,16 +307,22 @@ class Engine:
         self._inbox.put(Disconnected(sink))
 
     def _has_work(self) -> bool:
-        return bool(self._running) or any(r.state is RequestState.QUEUED for r in self._waiting)
+        return any(m.has_work() for m in self.models)
 
     def run(self) -> None:
         """The loop, on the calling thread, until ``request_stop``: every event that
-        arrived, then a tick while there is work."""
+        arrived, then a tick while there is work; idle models past their keep-alive
+        unload between ticks."""
         while not self._stop.is_set():
             ev = self._inbox.get(0 if self._has_work() else IDLE_WAIT_S)
             while ev is not None:
                 self._handlers[type(ev)](ev)
                 ev = self._inbox.get(0)
+            if self.models.keep_alive_s > 0:
+                try:
+                    self.models.expire()
+                except AotxError:  # noqa: BLE001 - it became busy meanwhile: next time
+                    pass
             if not self._stop.is_set() and self._has_work():
                 try:
                     self._tick()
@@ -185,7 +335,9 @@ class Engine:
                             self._finish(r, "error")
                         except Exception:  # noqa: BLE001
                             log.exception("could not finish request %d", r.rid)
-                            self._running.remove(r) if r in self._running else None
+                            m = self._model_of(r)
+                            if r in m.running:
+                                m.running.remove(r)
 
     # ---- events ------------------------------------------------------------------------
 
@@ -210,9 +362,19 @@ class Engine:
 
         self._guarded(run, ev.op, ev.sink)
 
+    def _submitter_of(self, sub: Any) -> Any:
+        m = self.models.get(getattr(sub, "model", "")) or self.models.default
+        return m.submitter, m
+
     def _on_media_ready(self, ev: MediaReady) -> None:
         sub = ev.submission
-        self._guarded(lambda: self._enqueue(self.submitter.media_ready(sub, self.tick)), sub.op, sub.sink)
+        submitter, m = self._submitter_of(sub)
+        self._guarded(lambda: self._enqueue(submitter.media_ready(sub, self.tick), m), sub.op, sub.sink)
+
+    def _on_prepared(self, ev: Prepared) -> None:
+        sub = ev.submission
+        submitter, m = self._submitter_of(sub)
+        self._guarded(lambda: self._enqueue(submitter.prepared(ev, self.tick), m), sub.op, sub.sink)
 
     def _on_receipt(self, ev: ReceiptArrived) -> None:
         """Mark messages durable, let requests whose user message is now durable into the
@@ -221,14 +383,17 @@ class Engine:
         for r in ev.accepted:
             if r.state is RequestState.DURABLE_WAIT:
                 r.state = RequestState.QUEUED
-        for sub in self.submitter.take_held(self.store.journal_free_bytes()):
-            self._guarded(lambda sub=sub: self._enqueue(self.submitter.prompt(sub, self.tick)), sub.op, sub.sink)
+        for m in self.models:
+            for sub in m.submitter.take_held(self.store.journal_free_bytes()):
+                self._guarded(lambda sub=sub, m=m: self._enqueue(m.submitter.prompt(sub, self.tick), m), sub.op,
+                              sub.sink)
 
     def _on_capsule_written(self, ev: CapsuleWritten) -> None:
         if self.store.table.get(ev.conv_id) is None:
             return
         try:
-            self.store.capsule_stored(ev.conv_id, ev.path, self.lm.fingerprint, ev.n_tokens, tick=self.tick)
+            self.store.capsule_stored(ev.conv_id, ev.path, ev.fingerprint, ev.n_tokens,
+                                      tick=self.tick)
         except AotxError as e:  # no credit: the file stays, unjournaled (it is found again by name)
             log.warning("capsule of %s not journaled: %s", ev.conv_id, e)
 
@@ -237,13 +402,15 @@ class Engine:
         the user's: their replies run to the end here and are journaled, so the reply is
         there when the user comes back (nobody cancelled it: issue 17, defect 6); events
         for the closed connection are dropped. Work not yet accepted is dropped."""
-        self.submitter.drop(ev.sink)
+        for m in self.models:
+            m.submitter.drop(ev.sink)
 
     # ---- client operations ---------------------------------------------------------------
 
     def _create(self, op: P.CreateConversation, sink: Sink) -> None:
+        model = self.catalog.resolve(op.model).name if op.model else self.models.default_name
         view = self.store.create(op.title, op.system_prompt, op.sampling, tick=self.tick,
-                                 messages=[(m.role, m.text) for m in op.messages])
+                                 messages=[(m.role, m.text) for m in op.messages], model=model)
         sink.send(P.ConversationInfo(id=op.id, conversation=view))
 
     def _list(self, op: P.ListConversations, sink: Sink) -> None:
@@ -253,9 +420,36 @@ class Engine:
         sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
 
     def _submit(self, op: P.SubmitMessage, sink: Sink) -> None:
-        self._enqueue(self.submitter.submit(op, sink, self.tick))
+        """A message runs on the model it names, else its conversation's (else the
+        default). Naming another model switches the conversation to it (journaled with
+        the reply); a conversation whose model is no longer installed runs on the
+        default, with a notice. A model not loaded is loaded first."""
+        conv = self.store.get(op.conv_id)
+        self._require_idle(op.conv_id)
+        current = conv.model or self.models.default_name
+        want = op.model or current
+        try:
+            m, _ = self._ensure(want, op.id, sink)
+        except NotFound as e:
+            if op.model or want == self.models.default_name:
+                raise
+            m, _ = self._ensure(self.models.default_name, op.id, sink)
+            sink.send(P.Notice(id=op.id, kind="model", resource="model",
+                               message=f"this conversation ran on {want}, which is not installed any more ({e}); "
+                                       f"this reply runs on {m.name}, the engine's default (choose another with "
+                                       f"--model or Ctrl+O)"))
+        else:
+            if m.name != current and conv.messages:
+                sink.send(P.Notice(id=op.id, kind="model", resource="model",
+                                   message=f"switched this conversation from {current} to {m.name}: {m.name} reads "
+                                           f"its {len(conv.messages)} earlier messages again; what {current} "
+                                           f"saved of it stays valid for {current}"))
+        self._enqueue(m.submitter.submit(op, sink, self.tick), m)
 
     def _cancel_op(self, op: P.Cancel, sink: Sink) -> None:
+        for m in self.models:
+            if hasattr(m.submitter, "cancel_preparing"):  # a remote model prepares nothing here
+                m.submitter.cancel_preparing(op, sink)
         for r in list(self._by_rid.values()):
             if (op.target and r.rid == op.target and r.sink is sink) or (op.conv_id and r.conv_id == op.conv_id):
                 self._cancel(r)
@@ -264,9 +458,8 @@ class Engine:
     def _delete(self, op: P.DeleteConversation, sink: Sink) -> None:
         self._require_idle(op.conv_id)
         self.store.delete(op.conv_id, tick=self.tick)
-        self.slots.forget(op.conv_id)
-        if self.capsules is not None:
-            self.capsules.drop(op.conv_id)
+        for m in self.models:
+            m.forget(op.conv_id)
         sink.send(P.Ok(id=op.id))
 
     def _rename(self, op: P.RenameConversation, sink: Sink) -> None:
@@ -289,85 +482,108 @@ class Engine:
     def _status(self, op: P.Status, sink: Sink) -> None:
         sink.send(self.status_reply(op.id))
 
+    def _list_models(self, op: P.ListModels, sink: Sink) -> None:
+        ms = self.models
+        sink.send(P.ModelList(id=op.id, models=ms.infos(), budget_bytes=ms.total if self._has_budget else 0,
+                              used_bytes=ms.used() if self._has_budget else 0, models_dir=str(self.catalog.models_dir)))
+
+    def _load_model(self, op: P.LoadModel, sink: Sink) -> None:
+        already = self.models.get(op.model) is not None
+        m, unloaded = self._ensure(op.model, op.id, sink, evict_idle=op.evict_idle or None)
+        info = m.info()
+        info.default = m.name == self.models.default_name
+        sink.send(P.ModelLoaded(id=op.id, model=info, unloaded=unloaded, already=already))
+
+    def _unload_model(self, op: P.UnloadModel, sink: Sink) -> None:
+        name = op.model if self.models.get(op.model) is not None else self._loaded_name(op.model)
+        self.models.unload(name)
+        sink.send(P.Ok(id=op.id))
+
+    def _loaded_name(self, ref: str) -> str:
+        """The loaded model ``ref`` names (a catalog name or path); NotFound when none."""
+        try:
+            name = self.catalog.resolve(ref).name
+        except NotFound:
+            name = ref
+        if self.models.get(name) is None:
+            from aotx.engine.runtime.catalog import close_matches
+
+            near = close_matches(ref, list(self.models.loaded))
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise NotFound(f"model {ref!r} is not loaded{hint} (loaded: {', '.join(self.models.loaded) or 'none'})")
+        return name
+
+    def _switch_model(self, op: P.SwitchModel, sink: Sink) -> None:
+        self._require_idle(op.conv_id)
+        self.store.get(op.conv_id)
+        name = self.catalog.resolve(op.model).name
+        self.store.switch_model(op.conv_id, name, tick=self.tick)
+        sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
+
+    def _preparing(self) -> set[str]:
+        """Conversations whose message is in some local model's preparation stage."""
+        return {c for m in self.models for c in getattr(m.submitter, "preparing", ())}
+
     def _busy_convs(self) -> set[str]:
-        return {r.conv_id for r in self._by_rid.values()}
+        return {r.conv_id for r in self._by_rid.values()} | self._preparing()
 
     def _is_busy(self, conv_id: str) -> bool:
-        return any(r.conv_id == conv_id for r in self._by_rid.values())
+        return conv_id in self._preparing() or any(r.conv_id == conv_id for r in self._by_rid.values())
 
     def _require_idle(self, conv_id: str) -> None:
+        if conv_id in self._preparing():
+            raise Busy(f"conversation {conv_id} is preparing a message; wait for it or cancel it first")
         if self._is_busy(conv_id):
             raise Busy(f"conversation {conv_id} is generating; cancel it first")
 
     # ---- requests --------------------------------------------------------------------
 
-    def _enqueue(self, r: Request | None) -> None:
-        """An accepted request joins the line (None: the submission is not done yet)."""
+    def _enqueue(self, r: Request | None, m: Any = None) -> None:
+        """An accepted request joins its model's line (None: the submission is not done yet)."""
         if r is None:
             return
         self._by_rid[(id(r.sink), r.rid)] = r
-        self._waiting.append(r)
-        self.commit.queue_notices(self._waiting, self.n_slots)
+        (m or self._model_of(r)).enqueue(r)
 
     def _cancel(self, r: Request) -> None:
         if r.state is RequestState.DONE:
             return
-        r.cancelled = True
-        if r.state in (RequestState.DURABLE_WAIT, RequestState.QUEUED):
-            self._waiting.remove(r)
+        if self._model_of(r).cancel(r):
             self._finish(r, "cancelled")
 
     def _finish(self, r: Request, reason: str) -> None:
-        if r in self._running:
-            self._running.remove(r)
-        if r.slot is not None:
-            # the KV holds prompt + completion[:-1]; keep that for prefix reuse
-            self.slots.release(r.slot)
-            if reason in ("stop", "length", "context"):
-                self.executor.persist(r, lambda conv_id, path, n: self._inbox.put(CapsuleWritten(conv_id, path, n)))
+        m = self._model_of(r)
+        fp = getattr(m, "fingerprint", "")
+        m.finish(r, reason, self.tick, lambda conv_id, path, n: self._inbox.put(CapsuleWritten(conv_id, path, n, fp)))
         self._by_rid.pop((id(r.sink), r.rid), None)
-        self.commit.finish(r, reason, self.tick)
-        self.commit.queue_notices(self._waiting, self.n_slots)
 
     # ---- the tick ------------------------------------------------------------------------
 
     def _tick(self) -> None:
+        """One tick: each model with work runs its own batch (its own forward)."""
         t0 = time.perf_counter()
         self.tick += 1
-        for r in [r for r in self._running if r.cancelled]:  # cancellations take effect at the tick boundary
-            self._finish(r, "cancelled")
-        for lease in plan_leases(self._waiting, self.slots):
-            self._waiting.remove(lease.request)
-            self.commit.leased(lease, self.executor.lease(lease))
-            self._running.append(lease.request)
-        self.commit.queue_notices(self._waiting, self.n_slots)
-        plan = plan_tick(self._running, self.envelope)
-        if plan.empty:
-            return
-        try:
-            result = self.executor.run(plan, self.tick)
-        except DeviceError as e:
-            self._fail_closed(e)
-            return
-        n_out, finished = self.commit.apply(plan, result, self.tick)
-        for r in finished:
-            self._finish(r, r.finish_reason)
+        n_out, device_s = 0, 0.0
+        for m in self.models:
+            if not m.has_work():
+                continue
+            try:
+                n, d = m.tick(self.tick, self._finish)
+            except DeviceError as e:
+                self._fail_closed(m, e)
+                continue
+            n_out += n
+            device_s += d
         self.stats["ticks"] += 1
         self.stats["tokens"] += n_out
-        self.stats["device_s"] += result.device_s
-        self.stats["host_s"] += time.perf_counter() - t0 - result.device_s
+        self.stats["device_s"] += device_s
+        self.stats["host_s"] += time.perf_counter() - t0 - device_s
 
-    def _fail_closed(self, e: DeviceError) -> None:
-        """The device failed: refuse new work, fail every request, keep reads."""
-        log.error("device work failed at tick %d", self.tick, exc_info=e.__cause__)
-        reason = f"device work failed at tick {self.tick}: {e}"
-        self.submitter.ready, self.submitter.not_ready_reason = False, reason
-        # the queued ones too: they would otherwise run on a model marked not ready
-        waiting, self._waiting = list(self._waiting), deque()
-        for r in list(self._running) + waiting:
-            r.sink.send(P.Error(id=r.rid, code=ErrorCode.NOT_READY, message=reason))
-            self._finish(r, "error")
-        self.submitter.fail_held(reason)
+    def _fail_closed(self, m: Any, e: DeviceError) -> None:
+        """A model's device work failed: that model refuses new work and fails its
+        requests; the other models and every read go on."""
+        log.error("device work of model %s failed at tick %d", m.name, self.tick, exc_info=e.__cause__)
+        m.fail_closed(f"device work failed at tick {self.tick}: {e}", self._finish)
 
     # ---- media loaded when first needed ----------------------------------------------------
 
@@ -382,7 +598,7 @@ class Engine:
         if nbytes > b.free:
             return (f"{name.removeprefix('media: ')} needs {fmt_bytes(nbytes)} ({nbytes:,} bytes) of the memory "
                     f"budget, {fmt_bytes(max(0, b.free))} is free: start the engine with a larger --memory-budget")
-        self.budget = Budget(b.total, b.terms + ((name, nbytes),))
+        self.models.add_shared(name, nbytes)  # the engine's, not one model's: kept when a model unloads
         log.info("budget: %s counted now (%d bytes), %d of %d bytes used", name, nbytes, self.budget.used, b.total)
         return ""
 
@@ -390,19 +606,21 @@ class Engine:
 
     def status_reply(self, rid: int) -> P.StatusReply:
         b = self.budget
-        slots = [P.SlotView(slot=s.index, conv_id=s.conv_id if s.state != "free" else None, state=s.state,
-                            position=len(s.tokens)) for s in self.slots.slots]
+        d = self.models.default
+        slots = [v for m in self.models for v in m.slot_views()]
+        lm = d.lm if d is not None else None
         return P.StatusReply(
-            id=rid, model=self.lm.name, device=self.device, ready=self.ready,
+            id=rid, model=self.models.default_name, device=self.device, ready=self.ready,
             budget_bytes=b.total if b else 0, used_bytes=b.used if b else 0,
             budget=[P.BudgetLine(name=n, bytes=v) for n, v in (b.terms if b else ())],
             slots=slots, n_ctx=self.n_ctx, queue=sum(1 for r in self._waiting if r.state is RequestState.QUEUED),
-            tick=self.tick, journal=self.store.journal_status(), profile=dict(self.lm.profile),
-            notes=dict(getattr(self.lm, "notes", {})),
-            capsules=self.capsules.usage() if self.capsules is not None else {},
-            fingerprint=self.lm.fingerprint, model_path=str(self.lm.path),
-            draft_model=self.draft.lm.name if self.draft else "",
-            draft_model_path=str(self.draft.lm.path) if self.draft else "",
+            tick=self.tick, journal=self.store.journal_status(), profile=dict(lm.profile) if lm else {},
+            notes=dict(getattr(lm, "notes", {})) if lm else {},
+            capsules=d.capsules.usage() if d is not None and d.capsules is not None else {},
+            fingerprint=lm.fingerprint if lm else "", model_path=str(lm.path) if lm else "",
+            draft_model=d.draft.lm.name if d is not None and d.draft else "",
+            draft_model_path=str(d.draft.lm.path) if d is not None and d.draft else "",
             stats={k: float(v) for k, v in self.stats.items()},
             degraded=self.store.hold_reason(), notices=list(self.store.notices),
+            models=[m.info() for m in self.models],
         )

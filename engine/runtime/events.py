@@ -3,7 +3,9 @@
 Every event is a small frozen dataclass and the engine dispatches on its type
 (``Engine._handlers``): a client's operation (``ClientOp``), a receipt from the
 journal's drain (``ReceiptArrived``), a submission whose media stage finished
-off the tick thread (``MediaReady``), a capsule file made durable
+off the tick thread (``MediaReady``), a submission whose prompt was prepared off
+the tick thread (``Prepared``: the chat template rendered and the text
+tokenized, or the reason it could not be), a capsule file made durable
 (``CapsuleWritten``), a client gone (``Disconnected``), and ``Wake`` (stop, or
 just look again). Any thread may ``put``; only the engine thread ``get``s.
 """
@@ -33,10 +35,26 @@ class MediaReady:
 
 
 @dataclass(frozen=True)
+class Prepared:
+    submission: Any  # submit.Submission
+    text: str = ""  # the user's turn as the prompt holds it (pictures that did not fit left out)
+    prompt: list[int] | tuple = ()  # token ids
+    error: Any = None  # an AotxError raised while preparing (the template refused, too long), or None
+
+
+@dataclass(frozen=True)
 class CapsuleWritten:
     conv_id: str
     path: str
     n_tokens: int
+    fingerprint: str = ""  # the model whose state it holds
+
+
+@dataclass(frozen=True)
+class RemoteEvent:
+    """Something arrived from a remote model's stream (``remote.py``): look at it."""
+
+    model: str
 
 
 @dataclass(frozen=True)
@@ -49,7 +67,7 @@ class Wake:
     pass
 
 
-Event = Union[ClientOp, ReceiptArrived, MediaReady, CapsuleWritten, Disconnected, Wake]
+Event = Union[ClientOp, ReceiptArrived, MediaReady, Prepared, CapsuleWritten, RemoteEvent, Disconnected, Wake]
 
 
 class Inbox:

@@ -91,6 +91,10 @@ class Executor:
         self.capsules = capsules
         self.draft = draft
         self.images: Any = None
+        self._sampler_of: dict[str, Any] = {}  # conv_id -> its last reply's SamplerState (capsule snapshots)
+        # the arithmetic behind the tokens, named in every reply (README: CPU and CUDA differ)
+        self.numerics = getattr(getattr(lm.model, "backend", None), "numerics", None) or (
+            "cuda-f32" if device == "cuda" else "cpu-int8")
         self.device_sampling = bool(lm.model.device_sampling)
         self.vocab = lm.config.vocab_size
         self.d_model = lm.config.d_model
@@ -108,7 +112,10 @@ class Executor:
         fp = self.lm.fingerprint
         if slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + PARK_MIN_EXTRA:
             caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp, backend=self.device,
-                                               device=caps.device_budget > 0, drafter=self._drafter_state(slot.index)))
+                                               device=caps.device_budget > 0, drafter=self._drafter_state(slot.index),
+                                               sampler=self._sampler_of.get(slot.conv_id)))
+        if slot.conv_id != r.conv_id:           # the slot's state leaves it: one entry per slot at most
+            self._sampler_of.pop(slot.conv_id, None)
         if slot.conv_id == r.conv_id and reuse > 0:
             return LeaseResult(reuse)
         cap, n, note = caps.best_for(r.conv_id, r.prompt)
@@ -133,10 +140,11 @@ class Executor:
         home on a thread of its own; ``written(conv_id, path, n_tokens)`` once the file
         is durable (the engine journals it)."""
         caps = self.capsules
+        self._sampler_of[r.conv_id] = r.sampler_state       # what a capsule of this slot carries
         if caps is None or caps.dir is None or r.slot is None or len(r.slot.tokens) < 2:
             return
         cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device,
-                         drafter=self._drafter_state(r.slot.index))
+                         drafter=self._drafter_state(r.slot.index), sampler=r.sampler_state)
         conv_id = r.conv_id
 
         def write() -> None:

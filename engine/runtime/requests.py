@@ -89,6 +89,7 @@ class Request:
     drafter: Drafter | None = None
     n_drafted: int = 0
     n_draft_accepted: int = 0
+    model: str = ""  # the name of the loaded model it runs on (``models.ModelSet``)
     has_history: bool = False  # the conversation had messages before this one (a capsule notice helps then)
 
     @property

@@ -220,12 +220,13 @@ class ConversationStore:
     # ---- writes -----------------------------------------------------------------
 
     def create(self, title: str, system_prompt: str | None, sampling: P.SamplingParams | None,
-               tick: int = 0, messages: list[tuple[str, str]] = ()) -> P.ConversationView:
-        """A new conversation, with ``messages`` (role, text) stored as finished history."""
+               tick: int = 0, messages: list[tuple[str, str]] = (), model: str = "") -> P.ConversationView:
+        """A new conversation on ``model``, with ``messages`` (role, text) stored as finished history."""
         cid = _new_id("c")
         now = time.time()
         recs: list[Any] = [R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=now,
-                                                 system_prompt=system_prompt, sampling=_sampling_dict(sampling))]
+                                                 system_prompt=system_prompt, sampling=_sampling_dict(sampling),
+                                                 model=model)]
         for role, text in messages:
             mid = _new_id("m")
             recs.append(R.MessageAccepted(conv_id=cid, msg_id=mid, role=role, text=text, created_at=now))
@@ -245,6 +246,13 @@ class ConversationStore:
         self.get(conv_id)
         self._publish([R.ConversationUpdated(conv_id=conv_id, system_prompt=system_prompt,
                                              sampling=_sampling_dict(sampling))], tick, "an update")
+        self.flush()
+
+    def switch_model(self, conv_id: str, model: str, tick: int = 0) -> None:
+        """Run the conversation on ``model`` from its next reply on (history kept)."""
+        c = self.get(conv_id)
+        self._publish([R.ConversationUpdated(conv_id=conv_id, system_prompt=c.system_prompt, sampling=dict(c.sampling),
+                                             model=model)], tick, "a model switch")
         self.flush()
 
     def delete(self, conv_id: str, tick: int = 0) -> None:
@@ -277,23 +285,28 @@ class ConversationStore:
             msgs = msgs[:idx + 1]
         nid = _new_id("c")
         recs: list[Any] = [R.ConversationCreated(conv_id=nid, title=f"{c.title} (fork)", created_at=time.time(),
-                                                 system_prompt=c.system_prompt, sampling=dict(c.sampling))]
+                                                 system_prompt=c.system_prompt, sampling=dict(c.sampling),
+                                                 model=c.model)]
         for m in msgs:
             mid = _new_id("m")
             recs.append(R.MessageAccepted(conv_id=nid, msg_id=mid, role=m.role, text=m.text if m.role != "assistant"
                                           else "", attachments=list(m.attachments), sampling=dict(m.sampling),
-                                          created_at=m.created_at))
+                                          created_at=m.created_at, model=m.model))
             if m.role == "assistant":
                 recs.append(R.TokensCommitted(conv_id=nid, msg_id=mid, start_pos=m.start_pos,
                                               token_ids=list(m.token_ids), text=m.text))
                 recs.append(R.MessageFinished(conv_id=nid, msg_id=mid, reason=m.finish_reason or "stop",
                                               n_prompt=m.n_prompt, n_completion=m.n_completion))
+        if c.model:  # the parent's model, even when its last reply ran on another one
+            recs.append(R.ConversationUpdated(conv_id=nid, system_prompt=c.system_prompt, sampling=dict(c.sampling),
+                                              model=c.model))
         self._publish(recs, tick, "a fork")
         self.flush()
         return self.view(nid)
 
     def accept_records(self, conv_id: str, role: str, text: str, sp: P.SamplingParams,
-                       attachments: list[P.Attachment], raw: bool = False) -> tuple[str, str, list[Any]]:
+                       attachments: list[P.Attachment], raw: bool = False,
+                       model: str = "") -> tuple[str, str, list[Any]]:
         """The records of a user's message and the start of its reply, not yet published:
         (message id, reply id, records). ``publish_accepted`` publishes them once the
         caller holds credit for them (``record_bytes``)."""
@@ -303,7 +316,7 @@ class ConversationStore:
         return mid, rid, [R.MessageAccepted(conv_id=conv_id, msg_id=mid, role=role, text=text,
                                             sampling=_sampling_dict(sp), attachments=atts, created_at=now),
                           R.MessageAccepted(conv_id=conv_id, msg_id=rid, role="assistant", text="",
-                                            sampling={"raw": True} if raw else {}, created_at=now)]
+                                            sampling={"raw": True} if raw else {}, created_at=now, model=model)]
 
     def publish_accepted(self, recs: Sequence[Any], tick: int = 0) -> int:
         """Publish ``accept_records``' records (credit reserved); the seq covering both."""

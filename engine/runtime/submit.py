@@ -10,10 +10,14 @@ Each stage runs once per message, in order:
    transcript, text read by OCR, or a picture's encoder rows and its marker);
    ``MediaInfo`` tells the client; an attachment that cannot be used is left out with
    a note, the message is kept. ``MediaReady`` brings the submission back.
-3. **prompt** (engine thread): the chat template over the conversation (or the raw
-   text), pictures at their markers; pictures of earlier turns whose rows are gone
-   (a restart, an eviction) are encoded again from their journaled files first, on a
-   thread, once (then ``MediaReady`` again).
+3. **prompt** (the preparation stage, ``prepare.py``: a worker, never the tick
+   thread): the chat template over the conversation (or the raw text), pictures at
+   their markers, tokenized; a text too long for the context whatever its tokens is
+   refused before any work, and the template renders inside its budget. The
+   conversation counts as busy meanwhile; ``Prepared`` brings the submission back.
+   Pictures of earlier turns whose rows are gone (a restart, an eviction) are
+   encoded again from their journaled files first, on a thread, once (then
+   ``MediaReady`` again).
 4. **admission** (``admission.py``): the context; then journal credit for the
    message's records and its reply (``Journal.reserve``): while the disk is behind,
    the message is held with a notice and retried from stage 3 when receipts free the
@@ -43,7 +47,8 @@ from aotx.engine.model.tokenizer import StreamDecoder
 from aotx.engine.runtime import admission, media_prompt
 from aotx.engine.runtime.drafter import DraftDrafter
 from aotx.engine.runtime.envelope import Envelope
-from aotx.engine.runtime.events import Inbox, MediaReady
+from aotx.engine.runtime.events import Inbox, MediaReady, Prepared
+from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece
 from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
@@ -71,6 +76,8 @@ class Submission:
     held: bool = False
     need: int = 0  # journal credit asked when it was held
     prompt: list[int] = field(default_factory=list)
+    dropped: bool = False  # its client went away or cancelled it while it was being prepared
+    model: str = ""  # the loaded model whose submitter runs its stages
     media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
 
 
@@ -99,6 +106,10 @@ class Submitter:
         self.not_ready_reason = ""
         self.held: list[Submission] = []
         self._media_busy: set[tuple[int, int]] = set()
+        self.preparer = Preparer(inbox)
+        self.preparing: dict[str, Submission] = {}  # conv_id -> its message in the preparation stage
+        self._longest: int | None = None  # bytes of the vocabulary's longest token
+        self.model_name: str = getattr(lm, "name", "")  # the engine's name for this model (models.ModelSet)
         # the model's media.profile.MediaProfile (set by serve) and the engine's admission of a
         # specialist when an attachment first needs it: count_media(name, bytes) -> "" or why not
         self.media_profile: Any = None
@@ -109,7 +120,7 @@ class Submitter:
     def submit(self, op: P.SubmitMessage, sink: Sink, tick: int) -> Request | None:
         """Stage 1, then media (with attachments) or straight on to the prompt."""
         sp = self._check(op)
-        sub = Submission(op, sink, sp, op.text)
+        sub = Submission(op, sink, sp, op.text, model=self.model_name)
         if op.attachments:
             self._media(sub)
             return None
@@ -208,31 +219,55 @@ class Submitter:
 
     # ---- 3. prompt ----------------------------------------------------------------------
 
-    def prompt(self, sub: Submission, tick: int) -> Request | None:
-        """Stage 3 (and again for a held message): the prompt ids, then admission."""
+    def prompt(self, sub: Submission, tick: int) -> None:
+        """Stage 3 (and again for a held message): hand the prompt's preparation to a
+        worker (``prepare.py``); ``prepared`` continues when it comes back. The
+        conversation is busy until then. Returns None (nothing to enqueue yet)."""
         op = sub.op
         self._ready_and_idle(op.conv_id)
-        text = sub.text
-        tok = self.lm.tokenizer
+        history = [] if op.raw else self.store.chat_messages(op.conv_id)
+        if not op.raw and self.images is not None and media_prompt.has_markers(history + [{"content": sub.text}]):
+            if not sub.restored and self._restore_images(sub, history):
+                return None
+        self.preparing[op.conv_id] = sub
+        self.preparer.submit(sub, lambda: self._prepare(sub, history))
+        return None
+
+    def _prepare(self, sub: Submission, history: list[dict]) -> tuple[str, list[int]]:
+        """The work of stage 3, on a preparation worker: (the user's turn as the prompt
+        holds it, the prompt's token ids). Raises Refusal (too long for the context,
+        whatever its tokens) or TemplateError (the template failed or passed its budget)."""
+        op, text, tok = sub.op, sub.text, self.lm.tokenizer
+        if self._longest is None:
+            self._longest = longest_piece(tok)
+        check_size(text, self._longest, self.envelope.context_tokens)
         if op.raw and self.images is not None and media_prompt.MARKER_RE.search(text):
-            prompt = media_prompt.encode_raw_with_images(tok, text, self.images)
-        elif op.raw:
-            prompt = tok.encode(text, add_special=True, parse_special=False)
-        else:
-            history = self.store.chat_messages(op.conv_id)
-            if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
-                if not sub.restored and self._restore_images(sub, history):
-                    return None
-                text, prompt = self._fit_images(sub, history, text)
-            else:
-                prompt = encode_chat(tok, self.lm.template, history + [{"role": "user", "content": text}])
-        admission.check_prompt(len(prompt), self.envelope)
-        sub.prompt = prompt
-        return self._accept(sub, text, tick)
+            return text, media_prompt.encode_raw_with_images(tok, text, self.images)
+        if op.raw:
+            return text, tok.encode(text, add_special=True, parse_special=False)
+        if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
+            return self._fit_images(sub, history, text)
+        return text, encode_chat(tok, self.lm.template, history + [{"role": "user", "content": text}])
+
+    def prepared(self, ev: Prepared, tick: int) -> Request | None:
+        """Stage 3 came back (engine thread): admission and acceptance, or its refusal."""
+        sub = ev.submission
+        if self.preparing.get(sub.op.conv_id) is sub:
+            del self.preparing[sub.op.conv_id]
+        if sub.dropped:
+            return None
+        if ev.error is not None:
+            raise ev.error
+        self._ready_and_idle(sub.op.conv_id)
+        admission.check_prompt(len(ev.prompt), self.envelope)
+        sub.prompt = list(ev.prompt)
+        return self._accept(sub, ev.text, tick)
 
     def _ready_and_idle(self, conv_id: str) -> None:
         if not self.ready:
             raise NotReady(f"the model is not ready: {self.not_ready_reason}")
+        if conv_id in self.preparing:
+            raise Busy(f"conversation {conv_id} is preparing a message; wait for it or cancel it first")
         if self.is_busy(conv_id):
             raise Busy(f"conversation {conv_id} is generating; cancel it first")
         self.store.get(conv_id)
@@ -276,7 +311,8 @@ class Submitter:
         ctx = self.envelope.context_tokens
         has_history = bool(st.get(op.conv_id).messages)  # before this message's records
         max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
-        msg_id, reply_id, recs = st.accept_records(op.conv_id, "user", text, sp, op.attachments, raw=op.raw)
+        msg_id, reply_id, recs = st.accept_records(op.conv_id, "user", text, sp, op.attachments, raw=op.raw,
+                                                   model=self.model_name)
         reply = admission.reply_credit(max_tokens, self.envelope)
         if st.journaled:
             st.check_writable()
@@ -308,6 +344,7 @@ class Submitter:
             accepted_seq=seq,
             credit=reply if st.journaled else 0,
             drafter=self._drafter(sp),
+            model=self.model_name,
             has_history=has_history,
         )
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
@@ -343,8 +380,24 @@ class Submitter:
         return take
 
     def drop(self, sink: Sink) -> None:
-        """A client went away: its held messages go too."""
+        """A client went away: its held messages go too, and those being prepared are
+        dropped when their preparation comes back (their conversations are free now)."""
         self.held = [h for h in self.held if h.sink is not sink]
+        for conv_id, sub in list(self.preparing.items()):
+            if sub.sink is sink:
+                sub.dropped = True
+                del self.preparing[conv_id]
+
+    def cancel_preparing(self, op: P.Cancel, sink: Sink) -> None:
+        """A ``Cancel`` of a message still being prepared (by its request id on the same
+        connection, or by conversation): it ends with a ``cancelled`` Error now, writes
+        nothing, and its preparation's result is dropped."""
+        for conv_id, sub in list(self.preparing.items()):
+            if (op.target and sub.op.id == op.target and sub.sink is sink) or (op.conv_id and conv_id == op.conv_id):
+                sub.dropped = True
+                del self.preparing[conv_id]
+                sub.sink.send(P.Error(id=sub.op.id, code=ErrorCode.CANCELLED,
+                                      message="cancelled before the message was accepted; nothing was written"))
 
     def fail_held(self, reason: str) -> None:
         """The model failed: every held message gets a not_ready error."""

@@ -139,14 +139,32 @@ class FakeEngineClient:
     async def list_conversations(self) -> list[P.ConversationView]:
         self._check()
         return [P.ConversationView(conv_id=c.conv_id, title=c.title, created_at=c.created_at,
-                                   updated_at=c.updated_at, n_messages=len(c.messages))
+                                   updated_at=c.updated_at, n_messages=len(c.messages), model=c.model)
                 for c in self.engine.convs.values()]
 
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
-                                  sampling: P.SamplingParams | None = None) -> P.ConversationView:
+                                  sampling: P.SamplingParams | None = None,
+                                  messages: list | None = None, model: str = "") -> P.ConversationView:
         self._check()
         conv = self.engine.add_conversation(title or "New conversation")
         conv.system_prompt, conv.sampling = system_prompt, sampling
+        conv.model = model or self.engine.model
+        return conv
+
+    async def list_models(self) -> P.ModelList:
+        """The fake's models: its own (loaded, the default) and ``engine.extra_models``."""
+        self._check()
+        e = self.engine
+        own = P.ModelInfo(name=e.model, size_bytes=98 << 20, arch="llama", quant="Q4_1", n_ctx_train=8192,
+                          loaded=True, default=True, needs_bytes=216 << 20)
+        return P.ModelList(id=0, models=[own, *getattr(e, "extra_models", [])], budget_bytes=1 << 30)
+
+    async def switch_model(self, conv_id: str, model: str) -> P.ConversationView:
+        conv = self._conv(conv_id)
+        names = {m.name for m in (await self.list_models()).models}
+        if model not in names:
+            raise refused(ErrorCode.NOT_FOUND, f"no model named {model!r}")
+        conv.model = model
         return conv
 
     async def show(self, conv_id: str) -> P.ConversationView:

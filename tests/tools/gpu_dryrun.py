@@ -79,24 +79,47 @@ def main() -> int:
         for mode in ("f16", "tf32", "f32", "gemv"):
             scenarios.append((f"{name} prefill {mode}", name, {"prefill": mode}, "f16"))
         scenarios.append((f"{name} generic kernels", name, {"fuse": False}, "f16"))
+        scenarios.append((f"{name} prefill tiles (no dense copies)", name, {"dense_prefill": False}, "f16"))
     variants = sorted({c for b in CC.TUNE_BUCKETS for norm in (False, True) for c in CC.gemv_candidates(b, norm)})
     for v in variants:
         scenarios.append((f"q4k gemv {v}", "q4k", {"gemv": v, "prefill": "gemv"}, "f16"))
+    scenarios.append(("q4k over the dense budget: tiles", "q4k", {"_dense_max": 1 << 20}, "f16"))
     root = tmp / "home"
     scenarios.append(("q4k tuner (force)", "q4k", {"tune": "force", "artifact_root": root}, "f16"))
     scenarios.append(("q4k artifact reused", "q4k", {"tune": "reuse", "artifact_root": root}, "f16"))
     scenarios.append(("q8 tuner (auto, new shapes)", "q8", {"tune": "auto", "artifact_root": root}, "f16"))
     for label, name, kw, kv_type in scenarios:
         before = fake_cupy.stats["launches"]
+        from aotx.engine.backend import cuda_gemm
+
+        cap = cuda_gemm.DENSE_MAX_BYTES
         try:
+            kw = dict(kw)
+            cuda_gemm.DENSE_MAX_BYTES = kw.pop("_dense_max", cap)
+            over = cuda_gemm.DENSE_MAX_BYTES != cap
             model = _build(files[name], **kw)
+            if over:
+                kw["dense_prefill"] = False      # what the check below expects: the budget refused them
+                assert model.compiled.gemm.dense_reason.startswith("tiles: dense copies would take"), \
+                    model.compiled.gemm.dense_reason
             _exercise(model, kv_type)
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {label}")
             traceback.print_exc()
             return 1
+        finally:
+            cuda_gemm.DENSE_MAX_BYTES = cap
         kc = model.compiled.kernel_choice
         extra = f"; kernel choice: {kc.summary()}" if kw.get("tune") else ""
+        g = model.compiled.gemm
+        if kw.get("prefill") != "gemv":
+            dense = kw.get("dense_prefill", True)
+            if bool(g._dense_ok) != dense or (dense and len(g._dense) != len(g._dense_ok)) or \
+                    (not dense and g._dense) or model.prefill_weight_bytes != g.weight_bytes:
+                print(f"FAIL {label}: dense prefill copies {g.dense_reason!r}, {len(g._dense)} made of "
+                      f"{len(g._dense_ok)}, prefill_weight_bytes {model.prefill_weight_bytes}")
+                return 1
+            extra += f"; {g.dense_reason}"
         print(f"ok   {label}: {fake_cupy.stats['launches'] - before} launches{extra}")
     print(f"dry run OK: {fake_cupy.stats['launches']} launches, {fake_cupy.stats['gemms']} GEMMs, "
           f"{fake_cupy.stats['captures']} graph captures, kernels: {', '.join(sorted(fake_cupy.stats['kernels']))}")

@@ -57,9 +57,9 @@ def _exercise(model, fake) -> None:
     seen = []
     real = c.moe_steps[0]._moe_rows
 
-    def spy(attrs, x, pool, traffic=None):
-        y = real(attrs, x, pool, traffic)
-        seen.append((x.copy(), y))
+    def spy(attrs, x, pool, traffic=None, small=None):
+        y = real(attrs, x, pool, traffic, small)
+        seen.append((x.copy(), y, small))
         return y
 
     for s in c.moe_steps:
@@ -72,13 +72,21 @@ def _exercise(model, fake) -> None:
     assert ids.shape == (3,), ids.shape
     assert fake.stats["captures"] == captures, "a program with host moe steps captured a CUDA graph"
     assert len(seen) == 3 * L, f"{len(seen)} host moe calls, expected {3 * L}"
-    x, y = seen[-1]
+    assert seen[0][2] is not None and not seen[0][2].any()        # one long segment: the prefill path
+    assert all(s is None for _, _, s in seen[L:])                  # decode rows: the per-row kernels
+    mixed = model.forward(toks[:20], [Segment(1, 1, 1), Segment(2, 0, 19)], kv)    # a decode row + a long prefill
+    assert mixed.shape == (2, VOCAB)
+    # layers before the last see all 20 rows; the last layer's FFN runs on the 2 logits rows only
+    small = seen[-2][2]
+    assert small is not None and small.tolist() == [True] + [False] * 19, small
+    assert seen[-1][2] is None and seen[-1][0].shape[0] == 2
+    x, y, _ = seen[-(L + 1)]
     assert x.shape == (3, model.cfg.d_model) and y.shape == (3, model.cfg.d_model)
     st = c.moe_steps[-1]
     want = cpu_moe.moe_rows(st.attrs, x, st.pool)
     assert np.array_equal(np.nan_to_num(want), np.nan_to_num(y)), "the host step's rows differ from moe_rows"
     stats = c.expert_stats()
-    assert sum(stats["traffic"][0]) == (150 + 2 + 3) * model.cfg.n_expert_used, stats["traffic"][0]
+    assert sum(stats["traffic"][0]) == (150 + 2 + 3 + 20) * model.cfg.n_expert_used, stats["traffic"][0]
     for s in c.moe_steps:
         s._moe_rows = real
 

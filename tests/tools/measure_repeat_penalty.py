@@ -19,8 +19,11 @@ penalties, and report per prompt and penalty:
 
 Prints one JSON object per (prompt, penalty) and a summary table. A one-off measurement
 to choose a default, not a benchmark (its figures are token ids, not times, so a busy
-machine gives the same table). The run behind ``protocol.REPEAT_PENALTY`` (160 tokens;
-each cell: loop share, agreeing tokens of 48, ``e`` when it ended by itself, tokens)::
+machine gives the same table). Each cell: loop share, agreeing tokens of 48, ``e`` when
+it ended by itself, tokens.
+
+The run behind ``protocol.REPEAT_PENALTY`` (11:40, 160 tokens, before the one-forward-per-
+architecture executor landed)::
 
     prompt              1.0           1.05          1.1           1.15          1.2
     short_question   0.90 48  160  0.82 15  160  0.00  5e  56  0.00  5e  45  0.00  5e  57
@@ -29,13 +32,28 @@ each cell: loop share, agreeing tokens of 48, ``e`` when it ended by itself, tok
     emoji_accents    0.00 48e  61  0.00 48e  61  0.00 48e  61  0.00 48e  61  0.00 14e  60
     long_prompt      0.00 48  160  0.00 22  160  0.00  1  160  0.00  1e  79  0.00  1e  85
 
-Without a penalty the capital-of-France prompt loops ("la femme, la femme, ...") to the
-limit, and 1.05 still loops; 1.1 is the least that ends it, with an answer. At 1.1 the
-code answer keeps its function and explanation (31 tokens as without a penalty), the
-French echo is unchanged, and the summary says the same in other words ("In a small
-island on the coast of the northern sea, there lived a keeper named Tobias Wren...");
-from 1.15 the code answer itself changes (another function name). list_request's share
-is a list's own repeated phrasing ("is a great source of vitamin C"), not a loop.
+Then, without a penalty the capital-of-France prompt looped ("la femme, la femme, ...") to
+the limit, as llama.cpp's own greedy reference for it does, and 1.05 still looped; 1.1 was
+the least that ended it, with an answer. At 1.1 the code answer kept its function and
+explanation, the French echo was unchanged, and the summary said the same in other words;
+from 1.15 the code answer itself changes (another function name).
+
+Again on main at 12:58 (the new executor; same prompts, 1.2 left out)::
+
+    prompt              1.0           1.05          1.1           1.15
+    short_question   0.00  8e   8  0.00  8e   8  0.00  8e   8  0.00  8e   8
+    code_request     0.00 48e  73  0.00 27e  76  0.00 27e  74  0.00  4e  70
+    list_request     0.31 48e 138  0.20 13e 130  0.15 13e 141  0.01 11  160
+    emoji_accents    0.00 48e  61  0.00 48e  61  0.00 48e  61  0.00 48e  61
+    long_prompt      0.01 48  160  0.00  1  160  0.00  1  160  0.00  1e  87
+
+The first token of the France reply is a near-tie (AOTX's logits now: "The" 25.313, "L"
+25.290; llama.cpp takes "L"), and the new executor's rounding now gives "The capital of
+France is Paris." at every penalty, so the loop no longer shows on AOTX itself: it is
+still llama.cpp's greedy reply, and it was AOTX's an hour before. The rest holds: 1.1
+keeps the code answer's start (27 tokens, as 1.05) where 1.15 changes it, and halves the
+list's repeated phrasing ("is a great source of vitamin C": 0.31 to 0.15, not a loop).
+So the default stays 1.1.
 """
 
 from __future__ import annotations

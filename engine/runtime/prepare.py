@@ -1,0 +1,131 @@
+"""The preparation stage: a message's prompt is made off the tick thread, within bounds.
+
+Owns: the workers that run stage 3 of ``submit.py`` (the chat template over the
+conversation, then tokenization) so that the tick never waits on one client's
+input, and the bounds that keep each preparation finite:
+
+* size first: a text that cannot fit the context whatever its tokenization is
+  refused before any work (every token covers at most the vocabulary's longest
+  piece, so ``len(text) / longest`` tokens is a floor); a 10 MB paste against a
+  4,096-token context is answered at once instead of tokenized for a minute;
+* the chat template renders inside its ``RenderBudget`` (CPU time and size;
+  ``model/template_sandbox.py``): a hostile template is refused naming it;
+* tokenization of long fragments goes through ``tokenizers`` with the GIL
+  released (``Tokenizer.encode``), so the tick thread keeps running.
+
+Results come back to the engine thread as a ``Prepared`` event (``events.py``),
+as finished media stages come back as ``MediaReady``: one mechanism, one inbox.
+Leaves to others: what the stage computes (``submit.py``), admission
+(``admission.py``), the template and the tokenizer (``engine/model``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from aotx.engine.errors import AotxError, EngineError, ErrorCode
+from aotx.engine.runtime.admission import Refusal
+from aotx.engine.runtime.events import Inbox, Prepared
+
+log = logging.getLogger("aotx.engine")
+
+N_WORKERS = 2  # one slow preparation (a long paste) does not hold up everyone else's
+
+
+class Preparer:
+    """A few daemon worker threads running preparations, fairly.
+
+    ``submit(sub, work)`` runs ``work() -> (text, prompt ids)`` on a worker and posts
+    ``Prepared(sub, text, prompt)`` to ``inbox``, or ``Prepared(sub, error=e)`` when it
+    raised (an ``AotxError`` as is; anything else becomes an internal error, logged).
+
+    Order and fairness: one client's (one ``sub.sink``'s) preparations run one at a
+    time in the order they came, so its messages are accepted in the order it sent
+    them; clients take turns, so one sending slow work (a long paste, a template
+    that runs to its budget) delays another's next message by at most one of its
+    preparations, not by its whole queue. Workers start on first use and are
+    daemons: a stuck C call can never keep the process from exiting."""
+
+    def __init__(self, inbox: Inbox, n_workers: int = N_WORKERS):
+        self.inbox = inbox
+        self.n_workers = n_workers
+        self._cond = threading.Condition()
+        self._pending: dict[int, deque] = {}  # id(sink) -> its preparations not yet started
+        self._turns: deque[int] = deque()  # sinks with pending work and none running, in turn order
+        self._running: set[int] = set()  # sinks one of whose preparations is running
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, sub: Any, work: Callable[[], tuple[str, list[int]]]) -> None:
+        key = id(sub.sink)
+        with self._cond:
+            if not self._threads:
+                for i in range(self.n_workers):
+                    t = threading.Thread(target=self._run, name=f"aotx-prepare-{i}", daemon=True)
+                    t.start()
+                    self._threads.append(t)
+            q = self._pending.setdefault(key, deque())
+            q.append((sub, work))
+            if len(q) == 1 and key not in self._running:
+                self._turns.append(key)
+            self._cond.notify()
+
+    def _take(self) -> tuple[int, Any, Callable[[], tuple[str, list[int]]]]:
+        with self._cond:
+            while not self._turns:
+                self._cond.wait()
+            key = self._turns.popleft()
+            q = self._pending[key]
+            sub, work = q.popleft()
+            if not q:
+                del self._pending[key]
+            self._running.add(key)
+            return key, sub, work
+
+    def _done(self, key: int) -> None:
+        with self._cond:
+            self._running.discard(key)
+            if key in self._pending:  # its next one takes a turn at the back
+                self._turns.append(key)
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            key, sub, work = self._take()
+            try:
+                text, prompt = work()
+                ev = Prepared(sub, text, prompt)
+            except AotxError as e:
+                ev = Prepared(sub, error=e)
+            except Exception as e:  # noqa: BLE001 - a bug must reach the client as an error, not kill the worker
+                log.exception("preparing a message failed")
+                ev = Prepared(sub, error=EngineError(f"internal error while preparing the prompt: {e}",
+                                                     ErrorCode.INTERNAL))
+            # posted before the client's next preparation may start: its messages stay in order
+            self.inbox.put(ev)
+            self._done(key)
+
+
+def longest_piece(tokenizer: Any) -> int:
+    """The most bytes one token of ``tokenizer`` stands for (special tokens included),
+    at least 1 (one pass over the vocabulary: ~50 ms for 50k tokens; callers keep it)."""
+    return max([1] + [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])
+
+
+def check_size(text: str, longest: int, context_tokens: int) -> None:
+    """Refuse ``text`` when no tokenization of it can fit ``context_tokens`` (with one
+    token of reply): every token covers at most ``longest`` bytes (``longest_piece``)
+    and a character is at least one byte, so ``len(text) / longest`` tokens is a
+    floor. Raises Refusal (too_long, context)."""
+    floor = -(-len(text) // longest)
+    if floor + 1 > context_tokens:
+        raise Refusal(ErrorCode.TOO_LONG, "context",
+                      f"the message is {len(text):,} characters, at least {floor:,} tokens (this vocabulary's "
+                      f"longest token is {longest} bytes); the context holds {context_tokens:,} tokens",
+                      asked=floor + 1, free=context_tokens,
+                      accepts=f"a prompt of at most {context_tokens - 1} tokens",
+                      detail=f"the message is too long for the context: at least {floor:,} tokens, the context "
+                             f"holds {context_tokens:,}")

@@ -1,0 +1,104 @@
+"""aotx-chat and several models (issue 20, must-have 3): the model picker (Ctrl+O), the model
+of each conversation in the status line and the sidebar, switching mid-conversation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
+
+from aotx.app.screens.model_picker import ModelPicker, model_row  # noqa: E402
+from aotx.app.widgets.sidebar import ConversationItem  # noqa: E402
+from aotx.engine.ipc import protocol as P  # noqa: E402
+
+QWEN = P.ModelInfo(name="qwen2.5-0.5b-instruct-q4_k_m", size_bytes=491_400_064, arch="qwen2", quant="Q4_K_M",
+                   n_ctx_train=32768, needs_bytes=900 << 20)
+REMOTE = P.ModelInfo(name="cluster", kind="remote", url="http://gpu:8000/v1", arch="remote")
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTX_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_model_rows_show_size_arch_quant_context_and_state():
+    assert model_row(QWEN, current="") == ("  qwen2.5-0.5b-instruct-q4_k_m", "468.6 MiB", "qwen2", "Q4_K_M", "32768",
+                                            "900.0 MiB", "")
+    loaded = P.ModelInfo(name="a", loaded=True, size_bytes=1 << 20)
+    assert model_row(loaded, current="a")[0] == "▸ a" and model_row(loaded, current="a")[-1] == "loaded"
+    assert model_row(REMOTE, current="")[1] == "remote"
+
+
+async def test_ctrl_o_switches_the_open_conversation_and_keeps_its_history():
+    engine = FakeEngine()
+    engine.extra_models = [QWEN, REMOTE]
+    app, _ = make_app(engine)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        app.chat_input.insert("hello")
+        await pilot.press("enter")
+        await settle(pilot)
+        conv_id = app.conv_id
+        assert engine.model in app.status_bar.line()
+        # a conversation on the default model: no model line under its title
+        assert not [w for i in app.query(ConversationItem) if i.conv_id == conv_id for w in i.query(".conv-model")]
+        await pilot.press("ctrl+o")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, ModelPicker)
+        await pilot.press("down", "enter")  # the second row: qwen
+        await pilot.pause(0.3)
+        await settle(pilot)
+        assert engine.convs[conv_id].model == QWEN.name
+        assert app.status_bar.line().startswith(QWEN.name)
+        assert "reads its history again" in str(app.query_one("#input-notice").render())
+        assert [m.role for m in app.messages()] == ["user", "assistant"]  # the history is still there
+        labels = [i for i in app.query(ConversationItem) if i.conv_id == conv_id]
+        assert labels and labels[0].model == QWEN.name
+        assert [str(w.render()).strip() for w in labels[0].query(".conv-model")] == [QWEN.name]
+
+
+async def test_picked_model_is_used_for_the_next_new_conversation():
+    engine = FakeEngine()
+    engine.extra_models = [QWEN]
+    app, _ = make_app(engine)
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+o")
+        await pilot.pause(0.3)
+        await pilot.press("down", "enter")
+        await pilot.pause(0.3)
+        assert app.next_model == QWEN.name
+        app.chat_input.insert("hi")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert engine.convs[app.conv_id].model == QWEN.name
+
+
+async def test_f4_settings_opens_the_model_picker():
+    engine = FakeEngine()
+    engine.extra_models = [QWEN]
+    app, _ = make_app(engine)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        app.chat_input.insert("hello")
+        await pilot.press("enter")
+        await settle(pilot)
+        await pilot.press("f4")
+        await pilot.pause(0.3)
+        await pilot.click("#pick-model")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, ModelPicker)
+        await pilot.press("down", "enter")
+        await pilot.pause(0.5)
+        from aotx.app.screens.settings import SettingsScreen
+
+        assert isinstance(app.screen, SettingsScreen)  # the picker closes back onto the dialog
+        assert engine.convs[app.conv_id].model == QWEN.name
+        await pilot.press("escape")
+        await settle(pilot)  # (settle waits for every worker: the dialog's too)
+        assert app.status_bar.line().startswith(QWEN.name)

@@ -1,0 +1,122 @@
+"""The command line of several models (issue 20): aotx models, run --model, unload, models add/remove.
+
+``aotx models`` without an engine reads the models folder; the rest runs against an
+``aotx serve`` subprocess on the default model, with a tiny llama file in its models
+folder that ``aotx run --model`` loads beside the default without a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.realmodel
+
+
+def aotx(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, AOTX_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, tiny_gguf):
+    h = tmp_path_factory.mktemp("cli-models")
+    (h / "models").mkdir()
+    tiny_gguf.write_tiny_llama(h / "models" / "tiny-a.gguf", seed=1)
+    return h
+
+
+def test_models_without_an_engine_reads_the_folder(home):
+    r = aotx(home, "models", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["engine"] is False
+    by = {m["name"]: m for m in d["models"]}
+    assert by["tiny-a"]["arch"] == "llama" and by["tiny-a"]["quant"] == "Q8_0" and by["tiny-a"]["needs_bytes"] > 0
+    assert any(m.get("default") for m in d["models"])
+    text = aotx(home, "models").stdout
+    assert "tiny-a" in text and "estimated for 8 slots" in text
+
+
+def test_models_add_and_remove_a_remote_entry(home):
+    r = aotx(home, "models", "add", "cluster", "--url", "http://gpu-box:8000/v1", "--remote-model", "Qwen/Q-72B",
+             "--api-key-env", "VLLM_KEY")
+    assert r.returncode == 0, r.stderr
+    entry = home / "models" / "cluster.remote.json"
+    assert json.loads(entry.read_text()) == {"url": "http://gpu-box:8000/v1", "model": "Qwen/Q-72B",
+                                             "api_key_env": "VLLM_KEY"}
+    assert oct(entry.stat().st_mode & 0o777) == "0o600"
+    listed = {m["name"]: m for m in json.loads(aotx(home, "models", "--json").stdout)["models"]}
+    assert listed["cluster"]["kind"] == "remote" and listed["cluster"]["url"] == "http://gpu-box:8000/v1"
+    bad = aotx(home, "models", "add", "x", "--url", "gpu-box:8000")
+    assert bad.returncode == 2 and "http(s) base URL" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    assert aotx(home, "models", "remove", "cluster").returncode == 0 and not entry.exists()
+    gone = aotx(home, "models", "remove", "cluster")
+    assert gone.returncode == 2 and "no remote model entry" in gone.stderr
+
+
+@pytest.fixture(scope="module")
+def engine(home):
+    sock = Path(f"/tmp/aotx-cm-{os.getpid()}.sock")
+    env = dict(os.environ, AOTX_HOME=str(home))
+    log = open(home / "serve.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", "2",
+                             "--context", "256", "--device", "cpu"], env=env, stdout=log, stderr=log,
+                            start_new_session=True)
+    end = time.monotonic() + 180
+    while True:
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(sock))
+            s.close()
+            break
+        except OSError:
+            assert proc.poll() is None, (home / "serve.log").read_text()[-2000:]
+            assert time.monotonic() < end, "the engine did not start"
+            time.sleep(0.2)
+    yield sock
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+    sock.unlink(missing_ok=True)
+
+
+def test_run_model_loads_beside_the_default_then_unload(home, engine):
+    sock = str(engine)
+    r = aotx(home, "run", "--socket", sock, "--model", "tiny-a", "--json", "--temperature", "0", "--max-tokens", "3",
+             "hello")
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert any(e["event"] == "notice" and "loading model tiny-a" in e["message"] for e in events), events
+    done = next(e for e in events if e["event"] == "done")  # a "durable" receipt may follow it
+    assert max(done["prompt_ids"]) < 300  # tiny-a's vocabulary
+    listed = json.loads(aotx(home, "models", "--socket", sock, "--json").stdout)
+    assert listed["engine"] is True
+    by = {m["name"]: m for m in listed["models"]}
+    assert by["tiny-a"]["loaded"] is True and by["tiny-a"]["needs_bytes"] > 0
+    st = aotx(home, "status", "--socket", sock)
+    assert "tiny-a" in st.stdout and "models  (loaded)" in st.stdout
+    # the same conversation goes on on its model
+    conv = done["conversation"]
+    r2 = aotx(home, "run", "--socket", sock, "--conversation", conv, "--json", "--temperature", "0",
+              "--max-tokens", "2", "again")
+    assert r2.returncode == 0, r2.stderr
+    done2 = next(e for e in map(json.loads, r2.stdout.splitlines()) if e["event"] == "done")
+    assert max(done2["prompt_ids"]) < 300
+    assert aotx(home, "unload", "tiny-a", "--socket", sock).returncode == 0
+    again = aotx(home, "unload", "tiny-a", "--socket", sock)
+    assert again.returncode == 2 and "is not loaded" in again.stderr
+    unknown = aotx(home, "run", "--socket", sock, "--model", "tiny-b", "--max-tokens", "2", "x")
+    assert unknown.returncode == 2 and "did you mean tiny-a?" in unknown.stderr, unknown.stderr
