@@ -133,6 +133,22 @@ def keep_alive_seconds(text: str | None) -> float:
     return v
 
 
+def load_beside(entry, device: str, asked: str | None):
+    """Load a model (catalog ``entry``) beside the default one, on the engine's
+    ``device``; when ``--device`` was ``asked`` auto and CUDA cannot run the file, on
+    the CPU (the engine runs it there: ``Engine._make_local``). A mixture of experts
+    keeps its routed experts on the CPU tier (no GPU expert cache is planned for it)."""
+    from aotx.engine.model.loader import load_model
+
+    try:
+        return load_model(entry.path, device=device, tune="auto")
+    except ModelError as e:
+        if device != "cuda" or (asked or "auto") != "auto":
+            raise
+        log.warning("the CUDA backend cannot run %s (%s); it runs on the CPU", entry.name, e)
+        return load_model(entry.path, device="cpu")
+
+
 def place_experts(args, lm, device: str, budget, replan):
     """A mixture-of-experts model: calibrate, plan and place its experts in tiers
     (engine/model/experts.py) with the GPU budget that admission's table leaves (CUDA) or
@@ -240,15 +256,7 @@ def build_engine(args, progress=None):
     from aotx.engine.runtime.catalog import Catalog
 
     def load_entry(entry):
-        """Load a model beside the default one, on this device (the CPU for a model the
-        CUDA backend cannot run, when --device auto chose CUDA)."""
-        try:
-            return load_model(entry.path, device=device, tune="auto")
-        except ModelError as e:
-            if device != "cuda" or args.device != "auto":
-                raise
-            log.warning("the CUDA backend cannot run %s (%s); it runs on the CPU", entry.name, e)
-            return load_model(entry.path, device="cpu")
+        return load_beside(entry, device, args.device)
 
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
                  kv_type=kv_type, capsules=caps, speculative=speculative, draft_lm=draft_lm,

@@ -77,3 +77,28 @@ async def test_picked_model_is_used_for_the_next_new_conversation():
         await pilot.press("enter")
         await settle(pilot)
         assert engine.convs[app.conv_id].model == QWEN.name
+
+
+async def test_f4_settings_opens_the_model_picker():
+    engine = FakeEngine()
+    engine.extra_models = [QWEN]
+    app, _ = make_app(engine)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        app.chat_input.insert("hello")
+        await pilot.press("enter")
+        await settle(pilot)
+        await pilot.press("f4")
+        await pilot.pause(0.3)
+        await pilot.click("#pick-model")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, ModelPicker)
+        await pilot.press("down", "enter")
+        await pilot.pause(0.5)
+        from aotx.app.screens.settings import SettingsScreen
+
+        assert isinstance(app.screen, SettingsScreen)  # the picker closes back onto the dialog
+        assert engine.convs[app.conv_id].model == QWEN.name
+        await pilot.press("escape")
+        await settle(pilot)  # (settle waits for every worker: the dialog's too)
+        assert app.status_bar.line().startswith(QWEN.name)

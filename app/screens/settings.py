@@ -84,10 +84,13 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save (ctrl+s)", id="save", variant="primary")
                 yield Button("Cancel (esc)", id="cancel")
+                yield Button("Model… (ctrl+o)", id="pick-model")  # the picker opens over this dialog
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "save":
             self.action_save()
+        elif event.button.id == "pick-model":
+            self.app.action_pick_model()
         else:
             self.dismiss(None)
 
