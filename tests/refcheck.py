@@ -115,7 +115,8 @@ def cases(ref: dict | str | Path, k: int = 5) -> list[Case]:
     if "prompts" in ref:
         for p in ref["prompts"]:
             top = tuple(tuple((int(i), float(v)) for i, v in row[:k]) for row in p["top"])
-            out.append(Case(p["name"], tuple(p["token_ids"]), 0, top, tuple(float(g) for g in p["gap"])))
+            out.append(Case(p["name"], tuple(p["token_ids"]), int(p.get("first_row", 0)), top,
+                            tuple(float(g) for g in p["gap"])))
     elif "results" in ref:
         for r in ref["results"]:
             prompt, completion = r["prompt_token_ids"], r["completion_token_ids"]

@@ -249,8 +249,10 @@ async def test_queueing_with_one_slot(engine_server):
     c = await h.connect()
     convs = [(await c.create_conversation()).conv_id for _ in range(3)]
     tasks = []
-    for cv, p in zip(convs, PROMPTS):
-        tasks.append(asyncio.create_task(stream(c, cv, p, 4)))
+    for i, (cv, p) in enumerate(zip(convs, PROMPTS)):
+        # the first reply is long enough to hold the slot while the others arrive (a fast
+        # machine finished a 4-token reply within the 50 ms and nothing queued)
+        tasks.append(asyncio.create_task(stream(c, cv, p, 48 if i == 0 else 4)))
         await asyncio.sleep(0.05)  # arrival order = queue order
     results = await asyncio.gather(*tasks)
     for r in results:

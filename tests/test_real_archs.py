@@ -58,24 +58,25 @@ def _refcheck():
     return mod
 
 
-# The reference top-two gap from which a row's argmax must agree (refcheck's gap_strict,
-# 0.5 unless named here). Gemma 3 270M: llama.cpp's CPU arithmetic (int8-rounded activations
-# before every quantized matmul, float16 K/V, Q, softmax weights and GELU table) is itself
-# ~0.2 logits away from an exact forward on this model (its norm weights reach 301), so the
-# references carry that noise: llama.cpp's own forward of the same tokens in one eval
-# (teacher-forced, as compared here) is at mad 0.195 / max 1.32 from them and flips row 48
-# of emoji_accents (gap 0.517), the row AOTX flips; AOTX is at mad 0.038 from an independent
-# float64 forward, llama.cpp at 0.209 (tests/tools/gemma3_check.py measures all of it).
-GAP_STRICT = {"gemma3": 1.0}
-
-
 def test_teacher_forced_matches_llama_cpp(real):
+    """Teacher-forced rows against llama.cpp's, with refcheck's bounds (argmax equal wherever
+    the reference gap is >= 0.5, mean |diff| on the top-5 <= 0.5). The reference is llama.cpp's
+    teacher-forced forward of the same tokens in one eval (``teacher_forced_refs.json``, made
+    by tests/tools/make_refs_teacher_forced.py) where it exists, as AOTX is fed here; else the
+    logits llama.cpp computed while generating (``chat_refs.json``). They are not the same:
+    llama.cpp's CPU kernels differ between 1-row decode and many-row batches, and on Gemma 3
+    270M (norm weights up to 301 amplify its int8 activation rounding) its generating run and
+    its one-eval run of the same tokens differ by mean |diff| 0.195 and flip a row of reference
+    gap 0.517; AOTX is at 0.038 from an independent float64 forward (tests/tools/gemma3_check.py).
+    """
     name, lm = real
-    ref = HERE / "data" / "refs" / name / "chat_refs.json"
+    ref = HERE / "data" / "refs" / name / "teacher_forced_refs.json"
+    if not ref.is_file():
+        ref = ref.with_name("chat_refs.json")
     if not ref.is_file():
         pytest.skip(f"no llama.cpp chat references for {name} yet ({ref})")
     rc = _refcheck()
-    rep = rc.compare(rc.model_forward(lm), json.loads(ref.read_text()), gap_strict=GAP_STRICT.get(name, rc.GAP_STRICT))
+    rep = rc.compare(rc.model_forward(lm), json.loads(ref.read_text()))
     print(rep.summary())
     rep.check()
 
