@@ -62,6 +62,15 @@ def make_client_factory(ns: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    if ns.model:  # a missing or non-GGUF file: one line and exit 2, before the TUI opens (as `aotx run`)
+        from aotx.engine.errors import AotxError
+        from aotx.engine.model.loader import check_model_arg
+
+        try:
+            check_model_arg(ns.model)
+        except AotxError as e:
+            print(f"aotx-chat: {e}", file=sys.stderr)
+            return e.exit_code
     if ns.draft_model:  # refuse a mismatched draft model before starting anything
         from aotx.engine.errors import AotxError
         from aotx.engine.model.vocabulary import check_vocabulary_files

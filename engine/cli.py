@@ -342,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine import cli_local  # the journal itself; the engine while one runs
 
             return cli_local.cmd_conversations(args)
+        if args.cmd == "run":  # a missing or non-GGUF --model file: refused before anything starts
+            from aotx.engine.model.loader import check_model_arg
+
+            check_model_arg(args.model)
         if args.cmd == "run" and args.prompt is None and not args.json and sys.stdin.isatty():
             from aotx.app.repl import run_repl  # no prompt at a terminal: chat there
             from aotx.engine import cli_client

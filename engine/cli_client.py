@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from aotx.engine.errors import EngineError, UsageError
+from aotx.engine.errors import AotxError, EngineError, UsageError
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import EngineClient
 from aotx.media.kinds import kind_of_name
@@ -92,7 +92,7 @@ def model_ref(arg: str | None) -> str:
     if not arg:
         return ""
     p = Path(arg).expanduser()
-    return str(p.resolve()) if ("/" in arg or arg.endswith(".gguf")) and p.exists() else arg
+    return str(p.resolve()) if p.is_file() or (("/" in arg or arg.endswith(".gguf")) and p.exists()) else arg
 
 
 def dispatch(args, **kw) -> int:
@@ -129,6 +129,9 @@ async def _run(args) -> int:
     if not prompt:
         raise UsageError("aotx run: the prompt is empty")
     t0 = time.perf_counter()
+    from aotx.engine.model.loader import check_model_arg
+
+    check_model_arg(args.model)  # a missing or non-GGUF file: refused before an engine or a conversation
     client = await connect(args)
     try:
         st = await client.status()
@@ -147,6 +150,7 @@ async def _run(args) -> int:
                                     min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed,
                                     max_tokens=args.max_tokens, stop=list(args.stop),
                                     speculative=args.speculative)
+        created = False
         if args.conversation:
             conv_id = args.conversation
             if args.system is not None:
@@ -156,6 +160,7 @@ async def _run(args) -> int:
             conv = await client.create_conversation(title=title, system_prompt=args.system,
                                                     model=model_ref(args.model))
             conv_id = conv.conv_id
+            created = True
         rid_box: list[int] = []
         loop = asyncio.get_running_loop()
 
@@ -216,6 +221,12 @@ async def _run(args) -> int:
                 else:
                     print(f"aotx: {ev.message}", file=sys.stderr)
                 code = 2
+                if created and not rid_box:  # refused before it began (a model the engine cannot load):
+                    created = False           # the new conversation would stay behind empty
+                    try:
+                        await client.delete(conv_id)
+                    except AotxError:
+                        pass
             elif isinstance(ev, P.Committed):
                 t = ev.timings
                 if args.json:

@@ -287,6 +287,11 @@ def serve(args) -> int:
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     os.umask(0o077)  # conversations, capsules and logs are private to the user
     check_data_dir()
+    from aotx.engine.model.loader import check_model_arg, resolve_model_path
+
+    if args.model:  # a bad --model: its one error line, not an engine announced first
+        check_model_arg(args.model)
+        resolve_model_path(args.model)
     sock = Path(args.socket).expanduser() if args.socket else paths.socket_path()
     # take the lock before the (slow) model load so a second engine fails fast
     lock = SocketLock(sock)

@@ -69,6 +69,43 @@ def resolve_model_path(arg: str | os.PathLike[str] | None) -> Path:
     raise ModelError(f"{arg}: no such model file (looked at the path and in {paths.models_dir()})")
 
 
+def looks_like_path(arg: str) -> bool:
+    """A ``--model`` argument meant as a file: it contains a "/" or ends with ``.gguf``."""
+    return "/" in arg or arg.lower().endswith(".gguf")
+
+
+def check_model_arg(arg: str | os.PathLike[str] | None) -> Path | None:
+    """Refuse a ``--model`` argument naming a file that is missing or not GGUF, before
+    anything is started, announced or written. An argument naming an existing file is a
+    path (``README.md`` as much as ``./README.md``); a path-looking one that exists
+    nowhere gets the one message ``aotx serve`` gives. Returns the file, or None for a
+    bare name (or no argument), which the catalog resolves (a remote entry, a name).
+    Raises ModelError."""
+    from aotx.engine import paths
+    from aotx.engine.model.gguf_header import read_file_header
+
+    if arg is None or str(arg) == "":
+        return None
+    s = str(arg)
+    p = Path(s).expanduser()
+    if not p.exists():
+        if not looks_like_path(s):
+            return None
+        for cand in (paths.models_dir() / s, paths.models_dir() / f"{s}.gguf"):
+            if cand.exists():
+                p = cand
+                break
+        else:
+            raise ModelError(f"{s}: no such model file (looked at the path and in {paths.models_dir()})")
+    if p.is_dir():
+        raise ModelError(f"{s}: is a directory, not a GGUF file")
+    try:
+        read_file_header(p)
+    except OSError as e:
+        raise ModelError(f"{s}: cannot read it: {e.strerror or e}") from None
+    return p.resolve()
+
+
 def list_models() -> list[dict[str, Any]]:
     """The default model (when installed) and every ``*.gguf`` in the models folder
     except vision projectors (``mmproj*.gguf``, which go with the model beside them):

@@ -265,7 +265,7 @@ class Catalog:
         if key.endswith(".gguf") and key[:-5] in entries and "/" not in key:
             return entries[key[:-5]]
         p = Path(key).expanduser()
-        if ("/" in key or key.endswith(".gguf")) and p.is_file():
+        if p.is_file():  # an existing file is a path, `README.md` as much as `./README.md`
             p = p.resolve()
             for e in entries.values():
                 if e.path is not None and e.path.resolve() == p:
@@ -275,6 +275,8 @@ class Catalog:
                 name = f"{p.stem}@{p.parent.name}"
             self.extra[name] = p
             return self._entry(name, p)
+        if "/" in key or key.lower().endswith(".gguf"):  # a path that exists nowhere: `aotx serve`'s words
+            raise NotFound(f"{key}: no such model file (looked at the path and in {self.models_dir})")
         raise NotFound(unknown_model_message(key, list(entries), self.models_dir))
 
 
