@@ -162,7 +162,9 @@ def test_readme_two_turn_example_ends_at_the_call_without_repeating_it(oa, strea
             {"role": "tool", "tool_call_id": call.id, "content": "21 C, sunny"}]
     kw = dict(model="local", messages=ask, tools=README_TOOLS, temperature=0, max_tokens=200)
     if not stream:
-        c = oa.chat.completions.create(**kw).choices[0]
+        r2 = oa.chat.completions.create(**kw)
+        c = r2.choices[0]
+        assert r2.usage.completion_tokens < 150, r2.usage  # stopped at the repeat, not run to max_tokens
         content, calls, finish = c.message.content or "", c.message.tool_calls or [], c.finish_reason
         calls = [(t.function.name, t.function.arguments) for t in calls]
     else:
