@@ -43,6 +43,14 @@ PARSE = [
     ("hermes", '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```', "",
      [("get_weather", '{"city": "Paris"}')]),
     ("hermes", '{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 36}', []),   # an answer, not a call
+    # the README's second turn with Qwen2.5-Coder-0.5B: the same bare call line over and over, cut by
+    # max_tokens (or by the gateway's stop) inside a copy: one call
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}\n' * 3 + '{"name": "get_wea', "",
+     [("get_weather", '{"city": "Paris"}')]),
+    ("hermes", '{"name": "a", "arguments": {"x": 1}}\n{"name": "b", "arguments": {}}\n{"name": "a", "arguments": {"x":1}}',
+     "", [("a", '{"x": 1}'), ("b", "{}")]),
+    # a cut that is not a copy of a call already written: what the model wrote stays content
+    ("hermes", '{"name": "a", "arguments": {}}\n{"name": "zz', '{"name": "a", "arguments": {}}\n{"name": "zz', []),
     ("hermes", 'See {"name": "f", "arguments": {}}', 'See {"name": "f", "arguments": {}}', []),
     ("hermes", "```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [("get_weather", '{"city": "Oslo"}')]),
@@ -89,6 +97,23 @@ def test_streamed_calls_equal_parsed_calls_for_any_chunking(case, data):
     assert got_calls == calls
     assert got_content.strip() == content.strip()
     assert ids == [f"call_m1_{i}" for i in range(len(calls))]
+
+
+def test_stream_parser_says_complete_when_a_call_repeats():
+    line = '{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    block = "<tool_call>\n" + line + "</tool_call>\n"
+    for text, n_first in ((line * 4, len(line) * 2), (block * 3, len(block) * 2)):  # stopped at the first repeat
+        p = T.StreamParser("hermes", "call_x_")
+        at = None
+        for i, ch in enumerate(text):
+            p.feed(ch)
+            if p.complete and at is None:
+                at = i + 1
+        assert at is not None and at <= n_first, (text, at)
+    p = T.StreamParser("hermes")
+    for piece in ('{"name": "a", "arguments": {"x": 1}}\n', '{"name": "a", "arguments": {"x": 2}}\n'):
+        p.feed(piece)
+    assert not p.complete  # two different calls to one tool are two calls
 
 
 def test_template_family_and_tools_variable():

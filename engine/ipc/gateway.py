@@ -302,6 +302,17 @@ class Generation:
             except (Exception, asyncio.CancelledError):  # noqa: BLE001 - closing a half-read stream
                 pass
 
+    def stop(self, choice: int) -> None:
+        """End a choice's generation early (its tool calls are complete): a cancel sent
+        without waiting; the engine commits what it has. Only for one choice per request
+        (a cancel stops every choice of its request)."""
+        a = self.accepted.get(choice)
+        if a is None or self.n != 1 or choice in self.committed:
+            return
+        task = asyncio.ensure_future(self.client.cancel(target=a.id))
+        _background.add(task)
+        task.add_done_callback(_settle)
+
     async def _forget(self) -> None:
         try:
             await self.client.delete(self.conv_id)
@@ -327,8 +338,13 @@ class ChoiceState:
     ``committed`` return the ``Out`` pieces to send (the tool-call parser of the model's
     family splits content from calls as the text streams)."""
 
-    def __init__(self, index: int, family: str | None, logprobs: bool, call_prefix: str = ""):
+    def __init__(self, index: int, family: str | None, logprobs: bool, call_prefix: str = "",
+                 on_complete: Callable[[], None] | None = None):
         self.index = index
+        # called once when the parser finds the reply's calls complete and the model
+        # repeating them (``StreamParser.complete``): the generation may be stopped
+        self.on_complete = on_complete
+        self._stopped = False
         self.parser = tool_calls.StreamParser(family, call_prefix) if family else None
         self.sent = ""
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
@@ -342,7 +358,12 @@ class ChoiceState:
         if self.parser is None:
             self.content += t
             return [Out("content", self.index, text=t)]
-        return self._delta(self.parser.feed(t))
+        out = self._delta(self.parser.feed(t))
+        if self.parser.complete and not self._stopped:
+            self._stopped = True
+            if self.on_complete is not None:
+                self.on_complete()
+        return out
 
     def _delta(self, d) -> list[Out]:
         out = []
@@ -377,7 +398,10 @@ class ChoiceState:
         ch = self.choice
         ch.text = self.content if self.parser is not None else ev.text
         ch.tool_calls = [{k: v for k, v in c.items() if k != "index"} for _, c in sorted(self._calls.items())]
-        ch.finish_reason = ev.finish_reason
+        # calls complete and then repeated: the reply ended at its calls, whether the
+        # stop came first (cancelled) or max_tokens did
+        ch.finish_reason = "tool_calls" if self.parser is not None and self.parser.complete and ch.tool_calls \
+            else ev.finish_reason
         ch.n_completion = ev.n_completion
         out.append(Out("finish", self.index, text=ch.finish))
         return out
@@ -747,7 +771,8 @@ class Gateway:
         so a call id stays meaningful after a restart (the Responses API checks them)."""
         fam = self.family(spec)
         return [ChoiceState(i, fam, spec.logprobs >= 0, call_id_prefix(gen.accepted[i].reply_id)
-                            if i in gen.accepted else "") for i in range(spec.n)]
+                            if i in gen.accepted else "", on_complete=lambda i=i: gen.stop(i))
+                for i in range(spec.n)]
 
     async def collect(self, gen: Generation, reply: S.Reply, states: list[ChoiceState]) -> None:
         """Read the whole generation into ``reply`` (every choice). Raises ApiError."""

@@ -220,26 +220,55 @@ def _bare_calls(text: str) -> list[ToolCall]:
         body = m.group(1).strip()
     if not body.startswith("{"):
         return []
-    calls, pos = [], 0
+    calls, _ = _bare_scan(body)
+    return calls
+
+
+def _bare_scan(body: str) -> tuple[list[ToolCall], bool]:
+    """(calls, repeated) of a reply body made of bare JSON call objects (one per line
+    or run together): identical calls collapse into one (a small model may repeat its
+    call until max_tokens), and a last object cut short that is the start of one
+    already written is dropped (the repeat the generation was stopped in). ``repeated``:
+    some call came twice (so the reply is complete). ([], False) for anything else."""
+    calls: list[ToolCall] = []
+    seen: set[tuple[str, str]] = set()
+    texts: list[str] = []
+    repeated, pos = False, 0
     while pos < len(body):
         try:
             obj, end = _DECODER.raw_decode(body, pos)
         except ValueError:
-            return []
+            rest = body[pos:].rstrip()
+            if calls and any(t.startswith(rest) for t in texts):
+                break  # a repeat cut short
+            return [], False
         if not isinstance(obj, dict) or not ({"arguments", "parameters"} & obj.keys()):
-            return []
+            return [], False
         args_key = "arguments" if "arguments" in obj else "parameters"
         call = _call_from(obj, args_key)
         if call is None:
-            return []
+            return [], False
         raw = _raw_value(body[pos:end], args_key)
         if raw is not None:
             call.arguments = raw
-        calls.append(call)
+        key = (call.name, _canonical(call.arguments))
+        if key in seen:
+            repeated = True
+        else:
+            seen.add(key)
+            calls.append(call)
+            texts.append(body[pos:end])
         pos = end
         while pos < len(body) and body[pos] in " \t\r\n;,":
             pos += 1
-    return calls
+    return calls, repeated
+
+
+def _canonical(args: str) -> str:
+    try:
+        return json.dumps(json.loads(args), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return args
 
 
 def _bare_start(s: str, final: bool) -> bool | None:
@@ -331,6 +360,10 @@ class StreamParser:
         return self._trim(d, final=True)
 
     _bare: bool | None = None  # hermes: the reply may be a bare JSON call (held to the end)
+    # the reply's calls are complete and the model repeats one of them (a bare call object
+    # or a <tool_call> block written again identically): the rest of the generation is
+    # waste; the caller may stop it (what came after the first copy is not a new call)
+    complete = False
 
     def _hermes_or_bare(self, final: bool) -> Delta:
         """A hermes reply that starts like a bare JSON call (``_bare_calls``) is held and
@@ -341,6 +374,12 @@ class StreamParser:
                 return Delta()
         if self._bare:
             if not final:
+                if not self.complete:
+                    body = self.text.strip()
+                    m = re.match(r"```[ \t]*(?:json)?[ \t]*\n?", body)
+                    if m:
+                        body = body[m.end():]
+                    self.complete = _bare_scan(body.rstrip("`").rstrip())[1]
                 return Delta()
             calls = _bare_calls(self.text)
             if not calls:  # not a call after all: the text as the tag parser sees it
@@ -440,6 +479,11 @@ class StreamParser:
                     piece = full.arguments[len(call.arguments):]
                     out.calls.append((self._index, None, None, piece))
                     call.arguments = full.arguments
+            if len(self._calls) > 1:
+                last = self._calls[-1]
+                key = (last.name, _canonical(last.arguments))
+                if any((c.name, _canonical(c.arguments)) == key for c in self._calls[:-1]):
+                    self.complete = True  # the same block again: the model is repeating itself
             self._in_call = False
             self._sent = body_end + len(close_tag)
             # the newline between blocks is not content
