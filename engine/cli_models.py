@@ -85,7 +85,7 @@ def cmd_models(args) -> int:
             state = "not loaded" if engine else ""
         where = m.url if m.kind == "remote" else ""
         print(f"{mark}{m.name:<36} {m.arch or '-':<8} {m.quant or '-':<8} "
-              f"{fmt_bytes(m.size_bytes) if m.size_bytes else '-':>9} {m.n_ctx_train or '-':>8} "
+              f"{fmt_bytes(m.size_bytes) if m.size_bytes else '-':>9} {(m.n_ctx if m.loaded and m.n_ctx else m.n_ctx_train) or '-':>8} "
               f"{fmt_bytes(m.needs_bytes) if m.needs_bytes else '-':>10}  {state}{'  ' + where if where else ''}")
     if engine and ml.budget_bytes:
         print(f"(* default, ● loaded; budget {fmt_bytes(ml.used_bytes)} of {fmt_bytes(ml.budget_bytes)} used; "

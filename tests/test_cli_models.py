@@ -120,3 +120,27 @@ def test_run_model_loads_beside_the_default_then_unload(home, engine):
     assert again.returncode == 2 and "is not loaded" in again.stderr
     unknown = aotx(home, "run", "--socket", sock, "--model", "tiny-b", "--max-tokens", "2", "x")
     assert unknown.returncode == 2 and "did you mean tiny-a?" in unknown.stderr, unknown.stderr
+
+
+def test_bug_models_shows_the_default_models_size_quant_and_served_context(home, engine):
+    """fixcli: `aotx models` showed size `-`, quant `-` and the trained context (8192)
+    for the loaded default model while `aotx status` said the engine serves 4096."""
+    sock = str(engine)
+    listed = json.loads(aotx(home, "models", "--socket", sock, "--json").stdout)
+    d = next(m for m in listed["models"] if m["default"])
+    assert d["loaded"] is True
+    assert d["size_bytes"] > 0 and d["quant"], d
+    assert d["n_ctx"] == 256, d
+    text = aotx(home, "models", "--socket", sock).stdout
+    row = next(line for line in text.splitlines() if d["name"] in line)
+    assert " 256 " in row and d["quant"] in row, row
+
+
+def test_bug_run_refused_by_the_engine_leaves_no_empty_conversation(home, engine):
+    """fixcli: a run the engine refuses (an unknown model name) left "0 messages" behind."""
+    sock = str(engine)
+    before = json.loads(aotx(home, "conversations", "list", "--socket", sock, "--json").stdout or "[]")
+    bad = aotx(home, "run", "--socket", sock, "--model", "no-such-model-here", "--max-tokens", "2", "x")
+    assert bad.returncode == 2 and "no model named" in bad.stderr, bad.stderr
+    after = json.loads(aotx(home, "conversations", "list", "--socket", sock, "--json").stdout or "[]")
+    assert len(after) == len(before), after

@@ -242,7 +242,8 @@ class ModelInfo(msgspec.Struct, omit_defaults=True):
     name, e.g. Q4_K_M); ``n_ctx_train``: its trained context (tokens); ``needs_bytes``:
     the memory it takes at the engine's slots and context (accounted when loaded,
     estimated from the file's header otherwise; 0 for a remote one); ``idle_s``:
-    seconds since a loaded model last generated; ``busy``: its requests in flight;
+    seconds since a loaded model last generated; ``n_ctx``: the context a loaded model
+    serves (what ``aotx status`` shows); ``busy``: its requests in flight;
     ``error``: why the file cannot be used ("" when it can)."""
 
     name: str
@@ -256,6 +257,7 @@ class ModelInfo(msgspec.Struct, omit_defaults=True):
     loaded: bool = False
     default: bool = False
     needs_bytes: int = 0
+    n_ctx: int = 0  # the context a loaded model serves (its slots' length); 0 when not loaded
     busy: int = 0
     idle_s: float = 0.0
     error: str = ""

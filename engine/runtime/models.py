@@ -27,6 +27,7 @@ the load (seconds for a small model); clients get a ``loading`` notice first.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -200,11 +201,24 @@ class LocalModel:
 
     def info(self) -> P.ModelInfo:
         e, cfg = self.entry, self.lm.config
+        size, quant = (e.size_bytes, e.quant) if e else self._file_facts()
         return P.ModelInfo(name=self.name, kind="gguf", path=str(self.lm.path),
-                           size_bytes=e.size_bytes if e else 0, arch=cfg.arch, quant=e.quant if e else "",
+                           size_bytes=size, arch=cfg.arch, quant=quant, n_ctx=self.n_ctx,
                            n_ctx_train=cfg.n_ctx_train, loaded=True, default=self.default,
                            needs_bytes=sum(v for _, v in self.terms), busy=self.in_flight(),
                            idle_s=round(time.monotonic() - self.last_used, 1) if not self.in_flight() else 0.0)
+
+    def _file_facts(self) -> tuple[int, str]:
+        """(size, quant) of the model file when no catalog entry came with it (the
+        default model): read once from the file's header."""
+        if getattr(self, "_facts", None) is None:
+            from aotx.engine.model.gguf_header import read_file_header
+
+            try:
+                self._facts = (os.stat(self.lm.path).st_size, read_file_header(self.lm.path).quant)
+            except (OSError, ModelError):
+                self._facts = (0, "")
+        return self._facts
 
     def close(self) -> None:
         """Let go of the KV cache and the weights (the last references)."""
