@@ -154,11 +154,19 @@ def test_a_flood_of_connections_never_locks_out_a_real_client(serve_null):
     srv, path = serve_null(max_connections=50)
     flood, answered = [], 0
     for i in range(600):
-        s = raw_client(path, hello=i % 2 == 0)  # half never say hello
+        try:
+            s = raw_client(path, hello=i % 2 == 0)  # half never say hello
+        except (BrokenPipeError, ConnectionResetError):
+            # refused and closed before its hello was written: an answer at once (seen in CI)
+            assert i >= 50, f"connection {i} of 600 (limit 50) was closed at once"
+            s = None
         flood.append(s)
     assert srv.active <= 50
     deadline = time.monotonic() + 30
     for s in flood[60:]:  # far past the limit: each learns it is refused, quickly
+        if s is None:
+            answered += 1
+            continue
         try:
             m = read_frame(s, timeout=max(0.1, deadline - time.monotonic()))
             assert isinstance(m, P.Error) and m.code == "too_many_connections", m
@@ -167,7 +175,8 @@ def test_a_flood_of_connections_never_locks_out_a_real_client(serve_null):
             answered += 1  # closed after the hello wait: also an answer, not a hang
     assert answered == 540
     for s in flood:
-        s.close()
+        if s is not None:
+            s.close()
     t0 = time.monotonic()
 
     async def real():
