@@ -38,10 +38,6 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory, qwen2_model_path):
-    try:
-        import aotx.engine.model.architectures.qwen2  # noqa: F401 - present once qwen2 runs on this tree
-    except ImportError as e:
-        pytest.skip(f"qwen2 does not run on this tree yet: {e}")
     home = tmp_path_factory.mktemp("gwqwen")
     proc, sock = start_engine(home, qwen2_model_path, slots=2, context=2048, timeout=600)
     with gateway(sock, per_key_concurrency=8) as url:
