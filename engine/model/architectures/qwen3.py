@@ -31,19 +31,25 @@ def check_config(cfg: ModelConfig, path: str) -> None:
     C.require_full_rope(cfg, path)
 
 
-def tensors(cfg: ModelConfig) -> list:
+def layer_tensors(cfg: ModelConfig, p: str) -> list:
+    """Layer ``p``'s tensors before its FFN (qwen3moe shares them)."""
     d, hd, q_out = cfg.d_model, cfg.head_dim, cfg.n_heads * cfg.head_dim
+    return ([C.vec(p + "attn_norm.weight", d)] + C.qkv_tensors(cfg, p)
+            + [C.mat(p + "attn_output.weight", q_out, d), C.vec(p + "attn_q_norm.weight", hd),
+               C.vec(p + "attn_k_norm.weight", hd), C.vec(p + "ffn_norm.weight", d)])
+
+
+def tensors(cfg: ModelConfig) -> list:
     out = C.embedding_tensors(cfg)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        out += [C.vec(p + "attn_norm.weight", d)] + C.qkv_tensors(cfg, p)
-        out += [C.mat(p + "attn_output.weight", q_out, d), C.vec(p + "attn_q_norm.weight", hd),
-                C.vec(p + "attn_k_norm.weight", hd), C.vec(p + "ffn_norm.weight", d)]
-        out += C.ffn_tensors(cfg, p)
+        out += layer_tensors(cfg, p) + C.ffn_tensors(cfg, p)
     return out
 
 
-def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
+def build(b: ProgramBuilder, cfg: ModelConfig, w: Weights, ffn) -> Value:
+    """The qwen3 stack with ``ffn(b, cfg, w, p, h) -> Value`` as each layer's FFN (qwen3moe
+    passes its mixture of experts)."""
     hd, eps = cfg.head_dim, cfg.norm_eps
     rope = C.rope_spec(cfg, "neox")
     x = b.embed(w["token_embd.weight"])
@@ -60,5 +66,9 @@ def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
         if i == cfg.n_layers - 1:
             x = b.take_rows(x, name="out_rows")
         h = b.rms_norm(x, w[p + "ffn_norm.weight"], eps, name=p + "ffn_norm")
-        x = b.add(x, C.build_ffn(b, w, p, h, "silu"), name=p + "l_out")
+        x = b.add(x, ffn(b, cfg, w, p, h), name=p + "l_out")
     return C.output_head(b, cfg, w, x)
+
+
+def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
+    return build(b, cfg, w, lambda b, cfg, w, p, h: C.build_ffn(b, w, p, h, "silu"))

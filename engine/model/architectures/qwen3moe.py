@@ -23,11 +23,10 @@ llama_model_rope_type (QWEN3MOE: NEOX).
 
 from __future__ import annotations
 
-import math
-
 from aotx.engine.backend.ops import ProgramBuilder, Value
 from aotx.engine.model.architectures import common as C
 from aotx.engine.model.architectures import moe_block as M
+from aotx.engine.model.architectures import qwen3 as Q3
 from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.transformer import Weights
 
@@ -42,33 +41,12 @@ def check_config(cfg: ModelConfig, path: str) -> None:
 
 
 def tensors(cfg: ModelConfig) -> list:
-    d, hd, q_out = cfg.d_model, cfg.head_dim, cfg.n_heads * cfg.head_dim
     out = C.embedding_tensors(cfg)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        out += [C.vec(p + "attn_norm.weight", d)] + C.qkv_tensors(cfg, p)
-        out += [C.mat(p + "attn_output.weight", q_out, d), C.vec(p + "attn_q_norm.weight", hd),
-                C.vec(p + "attn_k_norm.weight", hd), C.vec(p + "ffn_norm.weight", d)]
-        out += M.moe_tensors(cfg, p, expert_ffn_dim(cfg))
+        out += Q3.layer_tensors(cfg, p) + M.moe_tensors(cfg, p, expert_ffn_dim(cfg))
     return out
 
 
 def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
-    hd, eps = cfg.head_dim, cfg.norm_eps
-    rope = C.rope_spec(cfg, "neox")
-    x = b.embed(w["token_embd.weight"])
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        h = b.rms_norm(x, w[p + "attn_norm.weight"], eps, name=p + "attn_norm")
-        q, k, v = C.build_qkv(b, cfg, w, p, h)
-        q = b.head_rms_norm(q, w[p + "attn_q_norm.weight"], eps, hd, name=p + "q_norm")
-        k = b.head_rms_norm(k, w[p + "attn_k_norm.weight"], eps, hd, name=p + "k_norm")
-        q, k = b.rope(q, rope, hd, name=p + "q_rope"), b.rope(k, rope, hd, name=p + "k_rope")
-        a = b.attention(q, k, v, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=hd,
-                        scale=1.0 / math.sqrt(hd), name=p + "attn")
-        x = b.add(x, b.linear(a, w[p + "attn_output.weight"], name=p + "attn_out"), name=p + "ffn_inp")
-        if i == cfg.n_layers - 1:
-            x = b.take_rows(x, name="out_rows")
-        h = b.rms_norm(x, w[p + "ffn_norm.weight"], eps, name=p + "ffn_norm")
-        x = b.add(x, M.build_moe(b, cfg, w, p, h, gating="softmax", norm_w=True), name=p + "l_out")
-    return C.output_head(b, cfg, w, x)
+    return Q3.build(b, cfg, w, lambda b, cfg, w, p, h: M.build_moe(b, cfg, w, p, h, gating="softmax", norm_w=True))
