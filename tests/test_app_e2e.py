@@ -51,6 +51,29 @@ def start_engine(sock: Path, home: Path) -> subprocess.Popen:
                             stderr=log, start_new_session=True)
 
 
+def wait_answering(sock: Path, proc: subprocess.Popen, home: Path, limit_s: float = 60.0) -> None:
+    """Wait until the engine started by the test accepts connections on ``sock``.
+
+    Regression (CI, stop 25): the app was started before the first engine listened, so its
+    factory found no engine and started a second one; that one won the socket lock and the
+    test's ``welcome.pid == first.pid`` failed (26529 != 26528). One engine ran, as it
+    should; the test had not waited for the engine it meant to kill."""
+    import socket as socket_mod
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the first engine exited with code {proc.returncode}: "
+                                 f"{(home / 'first-engine.log').read_text(errors='replace')[-800:]}")
+        with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM) as s:
+            try:
+                s.connect(str(sock))
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.1)
+    raise AssertionError(f"the first engine did not listen on {sock} within {limit_s:.0f} s")
+
+
 def stop(pid: int) -> None:
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
         try:
@@ -98,6 +121,7 @@ def e2e(tmp_path, monkeypatch, default_model_path):
     pids: list[int] = []
     first = start_engine(sock, home)
     pids.append(first.pid)
+    wait_answering(sock, first, home)
     yield home, sock, first, pids
     for pid in pids:
         stop(pid)
