@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import cpu_fdot
-from .cpu_fdot import axpy, dots, exp_nonpos, h2f
+from .cpu_fdot import axpy, dots, exp_nonpos, f2h_bits, h2f
 
 ROW_BLOCK = 16   # rows of one slot that share one K/V conversion
 
@@ -206,7 +206,7 @@ def _attention_serial(mode, q, kc, vc, slots, lengths, scale, window, out, half,
 PARALLEL_MACS = 500_000
 
 
-_NO_SINKS = np.zeros(1, np.float32)
+NO_SINKS = np.zeros(1, np.float32)   # the sinks argument of a kernel without sinks
 
 
 def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray,
@@ -234,12 +234,64 @@ def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
     n = q.shape[0]
     if n:
         lengths = np.ascontiguousarray(lengths, np.int32)
-        keys = int(lengths.sum()) if window <= 0 else int(np.minimum(lengths, window).sum())
-        run = _attention_parallel if keys * q.shape[1] * q.shape[2] * 2 >= PARALLEL_MACS else _attention_serial
+        run = kernel_for(attended_keys(lengths, window), q.shape[1], q.shape[2])
         run(cpu_fdot.HOST_F16, np.ascontiguousarray(q, np.float32), k_cache, v_cache,
             np.ascontiguousarray(slots, np.int32), lengths, np.float32(scale), int(window), out,
-            k_cache.dtype == np.uint16, sinks if has_sinks else _NO_SINKS, has_sinks)
+            k_cache.dtype == np.uint16, sinks if has_sinks else NO_SINKS, has_sinks)
     return out
+
+
+def attended_keys(lengths: np.ndarray, window: int) -> int:
+    """How many (row, position) pairs a batch with these lengths attends to."""
+    return int(lengths.sum()) if window <= 0 else int(np.minimum(lengths, window).sum())
+
+
+def kernel_for(keys: int, n_heads: int, head_dim: int):
+    """The compiled kernel attention_rows runs for ``keys`` attended pairs: on the threads,
+    or on the calling thread below PARALLEL_MACS (the same jobs and arithmetic either way).
+    Its arguments: (cpu_fdot.HOST_F16, q C-contiguous float32, k_cache, v_cache, slots
+    int32, lengths int32, float32 scale, int window, out, half: bool, sinks float32 (H,)
+    (or NO_SINKS), has_sinks); the caller has made the checks attention_rows makes."""
+    return _attention_parallel if keys * n_heads * head_dim * 2 >= PARALLEL_MACS else _attention_serial
+
+
+@njit(cache=True, error_model="numpy")
+def store_f16(kc, vc, k, v, slots, positions):
+    """``store_rows`` into a float16 (uint16 bits) cache, without its checks."""
+    for r in range(k.shape[0]):
+        s, p = slots[r], positions[r]
+        for h in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                kc[s, h, p, d] = f2h_bits(k[r, h, d])
+                vc[s, h, p, d] = f2h_bits(v[r, h, d])
+
+
+@njit(cache=True, error_model="numpy")
+def store_f32(kc, vc, k, v, slots, positions):
+    """``store_rows`` into a float32 cache, without its checks."""
+    for r in range(k.shape[0]):
+        s, p = slots[r], positions[r]
+        for h in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                kc[s, h, p, d] = k[r, h, d]
+                vc[s, h, p, d] = v[r, h, d]
+
+
+def store_rows(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
+               positions: np.ndarray) -> None:
+    """Row r of k, v ((N, KV, hd) float32, any strides) goes to position positions[r] of
+    slot slots[r] of the caches (float32, or uint16 float16 bits rounded to nearest even as
+    ``cpu_fdot.f32_to_f16``), in one call for the whole batch. Raises ValueError for a slot
+    or position outside the cache (the kernels do not check)."""
+    n_slots, _, n_ctx, _ = k_cache.shape
+    slots = np.ascontiguousarray(slots, np.int32)
+    positions = np.ascontiguousarray(positions, np.int32)
+    if slots.size and (slots.min() < 0 or slots.max() >= n_slots or positions.min() < 0
+                       or positions.max() >= n_ctx):
+        raise ValueError(f"a row's slot or position lies outside the cache ({n_slots} slots of {n_ctx})")
+    k = np.asarray(k, np.float32)
+    v = np.asarray(v, np.float32)
+    (store_f16 if k_cache.dtype == np.uint16 else store_f32)(k_cache, v_cache, k, v, slots, positions)
 
 
 def store_kv(cache: np.ndarray, slot: int, pos: int, rows: np.ndarray) -> None:

@@ -4,7 +4,8 @@ Owns: `dots`, a numba intrinsic (LLVM IR) that computes a small tile of float32 
 products (up to 2 x 4), each in ONE documented order; `axpy`, weighted sums of rows
 (attention's V step) in one documented order; `exp_nonpos`; `f16_to_f32`, float16 bit patterns
 (uint16: numba has no float16) to float32 with F16C's vcvtph2ps where the CPU has it and
-exact integer bit manipulation elsewhere; `f32_to_f16` (round to nearest even). Used by
+exact integer bit manipulation elsewhere; `f32_to_f16` (round to nearest even) and `f2h_bits`,
+its scalar form for kernels (the KV store). Used by
 the attention kernel (`cpu_attention.py`) and the float matmul path (`cpu_matmul.py`).
 Leaves to others: everything about layouts and which rows meet.
 
@@ -287,6 +288,51 @@ def f32_to_f16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         return h
     out[...] = h
     return out
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """The bit pattern of the float32 x, as a uint32 (a bitcast)."""
+    if x != types.float32:
+        raise TypeError("f32_bits takes a float32")
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _I32)
+
+    return types.uint32(x), codegen
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def f2h_bits(x):
+    """float32 x -> float16 bits (a uint16), as ``f32_to_f16``: round to nearest, ties to
+    even, overflow to +-inf, NaN stays NaN; for numba kernels (stores into a float16 KV
+    cache without a numpy temporary)."""
+    f = f32_bits(x)
+    sign = (f >> np.uint32(16)) & np.uint32(0x8000)
+    a = f & np.uint32(0x7FFFFFFF)
+    if a >= np.uint32(0x7F800000):                      # inf, NaN (keeps the payload's top bits)
+        m = (a & np.uint32(0x7FFFFF)) >> np.uint32(13)
+        if a > np.uint32(0x7F800000) and m == 0:
+            m = np.uint32(1)
+        return np.uint16(sign | np.uint32(0x7C00) | m)
+    if a >= np.uint32(0x477FF000):                      # rounds to 65520 or more: inf
+        return np.uint16(sign | np.uint32(0x7C00))
+    if a < np.uint32(0x38800000):                       # below 2^-14: a float16 subnormal or zero
+        if a < np.uint32(0x33000000):                   # at most 2^-25: rounds to zero
+            return np.uint16(sign)
+        shift = np.uint32(126) - (a >> np.uint32(23))   # 14 .. 24 bits dropped
+        m = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+        q = m >> shift
+        rem = m & ((np.uint32(1) << shift) - np.uint32(1))
+        half = np.uint32(1) << (shift - np.uint32(1))
+        if rem > half or (rem == half and (q & np.uint32(1)) != 0):
+            q += np.uint32(1)
+        return np.uint16(sign | q)
+    q = (a - np.uint32(0x38000000)) >> np.uint32(13)    # normal: rebias, drop 13 bits
+    rem = a & np.uint32(0x1FFF)
+    if rem > np.uint32(0x1000) or (rem == np.uint32(0x1000) and (q & np.uint32(1)) != 0):
+        q += np.uint32(1)                               # a carry into the exponent is right
+    return np.uint16(sign | q)
 
 
 # ------------------------------------------------------------------ exp

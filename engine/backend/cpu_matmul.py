@@ -53,6 +53,7 @@ not be mutated (it never is after __init__; tests set ``isa``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -441,6 +442,27 @@ class QuantMatrix:
             gemm_float(x, self._dequant_range(r0, r1), out, r0)
         return out
 
+    def bound_matmul(self) -> Callable[[np.ndarray, np.ndarray], None]:
+        """``f(x, out)``: ``matmul(x, out)`` with the weights, the kernel and its constants
+        bound once, for a caller that runs it many times (a program's linear steps: ~200
+        per decode step, where the checks and lookups of ``matmul`` cost more than a small
+        GEMV's arithmetic). x must be (n, k) float32 and out (n, m) float32, both
+        C-contiguous: not checked. The same kernels and numbers as ``matmul``; ``isa`` is
+        read now."""
+        if not self.int8:
+            return lambda x, out: self.matmul(x, out)
+        kern, scratch = cpu_qdot.matmul, _act_scratch
+        marker, isa, qs, qh, d, mn = self._marker, self.isa, self._qs, self._qh, self._d, self._mn
+        cs, ch = _CORR[(self.kind, int(isa))]
+        n_chunks, k = self._n_chunks, self.k
+
+        def run(x: np.ndarray, out: np.ndarray) -> None:
+            n = x.shape[0]
+            if n:
+                xq, dx, sx, xs, xh = scratch(n, k)
+                kern(marker, isa, qs, qh, d, mn, x, xq, dx, sx, xs, xh, out, n_chunks, cs, ch)
+        return run
+
     def _dequant_range(self, r0: int, r1: int) -> np.ndarray:
         """float32 (r1 - r0, k) view into the thread's scratch; valid until the next call."""
         w = _scratch((r1 - r0) * self.k)[: (r1 - r0) * self.k].reshape(r1 - r0, self.k)
@@ -450,11 +472,51 @@ class QuantMatrix:
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows: ids int (n,) in [-m, m) -> float32 (n, k) (embedding lookup),
         equal to gguf.quants.dequantize."""
+        if self._raw is None:
+            raise ValueError(f"{self.name}: a joined matrix (join_rows) has no file rows to look up")
         idx = quants.row_ids(ids, self.m)
         out = np.empty((idx.size, self.k), np.float32)
         if idx.size:
             _dequantize(self._raw, self.qtype, self.k, idx, out)
         return out
+
+
+def join_rows(mats: list[QuantMatrix], name: str = "") -> QuantMatrix | None:
+    """One matrix whose rows are the rows of ``mats`` in order ([q; k; v], [gate; up]), so
+    that one matmul (one activation quantization, one kernel call) replaces several on the
+    same input. The tiles are the members' tiles, concatenated: every output element is
+    computed by the same operations as before, bit for bit. The members become views of
+    the joined arrays (the weights are not held twice) and keep working on their own.
+
+    None where the members cannot share tiles: not all on the integer path, different
+    kinds, input lengths or scale types, or a member before the last whose row count is not
+    a multiple of R (its last tile would be padded). The joined matrix has no file rows:
+    ``rows`` (an embedding lookup) is not available on it."""
+    if len(mats) < 2 or not all(isinstance(w, QuantMatrix) and w.int8 for w in mats):
+        return None
+    first = mats[0]
+    if any(w.kind != first.kind or w.k != first.k or w.isa != first.isa or w._d.dtype != first._d.dtype
+           for w in mats) or any(w.m % R for w in mats[:-1]):
+        return None
+    j = object.__new__(QuantMatrix)
+    j.qtype, j.isa, j.k, j.name = first.qtype, first.isa, first.k, name or "+".join(w.name for w in mats)
+    j.m = sum(w.m for w in mats)
+    j._n_chunks = max(1, min(-(-j.m // R), 16))
+    j._raw, j._direct = None, None
+    j.kind, j.int8, j._marker = first.kind, True, first._marker
+    parts = ("_qs", "_qh", "_d", "_mn")
+    for a in parts:
+        setattr(j, a, np.concatenate([getattr(w, a) for w in mats]))
+    j.nbytes = sum(w.nbytes for w in mats)
+    t0 = 0
+    for w in mats:
+        t1 = t0 + w._qs.shape[0]
+        for a in parts:
+            full = getattr(j, a)
+            if full.shape[0]:                    # (qh and mn are empty for kinds without them)
+                setattr(w, a, full[t0:t1])
+        t0 = t1
+    return j
 
 
 def _byte_rows(raw: np.ndarray, qtype: T, k: int) -> np.ndarray:

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from aotx.engine.backend import cpu_attention, cpu_ops
-from aotx.engine.backend.ops import ROWS_N, Program, RopeSpec
+from aotx.engine.backend import cpu_attention, cpu_fdot, cpu_ops
+from aotx.engine.backend.ops import ROWS_N, Node, Program, RopeSpec, Value
 
 KV_TYPES = ("f16", "f32")
 _KV_DTYPE = {"f16": np.uint16, "f32": np.float32}
@@ -49,6 +49,7 @@ class CpuKVCache:
 
     def __init__(self, program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16"):
         self.kv_type = check_kv_type(kv_type)
+        self.half = kv_type == "f16"
         dt = _KV_DTYPE[kv_type]
         self.k = [np.zeros((n_slots, L.n_kv_heads, n_ctx, L.head_dim), dt) for L in program.kv_layers]
         self.v = [np.zeros((n_slots, L.n_kv_heads, n_ctx, L.head_dim), dt) for L in program.kv_layers]
@@ -104,39 +105,64 @@ class CpuKVCache:
 
 class _Batch:
     """What one forward's kernels need to know about its rows, computed once per call:
-    where each row's K/V goes (``one_*`` for one-row segments, ``multi`` for the others)
-    and each row's slot and attention length (``slots``, ``lengths``)."""
+    each row's slot, position (where its K/V goes) and attention length."""
 
-    __slots__ = ("n", "tokens", "positions", "out_rows", "one_rows", "one_slots", "one_pos", "multi", "slots",
-                 "lengths", "embeds", "n_out", "views")
+    __slots__ = ("n", "tokens", "positions", "out_rows", "slots", "lengths", "embeds", "n_out", "views", "keys")
 
     def __init__(self, tokens: np.ndarray, layout: Any, embeds: Any):
-        n = int(layout.n_rows)
-        self.n = n
+        self.n = int(layout.n_rows)
         self.tokens = tokens
-        self.positions = layout.positions
+        self.positions = np.ascontiguousarray(layout.positions, np.int32)
         self.out_rows = layout.out_rows
         self.n_out = int(layout.out_rows.shape[0])
         self.embeds = embeds
-        one: list[tuple[int, int, int]] = []
-        self.multi: list[tuple[int, int, int, int]] = []      # (row, slot, pos, n) of segments > 1 row
-        row = 0
-        for s in layout.segments:
-            if s.n == 1:
-                one.append((row, s.slot, s.pos))
-            elif s.n > 1:
-                self.multi.append((row, s.slot, s.pos, s.n))
-            row += s.n
-        # a row at position p attends to positions .. p (its own K/V stored first)
         self.slots = np.ascontiguousarray(layout.slots, np.int32)
-        self.lengths = (np.asarray(layout.positions, np.int32) + 1).astype(np.int32)
-        if one:
-            r, sl, p = zip(*one)
-            self.one_rows = np.asarray(r, np.int64)
-            self.one_slots = np.asarray(sl, np.int64)
-            self.one_pos = np.asarray(p, np.int64)
-        else:
-            self.one_rows = None
+        # a row at position p attends to positions .. p (its own K/V stored first)
+        self.lengths = self.positions + np.int32(1)
+        self.keys: dict[int, int] = {}     # window -> (row, position) pairs attended (cpu_attention)
+
+
+def join_linears(program: Program) -> tuple[Program, int]:
+    """``program`` with each run of consecutive ``linear`` nodes that read one value (q, k,
+    v of a block; gate and up) replaced by one linear over the joined matrix
+    (``cpu_matmul.join_rows``) and a ``split`` that defines the same values: one kernel call
+    and one activation quantization instead of two or three, the same numbers. Runs whose
+    matrices cannot be joined, or whose biases are present on some members only, stay as
+    they are. Returns the program and how many runs were joined."""
+    from aotx.engine.backend.cpu_matmul import join_rows
+
+    nodes, values, joined = [], list(program.values), 0
+    src = program.nodes
+    i = 0
+    while i < len(src):
+        n = src[i]
+        j = i + 1
+        if n.op == "linear" and n.out.id != program.output.id:
+            while (j < len(src) and src[j].op == "linear" and src[j].inputs[0].id == n.inputs[0].id
+                   and src[j].out.id != program.output.id):
+                j += 1
+        run = src[i:j]
+        w = None
+        if len(run) > 1:
+            biases = [r.attrs["bias"] for r in run]
+            if all(b is None for b in biases) or all(b is not None for b in biases):
+                w = join_rows([r.attrs["weight"] for r in run])
+        if w is None:
+            nodes.extend(run)
+            i = j
+            continue
+        bias = None if biases[0] is None else np.concatenate([np.asarray(b, np.float32) for b in biases])
+        out = Value(len(values), n.out.rows, w.m, "+".join(r.out.name for r in run))
+        values.append(out)
+        nodes.append(Node("linear", n.inputs, (out,), {"weight": w, "bias": bias}))
+        widths = tuple(r.out.width for r in run)
+        offsets = tuple(int(o) for o in np.cumsum((0,) + widths[:-1]))
+        nodes.append(Node("split", (out,), tuple(r.out for r in run), {"widths": widths, "offsets": offsets}))
+        joined += 1
+        i = j
+    if not joined:
+        return program, 0
+    return Program(tuple(nodes), tuple(values), program.output, program.d_model, program.kv_layers), joined
 
 
 class _Buffers:
@@ -163,8 +189,11 @@ class CpuProgram:
     device_sampling = False
     prefill_weight_bytes = 0
 
-    def __init__(self, program: Program):
-        self.program = program
+    def __init__(self, program: Program, *, join: bool = True):
+        self.traced = program               # as the architecture traced it
+        # what runs: with q/k/v and gate/up joined into one matmul each (join_linears)
+        self.program, self.joined = join_linears(program) if join else (program, 0)
+        program = self.program
         self._specs = program.rope_specs()
         kv_shapes = {(L.n_kv_heads, L.head_dim) for L in program.kv_layers}
         if len(kv_shapes) > 1:
@@ -198,6 +227,10 @@ class CpuProgram:
         bt = _Batch(tokens, layout, embeds)
         if bt.n_out == 0 and bt.n == 0:
             return np.empty((0, self.program.vocab), np.float32)
+        if bt.n and (int(bt.positions.min()) < 0 or int(bt.positions.max()) >= kv.n_ctx
+                     or int(bt.slots.min()) < 0 or int(bt.slots.max()) >= kv.n_slots):
+            raise ValueError(f"a row's slot or position lies outside the KV cache ({kv.n_slots} slots of "
+                             f"{kv.n_ctx} positions)")   # the kernels store without bounds checks
         bt.views = self._views(bt)
         env: list[Any] = [None] * len(self.program.values)
         for step in self._steps:
@@ -361,12 +394,14 @@ class CpuProgram:
         view = self._view[xi]
         m = W.m
 
+        mm = W.bound_matmul()                # W.matmul without its per-call checks
+
         def run(env, bt, kv):
             x = env[xi]
             if view:
                 x = np.ascontiguousarray(x)
             y = bt.views[s] if s >= 0 else np.empty((x.shape[0], m), np.float32)
-            W.matmul(x, y)                   # row-invariant for every number of rows
+            mm(x, y)                         # row-invariant for every number of rows
             if bias is not None:
                 y += bias
             env[oi] = y
@@ -402,27 +437,31 @@ class CpuProgram:
         qi, ki, vi = (x.id for x in node.inputs)
         oi, so = node.out.id, self._slot(node.out)
         sinks = a.get("sinks")
-        sinks = None if sinks is None else np.ascontiguousarray(sinks, np.float32)
-        kern = cpu_attention.attention_rows
+        has_sinks = sinks is not None
+        sinks = np.ascontiguousarray(sinks, np.float32).reshape(-1) if has_sinks else cpu_attention.NO_SINKS
+        if not scale > 0:
+            raise ValueError(f"attention scale must be positive, got {scale}")
+        if has_sinks and sinks.shape[0] != H:
+            raise ValueError(f"sinks has {sinks.shape[0]} entries for {H} heads")
+        scale, window = np.float32(scale), int(window)
+        store16, store32 = cpu_attention.store_f16, cpu_attention.store_f32
+        kernel_for, mode = cpu_attention.kernel_for, cpu_fdot.HOST_F16
 
         def run(env, bt, kv):
             n = bt.n
-            q = env[qi].reshape(n, H, hd)
-            k = env[ki].reshape(n, KV, hd)
-            v = env[vi].reshape(n, KV, hd)
+            q = np.ascontiguousarray(env[qi]).reshape(n, H, hd)
             kc, vc = kv.k[L], kv.v[L]
-            if kv.kv_type == "f16":
-                k = k.astype(np.float16).view(np.uint16)
-                v = v.astype(np.float16).view(np.uint16)
-            if bt.one_rows is not None:
-                kc[bt.one_slots, :, bt.one_pos, :] = k[bt.one_rows]
-                vc[bt.one_slots, :, bt.one_pos, :] = v[bt.one_rows]
-            for row, slot, pos, m in bt.multi:
-                kc[slot, :, pos:pos + m, :] = k[row:row + m].transpose(1, 0, 2)
-                vc[slot, :, pos:pos + m, :] = v[row:row + m].transpose(1, 0, 2)
+            # every row's K/V to its slot and position in one call (float16 rounded there;
+            # forward has checked the slots and positions against the cache)
+            (store16 if kv.half else store32)(kc, vc, env[ki].reshape(n, KV, hd), env[vi].reshape(n, KV, hd),
+                                             bt.slots, bt.positions)
             y = bt.views[so]
-            # every row (decode, verify, prefill) in one call, one kernel
-            kern(q, kc, vc, bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd), sinks)
+            keys = bt.keys.get(window)
+            if keys is None:
+                keys = bt.keys[window] = cpu_attention.attended_keys(bt.lengths, window)
+            # every row (decode, verify, prefill) in one call, one kernel (attention_rows' checks made here)
+            kernel_for(keys, H, hd)(mode, q, kc, vc, bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd),
+                                    kv.half, sinks, has_sinks)
             env[oi] = y
         return run
 
