@@ -1,5 +1,5 @@
 """A float64 numpy interpreter of ``ops.Program``, written from the op semantics of
-/work/coord/IR.md (and ``ops.ProgramBuilder``'s docstring), not from any backend.
+engine/backend/IR.md (and ``ops.ProgramBuilder``'s docstring), not from any backend.
 
 ``reference_logits(program, tokens)`` runs one sequence from position 0 in one slot and
 returns (n, vocab) float64 logits of every position (``take_rows`` keeps every row). The

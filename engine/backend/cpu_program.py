@@ -45,7 +45,7 @@ class CpuKVCache:
     RoPE tables of the program's specs for this cache's ``n_ctx`` (``rope[i]`` = (cos, sin)
     of ``program.rope_specs()[i]``), since Phi-3's factors depend on the context size.
 
-    The interface of SEAMS.md: ``clear``, ``slot_shape``, ``snapshot_slot``, ``restore_slot``."""
+    The interface of engine/model/interface.py: ``clear``, ``slot_shape``, ``snapshot_slot``, ``restore_slot``."""
 
     def __init__(self, program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16"):
         self.kv_type = check_kv_type(kv_type)
@@ -184,7 +184,7 @@ class CpuProgram:
     """A Program compiled for the CPU. See the module docstring.
 
     ``forward(tokens, layout, kv, embeds=None) -> (R, vocab) float32`` (the interface of
-    /work/coord/IR.md section 6); ``new_kv_cache`` / ``kv_cache_bytes``."""
+    engine/backend/IR.md section 6); ``new_kv_cache`` / ``kv_cache_bytes``."""
 
     device_sampling = False
     prefill_weight_bytes = 0

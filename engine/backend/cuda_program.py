@@ -1,7 +1,7 @@
 """A Program on the CUDA backend: its plan's steps run as a captured CUDA graph or eagerly.
 
-Owns: ``CudaProgram`` (``CudaBackend.compile(program)``; the interface of IR.md section 6:
-``forward``, ``sample``, ``greedy``, ``last_logits``, ``new_kv_cache``,
+Owns: ``CudaProgram`` (``CudaBackend.compile(program)``; the interface of
+engine/backend/IR.md section 6: ``forward``, ``sample``, ``greedy``, ``last_logits``, ``new_kv_cache``,
 ``kv_cache_bytes``), the kernels' launch arguments for every step of ``cuda_plan.plan``,
 and per KV cache the activation buffers, RoPE tables and captured graphs (``_CacheState``).
 Leaves the order of ops to the Program (the architecture's), the fusions to
@@ -846,7 +846,7 @@ class CudaProgram:
         n_el = N * m
         self.k["bias_rows"](((n_el + NT - 1) // NT,), (NT,), (np.uint64(y), _i(ldy), bias, _i(N), _i(m)))
 
-    # ---- the interface of IR.md section 6 -----------------------------------------------------
+    # ---- the interface of engine/backend/IR.md section 6 ---------------------------------------
 
     @property
     def weight_bytes(self) -> int:
@@ -883,7 +883,7 @@ class CudaProgram:
         return self._last_logits
 
     def forward(self, tokens: np.ndarray, layout, kv: CudaKVCache, embeds=None) -> np.ndarray:
-        """Run one batch; host float32 (R, vocab) logits (IR.md section 6)."""
+        """Run one batch; host float32 (R, vocab) logits (engine/backend/IR.md section 6)."""
         if embeds is None and self._graph_ok(layout, kv):
             self._replay(tokens, layout, kv, None, 0, want_ids=False)
             return self._last_logits.get()

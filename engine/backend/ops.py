@@ -15,7 +15,7 @@ by ``backend.matrix`` / ``backend.vector`` at load. Every op except ``attention`
 row-wise: a row's result depends only on that row (batch invariance, shared/DESIGN.md);
 ``attention`` mixes rows only through each slot's KV cache.
 
-/work/coord/IR.md is the prose version of this module for backend authors.
+engine/backend/IR.md is the prose version of this module for backend authors.
 """
 
 from __future__ import annotations

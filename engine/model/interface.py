@@ -1,4 +1,4 @@
-"""The model interface the runtime calls (SEAMS.md), as types.
+"""The model interface the runtime calls (engine/model/interface.py), as types.
 
 Every loaded model (``loader.LoadedModel.model``) has this shape, whatever its
 architecture or backend; the runtime calls nothing else and asks no ``hasattr``:

@@ -4,7 +4,7 @@ Owns: turning an architecture module's tensor declarations into loaded weights (
 tensor's presence, shape and type checked against the file before any weight is loaded,
 one ModelError line naming the tensor and the file otherwise), tracing the architecture's
 ``forward`` into an ``ops.Program`` once, asking the backend to compile it, and the model
-interface of SEAMS.md that the runtime, the drafter and the capsules call
+interface of engine/model/interface.py that the runtime, the drafter and the capsules call
 (``forward``, ``new_kv_cache``, ``kv_cache_bytes``, ``weight_bytes``, ``device_sampling``,
 ``sample`` / ``greedy`` / ``last_logits`` where the backend samples on the device).
 
@@ -172,7 +172,7 @@ class TransformerModel:
     """A loaded model of any supported architecture on any backend.
 
     ``cfg``: the ModelConfig; ``program``: the traced ops.Program; ``compiled``: the
-    backend's executor. The interface is SEAMS.md's (see the module docstring)."""
+    backend's executor. The interface is engine/model/interface.py's (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, gf, backend, arch: ModuleType):
         self.cfg = cfg
@@ -191,7 +191,7 @@ class TransformerModel:
         except ProgramError as e:
             raise ModelError(f"{gf.path}: the {cfg.arch} forward pass cannot be built from this file ({e})") from None
         # sample / greedy / last_logits exist only where the backend samples on the device:
-        # the runtime asks hasattr(model, "sample") (and SEAMS.md's device_sampling)
+        # the runtime asks hasattr(model, "sample") (and interface.py's device_sampling)
         self.device_sampling = bool(getattr(self.compiled, "device_sampling", False))
         if self.device_sampling:
             self.sample = self._sample

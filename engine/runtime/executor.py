@@ -8,7 +8,7 @@ rolling back the KV of rejected drafts. It changes no request bookkeeping
 (positions, completions, states: ``commit.py``) and publishes nothing.
 
 The device path, chosen per tick from what the model declares
-(``device_sampling``, SEAMS.md) and what the rows need:
+(``device_sampling``, engine/model/interface.py) and what the rows need:
 
 * ``greedy``: every row is greedy without a penalty: the model returns the argmax
   ids only (CUDA);

@@ -1,6 +1,6 @@
 """Model doubles for engine tests: a loaded model wrapped to declare, or hide, device sampling.
 
-The model interface the runtime calls (SEAMS.md): ``device_sampling`` says whether
+The model interface the runtime calls (engine/model/interface.py): ``device_sampling`` says whether
 ``sample(tokens, segments, kv, rows, tick)`` and ``greedy(tokens, segments, kv)``
 exist; they return ids only (the CUDA model). ``HostDeviceSampler`` gives a CPU model
 that contract, picking ids by the host's own sampler chain on its logits, so the
