@@ -1,7 +1,9 @@
 """The CPU executor of an ``ops.Program``: a list of prebound kernel calls, and the CPU KV cache.
 
-Owns: compiling a Program once at load (``CpuProgram``): every node becomes a closure
-bound to its kernel, weights and attributes; buffers are assigned by a small liveness
+Owns: compiling a Program once at load (``CpuProgram``): consecutive linears of one input
+(q/k/v, gate/up) are joined into one matmul and a split (``join_linears``: the same
+numbers, one activation quantization and one kernel call instead of several); every node
+becomes a closure bound to its kernel, weights and attributes; buffers are assigned by a small liveness
 pass (a value's buffer is reused once its last reader has run; row-wise ops on a dead
 input run in place); the per-batch facts (where each row's K/V goes, each row's slot and
 attention length) are computed once per forward from the ``BatchLayout``, not per layer. Also the KV cache (``CpuKVCache``: float32 or f16 bits)
@@ -45,7 +47,8 @@ class CpuKVCache:
     RoPE tables of the program's specs for this cache's ``n_ctx`` (``rope[i]`` = (cos, sin)
     of ``program.rope_specs()[i]``), since Phi-3's factors depend on the context size.
 
-    The interface of engine/model/interface.py: ``clear``, ``slot_shape``, ``snapshot_slot``, ``restore_slot``."""
+    The interface of engine/model/interface.py: ``clear``, ``slot_shape``, ``snapshot_slot``,
+    ``restore_slot``."""
 
     def __init__(self, program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16"):
         self.kv_type = check_kv_type(kv_type)
