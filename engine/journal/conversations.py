@@ -96,6 +96,11 @@ class Conversation(msgspec.Struct, omit_defaults=True):
     capsule: CapsuleRef | None = None
     seq: int = 0
     model: str = ""  # the model its next reply runs on ("": the engine's default)
+    # the file that model was loaded from and its fingerprint, as its last reply recorded
+    # them ("": unknown; a model switch clears them): a restart loads it from there when
+    # the name is not installed but the file is still there (Engine._submit)
+    model_path: str = ""
+    model_fingerprint: str = ""
 
     def message(self, msg_id: str) -> Message | None:
         for m in reversed(self.messages):
@@ -302,8 +307,8 @@ class ConversationTable:
         if (c := self._conv(r.conv_id, seq)) is not None:
             c.system_prompt = r.system_prompt
             c.sampling = dict(r.sampling)
-            if r.model is not None:
-                c.model = r.model
+            if r.model is not None and r.model != c.model:
+                c.model, c.model_path, c.model_fingerprint = r.model, "", ""
 
     def _truncated(self, r: ConversationTruncated, seq: int) -> None:
         if (c := self._conv(r.conv_id, seq)) is not None:
@@ -326,7 +331,7 @@ class ConversationTable:
                     meta=dict(r.meta), model=r.model)
         c.messages.append(m)
         if r.model:  # a reply written by a model: the conversation runs on it
-            c.model = r.model
+            c.model, c.model_path, c.model_fingerprint = r.model, r.model_path, r.model_fingerprint
         if r.created_at:
             c.updated_at = max(c.updated_at, r.created_at)
         self._touch(m, seq)

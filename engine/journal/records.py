@@ -135,6 +135,10 @@ class MessageAccepted(_Record):
     # assistant's tool_calls, a tool result's tool_call_id and name); absent for most
     meta: dict[str, Any] = {}
     model: str = ""  # a reply's: the model that writes it ("" in journals before several models)
+    # a reply's, by a local GGUF model: the file it was loaded from (absolute) and its
+    # fingerprint (loader.fingerprint), so a restart finds a file loaded by path again
+    model_path: str = ""
+    model_fingerprint: str = ""
 
 
 class TokensCommitted(_Record):

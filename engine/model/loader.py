@@ -141,6 +141,14 @@ def fingerprint(gf) -> str:
     return h.hexdigest()[:16]
 
 
+def file_fingerprint(path: str | os.PathLike[str]) -> str:
+    """``fingerprint`` of the GGUF file at ``path`` without loading it (its header is
+    parsed, the samples read). Raises ModelError (not GGUF) or OSError."""
+    from aotx.engine.model.gguf_file import GGUFFile
+
+    return fingerprint(GGUFFile.open(path))
+
+
 @dataclass
 class LoadedModel:
     """Everything a runtime needs from one model file: ``model`` has the interface of

@@ -434,11 +434,15 @@ class Engine:
         except NotFound as e:
             if op.model or want == self.models.default_name:
                 raise
-            m, _ = self._ensure(self.models.default_name, op.id, sink)
-            sink.send(P.Notice(id=op.id, kind="model", resource="model",
-                               message=f"this conversation ran on {want}, which is not installed any more ({e}); "
-                                       f"this reply runs on {m.name}, the engine's default (choose another with "
-                                       f"--model or Ctrl+O)"))
+            found, why = self._recorded_file(conv, want)
+            if found:  # not installed, but the file it was loaded from is still there
+                m, _ = self._ensure(found, op.id, sink)
+            else:
+                m, _ = self._ensure(self.models.default_name, op.id, sink)
+                sink.send(P.Notice(id=op.id, kind="model", resource="model",
+                                   message=f"this conversation ran on {want}, which is not installed any more "
+                                           f"({why or e}); this reply runs on {m.name}, the engine's default "
+                                           f"(choose another with --model or Ctrl+O)"))
         else:
             if m.name != current and conv.messages:
                 sink.send(P.Notice(id=op.id, kind="model", resource="model",
@@ -446,6 +450,29 @@ class Engine:
                                            f"its {len(conv.messages)} earlier messages again; what {current} "
                                            f"saved of it stays valid for {current}"))
         self._enqueue(m.submitter.submit(op, sink, self.tick), m)
+
+    @staticmethod
+    def _recorded_file(conv: Any, name: str) -> tuple[str, str]:
+        """(path, "") of the file the conversation's model ``name`` was loaded from, as its
+        last reply recorded it, when that file is still there with the same fingerprint;
+        else ("", why not: "" when nothing was recorded)."""
+        path = getattr(conv, "model_path", "")
+        if not path or conv.model != name:
+            return "", ""
+        from aotx.engine.errors import ModelError
+        from aotx.engine.model.loader import file_fingerprint
+
+        import os
+
+        if not os.path.isfile(path):
+            return "", f"its file {path} is gone"
+        try:
+            fp = file_fingerprint(path)
+        except (ModelError, OSError) as e:
+            return "", f"its file {path} cannot be read: {e}"
+        if fp != conv.model_fingerprint:
+            return "", f"its file {path} now holds another model (fingerprint {fp}, not {conv.model_fingerprint})"
+        return path, ""
 
     def _cancel_op(self, op: P.Cancel, sink: Sink) -> None:
         for m in self.models:

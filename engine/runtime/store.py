@@ -309,9 +309,11 @@ class ConversationStore:
 
     def accept_records(self, conv_id: str, role: str, text: str, sp: P.SamplingParams,
                        attachments: list[P.Attachment], raw: bool = False,
-                       meta: dict[str, Any] | None = None, model: str = "") -> tuple[str, str, list[Any]]:
+                       meta: dict[str, Any] | None = None, model: str = "", model_path: str = "",
+                       model_fingerprint: str = "") -> tuple[str, str, list[Any]]:
         """The records of a user's message (or a tool's result: ``role`` "tool", its
-        ``meta``) and the start of its reply (written by ``model``), not yet published:
+        ``meta``) and the start of its reply (written by ``model``, loaded from ``model_path``,
+        of fingerprint ``model_fingerprint``: "" for a remote model), not yet published:
         (message id, reply id, records). ``publish_accepted`` publishes them once the
         caller holds credit for them (``record_bytes``)."""
         now = time.time()
@@ -321,10 +323,11 @@ class ConversationStore:
                                             sampling=_sampling_dict(sp), attachments=atts, created_at=now,
                                             meta=dict(meta or {})),
                           R.MessageAccepted(conv_id=conv_id, msg_id=rid, role="assistant", text="",
-                                            sampling={"raw": True} if raw else {}, created_at=now, model=model)]
+                                            sampling={"raw": True} if raw else {}, created_at=now, model=model,
+                                            model_path=model_path, model_fingerprint=model_fingerprint)]
 
     def fork_choice(self, conv_id: str, msg_id: str, raw: bool = False, tick: int = 0,
-                    model: str = "") -> tuple[str, str, str, int]:
+                    model: str = "", model_path: str = "", model_fingerprint: str = "") -> tuple[str, str, str, int]:
         """Another choice of the reply to ``msg_id`` (n > 1): a fork of ``conv_id`` up to and
         including that message, with the start of its own reply, published in one go.
         Returns (the fork's conversation id, its copy of the message's id, the reply's id,
@@ -334,7 +337,8 @@ class ConversationStore:
         rid = _new_id("m")
         (seq,) = self._publish([R.MessageAccepted(conv_id=view.conv_id, msg_id=rid, role="assistant", text="",
                                                   sampling={"raw": True} if raw else {}, created_at=time.time(),
-                                                  model=model)],
+                                                  model=model, model_path=model_path,
+                                                  model_fingerprint=model_fingerprint)],
                                tick, "a choice's reply")
         return view.conv_id, mid, rid, seq
 

@@ -42,6 +42,7 @@ prompt (``RequestState.FORK_WAIT``; the executor forks the prompt's state to it)
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -338,7 +339,7 @@ class Submitter:
         has_history = bool(st.get(op.conv_id).messages)  # before this message's records
         max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
         msg_id, reply_id, recs = st.accept_records(op.conv_id, op.role, text, sp, op.attachments, raw=op.raw,
-                                                   meta=op.meta, model=self.model_name)
+                                                   meta=op.meta, **self._model_fields())
         reply = admission.reply_credit(max_tokens, self.envelope)
         if st.journaled:
             st.check_writable()
@@ -369,7 +370,8 @@ class Submitter:
         else:
             r.state = RequestState.QUEUED
         for i in range(1, op.n):
-            f_conv, f_msg, f_reply, f_seq = st.fork_choice(op.conv_id, msg_id, raw=op.raw, tick=tick, model=self.model_name)
+            f_conv, f_msg, f_reply, f_seq = st.fork_choice(op.conv_id, msg_id, raw=op.raw, tick=tick,
+                                                                 **self._model_fields())
             f = self._request(sub, f_conv, f_msg, f_reply, f_seq, (seed + i) & 0x7FFFFFFFFFFFFFFF, max_tokens, reply)
             f.choice, f.state = i, RequestState.FORK_WAIT
             f.constraint = sub.constraint.fork() if sub.constraint is not None else None
@@ -383,6 +385,13 @@ class Submitter:
         if st.journaled:
             st.flush()
         return r
+
+    def _model_fields(self) -> dict[str, str]:
+        """The reply records' model fields: its name, the file it was loaded from and its
+        fingerprint (a restart finds a file loaded by path again: ``Engine._submit``)."""
+        path = getattr(self.lm, "path", None)
+        return {"model": self.model_name, "model_path": os.path.abspath(path) if path else "",
+                "model_fingerprint": str(getattr(self.lm, "fingerprint", "") or "")}
 
     def _request(self, sub: Submission, conv_id: str, msg_id: str, reply_id: str, seq: int, seed: int,
                  max_tokens: int, reply_credit: int) -> Request:
