@@ -227,6 +227,21 @@ class Catalog:
         h, err = self._headers[key]
         return ModelEntry(name, "gguf", path, default=default, size_bytes=st.st_size, header=h, error=err)
 
+    def load_failed(self, entry: ModelEntry, message: str) -> None:
+        """Loading ``entry`` failed with ``message`` (its header read, its tensors did not):
+        a file loaded by path leaves the catalog; a file of the folder is listed with the
+        error (until the file changes), so neither shows as installed and usable."""
+        if entry.path is None:
+            return
+        if self.extra.get(entry.name) == entry.path:
+            del self.extra[entry.name]
+        try:
+            st = entry.path.stat()
+        except OSError:
+            return
+        key = (str(entry.path), st.st_size, st.st_mtime_ns)
+        self._headers[key] = (self._headers.get(key, (entry.header, ""))[0], message)
+
     def entries(self) -> dict[str, ModelEntry]:
         """name -> entry: the default model first, then the models folder, files loaded
         by path, and remote endpoints (a name is taken by the first that has it)."""

@@ -348,7 +348,11 @@ class ModelSet:
         if on_load:
             on_load(f"loading model {entry.name} ({fmt_bytes(entry.size_bytes)}, {entry.arch} {entry.quant})")
         t0 = time.perf_counter()
-        m = self.make_local(entry)
+        try:
+            m = self.make_local(entry)
+        except ModelError as e:  # not listed as installed any more (catalog.load_failed)
+            self.catalog.load_failed(entry, str(e))
+            raise
         # the real terms (what the backend allocated) are checked again
         try:
             unloaded += self._make_room(entry.name, m.terms, evict, estimated=False)
