@@ -138,7 +138,7 @@ def _receipt_ok(r) -> bool:
 
 def test_openai_chat_non_streaming_and_streaming_agree_and_carry_receipts(oa, engine):
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
-    raw = oa.chat.completions.with_raw_response.create(model="anything", messages=msgs, **GREEDY)
+    raw = oa.chat.completions.with_raw_response.create(model="local", messages=msgs, **GREEDY)
     c = raw.parse()
     assert c.id.startswith("chatcmpl-") and c.object == "chat.completion" and c.model == "SmolLM2-135M-Instruct.Q4_1"
     assert isinstance(c.created, int) and len(c.choices) == 1
@@ -156,7 +156,7 @@ def test_openai_chat_non_streaming_and_streaming_agree_and_carry_receipts(oa, en
     assert [m.role for m in view.messages] == ["user", "assistant"]
     assert view.messages[1].text == ch.message.content and view.messages[1].receipt is not None
 
-    stream = oa.chat.completions.create(model="x", messages=msgs, stream=True,
+    stream = oa.chat.completions.create(model="local", messages=msgs, stream=True,
                                         stream_options={"include_usage": True}, **GREEDY)
     text, finish, usage, receipts, ids = "", None, None, [], set()
     for chunk in stream:  # the receipt event arrives as a harmless chunk with an empty delta
@@ -177,10 +177,10 @@ def test_openai_chat_non_streaming_and_streaming_agree_and_carry_receipts(oa, en
 
 def test_openai_continues_a_conversation_named_by_header(oa, engine):
     first = oa.chat.completions.with_raw_response.create(
-        model="m", messages=[{"role": "user", "content": "Say one word."}], **GREEDY)
+        model="local", messages=[{"role": "user", "content": "Say one word."}], **GREEDY)
     conv = first.headers["x-aotx-conversation"]
     second = oa.chat.completions.with_raw_response.create(
-        model="m", messages=[{"role": "user", "content": "Say one word."},
+        model="local", messages=[{"role": "user", "content": "Say one word."},
                              {"role": "assistant", "content": first.parse().choices[0].message.content},
                              {"role": "user", "content": "Another one."}],
         extra_headers={"X-AOTX-Conversation": conv}, **GREEDY)
@@ -193,11 +193,11 @@ def test_openai_continues_a_conversation_named_by_header(oa, engine):
 
 
 def test_openai_completions_raw_and_models(oa):
-    r = oa.completions.create(model="m", prompt="The capital of France is", **GREEDY)
+    r = oa.completions.create(model="local", prompt="The capital of France is", **GREEDY)
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.choices[0].text
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 8
     text = "".join(c.choices[0].text for c in oa.completions.create(
-        model="m", prompt="The capital of France is", stream=True, **GREEDY) if c.choices)
+        model="local", prompt="The capital of France is", stream=True, **GREEDY) if c.choices)
     assert text == r.choices[0].text
     models = oa.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
@@ -212,7 +212,7 @@ def test_openai_client_sees_errors_as_its_exceptions(gw):
         bad.models.list()
     good = openai.OpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
-        good.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=17)
+        good.chat.completions.create(model="local", messages=[{"role": "user", "content": "hi"}], n=17)
     assert e.value.body["param"] == "n"
 
 
@@ -259,7 +259,7 @@ def test_multi_turn_request_stores_earlier_turns_as_history(oa, engine):
     folded user turn), so the chat template renders them as turns."""
     msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
             {"role": "user", "content": "and 3+3?"}]
-    raw = oa.chat.completions.with_raw_response.create(model="x", messages=msgs, **GREEDY)
+    raw = oa.chat.completions.with_raw_response.create(model="local", messages=msgs, **GREEDY)
     view = _show(engine[0], raw.headers["x-aotx-conversation"])
     assert [(m.role, m.text) for m in view.messages[:3]] == [("user", "2+2?"), ("assistant", "4"),
                                                             ("user", "and 3+3?")]
@@ -545,7 +545,7 @@ def test_cli_gateway_generates_key_and_serves_openai(engine, tmp_path):
         keyfile = tmp_path / "gateway" / "api_keys"
         key = A.read_key_file(keyfile)[0]
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
-        c = oa.chat.completions.create(model="m", messages=HELLO, **GREEDY)
+        c = oa.chat.completions.create(model="local", messages=HELLO, **GREEDY)
         assert c.choices[0].message.content and _receipt_ok(c.model_extra["aotx"]["receipt"])
     finally:
         proc.terminate()
@@ -558,7 +558,7 @@ def test_cli_gateway_generates_key_and_serves_openai(engine, tmp_path):
 def test_load_32_concurrent_streams_all_complete_with_receipts(gw):
     async def one(client, i):
         stream = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": f"Say the number {i}."}], stream=True,
+            model="local", messages=[{"role": "user", "content": f"Say the number {i}."}], stream=True,
             temperature=0, max_tokens=8)
         text, finish, receipt = "", None, None
         async for chunk in stream:

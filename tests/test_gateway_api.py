@@ -94,7 +94,7 @@ def test_json_schema_output_is_valid_for_20_generated_schemas(oa):
 
     def ask(i: int):
         return oa.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "Fill in this record with plausible values."}],
+            model="local", messages=[{"role": "user", "content": "Fill in this record with plausible values."}],
             response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i],
                                                                     "strict": True}},
             temperature=0.8, seed=i, max_tokens=300)
@@ -108,7 +108,7 @@ def test_json_schema_output_is_valid_for_20_generated_schemas(oa):
 
 
 def test_json_object_and_grammars(oa):
-    r = oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "Give me JSON about a cat."}],
+    r = oa.chat.completions.create(model="local", messages=[{"role": "user", "content": "Give me JSON about a cat."}],
                                    response_format={"type": "json_object"}, temperature=0, max_tokens=120)
     text = r.choices[0].message.content
     assert text.startswith("{")
@@ -118,7 +118,7 @@ def test_json_object_and_grammars(oa):
                         ({"type": "lark", "grammar": 'start: /[0-9]{3}-[0-9]{4}/'},
                          lambda t: len(t) == 8 and t[3] == "-" and t.replace("-", "").isdigit()),
                         ({"type": "regex", "grammar": "(cat|dog)s?"}, lambda t: t.rstrip("s") in ("cat", "dog"))]:
-        r = oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "Answer."}], temperature=0.7,
+        r = oa.chat.completions.create(model="local", messages=[{"role": "user", "content": "Answer."}], temperature=0.7,
                                        seed=3, max_tokens=20, extra_body={"grammar": grammar})
         assert ok(r.choices[0].message.content), (grammar, r.choices[0].message.content)
         assert r.choices[0].finish_reason == "stop"
@@ -168,7 +168,7 @@ def test_n4_prefills_the_prompt_once_and_a_seed_reproduces_the_choices(oa, engin
 
     msgs = [{"role": "user", "content": "Write one short sentence about the sea."}]
     before = prefilled()
-    r = oa.chat.completions.create(model="m", messages=msgs, n=4, temperature=1.0, seed=11, max_tokens=12)
+    r = oa.chat.completions.create(model="local", messages=msgs, n=4, temperature=1.0, seed=11, max_tokens=12)
     after = prefilled()
     assert len(r.choices) == 4 and [c.index for c in r.choices] == [0, 1, 2, 3]
     cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
@@ -178,12 +178,12 @@ def test_n4_prefills_the_prompt_once_and_a_seed_reproduces_the_choices(oa, engin
     assert len(convs) == 4, "each choice lives in its own conversation"
     # the same seed, the same choices: two runs of the same shape (each reuses the prompt's prefix,
     # which the first run left in the slots; a prefill of another length may round logits differently)
-    a = oa.chat.completions.create(model="m", messages=msgs, n=4, temperature=1.0, seed=11, max_tokens=12)
-    b = oa.chat.completions.create(model="m", messages=msgs, n=4, temperature=1.0, seed=11, max_tokens=12)
+    a = oa.chat.completions.create(model="local", messages=msgs, n=4, temperature=1.0, seed=11, max_tokens=12)
+    b = oa.chat.completions.create(model="local", messages=msgs, n=4, temperature=1.0, seed=11, max_tokens=12)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     r = a
     # streaming: four choices, each with its finish
-    chunks = list(oa.chat.completions.create(model="m", messages=msgs, n=4, temperature=1.0, seed=11,
+    chunks = list(oa.chat.completions.create(model="local", messages=msgs, n=4, temperature=1.0, seed=11,
                                              max_tokens=12, stream=True))
     texts = {}
     for ch in chunks:
@@ -193,7 +193,7 @@ def test_n4_prefills_the_prompt_once_and_a_seed_reproduces_the_choices(oa, engin
 
 
 def test_chat_logprobs_streaming_and_not(oa):
-    kw = dict(model="m", messages=[{"role": "user", "content": "Say hello."}], temperature=0, max_tokens=6,
+    kw = dict(model="local", messages=[{"role": "user", "content": "Say hello."}], temperature=0, max_tokens=6,
               logprobs=True, top_logprobs=3)
     r = oa.chat.completions.create(**kw)
     content = r.choices[0].logprobs.content
@@ -213,7 +213,7 @@ def _data_url(path: Path, mime: str) -> str:
 def test_image_part_goes_through_the_media_profile(oa, engine):
     pytest.importorskip("PIL")
     raw = oa.chat.completions.with_raw_response.create(
-        model="m", max_tokens=8, temperature=0,
+        model="local", max_tokens=8, temperature=0,
         messages=[{"role": "user", "content": [{"type": "text", "text": "What does this screenshot say?"},
                                                 {"type": "image_url", "image_url": {
                                                     "url": _data_url(ROOT / "assets" / "screenshot.png",
@@ -265,7 +265,7 @@ def test_bad_input_is_400_or_413_naming_the_field_and_the_engine_keeps_serving(g
 
 def test_a_200_mb_data_url_is_413_naming_the_field(gw):
     host, port = gw.removeprefix("http://").split(":")
-    head = json.dumps({"model": "m", "messages": [{"role": "user", "content": [
+    head = json.dumps({"model": "local", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]})
     prefix = head[:head.index('base64,"') + len("base64,")].encode()
     total = 200 << 20
@@ -311,11 +311,11 @@ def test_responses_continue_by_id_and_after_a_kill_9(tmp_path, default_model_pat
     try:
         with gateway(sock) as url:
             oa = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-            r1 = oa.responses.create(model="m", input="My name is Ada. Say hi.", max_output_tokens=8,
+            r1 = oa.responses.create(model="local", input="My name is Ada. Say hi.", max_output_tokens=8,
                                      temperature=0, instructions="You are terse.")
             assert r1.id.startswith("resp_") and r1.status in ("completed", "incomplete")
             assert r1.output[0].type == "message" and r1.output_text
-            r2 = oa.responses.create(model="m", input="What is my name?", previous_response_id=r1.id,
+            r2 = oa.responses.create(model="local", input="What is my name?", previous_response_id=r1.id,
                                      max_output_tokens=8, temperature=0)
             assert r2.previous_response_id == r1.id
             assert r2.usage.input_tokens_details.cached_tokens > 0, "the conversation's state was not reused"
@@ -330,14 +330,14 @@ def test_responses_continue_by_id_and_after_a_kill_9(tmp_path, default_model_pat
             assert sock2 == sock
             got = oa.responses.retrieve(r2.id)  # durable: read back from the journal
             assert got.output_text == r2.output_text
-            r3 = oa.responses.create(model="m", input="And again, my name?", previous_response_id=r2.id,
+            r3 = oa.responses.create(model="local", input="And again, my name?", previous_response_id=r2.id,
                                      max_output_tokens=8, temperature=0)
             assert r3.status in ("completed", "incomplete")
             assert r3.usage.input_tokens_details.cached_tokens > 0, "the capsule on disk was not restored"
             view = engine_call(sock, lambda c: c.show(r1.model_extra["aotx"]["conversation"]))
             assert [m.role for m in view.messages] == ["user", "assistant"] * 3
             # streaming, continuing r3
-            events = list(oa.responses.create(model="m", input="Bye.", previous_response_id=r3.id,
+            events = list(oa.responses.create(model="local", input="Bye.", previous_response_id=r3.id,
                                               max_output_tokens=6, temperature=0, stream=True))
             types = [e.type for e in events]
             assert types[0] == "response.created" and types[-1] == "response.completed"
@@ -359,16 +359,16 @@ def test_anthropic_messages_text_and_streaming(gw):
     # a first identical request leaves the prompt's prefix in the capsule cache, so both compared
     # replies prefill the same last token on it (a 22-row prefill and a 1-row one round differently
     # on the CPU until its matmul is row-invariant for every n, issue 16: greedy may then differ)
-    cl.messages.create(model="m", max_tokens=1, system="Be terse.", extra_body=greedy,
+    cl.messages.create(model="local", max_tokens=1, system="Be terse.", extra_body=greedy,
                        messages=[{"role": "user", "content": "Name a color."}])
-    m = cl.messages.create(model="m", max_tokens=8, system="Be terse.", extra_body=greedy,
+    m = cl.messages.create(model="local", max_tokens=8, system="Be terse.", extra_body=greedy,
                            messages=[{"role": "user", "content": "Name a color."}])
     assert m.role == "assistant" and m.content[0].type == "text" and m.content[0].text
     assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens > 0
-    with cl.messages.stream(model="m", max_tokens=8, system="Be terse.", extra_body=greedy,
+    with cl.messages.stream(model="local", max_tokens=8, system="Be terse.", extra_body=greedy,
                             messages=[{"role": "user", "content": "Name a color."}]) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
     assert text == m.content[0].text == final.content[0].text
     with pytest.raises(anthropic.BadRequestError):
-        cl.messages.create(model="m", max_tokens=8, messages=[{"role": "wizard", "content": "x"}])
+        cl.messages.create(model="local", max_tokens=8, messages=[{"role": "wizard", "content": "x"}])

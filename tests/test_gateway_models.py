@@ -2,8 +2,8 @@
 
 An in-process engine on the default model with a tiny llama file in its models folder,
 behind an in-process gateway; the official ``openai`` client lists the models and
-chats with each. A name that matches no model runs on the default (clients send
-placeholders), and the reply names the model that ran.
+chats with each. ``local`` names the default model; a name that matches no model gets
+a 404 ``model_not_found`` naming the close ones; the reply names the model that ran.
 """
 
 from __future__ import annotations
@@ -69,9 +69,36 @@ def test_gateway_lists_and_routes_by_model(engine_server, loaded_model, tmp_path
         assert view.model == "tiny-a" and view.messages[-1].model == "tiny-a"
         # loaded now, and listed so
         assert {m.id: m for m in oa.models.list().data}["tiny-a"].model_extra["aotx"]["loaded"] is True
-        # a placeholder name runs on the default model, and the reply says so
-        r2 = oa.chat.completions.create(model="gpt-4o", messages=msgs, temperature=0, max_tokens=4)
+        # "local" (the README's examples) runs on the default model, and the reply says so
+        r2 = oa.chat.completions.create(model="local", messages=msgs, temperature=0, max_tokens=4)
         assert r2.model == loaded_model.name
+        assert oa.chat.completions.create(model=loaded_model.name.upper(), messages=msgs, temperature=0,
+                                          max_tokens=2).model == loaded_model.name
+        # the gateway served unknown names with the default model (200 for "gpt-4" and "smol"):
+        # they get OpenAI's 404 model_not_found naming the close ones, and nothing is written
+        before = len(h.store.list_views())
+        for name, near in (("gpt-4", ""), ("smol", loaded_model.name)):
+            with pytest.raises(openai.NotFoundError) as ei:
+                oa.chat.completions.create(model=name, messages=msgs, max_tokens=2)
+            err = ei.value.body
+            assert ei.value.status_code == 404 and err["type"] == "invalid_request_error", err
+            assert err["code"] == "model_not_found" and err["param"] == "model", err
+            assert f"the model {name!r} does not exist" in err["message"]
+            assert (f"did you mean {near}?" in err["message"]) if near else "did you mean" not in err["message"]
+        with pytest.raises(openai.NotFoundError):
+            oa.completions.create(model="smol", prompt="hi", max_tokens=2)
+        import httpx
+
+        r3 = httpx.post(f"{url}/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                        json={"model": "smol", "max_tokens": 2, "messages": msgs}, timeout=60)
+        assert r3.status_code == 404, r3.text
+        body = r3.json()
+        assert body["type"] == "error" and body["error"]["type"] == "not_found_error", body
+        assert f"did you mean {loaded_model.name}?" in body["error"]["message"]
+        r4 = httpx.post(f"{url}/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                        json={"model": "smol", "max_tokens": 2, "messages": msgs, "stream": True}, timeout=60)
+        assert r4.status_code == 404 and r4.json()["error"]["type"] == "not_found_error", r4.text
+        assert len(h.store.list_views()) == before
         # streaming names the routed model on every chunk
         chunks = list(oa.chat.completions.create(model="tiny-a.gguf", messages=msgs, temperature=0, max_tokens=3,
                                                  stream=True))

@@ -51,7 +51,7 @@ def oa(qwen):
 
 
 def test_tool_calling_round_trip(oa):
-    r = oa.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80)
+    r = oa.chat.completions.create(model="local", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", c.message
     call = c.message.tool_calls[0]
@@ -61,7 +61,7 @@ def test_tool_calling_round_trip(oa):
     assert call.id.startswith("call_")
     msgs = ASK + [{"role": "assistant", "content": c.message.content, "tool_calls": [call.model_dump()]},
                   {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21, "sky": "sunny"})}]
-    r2 = oa.chat.completions.create(model="qwen", messages=msgs, tools=[WEATHER, TIME], temperature=0, max_tokens=60)
+    r2 = oa.chat.completions.create(model="local", messages=msgs, tools=[WEATHER, TIME], temperature=0, max_tokens=60)
     c2 = r2.choices[0]
     # the call and its result went into the prompt (Qwen's template: the call in <tool_call>, the
     # result in <tool_response>), and the reply came back in one of the shapes a client handles.
@@ -73,7 +73,7 @@ def test_tool_calling_round_trip(oa):
 
 
 def test_streamed_tool_call_deltas_reassemble_to_the_non_streamed_call(oa):
-    kw = dict(model="qwen", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80)
+    kw = dict(model="local", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=80)
     whole = oa.chat.completions.create(**kw).choices[0].message
     calls: dict[int, dict] = {}
     content, finish, n_deltas = "", None, 0
@@ -98,19 +98,19 @@ def test_streamed_tool_call_deltas_reassemble_to_the_non_streamed_call(oa):
 
 def test_required_and_named_tool_choice_are_forced(oa):
     msgs = [{"role": "user", "content": "Tell me a joke about cats."}]  # a question no tool answers
-    r = oa.chat.completions.create(model="qwen", messages=msgs, tools=[WEATHER, TIME], tool_choice="required",
+    r = oa.chat.completions.create(model="local", messages=msgs, tools=[WEATHER, TIME], tool_choice="required",
                                    temperature=0, max_tokens=80)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls
     for t in c.message.tool_calls:
         assert t.function.name in ("get_weather", "get_time")
         assert isinstance(json.loads(t.function.arguments)["city"], str)
-    r = oa.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER, TIME],
+    r = oa.chat.completions.create(model="local", messages=ASK, tools=[WEATHER, TIME],
                                    tool_choice={"type": "function", "function": {"name": "get_time"}},
                                    temperature=0, max_tokens=80)
     names = [t.function.name for t in r.choices[0].message.tool_calls]
     assert names and set(names) == {"get_time"}
-    r = oa.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="none", temperature=0,
+    r = oa.chat.completions.create(model="local", messages=ASK, tools=[WEATHER], tool_choice="none", temperature=0,
                                    max_tokens=30)
     assert not r.choices[0].message.tool_calls and r.choices[0].message.content
 
@@ -121,11 +121,11 @@ def test_anthropic_tool_use_round_trip(qwen):
     tools = [{"name": "get_weather", "description": "Get the current weather in a city",
               "input_schema": WEATHER["function"]["parameters"]}]
     greedy = {"temperature": 0}
-    m = cl.messages.create(model="qwen", max_tokens=80, tools=tools, messages=ASK, extra_body=greedy)
+    m = cl.messages.create(model="local", max_tokens=80, tools=tools, messages=ASK, extra_body=greedy)
     assert m.stop_reason == "tool_use"
     use = next(b for b in m.content if b.type == "tool_use")
     assert use.name == "get_weather" and "paris" in use.input["city"].lower()
-    m2 = cl.messages.create(model="qwen", max_tokens=60, tools=tools, extra_body=greedy, messages=ASK + [
+    m2 = cl.messages.create(model="local", max_tokens=60, tools=tools, extra_body=greedy, messages=ASK + [
         {"role": "assistant", "content": [b.model_dump() for b in m.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C and sunny"}]}])
     # greedy 0.5B answers the result with its call again (bare JSON lines, now a tool_use, the
@@ -134,7 +134,7 @@ def test_anthropic_tool_use_round_trip(qwen):
                                                     ("tool_use", "tool_use")), m2
     uses = [json.dumps([b.name, b.input], sort_keys=True) for b in m2.content if b.type == "tool_use"]
     assert len(uses) == len(set(uses)), m2.content  # distinct calls only (it may try celsius and fahrenheit)
-    with cl.messages.stream(model="qwen", max_tokens=80, tools=tools, messages=ASK, extra_body=greedy) as s:
+    with cl.messages.stream(model="local", max_tokens=80, tools=tools, messages=ASK, extra_body=greedy) as s:
         final = s.get_final_message()
     streamed = next(b for b in final.content if b.type == "tool_use")
     assert (streamed.name, streamed.input) == (use.name, use.input)

@@ -97,3 +97,18 @@ def test_restart_falls_back_when_the_recorded_file_is_gone(setup, loaded_model):
         assert any("not installed any more" in n and f"its file {path.resolve()} is gone" in n for n in notes), notes
     finally:
         stop(eng)
+
+
+def test_only_the_engines_default_is_marked_default(loaded_model, tmp_path, monkeypatch, tiny_gguf):
+    """Defect: ``/v1/models`` marked both models ``"default": true`` when the engine ran on
+    a file loaded by path: the wheel's model kept its catalog ``default`` flag."""
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    monkeypatch.setenv("AOTX_HOME", str(home))
+    path = tiny_gguf.write_tiny_llama(tmp_path / "tiny-q.gguf", seed=3)
+    eng = make_engine(load_model(path, device="cpu"), home)
+    try:
+        models = Client(eng).call(P.ListModels, P.ModelList).models
+        assert {m.name: m.default for m in models} == {loaded_model.name: False, "tiny-q": True}
+    finally:
+        stop(eng)

@@ -86,6 +86,17 @@ class ApiError(Exception):
         return JSONResponse(self.body, status_code=self.status, headers=self.headers)
 
 
+def _close_names(name: str, names: list[str], n: int = 3) -> list[str]:
+    """The names closest to ``name`` (case-insensitive; substrings first), as the engine's
+    ``catalog.close_matches`` finds them (a client does not import the runtime)."""
+    import difflib
+
+    low = {x.lower(): x for x in names}
+    subs = [x for x in names if name.lower() in x.lower() or x.lower() in name.lower()]
+    fuzzy = [low[x] for x in difflib.get_close_matches(name.lower(), list(low), n=n, cutoff=0.5)]
+    return list(dict.fromkeys(subs + fuzzy))[:n]
+
+
 class _ClientGone(Exception):
     pass
 
@@ -103,6 +114,7 @@ def _too_large(head: bytes, what: str) -> ApiError:
     return ApiError(413, what, "invalid_request_error", param=where.split("[")[0].split(".")[0] if where else None,
                     code="body_too_large")
 
+DEFAULT_ALIAS = "local"  # a request's ``model`` that means the engine's default model (Gateway.route)
 MODEL_LIST_TTL_S = 1.0  # the engine's model list is asked at most this often
 
 # ---- the engine connection ------------------------------------------------------
@@ -668,17 +680,24 @@ class Gateway:
 
     async def route(self, name: str | None) -> str:
         """The engine model a request's ``model`` names ("" the default): an installed or
-        loaded model by name (``NAME.gguf`` and case aside); a name that matches none
-        (clients send placeholders such as ``gpt-4o``) runs on the default model, as a
-        single-model server would, and the reply's ``model`` says which one it was."""
-        if not name:
+        loaded model by name (an id of ``/v1/models``; ``NAME.gguf`` and case aside), or
+        ``DEFAULT_ALIAS`` ("local") for the engine's default. Any other name is answered
+        as OpenAI and vLLM do: 404 ``model_not_found``, naming the close ones."""
+        if not name or name == DEFAULT_ALIAS:
             return ""
         models = await self._models()
-        names = {m.name for m in models if not m.error}
+        names = [m.name for m in models if not m.error]
         if name in names:
             return name
         low = {n.lower(): n for n in names}
-        return low.get(name.lower().removesuffix(".gguf"), "")
+        hit = low.get(name.lower().removesuffix(".gguf"))
+        if hit:
+            return hit
+        near = _close_names(name, names)
+        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        raise ApiError(404, f"the model {name!r} does not exist{hint}; this server has "
+                            f"{', '.join(names) or 'none'} (GET /v1/models lists them; {DEFAULT_ALIAS!r} is "
+                            f"the default one)", "invalid_request_error", param="model", code="model_not_found")
 
     def _model_obj(self, m: P.ModelInfo) -> dict[str, Any]:
         return {"id": m.name, "object": "model", "created": 0, "owned_by": "aotx" if m.kind == "gguf" else "remote",

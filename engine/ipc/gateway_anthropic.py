@@ -108,7 +108,7 @@ def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
         if texts or not msgs or msgs[-1].get("role") != "tool":
             msgs.append({"role": "user", "content": "".join(texts)})
     chat: dict[str, Any] = {"max_tokens": body["max_tokens"]}
-    for k in ("temperature", "top_p", "top_k", "stream"):
+    for k in ("model", "temperature", "top_p", "top_k", "stream"):
         if body.get(k) is not None:
             chat[k] = body[k]
     if body.get("stop_sequences") is not None:

@@ -22,8 +22,9 @@ What is supported, ignored and refused (the table the tests follow):
   ``{"type": "lark" | "gbnf" | "regex", "grammar": ...}``). Sampling fields left out
   take the engine's defaults (``protocol.SamplingParams``), not OpenAI's, except
   ``repeat_penalty``: 1 (none) on a reply with tools or a constraint unless sent.
-* ``model`` routes the request (``Gateway.route``: an installed model by name, else the
-  default one; replies name the model that ran); ignored: ``user``,
+* ``model`` routes the request (``Gateway.route``: an installed model by name, or
+  "local" for the default one; any other name is a 404 ``model_not_found``; replies
+  name the model that ran); ignored: ``user``,
   ``frequency_penalty``, ``presence_penalty``, ``metadata``, ``store``,
   ``service_tier``, ``reasoning_effort``, ``modalities`` = ["text"], empty
   ``logit_bias``, an image part's ``detail``, and any field not named here.

@@ -419,7 +419,9 @@ class ModelSet:
                 info.default = name == self.default_name
                 out.append(info)
                 continue
-            out.append(entry_info(e, self.estimate, default=name == self.default_name))
+            info = entry_info(e, self.estimate)
+            info.default = name == self.default_name  # the engine's default, not the wheel's (e.default)
+            out.append(info)
         for name, m in self.loaded.items():
             if name not in seen:
                 info = m.info()
