@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other needs "
                    "--api-key-file)")
-    p.add_argument("--port", type=_int("--port", 0), default=8080)
+    p.add_argument("--port", type=_checked("--port", Limit(0, 65535, integer=True)), default=8080,
+                   help="TCP port, 0 to 65535 (default 8080; 0: a free port, printed at start)")
     p.add_argument("--api-key-file", help="API keys, one per line (default: <data dir>/gateway/api_keys, "
                    "generated on first start)")
     p.add_argument("--max-tokens-ceiling", type=_int("--max-tokens-ceiling", 1), default=4096)
