@@ -1,0 +1,168 @@
+"""The command-line defects a new user found (fixcli, second round): a killed ``aotx run``
+left the engine writing; engine flags ignored silently by a running engine; ``--device
+cuda`` without a GPU accepted; gateway ports out of range; ``unload`` of the default
+model; the remote API key read from the engine's environment; doubled error prefixes;
+``load_s`` repeating the engine's startup time.
+
+The tests that need an engine run ``aotx serve`` on the default model (2 slots, 512
+tokens of context, CPU) on a socket of their own, with AOTX_HOME in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def aotx(home: Path, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = dict(os.environ, AOTX_HOME=str(home), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], env=e, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def one_line(r: subprocess.CompletedProcess) -> str:
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli-new-user")
+
+
+@pytest.fixture(scope="module")
+def engine(home, default_model_path):
+    sock = Path(f"/tmp/aotx-nu-{os.getpid()}.sock")
+    env = dict(os.environ, AOTX_HOME=str(home))
+    env.pop("VLLM_API_KEY", None)
+    log = open(home / "serve.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", "2",
+                             "--context", "512", "--device", "cpu"], env=env, stdout=log, stderr=log,
+                            start_new_session=True)
+    end = time.monotonic() + 180
+    while True:
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(sock))
+            s.close()
+            break
+        except OSError:
+            assert proc.poll() is None, (home / "serve.log").read_text()[-2000:]
+            assert time.monotonic() < end, "the engine did not start"
+            time.sleep(0.2)
+    yield sock
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+    sock.unlink(missing_ok=True)
+
+
+def _last_reply(home: Path, sock: Path) -> dict:
+    listed = json.loads(aotx(home, "conversations", "list", "--socket", str(sock), "--json").stdout)
+    newest = max(listed, key=lambda c: c["created_at"])
+    shown = json.loads(aotx(home, "conversations", "show", newest["id"], "--socket", str(sock), "--json").stdout)
+    return shown["messages"][-1]
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_bug1_sigterm_and_sighup_of_aotx_run_cancel_the_reply(home, engine, sig, code):
+    """Regression: `timeout`/`kill` (SIGTERM) or a closed terminal (SIGHUP) ended `aotx run`
+    but the engine went on writing the reply and journaled it "complete" although nobody
+    received it. Now both cancel it, as Ctrl-C does, and exit 128 + the signal."""
+    env = dict(os.environ, AOTX_HOME=str(home))
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(engine),
+                             "--temperature", "0", "--max-tokens", "400", "Write a very long story about a cat."],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "no token within 120 s"
+        assert os.read(proc.stdout.fileno(), 64)  # the reply streams
+        proc.send_signal(sig)
+        assert proc.wait(60) == code, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reply = _last_reply(home, engine)
+    assert reply["role"] == "assistant"
+    assert reply["status"] == "cancelled" and reply["finish_reason"] == "cancelled", reply
+
+
+@pytest.mark.realmodel
+def test_bug2_engine_flags_given_to_a_running_engine_are_named_not_silently_ignored(home, engine):
+    """Regression: `aotx run --context 8192 --slots 4 --kv-type f32` against a running engine
+    exited 0 and said nothing; status still showed the running engine's sizes."""
+    r = aotx(home, "run", "--socket", str(engine), "--slots", "4", "--context", "1024", "--kv-type", "f32",
+             "--max-tokens", "1", "--temperature", "0", "hi")
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stderr.splitlines() if "ignores" in x)
+    assert "--slots 4 (it has 2)" in line and "--context 1024 (it has 512 tokens per slot)" in line, line
+    assert "--kv-type f32 (it has f16)" in line and "`aotx stop` first" in line, line
+    same = aotx(home, "run", "--socket", str(engine), "--slots", "2", "--context", "512", "--max-tokens", "1",
+                "--temperature", "0", "hi")
+    assert same.returncode == 0 and "ignores" not in same.stderr, same.stderr  # what it has: nothing to say
+
+
+def _has_cuda() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.skipif(_has_cuda(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("argv", [["serve", "--device", "cuda"], ["run", "--device", "cuda", "hi"]])
+def test_bug5_device_cuda_without_a_gpu_is_an_error_not_a_cpu_engine(tmp_path, argv):
+    """Regression: `aotx serve --device cuda` (or `aotx run --device cuda` starting an
+    engine) on a machine without a GPU warned "the engine runs on the cpu" and went on.
+    Now it is one line saying why, exit 2, and no engine is started."""
+    r = aotx(tmp_path, *argv, "--socket", str(tmp_path / "e.sock"), timeout=60)
+    assert r.returncode == 2
+    line = one_line(r)
+    assert line.startswith("aotx: --device cuda: ") and ("CuPy" in line or "no CUDA device" in line), line
+    assert "started an engine" not in r.stderr and not (tmp_path / "engine.log").exists()
+
+
+def test_bug5_device_auto_still_falls_back_to_the_cpu():
+    from aotx.engine.serve import pick_device
+
+    assert pick_device("auto") == ("cuda" if _has_cuda() else "cpu")
+    assert pick_device("cpu") == "cpu"
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_bug3_gateway_port_out_of_range_is_a_usage_error(tmp_path, port):
+    """Regression: `aotx gateway --port 99999` was accepted and served on another port.
+    Now 0..65535 (0: a free port), else one line, exit 2, and no key file written."""
+    r = aotx(tmp_path, "gateway", "--port", port, timeout=60)
+    assert r.returncode == 2
+    assert one_line(r) == f"aotx: gateway: --port must be between 0 and 65535, got {port}"
+    assert not (tmp_path / "gateway").exists()
+
+
+@pytest.mark.realmodel
+def test_bug4_unload_of_the_default_model_is_refused_and_it_stays_loaded(home, engine):
+    """Regression: `aotx unload <default model>` said "unloaded" and left no model loaded
+    although the README says the default model stays."""
+    default = json.loads(aotx(home, "status", "--socket", str(engine), "--json").stdout)["model"]
+    r = aotx(home, "unload", default, "--socket", str(engine))
+    assert r.returncode == 2 and r.stdout == ""
+    assert one_line(r) == (f"aotx: {default} is the engine's default model: it stays loaded (unload the models "
+                           f"loaded beside it; `aotx stop` frees all of them)")
+    listed = json.loads(aotx(home, "models", "--socket", str(engine), "--json").stdout)
+    assert next(m for m in listed["models"] if m["name"] == default)["loaded"] is True
