@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("name")
     q.add_argument("--url", required=True, help="the endpoint's base URL, e.g. http://gpu-box:8000/v1")
     q.add_argument("--remote-model", help="the model's id on the server (default: NAME)")
-    q.add_argument("--api-key-env", help="environment variable holding the API key")
+    q.add_argument("--api-key-env", help="environment variable holding the API key, read from the engine's "
+                   "environment (set it where the engine starts)")
     q.add_argument("--api-key-file", help="file holding the API key")
     q.add_argument("--api-key", help="the API key itself (stored in the entry, mode 0600)")
     q.add_argument("--context", type=_int("--context", 0), default=None, help="the server's context in tokens")
