@@ -247,8 +247,8 @@ def _jprint(obj) -> None:
 
 async def _run(args) -> int:
     prompt = sys.stdin.read() if args.prompt in ("-", None) else args.prompt
-    if not prompt:
-        raise UsageError("aotx run: the prompt is empty")
+    if not prompt.strip():  # the CLI prints "aotx: " before it: no second prefix
+        raise UsageError("run: the prompt is empty" if not prompt else "run: the prompt is blank (only whitespace)")
     t0 = time.perf_counter()
     from aotx.engine.model.loader import check_model_arg
 
@@ -311,7 +311,7 @@ async def _run(args) -> int:
                     _jprint({"event": "media", "kind": ev.kind, "route": ev.route, "name": ev.name, "text": ev.text,
                              "via": ev.via, "seconds": ev.seconds, **({"error": ev.error} if ev.error else {})})
                 elif ev.error:
-                    print(f"aotx: attachment {ev.name} was not used: {ev.error}", file=sys.stderr)
+                    pass  # the Error that refuses the message names it and why: said once, there
                 elif ev.route == "encoder":
                     print(f"aotx: {ev.name} -> vision encoder {ev.via}: the model sees the picture", file=sys.stderr)
                 else:
@@ -483,6 +483,7 @@ async def _conversations(args, fork_title=None) -> int:
     if args.json:
         _jprint({"id": conv.conv_id, "title": conv.title, "messages": conv.n_messages, "parent": args.id})
     else:
-        print(f"{conv.conv_id}  “{conv.title}”, forked from {args.id} with {conv.n_messages} messages; continue "
+        n = f"{conv.n_messages} message{'' if conv.n_messages == 1 else 's'}"
+        print(f"{conv.conv_id}  “{conv.title}”, forked from {args.id} with {n}; continue "
               f"it with `aotx run --conversation {conv.conv_id} ...`")
     return 0

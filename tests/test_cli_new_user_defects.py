@@ -166,3 +166,36 @@ def test_bug4_unload_of_the_default_model_is_refused_and_it_stays_loaded(home, e
                            f"loaded beside it; `aotx stop` frees all of them)")
     listed = json.loads(aotx(home, "models", "--socket", str(engine), "--json").stdout)
     assert next(m for m in listed["models"] if m["name"] == default)["loaded"] is True
+
+
+@pytest.mark.parametrize("prompt,words", [("", "empty"), ("   \n\t", "blank (only whitespace)")])
+def test_bug7_an_empty_or_blank_prompt_is_one_line_with_one_prefix(tmp_path, prompt, words):
+    """Regression: `aotx run ""` said "aotx: aotx run: the prompt is empty"; a prompt of
+    spaces was sent to the model."""
+    r = aotx(tmp_path, "run", "--socket", str(tmp_path / "e.sock"), prompt, timeout=60)
+    assert r.returncode == 2 and one_line(r) == f"aotx: run: the prompt is {words}"
+    assert not (tmp_path / "engine.log").exists()  # refused before an engine was started
+
+
+@pytest.mark.realmodel
+def test_bug7_a_bad_attachment_is_named_once_on_one_line(home, engine, tmp_path):
+    """Regression: `--attach README.md` printed "README.md: README.md: not an image…", and
+    printed it twice (the media notice, then the refusal)."""
+    notes = tmp_path / "notes.md"
+    notes.write_text("# not a picture\n")
+    r = aotx(home, "run", "--socket", str(engine), "--attach", str(notes), "what is this")
+    assert r.returncode == 2
+    line = one_line(r)
+    assert line.startswith("aotx: notes.md: not an image or audio file") and line.count("notes.md") == 1, line
+
+
+@pytest.mark.realmodel
+def test_bug7_fork_of_one_message_says_message_not_messages(home, engine):
+    """Regression: "forked from c… with 1 messages"."""
+    r = aotx(home, "run", "--socket", str(engine), "--json", "--max-tokens", "1", "--temperature", "0", "hi")
+    conv = next(e for e in map(json.loads, r.stdout.splitlines()) if e["event"] == "done")["conversation"]
+    shown = json.loads(aotx(home, "conversations", "show", conv, "--socket", str(engine), "--json").stdout)
+    first = shown["messages"][0]["msg_id"]
+    f = aotx(home, "conversations", "fork", conv, "--at", first, "--socket", str(engine))
+    assert f.returncode == 0, f.stderr
+    assert f"forked from {conv} with 1 message; continue" in f.stdout, f.stdout
