@@ -126,6 +126,7 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
     if client is None:
         client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
                                             on_spawn=notice)
+    client.spawned = bool(spawned)  # this command started the engine (and waited for its load)
     if not spawned:  # a running engine keeps the settings it was started with: say which flags it ignores
         ignored = ignored_engine_flags(args, await client.status()) if any(
             getattr(args, a, None) not in (None, False, "auto") for a in _ENGINE_ONLY) else []
@@ -284,6 +285,10 @@ async def _run(args) -> int:
             conv_id = conv.conv_id
             created = True
         rid_box: list[int] = []
+        # load_s: the model loading this request waited for (the engine's start when this
+        # command started it, a model loaded beside the default for it), 0 when loaded already
+        load_s = round(sum(st.profile.values()), 4) if getattr(client, "spawned", False) else 0.0
+        t_loading = 0.0
         stopper = CancelOnSignal(asyncio.get_running_loop(), lambda rid: client.cancel(target=rid))
         stopper.__enter__()
         code = 0
@@ -294,6 +299,8 @@ async def _run(args) -> int:
             if isinstance(ev, P.Accepted):
                 rid_box.append(ev.id)
                 stopper.accepted(ev.id)
+                if t_loading:
+                    load_s = round(load_s + time.perf_counter() - t_loading, 4)
                 prompt_ids = list(ev.prompt_ids)
                 if args.json:
                     _jprint({"event": "accepted", "conversation": ev.conv_id, "msg_id": ev.msg_id,
@@ -324,6 +331,8 @@ async def _run(args) -> int:
                                                              "last_seq": ev.receipt.last_seq},
                              **({"msg_id": ev.msg_id} if ev.msg_id else {})})
             elif isinstance(ev, P.Notice):
+                if ev.kind == "model" and ev.message.startswith("loading model") and not rid_box:
+                    t_loading = time.perf_counter()
                 if args.json:
                     _jprint({"event": "notice", "kind": ev.kind, "resource": ev.resource, "message": ev.message,
                              "asked": ev.asked, "free": ev.free, "position": ev.position})
@@ -351,7 +360,8 @@ async def _run(args) -> int:
                     _jprint({"event": "done", "conversation": conv_id, "prompt_ids": prompt_ids,
                              "completion_ids": completion, "text": ev.text, "finish_reason": ev.finish_reason,
                              "numerics": ev.numerics,
-                             "timings": {"load_s": round(sum(st.profile.values()), 4),
+                             "timings": {"load_s": load_s,
+                                         "engine_load_s": round(sum(st.profile.values()), 4),
                                          "prompt_tokens": int(t.get("prompt_tokens", 0)),
                                          "prompt_tokens_reused": int(t.get("prompt_tokens_reused", 0)),
                                          "prompt_tokens_per_s": t.get("prompt_tokens_per_s", 0.0),

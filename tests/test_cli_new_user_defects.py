@@ -199,3 +199,27 @@ def test_bug7_fork_of_one_message_says_message_not_messages(home, engine):
     f = aotx(home, "conversations", "fork", conv, "--at", first, "--socket", str(engine))
     assert f.returncode == 0, f.stderr
     assert f"forked from {conv} with 1 message; continue" in f.stdout, f.stdout
+
+
+@pytest.mark.realmodel
+def test_bug8_load_s_is_the_load_this_reply_paid_not_the_engines_startup(home, engine):
+    """Regression: `aotx run --json`'s done.timings.load_s repeated the engine's startup
+    time (13.5 s) on every reply to an engine that had long loaded its model."""
+    r = aotx(home, "run", "--socket", str(engine), "--json", "--max-tokens", "1", "--temperature", "0", "hi")
+    done = next(e for e in map(json.loads, r.stdout.splitlines()) if e["event"] == "done")
+    assert done["timings"]["load_s"] == 0.0, done["timings"]
+    assert done["timings"]["engine_load_s"] > 0.0  # the startup, under a name that says so
+
+
+@pytest.mark.realmodel
+def test_bug8_load_s_counts_the_engine_start_this_command_waited_for(tmp_path, default_model_path):
+    """The other half: a run that started the engine reports its load as load_s."""
+    sock = tmp_path / "e.sock"
+    try:
+        r = aotx(tmp_path, "run", "--socket", str(sock), "--slots", "1", "--context", "256", "--device", "cpu",
+                 "--json", "--max-tokens", "1", "--temperature", "0", "hi")
+        assert r.returncode == 0, r.stderr
+        done = next(e for e in map(json.loads, r.stdout.splitlines()) if e["event"] == "done")
+        assert done["timings"]["load_s"] == done["timings"]["engine_load_s"] > 0.0, done["timings"]
+    finally:
+        aotx(tmp_path, "stop", "--socket", str(sock), timeout=60)
