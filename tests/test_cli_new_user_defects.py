@@ -223,3 +223,42 @@ def test_bug8_load_s_counts_the_engine_start_this_command_waited_for(tmp_path, d
         assert done["timings"]["load_s"] == done["timings"]["engine_load_s"] > 0.0, done["timings"]
     finally:
         aotx(tmp_path, "stop", "--socket", str(sock), timeout=60)
+
+
+@pytest.mark.realmodel
+def test_bug1_sigterm_of_the_interactive_aotx_run_cancels_the_reply_too(home, engine):
+    """The chat of `aotx run` (no prompt, at a terminal): SIGTERM mid-reply cancelled
+    nothing either. Now it cancels the reply and ends the chat with 143."""
+    import pty
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, AOTX_HOME=str(home), TERM="dumb")
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(engine),
+                             "--temperature", "0", "--max-tokens", "400"], env=env, stdin=slave, stdout=slave,
+                            stderr=slave, start_new_session=True)
+    os.close(slave)
+    try:
+        def read_until(cond, limit_s: float) -> bytes:
+            got, end = b"", time.monotonic() + limit_s
+            while not cond(got):
+                assert time.monotonic() < end, got
+                if select.select([master], [], [], 0.5)[0]:
+                    got += os.read(master, 4096)
+            return got
+
+        read_until(lambda b: b">>> " in b, 120)
+        os.write(master, b"Write a very long story about a cat.\r")
+        got_reply = read_until(lambda b: b"cat." in b and len(b.split(b"cat.", 1)[-1].strip()) > 40, 120)  # the reply streams
+        proc.send_signal(signal.SIGTERM)
+        while proc.poll() is None and select.select([master], [], [], 0.2)[0]:
+            try:
+                os.read(master, 4096)
+            except OSError:
+                break
+        assert proc.wait(60) == 143, got_reply
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    reply = _last_reply(home, engine)
+    assert reply["role"] == "assistant" and reply["status"] == "cancelled", reply
