@@ -271,22 +271,17 @@ class Repl:
                                                          sampling=self.sampling)
             self.conv_id, self.title = conv.conv_id, conv.title
         atts, self.attachments = self.attachments, []
-        loop = asyncio.get_running_loop()
+        from aotx.engine.cli_client import CancelOnSignal
+
         rid: list[int] = []
-
-        def on_sigint() -> None:
-            if rid:
-                loop.create_task(self.client.cancel(target=rid[0]))
-
-        try:
-            loop.add_signal_handler(signal.SIGINT, on_sigint)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
-            pass
+        # Ctrl-C cancels the reply and the chat goes on; SIGTERM or SIGHUP cancel it and end the chat
+        stopper = CancelOnSignal(asyncio.get_running_loop(), lambda r: self.client.cancel(target=r)).__enter__()
         user_pos, reply_pos, finish, timings, n_prompt, n_done, streamed = "queued", "queued", "", {}, 0, 0, False
         try:
             async for ev in self.client.submit(self.conv_id, text, attachments=atts, sampling=self.sampling):
                 if isinstance(ev, P.Accepted):
                     rid.append(ev.id)
+                    stopper.accepted(ev.id)
                     user_pos, reply_pos, n_prompt = "accepted", "accepted", len(ev.prompt_ids)
                 elif isinstance(ev, P.MediaInfo):
                     self.err(media_text(ev))
@@ -314,13 +309,12 @@ class Repl:
                     if finish and reply_pos == "committed":
                         reply_pos = "durable"
         finally:
-            try:
-                loop.remove_signal_handler(signal.SIGINT)
-            except (NotImplementedError, RuntimeError, ValueError):
-                pass
+            stopper.__exit__()
         if streamed:
             self.write("\n")
         self.err(self.turn_line(user_pos, reply_pos, finish, n_prompt, n_done, timings))
+        if stopper.signum in (signal.SIGTERM, signal.SIGHUP):
+            raise SystemExit(stopper.exit_code)
 
     def turn_line(self, user_pos: str, reply_pos: str, finish: str, n_prompt: int, n_completion: int,
                   timings: dict) -> str:

@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; any other needs "
                    "--api-key-file)")
-    p.add_argument("--port", type=_int("--port", 0), default=8080)
+    p.add_argument("--port", type=_checked("--port", Limit(0, 65535, integer=True)), default=8080,
+                   help="TCP port, 0 to 65535 (default 8080; 0: a free port, printed at start)")
     p.add_argument("--api-key-file", help="API keys, one per line (default: <data dir>/gateway/api_keys, "
                    "generated on first start)")
     p.add_argument("--max-tokens-ceiling", type=_int("--max-tokens-ceiling", 1), default=4096)
@@ -216,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("name")
     q.add_argument("--url", required=True, help="the endpoint's base URL, e.g. http://gpu-box:8000/v1")
     q.add_argument("--remote-model", help="the model's id on the server (default: NAME)")
-    q.add_argument("--api-key-env", help="environment variable holding the API key")
+    q.add_argument("--api-key-env", help="environment variable holding the API key, read from the engine's "
+                   "environment (set it where the engine starts)")
     q.add_argument("--api-key-file", help="file holding the API key")
     q.add_argument("--api-key", help="the API key itself (stored in the entry, mode 0600)")
     q.add_argument("--context", type=_int("--context", 0), default=None, help="the server's context in tokens")

@@ -27,7 +27,7 @@ def engine_args(args) -> list[str]:
     for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
                        ("--context", "context"), ("--memory-budget", "memory_budget"),
                        ("--draft-model", "draft_model"), ("--mmproj", "mmproj"), ("--keep-alive", "keep_alive"),
-                       ("--kv-type", "kv_type")):
+                       ("--kv-type", "kv_type"), ("--expert-cache", "expert_cache")):
         v = getattr(args, attr, None)
         if attr == "model" and v is not None and not _is_model_file(v):
             continue  # a remote entry, or a name the engine's catalog resolves: loaded beside the default
@@ -49,8 +49,56 @@ def _is_model_file(arg: str) -> bool:
         return False
 
 
+_ENGINE_ONLY = ("device", "slots", "context", "kv_type", "memory_budget", "mmproj", "keep_alive", "expert_cache",
+                "evict_idle")
+
+
+def ignored_engine_flags(args, st: P.StatusReply) -> list[str]:
+    """The engine flags in ``args`` that a running engine (its ``status``) does not have:
+    ``--slots 4 (it has 2)``. They only apply when an engine starts, so a client that
+    reuses one says so instead of ignoring them silently. A flag the engine does not
+    report (``--mmproj``, ``--keep-alive``, ...) is named without the engine's value."""
+    from aotx.engine.runtime import admission
+
+    out: list[str] = []
+    device = getattr(args, "device", None)
+    if device not in (None, "auto") and device != st.device:
+        out.append(f"--device {device} (it runs on the {st.device})")
+    slots = getattr(args, "slots", None)
+    if slots is not None and st.n_slots and slots != st.n_slots:
+        out.append(f"--slots {slots} (it has {st.n_slots})")
+    elif slots is not None and not st.n_slots:
+        out.append(f"--slots {slots}")
+    context = getattr(args, "context", None)
+    if context is not None and context != st.n_ctx:
+        out.append(f"--context {context} (it has {st.n_ctx} tokens per slot)")
+    kv_type = getattr(args, "kv_type", None)
+    if kv_type is not None and kv_type != st.kv_type:
+        out.append(f"--kv-type {kv_type} (it has {st.kv_type})" if st.kv_type else f"--kv-type {kv_type}")
+    budget = getattr(args, "memory_budget", None)
+    if budget is not None:
+        try:
+            same = admission.parse_size(budget) == st.budget_bytes
+        except ValueError:
+            same = False
+        if not same:
+            from aotx.engine.units import fmt_bytes
+
+            out.append(f"--memory-budget {budget} (it has {fmt_bytes(st.budget_bytes)})")
+    for flag, attr in (("--mmproj", "mmproj"), ("--keep-alive", "keep_alive"), ("--expert-cache", "expert_cache")):
+        v = getattr(args, attr, None)
+        if v is not None:
+            out.append(f"{flag} {v}")
+    if getattr(args, "evict_idle", False):
+        out.append("--evict-idle")
+    return out
+
+
 async def connect(args, *, spawn: bool = True) -> EngineClient:
+    spawned: list[str] = []
+
     def notice(msg: str) -> None:
+        spawned.append(msg)
         print(f"aotx: {msg}", file=sys.stderr)
 
     sock = getattr(args, "socket", None)
@@ -66,12 +114,25 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
                 client = None
         if client is None:
             check_vocabulary_files(getattr(args, "model", None), draft)
+    if client is None and spawn and getattr(args, "device", None) == "cuda":
+        # an engine this command would start must run on the GPU: refuse here, in one line,
+        # rather than start one that exits with the reason in its log
+        try:
+            client = await EngineClient.connect(sock, spawn=False, client_name="aotx-cli")
+        except EngineError:
+            from aotx.engine.serve import pick_device
+
+            pick_device("cuda")  # raises UsageError when it cannot run
     if client is None:
         client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
                                             on_spawn=notice)
-    if getattr(args, "device", None) == "cuda" and client.welcome.device != "cuda":
-        notice(f"--device cuda: the engine runs on the {client.welcome.device} (no CUDA device or CuPy found, "
-               f"or the engine was started without it; see `aotx status`)")
+    client.spawned = bool(spawned)  # this command started the engine (and waited for its load)
+    if not spawned:  # a running engine keeps the settings it was started with: say which flags it ignores
+        ignored = ignored_engine_flags(args, await client.status()) if any(
+            getattr(args, a, None) not in (None, False, "auto") for a in _ENGINE_ONLY) else []
+        if ignored:
+            print(f"aotx: the running engine on {client.socket_path} ignores {', '.join(ignored)}: engine flags "
+                  f"apply when an engine starts (`aotx stop` first)", file=sys.stderr)
     # --model names the model a command runs on: a running engine with another default
     # loads it beside its own (no restart); see _run
     if draft:
@@ -119,6 +180,67 @@ def capsule_words(n: P.Notice, continuing: bool) -> str:
     return "reading the earlier messages again (their saved state could not be used)"
 
 
+class CancelOnSignal:
+    """While a reply streams: Ctrl-C (SIGINT), SIGTERM (``kill``, ``timeout``) and SIGHUP
+    (the terminal closed) cancel it, as soon as its request id is known (``accepted``).
+    A killed ``aotx run`` must not leave the engine writing, and journaling as complete,
+    a reply nobody reads. ``exit_code`` is 128 + the signal's number (130, 143, 129),
+    0 when none came. After SIGHUP the terminal is gone: standard output and error go to
+    /dev/null so the last writes cannot fail. A second SIGTERM or SIGHUP exits at once.
+    kill -9 cannot be caught: the engine then finishes the reply (as for a dead aotx-chat)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancel) -> None:
+        self._loop, self._cancel = loop, cancel  # cancel(request id) -> awaitable
+        self.signum = 0
+        self._rid = 0
+        self._installed: list[int] = []
+
+    def __enter__(self) -> "CancelOnSignal":
+        for sig in self.SIGNALS:
+            try:
+                self._loop.add_signal_handler(sig, self._on_signal, sig)
+                self._installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig in self._installed:
+            try:
+                self._loop.remove_signal_handler(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.signum else 0
+
+    def accepted(self, rid: int) -> None:
+        self._rid = rid
+        if self.signum:  # the signal came before the engine accepted the message
+            self._loop.create_task(self._cancel_quietly())
+
+    def _on_signal(self, sig: int) -> None:
+        if sig != signal.SIGINT and self.signum in (signal.SIGTERM, signal.SIGHUP):
+            os._exit(128 + sig)
+        self.signum = sig
+        if sig == signal.SIGHUP:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        if self._rid:
+            self._loop.create_task(self._cancel_quietly())
+
+    async def _cancel_quietly(self) -> None:
+        try:
+            await self._cancel(self._rid)
+        except AotxError:  # the reply already ended, or the engine went away
+            pass
+
+
 def _jprint(obj) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
     sys.stdout.flush()
@@ -126,13 +248,14 @@ def _jprint(obj) -> None:
 
 async def _run(args) -> int:
     prompt = sys.stdin.read() if args.prompt in ("-", None) else args.prompt
-    if not prompt:
-        raise UsageError("aotx run: the prompt is empty")
+    if not prompt.strip():  # the CLI prints "aotx: " before it: no second prefix
+        raise UsageError("run: the prompt is empty" if not prompt else "run: the prompt is blank (only whitespace)")
     t0 = time.perf_counter()
     from aotx.engine.model.loader import check_model_arg
 
     check_model_arg(args.model)  # a missing or non-GGUF file: refused before an engine or a conversation
     client = await connect(args)
+    stopper = None
     try:
         st = await client.status()
         if args.profile:
@@ -162,13 +285,12 @@ async def _run(args) -> int:
             conv_id = conv.conv_id
             created = True
         rid_box: list[int] = []
-        loop = asyncio.get_running_loop()
-
-        def on_sigint() -> None:
-            if rid_box:
-                loop.create_task(client.cancel(target=rid_box[0]))
-
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        # load_s: the model loading this request waited for (the engine's start when this
+        # command started it, a model loaded beside the default for it), 0 when loaded already
+        load_s = round(sum(st.profile.values()), 4) if getattr(client, "spawned", False) else 0.0
+        t_loading = 0.0
+        stopper = CancelOnSignal(asyncio.get_running_loop(), lambda rid: client.cancel(target=rid))
+        stopper.__enter__()
         code = 0
         prompt_ids: list[int] = []
         completion: list[int] = []
@@ -176,6 +298,9 @@ async def _run(args) -> int:
                                       model=model_ref(args.model)):
             if isinstance(ev, P.Accepted):
                 rid_box.append(ev.id)
+                stopper.accepted(ev.id)
+                if t_loading:
+                    load_s = round(load_s + time.perf_counter() - t_loading, 4)
                 prompt_ids = list(ev.prompt_ids)
                 if args.json:
                     _jprint({"event": "accepted", "conversation": ev.conv_id, "msg_id": ev.msg_id,
@@ -193,7 +318,7 @@ async def _run(args) -> int:
                     _jprint({"event": "media", "kind": ev.kind, "route": ev.route, "name": ev.name, "text": ev.text,
                              "via": ev.via, "seconds": ev.seconds, **({"error": ev.error} if ev.error else {})})
                 elif ev.error:
-                    print(f"aotx: attachment {ev.name} was not used: {ev.error}", file=sys.stderr)
+                    pass  # the Error that refuses the message names it and why: said once, there
                 elif ev.route == "encoder":
                     print(f"aotx: {ev.name} -> vision encoder {ev.via}: the model sees the picture", file=sys.stderr)
                 else:
@@ -206,6 +331,8 @@ async def _run(args) -> int:
                                                              "last_seq": ev.receipt.last_seq},
                              **({"msg_id": ev.msg_id} if ev.msg_id else {})})
             elif isinstance(ev, P.Notice):
+                if ev.kind == "model" and ev.message.startswith("loading model") and not rid_box:
+                    t_loading = time.perf_counter()
                 if args.json:
                     _jprint({"event": "notice", "kind": ev.kind, "resource": ev.resource, "message": ev.message,
                              "asked": ev.asked, "free": ev.free, "position": ev.position})
@@ -233,7 +360,8 @@ async def _run(args) -> int:
                     _jprint({"event": "done", "conversation": conv_id, "prompt_ids": prompt_ids,
                              "completion_ids": completion, "text": ev.text, "finish_reason": ev.finish_reason,
                              "numerics": ev.numerics,
-                             "timings": {"load_s": round(sum(st.profile.values()), 4),
+                             "timings": {"load_s": load_s,
+                                         "engine_load_s": round(sum(st.profile.values()), 4),
                                          "prompt_tokens": int(t.get("prompt_tokens", 0)),
                                          "prompt_tokens_reused": int(t.get("prompt_tokens_reused", 0)),
                                          "prompt_tokens_per_s": t.get("prompt_tokens_per_s", 0.0),
@@ -245,9 +373,11 @@ async def _run(args) -> int:
                     sys.stdout.write("\n")
                     sys.stdout.flush()
                     if ev.finish_reason == "cancelled":
-                        code = 130
-        return code
+                        code = stopper.exit_code or 130
+        return stopper.exit_code or code
     finally:
+        if stopper is not None:
+            stopper.__exit__()
         await client.close()
 
 
@@ -363,6 +493,7 @@ async def _conversations(args, fork_title=None) -> int:
     if args.json:
         _jprint({"id": conv.conv_id, "title": conv.title, "messages": conv.n_messages, "parent": args.id})
     else:
-        print(f"{conv.conv_id}  “{conv.title}”, forked from {args.id} with {conv.n_messages} messages; continue "
+        n = f"{conv.n_messages} message{'' if conv.n_messages == 1 else 's'}"
+        print(f"{conv.conv_id}  “{conv.title}”, forked from {args.id} with {n}; continue "
               f"it with `aotx run --conversation {conv.conv_id} ...`")
     return 0

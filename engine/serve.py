@@ -28,7 +28,11 @@ DEFAULT_CONTEXT = 4096
 
 
 def pick_device(requested: str) -> str:
-    """``auto`` -> ``cuda`` when a CUDA device and AOTX's CUDA backend are present, else ``cpu``."""
+    """``auto`` -> ``cuda`` when a CUDA device and AOTX's CUDA backend are present, else ``cpu``.
+
+    Raises UsageError for an explicit ``cuda`` that cannot be honoured (no CuPy, no
+    device, no CUDA backend): the user asked for the GPU and gets the reason, not a CPU
+    engine with a log line (``auto`` is the flag that falls back)."""
     if requested == "cpu":
         return "cpu"
     try:
@@ -37,18 +41,23 @@ def pick_device(requested: str) -> str:
         have_backend = True
     except ImportError:
         have_backend = False
-    have_gpu = False
+    why = ""
     try:
         import cupy  # type: ignore[import-not-found]
-
-        have_gpu = cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no CuPy or no driver
-        have_gpu = False
-    if have_gpu and have_backend:
+    except Exception:  # noqa: BLE001 - not installed, or broken
+        why = "CuPy is not installed (pip install cupy-cuda12x)"
+    else:
+        try:
+            if cupy.cuda.runtime.getDeviceCount() <= 0:
+                why = "no CUDA device found"
+        except Exception as e:  # noqa: BLE001 - no driver, no device
+            why = f"no CUDA device found ({str(e).strip() or type(e).__name__})"
+    if not why and not have_backend:
+        why = "this build has no CUDA backend"
+    if not why:
         return "cuda"
     if requested == "cuda":
-        why = "no CUDA device or CuPy found" if not have_gpu else "this build has no CUDA backend"
-        log.warning("--device cuda: %s; running on the CPU", why)
+        raise UsageError(f"--device cuda: {why}; use --device cpu, or --device auto to fall back to the CPU")
     return "cpu"
 
 
@@ -286,6 +295,7 @@ def serve(args) -> int:
     # reads the setting once, at its first import: set it before anything imports it
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     os.umask(0o077)  # conversations, capsules and logs are private to the user
+    pick_device(args.device)  # --device cuda without a GPU: its error line before anything is written
     check_data_dir()
     from aotx.engine.model.loader import check_model_arg, resolve_model_path
 

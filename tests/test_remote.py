@@ -196,3 +196,30 @@ def test_cancel_a_remote_reply(loaded_model, home):
             assert 0 < end.n_completion < 200
         finally:
             stop(eng)
+
+
+def test_bug6_a_key_variable_missing_from_the_engines_environment_is_refused_before_journaling(
+        loaded_model, home, monkeypatch):
+    """Regression (fixcli): `VLLM_API_KEY=x aotx run --model big` against an engine started
+    without it said only "the API key variable VLLM_API_KEY is not set" (it was set, in the
+    wrong process) and journaled the message with a failed reply. Now the message says it
+    is the engine's environment and how to fix it, and nothing is journaled."""
+    monkeypatch.delenv("AOTX_TEST_NO_SUCH_KEY", raising=False)
+    with FakeOpenAI() as srv:
+        add_remote(home, "big", srv.url, api_key_env="AOTX_TEST_NO_SUCH_KEY")
+        eng = make_engine(loaded_model, home)
+        try:
+            c = Client(eng)
+            conv = c.create(model="big")
+            rid = c.post(lambda i: P.SubmitMessage(id=i, conv_id=conv.conv_id, text="Hi",
+                                                   sampling=P.SamplingParams(max_tokens=5)))
+            err = answer(c.sink, rid)
+            assert isinstance(err, P.Error) and err.code == "bad_request", err
+            assert "AOTX_TEST_NO_SUCH_KEY is not set in the engine's environment" in err.message, err.message
+            assert "`aotx stop`" in err.message
+            assert not c.sink.of(P.Accepted, rid)  # refused, not accepted then failed
+            assert srv.requests == []
+            view = c.call(P.ShowConversation, P.ConversationInfo, conv_id=conv.conv_id).conversation
+            assert view.messages == []
+        finally:
+            stop(eng)

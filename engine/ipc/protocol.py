@@ -562,6 +562,10 @@ class StatusReply(_Base, tag="status_reply"):
     degraded: str = ""
     notices: list[str] = []  # engine-wide notices for users (journal damage salvaged at start)
     models: list[ModelInfo] = []  # the loaded models (``model`` is the default one)
+    # what the engine was started with (0 / "": an engine that does not say); a client
+    # that passes other engine flags to a running engine says they do not apply
+    n_slots: int = 0
+    kv_type: str = ""
 
 
 class ModelList(_Base, tag="models"):

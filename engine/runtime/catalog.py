@@ -54,7 +54,9 @@ class RemoteSpec:
         if self.api_key_env:
             v = os.environ.get(self.api_key_env)
             if v is None:
-                raise UsageError(f"the API key variable {self.api_key_env} is not set")
+                raise UsageError(f"the API key variable {self.api_key_env} is not set in the engine's environment "
+                                 f"(the engine reads it, not the command that asks): restart the engine with it set "
+                                 f"(`aotx stop`, then `{self.api_key_env}=... aotx run ...` or `aotx serve`)")
             return v.strip()
         if self.api_key_file:
             try:

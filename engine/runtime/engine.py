@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aotx.engine.errors import AotxError, Busy, ErrorCode, NotFound
+from aotx.engine.errors import AotxError, Busy, ErrorCode, NotFound, RequestError
 from aotx.engine.ipc import protocol as P
 from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry
@@ -524,6 +524,9 @@ class Engine:
 
     def _unload_model(self, op: P.UnloadModel, sink: Sink) -> None:
         name = op.model if self.models.get(op.model) is not None else self._loaded_name(op.model)
+        if name == self.models.default_name:  # it stays (README); unloading it left no model loaded
+            raise RequestError(f"{name} is the engine's default model: it stays loaded (unload the models loaded "
+                               f"beside it; `aotx stop` frees all of them)")
         self.models.unload(name)
         sink.send(P.Ok(id=op.id))
 
@@ -659,5 +662,5 @@ class Engine:
                    "prefill_tokens": float(sum(getattr(getattr(m, "executor", None), "prefill_tokens", 0)
                                                for m in self.models))},
             degraded=self.store.hold_reason(), notices=list(self.store.notices),
-            models=[m.info() for m in self.models],
+            models=[m.info() for m in self.models], n_slots=self.n_slots, kv_type=self.kv_type,
         )

@@ -241,6 +241,7 @@ class RemoteSubmitter:
         why = P.sampling_problem(sp)
         if why:
             raise RequestError(why)
+        self.owner.spec.key()  # a missing key variable or file: refused before the message is journaled
         return self._accept(op, sink, sp, tick)
 
     def _accept(self, op: P.SubmitMessage, sink: Sink, sp: P.SamplingParams, tick: int) -> Request | None:

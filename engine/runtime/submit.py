@@ -197,8 +197,9 @@ class Submitter:
                         sink.send(P.MediaInfo(id=op.id, kind=res.kind, route=res.route, name=name, text=res.text,
                                               via=str(res.model or ""), seconds=float(res.seconds or 0.0)))
                     except Exception as e:  # noqa: BLE001 - MediaError, or a decoder's own failure
-                        errors.append((name, str(e)))
-                        sink.send(P.MediaInfo(id=op.id, kind=a.kind, route="refused", name=name, error=str(e)))
+                        why = unnamed(str(e), a.path, name)
+                        errors.append((name, why))
+                        sink.send(P.MediaInfo(id=op.id, kind=a.kind, route="refused", name=name, error=why))
                 if not errors:
                     sub.text = render_for_prompt(results, op.text)
             sub.media_errors = errors
@@ -466,3 +467,12 @@ def _with_system(msgs: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     if msgs and msgs[0].get("role") == "system":
         return [{**msgs[0], "content": f"{msgs[0].get('content') or ''}\n\n{text}".lstrip()}, *msgs[1:]]
     return [{"role": "system", "content": text}, *msgs]
+
+
+def unnamed(why: str, path: str, name: str) -> str:
+    """A media error without the file's name or path in front (``README.md: not an
+    image`` -> ``not an image``): the refusal puts the name before it once."""
+    for prefix in (path, name):
+        if prefix and why.startswith(prefix + ": "):
+            return why[len(prefix) + 2:]
+    return why
