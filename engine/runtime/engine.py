@@ -34,6 +34,7 @@ thread-safe.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -461,8 +462,6 @@ class Engine:
             return "", ""
         from aotx.engine.errors import ModelError
         from aotx.engine.model.loader import file_fingerprint
-
-        import os
 
         if not os.path.isfile(path):
             return "", f"its file {path} is gone"
