@@ -271,7 +271,7 @@ class Repl:
                                                          sampling=self.sampling)
             self.conv_id, self.title = conv.conv_id, conv.title
         atts, self.attachments = self.attachments, []
-        from aotx.engine.cli_client import CancelOnSignal
+        from aotx.engine.ipc.client import CancelOnSignal
 
         rid: list[int] = []
         # Ctrl-C cancels the reply and the chat goes on; SIGTERM or SIGHUP cancel it and end the chat

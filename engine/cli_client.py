@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from aotx.engine.errors import AotxError, EngineError, UsageError
+from aotx.engine.units import parse_size
 from aotx.engine.ipc import protocol as P
-from aotx.engine.ipc.client import EngineClient
+from aotx.engine.ipc.client import CancelOnSignal, EngineClient  # noqa: F401 (CancelOnSignal: here for callers)
 from aotx.media.kinds import kind_of_name
 
 
@@ -58,8 +59,6 @@ def ignored_engine_flags(args, st: P.StatusReply) -> list[str]:
     ``--slots 4 (it has 2)``. They only apply when an engine starts, so a client that
     reuses one says so instead of ignoring them silently. A flag the engine does not
     report (``--mmproj``, ``--keep-alive``, ...) is named without the engine's value."""
-    from aotx.engine.runtime import admission
-
     out: list[str] = []
     device = getattr(args, "device", None)
     if device not in (None, "auto") and device != st.device:
@@ -78,7 +77,7 @@ def ignored_engine_flags(args, st: P.StatusReply) -> list[str]:
     budget = getattr(args, "memory_budget", None)
     if budget is not None:
         try:
-            same = admission.parse_size(budget) == st.budget_bytes
+            same = parse_size(budget) == st.budget_bytes
         except ValueError:
             same = False
         if not same:
@@ -120,7 +119,7 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
         try:
             client = await EngineClient.connect(sock, spawn=False, client_name="aotx-cli")
         except EngineError:
-            from aotx.engine.serve import pick_device
+            from aotx.engine.backend.device import pick_device
 
             pick_device("cuda")  # raises UsageError when it cannot run
     if client is None:
@@ -178,67 +177,6 @@ def capsule_words(n: P.Notice, continuing: bool) -> str:
     if n.message.startswith(("restored", "picked up")):
         return "picked up where this conversation left off"
     return "reading the earlier messages again (their saved state could not be used)"
-
-
-class CancelOnSignal:
-    """While a reply streams: Ctrl-C (SIGINT), SIGTERM (``kill``, ``timeout``) and SIGHUP
-    (the terminal closed) cancel it, as soon as its request id is known (``accepted``).
-    A killed ``aotx run`` must not leave the engine writing, and journaling as complete,
-    a reply nobody reads. ``exit_code`` is 128 + the signal's number (130, 143, 129),
-    0 when none came. After SIGHUP the terminal is gone: standard output and error go to
-    /dev/null so the last writes cannot fail. A second SIGTERM or SIGHUP exits at once.
-    kill -9 cannot be caught: the engine then finishes the reply (as for a dead aotx-chat)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, cancel) -> None:
-        self._loop, self._cancel = loop, cancel  # cancel(request id) -> awaitable
-        self.signum = 0
-        self._rid = 0
-        self._installed: list[int] = []
-
-    def __enter__(self) -> "CancelOnSignal":
-        for sig in self.SIGNALS:
-            try:
-                self._loop.add_signal_handler(sig, self._on_signal, sig)
-                self._installed.append(sig)
-            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
-                pass
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig in self._installed:
-            try:
-                self._loop.remove_signal_handler(sig)
-            except (NotImplementedError, RuntimeError, ValueError):
-                pass
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum if self.signum else 0
-
-    def accepted(self, rid: int) -> None:
-        self._rid = rid
-        if self.signum:  # the signal came before the engine accepted the message
-            self._loop.create_task(self._cancel_quietly())
-
-    def _on_signal(self, sig: int) -> None:
-        if sig != signal.SIGINT and self.signum in (signal.SIGTERM, signal.SIGHUP):
-            os._exit(128 + sig)
-        self.signum = sig
-        if sig == signal.SIGHUP:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
-            os.close(devnull)
-        if self._rid:
-            self._loop.create_task(self._cancel_quietly())
-
-    async def _cancel_quietly(self) -> None:
-        try:
-            await self._cancel(self._rid)
-        except AotxError:  # the reply already ended, or the engine went away
-            pass
 
 
 def _jprint(obj) -> None:

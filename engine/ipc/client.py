@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from aotx.engine.errors import EngineError, ProtocolError
+from aotx.engine.errors import AotxError, EngineError, ProtocolError
 from aotx.engine.ipc import protocol as P
 
 
@@ -308,3 +309,64 @@ def _tail(path: Path, n: int = 4000) -> str:
         if line.startswith("aotx:"):
             return line[5:].strip()
     return lines[-1] if lines else "(empty log)"
+
+
+class CancelOnSignal:
+    """While a reply streams: Ctrl-C (SIGINT), SIGTERM (``kill``, ``timeout``) and SIGHUP
+    (the terminal closed) cancel it, as soon as its request id is known (``accepted``).
+    A killed ``aotx run`` must not leave the engine writing, and journaling as complete,
+    a reply nobody reads. ``exit_code`` is 128 + the signal's number (130, 143, 129),
+    0 when none came. After SIGHUP the terminal is gone: standard output and error go to
+    /dev/null so the last writes cannot fail. A second SIGTERM or SIGHUP exits at once.
+    kill -9 cannot be caught: the engine then finishes the reply (as for a dead aotx-chat)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancel) -> None:
+        self._loop, self._cancel = loop, cancel  # cancel(request id) -> awaitable
+        self.signum = 0
+        self._rid = 0
+        self._installed: list[int] = []
+
+    def __enter__(self) -> "CancelOnSignal":
+        for sig in self.SIGNALS:
+            try:
+                self._loop.add_signal_handler(sig, self._on_signal, sig)
+                self._installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig in self._installed:
+            try:
+                self._loop.remove_signal_handler(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum if self.signum else 0
+
+    def accepted(self, rid: int) -> None:
+        self._rid = rid
+        if self.signum:  # the signal came before the engine accepted the message
+            self._loop.create_task(self._cancel_quietly())
+
+    def _on_signal(self, sig: int) -> None:
+        if sig != signal.SIGINT and self.signum in (signal.SIGTERM, signal.SIGHUP):
+            os._exit(128 + sig)
+        self.signum = sig
+        if sig == signal.SIGHUP:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+        if self._rid:
+            self._loop.create_task(self._cancel_quietly())
+
+    async def _cancel_quietly(self) -> None:
+        try:
+            await self._cancel(self._rid)
+        except AotxError:  # the reply already ended, or the engine went away
+            pass
