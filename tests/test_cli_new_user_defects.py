@@ -138,6 +138,18 @@ def test_bug5_device_cuda_without_a_gpu_is_an_error_not_a_cpu_engine(tmp_path, a
     assert "started an engine" not in r.stderr and not (tmp_path / "engine.log").exists()
 
 
+@pytest.mark.skipif(_has_cuda(), reason="this machine has a CUDA device")
+def test_a_refused_gateway_start_writes_no_key_file(tmp_path):
+    """Regression (helper-26's note): `aotx gateway --device cuda` without a GPU (and no
+    engine) wrote a new API key file before the engine's refusal stopped it. The key of a
+    first start is now written once an engine answers."""
+    r = aotx(tmp_path, "gateway", "--port", "0", "--device", "cuda", "--socket", str(tmp_path / "e.sock"),
+             timeout=60)
+    assert r.returncode == 2
+    assert "--device cuda: " in one_line(r)
+    assert not (tmp_path / "gateway" / "api_keys").exists()
+
+
 def test_bug5_device_auto_still_falls_back_to_the_cpu():
     from aotx.engine.serve import pick_device
 

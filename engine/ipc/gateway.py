@@ -1085,12 +1085,11 @@ def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
     if not is_loopback(host) and not args.api_key_file:
         raise UsageError(f"--host {host} is not a loopback address: pass --api-key-file with the keys that may "
                          f"use it (a key file generated for loopback use is not taken implicitly)")
-    keys, path, created = gateway_auth.load_or_create(args.api_key_file)
-    if created:
-        print(f"aotx gateway: generated an API key in {path} (mode 0600); send it as 'Authorization: Bearer <key>'",
-              file=sys.stderr)
-    else:
-        print(f"aotx gateway: {len(keys)} API key(s) from {path}", file=sys.stderr)
+    # An existing key file is read first (a bad one fails before anything starts); a first
+    # start's key is written only once an engine answers, so a refused start (no engine,
+    # --device cuda without a GPU, a busy port) leaves no key file behind.
+    have_file = args.api_key_file is not None or gateway_auth.default_key_path().exists()
+    loaded = gateway_auth.load_or_create(args.api_key_file) if have_file else None
     raise_fd_limit()  # so the connection limit, not the descriptor limit, is what clients meet
     sock = listen_socket(host, port)
     cfg = GatewayConfig(
@@ -1101,6 +1100,12 @@ def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
         asyncio.get_running_loop().set_exception_handler(quiet_accept_errors())
         link = EngineLink(connect, cfg.retry_after_s)
         await link.get()  # start or find the engine before taking requests
+        keys, path, created = loaded or gateway_auth.load_or_create(args.api_key_file)
+        if created:
+            print(f"aotx gateway: generated an API key in {path} (mode 0600); send it as 'Authorization: Bearer "
+                  f"<key>'", file=sys.stderr)
+        else:
+            print(f"aotx gateway: {len(keys)} API key(s) from {path}", file=sys.stderr)
         app = create_app(cfg, KeyRing(keys, gateway_auth.key_options(path.read_text(encoding="utf-8"), path)), link)
         server = uvicorn_server(app, cfg.max_connections)
         shown = f"[{host}]" if ":" in host else host
