@@ -112,3 +112,30 @@ def test_only_the_engines_default_is_marked_default(loaded_model, tmp_path, monk
         assert {m.name: m.default for m in models} == {loaded_model.name: False, "tiny-q": True}
     finally:
         stop(eng)
+
+
+def test_a_running_engine_falls_back_when_the_file_went_away_while_it_ran(loaded_model, tmp_path, monkeypatch,
+                                                                          tiny_gguf):
+    """Defect (helper-28): on an engine that is still running, a conversation whose model
+    (loaded by path, then unloaded) lost its file failed with exit 2 ("No such file or
+    directory"); after a restart the same case fell back. Now both fall back with the notice."""
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    monkeypatch.setenv("AOTX_HOME", str(home))
+    path = tiny_gguf.write_tiny_llama(tmp_path / "tiny-q.gguf", seed=3)
+    eng = make_engine(loaded_model, home)
+    try:
+        c = Client(eng)
+        a = c.create(model=str(path)).conv_id
+        _, end = c.run(a, "hello", n=2)
+        assert isinstance(end, P.Committed), end
+        c.call(P.UnloadModel, P.Ok, model="tiny-q")
+        path.unlink()
+        rid, end = c.run(a, "and now?", n=2)
+        assert isinstance(end, P.Committed), end
+        notes = model_notices(c, rid)
+        assert any("ran on tiny-q, which cannot be loaded any more" in n and loaded_model.name in n
+                   for n in notes), notes
+        assert max(c.sink.of(P.Accepted, rid)[0].prompt_ids) >= 300   # the default model's vocabulary
+    finally:
+        stop(eng)

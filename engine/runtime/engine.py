@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aotx.engine.errors import AotxError, Busy, ErrorCode, NotFound, RequestError
+from aotx.engine.errors import AotxError, Busy, ErrorCode, ModelError, NotFound, RequestError
 from aotx.engine.ipc import protocol as P
 from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry
@@ -432,18 +432,21 @@ class Engine:
         want = op.model or current
         try:
             m, _ = self._ensure(want, op.id, sink)
-        except NotFound as e:
+        except (NotFound, ModelError) as e:
+            # a conversation coming back to a model that is gone (NotFound) or whose file no
+            # longer loads (ModelError: deleted, truncated or replaced while this engine ran)
             if op.model or want == self.models.default_name:
                 raise
-            found, why = self._recorded_file(conv, want)
+            found, why = self._recorded_file(conv, want) if isinstance(e, NotFound) else ("", "")
             if found:  # not installed, but the file it was loaded from is still there
                 m, _ = self._ensure(found, op.id, sink)
             else:
                 m, _ = self._ensure(self.models.default_name, op.id, sink)
+                gone = "is not installed any more" if isinstance(e, NotFound) else "cannot be loaded any more"
                 sink.send(P.Notice(id=op.id, kind="model", resource="model",
-                                   message=f"this conversation ran on {want}, which is not installed any more "
-                                           f"({why or e}); this reply runs on {m.name}, the engine's default "
-                                           f"(choose another with --model or Ctrl+O)"))
+                                   message=f"this conversation ran on {want}, which {gone} ({why or e}); this "
+                                           f"reply runs on {m.name}, the engine's default (choose another with "
+                                           f"--model, or Ctrl+O in aotx-chat)"))
         else:
             if m.name != current and conv.messages:
                 sink.send(P.Notice(id=op.id, kind="model", resource="model",
