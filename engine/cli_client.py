@@ -127,8 +127,20 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
                                             on_spawn=notice)
     client.spawned = bool(spawned)  # this command started the engine (and waited for its load)
     if not spawned:  # a running engine keeps the settings it was started with: say which flags it ignores
-        ignored = ignored_engine_flags(args, await client.status()) if any(
-            getattr(args, a, None) not in (None, False, "auto") for a in _ENGINE_ONLY) else []
+        st = await client.status() if any(getattr(args, a, None) not in (None, False, "auto")
+                                          for a in _ENGINE_ONLY) else None
+        if st is not None and getattr(args, "device", None) == "cuda" and st.device != "cuda":
+            await client.close()  # the GPU was asked for and this engine cannot give it: refuse
+            raise UsageError(f"--device cuda: the running engine on {client.socket_path} runs on the {st.device}; "
+                             f"engine flags apply when an engine starts (`aotx stop` first)")
+        budget = getattr(args, "memory_budget", None)
+        if budget is not None:  # a malformed size is a usage error, not a warning
+            try:
+                parse_size(budget)
+            except ValueError:
+                await client.close()
+                raise UsageError(f"--memory-budget: cannot read {budget!r} as a size (e.g. 4G, 512M)") from None
+        ignored = ignored_engine_flags(args, st) if st is not None else []
         if ignored:
             print(f"aotx: the running engine on {client.socket_path} ignores {', '.join(ignored)}: engine flags "
                   f"apply when an engine starts (`aotx stop` first)", file=sys.stderr)

@@ -116,6 +116,43 @@ def test_bug2_engine_flags_given_to_a_running_engine_are_named_not_silently_igno
     assert same.returncode == 0 and "ignores" not in same.stderr, same.stderr  # what it has: nothing to say
 
 
+@pytest.mark.realmodel
+def test_device_cuda_or_a_bad_budget_against_a_running_cpu_engine_is_refused(home, engine):
+    """Regression (helper-28): `aotx run --device cuda "hi"` with a CPU engine running only
+    warned and answered on the CPU (rc 0), and `--memory-budget 5X` only warned "ignores
+    --memory-budget 5X". The GPU that was asked for cannot be had without a restart, and a
+    malformed size is a usage error: one line each, exit 2, nothing submitted."""
+    n = len(json.loads(aotx(home, "conversations", "list", "--socket", str(engine), "--json").stdout))
+    r = aotx(home, "run", "--socket", str(engine), "--device", "cuda", "--max-tokens", "1", "hi")
+    assert r.returncode == 2
+    assert one_line(r) == (f"aotx: --device cuda: the running engine on {engine} runs on the cpu; engine flags apply "
+                           "when an engine starts (`aotx stop` first)")
+    r = aotx(home, "run", "--socket", str(engine), "--memory-budget", "5X", "--max-tokens", "1", "hi")
+    assert r.returncode == 2
+    assert one_line(r) == "aotx: --memory-budget: cannot read '5X' as a size (e.g. 4G, 512M)"
+    assert len(json.loads(aotx(home, "conversations", "list", "--socket", str(engine), "--json").stdout)) == n
+
+
+@pytest.mark.realmodel
+def test_a_second_signal_keeps_the_first_ones_exit_code(home, engine):
+    """Regression (helper-28): SIGTERM then SIGHUP 10 ms apart exited 129, not 143."""
+    env = dict(os.environ, AOTX_HOME=str(home))
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(engine),
+                             "--temperature", "0", "--max-tokens", "400", "Write a very long story about a dog."],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "no token within 120 s"
+        assert os.read(proc.stdout.fileno(), 64)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.01)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(60) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _has_cuda() -> bool:
     try:
         import cupy

@@ -99,6 +99,20 @@ def test_gateway_lists_and_routes_by_model(engine_server, loaded_model, tmp_path
                         json={"model": "smol", "max_tokens": 2, "messages": msgs, "stream": True}, timeout=60)
         assert r4.status_code == 404 and r4.json()["error"]["type"] == "not_found_error", r4.text
         assert len(h.store.list_views()) == before
+        # helper-28: "LOCAL" was refused though names match without case; GET /v1/models/{id}
+        # refused "local" and a lower-case id that chat accepted; a 100,000-character name came
+        # back whole in the 404
+        assert oa.chat.completions.create(model="LOCAL", messages=msgs, temperature=0,
+                                          max_tokens=2).model == loaded_model.name
+        assert oa.models.retrieve("local").id == loaded_model.name
+        assert oa.models.retrieve(loaded_model.name.lower() + ".gguf").id == loaded_model.name
+        with pytest.raises(openai.NotFoundError):
+            oa.models.retrieve("smol")
+        before = len(h.store.list_views())   # the LOCAL chat made one
+        with pytest.raises(openai.NotFoundError) as ei:
+            oa.chat.completions.create(model="x" * 100_000, messages=msgs, max_tokens=2)
+        assert "(100,000 characters)" in ei.value.body["message"] and len(ei.value.body["message"]) < 600
+        assert len(h.store.list_views()) == before
         # streaming names the routed model on every chunk
         chunks = list(oa.chat.completions.create(model="tiny-a.gguf", messages=msgs, temperature=0, max_tokens=3,
                                                  stream=True))

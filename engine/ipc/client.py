@@ -317,7 +317,8 @@ class CancelOnSignal:
     A killed ``aotx run`` must not leave the engine writing, and journaling as complete,
     a reply nobody reads. ``exit_code`` is 128 + the signal's number (130, 143, 129),
     0 when none came. After SIGHUP the terminal is gone: standard output and error go to
-    /dev/null so the last writes cannot fail. A second SIGTERM or SIGHUP exits at once.
+    /dev/null so the last writes cannot fail. A second SIGTERM or SIGHUP exits at once, with
+    the first one's code.
     kill -9 cannot be caught: the engine then finishes the reply (as for a dead aotx-chat)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -355,8 +356,9 @@ class CancelOnSignal:
 
     def _on_signal(self, sig: int) -> None:
         if sig != signal.SIGINT and self.signum in (signal.SIGTERM, signal.SIGHUP):
-            os._exit(128 + sig)
-        self.signum = sig
+            os._exit(128 + self.signum)   # the first signal decides the exit code
+        if self.signum not in (signal.SIGTERM, signal.SIGHUP):
+            self.signum = sig
         if sig == signal.SIGHUP:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)

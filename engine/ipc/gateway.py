@@ -683,7 +683,7 @@ class Gateway:
         loaded model by name (an id of ``/v1/models``; ``NAME.gguf`` and case aside), or
         ``DEFAULT_ALIAS`` ("local") for the engine's default. Any other name is answered
         as OpenAI and vLLM do: 404 ``model_not_found``, naming the close ones."""
-        if not name or name == DEFAULT_ALIAS:
+        if not name or name.lower() == DEFAULT_ALIAS:
             return ""
         models = await self._models()
         names = [m.name for m in models if not m.error]
@@ -693,9 +693,10 @@ class Gateway:
         hit = low.get(name.lower().removesuffix(".gguf"))
         if hit:
             return hit
-        near = _close_names(name, names)
+        near = _close_names(name[:200], names)
         hint = f" (did you mean {' or '.join(near)}?)" if near else ""
-        raise ApiError(404, f"the model {name!r} does not exist{hint}; this server has "
+        shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name):,} characters)"
+        raise ApiError(404, f"the model {shown!r} does not exist{hint}; this server has "
                             f"{', '.join(names) or 'none'} (GET /v1/models lists them; {DEFAULT_ALIAS!r} is "
                             f"the default one)", "invalid_request_error", param="model", code="model_not_found")
 
@@ -712,14 +713,14 @@ class Gateway:
 
     async def model(self, request: Request) -> Response:
         self._auth(request)
-        name = request.path_params["name"]
+        # the names a request's ``model`` takes (route: case, ``.gguf``, "local"), 404 for others
+        found = await self.route(request.path_params["name"])
         models = [m for m in await self._models() if not m.error]
         for m in models:
-            if m.name == name:
+            if (m.name == found) if found else m.default:
                 return JSONResponse(self._model_obj(m))
-        raise ApiError(404, f"the model {name!r} does not exist; this server has "
-                            f"{', '.join(m.name for m in models) or 'none'}",
-                       "invalid_request_error", param="model", code="model_not_found")
+        raise ApiError(404, f"the model {request.path_params['name'][:80]!r} is not available", "invalid_request_error",
+                       param="model", code="model_not_found")
 
     async def chat(self, request: Request) -> Response:
         key = self._auth(request)
