@@ -1,4 +1,5 @@
-"""Shared by the gateway test files: an engine subprocess and an in-process gateway.
+"""Shared by the test files that need an engine subprocess (gateway and CLI tests) and an
+in-process gateway.
 
 ``start_engine(home, model, ...)`` runs ``aotx serve`` on a Unix socket under ``home``
 (returns the process and socket; ``stop_engine`` ends it, ``kill -9`` included);
@@ -28,10 +29,15 @@ KEY = "sk-aotx-test-key-0123456789abcdef"
 
 
 def start_engine(home: Path, model: Path | None, *, slots: int = 4, context: int = 2048,
-                 timeout: float = 300, device: str = "cpu") -> tuple[subprocess.Popen, Path]:
-    """``aotx serve`` in the background with ``AOTX_HOME=home``; waits until its socket answers."""
-    sock = home / "e.sock"
+                 timeout: float = 300, device: str = "cpu", sock: Path | None = None,
+                 unset: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """``aotx serve`` in the background with ``AOTX_HOME=home`` (its socket ``sock``, default
+    ``home/e.sock``; ``unset``: environment variables it must not see); waits until its socket
+    answers."""
+    sock = sock or home / "e.sock"
     env = dict(os.environ, AOTX_HOME=str(home))
+    for name in unset:
+        env.pop(name, None)
     log = open(home / "engine.log", "ab")
     args = [sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", str(slots),
             "--context", str(context), "--device", device]

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.gateway_support import start_engine, stop_engine
 
 pytestmark = pytest.mark.realmodel
 
@@ -66,30 +65,10 @@ def test_models_add_and_remove_a_remote_entry(home):
 
 @pytest.fixture(scope="module")
 def engine(home):
-    sock = Path(f"/tmp/aotx-cm-{os.getpid()}.sock")
-    env = dict(os.environ, AOTX_HOME=str(home))
-    log = open(home / "serve.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", "2",
-                             "--context", "256", "--device", "cpu"], env=env, stdout=log, stderr=log,
-                            start_new_session=True)
-    end = time.monotonic() + 180
-    while True:
-        try:
-            s = socket.socket(socket.AF_UNIX)
-            s.connect(str(sock))
-            s.close()
-            break
-        except OSError:
-            assert proc.poll() is None, (home / "serve.log").read_text()[-2000:]
-            assert time.monotonic() < end, "the engine did not start"
-            time.sleep(0.2)
+    proc, sock = start_engine(home, None, slots=2, context=256, timeout=180,
+                              sock=Path(f"/tmp/aotx-cm-{os.getpid()}.sock"))
     yield sock
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
+    stop_engine(proc)
     sock.unlink(missing_ok=True)
 
 

@@ -14,13 +14,14 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.gateway_support import start_engine, stop_engine
 
 
 def aotx(home: Path, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -42,31 +43,11 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(home, default_model_path):
-    sock = Path(f"/tmp/aotx-nu-{os.getpid()}.sock")
-    env = dict(os.environ, AOTX_HOME=str(home))
-    env.pop("VLLM_API_KEY", None)
-    log = open(home / "serve.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", "2",
-                             "--context", "512", "--device", "cpu"], env=env, stdout=log, stderr=log,
-                            start_new_session=True)
-    end = time.monotonic() + 180
-    while True:
-        try:
-            s = socket.socket(socket.AF_UNIX)
-            s.connect(str(sock))
-            s.close()
-            break
-        except OSError:
-            assert proc.poll() is None, (home / "serve.log").read_text()[-2000:]
-            assert time.monotonic() < end, "the engine did not start"
-            time.sleep(0.2)
+    # the engine does not see VLLM_API_KEY (the remote-key test sets it for the client only)
+    proc, sock = start_engine(home, None, slots=2, context=512, timeout=180,
+                              sock=Path(f"/tmp/aotx-nu-{os.getpid()}.sock"), unset=("VLLM_API_KEY",))
     yield sock
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
+    stop_engine(proc)
     sock.unlink(missing_ok=True)
 
 

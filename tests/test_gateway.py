@@ -17,10 +17,7 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
@@ -34,11 +31,10 @@ from aotx.engine.ipc import gateway as G  # noqa: E402
 from aotx.engine.ipc import gateway_auth as A  # noqa: E402
 from aotx.engine.ipc import gateway_schema as S  # noqa: E402
 from aotx.engine.ipc import protocol as P  # noqa: E402
-from aotx.engine.ipc.client import EngineClient  # noqa: E402
 
 pytestmark = pytest.mark.realmodel
 
-KEY = "sk-aotx-test-key-0123456789abcdef"
+from tests.gateway_support import KEY, engine_call, gateway, start_engine, stop_engine  # noqa: E402
 KEY2 = "sk-aotx-test-key-second-0123456789"
 GREEDY = {"temperature": 0, "max_tokens": 8}
 CHAT = "/v1/chat/completions"
@@ -51,57 +47,9 @@ HELLO = [{"role": "user", "content": "hi"}]
 def engine(tmp_path_factory, default_model_path):
     """(socket path, AOTX_HOME) of an engine subprocess serving the module."""
     home = tmp_path_factory.mktemp("gw-home")
-    sock = home / "e.sock"
-    env = dict(os.environ, AOTX_HOME=str(home))
-    log = open(home / "engine.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", "4",
-                             "--context", "1024", "--device", "cpu"], env=env, stdout=log, stderr=log,
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            s = socket.socket(socket.AF_UNIX)
-            s.connect(str(sock))
-            s.close()
-            break
-        except OSError:
-            if proc.poll() is not None:
-                pytest.fail(f"engine exited with {proc.returncode}: {(home / 'engine.log').read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("engine did not start within 120 s")
-            time.sleep(0.1)
+    proc, sock = start_engine(home, None, slots=4, context=1024, timeout=120)
     yield sock, home
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
-
-
-@contextmanager
-def gateway(sock: Path, *, keys=(KEY,), **cfg):
-    """A gateway on 127.0.0.1:<free port> in a thread; yields its base URL."""
-    config = G.GatewayConfig(**cfg)
-    link = G.EngineLink(lambda: EngineClient.connect(sock, spawn=False), config.retry_after_s)
-    app = G.create_app(config, A.KeyRing(list(keys)), link)
-    server = G.uvicorn_server(app)
-    lsock = G.listen_socket("127.0.0.1", 0)
-    port = lsock.getsockname()[1]
-    t = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[lsock])), daemon=True)
-    t.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert t.is_alive() and time.monotonic() < deadline, "gateway did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        t.join(15)
-        lsock.close()
+    stop_engine(proc)
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +68,7 @@ def _auth(key=KEY):
 
 
 def _show(sock, conv_id):
-    async def go():
-        c = await EngineClient.connect(sock, spawn=False)
-        try:
-            return await c.show(conv_id)
-        finally:
-            await c.close()
-    return asyncio.run(go())
+    return engine_call(sock, lambda c: c.show(conv_id))
 
 
 def _receipt_ok(r) -> bool:
