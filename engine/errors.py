@@ -11,6 +11,7 @@ engine, the client library, the gateway, the app and the test fake all use it.
 
 from __future__ import annotations
 
+import difflib
 import enum
 
 
@@ -109,3 +110,12 @@ class MediaError(AotxError):
 class StorageError(AotxError):
     """A directory or file under the data dir cannot be created, read or written
     (read-only file system, permissions, a FIFO where a file should be)."""
+
+
+def close_matches(name: str, names: list[str], n: int = 3) -> list[str]:
+    """The names closest to ``name`` (case-insensitive; substrings first), for an error's
+    "did you mean ...?" (the engine's model catalog and the gateway both name them)."""
+    low = {x.lower(): x for x in names}
+    subs = [x for x in names if name.lower() in x.lower() or x.lower() in name.lower()]
+    fuzzy = [low[x] for x in difflib.get_close_matches(name.lower(), list(low), n=n, cutoff=0.5)]
+    return list(dict.fromkeys(subs + fuzzy))[:n]

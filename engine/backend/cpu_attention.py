@@ -222,23 +222,31 @@ def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
     sinks: None, or (H,) float32 attention-sink logits (gpt-oss; not scaled): head h's
     softmax denominator also holds exp(sinks[h] - m), m the max over the scores and the
     sink. H must be a multiple of KV. Returns out."""
-    if not scale > 0:
-        raise ValueError(f"attention scale must be positive, got {scale}")
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (np.float32, np.uint16):
         raise ValueError(f"KV cache dtype must be float32 or uint16 (float16 bits), got {k_cache.dtype}/{v_cache.dtype}")
     has_sinks = sinks is not None
-    if has_sinks:
-        sinks = np.ascontiguousarray(sinks, np.float32).reshape(-1)
-        if sinks.shape[0] != q.shape[1]:
-            raise ValueError(f"sinks has {sinks.shape[0]} entries for {q.shape[1]} heads")
+    sinks = checked_sinks(scale, sinks, q.shape[1])
     n = q.shape[0]
     if n:
         lengths = np.ascontiguousarray(lengths, np.int32)
         run = kernel_for(attended_keys(lengths, window), q.shape[1], q.shape[2])
         run(cpu_fdot.HOST_F16, np.ascontiguousarray(q, np.float32), k_cache, v_cache,
             np.ascontiguousarray(slots, np.int32), lengths, np.float32(scale), int(window), out,
-            k_cache.dtype == np.uint16, sinks if has_sinks else NO_SINKS, has_sinks)
+            k_cache.dtype == np.uint16, sinks, has_sinks)
     return out
+
+
+def checked_sinks(scale: float, sinks: np.ndarray | None, n_heads: int) -> np.ndarray:
+    """The kernels' sinks argument ((H,) float32, or NO_SINKS), after the checks the kernels
+    do not make: a positive scale, one sink per head. Raises ValueError."""
+    if not scale > 0:
+        raise ValueError(f"attention scale must be positive, got {scale}")
+    if sinks is None:
+        return NO_SINKS
+    sinks = np.ascontiguousarray(sinks, np.float32).reshape(-1)
+    if sinks.shape[0] != n_heads:
+        raise ValueError(f"sinks has {sinks.shape[0]} entries for {n_heads} heads")
+    return sinks
 
 
 def attended_keys(lengths: np.ndarray, window: int) -> int:

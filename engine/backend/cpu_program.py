@@ -439,13 +439,8 @@ class CpuProgram:
         L, H, KV, hd, scale, window = a["layer"], a["n_heads"], a["n_kv_heads"], a["head_dim"], a["scale"], a["window"]
         qi, ki, vi = (x.id for x in node.inputs)
         oi, so = node.out.id, self._slot(node.out)
-        sinks = a.get("sinks")
-        has_sinks = sinks is not None
-        sinks = np.ascontiguousarray(sinks, np.float32).reshape(-1) if has_sinks else cpu_attention.NO_SINKS
-        if not scale > 0:
-            raise ValueError(f"attention scale must be positive, got {scale}")
-        if has_sinks and sinks.shape[0] != H:
-            raise ValueError(f"sinks has {sinks.shape[0]} entries for {H} heads")
+        has_sinks = a.get("sinks") is not None
+        sinks = cpu_attention.checked_sinks(scale, a.get("sinks"), H)   # attention_rows' checks, once
         scale, window = np.float32(scale), int(window)
         store16, store32 = cpu_attention.store_f16, cpu_attention.store_f32
         kernel_for, mode = cpu_attention.kernel_for, cpu_fdot.HOST_F16

@@ -45,7 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
+from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError, close_matches
 from aotx.engine.ipc import gateway_media as M
 from aotx.engine.ipc import gateway_schema as S
 from aotx.engine.ipc import protocol as P
@@ -84,17 +84,6 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body, status_code=self.status, headers=self.headers)
-
-
-def _close_names(name: str, names: list[str], n: int = 3) -> list[str]:
-    """The names closest to ``name`` (case-insensitive; substrings first), as the engine's
-    ``catalog.close_matches`` finds them (a client does not import the runtime)."""
-    import difflib
-
-    low = {x.lower(): x for x in names}
-    subs = [x for x in names if name.lower() in x.lower() or x.lower() in name.lower()]
-    fuzzy = [low[x] for x in difflib.get_close_matches(name.lower(), list(low), n=n, cutoff=0.5)]
-    return list(dict.fromkeys(subs + fuzzy))[:n]
 
 
 class _ClientGone(Exception):
@@ -693,7 +682,7 @@ class Gateway:
         hit = low.get(name.lower().removesuffix(".gguf"))
         if hit:
             return hit
-        near = _close_names(name[:200], names)
+        near = close_matches(name[:200], names)
         hint = f" (did you mean {' or '.join(near)}?)" if near else ""
         shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name):,} characters)"
         raise ApiError(404, f"the model {shown!r} does not exist{hint}; this server has "

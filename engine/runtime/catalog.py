@@ -23,14 +23,13 @@ tokens when known. Leaves loading to ``models.py`` and the endpoint's protocol t
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotx.engine.errors import ModelError, NotFound, UsageError
+from aotx.engine.errors import ModelError, NotFound, UsageError, close_matches
 from aotx.engine.model.gguf_header import Header, read_file_header
 
 REMOTE_SUFFIX = ".remote.json"
@@ -295,18 +294,6 @@ class Catalog:
         if "/" in key or key.lower().endswith(".gguf"):  # a path that exists nowhere: `aotx serve`'s words
             raise NotFound(f"{key}: no such model file (looked at the path and in {self.models_dir})")
         raise NotFound(unknown_model_message(key, list(entries), self.models_dir))
-
-
-def close_matches(name: str, names: list[str], n: int = 3) -> list[str]:
-    """The names closest to ``name`` (case-insensitive; substrings first)."""
-    low = {x.lower(): x for x in names}
-    subs = [x for x in names if name.lower() in x.lower() or x.lower() in name.lower()]
-    fuzzy = [low[x] for x in difflib.get_close_matches(name.lower(), list(low), n=n, cutoff=0.5)]
-    out: list[str] = []
-    for x in subs + fuzzy:
-        if x not in out:
-            out.append(x)
-    return out[:n]
 
 
 def unknown_model_message(name: str, names: list[str], folder: Path) -> str:

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aotx.engine.errors import AotxError, Busy, ErrorCode, ModelError, NotFound, RequestError
+from aotx.engine.errors import AotxError, Busy, ErrorCode, ModelError, NotFound, RequestError, close_matches
 from aotx.engine.ipc import protocol as P
 from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry
@@ -539,8 +539,6 @@ class Engine:
         except NotFound:
             name = ref
         if self.models.get(name) is None:
-            from aotx.engine.runtime.catalog import close_matches
-
             near = close_matches(ref, list(self.models.loaded))
             hint = f"; did you mean {', '.join(near)}?" if near else ""
             raise NotFound(f"model {ref!r} is not loaded{hint} (loaded: {', '.join(self.models.loaded) or 'none'})")
