@@ -133,12 +133,13 @@ def test_sinks_match_float64_and_stay_row_invariant(dtype):
         run(q, kc, vc, slots, lengths, sinks=sinks[:2])
 
 
-def test_store_kv_rounds_float16_to_nearest_even():
+def test_store_rows_rounds_float16_to_nearest_even():
     rng = np.random.default_rng(3)
     rows = rng.standard_normal((4, KV, HD)).astype(np.float32)
     for dtype in (np.float32, np.uint16):
         cache = np.zeros((N_SLOTS, KV, N_CTX, HD), dtype)
-        cpu_attention.store_kv(cache, 2, 10, rows)
+        cpu_attention.store_rows(cache, np.zeros_like(cache), rows, rows, np.full(4, 2, np.int32),
+                                 np.arange(10, 14, dtype=np.int32))
         got = _as_f32(cache[2, :, 10:14]).transpose(1, 0, 2)
         want = rows if dtype == np.float32 else rows.astype(np.float16).astype(np.float32)
         np.testing.assert_array_equal(got, want)

@@ -1,9 +1,9 @@
 """Attention over the KV cache on the CPU: one kernel for every row.
 
 Owns: `attention_rows` (decode, speculative verify and prefill rows alike, a sliding
-window, float32 or float16 KV, optional per-head attention sinks); `store_kv`, which
-writes K/V rows into either cache dtype. Leaves to others: the cache's allocation and
-layout (cpu_program.py), RoPE and the projections (cpu_ops.py, cpu_matmul.py).
+window, float32 or float16 KV, optional per-head attention sinks); `store_rows`, which
+writes every row's K/V into either cache dtype in one call. Leaves to others: the cache's
+allocation and layout (cpu_program.py), RoPE and the projections (cpu_ops.py, cpu_matmul.py).
 
 KV cache layout, per layer: (n_slots, n_kv_heads, n_ctx, head_dim), float32, or float16
 kept as its uint16 bit patterns (numba has no float16): one slot's one head is a
@@ -300,12 +300,3 @@ def store_rows(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.nd
     k = np.asarray(k, np.float32)
     v = np.asarray(v, np.float32)
     (store_f16 if k_cache.dtype == np.uint16 else store_f32)(k_cache, v_cache, k, v, slots, positions)
-
-
-def store_kv(cache: np.ndarray, slot: int, pos: int, rows: np.ndarray) -> None:
-    """Write rows (n, KV, hd) float32 into cache[slot, :, pos:pos + n, :]; a uint16 cache
-    gets float16 bits rounded to nearest even (cpu_fdot.f32_to_f16)."""
-    src = rows.transpose(1, 0, 2)
-    if cache.dtype == np.uint16:
-        src = cpu_fdot.f32_to_f16(src)
-    cache[slot, :, pos:pos + rows.shape[0], :] = src
