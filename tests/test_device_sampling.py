@@ -86,13 +86,14 @@ def test_device_ok_names_what_the_kernel_runs_exactly(cfg, drafts, ok):
     assert CS.device_ok(cfg, drafts) is ok
 
 
-def test_fits_history_bounds_the_penalty_window_and_the_vocabulary():
+def test_fits_history_bounds_the_penalty_window_not_the_vocabulary():
     cfg = SamplerConfig(repeat_penalty=1.1, repeat_last_n=64)
     st = SamplerState(seed=1, history=list(range(500)))
-    assert CS.fits_history(cfg, st, vocab=49152)
-    assert not CS.fits_history(cfg, st, vocab=CS.V_BITMAP + 1)
-    assert not CS.fits_history(SamplerConfig(repeat_penalty=1.1, repeat_last_n=-1), st, vocab=49152)
-    assert CS.fits_history(SamplerConfig(repeat_penalty=1.0, repeat_last_n=-1), st, vocab=10**6)
+    assert CS.fits_history(cfg, st)
+    assert CS.fits_history(SamplerConfig(repeat_penalty=1.1, repeat_last_n=CS.H_MAX - 16), st)
+    assert not CS.fits_history(SamplerConfig(repeat_penalty=1.1, repeat_last_n=CS.H_MAX - 15), st)
+    assert not CS.fits_history(SamplerConfig(repeat_penalty=1.1, repeat_last_n=-1), st)
+    assert CS.fits_history(SamplerConfig(repeat_penalty=1.0, repeat_last_n=-1), st)
 
 
 class _SampleOnHost(HostDeviceSampler):
@@ -205,6 +206,33 @@ def test_cuda_sample_rows_equals_host_chain(cfg):
     got = _kernel_ids(logits, rows)
     same = int((got == np.asarray(want)).sum())
     assert same >= R - 1, f"{R - same} of {R} rows differ"  # one boundary case allowed (pairwise vs serial sums)
+
+
+@needs_cuda
+@pytest.mark.parametrize("V", [151936, 262144], ids=["qwen2-vocab", "gemma3-vocab"])
+def test_cuda_penalty_at_large_vocabularies_equals_host_chain(V):
+    """Regression (session 4, tests/test_gateway_cuda.py's greedy-penalty case at Qwen's
+    151,936 ids): the penalty's distinct-id bitmap covered 131,072 ids in shared memory and
+    a larger vocabulary wrote past it (cudaErrorIllegalAddress, every later kernel failed).
+    Each id is now penalized once at its first place in the window, for any vocabulary."""
+    rng = np.random.default_rng(11)
+    R = 64
+    logits = (rng.standard_normal((R, V)) * 3).astype(np.float32)
+    cfgs = [SamplerConfig(temperature=0.0, repeat_penalty=1.5, repeat_last_n=200),
+            SamplerConfig(temperature=0.8, top_k=40, repeat_penalty=1.3, repeat_last_n=200)]
+    rows, want = [], []
+    for j in range(R):
+        cfg = cfgs[j % 2]
+        hist = rng.integers(0, V, 200)
+        hist[::3] = hist[0]                       # repeats: penalized once, not 67 times
+        top = int(np.argmax(logits[j]))
+        hist[1] = top                             # the unpenalized argmax is in the window
+        st = SamplerState(seed=int(rng.integers(0, 2**63)), step=j, history=hist.tolist())
+        rows.append((cfg, st))
+        want.append(sample(logits[j].copy(), cfg, copy.deepcopy(st)))
+    got = _kernel_ids(logits, rows)
+    same = int((got == np.asarray(want)).sum())
+    assert same >= R - 1, f"{R - same} of {R} rows differ"
 
 
 @needs_cuda

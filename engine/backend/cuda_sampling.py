@@ -33,9 +33,9 @@ the table (uploaded every replay), not in the kernel's arguments, so captured gr
 no change.
 
 Limits (the runtime falls back to host sampling): top-k between 1 and ``K_MAX``
-(1024) when sampling; a penalty window of at most ``H_MAX`` (256) tokens, over a
-vocabulary of at most ``V_BITMAP`` (131072) ids (the distinct-id bitmap lives in the
-kernel's shared memory).
+(1024) when sampling; a penalty window of at most ``H_MAX`` (256) tokens (staged in the
+kernel's shared memory; each distinct id is penalized once, at its first place in the
+window, whatever the vocabulary's size).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ SamplerConfig = SamplerState = Any
 
 K_MAX = 1024      # most top-k candidates the kernel sorts
 H_MAX = 256       # most penalty-history tokens per row
-V_BITMAP = 131072  # largest vocabulary the penalty's distinct-id bitmap covers
 P_WORDS = 18      # int32 words of one row of the sampler table (16, 17: the row's mask address)
 REC_WORDS = 4     # int32 words of one publication record: tick, slot, position, token
 
@@ -63,7 +62,6 @@ typedef unsigned long long u64;
 
 #define K_MAX 1024
 #define H_MAX 256
-#define V_BITMAP 131072   // largest vocabulary the penalty's distinct-id bitmap (in pd's words) covers
 #define P_WORDS 18        // int32 words of one sampler-table row
 
 // Philox4x64-10 (Random123), word 0 of the block at counter (c0, 0, 0, 0), key (k0, 0).
@@ -130,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(
 {
     __shared__ float cv[K_MAX];
     __shared__ int ci[K_MAX];
-    __shared__ double pd[K_MAX > V_BITMAP / 64 ? K_MAX : V_BITMAP / 64];
+    __shared__ double pd[K_MAX];
     __shared__ int hbin[256];
     __shared__ int sh[32];
     __shared__ u32 s_prefix, s_mask;
@@ -153,18 +151,16 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(
         __syncthreads();
     }
     const float pen = __int_as_float(P[4]);
-    if (pen != 1.0f) {                    // once per distinct id: a bitmap of the ids seen
-        u32* seen = (u32*)pd;             // K_MAX doubles = 2 * K_MAX words: reused, zeroed here
-        const int nwords = (V + 31) >> 5;
-        for (int i = t; i < nwords; i += blockDim.x) seen[i] = 0u;
-        __syncthreads();
+    if (pen != 1.0f) {                    // once per distinct id: at its first place in the window
+        int* hs = (int*)pd;               // the window staged in shared memory (H_MAX ints; pd is free here)
         const int nh = min(P[2], H_MAX);
+        for (int i = t; i < nh; i += blockDim.x) hs[i] = hist[(long long)b * H_MAX + i];
+        __syncthreads();
         for (int i = t; i < nh; i += blockDim.x) {
-            const int id = hist[(long long)b * H_MAX + i];
-            if (id >= 0 && id < V) {
-                const u32 bit = 1u << (id & 31);
-                if (!(atomicOr(&seen[id >> 5], bit) & bit)) { const float v = r[id]; r[id] = v > 0.f ? v / pen : v * pen; }
-            }
+            const int id = hs[i];
+            bool first = id >= 0 && id < V;
+            for (int j = 0; j < i && first; j++) first = hs[j] != id;
+            if (first) { const float v = r[id]; r[id] = v > 0.f ? v / pen : v * pen; }
         }
         __syncthreads();
     }
@@ -422,12 +418,10 @@ class MaskTable:
         return [base + i * step for i in range(n)]
 
 
-def fits_history(cfg: SamplerConfig, st: SamplerState, vocab: int = 0) -> bool:
+def fits_history(cfg: SamplerConfig, st: SamplerState) -> bool:
     """Whether the row's penalty window (plus a verify window's drafts) fits the device
-    table and the vocabulary fits the kernel's distinct-id bitmap."""
+    table."""
     if cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0:
         return True
-    if vocab > V_BITMAP:
-        return False
     n = min(cfg.repeat_last_n, len(st.history)) if cfg.repeat_last_n > 0 else len(st.history)
     return n <= H_MAX - 16

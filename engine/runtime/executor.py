@@ -253,7 +253,7 @@ class Executor:
         needs the host (``cuda_sampling.device_ok``). A constrained row's bitmasks go to
         the device's mask table first; its rows carry their addresses."""
         for r, drafts in rows:
-            if not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler, r.sampler_state, self.vocab)):
+            if not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler, r.sampler_state)):
                 return None
         ptrs: dict[int, list[int]] = {}
         if masks:

@@ -222,7 +222,7 @@ def bench_gateway(model: Path, device: str, tokens: int, reps: int) -> dict:
                     t0 = time.perf_counter()
                     stamps, parts, usage = [], [], None
                     stream = oa.chat.completions.create(
-                        model="m", messages=[{"role": "user", "content": "Make up a user record as JSON."}],
+                        model="local", messages=[{"role": "user", "content": "Make up a user record as JSON."}],
                         temperature=0, max_tokens=tokens, stream=True, stream_options={"include_usage": True},
                         extra_body={"repeat_penalty": 1.0}, **extra)  # the same sampling in both
                     for ch in stream:
