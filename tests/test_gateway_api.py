@@ -372,3 +372,37 @@ def test_anthropic_messages_text_and_streaming(gw):
     assert text == m.content[0].text == final.content[0].text
     with pytest.raises(anthropic.BadRequestError):
         cl.messages.create(model="local", max_tokens=8, messages=[{"role": "wizard", "content": "x"}])
+
+
+def test_anthropic_malformed_blocks_are_400_naming_the_field_not_500(gw):
+    """Wrong types inside /v1/messages blocks (a text that is not a string, an image source
+    that is not an object, a tool_choice type that is a list) crashed the parser: a 500
+    'internal error in the gateway' in OpenAI's shape. Each is a 400 in Anthropic's error
+    body naming the field."""
+    user = {"role": "user", "content": "hi"}
+    cases = [
+        ({"system": [{"type": "text", "text": 5}], "messages": [user]}, "system[0].text"),
+        ({"messages": [user, {"role": "assistant", "content": [{"type": "text", "text": {"a": 1}}]}, user]},
+         "messages[1].content[0].text"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": ["x"]}]}]}, "messages[0].content[0].text"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                      "content": [{"type": "text", "text": 5}]}]}]},
+         "messages[0].content[0].content[0].text"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": "x"}]}]},
+         "messages[0].content[0].source"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": 5}}]}]},
+         "messages[0].content[0].source.data"),
+        ({"messages": [user], "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+          "tool_choice": {"type": ["tool"]}}, "tool_choice.type"),
+        ({"messages": [user], "tools": [5]}, "tools[0]"),
+        ({"messages": [user], "stop_sequences": "END"}, "stop_sequences"),
+    ]
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=300) as h:
+        for body, where in cases:
+            r = h.post("/v1/messages", json={"model": "local", "max_tokens": 2, **body})
+            assert r.status_code == 400, (body, r.status_code, r.text)
+            err = r.json()
+            assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+            assert where in err["error"]["message"], (where, err)
+        r = h.post("/v1/messages", json={"model": "local", "max_tokens": 2, "messages": [user]})
+        assert r.status_code == 200 and r.json()["content"], r.text

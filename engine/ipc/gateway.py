@@ -971,6 +971,10 @@ def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_a
 
     async def internal(request: Request, exc: Exception) -> Response:
         print(f"aotx gateway: internal error on {request.method} {request.url.path}: {exc!r}", file=sys.stderr)
+        if request.url.path.startswith("/v1/messages"):
+            from aotx.engine.ipc import gateway_anthropic
+
+            return gateway_anthropic.error_response(500, "internal error in the gateway")
         return JSONResponse(S.error_body("internal error in the gateway", "server_error"), status_code=500)
 
     @contextlib.asynccontextmanager

@@ -50,6 +50,21 @@ def _blocks(content: Any, where: str) -> list[dict]:
     return content
 
 
+def _str(value: Any, where: str, param: str) -> str:
+    """A block's text field: a string (absent: ""). Raises BadRequest naming ``where``."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise S.BadRequest(f"'{where}' must be a string, got {S._type_name(value)}", param)
+    return value
+
+
+def _texts(blocks: list, where: str, param: str) -> str:
+    """The text of a list's ``text`` blocks (others skipped), each checked to be a string."""
+    return "".join(_str(b.get("text"), f"{where}[{j}].text", param) for j, b in enumerate(blocks)
+                   if isinstance(b, dict) and b.get("type") == "text")
+
+
 def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
     """(the chat-shaped fields, chat messages, the last message's media parts)."""
     if not isinstance(body, dict):
@@ -59,7 +74,7 @@ def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
     msgs: list[dict] = []
     system = body.get("system")
     if isinstance(system, list):
-        system = "".join(b.get("text", "") for b in system if isinstance(b, dict) and b.get("type") == "text")
+        system = _texts(system, "system", "system")
     if system is not None and not isinstance(system, str):
         raise S.BadRequest("'system' must be a string or text blocks", "system")
     if system:
@@ -75,7 +90,7 @@ def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
         blocks = _blocks(m.get("content"), where)
         last = i == len(raw) - 1
         if m["role"] == "assistant":
-            text = "".join(b.get("text", "") for b in blocks if b["type"] == "text")
+            text = _texts(blocks, f"{where}.content", "messages")
             calls = [{"id": b.get("id"), "type": "function",
                       "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}}
                      for b in blocks if b["type"] == "tool_use"]
@@ -85,20 +100,26 @@ def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
         for j, b in enumerate(blocks):
             at = f"{where}.content[{j}]"
             if b["type"] == "text":
-                texts.append(str(b.get("text", "")))
+                texts.append(_str(b.get("text"), f"{at}.text", "messages"))
             elif b["type"] == "tool_result":
                 c = b.get("content", "")
                 if isinstance(c, list):
-                    c = "".join(x.get("text", "") for x in c if isinstance(x, dict) and x.get("type") == "text")
-                msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": str(c)})
+                    c = _texts(c, f"{at}.content", "messages")
+                msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                             "content": _str(c, f"{at}.content", "messages")})
             elif b["type"] == "image":
                 if not last:
                     raise S.BadRequest(f"'{at}': images are taken in the last message only", "messages")
-                src = b.get("source") or {}
+                src = b.get("source")
+                if not isinstance(src, dict):
+                    raise S.BadRequest(f"'{at}.source' must be an object ({{\"type\": \"base64\", \"media_type\": "
+                                       f"..., \"data\": ...}}), got {S._type_name(src)}", "messages")
                 if src.get("type") != "base64":
                     raise S.BadRequest(f"'{at}.source': only base64 images are taken", "messages")
                 try:
-                    parts.append(M.MediaPart("image", f"{at}.source", data=M.decode_b64(str(src.get("data", "")),
+                    parts.append(M.MediaPart("image", f"{at}.source", data=M.decode_b64(_str(src.get("data"),
+                                                                                             f"{at}.source.data",
+                                                                                             "messages"),
                                                                                       f"{at}.source",
                                                                                       limits.max_part_bytes)))
                 except M.MediaRefusal as e:
@@ -112,22 +133,31 @@ def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
         if body.get(k) is not None:
             chat[k] = body[k]
     if body.get("stop_sequences") is not None:
+        if not isinstance(body["stop_sequences"], list):
+            raise S.BadRequest(f"'stop_sequences' must be an array of strings, got "
+                               f"{S._type_name(body['stop_sequences'])}", "stop_sequences")
         chat["stop"] = body["stop_sequences"]
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
             raise S.BadRequest("'tools' must be an array", "tools")
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict):
+                raise S.BadRequest(f"'tools[{i}]' must be a tool object ({{\"name\": ..., \"input_schema\": ...}}), "
+                                   f"got {S._type_name(t)}", "tools")
         chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
-                                                           "parameters": t.get("input_schema")}}
-                         if isinstance(t, dict) else t for t in tools]
+                                                           "parameters": t.get("input_schema")}} for t in tools]
         for t in chat["tools"]:
-            if isinstance(t, dict) and t["function"].get("description") is None:
+            if t["function"].get("description") is None:
                 t["function"].pop("description")
     tc = body.get("tool_choice")
     if tc is not None:
         if not isinstance(tc, dict):
             raise S.BadRequest("'tool_choice' must be an object", "tool_choice")
         kind = tc.get("type")
+        if not isinstance(kind, str):
+            raise S.BadRequest(f"'tool_choice.type' must be auto, any, tool or none, got {S._type_name(kind)}",
+                               "tool_choice")
         mapping = {"auto": "auto", "any": "required", "none": "none"}
         if kind == "tool":
             chat["tool_choice"] = {"type": "function", "function": {"name": tc.get("name")}}
