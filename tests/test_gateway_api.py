@@ -406,3 +406,24 @@ def test_anthropic_malformed_blocks_are_400_naming_the_field_not_500(gw):
             assert where in err["error"]["message"], (where, err)
         r = h.post("/v1/messages", json={"model": "local", "max_tokens": 2, "messages": [user]})
         assert r.status_code == 200 and r.json()["content"], r.text
+
+
+def test_anthropic_stop_sequence_is_reported_as_stop_sequence(gw):
+    """A reply cut by one of ``stop_sequences`` came back as ``end_turn`` with
+    ``stop_sequence`` null: the gateway looked for the sequence at the end of the text, from
+    which the engine had already cut it. The engine now says which stop string ended the reply."""
+    anthropic = pytest.importorskip("anthropic")
+    cl = anthropic.Anthropic(base_url=gw, api_key=KEY, max_retries=0, timeout=300)
+    stops = ["e", "a", "o", "i"]
+    kw = dict(model="local", max_tokens=40, stop_sequences=stops, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "Write a sentence about the weather."}])
+    m = cl.messages.create(**kw)
+    assert m.stop_reason == "stop_sequence", m
+    assert m.stop_sequence in stops
+    text = m.content[0].text if m.content else ""
+    assert not any(s in text for s in stops), text
+    with cl.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", m.stop_sequence)
+    m2 = cl.messages.create(**{**kw, "stop_sequences": ["\u2603\u2603"], "max_tokens": 3})
+    assert (m2.stop_reason, m2.stop_sequence) == ("max_tokens", None)

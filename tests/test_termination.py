@@ -117,3 +117,13 @@ def test_stop_string_across_tokens_of_a_reference_completion(default_model_path,
         if reason:
             break
     assert reason == "stop" and shown == text[: text.index(stop)]
+
+
+def test_stop_checker_names_the_stop_string_that_ended_generation():
+    sc = StopChecker([0], ["END", "x"])
+    assert sc.feed(5, "abc") == ("abc", None) and sc.matched == ""
+    assert sc.feed(6, "dEN") == ("d", None)
+    assert sc.feed(7, "D!") == ("", "stop") and sc.matched == "END"
+    sc = StopChecker([0], ["END"])
+    sc.feed(5, "hi")
+    assert sc.feed(0, "") == ("", "stop") and sc.matched == ""  # an end-of-generation token, no stop string

@@ -404,6 +404,7 @@ class ChoiceState:
         ch.finish_reason = "tool_calls" if self.parser is not None and self.parser.complete and ch.tool_calls \
             else ev.finish_reason
         ch.n_completion = ev.n_completion
+        ch.stop_sequence = ev.stop
         out.append(Out("finish", self.index, text=ch.finish))
         return out
 

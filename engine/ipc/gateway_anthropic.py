@@ -196,10 +196,8 @@ class MessagesAPI:
     def _stop(c: S.Choice, spec) -> tuple[str, str | None]:
         if c.tool_calls:
             return "tool_use", None
-        if c.finish_reason == "stop" and spec.sampling.stop:
-            hit = next((s for s in spec.sampling.stop if c.text.endswith(s)), None)
-            if hit is not None:
-                return "stop_sequence", hit
+        if c.finish_reason == "stop" and c.stop_sequence:
+            return "stop_sequence", c.stop_sequence
         return STOP.get(c.finish_reason, "end_turn"), None
 
     async def final(self, gw, gen, reply: S.Reply, spec) -> dict[str, Any]:

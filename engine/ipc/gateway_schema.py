@@ -581,6 +581,7 @@ class Choice:
     logprobs: list[dict[str, Any]] | None = None
     n_completion: int = 0
     aotx: dict[str, Any] = field(default_factory=dict)
+    stop_sequence: str = ""  # the stop string that ended it (the engine's Committed.stop)
 
     @property
     def finish(self) -> str:

@@ -510,7 +510,8 @@ class Committed(_Base, tag="committed"):
     interrupted (a remote model's stream was dropped midway: what arrived is kept).
     numerics: the arithmetic that produced the tokens ("cpu-int8", "cpu-f32", "cuda-f32";
     "remote" for a remote model's): a backend's results are batch-invariant, but two
-    backends need not agree bit for bit."""
+    backends need not agree bit for bit. stop: the stop string that ended the reply
+    (finish_reason "stop"; "" when the model ended it or for any other reason)."""
 
     id: int
     msg_id: str
@@ -523,6 +524,7 @@ class Committed(_Base, tag="committed"):
     timings: dict[str, float] = {}
     choice: int = 0
     numerics: str = ""
+    stop: str = ""
 
 
 class Durable(_Base, tag="durable"):

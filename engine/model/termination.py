@@ -45,6 +45,7 @@ class StopChecker:
         self.n_prompt = n_prompt
         self.n_generated = 0
         self.finish_reason: str | None = None
+        self.matched = ""  # the stop string that ended generation ("" for any other reason)
         self._held = ""
         # Every proper prefix of every stop string, to find the longest held tail.
         self._prefixes = frozenset(s[:k] for s in self.stop_strings for k in range(1, len(s)))
@@ -62,6 +63,7 @@ class StopChecker:
         cut = self._first_stop(buf)
         if cut is not None:
             self._held = ""
+            self.matched = next(s for s in self.stop_strings if buf.find(s) == cut)
             return self._finish("stop", buf[:cut])
         hold = self._hold_len(buf)
         emit, self._held = (buf[: len(buf) - hold], buf[len(buf) - hold:]) if hold else (buf, "")

@@ -133,7 +133,8 @@ class Commit:
         r.final_seq = seq
         r.sink.send(P.Committed(id=r.rid, msg_id=r.reply_id, finish_reason=reason, n_prompt=len(r.prompt),
                                 n_completion=len(r.completion), tick=tick, seq=seq, text=r.text,
-                                timings=r.timings(), choice=r.choice, numerics=self.numerics))
+                                timings=r.timings(), choice=r.choice, numerics=self.numerics,
+                                stop=r.stop.matched if reason == "stop" else ""))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.FINAL)
         st.flush()
