@@ -2,9 +2,10 @@
 ``moe`` op on the CPU expert tier (``cuda_plan.MoeHost``, ``cpu_moe.moe_rows``).
 
 Without a GPU (CI): the plan of each MoE architecture (a host step per layer; gpt-oss's
-attention sinks refused in one line), and the host code of the whole path against fake
+attention steps carry their sinks and windows), and the host code of the whole path against fake
 CuPy (``tests/tools/gpu_dryrun_moe.py`` in a subprocess). With a GPU (``-m cuda``; the
-lead runs ``tests/tools/cuda_check_moe.sh``): logits of tiny qwen3moe and olmoe files
+lead runs ``tests/tools/cuda_check_moe.sh``): logits of tiny qwen3moe, olmoe and gpt-oss files
+(gpt-oss: attention sinks and sliding-window layers in the CUDA attention kernels)
 against the CPU float path through prefill, multi-slot decode, verify and mixed batches,
 with both KV types, and greedy device sampling equal to the argmax of those logits.
 """
@@ -80,8 +81,8 @@ def _build(path, device: str):
 
 # ------------------------------------------------------------------ no GPU needed
 
-def test_plan_puts_each_moe_layer_on_the_host_and_refuses_sinks(moe_files):
-    for name in ("qwen3moe", "olmoe"):
+def test_plan_puts_each_moe_layer_on_the_host_and_carries_the_sinks(moe_files):
+    for name in ("qwen3moe", "olmoe", "gptoss"):
         m = _build(moe_files[name], "cpu")
         p = cuda_plan.plan(m.program)
         hosts = [s for s in p.steps if isinstance(s, cuda_plan.MoeHost)]
@@ -89,10 +90,17 @@ def test_plan_puts_each_moe_layer_on_the_host_and_refuses_sinks(moe_files):
         assert [s.attrs["moe_layer"] for s in hosts] == list(range(m.cfg.n_layers))
         for s in hosts:        # the host step reads the normed rows and writes a d_model-wide value
             assert p.loc[s.out].width == m.cfg.d_model and s.x in p.loc
+    # gpt-oss: every layer's attention step carries that layer's sink logits and window
     m = _build(moe_files["gptoss"], "cpu")
-    with pytest.raises(cuda_plan.PlanError, match=r"^attention sinks \(gpt-oss\) are not supported by the CUDA "
-                                                  r"backend yet$"):
-        cuda_plan.plan(m.program)
+    att = [s for s in cuda_plan.plan(m.program).steps if isinstance(s, cuda_plan.Attend)]
+    assert len(att) == m.cfg.n_layers
+    nodes = [n for n in m.program.nodes if n.op == "attention"]
+    for s, n in zip(att, nodes):
+        assert s.sinks is n.attrs["sinks"] and s.sinks.shape == (m.cfg.n_heads,)
+        assert s.window == n.attrs["window"]
+    assert [s.window for s in att] == [16, 0, 16, 0]       # even layers slide (the tiny file's window 16)
+    m = _build(moe_files["qwen3moe"], "cpu")
+    assert all(s.sinks is None for s in cuda_plan.plan(m.program).steps if isinstance(s, cuda_plan.Attend))
 
 
 def test_host_code_of_the_cuda_moe_path_passes_the_fake_cupy_checks():
@@ -121,7 +129,7 @@ def _scenario(model, kv_type: str) -> list[np.ndarray]:
 @needs_gpu
 @pytest.mark.cuda
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
-@pytest.mark.parametrize("name", ["qwen3moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "gptoss"])
 def test_cuda_moe_logits_match_the_cpu(moe_files, name, kv_type):
     cpu = _scenario(_build(moe_files[name], "cpu"), kv_type)
     gpu_model = _build(moe_files[name], "cuda")

@@ -111,6 +111,7 @@ class Attend:
     hd: int
     scale: float
     window: int
+    sinks: Any = None          # (n_heads,) sink logits (gpt-oss) or None
 
 
 @dataclass
@@ -233,9 +234,6 @@ def plan(program, *, fuse: bool = True) -> Plan:
     Raises PlanError for a program the CUDA backend cannot run."""
     g = _Graph(program)
     nodes = g.nodes
-    for n in nodes:
-        if n.op == "attention" and n.attrs.get("sinks") is not None:
-            raise PlanError("attention sinks (gpt-oss) are not supported by the CUDA backend yet")
     width = {v.id: v.width for v in program.values}
     rows = {v.id: v.rows for v in program.values}
     done: set[int] = set()                  # node indices consumed by a fused step
@@ -345,7 +343,7 @@ def plan(program, *, fuse: bool = True) -> Plan:
         done.add(ia)
         emit(first, step)
         emit(ia, Attend(step.q_out, a.out.id, a.attrs["layer"], step.n_heads, step.n_kv, step.hd, a.attrs["scale"],
-                        a.attrs["window"]))
+                        a.attrs["window"], a.attrs.get("sinks")))
         fused["qkv"] += 1
         if step.norm is not None:
             fused["norm_prologue"] += 1
@@ -438,7 +436,7 @@ def plan(program, *, fuse: bool = True) -> Plan:
         elif op == "attention":
             emit(i, KVStore(n.inputs[1].id, n.inputs[2].id, A["layer"], A["n_kv_heads"], A["head_dim"]))
             emit(i, Attend(n.inputs[0].id, n.out.id, A["layer"], A["n_heads"], A["n_kv_heads"], A["head_dim"],
-                           A["scale"], A["window"]))
+                           A["scale"], A["window"], A.get("sinks")))
         elif op == "glu":
             emit(i, GluRows(n.inputs[0].id, n.inputs[1].id, A["act"], n.out.id))
         elif op == "add":

@@ -431,6 +431,11 @@ class _Attend:
             raise ModelError(f"head dimension {s.hd}: the CUDA attention kernel supports {', '.join(map(str, HEAD_DIMS))}")
         if s.n_heads % s.n_kv:
             raise ModelError(f"{s.n_heads} heads are not a multiple of {s.n_kv} KV heads")
+        self.sinks = None           # gpt-oss: (n_heads,) float32 sink logits on the device
+        if s.sinks is not None:
+            self.sinks = cp.ascontiguousarray(cp.asarray(s.sinks, cp.float32).reshape(-1))
+            if self.sinks.shape[0] != s.n_heads:
+                raise ModelError(f"attention sinks: {self.sinks.shape[0]} values for {s.n_heads} heads")
         self.names = {kvt: f"attn_decode<{s.hd},{kvt}>" for kvt in (0, 1)}
         prog.need.update(self.names.values())
         prog.need.add("causal_softmax")
@@ -444,7 +449,8 @@ class _Attend:
         prog.k[self.names[c.kv.kvt]](
             (ATT_NSMAX, s.n_heads, B), (128,),
             (np.uint64(q), _i(ldq), np.uint64(kc), np.uint64(vc), np.uint64(slot_p), np.uint64(pos_p), _i(s.n_heads),
-             _i(s.n_kv), _i(c.kv.n_ctx), _f(s.scale), _i(s.window), _u64(part), _u64(counters), np.uint64(out), _i(ldo),
+             _i(s.n_kv), _i(c.kv.n_ctx), _f(s.scale), _i(s.window), _u64(self.sinks), _u64(part), _u64(counters),
+             np.uint64(out), _i(ldo),
              _i(ATT_NSMAX), _i(ATT_MINCHUNK)))
 
     def graph(self, prog, c: _Ctx) -> None:
@@ -487,7 +493,8 @@ class _Attend:
             sc = cp.matmul(qs, kc.transpose(0, 2, 1))
             Tw = T_ - c0
             prog.k["causal_softmax"]((KV * G * n,), (256,),
-                                     (sc, _i(Tw), _i(n), _i(pos), _i(c0), _i(s.window), _f(s.scale)))
+                                     (sc, _i(Tw), _i(n), _i(pos), _i(c0), _i(s.window), _f(s.scale),
+                                      _u64(self.sinks)))
             o = cp.matmul(sc, vc)
             o_all[row:row + n] = o.reshape(KV, G, n, hd).transpose(2, 0, 1, 3).reshape(n, qd)
 
