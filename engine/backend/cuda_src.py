@@ -1024,6 +1024,19 @@ __global__ void gather_rows(const float* __restrict__ x, int ld, const int* __re
     for (int e = threadIdx.x; e < ld; e += blockDim.x) dst[e] = src[e];
 }
 
+// gpt-oss's clamped SwiGLU on the GPU expert tier (ggml_swiglu_oai; cpu_moe.swiglu_oai):
+// x = min(g, limit), y = clamp(u, -limit, limit), out = x / (1 + exp(-alpha x)) * (y + 1)
+__global__ void swiglu_oai_rows(const float* __restrict__ g, int ldg, const float* __restrict__ u, int ldu, int n,
+                                int f, float alpha, float limit, float* __restrict__ out, int ldo)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * f) return;
+    const long long r = i / f, c = i % f;
+    const float x = fminf(g[r * ldg + c], limit);
+    const float y = fminf(fmaxf(u[r * ldu + c], -limit), limit);
+    out[r * ldo + c] = x / (1.0f + expf(-alpha * x)) * (y + 1.0f);
+}
+
 // out[r, c] = act(g[r, c]) * u[r, c] for r < n, c < f; act 0 silu (SwiGLU), 1 gelu_tanh (GEGLU)
 __global__ void glu_rows(const float* __restrict__ g, int ldg, const float* __restrict__ u, int ldu, int n, int f,
                          int act, float* __restrict__ out, int ldo)
