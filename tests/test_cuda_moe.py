@@ -1,5 +1,6 @@
 """Mixtures of experts on the CUDA backend (issue 22): the dense layers on the GPU, the
-``moe`` op on the CPU expert tier (``cuda_plan.MoeHost``, ``cpu_moe.moe_rows``).
+``moe`` op's routing and CPU expert tier on the host (``cuda_plan.MoeHost``,
+``cpu_moe.moe_rows``), its GPU expert tier on the device (``cuda_program._GpuExperts``).
 
 Without a GPU (CI): the plan of each MoE architecture (a host step per layer; gpt-oss's
 attention steps carry their sinks and windows), and the host code of the whole path against fake
@@ -7,7 +8,10 @@ CuPy (``tests/tools/gpu_dryrun_moe.py`` in a subprocess). With a GPU (``-m cuda`
 lead runs ``tests/tools/cuda_check_moe.sh``): logits of tiny qwen3moe, olmoe and gpt-oss files
 (gpt-oss: attention sinks and sliding-window layers in the CUDA attention kernels)
 against the CPU float path through prefill, multi-slot decode, verify and mixed batches,
-with both KV types, and greedy device sampling equal to the argmax of those logits.
+with both KV types, and greedy device sampling equal to the argmax of those logits; the
+GPU expert tier: the same logits (against the CPU) with every expert on the GPU, a mix,
+and every expert on the CPU, each tier computing exactly the pairs placed on it; the
+calibration timing the GPU tier and placing by it.
 """
 
 from __future__ import annotations
