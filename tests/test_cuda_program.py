@@ -127,6 +127,18 @@ def test_logits_match_cpu_every_architecture(arch_files, arch, kv_type):
     print(f"{arch} kv {kv_type}: worst relative logits error {worst:.2e}")
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_long_segments_on_the_cublas_attention_path_match_cpu(arch_files, arch, monkeypatch):
+    """The scenario's 130- and 150-token segments take the attention kernel (within
+    cuda_program.ATT_KERNEL_WORK); with the threshold at 0 they take the cuBLAS path
+    (gemma3: its sliding-window layers too). Both must match the CPU."""
+    from aotx.engine.backend import cuda_program as CP
+
+    monkeypatch.setattr(CP, "ATT_KERNEL_WORK", 0)
+    worst = _compare(arch_files[arch], "f16")
+    print(f"{arch} cuBLAS attention: worst relative logits error {worst:.2e}")
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "phi3"])
 def test_generic_kernels_match_cpu(arch_files, arch):
     """The fallback path: no fusion, one generic kernel per op (what a program that does

@@ -47,6 +47,7 @@ class CudaKVCache:
         self.v = cp.zeros(shape, dt)
         self.layer_bytes = int(self.k[0].nbytes)
         self.stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.get_current_stream().synchronize()   # the zeros are done before the stream's first use
 
     @staticmethod
     def nbytes(n_layers: int, n_kv: int, head_dim: int, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:

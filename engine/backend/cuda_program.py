@@ -67,6 +67,10 @@ ATT_NSMAX = 16                 # most context splits per (row, head) in the atte
 ATT_MINCHUNK = 64              # fewest positions per split
 ATT_ROWS = 256                 # prefill="gemv": attention kernel launches of at most this many rows
 SHORT_SEGMENT = 16             # eager path: segments up to this long use the attention kernel, not cuBLAS
+# eager path: a longer segment uses the attention kernel too while its rows x keys x heads x
+# head dims stay within this (a 512-token prompt of a 135M-0.5B model): there the cuBLAS path's
+# ten array operations per layer cost more host time than the kernel's device time
+ATT_KERNEL_WORK = 1 << 28
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 NT = 256                       # threads per block of the elementwise kernels
 PREFILL_FORCED = ("f16", "tf32", "f32", "gemv")
@@ -155,6 +159,10 @@ class _CacheState:
         self.counters = cp.zeros(b * prog.max_heads, cp.int32)
         self.rope = [tuple(cp.asarray(t) for t in spec.tables(kv.n_ctx)) for spec in prog.plan.rope_specs]
         self.graphs: dict[tuple[int, int], object] = {}
+        # the zeros above are queued on the current stream; the graphs run on the cache's
+        # non-blocking stream, which does not wait for it (the split attention's counters
+        # must be zero before its first replay: a flaky first tick on the H200, session 4)
+        cp.cuda.get_current_stream().synchronize()
 
     @property
     def nbytes(self) -> int:
@@ -893,8 +901,9 @@ class _MoeHost:
 
 class _EagerBatch:
     """Per-forward facts of the eager path: short and long segments (with ``all_short``
-    every segment counts as short: the attention kernel for every row, as the graph), the
-    tables of the short rows, attention scratch for ATT_ROWS rows."""
+    every segment counts as short: the attention kernel for every row, as the graph; a
+    segment within ATT_KERNEL_WORK counts as short too), the tables of the short rows,
+    attention scratch for ATT_ROWS rows."""
 
     def __init__(self, layout, slot_np: np.ndarray, pos_np: np.ndarray, max_heads: int, max_hd: int,
                  all_short: bool = False):
@@ -902,7 +911,7 @@ class _EagerBatch:
         self.long_segs: list[tuple[int, int, int, int]] = []
         row = 0
         for seg in layout.segments:
-            if seg.n <= SHORT_SEGMENT or all_short:
+            if seg.n <= SHORT_SEGMENT or all_short or seg.n * (seg.pos + seg.n) * max_heads * max_hd <= ATT_KERNEL_WORK:
                 short.extend(range(row, row + seg.n))
             else:
                 self.long_segs.append((row, seg.slot, seg.pos, seg.n))

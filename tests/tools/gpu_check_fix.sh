@@ -38,7 +38,7 @@ timeout 110 "$PY" -m pytest -x -q --tb=short -rs -p no:cacheprovider $XD tests/t
   "tests/test_cuda_program.py::test_logits_match_cpu_every_architecture[qwen2-f16]" 2>&1 | tee "$OUTD/pytest.log" | tail -25
 T_RC=${PIPESTATUS[0]}
 if [ $T_RC -eq 0 ]; then     # the GEMV against float64 at NB 1/4/16 (WPP 4/1), batches 1/3/5/17 (partial blocks)
-  timeout 30 "$PY" -m pytest -x -q --tb=short -p no:cacheprovider $XD tests/test_cuda_quants.py \
+  timeout 75 "$PY" -m pytest -x -q --tb=short -p no:cacheprovider $XD tests/test_cuda_quants.py \
     -k "gemv_store and (Q3_K or MXFP4)" 2>&1 | tee -a "$OUTD/pytest.log" | tail -15
   T_RC=${PIPESTATUS[0]}
 fi

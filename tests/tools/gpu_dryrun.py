@@ -50,6 +50,16 @@ def _exercise(model, kv_type: str) -> None:
     model.forward(toks[:20], [Segment(3, 0, 10), Segment(3, 10, 10)], kv)     # one slot twice: eager, short rows
     model.forward(toks[:5], [Segment(0, 152, 5, all_logits=True)], kv)        # a verify window
     model.forward(toks[:200], [Segment(1, 41, 180, logits=False), Segment(2, 130, 20)], kv)   # long + short
+    # the same long segments on the cuBLAS attention path (these tiny models' prompts are
+    # within ATT_KERNEL_WORK, where long segments take the attention kernel)
+    from aotx.engine.backend import cuda_program as CP
+
+    work, CP.ATT_KERNEL_WORK = CP.ATT_KERNEL_WORK, 0
+    try:
+        model.forward(toks[:150], [Segment(0, 0, 150, all_logits=True)], kv)
+        model.forward(toks[:200], [Segment(1, 41, 180, logits=False), Segment(2, 130, 20)], kv)
+    finally:
+        CP.ATT_KERNEL_WORK = work
 
 
 def main() -> int:
