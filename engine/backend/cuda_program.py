@@ -674,6 +674,7 @@ class _GpuExperts:
         self.w = None                    # (gate, up, down) device stacks of the experts here
         self.b = (None, None, None)      # their biases (n_here, width) or None
         self._x = self._c = None         # the step's device input and context, during its eager run
+        self._variants: dict = {}        # (GEMV, bucket) -> its default variant
         why = ""
         for st in (gate, up, down):
             if int(st.qtype) not in S.TYPES:
@@ -712,7 +713,11 @@ class _GpuExperts:
     def _variant(self, g: _Gemv, rows: int) -> CC.GemvVariant:
         if self.prog._forced_gemv is not None:
             return self.prog._forced_gemv
-        return CC.GemvVariant.parse(CC.gemv_default(CC.tune_bucket(rows), False, g.m_rows, g.k))
+        b = CC.tune_bucket(rows)
+        v = self._variants.get((id(g), b))
+        if v is None:
+            v = self._variants[(id(g), b)] = CC.GemvVariant.parse(CC.gemv_default(b, False, g.m_rows, g.k))
+        return v
 
     def place(self, ids) -> int:
         """Hold exactly the experts ``ids`` on the device (those already here are uploaded
