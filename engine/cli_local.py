@@ -271,7 +271,9 @@ def print_conversation(conv, as_json: bool) -> int:
     for m in conv.messages:
         r = m.receipt
         where = f"durable in segment {r.segment} at offset {r.offset} (seq <= {r.last_seq})" if r else "not durable"
-        print(f"--- {m.role} {m.msg_id} [{m.status}{', ' + m.finish_reason if m.finish_reason else ''}] {where}")
+        # status and finish reason, each once ("cancelled", not "cancelled, cancelled")
+        state = m.status if not m.finish_reason or m.finish_reason == m.status else f"{m.status}, {m.finish_reason}"
+        print(f"--- {m.role} {m.msg_id} [{state}] {where}")
         print(m.text)
         if m.token_ids:
             print(f"    token ids ({len(m.token_ids)}): {m.token_ids}")

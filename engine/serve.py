@@ -163,6 +163,11 @@ def build_engine(args, progress=None):
 
     device = pick_device(args.device)
     keep_alive_seconds(getattr(args, "keep_alive", None))  # refuse a bad flag before loading anything
+    if args.memory_budget:
+        try:
+            admission.parse_size(args.memory_budget)
+        except ValueError:
+            raise UsageError(f"--memory-budget: cannot read {args.memory_budget!r} as a size (e.g. 4G, 512M)") from None
     draft_path = getattr(args, "draft_model", None)
     if draft_path:  # refuse a mismatch before loading anything
         check_vocabulary_files(args.model, draft_path)

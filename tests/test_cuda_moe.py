@@ -1,12 +1,17 @@
 """Mixtures of experts on the CUDA backend (issue 22): the dense layers on the GPU, the
-``moe`` op on the CPU expert tier (``cuda_plan.MoeHost``, ``cpu_moe.moe_rows``).
+``moe`` op's routing and CPU expert tier on the host (``cuda_plan.MoeHost``,
+``cpu_moe.moe_rows``), its GPU expert tier on the device (``cuda_program._GpuExperts``).
 
 Without a GPU (CI): the plan of each MoE architecture (a host step per layer; gpt-oss's
-attention sinks refused in one line), and the host code of the whole path against fake
+attention steps carry their sinks and windows), and the host code of the whole path against fake
 CuPy (``tests/tools/gpu_dryrun_moe.py`` in a subprocess). With a GPU (``-m cuda``; the
-lead runs ``tests/tools/cuda_check_moe.sh``): logits of tiny qwen3moe and olmoe files
+lead runs ``tests/tools/cuda_check_moe.sh``): logits of tiny qwen3moe, olmoe and gpt-oss files
+(gpt-oss: attention sinks and sliding-window layers in the CUDA attention kernels)
 against the CPU float path through prefill, multi-slot decode, verify and mixed batches,
-with both KV types, and greedy device sampling equal to the argmax of those logits.
+with both KV types, and greedy device sampling equal to the argmax of those logits; the
+GPU expert tier: the same logits (against the CPU) with every expert on the GPU, a mix,
+and every expert on the CPU, each tier computing exactly the pairs placed on it; the
+calibration timing the GPU tier and placing by it.
 """
 
 from __future__ import annotations
@@ -80,8 +85,8 @@ def _build(path, device: str):
 
 # ------------------------------------------------------------------ no GPU needed
 
-def test_plan_puts_each_moe_layer_on_the_host_and_refuses_sinks(moe_files):
-    for name in ("qwen3moe", "olmoe"):
+def test_plan_puts_each_moe_layer_on_the_host_and_carries_the_sinks(moe_files):
+    for name in ("qwen3moe", "olmoe", "gptoss"):
         m = _build(moe_files[name], "cpu")
         p = cuda_plan.plan(m.program)
         hosts = [s for s in p.steps if isinstance(s, cuda_plan.MoeHost)]
@@ -89,10 +94,17 @@ def test_plan_puts_each_moe_layer_on_the_host_and_refuses_sinks(moe_files):
         assert [s.attrs["moe_layer"] for s in hosts] == list(range(m.cfg.n_layers))
         for s in hosts:        # the host step reads the normed rows and writes a d_model-wide value
             assert p.loc[s.out].width == m.cfg.d_model and s.x in p.loc
+    # gpt-oss: every layer's attention step carries that layer's sink logits and window
     m = _build(moe_files["gptoss"], "cpu")
-    with pytest.raises(cuda_plan.PlanError, match=r"^attention sinks \(gpt-oss\) are not supported by the CUDA "
-                                                  r"backend yet$"):
-        cuda_plan.plan(m.program)
+    att = [s for s in cuda_plan.plan(m.program).steps if isinstance(s, cuda_plan.Attend)]
+    assert len(att) == m.cfg.n_layers
+    nodes = [n for n in m.program.nodes if n.op == "attention"]
+    for s, n in zip(att, nodes):
+        assert s.sinks is n.attrs["sinks"] and s.sinks.shape == (m.cfg.n_heads,)
+        assert s.window == n.attrs["window"]
+    assert [s.window for s in att] == [16, 0, 16, 0]       # even layers slide (the tiny file's window 16)
+    m = _build(moe_files["qwen3moe"], "cpu")
+    assert all(s.sinks is None for s in cuda_plan.plan(m.program).steps if isinstance(s, cuda_plan.Attend))
 
 
 def test_host_code_of_the_cuda_moe_path_passes_the_fake_cupy_checks():
@@ -121,7 +133,7 @@ def _scenario(model, kv_type: str) -> list[np.ndarray]:
 @needs_gpu
 @pytest.mark.cuda
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
-@pytest.mark.parametrize("name", ["qwen3moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "gptoss"])
 def test_cuda_moe_logits_match_the_cpu(moe_files, name, kv_type):
     cpu = _scenario(_build(moe_files[name], "cpu"), kv_type)
     gpu_model = _build(moe_files[name], "cuda")
@@ -151,3 +163,95 @@ def test_cuda_moe_device_greedy_is_the_argmax_of_its_logits(moe_files):
     for p in range(20, 24):
         ids = m.greedy(np.array([int(ids[0]), 5], np.int32), [Segment(0, p, 1), Segment(1, p - 20, 1)], kv)
         assert ids.tolist() == m.last_logits().get().argmax(axis=1).tolist()
+
+
+# ------------------------------------------------------------------ the GPU expert tier (on a GPU)
+
+def _tiers(model, placement: str) -> tuple:
+    """"gpu": every expert on the GPU tier; "cpu": every expert "host"; "mixed": layer 0 all
+    on the GPU, layer 1 all on the CPU, the others every other expert (even ids on the GPU)."""
+    from aotx.engine.model import experts as X
+
+    out = []
+    for L in X.moe_layers(model.program):
+        if placement == "gpu" or (placement == "mixed" and L.index == 0):
+            t = ["gpu"] * L.n_expert
+        elif placement == "cpu" or L.index == 1:
+            t = ["host"] * L.n_expert
+        else:
+            t = ["gpu" if e % 2 == 0 else "host" for e in range(L.n_expert)]
+        out.append(tuple(t))
+    return tuple(out)
+
+
+def _rel_errors(got, want) -> list[float]:
+    out = []
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape, f"step {i}: {a.shape} vs {b.shape}"
+        if b.size:
+            assert np.isfinite(a).all(), f"step {i}: logits are not finite"
+            out.append(float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+    return out
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["qwen3moe", "gptoss"])
+def test_cuda_gpu_expert_tier_gives_the_cpu_logits_whatever_the_placement(moe_files, name):
+    from aotx.engine.model import experts as X
+
+    cpu = _scenario(_build(moe_files[name], "cpu"), "f32")
+    m = _build(moe_files[name], "cuda")
+    c = m.compiled
+    worst = {}
+    for placement in ("gpu", "mixed", "cpu"):
+        tiers = _tiers(m, placement)
+        placed = c.place_experts(X.Plan(tiers))
+        want_bytes = 0
+        for st, t in zip(c.moe_steps, tiers):
+            a = st.attrs
+            for e in (e for e, tt in enumerate(t) if tt == "gpu"):
+                want_bytes += sum(int(a[k].raw(e).nbytes) for k in ("gate", "up", "down"))
+                want_bytes += sum(4 * a[k].shape[1] for k in ("gate_bias", "up_bias", "down_bias")
+                                  if a.get(k) is not None)
+        assert placed["gpu_bytes"] == want_bytes, (placement, placed)
+        s0 = c.expert_stats()
+        out = _scenario(m, "f32")
+        s1 = c.expert_stats()
+        gpu_pairs = [b - a for a, b in zip(s0["gpu_rows"], s1["gpu_rows"])]
+        cpu_rows = s1["pool"]["rows"] - s0["pool"]["rows"]
+        routed = sum(sum(b) - sum(a) for a, b in zip(s0["traffic"], s1["traffic"]))
+        if placement == "gpu":
+            assert cpu_rows == 0 and sum(gpu_pairs) == routed, (cpu_rows, gpu_pairs, routed)
+        elif placement == "cpu":
+            assert sum(gpu_pairs) == 0 and cpu_rows == routed, (cpu_rows, gpu_pairs, routed)
+        else:
+            assert gpu_pairs[0] > 0 and gpu_pairs[1] == 0 and all(g > 0 for g in gpu_pairs[2:]), gpu_pairs
+            assert 0 < cpu_rows < routed and cpu_rows + sum(gpu_pairs) == routed
+        errs = _rel_errors(out, cpu)
+        worst[placement] = max(errs)
+        assert worst[placement] <= REL_TOL["f32"], f"{placement}: worst ||cuda - cpu|| / ||cpu|| {worst[placement]:.2e}"
+    print(f"{name} GPU expert tier, worst relative logits error vs the CPU: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_cuda_expert_calibration_times_the_gpu_tier_and_places_by_it(moe_files, tmp_path):
+    from aotx.engine.model import experts as X
+
+    m = _build(moe_files["qwen3moe"], "cuda")
+    c = m.compiled
+    got = c.measure_experts(0, (1, 16))
+    assert set(got) == {"cpu", "gpu", "copy"}
+    assert all(got[t][n] > 0 for t in ("cpu", "gpu") for n in (1, 16)) and got["copy"] > 0, got
+    layers = X.moe_layers(m.program)
+    total = sum(L.n_expert * L.expert_bytes for L in layers)
+    st = X.setup(m, model_fp="t", gpu_bytes=4 * total, root=tmp_path, reuse=False)
+    assert st.costs.has_gpu and st.plan.count("gpu") == st.plan.n_experts, st.plan.summary()
+    assert c.expert_stats()["gpu_experts"] == [L.n_expert for L in layers]
+    st = X.setup(m, model_fp="t", gpu_bytes=int(0.4 * total), root=tmp_path, reuse=False)
+    n_gpu = st.plan.count("gpu")
+    assert 0 < n_gpu < st.plan.n_experts and n_gpu * layers[0].expert_bytes <= 0.4 * total, st.plan.summary()
+    assert sum(c.expert_stats()["gpu_experts"]) == n_gpu
+    print(st.plan.summary(), got)

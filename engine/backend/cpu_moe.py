@@ -499,7 +499,7 @@ def place(nodes: list, p: Any, pool: ExpertPool) -> dict[str, Any]:
 # ------------------------------------------------------------------ the whole op on host rows
 
 def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray | None = None,
-             small: np.ndarray | None = None) -> np.ndarray:
+             small: np.ndarray | None = None, gpu: Any = None, worker: Any = None) -> np.ndarray:
     """The ``moe`` op on host rows x (n, d) float32: router (+ bias), routing, the experts
     on the pool, the join, the shared expert. ``small``: bool (n,), the rows of short
     segments (decode, verify), which go through the per-row kernels (their numbers
@@ -507,7 +507,15 @@ def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray |
     small. ``attrs``: the node's attributes with CPU weights (``router`` and the shared
     expert's matrices as QuantMatrix, biases as numpy); ``traffic`` (E,) int64 gets the
     routed rows per expert added. For a backend whose own rows live elsewhere (the CUDA
-    backend's CPU expert tier). Returns (n, d)."""
+    backend's CPU expert tier).
+
+    ``gpu``: a GPU expert tier (duck typed: ``on`` (E,) bool, the experts it holds;
+    ``launch(pairs)`` starts their FFNs on the device on the batch's rows and returns a
+    handle; ``wait(handle) -> (P, d)`` float32 host outputs, one per (row, slot) pair of
+    ``pairs`` in order). With GPU pairs, the CPU pool computes the other pairs on
+    ``worker`` (a one-thread executor: numba releases the GIL) while this thread launches
+    the GPU's; both join in Y before the weighted sum, so the result does not depend on
+    which tier computed which expert beyond each tier's own kernel. Returns (n, d)."""
     x = np.ascontiguousarray(x, np.float32)
     n = x.shape[0]
     d = attrs["down"].m
@@ -535,7 +543,22 @@ def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray |
     if traffic is not None:
         traffic += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
     Y = np.empty((n, k, d), np.float32)
-    pool.compute(attrs, x, sel, Y, groups(sel), small, all_small)
+    pairs = groups(sel)
+    gpu_pairs = [] if gpu is None else [p for p in pairs if gpu.on[p[0]]]
+    if not gpu_pairs:
+        pool.compute(attrs, x, sel, Y, pairs, small, all_small)
+    else:
+        cpu_pairs = [p for p in pairs if not gpu.on[p[0]]]
+        fut = worker.submit(pool.compute, attrs, x, sel, Y, cpu_pairs, small, all_small) if cpu_pairs else None
+        try:
+            handle = gpu.launch(gpu_pairs)
+            yg = gpu.wait(handle)
+        finally:
+            if fut is not None:
+                fut.result()
+        rows = np.concatenate([r for _, r, _ in gpu_pairs])
+        js = np.concatenate([j for _, _, j in gpu_pairs])
+        _scatter(Y, yg, rows, js)
     y = join(Y, w, np.empty((n, d), np.float32))
     shared = attrs.get("shared")
     if shared is not None:

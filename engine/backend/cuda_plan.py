@@ -20,7 +20,7 @@ Fusions (what today's decode graph does for llama, found by pattern in any progr
   the GEMV adds into r's buffer (``mode "add"``); ``add(r, rms_norm(linear(a)))``
   (gemma3's post-norms): the linear stores, then the norm adds into r's buffer.
 Anything else runs as generic steps, one per node (``split`` is a view: no step); the
-``moe`` op as a host step (``MoeHost``: the CPU expert tier).
+``moe`` op as a host step (``MoeHost``: routing and the CPU expert tier on the host, the GPU tier's experts on the device).
 
 Buffers: every materialized value gets a column range of a buffer ``(rows, width)``;
 buffers are reused once their last reader has run. Widths are multiples of 4 floats
@@ -111,6 +111,7 @@ class Attend:
     hd: int
     scale: float
     window: int
+    sinks: Any = None          # (n_heads,) sink logits (gpt-oss) or None
 
 
 @dataclass
@@ -170,9 +171,9 @@ class GluRows:
 
 @dataclass
 class MoeHost:
-    """The ``moe`` op on the CPU expert tier (issue 22): the rows of x go to the host, the
-    router, routing, experts, join and shared expert run there (``cpu_moe.moe_rows``), the
-    result comes back into out. ``attrs``: the node's attributes. A program with one runs
+    """The ``moe`` op (issue 22): the rows of x go to the host, the router, routing, the CPU
+    tier's experts, join and shared expert run there (``cpu_moe.moe_rows``), the experts
+    placed on the GPU tier on the device meanwhile; the result comes back into out. ``attrs``: the node's attributes. A program with one runs
     every forward on the eager path (no CUDA graph: the step waits for the host)."""
     x: int
     out: int
@@ -233,9 +234,6 @@ def plan(program, *, fuse: bool = True) -> Plan:
     Raises PlanError for a program the CUDA backend cannot run."""
     g = _Graph(program)
     nodes = g.nodes
-    for n in nodes:
-        if n.op == "attention" and n.attrs.get("sinks") is not None:
-            raise PlanError("attention sinks (gpt-oss) are not supported by the CUDA backend yet")
     width = {v.id: v.width for v in program.values}
     rows = {v.id: v.rows for v in program.values}
     done: set[int] = set()                  # node indices consumed by a fused step
@@ -345,7 +343,7 @@ def plan(program, *, fuse: bool = True) -> Plan:
         done.add(ia)
         emit(first, step)
         emit(ia, Attend(step.q_out, a.out.id, a.attrs["layer"], step.n_heads, step.n_kv, step.hd, a.attrs["scale"],
-                        a.attrs["window"]))
+                        a.attrs["window"], a.attrs.get("sinks")))
         fused["qkv"] += 1
         if step.norm is not None:
             fused["norm_prologue"] += 1
@@ -438,7 +436,7 @@ def plan(program, *, fuse: bool = True) -> Plan:
         elif op == "attention":
             emit(i, KVStore(n.inputs[1].id, n.inputs[2].id, A["layer"], A["n_kv_heads"], A["head_dim"]))
             emit(i, Attend(n.inputs[0].id, n.out.id, A["layer"], A["n_heads"], A["n_kv_heads"], A["head_dim"],
-                           A["scale"], A["window"]))
+                           A["scale"], A["window"], A.get("sinks")))
         elif op == "glu":
             emit(i, GluRows(n.inputs[0].id, n.inputs[1].id, A["act"], n.out.id))
         elif op == "add":

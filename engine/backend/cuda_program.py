@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import cupy as cp
 import numpy as np
@@ -110,6 +111,7 @@ def _qname(qtype: int) -> str:
         return str(qtype)
 
 
+_OOM = getattr(getattr(cp.cuda, "memory", None), "OutOfMemoryError", MemoryError)
 Z64 = np.uint64(0)
 Z32 = np.int32(0)
 
@@ -203,9 +205,11 @@ class _Gemv:
         return (S.MODE_QKV, S.MODE_QKV16) if self.mode in (S.MODE_QKV, S.MODE_QKV16) else (self.mode,)
 
     def launch(self, prog, c, x: int, ldx: int, B: int, y: int, ldy: int, variant: CC.GemvVariant | None = None,
-               kernels: dict | None = None, scale_ready: bool = False) -> bool:
+               kernels: dict | None = None, scale_ready: bool = False, ptrs: tuple | None = None) -> bool:
         """Launch over ``B`` rows; returns True when the rows' norm scale is now in ``c.xs``
-        (``scale_ready``: a GEMV just before, on the same x and norm, left it there)."""
+        (``scale_ready``: a GEMV just before, on the same x and norm, left it there).
+        ``ptrs``: (Wa, Wb, bias_a, bias_b) device addresses that replace this GEMV's own (the
+        GPU expert tier: one GEMV per expert shape, each launch on one expert's rows)."""
         if B == 0:
             return False        # no logits rows (a prefill chunk): nothing after take_rows runs
         v = variant if variant is not None else prog.gemv_variant(self.site, B)
@@ -230,11 +234,14 @@ class _Gemv:
             extra = (Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z64, Z64, Z64, Z64, Z64, Z64)
         ppb = GEMV_WARPS // v.wpp
         grid = ((self.n_pairs + ppb - 1) // ppb, (B + v.nb - 1) // v.nb)
+        if ptrs is None:
+            ptrs = (self.wa.data.data.ptr + self.a_off, self.wb.data.data.ptr + self.b_off_bytes, self.bias_a,
+                    self.bias_b)
         kern(grid, (GEMV_WARPS * 32,),
-             (np.uint64(self.wa.data.data.ptr + self.a_off), np.uint64(self.wb.data.data.ptr + self.b_off_bytes),
+             (np.uint64(ptrs[0]), np.uint64(ptrs[1]),
               np.int64(self.wa.row_bytes), np.int64(self.wb.row_bytes), _i(self.a_stride), _i(self.b_off),
               _i(self.n_pairs), _i(self.k), np.uint64(x), _i(ldx), _i(B), _u64(self.nw), _f(self.eps), xs,
-              _u64(self.bias_a), _u64(self.bias_b), np.uint64(y), _i(ldy)) + extra)
+              _u64(ptrs[2]), _u64(ptrs[3]), np.uint64(y), _i(ldy)) + extra)
         return scale_ready or (self.nw is not None and v.pre)
 
     @property
@@ -439,6 +446,11 @@ class _Attend:
             raise ModelError(f"head dimension {s.hd}: the CUDA attention kernel supports {', '.join(map(str, HEAD_DIMS))}")
         if s.n_heads % s.n_kv:
             raise ModelError(f"{s.n_heads} heads are not a multiple of {s.n_kv} KV heads")
+        self.sinks = None           # gpt-oss: (n_heads,) float32 sink logits on the device
+        if s.sinks is not None:
+            self.sinks = cp.ascontiguousarray(cp.asarray(s.sinks, cp.float32).reshape(-1))
+            if self.sinks.shape[0] != s.n_heads:
+                raise ModelError(f"attention sinks: {self.sinks.shape[0]} values for {s.n_heads} heads")
         self.names = {kvt: f"attn_decode<{s.hd},{kvt}>" for kvt in (0, 1)}
         prog.need.update(self.names.values())
         prog.need.add("causal_softmax")
@@ -452,7 +464,8 @@ class _Attend:
         prog.k[self.names[c.kv.kvt]](
             (ATT_NSMAX, s.n_heads, B), (128,),
             (np.uint64(q), _i(ldq), np.uint64(kc), np.uint64(vc), np.uint64(slot_p), np.uint64(pos_p), _i(s.n_heads),
-             _i(s.n_kv), _i(c.kv.n_ctx), _f(s.scale), _i(s.window), _u64(part), _u64(counters), np.uint64(out), _i(ldo),
+             _i(s.n_kv), _i(c.kv.n_ctx), _f(s.scale), _i(s.window), _u64(self.sinks), _u64(part), _u64(counters),
+             np.uint64(out), _i(ldo),
              _i(ATT_NSMAX), _i(ATT_MINCHUNK)))
 
     def graph(self, prog, c: _Ctx) -> None:
@@ -495,7 +508,8 @@ class _Attend:
             sc = cp.matmul(qs, kc.transpose(0, 2, 1))
             Tw = T_ - c0
             prog.k["causal_softmax"]((KV * G * n,), (256,),
-                                     (sc, _i(Tw), _i(n), _i(pos), _i(c0), _i(s.window), _f(s.scale)))
+                                     (sc, _i(Tw), _i(n), _i(pos), _i(c0), _i(s.window), _f(s.scale),
+                                      _u64(self.sinks)))
             o = cp.matmul(sc, vc)
             o_all[row:row + n] = o.reshape(KV, G, n, hd).transpose(2, 0, 1, 3).reshape(n, qd)
 
@@ -628,15 +642,226 @@ def _host_matrix(dm, int8: bool):
     return QuantMatrix(dm.data[:dm.m].get(), T(dm.qtype), dm.m, dm.k, dm.name, int8=int8)
 
 
+class _GpuExperts:
+    """The GPU expert tier of one moe step (issue 22; engine/model/experts.py): the experts
+    the plan puts on "gpu" live on the device, uploaded once by ``place`` (the gate, up and
+    down stacks of just those experts, in the file's block layout, and their biases), and
+    their routed rows run through the decode GEMV kernels the dense layers use: per expert,
+    gate and up (one SwiGLU GEMV for "silu"; two GEMVs and ``swiglu_oai_rows`` for gpt-oss)
+    then down, on that expert's gathered rows. The GEMV reduces each output element in one
+    canonical order, so a row's expert outputs do not depend on the batch. One GEMV object
+    per stack shape (its weights' addresses passed per launch); its variant is the kernel
+    choice's default for the rows' bucket (these sites are not tuned). ``on[e]``: expert e
+    is here. ``ok`` is False (``why`` says why) when the shapes or types do not suit the
+    kernels: then every expert stays on the CPU tiers."""
+
+    def __init__(self, prog, attrs: dict):
+        from gguf import GGML_QUANT_SIZES
+
+        from aotx.engine.backend.cuda import DevMatrix
+
+        self.prog = prog
+        self.attrs = attrs
+        gate, up, down = attrs["gate"], attrs["up"], attrs["down"]
+        self.E, self.ff, self.d, self.k = int(attrs["n_expert"]), int(gate.m), int(down.m), int(gate.k)
+        self.act = attrs["act"]
+        self.on = np.zeros(self.E, bool)
+        self.slot = np.full(self.E, -1, np.int64)
+        self.ids: list[int] = []
+        self.nbytes = 0
+        self.rows = 0                    # (row, expert) pairs computed here since load
+        self.calls = 0
+        self.w = None                    # (gate, up, down) device stacks of the experts here
+        self.b = (None, None, None)      # their biases (n_here, width) or None
+        self._x = self._c = None         # the step's device input and context, during its eager run
+        self._variants: dict = {}        # (GEMV, bucket) -> its default variant
+        why = ""
+        for st in (gate, up, down):
+            if int(st.qtype) not in S.TYPES:
+                why = f"{st.name}: tensor type {_qname(st.qtype)} has no CUDA kernel"
+            elif st.m % 2 or st.k % max(GGML_QUANT_SIZES[st.qtype][0], 32):
+                why = f"{st.name}: shape {st.m} x {st.k} does not suit the GEMV"
+        if up.m != self.ff or down.k != self.ff or up.k != self.k:
+            why = "gate, up and down shapes disagree"
+        self.ok, self.why = not why, why
+        self.rb = []
+        mats = []
+        for st in (gate, up, down):
+            be, bb = GGML_QUANT_SIZES[st.qtype]
+            rb = int(st.k) // be * bb
+            self.rb.append(rb)
+            mats.append(DevMatrix(st.name, int(st.qtype), int(st.m), int(st.k), rb, None))
+        self.mats = mats
+        if not self.ok:
+            self.gemvs = {}
+            return
+        mg, mu, md = mats
+        n0 = len(prog.gemvs)
+        if self.act == "silu":
+            gv = {"gu": _Gemv(prog, S.MODE_SWIGLU, mg, 0, mu, 0, self.ff, 1, 0, None, None, None, self.ff)}
+        else:
+            gv = {"g": _Gemv(prog, S.MODE_STORE, mg, 0, mg, 0, self.ff // 2, 2, 1, None, None, None, self.ff),
+                  "u": _Gemv(prog, S.MODE_STORE, mu, 0, mu, 0, self.ff // 2, 2, 1, None, None, None, self.ff)}
+            prog.need.add("swiglu_oai_rows")
+        gv["d"] = _Gemv(prog, S.MODE_STORE, md, 0, md, 0, self.d // 2, 2, 1, None, None, None, self.d)
+        del prog.gemvs[n0:]              # not kernel-choice sites: their variant is the default
+        self.gemvs = gv
+        for g in gv.values():
+            for b in CC.TUNE_BUCKETS:
+                prog.need.add(g.name(self._variant(g, b)))
+
+    def _variant(self, g: _Gemv, rows: int) -> CC.GemvVariant:
+        if self.prog._forced_gemv is not None:
+            return self.prog._forced_gemv
+        b = CC.tune_bucket(rows)
+        v = self._variants.get((id(g), b))
+        if v is None:
+            v = self._variants[(id(g), b)] = CC.GemvVariant.parse(CC.gemv_default(b, False, g.m_rows, g.k))
+        return v
+
+    def place(self, ids) -> int:
+        """Hold exactly the experts ``ids`` on the device (those already here are uploaded
+        again: placement happens at load). Returns the device bytes they take."""
+        ids = sorted({int(e) for e in ids})
+        self.w, self.b = None, (None, None, None)
+        self.on[:] = False
+        self.slot[:] = -1
+        self.ids, self.nbytes = [], 0
+        if not ids:
+            return 0
+        if not self.ok:
+            raise ValueError(f"moe layer {self.attrs['moe_layer']}: no GPU expert tier ({self.why})")
+        st = (self.attrs["gate"], self.attrs["up"], self.attrs["down"])
+        self.w = tuple(cp.asarray(np.ascontiguousarray(np.concatenate([s.raw(e) for e in ids]))) for s in st)
+        bs = []
+        for key in ("gate_bias", "up_bias", "down_bias"):
+            v = self.attrs.get(key)
+            bs.append(cp.asarray(np.ascontiguousarray(v[ids], np.float32)) if v is not None else None)
+        self.b = tuple(bs)
+        self.slot[ids] = np.arange(len(ids))
+        self.on[ids] = True
+        self.ids = ids
+        self.nbytes = sum(int(a.nbytes) for a in self.w) + sum(int(a.nbytes) for a in self.b if a is not None)
+        return self.nbytes
+
+    def _ptrs(self, i: int, e: int, width: int) -> tuple:
+        """(weights of expert slot e in stack i, its bias) device addresses."""
+        m = self.mats[i].m
+        w = self.w[i].data.ptr + e * m * self.rb[i]
+        b = self.b[i].data.ptr + 4 * e * width if self.b[i] is not None else 0
+        return w, b
+
+    def launch(self, pairs, x=None, c=None):
+        """Start the FFNs of ``pairs`` ((expert, rows, slots j) of experts held here) on the
+        device rows ``x`` (default: the step's input set by ``_MoeHost``); returns the handle
+        ``wait`` takes: (P, d) float32 device outputs, pairs in order, rows in order within."""
+        x = self._x if x is None else x
+        c = self._c if c is None else c
+        prog = self.prog
+        rows = np.concatenate([r for _, r, _ in pairs])
+        P_ = int(rows.shape[0])
+        xg = cp.ascontiguousarray(x[cp.asarray(rows.astype(np.int64))])
+        fp, dp = P._pad4(self.ff), P._pad4(self.d)
+        h = cp.empty((P_, fp), cp.float32)
+        y = cp.empty((P_, dp), cp.float32)
+        keep = [xg, h, y]
+        k, xp = self.k, xg.data.ptr
+        r0 = 0
+        if self.act != "silu":
+            gt, ut = cp.empty((P_, fp), cp.float32), cp.empty((P_, fp), cp.float32)
+            keep += [gt, ut]
+        for e, r, _ in pairs:
+            n, sl = int(r.shape[0]), int(self.slot[e])
+            xr = xp + 4 * r0 * k
+            if self.act == "silu":
+                g = self.gemvs["gu"]
+                (wg, bg), (wu, bu) = self._ptrs(0, sl, self.ff), self._ptrs(1, sl, self.ff)
+                g.launch(prog, c, xr, k, n, h.data.ptr + 4 * r0 * fp, fp, variant=self._variant(g, n),
+                         ptrs=(wg, wu, bg, bu))
+            else:
+                for i, name, out in ((0, "g", gt), (1, "u", ut)):
+                    g = self.gemvs[name]
+                    w, b = self._ptrs(i, sl, self.ff)
+                    g.launch(prog, c, xr, k, n, out.data.ptr + 4 * r0 * fp, fp, variant=self._variant(g, n),
+                             ptrs=(w, w, b, b))
+            r0 += n
+        if self.act != "silu":
+            n_el = P_ * self.ff
+            prog.k["swiglu_oai_rows"](((n_el + NT - 1) // NT,), (NT,),
+                                      (gt, _i(fp), ut, _i(fp), _i(P_), _i(self.ff), _f(self.attrs["alpha"]),
+                                       _f(self.attrs["limit"]), h, _i(fp)))
+        r0 = 0
+        g = self.gemvs["d"]
+        for e, r, _ in pairs:
+            n, sl = int(r.shape[0]), int(self.slot[e])
+            w, b = self._ptrs(2, sl, self.d)
+            g.launch(prog, c, h.data.ptr + 4 * r0 * fp, fp, n, y.data.ptr + 4 * r0 * dp, dp,
+                     variant=self._variant(g, n), ptrs=(w, w, b, b))
+            r0 += n
+        self.rows += P_
+        self.calls += len(pairs)
+        return y, keep
+
+    def wait(self, handle) -> np.ndarray:
+        y, _ = handle
+        return np.ascontiguousarray(y[:, :self.d].get())
+
+    def measure(self, rows: tuple[int, ...], reps: int = 5) -> dict:
+        """Seconds of one expert's FFN on n rows here (expert 0, uploaded for the timing when
+        it is not here: the shapes and types of a layer's experts are one), and of copying
+        one expert (gate, up and down) from pinned host memory to the device."""
+        held = list(self.ids)
+        if not self.on[0]:
+            self.place(held + [0])
+        rng = np.random.default_rng(0)
+        c = _Ctx()
+        out: dict[int, float] = {}
+        try:
+            for n in rows:
+                x = cp.asarray(rng.standard_normal((n, self.k)).astype(np.float32))
+                pairs = [(0, np.arange(n, dtype=np.int64), np.zeros(n, np.int64))]
+                self.wait(self.launch(pairs, x, c))
+                best = float("inf")
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    self.wait(self.launch(pairs, x, c))
+                    best = min(best, time.perf_counter() - t0)
+                out[int(n)] = best
+            self.rows -= (reps + 1) * sum(rows)
+            self.calls -= (reps + 1) * len(rows)
+            raw = [st.raw(0) for st in (self.attrs["gate"], self.attrs["up"], self.attrs["down"])]
+            nb = sum(int(r.nbytes) for r in raw)
+            mem = cp.cuda.alloc_pinned_memory(nb)
+            host = np.frombuffer(mem, np.uint8, nb)
+            host[:] = np.concatenate([r.reshape(-1) for r in raw])
+            dev = cp.empty(nb, cp.uint8)
+            stream = cp.cuda.get_current_stream()
+            copy = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nb, cp.cuda.runtime.memcpyHostToDevice,
+                                            stream.ptr)
+                stream.synchronize()
+                copy = min(copy, time.perf_counter() - t0)
+        finally:
+            if list(self.ids) != held:
+                self.place(held)
+        return {"gpu": out, "copy": copy}
+
+
 class _MoeHost:
-    """The moe op on the CPU expert tier (``cuda_plan.MoeHost``): x's rows to the host, the
-    whole op there on the per-row kernels (``cpu_moe.moe_rows``), the result back. Eager
-    only: ``CudaProgram._graph_ok`` keeps a program with one off the graph path."""
+    """The moe op (``cuda_plan.MoeHost``): x's rows to the host, the router, routing, the
+    CPU tier's experts (``cpu_moe.moe_rows``) and the shared expert there; the experts the
+    plan put on the GPU tier (``_GpuExperts``) run on the device meanwhile, their outputs
+    joined with the CPU's before the weighted sum; the result back. Eager only:
+    ``CudaProgram._graph_ok`` keeps a program with one off the graph path."""
 
     def __init__(self, prog, s: P.MoeHost):
         from aotx.engine.backend import cpu_moe
 
         self.s = s
+        self.gpu = _GpuExperts(prog, s.attrs)
+        self.worker = prog.moe_worker
         a = dict(s.attrs)
         int8 = bool(getattr(prog.backend, "expert_int8", True))
         a["router"] = _host_matrix(a["router"], int8)
@@ -668,7 +893,14 @@ class _MoeHost:
                 if seg.n <= SHORT_SEGMENT:
                     small[row:row + seg.n] = True
                 row += seg.n
-        y = self._moe_rows(self.attrs, xh, self.pool, self.traffic, small)
+        gpu = None
+        if self.gpu.ids:
+            gpu = self.gpu
+            gpu._x, gpu._c = x, c
+        try:
+            y = self._moe_rows(self.attrs, xh, self.pool, self.traffic, small, gpu, self.worker)
+        finally:
+            self.gpu._x = self.gpu._c = None
         c.arr(self.s.out)[...] = cp.asarray(y)
 
 
@@ -752,6 +984,10 @@ class CudaProgram:
             for v in P.writes(s):
                 rows_of[id(s)] = self.plan.buffers[self.plan.loc[v].buf][0]
                 self._producer[v] = s
+        # the CPU expert tier's thread: it computes the CPU's experts while this thread
+        # launches the GPU tier's (a mixture of experts only; started on first use)
+        self.moe_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aotx-cpu-experts") \
+            if any(isinstance(s, P.MoeHost) for s in self.plan.steps) else None
         self.steps = []
         for s in self.plan.steps:
             rows = rows_of.get(id(s), P.ROWS_N)
@@ -944,26 +1180,56 @@ class CudaProgram:
             need |= CS.fill_row(prm[j], hist[j], cfg, st, tick, extra)
         return need
 
-    # ---- expert tiers (issue 22; engine/model/experts.py): every expert on the CPU tier -------
+    # ---- expert tiers (issue 22; engine/model/experts.py): "gpu" on the device, "host"/"mmap" on the CPU
 
     def measure_experts(self, layer: int, rows: tuple[int, ...]) -> dict:
-        """Calibration: seconds of one expert of moe layer ``layer`` on n rows, CPU tier
-        (no GPU timings: this backend has no GPU expert tier yet)."""
+        """Calibration: seconds of one expert of moe layer ``layer`` on n rows on the CPU
+        tier and on the GPU tier, and of copying one expert to the GPU ("gpu" and "copy"
+        absent when this layer's experts cannot run on the GPU tier)."""
         from aotx.engine.backend import cpu_moe
 
-        return cpu_moe.measure(self.moe_steps[layer].attrs, rows, self.moe_steps[layer].pool)
+        st = self.moe_steps[layer]
+        out = cpu_moe.measure(st.attrs, rows, st.pool)
+        if st.gpu.ok:
+            out.update(st.gpu.measure(rows))
+        return out
 
     def place_experts(self, plan) -> dict:
-        """Apply an expert-tier plan: every expert "host" or "mmap" (the CPU tiers)."""
+        """Apply an expert-tier plan: each layer's "gpu" experts uploaded to the device (the
+        others' device copies freed), "host" ones materialized and their pages touched by
+        the pinned CPU pool, "mmap" ones left in the file's map. A layer whose experts do
+        not fit in the device's free memory keeps them on the CPU tier (its "gpu" experts
+        become "host"), which the returned ``gpu_bytes`` reflects. Raises ValueError for a
+        plan of the wrong shape, or "gpu" experts in a layer the GPU tier cannot run."""
         from aotx.engine.backend import cpu_moe
 
         if not self.moe_steps:
             return {"gpu_bytes": 0, "host_bytes": 0, "recalibrate": False}
-        return cpu_moe.place(self.moe_steps, plan, self.moe_steps[0].pool)
+        if len(plan.tiers) != len(self.moe_steps):
+            raise ValueError(f"an expert plan of {len(plan.tiers)} layers for {len(self.moe_steps)} moe layers")
+        gpu_bytes = host_bytes = 0
+        pool = self.moe_steps[0].pool
+        for st, tiers in zip(self.moe_steps, plan.tiers):
+            a = st.attrs
+            if len(tiers) != a["n_expert"] or any(t not in ("gpu",) + cpu_moe.CPU_TIERS for t in tiers):
+                raise ValueError(f"moe layer {a['moe_layer']}: tiers {sorted(set(tiers))} for {a['n_expert']} "
+                                 f"experts (tiers: gpu, {', '.join(cpu_moe.CPU_TIERS)})")
+            on_gpu = [e for e, t in enumerate(tiers) if t == "gpu"]
+            host = [e for e, t in enumerate(tiers) if t == "host"]
+            try:
+                gpu_bytes += st.gpu.place(on_gpu)
+            except _OOM:
+                st.gpu.place([])
+                host += on_gpu
+            host_bytes += pool.warm([a["gate"], a["up"], a["down"]], sorted(host))
+        return {"gpu_bytes": gpu_bytes, "host_bytes": host_bytes, "recalibrate": True}
 
     def expert_stats(self) -> dict:
-        """Rows routed to each expert of each moe layer since load."""
+        """Rows routed to each expert of each moe layer since load; (row, expert) pairs the
+        GPU tier computed per layer; the CPU pool's counters."""
         return {"traffic": [b.traffic.tolist() for b in self.moe_steps],
+                "gpu_rows": [b.gpu.rows for b in self.moe_steps],
+                "gpu_experts": [len(b.gpu.ids) for b in self.moe_steps],
                 "pool": self.moe_steps[0].pool.stats() if self.moe_steps else {}}
 
     # ---- graph path ---------------------------------------------------------------------------

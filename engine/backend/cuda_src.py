@@ -815,12 +815,15 @@ template <int E, int KVT> __device__ __forceinline__ void ldkv(const void* c, lo
 // positions into registers at once (lane holds E = HD/32 dims), then updates its online
 // softmax. Partials (m, l, acc[HD]) go to part; the last split block to finish (atomic
 // ticket) combines them and resets its counter. Query head h reads KV head h / (H / n_kv).
+// sinks (gpt-oss; null: none): head h's learned logit z joins the softmax denominator with
+// no value, at the final combination: M' = max(M, z), out = acc e^(M - M') / (L e^(M - M')
+// + e^(z - M')). A function of the row's own scores: batch invariance holds.
 template <int HD, int KVT>
 __global__ void __launch_bounds__(128) attn_decode(
     const float* __restrict__ q, int ldq, const void* __restrict__ kc, const void* __restrict__ vc,
     const int* __restrict__ tab_slot, const int* __restrict__ tab_pos, int H, int n_kv, int n_ctx, float scale,
-    int window, float* __restrict__ part, int* __restrict__ counters, float* __restrict__ out, int ldo, int nsmax,
-    int minchunk)
+    int window, const float* __restrict__ sinks, float* __restrict__ part, int* __restrict__ counters,
+    float* __restrict__ out, int ldo, int nsmax, int minchunk)
 {
     constexpr int E = HD / 32;
     constexpr int PW = 32 / E;
@@ -890,11 +893,17 @@ __global__ void __launch_bounds__(128) attn_decode(
     for (int w = 0; w < 4; w++) L += s_l[w] * expf(s_m[w] - M);
     const long long bh = (long long)b * H + h;
     if (nsplit == 1) {
+        float f = 1.f;                     // the sink's rescale of the values
+        if (sinks != nullptr) {
+            const float z = sinks[h], M2 = fmaxf(M, z);
+            f = expf(M - M2);
+            L = L * f + expf(z - M2);
+        }
         for (int d = threadIdx.x; d < HD; d += 128) {
             float o = 0.f;
 #pragma unroll
             for (int w = 0; w < 4; w++) o += s_acc[w][d] * expf(s_m[w] - M);
-            out[(long long)b * ldo + h * HD + d] = o / L;
+            out[(long long)b * ldo + h * HD + d] = (sinks != nullptr ? o * f : o) / L;
         }
         return;
     }
@@ -920,11 +929,17 @@ __global__ void __launch_bounds__(128) attn_decode(
     for (int i = 0; i < nsplit; i++) MM = fmaxf(MM, __ldcg(P0 + i * (HD + 2)));
     float LL = 0.f;
     for (int i = 0; i < nsplit; i++) LL += __ldcg(P0 + i * (HD + 2) + 1) * expf(__ldcg(P0 + i * (HD + 2)) - MM);
+    float f = 1.f;
+    if (sinks != nullptr) {
+        const float z = sinks[h], M2 = fmaxf(MM, z);
+        f = expf(MM - M2);
+        LL = LL * f + expf(z - M2);
+    }
     for (int d = threadIdx.x; d < HD; d += 128) {
         float o = 0.f;
         for (int i = 0; i < nsplit; i++)
             o += __ldcg(P0 + i * (HD + 2) + 2 + d) * expf(__ldcg(P0 + i * (HD + 2)) - MM);
-        out[(long long)b * ldo + h * HD + d] = o / LL;
+        out[(long long)b * ldo + h * HD + d] = (sinks != nullptr ? o * f : o) / LL;
     }
     if (threadIdx.x == 0) counters[bh] = 0;
 }
@@ -958,8 +973,10 @@ __global__ void rms_norm(const float* __restrict__ x, int ldx, const float* __re
 // Softmax over rows of S (rows, ld) for one segment's queries: row r is query i = r % n at
 // position pos0 + i; column t is key position c0 + t. Keys after the query, and with a sliding
 // window (window > 0) keys at or before query - window, get probability 0. Scores are
-// multiplied by scale first.
-__global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, int c0, int window, float scale)
+// multiplied by scale first. sinks (gpt-oss; null: none): row r belongs to query head r / n
+// (rows are (KV, G, n) in order), whose sink logit joins the max and the denominator.
+__global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, int c0, int window, float scale,
+                               const float* __restrict__ sinks)
 {
     __shared__ float red[32];
     __shared__ float bc;
@@ -980,6 +997,8 @@ __global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, i
     }
     __syncthreads();
     mx = bc;
+    const float z = sinks != nullptr ? sinks[r / n] : 0.f;
+    if (sinks != nullptr) mx = fmaxf(mx, z);
     float sum = 0.f;
     for (int t = lo + threadIdx.x; t < hi; t += blockDim.x) { float e = expf(row[t] * scale - mx); row[t] = e; sum += e; }
     sum = warp_sum(sum);
@@ -989,7 +1008,7 @@ __global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, i
     if (threadIdx.x < 32) {
         float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
         v = warp_sum(v);
-        if (threadIdx.x == 0) bc = v;
+        if (threadIdx.x == 0) bc = sinks != nullptr ? v + expf(z - mx) : v;
     }
     __syncthreads();
     const float inv = 1.0f / bc;
@@ -1003,6 +1022,19 @@ __global__ void gather_rows(const float* __restrict__ x, int ld, const int* __re
     const float* src = x + (long long)idx[blockIdx.x] * ld;
     float* dst = xo + (long long)blockIdx.x * ld;
     for (int e = threadIdx.x; e < ld; e += blockDim.x) dst[e] = src[e];
+}
+
+// gpt-oss's clamped SwiGLU on the GPU expert tier (ggml_swiglu_oai; cpu_moe.swiglu_oai):
+// x = min(g, limit), y = clamp(u, -limit, limit), out = x / (1 + exp(-alpha x)) * (y + 1)
+__global__ void swiglu_oai_rows(const float* __restrict__ g, int ldg, const float* __restrict__ u, int ldu, int n,
+                                int f, float alpha, float limit, float* __restrict__ out, int ldo)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * f) return;
+    const long long r = i / f, c = i % f;
+    const float x = fminf(g[r * ldg + c], limit);
+    const float y = fminf(fmaxf(u[r * ldu + c], -limit), limit);
+    out[r * ldo + c] = x / (1.0f + expf(-alpha * x)) * (y + 1.0f);
 }
 
 // out[r, c] = act(g[r, c]) * u[r, c] for r < n, c < f; act 0 silu (SwiGLU), 1 gelu_tanh (GEGLU)

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Mixtures of experts on the CUDA backend, in one call (issue 22; helper `moe`), <= 5 min:
-#   1. tests/test_cuda_moe.py: tiny qwen3moe and olmoe logits (dense layers on the GPU, the
+#   1. tests/test_cuda_moe.py: tiny qwen3moe, olmoe and gpt-oss logits (dense layers on the GPU, the
 #      moe op on the CPU expert tier) against the CPU float path, prefill / multi-slot decode /
 #      verify / mixed batches, f16 and f32 KV; device greedy; the plan; the fake-CuPy dry run;
 #   2. `aotx run --device cuda` on the tiny qwen3moe file (SmolLM2 tokenizer): the startup
 #      profile's expert stages and the admission note; then the same prompt on the CPU;
-#   3. gpt-oss (attention sinks): `--device cuda` must fail with ONE line and exit 2,
-#      `--device auto` must fall back to the CPU and answer.
+#   3. gpt-oss (attention sinks, sliding window): `--device cuda` answers.
 # Prepare here first: bash tests/tools/cuda_check_moe_prep.sh (makes .moe_files/ and .whl/).
 # Run from the repo root:  PYTHONUNBUFFERED=1 bash tests/tools/cuda_check_moe.sh   (carry: .whl, .moe_files)
 set -uo pipefail
@@ -52,23 +51,15 @@ if [ -f .moe_files/qwen3moe.gguf ]; then
       --temperature 0 --max-tokens 8 "Hello" 2>/dev/null | grep '"done"' | cut -c1-400
     aotx stop --socket ${SOCK}2 >/dev/null 2>&1
   fi
-  echo "== 3. gpt-oss: --device cuda refused in one line, --device auto on the CPU"
-  aotx run --model .moe_files/gptoss.gguf --device cuda --socket ${SOCK}3 --slots 1 --context 256 --max-tokens 4 \
-    "Hello" > /tmp/aotx-moe-s/g.out 2> /tmp/aotx-moe-s/g.err
+  echo "== 3. gpt-oss (attention sinks, sliding window) on --device cuda"
+  aotx run --model .moe_files/gptoss.gguf --device cuda --socket ${SOCK}3 --slots 1 --context 256 --json \
+    --temperature 0 --max-tokens 4 "Hello" > /tmp/aotx-moe-s/g.out 2> /tmp/aotx-moe-s/g.err
   RC=$?
-  cat /tmp/aotx-moe-s/g.err
-  N=$(grep -vc "started an engine" /tmp/aotx-moe-s/g.err)
-  if [ $RC != 2 ] || [ "$N" != 1 ] || grep -q Traceback /tmp/aotx-moe-s/g.err; then
-    echo "FAIL gpt-oss on cuda: rc $RC, $N lines (want rc 2, one line)"; FAIL=1
+  grep '"done"' /tmp/aotx-moe-s/g.out | cut -c1-300
+  if [ $RC != 0 ] || ! grep -q '"done"' /tmp/aotx-moe-s/g.out; then
+    echo "FAIL gpt-oss --device cuda: rc $RC"; tail -5 /tmp/aotx-moe-s/g.err; tail -20 "$AOTX_HOME/engine.log"; FAIL=1
   fi
   aotx stop --socket ${SOCK}3 >/dev/null 2>&1
-  aotx run --model .moe_files/gptoss.gguf --device auto --socket ${SOCK}4 --slots 1 --context 256 --json \
-    --temperature 0 --max-tokens 4 "Hello" > /tmp/aotx-moe-s/a.out 2> /tmp/aotx-moe-s/a.err
-  RC=$?
-  grep '"done"' /tmp/aotx-moe-s/a.out | cut -c1-300
-  grep -h "cannot run this model" "$AOTX_HOME/engine.log" | tail -1
-  [ $RC = 0 ] || { echo "FAIL gpt-oss --device auto: rc $RC"; tail -5 /tmp/aotx-moe-s/a.err; FAIL=1; }
-  aotx stop --socket ${SOCK}4 >/dev/null 2>&1
 else
   echo "== 2-3 skipped: no .moe_files/ (run tests/tools/cuda_check_moe_prep.sh here and carry .moe_files)"
 fi

@@ -2,12 +2,14 @@
 ``python -m tests.tools.gpu_dryrun_moe``.
 
 Like ``tests/tools/gpu_dryrun.py`` (every launch checked by ``gpu_fake_cupy``; kernels do
-not run, so the device numbers are garbage), on tiny qwen3moe and olmoe files with
+not run, so the device numbers are garbage), on tiny qwen3moe, olmoe and gpt-oss files with
 head dimension 32 (the CUDA attention kernel's smallest): the plan's host moe steps, every
 forward on the eager path (no graph capture), the host step's rows back in the device
 buffer with the shape of the op's output (compared against ``cpu_moe.moe_rows`` run on the
-same host rows), device sampling, and the expert-tier setup (calibrate, plan, place) on the
-CUDA program. Prints one line per scenario and ``moe dry run OK`` last; exit code 1 on the
+same host rows), device sampling, the GPU expert tier's launches under each placement
+(all on the GPU, mixed, all on the CPU), and the expert-tier setup (calibrate with GPU
+timings, plan, place: everything on the GPU under a large budget, a mix under 40%) on
+the CUDA program. Prints one line per scenario and ``moe dry run OK`` last; exit code 1 on the
 first failure. Run in a subprocess by tests/test_cuda_moe.py.
 """
 
@@ -57,8 +59,8 @@ def _exercise(model, fake) -> None:
     seen = []
     real = c.moe_steps[0]._moe_rows
 
-    def spy(attrs, x, pool, traffic=None, small=None):
-        y = real(attrs, x, pool, traffic, small)
+    def spy(attrs, x, pool, traffic=None, small=None, gpu=None, worker=None):
+        y = real(attrs, x, pool, traffic, small, gpu, worker)
         seen.append((x.copy(), y, small))
         return y
 
@@ -91,17 +93,74 @@ def _exercise(model, fake) -> None:
         s._moe_rows = real
 
 
+def _tiers(model, placement: str):
+    """A placement's tiers per moe layer: "gpu" (all), "cpu" (all host) or "mixed" (layer 0
+    all on the GPU, the others every other expert, starting with the GPU)."""
+    from aotx.engine.model import experts as X
+
+    out = []
+    for L in X.moe_layers(model.program):
+        if placement == "gpu":
+            t = ["gpu"] * L.n_expert
+        elif placement == "cpu":
+            t = ["host"] * L.n_expert
+        else:
+            t = ["gpu"] * L.n_expert if L.index == 0 else ["gpu" if e % 2 == 0 else "host" for e in range(L.n_expert)]
+        out.append(tuple(t))
+    return tuple(out)
+
+
+def _placements(model) -> str:
+    """The GPU expert tier's host code: each placement applied, then a prefill, a decode
+    step and a mixed batch on the eager path (launches checked; the numbers are garbage)."""
+    from aotx.engine.model import experts as X
+    from aotx.engine.model.batch import Segment
+
+    c = model.compiled
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, VOCAB, 40).astype(np.int32)
+    done = []
+    for placement in ("gpu", "mixed", "cpu"):
+        tiers = _tiers(model, placement)
+        placed = c.place_experts(X.Plan(tiers))
+        n_gpu = sum(t.count("gpu") for t in tiers)
+        want = sum(sum(int(a[k].raw(e).nbytes) for k in ("gate", "up", "down"))
+                   + sum(a[k].shape[1] * 4 for k in ("gate_bias", "up_bias", "down_bias") if a.get(k) is not None)
+                   for a, t in zip((s.attrs for s in c.moe_steps), tiers) for e, tt in enumerate(t) if tt == "gpu")
+        assert placed["gpu_bytes"] == want, (placement, placed, want)
+        before = list(c.expert_stats()["gpu_rows"])
+        kv = model.new_kv_cache(2, 64)
+        assert model.forward(toks[:30], [Segment(0, 0, 30)], kv).shape == (1, VOCAB)
+        assert model.forward(toks[:2], [Segment(0, 30, 1), Segment(1, 0, 1)], kv).shape == (2, VOCAB)
+        assert model.forward(toks[:20], [Segment(0, 31, 1), Segment(1, 1, 19)], kv).shape == (2, VOCAB)
+        got = [a - b for a, b in zip(c.expert_stats()["gpu_rows"], before)]
+        if n_gpu == 0:
+            assert sum(got) == 0, got
+        else:
+            assert all(g > 0 for g in got), (placement, got)
+        done.append(f"{placement} {n_gpu} on gpu, {sum(got)} gpu pairs")
+    return "; ".join(done)
+
+
 def _setup(model, root) -> str:
     from aotx.engine.model import experts as X
     from aotx.engine.runtime import admission
 
-    st = X.setup(model, model_fp="dryrun", gpu_bytes=1 << 30, host_bytes=None, root=root)
-    assert st.plan.count("host") == st.plan.n_experts, st.plan.summary()
+    layers = X.moe_layers(model.program)
+    total = sum(x.n_expert * x.expert_bytes for x in layers)
+    m = model.compiled.measure_experts(0, (1, 16))
+    assert set(m) == {"cpu", "gpu", "copy"} and set(m["gpu"]) == {1, 16}, m
+    st = X.setup(model, model_fp="dryrun", gpu_bytes=1 << 30, host_bytes=None, root=root, reuse=False)
+    assert st.plan.count("gpu") == st.plan.n_experts, st.plan.summary()
     assert set(st.stages) == {"experts calibrate", "experts plan", "experts place", "experts replan"}
-    lines = admission.check_experts(st.plan, sum(x.n_expert * x.expert_bytes for x in X.moe_layers(model.program)),
-                                    64 << 30, gpu=True)
-    assert "CPU tier" in lines[-1], lines
-    return st.plan.summary()
+    assert model.compiled.expert_stats()["gpu_experts"] == [x.n_expert for x in layers]
+    st2 = X.setup(model, model_fp="dryrun", gpu_bytes=int(total * 0.4), host_bytes=None, root=root, reuse=False)
+    n_gpu = st2.plan.count("gpu")
+    assert 0 < n_gpu < st2.plan.n_experts, st2.plan.summary()
+    assert sum(model.compiled.expert_stats()["gpu_experts"]) == n_gpu
+    lines = admission.check_experts(st2.plan, total, 64 << 30, gpu=True)
+    assert f"{st2.plan.n_experts - n_gpu} of its {st2.plan.n_experts} experts on the CPU" in lines[-1], lines
+    return st.plan.summary() + " | " + st2.plan.summary()
 
 
 def main() -> int:
@@ -114,12 +173,13 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="aotx-dryrun-moe-"))
     tok = _toy_tokenizer(tm)
     files = {"qwen3moe": tm.qwen3moe.write(tmp / "qwen3moe.gguf", tok),
-             "olmoe": tm.olmoe.write(tmp / "olmoe.gguf", tok, d_model=128)}
+             "olmoe": tm.olmoe.write(tmp / "olmoe.gguf", tok, d_model=128),
+             "gptoss": tm.gptoss.write(tmp / "gptoss.gguf", tok)}
     for name, path in files.items():
         try:
             model = _build(path)
             _exercise(model, fake)
-            summary = _setup(model, tmp / "home")
+            summary = _placements(model) + " | " + _setup(model, tmp / "home")
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {name}")
             traceback.print_exc()

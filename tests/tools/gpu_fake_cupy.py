@@ -243,6 +243,7 @@ def _extents(name: str, grid, a: dict) -> None:
         _need(w, a["out"], 4 * ((B - 1) * i("ldo") + H * hd), "out")
         _need(w, a["part"], 4 * B * H * i("nsmax") * (hd + 2), "part")
         _need(w, a["counters"], 4 * B * H, "counters")
+        _need(w, a["sinks"], 4 * H, "sinks")
         _need(w, a["tab_slot"], 4 * B, "tab_slot")
         _need(w, a["tab_pos"], 4 * B, "tab_pos")
 

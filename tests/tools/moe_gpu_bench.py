@@ -8,12 +8,14 @@ with ``--n-cpu-moe`` (issue 22). Driven by tests/tools/moe_gpu_bench.sh; subcomm
   SmolLM2's vocabulary of 49,152 tokens, so the output head is smaller than the real
   model's), about 17 GB. Every
   matrix row is drawn from a small pool of valid random rows of its type (seconds per GB).
-* ``aotx FILE --json OUT.json [--budget 8G]``: AOTX on the CUDA backend: dense layers on the
-  GPU, every routed expert on the CPU tier (the CUDA backend has no GPU expert cache yet,
-  so the GPU holds about 1 GB whatever the budget: far below the model's size). The
-  expert-tier setup (calibration, plan, placement: its stages and plan), admission's lines
-  for the budget, prefill tokens/s at 512 (one chunk, after a warm-up), batch-1 greedy
-  decode tokens/s over 16 steps.
+* ``aotx FILE --json OUT.json [--budget 8G] [--gpu-share 0.4]``: AOTX on the CUDA backend:
+  dense layers on the GPU, every routed expert on the CPU tier first (a GPU expert budget of
+  0). The expert-tier setup (calibration with CPU, GPU and copy timings, plan, placement:
+  its stages and plan), admission's lines for the budget, prefill tokens/s at 512 (one
+  chunk, after a warm-up), batch-1 greedy decode tokens/s over 16 steps. Then, with
+  ``--gpu-share`` > 0, the setup again (the stored calibration reused) with a GPU expert
+  budget of that share of the routed experts' bytes (about that share of the experts on the
+  GPU tier, the rest on the CPU pool) and the same two measurements (``gpu_tier``).
 
 Throughput does not depend on the weights' values; these numbers are for the ratio to
 llama.cpp on the same file in the same call, not for absolute claims.
@@ -118,13 +120,36 @@ def write(out: Path, tokenizer_json: Path, n_layers: int) -> Path:
     return out
 
 
-def aotx(path: Path, budget: str, home: Path) -> dict:
+def _speeds(model, vocab: int, res: dict) -> None:
+    """Prefill 512 (one chunk, after a warm-up) and batch-1 greedy decode tokens/s into res."""
+    from aotx.engine.model.batch import Segment
+
+    rng = np.random.default_rng(0)
+
+    def toks(n):
+        return rng.integers(0, vocab, n).astype(np.int32)
+
+    kv = model.new_kv_cache(1, 1024)
+    model.forward(toks(32), [Segment(0, 0, 32)], kv)          # warm-up (setup already touched every expert)
+    t = time.perf_counter()
+    model.forward(toks(512), [Segment(0, 0, 512)], kv)
+    res["prefill_512_tok_s"] = round(512 / (time.perf_counter() - t), 1)
+    tok = np.array([1], np.int32)
+    for i in range(2):
+        tok = model.greedy(tok, [Segment(0, 512 + i, 1)], kv)
+    steps = DECODE_STEPS
+    t = time.perf_counter()
+    for i in range(steps):
+        tok = model.greedy(tok, [Segment(0, 514 + i, 1)], kv)
+    res["decode_b1_tok_s"] = round(steps / (time.perf_counter() - t), 2)
+
+
+def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0) -> dict:
     import cupy as cp
 
     from aotx.engine.backend.cuda import CudaBackend
     from aotx.engine.model import experts as X
     from aotx.engine.model.architectures import build
-    from aotx.engine.model.batch import Segment
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
     from aotx.engine.runtime import admission
@@ -153,25 +178,23 @@ def aotx(path: Path, budget: str, home: Path) -> dict:
     gpu_total = admission.parse_size(budget)
     res["budget"] = {"gpu_budget_bytes": gpu_total, "model_file_bytes": path.stat().st_size,
                      "fits": int(model.weight_bytes) + (256 << 20) <= gpu_total}
-    rng = np.random.default_rng(0)
-
-    def toks(n):
-        return rng.integers(0, cfg.vocab_size, n).astype(np.int32)
-
-    kv = model.new_kv_cache(1, 1024)
-    model.forward(toks(32), [Segment(0, 0, 32)], kv)          # warm-up (setup already touched every expert)
-    t = time.perf_counter()
-    model.forward(toks(512), [Segment(0, 0, 512)], kv)
-    res["prefill_512_tok_s"] = round(512 / (time.perf_counter() - t), 1)
-    tok = np.array([1], np.int32)
-    for i in range(2):
-        tok = model.greedy(tok, [Segment(0, 512 + i, 1)], kv)
-    steps = DECODE_STEPS
-    t = time.perf_counter()
-    for i in range(steps):
-        tok = model.greedy(tok, [Segment(0, 514 + i, 1)], kv)
-    res["decode_b1_tok_s"] = round(steps / (time.perf_counter() - t), 2)
+    _speeds(model, cfg.vocab_size, res)
     res["expert_pool"] = model.compiled.expert_stats()["pool"]
+    if gpu_share > 0:
+        g: dict = {"share": gpu_share, "gpu_expert_budget_bytes": int(gpu_share * total)}
+        t = time.perf_counter()
+        st = X.setup(model, model_fp=fingerprint(gf), gpu_bytes=g["gpu_expert_budget_bytes"], host_bytes=None,
+                     root=home)
+        g["experts_setup_s"] = round(time.perf_counter() - t, 2)
+        g["plan"] = st.plan.summary()
+        g["placed_gpu_bytes"] = int(st.placed.get("gpu_bytes", 0))
+        g["gpu_experts"] = int(st.plan.count("gpu"))
+        s0 = model.compiled.expert_stats()
+        _speeds(model, cfg.vocab_size, g)
+        s1 = model.compiled.expert_stats()
+        g["gpu_pairs"] = sum(s1["gpu_rows"]) - sum(s0["gpu_rows"])
+        g["cpu_pairs"] = s1["pool"]["rows"] - s0["pool"]["rows"]
+        res["gpu_tier"] = g
     return res
 
 
@@ -187,13 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", required=True)
     p.add_argument("--budget", default="8G")
     p.add_argument("--home", default="/tmp/moe_gpu_bench_home")
+    p.add_argument("--gpu-share", type=float, default=0.0,
+                   help="then again with this share of the routed experts' bytes as the GPU expert budget")
     a = ap.parse_args(argv)
     if a.cmd == "write":
         t = time.perf_counter()
         out = write(Path(a.out), Path(a.tokenizer), a.layers)
         print(f"wrote {out} ({out.stat().st_size:,} bytes) in {time.perf_counter() - t:.1f} s")
         return 0
-    r = aotx(Path(a.model), a.budget, Path(a.home))
+    r = aotx(Path(a.model), a.budget, Path(a.home), a.gpu_share)
     Path(a.json).write_text(json.dumps(r, indent=1))
     print(json.dumps(r))
     return 0

@@ -3,22 +3,31 @@
 # Qwen3-30B-A3B-shaped random-weight qwen3moe (Q4_K_M mix, ~17 GB; tests/tools/moe_gpu_bench.py)
 # with the GPU budget far below the model's size, AOTX (dense layers on the GPU, every routed
 # expert on the CPU tier) next to llama.cpp with -ngl 99 --n-cpu-moe 48 (every layer's experts
-# on the CPU: the same split), both on the SAME cores 0-7, while llama.cpp builds on cores 8..:
+# on the CPU: the same split), then AOTX with a GPU expert budget of MOE_BENCH_GPU_SHARE (0.4)
+# of the experts' bytes (the calibration places them) next to llama.cpp --n-cpu-moe 29 (the
+# experts of the last 19 of 48 layers on the GPU: the same share, placed by hand), all on the
+# SAME cores 0-7, while llama.cpp builds on cores 8..:
 #   1. llama.cpp (CUDA, sm_90, no FlashAttention kernels; llama-bench only) in the background
 #      from .gpubench/llama.cpp-src.tar.xz;
 #   2. the file (cores 0-7);
 #   3. AOTX: load, expert-tier setup (stages, plan, admission lines), prefill 512, decode b1;
-#   4. llama-bench -p 512 -n 16 -r 2 -t 8 -ngl 99 -ncmoe 48 -fa 0 once the build is done;
+#      then the GPU-tier setup and the same two measurements;
+#   4. llama-bench -p 512 -n 16 -r 2 -t 8 -ngl 99 -ncmoe 48,29 -fa 0 once the build is done;
 #   5. one short table. Files under $OUT: aotx.json, llama.jsonl, table.txt, llama-build.log.
 # Prepare here first: bash tests/tools/gpu_bench_prep.sh   (makes .whl/ and .gpubench/)
 # Run from the repository root:  PYTHONUNBUFFERED=1 bash tests/tools/moe_gpu_bench.sh   carry: [".whl", ".gpubench"]
-# Knobs: MOE_BENCH_DEADLINE (seconds, default 570), MOE_BENCH_LAYERS (default 48), MOE_BENCH_BUDGET (default 8G).
+# Knobs: MOE_BENCH_DEADLINE (seconds, default 570), MOE_BENCH_LAYERS (default 48), MOE_BENCH_BUDGET (default 8G),
+# MOE_BENCH_GPU_SHARE (default 0.4; 0: no GPU-tier runs).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 T0=$(date +%s)
 DEADLINE=${MOE_BENCH_DEADLINE:-570}
 LAYERS=${MOE_BENCH_LAYERS:-48}
+SHARE=${MOE_BENCH_GPU_SHARE:-0.4}
+# llama.cpp: --n-cpu-moe N keeps the experts of the first N layers on the CPU
+NCMOE_GPU=$(python3 -c "print($LAYERS - round($SHARE * $LAYERS))")
+NCMOE="$LAYERS"; [ "$NCMOE_GPU" != "$LAYERS" ] && NCMOE="$LAYERS,$NCMOE_GPU"
 WORK=/tmp/moe_gpu_bench
 OUTD=${OUT:-$WORK/out}
 PY=${PY:-python3}
@@ -75,7 +84,7 @@ ls -la "$F"; free -g | head -2
 T=$(( $(left) - 150 )); [ $T -gt 300 ] && T=300
 echo "== AOTX ($T s at most, $BT threads)"
 $PIN_BENCH timeout $T "$PY" -m tests.tools.moe_gpu_bench aotx "$F" --json "$OUTD/aotx.json" \
-  --budget "${MOE_BENCH_BUDGET:-8G}" > "$WORK/aotx.out" 2> "$WORK/aotx.err"
+  --budget "${MOE_BENCH_BUDGET:-8G}" --gpu-share "$SHARE" > "$WORK/aotx.out" 2> "$WORK/aotx.err"
 echo "aotx exit $?"; tail -3 "$WORK/aotx.err"
 
 # 5. llama.cpp, once built
@@ -83,7 +92,7 @@ while [ ! -f "$WORK/llama-build.done" ] && [ $(left) -gt 90 ]; do sleep 5; done
 if [ -f "$WORK/llama-build.done" ] && [ "$(cat "$WORK/llama-build.done")" = 0 ]; then
   T=$(( $(left) - 15 ))
   echo "== llama.cpp ($T s at most)"
-  $PIN_BENCH timeout $T "$WORK/llama.cpp/build/bin/llama-bench" -m "$F" -ngl 99 -ncmoe "$LAYERS" -fa 0 -t $BT \
+  $PIN_BENCH timeout $T "$WORK/llama.cpp/build/bin/llama-bench" -m "$F" -ngl 99 -ncmoe "$NCMOE" -fa 0 -t $BT \
     -p 512 -n 16 -r 2 -o jsonl > "$OUTD/llama.jsonl" 2> "$WORK/llama.err"
   echo "llama-bench exit $?"; tail -3 "$WORK/llama.err"
 else
@@ -93,28 +102,40 @@ tail -c 100000 "$WORK/llama-build.log" > "$OUTD/llama-build.log" 2>/dev/null || 
 [ -n "${BUILD_PID:-}" ] && kill "$BUILD_PID" 2>/dev/null
 
 # 6. table
-"$PY" - "$OUTD" <<'PYEOF' | tee "$OUTD/table.txt"
+"$PY" - "$OUTD" "$LAYERS" <<'PYEOF' | tee "$OUTD/table.txt"
 import json, pathlib, sys
-d = pathlib.Path(sys.argv[1])
+d, layers = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 a = json.loads((d / "aotx.json").read_text()) if (d / "aotx.json").exists() else {}
-l = {}
+g = a.get("gpu_tier", {})
+l: dict = {}
+build = "-"
 for ln in ((d / "llama.jsonl").read_text().splitlines() if (d / "llama.jsonl").exists() else []):
     try:
         r = json.loads(ln)
     except ValueError:
         continue
-    l["prefill_512_tok_s" if r.get("n_gen") == 0 else "decode_b1_tok_s"] = round(float(r["avg_ts"]), 2)
-    l["build"] = r.get("build_commit", "?")
-print("Qwen3-30B-A3B-shaped random weights; experts on the CPU (both), same cores")
+    n = int(r.get("n_cpu_moe", layers))
+    l.setdefault(n, {})["prefill_512_tok_s" if r.get("n_gen") == 0 else "decode_b1_tok_s"] = round(float(r["avg_ts"]), 2)
+    build = r.get("build_commit", "?")
+print("Qwen3-30B-A3B-shaped random weights, same cores")
 for k in ("plan", "admission", "experts_stages", "budget", "gpu_weight_bytes", "host_expert_bytes", "load_s",
           "experts_setup_s"):
     if k in a:
         print(f"  aotx {k}: {a[k]}")
-print(f"{'':22}{'aotx':>12}{'llama.cpp':>12}{'ratio':>10}")
-for k in ("prefill_512_tok_s", "decode_b1_tok_s"):
-    x, y = a.get(k), l.get(k)
-    r = f"{x / y:10.2f}" if x and y else ""
-    print(f"{k:22}{x if x is not None else '-':>12}{y if y is not None else '-':>12}{r}")
-print(f"llama.cpp build {l.get('build', '-')}")
+for k in ("plan", "placed_gpu_bytes", "gpu_pairs", "cpu_pairs", "experts_setup_s"):
+    if k in g:
+        print(f"  aotx gpu tier {k}: {g[k]}")
+rows = [(f"experts on the CPU (llama.cpp -ncmoe {layers})", a, l.get(layers, {}))]
+gpu_n = [n for n in l if n != layers]
+if g:
+    rows.append((f"~{g['share']:.0%} on the GPU (llama.cpp -ncmoe {gpu_n[0] if gpu_n else '-'})", g,
+                 l.get(gpu_n[0], {}) if gpu_n else {}))
+print(f"{'':44}{'':22}{'aotx':>10}{'llama.cpp':>11}{'ratio':>8}")
+for name, x, y in rows:
+    for k in ("prefill_512_tok_s", "decode_b1_tok_s"):
+        u, v = x.get(k), y.get(k)
+        r = f"{u / v:8.2f}" if u and v else ""
+        print(f"{name:44}{k:22}{u if u is not None else '-':>10}{v if v is not None else '-':>11}{r}")
+print(f"llama.cpp build {build}")
 PYEOF
 echo "moe_gpu_bench.sh: $(( $(date +%s) - T0 )) s"
