@@ -168,10 +168,29 @@ def test_raw_sse_ends_with_receipt_event_then_done(gw):
     assert lines[-1] == "data: [DONE]" and lines[-3] == "event: aotx.receipt"
     ev = json.loads(lines[-2][len("data: "):])
     assert ev["aotx"]["conversation"] == conv and _receipt_ok(ev["aotx"]["receipt"])
-    assert ev["choices"][0]["delta"] == {} and ev["object"] == "chat.completion.chunk"
+    assert ev["choices"] == [] and ev["object"] == "chat.completion.chunk"
     finish = json.loads(lines[-4][len("data: "):])
     assert finish["choices"][0]["finish_reason"] in ("stop", "length")
     assert all(ln.startswith("data: ") for ln in lines[:-3])
+
+
+
+def test_receipt_event_does_not_repeat_a_choices_finish(oa):
+    """The ``aotx.receipt`` event's data is read as one more chunk by the openai client (it does
+    not skip named events); it carried choice 0's finish_reason again, so a client counting
+    finishes (or merging them, as LangChain does) saw choice 0 end twice, after the usage chunk
+    that should be the last. Its ``choices`` is now empty: every choice finishes once."""
+    for create, kw in ((oa.chat.completions.create, {"messages": HELLO}), (oa.completions.create, {"prompt": "Once"})):
+        finishes: dict[int, list] = {}
+        chunks = list(create(model="local", n=2, max_tokens=4, temperature=1.0, seed=5, stream=True,
+                             stream_options={"include_usage": True}, **kw))
+        for ch in chunks:
+            for c in ch.choices:
+                if c.finish_reason:
+                    finishes.setdefault(c.index, []).append(c.finish_reason)
+        assert sorted(finishes) == [0, 1] and all(len(v) == 1 for v in finishes.values()), finishes
+        assert chunks[-1].choices == [] and chunks[-1].model_extra["aotx"]["receipt"]
+        assert chunks[-2].usage is not None and chunks[-2].usage.completion_tokens > 0
 
 
 GOOD = [

@@ -695,11 +695,12 @@ def usage_chunk(r: Reply, chat: bool) -> dict[str, Any]:
 
 
 def receipt_event(r: Reply, chat: bool) -> dict[str, Any]:
-    """Data of the ``aotx.receipt`` SSE event: a well-formed chunk with an empty
-    delta (so OpenAI clients, which do not skip named events, see a harmless
-    chunk) plus the ``aotx`` object with the receipt."""
-    c = r.choices[0]
-    base = (chat_chunk(r, {}, c.finish) if chat else text_chunk(r, "", c.finish_reason))
+    """Data of the ``aotx.receipt`` SSE event: a well-formed chunk with no choices
+    (OpenAI clients, which do not skip named events, read it as one more chunk: one
+    with a choice would finish that choice a second time) plus the ``aotx`` object
+    with the receipt."""
+    base = chat_chunk(r, {}) if chat else text_chunk(r, "")
+    base["choices"] = []
     base["aotx"] = r.aotx
     return base
 
