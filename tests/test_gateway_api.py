@@ -427,3 +427,29 @@ def test_anthropic_stop_sequence_is_reported_as_stop_sequence(gw):
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", m.stop_sequence)
     m2 = cl.messages.create(**{**kw, "stop_sequences": ["\u2603\u2603"], "max_tokens": 3})
     assert (m2.stop_reason, m2.stop_sequence) == ("max_tokens", None)
+
+
+def test_responses_continued_from_one_id_by_concurrent_requests_each_branch_from_it(gw, engine):
+    """Four requests continuing the same ``previous_response_id`` at once: all but one got a
+    409 conversation_busy (each submitted to the response's conversation, which the first was
+    generating in), and one that came in after the first had finished answered with the first's
+    turn in its history (the gateway saw the response as the conversation's last reply, then
+    submitted after another turn had landed). Each is now a 200 whose history is the response's
+    conversation up to that response and its own message."""
+    oa = openai.OpenAI(base_url=gw + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    r1 = oa.responses.create(model="local", input="Name a fruit.", max_output_tokens=4, temperature=0)
+    asks = [f"Now name the number {i}." for i in range(4)]
+
+    def go(text):
+        return oa.responses.create(model="local", input=text, previous_response_id=r1.id, max_output_tokens=12,
+                                   temperature=0)
+
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(go, asks))
+    r1_conv = r1.model_extra["aotx"]["conversation"]
+    for ask, r in zip(asks, outs):
+        assert r.status in ("completed", "incomplete") and r.previous_response_id == r1.id
+        view = engine_call(engine[0], lambda c: c.show(r.model_extra["aotx"]["conversation"]))
+        users = [m.text for m in view.messages if m.role == "user"]
+        assert users == ["Name a fruit.", ask], (ask, users)
+    assert len({r.model_extra["aotx"]["conversation"] for r in outs} - {r1_conv}) >= 3

@@ -771,8 +771,24 @@ class Gateway:
             fields["attachments"] = atts
         gen = Generation(client, conv_id, created, self.cfg, n=spec.n)
         gen.model = target
-        await _race_disconnect(request, gen.start(spec.last.text, spec.sampling, raw=not spec.chat, model=target,
-                                                  **fields))
+        after = {"after": spec.after} if spec.after and not created else {}
+        try:
+            await _race_disconnect(request, gen.start(spec.last.text, spec.sampling, raw=not spec.chat,
+                                                      model=target, **after, **fields))
+        except ApiError as e:
+            if not after or e.status != 409:
+                raise
+            # another turn came after the message this one continues (a concurrent continuation
+            # of the same response): this one branches from it in a fork of its own
+            try:
+                fork = await client.fork(conv_id, at_msg_id=spec.after)
+            except ConnectionLost as lost:
+                raise ApiError(503, f"the engine went away: {lost}", "server_error", code="engine_unavailable",
+                               headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
+            gen = Generation(client, fork.conv_id, True, self.cfg, n=spec.n)
+            gen.model = target
+            await _race_disconnect(request, gen.start(spec.last.text, spec.sampling, raw=not spec.chat,
+                                                      model=target, **fields))
         self._model_cache = None  # it may have loaded a model
         return gen
 

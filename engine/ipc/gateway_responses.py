@@ -285,23 +285,26 @@ async def create(gw, request: Request) -> Response:
     key = gw._auth(request)
     raw = await gw._json(request)
     chat, msgs, prev = parse(raw, gw.cfg.limits, gw.keys.file_roots(key))
-    conv = None
+    conv, after = None, ""
     if prev is not None:
-        conv, msgs = await _continue(gw, prev, msgs)
+        conv, msgs, after = await _continue(gw, prev, msgs)
     if not [m for m in msgs if m.get("role") not in ("system", "developer")]:
         raise S.BadRequest("'input' holds no message to answer", "input")
     req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits, gw.keys.file_roots(key))
     spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=req.messages[-1],
                 sampling=req.sampling, stream=req.stream, tools=req.tools, constraint=req.constraint,
-                logprobs=req.logprobs, n=1, conversation=conv, title=req.messages[-1].text,
+                logprobs=req.logprobs, n=1, conversation=conv, after=after, title=req.messages[-1].text,
                   model=req.model)
     return await gw.generate(request, key, spec, ResponsesAPI(raw, prev))
 
 
-async def _continue(gw, prev: str, msgs: list[dict]) -> tuple[str | None, list[dict]]:
+async def _continue(gw, prev: str, msgs: list[dict]) -> tuple[str | None, list[dict], str]:
     """The conversation a ``previous_response_id`` continues (forked when the response is
-    not its last reply), and the input as chat messages with the calls it answers. With
-    several new items, None and the whole history as messages (a new conversation)."""
+    not its last reply), the input as chat messages with the calls it answers, and the
+    message the reply must follow there ("" for a fork: nobody else writes to it; the
+    conversation's own may move on before the message is taken, ``Gateway.begin`` forks
+    then). With several new items, None and the whole history as messages (a new
+    conversation)."""
     conv_id, reply_id = RESPONSE_ID.match(prev).groups()
     client = await gw.link.get()
     try:
@@ -331,16 +334,16 @@ async def _continue(gw, prev: str, msgs: list[dict]) -> tuple[str | None, list[d
     # the previous reply as an assistant turn with its calls, so tool messages can be matched
     anchor = {"role": "assistant", "content": "", "tool_calls": prior_calls} if prior_calls else None
     if len(new) == 1:
-        target = conv_id
+        target, after = conv_id, reply_id
         if idx != len(view.messages) - 1:  # a branch: fork at that reply
-            target = (await client.fork(conv_id, at_msg_id=reply_id)).conv_id
-        return target, system + ([anchor] if anchor else []) + new
+            target, after = (await client.fork(conv_id, at_msg_id=reply_id)).conv_id, ""
+        return target, system + ([anchor] if anchor else []) + new, after
     history = [{"role": m.role, "content": m.text} for m in view.messages[:idx + 1]
                if m.role in ("user", "assistant") and (m.text or m.role == "user")]
     if anchor and history:
         history[-1] = {**history[-1], "tool_calls": prior_calls}
     sys_msgs = system or ([{"role": "system", "content": view.system_prompt}] if view.system_prompt else [])
-    return None, sys_msgs + history + new
+    return None, sys_msgs + history + new, ""
 
 
 async def retrieve(gw, request: Request) -> Response:

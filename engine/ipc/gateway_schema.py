@@ -143,6 +143,9 @@ class Spec:
     logprobs: int = -1
     n: int = 1
     conversation: str | None = None  # continue this conversation (else the request's header, else a new one)
+    # ``conversation`` is continued after this message only: when another turn came after it
+    # (or is being generated), the reply goes to a fork of the conversation at this message
+    after: str = ""
     model: str | None = None  # the request's ``model`` (``Gateway.route`` picks the engine model)
     title: str = ""
 

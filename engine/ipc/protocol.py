@@ -321,6 +321,9 @@ class SubmitMessage(_Base, tag="submit"):
     logprobs: int = -1  # -1: none; k >= 0: each Token carries its logprob and the top k
     n: int = 1  # choices: the prompt is prefilled once, then forked (choice i in its own conversation)
     strict_media: bool = False  # kept for old clients: an attachment that cannot be used refuses every message now
+    # a continuation of one reply: refused (busy, nothing written) unless the conversation's last
+    # message is ``after`` when the message is taken (another turn landed meanwhile: fork instead)
+    after: str = ""
 
 
 class Cancel(_Base, tag="cancel"):

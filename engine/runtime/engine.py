@@ -428,6 +428,8 @@ class Engine:
         default, with a notice. A model not loaded is loaded first."""
         conv = self.store.get(op.conv_id)
         self._require_idle(op.conv_id)
+        if op.after and (not conv.messages or conv.messages[-1].msg_id != op.after):
+            raise Busy(f"conversation {op.conv_id} has moved on from message {op.after}: another turn came after it")
         current = conv.model or self.models.default_name
         want = op.model or current
         try:
