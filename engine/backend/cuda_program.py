@@ -87,6 +87,9 @@ def _u64(a) -> np.uint64:
     return np.uint64(a.data.ptr)
 
 
+_ONE_BITS = np.float32(1.0).view(np.int32)   # the sampler table's "no penalty" (1.0f) word
+
+
 def _pow2(n: int) -> int:
     b = 1
     while b < n:
@@ -1125,13 +1128,17 @@ class CudaProgram:
 
     def last_logits(self) -> cp.ndarray | None:
         """Device float32 (rows, vocab) logits of the last forward, greedy or sample call."""
-        return self._last_logits
+        lg = self._last_logits
+        if isinstance(lg, tuple):             # a replay's output buffer and its logits rows
+            buf, R = lg
+            lg = self._last_logits = buf[:R, :self.vocab]
+        return lg
 
     def forward(self, tokens: np.ndarray, layout, kv: CudaKVCache, embeds=None) -> np.ndarray:
         """Run one batch; host float32 (R, vocab) logits (engine/backend/IR.md section 6)."""
         if embeds is None and self._graph_ok(layout, kv):
             self._replay(tokens, layout, kv, None, 0, want_ids=False)
-            return self._last_logits.get()
+            return self.last_logits().get()
         lg = self._eager(tokens, layout, kv, embeds)
         return lg.get() if lg is not None else np.empty((0, self.vocab), np.float32)
 
@@ -1165,14 +1172,18 @@ class CudaProgram:
         return ids.get()
 
     @staticmethod
-    def _fill(prm: np.ndarray, hist: np.ndarray, rows, out: list[int], tick: int) -> bool:
-        """Write the sampler table rows ``out`` (the other rows of ``prm`` must already be
-        zero, i.e. skipped); True when a penalty history is used."""
+    def _fill(prm: np.ndarray, hist: np.ndarray, rows, out, tick: int) -> bool:
+        """Write the sampler table rows ``out`` (a list of rows, or a count R: rows 0 .. R-1;
+        the other rows of ``prm`` must already be zero, i.e. skipped); True when a penalty
+        history is used."""
         if rows is None:
-            prm[out, 0] = CS.MODE_GREEDY
-            prm[out, 3] = tick & 0x7FFFFFFF
-            prm[out, 4] = np.float32(1.0).view(np.int32)
+            sel = slice(0, out) if isinstance(out, int) else out
+            prm[sel, 0] = CS.MODE_GREEDY
+            prm[sel, 3] = tick & 0x7FFFFFFF
+            prm[sel, 4] = _ONE_BITS
             return False
+        if isinstance(out, int):
+            out = range(out)
         if len(rows) != len(out):
             raise ValueError(f"{len(rows)} sampler rows for {len(out)} logits rows")
         need = False
@@ -1240,7 +1251,10 @@ class CudaProgram:
         n = int(layout.n_rows)
         if n == 0 or n > self._state(kv).b_max:
             return False
-        slots = [s.slot for s in layout.segments]
+        segs = layout.segments
+        if len(segs) == 1:
+            return True
+        slots = [s.slot for s in segs]
         return len(set(slots)) == len(slots)
 
     def _ctx(self, kv: CudaKVCache, st: _CacheState, n: int, r: int) -> _Ctx:
@@ -1286,14 +1300,13 @@ class CudaProgram:
         t = st.tables
         n = int(tokens.shape[0])
         b = _pow2(n)
-        out = t.fill_rows(tokens, layout, b, kv.scratch_slot)
-        R = len(out)
+        R = t.fill_rows(tokens, layout, b, kv.scratch_slot)
         r = _pow2(max(R, 1))
         prm = t.prm_np
         prm[:r] = 0
         need_hist = False
         if want_ids and R:
-            need_hist = self._fill(prm, t.hist_np, rows, list(range(R)), tick)
+            need_hist = self._fill(prm, t.hist_np, rows, R, tick)
         g = st.graphs.get((b, r))
         if g is None:
             g = st.graphs[(b, r)] = self._capture(kv, st, b, r)
@@ -1303,7 +1316,7 @@ class CudaProgram:
         if want_ids:
             t.download_records(s, R)
         s.synchronize()  # before anything on another stream reads the graph's output
-        self._last_logits = st.bufs[self.out_buf][:R, :self.vocab]
+        self._last_logits = (st.bufs[self.out_buf], R)    # sliced when asked for (last_logits)
         if want_ids:
             rec = t.rec_np[:R]
             if R and (rec[:, 0] != (tick & 0x7FFFFFFF)).any():

@@ -49,10 +49,14 @@ class DeviceTables:
 
     def __init__(self, b_max: int):
         b = self.b_max = b_max
-        self.tab = cp.zeros((4, b), cp.int32)                 # token, slot, position per row; output rows
-        self.tab_np = pinned((4, b), np.int32)
-        self.prm = cp.zeros((b, CS.P_WORDS), cp.int32)        # sampler table
-        self.prm_np = pinned((b, CS.P_WORDS), np.int32)
+        # the row table and the sampler table are one block (and one copy per replay): tab
+        # (token, slot, position per row; output rows) then prm (the sampler table)
+        self._block = cp.zeros(4 * b + b * CS.P_WORDS, cp.int32)
+        self._block_np = pinned((4 * b + b * CS.P_WORDS,), np.int32)
+        self.tab = self._block[:4 * b].reshape(4, b)
+        self.tab_np = self._block_np[:4 * b].reshape(4, b)
+        self.prm = self._block[4 * b:].reshape(b, CS.P_WORDS)
+        self.prm_np = self._block_np[4 * b:].reshape(b, CS.P_WORDS)
         self.hist = cp.zeros((b, CS.H_MAX), cp.int32)         # penalty history
         self.hist_np = pinned((b, CS.H_MAX), np.int32)
         self.ids = cp.zeros(b, cp.int32)
@@ -62,7 +66,7 @@ class DeviceTables:
     @property
     def nbytes(self) -> int:
         """Device bytes of the tables (each has a mirror of the same size in pinned memory)."""
-        return int(self.tab.nbytes + self.prm.nbytes + self.hist.nbytes + self.ids.nbytes + self.rec.nbytes)
+        return int(self._block.nbytes + self.hist.nbytes + self.ids.nbytes + self.rec.nbytes)
 
     # device addresses of the row table's rows
     @property
@@ -81,9 +85,10 @@ class DeviceTables:
     def out_ptr(self) -> int:
         return self.tab.data.ptr + 12 * self.b_max
 
-    def fill_rows(self, tokens: np.ndarray, layout, b: int, scratch_slot: int) -> list[int]:
+    def fill_rows(self, tokens: np.ndarray, layout, b: int, scratch_slot: int) -> int:
         """Write the row table's mirror for a batch of ``len(tokens)`` rows padded to ``b``
-        (padding rows: token 0, the scratch slot, position 0); returns the logits rows."""
+        (padding rows: token 0, the scratch slot, position 0); returns the number of logits
+        rows (the batch rows ``layout.out_rows``, in order)."""
         t = self.tab_np
         n = int(tokens.shape[0])
         t[0, :n] = tokens
@@ -92,16 +97,17 @@ class DeviceTables:
         t[0, n:b] = 0
         t[1, n:b] = scratch_slot
         t[2, n:b] = 0
-        out = layout.out_rows.tolist()
-        R = len(out)
+        out = layout.out_rows
+        R = int(out.shape[0])
         t[3, :R] = out
         t[3, R:] = 0
-        return out
+        return R
 
     def upload(self, stream, r: int, need_hist: bool) -> None:
-        """Copy the row table, ``r`` sampler rows and (``need_hist``) their histories to the device."""
-        cp.cuda.runtime.memcpyAsync(self.tab.data.ptr, self.tab_np.ctypes.data, self.tab_np.nbytes, H2D, stream.ptr)
-        cp.cuda.runtime.memcpyAsync(self.prm.data.ptr, self.prm_np.ctypes.data, 4 * CS.P_WORDS * r, H2D, stream.ptr)
+        """Copy the row table and ``r`` sampler rows (one copy: they are one block) and
+        (``need_hist``) their histories to the device."""
+        n = 4 * (4 * self.b_max + CS.P_WORDS * r)
+        cp.cuda.runtime.memcpyAsync(self._block.data.ptr, self._block_np.ctypes.data, n, H2D, stream.ptr)
         if need_hist:
             cp.cuda.runtime.memcpyAsync(self.hist.data.ptr, self.hist_np.ctypes.data, 4 * CS.H_MAX * r, H2D,
                                         stream.ptr)
