@@ -181,3 +181,25 @@ def test_readme_two_turn_example_ends_at_the_call_without_repeating_it(oa, strea
     assert len(lines) == len(set(lines)), content[:600]
     assert '"arguments"' not in content, content[:600]  # a call is never left in the text
     assert len(calls) == len(set(calls)) and (calls or content.strip())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_leaves_no_unfinished_call_block_in_content(oa, stream):
+    # forced to get_time, greedy Qwen wrote its block twice and began a third before the stop
+    # sent at the repeat took effect: content was '<tool_call>\n{"name": "get_time'
+    kw = dict(model="local", messages=[{"role": "user", "content": "What's the weather in Kyiv?"}],
+              tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}},
+              temperature=0, max_tokens=60)
+    if not stream:
+        c = oa.chat.completions.create(**kw).choices[0]
+        content, names, finish = c.message.content or "", [t.function.name for t in c.message.tool_calls], \
+            c.finish_reason
+    else:
+        content, names, finish = "", [], None
+        for ch in oa.chat.completions.create(stream=True, **kw):
+            for c in ch.choices:
+                content += c.delta.content or ""
+                names += [t.function.name for t in c.delta.tool_calls or [] if t.function.name]
+                finish = c.finish_reason or finish
+    assert finish == "tool_calls" and names and set(names) == {"get_time"}
+    assert "<tool_call>" not in content and '"name"' not in content, content

@@ -269,3 +269,22 @@ def test_key_file_allow_files_option(tmp_path):
         A.key_options("sk-aotx-aaaaaaaaaaaaaaaaaaaa sneaky=1\n")
     with pytest.raises(UsageError):
         A.key_options(f"sk-aotx-aaaaaaaaaaaaaaaaaaaa allow-files={tmp_path}/nope\n")
+
+
+def test_text_after_a_repeated_call_block_is_not_content():
+    """Qwen forced to a named tool wrote its <tool_call> block twice and began a third before
+    the gateway's stop (sent at the repeat) took effect: the unfinished third block came back
+    as the message's content ('<tool_call>\\n{"name": "get_time'), streamed and not. After a
+    block that repeats an earlier one, the rest of the reply is neither content nor a call."""
+    block = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Kyiv"}}\n</tool_call>\n'
+    for tail in ('<tool_call>\n{"name": "get_time', '<tool_call>\n{"name": "get_time", "arguments": {"ci',
+                 "Sure, here it is", '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'):
+        text = "Let me check.\n" + block * 2 + tail
+        content, calls = T.parse(text, "hermes")
+        assert content == "Let me check." and len(calls) == 2, (tail, content, calls)
+        for step in (1, 7, len(text)):
+            p = T.StreamParser("hermes", "call_x_")
+            got = [p.feed(text[i:i + step]) for i in range(0, len(text), step)] + [p.finish()]
+            assert "".join(d.content for d in got) == "Let me check.", (tail, step)
+            assert [(c.name, c.arguments) for c in p.calls] == [(c.name, c.arguments) for c in calls]
+            assert p.complete

@@ -152,7 +152,8 @@ _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 def parse(text: str, family: str) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a finished reply in ``family``'s format. Text that is not a
-    well-formed call stays in the content."""
+    well-formed call stays in the content; after a ``<tool_call>`` block that repeats an
+    earlier one the model is looping, and the rest is dropped (as ``StreamParser`` does)."""
     if family == "hermes":
         calls: list[ToolCall] = []
         content: list[str] = []
@@ -162,8 +163,11 @@ def parse(text: str, family: str) -> tuple[str, list[ToolCall]]:
             if call is None:
                 continue
             content.append(text[pos:m.start()])
+            repeat = any((c.name, _canonical(c.arguments)) == (call.name, _canonical(call.arguments)) for c in calls)
             calls.append(call)
-            pos = m.end()
+            pos = len(text) if repeat else m.end()
+            if repeat:
+                break
         content.append(text[pos:])
         if not calls:
             bare = _bare_calls(text)
@@ -421,6 +425,10 @@ class StreamParser:
         open_tag, close_tag = "<tool_call>", "</tool_call>"
         while True:
             t = self.text
+            if self.complete:  # a block repeated: what follows is the loop the stop cut short
+                self._sent = len(t)
+                self._in_call = False
+                return out
             if not self._in_call:
                 at = t.find(open_tag, self._sent)
                 if at < 0:
