@@ -227,6 +227,38 @@ def test_multi_turn_request_stores_earlier_turns_as_history(oa, engine):
     assert view.messages[3].role == "assistant" and view.messages[3].text == raw.parse().choices[0].message.content
 
 
+
+def test_parallel_tool_results_sent_to_a_named_conversation_are_all_kept(oa, engine):
+    """A request continuing a conversation by X-AOTX-Conversation submitted only its last
+    message: the results of a parallel tool call (two ``tool`` messages) lost every result
+    but the last, silently. The conversation cannot take two messages in one turn, so such a
+    request starts a new conversation holding its whole history (named in the response's
+    header, as a Responses request with several new items does)."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    ask = [{"role": "user", "content": "Look up a and b."}]
+    raw = oa.chat.completions.with_raw_response.create(model="local", messages=ask, max_tokens=2, temperature=0)
+    conv = raw.headers["x-aotx-conversation"]
+    calls = [{"id": f"call_{k}", "type": "function", "function": {"name": "lookup", "arguments": f'{{"q": "{k}"}}'}}
+             for k in ("a", "b")]
+    msgs = ask + [{"role": "assistant", "content": None, "tool_calls": calls},
+                  {"role": "tool", "tool_call_id": "call_a", "content": "RESULT-ONE"},
+                  {"role": "tool", "tool_call_id": "call_b", "content": "RESULT-TWO"}]
+    raw = oa.chat.completions.with_raw_response.create(model="local", messages=msgs, tools=tools, max_tokens=2,
+                                                       temperature=0, extra_headers={"X-AOTX-Conversation": conv})
+    view = _show(engine[0], raw.headers["x-aotx-conversation"])
+    texts = [(m.role, m.text) for m in view.messages]
+    assert ("tool", "RESULT-ONE") in texts and ("tool", "RESULT-TWO") in texts, texts
+    # one new result: the named conversation goes on
+    more = msgs + [{"role": "assistant", "content": None, "tool_calls": calls[:1]},
+                   {"role": "tool", "tool_call_id": "call_a", "content": "RESULT-THREE"}]
+    conv2 = raw.headers["x-aotx-conversation"]
+    raw = oa.chat.completions.with_raw_response.create(model="local", messages=more, tools=tools, max_tokens=2,
+                                                       temperature=0, extra_headers={"X-AOTX-Conversation": conv2})
+    assert raw.headers["x-aotx-conversation"] == conv2
+    assert ("tool", "RESULT-THREE") in [(m.role, m.text) for m in _show(engine[0], conv2).messages]
+
+
 # ---- error paths over HTTP ----------------------------------------------------------------
 
 

@@ -22,7 +22,9 @@ own limits: more generations in flight than ``max_queue`` or than
 
 A multi-turn request on a fresh conversation stores its earlier turns as the new
 conversation's history (``CreateConversation.messages``), so the chat template sees
-them as real turns. Frequency/presence penalties are accepted but not applied.
+them as real turns. A request naming a conversation but ending with several ``tool``
+messages (a parallel call's results: a turn takes one message) gets a new conversation
+holding its whole history, named in ``X-AOTX-Conversation``. Frequency/presence penalties are accepted but not applied.
 """
 
 from __future__ import annotations
@@ -88,6 +90,16 @@ class ApiError(Exception):
 
 class _ClientGone(Exception):
     pass
+
+
+def _tool_run(turns: list[S.Turn]) -> int:
+    """How many ``tool`` messages end ``turns`` (the results of one parallel call)."""
+    n = 0
+    for t in reversed(turns):
+        if t.role != "tool":
+            break
+        n += 1
+    return n
 
 
 def call_id_prefix(reply_id: str) -> str:
@@ -596,10 +608,12 @@ class Gateway:
 
     async def _conversation(self, client: EngineClient, request: Request, system: str | None,
                             title: str, history: list[S.Turn] = (), conv_id: str | None = None,
-                            model: str = "") -> tuple[str, bool]:
+                            model: str = "", last: S.Turn | None = None) -> tuple[str, bool]:
         """(conversation id, created) for a request: ``conv_id`` (a response continued),
         the header's, or a new one on ``model`` holding ``history`` (the request's earlier
-        turns) as finished messages."""
+        turns) as finished messages. A request naming a conversation whose messages end
+        with several tool results (the answers to a parallel call, ``last`` the final one)
+        gets a new conversation too: a turn takes one message, and the others would be lost."""
         hdr = conv_id or request.headers.get("x-aotx-conversation")
         if hdr:
             if not _CONV_ID.match(hdr):
@@ -617,6 +631,11 @@ class Gateway:
                                         self.cfg.retry_after_s) from None
                 raise ApiError(404, f"X-AOTX-Conversation: {e}", "not_found_error",
                                param="X-AOTX-Conversation", code="conversation_not_found") from None
+            if not conv_id and _tool_run(list(history) + ([last] if last is not None else [])) > 1:
+                hdr = None  # several new tool results: a new conversation with the request's history
+                system = system if system is not None else view.system_prompt
+                model = model or view.model
+        if hdr:
             if system is not None and system != (view.system_prompt or ""):
                 try:
                     await client.update(hdr, system_prompt=system)
@@ -754,7 +773,8 @@ class Gateway:
         target = await self.route(spec.model)
         conv_id, created = await self._conversation(client, request, spec.system, spec.title or spec.last.text,
                                                     history=spec.history if spec.chat else [],
-                                                    conv_id=spec.conversation, model=target)
+                                                    conv_id=spec.conversation, model=target,
+                                                    last=spec.last if spec.chat else None)
         atts = await self._attachments(spec.last.parts)
         constraint = spec.constraint
         if spec.tools.forced:
