@@ -280,6 +280,10 @@ BAD_FIELDS = [
     ({"messages": ["hi"]}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    # a user message with no content was answered as an empty message (200)
+    ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages"),
+    ({"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "https://example.com/cat.png"}}]}]}, "messages"),

@@ -482,6 +482,8 @@ def parse_chat(body: Any, limits: Limits, file_roots: tuple = ()) -> ChatRequest
                                  "unsupported_parameter")
             raise BadRequest(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
         last = i == len(msgs) - 1
+        if m.get("content") is None and role != "assistant":  # (an assistant's may be null: its tool calls)
+            raise BadRequest(f"'{where}.content' is required in a {role} message", "messages")
         text, parts = reader.read(m.get("content"), where, media_ok=last and role == "user")
         if role in ("system", "developer"):
             system.append(text)
