@@ -453,3 +453,34 @@ def test_responses_continued_from_one_id_by_concurrent_requests_each_branch_from
         users = [m.text for m in view.messages if m.role == "user"]
         assert users == ["Name a fruit.", ask], (ask, users)
     assert len({r.model_extra["aotx"]["conversation"] for r in outs} - {r1_conv}) >= 3
+
+
+def test_responses_and_messages_errors_name_their_own_fields_not_chats(gw):
+    """A bad /v1/responses or /v1/messages field was refused naming the chat-completions field
+    the gateway had turned it into: 'messages[0].tool_call_id' (param "messages") for
+    input[0].call_id, 'max_tokens' for max_output_tokens, 'messages[2].tool_call_id' for a
+    tool_result's tool_use_id. Each names the field of the request that was sent."""
+    cases = [
+        ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "x", "output": "y"}]},
+         "'input[0].call_id'", "input"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": "x"}, "'max_output_tokens'", "max_output_tokens"),
+        ("/v1/responses", {"instructions": "be terse", "input": [{"role": "user", "content": "a"},
+                                                                  {"role": "wizard", "content": "b"}]},
+         "'input[1].role'", "input"),
+        ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": 5}, {"role": "user", "content": "a"}]},
+         "'input[0].name'", "input"),
+        ("/v1/messages", {"max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]},
+         "'messages[2].content[0].tool_use_id'", None),
+        ("/v1/messages", {"max_tokens": 2, "system": "s", "messages": [{"role": "user", "content": "hi"}],
+                          "tools": [{"name": "", "input_schema": {"type": "object"}}]}, "'tools[0].name'", None),
+    ]
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=300) as h:
+        for path, body, where, param in cases:
+            r = h.post(path, json={"model": "local", **body})
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert where in err["message"], (where, err)
+            if param is not None:
+                assert err["param"] == param, (param, err)

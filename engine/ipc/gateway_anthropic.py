@@ -27,6 +27,9 @@ from aotx.engine.ipc import gateway_media as M
 from aotx.engine.ipc import gateway_schema as S
 from aotx.engine.ipc import protocol as P
 
+# chat-completions names -> Anthropic's (errors from parse_chat name what the client sent)
+CHAT_NAMES = ((".tool_call_id", ".tool_use_id"), (".function.name", ".name"), (".function.parameters", ".input_schema"),
+              ('{"type": "function", "function": {...}}', '{"name": ..., "input_schema": {...}}'))
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
                 429: "rate_limit_error", 500: "api_error", 502: "api_error", 503: "overloaded_error"}
@@ -78,7 +81,7 @@ def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
     if system is not None and not isinstance(system, str):
         raise S.BadRequest("'system' must be a string or text blocks", "system")
     if system:
-        msgs.append({"role": "system", "content": system})
+        msgs.append({"role": "system", "content": system, S.AT: "system"})
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise S.BadRequest("'messages' must be a non-empty array", "messages")
@@ -94,7 +97,7 @@ def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
             calls = [{"id": b.get("id"), "type": "function",
                       "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}}
                      for b in blocks if b["type"] == "tool_use"]
-            msgs.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            msgs.append({"role": "assistant", "content": text, S.AT: where, **({"tool_calls": calls} if calls else {})})
             continue
         texts: list[str] = []
         for j, b in enumerate(blocks):
@@ -105,7 +108,7 @@ def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
                 c = b.get("content", "")
                 if isinstance(c, list):
                     c = _texts(c, f"{at}.content", "messages")
-                msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                msgs.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), S.AT: at,
                              "content": _str(c, f"{at}.content", "messages")})
             elif b["type"] == "image":
                 if not last:
@@ -127,7 +130,7 @@ def parse(body: Any, limits: S.Limits) -> tuple[dict, list[dict], list]:
             else:
                 raise S.BadRequest(f"'{at}.type' {b['type']!r} is not taken (text, image, tool_result)", "messages")
         if texts or not msgs or msgs[-1].get("role") != "tool":
-            msgs.append({"role": "user", "content": "".join(texts)})
+            msgs.append({"role": "user", "content": "".join(texts), S.AT: where})
     chat: dict[str, Any] = {"max_tokens": body["max_tokens"]}
     for k in ("model", "temperature", "top_p", "top_k", "stream"):
         if body.get(k) is not None:
@@ -275,7 +278,10 @@ async def create(gw, request: Request) -> Response:
     """``POST /v1/messages``."""
     key = gw._auth(request)
     chat, msgs, parts = parse(await gw._json(request), gw.cfg.limits)
-    req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits)
+    try:
+        req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits)
+    except S.BadRequest as e:
+        raise S.relabel(e, CHAT_NAMES, {}) from None
     last = req.messages[-1]
     if parts:
         if last.role != "user":

@@ -47,6 +47,13 @@ def response_id(conv_id: str, reply_id: str) -> str:
     return f"resp_{conv_id}_{reply_id}"
 
 
+# chat-completions names -> Responses' (errors from parse_chat name what the client sent)
+CHAT_NAMES = ((".tool_calls[0].function.name", ".name"), (".tool_calls[0].function.arguments", ".arguments"),
+              (".tool_calls[0]", ""), (".tool_call_id", ".call_id"), ("'max_tokens'", "'max_output_tokens'"),
+              (".function.name", ".name"), (".function.parameters", ".parameters"),
+              ('{"type": "function", "function": {...}}', '{"type": "function", "name": ..., "parameters": {...}}'))
+
+
 def _flat_tools(body: dict) -> dict:
     """Responses' flat function tools -> the chat shape ``parse_tools`` reads."""
     raw = body.get("tools")
@@ -95,30 +102,31 @@ def parse(body: Any, limits: S.Limits, file_roots: tuple) -> tuple[dict, list[di
     if inp is None:
         raise S.BadRequest("'input' is required", "input")
     if isinstance(inp, str):
-        items: list[Any] = [{"role": "user", "content": inp}]
+        items: list[Any] = [{"role": "user", "content": inp, S.AT: "input"}]
     elif isinstance(inp, list) and inp:
         items = inp
     else:
         raise S.BadRequest("'input' must be a string or a non-empty array of items", "input")
     msgs: list[dict] = []
     if isinstance(body.get("instructions"), str):
-        msgs.append({"role": "system", "content": body["instructions"]})
+        msgs.append({"role": "system", "content": body["instructions"], S.AT: "instructions"})
     for i, it in enumerate(items):
         if not isinstance(it, dict):
             raise S.BadRequest(f"'input[{i}]' must be an object", "input")
         kind = it.get("type", "message")
+        at = it.get(S.AT, f"input[{i}]")
         if kind == "message":
             content = it.get("content")
             if isinstance(content, list):
                 content = [_part(p) for p in content]
-            msgs.append({"role": it.get("role"), "content": content})
+            msgs.append({"role": it.get("role"), "content": content, S.AT: at})
         elif kind == "function_call":
-            msgs.append({"role": "assistant", "content": None, "tool_calls": [
+            msgs.append({"role": "assistant", "content": None, S.AT: at, "tool_calls": [
                 {"id": it.get("call_id"), "type": "function",
                  "function": {"name": it.get("name"), "arguments": it.get("arguments", "{}")}}]})
         elif kind == "function_call_output":
             out = it.get("output")
-            msgs.append({"role": "tool", "tool_call_id": it.get("call_id"),
+            msgs.append({"role": "tool", "tool_call_id": it.get("call_id"), S.AT: at,
                          "content": out if isinstance(out, str) else json.dumps(out)})
         else:
             raise S.BadRequest(f"'input[{i}].type' {kind!r} is not taken (message, function_call, "
@@ -290,7 +298,10 @@ async def create(gw, request: Request) -> Response:
         conv, msgs, after = await _continue(gw, prev, msgs)
     if not [m for m in msgs if m.get("role") not in ("system", "developer")]:
         raise S.BadRequest("'input' holds no message to answer", "input")
-    req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits, gw.keys.file_roots(key))
+    try:
+        req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits, gw.keys.file_roots(key))
+    except S.BadRequest as e:
+        raise S.relabel(e, CHAT_NAMES, {"messages": "input", "max_tokens": "max_output_tokens"}) from None
     spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=req.messages[-1],
                 sampling=req.sampling, stream=req.stream, tools=req.tools, constraint=req.constraint,
                 logprobs=req.logprobs, n=1, conversation=conv, after=after, title=req.messages[-1].text,

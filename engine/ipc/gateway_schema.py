@@ -61,6 +61,20 @@ class BadRequest(Exception):
         self.status = status
 
 
+# the key of a chat message made from another API's item (Responses' input, a Messages
+# block) that holds where that item is in the request sent ("input[2]"): errors name it
+AT = "_aotx_at"
+
+
+def relabel(e: BadRequest, renames: tuple[tuple[str, str], ...], params: dict[str, str]) -> BadRequest:
+    """``e`` in another API's terms: each (chat name, its name there) of ``renames``
+    replaced in the message, the param mapped by ``params``."""
+    msg = e.message
+    for a, b in renames:
+        msg = msg.replace(a, b)
+    return BadRequest(msg, params.get(e.param, e.param), e.code, status=e.status)
+
+
 @dataclass(frozen=True)
 class Limits:
     """Per-request limits: bytes of body (pictures come as data URLs: 32 MiB), messages,
@@ -472,7 +486,7 @@ def parse_chat(body: Any, limits: Limits, file_roots: tuple = ()) -> ChatRequest
     reader = _Parts(limits, file_roots)
     calls: dict[str, str] = {}  # tool_call_id -> function name, of the assistant calls so far
     for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
+        where = m[AT] if isinstance(m, dict) and isinstance(m.get(AT), str) else f"messages[{i}]"
         if not isinstance(m, dict):
             raise BadRequest(f"'{where}' must be an object, got {_type_name(m)}", "messages")
         role = m.get("role")
