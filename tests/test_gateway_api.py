@@ -484,3 +484,19 @@ def test_responses_and_messages_errors_name_their_own_fields_not_chats(gw):
             assert where in err["message"], (where, err)
             if param is not None:
                 assert err["param"] == param, (param, err)
+
+
+def test_anthropic_stream_message_start_carries_the_prompts_token_count(gw):
+    """A streamed /v1/messages reply's message_start said input_tokens 0 (clients such as
+    Claude Code read the context used from it); it now carries the prompt's token count,
+    the same as the non-streamed reply's usage."""
+    body = {"model": "local", "max_tokens": 3, "temperature": 0,
+            "messages": [{"role": "user", "content": "Name three colors."}]}
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=300) as h:
+        whole = h.post("/v1/messages", json=body).json()
+        with h.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
+            events = [json.loads(ln[len("data: "):]) for ln in r.iter_lines() if ln.startswith("data: ")]
+    start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+    assert start["input_tokens"] == whole["usage"]["input_tokens"] > 5, (start, whole["usage"])
+    delta = next(e for e in events if e["type"] == "message_delta")["usage"]
+    assert delta["input_tokens"] == whole["usage"]["input_tokens"]

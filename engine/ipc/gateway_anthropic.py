@@ -216,9 +216,11 @@ class MessagesAPI:
         def ev(obj: dict[str, Any]) -> bytes:
             return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
+        a = gen.accepted.get(0)  # the prompt is known once the message is accepted
         yield ev({"type": "message_start", "message": {
             "id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(a.prompt_ids) if a else 0, "output_tokens": 0}}})
         block = -1
         open_kind: str | None = None
         call_block: dict[int, int] = {}
@@ -269,7 +271,8 @@ class MessagesAPI:
         gw._finish_reply(gen, reply, states)
         stop, seq = self._stop(reply.choices[0], spec)
         yield ev({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": seq},
-                  "usage": {"output_tokens": reply.n_completion, "input_tokens": reply.n_prompt},
+                  "usage": {"output_tokens": reply.n_completion, "input_tokens": reply.n_prompt,
+                            "cache_read_input_tokens": reply.n_cached},
                   "aotx": reply.aotx})
         yield ev({"type": "message_stop"})
 
