@@ -117,3 +117,34 @@ def test_gateway_lists_and_routes_by_model(engine_server, loaded_model, tmp_path
         chunks = list(oa.chat.completions.create(model="tiny-a.gguf", messages=msgs, temperature=0, max_tokens=3,
                                                  stream=True))
         assert chunks and {c.model for c in chunks} == {"tiny-a"}
+
+
+def test_tool_calls_on_a_routed_model_use_that_models_format(engine_server, tmp_path, llama3_vocab_path):
+    """The gateway built the forced call's grammar and parsed replies in the default model's
+    tool-call format (hermes <tool_call> blocks, the engine's Welcome) whatever model the
+    request named: a Llama 3 model was made to write Qwen's markup. The routed model's own
+    format (ModelInfo.tool_format, from its chat template) is used."""
+    import shutil
+
+    (tmp_path / "models").mkdir(exist_ok=True)
+    shutil.copy(llama3_vocab_path, tmp_path / "models" / "llama3-tools.gguf")
+    h = engine_server(slots=2, context=512)
+    tools = [{"type": "function", "function": {"name": "flag", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+        "additionalProperties": False}}}]
+    with gateway(h.socket) as url:
+        oa = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120)
+        for stream in (False, True):
+            kw = dict(model="llama3-tools", messages=[{"role": "user", "content": "flag it"}], tools=tools,
+                      tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=40)
+            if stream:
+                names = [t.function.name for ch in oa.chat.completions.create(stream=True, **kw)
+                         for c in ch.choices for t in (c.delta.tool_calls or []) if t.function.name]
+                assert names == ["flag"]
+                continue
+            raw = oa.chat.completions.with_raw_response.create(**kw)
+            c = raw.parse().choices[0]
+            assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == ["flag"]
+            assert c.message.content is None
+            text = h.store.view(raw.headers["x-aotx-conversation"]).messages[-1].text
+            assert text.lstrip().startswith('{"name": "flag"'), text  # Llama 3's JSON call, not <tool_call>

@@ -215,6 +215,7 @@ class Generation:
         self._done = False
         self.constraint_field = ""
         self.model = ""  # the engine model it runs on ("" the default)
+        self.family: str | None = None  # its model's tool-call format (None: no tools)
 
     # one-choice views (the first choice)
     @property
@@ -750,9 +751,24 @@ class Gateway:
 
     # -- the generation every endpoint runs --
 
-    def family(self, spec: Spec) -> str | None:
-        """The tool-call format to parse replies with (None: tools are off)."""
-        return (self.link.tool_format or "hermes") if spec.tools.active else None
+    async def tool_format(self, client: EngineClient, model: str) -> str:
+        """The tool-call family of ``model`` ("" the engine's default): its chat template's,
+        as the engine lists it once the model is loaded (it is loaded here when it is not:
+        the grammar of a forced call is made before the message goes in)."""
+        if not model:
+            return self.link.tool_format or "hermes"
+        for attempt in (0, 1):
+            info = next((m for m in await self._models() if m.name == model), None)
+            if info is not None and info.loaded:
+                return info.tool_format or "hermes"
+            if attempt or info is None or info.kind != "gguf":
+                break
+            try:
+                await client.load_model(model)
+            except AotxError:  # the submit meets (and reports) the same refusal
+                break
+            self._model_cache = None
+        return "hermes"
 
     async def _attachments(self, parts: tuple[M.MediaPart, ...]) -> list[P.Attachment]:
         out = []
@@ -777,8 +793,9 @@ class Gateway:
                                                     last=spec.last if spec.chat else None)
         atts = await self._attachments(spec.last.parts)
         constraint = spec.constraint
+        family = await self.tool_format(client, target) if spec.tools.active else None
         if spec.tools.forced:
-            grammar = tool_calls.call_grammar(spec.tools.tools, self.family(spec),
+            grammar = tool_calls.call_grammar(spec.tools.tools, family,
                                               name=spec.tools.name if spec.tools.choice == "function" else None,
                                               parallel=spec.tools.parallel)
             constraint = P.Constraint(kind="lark", grammar=grammar, field="tool_choice")
@@ -790,7 +807,7 @@ class Gateway:
         if atts:
             fields["attachments"] = atts
         gen = Generation(client, conv_id, created, self.cfg, n=spec.n)
-        gen.model = target
+        gen.model, gen.family = target, family
         after = {"after": spec.after} if spec.after and not created else {}
         try:
             await _race_disconnect(request, gen.start(spec.last.text, spec.sampling, raw=not spec.chat,
@@ -806,7 +823,7 @@ class Gateway:
                 raise ApiError(503, f"the engine went away: {lost}", "server_error", code="engine_unavailable",
                                headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
             gen = Generation(client, fork.conv_id, True, self.cfg, n=spec.n)
-            gen.model = target
+            gen.model, gen.family = target, family
             await _race_disconnect(request, gen.start(spec.last.text, spec.sampling, raw=not spec.chat,
                                                       model=target, **fields))
         self._model_cache = None  # it may have loaded a model
@@ -815,7 +832,7 @@ class Gateway:
     def states(self, spec: Spec, gen: Generation) -> list[ChoiceState]:
         """One state per choice; tool calls are named after their reply (``call_<reply id>_<i>``),
         so a call id stays meaningful after a restart (the Responses API checks them)."""
-        fam = self.family(spec)
+        fam = gen.family
         return [ChoiceState(i, fam, spec.logprobs >= 0, call_id_prefix(gen.accepted[i].reply_id)
                             if i in gen.accepted else "", on_complete=lambda i=i: gen.stop(i))
                 for i in range(spec.n)]

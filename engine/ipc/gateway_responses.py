@@ -330,7 +330,7 @@ async def _continue(gw, prev: str, msgs: list[dict]) -> tuple[str | None, list[d
         raise gw.api_error(404, f"previous_response_id {prev!r}: no such response", "invalid_request_error",
                            param="previous_response_id", code="response_not_found")
     # the calls the previous reply made, as the template and the checks want them
-    family = gw.link.tool_format or "hermes"
+    family = await gw.tool_format(client, view.model)
     _, calls = tool_calls.parse(view.messages[idx].text, family)
     prior_calls = [{"id": f"call_{reply_id}_{k}", "type": "function",
                     "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(calls)]
@@ -375,7 +375,7 @@ async def retrieve(gw, request: Request) -> Response:
     if msg is None:
         raise gw.api_error(404, f"no response {rid!r}", "invalid_request_error", param="response_id",
                            code="response_not_found")
-    content, calls = tool_calls.parse(msg.text, gw.link.tool_format or "hermes")
+    content, calls = tool_calls.parse(msg.text, await gw.tool_format(client, msg.model or view.model))
     output: list[dict[str, Any]] = []
     if content or not calls:
         output.append({"type": "message", "id": f"msg_{reply_id}", "status": "completed", "role": "assistant",

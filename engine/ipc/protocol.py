@@ -258,6 +258,7 @@ class ModelInfo(msgspec.Struct, omit_defaults=True):
     default: bool = False
     needs_bytes: int = 0
     n_ctx: int = 0  # the context a loaded model serves (its slots' length); 0 when not loaded
+    tool_format: str = ""  # a loaded model's tool-call family (its chat template's; as Welcome.tool_format)
     busy: int = 0
     idle_s: float = 0.0
     error: str = ""

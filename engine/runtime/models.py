@@ -206,7 +206,16 @@ class LocalModel:
                            size_bytes=size, arch=cfg.arch, quant=quant, n_ctx=self.n_ctx,
                            n_ctx_train=cfg.n_ctx_train, loaded=True, default=self.default,
                            needs_bytes=sum(v for _, v in self.terms), busy=self.in_flight(),
-                           idle_s=round(time.monotonic() - self.last_used, 1) if not self.in_flight() else 0.0)
+                           idle_s=round(time.monotonic() - self.last_used, 1) if not self.in_flight() else 0.0,
+                           tool_format=self._tool_format())
+
+    def _tool_format(self) -> str:
+        template = getattr(self.lm, "template", None)
+        if template is None:
+            return ""
+        from aotx.engine.model import tool_calls
+
+        return tool_calls.family_of(template.source)
 
     def _file_facts(self) -> tuple[int, str]:
         """(size, quant) of the model file when no catalog entry came with it (the
