@@ -500,3 +500,20 @@ def test_anthropic_stream_message_start_carries_the_prompts_token_count(gw):
     assert start["input_tokens"] == whole["usage"]["input_tokens"] > 5, (start, whole["usage"])
     delta = next(e for e in events if e["type"] == "message_delta")["usage"]
     assert delta["input_tokens"] == whole["usage"]["input_tokens"]
+
+
+def test_streamed_completion_logprobs_text_offsets_count_from_the_start_of_the_text(oa):
+    """Each streamed /v1/completions chunk's logprobs.text_offset restarted at 0 (the offset
+    within that chunk); offsets are into the whole completion text, as the non-streamed
+    reply's (and vLLM's) are."""
+    kw = dict(model="local", prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=1)
+    whole = oa.completions.create(**kw).choices[0]
+    text, offsets, tokens = "", [], []
+    for ch in oa.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            text += c.text
+            if c.logprobs:
+                offsets += c.logprobs.text_offset
+                tokens += c.logprobs.tokens
+    assert text == whole.text and tokens == whole.logprobs.tokens
+    assert offsets == whole.logprobs.text_offset and offsets[-1] > 0, (offsets, whole.logprobs.text_offset)

@@ -928,6 +928,7 @@ class _OpenAI:
             for st in states:
                 yield _sse(S.chat_chunk(reply, {"role": "assistant", "content": ""}, index=st.index))
         pending: dict[int, list] = {}
+        offsets: dict[int, int] = {}  # per choice: the text its logprob tokens so far cover
 
         def chunk(o: Out) -> bytes | None:
             i = o.choice
@@ -935,9 +936,12 @@ class _OpenAI:
                 pending.setdefault(i, []).append(o.entry)
                 return None
             lp = pending.pop(i, None) if spec.logprobs >= 0 else None
+            at = offsets.get(i, 0)
+            if lp:
+                offsets[i] = at + sum(len(e["token"]) for e in lp)
             if o.kind == "content":
                 return _sse(S.chat_chunk(reply, {"content": o.text}, index=i, logprobs=lp) if chat
-                            else S.text_chunk(reply, o.text, index=i, logprobs=lp))
+                            else S.text_chunk(reply, o.text, index=i, logprobs=lp, offset0=at))
             if o.kind == "call":
                 idx, cid, name, args = o.call
                 call: dict[str, Any] = {"index": idx, "function": {"arguments": args}}
@@ -947,7 +951,7 @@ class _OpenAI:
                 return _sse(S.chat_chunk(reply, {"tool_calls": [call]}, index=i, logprobs=lp))
             # finish: any logprobs still pending ride on an empty delta first
             pre = (_sse(S.chat_chunk(reply, {}, index=i, logprobs=lp) if chat
-                        else S.text_chunk(reply, "", index=i, logprobs=lp)) if lp else b"")
+                        else S.text_chunk(reply, "", index=i, logprobs=lp, offset0=at)) if lp else b"")
             return pre + _sse(S.chat_chunk(reply, {}, o.text, index=i) if chat
                               else S.text_chunk(reply, "", states[i].choice.finish_reason, index=i))
 

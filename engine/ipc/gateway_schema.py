@@ -701,10 +701,12 @@ def text_completion(r: Reply) -> dict[str, Any]:
 
 
 def text_chunk(r: Reply, text: str, finish: str | None = None, index: int = 0,
-               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               logprobs: list[dict[str, Any]] | None = None, offset0: int = 0) -> dict[str, Any]:
+    """One streamed completions chunk; ``offset0``: where its first logprob token starts in
+    the choice's whole text (text_offset counts from the start of the completion)."""
     return {"id": r.id, "object": "text_completion", "created": r.created, "model": r.model,
             "system_fingerprint": None,
-            "choices": [{"index": index, "text": text, "logprobs": _text_logprobs(logprobs),
+            "choices": [{"index": index, "text": text, "logprobs": _text_logprobs(logprobs, offset0),
                          "finish_reason": FINISH.get(finish, "stop") if finish else None}]}
 
 
