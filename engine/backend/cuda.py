@@ -18,13 +18,12 @@ IQ4_XS).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cupy as cp
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from aotx.engine.backend import cuda_choice, cuda_sampling, cuda_src, kernel_choice
+from aotx.engine.backend.cuda_matrix import DevMatrix  # noqa: F401 - the upload's result type, named here too
 from aotx.engine.errors import ModelError
 
 SUPPORTED_TYPES: frozenset[T] = frozenset(T(c) for c in cuda_src.TYPES)
@@ -38,25 +37,6 @@ def _u64(a) -> np.uint64:
     if isinstance(a, (int, np.integer)):
         return np.uint64(a)
     return np.uint64(a.data.ptr)
-
-
-@dataclass
-class DevMatrix:
-    """A weight W of shape (m, k) on the device, rows in the file's block layout.
-
-    ``data``: uint8 (m_pad, row_bytes); ``m_pad`` is m rounded up to even (kernels
-    compute two rows per warp; the pad row is zero)."""
-
-    name: str
-    qtype: int
-    m: int
-    k: int
-    row_bytes: int
-    data: cp.ndarray
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
 
 
 class CudaBackend:

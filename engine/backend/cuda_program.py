@@ -661,7 +661,7 @@ class _GpuExperts:
     def __init__(self, prog, attrs: dict):
         from gguf import GGML_QUANT_SIZES
 
-        from aotx.engine.backend.cuda import DevMatrix
+        from aotx.engine.backend.cuda_matrix import DevMatrix
 
         self.prog = prog
         self.attrs = attrs
