@@ -517,3 +517,27 @@ def test_streamed_completion_logprobs_text_offsets_count_from_the_start_of_the_t
                 tokens += c.logprobs.tokens
     assert text == whole.text and tokens == whole.logprobs.tokens
     assert offsets == whole.logprobs.text_offset and offsets[-1] > 0, (offsets, whole.logprobs.text_offset)
+
+
+def test_continuing_a_response_still_being_generated_is_409_not_a_fork_of_its_partial_text(gw, engine):
+    """A response id is known from a stream's first event. Continuing it while it streams
+    must not branch from the text written so far (a fork of the unfinished reply): it is a
+    409 saying the response is in progress, and the stream finishes undisturbed."""
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=300) as h:
+        with h.stream("POST", "/v1/responses", json={"model": "local", "input": "Count slowly from one to fifty.",
+                                                     "max_output_tokens": 60, "temperature": 0,
+                                                     "stream": True}) as r:
+            lines = r.iter_lines()
+            rid = None
+            for ln in lines:
+                if ln.startswith("data: "):
+                    rid = json.loads(ln[6:])["response"]["id"]
+                    break
+            before = len(engine_call(engine[0], lambda c: c.list_conversations()))
+            nxt = h.post("/v1/responses", json={"model": "local", "input": "and?", "previous_response_id": rid,
+                                                "max_output_tokens": 2})
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert nxt.status_code == 409, nxt.text
+        assert nxt.json()["error"]["param"] == "previous_response_id", nxt.text
+        assert json.loads(rest[-1][6:])["type"] == "response.completed"
+        assert len(engine_call(engine[0], lambda c: c.list_conversations())) == before  # no fork was made

@@ -329,6 +329,10 @@ async def _continue(gw, prev: str, msgs: list[dict]) -> tuple[str | None, list[d
     if idx is None:
         raise gw.api_error(404, f"previous_response_id {prev!r}: no such response", "invalid_request_error",
                            param="previous_response_id", code="response_not_found")
+    if view.messages[idx].status in ("accepted", "streaming"):  # (a fork would take its text so far)
+        raise gw.api_error(409, f"previous_response_id {prev!r} is still being generated; continue it once it "
+                                f"has finished", "conflict_error", param="previous_response_id",
+                           code="response_in_progress", headers={"Retry-After": str(gw.cfg.retry_after_s)})
     # the calls the previous reply made, as the template and the checks want them
     family = await gw.tool_format(client, view.model)
     _, calls = tool_calls.parse(view.messages[idx].text, family)
