@@ -201,5 +201,5 @@ def test_named_tool_choice_leaves_no_unfinished_call_block_in_content(oa, stream
                 content += c.delta.content or ""
                 names += [t.function.name for t in c.delta.tool_calls or [] if t.function.name]
                 finish = c.finish_reason or finish
-    assert finish == "tool_calls" and names and set(names) == {"get_time"}
+    assert finish == "tool_calls" and names == ["get_time"]  # its copy of the block is not a second call
     assert "<tool_call>" not in content and '"name"' not in content, content

@@ -281,10 +281,33 @@ def test_text_after_a_repeated_call_block_is_not_content():
                  "Sure, here it is", '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'):
         text = "Let me check.\n" + block * 2 + tail
         content, calls = T.parse(text, "hermes")
-        assert content == "Let me check." and len(calls) == 2, (tail, content, calls)
+        assert content == "Let me check." and len(calls) == 1, (tail, content, calls)
         for step in (1, 7, len(text)):
             p = T.StreamParser("hermes", "call_x_")
             got = [p.feed(text[i:i + step]) for i in range(0, len(text), step)] + [p.finish()]
             assert "".join(d.content for d in got) == "Let me check.", (tail, step)
             assert [(c.name, c.arguments) for c in p.calls] == [(c.name, c.arguments) for c in calls]
             assert p.complete
+
+
+def test_a_tool_call_block_written_twice_is_one_call():
+    """A model looping on its <tool_call> block had each copy sent as one more call (the client
+    would run get_time(Kyiv) twice, or send an email twice): a block naming a tool already
+    called is held until it closes, and dropped when it is a copy. Two different calls to
+    one tool stay two calls, streamed or not, in any chunking."""
+    paris = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    tokyo = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo"}}\n</tool_call>\n'
+    other = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    for text, want in ((paris + paris, ['{"city": "Paris"}']),
+                       (paris + tokyo, ['{"city": "Paris"}', '{"city": "Tokyo"}']),
+                       (paris + tokyo + paris + tokyo, ['{"city": "Paris"}', '{"city": "Tokyo"}']),
+                       (paris + other + paris, ['{"city": "Paris"}', '{"city": "Paris"}']),
+                       (paris + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro',
+                        ['{"city": "Paris"}', '{"city": "Ro'])):
+        _, parsed = T.parse(text, "hermes")
+        if not text.endswith("Ro"):
+            assert [c.arguments for c in parsed] == want, text
+        for step in (1, 5, len(text)):
+            got_content, got_calls, ids = _stream("hermes", text, list(range(step, len(text), step)))
+            assert [a for _, a in got_calls] == want, (text, step, got_calls)
+            assert ids == [f"call_m1_{i}" for i in range(len(want))] and got_content == ""

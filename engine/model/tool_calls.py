@@ -163,11 +163,11 @@ def parse(text: str, family: str) -> tuple[str, list[ToolCall]]:
             if call is None:
                 continue
             content.append(text[pos:m.start()])
-            repeat = any((c.name, _canonical(c.arguments)) == (call.name, _canonical(call.arguments)) for c in calls)
-            calls.append(call)
-            pos = len(text) if repeat else m.end()
-            if repeat:
+            if any((c.name, _canonical(c.arguments)) == (call.name, _canonical(call.arguments)) for c in calls):
+                pos = len(text)  # a copy of an earlier call: the model is looping; it and the rest go
                 break
+            calls.append(call)
+            pos = m.end()
         content.append(text[pos:])
         if not calls:
             bare = _bare_calls(text)
@@ -399,6 +399,15 @@ class StreamParser:
             return out
         return self._hermes(final)
 
+    _pending: ToolCall | None = None  # hermes: a block naming a tool already called, held to its end
+
+    def _emit(self, call: ToolCall) -> list[tuple]:
+        """A held call, sent whole: its header, then its arguments."""
+        self._index += 1
+        self._name(call, self._index)
+        self._calls.append(call)
+        return [(self._index, call.id, call.name, ""), (self._index, None, None, call.arguments)]
+
     _ws = ""          # content whitespace held back (it may end up around a call)
     _content_sent = False
 
@@ -450,13 +459,23 @@ class StreamParser:
                 m = re.match(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*', body)
                 if m:
                     self._named = True
-                    self._index += 1
                     call = ToolCall(json.loads('"' + m.group(1) + '"'), "")
-                    self._name(call, self._index)
-                    self._calls.append(call)
-                    out.calls.append((self._index, call.id, call.name, ""))
                     self._args_at = self._call_start + m.end()
-            if self._named:
+                    if any(c.name == call.name for c in self._calls):
+                        self._pending = call  # held whole: it may be a copy of an earlier call
+                    else:
+                        self._index += 1
+                        self._name(call, self._index)
+                        self._calls.append(call)
+                        out.calls.append((self._index, call.id, call.name, ""))
+            if self._named and self._pending is not None:
+                args = _json_prefix(t[self._args_at:body_end if body_end >= 0 else len(t)])
+                if args is not None:
+                    self._pending.arguments = args
+                if body_end < 0 and final:  # cut off: sent as far as it got, as any unfinished call
+                    out.calls.extend(self._emit(self._pending))
+                    self._pending = None
+            elif self._named:
                 call = self._calls[-1]
                 args = _json_prefix(t[self._args_at:body_end if body_end >= 0 else len(t)])
                 if args is not None and len(args) > self._args_sent:
@@ -480,6 +499,16 @@ class StreamParser:
                     out.calls.append((self._index, call.id, call.name, call.arguments))
                 else:
                     out.content += open_tag + body + close_tag
+            elif self._pending is not None:
+                call, self._pending = self._pending, None
+                full = _hermes_block(body)
+                if full is not None:
+                    call.arguments = full.arguments
+                key = (call.name, _canonical(call.arguments))
+                if any((c.name, _canonical(c.arguments)) == key for c in self._calls):
+                    self.complete = True  # the same call again: the model is repeating itself; dropped
+                else:
+                    out.calls.extend(self._emit(call))
             else:
                 call = self._calls[-1]
                 full = _hermes_block(body)
