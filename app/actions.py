@@ -69,7 +69,8 @@ class ChatActions:
         if self.client is None:
             await self.open_conversation(None)
             return
-        conv = await self._call(self.client.create_conversation(title=DEFAULT_TITLE, sampling=self.default_sampling))
+        conv = await self._call(self.client.create_conversation(title=DEFAULT_TITLE, sampling=self.default_sampling,
+                                                                model=self.next_model))
         if conv is not None:
             await self.refresh_conversations()
             await self.open_conversation(conv.conv_id)

@@ -55,9 +55,14 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
 
     def __init__(self, client_factory: ClientFactory, *, theme: str | None = None,
-                 status_poll_s: float = STATUS_POLL_S, default_sampling: P.SamplingParams | None = None) -> None:
+                 status_poll_s: float = STATUS_POLL_S, default_sampling: P.SamplingParams | None = None,
+                 model: str = "") -> None:
         super().__init__()
         self.client_factory = client_factory
+        # ``aotx-chat --model``: the app opens on a new conversation on that model (loaded beside
+        # the engine's default at its first message), whether it started the engine or not
+        self.next_model = model
+        self.start_model = model
         self.default_sampling = default_sampling  # sampling of conversations this app creates (None: engine's)
         self.saved_state = app_state.load_state()
         self.theme_name = theme if theme in THEMES else (

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aotx.app.format import error_text, media_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
@@ -89,6 +90,14 @@ class EngineLink:
             known = {c.conv_id for c in self.sidebar.conversations}
             if target not in known:
                 target = self.sidebar.conversations[0].conv_id if self.sidebar.conversations else None
+            start_model, self.start_model = getattr(self, "start_model", ""), ""
+            if start_model and self.conv_id is None and not recovering:
+                # --model: a new conversation on it, not the last one on whatever model it had
+                target = None
+                name = Path(start_model).stem if start_model.endswith(".gguf") else start_model
+                self.status_bar.set_conversation_model(name)
+                self.show_notice(f"New conversation on {name}: it loads beside the engine's default "
+                                 f"({client.welcome.model}) at your first message.")
             if target is not None and (recovering or target != self.conv_id or not self.chat_widgets):
                 await self.open_conversation(target)
         except ConnectionLost:

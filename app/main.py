@@ -1,7 +1,9 @@
 """The ``aotx-chat`` console script: parse flags, build the client factory, run the app.
 
 Flags that concern the engine (``--model``, ``--device``, ``--mmproj``) are passed to the engine
-the app starts when none answers on the socket; a running engine keeps its own.
+the app starts when none answers on the socket; a running engine keeps its own. ``--model``
+also opens the app on a new conversation on that model (a running engine loads it beside
+its default at the first message, as ``aotx run --model`` does).
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             return e.exit_code
     from aotx.app.app import ChatApp
 
-    ChatApp(make_client_factory(ns), theme=ns.theme).run()
+    from aotx.engine.ipc.client import model_ref
+
+    ChatApp(make_client_factory(ns), theme=ns.theme, model=model_ref(ns.model)).run()
     return 0
 
 

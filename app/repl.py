@@ -24,6 +24,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
@@ -113,9 +114,11 @@ class Repl:
 
     def __init__(self, client, *, sampling: P.SamplingParams, conv_id: str | None = None,
                  system: str | None = None, read: Callable[[str], str] = input,
-                 write: Callable[[str], None] | None = None, err: Callable[[str], None] | None = None) -> None:
+                 write: Callable[[str], None] | None = None, err: Callable[[str], None] | None = None,
+                 model: str = "") -> None:
         self.client = client
         self.sampling = sampling
+        self.model = model          # ``--model`` as the engine reads it ("" = the engine's default)
         self.conv_id = conv_id
         self.system = system
         self.read = read
@@ -137,6 +140,10 @@ class Repl:
             if view.sampling is not None:
                 self.sampling = view.sampling
             self.err(f"continuing “{view.title}” ({len(view.messages)} messages); /help lists the commands")
+        elif self.model:                   # --model: loaded beside the default at the first message
+            name = Path(self.model).stem if self.model.endswith(".gguf") else self.model
+            self.err(f"{name} on {st.device} (the engine's default is {st.model}); /help lists the commands, "
+                     f"/bye leaves")
         else:
             self.err(f"{st.model} on {st.device}; /help lists the commands, /bye leaves")
 
@@ -268,7 +275,7 @@ class Repl:
         if self.conv_id is None:
             title = " ".join(text.split())[:60]
             conv = await self.client.create_conversation(title=title, system_prompt=self.system,
-                                                         sampling=self.sampling)
+                                                         sampling=self.sampling, model=self.model)
             self.conv_id, self.title = conv.conv_id, conv.title
         atts, self.attachments = self.attachments, []
         from aotx.engine.ipc.client import CancelOnSignal
@@ -278,7 +285,8 @@ class Repl:
         stopper = CancelOnSignal(asyncio.get_running_loop(), lambda r: self.client.cancel(target=r)).__enter__()
         user_pos, reply_pos, finish, timings, n_prompt, n_done, streamed = "queued", "queued", "", {}, 0, 0, False
         try:
-            async for ev in self.client.submit(self.conv_id, text, attachments=atts, sampling=self.sampling):
+            async for ev in self.client.submit(self.conv_id, text, attachments=atts, sampling=self.sampling,
+                                               model=self.model):
                 if isinstance(ev, P.Accepted):
                     rid.append(ev.id)
                     stopper.accepted(ev.id)
@@ -371,8 +379,13 @@ def run_repl(args, connect: Callable[[], Awaitable]) -> int:
     loop = asyncio.new_event_loop()
     client = None
     try:
+        from aotx.engine.ipc.client import model_ref
+        from aotx.engine.model.loader import check_model_arg
+
+        check_model_arg(args.model)  # a missing or non-GGUF file: refused before an engine starts
         client = loop.run_until_complete(connect())
-        repl = Repl(client, sampling=sampling, conv_id=args.conversation, system=args.system)
+        repl = Repl(client, sampling=sampling, conv_id=args.conversation, system=args.system,
+                    model=model_ref(args.model))
         loop.run_until_complete(repl.start())
         for path in args.attach:
             repl.attach(path)

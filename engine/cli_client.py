@@ -18,7 +18,7 @@ from pathlib import Path
 from aotx.engine.errors import AotxError, EngineError, UsageError
 from aotx.engine.units import parse_size
 from aotx.engine.ipc import protocol as P
-from aotx.engine.ipc.client import CancelOnSignal, EngineClient  # noqa: F401 (CancelOnSignal: here for callers)
+from aotx.engine.ipc.client import CancelOnSignal, EngineClient, model_ref  # noqa: F401 (CancelOnSignal, model_ref: here for callers)
 from aotx.media.kinds import kind_of_name
 
 
@@ -156,15 +156,6 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
             raise UsageError(f"the engine on {client.socket_path} has {has}, not {want}; stop it with `aotx stop` "
                              f"or pass another --socket")
     return client
-
-
-def model_ref(arg: str | None) -> str:
-    """``--model`` as the engine should read it: a name as given, a path made absolute
-    (the engine runs in another directory)."""
-    if not arg:
-        return ""
-    p = Path(arg).expanduser()
-    return str(p.resolve()) if p.is_file() or (("/" in arg or arg.endswith(".gguf")) and p.exists()) else arg
 
 
 def dispatch(args, **kw) -> int:

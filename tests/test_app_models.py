@@ -102,3 +102,26 @@ async def test_f4_settings_opens_the_model_picker():
         await pilot.press("escape")
         await settle(pilot)  # (settle waits for every worker: the dialog's too)
         assert app.status_bar.line().startswith(QWEN.name)
+
+
+async def test_aotx_chat_model_flag_opens_a_new_conversation_on_that_model():
+    """Regression (new-user trial, session 4): `aotx-chat --model qwen.gguf` with an engine
+    running opened the last conversation and answered on the default model, saying
+    nothing; Ctrl+N's new conversations ignored the chosen model too."""
+    engine = FakeEngine()
+    old = engine.add_conversation("Say hello 1", [("user", "hi"), ("assistant", "hello")])
+    path = "/models/qwen2.5-0.5b-instruct-q4_k_m.gguf"
+    app, _ = make_app(engine, model=path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        assert app.conv_id is None and not app.messages()          # not the last conversation
+        notice = str(app.query_one("#input-notice").render())
+        assert "New conversation on qwen2.5-0.5b-instruct-q4_k_m" in notice
+        assert app.status_bar.line().startswith("qwen2.5-0.5b-instruct-q4_k_m")   # the status line names it
+        app.chat_input.insert("hello")
+        await pilot.press("enter")
+        await settle(pilot)
+        assert app.conv_id != old.conv_id and engine.convs[app.conv_id].model == path
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        assert app.conv_id not in (None, old.conv_id) and engine.convs[app.conv_id].model == path

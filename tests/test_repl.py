@@ -125,3 +125,35 @@ async def test_repl_continues_a_conversation():
     assert term.err[0] == "continuing “Old talk” (2 messages); /help lists the commands"
     assert any("temperature=0.9" in e and "max_tokens=77" in e for e in term.err)
     assert engine.submitted[-1][:2] == (conv.conv_id, "and now?")
+
+
+async def test_repl_with_model_chats_with_that_model():
+    """Regression (new-user trial, session 4): `aotx run --model qwen... ` with no prompt
+    (the terminal chat) ignored --model: the banner and every reply were the default's."""
+    engine = FakeEngine()
+    repl, term = await drive(engine, ["hello", "/new", "again"], model="/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    assert "qwen2.5-coder-0.5b-instruct-q4_k_m on cpu (the engine's default is" in term.err[0]
+    convs = list(engine.convs.values())
+    assert len(convs) == 2 and {c.model for c in convs} == {"/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
+    assert engine.submit_models == ["/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"] * 2
+
+
+def test_run_repl_refuses_a_missing_model_file_before_connecting(tmp_path):
+    """`aotx run --model missing.gguf` at a terminal: one line, exit 2, no engine started."""
+    import argparse
+
+    from aotx.app.repl import run_repl
+    from aotx.engine.errors import AotxError
+
+    def connect():
+        raise AssertionError("connected before the model argument was checked")
+
+    args = argparse.Namespace(temperature=None, top_k=None, top_p=None, min_p=None, repeat_penalty=None, seed=None,
+                              max_tokens=None, stop=[], speculative=None, model=str(tmp_path / "missing.gguf"),
+                              conversation=None, system=None, attach=[])
+    try:
+        rc = run_repl(args, connect=connect)
+    except AotxError as e:
+        assert "missing.gguf" in str(e)
+    else:
+        assert rc == 2

@@ -372,3 +372,12 @@ class CancelOnSignal:
             await self._cancel(self._rid)
         except AotxError:  # the reply already ended, or the engine went away
             pass
+
+
+def model_ref(arg: str | None) -> str:
+    """``--model`` as the engine should read it: a name as given, a path made absolute
+    (the engine runs in another directory)."""
+    if not arg:
+        return ""
+    p = Path(arg).expanduser()
+    return str(p.resolve()) if p.is_file() or (("/" in arg or arg.endswith(".gguf")) and p.exists()) else arg

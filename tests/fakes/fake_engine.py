@@ -39,6 +39,7 @@ class FakeEngine:
                  n_ctx: int = 2048, token_gate: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.reply, self.token_delay, self.chars_per_token = reply, token_delay, chars_per_token
         self.load_steps, self.notices, self.model, self.device = load_steps, list(notices or []), model, device
+        self.submit_models: list[str] = []      # each submit's ``model`` ("" = the conversation's)
         self.convs: dict[str, P.ConversationView] = {}
         self.seq = itertools.count(1)
         self.ids = itertools.count(1)
@@ -218,9 +219,10 @@ class FakeEngineClient:
 
     async def submit(self, conv_id: str, text: str, *, attachments: list[P.Attachment] | None = None,
                      sampling: P.SamplingParams | None = None, raw: bool = False,
-                     wait_durable: bool = True) -> AsyncIterator[P.Message]:
+                     wait_durable: bool = True, model: str = "") -> AsyncIterator[P.Message]:
         e, rid = self.engine, next(self._rids)
         conv = self._conv(conv_id)
+        e.submit_models.append(model)
         e.submitted.append((conv_id, text, list(attachments or [])))
         if not self.welcome.ready and e.load_steps > 0:
             yield P.Error(id=rid, code=ErrorCode.NOT_READY, message="the model is still loading")
