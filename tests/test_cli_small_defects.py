@@ -1,4 +1,4 @@
-"""Small CLI defects noted at the end of session 3: `conversations show` and `serve --memory-budget`."""
+"""Small CLI defects: session 3's notes (`conversations show`, `serve --memory-budget`) and session 4's new-user trial (several `aotx run` starting engines at once)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,28 @@ def test_serve_refuses_an_unreadable_memory_budget_before_loading(monkeypatch):
                               memory_budget="5X")
     with pytest.raises(UsageError, match=r"--memory-budget: cannot read '5X' as a size"):
         serve.build_engine(args)
+
+
+def test_three_aotx_run_started_together_share_one_engine(tmp_path, default_model_path):
+    """Regression (new-user trial, session 4): `for i in 1 2 3; do aotx run ... & done` with
+    no engine: each started one; the two that lost the socket's lock exited, and their
+    clients gave up ("the engine exited with code 2 before answering: another engine is
+    already serving ...") while the winner was still loading. They now wait for it."""
+    import os
+    import subprocess
+    import sys
+
+    sock = f"/tmp/aotx-three-{os.getpid()}.sock"
+    env = dict(os.environ, AOTX_HOME=str(tmp_path))
+    cmd = [sys.executable, "-m", "aotx.engine.cli", "run", "--socket", sock, "--max-tokens", "2", "--temperature", "0"]
+    procs = [subprocess.Popen([*cmd, f"Say hello {i}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL, text=True) for i in range(3)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-400:] for o in outs]
+        assert sum("started an engine" in o[1] for o in outs) >= 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        subprocess.run([*cmd[:3], "stop", "--socket", sock], env=env, capture_output=True, timeout=60)

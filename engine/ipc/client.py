@@ -85,18 +85,26 @@ class EngineClient:
         if on_spawn:
             on_spawn(f"started an engine in the background (pid {proc.pid}, log {log})")
         deadline = time.monotonic() + timeout
+        winner = False              # another engine won the race for the socket: wait for it instead
         while True:
             await asyncio.sleep(0.05)
             try:
                 return await cls._open(sock, client_name)
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):
                 pass
-            code = proc.poll()
+            code = None if winner else proc.poll()
+            if winner and not _socket_lock_held(sock):
+                raise EngineError(f"the engine that was starting on {sock} stopped before answering "
+                                  f"(log: {log})")
             if code is not None:
-                # Another engine may have won the race for the socket: try it once more.
+                # Another engine may have won the race for the socket (several clients started
+                # one at once): while it holds the socket's lock it is loading; wait for it.
                 try:
                     return await cls._open(sock, client_name)
                 except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):
+                    if _socket_lock_held(sock):
+                        winner = True
+                        continue
                     tail = _tail(log)
                     raise EngineError(f"the engine exited with code {code} before answering: {tail} (details in {log})") from None
             if time.monotonic() > deadline:
@@ -372,6 +380,25 @@ class CancelOnSignal:
             await self._cancel(self._rid)
         except AotxError:  # the reply already ended, or the engine went away
             pass
+
+
+def _socket_lock_held(sock: Path) -> bool:
+    """Whether the engine whose pid ``<socket>.lock`` holds (ipc.server.SocketLock writes
+    it once it has the lock) is alive: one that is starting, or serving. Reads the file
+    only: taking the lock, even shared, could make a starting engine fail."""
+    try:
+        pid = int(Path(str(sock) + ".lock").read_text().strip() or 0)
+    except (OSError, ValueError):
+        return False
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # alive, another user's (the data dir is private: unlikely)
+        return True
+    return True
 
 
 def model_ref(arg: str | None) -> str:
