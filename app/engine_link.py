@@ -64,6 +64,11 @@ class EngineLink:
                 client = await self.client_factory(self._on_spawn)
                 break
             except (AotxError, OSError) as e:
+                if getattr(e, "engine_exit", None) == 2 and not self.recovering and self.client_never_ready:
+                    # the engine this app started refused its arguments (a model name that names
+                    # nothing, an architecture it cannot run): retrying cannot help; one line, exit 2
+                    self.exit(return_code=2, message=f"aotx-chat: {e.engine_message}")
+                    return
                 self.status_bar.set_state("engine unavailable", f"{e}; retrying")
                 self.show_notice(f"Cannot reach the engine: {e}. Retrying in {delay:.0f} s.")
                 await asyncio.sleep(delay)
@@ -79,6 +84,7 @@ class EngineLink:
                     break
                 await asyncio.sleep(0.25)
             self.ready = True
+            self.client_never_ready = False
             recovering, self.recovering = self.recovering, False
             if recovering:
                 self.show_notice("The engine is back. Everything it had made durable is here.")

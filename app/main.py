@@ -86,8 +86,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from aotx.engine.ipc.client import model_ref
 
-    ChatApp(make_client_factory(ns), theme=ns.theme, model=model_ref(ns.model)).run()
-    return 0
+    from aotx.engine.errors import AotxError
+
+    try:  # the data dir is read first (the app's saved state): a file where it should be, say
+        app = ChatApp(make_client_factory(ns), theme=ns.theme, model=model_ref(ns.model))
+    except AotxError as e:
+        print(f"aotx-chat: {e}", file=sys.stderr)
+        return e.exit_code
+    app.run()
+    return app.return_code or 0
 
 
 if __name__ == "__main__":

@@ -125,3 +125,58 @@ async def test_aotx_chat_model_flag_opens_a_new_conversation_on_that_model():
         await pilot.press("ctrl+n")
         await settle(pilot)
         assert app.conv_id not in (None, old.conv_id) and engine.convs[app.conv_id].model == path
+
+
+async def test_aotx_chat_exits_when_the_engine_it_started_refuses_its_arguments():
+    """Regression (new-user trial, session 4): `aotx-chat --model qwen-coder` (a name naming
+    nothing) or a GGUF of an architecture AOTX lacks opened the TUI and restarted the
+    engine every 5 s for ever ("Cannot reach the engine ... Retrying in 5 s"). An engine
+    that exits 2 before answering refused its arguments: the app ends, exit code 2."""
+    from aotx.app.app import ChatApp
+    from aotx.engine.errors import EngineError
+
+    calls = []
+
+    async def factory(on_spawn):
+        calls.append(1)
+        e = EngineError("the engine exited with code 2 before answering: qwen-coder: no such model (details in x)")
+        e.engine_exit, e.engine_message = 2, "qwen-coder: no such model"
+        raise e
+
+    app = ChatApp(factory, status_poll_s=0)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause(0.5)
+    assert app.return_code == 2 and calls == [1]
+
+
+async def test_aotx_chat_keeps_retrying_an_engine_that_crashed_at_start():
+    """An engine that crashed (exit 1, say out of memory) may start next time: retry, as before."""
+    from aotx.app.app import ChatApp
+    from aotx.engine.errors import EngineError
+
+    calls = []
+
+    async def factory(on_spawn):
+        calls.append(1)
+        e = EngineError("the engine exited with code 1 before answering: killed")
+        e.engine_exit, e.engine_message = 1, "killed"
+        raise e
+
+    app = ChatApp(factory, status_poll_s=0)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause(1.5)
+        assert app.return_code is None and len(calls) >= 2
+        assert "Retrying" in str(app.query_one("#input-notice").render())
+
+
+def test_aotx_chat_with_a_file_as_its_home_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Regression (new-user trial, session 4): `AOTX_HOME=afile aotx-chat` printed a
+    traceback ending in StorageError ("a file stands where a directory should be"), exit 1."""
+    from aotx.app.main import main
+
+    f = tmp_path / "afile"
+    f.write_text("not a directory")
+    monkeypatch.setenv("AOTX_HOME", str(f))
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aotx-chat: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -106,7 +106,9 @@ class EngineClient:
                         winner = True
                         continue
                     tail = _tail(log)
-                    raise EngineError(f"the engine exited with code {code} before answering: {tail} (details in {log})") from None
+                    err = EngineError(f"the engine exited with code {code} before answering: {tail} (details in {log})")
+                    err.engine_exit, err.engine_message = code, tail   # 2: it refused its arguments
+                    raise err from None
             if time.monotonic() > deadline:
                 raise EngineError(f"the engine did not answer on {sock} within {timeout:.0f} s (log: {log})")
 
