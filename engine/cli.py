@@ -277,10 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most seconds spent timing (default 600; sites after that keep their default kernel)")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("journal", help="check or print the journal")
+    p = sub.add_parser("journal", help="verify, dump, repair or compact the journal")
     jsub = p.add_subparsers(dest="jcmd", metavar="ACTION", parser_class=_Parser)
-    for name in ("verify", "dump", "repair", "compact"):
-        q = jsub.add_parser(name)
+    for name, what in (("verify", "check every record's checksum (exit 1 on a problem)"),
+                       ("dump", "print every record"),
+                       ("repair", "salvage a damaged journal (damaged bytes kept in a .damaged copy)"),
+                       ("compact", "replace the journal by one checkpoint of the live conversations (a deleted "
+                                   "conversation's text leaves the disk)")):
+        q = jsub.add_parser(name, help=what)
         q.add_argument("--json", action="store_true")
 
     p = sub.add_parser("conversations", help="list, show, export or fork conversations")

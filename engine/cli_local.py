@@ -132,7 +132,7 @@ def cmd_journal(args) -> int:
     from aotx.engine.journal import cli_support as J
 
     if not args.jcmd:
-        raise UsageError("aotx journal: choose verify, dump, repair or compact")
+        raise UsageError("journal: choose verify, dump, repair or compact")
     if args.jcmd == "verify":
         rep = J.verify_cmd()
         if args.json:

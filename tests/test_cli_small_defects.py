@@ -68,3 +68,19 @@ def test_three_aotx_run_started_together_share_one_engine(tmp_path, default_mode
             if p.poll() is None:
                 p.kill()
         subprocess.run([*cmd[:3], "stop", "--socket", sock], env=env, capture_output=True, timeout=60)
+
+
+def test_journal_without_an_action_names_them_once_and_its_help_lists_them(tmp_path):
+    """Regression (new-user trial, session 4): `aotx journal` printed "aotx: aotx journal:
+    choose ..." and `aotx journal --help` listed no actions."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, AOTX_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "journal"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "aotx: journal: choose verify, dump, repair or compact"
+    h = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "journal", "--help"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert h.returncode == 0 and all(f"    {a} " in h.stdout for a in ("verify", "dump", "repair", "compact"))
