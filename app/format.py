@@ -69,11 +69,18 @@ def capsule_text(n: P.Notice, had_history: bool = True) -> str:
     return "Read the earlier messages again: the saved state could not be used."
 
 
+ADMISSION_KINDS = frozenset({"held", "queued", "refused", "resumed"})
+
+
 def notice_text(n: P.Notice, had_history: bool = True) -> str:
     """One plain sentence for an admission notice (or a capsule notice; "" when that
     would not help)."""
     if n.kind == "capsule":
         return capsule_text(n, had_history)
+    if n.kind not in ADMISSION_KINDS and not (n.asked or n.free):
+        # a notice that is a sentence already ("model": loading model X, unloaded the idle model Y)
+        msg = n.message.strip()
+        return (msg[:1].upper() + msg[1:]).rstrip(".") + "." if msg else ""
     head = {"held": "Held", "queued": "Queued", "refused": "Refused", "resumed": "Resumed"}.get(
         n.kind, n.kind.capitalize())
     parts = [f"{head}: {n.resource or 'resources'}"]

@@ -395,3 +395,16 @@ async def test_engine_error_codes_drive_the_app():
         notice = str(app.query_one("#input-notice").render())
         assert notice.startswith("Not found on the engine")
         assert app.sidebar.visible() == ["Rust lifetimes"]
+
+
+def test_a_model_notice_reads_as_its_sentence():
+    """Regression (new-user trial, session 4): the TUI showed "Model: model. loading model
+    qwen2.5-coder-0.5b-instruct-q4_k_m (468.6 MiB, qwen2 Q4_K_M)"."""
+    from aotx.app.format import notice_text
+    from aotx.engine.ipc import protocol as P
+
+    n = P.Notice(id=1, kind="model", resource="model", message="loading model qwen2.5-coder (468.6 MiB, qwen2 Q4_K_M)")
+    assert notice_text(n) == "Loading model qwen2.5-coder (468.6 MiB, qwen2 Q4_K_M)."
+    q = P.Notice(id=1, kind="queued", resource="slots", position=2, asked=1, free=0, message="")
+    assert notice_text(q).startswith("Queued: slots")
+
