@@ -144,6 +144,11 @@ def test_openai_completions_raw_and_models(oa):
     models = oa.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert oa.models.retrieve("SmolLM2-135M-Instruct.Q4_1").owned_by == "aotx"
+    # regression (new-user trial, session 4): "context" said 8192 (the trained context) while
+    # the engine served 1024, so a client sizing its prompts from it got a 400
+    extra = models.data[0].model_extra
+    assert extra["aotx"]["context"] == 1024 and extra["max_model_len"] == 1024
+    assert extra["aotx"]["context_train"] == 8192
     with pytest.raises(openai.NotFoundError):
         oa.models.retrieve("gpt-4")
 

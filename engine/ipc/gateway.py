@@ -711,9 +711,16 @@ class Gateway:
                             f"the default one)", "invalid_request_error", param="model", code="model_not_found")
 
     def _model_obj(self, m: P.ModelInfo) -> dict[str, Any]:
-        return {"id": m.name, "object": "model", "created": 0, "owned_by": "aotx" if m.kind == "gguf" else "remote",
-                "aotx": {"loaded": m.loaded, "default": m.default, "kind": m.kind, "arch": m.arch, "quant": m.quant,
-                         "context": m.n_ctx_train, "size_bytes": m.size_bytes, "needs_bytes": m.needs_bytes}}
+        # "context": what a prompt plus its reply may hold: the context a loaded model serves
+        # (its slots' length), else the one it was trained for; "context_train": the latter
+        ctx = m.n_ctx if m.loaded and m.n_ctx else m.n_ctx_train
+        obj = {"id": m.name, "object": "model", "created": 0, "owned_by": "aotx" if m.kind == "gguf" else "remote",
+               "aotx": {"loaded": m.loaded, "default": m.default, "kind": m.kind, "arch": m.arch, "quant": m.quant,
+                        "context": ctx, "context_train": m.n_ctx_train, "size_bytes": m.size_bytes,
+                        "needs_bytes": m.needs_bytes}}
+        if m.loaded and m.n_ctx:
+            obj["max_model_len"] = m.n_ctx      # the field vLLM's clients read
+        return obj
 
     async def models(self, request: Request) -> Response:
         """Every installed model (files, remote endpoints) and every loaded one, default first."""
