@@ -496,10 +496,13 @@ def test_anthropic_stream_message_start_carries_the_prompts_token_count(gw):
         whole = h.post("/v1/messages", json=body).json()
         with h.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
             events = [json.loads(ln[len("data: "):]) for ln in r.iter_lines() if ln.startswith("data: ")]
+    # message_start comes before the engine knows how much of the prompt its cache holds: it
+    # counts the whole prompt; the final usage splits it (input_tokens excludes cache reads)
     start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
-    assert start["input_tokens"] == whole["usage"]["input_tokens"] > 5, (start, whole["usage"])
+    prompt = whole["usage"]["input_tokens"] + whole["usage"]["cache_read_input_tokens"]
+    assert start["input_tokens"] == prompt > 5, (start, whole["usage"])
     delta = next(e for e in events if e["type"] == "message_delta")["usage"]
-    assert delta["input_tokens"] == whole["usage"]["input_tokens"]
+    assert delta["input_tokens"] + delta["cache_read_input_tokens"] == prompt
 
 
 def test_streamed_completion_logprobs_text_offsets_count_from_the_start_of_the_text(oa):
@@ -541,3 +544,16 @@ def test_continuing_a_response_still_being_generated_is_409_not_a_fork_of_its_pa
         assert nxt.json()["error"]["param"] == "previous_response_id", nxt.text
         assert json.loads(rest[-1][6:])["type"] == "response.completed"
         assert len(engine_call(engine[0], lambda c: c.list_conversations())) == before  # no fork was made
+
+
+def test_anthropic_usage_counts_cached_prompt_tokens_once():
+    """Regression (new-user trial, session 4): usage said input_tokens 31 and
+    cache_read_input_tokens 30 for a 31-token prompt; Anthropic's input_tokens excludes
+    the tokens read from the cache, so clients counted 30 tokens twice."""
+    from types import SimpleNamespace
+
+    from aotx.engine.ipc.gateway_anthropic import _usage
+
+    u = _usage(SimpleNamespace(n_prompt=31, n_completion=5, n_cached=30))
+    assert u == {"input_tokens": 1, "output_tokens": 5, "cache_read_input_tokens": 30}
+    assert _usage(SimpleNamespace(n_prompt=12, n_completion=0, n_cached=0))["input_tokens"] == 12

@@ -208,8 +208,7 @@ class MessagesAPI:
         stop, seq = self._stop(c, spec)
         return {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model,
                 "content": self._content(c), "stop_reason": stop, "stop_sequence": seq,
-                "usage": {"input_tokens": reply.n_prompt, "output_tokens": reply.n_completion,
-                          "cache_read_input_tokens": reply.n_cached},
+                "usage": _usage(reply),
                 "aotx": reply.aotx}
 
     async def stream(self, gw, gen, reply: S.Reply, spec, states) -> AsyncIterator[bytes]:
@@ -271,8 +270,7 @@ class MessagesAPI:
         gw._finish_reply(gen, reply, states)
         stop, seq = self._stop(reply.choices[0], spec)
         yield ev({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": seq},
-                  "usage": {"output_tokens": reply.n_completion, "input_tokens": reply.n_prompt,
-                            "cache_read_input_tokens": reply.n_cached},
+                  "usage": _usage(reply),
                   "aotx": reply.aotx})
         yield ev({"type": "message_stop"})
 
@@ -294,3 +292,13 @@ async def create(gw, request: Request) -> Response:
                 stream=req.stream, tools=req.tools, constraint=req.constraint, n=1, title=last.text,
                   model=req.model)
     return await gw.generate(request, key, spec, MessagesAPI())
+
+
+def _usage(reply: S.Reply) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` counts the prompt tokens NOT read from the cache
+    (the restored capsule's), ``cache_read_input_tokens`` those that were; their sum is the
+    prompt (OpenAI's prompt_tokens counts the cached ones in)."""
+    cached = min(reply.n_cached, reply.n_prompt)
+    return {"input_tokens": reply.n_prompt - cached, "output_tokens": reply.n_completion,
+            "cache_read_input_tokens": cached}
+
