@@ -243,3 +243,12 @@ def test_fuzzed_files_load_or_raise_model_error(fuzz_base, tmp_path, data):
         assert str(p) in str(e) or "tokenizer" in str(e) or "GGUF metadata" in str(e), str(e)
     except AotxError as e:
         assert type(e).__name__ == "TemplateError", repr(e)
+
+
+def test_a_block_count_past_the_files_blocks_is_refused_before_the_tensor_list(tiny_gguf, tmp_path):
+    """Regression (new-user trial, session 4: the README's test run was killed for memory at
+    23 GB): a fuzzed byte made llama.block_count 83,886,129; the architecture's list of
+    expected tensors for that many layers took gigabytes before any tensor was looked up.
+    Found again by this file's fuzz test under a memory limit."""
+    p = tiny_gguf.write_tiny_llama(tmp_path / "m.gguf", metadata={"llama.block_count": 83_886_129})
+    expect_model_error(p, r"block_count is 83,886,129 but the file holds tensors for \d+ blocks \(blk\.0 \.\. blk\.")

@@ -181,6 +181,7 @@ class TransformerModel:
         check = getattr(arch, "check_config", None)
         if check is not None:
             check(cfg, str(gf.path))
+        _check_block_count(cfg, gf)
         resolved = resolve_tensors(arch.tensors(cfg), gf, backend)
         w = load_weights(resolved, gf, backend)
         b = ProgramBuilder()
@@ -238,6 +239,22 @@ class TransformerModel:
     def _greedy(self, tokens: np.ndarray, segments: list[Segment], kv) -> np.ndarray:
         """``sample`` with every row greedy (only where ``device_sampling``)."""
         return self.compiled.greedy(tokens, BatchLayout.of(segments), kv)
+
+
+def _check_block_count(cfg: ModelConfig, gf) -> None:
+    """Every architecture names its layers' tensors ``blk.<i>.*``: a block count past the
+    blocks the file holds is refused here, before the tensor list is built (a flipped byte
+    made block_count 83,886,129 and the list of expected tensors alone took gigabytes)."""
+    blocks = set()
+    for name in gf.tensors:
+        if name.startswith("blk."):
+            head = name[4:].split(".", 1)[0]
+            if head.isdigit():
+                blocks.add(int(head))
+    if cfg.n_layers > len(blocks):
+        have = f"blk.0 .. blk.{max(blocks)}" if blocks else "none"
+        raise ModelError(f"{gf.path}: {cfg.arch}.block_count is {cfg.n_layers:,} but the file holds tensors for "
+                         f"{len(blocks)} blocks ({have})")
 
 
 def build(cfg: ModelConfig, gf, backend, arch: ModuleType) -> TransformerModel:
