@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from aotx.engine.errors import AotxError, EngineError, UsageError
+from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
 from aotx.engine.units import parse_size
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import CancelOnSignal, EngineClient, model_ref  # noqa: F401 (CancelOnSignal, model_ref: here for callers)
@@ -235,6 +235,7 @@ async def _run(args) -> int:
         code = 0
         prompt_ids: list[int] = []
         completion: list[int] = []
+        refused = ""
         async for ev in client.submit(conv_id, prompt, attachments=attachments, sampling=sampling, raw=args.raw,
                                       model=model_ref(args.model)):
             if isinstance(ev, P.Accepted):
@@ -281,13 +282,19 @@ async def _run(args) -> int:
                     words = capsule_words(ev, continuing=bool(args.conversation))
                     if words:
                         print(f"aotx: {words}", file=sys.stderr)
+                elif ev.kind == "refused":
+                    refused = ev.message      # the refusal's longer sentence: said with the error, once
                 else:
                     print(f"aotx: {ev.message}", file=sys.stderr)
             elif isinstance(ev, P.Error):
                 if args.json:
                     _jprint({"event": "error", "code": ev.code, "message": ev.message})
                 else:
-                    print(f"aotx: {ev.message}", file=sys.stderr)
+                    line = refused or ev.message
+                    if ev.code == ErrorCode.TOO_LONG and args.conversation:
+                        line += (f"; start a new conversation, or fork this one at an earlier message "
+                                 f"(aotx conversations fork {args.conversation} --at MSG_ID)")
+                    print(f"aotx: {line}", file=sys.stderr)
                 code = 2
                 if created and not rid_box:  # refused before it began (a model the engine cannot load):
                     created = False           # the new conversation would stay behind empty

@@ -292,3 +292,21 @@ def test_bug1_sigterm_of_the_interactive_aotx_run_cancels_the_reply_too(home, en
         os.close(master)
     reply = _last_reply(home, engine)
     assert reply["role"] == "assistant" and reply["status"] == "cancelled", reply
+
+
+def test_a_conversation_past_its_context_is_one_line_with_what_to_do(home, engine):
+    """Regression (new-user trial, session 4): continuing a conversation that had filled its
+    context printed two lines ("the prompt is 143 tokens; the context holds 128 ..." and
+    "prompt of 143 tokens does not fit ...") and no way forward."""
+    first = aotx(home, "run", "--socket", str(engine), "--max-tokens", "1", "--temperature", "0", "Hello there.")
+    assert first.returncode == 0, first.stderr
+    conv = _last_reply_conv(home, engine)
+    r = aotx(home, "run", "--socket", str(engine), "--conversation", conv, "--max-tokens", "1", "word " * 600)
+    assert r.returncode == 2
+    line = one_line(r)
+    assert "the context holds 512" in line and f"aotx conversations fork {conv} --at" in line, line
+
+
+def _last_reply_conv(home: Path, sock: Path) -> str:
+    listed = json.loads(aotx(home, "conversations", "list", "--socket", str(sock), "--json").stdout)
+    return max(listed, key=lambda c: c["created_at"])["id"]
