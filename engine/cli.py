@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         q = jsub.add_parser(name, help=what)
         q.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("conversations", help="list, show, export or fork conversations")
+    p = sub.add_parser("conversations", help="list, show, export, fork or delete conversations")
     csub = p.add_subparsers(dest="ccmd", metavar="ACTION", parser_class=_Parser)
     q = csub.add_parser("list", help="every conversation (read from the journal; from the engine while one runs)")
     q.add_argument("--json", action="store_true")
@@ -295,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     q = csub.add_parser("fork", help="branch a conversation at a message, reusing its state")
     q.add_argument("id")
     q.add_argument("--at", default="", help="message id to fork at (default: the last)")
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--socket")
+    q = csub.add_parser("delete", help="delete a conversation (as F8 in aotx-chat)")
+    q.add_argument("id")
     q.add_argument("--json", action="store_true")
     q.add_argument("--socket")
     q = csub.add_parser("show", help="messages, token ids and receipts of a conversation")
@@ -343,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return getattr(cli_local, f"cmd_{args.cmd}")(args)
         if args.cmd == "conversations" and not args.ccmd:
-            raise UsageError("conversations: choose list, show, export or fork")
+            raise UsageError("conversations: choose list, show, export, fork or delete")
         if args.cmd == "conversations" and args.ccmd in ("list", "show", "export"):
             from aotx.engine import cli_local  # the journal itself; the engine while one runs
 

@@ -424,11 +424,24 @@ async def fetch_conversations(args, conv_id: str | None = None):
 
 
 async def _conversations(args, fork_title=None) -> int:
-    """``aotx conversations fork``: the engine copies the messages and reuses the state
-    (list, show and export read the journal: ``cli_local.cmd_conversations``).
+    """``aotx conversations fork``: the engine copies the messages and reuses the state;
+    ``delete``: the engine journals the deletion (list, show and export read the journal:
+    ``cli_local.cmd_conversations``).
     ``fork_title(parent title, existing titles)`` names the fork (the CLI passes
     aotx-chat's rule, so both name forks alike; None keeps the engine's title)."""
     client = await connect(args, spawn=True)
+    if args.ccmd == "delete":
+        try:
+            view = await client.show(args.id)
+            await client.delete(args.id)
+        finally:
+            await client.close()
+        if args.json:
+            _jprint({"id": args.id, "deleted": True, "title": view.title})
+        else:
+            print(f"deleted {args.id}  “{view.title}” ({len(view.messages)} messages); its text leaves the disk "
+                  f"at `aotx journal compact` (with the engine stopped)")
+        return 0
     try:
         parent = await client.show(args.id)
         conv = await client.fork(args.id, args.at)

@@ -310,3 +310,17 @@ def test_a_conversation_past_its_context_is_one_line_with_what_to_do(home, engin
 def _last_reply_conv(home: Path, sock: Path) -> str:
     listed = json.loads(aotx(home, "conversations", "list", "--socket", str(sock), "--json").stdout)
     return max(listed, key=lambda c: c["created_at"])["id"]
+
+
+def test_conversations_delete_from_the_cli(home, engine):
+    """Regression (new-user trial, session 4): `aotx conversations delete ID` was "unknown
+    conversations command 'delete'" (only F8 in aotx-chat deleted)."""
+    r = aotx(home, "run", "--socket", str(engine), "--max-tokens", "1", "--temperature", "0", "Delete me later.")
+    assert r.returncode == 0, r.stderr
+    conv = _last_reply_conv(home, engine)
+    d = aotx(home, "conversations", "delete", conv, "--socket", str(engine))
+    assert d.returncode == 0 and d.stdout.startswith(f"deleted {conv}  “Delete me later.”"), d.stdout + d.stderr
+    listed = json.loads(aotx(home, "conversations", "list", "--socket", str(engine), "--json").stdout)
+    assert conv not in {c["id"] for c in listed}
+    again = aotx(home, "conversations", "delete", conv, "--socket", str(engine))
+    assert again.returncode == 2 and conv in one_line(again)
