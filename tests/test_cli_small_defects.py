@@ -84,3 +84,17 @@ def test_journal_without_an_action_names_them_once_and_its_help_lists_them(tmp_p
     h = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "journal", "--help"], env=env, capture_output=True,
                        text=True, timeout=60)
     assert h.returncode == 0 and all(f"    {a} " in h.stdout for a in ("verify", "dump", "repair", "compact"))
+
+
+def test_an_engine_refusal_that_lists_items_keeps_them(tmp_path):
+    """Regression (new-user trial, session 4): `aotx run --memory-budget 10M hi` ended with a
+    dangling colon: "...the budget is 10.0 MiB (10,485,760 bytes): (details in ...)"."""
+    from aotx.engine.ipc.client import _tail
+
+    log = tmp_path / "engine.log"
+    log.write_text("starting\naotx: the model does not fit: the budget is 10.0 MiB (10,485,760 bytes):\n"
+                   "  weights 98.4 MiB\n  KV cache 96.0 MiB\n")
+    assert _tail(log) == ("the model does not fit: the budget is 10.0 MiB (10,485,760 bytes): weights 98.4 MiB; "
+                          "KV cache 96.0 MiB")
+    log.write_text("aotx: plain refusal\n")
+    assert _tail(log) == "plain refusal"

@@ -315,9 +315,13 @@ def _tail(path: Path, n: int = 4000) -> str:
         lines = path.read_bytes()[-n:].decode("utf-8", "replace").strip().splitlines()
     except OSError:
         return "(no log)"
-    for line in reversed(lines):
-        if line.startswith("aotx:"):
-            return line[5:].strip()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("aotx:"):
+            head = lines[i][5:].strip()
+            if head.endswith(":"):      # a refusal that lists its items on the lines after it
+                items = [ln.strip() for ln in lines[i + 1:] if ln.strip() and not ln.startswith("aotx:")][:6]
+                head = f"{head} {'; '.join(items)}" if items else head.rstrip(":")
+            return head
     return lines[-1] if lines else "(empty log)"
 
 
