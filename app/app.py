@@ -70,7 +70,6 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         self.status_poll_s = status_poll_s
         self.client = None
         self.ready = False
-        self.client_never_ready = True     # no engine has been ready for this app yet
         self.recovering = False
         self.conv_id: str | None = None
         self.conv_view: P.ConversationView | None = None

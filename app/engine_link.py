@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from aotx.app.format import error_text, media_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
 from aotx.engine.ipc import protocol as P
-from aotx.engine.ipc.client import ConnectionLost
+from aotx.engine.ipc.client import ConnectionLost, model_label
 
 DEFAULT_TITLE = "New conversation"
 FOLLOW_S = 0.5  # how often a reply the engine writes for nobody here is looked at again
@@ -47,6 +46,8 @@ class Outgoing:
 
 
 class EngineLink:
+    start_model: str = ""  # ``aotx-chat --model``: the first connection opens a new conversation on it
+
     # ---- connection --------------------------------------------------------
 
     def start_engine(self) -> None:
@@ -64,9 +65,10 @@ class EngineLink:
                 client = await self.client_factory(self._on_spawn)
                 break
             except (AotxError, OSError) as e:
-                if getattr(e, "engine_exit", None) == 2 and not self.recovering and self.client_never_ready:
-                    # the engine this app started refused its arguments (a model name that names
-                    # nothing, an architecture it cannot run): retrying cannot help; one line, exit 2
+                if getattr(e, "engine_exit", None) == 2 and not self.recovering:
+                    # at the first start (a restart after a crash is `recovering`), the engine this
+                    # app started refused its arguments (a model name that names nothing, an
+                    # architecture it cannot run): retrying cannot help; one line, exit 2
                     self.exit(return_code=2, message=f"aotx-chat: {e.engine_message}")
                     return
                 self.status_bar.set_state("engine unavailable", f"{e}; retrying")
@@ -84,7 +86,6 @@ class EngineLink:
                     break
                 await asyncio.sleep(0.25)
             self.ready = True
-            self.client_never_ready = False
             recovering, self.recovering = self.recovering, False
             if recovering:
                 self.show_notice("The engine is back. Everything it had made durable is here.")
@@ -96,11 +97,11 @@ class EngineLink:
             known = {c.conv_id for c in self.sidebar.conversations}
             if target not in known:
                 target = self.sidebar.conversations[0].conv_id if self.sidebar.conversations else None
-            start_model, self.start_model = getattr(self, "start_model", ""), ""
+            start_model, self.start_model = self.start_model, ""
             if start_model and self.conv_id is None and not recovering:
                 # --model: a new conversation on it, not the last one on whatever model it had
                 target = None
-                name = Path(start_model).stem if start_model.endswith(".gguf") else start_model
+                name = model_label(start_model)
                 self.status_bar.set_conversation_model(name)
                 self.show_notice(f"New conversation on {name}: it loads beside the engine's default "
                                  f"({client.welcome.model}) at your first message.")

@@ -83,10 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"aotx-chat: {e}", file=sys.stderr)
             return e.exit_code
     from aotx.app.app import ChatApp
-
-    from aotx.engine.ipc.client import model_ref
-
     from aotx.engine.errors import AotxError
+    from aotx.engine.ipc.client import model_ref
 
     try:  # the data dir is read first (the app's saved state): a file where it should be, say
         app = ChatApp(make_client_factory(ns), theme=ns.theme, model=model_ref(ns.model))

@@ -24,7 +24,6 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 
@@ -33,7 +32,7 @@ from aotx.app.format import GLYPHS, error_text, fork_title, media_text
 from aotx.app.paste import parse_pasted_paths
 from aotx.engine.errors import AotxError
 from aotx.engine.ipc import protocol as P
-from aotx.engine.ipc.client import ConnectionLost
+from aotx.engine.ipc.client import ConnectionLost, model_label, model_ref
 
 PROMPT = ">>> "
 MORE = "... "
@@ -141,8 +140,7 @@ class Repl:
                 self.sampling = view.sampling
             self.err(f"continuing “{view.title}” ({len(view.messages)} messages); /help lists the commands")
         elif self.model:                   # --model: loaded beside the default at the first message
-            name = Path(self.model).stem if self.model.endswith(".gguf") else self.model
-            self.err(f"{name} on {st.device} (the engine's default is {st.model}); /help lists the commands, "
+            self.err(f"{model_label(self.model)} on {st.device} (the engine's default is {st.model}); /help lists the commands, "
                      f"/bye leaves")
         else:
             self.err(f"{st.model} on {st.device}; /help lists the commands, /bye leaves")
@@ -379,7 +377,6 @@ def run_repl(args, connect: Callable[[], Awaitable]) -> int:
     loop = asyncio.new_event_loop()
     client = None
     try:
-        from aotx.engine.ipc.client import model_ref
         from aotx.engine.model.loader import check_model_arg
 
         check_model_arg(args.model)  # a missing or non-GGUF file: refused before an engine starts

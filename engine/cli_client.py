@@ -18,7 +18,7 @@ from pathlib import Path
 from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
 from aotx.engine.units import parse_size
 from aotx.engine.ipc import protocol as P
-from aotx.engine.ipc.client import CancelOnSignal, EngineClient, model_ref  # noqa: F401 (CancelOnSignal, model_ref: here for callers)
+from aotx.engine.ipc.client import CancelOnSignal, EngineClient, model_ref
 from aotx.media.kinds import kind_of_name
 
 

@@ -65,10 +65,14 @@ class EngineError(AotxError):
     """The engine is unreachable, not ready, or refused the request (``code`` then says
     how, when the engine answered)."""
 
-    def __init__(self, message: str, code: ErrorCode | str | None = None):
+    def __init__(self, message: str, code: ErrorCode | str | None = None, *, engine_exit: int | None = None,
+                 engine_message: str = ""):
         super().__init__(message)
         if code is not None:
             self.code = code
+        # an engine this client started exited before answering: its exit code (2: it refused
+        # its arguments) and its own one-line message
+        self.engine_exit, self.engine_message = engine_exit, engine_message
 
 
 class NotFound(AotxError):

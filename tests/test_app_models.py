@@ -127,23 +127,27 @@ async def test_aotx_chat_model_flag_opens_a_new_conversation_on_that_model():
         assert app.conv_id not in (None, old.conv_id) and engine.convs[app.conv_id].model == path
 
 
+def _engine_exiting(code: int, message: str, calls: list):
+    """A client factory whose spawned engine always exits ``code`` before answering."""
+    from aotx.engine.errors import EngineError
+
+    async def factory(on_spawn):
+        calls.append(1)
+        raise EngineError(f"the engine exited with code {code} before answering: {message} (details in x)",
+                          engine_exit=code, engine_message=message)
+
+    return factory
+
+
 async def test_aotx_chat_exits_when_the_engine_it_started_refuses_its_arguments():
     """Regression (new-user trial, session 4): `aotx-chat --model qwen-coder` (a name naming
     nothing) or a GGUF of an architecture AOTX lacks opened the TUI and restarted the
     engine every 5 s for ever ("Cannot reach the engine ... Retrying in 5 s"). An engine
     that exits 2 before answering refused its arguments: the app ends, exit code 2."""
     from aotx.app.app import ChatApp
-    from aotx.engine.errors import EngineError
 
-    calls = []
-
-    async def factory(on_spawn):
-        calls.append(1)
-        e = EngineError("the engine exited with code 2 before answering: qwen-coder: no such model (details in x)")
-        e.engine_exit, e.engine_message = 2, "qwen-coder: no such model"
-        raise e
-
-    app = ChatApp(factory, status_poll_s=0)
+    calls: list = []
+    app = ChatApp(_engine_exiting(2, "qwen-coder: no such model", calls), status_poll_s=0)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.pause(0.5)
     assert app.return_code == 2 and calls == [1]
@@ -152,17 +156,9 @@ async def test_aotx_chat_exits_when_the_engine_it_started_refuses_its_arguments(
 async def test_aotx_chat_keeps_retrying_an_engine_that_crashed_at_start():
     """An engine that crashed (exit 1, say out of memory) may start next time: retry, as before."""
     from aotx.app.app import ChatApp
-    from aotx.engine.errors import EngineError
 
-    calls = []
-
-    async def factory(on_spawn):
-        calls.append(1)
-        e = EngineError("the engine exited with code 1 before answering: killed")
-        e.engine_exit, e.engine_message = 1, "killed"
-        raise e
-
-    app = ChatApp(factory, status_poll_s=0)
+    calls: list = []
+    app = ChatApp(_engine_exiting(1, "killed", calls), status_poll_s=0)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.pause(1.5)
         assert app.return_code is None and len(calls) >= 2

@@ -52,9 +52,8 @@ def engine(home, default_model_path):
 
 
 def _last_reply(home: Path, sock: Path) -> dict:
-    listed = json.loads(aotx(home, "conversations", "list", "--socket", str(sock), "--json").stdout)
-    newest = max(listed, key=lambda c: c["created_at"])
-    shown = json.loads(aotx(home, "conversations", "show", newest["id"], "--socket", str(sock), "--json").stdout)
+    shown = json.loads(aotx(home, "conversations", "show", _last_reply_conv(home, sock), "--socket", str(sock),
+                            "--json").stdout)
     return shown["messages"][-1]
 
 

@@ -106,9 +106,8 @@ class EngineClient:
                         winner = True
                         continue
                     tail = _tail(log)
-                    err = EngineError(f"the engine exited with code {code} before answering: {tail} (details in {log})")
-                    err.engine_exit, err.engine_message = code, tail   # 2: it refused its arguments
-                    raise err from None
+                    raise EngineError(f"the engine exited with code {code} before answering: {tail} (details in {log})",
+                                      engine_exit=code, engine_message=tail) from None
             if time.monotonic() > deadline:
                 raise EngineError(f"the engine did not answer on {sock} within {timeout:.0f} s (log: {log})")
 
@@ -405,6 +404,11 @@ def _socket_lock_held(sock: Path) -> bool:
     except PermissionError:       # alive, another user's (the data dir is private: unlikely)
         return True
     return True
+
+
+def model_label(ref: str) -> str:
+    """A ``model_ref`` as a person reads it: a file's name without ``.gguf``, a name as is."""
+    return Path(ref).stem if ref.endswith(".gguf") else ref
 
 
 def model_ref(arg: str | None) -> str:
