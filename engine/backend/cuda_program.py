@@ -649,14 +649,26 @@ class _GpuExperts:
     """The GPU expert tier of one moe step (issue 22; engine/model/experts.py): the experts
     the plan puts on "gpu" live on the device, uploaded once by ``place`` (the gate, up and
     down stacks of just those experts, in the file's block layout, and their biases), and
-    their routed rows run through the decode GEMV kernels the dense layers use: per expert,
-    gate and up (one SwiGLU GEMV for "silu"; two GEMVs and ``swiglu_oai_rows`` for gpt-oss)
-    then down, on that expert's gathered rows. The GEMV reduces each output element in one
-    canonical order, so a row's expert outputs do not depend on the batch. One GEMV object
-    per stack shape (its weights' addresses passed per launch); its variant is the kernel
-    choice's default for the rows' bucket (these sites are not tuned). ``on[e]``: expert e
-    is here. ``ok`` is False (``why`` says why) when the shapes or types do not suit the
-    kernels: then every expert stays on the CPU tiers."""
+    their routed rows run through the decode GEMV's reduction: gate and up (one SwiGLU GEMV
+    for "silu"; two GEMVs and ``swiglu_oai_rows`` for gpt-oss) then down.
+
+    A call (``launch``) is one launch per GEMV for all the experts here (``moe_gemv``: a tile
+    table gives each block row its expert slot and rows, the expert's weights lie at a fixed
+    stride in the stacks): the host builds one int32 table (the routed rows' indices, then
+    the tiles) in pinned memory, copies it with one H2D copy, ``moe_gather`` gathers the rows
+    on the device, the GEMVs run into preallocated buffers (grown on demand), and the output
+    comes back with one D2H copy into pinned memory; ``wait`` is the layer's one sync. The
+    GEMV reduces each output element in the canonical order of the decode GEMV (cuda_src),
+    so a row's expert outputs do not depend on the batch, the tiles or the variant and
+    equal the bits of ``gemv`` launched on each expert alone (``grouped = False`` runs those
+    per-expert launches: the reference of the bit-identity test and of the host-overhead
+    timing, tests/tools/moe_gpu_overhead.py). The variant is the kernel choice's default
+    for the bucket of the most rows any expert has (these sites are not tuned). ``on[e]``:
+    expert e is here. ``ok`` is False (``why`` says why) when the shapes or types do not
+    suit the kernels: then every expert stays on the CPU tiers. Not thread-safe; one call
+    at a time (``launch`` then ``wait``): the buffers are reused by the next call."""
+
+    MAX_TILES = 65535                    # grid.y of one moe_gemv launch
 
     def __init__(self, prog, attrs: dict):
         from gguf import GGML_QUANT_SIZES
@@ -678,6 +690,11 @@ class _GpuExperts:
         self.b = (None, None, None)      # their biases (n_here, width) or None
         self._x = self._c = None         # the step's device input and context, during its eager run
         self._variants: dict = {}        # (GEMV, bucket) -> its default variant
+        self.grouped = True              # False: per-expert gemv launches (the reference)
+        self._kern: dict = {}            # (GEMV name, bucket) -> (moe_gemv kernel, pairs per block, nb)
+        self._cap = (0, 0)               # (pairs, tiles) the buffers below hold
+        self._dev = self._host = None    # device buffers and pinned host buffers of a call
+        self._args: dict = {}            # GEMV name -> its launch arguments on those buffers
         why = ""
         for st in (gate, up, down):
             if int(st.qtype) not in S.TYPES:
@@ -711,7 +728,13 @@ class _GpuExperts:
         self.gemvs = gv
         for g in gv.values():
             for b in CC.TUNE_BUCKETS:
-                prog.need.add(g.name(self._variant(g, b)))
+                v = self._variant(g, b)
+                prog.need.update((g.name(v), self._grouped_name(g, v)))
+        prog.need.add("moe_gather")
+
+    @staticmethod
+    def _grouped_name(g: _Gemv, v: CC.GemvVariant) -> str:
+        return f"moe_gemv<{int(g.wa.qtype)},{int(g.wb.qtype)},{v.nb},{g.mode},{v.wpp}>"
 
     def _variant(self, g: _Gemv, rows: int) -> CC.GemvVariant:
         if self.prog._forced_gemv is not None:
@@ -727,6 +750,7 @@ class _GpuExperts:
         again: placement happens at load). Returns the device bytes they take."""
         ids = sorted({int(e) for e in ids})
         self.w, self.b = None, (None, None, None)
+        self._args = {}
         self.on[:] = False
         self.slot[:] = -1
         self.ids, self.nbytes = [], 0
@@ -757,7 +781,106 @@ class _GpuExperts:
     def launch(self, pairs, x=None, c=None):
         """Start the FFNs of ``pairs`` ((expert, rows, slots j) of experts held here) on the
         device rows ``x`` (default: the step's input set by ``_MoeHost``); returns the handle
-        ``wait`` takes: (P, d) float32 device outputs, pairs in order, rows in order within."""
+        ``wait`` takes. Its output: (P, d) float32, pairs in order, rows in order within."""
+        if not self.grouped:
+            return self._launch_each(pairs, x, c)
+        x = self._x if x is None else x
+        prog = self.prog
+        n_e = len(pairs)
+        counts = np.fromiter((r.shape[0] for _, r, _ in pairs), np.int64, n_e)
+        P_ = int(counts.sum())
+        if P_ == 0:
+            return 0
+        bucket = CC.tune_bucket(int(counts.max()))
+        kerns = [self._kernel(name, bucket) for name in self.gemvs]
+        nb = min(kk[2] for kk in kerns)   # tiles of at most every kernel's NB (one NB per bucket today)
+        # the table: the rows' indices into x (P), then the tiles (T, 3): slot, first row, rows
+        ntile = (counts + nb - 1) // nb
+        T = int(ntile.sum())
+        self._reserve(P_, T)
+        tab = self._host[0]
+        tab[:P_] = np.concatenate([r for _, r, _ in pairs])
+        tiles = tab[P_:P_ + 3 * T].reshape(T, 3)
+        first = np.cumsum(counts) - counts
+        rep_first = np.repeat(first, ntile)
+        tiles[:, 0] = np.repeat(self.slot[np.fromiter((e for e, _, _ in pairs), np.int64, n_e)], ntile)
+        b0 = rep_first + nb * (np.arange(T) - np.repeat(np.cumsum(ntile) - ntile, ntile))
+        tiles[:, 1] = b0
+        tiles[:, 2] = np.minimum(nb, np.repeat(first + counts, ntile) - b0)
+        stream = cp.cuda.get_current_stream()
+        rt = cp.cuda.runtime
+        dtab = self._dev[0]
+        rt.memcpyAsync(dtab.data.ptr, tab.ctypes.data, 4 * (P_ + 3 * T), rt.memcpyHostToDevice, stream.ptr)
+        xg = self._dev[1]
+        prog.k["moe_gather"]((P_,), (128,), (np.uint64(x.data.ptr), _i(x.strides[0] // 4), dtab, _i(self.k), xg,
+                                             _i(self.k)))
+        tp = dtab.data.ptr + 4 * P_
+        for (kern, ppb, _), name in zip(kerns, self.gemvs):
+            g = self.gemvs[name]
+            if name == "d" and self.act != "silu":
+                n_el = P_ * self.ff
+                fp = int(self._dev[2].shape[1])
+                prog.k["swiglu_oai_rows"](((n_el + NT - 1) // NT,), (NT,),
+                                          (self._dev[4], _i(fp), self._dev[5], _i(fp), _i(P_), _i(self.ff),
+                                           _f(self.attrs["alpha"]), _f(self.attrs["limit"]), self._dev[2], _i(fp)))
+            head, tail = self._args[name]
+            gx = (g.n_pairs + ppb - 1) // ppb
+            for t0 in range(0, T, self.MAX_TILES):
+                kern((gx, min(self.MAX_TILES, T - t0)), (GEMV_WARPS * 32,),
+                     head + (np.uint64(tp + 12 * t0),) + tail)
+        yh = self._host[1]
+        rt.memcpyAsync(yh.ctypes.data, self._dev[3].data.ptr, 4 * P_ * self.d, rt.memcpyDeviceToHost, stream.ptr)
+        self.rows += P_
+        self.calls += n_e
+        return P_
+
+    def _kernel(self, name: str, bucket: int) -> tuple:
+        """(moe_gemv kernel, row pairs per block, NB) of GEMV ``name`` at ``bucket``."""
+        got = self._kern.get((name, bucket))
+        if got is None:
+            g = self.gemvs[name]
+            v = self._variant(g, bucket)
+            got = self._kern[(name, bucket)] = (self.prog.k[self._grouped_name(g, v)], GEMV_WARPS // v.wpp, v.nb)
+        return got
+
+    def _reserve(self, P_: int, T: int) -> None:
+        """Buffers for ``P_`` pairs and ``T`` tiles (grown to the next power of two; a call
+        waits for the one before, so the old ones are free)."""
+        cp_, ct = self._cap
+        if P_ <= cp_ and T <= ct and self._args:
+            return
+        cp_, ct = max(cp_, _pow2(P_)), max(ct, _pow2(T))
+        fp = P._pad4(self.ff)
+        d = self.d
+        dev = [cp.empty(cp_ + 3 * ct, cp.int32), cp.empty((cp_, self.k), cp.float32),
+               cp.empty((cp_, fp), cp.float32), cp.empty((cp_, d), cp.float32)]
+        if self.act != "silu":
+            dev += [cp.empty((cp_, fp), cp.float32), cp.empty((cp_, fp), cp.float32)]
+        nt = cp_ + 3 * ct
+        mem_t = cp.cuda.alloc_pinned_memory(4 * nt)
+        mem_y = cp.cuda.alloc_pinned_memory(4 * cp_ * d)
+        self._host = (np.frombuffer(mem_t, np.int32, nt), np.frombuffer(mem_y, np.float32, cp_ * d), mem_t, mem_y)
+        self._dev, self._cap = dev, (cp_, ct)
+        # each GEMV's arguments but the tile table's address: (x, out) buffers, weights, biases
+        io = {"gu": (dev[1], self.k, dev[2], fp), "g": (dev[1], self.k, dev[4] if len(dev) > 4 else None, fp),
+              "u": (dev[1], self.k, dev[5] if len(dev) > 4 else None, fp), "d": (dev[2], fp, dev[3], d)}
+        stack = {"gu": (0, 1), "g": (0, 0), "u": (1, 1), "d": (2, 2)}
+        self._args = {}
+        for name, g in self.gemvs.items():
+            ia, ib = stack[name]
+            xin, ldx, out, ldy = io[name]
+            wa, wb = self.w[ia], self.w[ib]
+            width = self.mats[ia].m
+            head = (np.uint64(wa.data.ptr), np.uint64(wb.data.ptr), np.int64(self.mats[ia].m * self.rb[ia]),
+                    np.int64(self.mats[ib].m * self.rb[ib]), np.int64(self.rb[ia]), np.int64(self.rb[ib]),
+                    _i(g.a_stride), _i(g.b_off), _i(g.n_pairs), _i(g.k), np.uint64(xin.data.ptr), _i(ldx))
+            tail = (_u64(self.b[ia]), _u64(self.b[ib]), _i(width), np.uint64(out.data.ptr), _i(ldy))
+            self._args[name] = (head, tail)
+
+    def _launch_each(self, pairs, x=None, c=None):
+        """The per-expert launches (``grouped = False``): the rows gathered by an index
+        array, per expert a ``gemv`` launch per GEMV on its rows. The reference of the
+        grouped path (bit-identical) and of its host-overhead timing."""
         x = self._x if x is None else x
         c = self._c if c is None else c
         prog = self.prog
@@ -806,8 +929,13 @@ class _GpuExperts:
         return y, keep
 
     def wait(self, handle) -> np.ndarray:
-        y, _ = handle
-        return np.ascontiguousarray(y[:, :self.d].get())
+        """The (P, d) float32 outputs of ``launch``'s handle on the host: the call's one sync.
+        Grouped: a view of the pinned buffer, valid until the next ``launch``."""
+        if isinstance(handle, tuple):
+            y, _ = handle
+            return np.ascontiguousarray(y[:, :self.d].get())
+        cp.cuda.get_current_stream().synchronize()
+        return self._host[1][:handle * self.d].reshape(handle, self.d)
 
     def measure(self, rows: tuple[int, ...], reps: int = 5) -> dict:
         """Seconds of one expert's FFN on n rows here (expert 0, uploaded for the timing when

@@ -1124,4 +1124,106 @@ __global__ void kv_store(const float* __restrict__ k, int ldk, const float* __re
     kv_st<KVT>(kc, o, k[(long long)r * ldk + c]);
     kv_st<KVT>(vc, o, v[(long long)r * ldv + c]);
 }
+
+// ---- the GPU expert tier (issue 22; cuda_program._GpuExperts): one launch per GEMV for all experts ----
+// xo[j, :k] = x[idx[j], :k], one block per output row j: the rows routed to the experts held on
+// the device, gathered in (expert, row) pair order from the index table the host copied once
+__global__ void moe_gather(const float* __restrict__ x, int ldx, const int* __restrict__ idx, int k,
+                           float* __restrict__ xo, int ldo)
+{
+    const float* src = x + (long long)idx[blockIdx.x] * ldx;
+    float* dst = xo + (long long)blockIdx.x * ldo;
+    for (int e = threadIdx.x; e < k; e += blockDim.x) dst[e] = src[e];
+}
+
+// The experts' GEMV: `gemv` without a norm, in modes M_STORE and M_SWIGLU, over the tiles of many
+// experts in one launch. Tile t = blockIdx.y: tiles[3t .. 3t+2] = (expert slot e, first batch
+// row b0, rows nb <= NB) of x (an expert's rows are consecutive; one tile never spans two
+// experts); expert e's matrices start ea / eb bytes apart (Wa + e ea, Wb + e eb), its biases
+// ebias floats apart (either may be null). Each output element is formed exactly as `gemv` forms
+// it (the canonical reduction order above: the same virtual lanes, gemv_unit, warp_sum_scatter,
+// ((R_0 + R_1) + R_2) + R_3, then + bias and the mode), so a row gets the bits a `gemv` launch on
+// its expert alone gives, whatever the tile, the other experts and the variant.
+template <int TA, int TB, int NB, int MODE, int WPP>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) moe_gemv(
+    const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long ea, long long eb, long long rba, long long rbb,
+    int a_stride, int b_off, int n_pairs, int k, const float* __restrict__ x, int ldx,
+    const int* __restrict__ tiles, const float* __restrict__ bias_a, const float* __restrict__ bias_b, int ebias,
+    float* __restrict__ y, int ldy)
+{
+    static_assert(WPP == 1 || WPP == 2 || WPP == 4, "WPP is 1, 2 or 4");
+    static_assert(MODE == M_STORE || MODE == M_SWIGLU, "moe_gemv: store or swiglu");
+    constexpr int PPB = GEMV_WARPS / WPP;    // row pairs per block
+    constexpr int S = 4 / WPP;               // virtual-lane groups per thread
+    __shared__ float s_red[WPP > 1 ? PPB : 1][4][2 * NB];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int* tile = tiles + 3 * blockIdx.y;
+    const int e = tile[0], b0 = tile[1], nb = tile[2];
+    const int pl = warp / WPP;
+    const int p_raw = blockIdx.x * PPB + pl;
+    const bool valid = p_raw < n_pairs;
+    const int p = valid ? p_raw : n_pairs - 1;
+    const int sub = warp % WPP;
+    const long long ra = (long long)p * a_stride, rb = ra + b_off;
+    const u8* rowA = Wa + (long long)e * ea + ra * rba;
+    const u8* rowB = Wb + (long long)e * eb + rb * rbb;
+    constexpr int V = 2 * NB;
+    const int nu = k >> 3;
+    float R[S];
+    if constexpr (S * NB <= 4) {
+        constexpr int UNR = S == 1 ? 4 : (S == 2 ? 2 : 1);
+        float acc[S][V];
+#pragma unroll
+        for (int s = 0; s < S; s++) {
+#pragma unroll
+            for (int i = 0; i < V; i++) acc[s][i] = 0.f;
+        }
+#pragma unroll UNR
+        for (int u0 = 0; u0 < nu; u0 += 128) {
+#pragma unroll
+            for (int s = 0; s < S; s++) {
+                const int u = u0 + 32 * (sub + WPP * s) + lane;
+                if (u < nu) gemv_unit<TA, TB, NB>(rowA, rowB, u, nullptr, x, ldx, b0, nb, acc[s]);
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < S; s++) R[s] = warp_sum_scatter<V>(acc[s]);
+    } else {
+#pragma unroll
+        for (int s = 0; s < S; s++) {
+            float acc[V];
+#pragma unroll
+            for (int i = 0; i < V; i++) acc[i] = 0.f;
+#pragma unroll 1
+            for (int u = 32 * (sub + WPP * s) + lane; u < nu; u += 128)
+                gemv_unit<TA, TB, NB>(rowA, rowB, u, nullptr, x, ldx, b0, nb, acc);
+            R[s] = warp_sum_scatter<V>(acc);
+        }
+    }
+    const int vi = lane & (V - 1);
+    float tot;
+    if constexpr (WPP == 1) {
+        tot = R[0];
+#pragma unroll
+        for (int s = 1; s < S; s++) tot = __fadd_rn(tot, R[s]);
+    } else {
+        if (lane < V) {
+#pragma unroll
+            for (int s = 0; s < S; s++) s_red[pl][sub + WPP * s][lane] = R[s];
+        }
+        __syncthreads();
+        if (sub != 0) return;
+        tot = s_red[pl][0][vi];
+#pragma unroll
+        for (int g = 1; g < 4; g++) tot = __fadd_rn(tot, s_red[pl][g][vi]);
+    }
+    const float other = __shfl_xor_sync(0xffffffffu, tot, NB);   // lane j < NB: A of row j; j + NB: its B
+    if (lane >= nb || !valid) return;
+    const float ba = bias_a != nullptr ? bias_a[(long long)e * ebias + ra] : 0.f;
+    const float bb = bias_b != nullptr ? bias_b[(long long)e * ebias + rb] : 0.f;
+    const float a = __fadd_rn(tot, ba), c = __fadd_rn(other, bb);
+    float* yr = y + (long long)(b0 + lane) * ldy;
+    if (MODE == M_STORE) { yr[ra] = a; yr[rb] = c; }
+    else { yr[p] = __fmul_rn(silu(a), c); }
+}
 """

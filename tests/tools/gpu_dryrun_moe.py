@@ -7,7 +7,9 @@ head dimension 32 (the CUDA attention kernel's smallest): the plan's host moe st
 forward on the eager path (no graph capture), the host step's rows back in the device
 buffer with the shape of the op's output (compared against ``cpu_moe.moe_rows`` run on the
 same host rows), device sampling, the GPU expert tier's launches under each placement
-(all on the GPU, mixed, all on the CPU), and the expert-tier setup (calibrate with GPU
+(all on the GPU, mixed, all on the CPU), the tier's grouped launches against its per-expert
+ones with the tier's kernels emulated in numpy (the same values; the float64 reference's
+within rounding), and the expert-tier setup (calibrate with GPU
 timings, plan, place: everything on the GPU under a large budget, a mix under 40%) on
 the CUDA program. Prints one line per scenario and ``moe dry run OK`` last; exit code 1 on the
 first failure. Run in a subprocess by tests/test_cuda_moe.py.
@@ -142,6 +144,84 @@ def _placements(model) -> str:
     return "; ".join(done)
 
 
+def _reference_ffn(a: dict, e: int, x: np.ndarray) -> np.ndarray:
+    """Expert e's FFN on rows x in float64 from gguf's dequantized weights (+ biases)."""
+    from aotx.engine.backend import cpu_moe
+
+    W = [a[k].dequantize(e).astype(np.float64) for k in ("gate", "up", "down")]
+    bias = [a.get(k) for k in ("gate_bias", "up_bias", "down_bias")]
+    g, u = x.astype(np.float64) @ W[0].T, x.astype(np.float64) @ W[1].T
+    if bias[0] is not None:
+        g, u = g + bias[0][e], u + bias[1][e]
+    g, u = g.astype(np.float32), u.astype(np.float32)
+    h = np.empty_like(g)
+    if a["act"] == "silu":
+        cpu_moe.silu_mul(g, u, h)
+    else:
+        cpu_moe.swiglu_oai(g, u, np.float32(a["alpha"]), np.float32(a["limit"]), h)
+    y = h.astype(np.float64) @ W[2].T
+    if bias[2] is not None:
+        y = y + bias[2][e]
+    return y.astype(np.float32)
+
+
+def _grouped_matches_each(model, fake) -> str:
+    """The GPU tier's grouped launches (one moe_gemv per GEMV for every expert, rows
+    gathered on the device from the one table) against its per-expert gemv launches, with
+    the kernels emulated in numpy (``fake.emulate``): the same values exactly, and the
+    float64 reference's within rounding, on batches of 1 to 100 rows (one tile per expert
+    at NB 1..16, several tiles per expert at 100 rows), on rows that are a strided view of a
+    wider buffer (as the step's input is), with the tiles split over several launches, and
+    with only some experts on the GPU (the slots are not the expert ids)."""
+    import cupy as cp
+
+    from aotx.engine.backend import cpu_moe
+    from aotx.engine.model import experts as X
+
+    c = model.compiled
+    st = c.moe_steps[1]
+    gpu, a = st.gpu, st.attrs
+    E, d = a["n_expert"], model.cfg.d_model
+    rng = np.random.default_rng(5)
+    out = []
+    fake.emulate = True
+    try:
+        for held in (list(range(E)), [e for e in range(E) if e % 3 != 0]):
+            tiers = [tuple("gpu" for _ in range(E)) for _ in c.moe_steps]
+            tiers[1] = tuple("gpu" if e in held else "host" for e in range(E))
+            c.place_experts(X.Plan(tuple(tiers)))
+            for n, max_tiles in ((1, None), (3, None), (16, None), (100, None), (100, 2)):
+                wide = cp.asarray(rng.standard_normal((n, d + 24)).astype(np.float32))
+                x = wide[:, 8:8 + d]                        # a strided view, as c.arr gives
+                xh = np.ascontiguousarray(x.get())
+                logits = st.attrs["router"].matmul(xh, per_row=True)
+                sel, _, _ = cpu_moe.route(logits, a["n_used"], a["gating"], a["norm_w"], a["w_scale"])
+                pairs = [p for p in cpu_moe.groups(sel) if gpu.on[p[0]]]
+                if not pairs:
+                    continue                                # every routed expert is on the CPU
+                gpu.MAX_TILES = max_tiles or type(gpu).MAX_TILES
+                gpu.grouped = True
+                launches = fake.stats["launches"]
+                yg = gpu.wait(gpu.launch(pairs, x)).copy()
+                n_launch = fake.stats["launches"] - launches
+                gpu.grouped = False
+                ye = gpu.wait(gpu.launch(pairs, x))
+                gpu.grouped = True
+                assert np.array_equal(yg, ye), f"{n} rows: grouped != per-expert, worst {np.abs(yg - ye).max():.3e}"
+                want = np.concatenate([_reference_ffn(a, e, xh[r]) for e, r, _ in pairs])
+                rel = float(np.linalg.norm(yg - want) / np.linalg.norm(want))
+                assert rel < 1e-5, f"{n} rows: {rel:.2e} from the float64 reference"
+                per_layer = 3 if a["act"] == "silu" else 5
+                if max_tiles is None:
+                    assert n_launch == per_layer, f"{n} rows: {n_launch} launches, want {per_layer}"
+                out.append(f"{n}/{len(pairs)}/{n_launch}")
+    finally:
+        fake.emulate = False
+        gpu.MAX_TILES = type(gpu).MAX_TILES
+        gpu.grouped = True
+    return "grouped == per-expert (rows/experts/launches " + " ".join(out) + ")"
+
+
 def _setup(model, root) -> str:
     from aotx.engine.model import experts as X
     from aotx.engine.runtime import admission
@@ -179,7 +259,8 @@ def main() -> int:
         try:
             model = _build(path)
             _exercise(model, fake)
-            summary = _placements(model) + " | " + _setup(model, tmp / "home")
+            summary = _grouped_matches_each(model, fake) + " | " + _placements(model) + " | " \
+                + _setup(model, tmp / "home")
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {name}")
             traceback.print_exc()

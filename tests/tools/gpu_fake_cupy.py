@@ -14,6 +14,14 @@ inside their operands' allocations (leading dimensions and extents). A violation
 For ``tests/tools/gpu_dryrun.py`` (run in a subprocess by tests/test_cuda_host.py): it
 finds wrong argument lists, missing template instances and pointer arithmetic off its
 buffer before the code meets a GPU. Numbers are not computed: logits are garbage.
+
+Except with ``emulate = True`` (a test sets it around the calls it checks): then the GPU
+expert tier's kernels (``gemv`` in modes store and swiglu without a norm, ``moe_gemv``,
+``moe_gather``, ``swiglu_oai_rows``) compute their outputs in numpy from the memory their
+pointers address (weights dequantized by gguf, each dot product in float64, one output row
+at a time, rounded to float32), so the tier's tables, strides and offsets are checked by
+value: the grouped launches must give the per-expert launches' values exactly, and both the
+float64 reference's within rounding. It says nothing about the device's reduction order.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class LaunchError(AssertionError):
 
 _allocs: list = []          # weakrefs to base FakeArrays (their memory is "device memory")
 stats = {"launches": 0, "gemms": 0, "kernels": set(), "captures": 0}
+emulate = False             # compute the GPU expert tier's kernels in numpy (module docstring)
 
 
 class _Mem:
@@ -177,7 +186,10 @@ class RawKernel:
                     raise LaunchError(f"{where}: pointer {pname} = {p:#x} is outside every device allocation")
             elif not isinstance(a, _KIND[kind]):
                 raise LaunchError(f"{where}: {pname} ({kind}) passed as {type(a).__name__}")
-        _extents(self.name, grid, {n: a for a, (_, n) in zip(args, self.params)})
+        named = {n: a for a, (_, n) in zip(args, self.params)}
+        _extents(self.name, grid, named)
+        if emulate and self.name.split("<")[0] in _EMULATED:
+            _EMULATED[self.name.split("<")[0]](self.name, grid, named)
         stats["launches"] += 1
         stats["kernels"].add(self.name.split("<")[0])
 
@@ -223,6 +235,34 @@ def _extents(name: str, grid, a: dict) -> None:
         if mode in (3, 5):
             for t in ("tab_slot", "tab_pos"):
                 _need(w, a[t], 4 * B, t)
+    elif base == "moe_gemv":
+        nb, mode = tpl[2], tpl[3]
+        k, n_pairs = i("k"), i("n_pairs")
+        if mode not in (0, 2):
+            raise LaunchError(f"{w}: mode {mode} (moe_gemv has store and swiglu)")
+        max_ra = (n_pairs - 1) * i("a_stride")
+        rows_a, rows_b = max_ra + 1, max_ra + i("b_off") + 1
+        ycols = rows_b if mode == 0 else n_pairs
+        if ycols > i("ldy"):
+            raise LaunchError(f"{w}: writes column {ycols - 1} of rows only {i('ldy')} wide")
+        _need(w, a["tiles"], 12 * grid[1], "tiles")
+        for e, b0, n in _i32(_addr(a["tiles"]), 3 * grid[1]).reshape(-1, 3).tolist():
+            if not 1 <= n <= nb or e < 0 or b0 < 0:
+                raise LaunchError(f"{w}: tile (expert {e}, row {b0}, {n} rows) with NB {nb}")
+            _need(w, _addr(a["Wa"]) + e * i("ea"), rows_a * i("rba"), f"Wa of expert slot {e}")
+            _need(w, _addr(a["Wb"]) + e * i("eb"), rows_b * i("rbb"), f"Wb of expert slot {e}")
+            _need(w, _addr(a["x"]) + 4 * b0 * i("ldx"), 4 * ((n - 1) * i("ldx") + k), f"x rows {b0}..{b0 + n - 1}")
+            _need(w, _addr(a["y"]) + 4 * b0 * i("ldy"), 4 * ((n - 1) * i("ldy") + ycols), f"y rows {b0}..{b0 + n - 1}")
+            for bn in ("bias_a", "bias_b"):
+                if _addr(a[bn]):
+                    _need(w, _addr(a[bn]) + 4 * e * i("ebias"), 4 * (rows_a if bn == "bias_a" else rows_b), bn)
+    elif base == "moe_gather":
+        n = grid[0]
+        idx = _i32(_addr(a["idx"]), n) if _span_ok(_addr(a["idx"]), 4 * n) else None
+        if idx is None:
+            raise LaunchError(f"{w}: idx ({n} rows) runs outside its allocation")
+        _need(w, a["x"], 4 * (int(idx.max()) * i("ldx") + i("k")), "x (the largest index)")
+        _need(w, a["xo"], 4 * ((n - 1) * i("ldo") + i("k")), "xo")
     elif base in ("dequant", "dequant_h"):
         m, k = i("m"), i("k")
         _need(w, a["W"], m * i("rb"), "W")
@@ -246,6 +286,83 @@ def _extents(name: str, grid, a: dict) -> None:
         _need(w, a["sinks"], 4 * H, "sinks")
         _need(w, a["tab_slot"], 4 * B, "tab_slot")
         _need(w, a["tab_pos"], 4 * B, "tab_pos")
+
+
+# ---- numeric emulation of the GPU expert tier's kernels (``emulate = True``) -------------------
+
+def _i32(p: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_int32 * int(n)).from_address(int(p)))
+
+
+def _f32(p: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_float * int(n)).from_address(int(p)))
+
+
+def _deq(p: int, rb: int, rows: int, qtype: int) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    raw = np.frombuffer(ctypes.string_at(int(p), int(rows * rb)), np.uint8).reshape(rows, rb)
+    return dequantize(raw, qtype).astype(np.float64)
+
+
+def _silu(g):
+    return g / (np.float32(1) + np.exp(-g))
+
+
+def _gemv_rows(ta, tb, mode, Wa, Wb, rba, rbb, a_stride, b_off, n_pairs, k, x, ldx, B, bias_a, bias_b, y, ldy):
+    ra = np.arange(n_pairs) * a_stride
+    rb = ra + b_off
+    A = _deq(Wa, rba, int(ra[-1]) + 1, ta)[ra]
+    Bm = _deq(Wb, rbb, int(rb[-1]) + 1, tb)[rb]
+    ba = _f32(bias_a, int(ra[-1]) + 1)[ra] if bias_a else np.zeros(n_pairs, np.float32)
+    bb = _f32(bias_b, int(rb[-1]) + 1)[rb] if bias_b else np.zeros(n_pairs, np.float32)
+    for b in range(B):
+        xr = _f32(x + 4 * b * ldx, k).astype(np.float64)
+        a = (A @ xr).astype(np.float32) + ba
+        c = (Bm @ xr).astype(np.float32) + bb
+        yr = _f32(y + 4 * b * ldy, int(rb.max()) + 1 if mode == 0 else n_pairs)
+        if mode == 0:
+            yr[ra], yr[rb] = a, c
+        else:
+            yr[:n_pairs] = _silu(a) * c
+
+
+def _emu_gemv(name, grid, a) -> None:
+    ta, tb, _, mode, _ = (int(t) for t in name[name.index("<") + 1:-1].split(","))
+    if a["nw"] or mode not in (0, 2):
+        return                       # not a GPU expert tier launch: left garbage, as every kernel
+    _gemv_rows(ta, tb, mode, _addr(a["Wa"]), _addr(a["Wb"]), int(a["rba"]), int(a["rbb"]), int(a["a_stride"]),
+               int(a["b_off"]), int(a["n_pairs"]), int(a["k"]), _addr(a["x"]), int(a["ldx"]), int(a["B"]),
+               _addr(a["bias_a"]), _addr(a["bias_b"]), _addr(a["y"]), int(a["ldy"]))
+
+
+def _emu_moe_gemv(name, grid, a) -> None:
+    ta, tb, _, mode, _ = (int(t) for t in name[name.index("<") + 1:-1].split(","))
+    ldx, ldy, eb_ = int(a["ldx"]), int(a["ldy"]), int(a["ebias"])
+    for e, b0, n in _i32(_addr(a["tiles"]), 3 * grid[1]).reshape(-1, 3).tolist():
+        bias = [_addr(a[t]) + 4 * e * eb_ if _addr(a[t]) else 0 for t in ("bias_a", "bias_b")]
+        _gemv_rows(ta, tb, mode, _addr(a["Wa"]) + e * int(a["ea"]), _addr(a["Wb"]) + e * int(a["eb"]), int(a["rba"]),
+                   int(a["rbb"]), int(a["a_stride"]), int(a["b_off"]), int(a["n_pairs"]), int(a["k"]),
+                   _addr(a["x"]) + 4 * b0 * ldx, ldx, n, bias[0], bias[1], _addr(a["y"]) + 4 * b0 * ldy, ldy)
+
+
+def _emu_moe_gather(name, grid, a) -> None:
+    k, ldx, ldo = int(a["k"]), int(a["ldx"]), int(a["ldo"])
+    for j, r in enumerate(_i32(_addr(a["idx"]), grid[0]).tolist()):
+        _f32(_addr(a["xo"]) + 4 * j * ldo, k)[:] = _f32(_addr(a["x"]) + 4 * r * ldx, k)
+
+
+def _emu_swiglu_oai(name, grid, a) -> None:
+    n, f = int(a["n"]), int(a["f"])
+    alpha, limit = np.float32(a["alpha"]), np.float32(a["limit"])
+    for r in range(n):
+        g = np.minimum(_f32(_addr(a["g"]) + 4 * r * int(a["ldg"]), f), limit)
+        u = np.clip(_f32(_addr(a["u"]) + 4 * r * int(a["ldu"]), f), -limit, limit)
+        _f32(_addr(a["out"]) + 4 * r * int(a["ldo"]), f)[:] = g / (np.float32(1) + np.exp(-alpha * g)) * (u + 1)
+
+
+_EMULATED = {"gemv": _emu_gemv, "moe_gemv": _emu_moe_gemv, "moe_gather": _emu_moe_gather,
+             "swiglu_oai_rows": _emu_swiglu_oai}
 
 
 class RawModule:
