@@ -11,7 +11,8 @@ against the CPU float path through prefill, multi-slot decode, verify and mixed 
 with both KV types, and greedy device sampling equal to the argmax of those logits; the
 GPU expert tier: the same logits (against the CPU) with every expert on the GPU, a mix,
 and every expert on the CPU, each tier computing exactly the pairs placed on it; the
-calibration timing the GPU tier and placing by it.
+tier's grouped launches giving the bits of its per-expert launches (layer calls and
+logits); the calibration timing the GPU tier and placing by it.
 """
 
 from __future__ import annotations
@@ -233,6 +234,87 @@ def test_cuda_gpu_expert_tier_gives_the_cpu_logits_whatever_the_placement(moe_fi
         assert worst[placement] <= REL_TOL["f32"], f"{placement}: worst ||cuda - cpu|| / ||cpu|| {worst[placement]:.2e}"
     print(f"{name} GPU expert tier, worst relative logits error vs the CPU: "
           + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+def _layer_pairs(st, x_host: np.ndarray) -> list:
+    """The (expert, rows, slots) pairs the router sends to the GPU tier of host step ``st``."""
+    from aotx.engine.backend import cpu_moe
+
+    a = st.attrs
+    logits = a["router"].matmul(np.ascontiguousarray(x_host), per_row=True)
+    if a.get("router_bias") is not None:
+        logits += a["router_bias"]
+    sel, _, _ = cpu_moe.route(logits, a["n_used"], a["gating"], a["norm_w"], a["w_scale"])
+    return [p for p in cpu_moe.groups(sel) if st.gpu.on[p[0]]]
+
+
+def _set_grouped(c, on: bool) -> None:
+    for st in c.moe_steps:
+        st.gpu.grouped = on
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "gptoss"])
+def test_cuda_gpu_tier_grouped_launches_give_the_bits_of_the_per_expert_launches(moe_files, name):
+    """Issue 22, GPU tier host overhead: the tier runs one ``moe_gemv`` launch per GEMV for
+    every expert it holds (rows gathered on the device, one table copy, one D2H); it must
+    give exactly the bits of the per-expert ``gemv`` launches it replaced (``grouped =
+    False``): per layer call on 1 to 100 rows (NB 1 .. 16, several tiles per expert, the
+    tiles over several launches) with all experts and with a subset on the GPU, and in the
+    logits of the whole scenario, all-GPU and mixed."""
+    import cupy as cp
+
+    from aotx.engine.model import experts as X
+
+    m = _build(moe_files[name], "cuda")
+    c = m.compiled
+    d = m.cfg.d_model
+    rng = np.random.default_rng(11)
+    st = c.moe_steps[1]
+    E = st.attrs["n_expert"]
+    checked = 0
+    for held in (range(E), [e for e in range(E) if e % 3]):
+        tiers = [tuple(["gpu"] * E)] * len(c.moe_steps)
+        tiers[1] = tuple("gpu" if e in held else "host" for e in range(E))
+        c.place_experts(X.Plan(tuple(tiers)))
+        for n, max_tiles in ((1, None), (3, None), (16, None), (100, None), (100, 3)):
+            x = cp.asarray(rng.standard_normal((n, d + 24)).astype(np.float32))[:, 8:8 + d]   # a strided view
+            pairs = _layer_pairs(st, x.get())
+            if not pairs:
+                continue
+            st.gpu.MAX_TILES = max_tiles or type(st.gpu).MAX_TILES
+            try:
+                got = st.gpu.wait(st.gpu.launch(pairs, x)).copy()
+                st.gpu.grouped = False
+                want = st.gpu.wait(st.gpu.launch(pairs, x))
+            finally:
+                st.gpu.grouped = True
+                st.gpu.MAX_TILES = type(st.gpu).MAX_TILES
+            assert got.shape == want.shape and np.isfinite(want).all()
+            bad = int((got.view(np.int32) != want.view(np.int32)).sum())
+            assert bad == 0, (f"{n} rows, {len(pairs)} experts: {bad} of {want.size} outputs differ from the "
+                              f"per-expert launches (worst {np.abs(got - want).max():.3e})")
+            checked += 1
+    assert checked >= 8, checked
+    for placement in ("gpu", "mixed"):
+        c.place_experts(X.Plan(_tiers(m, placement)))
+        got = _scenario(m, "f32")
+        _set_grouped(c, False)
+        try:
+            want = _scenario(m, "f32")
+            diff = [i for i, (a, b) in enumerate(zip(got, want)) if not np.array_equal(a.view(np.int32), b.view(np.int32))]
+            again = _scenario(m, "f32") if diff else want
+        finally:
+            _set_grouped(c, True)
+        if diff:
+            same = all(np.array_equal(a, b) for a, b in zip(again, want))
+            i = diff[0]
+            pytest.fail(f"{placement}: logits of steps {diff} differ between the grouped and the per-expert GPU tier "
+                        f"(step {i}: worst {np.abs(got[i] - want[i]).max():.3e}); the per-expert path "
+                        f"{'reproduces' if same else 'does NOT reproduce'} its own logits run to run")
+    print(f"{name}: grouped GPU tier == per-expert launches, bit for bit ({checked} layer calls, the logits of "
+          f"all-GPU and mixed)")
 
 
 @needs_gpu

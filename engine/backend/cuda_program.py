@@ -984,7 +984,9 @@ class _MoeHost:
     """The moe op (``cuda_plan.MoeHost``): x's rows to the host, the router, routing, the
     CPU tier's experts (``cpu_moe.moe_rows``) and the shared expert there; the experts the
     plan put on the GPU tier (``_GpuExperts``) run on the device meanwhile, their outputs
-    joined with the CPU's before the weighted sum; the result back. Eager only:
+    joined with the CPU's before the weighted sum; the result back. Both copies go through
+    pinned buffers kept by the step (one D2H and its sync before the router, one
+    asynchronous H2D after the join; no allocation per call). Eager only:
     ``CudaProgram._graph_ok`` keeps a program with one off the graph path."""
 
     def __init__(self, prog, s: P.MoeHost):
@@ -1006,15 +1008,41 @@ class _MoeHost:
         self.pool = cpu_moe.ExpertPool.shared()
         self.traffic = np.zeros(a["n_expert"], np.int64)
         self._moe_rows = cpu_moe.moe_rows
+        self._cap = 0               # rows the pinned staging buffers hold
+        self._xh = self._yh = self._pinned = None
+        self._staged = None         # event after the last H2D copy out of _yh
 
     def graph(self, prog, c: _Ctx) -> None:
         raise RuntimeError("the moe step runs on the host; a program with one has no CUDA graph")
 
+    def _stage(self, n: int, wx: int, wy: int) -> None:
+        """Pinned host buffers for n rows of x (wx floats) and of the output (wy)."""
+        if n <= self._cap and self._xh.shape[1] == wx and self._yh.shape[1] == wy:
+            return
+        if self._staged is not None:
+            self._staged.synchronize()
+        cap = max(_pow2(n), self._cap)
+        mx, my = cp.cuda.alloc_pinned_memory(4 * cap * wx), cp.cuda.alloc_pinned_memory(4 * cap * wy)
+        self._xh = np.frombuffer(mx, np.float32, cap * wx).reshape(cap, wx)
+        self._yh = np.frombuffer(my, np.float32, cap * wy).reshape(cap, wy)
+        self._pinned, self._cap = (mx, my), cap
+
     def eager(self, prog, c: _Ctx) -> None:
         x = c.arr(self.s.x)
-        if x.shape[0] == 0:
+        n = int(x.shape[0])
+        if n == 0:
             return
-        xh = x.get()                # waits for the steps before on this stream
+        out = c.arr(self.s.out)
+        wx, wy = int(x.shape[1]), int(out.shape[1])
+        self._stage(n, wx, wy)
+        # x's rows into pinned memory by one 2-D copy, then the stream's sync (the router and
+        # the CPU tier read them; the steps before on this stream are done)
+        stream = cp.cuda.get_current_stream()
+        rt = cp.cuda.runtime
+        xh = self._xh[:n]
+        rt.memcpy2DAsync(xh.ctypes.data, 4 * wx, x.data.ptr, int(x.strides[0]), 4 * wx, n, rt.memcpyDeviceToHost,
+                         stream.ptr)
+        stream.synchronize()
         small = None                # rows of long segments take the CPU's prefill path
         segs = c.layout.segments if c.layout is not None else ()
         if sum(seg.n for seg in segs) == xh.shape[0] and any(seg.n > SHORT_SEGMENT for seg in segs):
@@ -1032,7 +1060,16 @@ class _MoeHost:
             y = self._moe_rows(self.attrs, xh, self.pool, self.traffic, small, gpu, self.worker)
         finally:
             self.gpu._x = self.gpu._c = None
-        c.arr(self.s.out)[...] = cp.asarray(y)
+        # the result back by one 2-D copy from pinned memory (asynchronous: the event keeps
+        # the next call from overwriting the buffer before the copy has read it)
+        if self._staged is None:
+            self._staged = cp.cuda.Event()
+        self._staged.synchronize()
+        yh = self._yh[:n]
+        np.copyto(yh, y)
+        rt.memcpy2DAsync(out.data.ptr, int(out.strides[0]), yh.ctypes.data, 4 * wy, 4 * wy, n, rt.memcpyHostToDevice,
+                         stream.ptr)
+        self._staged.record(stream)
 
 
 class _EagerBatch:

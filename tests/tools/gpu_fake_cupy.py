@@ -457,6 +457,19 @@ def _memcpy(dst, src, n, kind, stream=0):
     ctypes.memmove(int(dst), int(src), int(n))
 
 
+def _memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream=0):
+    """cudaMemcpy2DAsync: ``height`` rows of ``width`` bytes; the device side must lie
+    inside one allocation (the host side is the caller's numpy memory)."""
+    if width > dpitch or width > spitch:
+        raise LaunchError(f"memcpy2DAsync: width {width} exceeds a pitch (dst {dpitch}, src {spitch})")
+    dev, pitch = (src, spitch) if kind == 2 else (dst, dpitch)
+    if height and not _span_ok(int(dev), int((height - 1) * pitch + width)):
+        raise LaunchError(f"memcpy2DAsync: {height} rows of {width} bytes (pitch {pitch}) from {int(dev):#x} "
+                          f"run outside the device allocation")
+    for r in range(int(height)):
+        ctypes.memmove(int(dst) + r * int(dpitch), int(src) + r * int(spitch), int(width))
+
+
 def _pinned(n: int):
     return bytearray(int(n))
 
@@ -508,7 +521,7 @@ def install() -> None:
         _pinned
     rt = types.SimpleNamespace(
         getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"Fake GPU", "multiProcessorCount": 132},
-        driverGetVersion=lambda: 13000, runtimeGetVersion=lambda: 13000, memcpyAsync=_memcpy,
+        driverGetVersion=lambda: 13000, runtimeGetVersion=lambda: 13000, memcpyAsync=_memcpy, memcpy2DAsync=_memcpy2d,
         memcpyHostToDevice=1, memcpyDeviceToHost=2)
     cuda.runtime = rt
     cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 1)

@@ -24,7 +24,7 @@ def instances(types=None) -> list[str]:
 
     types = S.TYPES if types is None else types
     names = ["gather_rows", "rms_norm", "causal_softmax", "glu_rows", "ew_rows", "bias_rows", "head_ops",
-             "row_scale", "rows_half"]
+             "row_scale", "rows_half", "moe_gather", "swiglu_oai_rows"]
     for t in types:
         names += [f"embed<{t}>", f"dequant<{t}>", f"dequant_h<{t}>"]
     for nb, wpps in CC.GEMV_GRID.items():
@@ -32,6 +32,9 @@ def instances(types=None) -> list[str]:
             for mode in (S.MODE_STORE, S.MODE_ADD, S.MODE_QKV, S.MODE_QKV16, S.MODE_SWIGLU, S.MODE_GEGLU):
                 for t in types:
                     names.append(f"gemv<{t},{t},{nb},{mode},{wpp}>")
+            for mode in (S.MODE_STORE, S.MODE_SWIGLU):      # the GPU expert tier's grouped GEMV
+                for t in types:
+                    names.append(f"moe_gemv<{t},{t},{nb},{mode},{wpp}>")
     names.append(f"gemv<{S.Q4_K},{S.Q6_K},4,{S.MODE_SWIGLU},4>")
     for hd in (64, 96, 128, 256):
         for kvt in (0, 1):
