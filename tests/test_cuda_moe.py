@@ -303,7 +303,8 @@ def test_cuda_gpu_tier_grouped_launches_give_the_bits_of_the_per_expert_launches
         _set_grouped(c, False)
         try:
             want = _scenario(m, "f32")
-            diff = [i for i, (a, b) in enumerate(zip(got, want)) if not np.array_equal(a.view(np.int32), b.view(np.int32))]
+            diff = [i for i, (a, b) in enumerate(zip(got, want))
+                    if not np.array_equal(a.view(np.int32), b.view(np.int32))]
             again = _scenario(m, "f32") if diff else want
         finally:
             _set_grouped(c, True)

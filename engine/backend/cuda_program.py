@@ -645,6 +645,61 @@ def _host_matrix(dm, int8: bool):
     return QuantMatrix(dm.data[:dm.m].get(), T(dm.qtype), dm.m, dm.k, dm.name, int8=int8)
 
 
+class _MoeScratch:
+    """Buffers the GPU expert tiers of one program share, per expert shape (the moe steps
+    run one after the other on one thread, each call waiting for its output before the
+    next starts): the device table (row indices, tiles), gathered rows (k), hidden rows (fp;
+    gpt-oss: gate and up rows too), output rows (d); the pinned host table and output.
+    Grown to the next power of two; ``gen`` counts the growths (the tiers' cached launch
+    arguments name these buffers)."""
+
+    def __init__(self, k: int, fp: int, d: int, oai: bool):
+        self.k, self.fp, self.d, self.oai = k, fp, d, oai
+        self.cap = (0, 0)          # (pairs, tiles)
+        self.gen = 0
+        self.dev: list = []
+        self.host: tuple = ()
+
+    def reserve(self, n_pairs: int, n_tiles: int) -> None:
+        if n_pairs <= self.cap[0] and n_tiles <= self.cap[1]:
+            return
+        cp_, ct = max(self.cap[0], _pow2(n_pairs)), max(self.cap[1], _pow2(n_tiles))
+        self.dev = self.host = None         # free the old ones first
+        nt = cp_ + 3 * ct
+        dev = [cp.empty(nt, cp.int32), cp.empty((cp_, self.k), cp.float32), cp.empty((cp_, self.fp), cp.float32),
+               cp.empty((cp_, self.d), cp.float32)]
+        if self.oai:
+            dev += [cp.empty((cp_, self.fp), cp.float32), cp.empty((cp_, self.fp), cp.float32)]
+        mem_t, mem_y = cp.cuda.alloc_pinned_memory(4 * nt), cp.cuda.alloc_pinned_memory(4 * cp_ * self.d)
+        self.host = (np.frombuffer(mem_t, np.int32, nt), np.frombuffer(mem_y, np.float32, cp_ * self.d), mem_t, mem_y)
+        self.dev, self.cap = dev, (cp_, ct)
+        self.gen += 1
+
+
+class _MoeStage:
+    """Pinned host rows the moe steps of one program share, per (input, output) width: x's
+    rows down before the router, the result up after the join. ``staged``: an event after
+    the last upload (the next writer waits on it; the upload is asynchronous)."""
+
+    def __init__(self, wx: int, wy: int):
+        self.wx, self.wy = wx, wy
+        self.cap = 0
+        self.xh = self.yh = self.mem = None
+        self.staged = None
+
+    def reserve(self, n: int) -> None:
+        if n <= self.cap:
+            return
+        if self.staged is not None:
+            self.staged.synchronize()
+        cap = max(_pow2(n), self.cap)
+        self.xh = self.yh = self.mem = None
+        mx, my = cp.cuda.alloc_pinned_memory(4 * cap * self.wx), cp.cuda.alloc_pinned_memory(4 * cap * self.wy)
+        self.xh = np.frombuffer(mx, np.float32, cap * self.wx).reshape(cap, self.wx)
+        self.yh = np.frombuffer(my, np.float32, cap * self.wy).reshape(cap, self.wy)
+        self.mem, self.cap = (mx, my), cap
+
+
 class _GpuExperts:
     """The GPU expert tier of one moe step (issue 22; engine/model/experts.py): the experts
     the plan puts on "gpu" live on the device, uploaded once by ``place`` (the gate, up and
@@ -656,8 +711,9 @@ class _GpuExperts:
     table gives each block row its expert slot and rows, the expert's weights lie at a fixed
     stride in the stacks): the host builds one int32 table (the routed rows' indices, then
     the tiles) in pinned memory, copies it with one H2D copy, ``moe_gather`` gathers the rows
-    on the device, the GEMVs run into preallocated buffers (grown on demand), and the output
-    comes back with one D2H copy into pinned memory; ``wait`` is the layer's one sync. The
+    on the device, the GEMVs run into preallocated buffers (``_MoeScratch``, shared by the
+    program's moe steps, grown on demand), and the output comes back with one D2H copy into
+    pinned memory; ``wait`` is the layer's one sync. The
     GEMV reduces each output element in the canonical order of the decode GEMV (cuda_src),
     so a row's expert outputs do not depend on the batch, the tiles or the variant and
     equal the bits of ``gemv`` launched on each expert alone (``grouped = False`` runs those
@@ -692,9 +748,9 @@ class _GpuExperts:
         self._variants: dict = {}        # (GEMV, bucket) -> its default variant
         self.grouped = True              # False: per-expert gemv launches (the reference)
         self._kern: dict = {}            # (GEMV name, bucket) -> (moe_gemv kernel, pairs per block, nb)
-        self._cap = (0, 0)               # (pairs, tiles) the buffers below hold
-        self._dev = self._host = None    # device buffers and pinned host buffers of a call
+        self._scratch = None             # the program's _MoeScratch of this shape (first call)
         self._args: dict = {}            # GEMV name -> its launch arguments on those buffers
+        self._args_gen = -1              # the scratch generation they name
         why = ""
         for st in (gate, up, down):
             if int(st.qtype) not in S.TYPES:
@@ -797,8 +853,8 @@ class _GpuExperts:
         # the table: the rows' indices into x (P), then the tiles (T, 3): slot, first row, rows
         ntile = (counts + nb - 1) // nb
         T = int(ntile.sum())
-        self._reserve(P_, T)
-        tab = self._host[0]
+        sc = self._reserve(P_, T)
+        tab = sc.host[0]
         tab[:P_] = np.concatenate([r for _, r, _ in pairs])
         tiles = tab[P_:P_ + 3 * T].reshape(T, 3)
         first = np.cumsum(counts) - counts
@@ -809,9 +865,10 @@ class _GpuExperts:
         tiles[:, 2] = np.minimum(nb, np.repeat(first + counts, ntile) - b0)
         stream = cp.cuda.get_current_stream()
         rt = cp.cuda.runtime
-        dtab = self._dev[0]
+        dev = sc.dev
+        dtab = dev[0]
         rt.memcpyAsync(dtab.data.ptr, tab.ctypes.data, 4 * (P_ + 3 * T), rt.memcpyHostToDevice, stream.ptr)
-        xg = self._dev[1]
+        xg = dev[1]
         prog.k["moe_gather"]((P_,), (128,), (np.uint64(x.data.ptr), _i(x.strides[0] // 4), dtab, _i(self.k), xg,
                                              _i(self.k)))
         tp = dtab.data.ptr + 4 * P_
@@ -819,17 +876,16 @@ class _GpuExperts:
             g = self.gemvs[name]
             if name == "d" and self.act != "silu":
                 n_el = P_ * self.ff
-                fp = int(self._dev[2].shape[1])
+                fp = sc.fp
                 prog.k["swiglu_oai_rows"](((n_el + NT - 1) // NT,), (NT,),
-                                          (self._dev[4], _i(fp), self._dev[5], _i(fp), _i(P_), _i(self.ff),
-                                           _f(self.attrs["alpha"]), _f(self.attrs["limit"]), self._dev[2], _i(fp)))
+                                          (dev[4], _i(fp), dev[5], _i(fp), _i(P_), _i(self.ff),
+                                           _f(self.attrs["alpha"]), _f(self.attrs["limit"]), dev[2], _i(fp)))
             head, tail = self._args[name]
             gx = (g.n_pairs + ppb - 1) // ppb
             for t0 in range(0, T, self.MAX_TILES):
                 kern((gx, min(self.MAX_TILES, T - t0)), (GEMV_WARPS * 32,),
                      head + (np.uint64(tp + 12 * t0),) + tail)
-        yh = self._host[1]
-        rt.memcpyAsync(yh.ctypes.data, self._dev[3].data.ptr, 4 * P_ * self.d, rt.memcpyDeviceToHost, stream.ptr)
+        rt.memcpyAsync(sc.host[1].ctypes.data, dev[3].data.ptr, 4 * P_ * self.d, rt.memcpyDeviceToHost, stream.ptr)
         self.rows += P_
         self.calls += n_e
         return P_
@@ -843,39 +899,34 @@ class _GpuExperts:
             got = self._kern[(name, bucket)] = (self.prog.k[self._grouped_name(g, v)], GEMV_WARPS // v.wpp, v.nb)
         return got
 
-    def _reserve(self, P_: int, T: int) -> None:
-        """Buffers for ``P_`` pairs and ``T`` tiles (grown to the next power of two; a call
-        waits for the one before, so the old ones are free)."""
-        cp_, ct = self._cap
-        if P_ <= cp_ and T <= ct and self._args:
-            return
-        cp_, ct = max(cp_, _pow2(P_)), max(ct, _pow2(T))
-        fp = P._pad4(self.ff)
-        d = self.d
-        dev = [cp.empty(cp_ + 3 * ct, cp.int32), cp.empty((cp_, self.k), cp.float32),
-               cp.empty((cp_, fp), cp.float32), cp.empty((cp_, d), cp.float32)]
-        if self.act != "silu":
-            dev += [cp.empty((cp_, fp), cp.float32), cp.empty((cp_, fp), cp.float32)]
-        nt = cp_ + 3 * ct
-        mem_t = cp.cuda.alloc_pinned_memory(4 * nt)
-        mem_y = cp.cuda.alloc_pinned_memory(4 * cp_ * d)
-        self._host = (np.frombuffer(mem_t, np.int32, nt), np.frombuffer(mem_y, np.float32, cp_ * d), mem_t, mem_y)
-        self._dev, self._cap = dev, (cp_, ct)
-        # each GEMV's arguments but the tile table's address: (x, out) buffers, weights, biases
-        io = {"gu": (dev[1], self.k, dev[2], fp), "g": (dev[1], self.k, dev[4] if len(dev) > 4 else None, fp),
-              "u": (dev[1], self.k, dev[5] if len(dev) > 4 else None, fp), "d": (dev[2], fp, dev[3], d)}
+    def _reserve(self, P_: int, T: int) -> _MoeScratch:
+        """The program's scratch for this shape, holding ``P_`` pairs and ``T`` tiles, and
+        each GEMV's launch arguments on it but the tile table's address."""
+        sc = self._scratch
+        if sc is None:
+            fp = P._pad4(self.ff)
+            key = (self.k, fp, self.d, self.act != "silu")
+            sc = self._scratch = self.prog.moe_scratch.setdefault(key, _MoeScratch(*key))
+        sc.reserve(P_, T)
+        if self._args and self._args_gen == sc.gen:
+            return sc
+        dev, fp, d = sc.dev, sc.fp, sc.d
+        io = {"gu": (dev[1], self.k, dev[2], fp), "d": (dev[2], fp, dev[3], d)}
+        if sc.oai:
+            io.update({"g": (dev[1], self.k, dev[4], fp), "u": (dev[1], self.k, dev[5], fp)})
         stack = {"gu": (0, 1), "g": (0, 0), "u": (1, 1), "d": (2, 2)}
         self._args = {}
         for name, g in self.gemvs.items():
             ia, ib = stack[name]
             xin, ldx, out, ldy = io[name]
             wa, wb = self.w[ia], self.w[ib]
-            width = self.mats[ia].m
             head = (np.uint64(wa.data.ptr), np.uint64(wb.data.ptr), np.int64(self.mats[ia].m * self.rb[ia]),
                     np.int64(self.mats[ib].m * self.rb[ib]), np.int64(self.rb[ia]), np.int64(self.rb[ib]),
                     _i(g.a_stride), _i(g.b_off), _i(g.n_pairs), _i(g.k), np.uint64(xin.data.ptr), _i(ldx))
-            tail = (_u64(self.b[ia]), _u64(self.b[ib]), _i(width), np.uint64(out.data.ptr), _i(ldy))
+            tail = (_u64(self.b[ia]), _u64(self.b[ib]), _i(self.mats[ia].m), np.uint64(out.data.ptr), _i(ldy))
             self._args[name] = (head, tail)
+        self._args_gen = sc.gen
+        return sc
 
     def _launch_each(self, pairs, x=None, c=None):
         """The per-expert launches (``grouped = False``): the rows gathered by an index
@@ -935,7 +986,9 @@ class _GpuExperts:
             y, _ = handle
             return np.ascontiguousarray(y[:, :self.d].get())
         cp.cuda.get_current_stream().synchronize()
-        return self._host[1][:handle * self.d].reshape(handle, self.d)
+        if handle == 0:
+            return np.empty((0, self.d), np.float32)
+        return self._scratch.host[1][:handle * self.d].reshape(handle, self.d)
 
     def measure(self, rows: tuple[int, ...], reps: int = 5) -> dict:
         """Seconds of one expert's FFN on n rows here (expert 0, uploaded for the timing when
@@ -985,8 +1038,8 @@ class _MoeHost:
     CPU tier's experts (``cpu_moe.moe_rows``) and the shared expert there; the experts the
     plan put on the GPU tier (``_GpuExperts``) run on the device meanwhile, their outputs
     joined with the CPU's before the weighted sum; the result back. Both copies go through
-    pinned buffers kept by the step (one D2H and its sync before the router, one
-    asynchronous H2D after the join; no allocation per call). Eager only:
+    pinned buffers the program's moe steps share (``_MoeStage``: one D2H and its sync
+    before the router, one asynchronous H2D after the join; no allocation per call). Eager only:
     ``CudaProgram._graph_ok`` keeps a program with one off the graph path."""
 
     def __init__(self, prog, s: P.MoeHost):
@@ -1008,24 +1061,10 @@ class _MoeHost:
         self.pool = cpu_moe.ExpertPool.shared()
         self.traffic = np.zeros(a["n_expert"], np.int64)
         self._moe_rows = cpu_moe.moe_rows
-        self._cap = 0               # rows the pinned staging buffers hold
-        self._xh = self._yh = self._pinned = None
-        self._staged = None         # event after the last H2D copy out of _yh
+        self.stages = prog.moe_stages   # the program's _MoeStage per (input, output) width
 
     def graph(self, prog, c: _Ctx) -> None:
         raise RuntimeError("the moe step runs on the host; a program with one has no CUDA graph")
-
-    def _stage(self, n: int, wx: int, wy: int) -> None:
-        """Pinned host buffers for n rows of x (wx floats) and of the output (wy)."""
-        if n <= self._cap and self._xh.shape[1] == wx and self._yh.shape[1] == wy:
-            return
-        if self._staged is not None:
-            self._staged.synchronize()
-        cap = max(_pow2(n), self._cap)
-        mx, my = cp.cuda.alloc_pinned_memory(4 * cap * wx), cp.cuda.alloc_pinned_memory(4 * cap * wy)
-        self._xh = np.frombuffer(mx, np.float32, cap * wx).reshape(cap, wx)
-        self._yh = np.frombuffer(my, np.float32, cap * wy).reshape(cap, wy)
-        self._pinned, self._cap = (mx, my), cap
 
     def eager(self, prog, c: _Ctx) -> None:
         x = c.arr(self.s.x)
@@ -1034,12 +1073,15 @@ class _MoeHost:
             return
         out = c.arr(self.s.out)
         wx, wy = int(x.shape[1]), int(out.shape[1])
-        self._stage(n, wx, wy)
+        sg = self.stages.get((wx, wy))
+        if sg is None:
+            sg = self.stages[(wx, wy)] = _MoeStage(wx, wy)
+        sg.reserve(n)
         # x's rows into pinned memory by one 2-D copy, then the stream's sync (the router and
         # the CPU tier read them; the steps before on this stream are done)
         stream = cp.cuda.get_current_stream()
         rt = cp.cuda.runtime
-        xh = self._xh[:n]
+        xh = sg.xh[:n]
         rt.memcpy2DAsync(xh.ctypes.data, 4 * wx, x.data.ptr, int(x.strides[0]), 4 * wx, n, rt.memcpyDeviceToHost,
                          stream.ptr)
         stream.synchronize()
@@ -1062,14 +1104,14 @@ class _MoeHost:
             self.gpu._x = self.gpu._c = None
         # the result back by one 2-D copy from pinned memory (asynchronous: the event keeps
         # the next call from overwriting the buffer before the copy has read it)
-        if self._staged is None:
-            self._staged = cp.cuda.Event()
-        self._staged.synchronize()
-        yh = self._yh[:n]
+        if sg.staged is None:
+            sg.staged = cp.cuda.Event()
+        sg.staged.synchronize()
+        yh = sg.yh[:n]
         np.copyto(yh, y)
         rt.memcpy2DAsync(out.data.ptr, int(out.strides[0]), yh.ctypes.data, 4 * wy, 4 * wy, n, rt.memcpyHostToDevice,
                          stream.ptr)
-        self._staged.record(stream)
+        sg.staged.record(stream)
 
 
 class _EagerBatch:
@@ -1156,6 +1198,8 @@ class CudaProgram:
         # launches the GPU tier's (a mixture of experts only; started on first use)
         self.moe_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aotx-cpu-experts") \
             if any(isinstance(s, P.MoeHost) for s in self.plan.steps) else None
+        self.moe_scratch: dict = {}    # the GPU expert tiers' shared buffers (_MoeScratch) per shape
+        self.moe_stages: dict = {}     # the moe steps' shared pinned rows (_MoeStage) per width
         self.steps = []
         for s in self.plan.steps:
             rows = rows_of.get(id(s), P.ROWS_N)

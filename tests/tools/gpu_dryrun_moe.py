@@ -4,7 +4,8 @@
 Like ``tests/tools/gpu_dryrun.py`` (every launch checked by ``gpu_fake_cupy``; kernels do
 not run, so the device numbers are garbage), on tiny qwen3moe, olmoe and gpt-oss files with
 head dimension 32 (the CUDA attention kernel's smallest): the plan's host moe steps, every
-forward on the eager path (no graph capture), the host step's rows back in the device
+forward on the eager path (no graph capture), the host step's rows through the pinned
+staging rows (moe_rows gets the device input; the device output is what it returned), back in the device
 buffer with the shape of the op's output (compared against ``cpu_moe.moe_rows`` run on the
 same host rows), device sampling, the GPU expert tier's launches under each placement
 (all on the GPU, mixed, all on the CPU), the tier's grouped launches against its per-expert
@@ -144,6 +145,56 @@ def _placements(model) -> str:
     return "; ".join(done)
 
 
+def _staging(model) -> str:
+    """The host step's copies through the program's pinned rows: the rows ``moe_rows`` gets
+    are the step's device input (a view of a wider buffer), and the device output holds
+    exactly what it returned, through a prefill, a decode batch and a mixed batch."""
+    from aotx.engine.model.batch import Segment
+
+    c = model.compiled
+    n_checked = 0
+
+    def wrap(st):
+        orig_eager, real = st.eager, st._moe_rows
+
+        def eager(prog, ctx):
+            nonlocal n_checked
+            xd = np.array(ctx.arr(st.s.x).get())
+            got = {}
+
+            def spy(attrs, x, *a):
+                got["x"] = np.array(x)
+                got["y"] = real(attrs, x, *a)
+                return got["y"]
+
+            st._moe_rows = spy
+            try:
+                orig_eager(prog, ctx)
+            finally:
+                st._moe_rows = real
+            if xd.shape[0]:
+                assert np.array_equal(xd, got["x"]), "the host step's rows are not its device input"
+                assert np.array_equal(np.array(ctx.arr(st.s.out).get()), got["y"]), "the device output is not moe_rows'"
+                n_checked += 1
+        return orig_eager, eager
+
+    saved = []
+    for st in c.moe_steps:
+        orig, st.eager = wrap(st)
+        saved.append((st, orig))
+    try:
+        rng = np.random.default_rng(2)
+        kv = model.new_kv_cache(2, 64)
+        model.forward(rng.integers(0, VOCAB, 30).astype(np.int32), [Segment(0, 0, 30)], kv)
+        model.forward(rng.integers(0, VOCAB, 2).astype(np.int32), [Segment(0, 30, 1), Segment(1, 0, 1)], kv)
+        model.forward(rng.integers(0, VOCAB, 40).astype(np.int32), [Segment(0, 31, 1), Segment(1, 1, 39)], kv)
+    finally:
+        for st, orig in saved:
+            st.eager = orig
+    assert n_checked == 3 * len(c.moe_steps), n_checked
+    return f"staged rows ok ({n_checked} calls)"
+
+
 def _reference_ffn(a: dict, e: int, x: np.ndarray) -> np.ndarray:
     """Expert e's FFN on rows x in float64 from gguf's dequantized weights (+ biases)."""
     from aotx.engine.backend import cpu_moe
@@ -259,7 +310,7 @@ def main() -> int:
         try:
             model = _build(path)
             _exercise(model, fake)
-            summary = _grouped_matches_each(model, fake) + " | " + _placements(model) + " | " \
+            summary = _staging(model) + "; " + _grouped_matches_each(model, fake) + " | " + _placements(model) + " | " \
                 + _setup(model, tmp / "home")
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {name}")

@@ -35,6 +35,22 @@ def _times(fn, reps: int) -> tuple[float, float]:
     return 1e6 * statistics.median(ts), 1e6 * min(ts)
 
 
+def _call_times(gpu, pairs, x, reps: int) -> tuple:
+    """((median, best) of launch + wait, (median, best) of launch alone), microseconds."""
+    for _ in range(3):
+        gpu.wait(gpu.launch(pairs, x))
+    call, launch = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        h = gpu.launch(pairs, x)
+        t1 = time.perf_counter()
+        gpu.wait(h)
+        t2 = time.perf_counter()
+        call.append(t2 - t0)
+        launch.append(t1 - t0)
+    return tuple((1e6 * statistics.median(t), 1e6 * min(t)) for t in (call, launch))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200)
@@ -77,23 +93,10 @@ def main() -> int:
         logits = a["router"].matmul(xh, per_row=True)
         sel, _, _ = cpu_moe.route(logits, a["n_used"], a["gating"], a["norm_w"], a["w_scale"])
         pairs = cpu_moe.groups(sel)
-        res = {}
-        out = {}
+        res, out = {}, {}
         for grouped in (False, True):
             gpu.grouped = grouped
-            res[grouped] = (_times(lambda: gpu.wait(gpu.launch(pairs, x)), args.reps),
-                            _times(lambda: gpu.launch(pairs, x), args.reps) if grouped else None)
-            if not grouped:
-                # the per-expert launch alone leaves its arrays to the allocator: time it with its wait
-                t_l = []
-                for _ in range(args.reps):
-                    t1 = time.perf_counter()
-                    h = gpu.launch(pairs, x)
-                    t_l.append(time.perf_counter() - t1)
-                    gpu.wait(h)
-                res[grouped] = (res[grouped][0], (1e6 * statistics.median(t_l), 1e6 * min(t_l)))
-            else:
-                gpu.wait(gpu.launch(pairs, x))
+            res[grouped] = _call_times(gpu, pairs, x, args.reps)
             out[grouped] = gpu.wait(gpu.launch(pairs, x)).copy()
         gpu.grouped = True
         same = bool(np.array_equal(out[False].view(np.int32), out[True].view(np.int32)))

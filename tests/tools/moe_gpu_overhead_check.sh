@@ -17,8 +17,8 @@ PY=${PY:-python3}
 END=$((SECONDS + 145))
 left() { local n=$((END - SECONDS - ${1:-0})); [ $n -lt 5 ] && n=5; echo $n; }
 if [ -d .whl ]; then
-  timeout 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/aotx-site \
-    .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+  timeout 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/aotx-site .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
   SITE=/tmp/aotx-site
 fi
 mkdir -p /tmp/aotx-after && ln -sfn "$ROOT" /tmp/aotx-after/aotx
