@@ -275,14 +275,18 @@ def groups(sel: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
     flat = sel.reshape(-1).astype(np.int64)
     if flat.size == 0:
         return []
-    k = sel.shape[1]
     order = np.argsort(flat, kind="stable")
-    es = flat[order]
+    return _runs(order, flat[order], sel.shape[1])
+
+
+def _runs(order: np.ndarray, es: np.ndarray, k: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """``groups`` of the flat pair indices ``order`` (sorted by expert, stable), whose
+    experts are ``es``."""
+    if order.size == 0:
+        return []
     cut = np.flatnonzero(np.diff(es)) + 1
-    out = []
-    for part in np.split(order, cut):
-        out.append((int(flat[part[0]]), part // k, part % k))
-    return out
+    return [(int(es[part_start]), part // k, part % k)
+            for part_start, part in zip(np.concatenate(([0], cut)), np.split(order, cut))]
 
 
 def expert_ffn(gate: CpuExperts, up: CpuExperts, down: CpuExperts, e: int, x: np.ndarray, act: str,
@@ -510,12 +514,15 @@ def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray |
     backend's CPU expert tier).
 
     ``gpu``: a GPU expert tier (duck typed: ``on`` (E,) bool, the experts it holds;
-    ``launch(pairs)`` starts their FFNs on the device on the batch's rows and returns a
-    handle; ``wait(handle) -> (P, d)`` float32 host outputs, one per (row, slot) pair of
-    ``pairs`` in order). With GPU pairs, the CPU pool computes the other pairs on
-    ``worker`` (a one-thread executor: numba releases the GIL) while this thread launches
-    the GPU's; both join in Y before the weighted sum, so the result does not depend on
-    which tier computed which expert beyond each tier's own kernel. Returns (n, d)."""
+    ``launch_routed(experts, rows)`` starts their FFNs on the device for the (row, expert)
+    pairs given as two (P,) int64 arrays, grouped by expert in increasing id, rows
+    increasing within, and returns a handle; ``wait(handle) -> (P, d)`` float32 host
+    outputs, one per pair in order). The pairs are split between the tiers with a few
+    whole-array operations (no per-expert work for the GPU's). With GPU pairs, the CPU
+    pool computes the other pairs on ``worker`` (a one-thread executor: numba releases the
+    GIL) while this thread launches the GPU's; both join in Y before the weighted sum, so
+    the result does not depend on which tier computed which expert beyond each tier's own
+    kernel. Returns (n, d)."""
     x = np.ascontiguousarray(x, np.float32)
     n = x.shape[0]
     d = attrs["down"].m
@@ -543,21 +550,23 @@ def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray |
     if traffic is not None:
         traffic += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
     Y = np.empty((n, k, d), np.float32)
-    pairs = groups(sel)
-    gpu_pairs = [] if gpu is None else [p for p in pairs if gpu.on[p[0]]]
-    if not gpu_pairs:
-        pool.compute(attrs, x, sel, Y, pairs, small, all_small)
+    flat = sel.reshape(-1).astype(np.int64)
+    if gpu is None or not gpu.on[flat].any():
+        pool.compute(attrs, x, sel, Y, groups(sel), small, all_small)
     else:
-        cpu_pairs = [p for p in pairs if not gpu.on[p[0]]]
+        order = np.argsort(flat, kind="stable")      # pairs by expert, rows increasing within
+        es = flat[order]
+        here = gpu.on[es]
+        cpu_pairs = _runs(order[~here], es[~here], k)
         fut = worker.submit(pool.compute, attrs, x, sel, Y, cpu_pairs, small, all_small) if cpu_pairs else None
+        g = order[here]
+        rows, js = g // k, g % k
         try:
-            handle = gpu.launch(gpu_pairs)
+            handle = gpu.launch_routed(es[here], rows)
             yg = gpu.wait(handle)
         finally:
             if fut is not None:
                 fut.result()
-        rows = np.concatenate([r for _, r, _ in gpu_pairs])
-        js = np.concatenate([j for _, _, j in gpu_pairs])
         _scatter(Y, yg, rows, js)
     y = join(Y, w, np.empty((n, d), np.float32))
     shared = attrs.get("shared")

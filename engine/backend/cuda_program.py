@@ -835,18 +835,32 @@ class _GpuExperts:
         return w, b
 
     def launch(self, pairs, x=None, c=None):
-        """Start the FFNs of ``pairs`` ((expert, rows, slots j) of experts held here) on the
-        device rows ``x`` (default: the step's input set by ``_MoeHost``); returns the handle
-        ``wait`` takes. Its output: (P, d) float32, pairs in order, rows in order within."""
+        """Start the FFNs of ``pairs`` ((expert, rows, slots j) of experts held here, as
+        ``cpu_moe.groups`` gives them) on the device rows ``x`` (default: the step's input set
+        by ``_MoeHost``); returns the handle ``wait`` takes. Its output: (P, d) float32, pairs
+        in order, rows in order within."""
         if not self.grouped:
             return self._launch_each(pairs, x, c)
-        x = self._x if x is None else x
-        prog = self.prog
-        n_e = len(pairs)
-        counts = np.fromiter((r.shape[0] for _, r, _ in pairs), np.int64, n_e)
-        P_ = int(counts.sum())
+        if not pairs:
+            return 0
+        counts = [int(r.shape[0]) for _, r, _ in pairs]
+        return self.launch_routed(np.repeat(np.array([e for e, _, _ in pairs], np.int64), counts),
+                                  np.concatenate([r for _, r, _ in pairs]), x)
+
+    def launch_routed(self, experts: np.ndarray, rows: np.ndarray, x=None):
+        """``launch`` for pairs given as two (P,) int64 arrays (``cpu_moe.moe_rows``): each
+        pair's expert (held here; grouped by expert, in increasing id) and row of x."""
+        P_ = int(rows.shape[0])
         if P_ == 0:
             return 0
+        cut = np.flatnonzero(np.diff(experts)) + 1
+        first = np.concatenate(([0], cut))                   # each expert's first pair
+        if not self.grouped:
+            return self._launch_each([(int(experts[f]), r, None) for f, r in zip(first, np.split(rows, cut))], x)
+        x = self._x if x is None else x
+        prog = self.prog
+        n_e = int(first.shape[0])
+        counts = np.diff(np.append(first, P_))
         bucket = CC.tune_bucket(int(counts.max()))
         kerns = [self._kernel(name, bucket) for name in self.gemvs]
         nb = min(kk[2] for kk in kerns)   # tiles of at most every kernel's NB (one NB per bucket today)
@@ -855,11 +869,10 @@ class _GpuExperts:
         T = int(ntile.sum())
         sc = self._reserve(P_, T)
         tab = sc.host[0]
-        tab[:P_] = np.concatenate([r for _, r, _ in pairs])
+        tab[:P_] = rows
         tiles = tab[P_:P_ + 3 * T].reshape(T, 3)
-        first = np.cumsum(counts) - counts
         rep_first = np.repeat(first, ntile)
-        tiles[:, 0] = np.repeat(self.slot[np.fromiter((e for e, _, _ in pairs), np.int64, n_e)], ntile)
+        tiles[:, 0] = np.repeat(self.slot[experts[first]], ntile)
         b0 = rep_first + nb * (np.arange(T) - np.repeat(np.cumsum(ntile) - ntile, ntile))
         tiles[:, 1] = b0
         tiles[:, 2] = np.minimum(nb, np.repeat(first + counts, ntile) - b0)

@@ -216,6 +216,33 @@ def _reference_ffn(a: dict, e: int, x: np.ndarray) -> np.ndarray:
     return y.astype(np.float32)
 
 
+class _Routed:
+    """The GPU tier with the step's device rows bound (as ``_MoeHost`` binds them)."""
+
+    def __init__(self, gpu, x):
+        self.gpu, self.x, self.on = gpu, x, gpu.on
+
+    def launch_routed(self, experts, rows):
+        return self.gpu.launch_routed(experts, rows, self.x)
+
+    def wait(self, h):
+        return self.gpu.wait(h)
+
+
+class _ReferenceTier:
+    """A stand-in GPU tier holding the same experts: each pair by ``_reference_ffn``."""
+
+    def __init__(self, gpu, attrs, xh):
+        self.on, self.a, self.xh, self.pairs = gpu.on, attrs, xh, 0
+
+    def launch_routed(self, experts, rows):
+        self.pairs += int(rows.shape[0])
+        return np.concatenate([_reference_ffn(self.a, int(e), self.xh[r:r + 1]) for e, r in zip(experts, rows)])
+
+    def wait(self, h):
+        return h
+
+
 def _grouped_matches_each(model, fake) -> str:
     """The GPU tier's grouped launches (one moe_gemv per GEMV for every expert, rows
     gathered on the device from the one table) against its per-expert gemv launches, with
@@ -223,7 +250,9 @@ def _grouped_matches_each(model, fake) -> str:
     float64 reference's within rounding, on batches of 1 to 100 rows (one tile per expert
     at NB 1..16, several tiles per expert at 100 rows), on rows that are a strided view of a
     wider buffer (as the step's input is), with the tiles split over several launches, and
-    with only some experts on the GPU (the slots are not the expert ids)."""
+    with only some experts on the GPU (the slots are not the expert ids); and the whole op
+    through ``moe_rows`` (the pairs split between the tiers, scattered back and joined)
+    against a stand-in GPU tier computing the same pairs with the reference."""
     import cupy as cp
 
     from aotx.engine.backend import cpu_moe
@@ -235,6 +264,7 @@ def _grouped_matches_each(model, fake) -> str:
     E, d = a["n_expert"], model.cfg.d_model
     rng = np.random.default_rng(5)
     out = []
+    worst_cpu = 0.0              # vs the CPU tier alone (its int8 activations: ~1e-2)
     fake.emulate = True
     try:
         for held in (list(range(E)), [e for e in range(E) if e % 3 != 0]):
@@ -246,6 +276,8 @@ def _grouped_matches_each(model, fake) -> str:
                 x = wide[:, 8:8 + d]                        # a strided view, as c.arr gives
                 xh = np.ascontiguousarray(x.get())
                 logits = st.attrs["router"].matmul(xh, per_row=True)
+                if a.get("router_bias") is not None:
+                    logits += a["router_bias"]
                 sel, _, _ = cpu_moe.route(logits, a["n_used"], a["gating"], a["norm_w"], a["w_scale"])
                 pairs = [p for p in cpu_moe.groups(sel) if gpu.on[p[0]]]
                 if not pairs:
@@ -266,11 +298,25 @@ def _grouped_matches_each(model, fake) -> str:
                 if max_tiles is None:
                     assert n_launch == per_layer, f"{n} rows: {n_launch} launches, want {per_layer}"
                 out.append(f"{n}/{len(pairs)}/{n_launch}")
+                # the whole op through moe_rows: the GPU's pairs split off, computed, scattered back
+                # into their (row, slot) places, joined with the CPU tier's: against a stand-in tier
+                # that computes the same pairs with the float64 reference
+                ref_tier = _ReferenceTier(gpu, a, xh)
+                got = cpu_moe.moe_rows(a, xh, st.pool, gpu=_Routed(gpu, x), worker=c.moe_worker)
+                want = cpu_moe.moe_rows(a, xh, st.pool, gpu=ref_tier, worker=c.moe_worker)
+                assert ref_tier.pairs == sum(int(r.shape[0]) for _, r, _ in pairs), "the GPU tier got other pairs"
+                rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                assert rel < 1e-5, f"{n} rows: moe_rows with the GPU tier {rel:.2e} from the reference tier"
+                cpu_only = cpu_moe.moe_rows(a, xh, st.pool)      # the split itself: against the CPU tier alone
+                rel = float(np.linalg.norm(got - cpu_only) / np.linalg.norm(cpu_only))
+                worst_cpu = max(worst_cpu, rel)
+                assert rel < 5e-2, f"{n} rows: moe_rows with the GPU tier {rel:.2e} from the CPU tier alone"
     finally:
         fake.emulate = False
         gpu.MAX_TILES = type(gpu).MAX_TILES
         gpu.grouped = True
-    return "grouped == per-expert (rows/experts/launches " + " ".join(out) + ")"
+    return ("grouped == per-expert (rows/experts/launches " + " ".join(out)
+            + f"); moe_rows vs the CPU tier alone {worst_cpu:.1e}")
 
 
 def _setup(model, root) -> str:

@@ -3,13 +3,14 @@
 
 On the tiny qwen3moe file (d_model 64, 8 experts of ff 256, top 2, a toy vocabulary), every
 expert of every layer on the GPU tier: for batches of 1, 4 and 16 rows routed by layer 1's
-router, one GPU-tier call (``launch`` + ``wait``: what ``cpu_moe.moe_rows`` pays per layer
-for the GPU's pairs; device time is a few microseconds at this size, so this is host
-time) with the per-expert launches ("before": ``grouped = False``, the code this replaces)
-and the grouped ones ("after"), median and best of N calls, and ``launch`` alone (the host's
-enqueue cost); the two outputs compared bit for bit; the CPU tier's time for the same pairs
-(``ExpertPool.compute``) beside them; then a decode forward (1 row, 4 layers) per token both
-ways. Prints a table last. ``--fake``: against tests/tools/gpu_fake_cupy (no GPU; checks that
+router, one GPU-tier call (launch + wait: what ``cpu_moe.moe_rows`` pays per layer for
+the GPU's pairs; device time is a few microseconds at this size, so this is host time)
+with the per-expert launches ("before": ``grouped = False``, the code this replaces) and
+the grouped ones (``launch_routed``, "after"), median and best of N calls, and the launch
+alone (the host's enqueue cost); the two outputs compared bit for bit; the whole op per
+layer call (``moe_rows``: router, routing, the tiers, the join) with the GPU tier both ways
+and with every expert on the CPU tier; then a decode forward (1 row, 4 layers) per token
+both ways. Prints a table last. ``--fake``: against tests/tools/gpu_fake_cupy (no GPU; checks that
 the tool runs, the times mean nothing).
 """
 
@@ -35,20 +36,20 @@ def _times(fn, reps: int) -> tuple[float, float]:
     return 1e6 * statistics.median(ts), 1e6 * min(ts)
 
 
-def _call_times(gpu, pairs, x, reps: int) -> tuple:
+def _call_times(launch, wait, reps: int) -> tuple:
     """((median, best) of launch + wait, (median, best) of launch alone), microseconds."""
     for _ in range(3):
-        gpu.wait(gpu.launch(pairs, x))
-    call, launch = [], []
+        wait(launch())
+    call, enqueue = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        h = gpu.launch(pairs, x)
+        h = launch()
         t1 = time.perf_counter()
-        gpu.wait(h)
+        wait(h)
         t2 = time.perf_counter()
         call.append(t2 - t0)
-        launch.append(t1 - t0)
-    return tuple((1e6 * statistics.median(t), 1e6 * min(t)) for t in (call, launch))
+        enqueue.append(t1 - t0)
+    return tuple((1e6 * statistics.median(t), 1e6 * min(t)) for t in (call, enqueue))
 
 
 def main() -> int:
@@ -93,16 +94,25 @@ def main() -> int:
         logits = a["router"].matmul(xh, per_row=True)
         sel, _, _ = cpu_moe.route(logits, a["n_used"], a["gating"], a["norm_w"], a["w_scale"])
         pairs = cpu_moe.groups(sel)
-        res, out = {}, {}
+        experts = np.repeat(np.array([e for e, _, _ in pairs], np.int64), [int(r.shape[0]) for _, r, _ in pairs])
+        routed = np.concatenate([r for _, r, _ in pairs])
+        gpu.grouped = False
+        before = _call_times(lambda: gpu.launch(pairs, x), gpu.wait, args.reps)
+        y_before = gpu.wait(gpu.launch(pairs, x)).copy()
+        gpu.grouped = True
+        after = _call_times(lambda: gpu.launch_routed(experts, routed, x), gpu.wait, args.reps)
+        y_after = gpu.wait(gpu.launch_routed(experts, routed, x)).copy()
+        same = bool(np.array_equal(y_before.view(np.int32), y_after.view(np.int32)))
+        # the whole op per layer call (router, routing, the tiers, the join) as _MoeHost runs it
+        gpu._x = x
+        op = {}
         for grouped in (False, True):
             gpu.grouped = grouped
-            res[grouped] = _call_times(gpu, pairs, x, args.reps)
-            out[grouped] = gpu.wait(gpu.launch(pairs, x)).copy()
+            op[grouped] = _times(lambda: cpu_moe.moe_rows(a, xh, st.pool, None, None, gpu, c.moe_worker), args.reps)
+        gpu._x = None
         gpu.grouped = True
-        same = bool(np.array_equal(out[False].view(np.int32), out[True].view(np.int32)))
-        Y = np.empty((n, a["n_used"], cfg.d_model), np.float32)
-        cpu = _times(lambda: st.pool.compute(a, xh, sel, Y, pairs, None, True), args.reps)
-        rows.append((n, len(pairs), res[False], res[True], cpu, same))
+        op_cpu = _times(lambda: cpu_moe.moe_rows(a, xh, st.pool), args.reps)
+        rows.append((n, len(pairs), before, after, op[False], op[True], op_cpu, same))
     # a decode forward per token, 1 row, all experts on the GPU tier
     dec = {}
     for grouped in (False, True):
@@ -122,13 +132,15 @@ def main() -> int:
         s.gpu.grouped = True
     print()
     print("GPU expert tier, one layer call (tiny qwen3moe, all experts on the GPU), microseconds, median (best)")
-    print(f"{'rows':>4} {'experts':>7} | {'before: call':>16} {'launch':>14} | {'after: call':>16} {'launch':>14} | "
-          f"{'speedup':>7} | {'CPU tier':>14} | bits equal")
-    for n, ne, before, after, cpu, same in rows:
-        (bc, bl), (ac, al) = before, after
-        print(f"{n:>4} {ne:>7} | {bc[0]:>8.1f} ({bc[1]:>5.1f}) {bl[0]:>6.1f} ({bl[1]:>5.1f}) | "
-              f"{ac[0]:>8.1f} ({ac[1]:>5.1f}) {al[0]:>6.1f} ({al[1]:>5.1f}) | {bc[0] / ac[0]:>6.2f}x | "
-              f"{cpu[0]:>6.1f} ({cpu[1]:>5.1f}) | {same}")
+    print(f"{'rows':>4} {'experts':>7} | {'tier before':>15} {'(launch)':>8} | {'tier after':>15} {'(launch)':>8} | "
+          f"{'speedup':>7} | {'op before':>9} {'op after':>9} {'op CPU':>9} | bits equal")
+    for n, ne, before, after, ob, oa, oc, same in rows:
+        print(f"{n:>4} {ne:>7} | {before[0][0]:>7.1f} ({before[0][1]:>5.1f}) {before[1][0]:>8.1f} | "
+              f"{after[0][0]:>7.1f} ({after[0][1]:>5.1f}) {after[1][0]:>8.1f} | {before[0][0] / after[0][0]:>6.2f}x | "
+              f"{ob[0]:>9.1f} {oa[0]:>9.1f} {oc[0]:>9.1f} | {same}")
+    print("tier: the GPU tier's launch + wait (the per-expert gemv launches before, one moe_gemv per GEMV after);"
+          " op: the whole moe op on the host rows (router, routing, tiers, join): GPU tier before / after, and"
+          " every expert on the CPU tier")
     print(f"decode forward, 1 row, {len(c.moe_steps)} moe layers: before {dec[False][0] / 1e3:.3f} ms/token "
           f"(best {dec[False][1] / 1e3:.3f}), after {dec[True][0] / 1e3:.3f} ms/token (best {dec[True][1] / 1e3:.3f})")
     ok = all(r[-1] for r in rows)

@@ -48,7 +48,7 @@ elif [ $RC != 0 ]; then echo "FAIL tests: rc $RC"; grep -B2 -A25 "^___" /tmp/moe
 elif grep -q " SKIPPED" /tmp/moe-tests.txt; then echo "FAIL: tests skipped (no GPU seen?)"; FAIL=1; fi
 
 echo "== table (repeated from step 1)"
-grep -A6 "^GPU expert tier, one layer call" /tmp/moe-overhead.txt
+grep -A5 "^GPU expert tier, one layer call" /tmp/moe-overhead.txt
 grep -E "^decode forward|^overhead check" /tmp/moe-overhead.txt
 echo "== summary: $([ $FAIL = 0 ] && echo PASS || echo FAIL)"
 exit $FAIL
