@@ -278,9 +278,21 @@ def test_gemv_default_is_a_candidate_and_names_round_trip(bucket, norm, m_rows):
         assert norm or not v.pre                      # without a norm there is no scale to precompute
 
 
+def test_pairs_per_warp_names_instances_and_blocks():
+    """Two or four row pairs per warp are named by rows per warp (r4, r8) and launch the
+    six-argument template; one pair per warp keeps the five-argument name it had."""
+    v = CC.GemvVariant.parse("nb1w4r8p")
+    assert (v.nb, v.wpp, v.pre, v.ppw) == (1, 4, True, 4) and v.name == "nb1w4r8p"
+    assert CC.gemv_instance(12, 14, 2, v) == "gemv<12,14,1,2,4,4>"
+    assert CC.gemv_instance(12, 14, 2, CC.GemvVariant.parse("nb1w4p")) == "gemv<12,14,1,2,4>"
+    assert v.pairs_per_block == 4 and CC.GemvVariant.parse("nb2w1r4i").pairs_per_block == 8
+    assert CC.GemvVariant.parse("nb16w1p").pairs_per_block == 4
+
+
 def test_gemv_candidate_sets():
-    assert CC.gemv_candidates(1, False) == ("nb1w1i", "nb1w2i", "nb1w4i")
-    assert CC.gemv_candidates(1, True) == ("nb1w1p", "nb1w1i", "nb1w2p", "nb1w2i", "nb1w4p", "nb1w4i")
+    assert CC.gemv_candidates(1, False) == ("nb1w1i", "nb1w2i", "nb1w2r4i", "nb1w4i", "nb1w4r4i")
+    assert CC.gemv_candidates(1, True) == ("nb1w1p", "nb1w1i", "nb1w2p", "nb1w2i", "nb1w2r4p", "nb1w2r4i", "nb1w4p",
+                                           "nb1w4i", "nb1w4r4p", "nb1w4r4i")
     assert CC.gemv_candidates(64, True) == ("nb16w1p", "nb16w2p", "nb16w4p", "nb8w1p", "nb8w2p", "nb8w4p")
     assert CC.gemv_default(64, True, 4096) == "nb16w1p"
     assert CC.gemv_default(16, False, 576) == "nb16w1i"
@@ -289,7 +301,7 @@ def test_gemv_candidate_sets():
     assert CC.gemv_default(1, True, 576) == "nb1w4i"
     assert CC.gemv_default(1, True, 4096) == "nb1w4p"
     assert CC.gemv_default(2, False, 49152) == "nb2w1i"
-    for bad in ("nb3w1p", "nb32w1p", "nb16w3p", "nb4w4x", "gemv"):
+    for bad in ("nb3w1p", "nb32w1p", "nb16w3p", "nb4w4x", "gemv", "nb16w1r4p", "nb4w4r8p", "nb1w4r3p", "nb1w4r2p"):
         with pytest.raises(ValueError):
             CC.GemvVariant.parse(bad)
 

@@ -18,13 +18,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-CHOICE_VERSION = "2"      # the naming of sites and candidates; part of the artifact key
+CHOICE_VERSION = "3"      # the naming of sites and candidates; part of the artifact key
 
 # (NB, WPP) pairs compiled as gemv<...,NB,MODE,WPP> instances: a thread holds 2 NB
 # accumulators (S = 4 / WPP groups, one after the other when S * NB > 4), so every WPP is
 # affordable at every NB.
 GEMV_GRID: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 8: (1, 2, 4), 16: (1, 2, 4)}
 NB_MAX = 16
+GEMV_WARPS = 4           # warps per GEMV block (cuda_src's GEMV_WARPS)
+# row pairs per warp (PPW > 1: one x load serves PPW pairs) compiled at each NB, with any WPP
+PPW_GRID: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2), 8: (1,), 16: (1,)}
+PAIRED_WPP = (2, 4)      # the WPPs whose two-pairs-per-warp form is a kernel-choice candidate
 TUNE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)   # batch buckets timed; larger ones use the last one's choice
 WIDE_ROWS = 16384        # default: matrices with this many output rows (the output head) run one warp per pair
 WIDE_K = 2048            # default at NB 16: WPP 1 up to this many inputs, WPP 4 beyond
@@ -44,22 +48,34 @@ PREFILL_TOL = {"f16": 1e-2, "tf32": 1e-2, "f32": 1e-5}   # the check: ||Y - Y_f3
 class GemvVariant:
     """``nb`` batch rows per block, ``wpp`` warps per row pair, ``pre``: the RMSNorm scale
     comes from a ``row_scale`` launch before the GEMV (True) or is computed per block
-    (False; the only form for a GEMV without a norm, where it means nothing)."""
+    (False; the only form for a GEMV without a norm, where it means nothing); ``ppw`` row
+    pairs per warp (each x load serves that many pairs; named ``r{2 ppw}``, rows per warp,
+    when above 1)."""
 
     nb: int
     wpp: int
     pre: bool
+    ppw: int = 1
 
     @property
     def name(self) -> str:
-        return f"nb{self.nb}w{self.wpp}{'p' if self.pre else 'i'}"
+        rows = f"r{2 * self.ppw}" if self.ppw > 1 else ""
+        return f"nb{self.nb}w{self.wpp}{rows}{'p' if self.pre else 'i'}"
+
+    @property
+    def pairs_per_block(self) -> int:
+        return GEMV_WARPS // self.wpp * self.ppw
 
     @staticmethod
     def parse(name: str) -> "GemvVariant":
-        m = re.fullmatch(r"nb(\d+)w(\d+)([pi])", name)
+        m = re.fullmatch(r"nb(\d+)w(\d+)(?:r(\d+))?([pi])", name)
         if not m or int(m.group(1)) not in GEMV_GRID or int(m.group(2)) not in GEMV_GRID[int(m.group(1))]:
             raise ValueError(f"not a GEMV variant: {name!r}")
-        return GemvVariant(int(m.group(1)), int(m.group(2)), m.group(3) == "p")
+        nb, wpp = int(m.group(1)), int(m.group(2))
+        ppw = int(m.group(3)) // 2 if m.group(3) else 1
+        if m.group(3) and (int(m.group(3)) % 2 or ppw < 2 or ppw not in PPW_GRID.get(nb, (1,))):
+            raise ValueError(f"not a GEMV variant: {name!r}")
+        return GemvVariant(nb, wpp, m.group(4) == "p", ppw)
 
 
 def pow2(n: int) -> int:
@@ -77,18 +93,21 @@ def tune_bucket(rows: int) -> int:
 def gemv_candidates(bucket: int, norm: bool) -> tuple[str, ...]:
     """Variant names worth timing at ``bucket`` rows: NB = the bucket (up to 16) or half of
     it, every WPP compiled for that NB, and with a norm both places for its scale (the
-    per-block one only up to NB 4: beyond, every block would re-read NB rows of x)."""
+    per-block one only up to NB 4: beyond, every block would re-read NB rows of x); at
+    NB <= 4 also two row pairs per warp at WPP 2 and 4 (``PAIRED_WPP``: on the H200 these
+    won some 8B sites by 5-17%, tests/tools/cuda_gemv_bench.py)."""
     top = min(bucket, NB_MAX)
     nbs = [top] + ([top // 2] if top > 1 else [])
     out = []
     for nb in nbs:
         for wpp in GEMV_GRID[nb]:
-            if norm:
-                out.append(GemvVariant(nb, wpp, True).name)
-                if nb <= 4:
-                    out.append(GemvVariant(nb, wpp, False).name)
-            else:
-                out.append(GemvVariant(nb, wpp, False).name)
+            for ppw in (1, 2) if (nb <= 4 and wpp in PAIRED_WPP) else (1,):
+                if norm:
+                    out.append(GemvVariant(nb, wpp, True, ppw).name)
+                    if nb <= 4:
+                        out.append(GemvVariant(nb, wpp, False, ppw).name)
+                else:
+                    out.append(GemvVariant(nb, wpp, False, ppw).name)
     return tuple(out)
 
 
@@ -111,6 +130,8 @@ def gemv_default(bucket: int, norm: bool, m_rows: int, k: int | None = None) -> 
 
 def gemv_instance(ta: int, tb: int, mode: int, v: GemvVariant) -> str:
     """The template instance a variant launches."""
+    if v.ppw > 1:
+        return f"gemv<{ta},{tb},{v.nb},{mode},{v.wpp},{v.ppw}>"
     return f"gemv<{ta},{tb},{v.nb},{mode},{v.wpp}>"
 
 

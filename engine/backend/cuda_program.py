@@ -62,7 +62,7 @@ from aotx.engine.backend.cuda_kv import CudaKVCache, check_kv_type
 from aotx.engine.backend.cuda_tables import DeviceTables, rows_for
 from aotx.engine.errors import ModelError
 
-GEMV_WARPS = 4
+GEMV_WARPS = CC.GEMV_WARPS    # warps per GEMV block (cuda_src.py defines the same)
 ATT_NSMAX = 16                 # most context splits per (row, head) in the attention kernel
 ATT_MINCHUNK = 64              # fewest positions per split
 ATT_ROWS = 256                 # prefill="gemv": attention kernel launches of at most this many rows
@@ -235,7 +235,7 @@ class _Gemv:
                      np.uint64(vc))
         else:
             extra = (Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z64, Z64, Z64, Z64, Z64, Z64)
-        ppb = GEMV_WARPS // v.wpp
+        ppb = v.pairs_per_block
         grid = ((self.n_pairs + ppb - 1) // ppb, (B + v.nb - 1) // v.nb)
         if ptrs is None:
             ptrs = (self.wa.data.data.ptr + self.a_off, self.wb.data.data.ptr + self.b_off_bytes, self.bias_a,

@@ -55,6 +55,21 @@ __device__ __forceinline__ u32 ld32_2(const u8* p) {   // 4 bytes from a 2-byte 
 }
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
+// (float) of byte i of v (a value below 256), through the exponent trick: the byte placed
+// in the mantissa of 2^23, minus 2^23 (exact; one PRMT and one FADD instead of an I2F)
+__device__ __forceinline__ float byte_f(u32 v, int i) {
+    return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7650u | (u32)i)) - 8388608.f;
+}
+// 8 bytes from a 2-byte aligned address, as two words (aligned loads and a byte permute)
+__device__ __forceinline__ void ld8_2(const u8* p, u32* o) {
+    const u32* a = (const u32*)((size_t)p & ~(size_t)3);
+    const u32 w0 = a[0], w1 = a[1];
+    if (((size_t)p & 2) == 0) { o[0] = w0; o[1] = w1; return; }
+    const u32 w2 = a[2];
+    o[0] = __byte_perm(w0, w1, 0x5432);
+    o[1] = __byte_perm(w1, w2, 0x5432);
+}
+
 // 6-bit (scale, min) of sub-block j (0..7) from the 12 packed bytes q (ggml get_scale_min_k4)
 __device__ __forceinline__ void scale_min_k4(int j, const u8* q, float& sc, float& mn) {
     if (j < 4) { sc = (float)(q[j] & 63); mn = (float)(q[j + 4] & 63); }
@@ -186,17 +201,21 @@ template <> __device__ __forceinline__ void deq8<13>(const u8* __restrict__ row,
     }
 }
 template <> __device__ __forceinline__ void deq8<14>(const u8* __restrict__ row, int u, float* w) {  // Q6_K
+    // ql[128] | qh[64] | scales[16] (int8) | d; the 8 ql and 8 qh bytes of a unit are read as
+    // aligned words (the 210-byte blocks are only 2-byte aligned) and decoded 4 at a time.
     const u8* b = row + 210 * (u >> 5);
-    int e0 = 8 * (u & 31), g = e0 >> 7, ww = e0 & 127;
-    float d = h2f(ld16(b + 208));
-    float ds = d * (float)(i8)b[192 + (e0 >> 4)];
-    const u8* ql = b + g * 64 + (ww & 63);
-    const u8* qh = b + 128 + g * 32 + (ww & 31);
-    int shl = 4 * (ww >> 6), shh = 2 * (ww >> 5);
+    const int e0 = 8 * (u & 31), g = e0 >> 7, ww = e0 & 127;
+    const float d = h2f(ld16(b + 208));
+    const float ds = d * (float)(i8)b[192 + (e0 >> 4)];
+    u32 l[2], h[2];
+    ld8_2(b + g * 64 + (ww & 63), l);
+    ld8_2(b + 128 + g * 32 + (ww & 31), h);
+    const int shl = 4 * (ww >> 6), shh = 2 * (ww >> 5);
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        int lo = (ql[i] >> shl) & 15, hi = (qh[i] >> shh) & 3;
-        w[i] = ds * (float)((lo | (hi << 4)) - 32);
+    for (int k = 0; k < 2; k++) {
+        const u32 q = ((l[k] >> shl) & 0x0F0F0F0Fu) | (((h[k] >> shh) & 0x03030303u) << 4);
+#pragma unroll
+        for (int i = 0; i < 4; i++) w[4 * k + i] = ds * (byte_f(q, i) - 32.f);
     }
 }
 
@@ -351,7 +370,8 @@ template <> __device__ __forceinline__ void kv_st<1>(void* c, long long i, float
 // A variant only maps virtual lanes onto threads: WPP warps share a row pair and each
 // thread computes S = 4 / WPP groups (g = sub + WPP * s): interleaved in one pass when few
 // accumulators (S * NB <= 4), else one group after the other (then a thread holds 2 NB
-// accumulators, not 2 S NB: NB 16 runs with WPP 1). NB batch rows share each weight load.
+// accumulators, not 2 S NB: NB 16 runs with WPP 1). NB batch rows share each weight load;
+// PPW row pairs per warp share each x and norm-weight load (each pair its own sums).
 // The butterfly runs as a reduce-scatter (warp_sum_scatter: the same adds, so the same
 // bits, in fewer shuffles): lane j ends with A of batch row j, lane NB + j with its B, and
 // lane j runs row j's epilogue. Explicit fmaf / __fmul_rn / __fadd_rn keep the compiler from
@@ -416,35 +436,6 @@ __device__ __forceinline__ float warp_sum_scatter(float (&v)[V]) {
     return v[0];
 }
 
-// One unit u (inputs 8u .. 8u + 7) of the rows A and B against NB batch rows: acc[j] (A) and
-// acc[NB + j] (B) += w[i] * x[i], i = 0..7 in order (fmaf), w multiplied by the norm weight.
-template <int TA, int TB, int NB>
-__device__ __forceinline__ void gemv_unit(const u8* __restrict__ rowA, const u8* __restrict__ rowB, int u,
-                                          const float* __restrict__ nw, const float* __restrict__ x, int ldx, int b0,
-                                          int nb, float (&acc)[2 * NB]) {
-    float wa[8], wb[8];
-    deq8<TA>(rowA, u, wa);
-    deq8<TB>(rowB, u, wb);
-    if (nw != nullptr) {
-        const float4* np = (const float4*)(nw + 8 * u);
-        const float4 n0 = np[0], n1 = np[1];
-        const float nn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
-#pragma unroll
-        for (int i = 0; i < 8; i++) { wa[i] = __fmul_rn(wa[i], nn[i]); wb[i] = __fmul_rn(wb[i], nn[i]); }
-    }
-#pragma unroll
-    for (int j = 0; j < NB; j++) {
-        const float4* xp = (const float4*)(x + (long long)(b0 + min(j, nb - 1)) * ldx + 8 * u);
-        const float4 x0 = xp[0], x1 = xp[1];
-        const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-        float a = acc[j], c = acc[NB + j];
-#pragma unroll
-        for (int i = 0; i < 8; i++) { a = fmaf(wa[i], xv[i], a); c = fmaf(wb[i], xv[i], c); }
-        acc[j] = a;
-        acc[NB + j] = c;
-    }
-}
-
 // The norm scales of NB batch rows at once (the GEMV's per-block prologue; 128 threads):
 // for each row the same per-thread chains, butterfly and final adds as row_ss, so the same
 // bits as row_scale, with one pass over the rows and one barrier instead of NB of each.
@@ -500,7 +491,139 @@ __global__ void __launch_bounds__(128) row_scale(const float* __restrict__ x, in
 // g = row_base + 2p; adjacent dims for RoPE "norm" and V, dims j and j + rope_half for RoPE
 // "neox"); q rows are roped into y, k rows roped into kc, v rows into vc at (slot, pos) of the
 // batch row.
-template <int TA, int TB, int NB, int MODE, int WPP>
+// The two weight rows of pair p (and, for the QKV modes, the head, section and dims they are).
+struct PairRows {
+    long long ra, rb;
+    int sect, head, dd, da, db;
+};
+template <bool QKV>
+__device__ __forceinline__ PairRows pair_rows(int p, int a_stride, int b_off, int row_base, int qd, int kd, int hd,
+                                              int rope_half, int neox) {
+    PairRows r;
+    r.sect = 0; r.head = 0; r.dd = 0; r.da = 0; r.db = 0;
+    if (QKV) {
+        const int g = row_base + 2 * p;
+        r.sect = g < qd ? 0 : (g < qd + kd ? 1 : 2);
+        const int s0 = r.sect == 0 ? 0 : (r.sect == 1 ? qd : qd + kd);
+        r.head = (g - s0) / hd;
+        r.dd = g - s0 - r.head * hd;
+        if (neox && r.sect < 2 && r.dd < 2 * rope_half) { r.da = r.dd >> 1; r.db = r.da + rope_half; }
+        else { r.da = r.dd; r.db = r.dd + 1; }
+        r.ra = (long long)(s0 + r.head * hd + r.da - row_base);
+        r.rb = (long long)(s0 + r.head * hd + r.db - row_base);
+    } else {
+        r.ra = (long long)p * a_stride;
+        r.rb = r.ra + b_off;
+    }
+    return r;
+}
+
+// The epilogue of one pair for batch row b: the sums a (row ra) and c (row rb) times the
+// norm scale sc (when nw is given), plus the biases, then the mode's store.
+template <int MODE>
+__device__ __forceinline__ void gemv_out(float a, float c, int b, int p, const PairRows r, bool normed, float sc,
+                                         const float* __restrict__ bias_a, const float* __restrict__ bias_b,
+                                         float* __restrict__ y, int ldy, int hd, int rope_half, int neox, int n_kv,
+                                         int n_ctx, const int* __restrict__ tab_slot, const int* __restrict__ tab_pos,
+                                         const float* __restrict__ rcos, const float* __restrict__ rsin,
+                                         void* __restrict__ kc, void* __restrict__ vc) {
+    const float ba = bias_a != nullptr ? bias_a[r.ra] : 0.f, bb = bias_b != nullptr ? bias_b[r.rb] : 0.f;
+    if (normed) { a = __fmul_rn(a, sc); c = __fmul_rn(c, sc); }
+    a = __fadd_rn(a, ba);
+    c = __fadd_rn(c, bb);
+    float* yr = y + (long long)b * ldy;
+    if (MODE == M_STORE) { yr[r.ra] = a; yr[r.rb] = c; }
+    else if (MODE == M_ADD) { yr[r.ra] = __fadd_rn(yr[r.ra], a); yr[r.rb] = __fadd_rn(yr[r.rb], c); }
+    else if (MODE == M_SWIGLU) { yr[p] = __fmul_rn(silu(a), c); }
+    else if (MODE == M_GEGLU) { yr[p] = __fmul_rn(gelu_tanh(a), c); }
+    else {
+        const int pos = tab_pos[b];
+        const int dd = r.dd, da = r.da, db = r.db;
+        if (r.sect < 2) {
+            const int jj = neox ? (dd < 2 * rope_half ? da : -1) : ((dd >> 1) < rope_half ? (dd >> 1) : -1);
+            if (jj >= 0) {
+                const float cs = rcos[(long long)pos * rope_half + jj], sn = rsin[(long long)pos * rope_half + jj];
+                const float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(c, sn));
+                const float c2 = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(c, cs));
+                a = a2; c = c2;
+            }
+        }
+        if (r.sect == 0) { yr[r.head * hd + da] = a; yr[r.head * hd + db] = c; }
+        else {
+            const long long o = (((long long)tab_slot[b] * n_kv + r.head) * n_ctx + pos) * hd;
+            void* cache = r.sect == 1 ? kc : vc;
+            kv_st<MODE == M_QKV16 ? 1 : 0>(cache, o + da, a);
+            kv_st<MODE == M_QKV16 ? 1 : 0>(cache, o + db, c);
+        }
+    }
+}
+
+// The norm scales of this block's NB batch rows into s_scale (xs given: read; else computed
+// here). Every thread of the block calls it; s_scale is ready on return.
+template <int NB>
+__device__ __forceinline__ void gemv_scales(const float* __restrict__ x, int ldx, int b0, int nb, int k, float eps,
+                                            const float* __restrict__ nw, const float* __restrict__ xs,
+                                            float* s_scale, float (*s_ss)[4]) {
+    if (nw != nullptr) {
+        if (xs != nullptr) {
+            if (threadIdx.x < NB) s_scale[threadIdx.x] = xs[b0 + min((int)threadIdx.x, nb - 1)];
+        } else {
+            rows_scale<NB>(x, ldx, b0, nb, k, eps, s_scale, s_ss);
+        }
+        __syncthreads();
+    }
+}
+
+// PPW row pairs per warp (1, 2 or 4): the warp walks the units of PPW pairs at once, each
+// x (and norm weight) load of a unit serving all of them; every pair keeps its own
+// accumulators, so its sums are the ones PPW 1 forms (the loads are shared, not the adds).
+template <int TA, int TB, int NB, int PPW>
+__device__ __forceinline__ void gemv_units(const u8* const (&rowA)[PPW], const u8* const (&rowB)[PPW], int u,
+                                           const float* __restrict__ nw, const float* __restrict__ x, int ldx,
+                                           int b0, int nb, float (&acc)[PPW][2 * NB]) {
+    float wa[PPW][8], wb[PPW][8];
+#pragma unroll
+    for (int q = 0; q < PPW; q++) {
+        deq8<TA>(rowA[q], u, wa[q]);
+        deq8<TB>(rowB[q], u, wb[q]);
+    }
+    if (nw != nullptr) {
+        const float4* np = (const float4*)(nw + 8 * u);
+        const float4 n0 = np[0], n1 = np[1];
+        const float nn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
+#pragma unroll
+        for (int q = 0; q < PPW; q++) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) { wa[q][i] = __fmul_rn(wa[q][i], nn[i]); wb[q][i] = __fmul_rn(wb[q][i], nn[i]); }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NB; j++) {
+        const float4* xp = (const float4*)(x + (long long)(b0 + min(j, nb - 1)) * ldx + 8 * u);
+        const float4 x0 = xp[0], x1 = xp[1];
+        const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int q = 0; q < PPW; q++) {
+            float a = acc[q][j], c = acc[q][NB + j];
+#pragma unroll
+            for (int i = 0; i < 8; i++) { a = fmaf(wa[q][i], xv[i], a); c = fmaf(wb[q][i], xv[i], c); }
+            acc[q][j] = a;
+            acc[q][NB + j] = c;
+        }
+    }
+}
+
+// One unit u of one row pair (PPW 1): acc[j] (A) and acc[NB + j] (B) of batch row j.
+template <int TA, int TB, int NB>
+__device__ __forceinline__ void gemv_unit(const u8* __restrict__ rowA, const u8* __restrict__ rowB, int u,
+                                          const float* __restrict__ nw, const float* __restrict__ x, int ldx, int b0,
+                                          int nb, float (&acc)[2 * NB]) {
+    const u8* const ra[1] = {rowA};
+    const u8* const rb[1] = {rowB};
+    gemv_units<TA, TB, NB, 1>(ra, rb, u, nw, x, ldx, b0, nb, *reinterpret_cast<float (*)[1][2 * NB]>(&acc));
+}
+
+template <int TA, int TB, int NB, int MODE, int WPP, int PPW = 1>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,
     int n_pairs, int k, const float* __restrict__ x, int ldx, int B, const float* __restrict__ nw, float eps,
@@ -511,135 +634,113 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     const float* __restrict__ rcos, const float* __restrict__ rsin, void* __restrict__ kc, void* __restrict__ vc)
 {
     static_assert(WPP == 1 || WPP == 2 || WPP == 4, "WPP is 1, 2 or 4");
+    static_assert(PPW == 1 || PPW == 2 || PPW == 4, "PPW is 1, 2 or 4");
     constexpr bool QKV = (MODE == M_QKV || MODE == M_QKV16);
-    constexpr int PPB = GEMV_WARPS / WPP;    // row pairs per block
-    constexpr int S = 4 / WPP;               // virtual-lane groups per thread
+    constexpr int PPB = GEMV_WARPS / WPP * PPW;    // row pairs per block
+    constexpr int S = 4 / WPP;                     // virtual-lane groups per thread
     __shared__ float s_scale[NB];
     __shared__ float s_red[WPP > 1 ? PPB : 1][4][2 * NB];   // per pair: R_g of A and B rows (WPP > 1)
     __shared__ float s_ss[NB][4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b0 = blockIdx.y * NB;
     const int nb = min(NB, B - b0);
-    if (nw != nullptr) {
-        if (xs != nullptr) {
-            if (threadIdx.x < NB) s_scale[threadIdx.x] = xs[b0 + min((int)threadIdx.x, nb - 1)];
-        } else {
-            rows_scale<NB>(x, ldx, b0, nb, k, eps, s_scale, s_ss);
-        }
-        __syncthreads();
-    }
-    const int pl = warp / WPP;               // pair within the block
-    const int p_raw = blockIdx.x * PPB + pl;
-    const bool valid = p_raw < n_pairs;
-    const int p = valid ? p_raw : n_pairs - 1;
+    gemv_scales<NB>(x, ldx, b0, nb, k, eps, nw, xs, s_scale, s_ss);
+    const int pl0 = (warp / WPP) * PPW;      // the warp's first pair within the block
     const int sub = warp % WPP;
-    long long ra, rb;
-    int sect = 0, head = 0, dd = 0, da = 0, db = 0, s0 = 0;
-    if (QKV) {
-        const int g = row_base + 2 * p;
-        sect = g < qd ? 0 : (g < qd + kd ? 1 : 2);
-        s0 = sect == 0 ? 0 : (sect == 1 ? qd : qd + kd);
-        head = (g - s0) / hd;
-        dd = g - s0 - head * hd;
-        if (neox && sect < 2 && dd < 2 * rope_half) { da = dd >> 1; db = da + rope_half; }
-        else { da = dd; db = dd + 1; }
-        ra = (long long)(s0 + head * hd + da - row_base);
-        rb = (long long)(s0 + head * hd + db - row_base);
-    } else {
-        ra = (long long)p * a_stride;
-        rb = ra + b_off;
+    int p[PPW];
+    bool valid[PPW];
+    PairRows rows[PPW];
+    const u8* rowA[PPW];
+    const u8* rowB[PPW];
+#pragma unroll
+    for (int q = 0; q < PPW; q++) {
+        const int p_raw = blockIdx.x * PPB + pl0 + q;
+        valid[q] = p_raw < n_pairs;
+        p[q] = valid[q] ? p_raw : n_pairs - 1;
+        rows[q] = pair_rows<QKV>(p[q], a_stride, b_off, row_base, qd, kd, hd, rope_half, neox);
+        rowA[q] = Wa + rows[q].ra * rba;
+        rowB[q] = Wb + rows[q].rb * rbb;
     }
-    const u8* rowA = Wa + ra * rba;
-    const u8* rowB = Wb + rb * rbb;
-    // accumulate: value i of acc is A row of batch row i (i < NB) or B row of batch row i - NB
+    // accumulate: value i of acc[q] is A row of batch row i (i < NB) or B row of batch row i - NB
     constexpr int V = 2 * NB;
     const int nu = k >> 3;
-    float R[S];                              // R_g of value (lane & (V - 1)) for g = sub + WPP * s
+    float R[S][PPW];                         // R_g of value (lane & (V - 1)) for g = sub + WPP * s
     if constexpr (S * NB <= 4) {
         // few accumulators: the S groups interleaved in one pass over the row
         constexpr int UNR = S == 1 ? 4 : (S == 2 ? 2 : 1);
-        float acc[S][V];
+        float acc[S][PPW][V];
 #pragma unroll
         for (int s = 0; s < S; s++) {
 #pragma unroll
-            for (int i = 0; i < V; i++) acc[s][i] = 0.f;
+            for (int q = 0; q < PPW; q++) {
+#pragma unroll
+                for (int i = 0; i < V; i++) acc[s][q][i] = 0.f;
+            }
         }
 #pragma unroll UNR
         for (int u0 = 0; u0 < nu; u0 += 128) {
 #pragma unroll
             for (int s = 0; s < S; s++) {
                 const int u = u0 + 32 * (sub + WPP * s) + lane;
-                if (u < nu) gemv_unit<TA, TB, NB>(rowA, rowB, u, nw, x, ldx, b0, nb, acc[s]);
+                if (u < nu) gemv_units<TA, TB, NB, PPW>(rowA, rowB, u, nw, x, ldx, b0, nb, acc[s]);
             }
         }
 #pragma unroll
-        for (int s = 0; s < S; s++) R[s] = warp_sum_scatter<V>(acc[s]);
+        for (int s = 0; s < S; s++) {
+#pragma unroll
+            for (int q = 0; q < PPW; q++) R[s][q] = warp_sum_scatter<V>(acc[s][q]);
+        }
     } else {
-        // many accumulators: one group after the other (registers: V accumulators, not S * V)
+        // many accumulators: one group after the other (registers: PPW V accumulators, not S PPW V)
 #pragma unroll
         for (int s = 0; s < S; s++) {
-            float acc[V];
+            float acc[PPW][V];
 #pragma unroll
-            for (int i = 0; i < V; i++) acc[i] = 0.f;
+            for (int q = 0; q < PPW; q++) {
+#pragma unroll
+                for (int i = 0; i < V; i++) acc[q][i] = 0.f;
+            }
 #pragma unroll 1
             for (int u = 32 * (sub + WPP * s) + lane; u < nu; u += 128)
-                gemv_unit<TA, TB, NB>(rowA, rowB, u, nw, x, ldx, b0, nb, acc);
-            R[s] = warp_sum_scatter<V>(acc);
+                gemv_units<TA, TB, NB, PPW>(rowA, rowB, u, nw, x, ldx, b0, nb, acc);
+#pragma unroll
+            for (int q = 0; q < PPW; q++) R[s][q] = warp_sum_scatter<V>(acc[q]);
         }
     }
     // the row's sum ((R_0 + R_1) + R_2) + R_3, for value vi = lane & (V - 1)
     const int vi = lane & (V - 1);
-    float tot;
+    float tot[PPW];
     if constexpr (WPP == 1) {
-        tot = R[0];
 #pragma unroll
-        for (int s = 1; s < S; s++) tot = __fadd_rn(tot, R[s]);
+        for (int q = 0; q < PPW; q++) {
+            tot[q] = R[0][q];
+#pragma unroll
+            for (int s = 1; s < S; s++) tot[q] = __fadd_rn(tot[q], R[s][q]);
+        }
     } else {
         if (lane < V) {
 #pragma unroll
-            for (int s = 0; s < S; s++) s_red[pl][sub + WPP * s][lane] = R[s];
+            for (int q = 0; q < PPW; q++) {
+#pragma unroll
+                for (int s = 0; s < S; s++) s_red[pl0 + q][sub + WPP * s][lane] = R[s][q];
+            }
         }
         __syncthreads();
         if (sub != 0) return;
-        tot = s_red[pl][0][vi];
 #pragma unroll
-        for (int g = 1; g < 4; g++) tot = __fadd_rn(tot, s_red[pl][g][vi]);
+        for (int q = 0; q < PPW; q++) {
+            tot[q] = s_red[pl0 + q][0][vi];
+#pragma unroll
+            for (int g = 1; g < 4; g++) tot[q] = __fadd_rn(tot[q], s_red[pl0 + q][g][vi]);
+        }
     }
     // lane j < NB holds A of batch row j; lane j + NB holds its B
-    const float other = __shfl_xor_sync(0xffffffffu, tot, NB);
-    if (lane >= nb || !valid) return;
-    const float ba = bias_a != nullptr ? bias_a[ra] : 0.f, bb = bias_b != nullptr ? bias_b[rb] : 0.f;
-    {
-        const int j = lane;
-        const int b = b0 + j;
-        float a = tot, c = other;
-        if (nw != nullptr) { a = __fmul_rn(a, s_scale[j]); c = __fmul_rn(c, s_scale[j]); }
-        a = __fadd_rn(a, ba);
-        c = __fadd_rn(c, bb);
-        float* yr = y + (long long)b * ldy;
-        if (MODE == M_STORE) { yr[ra] = a; yr[rb] = c; }
-        else if (MODE == M_ADD) { yr[ra] = __fadd_rn(yr[ra], a); yr[rb] = __fadd_rn(yr[rb], c); }
-        else if (MODE == M_SWIGLU) { yr[p] = __fmul_rn(silu(a), c); }
-        else if (MODE == M_GEGLU) { yr[p] = __fmul_rn(gelu_tanh(a), c); }
-        else {
-            const int pos = tab_pos[b];
-            if (sect < 2) {
-                const int jj = neox ? (dd < 2 * rope_half ? da : -1) : ((dd >> 1) < rope_half ? (dd >> 1) : -1);
-                if (jj >= 0) {
-                    const float cs = rcos[(long long)pos * rope_half + jj], sn = rsin[(long long)pos * rope_half + jj];
-                    const float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(c, sn));
-                    const float c2 = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(c, cs));
-                    a = a2; c = c2;
-                }
-            }
-            if (sect == 0) { yr[head * hd + da] = a; yr[head * hd + db] = c; }
-            else {
-                const long long o = (((long long)tab_slot[b] * n_kv + head) * n_ctx + pos) * hd;
-                void* cache = sect == 1 ? kc : vc;
-                kv_st<MODE == M_QKV16 ? 1 : 0>(cache, o + da, a);
-                kv_st<MODE == M_QKV16 ? 1 : 0>(cache, o + db, c);
-            }
-        }
+#pragma unroll
+    for (int q = 0; q < PPW; q++) {
+        const float other = __shfl_xor_sync(0xffffffffu, tot[q], NB);
+        if (lane < nb && valid[q])
+            gemv_out<MODE>(tot[q], other, b0 + lane, p[q], rows[q], nw != nullptr, s_scale[lane], bias_a, bias_b, y,
+                           ldy, hd, rope_half, neox, n_kv, n_ctx, tab_slot, tab_pos, rcos, rsin, kc, vc);
     }
 }
 

@@ -35,6 +35,11 @@ def instances(types=None) -> list[str]:
             for mode in (S.MODE_STORE, S.MODE_SWIGLU):      # the GPU expert tier's grouped GEMV
                 for t in types:
                     names.append(f"moe_gemv<{t},{t},{nb},{mode},{wpp}>")
+    for nb, ppws in CC.PPW_GRID.items():          # row pairs per warp (one mode each: the loads differ, not the epilogue)
+        for ppw in ppws[1:]:
+            for wpp in CC.GEMV_GRID[nb]:
+                for t in types:
+                    names.append(f"gemv<{t},{t},{nb},{S.MODE_QKV16},{wpp},{ppw}>")
     names.append(f"gemv<{S.Q4_K},{S.Q6_K},4,{S.MODE_SWIGLU},4>")
     for hd in (64, 96, 128, 256):
         for kvt in (0, 1):
