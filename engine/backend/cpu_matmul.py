@@ -481,6 +481,34 @@ class QuantMatrix:
         return out
 
 
+def tile_shapes(qtype: T, m: int, k: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The shapes and dtypes of ``repack``'s (qs, qh, d, mn) for an (m, k) matrix of a type
+    in KIND_OF with the scales as ``repack(..., half=qtype in F16_SCALES)`` stores them, so
+    a caller can lay out many matrices' tiles in one array (cpu_moe's expert stacks)."""
+    kind = KIND_OF[qtype]
+    nb, nt = k // 32, -(-m // R)
+    sdt = np.dtype(np.uint16 if qtype in F16_SCALES else np.float32)
+    G, S = cpu_qdot.GROUPS[kind], cpu_qdot.SCALES[kind]
+    return {"qs": ((nt, nb, G, R, 4), np.dtype(np.uint8 if kind in ("q4", "q5") else np.int8)),
+            "qh": ((nt, nb, 4, R // 8, 2) if kind == "q5" else (0, 0, 4, R // 8, 2), np.dtype(np.uint32)),
+            "d": ((nt, nb, S, R), sdt),
+            "mn": ((nt, nb, 1, R) if kind in cpu_qdot.OFFSET else (0, 0, 1, R), sdt)}
+
+
+def from_tiles(raw: np.ndarray, qtype: T, m: int, k: int, tiles: tuple[np.ndarray, ...], name: str = "") -> QuantMatrix:
+    """A QuantMatrix on the integer path over tiles ``repack`` made (kind, qs, qh, d, mn),
+    held elsewhere (views are kept, nothing copied); ``raw``: its file rows (``rows``)."""
+    kind, qs, qh, d, mn = tiles
+    w = object.__new__(QuantMatrix)
+    w.qtype, w.isa, w.m, w.k, w.name = qtype, cpu_qdot.HOST_ISA, int(m), int(k), name
+    w._n_chunks = max(1, min(-(-w.m // R), 16))
+    w._raw, w._direct = _byte_rows(raw, qtype, w.k), None
+    w.kind, w.int8, w._marker = kind, True, _MARKER[kind]
+    w._qs, w._qh, w._d, w._mn = qs, qh, d, mn
+    w.nbytes = qs.nbytes + qh.nbytes + d.nbytes + mn.nbytes
+    return w
+
+
 def join_rows(mats: list[QuantMatrix], name: str = "") -> QuantMatrix | None:
     """One matrix whose rows are the rows of ``mats`` in order ([q; k; v], [gate; up]), so
     that one matmul (one activation quantization, one kernel call) replaces several on the

