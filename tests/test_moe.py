@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cpu_attention, cpu_moe
+from aotx.engine.backend import cpu_attention, cpu_moe, cpu_qdot
 from aotx.engine.backend.cpu_matmul import QuantMatrix
 from aotx.engine.backend.cpu_program import CpuProgram
 from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec
@@ -518,3 +518,94 @@ def test_expert_tensor_type_the_backend_lacks_is_refused_by_name(request, monkey
     monkeypatch.setattr(quants, "SUPPORTED_TYPES", quants.SUPPORTED_TYPES - {T.MXFP4})
     with pytest.raises(ModelError, match=r"'blk\.0\.ffn_gate_exps\.weight' has tensor type MXFP4, which the CPU"):
         load_model(path)
+
+
+# ------------------------------------------------------------------ the fused CPU expert tier (session 5)
+
+_ISAS = [pytest.param(cpu_qdot.PORTABLE, id="portable"),
+         pytest.param(cpu_qdot.AVX2, id="avx2",
+                      marks=pytest.mark.skipif(not cpu_qdot.host_has_avx2(), reason="CPU without AVX2")),
+         pytest.param(cpu_qdot.VNNI, id="vnni",
+                      marks=pytest.mark.skipif(not cpu_qdot.host_has_vnni(), reason="CPU without AVX-VNNI"))]
+
+
+@pytest.mark.parametrize("isa", _ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_compact_k_quant_tiles_give_the_standard_tiles_bits(monkeypatch, qtype, isa):
+    """Q4_K / Q6_K in the compact layout (the file's scale integers, multiplied out in the
+    kernel) give bit for bit what the standard Q4 / Q8X2 tiles give (themselves checked
+    against numpy in test_cpu_qdot), on every instruction set, for decode and prefill row
+    counts and a row count that is not a multiple of 32 (a padded tile); in fewer bytes."""
+    from aotx.engine.backend import cpu_matmul
+    from tests.models.common import random_matrix
+
+    rng = np.random.default_rng(5)
+    m, k = 72, 512
+    raw, _ = random_matrix(qtype, m, k, rng, 0.05)
+    monkeypatch.setattr(cpu_matmul, "COMPACT", True)
+    a = QuantMatrix(raw, qtype, m, k, "compact")
+    monkeypatch.setattr(cpu_matmul, "COMPACT", False)
+    b = QuantMatrix(raw, qtype, m, k, "standard")
+    assert (a.kind, b.kind) == (("q4k", "q4") if qtype == T.Q4_K else ("q6k", "q8x2"))
+    assert a.nbytes < 0.87 * b.nbytes
+    a.isa = b.isa = isa
+    for n in (1, 3, 8, 13):
+        x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 10.0, (n, 1))).astype(np.float32)
+        ya, yb = a.matmul(x), b.matmul(x)
+        assert np.isfinite(ya).all() and np.abs(ya).max() > 0
+        assert np.array_equal(ya, yb), (n, float(np.abs(ya - yb).max()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_expert_layer_gives_the_per_expert_bits(request, moe_cache, name):
+    """The fused layer kernel (one call per moe layer: pairs sorted by expert, gate and up of
+    every expert in one parallel region, down in another) gives Y bit for bit as the
+    per-expert matmuls do, for each file's expert types (qwen3moe: Q8_0 gate, Q5_0 up: two
+    quantizations; Q6_K down in the compact layout; olmoe Q4_1 / Q4_0; gpt-oss MXFP4 with
+    biases and the clamped SwiGLU), at decode and prefill sizes (serial and parallel
+    paths); experts in ``skip`` (the GPU tier's) are left alone and not counted."""
+    lm = loaded(request, moe_cache, name)
+    cp = lm.model.compiled
+    rng = np.random.default_rng(3)
+    for node in cp.moe_nodes:
+        a = node.attrs
+        fused = cpu_moe.fused_for(a)
+        assert fused is not None
+        E, d = a["n_expert"], a["down"].m
+        for n in (1, 4, 37, 300):
+            x = rng.standard_normal((n, a["gate"].k)).astype(np.float32)
+            sel, _, _ = cpu_moe.route(a["router"].matmul(x), a["n_used"], a["gating"], a["norm_w"], a["w_scale"])
+            k = sel.shape[1]
+            want = np.full((n, k, d), np.nan, np.float32)
+            cp.expert_pool.compute(a, x, sel, want, cpu_moe.groups(sel), None, True)
+            got = np.full((n, k, d), np.nan, np.float32)
+            traffic = np.zeros(E, np.int64)
+            fused.run(x, sel, got, None, traffic)
+            assert np.array_equal(got, want), (node.attrs["moe_layer"], n)
+            assert np.array_equal(traffic, np.bincount(sel.reshape(-1), minlength=E))
+            skip = np.zeros(E, np.bool_)
+            skip[::2] = True
+            got = np.full((n, k, d), np.nan, np.float32)
+            P, G = fused.run(x, sel, got, skip)
+            cpu = ~skip[sel]
+            assert P == int(cpu.sum()) and G == len(np.unique(sel[cpu]))
+            assert np.array_equal(got[cpu], want[cpu]) and np.isnan(got[~cpu]).all()
+
+
+def test_fused_expert_layer_rows_do_not_depend_on_the_batch(request, moe_cache):
+    """Batch invariance through the fused kernel: a row's expert outputs are the same bits
+    alone, in a batch of 5 or in one of 300 whose rows share its experts (other rows change
+    the work split over threads and the 8/4/1-row groups, never a row's arithmetic)."""
+    lm = loaded(request, moe_cache, "olmoe")
+    a = lm.model.compiled.moe_nodes[0].attrs
+    fused = cpu_moe.fused_for(a)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((300, a["gate"].k)).astype(np.float32)
+    sel, _, _ = cpu_moe.route(a["router"].matmul(x), a["n_used"], a["gating"], a["norm_w"], a["w_scale"])
+    k, d = sel.shape[1], a["down"].m
+    Y = np.empty((300, k, d), np.float32)
+    fused.run(x, sel, Y)
+    for rows in ([0], [7], [1, 2, 3, 4, 5], list(range(10, 50))):
+        Yr = np.empty((len(rows), k, d), np.float32)
+        fused.run(np.ascontiguousarray(x[rows]), np.ascontiguousarray(sel[rows]), Yr)
+        assert np.array_equal(Yr, Y[rows]), rows

@@ -11,6 +11,12 @@ Owns:
   weighted sum of a row's k expert outputs in selection order (j = 0 .. k-1), whatever
   computed them: a row's numbers do not depend on which tier ran which expert's
   arithmetic order beyond that expert's own kernel, nor on the other rows.
+* ``FusedExperts``: the CPU tier's layer kernel on the integer path: one numba call per
+  moe layer for all its (row, expert) pairs (sorted by expert, activations quantized once
+  per pair, gate + up of every routed expert in one parallel region of cost-balanced work
+  items, down in a second, written into Y[row, j]); the same bits as ``expert_ffn`` per
+  expert. Expert stacks hold every expert's tiles in one array (Q4_K / Q6_K in the compact
+  layout: the file's scale integers; cpu_matmul.repack_compact), filled on first use.
 * ``ExpertPool``: the CPU expert pool. It computes the (row, expert) pairs the tier plan
   gives the CPU: every pair on a machine without a GPU. Its threads are numba's: before
   the first expert page is touched, each worker thread of the calling thread's numba pool
@@ -83,10 +89,15 @@ class CpuExperts:
         from aotx.engine.backend import cpu_matmul
 
         self.kind = cpu_matmul.KIND_OF.get(t.qtype) if int8 else None
+        # Q4_K / Q6_K: the compact tiles (their scales as the file has them: 0.59 / 1.08 bytes
+        # per weight, not 0.75 / 1.25; the same numbers), what a decode step reads per expert
+        self.compact = self.kind is not None and t.qtype in cpu_matmul.COMPACT_OF and cpu_matmul.COMPACT
+        if self.compact:
+            self.kind = cpu_matmul.COMPACT_OF[t.qtype]
         self.ready = np.zeros(E, np.bool_)
         self.tiles: tuple | None = None
         if self.kind is not None:
-            shp = cpu_matmul.tile_shapes(t.qtype, m, k)
+            shp = cpu_matmul.tile_shapes(t.qtype, m, k, compact=self.compact)
             self.tiles = tuple(np.empty((E,) + shp[a][0], shp[a][1]) for a in ("qs", "qh", "d", "mn"))
             self._tile_bytes = sum(int(a[0].nbytes) for a in self.tiles)
             self.flat_tiles = _flat(self.tiles)
@@ -127,6 +138,11 @@ class CpuExperts:
         from aotx.engine.backend import cpu_matmul
 
         views = tuple(a[e] for a in self.tiles)
+        if not self.ready[e] and self.compact:
+            _, *parts = cpu_matmul.repack_compact(self.raw(e), self.qtype, self.m, self.k)
+            for v, part in zip(views, parts):
+                v[...] = part
+            self.ready[e] = True
         if not self.ready[e]:
             half = self.tiles[2].dtype == np.uint16
             try:
@@ -397,7 +413,10 @@ def _tile_pairs(kind, isa, qs, qh, d, mn, tg, m_rows, xq, dx, sx, xs, xh, p0, p1
         if r1 <= 0:
             break
         w_off = (tg * nb * G * RR + r0) * C
-        h_off = tg * nb * 32 + (r0 // LANES) * 2
+        if qh.ndim == 4:            # a compact kind's super-block scales (T, nsb, n, R)
+            h_off = tg * qh.shape[1] * qh.shape[2] * qh.shape[3] + r0
+        else:
+            h_off = tg * nb * 32 + (r0 // LANES) * 2
         d_off = tg * nb * S * RR + r0
         i = p0
         while i < p1:
@@ -880,20 +899,30 @@ CPU_TIERS = ("host", "mmap")
 
 def measure(attrs: dict, rows: tuple[int, ...], pool: ExpertPool, reps: int = 5) -> dict[str, Any]:
     """Seconds for one expert's FFN of this moe node on n rows (for each n in ``rows``),
-    the best of ``reps`` runs after a warm-up, on the CPU pool (pinned first). The expert
-    measured is the node's expert 0 (all experts of a layer have one shape and type)."""
+    the best of ``reps`` runs after a warm-up, on the CPU pool (pinned first), through the
+    kernel the layer runs (the fused one where it applies). The expert measured is the
+    node's expert 0 (all experts of a layer have one shape and type)."""
     pool.ensure_pinned()
     gate, up, down = attrs["gate"], attrs["up"], attrs["down"]
     biases = (attrs["gate_bias"], attrs["up_bias"], attrs["down_bias"])
     rng = np.random.default_rng(0)
     out: dict[int, float] = {}
+    fused = fused_for(attrs)
     for n in rows:
         x = rng.standard_normal((n, gate.k)).astype(np.float32)
-        expert_ffn(gate, up, down, 0, x, attrs["act"], attrs["alpha"], attrs["limit"], biases, True)
+        if fused is not None:           # what the layer runs: the fused kernel, every row to expert 0
+            sel, Y = np.zeros((n, 1), np.int32), np.empty((n, 1, down.m), np.float32)
+
+            def once():
+                fused.run(x, sel, Y)
+        else:
+            def once():
+                expert_ffn(gate, up, down, 0, x, attrs["act"], attrs["alpha"], attrs["limit"], biases, True)
+        once()
         best = math.inf
         for _ in range(reps):
             t0 = time.perf_counter()
-            expert_ffn(gate, up, down, 0, x, attrs["act"], attrs["alpha"], attrs["limit"], biases, True)
+            once()
             best = min(best, time.perf_counter() - t0)
         out[int(n)] = best
     return {"cpu": out}
