@@ -532,8 +532,9 @@ _ISAS = [pytest.param(cpu_qdot.PORTABLE, id="portable"),
 @pytest.mark.parametrize("isa", _ISAS)
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
 def test_compact_k_quant_tiles_give_the_standard_tiles_bits(monkeypatch, qtype, isa):
-    """Q4_K / Q6_K in the compact layout (the file's scale integers, multiplied out in the
-    kernel) give bit for bit what the standard Q4 / Q8X2 tiles give (themselves checked
+    """Q4_K / Q6_K in the compact layouts (the file's scale integers, multiplied out in the
+    kernel; Q6_K's quants packed as nibbles + 2 high bits) give bit for bit what the
+    standard Q4 / Q8X2 tiles give (themselves checked
     against numpy in test_cpu_qdot), on every instruction set, for decode and prefill row
     counts and a row count that is not a multiple of 32 (a padded tile); in fewer bytes."""
     from aotx.engine.backend import cpu_matmul
@@ -546,14 +547,21 @@ def test_compact_k_quant_tiles_give_the_standard_tiles_bits(monkeypatch, qtype, 
     a = QuantMatrix(raw, qtype, m, k, "compact")
     monkeypatch.setattr(cpu_matmul, "COMPACT", False)
     b = QuantMatrix(raw, qtype, m, k, "standard")
-    assert (a.kind, b.kind) == (("q4k", "q4") if qtype == T.Q4_K else ("q6k", "q8x2"))
-    assert a.nbytes < 0.87 * b.nbytes
-    a.isa = b.isa = isa
-    for n in (1, 3, 8, 13):
-        x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 10.0, (n, 1))).astype(np.float32)
-        ya, yb = a.matmul(x), b.matmul(x)
-        assert np.isfinite(ya).all() and np.abs(ya).max() > 0
-        assert np.array_equal(ya, yb), (n, float(np.abs(ya - yb).max()))
+    assert (a.kind, b.kind) == (("q4k", "q4") if qtype == T.Q4_K else ("q6p", "q8x2"))
+    assert a.nbytes < (0.8 if qtype == T.Q4_K else 0.67) * b.nbytes
+    mats = [a]
+    if qtype == T.Q6_K:          # the unpacked compact kind too (int8 quants, compact scales)
+        c = cpu_matmul.from_tiles(raw, qtype, m, k, cpu_matmul.repack_compact(raw, qtype, m, k, kind="q6k"), "q6k")
+        assert c.kind == "q6k"
+        mats.append(c)
+    b.isa = isa
+    for w in mats:
+        w.isa = isa
+        for n in (1, 3, 8, 13):
+            x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 10.0, (n, 1))).astype(np.float32)
+            yw, yb = w.matmul(x), b.matmul(x)
+            assert np.isfinite(yw).all() and np.abs(yw).max() > 0
+            assert np.array_equal(yw, yb), (w.kind, n, float(np.abs(yw - yb).max()))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -81,9 +81,9 @@ KIND_OF: dict[T, str] = {
 # widen them exactly; Q4_0's mn = -8 d is float16-exact): the bytes per weight of the file.
 F16_SCALES = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.IQ4_NL})
 _MARKER = {"q4": cpu_qdot.Q4, "q5": cpu_qdot.Q5, "q8": cpu_qdot.Q8, "q8x2": cpu_qdot.Q8X2, "q4k": cpu_qdot.Q4K,
-           "q6k": cpu_qdot.Q6K}
+           "q6k": cpu_qdot.Q6K, "q6p": cpu_qdot.Q6P}
 # the K-quants with a compact tile layout (repack_compact; cpu_qdot's COMPACT kinds)
-COMPACT_OF: dict[T, str] = {T.Q4_K: "q4k", T.Q6_K: "q6k"}
+COMPACT_OF: dict[T, str] = {T.Q4_K: "q4k", T.Q6_K: "q6p"}
 # Q4_K / Q6_K matrices take the compact layout (the same numbers; 21% / 14% fewer bytes per
 # decode step). AOTX_COMPACT_TILES=0: the standard Q4 / Q8X2 tiles (comparisons).
 COMPACT = os.environ.get("AOTX_COMPACT_TILES", "1") != "0"
@@ -494,21 +494,24 @@ class QuantMatrix:
         return out
 
 
-def repack_compact(b: np.ndarray, qtype: T, m: int, k: int
+def repack_compact(b: np.ndarray, qtype: T, m: int, k: int, kind: str | None = None
                    ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K / Q6_K rows (uint8 (m, row_bytes)) as a compact kind's tiles (cpu_qdot.COMPACT):
     qs as ``repack`` lays out Q4_K (kind q4) or Q6_K (q8x2); d (T, nb, 2, R) the file's
     scale integers per block and row (Q4_K: uint8 sc then mn, 6 bits each; Q6_K: int8 sc
     of the block's two 16-input halves); qh (T, nsb, 2 or 1, R) float32 the super-block's
     d (and dmin) per row; mn empty. The kernel forms D = d sc, M = -(dmin mn) and c = M +
-    8 D as ``decompose`` and ``repack`` do: the same values, bit for bit."""
-    kind = COMPACT_OF[qtype]
+    8 D as ``decompose`` and ``repack`` do: the same values, bit for bit. Q6_K's default
+    kind q6p packs its quants too (cpu_qdot: u = q + 32 as Q4 nibbles in qs, the 2 high
+    bits in mn (T, nb, 2, R, 4)); kind="q6k" keeps them as int8 (Q8X2's qs, mn empty)."""
+    kind = kind or COMPACT_OF[qtype]
     nb, nsb = k // 32, k // 256
     m_pad = -(-m // R) * R
     nt = m_pad // R
     G = cpu_qdot.GROUPS[kind]
     n_s = 2 if kind == "q4k" else 1
-    qs = np.empty((nt, nb, G, R, 4), np.uint8 if kind == "q4k" else np.int8)
+    qs = np.empty((nt, nb, G, R, 4), np.int8 if kind == "q6k" else np.uint8)
+    hi = np.empty((nt, nb, 2, R, 4) if kind == "q6p" else (0, 0, 1, R), np.uint8)
     sc = np.empty((nt, nb, 2, R), np.uint8 if kind == "q4k" else np.int8)
     sb = np.empty((nt, nsb, n_s, R), np.float32)
     be, bb = GGML_QUANT_SIZES[qtype]
@@ -533,11 +536,21 @@ def repack_compact(b: np.ndarray, qtype: T, m: int, k: int
             sc[t0:t1] = lay(np.stack([s6.reshape(rows, nb), m6.reshape(rows, nb)], -1).astype(np.uint8), rows)
             dd = np.stack([_f16(blk[:, :, 0:2]), _f16(blk[:, :, 2:4])], -1)  # (rows, nsb, 2)
         else:
-            qs[t0:t1] = _tile(q.reshape(rows, nb, 32), r1 - r0)
+            if kind == "q6p":
+                u = (q.reshape(rows, nb, 32).astype(np.int16) + 32).astype(np.uint8)
+                nib = u & 15
+                qs[t0:t1] = _tile((nib[:, :, :16] | (nib[:, :, 16:] << 4)).astype(np.uint8), r1 - r0)
+                hb = (u >> 4).reshape(rows, nb, 2, 4, 4)                          # row, block, half, g, c
+                h = np.zeros((r1 - r0, nb, 2, 4), np.uint8)
+                for g in range(4):
+                    h[:rows] |= hb[:, :, :, g, :] << np.uint8(2 * g)
+                hi[t0:t1] = h.reshape(-1, R, nb, 2, 4).transpose(0, 2, 3, 1, 4)
+            else:
+                qs[t0:t1] = _tile(q.reshape(rows, nb, 32), r1 - r0)
             sc[t0:t1] = lay(blk[:, :, 192:208].view(np.int8).reshape(rows, nb, 2), rows)
             dd = _f16(blk[:, :, 208:210])[..., None]
         sb[t0:t1] = lay(dd.astype(np.float32), rows)
-    return kind, qs, sb, sc, np.empty((0, 0, 1, R), np.uint8)
+    return kind, qs, sb, sc, hi
 
 
 def tile_shapes(qtype: T, m: int, k: int, compact: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -549,10 +562,10 @@ def tile_shapes(qtype: T, m: int, k: int, compact: bool = False) -> dict[str, tu
     if compact:
         kind = COMPACT_OF[qtype]
         q4 = kind == "q4k"
-        return {"qs": ((nt, nb, cpu_qdot.GROUPS[kind], R, 4), np.dtype(np.uint8 if q4 else np.int8)),
+        return {"qs": ((nt, nb, cpu_qdot.GROUPS[kind], R, 4), np.dtype(np.int8 if kind == "q6k" else np.uint8)),
                 "qh": ((nt, k // 256, 2 if q4 else 1, R), np.dtype(np.float32)),
                 "d": ((nt, nb, 2, R), np.dtype(np.uint8 if q4 else np.int8)),
-                "mn": ((0, 0, 1, R), np.dtype(np.uint8))}
+                "mn": ((nt, nb, 2, R, 4) if kind == "q6p" else (0, 0, 1, R), np.dtype(np.uint8))}
     kind = KIND_OF[qtype]
     sdt = np.dtype(np.uint16 if qtype in F16_SCALES else np.float32)
     G, S = cpu_qdot.GROUPS[kind], cpu_qdot.SCALES[kind]

@@ -96,15 +96,20 @@ Q5 = np.uint64(0)
 # less memory traffic where a matmul is bound by it (decode).
 Q4K = np.float32(0)
 Q6K = np.float64(0)
+# packed Q6_K ("q6p"): u = q + 32 in 0..63 as Q4's nibble tiles plus its 2 high bits, 4
+# groups' worth per byte (mn: (T, nb, 2, R, 4) uint8, half h = the nibble half, bits 2g..2g+1
+# for group g), the scales as q6k's: 0.83 bytes per weight (the file's 0.82). S_h =
+# sum (u - 32) qx over each 16-input half (the nibble halves), init -32 * the half's qx sum.
+Q6P = np.complex64(0)
 
 _ISA_NAMES = {types.int8: "portable", types.uint8: "avx2", types.uint16: "vnni"}
 _KIND_NAMES = {types.int16: "q4", types.int32: "q8", types.uint32: "q8x2", types.uint64: "q5",
-               types.float32: "q4k", types.float64: "q6k"}
-COMPACT = {"q4k": "q4", "q6k": "q8x2"}   # compact kind -> the kind whose integer step it takes
+               types.float32: "q4k", types.float64: "q6k", types.complex64: "q6p"}
+COMPACT = {"q4k": "q4", "q6k": "q8x2", "q6p": "q6p"}   # compact kind -> the kind whose integer step it takes
 # per kind: bytes of one tile block (groups x 32 rows x 4), scale floats per block and row
 # (compact kinds: scale bytes per block and row)
-GROUPS = {"q4": 4, "q8": 8, "q8x2": 8, "q5": 4, "q4k": 4, "q6k": 8}
-SCALES = {"q4": 1, "q8": 1, "q8x2": 2, "q5": 1, "q4k": 2, "q6k": 2}
+GROUPS = {"q4": 4, "q8": 8, "q8x2": 8, "q5": 4, "q4k": 4, "q6k": 8, "q6p": 4}
+SCALES = {"q4": 1, "q8": 1, "q8x2": 2, "q5": 1, "q4k": 2, "q6k": 2, "q6p": 2}
 OFFSET = {"q4": 8, "q5": 16}     # the kinds with a minimum: S = sum (q - OFFSET) qx
 
 
@@ -325,6 +330,39 @@ def _q8_sums(builder, isa: str, wblk, xrows, init, intp, halves: bool):
     return [builder.add(a, b) for a, b in zip(parts[0], parts[1])]
 
 
+def _q6p_sums(builder, isa: str, wblk, hlo, hhi, xrows, init, intp):
+    """Exact (<8 x i32>, <8 x i32>) per activation row: init pair + sum_j u_j qx_j over the
+    two 16-input halves of one packed-Q6 block (u = nibble | 2 high bits << 4, 0..63):
+    half 0 = the low nibbles (inputs 4g + c), half 1 = the high ones (16 + 4g + c). hlo,
+    hhi: <32 x i8> high-bit bytes of the halves (bits 2g, 2g+1: group g). AVX2 / portable:
+    int16 lanes hold two groups at most (2 x 2 x 63 x 127 = 32004 < 32767)."""
+    n = len(xrows)
+    acc = [[a for a, _ in init], [b for _, b in init]]
+    if isa != "vnni":
+        a16 = [[_splat(_V16I16, 0)] * n, [_splat(_V16I16, 0)] * n]
+    for g in range(4):
+        wv = _load32(builder, wblk, intp, g)
+        hv = []
+        for hb in (hlo, hhi):
+            t = builder.lshr(hb, _splat(_V32I8, 2 * g)) if g else hb
+            hv.append(builder.shl(builder.and_(t, _splat(_V32I8, 3)), _splat(_V32I8, 4)))
+        u = [builder.or_(builder.and_(wv, _splat(_V32I8, 15)), hv[0]),
+             builder.or_(builder.lshr(wv, _splat(_V32I8, 4)), hv[1])]
+        for ii, xr in enumerate(xrows):
+            xs = [_bcast4(builder, builder.gep(xr, [ir.Constant(intp, 4 * g)])),
+                  _bcast4(builder, builder.gep(xr, [ir.Constant(intp, 16 + 4 * g)]))]
+            for h in range(2):
+                if isa == "vnni":
+                    acc[h][ii] = _dpbusd(builder, acc[h][ii], u[h], xs[h])
+                else:
+                    a16[h][ii] = builder.add(a16[h][ii], _maddubs(builder, isa, u[h], xs[h]))
+        if isa != "vnni" and g % 2 == 1:
+            for h in range(2):
+                acc[h] = [builder.add(c32, _pairs32(builder, isa, a)) for c32, a in zip(acc[h], a16[h])]
+                a16[h] = [_splat(_V16I16, 0)] * n
+    return list(zip(acc[0], acc[1]))
+
+
 def corrections(kind: str, isa: str) -> tuple[int, int]:
     """(cs, ch): quantize_x stores xs = -cs * (sum of a block's qx) and xh = -ch * (sum of
     a half's qx), the integer terms the kernel of this kind and isa adds to its block
@@ -332,7 +370,7 @@ def corrections(kind: str, isa: str) -> tuple[int, int]:
     128 * sum qx for the bias of int8 weights."""
     vnni = 128 if isa == "vnni" else 0
     kind = COMPACT.get(kind, kind)
-    return {"q4": (8, 0), "q8": (vnni, 0), "q8x2": (0, vnni), "q5": (16, 0)}[kind]
+    return {"q4": (8, 0), "q8": (vnni, 0), "q8x2": (0, vnni), "q5": (16, 0), "q6p": (0, 32)}[kind]
 
 
 _LANE_ARGS = ("kind", "isa", "qs", "qh", "w_off", "h_off", "d", "mn", "d_off", "xq", "x_off", "dx", "sx", "xs",
@@ -404,7 +442,7 @@ def _lanes_codegen(context, builder, signature, args):
     half = a["d"][0].dtype == types.uint16          # scales kept as the file's float16 bits
     if compact:     # d: scale bytes [b, 2, row]; qh: float32 super-block d (, dmin) [sb, 1 or 2, row]
         d0 = ptr("d", a["d_off"][1], _I8)
-        s0 = ptr("qh", a["h_off"][1], _F32)
+        sbp = ptr("qh", a["h_off"][1], _F32)
         m0 = None
     else:
         d0 = ptr("d", a["d_off"][1], _I16 if half else _F32)
@@ -417,7 +455,8 @@ def _lanes_codegen(context, builder, signature, args):
     out = ptr("acc", c(0), _V8F32)
     zero = _splat(_V8F32, 0.0)
     main = [cgutils.alloca_once_value(builder, zero) for _ in range(nr)]
-    second = [cgutils.alloca_once_value(builder, zero) for _ in range(nr)] if has_min or kind == "q8x2" else None
+    second = [cgutils.alloca_once_value(builder, zero) for _ in range(nr)] if has_min or kind in ("q8x2", "q6p") \
+        else None
 
     def vload(p, idx):
         if half:
@@ -434,11 +473,18 @@ def _lanes_codegen(context, builder, signature, args):
         b32 = builder.mul(b, c(32))
         xrows = [builder.gep(x0, [builder.add(b32, builder.mul(k, c(ii)))]) for ii in range(nr)]
         xi = [builder.add(b, builder.mul(nb, c(ii))) for ii in range(nr)]
-        if kind == "q8x2":
+        if kind in ("q8x2", "q6p"):
             zi = _splat(_V8I32, 0)
             init = [(bcast_i32(xh0, builder.mul(x, c(2))), bcast_i32(xh0, builder.add(builder.mul(x, c(2)), c(1))))
                     if ch else (zi, zi) for x in xi]
-            sums = _q8_sums(builder, isa, wblk, xrows, init, intp, halves=True)
+            if kind == "q6p":       # high bits: mn (T, nb, 2, R, 4) bytes, parallel to d's (T, nb, 2, R)
+                hoff = builder.mul(builder.add(a["d_off"][1], builder.mul(b, c(dstride))), c(4))
+                hp = ptr("mn", hoff, _I8)
+                hl = builder.load(builder.bitcast(hp, _V32I8.as_pointer()), align=1)
+                hh = builder.load(builder.bitcast(builder.gep(hp, [c(128)]), _V32I8.as_pointer()), align=1)
+                sums = _q6p_sums(builder, isa, wblk, hl, hh, xrows, init, intp)
+            else:
+                sums = _q8_sums(builder, isa, wblk, xrows, init, intp, halves=True)
         else:
             init = [bcast_i32(xs0, x) if cs else _splat(_V8I32, 0) for x in xi]
             if kind == "q4":
@@ -458,14 +504,14 @@ def _lanes_codegen(context, builder, signature, args):
                                  align=1)
                 return builder.sitofp(builder.sext(v, _V8I32) if signed else builder.zext(v, _V8I32), _V8F32)
 
-            dsv = builder.load(builder.bitcast(builder.gep(s0, [sbase]), _V8F32.as_pointer()), align=4)
+            dsv = builder.load(builder.bitcast(builder.gep(sbp, [sbase]), _V8F32.as_pointer()), align=4)
             if kind == "q4":        # D = d sc, M = -(dmin mn), c = M + 8 D (repack's float32 steps)
                 dv = builder.fmul(dsv, f8(bd, False))
-                dmv = builder.load(builder.bitcast(builder.gep(s0, [builder.add(sbase, c(32))]), _V8F32.as_pointer()),
+                dmv = builder.load(builder.bitcast(builder.gep(sbp, [builder.add(sbase, c(32))]), _V8F32.as_pointer()),
                                    align=4)
                 mv = builder.fneg(builder.fmul(dmv, f8(builder.add(bd, c(32)), False)))
                 cv = builder.fadd(mv, builder.fmul(_splat(_V8F32, float(OFFSET[kind])), dv))
-            else:                   # Q6_K: D_h = d sc_h
+            else:                   # Q6_K (q6k, q6p): D_h = d sc_h
                 dv = builder.fmul(dsv, f8(bd, True))
                 dv1 = builder.fmul(dsv, f8(builder.add(bd, c(32)), True))
         else:
@@ -478,7 +524,7 @@ def _lanes_codegen(context, builder, signature, args):
                     cv = builder.fadd(cv, builder.fmul(_splat(_V8F32, float(OFFSET[kind])), dv))
         for ii in range(nr):
             f = _splat_value(builder, _V8F32, builder.load(builder.gep(fx0, [xi[ii]])))
-            if kind == "q8x2":
+            if kind in ("q8x2", "q6p"):
                 s0, s1 = sums[ii]
                 builder.store(_fma(builder, dv, builder.fmul(f, builder.sitofp(s0, _V8F32)), builder.load(main[ii])),
                               main[ii])
