@@ -9,11 +9,9 @@ engine), ``cli_local.py`` (commands that open the model in-process).
 from __future__ import annotations
 
 import argparse
-import difflib
-import re
 import sys
 
-from aotx.engine.errors import AotxError, UsageError
+from aotx.engine.errors import AotxError, UsageError, friendly_error
 from aotx.engine.ipc.protocol import SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, SamplingParams, limit_problem
 
 
@@ -23,49 +21,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # argparse's default prints usage and exits 2: keep 2, one line
         raise UsageError(friendly_error(self, message))
-
-
-def _choices_of(text: str) -> list[str]:
-    return [c.strip().strip("'\"") for c in text.split(",") if c.strip()]
-
-
-def _all_options(parser: argparse.ArgumentParser) -> list[str]:
-    """Every option string of ``parser`` and of its subcommands."""
-    out: list[str] = []
-    for action in parser._actions:
-        out += [o for o in action.option_strings if o.startswith("--")]
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                out += _all_options(sub)
-    return sorted(set(out))
-
-
-def friendly_error(parser: argparse.ArgumentParser, message: str) -> str:
-    """argparse's message in the user's words: ``run: unknown command 'rnu'; did you
-    mean 'run'?`` (no ``argument cmd:``), the subcommand named once (the caller prints
-    the leading ``aotx:``)."""
-    where = parser.prog.removeprefix("aotx").strip()
-    head = f"{where}: " if where else ""
-    m = re.match(r"argument (\S+): invalid choice: '?([^']*?)'? \(choose from (.*)\)$", message)
-    if m:
-        name, bad, choices = m.group(1), m.group(2), _choices_of(m.group(3))
-        close = difflib.get_close_matches(bad, choices, n=1, cutoff=0.5)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        if name.startswith("-"):
-            return f"{head}{name} {bad!r} is not one of {', '.join(choices)}{hint}"
-        what = "command" if not where else f"{where} command"
-        return f"unknown {what} '{bad}'{hint} (choose from {', '.join(choices)})"
-    m = re.match(r"unrecognized arguments: (.*)$", message)
-    if m:
-        first = m.group(1).split()[0]
-        close = difflib.get_close_matches(first.split("=")[0], _all_options(parser), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close and first.startswith("-") else ""
-        return f"{head}unknown argument {first}{hint} (see `{parser.prog} --help`)"
-    m = re.match(r"argument (\S+): (.*)$", message)
-    if m:  # the option's own message usually names it already
-        name, rest = m.group(1), m.group(2)
-        return f"{head}{rest}" if name.split("/")[0] in rest else f"{head}{name}: {rest}"
-    return f"{head}{message}"
 
 
 def chosen_parser(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
