@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TCP port, 0 to 65535 (default 8080; 0: a free port, printed at start)")
     p.add_argument("--api-key-file", help="API keys, one per line (default: <data dir>/gateway/api_keys, "
                    "generated on first start)")
-    p.add_argument("--max-tokens-ceiling", type=_int("--max-tokens-ceiling", 1), default=4096)
+    p.add_argument("--max-tokens-ceiling", type=_int("--max-tokens-ceiling", 1), default=None,
+                   help="cap every reply at this many tokens (a request asking more is served up to it, finish "
+                   "reason 'length'); default: none, a reply runs until it ends, its max_tokens or the context")
     p.add_argument("--per-key-concurrency", type=_int("--per-key-concurrency", 1), default=16)
     p.add_argument("--max-queue", type=_int("--max-queue", 1), default=64,
                    help="generations in flight across all keys before 429")
