@@ -23,6 +23,23 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(friendly_error(self, message))
 
 
+def _check_model_name_before_spawning(args) -> None:
+    """``aotx run --model NAME`` with no engine on the default socket: a name the models
+    folder does not know is refused here (the engine's own words, its did-you-mean), not
+    after starting an engine that loads the default model only to refuse it. With an
+    engine running (it may know names from its own ``--model``) or an explicit
+    ``--socket``, the engine decides."""
+    if not args.model or getattr(args, "socket", None):
+        return
+    from aotx.engine import paths
+    from aotx.engine.ipc.client import _socket_lock_held
+    from aotx.engine.runtime.catalog import Catalog
+
+    if _socket_lock_held(paths.socket_path()):
+        return
+    Catalog().resolve(args.model)     # NotFound: one line, exit 2
+
+
 def chosen_parser(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
     """The deepest subcommand parser ``args`` went through (``aotx conversations show``)."""
     parser = ap
@@ -313,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.model.loader import check_model_arg
 
             check_model_arg(args.model)
+            _check_model_name_before_spawning(args)
         if args.cmd == "run" and args.prompt is None and not args.json and sys.stdin.isatty():
             from aotx.app.repl import run_repl  # no prompt at a terminal: chat there
             from aotx.engine import cli_client
