@@ -15,8 +15,19 @@ from collections.abc import Callable
 from aotx.app.theming import THEMES
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the ``aotx`` command's error line: one line with a "did you mean" for a
+    mistyped option (``--modle``), exit code 2, instead of argparse's usage block."""
+
+    def error(self, message: str):
+        from aotx.engine.errors import friendly_error
+
+        print(f"aotx-chat: {friendly_error(self, message)}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="aotx-chat", description="Chat with a local model in the terminal.")
+    p = _Parser(prog="aotx-chat", description="Chat with a local model in the terminal.")
     p.add_argument("--model", help="GGUF model path for the engine (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="device for the engine (default: auto)")
     p.add_argument("--draft-model", help="a smaller GGUF with the model's vocabulary, for speculative decoding "

@@ -9,11 +9,9 @@ engine), ``cli_local.py`` (commands that open the model in-process).
 from __future__ import annotations
 
 import argparse
-import difflib
-import re
 import sys
 
-from aotx.engine.errors import AotxError, UsageError
+from aotx.engine.errors import AotxError, UsageError, friendly_error
 from aotx.engine.ipc.protocol import SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, SamplingParams, limit_problem
 
 
@@ -25,47 +23,21 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(friendly_error(self, message))
 
 
-def _choices_of(text: str) -> list[str]:
-    return [c.strip().strip("'\"") for c in text.split(",") if c.strip()]
+def _check_model_name_before_spawning(args) -> None:
+    """``aotx run --model NAME`` with no engine on the default socket: a name the models
+    folder does not know is refused here (the engine's own words, its did-you-mean), not
+    after starting an engine that loads the default model only to refuse it. With an
+    engine running (it may know names from its own ``--model``) or an explicit
+    ``--socket``, the engine decides."""
+    if not args.model or getattr(args, "socket", None):
+        return
+    from aotx.engine import paths
+    from aotx.engine.ipc.client import _socket_lock_held
+    from aotx.engine.runtime.catalog import Catalog
 
-
-def _all_options(parser: argparse.ArgumentParser) -> list[str]:
-    """Every option string of ``parser`` and of its subcommands."""
-    out: list[str] = []
-    for action in parser._actions:
-        out += [o for o in action.option_strings if o.startswith("--")]
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                out += _all_options(sub)
-    return sorted(set(out))
-
-
-def friendly_error(parser: argparse.ArgumentParser, message: str) -> str:
-    """argparse's message in the user's words: ``run: unknown command 'rnu'; did you
-    mean 'run'?`` (no ``argument cmd:``), the subcommand named once (the caller prints
-    the leading ``aotx:``)."""
-    where = parser.prog.removeprefix("aotx").strip()
-    head = f"{where}: " if where else ""
-    m = re.match(r"argument (\S+): invalid choice: '?([^']*?)'? \(choose from (.*)\)$", message)
-    if m:
-        name, bad, choices = m.group(1), m.group(2), _choices_of(m.group(3))
-        close = difflib.get_close_matches(bad, choices, n=1, cutoff=0.5)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        if name.startswith("-"):
-            return f"{head}{name} {bad!r} is not one of {', '.join(choices)}{hint}"
-        what = "command" if not where else f"{where} command"
-        return f"unknown {what} '{bad}'{hint} (choose from {', '.join(choices)})"
-    m = re.match(r"unrecognized arguments: (.*)$", message)
-    if m:
-        first = m.group(1).split()[0]
-        close = difflib.get_close_matches(first.split("=")[0], _all_options(parser), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close and first.startswith("-") else ""
-        return f"{head}unknown argument {first}{hint} (see `{parser.prog} --help`)"
-    m = re.match(r"argument (\S+): (.*)$", message)
-    if m:  # the option's own message usually names it already
-        name, rest = m.group(1), m.group(2)
-        return f"{head}{rest}" if name.split("/")[0] in rest else f"{head}{name}: {rest}"
-    return f"{head}{message}"
+    if _socket_lock_held(paths.socket_path()):
+        return
+    Catalog().resolve(args.model)     # NotFound: one line, exit 2
 
 
 def chosen_parser(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
@@ -195,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TCP port, 0 to 65535 (default 8080; 0: a free port, printed at start)")
     p.add_argument("--api-key-file", help="API keys, one per line (default: <data dir>/gateway/api_keys, "
                    "generated on first start)")
-    p.add_argument("--max-tokens-ceiling", type=_int("--max-tokens-ceiling", 1), default=4096)
+    p.add_argument("--max-tokens-ceiling", type=_int("--max-tokens-ceiling", 1), default=None,
+                   help="cap every reply at this many tokens (a request asking more is served up to it, finish "
+                   "reason 'length'); default: none, a reply runs until it ends, its max_tokens or the context")
     p.add_argument("--per-key-concurrency", type=_int("--per-key-concurrency", 1), default=16)
     p.add_argument("--max-queue", type=_int("--max-queue", 1), default=64,
                    help="generations in flight across all keys before 429")
@@ -356,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.model.loader import check_model_arg
 
             check_model_arg(args.model)
+            _check_model_name_before_spawning(args)
         if args.cmd == "run" and args.prompt is None and not args.json and sys.stdin.isatty():
             from aotx.app.repl import run_repl  # no prompt at a terminal: chat there
             from aotx.engine import cli_client

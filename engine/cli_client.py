@@ -236,6 +236,7 @@ async def _run(args) -> int:
         prompt_ids: list[int] = []
         completion: list[int] = []
         refused = ""
+        engine_stopping = False   # the engine said it is stopping: a cancelled finish is its, not Ctrl-C's
         async for ev in client.submit(conv_id, prompt, attachments=attachments, sampling=sampling, raw=args.raw,
                                       model=model_ref(args.model)):
             if isinstance(ev, P.Accepted):
@@ -273,6 +274,7 @@ async def _run(args) -> int:
                                                              "last_seq": ev.receipt.last_seq},
                              **({"msg_id": ev.msg_id} if ev.msg_id else {})})
             elif isinstance(ev, P.Notice):
+                engine_stopping = engine_stopping or ev.kind == "stopping"
                 if ev.kind == "model" and ev.message.startswith("loading model") and not rid_box:
                     t_loading = time.perf_counter()
                 if args.json:
@@ -321,7 +323,10 @@ async def _run(args) -> int:
                     sys.stdout.write("\n")
                     sys.stdout.flush()
                     if ev.finish_reason == "cancelled":
-                        code = stopper.exit_code or 130
+                        code = stopper.exit_code or (1 if engine_stopping else 130)
+                        if engine_stopping:
+                            print(f"aotx: `aotx run --conversation {conv_id} ...` continues it once an engine runs "
+                                  f"again", file=sys.stderr)
         return stopper.exit_code or code
     finally:
         if stopper is not None:

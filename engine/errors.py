@@ -11,8 +11,10 @@ engine, the client library, the gateway, the app and the test fake all use it.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import enum
+import re
 
 
 class ErrorCode(enum.StrEnum):
@@ -123,3 +125,48 @@ def close_matches(name: str, names: list[str], n: int = 3) -> list[str]:
     subs = [x for x in names if name.lower() in x.lower() or x.lower() in name.lower()]
     fuzzy = [low[x] for x in difflib.get_close_matches(name.lower(), list(low), n=n, cutoff=0.5)]
     return list(dict.fromkeys(subs + fuzzy))[:n]
+
+
+# ---- argparse messages in the user's words (aotx and aotx-chat) ----------------------------
+
+def _choices_of(text: str) -> list[str]:
+    return [c.strip().strip("'\"") for c in text.split(",") if c.strip()]
+
+
+def _all_options(parser: "argparse.ArgumentParser") -> list[str]:
+    """Every option string of ``parser`` and of its subcommands."""
+    out: list[str] = []
+    for action in parser._actions:
+        out += [o for o in action.option_strings if o.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _all_options(sub)
+    return sorted(set(out))
+
+
+def friendly_error(parser: "argparse.ArgumentParser", message: str) -> str:
+    """argparse's message in the user's words: ``run: unknown command 'rnu'; did you
+    mean 'run'?`` (no ``argument cmd:``), the subcommand named once (the caller prints
+    the leading ``aotx:``)."""
+    where = parser.prog[len("aotx "):].strip() if parser.prog.startswith("aotx ") else ""
+    head = f"{where}: " if where else ""
+    m = re.match(r"argument (\S+): invalid choice: '?([^']*?)'? \(choose from (.*)\)$", message)
+    if m:
+        name, bad, choices = m.group(1), m.group(2), _choices_of(m.group(3))
+        close = difflib.get_close_matches(bad, choices, n=1, cutoff=0.5)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        if name.startswith("-"):
+            return f"{head}{name} {bad!r} is not one of {', '.join(choices)}{hint}"
+        what = "command" if not where else f"{where} command"
+        return f"unknown {what} '{bad}'{hint} (choose from {', '.join(choices)})"
+    m = re.match(r"unrecognized arguments: (.*)$", message)
+    if m:
+        first = m.group(1).split()[0]
+        close = difflib.get_close_matches(first.split("=")[0], _all_options(parser), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close and first.startswith("-") else ""
+        return f"{head}unknown argument {first}{hint} (see `{parser.prog} --help`)"
+    m = re.match(r"argument (\S+): (.*)$", message)
+    if m:  # the option's own message usually names it already
+        name, rest = m.group(1), m.group(2)
+        return f"{head}{rest}" if name.split("/")[0] in rest else f"{head}{name}: {rest}"
+    return f"{head}{message}"

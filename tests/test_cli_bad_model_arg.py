@@ -104,3 +104,30 @@ def test_catalog_resolves_an_existing_file_as_a_path(tmp_path, text_file, monkey
         cat.resolve(str(tmp_path / "does-not-exist.gguf"))
     with pytest.raises(NotFound, match="no model named"):
         cat.resolve("nosuch")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--modle", "x"], "aotx-chat: unknown argument --modle; did you mean --model? (see `aotx-chat --help`)"),
+    (["--device", "gpu"], "aotx-chat: --device 'gpu' is not one of auto, cpu, cuda; did you mean 'cpu'?"),
+])
+def test_bug_aotx_chat_flag_typo_is_one_line_with_a_did_you_mean(argv, line, capsys):
+    """Regression (session 4's new-user report): a mistyped aotx-chat flag printed argparse's
+    usage block and "unrecognized arguments", with no suggestion (`aotx` itself suggests)."""
+    from aotx.app import main as chat_main
+
+    with pytest.raises(SystemExit) as ex:
+        chat_main.parse_args(argv)
+    err = capsys.readouterr().err
+    assert ex.value.code == 2
+    assert err.strip() == line and "usage:" not in err
+
+
+def test_bug_run_with_an_unknown_model_name_starts_no_engine(tmp_path, default_model_path):
+    """Regression (session 4's new-user report): with no engine, `aotx run --model NAME` for a
+    name nothing knows started an engine (loading the default model) and then refused the
+    name; it is refused at once now, in the engine's words, and no engine is started."""
+    r = aotx(tmp_path, "run", "--model", "qwen-coder", "hi")
+    line = one_line(r)
+    assert "no model named 'qwen-coder'" in line and "aotx models" in line
+    assert "started an engine" not in r.stderr
+    assert not (tmp_path / "home" / "engine.log").exists()

@@ -54,6 +54,17 @@ def test_a_gpu_budget_for_part_of_the_experts_is_shared_evenly_over_layers():
     assert "only with 10 of its 16 experts on the CPU" in lines[1] and "tokens/s decode" in lines[1]
 
 
+def test_no_gpu_room_says_the_cpu_tier_computes_every_expert_and_how_to_change_it():
+    """Regression: with no GPU room for experts the line said the CUDA backend had "no GPU
+    expert cache yet", after the GPU tier existed (the H200 MoE benchmark's admission)."""
+    p = X.plan(layers(), gpu_costs(), gpu_bytes=0)
+    assert p.count("gpu") == 0
+    lines = admission.check_experts(p, 16 * EB, 64 << 30, gpu=True)
+    assert "yet" not in lines[1]
+    assert "the CPU tier computes all 16 of them" in lines[1] and "--memory-budget" in lines[1]
+    assert "tokens/s decode" in lines[1]
+
+
 def test_everything_fits_the_gpu_cache():
     p = X.plan(layers(), gpu_costs(), gpu_bytes=100 * EB)
     assert p.count("gpu") == 16 and p.copy_min_rows == 0 and p.reason == "every expert fits the GPU cache"

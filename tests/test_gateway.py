@@ -210,14 +210,26 @@ GOOD = [
       "stream_options": {"include_usage": True}},
      lambda r: r.sampling.temperature == 0 and r.sampling.top_p == 0.5 and r.sampling.top_k == 3 and r.stream
      and r.include_usage),
-    # the protocol's defaults, the reply length capped at the gateway's ceiling (the default runs to the context)
-    ({"messages": HELLO}, lambda r: r.sampling == P.SamplingParams(max_tokens=S.Limits().max_tokens_ceiling)),
+    # the protocol's defaults (no ceiling by default: the reply runs to its end or the context)
+    ({"messages": HELLO}, lambda r: r.sampling == P.SamplingParams()),
+    # a client's own maximum (Claude Code sends 32,000) is served, not refused
+    ({"messages": HELLO, "max_tokens": 32000}, lambda r: r.sampling.max_tokens == 32000),
 ]
 
 
 @pytest.mark.parametrize("body,check", GOOD)
 def test_parse_chat_good(body, check):
     assert check(S.parse_chat(body, S.Limits()))
+
+
+def test_bug_max_tokens_above_the_ceiling_is_capped_not_refused():
+    """Regression (session 4's gateway breaker): max_tokens above the gateway's ceiling was
+    a 400, so Claude Code (max_tokens 32,000) could not talk to it at all; an operator's
+    --max-tokens-ceiling now caps the reply instead, and the default has none."""
+    lim = S.Limits(max_tokens_ceiling=4096)
+    assert S.parse_chat({"messages": HELLO, "max_tokens": 32000}, lim).sampling.max_tokens == 4096
+    assert S.parse_chat({"messages": HELLO, "max_tokens": 100}, lim).sampling.max_tokens == 100
+    assert S.parse_chat({"messages": HELLO}, lim).sampling.max_tokens == 4096
 
 
 def test_multi_turn_request_stores_earlier_turns_as_history(oa, engine):
@@ -299,7 +311,6 @@ BAD_FIELDS = [
     ({"messages": HELLO, "top_p": [1]}, "top_p"),
     ({"messages": HELLO, "max_tokens": -1}, "max_tokens"),
     ({"messages": HELLO, "max_tokens": "10"}, "max_tokens"),
-    ({"messages": HELLO, "max_tokens": 4097}, "max_tokens"),
     ({"messages": HELLO, "seed": 1.5}, "seed"),
     ({"messages": HELLO, "stop": 3}, "stop"),
     ({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, "stop"),

@@ -340,7 +340,8 @@ def test_responses_continue_by_id_and_after_a_kill_9(tmp_path, default_model_pat
             events = list(oa.responses.create(model="local", input="Bye.", previous_response_id=r3.id,
                                               max_output_tokens=6, temperature=0, stream=True))
             types = [e.type for e in events]
-            assert types[0] == "response.created" and types[-1] == "response.completed"
+            assert types[0] == "response.created" and types[-1] == f"response.{events[-1].response.status}"
+            assert events[-1].response.status in ("completed", "incomplete")
             text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
             assert text == events[-1].response.output_text
             bad = httpx.post(url + "/v1/responses", headers=_auth(), json={
@@ -557,3 +558,21 @@ def test_anthropic_usage_counts_cached_prompt_tokens_once():
     u = _usage(SimpleNamespace(n_prompt=31, n_completion=5, n_cached=30))
     assert u == {"input_tokens": 1, "output_tokens": 5, "cache_read_input_tokens": 30}
     assert _usage(SimpleNamespace(n_prompt=12, n_completion=0, n_cached=0))["input_tokens"] == 12
+
+
+def test_bug_a_response_cut_at_max_output_tokens_is_incomplete_down_to_its_message_item(oa):
+    """Regression (session 4's new-user report): a response stopped by max_output_tokens said
+    status "incomplete" but its message item "completed", and its stream ended with
+    response.completed; OpenAI marks both incomplete and ends with response.incomplete."""
+    prompt = "Count from one to one hundred in words, separated by commas."
+    r = oa.responses.create(model="local", input=prompt, max_output_tokens=4, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].type == "message" and r.output[0].status == "incomplete"
+    assert r.usage.output_tokens == 4
+    events = list(oa.responses.create(model="local", input=prompt, max_output_tokens=4, temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done and done[-1].item.status == "incomplete"
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+    assert not any(e.type == "response.completed" for e in events)
+    full = oa.responses.create(model="local", input="Say hi.", max_output_tokens=256, temperature=0)
+    assert full.status == "completed" and full.output[0].status == "completed"

@@ -31,9 +31,10 @@ def test_sampler_and_gateway_default_to_the_protocol():
     assert SamplerConfig() == SamplerConfig.of(DEFAULTS)
     assert Limits().default_max_tokens == DEFAULTS.max_tokens
     sp = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, Limits()).sampling
-    # the protocol's default runs to the context; the gateway caps it at its own ceiling
-    ceiling = Limits().max_tokens_ceiling
-    assert sp == msgspec.structs.replace(DEFAULTS, max_tokens=min(DEFAULTS.max_tokens, ceiling))
+    # the protocol's default runs to the context; so does the gateway's, unless a ceiling is set
+    assert Limits().max_tokens_ceiling is None and sp == DEFAULTS
+    sp = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, Limits(max_tokens_ceiling=100)).sampling
+    assert sp == msgspec.structs.replace(DEFAULTS, max_tokens=100)
 
 
 @pytest.mark.parametrize("body,param", [

@@ -480,17 +480,6 @@ __global__ void __launch_bounds__(128) row_scale(const float* __restrict__ x, in
     if (threadIdx.x == 0) out[blockIdx.x] = norm_scale(ss, k, eps);
 }
 
-// y = W . (optionally rmsnorm'ed) x (+ bias): two output rows ("a pair") per WPP warps, NB
-// batch rows per block (grid.y covers the batch), GEMV_WARPS / WPP pairs per block (grid.x).
-// Rows of a pair: ra = p * a_stride (of Wa), rb = p * a_stride + b_off (of Wb); bias_a[ra],
-// bias_b[rb] are added after the norm (either pointer may be null). nw: the RMSNorm weight
-// (k,) folded into the weights, or null (no norm); then xs: the rows' norm scales computed
-// by row_scale before this launch, or null (computed here, per block).
-// MODE 0 store (rows ra, rb), 1 add, 2 swiglu: y[b, p] = silu(a) * b, 4 geglu: gelu_tanh(a) * b,
-// 3 / 5 qkv (float32 / float16 KV): the pair is two rows of one head of [q; k; v] (global row
-// g = row_base + 2p; adjacent dims for RoPE "norm" and V, dims j and j + rope_half for RoPE
-// "neox"); q rows are roped into y, k rows roped into kc, v rows into vc at (slot, pos) of the
-// batch row.
 // The two weight rows of pair p (and, for the QKV modes, the head, section and dims they are).
 struct PairRows {
     long long ra, rb;
@@ -623,6 +612,18 @@ __device__ __forceinline__ void gemv_unit(const u8* __restrict__ rowA, const u8*
     gemv_units<TA, TB, NB, 1>(ra, rb, u, nw, x, ldx, b0, nb, *reinterpret_cast<float (*)[1][2 * NB]>(&acc));
 }
 
+// y = W . (optionally rmsnorm'ed) x (+ bias): two output rows ("a pair") per WPP warps (PPW
+// pairs per WPP warps), NB batch rows per block (grid.y covers the batch), GEMV_WARPS / WPP * PPW
+// pairs per block (grid.x).
+// Rows of a pair: ra = p * a_stride (of Wa), rb = p * a_stride + b_off (of Wb); bias_a[ra],
+// bias_b[rb] are added after the norm (either pointer may be null). nw: the RMSNorm weight
+// (k,) folded into the weights, or null (no norm); then xs: the rows' norm scales computed
+// by row_scale before this launch, or null (computed here, per block).
+// MODE 0 store (rows ra, rb), 1 add, 2 swiglu: y[b, p] = silu(a) * b, 4 geglu: gelu_tanh(a) * b,
+// 3 / 5 qkv (float32 / float16 KV): the pair is two rows of one head of [q; k; v] (global row
+// g = row_base + 2p; adjacent dims for RoPE "norm" and V, dims j and j + rope_half for RoPE
+// "neox"); q rows are roped into y, k rows roped into kc, v rows into vc at (slot, pos) of the
+// batch row.
 template <int TA, int TB, int NB, int MODE, int WPP, int PPW = 1>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,

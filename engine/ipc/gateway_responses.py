@@ -167,18 +167,19 @@ class ResponsesAPI:
         a = gen.accepted.get(0)
         rid = response_id(a.conv_id, a.reply_id) if a else reply.id
         c = reply.choices[0]
+        incomplete = _incomplete(reply) if status == "completed" else False
         output: list[dict[str, Any]] = []
         if c.text or not c.tool_calls:
             part: dict[str, Any] = {"type": "output_text", "text": c.text, "annotations": []}
             if c.logprobs is not None:
                 part["logprobs"] = c.logprobs
-            output.append({"type": "message", "id": f"msg_{a.reply_id if a else ''}", "status": status,
+            output.append({"type": "message", "id": f"msg_{a.reply_id if a else ''}",
+                           "status": "incomplete" if incomplete else status,
                            "role": "assistant", "content": [part] if status == "completed" or c.text else []})
         for k, call in enumerate(c.tool_calls):
             output.append({"type": "function_call", "id": f"fc_{a.reply_id}_{k}", "call_id": call["id"],
                            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                            "status": "completed"})
-        incomplete = status == "completed" and c.finish_reason in ("length", "context")
         body = self.body
         return {
             "id": rid, "object": "response", "created_at": reply.created, "model": reply.model,
@@ -278,14 +279,22 @@ class ResponsesAPI:
             yield ev({"type": "response.content_part.done", "item_id": msg_id, "output_index": msg_index,
                       "content_index": 0, "part": part})
             yield ev({"type": "response.output_item.done", "output_index": msg_index,
-                      "item": {"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
+                      "item": {"type": "message", "id": msg_id,
+                               "status": "incomplete" if _incomplete(reply) else "completed", "role": "assistant",
                                "content": [part]}})
         for idx, c in sorted(calls.items()):
             item = dict(c["item"], status="completed")
             yield ev({"type": "response.function_call_arguments.done", "item_id": item["id"],
                       "output_index": c["output_index"], "arguments": item["arguments"]})
             yield ev({"type": "response.output_item.done", "output_index": c["output_index"], "item": item})
-        yield ev({"type": "response.completed", "response": self._response(gen, reply, spec, "completed")})
+        final = self._response(gen, reply, spec, "completed")
+        yield ev({"type": f"response.{final['status']}", "response": final})   # completed, or incomplete
+
+
+def _incomplete(reply: S.Reply) -> bool:
+    """The reply stopped at its max_output_tokens or the context (OpenAI: status
+    "incomplete", reason max_output_tokens, on the response and its message item)."""
+    return reply.choices[0].finish_reason in ("length", "context")
 
 
 async def create(gw, request: Request) -> Response:

@@ -78,11 +78,14 @@ def relabel(e: BadRequest, renames: tuple[tuple[str, str], ...], params: dict[st
 @dataclass(frozen=True)
 class Limits:
     """Per-request limits: bytes of body (pictures come as data URLs: 32 MiB), messages,
-    the max_tokens ceiling, and the decoded bytes of one media part."""
+    the max_tokens ceiling, and the decoded bytes of one media part. ``max_tokens_ceiling``
+    None (the default): a reply runs until it ends, its max_tokens or the context, as
+    llama.cpp's server, Ollama and vLLM do; a number caps every reply there (a request
+    asking more is served up to it and ends with finish reason "length")."""
 
     max_body_bytes: int = 32 << 20
     max_messages: int = 256
-    max_tokens_ceiling: int = 4096
+    max_tokens_ceiling: int | None = None
     default_max_tokens: int = P.SamplingParams().max_tokens
     max_part_bytes: int = M.MAX_PART_BYTES
 
@@ -252,11 +255,12 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
     if mt is None:
         mt = _integer(body, "max_tokens", 1, 1 << 31)
-    if mt is not None and mt > limits.max_tokens_ceiling:
-        raise BadRequest(f"'max_tokens' is {mt}; this server allows at most {limits.max_tokens_ceiling}",
-                         "max_tokens")
-    sp = P.SamplingParams(max_tokens=mt if mt is not None else min(limits.default_max_tokens,
-                                                                     limits.max_tokens_ceiling))
+    ceiling = limits.max_tokens_ceiling
+    if mt is None:
+        mt = limits.default_max_tokens
+    if ceiling is not None:       # capped, not refused: clients send their own maxima (Claude Code 32,000)
+        mt = min(mt, ceiling)
+    sp = P.SamplingParams(max_tokens=mt)
     for name, limit in SAMPLING_FIELDS.items():
         v = _param(body, name, limit)
         if v is not None:

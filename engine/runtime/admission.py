@@ -192,8 +192,8 @@ def check_experts(plan, total_bytes: int, ram_bytes: int, gpu: bool) -> list[str
     host memory: refuses (AdmissionError, with the numbers) when they do not fit the RAM
     less 2 GiB for everything else (each token would read them from disk). Returns the lines
     to report: where the experts live and, on a GPU, that the CPU tier computes all of
-    them (the CUDA backend has no GPU expert cache yet) or that the model fits only with
-    some on the CPU, with the speed the calibration predicts."""
+    them (the GPU budget left no room for any after the weights, KV and working memory) or
+    that the model fits only with some on the CPU, with the speed the calibration predicts."""
     off_gpu = total_bytes - plan.gpu_bytes
     if gpu and off_gpu > ram_bytes - (2 << 30):
         raise AdmissionError(
@@ -202,7 +202,8 @@ def check_experts(plan, total_bytes: int, ram_bytes: int, gpu: bool) -> list[str
             f"{fmt_bytes(ram_bytes)} of RAM; raise --memory-budget, lower --slots or --context, or use a smaller file")
     lines = [plan.summary()]
     if gpu and plan.count("gpu") == 0:
-        lines.append(f"the CUDA backend computes the routed experts on the CPU tier (no GPU expert cache yet): "
+        lines.append(f"the GPU budget leaves no room for routed experts after the weights, KV and working memory, so "
+                     f"the CPU tier computes all {plan.n_experts} of them (a larger --memory-budget puts some on the GPU): "
                      f"expect about {plan.decode_tok_s:.1f} tokens/s decode and {plan.prefill_tok_s:.0f} tokens/s "
                      f"prefill (calibrated on this machine)")
     elif gpu and plan.count("gpu") < plan.n_experts:

@@ -339,6 +339,39 @@ class Engine:
                             m = self._model_of(r)
                             if r in m.running:
                                 m.running.remove(r)
+        self._end_replies_on_stop()
+
+    STOP_RECEIPT_WAIT_S = 2.0
+
+    def _end_replies_on_stop(self) -> None:
+        """The stop's last step (``aotx stop``, SIGTERM, SIGINT): each reply in progress is
+        told why and ends as cancelled, its text so far committed and, with a journal, made
+        durable (``STOP_RECEIPT_WAIT_S`` at most), so its client gets the usual Committed and
+        receipt before the socket closes, instead of a connection closed mid-reply that
+        reads like a crash."""
+        live = [r for r in list(self._by_rid.values()) if r.state is not RequestState.DONE]
+        for r in live:
+            r.sink.send(P.Notice(id=r.rid, kind="stopping", resource="engine",
+                                 message="the engine is stopping: this reply ends here, and what it wrote is kept"))
+            try:
+                self._cancel(r)
+            except Exception:  # noqa: BLE001 - on the way out: the journal's recovery ends it instead
+                log.exception("could not end request %d on stop", r.rid)
+        for _ in range(3):    # a running reply ends at its model's next tick (as a client's cancel)
+            if all(r.state is RequestState.DONE for r in live) or not self._has_work():
+                break
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - on the way out: the journal's recovery ends it instead
+                log.exception("the stop's last tick failed")
+                break
+        journal = self.store.journal
+        if live and journal is not None:
+            try:
+                self.store.flush()
+                journal.wait_durable(journal.last_seq, timeout=self.STOP_RECEIPT_WAIT_S)
+            except AotxError as e:  # a failed journal: what was not receipted was never promised
+                log.error("journal at stop: %s", e)
 
     # ---- events ------------------------------------------------------------------------
 

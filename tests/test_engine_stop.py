@@ -1,0 +1,54 @@
+"""A reply in progress when the engine is stopped (``aotx stop`` / SIGTERM).
+
+Regression (session 4's new-user report): `aotx stop` during `aotx run` closed the connection
+under the reply, and the client said "the engine closed the connection in the middle of a
+reply", as for a crash. Now the engine tells each reply in progress that it is stopping,
+ends it as cancelled with its text so far committed and durable, and the client ends the
+reply cleanly (exit code 1, one line saying so and how to continue).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from tests.gateway_support import engine_call, start_engine, stop_engine
+
+LONG = "Write a very long story about a dragon and a knight, at least 3000 words, with many chapters."
+
+
+def test_bug_stop_during_a_reply_ends_it_cancelled_and_durable_not_as_a_crash(tmp_path, default_model_path):
+    proc, sock = start_engine(tmp_path, None, slots=2, context=4096)
+    try:
+        env = dict(os.environ, AOTX_HOME=str(tmp_path))
+        run = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(sock),
+                                "--temperature", "0", "--max-tokens", "3000", LONG],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out = b""
+        deadline = time.monotonic() + 120
+        while len(out) < 40:                    # the reply is streaming
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read().decode()
+            out += os.read(run.stdout.fileno(), 4096)
+        proc.terminate()                        # what `aotx stop` sends
+        rest, err = run.communicate(timeout=60)
+        out += rest
+        proc.wait(30)
+        assert run.returncode == 1, err
+        text = err.decode()
+        assert "the engine is stopping: this reply ends here" in text
+        assert "closed the connection" not in text and "Traceback" not in text
+        assert "aotx run --conversation c" in text
+        conv = text.split("aotx run --conversation ")[1].split()[0]
+    finally:
+        stop_engine(proc)
+    proc, sock = start_engine(tmp_path, None, slots=2, context=4096)
+    try:
+        view = engine_call(sock, lambda c: c.show(conv))
+        reply = view.messages[-1]
+        assert reply.role == "assistant" and reply.status == "cancelled"
+        assert reply.receipt is not None and reply.receipt.last_seq > 0     # durable before the engine exited
+        assert out.decode().strip() == reply.text.strip()                   # what was shown is what was kept
+    finally:
+        stop_engine(proc)
