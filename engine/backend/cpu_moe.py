@@ -168,7 +168,6 @@ class CpuExperts:
             _, _, _, de, me = cpu_matmul.repack(self.raw(int(e)), self.qtype, self.m, self.k, False)
             self.tiles[2][e], self.tiles[3][e] = de, me
         self._mats = [None] * self.n_expert  # their views point at the old scales
-        self.epoch = getattr(self, "epoch", 0) + 1
 
     def materialize(self, experts) -> int:
         """Build the QuantMatrices of ``experts`` (an iterable of indices) now; returns the
@@ -714,6 +713,10 @@ class FusedExperts:
         experts) computed."""
         g, u, dn = self.g, self.u, self.dn
         n, k = sel.shape
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, np.float32)     # the kernel reads rows by offset
+        if not Y.flags.c_contiguous or Y.shape != (n, k, self.dm):
+            raise ValueError(f"moe: Y must be a C-contiguous ({n}, {k}, {self.dm}) array, got {Y.shape}")
         skip = self.no_skip if skip is None else skip
         count = traffic is not None
         tr = traffic if count else self._no_traffic
