@@ -201,3 +201,35 @@ def test_setup_on_a_tiny_moe_file_places_every_expert_on_the_cpu_tier(request, t
     assert len(stats["traffic"]) == len(L) and sum(stats["traffic"][0]) >= 5 * m.cfg.n_expert_used
     with pytest.raises(ValueError, match="tiers"):
         m.compiled.place_experts(X.Plan(tuple(("gpu",) * x.n_expert for x in L)))
+
+
+def test_bug_the_dense_decode_step_is_timed_warm_on_one_repeated_token(monkeypatch):
+    """Regression (session 5, a Qwen3-30B-A3B-shaped file): the calibration's decode step
+    fed a new token each time, each routing to experts never used yet, whose first use
+    (materializing them) then counted as the dense part: 0.107 s per token where 0.017 s ran,
+    and the plan's speed was 7x low. Now one token at one position is repeated and only the
+    runs after two warm ones are timed."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    calls = []
+    slow_first = iter([5.0, 5.0] + [0.01] * 20 + [0.5] * 10)   # decode: two cold runs, then warm ones
+    clock = [0.0]
+
+    class Model:
+        cfg = SimpleNamespace(vocab_size=1000)
+
+        def new_kv_cache(self, slots, n):
+            return object()
+
+        def forward(self, toks, segs, kv):
+            seg = segs[0]
+            calls.append((tuple(int(t) for t in toks), seg.pos, seg.n))
+            clock[0] += 0.02 if seg.n > 1 else next(slow_first)
+
+    monkeypatch.setattr(X.time, "perf_counter", lambda: clock[0])
+    dec, pre = X.step_seconds(Model(), reps=3)
+    decode = [c for c in calls if c[2] == 1]
+    assert len(decode) == 5 and len(set(decode)) == 1            # one token at one position, repeated
+    assert dec == pytest.approx(0.01) and pre == pytest.approx(0.02)

@@ -617,3 +617,35 @@ def test_fused_expert_layer_rows_do_not_depend_on_the_batch(request, moe_cache):
         Yr = np.empty((len(rows), k, d), np.float32)
         fused.run(np.ascontiguousarray(x[rows]), np.ascontiguousarray(sel[rows]), Yr)
         assert np.array_equal(Yr, Y[rows]), rows
+
+
+def test_calibration_times_a_layer_call_of_n_used_experts_and_prices_each_expert_a_share(request, moe_cache,
+                                                                                          monkeypatch):
+    """Regression (the H200 MoE benchmark, session 5): the CPU tier's calibration timed one
+    expert's call alone and the plan multiplied it by n_used, so a decode layer (n_used
+    experts at once, over the pool's threads) was priced at up to the thread count times
+    what it took (the plan said 2.6 tok/s where 7.7 ran). Now it times the call a layer
+    makes: n rows, each routed to the same n_used experts, and returns that time / n_used
+    per expert, so n_used x the cost is the layer's measured time."""
+    lm = loaded(request, moe_cache, "qwen3moe")
+    cp = lm.model.compiled
+    a = cp.moe_nodes[0].attrs
+    fused = cpu_moe.fused_for(a)
+    calls = []
+    real_run = type(fused).run
+
+    def spy(self, x, sel, Y, *args, **kw):
+        calls.append((x.shape[0], sel.copy()))
+        return real_run(self, x, sel, Y, *args, **kw)
+
+    monkeypatch.setattr(type(fused), "run", spy)
+    clock = iter(float(i) for i in range(10_000))        # each timed call takes exactly 1 "second"
+    monkeypatch.setattr(cpu_moe.time, "perf_counter", lambda: next(clock))
+    got = cpu_moe.measure(a, (1, 16), cp.expert_pool, reps=3)["cpu"]
+    k = a["n_used"]
+    assert k > 1
+    assert got == {1: 1.0 / k, 16: 1.0 / k}
+    for n, sel in calls:
+        assert sel.shape == (n, k)
+        assert all(sorted(row) == list(range(k)) for row in sel.tolist())   # n_used distinct experts per row
+    assert sorted({n for n, _ in calls}) == [1, 16]

@@ -901,20 +901,29 @@ CPU_TIERS = ("host", "mmap")
 
 
 def measure(attrs: dict, rows: tuple[int, ...], pool: ExpertPool, reps: int = 5) -> dict[str, Any]:
-    """Seconds for one expert's FFN of this moe node on n rows (for each n in ``rows``),
-    the best of ``reps`` runs after a warm-up, on the CPU pool (pinned first), through the
-    kernel the layer runs (the fused one where it applies). The expert measured is the
-    node's expert 0 (all experts of a layer have one shape and type)."""
+    """Seconds per expert of this moe node's FFN on n rows (for each n in ``rows``), the
+    best of ``reps`` runs after a warm-up, on the CPU pool (pinned first), through the
+    kernel the layer runs. With the fused kernel the timing is a layer's call as decode and
+    prefill make it: n rows, each routed to the same ``n_used`` experts (0 .. n_used - 1; a
+    layer's experts have one shape and type), divided by n_used, so the plan's "n_used x
+    one expert" is the layer's measured time, its threads' parallelism included (one
+    expert's call alone, times n_used, priced a decode layer at up to the thread count
+    times what it took: the H200 benchmark's plan said 2.6 tok/s where 7.7 ran). Without
+    it, one expert's call (expert 0) on n rows."""
     pool.ensure_pinned()
     gate, up, down = attrs["gate"], attrs["up"], attrs["down"]
     biases = (attrs["gate_bias"], attrs["up_bias"], attrs["down_bias"])
     rng = np.random.default_rng(0)
     out: dict[int, float] = {}
     fused = fused_for(attrs)
+    k_used = max(1, min(int(attrs.get("n_used", 1) or 1), int(attrs.get("n_expert", 1) or 1)))
     for n in rows:
         x = rng.standard_normal((n, gate.k)).astype(np.float32)
-        if fused is not None:           # what the layer runs: the fused kernel, every row to expert 0
-            sel, Y = np.zeros((n, 1), np.int32), np.empty((n, 1, down.m), np.float32)
+        per = 1
+        if fused is not None:           # what the layer runs: the fused kernel, n rows x n_used experts
+            per = k_used
+            sel = np.ascontiguousarray(np.broadcast_to(np.arange(k_used, dtype=np.int32), (n, k_used)))
+            Y = np.empty((n, k_used, down.m), np.float32)
 
             def once():
                 fused.run(x, sel, Y)
@@ -927,7 +936,7 @@ def measure(attrs: dict, rows: tuple[int, ...], pool: ExpertPool, reps: int = 5)
             t0 = time.perf_counter()
             once()
             best = min(best, time.perf_counter() - t0)
-        out[int(n)] = best
+        out[int(n)] = best / per
     return {"cpu": out}
 
 
