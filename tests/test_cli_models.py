@@ -44,6 +44,14 @@ def test_models_without_an_engine_reads_the_folder(home):
     assert any(m.get("default") for m in d["models"])
     text = aotx(home, "models").stdout
     assert "tiny-a" in text and "estimated for 8 slots" in text
+    # regression (session 4's new-user report): the "context" column showed the trained context,
+    # not what the engine would serve; now that column is the served one, "trained" the file's
+    header = text.splitlines()[0].split()
+    assert header[4:6] == ["context", "trained"], header
+    row = next(line.split() for line in text.splitlines() if "tiny-a" in line)
+    n_train = by["tiny-a"]["n_ctx_train"]
+    assert int(row[header.index("trained") + 1]) == n_train      # +1: the size is two words ("9.5 KiB")
+    assert int(row[header.index("context") + 1]) == min(4096, n_train)
 
 
 def test_models_add_and_remove_a_remote_entry(home):
