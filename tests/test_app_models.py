@@ -31,6 +31,9 @@ def test_model_rows_show_size_arch_quant_context_and_state():
                                             "900.0 MiB", "")
     loaded = P.ModelInfo(name="a", loaded=True, size_bytes=1 << 20)
     assert model_row(loaded, current="a")[0] == "▸ a" and model_row(loaded, current="a")[-1] == "loaded"
+    # a loaded model shows the context it serves, not its file's (session 4's new-user report)
+    served = P.ModelInfo(name="q", loaded=True, n_ctx_train=32768, n_ctx=4096)
+    assert model_row(served, current="")[4] == "4096"
     assert model_row(REMOTE, current="")[1] == "remote"
 
 
