@@ -649,3 +649,29 @@ def test_calibration_times_a_layer_call_of_n_used_experts_and_prices_each_expert
         assert sel.shape == (n, k)
         assert all(sorted(row) == list(range(k)) for row in sel.tolist())   # n_used distinct experts per row
     assert sorted({n for n, _ in calls}) == [1, 16]
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def test_bug_an_expert_stack_holds_only_the_experts_written_not_huge_pages_around_them():
+    """Regression (session 5): expert stacks were np.empty arrays, for which numpy asks for
+    transparent huge pages, so materializing one expert committed whole 2 MiB pages of its
+    neighbours (64 MiB held for 32 bytes written 2 MiB apart): experts the plan leaves in
+    the file took memory anyway. lazy_empty's pages are committed 4 KiB at a time."""
+    import os
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc/self/status to read the resident size from")
+    size = 256 << 20
+    before = _rss_kib()
+    a = cpu_moe.lazy_empty((size // 4,), np.float32)
+    for i in range(0, size // 4, (2 << 20) // 4):
+        a[i] = 1.0                                   # one value per 2 MiB: 128 writes
+    grown = _rss_kib() - before
+    assert a.shape == (size // 4,) and a.flags.writeable and a.flags.c_contiguous
+    assert grown < 16 << 10, f"{grown} KiB resident after writing 128 floats"   # 128 x 4 KiB = 512 KiB
+    small = cpu_moe.lazy_empty((3, 5), np.int8)                                  # below 4 MiB: np.empty
+    assert small.shape == (3, 5) and small.dtype == np.int8

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import os
 import threading
 import time
@@ -98,7 +99,7 @@ class CpuExperts:
         self.tiles: tuple | None = None
         if self.kind is not None:
             shp = cpu_matmul.tile_shapes(t.qtype, m, k, compact=self.compact)
-            self.tiles = tuple(np.empty((E,) + shp[a][0], shp[a][1]) for a in ("qs", "qh", "d", "mn"))
+            self.tiles = tuple(lazy_empty((E,) + shp[a][0], shp[a][1]) for a in ("qs", "qh", "d", "mn"))
             self._tile_bytes = sum(int(a[0].nbytes) for a in self.tiles)
             self.flat_tiles = _flat(self.tiles)
 
@@ -734,6 +735,26 @@ class FusedExperts:
             for st in (g, u, dn):
                 st.materialize(want)
         raise RuntimeError("moe: experts not materialized")   # unreachable: materialize sets ready
+
+
+def lazy_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialized array whose memory is committed only where it is written, 4 KiB at a
+    time: an expert stack (every expert of a layer, most never materialized when the plan
+    leaves them in the file) must not hold what it does not use. numpy asks the kernel for
+    transparent huge pages on large arrays, so writing one expert's few KiB of scales
+    committed a whole 2 MiB page (a 64 MiB stack with one byte written per 2 MiB held 63 MiB);
+    an anonymous mapping with huge pages refused holds what is written. Small arrays, and
+    systems without ``MADV_NOHUGEPAGE``, get ``np.empty``."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if n < (4 << 20) or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return np.empty(shape, dt)
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    except OSError:     # a kernel without transparent huge pages: nothing to refuse
+        pass
+    return np.frombuffer(buf, dt).reshape(shape)
 
 
 # ------------------------------------------------------------------ the pool
