@@ -675,3 +675,26 @@ def test_bug_an_expert_stack_holds_only_the_experts_written_not_huge_pages_aroun
     assert grown < 16 << 10, f"{grown} KiB resident after writing 128 floats"   # 128 x 4 KiB = 512 KiB
     small = cpu_moe.lazy_empty((3, 5), np.int8)                                  # below 4 MiB: np.empty
     assert small.shape == (3, 5) and small.dtype == np.int8
+
+
+def test_a_stack_placed_whole_on_the_host_takes_huge_pages_and_a_partial_one_stays_lazy(request, moe_cache):
+    """lazy_empty's 4 KiB pages cost decode speed when every expert is held anyway, so a stack
+    the plan places whole on the host is laid out in np.empty arrays (numpy's huge pages)
+    before its experts are written; a stack placed in part keeps the lazy layout; both give
+    the same tiles."""
+    lm = loaded(request, moe_cache, "qwen3moe")
+    a = lm.model.compiled.moe_nodes[0].attrs
+    st = cpu_moe.CpuExperts(type("T", (), {"shape": (a["gate"].k, a["gate"].m, a["n_expert"]), "name": "g",
+                                             "qtype": a["gate"].qtype, "data": a["gate"]._data,
+                                             "n_bytes": int(a["gate"]._data.nbytes)})(), int8=True)
+    assert st.tiles is not None
+    lazy = st.tiles
+    st.prefer_huge_pages()
+    assert all(x is not y for x, y in zip(st.tiles, lazy)) and st.flat_tiles[0].base is not None
+    st.materialize([0])
+    kept = st.tiles
+    st.prefer_huge_pages()                                 # an expert is written: no new layout
+    assert st.tiles is kept
+    ref = a["gate"]
+    ref.materialize([0])
+    assert all(np.array_equal(x[0], y[0]) for x, y in zip(st.tiles, ref.tiles))

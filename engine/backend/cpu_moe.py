@@ -170,6 +170,16 @@ class CpuExperts:
             self.tiles[2][e], self.tiles[3][e] = de, me
         self._mats = [None] * self.n_expert  # their views point at the old scales
 
+    def prefer_huge_pages(self) -> None:
+        """Every expert of this stack is about to be materialized (the plan holds them all on
+        the host): lay the tiles out in ``np.empty`` arrays, whose transparent huge pages the
+        streaming kernels' TLB likes (``lazy_empty``'s 4 KiB pages cost ~5% of decode at the
+        Qwen3-30B-A3B layer shape), before any expert is written. A no-op once one is."""
+        if self.tiles is None or self.ready.any():
+            return
+        self.tiles = tuple(np.empty(a.shape, a.dtype) for a in self.tiles)
+        self.flat_tiles = _flat(self.tiles)
+
     def materialize(self, experts) -> int:
         """Build the QuantMatrices of ``experts`` (an iterable of indices) now; returns the
         bytes they occupy."""
@@ -866,6 +876,8 @@ class ExpertPool:
         total = 0
         for st in stacks:
             ids = range(st.n_expert) if experts is None else experts
+            if len(set(ids)) == st.n_expert:
+                st.prefer_huge_pages()
             for e in ids:
                 raw = st.raw(e).reshape(-1)
                 if raw.size:
