@@ -991,6 +991,19 @@ def place(nodes: list, p: Any, pool: ExpertPool) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ the whole op on host rows
 
+def _gpu_pairs(gpu: Any, Y: np.ndarray, g: np.ndarray, experts: np.ndarray, k: int, fut: Any) -> None:
+    """The GPU tier's share of a moe op: the flat pairs ``g`` (row * k + j, sorted by expert,
+    ``experts`` theirs) computed on the device while the CPU tier's future ``fut`` (or None)
+    runs; joins it, then writes the GPU's rows into Y."""
+    rows, js = g // k, g % k
+    try:
+        yg = gpu.wait(gpu.launch_routed(experts, rows))
+    finally:
+        if fut is not None:
+            fut.result()
+    _scatter(Y, yg, rows, js)
+
+
 def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray | None = None,
              small: np.ndarray | None = None, gpu: Any = None, worker: Any = None) -> np.ndarray:
     """The ``moe`` op on host rows x (n, d) float32: router (+ bias), routing, the experts
@@ -1051,29 +1064,14 @@ def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray |
         order = np.argsort(flat, kind="stable")
         es = flat[order]
         here = gpu.on[es]
-        g = order[here]
-        rows, js = g // k, g % k
-        try:
-            handle = gpu.launch_routed(es[here], rows)
-            yg = gpu.wait(handle)
-        finally:
-            fut.result()
-        _scatter(Y, yg, rows, js)
+        _gpu_pairs(gpu, Y, order[here], es[here], k, fut)
     else:
         order = np.argsort(flat, kind="stable")      # pairs by expert, rows increasing within
         es = flat[order]
         here = gpu.on[es]
         cpu_pairs = _runs(order[~here], es[~here], k)
         fut = worker.submit(pool.compute, attrs, x, sel, Y, cpu_pairs, small, all_small) if cpu_pairs else None
-        g = order[here]
-        rows, js = g // k, g % k
-        try:
-            handle = gpu.launch_routed(es[here], rows)
-            yg = gpu.wait(handle)
-        finally:
-            if fut is not None:
-                fut.result()
-        _scatter(Y, yg, rows, js)
+        _gpu_pairs(gpu, Y, order[here], es[here], k, fut)
     y = join(Y, w, np.empty((n, d), np.float32))
     shared = attrs.get("shared")
     if shared is not None:
