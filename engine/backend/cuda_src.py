@@ -602,66 +602,20 @@ __device__ __forceinline__ void gemv_units(const u8* const (&rowA)[PPW], const u
     }
 }
 
-// One unit u of one row pair (PPW 1): acc[j] (A) and acc[NB + j] (B) of batch row j.
-template <int TA, int TB, int NB>
-__device__ __forceinline__ void gemv_unit(const u8* __restrict__ rowA, const u8* __restrict__ rowB, int u,
-                                          const float* __restrict__ nw, const float* __restrict__ x, int ldx, int b0,
-                                          int nb, float (&acc)[2 * NB]) {
-    const u8* const ra[1] = {rowA};
-    const u8* const rb[1] = {rowB};
-    gemv_units<TA, TB, NB, 1>(ra, rb, u, nw, x, ldx, b0, nb, *reinterpret_cast<float (*)[1][2 * NB]>(&acc));
-}
-
-// y = W . (optionally rmsnorm'ed) x (+ bias): two output rows ("a pair") per WPP warps (PPW
-// pairs per WPP warps), NB batch rows per block (grid.y covers the batch), GEMV_WARPS / WPP * PPW
-// pairs per block (grid.x).
-// Rows of a pair: ra = p * a_stride (of Wa), rb = p * a_stride + b_off (of Wb); bias_a[ra],
-// bias_b[rb] are added after the norm (either pointer may be null). nw: the RMSNorm weight
-// (k,) folded into the weights, or null (no norm); then xs: the rows' norm scales computed
-// by row_scale before this launch, or null (computed here, per block).
-// MODE 0 store (rows ra, rb), 1 add, 2 swiglu: y[b, p] = silu(a) * b, 4 geglu: gelu_tanh(a) * b,
-// 3 / 5 qkv (float32 / float16 KV): the pair is two rows of one head of [q; k; v] (global row
-// g = row_base + 2p; adjacent dims for RoPE "norm" and V, dims j and j + rope_half for RoPE
-// "neox"); q rows are roped into y, k rows roped into kc, v rows into vc at (slot, pos) of the
-// batch row.
-template <int TA, int TB, int NB, int MODE, int WPP, int PPW = 1>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
-    const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,
-    int n_pairs, int k, const float* __restrict__ x, int ldx, int B, const float* __restrict__ nw, float eps,
-    const float* __restrict__ xs, const float* __restrict__ bias_a, const float* __restrict__ bias_b,
-    float* __restrict__ y, int ldy,
-    int row_base, int qd, int kd, int hd, int rope_half, int neox, int n_kv, int n_ctx,
-    const int* __restrict__ tab_slot, const int* __restrict__ tab_pos,
-    const float* __restrict__ rcos, const float* __restrict__ rsin, void* __restrict__ kc, void* __restrict__ vc)
-{
-    static_assert(WPP == 1 || WPP == 2 || WPP == 4, "WPP is 1, 2 or 4");
-    static_assert(PPW == 1 || PPW == 2 || PPW == 4, "PPW is 1, 2 or 4");
-    constexpr bool QKV = (MODE == M_QKV || MODE == M_QKV16);
-    constexpr int PPB = GEMV_WARPS / WPP * PPW;    // row pairs per block
+// The sums of the warp's PPW row pairs: each pair's A and B rows of the NB batch rows over the
+// virtual lanes (gemv_units), warp_sum_scatter, then ((R_0 + R_1) + R_2) + R_3 (across the WPP
+// warps of a pair through s_red, rows [pl0, pl0 + PPW) of it). On return lane vi = lane & (2NB - 1)
+// holds in tot[q] value vi of pair q (A of batch row vi < NB, B of row vi - NB). `gemv` and
+// `moe_gemv` both form their sums here: one copy of the arithmetic. Every thread of the block
+// calls it (WPP > 1: a __syncthreads); false for the warps whose partial sums went to s_red
+// (sub != 0): they are done.
+template <int TA, int TB, int NB, int WPP, int PPW>
+__device__ __forceinline__ bool gemv_sums(const u8* const (&rowA)[PPW], const u8* const (&rowB)[PPW], int k,
+                                          const float* __restrict__ nw, const float* __restrict__ x, int ldx,
+                                          int b0, int nb, int pl0, float (*s_red)[4][2 * NB], float (&tot)[PPW]) {
     constexpr int S = 4 / WPP;                     // virtual-lane groups per thread
-    __shared__ float s_scale[NB];
-    __shared__ float s_red[WPP > 1 ? PPB : 1][4][2 * NB];   // per pair: R_g of A and B rows (WPP > 1)
-    __shared__ float s_ss[NB][4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int b0 = blockIdx.y * NB;
-    const int nb = min(NB, B - b0);
-    gemv_scales<NB>(x, ldx, b0, nb, k, eps, nw, xs, s_scale, s_ss);
-    const int pl0 = (warp / WPP) * PPW;      // the warp's first pair within the block
     const int sub = warp % WPP;
-    int p[PPW];
-    bool valid[PPW];
-    PairRows rows[PPW];
-    const u8* rowA[PPW];
-    const u8* rowB[PPW];
-#pragma unroll
-    for (int q = 0; q < PPW; q++) {
-        const int p_raw = blockIdx.x * PPB + pl0 + q;
-        valid[q] = p_raw < n_pairs;
-        p[q] = valid[q] ? p_raw : n_pairs - 1;
-        rows[q] = pair_rows<QKV>(p[q], a_stride, b_off, row_base, qd, kd, hd, rope_half, neox);
-        rowA[q] = Wa + rows[q].ra * rba;
-        rowB[q] = Wb + rows[q].rb * rbb;
-    }
     // accumulate: value i of acc[q] is A row of batch row i (i < NB) or B row of batch row i - NB
     constexpr int V = 2 * NB;
     const int nu = k >> 3;
@@ -710,7 +664,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     }
     // the row's sum ((R_0 + R_1) + R_2) + R_3, for value vi = lane & (V - 1)
     const int vi = lane & (V - 1);
-    float tot[PPW];
     if constexpr (WPP == 1) {
 #pragma unroll
         for (int q = 0; q < PPW; q++) {
@@ -727,7 +680,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
             }
         }
         __syncthreads();
-        if (sub != 0) return;
+        if (sub != 0) return false;
 #pragma unroll
         for (int q = 0; q < PPW; q++) {
             tot[q] = s_red[pl0 + q][0][vi];
@@ -735,6 +688,59 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
             for (int g = 1; g < 4; g++) tot[q] = __fadd_rn(tot[q], s_red[pl0 + q][g][vi]);
         }
     }
+    return true;
+}
+
+// y = W . (optionally rmsnorm'ed) x (+ bias): two output rows ("a pair") per WPP warps (PPW
+// pairs per WPP warps), NB batch rows per block (grid.y covers the batch), GEMV_WARPS / WPP * PPW
+// pairs per block (grid.x).
+// Rows of a pair: ra = p * a_stride (of Wa), rb = p * a_stride + b_off (of Wb); bias_a[ra],
+// bias_b[rb] are added after the norm (either pointer may be null). nw: the RMSNorm weight
+// (k,) folded into the weights, or null (no norm); then xs: the rows' norm scales computed
+// by row_scale before this launch, or null (computed here, per block).
+// MODE 0 store (rows ra, rb), 1 add, 2 swiglu: y[b, p] = silu(a) * b, 4 geglu: gelu_tanh(a) * b,
+// 3 / 5 qkv (float32 / float16 KV): the pair is two rows of one head of [q; k; v] (global row
+// g = row_base + 2p; adjacent dims for RoPE "norm" and V, dims j and j + rope_half for RoPE
+// "neox"); q rows are roped into y, k rows roped into kc, v rows into vc at (slot, pos) of the
+// batch row.
+template <int TA, int TB, int NB, int MODE, int WPP, int PPW = 1>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
+    const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,
+    int n_pairs, int k, const float* __restrict__ x, int ldx, int B, const float* __restrict__ nw, float eps,
+    const float* __restrict__ xs, const float* __restrict__ bias_a, const float* __restrict__ bias_b,
+    float* __restrict__ y, int ldy,
+    int row_base, int qd, int kd, int hd, int rope_half, int neox, int n_kv, int n_ctx,
+    const int* __restrict__ tab_slot, const int* __restrict__ tab_pos,
+    const float* __restrict__ rcos, const float* __restrict__ rsin, void* __restrict__ kc, void* __restrict__ vc)
+{
+    static_assert(WPP == 1 || WPP == 2 || WPP == 4, "WPP is 1, 2 or 4");
+    static_assert(PPW == 1 || PPW == 2 || PPW == 4, "PPW is 1, 2 or 4");
+    constexpr bool QKV = (MODE == M_QKV || MODE == M_QKV16);
+    constexpr int PPB = GEMV_WARPS / WPP * PPW;    // row pairs per block
+    __shared__ float s_scale[NB];
+    __shared__ float s_red[WPP > 1 ? PPB : 1][4][2 * NB];   // per pair: R_g of A and B rows (WPP > 1)
+    __shared__ float s_ss[NB][4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int b0 = blockIdx.y * NB;
+    const int nb = min(NB, B - b0);
+    gemv_scales<NB>(x, ldx, b0, nb, k, eps, nw, xs, s_scale, s_ss);
+    const int pl0 = (warp / WPP) * PPW;      // the warp's first pair within the block
+    int p[PPW];
+    bool valid[PPW];
+    PairRows rows[PPW];
+    const u8* rowA[PPW];
+    const u8* rowB[PPW];
+#pragma unroll
+    for (int q = 0; q < PPW; q++) {
+        const int p_raw = blockIdx.x * PPB + pl0 + q;
+        valid[q] = p_raw < n_pairs;
+        p[q] = valid[q] ? p_raw : n_pairs - 1;
+        rows[q] = pair_rows<QKV>(p[q], a_stride, b_off, row_base, qd, kd, hd, rope_half, neox);
+        rowA[q] = Wa + rows[q].ra * rba;
+        rowB[q] = Wb + rows[q].rb * rbb;
+    }
+    float tot[PPW];
+    if (!gemv_sums<TA, TB, NB, WPP, PPW>(rowA, rowB, k, nw, x, ldx, b0, nb, pl0, s_red, tot)) return;
     // lane j < NB holds A of batch row j; lane j + NB holds its B
 #pragma unroll
     for (int q = 0; q < PPW; q++) {
@@ -1242,10 +1248,10 @@ __global__ void moe_gather(const float* __restrict__ x, int ldx, const int* __re
 // experts in one launch. Tile t = blockIdx.y: tiles[3t .. 3t+2] = (expert slot e, first batch
 // row b0, rows nb <= NB) of x (an expert's rows are consecutive; one tile never spans two
 // experts); expert e's matrices start ea / eb bytes apart (Wa + e ea, Wb + e eb), its biases
-// ebias floats apart (either may be null). Each output element is formed exactly as `gemv` forms
-// it (the canonical reduction order above: the same virtual lanes, gemv_unit, warp_sum_scatter,
-// ((R_0 + R_1) + R_2) + R_3, then + bias and the mode), so a row gets the bits a `gemv` launch on
-// its expert alone gives, whatever the tile, the other experts and the variant.
+// ebias floats apart (either may be null). The sums and the epilogue are `gemv`'s own device
+// functions (gemv_sums, gemv_out; PPW 1, no norm), on expert e's rows and biases, so a row gets
+// the bits a `gemv` launch on its expert alone gives, whatever the tile, the other experts and
+// the variant.
 template <int TA, int TB, int NB, int MODE, int WPP>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_gemv(
     const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long ea, long long eb, long long rba, long long rbb,
@@ -1256,7 +1262,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_gemv(
     static_assert(WPP == 1 || WPP == 2 || WPP == 4, "WPP is 1, 2 or 4");
     static_assert(MODE == M_STORE || MODE == M_SWIGLU, "moe_gemv: store or swiglu");
     constexpr int PPB = GEMV_WARPS / WPP;    // row pairs per block
-    constexpr int S = 4 / WPP;               // virtual-lane groups per thread
     __shared__ float s_red[WPP > 1 ? PPB : 1][4][2 * NB];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int* tile = tiles + 3 * blockIdx.y;
@@ -1265,67 +1270,16 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_gemv(
     const int p_raw = blockIdx.x * PPB + pl;
     const bool valid = p_raw < n_pairs;
     const int p = valid ? p_raw : n_pairs - 1;
-    const int sub = warp % WPP;
-    const long long ra = (long long)p * a_stride, rb = ra + b_off;
-    const u8* rowA = Wa + (long long)e * ea + ra * rba;
-    const u8* rowB = Wb + (long long)e * eb + rb * rbb;
-    constexpr int V = 2 * NB;
-    const int nu = k >> 3;
-    float R[S];
-    if constexpr (S * NB <= 4) {
-        constexpr int UNR = S == 1 ? 4 : (S == 2 ? 2 : 1);
-        float acc[S][V];
-#pragma unroll
-        for (int s = 0; s < S; s++) {
-#pragma unroll
-            for (int i = 0; i < V; i++) acc[s][i] = 0.f;
-        }
-#pragma unroll UNR
-        for (int u0 = 0; u0 < nu; u0 += 128) {
-#pragma unroll
-            for (int s = 0; s < S; s++) {
-                const int u = u0 + 32 * (sub + WPP * s) + lane;
-                if (u < nu) gemv_unit<TA, TB, NB>(rowA, rowB, u, nullptr, x, ldx, b0, nb, acc[s]);
-            }
-        }
-#pragma unroll
-        for (int s = 0; s < S; s++) R[s] = warp_sum_scatter<V>(acc[s]);
-    } else {
-#pragma unroll
-        for (int s = 0; s < S; s++) {
-            float acc[V];
-#pragma unroll
-            for (int i = 0; i < V; i++) acc[i] = 0.f;
-#pragma unroll 1
-            for (int u = 32 * (sub + WPP * s) + lane; u < nu; u += 128)
-                gemv_unit<TA, TB, NB>(rowA, rowB, u, nullptr, x, ldx, b0, nb, acc);
-            R[s] = warp_sum_scatter<V>(acc);
-        }
-    }
-    const int vi = lane & (V - 1);
-    float tot;
-    if constexpr (WPP == 1) {
-        tot = R[0];
-#pragma unroll
-        for (int s = 1; s < S; s++) tot = __fadd_rn(tot, R[s]);
-    } else {
-        if (lane < V) {
-#pragma unroll
-            for (int s = 0; s < S; s++) s_red[pl][sub + WPP * s][lane] = R[s];
-        }
-        __syncthreads();
-        if (sub != 0) return;
-        tot = s_red[pl][0][vi];
-#pragma unroll
-        for (int g = 1; g < 4; g++) tot = __fadd_rn(tot, s_red[pl][g][vi]);
-    }
-    const float other = __shfl_xor_sync(0xffffffffu, tot, NB);   // lane j < NB: A of row j; j + NB: its B
+    const PairRows r = pair_rows<false>(p, a_stride, b_off, 0, 0, 0, 0, 0, 0);
+    const u8* const rowA[1] = {Wa + (long long)e * ea + r.ra * rba};
+    const u8* const rowB[1] = {Wb + (long long)e * eb + r.rb * rbb};
+    float tot[1];
+    if (!gemv_sums<TA, TB, NB, WPP, 1>(rowA, rowB, k, nullptr, x, ldx, b0, nb, pl, s_red, tot)) return;
+    const float other = __shfl_xor_sync(0xffffffffu, tot[0], NB);   // lane j < NB: A of row j; j + NB: its B
     if (lane >= nb || !valid) return;
-    const float ba = bias_a != nullptr ? bias_a[(long long)e * ebias + ra] : 0.f;
-    const float bb = bias_b != nullptr ? bias_b[(long long)e * ebias + rb] : 0.f;
-    const float a = __fadd_rn(tot, ba), c = __fadd_rn(other, bb);
-    float* yr = y + (long long)(b0 + lane) * ldy;
-    if (MODE == M_STORE) { yr[ra] = a; yr[rb] = c; }
-    else { yr[p] = __fmul_rn(silu(a), c); }
+    const float* ba = bias_a != nullptr ? bias_a + (long long)e * ebias : nullptr;   // expert e's biases
+    const float* bb = bias_b != nullptr ? bias_b + (long long)e * ebias : nullptr;
+    gemv_out<MODE>(tot[0], other, b0 + lane, p, r, false, 0.f, ba, bb, y, ldy, 0, 0, 0, 0, 0, nullptr, nullptr,
+                   nullptr, nullptr, nullptr, nullptr);
 }
 """
