@@ -326,9 +326,13 @@ def test_cuda_expert_calibration_times_the_gpu_tier_and_places_by_it(moe_files, 
     m = _build(moe_files["qwen3moe"], "cuda")
     c = m.compiled
     got = c.measure_experts(0, (1, 16))
-    assert set(got) == {"cpu", "gpu", "copy"}
-    assert all(got[t][n] > 0 for t in ("cpu", "gpu") for n in (1, 16)) and got["copy"] > 0, got
+    assert set(got) == {"cpu", "gpu_one", "gpu_layer", "gpu_k", "copy"}
+    assert all(got[t][n] > 0 for t in ("cpu", "gpu_layer") for n in (1, 16)) and got["copy"] > 0, got
+    assert got["gpu_k"] == max(2, m.cfg.n_expert_used) and got["gpu_one"] > 0, got
     layers = X.moe_layers(m.program)
+    fixed, line = X.gpu_split(got["gpu_one"], got["gpu_layer"], got["gpu_k"], (1, 16))
+    # the fixed part plus k experts' share is the layer call measured (within the clamps at 0)
+    assert fixed >= 0 and fixed + got["gpu_k"] * line(1) >= 0.9 * got["gpu_layer"][1], (fixed, line, got)
     total = sum(L.n_expert * L.expert_bytes for L in layers)
     st = X.setup(m, model_fp="t", gpu_bytes=4 * total, root=tmp_path, reuse=False)
     assert st.costs.has_gpu and st.plan.count("gpu") == st.plan.n_experts, st.plan.summary()
@@ -337,4 +341,4 @@ def test_cuda_expert_calibration_times_the_gpu_tier_and_places_by_it(moe_files, 
     n_gpu = st.plan.count("gpu")
     assert 0 < n_gpu < st.plan.n_experts and n_gpu * layers[0].expert_bytes <= 0.4 * total, st.plan.summary()
     assert sum(c.expert_stats()["gpu_experts"]) == n_gpu
-    print(st.plan.summary(), got)
+    print(st.plan.summary(), got, "fixed", st.costs.gpu_fixed, "marginal", st.costs.gpu)

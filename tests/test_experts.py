@@ -89,6 +89,81 @@ def test_modeled_speeds_follow_the_costs():
     assert p.prefill_tok_s == pytest.approx(512 / (8 * (1e-4 + 128e-4)), rel=1e-2)
 
 
+def test_gpu_split_takes_the_calls_fixed_part_once_and_each_experts_share():
+    """The GPU tier's calibration times one expert's call (1 row) and a layer-shaped call of k
+    experts (1 and 16 rows): call = fixed + experts x (a + b n). Here fixed 40 us, a 2 us,
+    b 0.5 us, k 4: one = 42.5 us, layer(1) = 50 us, layer(16) = 40 + 4 x 10 = 80 us."""
+    fixed, line = X.gpu_split(42.5e-6, {1: 50e-6, 16: 80e-6}, 4, (1, 16))
+    assert fixed == pytest.approx(40e-6) and line.a == pytest.approx(2e-6) and line.b == pytest.approx(0.5e-6)
+    # noise making k experts' call no slower than one expert's: no marginal cost at 1 row, all fixed;
+    # 10 us per expert at 16 rows ((90 - 50) / 4), the line through (1, 0) and (16, 10 us) with a >= 0
+    fixed, line = X.gpu_split(50e-6, {1: 49e-6, 16: 90e-6}, 4, (1, 16))
+    assert fixed == pytest.approx(50e-6) and line.a == 0.0 and line.b == pytest.approx(10e-6 / 15)
+    # one expert per token and one expert in all: nothing separable, the call is the expert's
+    fixed, line = X.gpu_split(30e-6, {1: 30e-6, 16: 45e-6}, 1, (1, 16))
+    assert fixed == 0.0 and line(1) == pytest.approx(30e-6) and line(16) == pytest.approx(45e-6)
+
+
+def test_bug_decode_speed_counts_the_gpu_tiers_fixed_cost_once_per_layer():
+    """Regression (issue 22): the GPU tier was priced per expert from one expert's call, so
+    its fixed cost (launches, table upload, copy down, sync: one per layer call, for all its
+    experts) was counted n_used times, and a layer with a few experts on the GPU paid a
+    fraction of it, though any row there pays all of it. One layer, 8 experts, 2 per token,
+    CPU 2e-4 s per expert, GPU 1e-5 s per expert, fixed 5e-5 s, dense 1e-3 s."""
+    L = layers(1)
+    c = X.Costs((X.Line(1e-4, 1e-4),), (X.Line(1e-5, 0.0),), (1e-3,), dense_decode_s=1e-3, gpu_fixed=(5e-5,))
+    # all on the GPU: fixed once + 2 x 1e-5 = 7e-5 (per expert from one call: 2 x 6e-5 = 1.2e-4, 893 tok/s)
+    p = X.plan(L, c, gpu_bytes=8 * EB)
+    assert p.count("gpu") == 8 and p.decode_tok_s == pytest.approx(1 / 1.07e-3, rel=1e-3)
+    # prefill 512: 128 rows per expert, all 8 in one GPU call: fixed + 8 x 1e-5
+    assert p.prefill_tok_s == pytest.approx(512 / (5e-5 + 8e-5), rel=1e-3)
+    # half on the GPU: j of the token's 2 experts there, P(j) 1/4, 1/2, 1/4: max(CPU, GPU) =
+    # 4e-4, max(2e-4, 6e-5), 7e-5 -> 2.175e-4 (the old max(2 x 1/2 x 2e-4, 2 x 1/2 x 6e-5) = 2e-4)
+    p = X.plan(L, c, gpu_bytes=4 * EB)
+    assert p.count("gpu") == 4 and p.decode_tok_s == pytest.approx(1 / 1.2175e-3, rel=1e-3)
+    # two experts there, fixed 3e-4 (more than one CPU expert): P(j) 9/16, 6/16, 1/16 of 4e-4,
+    # max(2e-4, 3.1e-4), 3.2e-4 -> 3.6125e-4 (the old max(2 x 3/4 x 2e-4, 2 x 1/4 x 3.1e-4) said 3e-4)
+    c = X.Costs((X.Line(1e-4, 1e-4),), (X.Line(1e-5, 0.0),), (1e-3,), dense_decode_s=1e-3, gpu_fixed=(3e-4,))
+    p = X.plan(L, c, gpu_bytes=2 * EB)
+    assert p.count("gpu") == 2 and p.decode_tok_s == pytest.approx(1 / 1.36125e-3, rel=1e-3)
+    assert X.decode_layer_s(2, 0.25, 2e-4, 3e-4, 1e-5) == pytest.approx(3.6125e-4)
+    assert X.decode_layer_s(2, 0.0, 2e-4, 3e-4, 1e-5) == pytest.approx(4e-4)        # no GPU call at all
+    assert X.decode_layer_s(2, 1.0, 2e-4, 3e-4, 1e-5) == pytest.approx(3.2e-4)      # no CPU call at all
+
+
+def test_bug_a_layer_whose_gpu_call_is_mostly_fixed_cost_gets_its_share_of_the_cache():
+    """Regression (issue 22): priced by one expert's call, layer 1 (fixed 1.9e-4 s, 1e-6 s per
+    expert) looked no faster than its CPU (2e-4 s per expert) and layer 0 (no fixed cost, 1.5e-4
+    s per expert) took the whole budget: 8 experts there, a modeled 7e-4 s of expert work per
+    token. With the fixed part paid once, the best split of 8 experts (every split tried) is
+    3 + 5, 5.17e-4 s; the plan finds it, and beyond the decode saving it fills the rest."""
+    L = layers(2)
+    c = X.Costs((X.Line(1e-4, 1e-4),) * 2, (X.Line(1.5e-4, 0.0), X.Line(1e-6, 0.0)), (1e-3, 1e-3),
+                dense_decode_s=1e-3, gpu_fixed=(0.0, 1.9e-4))
+
+    def secs(g0, g1):
+        return (X.decode_layer_s(2, g0 / 8, 2e-4, 0.0, 1.5e-4) + X.decode_layer_s(2, g1 / 8, 2e-4, 1.9e-4, 1e-6))
+
+    best = min(range(9), key=lambda g0: secs(g0, 8 - g0))
+    assert (best, 8 - best) == (3, 5) and secs(3, 5) == pytest.approx(5.171875e-4) and secs(8, 0) == pytest.approx(7e-4)
+    p = X.plan(L, c, gpu_bytes=8 * EB)
+    assert [t.count("gpu") for t in p.tiers] == [3, 5]
+    assert p.decode_tok_s == pytest.approx(1 / (1e-3 + 5.171875e-4), rel=1e-3)
+    p = X.plan(L, c, gpu_bytes=16 * EB)
+    assert p.count("gpu") == 16 and p.reason == "every expert fits the GPU cache"
+
+
+def test_simulate_pays_the_gpu_fixed_cost_once_per_layer_call_with_gpu_rows():
+    L = layers(1)
+    c = X.Costs((X.Line(1e-4, 1e-4),), (X.Line(1e-5, 1e-6),), (1e-3,), gpu_fixed=(5e-5,))
+    p = X.Plan((("gpu", "gpu", "gpu", "gpu", "host", "host", "host", "host"),))
+    # step 1: experts 0 and 1 (GPU), 3 rows each: 5e-5 + 2 x (1e-5 + 3e-6) = 7.6e-5; CPU nothing
+    # step 2: experts 0 (GPU, 1 row) and 5 (CPU, 1 row): max(2e-4, 5e-5 + 1.1e-5) = 2e-4
+    # step 3: expert 6 only (CPU, 2 rows): 3e-4, no GPU call
+    trace = [[np.array([[0, 1]] * 3)], [np.array([[0, 5]])], [np.array([[6, 6]])]]
+    assert X.simulate(trace, p, L, c)["modeled_s"] == pytest.approx(7.6e-5 + 2e-4 + 3e-4, abs=1e-9)
+
+
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="expert cache policy 'mru'"):
         X.plan(layers(), gpu_costs(), policy="mru")
@@ -146,6 +221,20 @@ def test_stored_calibration_is_reused_only_on_the_same_device(tmp_path):
     X.store(tmp_path, "model1", "dev1", c, p)
     got, why = X.load_stored(tmp_path, "model1", "dev1")
     assert why == "stored calibration reused" and got.cpu == c.cpu and got.gpu == c.gpu and got.copy == c.copy
+    assert got.gpu_fixed == c.gpu_fixed
+    fixed = X.Costs(c.cpu, c.gpu, c.copy, dense_decode_s=1e-3, device="test", gpu_fixed=(4e-5, 5e-5))
+    X.store(tmp_path, "model2", "dev1", fixed, p)
+    assert X.load_stored(tmp_path, "model2", "dev1")[0].gpu_fixed == (4e-5, 5e-5)
+    # a calibration stored before the GPU tier's fixed cost was measured (version 1: its GPU lines are one
+    # expert's call, the fixed cost inside) is measured again, not read as marginal costs
+    f = tmp_path / "expert_plans" / "model2-dev1.json"
+    d = json.loads(f.read_text())
+    assert d["version"] == X.PLAN_VERSION == 2
+    d["version"] = 1
+    del d["costs"]["gpu_fixed"]
+    f.write_text(json.dumps(d))
+    assert X.load_stored(tmp_path, "model2", "dev1") == (None, "stored calibration is for another device or version; "
+                                                                "measured again")
     assert X.load_stored(tmp_path, "model1", "dev2") == (None, "no stored calibration for this device")
     f = tmp_path / "expert_plans" / "model1-dev1.json"
     d = json.loads(f.read_text())

@@ -1003,29 +1003,40 @@ class _GpuExperts:
             return np.empty((0, self.d), np.float32)
         return self._scratch.host[1][:handle * self.d].reshape(handle, self.d)
 
-    def measure(self, rows: tuple[int, ...], reps: int = 5) -> dict:
-        """Seconds of one expert's FFN on n rows here (expert 0, uploaded for the timing when
-        it is not here: the shapes and types of a layer's experts are one), and of copying
-        one expert (gate, up and down) from pinned host memory to the device."""
+    def measure(self, rows: tuple[int, ...], n_used: int, reps: int = 5) -> dict:
+        """Calibration timings of this tier's call (``launch`` then ``wait``, as a layer makes
+        it: the table built and copied, the gather, the GEMVs, the copy down, the sync), the
+        best of ``reps`` after a warm-up: "gpu_one", one expert (0) on rows[0] rows;
+        "gpu_layer" {n: s}, n rows each routed to the same "gpu_k" = max(2, n_used) experts
+        (0 .. gpu_k - 1, at most n_expert; a layer's experts have one shape and type), for n
+        in ``rows`` (experts.gpu_split takes the call's fixed part and each expert's share
+        from them; one expert's call alone, times n_used, counted the fixed part n_used
+        times); "copy", seconds to copy one expert (gate, up and down) from pinned host
+        memory to the device. The experts timed are uploaded for it when not here; the
+        tier's counters are left as they were."""
+        k = max(1, min(self.E, max(2, int(n_used))))
         held = list(self.ids)
-        if not self.on[0]:
-            self.place(held + [0])
+        missing = [e for e in range(k) if not self.on[e]]
+        if missing:
+            self.place(held + missing)
         rng = np.random.default_rng(0)
         c = _Ctx()
-        out: dict[int, float] = {}
-        try:
-            for n in rows:
-                x = cp.asarray(rng.standard_normal((n, self.k)).astype(np.float32))
-                pairs = [(0, np.arange(n, dtype=np.int64), np.zeros(n, np.int64))]
+        counters = (self.rows, self.calls)
+
+        def best_of(n: int, n_exp: int) -> float:
+            x = cp.asarray(rng.standard_normal((n, self.k)).astype(np.float32))
+            pairs = [(e, np.arange(n, dtype=np.int64), np.full(n, e, np.int64)) for e in range(n_exp)]
+            self.wait(self.launch(pairs, x, c))
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
                 self.wait(self.launch(pairs, x, c))
-                best = float("inf")
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    self.wait(self.launch(pairs, x, c))
-                    best = min(best, time.perf_counter() - t0)
-                out[int(n)] = best
-            self.rows -= (reps + 1) * sum(rows)
-            self.calls -= (reps + 1) * len(rows)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        try:
+            one = best_of(int(rows[0]), 1)
+            layer = {int(n): best_of(int(n), k) for n in rows}
             raw = [st.raw(0) for st in (self.attrs["gate"], self.attrs["up"], self.attrs["down"])]
             nb = sum(int(r.nbytes) for r in raw)
             mem = cp.cuda.alloc_pinned_memory(nb)
@@ -1041,9 +1052,10 @@ class _GpuExperts:
                 stream.synchronize()
                 copy = min(copy, time.perf_counter() - t0)
         finally:
+            self.rows, self.calls = counters
             if list(self.ids) != held:
                 self.place(held)
-        return {"gpu": out, "copy": copy}
+        return {"gpu_one": one, "gpu_layer": layer, "gpu_k": k, "copy": copy}
 
 
 class _MoeHost:
@@ -1416,15 +1428,17 @@ class CudaProgram:
     # ---- expert tiers (issue 22; engine/model/experts.py): "gpu" on the device, "host"/"mmap" on the CPU
 
     def measure_experts(self, layer: int, rows: tuple[int, ...]) -> dict:
-        """Calibration: seconds of one expert of moe layer ``layer`` on n rows on the CPU
-        tier and on the GPU tier, and of copying one expert to the GPU ("gpu" and "copy"
-        absent when this layer's experts cannot run on the GPU tier)."""
+        """Calibration of moe layer ``layer``: "cpu" {n: s}, seconds per expert on n rows on
+        the CPU tier (``cpu_moe.measure``); the GPU tier's call of one expert ("gpu_one") and
+        of a layer's n_used experts ("gpu_layer" {n: s}, "gpu_k" experts), and the copy of one
+        expert to the GPU ("copy"; ``_GpuExperts.measure``; these absent when this layer's
+        experts cannot run on the GPU tier)."""
         from aotx.engine.backend import cpu_moe
 
         st = self.moe_steps[layer]
         out = cpu_moe.measure(st.attrs, rows, st.pool)
         if st.gpu.ok:
-            out.update(st.gpu.measure(rows))
+            out.update(st.gpu.measure(rows, int(st.attrs["n_used"])))
         return out
 
     def place_experts(self, plan) -> dict:

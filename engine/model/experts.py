@@ -4,16 +4,21 @@ Owns:
 * ``moe_layers(program)``: the moe nodes of a traced Program as ``MoeLayer`` facts (experts,
   experts per token, bytes per expert).
 * ``Costs``: what the calibration measured on this machine, per moe layer: seconds for one
-  expert's FFN on n rows on the CPU tier (the CPU expert pool) and on the GPU, and seconds
-  to copy one expert from pinned host memory into the GPU cache; each a line a + b n fitted
-  to timings at two row counts. Keyed by a device fingerprint; stored under the cache dir
-  and reused when the fingerprint matches (no re-timing).
+  expert's FFN on n rows on the CPU tier (the CPU expert pool; a share of a layer-shaped
+  call) and on the GPU tier (its marginal cost: the GPU tier's call of a layer costs a fixed
+  part, its launches, table upload, copy down and sync, once, plus each expert's), the GPU
+  call's fixed seconds, and seconds to copy one expert from pinned host memory into the
+  GPU cache; each per-expert cost a line a + b n fitted to timings at two row counts. Keyed
+  by a device fingerprint; stored under the cache dir and reused when the fingerprint and
+  ``PLAN_VERSION`` match (no re-timing).
 * ``plan(layers, costs, ...)``: the placement. Every expert gets a tier: "gpu" (the GPU
   expert cache, sized from the budget left after weights, KV and working memory), "host"
   (pinned host memory: the CPU pool computes it, or it is copied to the GPU when a tick
   routes many rows to it) or "mmap" (computed by the CPU pool from the memory-mapped file).
-  The cache's slots go to the experts with the largest expected saving (traffic share x
-  (CPU cost - GPU cost)), so layers share it evenly when traffic is uniform; ``copy_min_rows``
+  The cache's slots go first to the experts that save the most modeled decode time per
+  byte (a layer's time as a function of its GPU-held traffic share, the GPU's fixed cost
+  included), so layers share it evenly when traffic is uniform; then, while it lasts, to
+  the rest (no decode saving; a prefill still gains); ``copy_min_rows``
   is the row count from which copying a cold expert and running it on the GPU beats the
   CPU; ``decode_tok_s`` / ``prefill_tok_s`` are the speeds the measured costs predict.
 * ``ExpertCache``: the GPU cache's replacement policy at run time: "static" (the plan's
@@ -47,7 +52,7 @@ from typing import Any
 
 TIERS = ("gpu", "host", "mmap")
 POLICIES = ("static", "lru", "lfu")
-PLAN_VERSION = 1
+PLAN_VERSION = 2               # 2: Costs.gpu is the marginal cost beside gpu_fixed (1: one expert's call)
 CALIBRATION_ROWS = (1, 16)     # each cost line is fitted to timings at these row counts
 
 
@@ -102,12 +107,15 @@ class Line:
 
 @dataclass(frozen=True)
 class Costs:
-    """Per moe layer: ``cpu[l]`` (CPU pool, one expert), ``gpu[l]`` (one expert on the GPU;
-    empty without a GPU) and ``copy[l]`` (seconds to copy one expert into the GPU cache;
-    empty without a GPU); ``dense_decode_s``: the rest of a decode step (attention and dense
-    layers) when measured, else 0; ``dense_prefill_s``: the same per token of a prefill
-    chunk; ``device``: the device fingerprint they were measured on; ``measured_s``: how
-    long the calibration took (0 when reused)."""
+    """Per moe layer: ``cpu[l]`` (CPU pool, one expert), ``gpu[l]`` (one more expert in the
+    GPU tier's call: its marginal seconds on n rows; empty without a GPU), ``gpu_fixed[l]``
+    (the GPU tier's call's fixed seconds, paid once per layer and forward when any row goes
+    to the GPU: the launches, the table upload, the copy down, the sync; empty: 0) and
+    ``copy[l]`` (seconds to copy one expert into the GPU cache; empty without a GPU);
+    ``dense_decode_s``: the rest of a decode step (attention and dense layers) when
+    measured, else 0; ``dense_prefill_s``: the same per token of a prefill chunk;
+    ``device``: the device fingerprint they were measured on; ``measured_s``: how long the
+    calibration took (0 when reused)."""
 
     cpu: tuple[Line, ...]
     gpu: tuple[Line, ...] = ()
@@ -116,21 +124,28 @@ class Costs:
     device: str = ""
     measured_s: float = 0.0
     dense_prefill_s: float = 0.0
+    gpu_fixed: tuple[float, ...] = ()
 
     @property
     def has_gpu(self) -> bool:
         return bool(self.gpu)
 
+    def fixed_s(self, layer: int) -> float:
+        """The GPU tier's fixed seconds per call of moe layer ``layer`` (0 when not measured)."""
+        return self.gpu_fixed[layer] if self.gpu_fixed else 0.0
+
     def to_dict(self) -> dict:
         return {"cpu": [[c.a, c.b] for c in self.cpu], "gpu": [[c.a, c.b] for c in self.gpu], "copy": list(self.copy),
-                "dense_decode_s": self.dense_decode_s, "dense_prefill_s": self.dense_prefill_s, "device": self.device}
+                "gpu_fixed": list(self.gpu_fixed), "dense_decode_s": self.dense_decode_s,
+                "dense_prefill_s": self.dense_prefill_s, "device": self.device}
 
     @classmethod
     def from_dict(cls, d: dict) -> Costs:
         return cls(tuple(Line(float(a), float(b)) for a, b in d["cpu"]),
                    tuple(Line(float(a), float(b)) for a, b in d.get("gpu", [])),
                    tuple(float(x) for x in d.get("copy", [])), float(d.get("dense_decode_s", 0.0)),
-                   str(d.get("device", "")), 0.0, float(d.get("dense_prefill_s", 0.0)))
+                   str(d.get("device", "")), 0.0, float(d.get("dense_prefill_s", 0.0)),
+                   tuple(float(x) for x in d.get("gpu_fixed", [])))
 
 
 def device_fingerprint(compiled: Any) -> str:
@@ -188,22 +203,43 @@ def step_seconds(model: Any, reps: int = 3) -> tuple[float, float]:
     return best_d, best_p
 
 
+def gpu_split(one: float, layer: dict[int, float], k: int, rows: tuple[int, int]) -> tuple[float, Line]:
+    """The GPU tier's costs of a moe layer from its calibration timings: ``one`` (seconds of
+    the tier's call of one expert on ``rows[0]`` rows) and ``layer[n]`` (a layer-shaped call:
+    n rows, each routed to the same ``k`` experts, for n in ``rows``). A call is modeled as
+    fixed + (experts) x m(n), m(n) = a + b n: k experts' call less one expert's is k - 1
+    experts' marginal cost at rows[0], one expert's call less that is the fixed part, and
+    the call at rows[1] less the fixed part, over k, is the marginal cost there. Returns
+    (fixed seconds, the marginal Line), never negative. ``k`` 1: no fixed part separable
+    (0; the call is the expert's)."""
+    r0, r1 = rows
+    if k <= 1:
+        return 0.0, Line.fit(layer[r0], r0, layer[r1], r1)
+    m0 = max(0.0, (layer[r0] - one) / (k - 1))
+    fixed = max(0.0, one - m0)
+    m1 = max(0.0, (layer[r1] - fixed) / k)
+    return fixed, Line.fit(m0, r0, m1, r1)
+
+
 def calibrate(compiled: Any, layers: list[MoeLayer], rows: tuple[int, int] = CALIBRATION_ROWS,
               model: Any = None) -> Costs:
     """Measure ``Costs`` on this machine through the backend: ``compiled.measure_experts(layer,
-    rows) -> {"cpu": {n: s}, "gpu": {n: s}, "copy": s}`` (the best of a few runs, each on a
-    real expert of that layer). With ``model`` (the TransformerModel), also a decode step,
-    whose time less the modeled expert work (every expert on the CPU, as before placement)
-    is ``dense_decode_s``."""
+    rows) -> {"cpu": {n: s}, "copy": s, "gpu_one": s, "gpu_layer": {n: s}, "gpu_k": k}``
+    (the best of a few runs each; "cpu": seconds per expert; "gpu_one": the GPU tier's call of
+    one expert on rows[0] rows; "gpu_layer": its call of n rows each routed to the same gpu_k
+    experts; the GPU keys absent without a GPU tier), split by ``gpu_split``. With ``model``
+    (the TransformerModel), also a decode step, whose time less the modeled expert work
+    (every expert on the CPU, as before placement) is ``dense_decode_s``."""
     t0 = time.perf_counter()
-    cpu, gpu, copy = [], [], []
+    cpu, gpu, copy, fixed = [], [], [], []
     for L in layers:
         m = compiled.measure_experts(L.index, rows)
         c = m["cpu"]
         cpu.append(Line.fit(c[rows[0]], rows[0], c[rows[1]], rows[1]))
-        if m.get("gpu"):
-            g = m["gpu"]
-            gpu.append(Line.fit(g[rows[0]], rows[0], g[rows[1]], rows[1]))
+        if m.get("gpu_layer"):
+            f, g = gpu_split(float(m["gpu_one"]), m["gpu_layer"], int(m["gpu_k"]), rows)
+            gpu.append(g)
+            fixed.append(f)
             copy.append(float(m["copy"]))
     dense = dense_p = 0.0
     if model is not None:
@@ -211,9 +247,9 @@ def calibrate(compiled: Any, layers: list[MoeLayer], rows: tuple[int, int] = CAL
         dense = max(0.0, dec - sum(L.n_used * c(1) for L, c in zip(layers, cpu)))
         rows = PREFILL_ROWS * 1.0
         dense_p = max(0.0, pre - sum(L.n_expert * c(rows * L.n_used / L.n_expert) for L, c in zip(layers, cpu))) / rows
-    return Costs(tuple(cpu), tuple(gpu) if len(gpu) == len(layers) else (),
-                 tuple(copy) if len(copy) == len(layers) else (), dense, device_fingerprint(compiled),
-                 time.perf_counter() - t0, dense_p)
+    ok = len(gpu) == len(layers)
+    return Costs(tuple(cpu), tuple(gpu) if ok else (), tuple(copy) if ok else (), dense, device_fingerprint(compiled),
+                 time.perf_counter() - t0, dense_p, tuple(fixed) if ok else ())
 
 
 # ------------------------------------------------------------------ the plan
@@ -266,31 +302,44 @@ class Plan:
         return cls(**d)
 
 
+def decode_layer_s(k: int, f: float, cpu1: float, fixed: float, gpu1: float) -> float:
+    """Expected seconds of one moe layer in a batch-1 decode step. Each of the token's ``k``
+    routed experts is on the GPU with probability ``f`` (the GPU-held share of the layer's
+    traffic; independently: the k distinct picks of uniform routing are close to it for
+    k << n_expert, and exact at f = 0 and 1); with j of them there, the CPU tier's
+    (k - j) ``cpu1`` and, when j > 0, the GPU tier's ``fixed`` + j ``gpu1`` run at once
+    (the slower counts)."""
+    f = min(1.0, max(0.0, f))
+    t = 0.0
+    for j in range(k + 1):
+        p = math.comb(k, j) * f ** j * (1.0 - f) ** (k - j)
+        if p:
+            t += p * max((k - j) * cpu1, fixed + j * gpu1 if j else 0.0)
+    return t
+
+
 def _speeds(layers: list[MoeLayer], costs: Costs, on_gpu: list[int], copy_min_rows: int) -> tuple[float, float]:
-    """Modeled decode tok/s (batch 1) and prefill tok/s (512 tokens, uniform routing) of a
-    placement with ``on_gpu[l]`` experts of layer l on the GPU. Within a layer the CPU and
-    the GPU run at once (the slower one counts)."""
+    """Modeled decode tok/s (batch 1; ``decode_layer_s`` per layer) and prefill tok/s (512
+    tokens, uniform routing: every expert gets 512 n_used / n_expert rows) of a placement
+    with ``on_gpu[l]`` experts of layer l on the GPU. Within a layer the CPU and the GPU run
+    at once (the slower one counts); the GPU tier's fixed cost is paid once per layer when
+    any row goes to it."""
     dec = costs.dense_decode_s
     pre = 512 * costs.dense_prefill_s
     for L, g in zip(layers, on_gpu):
-        f = g / L.n_expert
         cpu = costs.cpu[L.index]
-        if costs.has_gpu:
-            gpu = costs.gpu[L.index]
-            dec += max(L.n_used * (1 - f) * cpu(1), L.n_used * f * gpu(1))
-        else:
-            dec += L.n_used * cpu(1)
         rows = 512 * L.n_used / L.n_expert     # rows per expert in a 512-token prefill
         n_cpu = L.n_expert - g
-        if costs.has_gpu:
-            gpu = costs.gpu[L.index]
-            if copy_min_rows and rows >= copy_min_rows:
-                t_gpu = L.n_expert * gpu(rows) + n_cpu * costs.copy[L.index]
-                pre += t_gpu
-            else:
-                pre += max(n_cpu * cpu(rows), g * gpu(rows))
-        else:
+        if not costs.has_gpu:
+            dec += L.n_used * cpu(1)
             pre += L.n_expert * cpu(rows)
+            continue
+        gpu, fixed = costs.gpu[L.index], costs.fixed_s(L.index)
+        dec += decode_layer_s(L.n_used, g / L.n_expert, cpu(1), fixed, gpu(1))
+        if copy_min_rows and rows >= copy_min_rows:
+            pre += fixed + L.n_expert * gpu(rows) + n_cpu * costs.copy[L.index]
+        else:
+            pre += max(n_cpu * cpu(rows), fixed + g * gpu(rows) if g else 0.0)
     return (1.0 / dec if dec > 0 else 0.0), (512.0 / pre if pre > 0 else 0.0)
 
 
@@ -309,23 +358,42 @@ def plan(layers: list[MoeLayer], costs: Costs, *, gpu_bytes: int = 0, host_bytes
     reason = "no GPU expert tier: every expert on the CPU tier" if not costs.has_gpu else ""
     on_gpu = [0] * len(layers)
     if left > 0:
-        # greedy by expected saving per byte: traffic share x (CPU - GPU) seconds for one row
+        # each layer's experts hottest first; the saving of its (g+1)-th on the GPU: the layer's modeled
+        # decode seconds (decode_layer_s, the GPU's fixed cost included) with g of them there less with g + 1.
+        # While positive these fall as g grows (decode_layer_s is a Bernstein polynomial in f of a function
+        # convex in the GPU's count j whenever any placement saves, i.e. fixed <= k cpu1, and Bernstein's
+        # operator keeps convexity; hot experts first add ever less traffic), so the largest savings first,
+        # each layer's in its order, split the budget best when every expert weighs the same
+        order = [sorted(range(L.n_expert), key=lambda e: (-share[i][e], e)) for i, L in enumerate(layers)]
         cand = []
         for i, L in enumerate(layers):
-            save = max(0.0, costs.cpu[L.index](1) - costs.gpu[L.index](1)) * L.n_used
-            rank = {e: r for r, e in enumerate(sorted(range(L.n_expert), key=lambda e: (-share[i][e], e)))}
-            for e in range(L.n_expert):
-                # ties (uniform traffic, equal layers) go round-robin over layers: the cache is shared evenly
-                # savings within measurement noise (2 significant digits) count as equal
-                cand.append((-float(f"{share[i][e] * save / max(1, L.expert_bytes):.2g}"), rank[e], i, e))
+            cpu1, gpu1, fixed = costs.cpu[L.index](1), costs.gpu[L.index](1), costs.fixed_s(L.index)
+            f, t = 0.0, decode_layer_s(L.n_used, 0.0, cpu1, fixed, gpu1)
+            for g, e in enumerate(order[i]):
+                f += share[i][e]
+                t2 = decode_layer_s(L.n_used, f, cpu1, fixed, gpu1)
+                if t2 >= t:
+                    break
+                # savings within measurement noise (2 significant digits) count as equal; ties go
+                # round-robin over layers (uniform traffic, equal layers: the cache is shared evenly)
+                cand.append((-float(f"{(t - t2) / max(1, L.expert_bytes):.2g}"), g, i))
+                t = t2
         cand.sort()
-        cand = [(c[0], c[2], c[3]) for c in cand]
-        for _, i, e in cand:
-            b = layers[i].expert_bytes
-            if b <= left:
-                tiers[i][e] = "gpu"
-                on_gpu[i] += 1
-                left -= b
+
+        def take(i: int) -> None:
+            nonlocal left
+            tiers[i][order[i][on_gpu[i]]] = "gpu"
+            left -= layers[i].expert_bytes
+            on_gpu[i] += 1
+
+        for _, g, i in cand:
+            if on_gpu[i] == g and layers[i].expert_bytes <= left:
+                take(i)
+        # the rest (no modeled decode saving: the GPU still runs them in a prefill), round-robin
+        rest = sorted((g, i) for i, L in enumerate(layers) for g in range(on_gpu[i], L.n_expert))
+        for g, i in rest:
+            if on_gpu[i] == g and layers[i].expert_bytes <= left:
+                take(i)
         if all(g == L.n_expert for g, L in zip(on_gpu, layers)):
             reason = "every expert fits the GPU cache"
         else:
@@ -435,7 +503,8 @@ def simulate(trace: list[list[Any]], p: Plan, layers: list[MoeLayer], costs: Cos
     """Replay ``trace`` (per forward: per moe layer, the (n, k) selected expert ids of its
     rows) against the plan's cache with ``policy`` (default the plan's). Returns hits,
     misses, copies, hit_rate and, with ``costs``, the modeled seconds of the expert work
-    (per layer and forward: max(CPU rows' cost, GPU rows' cost) + copies' cost)."""
+    (per layer and forward: max(CPU rows' cost, GPU rows' cost, its fixed part included when
+    it has rows) + copies' cost)."""
     import dataclasses
 
     import numpy as np
@@ -451,7 +520,8 @@ def simulate(trace: list[list[Any]], p: Plan, layers: list[MoeLayer], costs: Cos
             if costs is not None:
                 res = cache.resident(li)
                 cpu_t = sum(costs.cpu[li](n) for e, n in rows.items() if e not in res)
-                gpu_t = sum(costs.gpu[li](n) for e, n in rows.items() if e in res) if costs.has_gpu else 0.0
+                on = [n for e, n in rows.items() if e in res] if costs.has_gpu else []
+                gpu_t = costs.fixed_s(li) + sum(costs.gpu[li](n) for n in on) if on else 0.0
                 secs += max(cpu_t, gpu_t) + len(copies) * (costs.copy[li] if costs.copy else 0.0)
     out = {"hits": cache.hits, "misses": cache.misses, "copies": cache.copies, "hit_rate": round(cache.hit_rate, 4)}
     if costs is not None:
@@ -547,8 +617,9 @@ def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | No
     # of the two passes' lines (at the larger calibration row count) is the better estimate
     n = CALIBRATION_ROWS[-1]
     cpu = tuple(a if a(n) <= b(n) else b for a, b in zip(costs.cpu, re.cpu))
-    costs2 = Costs(cpu, costs.gpu or re.gpu, costs.copy or re.copy, re.dense_decode_s or costs.dense_decode_s,
-                   dev, costs.measured_s + re.measured_s, re.dense_prefill_s or costs.dense_prefill_s)
+    g = costs if costs.gpu else re        # the GPU tier's lines and fixed part come from one calibration
+    costs2 = Costs(cpu, g.gpu, g.copy, re.dense_decode_s or costs.dense_decode_s, dev,
+                   costs.measured_s + re.measured_s, re.dense_prefill_s or costs.dense_prefill_s, g.gpu_fixed)
     p2 = plan(layers, costs2, gpu_bytes=got_gpu, host_bytes=host_bytes if got_host is None else int(got_host),
               policy=policy)
     if p2.tiers != p1.tiers:

@@ -319,14 +319,40 @@ def _grouped_matches_each(model, fake) -> str:
             + f"); moe_rows vs the CPU tier alone {worst_cpu:.1e}")
 
 
-def _setup(model, root) -> str:
+def _setup(model, root, fake) -> str:
     from aotx.engine.model import experts as X
     from aotx.engine.runtime import admission
 
     layers = X.moe_layers(model.program)
     total = sum(x.n_expert * x.expert_bytes for x in layers)
-    m = model.compiled.measure_experts(0, (1, 16))
-    assert set(m) == {"cpu", "gpu", "copy"} and set(m["gpu"]) == {1, 16}, m
+    # the GPU tier's calibration: one expert's call and a layer-shaped call of n_used experts (issue 22:
+    # one expert's call times n_used counted the call's fixed cost n_used times), split into fixed + marginal
+    gpu = model.compiled.moe_steps[0].gpu
+    before = (gpu.rows, gpu.calls, list(gpu.ids))
+    launches = fake.stats["launches"]
+    shapes = []
+    real = gpu.launch_routed
+
+    def spy(experts, rows, x=None):
+        shapes.append((tuple(np.unique(experts).tolist()), int(rows.shape[0]), int(x.shape[0])))
+        return real(experts, rows, x)
+
+    gpu.launch_routed = spy
+    try:
+        m = model.compiled.measure_experts(0, (1, 16))
+    finally:
+        del gpu.launch_routed
+    k = max(2, model.cfg.n_expert_used)
+    ks = tuple(range(k))
+    assert sorted(set(shapes)) == [((0,), 1, 1), (ks, k, 1), (ks, 16 * k, 16)], sorted(set(shapes))
+    assert set(m) == {"cpu", "gpu_one", "gpu_layer", "gpu_k", "copy"} and set(m["gpu_layer"]) == {1, 16}, m
+    assert m["gpu_k"] == k and m["gpu_one"] > 0 and all(v > 0 for v in m["gpu_layer"].values()) and m["copy"] > 0, m
+    per_call = 3 if gpu.act == "silu" else 5          # gather, the GEMVs (gpt-oss: and its SwiGLU)
+    # three grouped calls timed (one expert on 1 row; k experts on 1 and 16 rows), each warm-up + 5 runs
+    assert fake.stats["launches"] - launches == 3 * 6 * per_call, fake.stats["launches"] - launches
+    assert (gpu.rows, gpu.calls, list(gpu.ids)) == before, "the calibration left the tier's counters or experts changed"
+    costs = X.calibrate(model.compiled, layers)
+    assert costs.has_gpu and len(costs.gpu_fixed) == len(layers) and all(f >= 0 for f in costs.gpu_fixed), costs
     st = X.setup(model, model_fp="dryrun", gpu_bytes=1 << 30, host_bytes=None, root=root, reuse=False)
     assert st.plan.count("gpu") == st.plan.n_experts, st.plan.summary()
     assert set(st.stages) == {"experts calibrate", "experts plan", "experts place", "experts replan"}
@@ -357,7 +383,7 @@ def main() -> int:
             model = _build(path)
             _exercise(model, fake)
             summary = _staging(model) + "; " + _grouped_matches_each(model, fake) + " | " + _placements(model) + " | " \
-                + _setup(model, tmp / "home")
+                + _setup(model, tmp / "home", fake)
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {name}")
             traceback.print_exc()
