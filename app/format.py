@@ -201,3 +201,11 @@ def fork_title(parent: str, existing: list[str]) -> str:
     while f"{root} (fork {prefix}{k})" in taken:
         k += 1
     return f"{root} (fork {prefix}{k})"
+
+
+def ellipsize(text: str, width: int) -> str:
+    """``text`` cut to at most ``width`` characters, its last one an ellipsis when cut
+    ("" for a width under 1)."""
+    if len(text) <= width:
+        return text
+    return text[:width - 1] + "…" if width > 0 else ""

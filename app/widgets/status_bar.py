@@ -18,10 +18,11 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
 
-from aotx.app.format import fmt_bytes
+from aotx.app.format import ellipsize, fmt_bytes
 from aotx.engine.ipc import protocol as P
 
 REDRAW_S = 0.25  # how often the line is redrawn while a reply streams
+MIN_MODEL = 12  # the fewest characters of the model's name kept beside the state
 
 
 class StatusBar(Horizontal):
@@ -67,21 +68,28 @@ class StatusBar(Horizontal):
         return " · ".join(parts)
 
     def line(self, width: int | None = None) -> str:
-        """The status line; with ``width``, shortened to fit: the budget first loses its
-        words, then goes, then the model's name and the device (state and speed stay)."""
+        """The status line; with ``width``, shortened to fit by dropping the least useful
+        first: the budget loses its words, then goes; then the device, the speed and
+        context, the state's detail; then the model's name is shortened with an ellipsis
+        (the name and the state stay to the end: which model answers, and whether it is
+        ready)."""
         state = self.state + (f" ({self.detail})" if self.detail else "")
         speed = self.speed_text() if self.state in ("ready", "writing") else ""
         free = fmt_bytes(self.budget - self.used)
         budgets = ([f"budget {fmt_bytes(self.used)} used / {free} free", f"{free} free", ""] if self.budget
                    else [""])
         model = self.conv_model or self.model or "no model yet"
-        tries = [(model, self.device or "?", b) for b in budgets] + [("", self.device or "?", ""), ("", "", "")]
-        line = ""
-        for m, d, b in tries:
-            line = " · ".join(x for x in (m, d, state, speed, b) if x)
+        device = self.device or "?"
+        tries = ([(device, speed, state, b) for b in budgets]
+                 + [("", speed, state, ""), ("", "", state, ""), ("", "", self.state, "")])
+        for d, sp, st, b in tries:
+            line = " · ".join(x for x in (model, d, st, sp, b) if x)
             if width is None or len(line) <= width:
                 return line
-        return line
+        room = width - len(" · " + self.state)
+        if room >= MIN_MODEL:
+            return f"{ellipsize(model, room)} · {self.state}"
+        return ellipsize(f"{model} · {self.state}", width)
 
     # ---- engine state ------------------------------------------------------
 
