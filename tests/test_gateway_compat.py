@@ -62,3 +62,24 @@ def test_bug_logprobs_leave_out_the_end_of_generation_token(oa):
                 streamed += sc.logprobs.content
     assert text == c.message.content
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in entries]
+
+
+def test_bug_retrieved_response_lacks_previous_response_id(oa):
+    """GET /v1/responses/{id} answered without ``previous_response_id`` (OpenAI's Response
+    carries it, null when none). It is the id the response was created with: after a plain
+    continuation, a branch (a fork of the conversation) and several new input items (a new
+    conversation holding the history) alike."""
+    kw = dict(model="local", max_output_tokens=3, temperature=0)
+    r1 = oa.responses.create(input="Name a fruit.", **kw)
+    r2 = oa.responses.create(input="Another one.", previous_response_id=r1.id, **kw)
+    r3 = oa.responses.create(input="A vegetable?", previous_response_id=r1.id, **kw)  # r1 is no longer last: a fork
+    r4 = oa.responses.create(input=[{"role": "user", "content": "One more."}, {"role": "user", "content": "Go."}],
+                             previous_response_id=r2.id, **kw)
+    assert r3.model_extra["aotx"]["conversation"] != r1.model_extra["aotx"]["conversation"]
+    got = {r.id: oa.responses.retrieve(r.id) for r in (r1, r2, r3, r4)}
+    assert got[r1.id].previous_response_id is None and "previous_response_id" in got[r1.id].model_fields_set
+    assert got[r2.id].previous_response_id == r1.id
+    assert got[r3.id].previous_response_id == r1.id
+    assert got[r4.id].previous_response_id == r2.id
+    for r in (r1, r2, r3, r4):
+        assert got[r.id].output_text == r.output_text

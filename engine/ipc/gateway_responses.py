@@ -43,6 +43,10 @@ RESPONSE_ID = re.compile(r"^resp_(c[A-Za-z0-9]{1,40})_(m[A-Za-z0-9]{1,40})$")
 CALL_ID = re.compile(r"^call_(m[A-Za-z0-9]{1,40})_(\d{1,4})$")
 
 
+# the meta key of a response's input message that names the response it continued
+PREVIOUS = P.CLIENT_META_PREFIX + "previous_response_id"
+
+
 def response_id(conv_id: str, reply_id: str) -> str:
     return f"resp_{conv_id}_{reply_id}"
 
@@ -311,7 +315,10 @@ async def create(gw, request: Request) -> Response:
         req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits, gw.keys.file_roots(key))
     except S.BadRequest as e:
         raise S.relabel(e, CHAT_NAMES, {"messages": "input", "max_tokens": "max_output_tokens"}) from None
-    spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=req.messages[-1],
+    last = req.messages[-1]
+    if prev is not None:  # noted on the message it answers, for GET /v1/responses/{id}
+        last = S.Turn(last.role, last.text, {**last.meta, PREVIOUS: prev}, last.parts)
+    spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=last,
                 sampling=req.sampling, stream=req.stream, tools=req.tools, constraint=req.constraint,
                 logprobs=req.logprobs, n=1, conversation=conv, after=after, title=req.messages[-1].text,
                   model=req.model)
@@ -384,7 +391,9 @@ async def retrieve(gw, request: Request) -> Response:
         view = await client.show(conv_id)
     except EngineError:
         view = None
-    msg = next((x for x in (view.messages if view else []) if x.msg_id == reply_id), None)
+    msgs = view.messages if view else []
+    at = next((i for i, x in enumerate(msgs) if x.msg_id == reply_id), None)
+    msg = msgs[at] if at is not None else None
     if msg is None:
         raise gw.api_error(404, f"no response {rid!r}", "invalid_request_error", param="response_id",
                            code="response_not_found")
@@ -400,6 +409,16 @@ async def retrieve(gw, request: Request) -> Response:
     return JSONResponse({"id": rid, "object": "response", "created_at": view.updated_at, "model": gw.link.model,
                          "status": "completed" if done else ("in_progress" if msg.status in ("accepted", "streaming")
                                                              else "incomplete"),
-                         "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                         "output": output, "previous_response_id": _previous(msgs, at),
+                         "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
                          "aotx": {"conversation": conv_id, "reply_id": reply_id,
                                   "receipt": S.receipt_dict(msg.receipt)}})
+
+
+def _previous(msgs: list[P.MessageView], at: int) -> str | None:
+    """The ``previous_response_id`` of the reply ``msgs[at]``: the one its input message
+    (the message just before it) was sent with, None when none was."""
+    if at == 0 or msgs[at].role != "assistant" or msgs[at - 1].role == "assistant":
+        return None
+    prev = msgs[at - 1].meta.get(PREVIOUS)
+    return prev if isinstance(prev, str) else None

@@ -203,6 +203,7 @@ class MessageView(msgspec.Struct, omit_defaults=True):
     receipt: Receipt | None = None
     seq: int = 0
     model: str = ""
+    meta: dict[str, Any] = {}  # as PriorMessage.meta (the template's fields and clients' notes)
 
 
 class ConversationView(msgspec.Struct, omit_defaults=True):
@@ -281,6 +282,19 @@ class PriorMessage(msgspec.Struct, omit_defaults=True):
     role: str
     text: str
     meta: dict[str, Any] = {}
+
+
+CLIENT_META_PREFIX = "aotx_"
+"""A ``meta`` key with this prefix is a client's own note on the message (the gateway's
+``aotx_previous_response_id``): journaled and shown with the message (``MessageView.meta``),
+never given to the chat template."""
+
+
+def template_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` without the clients' own notes (``CLIENT_META_PREFIX``): the chat template's fields."""
+    if not any(k.startswith(CLIENT_META_PREFIX) for k in meta):
+        return meta
+    return {k: v for k, v in meta.items() if not k.startswith(CLIENT_META_PREFIX)}
 
 
 class CreateConversation(_Base, tag="create"):

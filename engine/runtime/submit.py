@@ -268,7 +268,7 @@ class Submitter:
         history = [tool_calls.template_message(m) for m in history]
         if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
             return self._fit_images(sub, history, text)
-        msgs = history + [{**op.meta, "role": op.role, "content": text}]
+        msgs = history + [{**P.template_fields(op.meta), "role": op.role, "content": text}]
         extra: dict[str, Any] = {}
         if op.tools:
             if tool_calls.takes_tools(self.lm.template.source):
