@@ -83,3 +83,70 @@ def test_bug_retrieved_response_lacks_previous_response_id(oa):
     assert got[r4.id].previous_response_id == r2.id
     for r in (r1, r2, r3, r4):
         assert got[r.id].output_text == r.output_text
+
+
+def test_bug_engine_dying_mid_stream_ends_each_stream_with_its_protocols_error(tmp_path, default_model_path):
+    """An engine killed while three replies stream (chat completions, Responses, Messages):
+    each stream ends with its protocol's error, as the official clients read it. Chat: a
+    ``data: {"error": ...}`` chunk, then ``data: [DONE]`` (vLLM's form; llama.cpp's server
+    sends the same chunk): the openai client raises APIError. Responses: a
+    ``response.failed`` event whose response has status "failed" and an error object (it
+    was an ``error`` event and no terminal response event). Messages: ``event: error`` with
+    ``{"type": "error", "error": {"type": "api_error", "message"}}``."""
+    anthropic = pytest.importorskip("anthropic")
+    proc, sock = start_engine(tmp_path, None, slots=4, context=1024)
+    try:
+        with gateway(sock) as url:
+            oa = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+            an = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=300)
+            ask = "Count from one to three hundred in words, one number per line."
+            chat = oa.chat.completions.create(model="local", messages=[{"role": "user", "content": ask}],
+                                              max_tokens=900, temperature=0, stream=True)
+            resp = oa.responses.create(model="local", input=ask, max_output_tokens=900, temperature=0, stream=True)
+            msgs = an.messages.create(model="local", max_tokens=900, messages=[{"role": "user", "content": ask}],
+                                      stream=True, extra_body={"temperature": 0})
+            chat_it, resp_it, msgs_it = iter(chat), iter(resp), iter(msgs)
+            for it, is_text in ((chat_it, lambda e: e.choices and e.choices[0].delta.content),
+                                (resp_it, lambda e: e.type == "response.output_text.delta"),
+                                (msgs_it, lambda e: e.type == "content_block_delta")):
+                while not is_text(next(it)):
+                    pass
+            stop_engine(proc, kill=True)
+            with pytest.raises(openai.APIError) as chat_err:
+                for _ in chat_it:
+                    pass
+            assert "engine" in chat_err.value.message
+            rest = list(resp_it)
+            assert rest[-1].type == "response.failed", [e.type for e in rest[-3:]]
+            failed = rest[-1].response
+            assert failed.status == "failed" and failed.error is not None and failed.error.message
+            assert not any(e.type in ("response.completed", "response.incomplete") for e in rest)
+            with pytest.raises(anthropic.APIStatusError) as msg_err:
+                for _ in msgs_it:
+                    pass
+            body = msg_err.value.body
+            assert body["type"] == "error" and body["error"]["type"] == "api_error" and body["error"]["message"]
+    finally:
+        stop_engine(proc)
+
+
+def test_engine_dying_mid_stream_raw_chat_chunks_end_error_then_done(tmp_path, default_model_path):
+    """The same on the wire, for chat completions: the last two SSE data lines are the error
+    object and ``[DONE]``."""
+    proc, sock = start_engine(tmp_path, None, slots=2, context=1024)
+    try:
+        with gateway(sock) as url, httpx.Client(base_url=url, headers=_auth(), timeout=300) as h:
+            body = {"model": "local", "max_tokens": 900, "temperature": 0, "stream": True,
+                    "messages": [{"role": "user", "content": "Count from one to three hundred in words."}]}
+            with h.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = r.iter_lines()
+                for ln in lines:
+                    if ln.startswith("data: ") and '"content":"' in ln and '"content":""' not in ln:
+                        break
+                stop_engine(proc, kill=True)
+                data = [ln[6:] for ln in lines if ln.startswith("data: ")]
+            assert data[-1] == "[DONE]"
+            err = json.loads(data[-2])["error"]
+            assert err["type"] == "server_error" and "engine" in err["message"], err
+    finally:
+        stop_engine(proc)

@@ -9,7 +9,8 @@ and ``tool_use`` content blocks and a ``stop_reason`` (end_turn, max_tokens,
 stop_sequence, tool_use), or the streaming events ``message_start``,
 ``content_block_start`` / ``_delta`` (``text_delta``, ``input_json_delta``) /
 ``_stop``, ``message_delta`` and ``message_stop``. Errors use Anthropic's body
-(``{"type": "error", "error": {"type", "message"}}``). The key may come as
+(``{"type": "error", "error": {"type", "message"}}``; mid-stream, an ``error`` event with
+it: an engine that fails or goes away is an ``api_error``). The key may come as
 ``x-api-key`` (Anthropic's clients) or as a bearer token. Leaves HTTP, the engine
 and tool-call parsing to ``gateway.py``.
 """
@@ -232,6 +233,10 @@ class MessagesAPI:
                 elif isinstance(e, P.Committed) and e.choice == 0:
                     reply.n_prompt = e.n_prompt
                     reply.n_cached = int(e.timings.get("prompt_tokens_reused", 0))
+                    if e.finish_reason == "error":
+                        yield ev({"type": "error", "error": {"type": "api_error", "message":
+                                                             "the engine failed while generating this reply"}})
+                        return
                     outs = st.committed(e)
                 elif isinstance(e, P.Error):
                     err = gw.engine_error(e)
@@ -262,7 +267,7 @@ class MessagesAPI:
                         if args:
                             yield ev({"type": "content_block_delta", "index": call_block[idx],
                                       "delta": {"type": "input_json_delta", "partial_json": args}})
-        except gw.api_error as err:
+        except gw.api_error as err:  # the engine went away: Anthropic's mid-stream error event
             yield ev({"type": "error", "error": {"type": "api_error", "message": err.body["error"]["message"]}})
             return
         if open_kind is not None:

@@ -2,7 +2,8 @@
 
 Owns: parsing a Responses request into the gateway's ``Spec`` and answering in the
 Responses shapes (a ``response`` object with ``message`` and ``function_call`` output
-items; streaming as ``response.*`` events). A response id names where its reply lives
+items; streaming as ``response.*`` events, ending with ``response.failed`` when the engine
+fails or goes away mid-stream). A response id names where its reply lives
 in the journal: ``resp_<conversation>_<reply message>``, so it is durable (it is the
 journal's record, and survives an engine restart) and ``previous_response_id``
 continues that conversation: the engine's next turn restores the conversation's
@@ -205,6 +206,13 @@ class ResponsesAPI:
     async def final(self, gw, gen, reply: S.Reply, spec) -> dict[str, Any]:
         return self._response(gen, reply, spec, "completed")
 
+    def _failed(self, gen, reply: S.Reply, spec, message: str) -> dict[str, Any]:
+        """The ``response.failed`` event that ends a stream the engine could not finish (it
+        failed, or went away): the response with status "failed" and OpenAI's error object."""
+        resp = self._response(gen, reply, spec, "in_progress")
+        resp.update(status="failed", output=[], error={"code": "server_error", "message": message})
+        return {"type": "response.failed", "response": resp}
+
     async def stream(self, gw, gen, reply: S.Reply, spec, states) -> AsyncIterator[bytes]:
         seq = 0
 
@@ -235,11 +243,12 @@ class ResponsesAPI:
                 elif isinstance(e, P.Committed) and e.choice == 0:
                     reply.n_prompt = e.n_prompt
                     reply.n_cached = int(e.timings.get("prompt_tokens_reused", 0))
+                    if e.finish_reason == "error":
+                        yield ev(self._failed(gen, reply, spec, "the engine failed while generating this reply"))
+                        return
                     outs = st.committed(e)
                 elif isinstance(e, P.Error):
-                    err = gw.engine_error(e)
-                    yield ev({"type": "error", "code": err.body["error"].get("code"),
-                              "message": err.body["error"]["message"], "param": None})
+                    yield ev(self._failed(gen, reply, spec, gw.engine_error(e).body["error"]["message"]))
                     return
                 for o in outs:
                     if o.kind == "logprob":
@@ -271,9 +280,8 @@ class ResponsesAPI:
                         if args:
                             yield ev({"type": "response.function_call_arguments.delta", "item_id": c["item"]["id"],
                                       "output_index": c["output_index"], "delta": args})
-        except gw.api_error as err:
-            yield ev({"type": "error", "code": err.body["error"].get("code"), "message": err.body["error"]["message"],
-                      "param": None})
+        except gw.api_error as err:  # the engine went away
+            yield ev(self._failed(gen, reply, spec, err.body["error"]["message"]))
             return
         gw._finish_reply(gen, reply, states)
         if msg_index is not None:
