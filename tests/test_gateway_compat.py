@@ -150,3 +150,29 @@ def test_engine_dying_mid_stream_raw_chat_chunks_end_error_then_done(tmp_path, d
             assert err["type"] == "server_error" and "engine" in err["message"], err
     finally:
         stop_engine(proc)
+
+
+def test_bug_anthropic_assistant_prefill_is_continued_not_refused(gw):
+    """A Messages request whose last message is the assistant's (a prefill) was a 400 (the
+    last message must be the user's). Anthropic continues the reply from the prefilled text
+    and returns the continuation only: the prompt ends inside the assistant turn (no
+    end-of-turn after the prefill), so a count the prefill started goes on from it."""
+    anthropic = pytest.importorskip("anthropic")
+    cl = anthropic.Anthropic(base_url=gw, api_key=KEY, max_retries=0, timeout=300)
+    prefill = "1, 2, 3, 4, 5, 6,"
+    kw = dict(model="local", max_tokens=8, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "Count from 1 to 20, separated by commas."},
+                        {"role": "assistant", "content": prefill}])
+    m = cl.messages.create(**kw)
+    text = m.content[0].text
+    assert text.lstrip().startswith("7"), text
+    assert prefill not in text
+    with cl.messages.stream(**kw) as s:
+        assert "".join(s.text_stream) == text
+    # an empty final assistant message asks for a plain reply; trailing whitespace is refused, as Anthropic does
+    plain = cl.messages.create(**{**kw, "messages": kw["messages"][:1] + [{"role": "assistant", "content": ""}]})
+    assert plain.content and plain.content[0].text
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        cl.messages.create(**{**kw, "messages": kw["messages"][:1] + [{"role": "assistant", "content": "1, "}]})
+    with pytest.raises(anthropic.BadRequestError, match="user message before it"):
+        cl.messages.create(**{**kw, "messages": [{"role": "assistant", "content": "Hi"}]})

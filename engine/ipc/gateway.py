@@ -811,6 +811,8 @@ class Gateway:
         fields: dict[str, Any] = {"n": spec.n, "logprobs": spec.logprobs}
         if spec.chat:
             fields.update(role=spec.last.role, meta=spec.last.meta, tools=spec.tools.tools if spec.tools.active else [])
+            if spec.prefill:
+                fields["prefill"] = spec.prefill
         if constraint is not None:
             fields["constraint"] = constraint
         if atts:

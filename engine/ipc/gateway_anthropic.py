@@ -3,8 +3,9 @@
 Owns: parsing a Messages request (``system``, ``messages`` with ``text``, ``image``
 (base64 source), ``tool_use`` and ``tool_result`` blocks, ``tools`` with
 ``input_schema``, ``tool_choice`` auto | any | tool | none, ``max_tokens``,
-``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``stream``) into the
-gateway's ``Spec``, and answering in Anthropic's shapes: a ``message`` with ``text``
+``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``stream``; a final
+``assistant`` message is a prefill: the reply continues it and holds the continuation
+only, as Anthropic's does) into the gateway's ``Spec``, and answering in Anthropic's shapes: a ``message`` with ``text``
 and ``tool_use`` content blocks and a ``stop_reason`` (end_turn, max_tokens,
 stop_sequence, tool_use), or the streaming events ``message_start``,
 ``content_block_start`` / ``_delta`` (``text_delta``, ``input_json_delta``) /
@@ -284,6 +285,7 @@ async def create(gw, request: Request) -> Response:
     """``POST /v1/messages``."""
     key = gw._auth(request)
     chat, msgs, parts = parse(await gw._json(request), gw.cfg.limits)
+    msgs, prefill = split_prefill(msgs)
     try:
         req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits)
     except S.BadRequest as e:
@@ -293,10 +295,32 @@ async def create(gw, request: Request) -> Response:
         if last.role != "user":
             raise S.BadRequest("images go with the user's text, after any tool results", "messages")
         last = S.Turn(last.role, last.text, last.meta, tuple(parts))
+    if parts and prefill:
+        raise S.BadRequest("an assistant prefill after an image is not supported; send the image without it",
+                           "messages")
     spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=last, sampling=req.sampling,
                 stream=req.stream, tools=req.tools, constraint=req.constraint, n=1, title=last.text,
-                  model=req.model)
+                  model=req.model, prefill=prefill)
     return await gw.generate(request, key, spec, MessagesAPI())
+
+
+def split_prefill(msgs: list[dict]) -> tuple[list[dict], str]:
+    """(the messages, the prefill): a final assistant message is the start of the reply,
+    which continues it (Anthropic's prefill); an empty one asks for a plain reply. Raises
+    BadRequest for one with tool_use blocks or trailing whitespace (Anthropic refuses it)."""
+    if not msgs or msgs[-1].get("role") != "assistant":
+        return msgs, ""
+    m = msgs[-1]
+    where = m.get(S.AT, "messages")
+    if m.get("tool_calls"):
+        raise S.BadRequest(f"'{where}': a final assistant message (a prefill) takes text only, not tool_use",
+                           "messages")
+    text = m.get("content") or ""
+    if text != text.rstrip():
+        raise S.BadRequest(f"'{where}': final assistant content cannot end with trailing whitespace", "messages")
+    if len(msgs) == 1 or all(x.get("role") == "system" for x in msgs[:-1]):
+        raise S.BadRequest(f"'{where}': an assistant prefill needs a user message before it", "messages")
+    return msgs[:-1], text
 
 
 def _usage(reply: S.Reply) -> dict[str, int]:

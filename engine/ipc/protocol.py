@@ -339,6 +339,10 @@ class SubmitMessage(_Base, tag="submit"):
     # a continuation of one reply: refused (busy, nothing written) unless the conversation's last
     # message is ``after`` when the message is taken (another turn landed meanwhile: fork instead)
     after: str = ""
+    # the reply continues this assistant text (a prefill): the prompt ends inside an assistant
+    # turn opened with it (``encode_chat(continue_final=True)``); the reply holds the continuation
+    # only, and the journal does not keep the prefill (a later turn's history lacks it)
+    prefill: str = ""
 
 
 class Cancel(_Base, tag="cancel"):

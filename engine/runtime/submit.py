@@ -154,6 +154,8 @@ class Submitter:
         why = P.sampling_problem(sp)
         if why:
             raise RequestError(why)
+        if op.prefill and (op.raw or op.attachments):
+            raise RequestError("an assistant prefill continues a chat turn: not with a raw prompt or attachments")
         self._mode(sp)
         return sp
 
@@ -269,13 +271,15 @@ class Submitter:
         if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
             return self._fit_images(sub, history, text)
         msgs = history + [{**P.template_fields(op.meta), "role": op.role, "content": text}]
+        if op.prefill:
+            msgs.append({"role": "assistant", "content": op.prefill})
         extra: dict[str, Any] = {}
         if op.tools:
             if tool_calls.takes_tools(self.lm.template.source):
                 extra["tools"] = op.tools
             else:  # the template knows no tools: describe them in the system prompt
                 msgs = _with_system(msgs, tool_calls.fallback_system_prompt(op.tools))
-        return text, encode_chat(tok, self.lm.template, msgs, **extra)
+        return text, encode_chat(tok, self.lm.template, msgs, continue_final=bool(op.prefill), **extra)
 
     def prepared(self, ev: Prepared, tick: int) -> Request | None:
         """Stage 3 came back (engine thread): admission and acceptance, or its refusal."""
