@@ -176,3 +176,38 @@ def test_bug_anthropic_assistant_prefill_is_continued_not_refused(gw):
         cl.messages.create(**{**kw, "messages": kw["messages"][:1] + [{"role": "assistant", "content": "1, "}]})
     with pytest.raises(anthropic.BadRequestError, match="user message before it"):
         cl.messages.create(**{**kw, "messages": [{"role": "assistant", "content": "Hi"}]})
+
+
+def test_bug_anthropic_count_tokens_endpoint_counts_the_prompt_as_messages_renders_it(gw, engine):
+    """POST /v1/messages/count_tokens was a 404 (Claude Code and the anthropic client call it
+    to size a conversation). It answers ``{"input_tokens": N}``: the prompt of the same body
+    sent to /v1/messages (system, earlier turns, tools, a prefill), as that reply's usage
+    counts it, storing nothing; a bad body is a 400 in Anthropic's error shape."""
+    anthropic = pytest.importorskip("anthropic")
+    cl = anthropic.Anthropic(base_url=gw, api_key=KEY, max_retries=0, timeout=300)
+    tools = [{"name": "get_weather", "description": "Weather in a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    turns = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello! How can I help?"},
+             {"role": "user", "content": "What is the weather in Paris?"}]
+    bodies = [dict(messages=turns[:1]), dict(messages=turns, system="Be terse."),
+              dict(messages=turns, system="Be terse.", tools=tools),
+              dict(messages=turns + [{"role": "assistant", "content": "Let me"}], system="Be terse.")]
+    before = len(engine_call(engine[0], lambda c: c.list_conversations()))
+    counts = [cl.messages.count_tokens(model="local", **b).input_tokens for b in bodies]
+    assert len(engine_call(engine[0], lambda c: c.list_conversations())) == before  # nothing stored
+    for b, n in zip(bodies, counts):
+        u = cl.messages.create(model="local", max_tokens=1, **b).usage
+        assert n == u.input_tokens + (u.cache_read_input_tokens or 0), (b, n, u)
+    assert counts[0] < counts[1] < counts[2] and counts[3] > counts[1]
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=300) as h:
+        for body, where in (({"model": "local"}, "messages"),
+                            ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+                            ({"messages": turns[:1], "tools": [5]}, "tools[0]"),
+                            ({"messages": [{"role": "assistant", "content": "x"}]}, "user message before it")):
+            r = h.post("/v1/messages/count_tokens", json=body)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["type"] == "error" and where in r.json()["error"]["message"], r.text
+        r = h.post("/v1/messages/count_tokens", content=b"{nope", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        r = httpx.post(gw + "/v1/messages/count_tokens", json={"messages": turns[:1]}, timeout=60)
+        assert r.status_code == 401

@@ -1065,6 +1065,7 @@ def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_a
         Route("/v1/responses", _bound(gateway_responses.create, gw), methods=["POST"]),
         Route("/v1/responses/{response_id}", _bound(gateway_responses.retrieve, gw), methods=["GET"]),
         Route("/v1/messages", _bound(gateway_anthropic.create, gw), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _bound(gateway_anthropic.count_tokens, gw), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: api_error, S.BadRequest: bad_request, HTTPException: http_error,

@@ -12,7 +12,8 @@ stop_sequence, tool_use), or the streaming events ``message_start``,
 ``_stop``, ``message_delta`` and ``message_stop``. Errors use Anthropic's body
 (``{"type": "error", "error": {"type", "message"}}``; mid-stream, an ``error`` event with
 it: an engine that fails or goes away is an ``api_error``). The key may come as
-``x-api-key`` (Anthropic's clients) or as a bearer token. Leaves HTTP, the engine
+``x-api-key`` (Anthropic's clients) or as a bearer token. ``POST /v1/messages/count_tokens``
+answers a Messages body's prompt token count (``{"input_tokens": N}``) without running it. Leaves HTTP, the engine
 and tool-call parsing to ``gateway.py``.
 """
 
@@ -25,9 +26,11 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from aotx.engine.errors import EngineError
 from aotx.engine.ipc import gateway_media as M
 from aotx.engine.ipc import gateway_schema as S
 from aotx.engine.ipc import protocol as P
+from aotx.engine.ipc.client import ConnectionLost
 
 # chat-completions names -> Anthropic's (errors from parse_chat name what the client sent)
 CHAT_NAMES = ((".tool_call_id", ".tool_use_id"), (".function.name", ".name"), (".function.parameters", ".input_schema"),
@@ -302,6 +305,37 @@ async def create(gw, request: Request) -> Response:
                 stream=req.stream, tools=req.tools, constraint=req.constraint, n=1, title=last.text,
                   model=req.model, prefill=prefill)
     return await gw.generate(request, key, spec, MessagesAPI())
+
+
+async def count_tokens(gw, request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the prompt's token count
+    as ``/v1/messages`` renders the same body (system, messages, tools, a prefill) on its
+    model; nothing is stored or run. Images are refused (their count is the encoder's)."""
+    gw._auth(request)
+    body = await gw._json(request)
+    if isinstance(body, dict) and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": 1}  # (a count takes no max_tokens)
+    chat, msgs, parts = parse(body, gw.cfg.limits)
+    if parts:
+        raise S.BadRequest("count_tokens counts text: images are not counted here", "messages")
+    msgs, prefill = split_prefill(msgs)
+    chat.pop("stream", None)
+    try:
+        req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits)
+    except S.BadRequest as e:
+        raise S.relabel(e, CHAT_NAMES, {}) from None
+    target = await gw.route(req.model)
+    client = await gw.link.get()
+    try:
+        n = await client.count_tokens([P.PriorMessage(t.role, t.text, t.meta) for t in req.messages],
+                                      system_prompt=req.system, tools=req.tools.tools if req.tools.active else [],
+                                      prefill=prefill, model=target)
+    except ConnectionLost as e:
+        raise gw.api_error(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
+                           headers={"Retry-After": str(gw.cfg.retry_after_s)}) from None
+    except EngineError as e:
+        raise gw.engine_error(P.Error(id=0, code=e.code, message=str(e))) from None
+    return JSONResponse({"input_tokens": n})
 
 
 def split_prefill(msgs: list[dict]) -> tuple[list[dict], str]:

@@ -345,6 +345,21 @@ class SubmitMessage(_Base, tag="submit"):
     prefill: str = ""
 
 
+class CountTokens(_Base, tag="count_tokens"):
+    """How many tokens a chat turn's prompt is, as ``model``'s chat template renders it
+    ("": the engine's default; loaded when it is not), storing and running nothing: the
+    prompt a ``SubmitMessage`` of the last of ``messages`` (role user or tool) with these
+    ``tools`` and ``prefill`` would get on a conversation holding the others and
+    ``system_prompt``. Answered with ``TokenCount``."""
+
+    id: int
+    messages: list[PriorMessage] = []
+    system_prompt: str | None = None
+    tools: list[dict[str, Any]] = []
+    prefill: str = ""
+    model: str = ""
+
+
 class Cancel(_Base, tag="cancel"):
     """Cancel the generation started by request ``target`` (or the one running in ``conv_id``)."""
 
@@ -605,6 +620,14 @@ class ModelList(_Base, tag="models"):
     models_dir: str = ""
 
 
+class TokenCount(_Base, tag="token_count"):
+    """Answer to ``CountTokens``: the prompt's ``n_tokens`` on ``model``."""
+
+    id: int
+    n_tokens: int
+    model: str = ""
+
+
 class ModelLoaded(_Base, tag="model_loaded"):
     """Answer to ``LoadModel``: the model is loaded (``unloaded``: idle models evicted for it)."""
 
@@ -617,16 +640,16 @@ class ModelLoaded(_Base, tag="model_loaded"):
 Message = Union[
     Hello, CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel,
     DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens,
     Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, MediaInfo, Committed,
-    Durable, StatusReply, ModelList, ModelLoaded,
+    Durable, StatusReply, ModelList, ModelLoaded, TokenCount,
 ]
 
 #: The operations a client asks the engine to run (everything but the handshake).
 Operation = Union[
     CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel, DeleteConversation,
     RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens,
 ]
 OPERATIONS: tuple[type, ...] = Operation.__args__
 
@@ -656,7 +679,7 @@ def operation_problem(op: Any) -> str | None:
         return f"unexpected message type {type(op).__name__}"
     if isinstance(op.id, bool) or not isinstance(op.id, int):
         return f"id must be an integer, got {op.id!r}"
-    for name in ("conv_id", "title", "text", "msg_id", "at_msg_id", "model"):
+    for name in ("conv_id", "title", "text", "msg_id", "at_msg_id", "model", "prefill"):
         v = getattr(op, name, "")
         if not isinstance(v, str):
             return f"{name} must be a string, got {type(v).__name__}"
@@ -690,6 +713,14 @@ def operation_problem(op: Any) -> str | None:
                 return "an attachment needs the path of its file"
             if a.kind not in ("", *MediaKind):
                 return f"{a.name or a.path}: unknown attachment kind {a.kind!r} (audio or image)"
+    elif isinstance(op, CountTokens):
+        if not op.messages:
+            return "messages must hold the turn to count"
+        for m in op.messages:
+            if not isinstance(m, PriorMessage) or not isinstance(m.text, str) or m.role not in _ROLES:
+                return "messages must be PriorMessage(role user, assistant or tool, text)"
+        if op.messages[-1].role not in MESSAGE_ROLES:
+            return f"the last message is the turn counted: role {' or '.join(MESSAGE_ROLES)}"
     elif isinstance(op, (LoadModel, UnloadModel, SwitchModel)):
         if not op.model.strip():
             return "model must name a model (see ListModels)"
