@@ -396,7 +396,9 @@ class ChoiceState:
 
     def token(self, ev: P.Token) -> list[Out]:
         out = []
-        if self.logprobs is not None and ev.logprob is not None:
+        # the end-of-generation token is no token of the content: OpenAI's logprobs list only
+        # the returned text's tokens
+        if self.logprobs is not None and ev.logprob is not None and not ev.end:
             e = S.logprob_entry(ev.piece, ev.logprob, ev.top)
             self.logprobs.append(e)
             out.append(Out("logprob", self.index, entry=e))

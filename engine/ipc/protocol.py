@@ -466,7 +466,9 @@ class Token(_Base, tag="token"):
     while a multi-byte character or a possible stop string is held back). With
     ``SubmitMessage.logprobs`` >= 0: ``logprob`` of the token under the model (the log
     softmax of its raw logits, before sampling filters and constraints), ``piece`` its
-    bytes, and ``top``, the ``logprobs`` most likely ids as (id, logprob, bytes)."""
+    bytes, and ``top``, the ``logprobs`` most likely ids as (id, logprob, bytes). ``end``:
+    the token is the end-of-generation token that ended the reply (it has no text of its
+    own; ``text`` may still carry text held back until then)."""
 
     id: int
     token_id: int
@@ -478,6 +480,7 @@ class Token(_Base, tag="token"):
     logprob: float | None = None
     piece: bytes = b""
     top: list[tuple[int, float, bytes]] = []
+    end: bool = False
 
 
 class Notice(_Base, tag="notice"):

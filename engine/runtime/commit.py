@@ -92,7 +92,10 @@ class Commit:
                 if reason in ("length", "context"):
                     emit += r.decoder.flush()
                 r.text += emit
-                items.append((tok, emit, row.logprobs[j] if row.logprobs else None))
+                # the end-of-generation token that ended the reply is flagged: it is no token of the
+                # reply's text (OpenAI's logprobs leave it out: the gateway reads the flag)
+                items.append((tok, emit, row.logprobs[j] if row.logprobs else None,
+                              reason == "stop" and tok in r.stop.eog_ids))
                 if reason is not None:
                     r.finish_reason = reason
                     break
@@ -102,16 +105,16 @@ class Commit:
         st = self.store
         for r, items in per_req.items():
             start = len(r.prompt) + len(r.completion) - len(items)
-            seq, nbytes = st.commit_tokens(r.conv_id, r.reply_id, start, [t for t, _, _ in items],
-                                           "".join(e for _, e, _ in items), tick=tick)
+            seq, nbytes = st.commit_tokens(r.conv_id, r.reply_id, start, [t for t, _, _, _ in items],
+                                           "".join(e for _, e, _, _ in items), tick=tick)
             r.credit -= nbytes
-            for j, (t, e, lp) in enumerate(items):
+            for j, (t, e, lp, end) in enumerate(items):
                 if lp is None:
                     r.sink.send(P.Token(id=r.rid, token_id=t, text=e, pos=start + j, tick=tick, seq=seq,
-                                        choice=r.choice))
+                                        choice=r.choice, end=end))
                 else:
                     r.sink.send(P.Token(id=r.rid, token_id=t, text=e, pos=start + j, tick=tick, seq=seq,
-                                        choice=r.choice, logprob=lp[0], piece=lp[1], top=lp[2]))
+                                        choice=r.choice, logprob=lp[0], piece=lp[1], top=lp[2], end=end))
             if st.journaled:
                 st.receipts.watch(seq, r, Covers.TOKENS)
             if r.finish_reason is not None:
