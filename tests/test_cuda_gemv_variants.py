@@ -81,7 +81,7 @@ def launch(kern, name: str, ppb: int, mode: int, wa, wb, x, nb: int, y, nw=None,
                (_u64(wa.data), _u64(wb.data), np.int64(wa.row_bytes), np.int64(wb.row_bytes), np.int32(a_stride),
                 np.int32(b_off), np.int32(n_pairs), np.int32(k), _u64(x), np.int32(k), np.int32(B), _u64(nw),
                 np.float32(EPS), _u64(xs), _u64(bias), _u64(bias), _u64(y), np.int32(y.shape[1])) + (z,) * 8
-               + (_u64(None),) * 6)
+               + (_u64(None),) * 6 + (_u64(None), z))
 
 
 @pytest.mark.parametrize("big", (False, True), ids=("small", "wide"))

@@ -55,9 +55,11 @@ def _build(path, **kw):
     return build(ModelConfig.from_metadata(gf.metadata, str(path)), gf, CudaBackend(**kw))
 
 
-@pytest.fixture(scope="module")
-def model(model_path):
-    return _build(model_path)
+@pytest.fixture(scope="module", params=(False, True), ids=("f32", "int8"))
+def model(model_path, request):
+    """The model with float32 activations, and with int8 activations in every decode GEMV of
+    an integer type (``int8_activations``: what the engine loads; quant_rows + dp4a)."""
+    return _build(model_path, int8_activations=request.param)
 
 
 def _prefilled(m, n_slots=64, prompt_len=20, seed=0):
@@ -110,10 +112,11 @@ def test_chunked_prefill_through_the_graph_is_bit_identical(model):
     assert ka.tobytes() == kb.tobytes() and va.tobytes() == vb.tobytes()
 
 
-def test_eager_prefill_with_the_graphs_kernels_is_bit_identical_to_the_graph(model_path):
+@pytest.mark.parametrize("int8", (False, True), ids=("f32", "int8"))
+def test_eager_prefill_with_the_graphs_kernels_is_bit_identical_to_the_graph(model_path, int8):
     """prefill="gemv": a 150-row prefill (more rows than a graph takes: the eager path)
     gives every row the same bits as the same prompt through the graph in chunks of 50."""
-    m = _build(model_path, prefill="gemv")
+    m = _build(model_path, prefill="gemv", int8_activations=int8)
     rng = np.random.default_rng(4)
     prompt = rng.integers(0, VOCAB, 150).astype(np.int32)
     kv1, kv2 = m.new_kv_cache(2, 256), m.new_kv_cache(2, 256)
@@ -159,7 +162,8 @@ def test_tensor_core_prefill_stays_close_to_float32(model_path):
     assert modes == {"f16", "tf32"}, modes      # f16 on normed/attention inputs, TF32 on the down projection
 
 
-def test_the_tuner_finds_no_gemv_variant_that_differs_and_its_artifact_is_reused(model_path, tmp_path):
+@pytest.mark.parametrize("int8", (False, True), ids=("f32", "int8"))
+def test_the_tuner_finds_no_gemv_variant_that_differs_and_its_artifact_is_reused(model_path, tmp_path, int8):
     """policy force on the device: every candidate of every (site, bucket) is checked bit
     for bit against the default variant (a difference would be a batch-invariance bug)
     and timed; the artifact is keyed to this device; a reuse load times nothing and gives
@@ -168,7 +172,7 @@ def test_the_tuner_finds_no_gemv_variant_that_differs_and_its_artifact_is_reused
 
     from aotx.engine.backend import kernel_choice as KC
 
-    m = _build(model_path, tune="force", artifact_root=tmp_path, tune_budget_s=600)
+    m = _build(model_path, tune="force", artifact_root=tmp_path, tune_budget_s=600, int8_activations=int8)
     res = m.compiled.kernel_choice
     differs = {k: v for k, v in res.notes.items() if "differs" in v or "rejected" in v}
     assert not differs, differs
@@ -181,7 +185,7 @@ def test_the_tuner_finds_no_gemv_variant_that_differs_and_its_artifact_is_reused
     segs = [Segment(s, 20, 1) for s in range(4)]
     a = m.forward(tok, segs, kv)
 
-    m2 = _build(model_path, tune="reuse", artifact_root=tmp_path)
+    m2 = _build(model_path, tune="reuse", artifact_root=tmp_path, int8_activations=int8)
     res2 = m2.compiled.kernel_choice
     assert res2.status == "ok" and res2.count("artifact") == len(res2.choice) and res2.seconds == 0
     assert res2.choice == res.choice
@@ -189,9 +193,26 @@ def test_the_tuner_finds_no_gemv_variant_that_differs_and_its_artifact_is_reused
     assert a.tobytes() == b.tobytes()
 
     path.write_text("{ truncated")
-    m3 = _build(model_path, tune="reuse", artifact_root=tmp_path)
+    m3 = _build(model_path, tune="reuse", artifact_root=tmp_path, int8_activations=int8)
     res3 = m3.compiled.kernel_choice
     assert res3.status == "corrupt" and "artifact corrupt" in res3.summary()
     c = m3.forward(tok, segs, _prefilled(m3, n_slots=4))
     assert c.tobytes() == a.tobytes()                  # another variant, the same bits
     assert KC.read_artifact(path, m.backend.device_key())[0] == "corrupt"
+
+
+def test_int8_activations_stay_close_to_float32_logits(model_path):
+    """int8 activations (the engine's default) against float32 activations, same weights and
+    the same prompt through the graph: the logits of every row within 5e-2 relative (the
+    rounding of each 32-input block to int8, about 0.4% per input, through 4 layers), and the
+    same greedy token on most rows; identical logits would mean the int8 path did not run."""
+    a, b = _build(model_path), _build(model_path, int8_activations=True)
+    assert b.compiled.int8_activations and any(g.q8 for g in b.compiled.gemvs)
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, VOCAB, 40).astype(np.int32)
+    la = a.forward(prompt, [Segment(0, 0, 40, all_logits=True)], a.new_kv_cache(1, 64))
+    lb = b.forward(prompt, [Segment(0, 0, 40, all_logits=True)], b.new_kv_cache(1, 64))
+    rel = np.linalg.norm(la - lb, axis=1) / np.linalg.norm(la, axis=1)
+    assert float(rel.max()) < 5e-2, rel
+    assert float(rel.max()) > 0.0
+    assert float((la.argmax(1) == lb.argmax(1)).mean()) >= 0.8

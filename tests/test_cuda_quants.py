@@ -107,7 +107,7 @@ def gemv(kern, mode: int, wa, wb, x: cp.ndarray, nb: int, wpp: int, y: cp.ndarra
         (_u64(wa.data), _u64(wb.data), np.int64(wa.row_bytes), np.int64(wb.row_bytes), np.int32(a_stride),
          np.int32(b_off), np.int32(n_pairs), np.int32(k), _u64(x), np.int32(k), np.int32(B), _u64(None),
          np.float32(1e-5), _u64(None), _u64(None), _u64(None), _u64(y), np.int32(y.shape[1])) + (z,) * 8
-        + (_u64(None),) * 6)
+        + (_u64(None),) * 6 + (_u64(None), z))
 
 
 def _rel(out, ref) -> float:

@@ -53,6 +53,13 @@ class CudaBackend:
     mode / one GEMV variant everywhere (``CudaProgram``; tests and benchmarks).
     ``dense_prefill``: the eager GEMMs keep dense dequantized weight copies when they fit
     the budget (``cuda_gemm``; default), False: always per-tile dequantization.
+    ``int8_activations``: every decode GEMV whose weight types have an integer form (all but
+    F32, F16, BF16 and Q2_K) rounds its activations to int8 per 32-input block (``quant_rows``)
+    and runs integer dot products (``__dp4a``), as llama.cpp's MMVQ; what the engine loads
+    (``make_backend``). Logits then differ from float arithmetic by about 1e-2 relative, as the
+    CPU's int8 path; still one reduction order per output, so the same bits whatever the batch
+    bucket or variant. False (the default here: tests and tools): float32 activations.
+    ``numerics`` names the path: "cuda-int8" or "cuda-f32".
     ``expert_int8``: the CPU expert tier of a mixture of experts uses the CPU backend's
     int8-activation kernels (default; False: its float path, for comparisons).
 
@@ -64,7 +71,7 @@ class CudaBackend:
     def __init__(self, device: int = 0, *, fuse: bool = True, tune: str = "off",
                  tune_budget_s: float = kernel_choice.DEFAULT_BUDGET_S, artifact_root=None,
                  prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
-                 dense_prefill: bool = True) -> None:
+                 dense_prefill: bool = True, int8_activations: bool = False) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
@@ -81,6 +88,8 @@ class CudaBackend:
         self.weight_bytes = 0
         self.host_expert_bytes = 0       # mixtures of experts: experts kept for the CPU tier
         self.expert_int8 = bool(expert_int8)   # the CPU tier's kernels: int8 activations (False: float, tests)
+        self.int8_activations = bool(int8_activations)
+        self.numerics = "cuda-int8" if self.int8_activations else "cuda-f32"
         self._modules: dict[tuple[str, ...], dict] = {}
         self._sampler = None
         self.fuse = fuse

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-CHOICE_VERSION = "3"      # the naming of sites and candidates; part of the artifact key
+CHOICE_VERSION = "4"      # the naming of sites and candidates; part of the artifact key
 
 # (NB, WPP) pairs compiled as gemv<...,NB,MODE,WPP> instances: a thread holds 2 NB
 # accumulators (S = 4 / WPP groups, one after the other when S * NB > 4), so every WPP is
@@ -90,10 +90,11 @@ def tune_bucket(rows: int) -> int:
     return min(pow2(max(1, rows)), TUNE_BUCKETS[-1])
 
 
-def gemv_candidates(bucket: int, norm: bool) -> tuple[str, ...]:
+def gemv_candidates(bucket: int, norm: bool, q8: bool = False) -> tuple[str, ...]:
     """Variant names worth timing at ``bucket`` rows: NB = the bucket (up to 16) or half of
     it, every WPP compiled for that NB, and with a norm both places for its scale (the
-    per-block one only up to NB 4: beyond, every block would re-read NB rows of x); at
+    per-block one only up to NB 4: beyond, every block would re-read NB rows of x; with
+    ``q8``, int8 activations, only the precomputed one: ``quant_rows`` computes it); at
     NB <= 4 also two row pairs per warp at WPP 2 and 4 (``PAIRED_WPP``: on the H200 these
     won some 8B sites by 5-17%, tests/tools/cuda_gemv_bench.py)."""
     top = min(bucket, NB_MAX)
@@ -104,40 +105,44 @@ def gemv_candidates(bucket: int, norm: bool) -> tuple[str, ...]:
             for ppw in (1, 2) if (nb <= 4 and wpp in PAIRED_WPP) else (1,):
                 if norm:
                     out.append(GemvVariant(nb, wpp, True, ppw).name)
-                    if nb <= 4:
+                    if nb <= 4 and not q8:
                         out.append(GemvVariant(nb, wpp, False, ppw).name)
                 else:
                     out.append(GemvVariant(nb, wpp, False, ppw).name)
     return tuple(out)
 
 
-def gemv_default(bucket: int, norm: bool, m_rows: int, k: int | None = None) -> str:
+def gemv_default(bucket: int, norm: bool, m_rows: int, k: int | None = None, q8: bool = False) -> str:
     """The variant that runs without a recorded choice: NB = the bucket (up to 16); WPP 4 on
     layer-sized matrices at NB <= 4 (more loads in flight per row), 1 on the output head
     (enough rows to fill the GPU), 2 at NB 8, 1 at NB 16 (four row pairs per block share
     the x rows; one warp per pair, as the pre-port kernels ran 16-row blocks) for inputs up
     to ``WIDE_K`` (k None: taken as small), 4 beyond (7B/8B: k 3584-18944, where one warp
     per pair walks too many units in a row and WPP 4 measured faster); the norm scale
-    precomputed for large matrices or NB >= 8, else per block."""
+    precomputed for large matrices or NB >= 8 or with ``q8`` (int8 activations), else per
+    block."""
     nb = min(pow2(max(1, bucket)), NB_MAX)
     if nb <= 4:
         wpp = 1 if m_rows >= WIDE_ROWS else 4
     else:
         wpp = 2 if nb == 8 else (1 if k is None or k <= WIDE_K else 4)
-    pre = norm and (m_rows >= PRE_ROWS or nb >= 8)
+    pre = norm and (m_rows >= PRE_ROWS or nb >= 8 or q8)
     return GemvVariant(nb, wpp, pre).name
 
 
-def gemv_instance(ta: int, tb: int, mode: int, v: GemvVariant) -> str:
-    """The template instance a variant launches."""
+def gemv_instance(ta: int, tb: int, mode: int, v: GemvVariant, q8: bool = False) -> str:
+    """The template instance a variant launches (``q8``: its int8-activation form)."""
+    if q8:
+        return f"gemv<{ta},{tb},{v.nb},{mode},{v.wpp},{v.ppw},1>"
     if v.ppw > 1:
         return f"gemv<{ta},{tb},{v.nb},{mode},{v.wpp},{v.ppw}>"
     return f"gemv<{ta},{tb},{v.nb},{mode},{v.wpp}>"
 
 
-def gemv_site(mode: str, ta: str, tb: str, m_rows: int, k: int, norm: bool) -> str:
-    """Site key of a GEMV (without its bucket): mode, tensor types, output rows, inputs."""
-    return f"gemv/{mode}/{ta}x{tb}/m{m_rows}/k{k}/{'norm' if norm else 'plain'}"
+def gemv_site(mode: str, ta: str, tb: str, m_rows: int, k: int, norm: bool, q8: bool = False) -> str:
+    """Site key of a GEMV (without its bucket): mode, tensor types, output rows, inputs,
+    and ``/q8`` for its int8-activation form."""
+    return f"gemv/{mode}/{ta}x{tb}/m{m_rows}/k{k}/{'norm' if norm else 'plain'}{'/q8' if q8 else ''}"
 
 
 def at_bucket(site: str, bucket: int) -> str:

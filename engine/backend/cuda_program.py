@@ -117,6 +117,15 @@ def _qname(qtype: int) -> str:
 _OOM = getattr(getattr(cp.cuda, "memory", None), "OutOfMemoryError", MemoryError)
 Z64 = np.uint64(0)
 Z32 = np.int32(0)
+READY_SCALE, READY_Q8 = 1, 2     # what _Gemv.launch left for the next GEMV on the same x and norm
+
+
+def q8_buffers(rows: int, k: int) -> tuple:
+    """Scratch for ``rows`` rows of int8 activations of up to ``k`` inputs (``quant_rows``):
+    xq (rows, ldq) int8 and xd (rows, ldq / 32) float2 block scales as float32 pairs, ldq
+    = k rounded up to 32 (at least 32)."""
+    ldq = max(32, (int(k) + 31) // 32 * 32)
+    return cp.zeros((max(1, rows), ldq), cp.int8), cp.zeros((max(1, rows), ldq // 16), cp.float32)
 
 
 class _Ctx:
@@ -125,7 +134,7 @@ class _Ctx:
     least as many floats as rows); ``qkv``: scratch rows for a QKV step with QK-norm."""
 
     __slots__ = ("bufs", "n", "r", "kv", "st", "tok_p", "slot_p", "pos_p", "out_p", "eager", "layout", "plan",
-                 "part", "counters", "layout_info", "xs", "qkv", "rope")
+                 "part", "counters", "layout_info", "xs", "xq", "xd", "qkv", "rope")
 
     def ptr(self, vid: int) -> int:
         loc = self.plan.loc[vid]
@@ -158,6 +167,7 @@ class _CacheState:
         self.bufs = [cp.zeros((b, w), cp.float32) for _, w in prog.plan.buffers]
         self.qkv = cp.zeros((b, prog.qkv_width), cp.float32) if prog.qkv_width else None
         self.xs = cp.zeros(b, cp.float32)
+        self.xq, self.xd = q8_buffers(b, prog.q8_k)
         self.part = cp.zeros(b * prog.max_heads * ATT_NSMAX * (prog.max_hd + 2), cp.float32)
         self.counters = cp.zeros(b * prog.max_heads, cp.int32)
         self.rope = [tuple(cp.asarray(t) for t in spec.tables(kv.n_ctx)) for spec in prog.plan.rope_specs]
@@ -170,6 +180,7 @@ class _CacheState:
     @property
     def nbytes(self) -> int:
         n = sum(int(a.nbytes) for a in self.bufs) + self.tables.nbytes + int(self.part.nbytes + self.counters.nbytes)
+        n += int(self.xq.nbytes + self.xd.nbytes)
         return n + int(self.xs.nbytes) + (int(self.qkv.nbytes) if self.qkv is not None else 0)
 
 
@@ -183,10 +194,13 @@ class _Gemv:
     ``site``: its kernel-choice site (``cuda_choice.gemv_site``; all layers' GEMVs of one
     shape share it); the variant at each batch bucket comes from ``prog.gemv_variant``.
     ``qkv``: for the fused QKV epilogue, (first row of [q; k; v] this matrix holds, the
-    _QKV step) so that ``launch`` can pass the cache, RoPE tables and row tables."""
+    _QKV step) so that ``launch`` can pass the cache, RoPE tables and row tables.
+    ``q8``: the GEMV runs on int8 activations (``quant_rows``, then gemv's Q8 form): the
+    program's ``int8_activations`` and both weight types with an integer form (None: so
+    decided; False: the float form, as the GPU expert tier's reference launches)."""
 
     def __init__(self, prog, mode: int, wa, a_ptr_off: int, wb, b_ptr_off: int, n_pairs: int, a_stride: int,
-                 b_off: int, norm, bias_a, bias_b, m_rows: int, qkv=None):
+                 b_off: int, norm, bias_a, bias_b, m_rows: int, qkv=None, q8: bool | None = None):
         self.mode = mode
         self.wa, self.wb = wa, wb
         self.a_off, self.b_off_bytes = a_ptr_off, b_ptr_off
@@ -197,24 +211,32 @@ class _Gemv:
         self.m_rows = m_rows
         self.k = int(wa.k)
         self.qkv = qkv
-        self.site = CC.gemv_site(MODE_NAME[mode], _qname(wa.qtype), _qname(wb.qtype), m_rows, self.k, norm is not None)
+        if q8 is None:
+            q8 = prog.int8_activations and int(wa.qtype) in S.Q8_TYPES and int(wb.qtype) in S.Q8_TYPES
+        self.q8 = bool(q8)
+        if self.q8:
+            prog.q8_k = max(prog.q8_k, self.k)
+        self.site = CC.gemv_site(MODE_NAME[mode], _qname(wa.qtype), _qname(wb.qtype), m_rows, self.k, norm is not None,
+                                 self.q8)
         prog.gemvs.append(self)
 
     def name(self, v: CC.GemvVariant, mode: int | None = None) -> str:
-        return CC.gemv_instance(int(self.wa.qtype), int(self.wb.qtype), self.mode if mode is None else mode, v)
+        return CC.gemv_instance(int(self.wa.qtype), int(self.wb.qtype), self.mode if mode is None else mode, v,
+                                self.q8)
 
     def modes(self) -> tuple[int, ...]:
         """Template modes this GEMV may launch (a QKV GEMV: one per KV type)."""
         return (S.MODE_QKV, S.MODE_QKV16) if self.mode in (S.MODE_QKV, S.MODE_QKV16) else (self.mode,)
 
     def launch(self, prog, c, x: int, ldx: int, B: int, y: int, ldy: int, variant: CC.GemvVariant | None = None,
-               kernels: dict | None = None, scale_ready: bool = False, ptrs: tuple | None = None) -> bool:
-        """Launch over ``B`` rows; returns True when the rows' norm scale is now in ``c.xs``
-        (``scale_ready``: a GEMV just before, on the same x and norm, left it there).
+               kernels: dict | None = None, scale_ready: int = 0, ptrs: tuple | None = None) -> int:
+        """Launch over ``B`` rows; returns what the next GEMV on the same x and norm finds
+        ready, for its ``scale_ready``: READY_SCALE when the rows' norm scale is in ``c.xs``,
+        plus READY_Q8 when x is in ``c.xq``/``c.xd`` as int8 blocks (``quant_rows`` ran).
         ``ptrs``: (Wa, Wb, bias_a, bias_b) device addresses that replace this GEMV's own (the
         GPU expert tier: one GEMV per expert shape, each launch on one expert's rows)."""
         if B == 0:
-            return False        # no logits rows (a prefill chunk): nothing after take_rows runs
+            return 0            # no logits rows (a prefill chunk): nothing after take_rows runs
         v = variant if variant is not None else prog.gemv_variant(self.site, B)
         mode = self.mode
         if self.qkv is not None:
@@ -222,9 +244,23 @@ class _Gemv:
         kk = kernels if kernels is not None else prog.k
         kern = kk[self.name(v, mode)]
         xs = Z64
-        if self.nw is not None and v.pre:
-            if not scale_ready:
+        ready = scale_ready
+        q8_tail: tuple = (Z64, Z32)
+        if self.q8:
+            ldq = int(c.xq.shape[1])
+            if not scale_ready & READY_Q8:
+                kk["quant_rows"]((B, (self.k + 127) // 128), (128,),
+                                 (np.uint64(x), _i(ldx), _i(self.k), _u64(self.nw), _f(self.eps), c.xs, c.xq, _i(ldq),
+                                  c.xd, _i(ldq // 32)))
+                ready = READY_Q8 | (READY_SCALE if self.nw is not None else 0)
+            if self.nw is not None:
+                xs = np.uint64(c.xs.data.ptr)
+            x, ldx = c.xq.data.ptr, ldq
+            q8_tail = (np.uint64(c.xd.data.ptr), _i(ldq // 32))
+        elif self.nw is not None and v.pre:
+            if not scale_ready & READY_SCALE:
                 kk["row_scale"]((B,), (128,), (np.uint64(x), _i(ldx), _i(self.k), _f(self.eps), c.xs))
+                ready |= READY_SCALE
             xs = np.uint64(c.xs.data.ptr)
         if self.qkv is not None:
             r0, q = self.qkv
@@ -244,8 +280,8 @@ class _Gemv:
              (np.uint64(ptrs[0]), np.uint64(ptrs[1]),
               np.int64(self.wa.row_bytes), np.int64(self.wb.row_bytes), _i(self.a_stride), _i(self.b_off),
               _i(self.n_pairs), _i(self.k), np.uint64(x), _i(ldx), _i(B), _u64(self.nw), _f(self.eps), xs,
-              _u64(ptrs[2]), _u64(ptrs[3]), np.uint64(y), _i(ldy)) + extra)
-        return scale_ready or (self.nw is not None and v.pre)
+              _u64(ptrs[2]), _u64(ptrs[3]), np.uint64(y), _i(ldy)) + extra + q8_tail)
+        return ready
 
     @property
     def weight_bytes(self) -> int:
@@ -774,13 +810,14 @@ class _GpuExperts:
         mg, mu, md = mats
         n0 = len(prog.gemvs)
         if self.act == "silu":
-            gv = {"gu": _Gemv(prog, S.MODE_SWIGLU, mg, 0, mu, 0, self.ff, 1, 0, None, None, None, self.ff)}
+            gv = {"gu": _Gemv(prog, S.MODE_SWIGLU, mg, 0, mu, 0, self.ff, 1, 0, None, None, None, self.ff, q8=False)}
         else:
-            gv = {"g": _Gemv(prog, S.MODE_STORE, mg, 0, mg, 0, self.ff // 2, 2, 1, None, None, None, self.ff),
-                  "u": _Gemv(prog, S.MODE_STORE, mu, 0, mu, 0, self.ff // 2, 2, 1, None, None, None, self.ff)}
+            gv = {"g": _Gemv(prog, S.MODE_STORE, mg, 0, mg, 0, self.ff // 2, 2, 1, None, None, None, self.ff, q8=False),
+                  "u": _Gemv(prog, S.MODE_STORE, mu, 0, mu, 0, self.ff // 2, 2, 1, None, None, None, self.ff, q8=False)}
             prog.need.add("swiglu_oai_rows")
-        gv["d"] = _Gemv(prog, S.MODE_STORE, md, 0, md, 0, self.d // 2, 2, 1, None, None, None, self.d)
+        gv["d"] = _Gemv(prog, S.MODE_STORE, md, 0, md, 0, self.d // 2, 2, 1, None, None, None, self.d, q8=False)
         del prog.gemvs[n0:]              # not kernel-choice sites: their variant is the default
+        # (q8=False: float activations, as moe_gemv computes; the per-expert launches are its reference)
         self.gemvs = gv
         for g in gv.values():
             for b in CC.TUNE_BUCKETS:
@@ -1181,6 +1218,9 @@ class CudaProgram:
             raise ValueError(f"prefill mode {prefill!r} is not one of {', '.join(PREFILL_FORCED)}")
         self._forced_prefill = prefill
         self._forced_gemv = CC.GemvVariant.parse(gemv) if gemv else None
+        # int8 activations for every GEMV whose weight types have an integer form
+        self.int8_activations = bool(getattr(backend, "int8_activations", False))
+        self.q8_k = 0                  # the most inputs of such a GEMV (the size of the xq scratch rows)
         try:
             self.plan = P.plan(program, fuse=fuse)
         except P.PlanError as e:
@@ -1191,7 +1231,7 @@ class CudaProgram:
         self.n_layers, self.n_kv, self.head_dim = len(kl), kl[0].n_kv_heads, kl[0].head_dim
         self.vocab = self.plan.vocab
         self.d_model = self.plan.d_model
-        self.need: set[str] = {"rms_norm", "bias_rows", "glu_rows", "row_scale"}
+        self.need: set[str] = {"rms_norm", "bias_rows", "glu_rows", "row_scale", "quant_rows"}
         self.qkv_width = 0
         self.max_heads = 1
         self.max_hd = 32
@@ -1485,7 +1525,7 @@ class CudaProgram:
         t = st.tables
         c.tok_p, c.slot_p, c.pos_p, c.out_p = t.tok_ptr, t.slot_ptr, t.pos_ptr, t.out_ptr
         c.part, c.counters = st.part, st.counters
-        c.xs, c.qkv, c.rope = st.xs, st.qkv, st.rope
+        c.xs, c.xq, c.xd, c.qkv, c.rope = st.xs, st.xq, st.xd, st.qkv, st.rope
         c.eager, c.layout = False, None
         return c
 
@@ -1573,6 +1613,7 @@ class CudaProgram:
         c.layout_info = _EagerBatch(layout, meta[1, :N], meta[2, :N], self.max_heads, self.max_hd, all_short=gemv_only)
         c.part, c.counters = c.layout_info.part, c.layout_info.counters
         c.xs = cp.empty(max(N, R, 1), cp.float32)
+        c.xq, c.xd = q8_buffers(max(N, R, 1) if self.q8_k else 1, self.q8_k)
         c.qkv = cp.empty((N, self.qkv_width), cp.float32) if gemv_only and self.qkv_width else None
         c.rope = st.rope
         self._keep = []

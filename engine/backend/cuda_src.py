@@ -33,6 +33,8 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 
 Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4 = 10, 11, 20, 23, 39
 #: every type with a ``deq8<T>`` specialization (and so ``embed``/``dequant``/``gemv`` instances)
 TYPES = (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16, MXFP4)
+#: the types with an integer form (``q8w<T>``): their GEMVs can run on int8 activations (gemv Q8 1)
+Q8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)
 
 # gemv epilogue modes: store, add (residual), SwiGLU and GEGLU of a gate/up pair, the QKV
 # projection with RoPE and the KV write fused (float32 or float16 KV cache)
@@ -323,6 +325,240 @@ template <> __device__ __forceinline__ void deq8<39>(const u8* __restrict__ row,
 }
 // ---- end of the deq8 specializations ----
 
+// ---- int8 activations: the weight side of the integer dot products (gemv Q8 = 1) ----------
+// With int8 activations (``quant_rows``: per 32-input block, xq = rint(x * 127 / max|x|),
+// xd = (max|x| / 127, sum of the block's float inputs)), a GEMV's unit is one block of 32
+// inputs. q8w<T>(row, u, W) reads block u of a weight row as 8 words of 4 signed bytes (the
+// integer levels, inputs 4i .. 4i+3 in word i) and the block's float scale dw, its offset mw
+// (the weight is dw * level + mw; mw = 0 for types without one) and, for types with two
+// 16-input sub-blocks per block, their integer scales sa, sb (the weight is dw * s * level).
+// q8dot then gives the block's contribution dw * dx * isum (+ mw * sum x), isum exact in
+// int32 (dp4a), so only its float operations order a sum; every Q8 variant calls it alike.
+struct Q8W {
+    int q[8];
+    float dw, mw;
+    int sa, sb;
+};
+template <int T> struct Q8Traits { static constexpr bool ok = false, has_min = false, sub16 = false; };
+#define Q8_TRAITS(T, MIN, SUB) \
+    template <> struct Q8Traits<T> { static constexpr bool ok = true, has_min = MIN, sub16 = SUB; };
+Q8_TRAITS(2, false, false)   // Q4_0
+Q8_TRAITS(3, true, false)    // Q4_1
+Q8_TRAITS(6, false, false)   // Q5_0
+Q8_TRAITS(7, true, false)    // Q5_1
+Q8_TRAITS(8, false, false)   // Q8_0
+Q8_TRAITS(11, false, true)   // Q3_K
+Q8_TRAITS(12, true, false)   // Q4_K
+Q8_TRAITS(13, true, false)   // Q5_K
+Q8_TRAITS(14, false, true)   // Q6_K
+Q8_TRAITS(20, false, false)  // IQ4_NL
+Q8_TRAITS(23, false, false)  // IQ4_XS
+Q8_TRAITS(39, false, false)  // MXFP4
+
+// N words (4N bytes) from any address: aligned word loads and funnel shifts (the last word
+// read may lie up to 3 bytes past the block; buffers are allocated in 256-byte units)
+template <int N>
+__device__ __forceinline__ void ldw(const u8* p, u32 (&o)[N]) {
+    const u32* a = (const u32*)((size_t)p & ~(size_t)3);
+    const u32 sh = 8u * (u32)((size_t)p & 3);
+    u32 w[N + 1];
+#pragma unroll
+    for (int i = 0; i <= N; i++) w[i] = (i < N || sh) ? a[i] : 0u;
+#pragma unroll
+    for (int i = 0; i < N; i++) o[i] = __funnelshift_r(w[i], w[i + 1], sh);
+}
+// bit i of the 4-bit value h (i = 0..3) into bit 4 of byte i
+__device__ __forceinline__ u32 spread4(u32 h) { return ((h * 0x00204081u) & 0x01010101u) << 4; }
+
+template <int T> __device__ __forceinline__ void q8w(const u8* __restrict__ row, int u, Q8W& W);
+
+template <> __device__ __forceinline__ void q8w<2>(const u8* __restrict__ row, int u, Q8W& W) {  // Q4_0
+    const u8* b = row + 18 * u;
+    W.dw = h2f(ld16(b)); W.mw = 0.f; W.sa = W.sb = 1;
+    u32 v[4]; ldw<4>(b + 2, v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        W.q[i] = (int)__vsub4(v[i] & 0x0F0F0F0Fu, 0x08080808u);
+        W.q[4 + i] = (int)__vsub4((v[i] >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+    }
+}
+template <> __device__ __forceinline__ void q8w<3>(const u8* __restrict__ row, int u, Q8W& W) {  // Q4_1
+    const u8* b = row + 20 * u;
+    const u32 dm = *(const u32*)b;
+    W.dw = h2f((u16)(dm & 0xffff)); W.mw = h2f((u16)(dm >> 16)); W.sa = W.sb = 1;
+    const u32* qs = (const u32*)(b + 4);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 w = qs[i];
+        W.q[i] = (int)(w & 0x0F0F0F0Fu);
+        W.q[4 + i] = (int)((w >> 4) & 0x0F0F0F0Fu);
+    }
+}
+template <> __device__ __forceinline__ void q8w<6>(const u8* __restrict__ row, int u, Q8W& W) {  // Q5_0
+    const u8* b = row + 22 * u;
+    W.dw = h2f(ld16(b)); W.mw = 0.f; W.sa = W.sb = 1;
+    u32 v[5]; ldw<5>(b + 2, v);          // qh | qs[16]
+    const u32 qh = v[0];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 lo = (v[1 + i] & 0x0F0F0F0Fu) | spread4((qh >> (4 * i)) & 15u);
+        const u32 hi = ((v[1 + i] >> 4) & 0x0F0F0F0Fu) | spread4((qh >> (16 + 4 * i)) & 15u);
+        W.q[i] = (int)__vsub4(lo, 0x10101010u);
+        W.q[4 + i] = (int)__vsub4(hi, 0x10101010u);
+    }
+}
+template <> __device__ __forceinline__ void q8w<7>(const u8* __restrict__ row, int u, Q8W& W) {  // Q5_1
+    const u8* b = row + 24 * u;
+    const uint2 dq = *(const uint2*)b;   // d | m | qh
+    W.dw = h2f((u16)(dq.x & 0xffff)); W.mw = h2f((u16)(dq.x >> 16)); W.sa = W.sb = 1;
+    const u32 qh = dq.y;
+    const u32* qs = (const u32*)(b + 8);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 w = qs[i];
+        W.q[i] = (int)((w & 0x0F0F0F0Fu) | spread4((qh >> (4 * i)) & 15u));
+        W.q[4 + i] = (int)(((w >> 4) & 0x0F0F0F0Fu) | spread4((qh >> (16 + 4 * i)) & 15u));
+    }
+}
+template <> __device__ __forceinline__ void q8w<8>(const u8* __restrict__ row, int u, Q8W& W) {  // Q8_0
+    const u8* b = row + 34 * u;
+    W.dw = h2f(ld16(b)); W.mw = 0.f; W.sa = W.sb = 1;
+    u32 v[8]; ldw<8>(b + 2, v);
+#pragma unroll
+    for (int i = 0; i < 8; i++) W.q[i] = (int)v[i];
+}
+template <> __device__ __forceinline__ void q8w<11>(const u8* __restrict__ row, int u, Q8W& W) {  // Q3_K
+    // block u >> 3 (110 bytes): hmask[32] | qs[64] | scales[12] | d; block j = u & 7 of 32 inputs:
+    // low 2 bits at shift 2 (j % 4) of qs[32 (j / 4) + l], minus 4 where bit j of hmask[l] is
+    // clear; sub-blocks 2j and 2j + 1 (16 inputs each) with 6-bit scales minus 32
+    const u8* b = row + 110 * (u >> 3);
+    const int j = u & 7;
+    W.dw = h2f(ld16(b + 108)); W.mw = 0.f;
+    int s[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int sb = 2 * j + h;
+        const int lo = (b[96 + (sb & 7)] >> (4 * (sb >> 3))) & 15;
+        const int hi = (b[104 + (sb & 3)] >> (2 * (sb >> 2))) & 3;
+        s[h] = (lo | (hi << 4)) - 32;
+    }
+    W.sa = s[0]; W.sb = s[1];
+    u32 qv[8], hv[8];
+    ldw<8>(b + 32 + 32 * (j >> 2), qv);
+    ldw<8>(b, hv);
+    const int sh = 2 * (j & 3);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const u32 q = (qv[i] >> sh) & 0x03030303u;
+        const u32 m = (~(hv[i] >> j) & 0x01010101u) << 2;     // 4 where the high bit is clear
+        W.q[i] = (int)__vsub4(q, m);
+    }
+}
+template <> __device__ __forceinline__ void q8w<12>(const u8* __restrict__ row, int u, Q8W& W) {  // Q4_K
+    const u8* b = row + 144 * (u >> 3);
+    const int j = u & 7;
+    const u32 dm = *(const u32*)b;
+    const float d = h2f((u16)(dm & 0xffff)), dmin = h2f((u16)(dm >> 16));
+    float sc, mn; scale_min_k4(j, b + 4, sc, mn);
+    W.dw = __fmul_rn(d, sc); W.mw = -__fmul_rn(dmin, mn); W.sa = W.sb = 1;
+    const uint4* p = (const uint4*)(b + 16 + 32 * (j >> 1));
+    const uint4 v0 = p[0], v1 = p[1];
+    const u32 v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    const int sh = 4 * (j & 1);
+#pragma unroll
+    for (int i = 0; i < 8; i++) W.q[i] = (int)((v[i] >> sh) & 0x0F0F0F0Fu);
+}
+template <> __device__ __forceinline__ void q8w<13>(const u8* __restrict__ row, int u, Q8W& W) {  // Q5_K
+    const u8* b = row + 176 * (u >> 3);
+    const int j = u & 7;
+    const u32 dm = *(const u32*)b;
+    const float d = h2f((u16)(dm & 0xffff)), dmin = h2f((u16)(dm >> 16));
+    float sc, mn; scale_min_k4(j, b + 4, sc, mn);
+    W.dw = __fmul_rn(d, sc); W.mw = -__fmul_rn(dmin, mn); W.sa = W.sb = 1;
+    const uint4* p = (const uint4*)(b + 48 + 32 * (j >> 1));
+    const uint4 v0 = p[0], v1 = p[1];
+    const uint4* hp = (const uint4*)(b + 16);
+    const uint4 h0 = hp[0], h1 = hp[1];
+    const u32 v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    const u32 h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+    const int sh = 4 * (j & 1);
+#pragma unroll
+    for (int i = 0; i < 8; i++) W.q[i] = (int)(((v[i] >> sh) & 0x0F0F0F0Fu) | (((h[i] >> j) & 0x01010101u) << 4));
+}
+template <> __device__ __forceinline__ void q8w<14>(const u8* __restrict__ row, int u, Q8W& W) {  // Q6_K
+    // block u >> 3 (210 bytes): ql[128] | qh[64] | scales[16] | d; block j = u & 7 of 32
+    // inputs (half g = j / 4, quarter t = j % 4): low 4 bits at shift 4 (t / 2) of
+    // ql[64 g + 32 (t % 2) + l], high 2 bits at shift 2 t of qh[32 g + l], minus 32; its two
+    // 16-input sub-blocks have scales[8 g + 2 t] and scales[8 g + 2 t + 1]
+    const u8* b = row + 210 * (u >> 3);
+    const int j = u & 7, g = j >> 2, t = j & 3;
+    W.dw = h2f(ld16(b + 208)); W.mw = 0.f;
+    const u16 sc = ld16(b + 192 + 8 * g + 2 * t);
+    W.sa = (int)(i8)(sc & 255); W.sb = (int)(i8)(sc >> 8);
+    u32 l[8], h[8];
+    ldw<8>(b + 64 * g + 32 * (t & 1), l);
+    ldw<8>(b + 128 + 32 * g, h);
+    const int shl = 4 * (t >> 1), shh = 2 * t;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const u32 q = ((l[i] >> shl) & 0x0F0F0F0Fu) | (((h[i] >> shh) & 0x03030303u) << 4);
+        W.q[i] = (int)__vsub4(q, 0x20202020u);
+    }
+}
+template <> __device__ __forceinline__ void q8w<20>(const u8* __restrict__ row, int u, Q8W& W) {  // IQ4_NL
+    const u8* b = row + 18 * u;
+    W.dw = h2f(ld16(b)); W.mw = 0.f; W.sa = W.sb = 1;
+    u32 v[4]; ldw<4>(b + 2, v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        W.q[i] = (int)lut16x4(v[i] & 0x0F0F0F0Fu, KV_IQ4NL);
+        W.q[4 + i] = (int)lut16x4((v[i] >> 4) & 0x0F0F0F0Fu, KV_IQ4NL);
+    }
+}
+template <> __device__ __forceinline__ void q8w<23>(const u8* __restrict__ row, int u, Q8W& W) {  // IQ4_XS
+    const u8* b = row + 136 * (u >> 3);
+    const int ib = u & 7;
+    const u32 dh = *(const u32*)b;
+    const float d = h2f((u16)(dh & 0xffff));
+    const int ls = ((b[4 + (ib >> 1)] >> (4 * (ib & 1))) & 15) | ((int)((dh >> (16 + 2 * ib)) & 3) << 4);
+    W.dw = __fmul_rn(d, (float)(ls - 32)); W.mw = 0.f; W.sa = W.sb = 1;
+    const uint2* p = (const uint2*)(b + 8 + 16 * ib);
+    const uint2 v0 = p[0], v1 = p[1];
+    const u32 v[4] = {v0.x, v0.y, v1.x, v1.y};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        W.q[i] = (int)lut16x4(v[i] & 0x0F0F0F0Fu, KV_IQ4NL);
+        W.q[4 + i] = (int)lut16x4((v[i] >> 4) & 0x0F0F0F0Fu, KV_IQ4NL);
+    }
+}
+template <> __device__ __forceinline__ void q8w<39>(const u8* __restrict__ row, int u, Q8W& W) {  // MXFP4
+    const u8* b = row + 17 * u;
+    const u32 e = b[0];
+    W.dw = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23); W.mw = 0.f; W.sa = W.sb = 1;
+    u32 v[4]; ldw<4>(b + 1, v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        W.q[i] = (int)lut16x4(v[i] & 0x0F0F0F0Fu, KV_MXFP4);
+        W.q[4 + i] = (int)lut16x4((v[i] >> 4) & 0x0F0F0F0Fu, KV_MXFP4);
+    }
+}
+
+// The contribution of one weight block to one batch row's sum: xa, xb its 32 int8 inputs,
+// xd = (dx, sum of the float inputs).
+template <int T>
+__device__ __forceinline__ float q8dot(const Q8W& W, const int4 xa, const int4 xb, const float2 xd) {
+    int s0 = 0, s1 = 0;
+    s0 = __dp4a(W.q[0], xa.x, s0); s0 = __dp4a(W.q[1], xa.y, s0);
+    s0 = __dp4a(W.q[2], xa.z, s0); s0 = __dp4a(W.q[3], xa.w, s0);
+    s1 = __dp4a(W.q[4], xb.x, s1); s1 = __dp4a(W.q[5], xb.y, s1);
+    s1 = __dp4a(W.q[6], xb.z, s1); s1 = __dp4a(W.q[7], xb.w, s1);
+    const int isum = Q8Traits<T>::sub16 ? W.sa * s0 + W.sb * s1 : s0 + s1;
+    float t = __fmul_rn(__fmul_rn(W.dw, xd.x), __int2float_rn(isum));
+    if (Q8Traits<T>::has_min) t = fmaf(W.mw, xd.y, t);
+    return t;
+}
+
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -480,6 +716,37 @@ __global__ void __launch_bounds__(128) row_scale(const float* __restrict__ x, in
     if (threadIdx.x == 0) out[blockIdx.x] = norm_scale(ss, k, eps);
 }
 
+// x rows as int8 blocks: out row b of xq (ldq bytes) and xd (ldd float2 per row), from x
+// row b (times the norm weight nw when given); with nw, also the row's norm scale into xs
+// (row_ss and norm_scale: the bits row_scale gives). Grid (B, ceil(k / 128)), 128 threads:
+// block (b, y) quantizes inputs 128 y .. 128 y + 127 of row b, warp w the 32-input block
+// 4 y + w, lane l its input l; block (b, 0) also computes the norm scale.
+__global__ void __launch_bounds__(128) quant_rows(const float* __restrict__ x, int ldx, int k,
+                                                  const float* __restrict__ nw, float eps, float* __restrict__ xs,
+                                                  i8* __restrict__ xq, int ldq, float2* __restrict__ xd, int ldd)
+{
+    __shared__ float red[4];
+    const float* xr = x + (long long)blockIdx.x * ldx;
+    if (nw != nullptr && blockIdx.y == 0) {
+        const float ss = row_ss(xr, k, red);
+        if (threadIdx.x == 0) xs[blockIdx.x] = norm_scale(ss, k, eps);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    i8* qr = xq + (long long)blockIdx.x * ldq;
+    float2* dr = xd + (long long)blockIdx.x * ldd;
+    const int blk = 4 * blockIdx.y + warp;
+    if (blk < (k >> 5)) {
+        const int e = 32 * blk + lane;
+        float v = xr[e];
+        if (nw != nullptr) v = __fmul_rn(v, nw[e]);
+        const float amax = warp_max(fabsf(v));
+        const float sum = warp_sum(v);
+        const float inv = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
+        qr[e] = (i8)__float2int_rn(__fmul_rn(v, inv));
+        if (lane == 0) dr[blk] = make_float2(__fdiv_rn(amax, 127.f), sum);
+    }
+}
+
 // The two weight rows of pair p (and, for the QKV modes, the head, section and dims they are).
 struct PairRows {
     long long ra, rb;
@@ -602,6 +869,33 @@ __device__ __forceinline__ void gemv_units(const u8* const (&rowA)[PPW], const u
     }
 }
 
+// The Q8 form of gemv_units: unit u is input block u (32 inputs) of int8 rows xq (ldq bytes
+// per row) with block scales xd (ldd per row); each block's contribution (q8dot) is added to
+// the pair's sums with one rounding, block after block.
+template <int TA, int TB, int NB, int PPW>
+__device__ __forceinline__ void gemv_units_q8(const u8* const (&rowA)[PPW], const u8* const (&rowB)[PPW], int u,
+                                              const i8* __restrict__ xq, int ldq, const float2* __restrict__ xd,
+                                              int ldd, int b0, int nb, float (&acc)[PPW][2 * NB]) {
+    Q8W wa[PPW], wb[PPW];
+#pragma unroll
+    for (int q = 0; q < PPW; q++) {
+        q8w<TA>(rowA[q], u, wa[q]);
+        q8w<TB>(rowB[q], u, wb[q]);
+    }
+#pragma unroll
+    for (int j = 0; j < NB; j++) {
+        const long long r = b0 + min(j, nb - 1);
+        const int4* xp = (const int4*)(xq + r * ldq + 32 * u);
+        const int4 xa = xp[0], xb = xp[1];
+        const float2 d = xd[r * ldd + u];
+#pragma unroll
+        for (int q = 0; q < PPW; q++) {
+            acc[q][j] = __fadd_rn(acc[q][j], q8dot<TA>(wa[q], xa, xb, d));
+            acc[q][NB + j] = __fadd_rn(acc[q][NB + j], q8dot<TB>(wb[q], xa, xb, d));
+        }
+    }
+}
+
 // One unit u of one row pair (PPW 1): acc[j] (A) and acc[NB + j] (B) of batch row j.
 template <int TA, int TB, int NB>
 __device__ __forceinline__ void gemv_unit(const u8* __restrict__ rowA, const u8* __restrict__ rowB, int u,
@@ -624,7 +918,13 @@ __device__ __forceinline__ void gemv_unit(const u8* __restrict__ rowA, const u8*
 // g = row_base + 2p; adjacent dims for RoPE "norm" and V, dims j and j + rope_half for RoPE
 // "neox"); q rows are roped into y, k rows roped into kc, v rows into vc at (slot, pos) of the
 // batch row.
-template <int TA, int TB, int NB, int MODE, int WPP, int PPW = 1>
+// Q8 1: int8 activations (quant_rows before the launch): x is the int8 rows (ldx bytes per
+// row), xd their block scales (ldd float2 per row), and xs is required when nw is given (the
+// norm weight was folded into x by quant_rows, its scale is applied here). The canonical
+// order then has units of 32 inputs (one block: its contribution q8dot, exact integer dot
+// products and a fixed float tail, added with one rounding) in place of units of 8; the
+// lanes, groups, butterfly and epilogue are the same. Q8 0: xd, ldd unused.
+template <int TA, int TB, int NB, int MODE, int WPP, int PPW = 1, int Q8 = 0>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,
     int n_pairs, int k, const float* __restrict__ x, int ldx, int B, const float* __restrict__ nw, float eps,
@@ -632,10 +932,12 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     float* __restrict__ y, int ldy,
     int row_base, int qd, int kd, int hd, int rope_half, int neox, int n_kv, int n_ctx,
     const int* __restrict__ tab_slot, const int* __restrict__ tab_pos,
-    const float* __restrict__ rcos, const float* __restrict__ rsin, void* __restrict__ kc, void* __restrict__ vc)
+    const float* __restrict__ rcos, const float* __restrict__ rsin, void* __restrict__ kc, void* __restrict__ vc,
+    const float2* __restrict__ xd, int ldd)
 {
     static_assert(WPP == 1 || WPP == 2 || WPP == 4, "WPP is 1, 2 or 4");
     static_assert(PPW == 1 || PPW == 2 || PPW == 4, "PPW is 1, 2 or 4");
+    static_assert(Q8 == 0 || (Q8Traits<TA>::ok && Q8Traits<TB>::ok), "Q8: both weight types have an integer form");
     constexpr bool QKV = (MODE == M_QKV || MODE == M_QKV16);
     constexpr int PPB = GEMV_WARPS / WPP * PPW;    // row pairs per block
     constexpr int S = 4 / WPP;                     // virtual-lane groups per thread
@@ -664,7 +966,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     }
     // accumulate: value i of acc[q] is A row of batch row i (i < NB) or B row of batch row i - NB
     constexpr int V = 2 * NB;
-    const int nu = k >> 3;
+    const int nu = Q8 ? k >> 5 : k >> 3;
+    const i8* xq = (const i8*)x;             // Q8: x holds the int8 rows (ldx bytes per row)
     float R[S][PPW];                         // R_g of value (lane & (V - 1)) for g = sub + WPP * s
     if constexpr (S * NB <= 4) {
         // few accumulators: the S groups interleaved in one pass over the row
@@ -683,7 +986,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
 #pragma unroll
             for (int s = 0; s < S; s++) {
                 const int u = u0 + 32 * (sub + WPP * s) + lane;
-                if (u < nu) gemv_units<TA, TB, NB, PPW>(rowA, rowB, u, nw, x, ldx, b0, nb, acc[s]);
+                if (u < nu) {
+                    if constexpr (Q8) gemv_units_q8<TA, TB, NB, PPW>(rowA, rowB, u, xq, ldx, xd, ldd, b0, nb, acc[s]);
+                    else gemv_units<TA, TB, NB, PPW>(rowA, rowB, u, nw, x, ldx, b0, nb, acc[s]);
+                }
             }
         }
 #pragma unroll
@@ -702,8 +1008,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
                 for (int i = 0; i < V; i++) acc[q][i] = 0.f;
             }
 #pragma unroll 1
-            for (int u = 32 * (sub + WPP * s) + lane; u < nu; u += 128)
-                gemv_units<TA, TB, NB, PPW>(rowA, rowB, u, nw, x, ldx, b0, nb, acc);
+            for (int u = 32 * (sub + WPP * s) + lane; u < nu; u += 128) {
+                if constexpr (Q8) gemv_units_q8<TA, TB, NB, PPW>(rowA, rowB, u, xq, ldx, xd, ldd, b0, nb, acc);
+                else gemv_units<TA, TB, NB, PPW>(rowA, rowB, u, nw, x, ldx, b0, nb, acc);
+            }
 #pragma unroll
             for (int q = 0; q < PPW; q++) R[s][q] = warp_sum_scatter<V>(acc[q]);
         }

@@ -55,8 +55,8 @@ def resolve_choices(prog) -> KC.Resolution:
             nbytes = sum(g.weight_bytes for g in gs)
             for b in CC.TUNE_BUCKETS:
                 key = CC.at_bucket(site, b)
-                dflt = CC.gemv_default(b, norm, gs[0].m_rows, gs[0].k)
-                sites.append(KC.Site(key, CC.gemv_candidates(b, norm), dflt,
+                dflt = CC.gemv_default(b, norm, gs[0].m_rows, gs[0].k, gs[0].q8)
+                sites.append(KC.Site(key, CC.gemv_candidates(b, norm, gs[0].q8), dflt,
                                      measure=tuner.gemv_measure(site, b), check=tuner.gemv_check(site, b),
                                      weight=BUCKET_PRIORITY.get(b, 0) * 1e15 + nbytes))
     if prog._forced_prefill is None:
@@ -83,7 +83,7 @@ def resolve_choices(prog) -> KC.Resolution:
 class _Ctx:
     """What ``_Gemv.launch`` reads from a context, for tuning launches."""
 
-    __slots__ = ("kv", "rope", "slot_p", "pos_p", "xs")
+    __slots__ = ("kv", "rope", "slot_p", "pos_p", "xs", "xq", "xd")
 
 
 class _Tuner:
@@ -106,9 +106,9 @@ class _Tuner:
             from aotx.engine.backend.cuda_gemm import PrefillGemm
             from aotx.engine.backend import cuda_src as S
 
-            names = {"row_scale"}
+            names = {"row_scale", "quant_rows"}
             for site, gs in self.groups.items():
-                cands = {c for b in CC.TUNE_BUCKETS for c in CC.gemv_candidates(b, gs[0].nw is not None)}
+                cands = {c for b in CC.TUNE_BUCKETS for c in CC.gemv_candidates(b, gs[0].nw is not None, gs[0].q8)}
                 for g in gs[:1]:
                     for c in cands:
                         v = CC.GemvVariant.parse(c)
@@ -132,6 +132,7 @@ class _Tuner:
             return
         from aotx.engine.backend.cuda_gemm import PrefillGemm
         from aotx.engine.backend.cuda_kv import CudaKVCache
+        from aotx.engine.backend.cuda_program import q8_buffers
 
         prog = self.prog
         self.k = self.kernels()
@@ -154,6 +155,7 @@ class _Tuner:
         self._pos = cp.asarray((np.arange(rows) % self.kv.n_ctx).astype(np.int32))
         c.slot_p, c.pos_p = self._slot.data.ptr, self._pos.data.ptr
         c.xs = cp.zeros(rows, cp.float32)
+        c.xq, c.xd = q8_buffers(rows, kmax)
         self.c = c
         self.gemm = PrefillGemm(self.k, prog._blas)
         self._ready = True
@@ -177,8 +179,8 @@ class _Tuner:
         def check(cand: str):
             self._setup()
             ref = self._ref.get((site, b))
-            default = CC.gemv_default(b, self.groups[site][0].nw is not None, self.groups[site][0].m_rows,
-                                      self.groups[site][0].k)
+            g0 = self.groups[site][0]
+            default = CC.gemv_default(b, g0.nw is not None, g0.m_rows, g0.k, g0.q8)
             if ref is None:
                 ref = self._ref[(site, b)] = self._gemv_out(site, b, CC.GemvVariant.parse(default))
             if cand == default:

@@ -182,8 +182,9 @@ def make_backend(device: str, *, int8_activations: bool = True, tune: str = "reu
     On the CPU, ``int8_activations`` rounds matmul activations to int8 per 32-block for
     every weight type with an integer form, as llama.cpp does (ggml-quants.c, Q8_1; see
     cpu_matmul): logits within about 1e-2 relative of float arithmetic; False keeps them
-    float32 (slower). Either way a row's logits do not depend on its batch. On CUDA,
-    ``tune`` is the kernel-choice policy (``engine/backend/kernel_choice.py``: off, reuse,
+    float32 (slower). On CUDA it does the same for the decode GEMVs (dp4a; the prefill
+    GEMMs stay on float16/TF32 tensor cores). Either way a row's logits do not depend on
+    its batch. On CUDA, ``tune`` is the kernel-choice policy (``engine/backend/kernel_choice.py``: off, reuse,
     auto, force)."""
     if device == "cpu":
         from aotx.engine.backend.cpu import CpuBackend
@@ -193,7 +194,7 @@ def make_backend(device: str, *, int8_activations: bool = True, tune: str = "reu
         from aotx.engine.backend.cuda import CudaBackend  # type: ignore[import-not-found]
 
         kw = {} if tune_budget_s is None else {"tune_budget_s": float(tune_budget_s)}
-        return CudaBackend(tune=tune, **kw)
+        return CudaBackend(tune=tune, int8_activations=int8_activations, **kw)
     raise ModelError(f"unknown device {device!r} (use auto, cpu or cuda)")
 
 

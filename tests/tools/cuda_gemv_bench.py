@@ -1,7 +1,9 @@
 """Decode GEMV bandwidth on this GPU at the 7B/8B shapes (issue 19, item 1): the variant
 the kernel choice runs by default next to the other variants (warps per pair, pairs per warp), in GB/s of weight bytes
 read, against the copy bandwidth measured in the same process; and a bit comparison of the
-two on every site (batch invariance: they must agree exactly).
+two on every site (batch invariance: they must agree exactly); then the same for the
+int8-activation form (``quant_rows`` + gemv Q8, both in the timing), its best against the
+float best, and its relative distance from the float outputs.
 
 Each site's weight is replicated into enough copies (>= 256 MB in all) that one timed pass
 over the copies reads from HBM, not the 60 MB L2; the pass is one captured CUDA graph (as
@@ -76,7 +78,7 @@ def main() -> int:
     be = CudaBackend()
     rng = np.random.default_rng(0)
     batches = (1, 4) if quick else (1, 4, 16)
-    names = {"row_scale"}
+    names = {"row_scale", "quant_rows"}
     plan = []
     for site in SITES:
         name, ta, tb, mode, m, k, norm = site
@@ -86,12 +88,17 @@ def main() -> int:
             vs = [d] + others
             for v in vs:
                 names.add(CC.gemv_instance(int(ta), int(tb), mode, v))
-            plan.append((site, B, vs))
+            d8 = CC.GemvVariant.parse(CC.gemv_default(B, norm, m, k, True))
+            vs8 = [d8] + [CC.GemvVariant(d8.nb, w, True, p) for w in CC.GEMV_GRID[d8.nb] for p in CC.PPW_GRID[d8.nb]
+                          if (w, p) != (d8.wpp, d8.ppw)]
+            for v in vs8:
+                names.add(CC.gemv_instance(int(ta), int(tb), mode, v, True))
+            plan.append((site, B, vs, vs8))
     kern = be.module(sorted(names))
     if other is not None:
         from aotx.engine.backend.cuda import NVRTC_OPTIONS
 
-        onames = sorted({CC.gemv_instance(int(site[1]), int(site[2] or site[1]), site[3], vs[0]) for site, _, vs in plan}
+        onames = sorted({CC.gemv_instance(int(site[1]), int(site[2] or site[1]), site[3], vs[0]) for site, _, vs, _ in plan}
                         | {"row_scale"})
         omod = cp.RawModule(code=other.SRC, options=NVRTC_OPTIONS, name_expressions=onames)
         okern = {n: omod.get_function(n) for n in onames}
@@ -99,7 +106,7 @@ def main() -> int:
     print(f"copy bandwidth {gbs_copy:,.0f} GB/s (read + write of 1 GiB, 10 copies)")
     print("GB/s of weights read per variant (first: the default); * = fastest; bits: every variant equals the default")
     cache = {}
-    for (name, ta, tb, mode, m, k, norm), B, vs in plan:
+    for (name, ta, tb, mode, m, k, norm), B, vs, vs8 in plan:
         if name not in cache:
             tb2 = tb or ta
             one = []
@@ -120,7 +127,12 @@ def main() -> int:
             kern["row_scale"]((B,), (128,), (_u64(x), np.int32(k), np.int32(k), np.float32(1e-5), _u64(xs)))
         y = cp.zeros((B, width), cp.float32)
 
-        def go(v, w, y, kern=kern):
+        from aotx.engine.backend.cuda_program import q8_buffers
+
+        xq, xd = q8_buffers(B, k)
+        ldq = xq.shape[1]
+
+        def go(v, w, y, kern=kern, q8=False):
             wa = w[0]
             wb = w[1] if len(w) > 1 else w[0]
             if mode == S.MODE_SWIGLU:
@@ -129,12 +141,24 @@ def main() -> int:
                 n_pairs, a_stride, b_off = (m + 1) // 2, 2, 1
             z = np.int32(0)
             ppb = v.pairs_per_block
+            if q8:       # int8 activations: quant_rows, then the Q8 GEMV (both timed, as the engine runs them)
+                kern["quant_rows"]((B, (k + 127) // 128), (128,),
+                                   (_u64(x), np.int32(k), np.int32(k), _u64(nw), np.float32(1e-5), _u64(xs), _u64(xq),
+                                    np.int32(ldq), _u64(xd), np.int32(ldq // 32)))
+                kern[CC.gemv_instance(int(ta), int(wb.qtype), mode, v, True)](
+                    ((n_pairs + ppb - 1) // ppb, (B + v.nb - 1) // v.nb), (128,),
+                    (_u64(wa.data), _u64(wb.data), np.int64(wa.row_bytes), np.int64(wb.row_bytes),
+                     np.int32(a_stride), np.int32(b_off), np.int32(n_pairs), np.int32(k), _u64(xq), np.int32(ldq),
+                     np.int32(B), _u64(nw), np.float32(1e-5), _u64(xs if norm else None), _u64(None),
+                     _u64(None), _u64(y), np.int32(width)) + (z,) * 8 + (_u64(None),) * 6
+                    + (_u64(xd), np.int32(ldq // 32)))
+                return
             kern[CC.gemv_instance(int(ta), int(wb.qtype), mode, v)](
                 ((n_pairs + ppb - 1) // ppb, (B + v.nb - 1) // v.nb), (128,),
                 (_u64(wa.data), _u64(wb.data), np.int64(wa.row_bytes), np.int64(wb.row_bytes),
                  np.int32(a_stride), np.int32(b_off), np.int32(n_pairs), np.int32(k), _u64(x), np.int32(k),
                  np.int32(B), _u64(nw), np.float32(1e-5), _u64(xs if (norm and v.pre) else None), _u64(None),
-                 _u64(None), _u64(y), np.int32(width)) + (z,) * 8 + (_u64(None),) * 6)
+                 _u64(None), _u64(y), np.int32(width)) + (z,) * 8 + (_u64(None),) * 6 + (_u64(None), z))
 
         outs = []
         for v in vs:
@@ -143,13 +167,13 @@ def main() -> int:
             outs.append(y.copy())
         same = all(bool((o.view(cp.uint32) == outs[0].view(cp.uint32)).all()) for o in outs[1:])
 
-        def timed(v, kern=kern):
+        def timed(v, kern=kern, q8=False):
             st = cp.cuda.Stream(non_blocking=True)
             with st:
-                go(v, mats[0], y, kern)
+                go(v, mats[0], y, kern, q8)
                 st.begin_capture()
                 for w in mats:
-                    go(v, w, y, kern)
+                    go(v, w, y, kern, q8)
                 graph = st.end_capture()
                 graph.launch(st)
                 st.synchronize()
@@ -173,6 +197,22 @@ def main() -> int:
         cells = " ".join(f"{v.name}{'*' if i == best else ''} {g[i]:,.0f}" for i, v in enumerate(vs))
         print(f"{name} b{B}: {cells} | best {g[best] / g[0]:.2f}x default, {100 * g[best] / gbs_copy:.0f}% of copy"
               f" | {'same' if same else 'DIFFER'}", flush=True)
+        # int8 activations (quant_rows + Q8 GEMV): every variant's bits against its default's
+        f32 = y.copy()
+        outs8 = []
+        for v in vs8:
+            y[...] = 0
+            go(v, mats[0], y, kern, True)
+            outs8.append(y.copy())
+        same8 = all(bool((o.view(cp.uint32) == outs8[0].view(cp.uint32)).all()) for o in outs8[1:])
+        rel = float(cp.linalg.norm(outs8[0] - outs[0]) / cp.linalg.norm(outs[0]))
+        g8 = [timed(v, kern, True) for v in vs8]
+        b8 = max(range(len(vs8)), key=lambda i: g8[i])
+        cells8 = " ".join(f"{v.name}{'*' if i == b8 else ''} {g8[i]:,.0f}" for i, v in enumerate(vs8))
+        print(f"{name} b{B} int8: {cells8} | best {g8[b8] / g[best]:.2f}x the float best, "
+              f"{100 * g8[b8] / gbs_copy:.0f}% of copy | {'same' if same8 else 'DIFFER'} | rel to float {rel:.2e}",
+              flush=True)
+        del f32
     return 0
 
 

@@ -71,7 +71,8 @@ def main() -> None:
             z = np.int32(0)
             args = ((_u64(w.data), _u64(w.data), np.int64(w.row_bytes), np.int64(w.row_bytes), np.int32(2),
                      np.int32(1), np.int32(M // 2), np.int32(K), _u64(x), np.int32(K), np.int32(B), _u64(None),
-                     np.float32(1e-5), _u64(y), np.int32(M)) + (z,) * 7 + (_u64(None),) * 6)
+                     np.float32(1e-5), _u64(None), _u64(None), _u64(None), _u64(y), np.int32(M)) + (z,) * 8
+                    + (_u64(None),) * 6 + (_u64(None), z))
             k = kern[f"gemv<{int(t)},{int(t)},{nb},{S.MODE_STORE},{wpp}>"]
             grid = ((M // 2 + ppb - 1) // ppb, (B + nb - 1) // nb)
             row.append(w.nbytes / timed(lambda: k(grid, (128,), args)) / 1e9)

@@ -104,7 +104,10 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     t0 = time.perf_counter()
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
-    be = CudaBackend(tune="auto", artifact_root=home, tune_budget_s=tune_budget)
+    # the engine's numerics (make_backend: int8 activations); AOTX_BENCH_NUMERICS=f32 for float32 ones
+    int8 = os.environ.get("AOTX_BENCH_NUMERICS", "int8") != "f32"
+    be = CudaBackend(tune="auto", artifact_root=home, tune_budget_s=tune_budget, int8_activations=int8)
+    res["numerics"] = be.numerics
     model = build(cfg, gf, be)
     cp.cuda.Device().synchronize()
     prog = model.compiled

@@ -5,7 +5,7 @@ Every kernel launch and cuBLAS call of the scenarios below is checked by
 inside their allocations, GEMM extents); the numbers are not computed. Scenarios, on
 random-weight llama files (``tests/models/cuda_testmodel.py``): every prefill mode
 (default choice, f16, tf32, f32, gemv), both KV types, fused and generic kernels, every
-GEMV variant forced, graph buckets 1 to 128 and the eager path past them, a QK-norm-free
+GEMV variant forced (float and int8 activations), graph buckets 1 to 128 and the eager path past them, a QK-norm-free
 model with mixed tensor types and an untied odd vocabulary, and the kernel-choice tuner
 (policy force, then reuse of the artifact it wrote). Prints one line per scenario and
 ``dry run OK`` last; exit code 1 on the first violation.
@@ -93,11 +93,18 @@ def main() -> int:
     variants = sorted({c for b in CC.TUNE_BUCKETS for norm in (False, True) for c in CC.gemv_candidates(b, norm)})
     for v in variants:
         scenarios.append((f"q4k gemv {v}", "q4k", {"gemv": v, "prefill": "gemv"}, "f16"))
+    for v in sorted({c for b in CC.TUNE_BUCKETS for norm in (False, True) for c in CC.gemv_candidates(b, norm, True)}):
+        scenarios.append((f"q4k int8 activations, gemv {v}", "q4k", {"gemv": v, "prefill": "gemv",
+                                                                     "int8_activations": True}, "f16"))
+    for name in files:
+        scenarios.append((f"{name} int8 activations, default kernels", name, {"int8_activations": True}, "f16"))
     scenarios.append(("q4k over the dense budget: tiles", "q4k", {"_dense_max": 1 << 20}, "f16"))
     root = tmp / "home"
     scenarios.append(("q4k tuner (force)", "q4k", {"tune": "force", "artifact_root": root}, "f16"))
     scenarios.append(("q4k artifact reused", "q4k", {"tune": "reuse", "artifact_root": root}, "f16"))
     scenarios.append(("q8 tuner (auto, new shapes)", "q8", {"tune": "auto", "artifact_root": root}, "f16"))
+    scenarios.append(("q4k tuner, int8 activations (auto)", "q4k", {"tune": "auto", "artifact_root": root,
+                                                                  "int8_activations": True}, "f16"))
     for label, name, kw, kv_type in scenarios:
         before = fake_cupy.stats["launches"]
         from aotx.engine.backend import cuda_gemm

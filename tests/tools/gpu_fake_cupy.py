@@ -224,7 +224,16 @@ def _extents(name: str, grid, a: dict) -> None:
                 raise LaunchError(f"{w}: writes column {ycols - 1} of rows only {i('ldy')} wide")
         _need(w, a["Wa"], rows_a * i("rba"), "Wa")
         _need(w, a["Wb"], rows_b * i("rbb"), "Wb")
-        _need(w, a["x"], 4 * ((B - 1) * i("ldx") + k), "x")
+        q8 = len(tpl) > 6 and tpl[6] == 1
+        if q8:                                           # int8 rows (ldx bytes) and their block scales
+            _need(w, a["x"], (B - 1) * i("ldx") + k, "x (int8)")
+            _need(w, a["xd"], 8 * ((B - 1) * i("ldd") + k // 32), "xd")
+            if i("ldx") % 16 or i("ldd") * 32 != i("ldx"):
+                raise LaunchError(f"{w}: int8 rows of {i('ldx')} bytes with {i('ldd')} block scales")
+            if _addr(a["nw"]) and not _addr(a["xs"]):
+                raise LaunchError(f"{w}: Q8 with a norm needs the precomputed scales xs")
+        else:
+            _need(w, a["x"], 4 * ((B - 1) * i("ldx") + k), "x")
         _need(w, a["y"], 4 * ((B - 1) * i("ldy") + ycols), "y")
         _need(w, a["nw"], 4 * k, "norm weight")
         _need(w, a["xs"], 4 * B, "norm scales")
@@ -272,6 +281,16 @@ def _extents(name: str, grid, a: dict) -> None:
         _need(w, a["x"], 4 * ((n - 1) * i("ldx") + i("k")), "x")
         _need(w, a["out"], 2 * ((n - 1) * i("ldo") + i("k")), "out")
         _need(w, a["nw"], 4 * i("k"), "nw")
+    elif base == "quant_rows":
+        n, k = grid[0], i("k")
+        if len(grid) < 2 or grid[1] * 128 < k:
+            raise LaunchError(f"{w}: grid {grid} does not cover {k} inputs (128 per block)")
+        _need(w, a["x"], 4 * ((n - 1) * i("ldx") + k), "x")
+        _need(w, a["xq"], (n - 1) * i("ldq") + k, "xq")
+        _need(w, a["xd"], 8 * ((n - 1) * i("ldd") + k // 32), "xd")
+        if _addr(a["nw"]):
+            _need(w, a["nw"], 4 * k, "nw")
+            _need(w, a["xs"], 4 * n, "xs")
     elif base == "row_scale":
         n = grid[0]
         _need(w, a["x"], 4 * ((n - 1) * i("ldx") + i("k")), "x")
@@ -510,7 +529,7 @@ def install() -> None:
     cp = types.ModuleType("cupy")
     cp.__version__ = "0.0-fake"
     cp.ndarray = FakeArray
-    for n in ("float32", "float16", "float64", "int32", "int64", "uint8", "uint16", "uint32"):
+    for n in ("float32", "float16", "float64", "int8", "int32", "int64", "uint8", "uint16", "uint32"):
         setattr(cp, n, getattr(np, n))
     for f in (zeros, ones, empty, empty_like, asarray, ascontiguousarray, concatenate, arange, matmul):
         setattr(cp, f.__name__, f)

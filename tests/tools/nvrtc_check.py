@@ -41,6 +41,14 @@ def instances(types=None) -> list[str]:
                 for t in types:
                     names.append(f"gemv<{t},{t},{nb},{S.MODE_QKV16},{wpp},{ppw}>")
     names.append(f"gemv<{S.Q4_K},{S.Q6_K},4,{S.MODE_SWIGLU},4>")
+    names.append("quant_rows")                    # int8 activations (Q8 1): every mode at NB 1, every NB in one mode
+    for t in (S.Q8_TYPES if types is S.TYPES else [t for t in types if t in S.Q8_TYPES]):
+        for mode in (S.MODE_STORE, S.MODE_ADD, S.MODE_QKV, S.MODE_QKV16, S.MODE_SWIGLU, S.MODE_GEGLU):
+            names.append(f"gemv<{t},{t},1,{mode},4,1,1>")
+        for nb, wpps in CC.GEMV_GRID.items():
+            for wpp in wpps:
+                for ppw in CC.PPW_GRID[nb]:
+                    names.append(f"gemv<{t},{t},{nb},{S.MODE_STORE},{wpp},{ppw},1>")
     for hd in (64, 96, 128, 256):
         for kvt in (0, 1):
             names.append(f"attn_decode<{hd},{kvt}>")
