@@ -196,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--api-key-file", help="file holding the API key")
     q.add_argument("--api-key", help="the API key itself (stored in the entry, mode 0600)")
     q.add_argument("--context", type=_int("--context", 0), default=None, help="the server's context in tokens")
-    q = msub.add_parser("remove", help="remove a remote model entry")
+    q = msub.add_parser("remove", help="remove a remote model entry (a running engine unloads it first)")
     q.add_argument("name")
+    q.add_argument("--socket", default=argparse.SUPPRESS)  # (or before "remove": the models' own --socket)
 
     p = sub.add_parser("unload", help="unload a model from the running engine")
     p.add_argument("name")

@@ -146,6 +146,10 @@ def _add_remote(args) -> int:
 
 
 def _remove_remote(args) -> int:
+    """Remove a remote entry. As ``ollama rm`` stops a running model, a running engine
+    that has the model loaded unloads it first, so that it is gone from the engine as
+    well as from the folder; when the engine refuses (the model is generating, or it is
+    the engine's default) nothing is removed and the error says why."""
     from aotx.engine import paths
     from aotx.engine.runtime.catalog import REMOTE_SUFFIX
 
@@ -153,6 +157,31 @@ def _remove_remote(args) -> int:
     if not p.exists():
         raise UsageError(f"no remote model entry {args.name!r} in {paths.models_dir()} (GGUF files are removed by "
                          f"deleting them)")
+    unloaded = asyncio.run(_unload_if_loaded(args))
     p.unlink()
-    print(f"removed remote model {args.name}")
+    print(f"removed remote model {args.name}" + (" (unloaded it from the running engine first)" if unloaded else ""))
     return 0
+
+
+async def _unload_if_loaded(args) -> bool:
+    """Unload ``args.name`` from the running engine when it has it loaded. True when it
+    did; False when no engine runs or it is not loaded. EngineError when the engine
+    refuses to unload it."""
+    from aotx.engine.ipc.client import EngineClient
+
+    try:
+        client = await EngineClient.connect(getattr(args, "socket", None), spawn=False, client_name="aotx-cli")
+    except EngineError:
+        return False  # no engine: nothing is loaded
+    try:
+        ml = await client.list_models()
+        if not any(m.name == args.name and m.loaded for m in ml.models):
+            return False
+        try:
+            await client.unload_model(args.name)
+        except EngineError as e:
+            raise EngineError(f"remote model {args.name} is loaded in the running engine, which did not unload it: "
+                              f"{e}; nothing was removed", e.code) from None
+        return True
+    finally:
+        await client.close()

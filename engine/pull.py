@@ -15,7 +15,10 @@ Owns, in order (nothing is written before step 4):
    refused with the numbers;
 4. the download with ``huggingface_hub``'s ``http_get`` (its progress bar on stderr,
    its retries), into ``<models>/.partial/<file>.part``: an interrupted pull leaves the
-   part there and the next pull of the same file resumes it with a range request;
+   part there and the next pull of the same file resumes it with a range request, once a
+   probe has seen the server answer one with 206 (a server or proxy that ignores Range
+   answers 200 and the whole file: the part is emptied and the download starts at byte 0,
+   whatever huggingface_hub's version does with such an answer);
 5. the sha256 of the whole file against the Hub's; a mismatch removes the part and
    says so; then the file is moved into the models folder (fsync'd, renamed).
 
@@ -126,6 +129,21 @@ def read_remote_header(url: str, headers: dict[str, str], what: str, size: int |
                     raise ModelError(f"{what}: the GGUF header does not end within {fmt_bytes(len(data))}: "
                                      f"truncated or not a model") from None
                 n = min(max(e.need + (1 << 20), 2 * n), HEADER_MAX, size or HEADER_MAX)
+
+
+def server_resumes(url: str, headers: dict[str, str], have: int) -> bool:
+    """Whether the server at ``url`` honours a request for the bytes from ``have`` on: False
+    when it answers 200 (it ignores Range and sends the whole file) instead of 206. Reads
+    none of the body; a network error or another status is left to the download to report."""
+    import httpx
+
+    try:
+        with httpx.Client(follow_redirects=True, timeout=60) as client:
+            with client.stream("GET", url, headers={**headers, "Range": f"bytes={have}-",
+                                                    "Accept-Encoding": "identity"}) as r:
+                return r.status_code != 200
+    except httpx.HTTPError:
+        return True
 
 
 def _engine_budget(args) -> tuple[int, int, int, int, str]:
@@ -240,6 +258,11 @@ def pull(args, out=None) -> Path:
     part = part_dir / f"{name}.{(sha or (meta.commit_hash or 'x'))[:16]}.part"
     have = part.stat().st_size if part.exists() else 0
     if size is not None and have > size:
+        part.unlink()
+        have = 0
+    if have and (size is None or have < size) and not server_resumes(meta.location, headers, have):
+        print(f"aotx: note: the server ignores range requests (it answered 200, not 206, to resuming at "
+              f"{fmt_bytes(have)}): starting over from byte 0", file=sys.stderr)
         part.unlink()
         have = 0
     disk_free = shutil.disk_usage(folder).free

@@ -111,3 +111,27 @@ def test_llama3_instruct_prompt_has_one_bos(gguf_vocab):
     assert ids == tok.encode(ref["rendered"], parse_special=True)
     assert ids[0] == 128000 and ids.count(128000) == 1
     assert ids.count(128009) == 2  # <|eot_id|> after the system and the user turn
+
+
+@pytest.mark.parametrize("template", sorted(RENDERED) + ["chatml", "gemma-fallback"])
+def test_a_final_assistant_prefill_is_left_open_for_the_reply_to_continue(template, default_model_path):
+    """Anthropic's prefill (``encode_chat(continue_final=True)``): the prompt is the
+    conversation up to the generation prompt plus the prefill's text, with none of the
+    end-of-turn markup the template writes after a finished assistant turn, for every
+    family's template. A template that drops the text is refused, not continued wrongly."""
+    from aotx.engine.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(GGUFFile.open(default_model_path).metadata)
+    src = {"chatml": CHATML_TEMPLATE, "gemma-fallback": GEMMA_TEMPLATE}.get(template) \
+        or RENDERED.get(template, {}).get("source")
+    t = ChatTemplate(src)
+    msgs = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "  The color is"}]
+    kw = dict(bos_token=tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else "",
+              eos_token=tok.token_to_piece(tok.eos_id))
+    ids = encode_chat(tok, t, msgs, continue_final=True)
+    want = t.render(msgs[:1], add_generation_prompt=True, **kw)
+    assert tok.decode(ids).endswith("The color is")
+    assert tok.decode(ids).removesuffix("The color is").rstrip() == want.rstrip(), template
+    with pytest.raises(TemplateError, match="does not show"):
+        encode_chat(tok, ChatTemplate("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}"
+                                      "{% endfor %}"), msgs, continue_final=True)

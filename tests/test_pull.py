@@ -143,3 +143,32 @@ def test_an_architecture_aotx_cannot_run_is_refused(home, tiny_gguf, tmp_path, m
     err = capsys.readouterr().err
     assert "architecture 'mamba' is not supported" in err and "not downloaded" in err
     assert models(home) == []
+
+
+def test_bug_resume_from_a_server_that_ignores_range_starts_over_not_corrupt(home, tiny_bytes, monkeypatch,
+                                                                             capsys):
+    """The bug: resuming against a server that ignores Range (200 and the whole file, not
+    206) appended the whole file to the part, and the pull failed blaming the download
+    (huggingface_hub 0.36: "Consistency check failed: file should be of size 106848 but
+    has size 160096"; 2.x rewinds by itself). Now the 200 is noticed before the download,
+    the part is emptied and the file is fetched whole from byte 0, whatever the library."""
+    half = len(tiny_bytes) // 2
+    with FakeHub({f"{REPO}/t.gguf": tiny_bytes}) as hub:
+        monkeypatch.setenv("AOTX_HF_ENDPOINT", hub.endpoint)
+        monkeypatch.setattr("huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE", 4096)
+        hub.drop_at = half
+        assert pull(f"hf:{REPO}/t.gguf") == 2
+        kept = next((home / "models" / ".partial").glob("*.part")).stat().st_size
+        assert 0 < kept <= half
+        capsys.readouterr()
+        hub.drop_at, hub.ignore_range = None, True
+        n_before = len(hub.downloads())
+        assert pull(f"hf:{REPO}/t.gguf") == 0, capsys.readouterr().err
+        out = capsys.readouterr()
+        resumed = hub.downloads()[n_before:]
+    # the header read, the probe (answered 200), then the whole file from byte 0
+    assert resumed[0].startswith("bytes=0-") and resumed[1:] == [f"bytes={kept}-", ""]
+    assert "ignores range requests" in out.err and "starting over from byte 0" in out.err
+    assert "resuming at" not in out.out
+    assert (home / "models" / "t.gguf").read_bytes() == tiny_bytes
+    assert not list((home / "models" / ".partial").glob("*.part"))

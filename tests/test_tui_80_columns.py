@@ -1,5 +1,5 @@
 """aotx-chat at 80 columns: what the status line and the model picker (Ctrl+O) keep when
-the terminal is narrow, and that at 120 columns nothing is left out."""
+the terminal is narrow; at 120 columns the picker leaves nothing out."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
 
+from textual.widgets import DataTable  # noqa: E402
+
+from aotx.app.screens.model_picker import COLUMNS, ModelPicker, fit_columns, model_row  # noqa: E402
 from aotx.app.widgets.status_bar import StatusBar  # noqa: E402
+from aotx.engine.ipc import protocol as P  # noqa: E402
 
 LONG = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 
@@ -60,3 +64,57 @@ def test_status_line_drop_order_least_useful_first():
     # a state's detail goes before the name is cut
     bar.state, bar.detail = "loading", "weights 3/30"
     assert bar.line(len(LONG) + 10) == f"{LONG} · loading"
+
+
+# ---- the model picker (Ctrl+O) --------------------------------------------------
+
+QWEN = P.ModelInfo(name=LONG, size_bytes=491_400_064, arch="qwen2", quant="Q4_K_M", n_ctx_train=32768,
+                   needs_bytes=900 << 20)
+REMOTE = P.ModelInfo(name="cluster", kind="remote", url="http://gpu:8000/v1", arch="remote")
+
+
+@pytest.mark.parametrize("width", [80, 120])
+async def test_model_picker_columns_are_not_cut_at_80_columns(width):
+    """The bug: at 80 columns (and at 120) the picker's rows ran past the dialog, the
+    right-hand columns (what a model needs, whether it is loaded) cut off. Now every row
+    fits the table: at 80 the architecture and quantization go and long names end in an
+    ellipsis; at 120 every column and whole names show."""
+    engine = FakeEngine()
+    engine.extra_models = [QWEN, REMOTE]
+    app, _ = make_app(engine)
+    async with app.run_test(size=(width, 24)) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+o")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, ModelPicker)
+        table = app.screen.query_one(DataTable)
+        assert table.virtual_size.width <= table.scrollable_content_region.width
+        labels = [c.label.plain for c in table.ordered_columns]
+        names = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+        if width == 80:
+            assert labels == ["model", "size", "context", "needs", ""]
+            assert names[1].endswith("…") and LONG.startswith(names[1].strip()[:-1])
+        else:
+            assert labels == list(COLUMNS)
+            assert names[1].strip() == LONG
+        # the loaded mark stays, and the cursor on the current model; Enter still picks by name
+        assert table.get_row_at(0)[-1] == "loaded" and table.cursor_row == 0
+        await pilot.press("down", "enter")
+        await pilot.pause(0.3)
+        await settle(pilot)
+        assert app.conv_id is None and app.next_model == LONG  # (no conversation yet: the next new one's)
+        assert status_text(app).startswith(LONG)
+
+
+def test_model_picker_fit_columns_drops_the_least_useful_first():
+    rows = [model_row(m, current="") for m in (QWEN, REMOTE)]
+    full = sum(max(len(COLUMNS[i]), *(len(r[i]) for r in rows)) + 2 for i in range(len(COLUMNS)))
+    assert fit_columns(rows, full) == (list(range(len(COLUMNS))), len(rows[0][0]))
+    assert fit_columns(rows, full - 1)[1] == len(rows[0][0]) - 1  # first the name column shrinks
+    dropped = []
+    for width in range(full, 20, -1):
+        keep, name_width = fit_columns(rows, width)
+        assert name_width + 2 + sum(max(len(COLUMNS[i]), *(len(r[i]) for r in rows)) + 2 for i in keep if i) <= width
+        dropped += [COLUMNS[i] for i in range(len(COLUMNS)) if i not in keep and COLUMNS[i] not in dropped]
+    assert dropped == ["arch", "quant", "needs", "context", "size"]
+    assert fit_columns(rows, 21)[0] == [0, 6]  # the name and the loaded mark stay

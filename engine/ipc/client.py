@@ -256,6 +256,26 @@ class EngineClient:
         finally:
             self._queues.pop(rid, None)
 
+    async def count_tokens(self, messages: list[P.PriorMessage], *, system_prompt: str | None = None,
+                           tools: list[dict] | None = None, prefill: str = "", model: str = "") -> int:
+        """The prompt's token count for ``messages`` (``CountTokens``; the model is loaded
+        when it is not). Raises EngineError (bad_request for a template that refuses them)."""
+        rid, q = self._new()
+        try:
+            await self._send(P.CountTokens(id=rid, messages=messages, system_prompt=system_prompt,
+                                           tools=tools or [], prefill=prefill, model=model))
+            while True:
+                msg = await q.get()
+                if msg is _CLOSED:
+                    raise ConnectionLost("the engine closed the connection")
+                if isinstance(msg, P.Notice):  # loading the model
+                    continue
+                if isinstance(msg, P.Error):
+                    raise EngineError(msg.message, msg.code)
+                return msg.n_tokens
+        finally:
+            self._queues.pop(rid, None)
+
     async def unload_model(self, model: str) -> None:
         await self._call(lambda i: P.UnloadModel(id=i, model=model))
 

@@ -811,6 +811,8 @@ class Gateway:
         fields: dict[str, Any] = {"n": spec.n, "logprobs": spec.logprobs}
         if spec.chat:
             fields.update(role=spec.last.role, meta=spec.last.meta, tools=spec.tools.tools if spec.tools.active else [])
+            if spec.prefill:
+                fields["prefill"] = spec.prefill
         if constraint is not None:
             fields["constraint"] = constraint
         if atts:
@@ -1063,6 +1065,7 @@ def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_a
         Route("/v1/responses", _bound(gateway_responses.create, gw), methods=["POST"]),
         Route("/v1/responses/{response_id}", _bound(gateway_responses.retrieve, gw), methods=["GET"]),
         Route("/v1/messages", _bound(gateway_anthropic.create, gw), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _bound(gateway_anthropic.count_tokens, gw), methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: api_error, S.BadRequest: bad_request, HTTPException: http_error,

@@ -3,14 +3,17 @@
 Owns: parsing a Messages request (``system``, ``messages`` with ``text``, ``image``
 (base64 source), ``tool_use`` and ``tool_result`` blocks, ``tools`` with
 ``input_schema``, ``tool_choice`` auto | any | tool | none, ``max_tokens``,
-``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``stream``) into the
-gateway's ``Spec``, and answering in Anthropic's shapes: a ``message`` with ``text``
+``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``stream``; a final
+``assistant`` message is a prefill: the reply continues it and holds the continuation
+only, as Anthropic's does) into the gateway's ``Spec``, and answering in Anthropic's shapes: a ``message`` with ``text``
 and ``tool_use`` content blocks and a ``stop_reason`` (end_turn, max_tokens,
 stop_sequence, tool_use), or the streaming events ``message_start``,
 ``content_block_start`` / ``_delta`` (``text_delta``, ``input_json_delta``) /
 ``_stop``, ``message_delta`` and ``message_stop``. Errors use Anthropic's body
-(``{"type": "error", "error": {"type", "message"}}``). The key may come as
-``x-api-key`` (Anthropic's clients) or as a bearer token. Leaves HTTP, the engine
+(``{"type": "error", "error": {"type", "message"}}``; mid-stream, an ``error`` event with
+it: an engine that fails or goes away is an ``api_error``). The key may come as
+``x-api-key`` (Anthropic's clients) or as a bearer token. ``POST /v1/messages/count_tokens``
+answers a Messages body's prompt token count (``{"input_tokens": N}``) without running it. Leaves HTTP, the engine
 and tool-call parsing to ``gateway.py``.
 """
 
@@ -23,9 +26,11 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from aotx.engine.errors import EngineError
 from aotx.engine.ipc import gateway_media as M
 from aotx.engine.ipc import gateway_schema as S
 from aotx.engine.ipc import protocol as P
+from aotx.engine.ipc.client import ConnectionLost
 
 # chat-completions names -> Anthropic's (errors from parse_chat name what the client sent)
 CHAT_NAMES = ((".tool_call_id", ".tool_use_id"), (".function.name", ".name"), (".function.parameters", ".input_schema"),
@@ -232,6 +237,10 @@ class MessagesAPI:
                 elif isinstance(e, P.Committed) and e.choice == 0:
                     reply.n_prompt = e.n_prompt
                     reply.n_cached = int(e.timings.get("prompt_tokens_reused", 0))
+                    if e.finish_reason == "error":
+                        yield ev({"type": "error", "error": {"type": "api_error", "message":
+                                                             "the engine failed while generating this reply"}})
+                        return
                     outs = st.committed(e)
                 elif isinstance(e, P.Error):
                     err = gw.engine_error(e)
@@ -262,7 +271,7 @@ class MessagesAPI:
                         if args:
                             yield ev({"type": "content_block_delta", "index": call_block[idx],
                                       "delta": {"type": "input_json_delta", "partial_json": args}})
-        except gw.api_error as err:
+        except gw.api_error as err:  # the engine went away: Anthropic's mid-stream error event
             yield ev({"type": "error", "error": {"type": "api_error", "message": err.body["error"]["message"]}})
             return
         if open_kind is not None:
@@ -279,6 +288,7 @@ async def create(gw, request: Request) -> Response:
     """``POST /v1/messages``."""
     key = gw._auth(request)
     chat, msgs, parts = parse(await gw._json(request), gw.cfg.limits)
+    msgs, prefill = split_prefill(msgs)
     try:
         req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits)
     except S.BadRequest as e:
@@ -288,10 +298,63 @@ async def create(gw, request: Request) -> Response:
         if last.role != "user":
             raise S.BadRequest("images go with the user's text, after any tool results", "messages")
         last = S.Turn(last.role, last.text, last.meta, tuple(parts))
+    if parts and prefill:
+        raise S.BadRequest("an assistant prefill after an image is not supported; send the image without it",
+                           "messages")
     spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=last, sampling=req.sampling,
                 stream=req.stream, tools=req.tools, constraint=req.constraint, n=1, title=last.text,
-                  model=req.model)
+                  model=req.model, prefill=prefill)
     return await gw.generate(request, key, spec, MessagesAPI())
+
+
+async def count_tokens(gw, request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the prompt's token count
+    as ``/v1/messages`` renders the same body (system, messages, tools, a prefill) on its
+    model; nothing is stored or run. Images are refused (their count is the encoder's)."""
+    gw._auth(request)
+    body = await gw._json(request)
+    if isinstance(body, dict) and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": 1}  # (a count takes no max_tokens)
+    chat, msgs, parts = parse(body, gw.cfg.limits)
+    if parts:
+        raise S.BadRequest("count_tokens counts text: images are not counted here", "messages")
+    msgs, prefill = split_prefill(msgs)
+    chat.pop("stream", None)
+    try:
+        req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits)
+    except S.BadRequest as e:
+        raise S.relabel(e, CHAT_NAMES, {}) from None
+    target = await gw.route(req.model)
+    client = await gw.link.get()
+    try:
+        n = await client.count_tokens([P.PriorMessage(t.role, t.text, t.meta) for t in req.messages],
+                                      system_prompt=req.system, tools=req.tools.tools if req.tools.active else [],
+                                      prefill=prefill, model=target)
+    except ConnectionLost as e:
+        raise gw.api_error(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
+                           headers={"Retry-After": str(gw.cfg.retry_after_s)}) from None
+    except EngineError as e:
+        raise gw.engine_error(P.Error(id=0, code=e.code, message=str(e))) from None
+    return JSONResponse({"input_tokens": n})
+
+
+def split_prefill(msgs: list[dict]) -> tuple[list[dict], str]:
+    """(the messages, the prefill): a final assistant message is the start of the reply,
+    which continues it (Anthropic's prefill); an empty one asks for a plain reply. Raises
+    BadRequest for one with tool_use blocks or trailing whitespace (Anthropic refuses it)."""
+    if not msgs or msgs[-1].get("role") != "assistant":
+        return msgs, ""
+    m = msgs[-1]
+    where = m.get(S.AT, "messages")
+    if m.get("tool_calls"):
+        raise S.BadRequest(f"'{where}': a final assistant message (a prefill) takes text only, not tool_use",
+                           "messages")
+    text = m.get("content") or ""
+    if text != text.rstrip():
+        raise S.BadRequest(f"'{where}': final assistant content cannot end with trailing whitespace", "messages")
+    if len(msgs) == 1 or all(x.get("role") == "system" for x in msgs[:-1]):
+        raise S.BadRequest(f"'{where}': an assistant prefill needs a user message before it", "messages")
+    return msgs[:-1], text
 
 
 def _usage(reply: S.Reply) -> dict[str, int]:

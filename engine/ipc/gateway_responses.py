@@ -2,7 +2,8 @@
 
 Owns: parsing a Responses request into the gateway's ``Spec`` and answering in the
 Responses shapes (a ``response`` object with ``message`` and ``function_call`` output
-items; streaming as ``response.*`` events). A response id names where its reply lives
+items; streaming as ``response.*`` events, ending with ``response.failed`` when the engine
+fails or goes away mid-stream). A response id names where its reply lives
 in the journal: ``resp_<conversation>_<reply message>``, so it is durable (it is the
 journal's record, and survives an engine restart) and ``previous_response_id``
 continues that conversation: the engine's next turn restores the conversation's
@@ -41,6 +42,10 @@ from aotx.engine.model import tool_calls
 
 RESPONSE_ID = re.compile(r"^resp_(c[A-Za-z0-9]{1,40})_(m[A-Za-z0-9]{1,40})$")
 CALL_ID = re.compile(r"^call_(m[A-Za-z0-9]{1,40})_(\d{1,4})$")
+
+
+# the meta key of a response's input message that names the response it continued
+PREVIOUS = P.CLIENT_META_PREFIX + "previous_response_id"
 
 
 def response_id(conv_id: str, reply_id: str) -> str:
@@ -201,6 +206,13 @@ class ResponsesAPI:
     async def final(self, gw, gen, reply: S.Reply, spec) -> dict[str, Any]:
         return self._response(gen, reply, spec, "completed")
 
+    def _failed(self, gen, reply: S.Reply, spec, message: str) -> dict[str, Any]:
+        """The ``response.failed`` event that ends a stream the engine could not finish (it
+        failed, or went away): the response with status "failed" and OpenAI's error object."""
+        resp = self._response(gen, reply, spec, "in_progress")
+        resp.update(status="failed", output=[], error={"code": "server_error", "message": message})
+        return {"type": "response.failed", "response": resp}
+
     async def stream(self, gw, gen, reply: S.Reply, spec, states) -> AsyncIterator[bytes]:
         seq = 0
 
@@ -231,11 +243,12 @@ class ResponsesAPI:
                 elif isinstance(e, P.Committed) and e.choice == 0:
                     reply.n_prompt = e.n_prompt
                     reply.n_cached = int(e.timings.get("prompt_tokens_reused", 0))
+                    if e.finish_reason == "error":
+                        yield ev(self._failed(gen, reply, spec, "the engine failed while generating this reply"))
+                        return
                     outs = st.committed(e)
                 elif isinstance(e, P.Error):
-                    err = gw.engine_error(e)
-                    yield ev({"type": "error", "code": err.body["error"].get("code"),
-                              "message": err.body["error"]["message"], "param": None})
+                    yield ev(self._failed(gen, reply, spec, gw.engine_error(e).body["error"]["message"]))
                     return
                 for o in outs:
                     if o.kind == "logprob":
@@ -267,9 +280,8 @@ class ResponsesAPI:
                         if args:
                             yield ev({"type": "response.function_call_arguments.delta", "item_id": c["item"]["id"],
                                       "output_index": c["output_index"], "delta": args})
-        except gw.api_error as err:
-            yield ev({"type": "error", "code": err.body["error"].get("code"), "message": err.body["error"]["message"],
-                      "param": None})
+        except gw.api_error as err:  # the engine went away
+            yield ev(self._failed(gen, reply, spec, err.body["error"]["message"]))
             return
         gw._finish_reply(gen, reply, states)
         if msg_index is not None:
@@ -311,7 +323,10 @@ async def create(gw, request: Request) -> Response:
         req = S.parse_chat({**chat, "messages": msgs}, gw.cfg.limits, gw.keys.file_roots(key))
     except S.BadRequest as e:
         raise S.relabel(e, CHAT_NAMES, {"messages": "input", "max_tokens": "max_output_tokens"}) from None
-    spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=req.messages[-1],
+    last = req.messages[-1]
+    if prev is not None:  # noted on the message it answers, for GET /v1/responses/{id}
+        last = S.Turn(last.role, last.text, {**last.meta, PREVIOUS: prev}, last.parts)
+    spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=last,
                 sampling=req.sampling, stream=req.stream, tools=req.tools, constraint=req.constraint,
                 logprobs=req.logprobs, n=1, conversation=conv, after=after, title=req.messages[-1].text,
                   model=req.model)
@@ -384,7 +399,9 @@ async def retrieve(gw, request: Request) -> Response:
         view = await client.show(conv_id)
     except EngineError:
         view = None
-    msg = next((x for x in (view.messages if view else []) if x.msg_id == reply_id), None)
+    msgs = view.messages if view else []
+    at = next((i for i, x in enumerate(msgs) if x.msg_id == reply_id), None)
+    msg = msgs[at] if at is not None else None
     if msg is None:
         raise gw.api_error(404, f"no response {rid!r}", "invalid_request_error", param="response_id",
                            code="response_not_found")
@@ -400,6 +417,16 @@ async def retrieve(gw, request: Request) -> Response:
     return JSONResponse({"id": rid, "object": "response", "created_at": view.updated_at, "model": gw.link.model,
                          "status": "completed" if done else ("in_progress" if msg.status in ("accepted", "streaming")
                                                              else "incomplete"),
-                         "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                         "output": output, "previous_response_id": _previous(msgs, at),
+                         "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
                          "aotx": {"conversation": conv_id, "reply_id": reply_id,
                                   "receipt": S.receipt_dict(msg.receipt)}})
+
+
+def _previous(msgs: list[P.MessageView], at: int) -> str | None:
+    """The ``previous_response_id`` of the reply ``msgs[at]``: the one its input message
+    (the message just before it) was sent with, None when none was."""
+    if at == 0 or msgs[at].role != "assistant" or msgs[at - 1].role == "assistant":
+        return None
+    prev = msgs[at - 1].meta.get(PREVIOUS)
+    return prev if isinstance(prev, str) else None

@@ -165,6 +165,7 @@ class Spec:
     after: str = ""
     model: str | None = None  # the request's ``model`` (``Gateway.route`` picks the engine model)
     title: str = ""
+    prefill: str = ""  # the start of the reply, which continues it (Anthropic's final assistant message)
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,7 @@ class MessageView(msgspec.Struct, omit_defaults=True):
     receipt: Receipt | None = None
     seq: int = 0
     model: str = ""
+    meta: dict[str, Any] = {}  # as PriorMessage.meta (the template's fields and clients' notes)
 
 
 class ConversationView(msgspec.Struct, omit_defaults=True):
@@ -283,6 +284,19 @@ class PriorMessage(msgspec.Struct, omit_defaults=True):
     meta: dict[str, Any] = {}
 
 
+CLIENT_META_PREFIX = "aotx_"
+"""A ``meta`` key with this prefix is a client's own note on the message (the gateway's
+``aotx_previous_response_id``): journaled and shown with the message (``MessageView.meta``),
+never given to the chat template."""
+
+
+def template_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` without the clients' own notes (``CLIENT_META_PREFIX``): the chat template's fields."""
+    if not any(k.startswith(CLIENT_META_PREFIX) for k in meta):
+        return meta
+    return {k: v for k, v in meta.items() if not k.startswith(CLIENT_META_PREFIX)}
+
+
 class CreateConversation(_Base, tag="create"):
     """A new conversation; ``model`` names the model it runs on ("": the engine's default)."""
 
@@ -325,6 +339,25 @@ class SubmitMessage(_Base, tag="submit"):
     # a continuation of one reply: refused (busy, nothing written) unless the conversation's last
     # message is ``after`` when the message is taken (another turn landed meanwhile: fork instead)
     after: str = ""
+    # the reply continues this assistant text (a prefill): the prompt ends inside an assistant
+    # turn opened with it (``encode_chat(continue_final=True)``); the reply holds the continuation
+    # only, and the journal does not keep the prefill (a later turn's history lacks it)
+    prefill: str = ""
+
+
+class CountTokens(_Base, tag="count_tokens"):
+    """How many tokens a chat turn's prompt is, as ``model``'s chat template renders it
+    ("": the engine's default; loaded when it is not), storing and running nothing: the
+    prompt a ``SubmitMessage`` of the last of ``messages`` (role user or tool) with these
+    ``tools`` and ``prefill`` would get on a conversation holding the others and
+    ``system_prompt``. Answered with ``TokenCount``."""
+
+    id: int
+    messages: list[PriorMessage] = []
+    system_prompt: str | None = None
+    tools: list[dict[str, Any]] = []
+    prefill: str = ""
+    model: str = ""
 
 
 class Cancel(_Base, tag="cancel"):
@@ -587,6 +620,14 @@ class ModelList(_Base, tag="models"):
     models_dir: str = ""
 
 
+class TokenCount(_Base, tag="token_count"):
+    """Answer to ``CountTokens``: the prompt's ``n_tokens`` on ``model``."""
+
+    id: int
+    n_tokens: int
+    model: str = ""
+
+
 class ModelLoaded(_Base, tag="model_loaded"):
     """Answer to ``LoadModel``: the model is loaded (``unloaded``: idle models evicted for it)."""
 
@@ -599,16 +640,16 @@ class ModelLoaded(_Base, tag="model_loaded"):
 Message = Union[
     Hello, CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel,
     DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens,
     Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, MediaInfo, Committed,
-    Durable, StatusReply, ModelList, ModelLoaded,
+    Durable, StatusReply, ModelList, ModelLoaded, TokenCount,
 ]
 
 #: The operations a client asks the engine to run (everything but the handshake).
 Operation = Union[
     CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel, DeleteConversation,
     RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens,
 ]
 OPERATIONS: tuple[type, ...] = Operation.__args__
 
@@ -638,7 +679,7 @@ def operation_problem(op: Any) -> str | None:
         return f"unexpected message type {type(op).__name__}"
     if isinstance(op.id, bool) or not isinstance(op.id, int):
         return f"id must be an integer, got {op.id!r}"
-    for name in ("conv_id", "title", "text", "msg_id", "at_msg_id", "model"):
+    for name in ("conv_id", "title", "text", "msg_id", "at_msg_id", "model", "prefill"):
         v = getattr(op, name, "")
         if not isinstance(v, str):
             return f"{name} must be a string, got {type(v).__name__}"
@@ -672,6 +713,14 @@ def operation_problem(op: Any) -> str | None:
                 return "an attachment needs the path of its file"
             if a.kind not in ("", *MediaKind):
                 return f"{a.name or a.path}: unknown attachment kind {a.kind!r} (audio or image)"
+    elif isinstance(op, CountTokens):
+        if not op.messages:
+            return "messages must hold the turn to count"
+        for m in op.messages:
+            if not isinstance(m, PriorMessage) or not isinstance(m.text, str) or m.role not in _ROLES:
+                return "messages must be PriorMessage(role user, assistant or tool, text)"
+        if op.messages[-1].role not in MESSAGE_ROLES:
+            return f"the last message is the turn counted: role {' or '.join(MESSAGE_ROLES)}"
     elif isinstance(op, (LoadModel, UnloadModel, SwitchModel)):
         if not op.model.strip():
             return "model must name a model (see ListModels)"

@@ -322,17 +322,40 @@ def content_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]],
 
 
 def encode_chat(tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[Mapping[str, Any]], *,
-                add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+                add_generation_prompt: bool = True, continue_final: bool = False, **extra: Any) -> list[int]:
     """Prompt token ids for ``messages``: render (with ``bos_token``/``eos_token``
     set to the vocabulary's texts), tokenize the template's markup with special
     tokens parsed and message content as plain text, add BOS per the BOS rule in
-    the module docstring. Raises TemplateError."""
+    the module docstring. ``continue_final``: the last message is an assistant's
+    prefill the reply continues: rendered as a finished turn (no generation prompt)
+    and cut where its text ends, so its end-of-turn markup is gone whatever the
+    template writes there (its trailing whitespace goes too). Raises TemplateError."""
     bos_text = tokenizer.token_to_piece(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos_text = tokenizer.token_to_piece(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    kw = dict(add_generation_prompt=add_generation_prompt, bos_token=bos_text, eos_token=eos_text, **extra)
+    kw = dict(add_generation_prompt=add_generation_prompt and not continue_final, bos_token=bos_text,
+              eos_token=eos_text, **extra)
     text = template.render(messages, **kw)
     spans = content_spans(template, messages, text, tokenizer.special_texts, **kw)
+    if continue_final:
+        cut = _prefill_end(text, spans, messages[-1].get("content"))
+        text, spans = text[:cut], [(a, min(b, cut)) for a, b in spans if a < cut]
     ids = tokenizer.encode(text, parse_special=True, plain_spans=spans)
     if tokenizer.add_bos and tokenizer.bos_id is not None and not (ids and ids[0] == tokenizer.bos_id):
         ids.insert(0, tokenizer.bos_id)
     return ids
+
+
+def _prefill_end(text: str, spans: list[tuple[int, int]], prefill: Any) -> int:
+    """Where the final assistant message's text ends in the rendered ``text``: the end of
+    the last content span when it holds that text, else of its last occurrence. Raises
+    TemplateError when the render does not show it (a template that drops or rewrites it)."""
+    core = prefill.strip() if isinstance(prefill, str) else ""
+    if not core:
+        raise TemplateError("the assistant prefill to continue is empty")
+    if spans and text[spans[-1][0]:spans[-1][1]] == core:
+        return spans[-1][1]
+    at = text.rfind(core)
+    if at < 0:
+        raise TemplateError("the chat template does not show the final assistant message's text, so the reply "
+                            "cannot continue it; send the conversation without the assistant prefill")
+    return at + len(core)

@@ -137,7 +137,7 @@ class Engine:
             P.RenameConversation: self._rename, P.UpdateConversation: self._update,
             P.TruncateConversation: self._truncate, P.ForkConversation: self._fork, P.Status: self._status,
             P.ListModels: self._list_models, P.LoadModel: self._load_model, P.UnloadModel: self._unload_model,
-            P.SwitchModel: self._switch_model,
+            P.SwitchModel: self._switch_model, P.CountTokens: self._count_tokens,
         }
         assert set(self._operations) == set(P.OPERATIONS), "every protocol operation has a handler"
 
@@ -489,6 +489,13 @@ class Engine:
                                            f"its {len(conv.messages)} earlier messages again; what {current} "
                                            f"saved of it stays valid for {current}"))
         self._enqueue(m.submitter.submit(op, sink, self.tick), m)
+
+    def _count_tokens(self, op: P.CountTokens, sink: Sink) -> None:
+        """The prompt's token count on the model named (loaded first when it is not)."""
+        m, _ = self._ensure(op.model or self.models.default_name, op.id, sink)
+        if not hasattr(m.submitter, "count"):
+            raise RequestError(f"{m.name} is a remote model: its prompts are made and counted by its server")
+        m.submitter.count(op, sink)
 
     @staticmethod
     def _recorded_file(conv: Any, name: str) -> tuple[str, str]:

@@ -236,6 +236,9 @@ class RemoteSubmitter:
         if op.attachments:
             raise RequestError(f"attachments are not sent to the remote model {self.model_name} (AOTX reads them "
                                f"for local models only): send the text, or switch to a local model")
+        if op.prefill:
+            raise RequestError(f"an assistant prefill is not sent to the remote model {self.model_name}: send the "
+                               f"conversation without it, or switch to a local model")
         sp = op.sampling or (msgspec.convert(conv.sampling, P.SamplingParams) if conv.sampling else None) \
             or P.SamplingParams()
         why = P.sampling_problem(sp)

@@ -216,7 +216,7 @@ class ConversationStore:
         for m in c.messages:
             if m.role == "assistant" and ((not m.text and not m.meta.get("tool_calls")) or m.status == "failed"):
                 continue
-            msgs.append({**m.meta, "role": m.role, "content": m.text})
+            msgs.append({**P.template_fields(m.meta), "role": m.role, "content": m.text})
         return msgs
 
     # ---- writes -----------------------------------------------------------------

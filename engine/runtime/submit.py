@@ -96,6 +96,15 @@ class Submission:
     media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
 
 
+@dataclass(eq=False)
+class CountJob:
+    """A ``CountTokens`` in the preparation stage (its worker makes the prompt's ids)."""
+
+    op: P.CountTokens
+    sink: Sink
+    model: str = ""
+
+
 class Submitter:
     """The stages of ``submit.py`` for one engine.
 
@@ -154,6 +163,8 @@ class Submitter:
         why = P.sampling_problem(sp)
         if why:
             raise RequestError(why)
+        if op.prefill and (op.raw or op.attachments):
+            raise RequestError("an assistant prefill continues a chat turn: not with a raw prompt or attachments")
         self._mode(sp)
         return sp
 
@@ -268,18 +279,48 @@ class Submitter:
         history = [tool_calls.template_message(m) for m in history]
         if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
             return self._fit_images(sub, history, text)
-        msgs = history + [{**op.meta, "role": op.role, "content": text}]
+        turn = {**P.template_fields(op.meta), "role": op.role, "content": text}
+        return text, self._chat_ids(history + [turn], op.tools, op.prefill)
+
+    def _chat_ids(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str) -> list[int]:
+        """Prompt ids of template messages ``msgs`` with ``tools`` (in the template's
+        ``tools``, or described in the system prompt of a template without them) and an
+        assistant ``prefill`` left open. Raises TemplateError."""
+        if prefill:
+            msgs = msgs + [{"role": "assistant", "content": prefill}]
         extra: dict[str, Any] = {}
-        if op.tools:
+        if tools:
             if tool_calls.takes_tools(self.lm.template.source):
-                extra["tools"] = op.tools
+                extra["tools"] = tools
             else:  # the template knows no tools: describe them in the system prompt
-                msgs = _with_system(msgs, tool_calls.fallback_system_prompt(op.tools))
-        return text, encode_chat(tok, self.lm.template, msgs, **extra)
+                msgs = _with_system(msgs, tool_calls.fallback_system_prompt(tools))
+        return encode_chat(self.lm.tokenizer, self.lm.template, msgs, continue_final=bool(prefill), **extra)
+
+    def count(self, op: P.CountTokens, sink: Sink) -> None:
+        """``CountTokens``: the prompt's ids made on a preparation worker as stage 3 makes a
+        text message's (the history as ``store.chat_messages`` gives it); ``prepared``
+        answers ``TokenCount``."""
+        if not self.ready:
+            raise NotReady(f"the model is not ready: {self.not_ready_reason}")
+        history: list[dict[str, Any]] = [{"role": "system", "content": op.system_prompt}] if op.system_prompt else []
+        for m in op.messages[:-1]:
+            if m.role == "assistant" and not m.text and not m.meta.get("tool_calls"):
+                continue  # as a stored conversation leaves it out
+            history.append(tool_calls.template_message({**P.template_fields(m.meta), "role": m.role,
+                                                        "content": m.text}))
+        last = op.messages[-1]
+        turn = {**P.template_fields(last.meta), "role": last.role, "content": last.text}
+        job = CountJob(op, sink, model=self.model_name)
+        self.preparer.submit(job, lambda: ("", self._chat_ids(history + [turn], op.tools, op.prefill)))
 
     def prepared(self, ev: Prepared, tick: int) -> Request | None:
         """Stage 3 came back (engine thread): admission and acceptance, or its refusal."""
         sub = ev.submission
+        if isinstance(sub, CountJob):  # (a count is answered whatever the client does meanwhile)
+            if ev.error is not None:
+                raise ev.error
+            sub.sink.send(P.TokenCount(id=sub.op.id, n_tokens=len(ev.prompt), model=self.model_name))
+            return None
         if self.preparing.get(sub.op.conv_id) is sub:
             del self.preparing[sub.op.conv_id]
         if sub.dropped:

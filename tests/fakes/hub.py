@@ -10,7 +10,8 @@ It answers in the Hub's URL layout, as ``huggingface_hub`` expects it:
 
 Knobs for failures: ``drop_at`` (a byte offset: while set, every download body stops
 there and the connection is closed mid-response, so a download makes no progress past it;
-range reads from byte 0, the header reads, are served), and
+range reads from byte 0, the header reads, are served), ``ignore_range`` (while set, the
+CDN ignores ``Range`` as some servers and proxies do: ``200`` and the whole file), and
 ``publish_sha`` (the sha256 the HEAD claims, to fake a checksum mismatch). ``log`` records
 (method, path, Range header) of every request.
 """
@@ -29,6 +30,7 @@ class FakeHub:
         self.files = dict(files)
         self.commit = revision_commit
         self.drop_at: int | None = None
+        self.ignore_range = False
         self.publish_sha: dict[str, str] = {}
         self.log: list[tuple[str, str, str]] = []
         hub = self
@@ -76,7 +78,7 @@ class FakeHub:
                         self.end_headers()
                         return
                     start, end = 0, len(data) - 1
-                    rng = self.headers.get("Range", "")
+                    rng = "" if hub.ignore_range else self.headers.get("Range", "")
                     if rng.startswith("bytes="):
                         a, _, b = rng[6:].partition("-")
                         start = int(a or 0)
