@@ -12,7 +12,7 @@ sane float16 scales (the values do not matter for timing). ``--src FILE``: also 
 kernels of another cuda_src.py (e.g. ``git show HEAD~1:engine/backend/cuda_src.py``) in
 the same process, the default variant of each site, and compare their bits. A
 device-machine script, never run by CI:
-``python -m tests.tools.cuda_gemv_bench [--quick] [--src FILE]``.
+``python -m tests.tools.cuda_gemv_bench [--quick] [--batches 1,4] [--src FILE]``.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def main() -> int:
     be = CudaBackend()
     rng = np.random.default_rng(0)
     batches = (1, 4) if quick else (1, 4, 16)
+    if "--batches" in sys.argv:
+        batches = tuple(int(b) for b in sys.argv[sys.argv.index("--batches") + 1].split(","))
     names = {"row_scale", "quant_rows"}
     plan = []
     for site in SITES:
