@@ -53,7 +53,7 @@ if [ -f .gpubench/llama.cpp-src.tar.xz ] && command -v cmake >/dev/null && comma
     $PIN_BUILD cmake -S . -B build $GEN -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
-    $PIN_BUILD cmake --build build --target llama-bench -j $((NCPU > 12 ? NCPU - 8 : NCPU))
+    $PIN_BUILD cmake --build build --target llama-bench llama-batched-bench -j $((NCPU > 12 ? NCPU - 8 : NCPU))
   ) > "$WORK/llama-build.log" 2>&1 && echo 0 > "$WORK/llama-build.done" || echo 1 > "$WORK/llama-build.done" &
   BUILD_PID=$!
   echo "llama.cpp build started (pid $BUILD_PID, ${PIN_BUILD:-all cores})"
