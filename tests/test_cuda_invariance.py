@@ -52,6 +52,7 @@ def _build(path, **kw):
     from aotx.engine.model.architectures import build
 
     gf = GGUFFile.open(path)
+    kw.setdefault("int8_min_bytes", 0)           # int8 activations when asked, even on this tiny model
     return build(ModelConfig.from_metadata(gf.metadata, str(path)), gf, CudaBackend(**kw))
 
 

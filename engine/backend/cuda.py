@@ -28,6 +28,7 @@ from aotx.engine.errors import ModelError
 
 SUPPORTED_TYPES: frozenset[T] = frozenset(T(c) for c in cuda_src.TYPES)
 NVRTC_OPTIONS = ("-std=c++17",)
+INT8_MIN_BYTES = 1 << 30        # int8 activations from this many bytes of weights (see CudaBackend)
 
 
 def _u64(a) -> np.uint64:
@@ -59,7 +60,11 @@ class CudaBackend:
     (``make_backend``). Logits then differ from float arithmetic by about 1e-2 relative, as the
     CPU's int8 path; still one reduction order per output, so the same bits whatever the batch
     bucket or variant. False (the default here: tests and tools): float32 activations.
-    ``numerics`` names the path: "cuda-int8" or "cuda-f32".
+    ``int8_min_bytes``: with int8 activations asked, a model whose weights on the device
+    take fewer bytes keeps float32 ones (default ``INT8_MIN_BYTES``, 1 GiB): there the
+    decode step is bound by its launches, not by reading weights, and ``quant_rows`` adds
+    one launch per GEMV site (measured on the 8B shape only; 0 forces int8 everywhere).
+    ``numerics`` names the path the last compiled program took: "cuda-int8" or "cuda-f32".
     ``expert_int8``: the CPU expert tier of a mixture of experts uses the CPU backend's
     int8-activation kernels (default; False: its float path, for comparisons).
 
@@ -71,7 +76,8 @@ class CudaBackend:
     def __init__(self, device: int = 0, *, fuse: bool = True, tune: str = "off",
                  tune_budget_s: float = kernel_choice.DEFAULT_BUDGET_S, artifact_root=None,
                  prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
-                 dense_prefill: bool = True, int8_activations: bool = False) -> None:
+                 dense_prefill: bool = True, int8_activations: bool = False,
+                 int8_min_bytes: int | None = None) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
@@ -89,6 +95,7 @@ class CudaBackend:
         self.host_expert_bytes = 0       # mixtures of experts: experts kept for the CPU tier
         self.expert_int8 = bool(expert_int8)   # the CPU tier's kernels: int8 activations (False: float, tests)
         self.int8_activations = bool(int8_activations)
+        self.int8_min_bytes = INT8_MIN_BYTES if int8_min_bytes is None else int(int8_min_bytes)
         self.numerics = "cuda-int8" if self.int8_activations else "cuda-f32"
         self._modules: dict[tuple[str, ...], dict] = {}
         self._sampler = None

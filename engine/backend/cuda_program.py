@@ -1230,8 +1230,12 @@ class CudaProgram:
             raise ValueError(f"prefill mode {prefill!r} is not one of {', '.join(PREFILL_FORCED)}")
         self._forced_prefill = prefill
         self._forced_gemv = CC.GemvVariant.parse(gemv) if gemv else None
-        # int8 activations for every GEMV whose weight types have an integer form
-        self.int8_activations = bool(getattr(backend, "int8_activations", False))
+        # int8 activations for every GEMV whose weight types have an integer form, on models
+        # big enough that reading weights, not launching kernels, bounds a decode step
+        self.int8_activations = bool(getattr(backend, "int8_activations", False)) and \
+            int(getattr(backend, "weight_bytes", 0)) >= int(getattr(backend, "int8_min_bytes", 0))
+        if hasattr(backend, "numerics"):
+            backend.numerics = "cuda-int8" if self.int8_activations else "cuda-f32"
         self.q8_k = 0                  # the most inputs of such a GEMV (the size of the xq scratch rows)
         try:
             self.plan = P.plan(program, fuse=fuse)

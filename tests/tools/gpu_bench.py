@@ -106,9 +106,12 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
     # the engine's numerics (make_backend: int8 activations); AOTX_BENCH_NUMERICS=f32 for float32 ones
     int8 = os.environ.get("AOTX_BENCH_NUMERICS", "int8") != "f32"
-    be = CudaBackend(tune="auto", artifact_root=home, tune_budget_s=tune_budget, int8_activations=int8)
-    res["numerics"] = be.numerics
+    # AOTX_BENCH_INT8_MIN: the int8_min_bytes rule's threshold (0: int8 on every model size)
+    mb = os.environ.get("AOTX_BENCH_INT8_MIN")
+    be = CudaBackend(tune="auto", artifact_root=home, tune_budget_s=tune_budget, int8_activations=int8,
+                     int8_min_bytes=int(mb) if mb else None)
     model = build(cfg, gf, be)
+    res["numerics"] = be.numerics
     cp.cuda.Device().synchronize()
     prog = model.compiled
     kc = prog.kernel_choice

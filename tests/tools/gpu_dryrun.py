@@ -95,16 +95,18 @@ def main() -> int:
         scenarios.append((f"q4k gemv {v}", "q4k", {"gemv": v, "prefill": "gemv"}, "f16"))
     for v in sorted({c for b in CC.TUNE_BUCKETS for norm in (False, True) for c in CC.gemv_candidates(b, norm, True)}):
         scenarios.append((f"q4k int8 activations, gemv {v}", "q4k", {"gemv": v, "prefill": "gemv",
-                                                                     "int8_activations": True}, "f16"))
+                                                                     "int8_activations": True, "int8_min_bytes": 0}, "f16"))
     for name in files:
-        scenarios.append((f"{name} int8 activations, default kernels", name, {"int8_activations": True}, "f16"))
+        scenarios.append((f"{name} int8 activations, default kernels", name,
+                          {"int8_activations": True, "int8_min_bytes": 0}, "f16"))
+    scenarios.append(("q4k int8 asked below the size rule: float", "q4k", {"int8_activations": True}, "f16"))
     scenarios.append(("q4k over the dense budget: tiles", "q4k", {"_dense_max": 1 << 20}, "f16"))
     root = tmp / "home"
     scenarios.append(("q4k tuner (force)", "q4k", {"tune": "force", "artifact_root": root}, "f16"))
     scenarios.append(("q4k artifact reused", "q4k", {"tune": "reuse", "artifact_root": root}, "f16"))
     scenarios.append(("q8 tuner (auto, new shapes)", "q8", {"tune": "auto", "artifact_root": root}, "f16"))
     scenarios.append(("q4k tuner, int8 activations (auto)", "q4k", {"tune": "auto", "artifact_root": root,
-                                                                  "int8_activations": True}, "f16"))
+                                                                  "int8_activations": True, "int8_min_bytes": 0}, "f16"))
     for label, name, kw, kv_type in scenarios:
         before = fake_cupy.stats["launches"]
         from aotx.engine.backend import cuda_gemm
@@ -120,6 +122,15 @@ def main() -> int:
                 assert model.compiled.gemm.dense_reason.startswith("tiles: dense copies would take"), \
                     model.compiled.gemm.dense_reason
             _exercise(model, kv_type)
+            # int8 activations: every GEMV of integer types on them when forced (int8_min_bytes 0);
+            # asked on a model below the size rule (these tiny ones): none, and the numerics say so
+            q8 = [g.q8 for g in model.compiled.gemvs]
+            if kw.get("int8_activations"):
+                want = kw.get("int8_min_bytes") == 0
+                assert any(q8) == want and model.compiled.backend.numerics == ("cuda-int8" if want else "cuda-f32"), \
+                    (q8, model.compiled.backend.numerics)
+            else:
+                assert not any(q8), q8
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {label}")
             traceback.print_exc()
