@@ -42,7 +42,7 @@ fi
 export NUMBA_NUM_THREADS=$BT
 
 # 1. llama.cpp in the background
-rm -f "$WORK/llama-build.done"
+rm -f "$WORK/llama-build.done" "$WORK/llama-batched.done"
 if [ -f .gpubench/llama.cpp-src.tar.xz ] && command -v cmake >/dev/null && command -v nvcc >/dev/null; then
   GEN=""; command -v ninja >/dev/null && GEN="-G Ninja"
   (
@@ -53,8 +53,12 @@ if [ -f .gpubench/llama.cpp-src.tar.xz ] && command -v cmake >/dev/null && comma
     $PIN_BUILD cmake -S . -B build $GEN -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
-    $PIN_BUILD cmake --build build --target llama-bench llama-batched-bench -j $((NCPU > 12 ? NCPU - 8 : NCPU))
-  ) > "$WORK/llama-build.log" 2>&1 && echo 0 > "$WORK/llama-build.done" || echo 1 > "$WORK/llama-build.done" &
+    $PIN_BUILD cmake --build build --target llama-bench -j $((NCPU > 12 ? NCPU - 8 : NCPU)) && echo 0 > "$WORK/llama-build.done" \
+      || { echo 1 > "$WORK/llama-build.done"; exit 1; }
+    # then llama-batched-bench, for a gpu_bench run on the same machine afterwards (llama-batched.done)
+    $PIN_BUILD cmake --build build --target llama-batched-bench -j $((NCPU > 12 ? NCPU - 8 : NCPU)) \
+      && echo 0 > "$WORK/llama-batched.done"
+  ) > "$WORK/llama-build.log" 2>&1 &
   BUILD_PID=$!
   echo "llama.cpp build started (pid $BUILD_PID, ${PIN_BUILD:-all cores})"
 else
@@ -99,7 +103,7 @@ else
   echo "llama.cpp not built in time: $(tail -2 "$WORK/llama-build.log" 2>/dev/null)"
 fi
 tail -c 100000 "$WORK/llama-build.log" > "$OUTD/llama-build.log" 2>/dev/null || true
-[ -n "${BUILD_PID:-}" ] && kill "$BUILD_PID" 2>/dev/null
+# (the build is left running: llama-batched-bench for a later gpu_bench run on this machine)
 
 # 6. table
 "$PY" - "$OUTD" "$LAYERS" <<'PYEOF' | tee "$OUTD/table.txt"
