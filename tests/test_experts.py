@@ -322,3 +322,28 @@ def test_bug_the_dense_decode_step_is_timed_warm_on_one_repeated_token(monkeypat
     decode = [c for c in calls if c[2] == 1]
     assert len(decode) == 5 and len(set(decode)) == 1            # one token at one position, repeated
     assert dec == pytest.approx(0.01) and pre == pytest.approx(0.02)
+
+
+def test_bug_the_decode_step_is_timed_after_placement_not_on_cold_experts(request, tmp_path, monkeypatch):
+    """The first calibration timed the decode step before any expert was placed, so each
+    expert it routed to was repacked inside the timing (on the 30B-A3B shape ~1.2 s per layer
+    on 2 cores: about a minute of a 48-layer load). Now the layers are timed first and the
+    step in the second pass, after placement, when every host expert is in place."""
+    from aotx.engine.model.loader import load_model
+
+    path = request.getfixturevalue("tiny_model_path")("qwen3moe")
+    lm = load_model(path)
+    m = lm.model
+    seen = []
+    real = X.step_seconds
+
+    def spy(model, reps=3):
+        seen.append(all(bool(n.attrs["gate"].ready.all()) for n in model.compiled.moe_nodes))
+        return real(model, reps)
+
+    monkeypatch.setattr(X, "step_seconds", spy)
+    st = X.setup(m, model_fp=lm.fingerprint, root=tmp_path)
+    assert seen == [True]                       # once, with every expert already placed
+    assert st.costs.dense_decode_s > 0 and st.plan.decode_tok_s > 0
+    again = X.setup(m, model_fp=lm.fingerprint, root=tmp_path)
+    assert seen == [True] and again.costs.dense_decode_s == st.costs.dense_decode_s   # stored: not timed again

@@ -698,3 +698,22 @@ def test_a_stack_placed_whole_on_the_host_takes_huge_pages_and_a_partial_one_sta
     ref = a["gate"]
     ref.materialize([0])
     assert all(np.array_equal(x[0], y[0]) for x, y in zip(st.tiles, ref.tiles))
+
+
+def test_bug_repacking_experts_on_several_threads_gives_the_one_thread_tiles(request, moe_cache):
+    """Placing a whole 30B-A3B-shaped file repacked its 18,432 expert matrices one after the
+    other (~3 ms each: about a minute of the load, and the H200 benchmark's AOTX side ran out
+    of time); the pool's threads now repack a stack's experts at once. The tiles must be the
+    ones a one-thread repack writes, and every expert ends ready."""
+    lm = loaded(request, moe_cache, "qwen3moe")
+    a = lm.model.compiled.moe_nodes[0].attrs
+    for name in ("gate", "down"):
+        src = a[name]
+        t = type("T", (), {"shape": (src.k, src.m, a["n_expert"]), "name": name, "qtype": src.qtype,
+                           "data": src._data, "n_bytes": int(src._data.nbytes)})()
+        one, many = cpu_moe.CpuExperts(t, int8=True), cpu_moe.CpuExperts(t, int8=True)
+        ids = list(range(a["n_expert"]))
+        n1 = one.materialize(ids)
+        n4 = many.materialize(ids + [0, 1], threads=4)       # repeats are harmless
+        assert n4 == n1 + 2 * (n1 // len(ids)) and many.ready.all()
+        assert all(np.array_equal(x, y) for x, y in zip(one.tiles, many.tiles))

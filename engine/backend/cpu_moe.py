@@ -180,10 +180,50 @@ class CpuExperts:
         self.tiles = tuple(np.empty(a.shape, a.dtype) for a in self.tiles)
         self.flat_tiles = _flat(self.tiles)
 
-    def materialize(self, experts) -> int:
+    def materialize(self, experts, threads: int = 1) -> int:
         """Build the QuantMatrices of ``experts`` (an iterable of indices) now; returns the
-        bytes they occupy."""
-        return sum(self.matrix(int(e)).nbytes for e in experts)
+        bytes they occupy. ``threads`` > 1: the repacking into the stack runs on that many
+        threads first (``_repack_many``)."""
+        experts = [int(e) for e in experts]
+        if threads > 1:
+            self._repack_many(experts, threads)
+        return sum(self.matrix(e).nbytes for e in experts)
+
+    def _repack_many(self, experts: list[int], threads: int) -> None:
+        """Repack the experts of ``experts`` not yet in the stack on ``threads`` threads (numpy
+        releases the GIL in its array loops; a 30B-A3B expert matrix takes ~3 ms on one): each
+        expert's tiles are computed off the lock and written into its place under it. An
+        expert whose scales do not fit float16 is left to ``matrix`` (it widens the stack)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from aotx.engine.backend import cpu_matmul
+
+        if self.tiles is None:
+            return
+        todo = [e for e in dict.fromkeys(experts) if not self.ready[e]]
+        if len(todo) < 2:
+            return
+        half = self.tiles[2].dtype == np.uint16
+
+        def one(e: int):
+            try:
+                if self.compact:
+                    _, *parts = cpu_matmul.repack_compact(self.raw(e), self.qtype, self.m, self.k)
+                else:
+                    _, *parts = cpu_matmul.repack(self.raw(e), self.qtype, self.m, self.k, half)
+            except cpu_matmul._NotHalf:
+                return e, None
+            return e, parts
+
+        with ThreadPoolExecutor(max_workers=min(threads, len(todo)), thread_name_prefix="aotx-repack") as ex:
+            for e, parts in ex.map(one, todo):
+                if parts is None:
+                    continue
+                with self._lock:
+                    if not self.ready[e] and (self.compact or (self.tiles[2].dtype == np.uint16) == half):
+                        for v, part in zip((a[e] for a in self.tiles), parts):
+                            v[...] = part
+                        self.ready[e] = True
 
     def dequantize(self, e: int) -> np.ndarray:
         """Expert e's values: float32 (m, k), equal to gguf's dequantization."""
@@ -882,7 +922,7 @@ class ExpertPool:
                 raw = st.raw(e).reshape(-1)
                 if raw.size:
                     _touch(raw, _PAGE)
-            total += st.materialize(ids)
+            total += st.materialize(ids, threads=self.n_threads)
         return total
 
     def compute(self, node: dict, x: np.ndarray, sel: np.ndarray, Y: np.ndarray, pairs, small: np.ndarray | None,
