@@ -120,6 +120,11 @@ def write(out: Path, tokenizer_json: Path, n_layers: int) -> Path:
     return out
 
 
+def _say(msg: str) -> None:
+    """Progress on stderr as it happens (a timed-out run then shows where it was)."""
+    print(f"[aotx {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def _speeds(model, vocab: int, res: dict) -> None:
     """Prefill 512 (one chunk, after a warm-up) and batch-1 greedy decode tokens/s into res."""
     from aotx.engine.model.batch import Segment
@@ -161,6 +166,7 @@ def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0) -> dict:
     model = build(cfg, gf, CudaBackend(tune="auto", artifact_root=home, tune_budget_s=20.0))
     cp.cuda.Device().synchronize()
     res["load_s"] = round(time.perf_counter() - t0, 2)
+    _say(f"loaded in {res['load_s']} s")
     res["gpu_weight_bytes"] = int(model.weight_bytes)
     res["host_expert_bytes"] = int(model.backend.host_expert_bytes)
     t = time.perf_counter()
@@ -170,6 +176,7 @@ def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0) -> dict:
     res["experts_setup_s"] = round(time.perf_counter() - t, 2)
     res["experts_stages"] = st.stages
     res["plan"] = st.plan.summary()
+    _say(f"expert setup {res['experts_setup_s']} s: {st.stages}")
     total = sum(x.n_expert * x.expert_bytes for x in X.moe_layers(model.program))
     try:
         res["admission"] = admission.check_experts(st.plan, total, admission.machine_memory_bytes(), gpu=True)
@@ -179,6 +186,7 @@ def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0) -> dict:
     res["budget"] = {"gpu_budget_bytes": gpu_total, "model_file_bytes": path.stat().st_size,
                      "fits": int(model.weight_bytes) + (256 << 20) <= gpu_total}
     _speeds(model, cfg.vocab_size, res)
+    _say(f"every expert on the CPU: {res['prefill_512_tok_s']} / {res['decode_b1_tok_s']} tok/s (prefill 512 / decode)")
     res["expert_pool"] = model.compiled.expert_stats()["pool"]
     if gpu_share > 0:
         g: dict = {"share": gpu_share, "gpu_expert_budget_bytes": int(gpu_share * total)}
