@@ -326,6 +326,33 @@ def test_capsule_cache_skips_a_disk_capsule_of_another_kv_type(tmp_path):
     assert cap is not None and n == 9
 
 
+def test_bug_a_disk_capsule_of_other_numerics_is_re_prefilled_not_restored(tmp_path):
+    """Bug guard: capsules on disk were matched by model and KV type only, so an engine that
+    computes with other arithmetic (CUDA's int8 decode kernels on a large model where the
+    capsule's engine ran float32, or a CPU capsule on CUDA) restored KV its own prefill would
+    not have written, and the reply was not the one a fresh prefill gives. Now the header
+    names the numerics and the lookup passes a mismatch over, saying why (older capsules,
+    without the field, too); the same numerics restore."""
+    from aotx.engine.state import capsule as C
+    from aotx.engine.state.cache import CapsuleCache
+
+    rng = np.random.default_rng(12)
+    cp = CpuProgram(_toy_program(rng))
+    toks = rng.integers(0, 50, 9).astype(np.int32)
+    kv = cp.new_kv_cache(1, 16, "f32")
+    cp.forward(toks, BatchLayout.of([Segment(0, 0, 9)]), kv)
+    C.save(C.snapshot(kv, 0, toks.tolist(), fingerprint="fp", numerics="cuda-f32"), tmp_path / "conv1.caps")
+    other = CapsuleCache(tmp_path, fingerprint="fp", kv_type="f32", numerics="cuda-int8")
+    cap, n, note = other.best_for("conv1", toks.tolist() + [1])
+    assert cap is None and "cuda-f32" in note and "cuda-int8" in note and "re-prefilling" in note
+    C.save(C.snapshot(kv, 0, toks.tolist(), fingerprint="fp"), tmp_path / "conv1.caps")      # no numerics
+    cap, n, note = CapsuleCache(tmp_path, fingerprint="fp", numerics="cpu-int8").best_for("conv1", toks.tolist())
+    assert cap is None and "earlier version" in note
+    C.save(C.snapshot(kv, 0, toks.tolist(), fingerprint="fp", numerics="cpu-int8"), tmp_path / "conv1.caps")
+    cap, n, note = CapsuleCache(tmp_path, fingerprint="fp", numerics="cpu-int8").best_for("conv1", toks.tolist() + [1])
+    assert cap is not None and n == 9 and cap.header.numerics == "cpu-int8"
+
+
 def test_f16_cache_reads_every_finite_half_exactly_and_inf_as_inf():
     """attention over one position returns that position's V: all 63,488 finite float16
     bit patterns (subnormals included) come back as their exact float32 values (-0 as +0:

@@ -117,6 +117,8 @@ class Executor:
         # the arithmetic behind the tokens, named in every reply (README: CPU and CUDA differ)
         self.numerics = getattr(getattr(lm.model, "backend", None), "numerics", None) or (
             "cuda-f32" if device == "cuda" else "cpu-int8")
+        if capsules is not None and not getattr(capsules, "numerics", "x"):
+            capsules.numerics = self.numerics   # disk capsules of other arithmetic are not restored
         self.device_sampling = bool(lm.model.device_sampling)
         self.vocab = lm.config.vocab_size
         self.d_model = lm.config.d_model
@@ -134,7 +136,8 @@ class Executor:
         fp = self.lm.fingerprint
         if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + PARK_MIN_EXTRA:
             caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp, backend=self.device,
-                                               device=caps.device_budget > 0, drafter=self._drafter_state(slot.index),
+                                               numerics=self.numerics, device=caps.device_budget > 0,
+                                               drafter=self._drafter_state(slot.index),
                                                sampler=self._sampler_of.get(slot.conv_id)))
         if slot.conv_id != r.conv_id:           # the slot's state leaves it: one entry per slot at most
             self._sampler_of.pop(slot.conv_id, None)
@@ -175,7 +178,7 @@ class Executor:
         if caps is None or caps.dir is None or r.slot is None or len(r.slot.tokens) < 2:
             return
         cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device,
-                         drafter=self._drafter_state(r.slot.index), sampler=r.sampler_state)
+                         numerics=self.numerics, drafter=self._drafter_state(r.slot.index), sampler=r.sampler_state)
         conv_id = r.conv_id
 
         def write() -> None:
@@ -296,7 +299,7 @@ class Executor:
         if not forks:
             return []
         cap = C.snapshot(self.kv, r.slot.index, r.prompt, fingerprint=self.lm.fingerprint, backend=self.device,
-                         drafter=self._drafter_state(r.slot.index),
+                         numerics=self.numerics, drafter=self._drafter_state(r.slot.index),
                          grammar=r.constraint.snapshot() if r.constraint is not None else None)
         lp = self._logprobs(forks[0], raw) if forks[0].logprobs >= 0 else None
         out = []

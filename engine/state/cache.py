@@ -29,9 +29,12 @@ class CapsuleCache:
     device home, as on the CPU backend); directory: the disk home."""
 
     def __init__(self, directory: Path | None, *, host_bytes: int = 512 << 20, disk_bytes: int = 4 << 30,
-                 fingerprint: str = "", device_bytes: int = 0, fs: FileIO = OS, kv_type: str = ""):
+                 fingerprint: str = "", device_bytes: int = 0, fs: FileIO = OS, kv_type: str = "",
+                 numerics: str = ""):
         self.dir = Path(directory) if directory else None
         self.kv_type = kv_type  # the engine's KV type: a disk capsule of another is not restored
+        # the engine's arithmetic (set by the executor when empty): nor is one of other numerics
+        self.numerics = numerics
         self.fs = fs
         self.write_errors = 0
         self.last_write_error = ""
@@ -161,6 +164,11 @@ class CapsuleCache:
                 if cap.header.fingerprint != self.fingerprint:
                     note = (f"the capsule on disk belongs to model {cap.header.fingerprint}, not "
                             f"{self.fingerprint}: re-prefilling from the journal's tokens")
+                    self.drop(conv_id)
+                elif self.numerics and cap.header.numerics != self.numerics:
+                    made = cap.header.numerics or "an earlier version's arithmetic"
+                    note = (f"the capsule on disk was computed with {made}, this engine computes with "
+                            f"{self.numerics}: re-prefilling from the journal's tokens")
                     self.drop(conv_id)
                 elif self.kv_type and cap.header.kv_type != self.kv_type:
                     note = (f"the capsule on disk holds {cap.header.kv_type} KV, this engine's KV cache is "

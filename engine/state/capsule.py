@@ -78,6 +78,10 @@ class CapsuleHeader(msgspec.Struct, frozen=True):
     # the grammar and the ids it consumed), so a fork or a restore continues the same
     # constraint; empty without one. Older readers ignore the field.
     grammar: dict[str, Any] = {}
+    # the arithmetic that computed the KV ("cpu-int8", "cuda-int8", "cuda-f32": the
+    # executor's numerics); a disk capsule of other numerics is not restored (its reply would
+    # not be the one a fresh prefill gives). Empty: written before the field existed.
+    numerics: str = ""
 
 
 _KV_DTYPES = {"f16": np.float16, "f32": np.float32}
@@ -128,7 +132,7 @@ def _crc(*arrays: np.ndarray) -> int:
 
 def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str = "cpu",
              pending_token: int = -1, sampler=None, drafter=None, device: bool = False,
-             grammar: dict[str, Any] | None = None) -> Capsule:
+             grammar: dict[str, Any] | None = None, numerics: str = "") -> Capsule:
     """Copy slot ``slot``'s state for positions 0..len(tokens)-1 out of the live KV cache.
 
     kv: the model's KV cache (any backend's: its ``snapshot_slot(slot, n)`` returns host
@@ -137,7 +141,8 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
     ``DraftModel.state(slot)`` returns it: (K, V, ids, header map). ``device=True`` (CUDA
     caches only) keeps K and V on the GPU beside the live buffers: home "device", no PCIe
     copy; their CRC32C is computed when they leave the device (``to_host``), so the
-    header says 0 until then. grammar: the slot's constraint state as data, or None."""
+    header says 0 until then. grammar: the slot's constraint state as data, or None.
+    numerics: the arithmetic behind the KV (CapsuleHeader.numerics)."""
     n = len(tokens)
     k, v = kv.snapshot_slot(slot, n, device=True) if device else kv.snapshot_slot(slot, n)
     toks = np.asarray(tokens, np.int32)
@@ -154,7 +159,8 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
         fingerprint=fingerprint, backend=backend, layout=f"kv:{kv_type}:{list(k.shape[:2])}+n+[{k.shape[3]}]",
         n_tokens=n, shapes=shapes, crc32c=0 if device else _crc(k, v, toks),
         pending_token=pending_token, seed=getattr(sampler, "seed", 0), step=getattr(sampler, "step", 0),
-        history=list(getattr(sampler, "history", [])), drafter=dmeta, kv_type=kv_type, grammar=dict(grammar or {}))
+        history=list(getattr(sampler, "history", [])), drafter=dmeta, kv_type=kv_type, grammar=dict(grammar or {}),
+        numerics=numerics)
     return Capsule(hdr, k, v, toks, home="device" if device else "host", draft_k=dk, draft_v=dv, draft_tokens=dt)
 
 
