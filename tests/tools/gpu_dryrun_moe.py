@@ -37,7 +37,7 @@ def _toy_tokenizer(tm):
     return tm.common.Tokenizer(kv, VOCAB)
 
 
-def _build(path):
+def _build(path, **kw):
     from aotx.engine.backend.cuda import CudaBackend
     from aotx.engine.model.architectures import build
     from aotx.engine.model.config import ModelConfig
@@ -45,7 +45,7 @@ def _build(path):
 
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
-    return build(cfg, gf, CudaBackend())
+    return build(cfg, gf, CudaBackend(**kw))
 
 
 def _exercise(model, fake) -> None:
@@ -389,6 +389,20 @@ def main() -> int:
             traceback.print_exc()
             return 1
         print(f"ok   {name}: {len(model.compiled.moe_steps)} host moe steps; {summary}")
+        # the engine's numerics on a large model: int8 activations in the dense GEMVs, the expert
+        # tier's GEMVs float (moe_gemv); forced here on the tiny file
+        try:
+            model = _build(path, int8_activations=True, int8_min_bytes=0)
+            q8 = {g.q8 for g in model.compiled.gemvs}
+            assert True in q8 and model.compiled.backend.numerics == "cuda-int8", q8
+            assert not any(g.q8 for s in model.compiled.moe_steps for t in [getattr(s, "gpu", None)] if t is not None
+                           for g in getattr(t, "gemvs", {}).values()), "an expert-tier GEMV on int8"
+            _exercise(model, fake)
+        except Exception:  # noqa: BLE001 - report the scenario and stop
+            print(f"FAIL {name} (int8 activations)")
+            traceback.print_exc()
+            return 1
+        print(f"ok   {name}: int8 activations in {sum(g.q8 for g in model.compiled.gemvs)} dense GEMVs")
     print(f"moe dry run OK: {fake.stats['launches']} launches, {fake.stats['captures']} graph captures")
     return 0
 
