@@ -110,5 +110,8 @@ def test_kernel_signatures_parse_every_kernel_of_the_backend(fake):
     sigs = fake.signatures(cuda_src.SRC)
     assert {"gemv", "row_scale", "rows_half", "dequant_h", "attn_decode", "head_rope_kv"} <= set(sigs)
     assert [k for k, _ in sigs["row_scale"]] == ["ptr", "int", "int", "float", "ptr"]
-    assert len(sigs["gemv"]) == 32
+    assert len(sigs["gemv"]) == 34               # ... the int8 form's block scales xd and their stride ldd
+    assert [k for k, _ in sigs["gemv"][-2:]] == ["ptr", "int"]
+    assert [k for k, _ in sigs["quant_rows"]] == ["ptr", "int", "int", "ptr", "float", "ptr", "ptr", "int", "ptr",
+                                                  "int"]
     assert "sample_rows" in fake.signatures(cuda_sampling.SRC)

@@ -163,28 +163,33 @@ def test_openai_client_sees_errors_as_its_exceptions(gw):
     assert e.value.body["param"] == "n"
 
 
-def test_raw_sse_ends_with_receipt_event_then_done(gw):
+def test_raw_sse_ends_with_receipt_comment_then_done(gw):
     with httpx.Client(base_url=gw, headers=_auth(), timeout=60) as h:
         with h.stream("POST", "/v1/chat/completions",
                       json={"messages": HELLO, "stream": True, "temperature": 0, "max_tokens": 4}) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             conv = r.headers["x-aotx-conversation"]
             lines = [ln for ln in r.iter_lines() if ln]
-    assert lines[-1] == "data: [DONE]" and lines[-3] == "event: aotx.receipt"
-    ev = json.loads(lines[-2][len("data: "):])
-    assert ev["aotx"]["conversation"] == conv and _receipt_ok(ev["aotx"]["receipt"])
-    assert ev["choices"] == [] and ev["object"] == "chat.completion.chunk"
-    finish = json.loads(lines[-4][len("data: "):])
+    assert lines[-1] == "data: [DONE]" and lines[-2].startswith(": aotx.receipt {")
+    ev = json.loads(lines[-2][len(": aotx.receipt "):])
+    assert ev["conversation"] == conv and _receipt_ok(ev["receipt"])
+    finish = json.loads(lines[-3][len("data: "):])
     assert finish["choices"][0]["finish_reason"] in ("stop", "length")
-    assert all(ln.startswith("data: ") for ln in lines[:-3])
+    assert all(ln.startswith("data: ") for ln in lines[:-2])
 
 
-
-def test_receipt_event_does_not_repeat_a_choices_finish(oa):
-    """The ``aotx.receipt`` event's data is read as one more chunk by the openai client (it does
-    not skip named events); it carried choice 0's finish_reason again, so a client counting
-    finishes (or merging them, as LangChain does) saw choice 0 end twice, after the usage chunk
-    that should be the last. Its ``choices`` is now empty: every choice finishes once."""
+def test_bug_the_openai_quickstart_stream_loop_raised_index_error(oa):
+    """The receipt went out as ``event: aotx.receipt`` with a chunk of no choices; the openai
+    client does not skip named events, so ``chunk.choices[0]`` in the quickstart's loop raised
+    IndexError on the last chunk (chat and completions alike), and with ``include_usage`` the
+    usage chunk was not the last. Now the receipt is an SSE comment (skipped by every client)
+    and rides on the usage chunk when one is asked for; every choice finishes once."""
+    text = "".join(ch.choices[0].delta.content or "" for ch in
+                   oa.chat.completions.create(model="local", messages=HELLO, max_tokens=5, temperature=0, stream=True))
+    assert text
+    text = "".join(ch.choices[0].text for ch in oa.completions.create(model="local", prompt="Once", max_tokens=5,
+                                                                        temperature=0, stream=True))
+    assert text
     for create, kw in ((oa.chat.completions.create, {"messages": HELLO}), (oa.completions.create, {"prompt": "Once"})):
         finishes: dict[int, list] = {}
         chunks = list(create(model="local", n=2, max_tokens=4, temperature=1.0, seed=5, stream=True,
@@ -194,8 +199,9 @@ def test_receipt_event_does_not_repeat_a_choices_finish(oa):
                 if c.finish_reason:
                     finishes.setdefault(c.index, []).append(c.finish_reason)
         assert sorted(finishes) == [0, 1] and all(len(v) == 1 for v in finishes.values()), finishes
-        assert chunks[-1].choices == [] and chunks[-1].model_extra["aotx"]["receipt"]
-        assert chunks[-2].usage is not None and chunks[-2].usage.completion_tokens > 0
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+        assert chunks[-1].model_extra["aotx"]["receipt"]
+        assert all(ch.choices for ch in chunks[:-1])
 
 
 GOOD = [
@@ -572,7 +578,7 @@ def test_load_32_concurrent_streams_all_complete_with_receipts(gw):
     async def one(client, i):
         stream = await client.chat.completions.create(
             model="local", messages=[{"role": "user", "content": f"Say the number {i}."}], stream=True,
-            temperature=0, max_tokens=8)
+            temperature=0, max_tokens=8, stream_options={"include_usage": True})   # the receipt rides on usage
         text, finish, receipt = "", None, None
         async for chunk in stream:
             if chunk.choices:

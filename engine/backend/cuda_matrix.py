@@ -1,8 +1,10 @@
 """A weight matrix on the GPU (``DevMatrix``): what ``cuda.CudaBackend.matrix`` uploads and
-the CUDA program's steps (dense layers and the GPU expert tier) launch kernels on.
+the CUDA program's steps (dense layers and the GPU expert tier) launch kernels on; and the
+int8 activation rows its int8 GEMVs read (``q8_buffers``).
 
-Its own module so that ``cuda`` (which compiles programs) and ``cuda_program`` (which
-builds expert stacks of this type) both import it without importing each other.
+Its own module so that ``cuda`` (which compiles programs), ``cuda_program`` (which builds
+expert stacks of this type) and ``cuda_tune`` (which times GEMVs on scratch rows) import it
+without importing each other.
 """
 
 from __future__ import annotations
@@ -29,3 +31,11 @@ class DevMatrix:
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+
+def q8_buffers(rows: int, k: int) -> tuple:
+    """Scratch for ``rows`` rows of int8 activations of up to ``k`` inputs (``quant_rows``):
+    xq (rows, ldq) int8 and xd (rows, ldq / 32) float2 block scales as float32 pairs, ldq
+    = k rounded up to 32 (at least 32)."""
+    ldq = max(32, (int(k) + 31) // 32 * 32)
+    return cp.zeros((max(1, rows), ldq), cp.int8), cp.zeros((max(1, rows), ldq // 16), cp.float32)

@@ -59,6 +59,7 @@ from aotx.engine.backend import cuda_sampling as CS
 from aotx.engine.backend import cuda_src as S
 from aotx.engine.backend.cuda_gemm import PrefillGemm
 from aotx.engine.backend.cuda_kv import CudaKVCache, check_kv_type
+from aotx.engine.backend.cuda_matrix import q8_buffers
 from aotx.engine.backend.cuda_tables import DeviceTables, rows_for
 from aotx.engine.errors import ModelError
 
@@ -118,14 +119,6 @@ _OOM = getattr(getattr(cp.cuda, "memory", None), "OutOfMemoryError", MemoryError
 Z64 = np.uint64(0)
 Z32 = np.int32(0)
 READY_SCALE, READY_Q8 = 1, 2     # what _Gemv.launch left for the next GEMV on the same x and norm
-
-
-def q8_buffers(rows: int, k: int) -> tuple:
-    """Scratch for ``rows`` rows of int8 activations of up to ``k`` inputs (``quant_rows``):
-    xq (rows, ldq) int8 and xd (rows, ldq / 32) float2 block scales as float32 pairs, ldq
-    = k rounded up to 32 (at least 32)."""
-    ldq = max(32, (int(k) + 31) // 32 * 32)
-    return cp.zeros((max(1, rows), ldq), cp.int8), cp.zeros((max(1, rows), ldq // 16), cp.float32)
 
 
 class _Ctx:

@@ -132,7 +132,7 @@ class _Tuner:
             return
         from aotx.engine.backend.cuda_gemm import PrefillGemm
         from aotx.engine.backend.cuda_kv import CudaKVCache
-        from aotx.engine.backend.cuda_program import q8_buffers
+        from aotx.engine.backend.cuda_matrix import q8_buffers
 
         prog = self.prog
         self.k = self.kernels()

@@ -7,8 +7,8 @@ conversations: a request continues the conversation named by its
 system prompt), submits the last user message, and answers in OpenAI's shapes
 (``gateway_schema.py``) with the durable receipt of the reply: the
 ``X-AOTX-Receipt`` header (JSON) and an ``aotx`` body field when not streaming,
-an ``event: aotx.receipt`` SSE event just before ``data: [DONE]`` when
-streaming. Every response names its conversation in ``X-AOTX-Conversation``.
+an SSE comment line ``: aotx.receipt {json}`` just before ``data: [DONE]`` when
+streaming (and the ``aotx`` field of the usage chunk when one is asked for). Every response names its conversation in ``X-AOTX-Conversation``.
 Leaves to others: generation, conversations and the journal (the engine, over
 its local socket through ``client.EngineClient``), keys on disk
 (``gateway_auth.py``).
@@ -490,6 +490,11 @@ async def _race_disconnect(request: Request, coro: Awaitable):
 def _sse(obj: Any, event: str | None = None) -> bytes:
     data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     return (f"event: {event}\n" if event else "").encode() + b"data: " + data.encode() + b"\n\n"
+
+
+def _sse_comment(name: str, obj: Any) -> bytes:
+    """An SSE comment line ``: NAME {json}`` (one line: JSON has no raw newlines)."""
+    return f": {name} ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 class EventStream(Response):
@@ -995,9 +1000,12 @@ class _OpenAI:
             yield b"data: [DONE]\n\n"
             return
         gw._finish_reply(gen, reply, states)
-        if spec.include_usage:
-            yield _sse(S.usage_chunk(reply, chat))
-        yield _sse(S.receipt_event(reply, chat), event="aotx.receipt")
+        if spec.include_usage:               # the last chunk, as OpenAI sends it: no choices, the usage
+            yield _sse({**S.usage_chunk(reply, chat), "aotx": reply.aotx})
+        # the receipt as an SSE comment: clients skip comments, and the openai client hands a
+        # named event's data to the caller as one more chunk (with no choices, the quickstart's
+        # chunk.choices[0] raised IndexError)
+        yield _sse_comment("aotx.receipt", reply.aotx)
         yield b"data: [DONE]\n\n"
 
 

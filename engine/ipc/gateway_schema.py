@@ -720,17 +720,6 @@ def usage_chunk(r: Reply, chat: bool) -> dict[str, Any]:
             "model": r.model, "system_fingerprint": None, "choices": [], "usage": r.usage()}
 
 
-def receipt_event(r: Reply, chat: bool) -> dict[str, Any]:
-    """Data of the ``aotx.receipt`` SSE event: a well-formed chunk with no choices
-    (OpenAI clients, which do not skip named events, read it as one more chunk: one
-    with a choice would finish that choice a second time) plus the ``aotx`` object
-    with the receipt."""
-    base = chat_chunk(r, {}) if chat else text_chunk(r, "")
-    base["choices"] = []
-    base["aotx"] = r.aotx
-    return base
-
-
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None,
                **extra: Any) -> dict[str, Any]:
     err = {"message": message, "type": type_, "param": param, "code": code}

@@ -129,7 +129,7 @@ def main() -> int:
             kern["row_scale"]((B,), (128,), (_u64(x), np.int32(k), np.int32(k), np.float32(1e-5), _u64(xs)))
         y = cp.zeros((B, width), cp.float32)
 
-        from aotx.engine.backend.cuda_program import q8_buffers
+        from aotx.engine.backend.cuda_matrix import q8_buffers
 
         xq, xd = q8_buffers(B, k)
         ldq = xq.shape[1]
