@@ -576,3 +576,19 @@ def test_bug_a_response_cut_at_max_output_tokens_is_incomplete_down_to_its_messa
     assert not any(e.type == "response.completed" for e in events)
     full = oa.responses.create(model="local", input="Say hi.", max_output_tokens=256, temperature=0)
     assert full.status == "completed" and full.output[0].status == "completed"
+
+
+def test_bug_responses_ignored_model_grammar_and_repeat_penalty(gw, oa):
+    """/v1/responses copied only the sampling fields into the request it made, so 'model' was
+    dropped: any name (gpt-5, nonsense) was answered by the default model, and a second model
+    could never be reached; 'grammar' and 'repeat_penalty' were dropped too. Now an unknown
+    model gets the 404 chat completions gives, and a grammar constrains the reply."""
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.responses.create(model="nonsense-model-xyz", input="hi", max_output_tokens=4)
+    assert e.value.body["code"] == "model_not_found"
+    r = oa.responses.create(model="local", input="Answer yes or no: is the sky blue?", max_output_tokens=6,
+                            temperature=0, extra_body={"grammar": 'root ::= "yes" | "no"'})
+    assert r.output_text in ("yes", "no"), r.output_text
+    with httpx.Client(base_url=gw, headers=_auth(), timeout=300) as h:
+        bad = h.post("/v1/responses", json={"model": "local", "input": "hi", "repeat_penalty": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "repeat_penalty"

@@ -136,8 +136,10 @@ def parse(body: Any, limits: S.Limits, file_roots: tuple) -> tuple[dict, list[di
         else:
             raise S.BadRequest(f"'input[{i}].type' {kind!r} is not taken (message, function_call, "
                                "function_call_output)", "input")
-    chat = {k: v for k, v in body.items() if k in ("temperature", "top_p", "top_k", "min_p", "seed", "stream",
-                                                   "stop")}
+    # the fields chat completions takes under the same name (model was left out: every response
+    # came from the default model, an unknown name got no 404; grammar and repeat_penalty too)
+    chat = {k: v for k, v in body.items() if k in ("model", "temperature", "top_p", "top_k", "min_p", "seed",
+                                                   "stream", "stop", "repeat_penalty", "grammar")}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("top_logprobs"):
