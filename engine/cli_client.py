@@ -18,7 +18,7 @@ from pathlib import Path
 from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
 from aotx.engine.units import parse_size
 from aotx.engine.ipc import protocol as P
-from aotx.engine.ipc.client import CancelOnSignal, EngineClient, model_ref
+from aotx.engine.ipc.client import CancelOnSignal, ConnectionLost, EngineClient, model_ref
 from aotx.media.kinds import kind_of_name
 
 
@@ -237,96 +237,110 @@ async def _run(args) -> int:
         completion: list[int] = []
         refused = ""
         engine_stopping = False   # the engine said it is stopping: a cancelled finish is its, not Ctrl-C's
-        async for ev in client.submit(conv_id, prompt, attachments=attachments, sampling=sampling, raw=args.raw,
-                                      model=model_ref(args.model)):
-            if isinstance(ev, P.Accepted):
-                rid_box.append(ev.id)
-                stopper.accepted(ev.id)
-                if t_loading:
-                    load_s = round(load_s + time.perf_counter() - t_loading, 4)
-                prompt_ids = list(ev.prompt_ids)
-                if args.json:
-                    _jprint({"event": "accepted", "conversation": ev.conv_id, "msg_id": ev.msg_id,
-                             "reply_id": ev.reply_id, "seq": ev.seq, "tick": ev.tick})
-            elif isinstance(ev, P.Token):
-                completion.append(ev.token_id)
-                if args.json:
-                    _jprint({"event": "token", "id": ev.token_id, "text": ev.text, "pos": ev.pos, "tick": ev.tick,
-                             "seq": ev.seq})
-                elif ev.text:
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-            elif isinstance(ev, P.MediaInfo):
-                if args.json:
-                    _jprint({"event": "media", "kind": ev.kind, "route": ev.route, "name": ev.name, "text": ev.text,
-                             "via": ev.via, "seconds": ev.seconds, **({"error": ev.error} if ev.error else {})})
-                elif ev.error:
-                    pass  # the Error that refuses the message names it and why: said once, there
-                elif ev.route == "encoder":
-                    print(f"aotx: {ev.name} -> vision encoder {ev.via}: the model sees the picture", file=sys.stderr)
-                else:
-                    what = "transcript" if ev.kind == "audio" else "text read by OCR (the model sees text, not the picture)"
-                    print(f"aotx: {ev.name} -> {ev.via}: {what}:\n{ev.text}\n", file=sys.stderr)
-            elif isinstance(ev, P.Durable):
-                if args.json:
-                    _jprint({"event": "durable", "receipt": {"segment": ev.receipt.segment,
-                                                             "offset": ev.receipt.offset,
-                                                             "last_seq": ev.receipt.last_seq},
-                             **({"msg_id": ev.msg_id} if ev.msg_id else {})})
-            elif isinstance(ev, P.Notice):
-                engine_stopping = engine_stopping or ev.kind == "stopping"
-                if ev.kind == "model" and ev.message.startswith("loading model") and not rid_box:
-                    t_loading = time.perf_counter()
-                if args.json:
-                    _jprint({"event": "notice", "kind": ev.kind, "resource": ev.resource, "message": ev.message,
-                             "asked": ev.asked, "free": ev.free, "position": ev.position})
-                elif ev.kind == "capsule":
-                    words = capsule_words(ev, continuing=bool(args.conversation))
-                    if words:
-                        print(f"aotx: {words}", file=sys.stderr)
-                elif ev.kind == "refused":
-                    refused = ev.message      # the refusal's longer sentence: said with the error, once
-                else:
-                    print(f"aotx: {ev.message}", file=sys.stderr)
-            elif isinstance(ev, P.Error):
-                if args.json:
-                    _jprint({"event": "error", "code": ev.code, "message": ev.message})
-                else:
-                    line = refused or ev.message
-                    if ev.code == ErrorCode.TOO_LONG and args.conversation:
-                        line += (f"; start a new conversation, or fork this one at an earlier message "
-                                 f"(aotx conversations fork {args.conversation} --at MSG_ID)")
-                    print(f"aotx: {line}", file=sys.stderr)
-                code = 2
-                if created and not rid_box:  # refused before it began (a model the engine cannot load):
-                    created = False           # the new conversation would stay behind empty
-                    try:
-                        await client.delete(conv_id)
-                    except AotxError:
-                        pass
-            elif isinstance(ev, P.Committed):
-                t = ev.timings
-                if args.json:
-                    _jprint({"event": "done", "conversation": conv_id, "prompt_ids": prompt_ids,
-                             "completion_ids": completion, "text": ev.text, "finish_reason": ev.finish_reason,
-                             "numerics": ev.numerics,
-                             "timings": {"load_s": load_s,
-                                         "engine_load_s": round(sum(st.profile.values()), 4),
-                                         "prompt_tokens": int(t.get("prompt_tokens", 0)),
-                                         "prompt_tokens_reused": int(t.get("prompt_tokens_reused", 0)),
-                                         "prompt_tokens_per_s": t.get("prompt_tokens_per_s", 0.0),
-                                         "ttft_s": t.get("ttft_s", 0.0),
-                                         "completion_tokens": int(t.get("completion_tokens", 0)),
-                                         "decode_tokens_per_s": t.get("decode_tokens_per_s", 0.0),
-                                         "wall_s": round(time.perf_counter() - t0, 4)}})
-                else:
-                    sys.stdout.write("\n")
-                    sys.stdout.flush()
-                    if ev.finish_reason == "cancelled":
-                        code = stopper.exit_code or (1 if engine_stopping else 130)
-                        if engine_stopping:
-                            print(f"aotx: `aotx run --conversation {conv_id} ...` continues it once an engine runs "
-                                  f"again", file=sys.stderr)
+        try:
+            async for ev in client.submit(conv_id, prompt, attachments=attachments, sampling=sampling, raw=args.raw,
+                                          model=model_ref(args.model)):
+                if isinstance(ev, P.Accepted):
+                    rid_box.append(ev.id)
+                    stopper.accepted(ev.id)
+                    if t_loading:
+                        load_s = round(load_s + time.perf_counter() - t_loading, 4)
+                    prompt_ids = list(ev.prompt_ids)
+                    if args.json:
+                        _jprint({"event": "accepted", "conversation": ev.conv_id, "msg_id": ev.msg_id,
+                                 "reply_id": ev.reply_id, "seq": ev.seq, "tick": ev.tick})
+                elif isinstance(ev, P.Token):
+                    completion.append(ev.token_id)
+                    if args.json:
+                        _jprint({"event": "token", "id": ev.token_id, "text": ev.text, "pos": ev.pos, "tick": ev.tick,
+                                 "seq": ev.seq})
+                    elif ev.text:
+                        sys.stdout.write(ev.text)
+                        sys.stdout.flush()
+                elif isinstance(ev, P.MediaInfo):
+                    if args.json:
+                        _jprint({"event": "media", "kind": ev.kind, "route": ev.route, "name": ev.name, "text": ev.text,
+                                 "via": ev.via, "seconds": ev.seconds, **({"error": ev.error} if ev.error else {})})
+                    elif ev.error:
+                        pass  # the Error that refuses the message names it and why: said once, there
+                    elif ev.route == "encoder":
+                        print(f"aotx: {ev.name} -> vision encoder {ev.via}: the model sees the picture",
+                              file=sys.stderr)
+                    else:
+                        what = "transcript" if ev.kind == "audio" else \
+                            "text read by OCR (the model sees text, not the picture)"
+                        print(f"aotx: {ev.name} -> {ev.via}: {what}:\n{ev.text}\n", file=sys.stderr)
+                elif isinstance(ev, P.Durable):
+                    if args.json:
+                        _jprint({"event": "durable", "receipt": {"segment": ev.receipt.segment,
+                                                                 "offset": ev.receipt.offset,
+                                                                 "last_seq": ev.receipt.last_seq},
+                                 **({"msg_id": ev.msg_id} if ev.msg_id else {})})
+                elif isinstance(ev, P.Notice):
+                    engine_stopping = engine_stopping or ev.kind == "stopping"
+                    if ev.kind == "model" and ev.message.startswith("loading model") and not rid_box:
+                        t_loading = time.perf_counter()
+                    if args.json:
+                        _jprint({"event": "notice", "kind": ev.kind, "resource": ev.resource, "message": ev.message,
+                                 "asked": ev.asked, "free": ev.free, "position": ev.position})
+                    elif ev.kind == "capsule":
+                        words = capsule_words(ev, continuing=bool(args.conversation))
+                        if words:
+                            print(f"aotx: {words}", file=sys.stderr)
+                    elif ev.kind == "refused":
+                        refused = ev.message      # the refusal's longer sentence: said with the error, once
+                    else:
+                        print(f"aotx: {ev.message}", file=sys.stderr)
+                elif isinstance(ev, P.Error):
+                    if args.json:
+                        _jprint({"event": "error", "code": ev.code, "message": ev.message})
+                    else:
+                        line = refused or ev.message
+                        if ev.code == ErrorCode.TOO_LONG and args.conversation:
+                            line += (f"; start a new conversation, or fork this one at an earlier message "
+                                     f"(aotx conversations fork {args.conversation} --at MSG_ID)")
+                        print(f"aotx: {line}", file=sys.stderr)
+                    code = 2
+                    if created and not rid_box:  # refused before it began (a model the engine cannot load):
+                        created = False           # the new conversation would stay behind empty
+                        try:
+                            await client.delete(conv_id)
+                        except AotxError:
+                            pass
+                elif isinstance(ev, P.Committed):
+                    t = ev.timings
+                    if args.json:
+                        _jprint({"event": "done", "conversation": conv_id, "prompt_ids": prompt_ids,
+                                 "completion_ids": completion, "text": ev.text, "finish_reason": ev.finish_reason,
+                                 "numerics": ev.numerics,
+                                 "timings": {"load_s": load_s,
+                                             "engine_load_s": round(sum(st.profile.values()), 4),
+                                             "prompt_tokens": int(t.get("prompt_tokens", 0)),
+                                             "prompt_tokens_reused": int(t.get("prompt_tokens_reused", 0)),
+                                             "prompt_tokens_per_s": t.get("prompt_tokens_per_s", 0.0),
+                                             "ttft_s": t.get("ttft_s", 0.0),
+                                             "completion_tokens": int(t.get("completion_tokens", 0)),
+                                             "decode_tokens_per_s": t.get("decode_tokens_per_s", 0.0),
+                                             "wall_s": round(time.perf_counter() - t0, 4)}})
+                    else:
+                        sys.stdout.write("\n")
+                        sys.stdout.flush()
+                        if ev.finish_reason == "cancelled":
+                            code = stopper.exit_code or (1 if engine_stopping else 130)
+                            if engine_stopping:
+                                print(f"aotx: `aotx run --conversation {conv_id} ...` continues it once an engine runs "
+                                      f"again", file=sys.stderr)
+        except ConnectionLost:
+            if not rid_box:
+                raise
+            # the engine went away mid-reply (a crash, kill -9): say what is kept and how to go on
+            if not args.json:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            print(f"aotx: the engine went away in the middle of the reply (it crashed or was killed); the reply is "
+                  f"kept up to its last durable token. `aotx run --conversation {conv_id} ...` continues the "
+                  f"conversation (it starts an engine)", file=sys.stderr)
+            return 1
         return stopper.exit_code or code
     finally:
         if stopper is not None:

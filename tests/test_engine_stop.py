@@ -52,3 +52,36 @@ def test_bug_stop_during_a_reply_ends_it_cancelled_and_durable_not_as_a_crash(tm
         assert out.decode().strip() == reply.text.strip()                   # what was shown is what was kept
     finally:
         stop_engine(proc)
+
+
+def test_bug_an_engine_killed_mid_reply_leaves_aotx_run_a_way_to_continue(tmp_path, default_model_path):
+    """A kill -9 of the engine during `aotx run` printed "the engine closed the connection in
+    the middle of a reply" (exit 2) and nothing else: no conversation id, no way on but
+    `conversations list`. Now it says the reply is kept up to its last durable token and
+    names `aotx run --conversation ID`, exit 1; that conversation holds the interrupted reply."""
+    proc, sock = start_engine(tmp_path, None, slots=2, context=4096)
+    try:
+        env = dict(os.environ, AOTX_HOME=str(tmp_path))
+        run = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(sock),
+                                "--temperature", "0", "--max-tokens", "3000", LONG],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out = b""
+        deadline = time.monotonic() + 120
+        while len(out) < 40:                    # the reply is streaming
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read().decode()
+            out += os.read(run.stdout.fileno(), 4096)
+        proc.kill()                             # kill -9
+        _, err = run.communicate(timeout=60)
+        proc.wait(30)
+        text = err.decode()
+        assert run.returncode == 1, text
+        assert "Traceback" not in text and "kept up to its last durable token" in text
+        conv = text.split("aotx run --conversation ")[1].split()[0]
+    finally:
+        stop_engine(proc)
+    proc, sock = start_engine(tmp_path, None, slots=2, context=4096)
+    try:
+        view = engine_call(sock, lambda c: c.show(conv))
+        assert view.messages[-1].role == "assistant" and view.messages[-1].text     # the interrupted reply's part
+    finally:
+        stop_engine(proc)
