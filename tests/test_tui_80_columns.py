@@ -89,6 +89,12 @@ async def test_model_picker_columns_are_not_cut_at_80_columns(width):
         assert isinstance(app.screen, ModelPicker)
         table = app.screen.query_one(DataTable)
         assert table.virtual_size.width <= table.scrollable_content_region.width
+        # the note under the table shows whole (it was cut at 80 columns: its last line hidden)
+        note = app.screen.query_one(".dialog-note")
+        cr = note.content_region
+        assert note.get_content_height(cr.size, app.size, cr.width) <= cr.height, cr
+        box = app.screen.query_one("#model-box").region
+        assert box.right <= width and box.bottom <= 24
         labels = [c.label.plain for c in table.ordered_columns]
         names = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
         if width == 80:

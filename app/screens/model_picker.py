@@ -79,8 +79,9 @@ class ModelPicker(ModalScreen[str | None]):
         with Vertical(id="model-box", classes="dialog"):
             yield Static("Model of this conversation", classes="dialog-title")
             yield ModelTable(id="model-table", cursor_type="row", zebra_stripes=True)
-            yield Static("Enter picks it: the next message runs on it and it reads the history again (the old "
-                         "model's saved state stays valid for it). Esc keeps the current one.", classes="dialog-note")
+            # two lines at 80 columns (a longer note was cut off there, its last line under the border)
+            yield Static("Enter: the next message runs on it (it reads the history again; the old model's "
+                         "state is kept). Esc keeps the current one.", classes="dialog-note")
 
     def on_mount(self) -> None:
         self.fill_table()
