@@ -35,6 +35,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aotx.engine.errors import AotxError, EngineError, ModelError, UsageError
 from aotx.engine.units import fmt_bytes, parse_size
@@ -43,6 +44,36 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 HEADER_FIRST = 4 << 20  # bytes of the first range request; more when the header is longer
 HEADER_MAX = 256 << 20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+# the exception classes (and their bases) that mean "the server could not be reached"
+_UNREACHABLE = {"ConnectError", "ConnectionError", "ConnectTimeout", "Timeout", "ReadTimeout", "TimeoutException",
+                "gaierror", "OfflineModeIsEnabled", "NewConnectionError", "MaxRetryError"}
+
+
+def hub_error(e: BaseException, ref: Any, base: str) -> str:
+    """One line for a failed metadata request to the Hub, saying which of the usual causes it
+    is (a name that names nothing, access, the network) instead of the library's raw text."""
+    names = {c.__name__ for c in type(e).__mro__}
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    where = f"{ref.repo_id}/{ref.filename}@{ref.revision} on {base}"
+    if "RepositoryNotFoundError" in names:
+        return f"{where}: no repository {ref.repo_id} there (or it is private: set HF_TOKEN)"
+    if "RevisionNotFoundError" in names:
+        return f"{where}: {ref.repo_id} has no revision {ref.revision!r}"
+    if "GatedRepoError" in names or status in (401, 403):
+        return f"{where}: {ref.repo_id} needs access (accept its terms on the Hub, then set HF_TOKEN)"
+    if "EntryNotFoundError" in names or status == 404:
+        return (f"{where}: {ref.repo_id} has no file {ref.filename} (HTTP 404); the repository's files are listed "
+                f"on its page")
+    cause = e
+    while cause is not None:
+        if {c.__name__ for c in type(cause).__mro__} & _UNREACHABLE:
+            return (f"{where}: cannot reach {base} ({msg}); check the network connection (HF_ENDPOINT names "
+                    f"another server)")
+        cause = cause.__cause__ or cause.__context__
+    return f"{where}: {msg}"
 
 
 class PullError(AotxError):
@@ -224,8 +255,7 @@ def pull(args, out=None) -> Path:
     try:
         meta = hf.get_hf_file_metadata(url, token=hf.get_token() or False, endpoint=base)
     except Exception as e:  # noqa: BLE001 - the Hub's errors are many classes; each is one line here
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise PullError(f"{ref.repo_id}/{ref.filename}@{ref.revision} on {base}: {msg}") from None
+        raise PullError(hub_error(e, ref, base)) from None
     size = meta.size
     sha = (meta.etag or "").lower()
     sha = sha if _SHA256.match(sha) else ""

@@ -9,6 +9,7 @@ runs the real command line (``cli.main``) in-process.
 from __future__ import annotations
 
 import hashlib
+import socket
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,23 @@ def test_bug_resume_from_a_server_that_ignores_range_starts_over_not_corrupt(hom
     assert "resuming at" not in out.out
     assert (home / "models" / "t.gguf").read_bytes() == tiny_bytes
     assert not list((home / "models" / ".partial").glob("*.part"))
+
+
+def test_bug_hub_errors_said_the_librarys_raw_text(home, tiny_bytes, monkeypatch, capsys):
+    """A missing file printed httpx's "Client error '404 File not found' for url ..." and no
+    network "[Errno -2] Name or service not known": one line each, but neither said what was
+    wrong. Now a 404 says the repository has no such file and an unreachable server says so,
+    naming the network (and HF_ENDPOINT)."""
+    with FakeHub({f"{REPO}/t.gguf": tiny_bytes}) as hub:
+        monkeypatch.setenv("AOTX_HF_ENDPOINT", hub.endpoint)
+        assert pull(f"hf:{REPO}/missing.gguf") == 2
+        err = capsys.readouterr().err
+        assert f"{REPO} has no file missing.gguf (HTTP 404)" in err and "Client error" not in err
+    with socket.socket() as s:                     # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AOTX_HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    assert pull(f"hf:{REPO}/t.gguf") == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach http://127.0.0.1:{port}" in err and "check the network connection" in err
+    assert err.count("\n") == 1 and models(home) == []
