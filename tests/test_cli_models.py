@@ -131,3 +131,21 @@ def test_bug_run_refused_by_the_engine_leaves_no_empty_conversation(home, engine
     assert bad.returncode == 2 and "no model named" in bad.stderr, bad.stderr
     after = json.loads(aotx(home, "conversations", "list", "--socket", sock, "--json").stdout or "[]")
     assert len(after) == len(before), after
+
+
+def test_bug_a_loaded_model_whose_file_was_deleted_still_answers_by_name(home, engine, tiny_gguf):
+    """A new user deleted the file of a loaded model: `aotx models` still listed it loaded, but
+    `aotx run --model NAME` said "no model named NAME" (the new conversation resolved the
+    name in the folder only). A loaded model's own name now comes first: it answers until
+    unloaded."""
+    sock = str(engine)
+    f = home / "models" / "tiny-gone.gguf"
+    tiny_gguf.write_tiny_llama(f, seed=3)
+    r = aotx(home, "run", "--socket", sock, "--model", "tiny-gone", "--temperature", "0", "--max-tokens", "2", "hi")
+    assert r.returncode == 0, r.stderr
+    f.unlink()
+    r = aotx(home, "run", "--socket", sock, "--model", "tiny-gone", "--temperature", "0", "--max-tokens", "2", "hi")
+    assert r.returncode == 0 and "no model named" not in r.stderr, r.stderr
+    assert aotx(home, "unload", "tiny-gone", "--socket", sock).returncode == 0
+    r = aotx(home, "run", "--socket", sock, "--model", "tiny-gone", "--max-tokens", "2", "hi")
+    assert r.returncode == 2 and "no model named 'tiny-gone'" in r.stderr, r.stderr

@@ -443,7 +443,7 @@ class Engine:
     # ---- client operations ---------------------------------------------------------------
 
     def _create(self, op: P.CreateConversation, sink: Sink) -> None:
-        model = self.catalog.resolve(op.model).name if op.model else self.models.default_name
+        model = self._model_name(op.model) if op.model else self.models.default_name
         view = self.store.create(op.title, op.system_prompt, op.sampling, tick=self.tick,
                                  messages=[(m.role, m.text, m.meta) for m in op.messages], model=model)
         sink.send(P.ConversationInfo(id=op.id, conversation=view))
@@ -574,6 +574,13 @@ class Engine:
         self.models.unload(name)
         sink.send(P.Ok(id=op.id))
 
+    def _model_name(self, ref: str) -> str:
+        """The catalog name ``ref`` names; a loaded model's own name first (its file may be gone
+        from the models folder: it still runs, as `aotx models` shows it loaded)."""
+        if self.models.get(ref) is not None:
+            return ref
+        return self.catalog.resolve(ref).name
+
     def _loaded_name(self, ref: str) -> str:
         """The loaded model ``ref`` names (a catalog name or path); NotFound when none."""
         try:
@@ -589,7 +596,7 @@ class Engine:
     def _switch_model(self, op: P.SwitchModel, sink: Sink) -> None:
         self._require_idle(op.conv_id)
         self.store.get(op.conv_id)
-        name = self.catalog.resolve(op.model).name
+        name = self._model_name(op.model)
         self.store.switch_model(op.conv_id, name, tick=self.tick)
         sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
 
