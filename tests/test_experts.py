@@ -347,3 +347,29 @@ def test_bug_the_decode_step_is_timed_after_placement_not_on_cold_experts(reques
     assert st.costs.dense_decode_s > 0 and st.plan.decode_tok_s > 0
     again = X.setup(m, model_fp=lm.fingerprint, root=tmp_path)
     assert seen == [True] and again.costs.dense_decode_s == st.costs.dense_decode_s   # stored: not timed again
+
+
+def test_bug_the_dense_part_timed_after_placement_subtracts_the_experts_as_placed(monkeypatch):
+    """With the decode step timed after placement (above), the modeled expert work taken from
+    it still priced every expert on the CPU; with part of them on a faster GPU tier the dense
+    part came out too small (0 here), and the plan's predicted speed too high. Now the
+    experts are priced as placed, as the plan prices them: its prediction at this placement
+    is the step that ran."""
+    layers = [X.MoeLayer(i, 8, 2, EB, 64, 128) for i in range(2)]
+
+    class Compiled:
+        def measure_experts(self, layer, rows):
+            return {"cpu": {1: 1e-3, 16: 4e-3}, "copy": 1e-4, "gpu_one": 2e-4, "gpu_k": 2,
+                    "gpu_layer": {1: 3e-4, 16: 6e-4}}
+
+    monkeypatch.setattr(X, "device_fingerprint", lambda c: "dev")
+    monkeypatch.setattr(X, "step_seconds", lambda model: (4.0e-3, 0.05))
+    c = X.calibrate(Compiled(), layers, model=object(), on_gpu=[4, 4])
+    fixed, g = X.gpu_split(2e-4, {1: 3e-4, 16: 6e-4}, 2, X.CALIBRATION_ROWS)
+    per_layer = X.decode_layer_s(2, 0.5, 1e-3, fixed, g(1))
+    assert c.dense_decode_s == pytest.approx(4.0e-3 - 2 * per_layer)
+    assert c.dense_decode_s > 4.0e-3 - 2 * 2 * 1e-3          # more than the all-CPU pricing left
+    dec, _ = X._speeds(layers, c, [4, 4], 0)
+    assert dec == pytest.approx(1 / 4.0e-3)                  # the plan predicts the step that ran
+    cpu_only = X.calibrate(Compiled(), layers, model=object())
+    assert cpu_only.dense_decode_s == pytest.approx(0.0)     # 4 ms less 2 layers x 2 experts x 1 ms

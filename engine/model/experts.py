@@ -222,14 +222,16 @@ def gpu_split(one: float, layer: dict[int, float], k: int, rows: tuple[int, int]
 
 
 def calibrate(compiled: Any, layers: list[MoeLayer], rows: tuple[int, int] = CALIBRATION_ROWS,
-              model: Any = None) -> Costs:
+              model: Any = None, on_gpu: list[int] | None = None) -> Costs:
     """Measure ``Costs`` on this machine through the backend: ``compiled.measure_experts(layer,
     rows) -> {"cpu": {n: s}, "copy": s, "gpu_one": s, "gpu_layer": {n: s}, "gpu_k": k}``
     (the best of a few runs each; "cpu": seconds per expert; "gpu_one": the GPU tier's call of
     one expert on rows[0] rows; "gpu_layer": its call of n rows each routed to the same gpu_k
     experts; the GPU keys absent without a GPU tier), split by ``gpu_split``. With ``model``
-    (the TransformerModel), also a decode step, whose time less the modeled expert work
-    (every expert on the CPU, as before placement) is ``dense_decode_s``."""
+    (the TransformerModel), also a decode step, whose time less the modeled expert work is
+    ``dense_decode_s``: the experts as placed now, ``on_gpu[l]`` of layer l on the GPU tier
+    (None: every expert on the CPU), priced as ``_speeds`` prices them, so the plan's
+    prediction at this placement is the step that ran."""
     t0 = time.perf_counter()
     cpu, gpu, copy, fixed = [], [], [], []
     for L in layers:
@@ -242,12 +244,22 @@ def calibrate(compiled: Any, layers: list[MoeLayer], rows: tuple[int, int] = CAL
             fixed.append(f)
             copy.append(float(m["copy"]))
     dense = dense_p = 0.0
+    ok = len(gpu) == len(layers)
     if model is not None:
         dec, pre = step_seconds(model)
-        dense = max(0.0, dec - sum(L.n_used * c(1) for L, c in zip(layers, cpu)))
-        rows = PREFILL_ROWS * 1.0
-        dense_p = max(0.0, pre - sum(L.n_expert * c(rows * L.n_used / L.n_expert) for L, c in zip(layers, cpu))) / rows
-    ok = len(gpu) == len(layers)
+        n = PREFILL_ROWS * 1.0
+        exp_d = exp_p = 0.0
+        for i, (L, c) in enumerate(zip(layers, cpu)):
+            g = on_gpu[i] if (ok and on_gpu) else 0
+            r = n * L.n_used / L.n_expert           # rows per expert of the timed prefill chunk
+            if g:
+                exp_d += decode_layer_s(L.n_used, g / L.n_expert, c(1), fixed[i], gpu[i](1))
+                exp_p += max((L.n_expert - g) * c(r), fixed[i] + g * gpu[i](r))
+            else:
+                exp_d += L.n_used * c(1)
+                exp_p += L.n_expert * c(r)
+        dense = max(0.0, dec - exp_d)
+        dense_p = max(0.0, pre - exp_p) / n
     return Costs(tuple(cpu), tuple(gpu) if ok else (), tuple(copy) if ok else (), dense, device_fingerprint(compiled),
                  time.perf_counter() - t0, dense_p, tuple(fixed) if ok else ())
 
@@ -616,7 +628,7 @@ def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | No
     got_gpu = int(placed.get("gpu_bytes", p1.gpu_bytes))
     got_host = placed.get("host_bytes")
     need_dense = not costs.dense_decode_s
-    re = calibrate(compiled, layers, model=model if need_dense else None) \
+    re = calibrate(compiled, layers, model=model if need_dense else None, on_gpu=[t.count("gpu") for t in p1.tiers]) \
         if (placed.get("recalibrate", True) or need_dense) else costs
     # a timing can only be slowed down by other work on the machine: per layer, the faster
     # of the two passes' lines (at the larger calibration row count) is the better estimate
