@@ -15,7 +15,9 @@ with ``--n-cpu-moe`` (issue 22). Driven by tests/tools/moe_gpu_bench.sh; subcomm
   chunk, after a warm-up), batch-1 greedy decode tokens/s over 16 steps. Then, with
   ``--gpu-share`` > 0, the setup again (the stored calibration reused) with a GPU expert
   budget of that share of the routed experts' bytes (about that share of the experts on the
-  GPU tier, the rest on the CPU pool) and the same two measurements (``gpu_tier``).
+  GPU tier, the rest on the CPU pool) and the same measurements (``gpu_tier``); with
+  ``--all-gpu``, again with every expert on the GPU (``all_gpu``). Each configuration also
+  times aggregate decode at 16 slots.
 
 Throughput does not depend on the weights' values; these numbers are for the ratio to
 llama.cpp on the same file in the same call, not for absolute claims.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,8 +128,12 @@ def _say(msg: str) -> None:
     print(f"[aotx {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _speeds(model, vocab: int, res: dict) -> None:
-    """Prefill 512 (one chunk, after a warm-up) and batch-1 greedy decode tokens/s into res."""
+AGG_SLOTS, AGG_STEPS = 16, 8
+
+
+def _speeds(model, vocab: int, res: dict, agg: bool = True) -> None:
+    """Prefill 512 (one chunk, after a warm-up), batch-1 greedy decode tokens/s and (``agg``)
+    aggregate decode at AGG_SLOTS slots into res."""
     from aotx.engine.model.batch import Segment
 
     rng = np.random.default_rng(0)
@@ -147,9 +154,21 @@ def _speeds(model, vocab: int, res: dict) -> None:
     for i in range(steps):
         tok = model.greedy(tok, [Segment(0, 514 + i, 1)], kv)
     res["decode_b1_tok_s"] = round(steps / (time.perf_counter() - t), 2)
+    if agg:
+        # aggregate decode at AGG_SLOTS slots (issue 22 item 6): each slot prefilled with 32
+        # tokens, then AGG_STEPS steps of one token per slot in one batch
+        kv = model.new_kv_cache(AGG_SLOTS, 256)
+        for j in range(AGG_SLOTS):
+            model.forward(toks(32), [Segment(j, 0, 32)], kv)
+        toks16 = np.ones(AGG_SLOTS, np.int32)
+        toks16 = model.greedy(toks16, [Segment(j, 32, 1) for j in range(AGG_SLOTS)], kv)   # warm-up
+        t = time.perf_counter()
+        for i in range(AGG_STEPS):
+            toks16 = model.greedy(toks16, [Segment(j, 33 + i, 1) for j in range(AGG_SLOTS)], kv)
+        res[f"aggregate_{AGG_SLOTS}_tok_s"] = round(AGG_SLOTS * AGG_STEPS / (time.perf_counter() - t), 2)
 
 
-def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0) -> dict:
+def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0, all_gpu: bool = False) -> dict:
     import cupy as cp
 
     from aotx.engine.backend.cuda import CudaBackend
@@ -203,6 +222,18 @@ def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0) -> dict:
         g["gpu_pairs"] = sum(s1["gpu_rows"]) - sum(s0["gpu_rows"])
         g["cpu_pairs"] = s1["pool"]["rows"] - s0["pool"]["rows"]
         res["gpu_tier"] = g
+    if all_gpu:
+        # every expert in the GPU cache (the H200 holds the whole file): the issue's third row
+        a: dict = {"share": 1.0, "gpu_expert_budget_bytes": int(total) + (64 << 20)}
+        t = time.perf_counter()
+        st = X.setup(model, model_fp=fingerprint(gf), gpu_bytes=a["gpu_expert_budget_bytes"], host_bytes=None,
+                     root=home)
+        a["experts_setup_s"] = round(time.perf_counter() - t, 2)
+        a["plan"] = st.plan.summary()
+        a["gpu_experts"] = int(st.plan.count("gpu"))
+        _speeds(model, cfg.vocab_size, a)
+        _say(f"every expert on the GPU: {a['prefill_512_tok_s']} / {a['decode_b1_tok_s']} tok/s")
+        res["all_gpu"] = a
     return res
 
 
@@ -220,13 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--home", default="/tmp/moe_gpu_bench_home")
     p.add_argument("--gpu-share", type=float, default=0.0,
                    help="then again with this share of the routed experts' bytes as the GPU expert budget")
+    p.add_argument("--all-gpu", action="store_true", help="then again with every expert on the GPU")
     a = ap.parse_args(argv)
     if a.cmd == "write":
         t = time.perf_counter()
         out = write(Path(a.out), Path(a.tokenizer), a.layers)
         print(f"wrote {out} ({out.stat().st_size:,} bytes) in {time.perf_counter() - t:.1f} s")
         return 0
-    r = aotx(Path(a.model), a.budget, Path(a.home), a.gpu_share)
+    if os.environ.get("GPU_BENCH_FAKE"):            # the flow on the CPU against fake CuPy (no numbers)
+        from tests.tools import gpu_fake_cupy
+
+        gpu_fake_cupy.install()
+    r = aotx(Path(a.model), a.budget, Path(a.home), a.gpu_share, a.all_gpu)
     Path(a.json).write_text(json.dumps(r, indent=1))
     print(json.dumps(r))
     return 0

@@ -10,10 +10,15 @@
 #   1. llama.cpp (CUDA, sm_90, no FlashAttention kernels; llama-bench only) in the background
 #      from .gpubench/llama.cpp-src.tar.xz;
 #   2. the file (cores 0-7);
-#   3. AOTX: load, expert-tier setup (stages, plan, admission lines), prefill 512, decode b1;
-#      then the GPU-tier setup and the same two measurements;
-#   4. llama-bench -p 512 -n 16 -r 2 -t 8 -ngl 99 -ncmoe 48,29 -fa 0 once the build is done;
-#   5. one short table. Files under $OUT: aotx.json, llama.jsonl, table.txt, llama-build.log.
+#   3. AOTX: load, expert-tier setup (stages, plan, admission lines), prefill 512, decode b1,
+#      aggregate decode at 16 slots; then the GPU-tier setup and the same measurements; then
+#      (MOE_BENCH_ALL_GPU=1, the default) every expert on the GPU and the same again;
+#   4. llama-bench -p 512 -n 16 -r 2 -t 8 -ngl 99 -ncmoe 48,29,0 -fa 0 once the build is done,
+#      then llama-batched-bench at 16 slots per -ncmoe while time is left (it builds after
+#      llama-bench; the build is left running for a following call on the same machine);
+#   5. one short table. Files under $OUT: aotx.json, llama.jsonl, llama_batched.jsonl, table.txt,
+#      llama-build.log. In session 6 the AOTX side alone ran past 243 s (since shortened:
+#      BENCHMARKS.md): with three configurations, plan on two calls (MOE_BENCH_ALL_GPU=0 in the first).
 # Prepare here first: bash tests/tools/gpu_bench_prep.sh   (makes .whl/ and .gpubench/)
 # Run from the repository root:  PYTHONUNBUFFERED=1 bash tests/tools/moe_gpu_bench.sh   carry: [".whl", ".gpubench"]
 # Knobs: MOE_BENCH_DEADLINE (seconds, default 570), MOE_BENCH_LAYERS (default 48), MOE_BENCH_BUDGET (default 8G),
@@ -28,6 +33,8 @@ SHARE=${MOE_BENCH_GPU_SHARE:-0.4}
 # llama.cpp: --n-cpu-moe N keeps the experts of the first N layers on the CPU
 NCMOE_GPU=$(python3 -c "print($LAYERS - round($SHARE * $LAYERS))")
 NCMOE="$LAYERS"; [ "$NCMOE_GPU" != "$LAYERS" ] && NCMOE="$LAYERS,$NCMOE_GPU"
+ALL_GPU=${MOE_BENCH_ALL_GPU:-1}           # also every expert on the GPU (AOTX --all-gpu, llama.cpp -ncmoe 0)
+[ "$ALL_GPU" = 1 ] && NCMOE="$NCMOE,0"
 WORK=/tmp/moe_gpu_bench
 OUTD=${OUT:-$WORK/out}
 PY=${PY:-python3}
@@ -88,7 +95,8 @@ ls -la "$F"; free -g | head -2
 T=$(( $(left) - 150 )); [ $T -gt 300 ] && T=300
 echo "== AOTX ($T s at most, $BT threads)"
 $PIN_BENCH timeout $T "$PY" -m tests.tools.moe_gpu_bench aotx "$F" --json "$OUTD/aotx.json" \
-  --budget "${MOE_BENCH_BUDGET:-8G}" --gpu-share "$SHARE" > "$WORK/aotx.out" 2> "$WORK/aotx.err"
+  --budget "${MOE_BENCH_BUDGET:-8G}" --gpu-share "$SHARE" $([ "$ALL_GPU" = 1 ] && echo --all-gpu) \
+  > "$WORK/aotx.out" 2> "$WORK/aotx.err"
 echo "aotx exit $?"; tail -3 "$WORK/aotx.err"
 
 # 5. llama.cpp, once built
@@ -99,6 +107,15 @@ if [ -f "$WORK/llama-build.done" ] && [ "$(cat "$WORK/llama-build.done")" = 0 ];
   $PIN_BENCH timeout $T "$WORK/llama.cpp/build/bin/llama-bench" -m "$F" -ngl 99 -ncmoe "$NCMOE" -fa 0 -t $BT \
     -p 512 -n 16 -r 2 -o jsonl > "$OUTD/llama.jsonl" 2> "$WORK/llama.err"
   echo "llama-bench exit $?"; tail -3 "$WORK/llama.err"
+  # aggregate decode at 16 slots (llama-batched-bench, once built), per -ncmoe, while time is left
+  if [ -f "$WORK/llama-batched.done" ]; then
+    for n in ${NCMOE//,/ }; do
+      T=$(( $(left) - 10 )); [ $T -lt 20 ] && break
+      $PIN_BENCH timeout $T "$WORK/llama.cpp/build/bin/llama-batched-bench" -m "$F" -ngl 99 -ncmoe "$n" -fa off \
+        -t $BT -c 4096 -b 2048 -ub 512 -npp 32 -ntg 8 -npl 16 --output-format jsonl 2>/dev/null \
+        | sed "s/^{/{\"n_cpu_moe_batched\": $n, /" >> "$OUTD/llama_batched.jsonl"
+    done
+  fi
 else
   echo "llama.cpp not built in time: $(tail -2 "$WORK/llama-build.log" 2>/dev/null)"
 fi
@@ -121,6 +138,13 @@ for ln in ((d / "llama.jsonl").read_text().splitlines() if (d / "llama.jsonl").e
     n = int(r.get("n_cpu_moe", layers))
     l.setdefault(n, {})["prefill_512_tok_s" if r.get("n_gen") == 0 else "decode_b1_tok_s"] = round(float(r["avg_ts"]), 2)
     build = r.get("build_commit", "?")
+for ln in ((d / "llama_batched.jsonl").read_text().splitlines() if (d / "llama_batched.jsonl").exists() else []):
+    try:
+        r = json.loads(ln)
+    except ValueError:
+        continue
+    if "speed_tg" in r:
+        l.setdefault(int(r["n_cpu_moe_batched"]), {})["aggregate_16_tok_s"] = round(float(r["speed_tg"]), 2)
 print("Qwen3-30B-A3B-shaped random weights, same cores")
 for k in ("plan", "admission", "experts_stages", "budget", "gpu_weight_bytes", "host_expert_bytes", "load_s",
           "experts_setup_s"):
@@ -130,13 +154,15 @@ for k in ("plan", "placed_gpu_bytes", "gpu_pairs", "cpu_pairs", "experts_setup_s
     if k in g:
         print(f"  aotx gpu tier {k}: {g[k]}")
 rows = [(f"experts on the CPU (llama.cpp -ncmoe {layers})", a, l.get(layers, {}))]
-gpu_n = [n for n in l if n != layers]
+gpu_n = [n for n in l if n not in (layers, 0)]
 if g:
     rows.append((f"~{g['share']:.0%} on the GPU (llama.cpp -ncmoe {gpu_n[0] if gpu_n else '-'})", g,
                  l.get(gpu_n[0], {}) if gpu_n else {}))
+if a.get("all_gpu"):
+    rows.append(("every expert on the GPU (llama.cpp -ncmoe 0)", a["all_gpu"], l.get(0, {})))
 print(f"{'':44}{'':22}{'aotx':>10}{'llama.cpp':>11}{'ratio':>8}")
 for name, x, y in rows:
-    for k in ("prefill_512_tok_s", "decode_b1_tok_s"):
+    for k in ("prefill_512_tok_s", "decode_b1_tok_s", "aggregate_16_tok_s"):
         u, v = x.get(k), y.get(k)
         r = f"{u / v:8.2f}" if u and v else ""
         print(f"{name:44}{k:22}{u if u is not None else '-':>10}{v if v is not None else '-':>11}{r}")
