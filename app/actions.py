@@ -13,6 +13,7 @@ from collections.abc import Awaitable
 
 from textual import work
 
+from aotx.engine.units import plural
 from aotx.app.engine_link import DEFAULT_TITLE
 from aotx.app.export import default_path, format_of, write_export
 from aotx.app.format import fork_title, refusal_text
@@ -230,7 +231,7 @@ class ChatActions:
             self.show_notice(str(e), "error")
             return
         kind = "JSON" if format_of(written) == "json" else "Markdown"
-        self.show_notice(f"Exported “{view.title}” ({len(view.messages)} messages) to {written} as {kind}.")
+        self.show_notice(f"Exported “{view.title}” ({plural(len(view.messages), 'message')}) to {written} as {kind}.")
 
     # ---- attachments -------------------------------------------------------
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import msgspec
 
+from aotx.engine.units import plural
 from aotx.app.format import GLYPHS, history_media, media_text, position_of
 from aotx.engine.errors import UsageError
 from aotx.engine.ipc import protocol as P
@@ -48,7 +49,7 @@ def to_markdown(conv: P.ConversationView, now: float | None = None) -> str:
     """The conversation as Markdown (see the module docstring)."""
     out = [f"# {conv.title or 'Untitled conversation'}", ""]
     when = _now(now).strftime("%Y-%m-%d %H:%M UTC")
-    out += [f"*Conversation {conv.conv_id}, {len(conv.messages)} messages, exported from AOTX on {when}.*", ""]
+    out += [f"*Conversation {conv.conv_id}, {plural(len(conv.messages), 'message')}, exported from AOTX on {when}.*", ""]
     if conv.system_prompt:
         out += ["**System prompt:**", "", *[f"> {line}" for line in conv.system_prompt.splitlines()], ""]
     for m in conv.messages:

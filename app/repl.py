@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from aotx.engine.units import plural
 from aotx.app.attach import make_attachment
 from aotx.app.format import GLYPHS, error_text, fork_title, media_text
 from aotx.app.paste import parse_pasted_paths
@@ -138,7 +139,7 @@ class Repl:
             self.title, self.system = view.title, view.system_prompt
             if view.sampling is not None:
                 self.sampling = view.sampling
-            self.err(f"continuing “{view.title}” ({len(view.messages)} messages); /help lists the commands")
+            self.err(f"continuing “{view.title}” ({plural(len(view.messages), 'message')}); /help lists the commands")
         elif self.model:                   # --model: loaded beside the default at the first message
             self.err(f"{model_label(self.model)} on {st.device} (the engine's default is {st.model}); /help lists the commands, "
                      f"/bye leaves")
@@ -253,7 +254,7 @@ class Repl:
         view = await self.client.fork(self.conv_id)
         title = fork_title(parent.title, [c.title for c in await self.client.list_conversations()])
         await self.client.rename(view.conv_id, title)
-        self.err(f"forked “{parent.title}” ({len(parent.messages)} messages) into {view.conv_id} “{title}”; "
+        self.err(f"forked “{parent.title}” ({plural(len(parent.messages), 'message')}) into {view.conv_id} “{title}”; "
                  "you are in the fork, the original is unchanged")
         self.conv_id, self.title = view.conv_id, title
 
@@ -265,7 +266,7 @@ class Repl:
             return
         view = await self.client.show(self.conv_id)
         path = write_export(view, arg or default_path(view))
-        self.err(f"exported {len(view.messages)} messages to {path}")
+        self.err(f"exported {plural(len(view.messages), 'message')} to {path}")
 
     # ---- a message ---------------------------------------------------------
 

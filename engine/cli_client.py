@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
-from aotx.engine.units import parse_size
+from aotx.engine.units import parse_size, plural
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import CancelOnSignal, ConnectionLost, EngineClient, model_ref
 from aotx.media.kinds import kind_of_name
@@ -458,7 +458,7 @@ async def _conversations(args, fork_title=None) -> int:
         if args.json:
             _jprint({"id": args.id, "deleted": True, "title": view.title})
         else:
-            print(f"deleted {args.id}  “{view.title}” ({len(view.messages)} messages); its text leaves the disk "
+            print(f"deleted {args.id}  “{view.title}” ({plural(len(view.messages), 'message')}); its text leaves the disk "
                   f"at `aotx journal compact` (with the engine stopped)")
         return 0
     try:

@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from aotx.engine.units import plural
 from aotx.engine.errors import UsageError
 
 
@@ -255,7 +256,7 @@ def print_conversation_list(convs, as_json: bool) -> int:
         print("no conversations yet: start one with `aotx run` or `aotx-chat`")
     else:
         for c in convs:
-            print(f"{c.conv_id}  {c.n_messages:>3} messages  {c.title}")
+            print(f"{c.conv_id}  {plural(c.n_messages, 'message'):>12}  {c.title}")
     return 0
 
 
@@ -288,7 +289,7 @@ def export_conversation(conv, args) -> int:
     if args.output:
         path = write_export(conv, args.output, fmt)
         kind = "JSON" if fmt == "json" else "Markdown"
-        print(f"exported {conv.conv_id} ({len(conv.messages)} messages) to {path} as {kind}", file=sys.stderr)
+        print(f"exported {conv.conv_id} ({plural(len(conv.messages), 'message')}) to {path} as {kind}", file=sys.stderr)
     else:
         sys.stdout.write(render(conv, fmt))
     return 0

@@ -44,3 +44,8 @@ def parse_duration(text: str) -> float:
         raise ValueError(f"not a duration: {text!r} (e.g. 5m, 30s, 1h, 0)")
     mult = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
     return sum(float(v) * mult[u] for v, u in parts)
+
+
+def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, with an s unless n is 1: "1 message", "3 messages"."""
+    return f"{n} {word}{'' if n == 1 else 's'}"

@@ -127,6 +127,19 @@ async def test_repl_continues_a_conversation():
     assert engine.submitted[-1][:2] == (conv.conv_id, "and now?")
 
 
+async def test_bug_one_message_was_counted_as_1_messages():
+    """A new user's report: "(1 messages)" in the CLI's and the TUI's lines; now "1 message"
+    (units.plural, used by every such line)."""
+    from aotx.engine.units import plural
+
+    assert (plural(0, "message"), plural(1, "message"), plural(2, "message")) == ("0 messages", "1 message",
+                                                                                   "2 messages")
+    engine = FakeEngine()
+    conv = engine.add_conversation("One", [("user", "hi")])
+    repl, term = await drive(engine, ["and now?"], conv_id=conv.conv_id)
+    assert term.err[0] == "continuing “One” (1 message); /help lists the commands"
+
+
 async def test_repl_with_model_chats_with_that_model():
     """Regression (new-user trial, session 4): `aotx run --model qwen... ` with no prompt
     (the terminal chat) ignored --model: the banner and every reply were the default's."""
