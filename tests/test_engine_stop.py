@@ -19,18 +19,25 @@ from tests.gateway_support import engine_call, start_engine, stop_engine
 LONG = "Write a very long story about a dragon and a knight, at least 3000 words, with many chapters."
 
 
+def _streaming_reply(home, sock):
+    """`aotx run` of a long reply against the engine at ``sock``, returned once its first 40
+    bytes have streamed: (the process, what it printed so far)."""
+    env = dict(os.environ, AOTX_HOME=str(home))
+    run = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(sock),
+                            "--temperature", "0", "--max-tokens", "3000", LONG],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out = b""
+    deadline = time.monotonic() + 120
+    while len(out) < 40:                    # the reply is streaming
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read().decode()
+        out += os.read(run.stdout.fileno(), 4096)
+    return run, out
+
+
 def test_bug_stop_during_a_reply_ends_it_cancelled_and_durable_not_as_a_crash(tmp_path, default_model_path):
     proc, sock = start_engine(tmp_path, None, slots=2, context=4096)
     try:
-        env = dict(os.environ, AOTX_HOME=str(tmp_path))
-        run = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(sock),
-                                "--temperature", "0", "--max-tokens", "3000", LONG],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out = b""
-        deadline = time.monotonic() + 120
-        while len(out) < 40:                    # the reply is streaming
-            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read().decode()
-            out += os.read(run.stdout.fileno(), 4096)
+        run, out = _streaming_reply(tmp_path, sock)
         proc.terminate()                        # what `aotx stop` sends
         rest, err = run.communicate(timeout=60)
         out += rest
@@ -61,15 +68,7 @@ def test_bug_an_engine_killed_mid_reply_leaves_aotx_run_a_way_to_continue(tmp_pa
     names `aotx run --conversation ID`, exit 1; that conversation holds the interrupted reply."""
     proc, sock = start_engine(tmp_path, None, slots=2, context=4096)
     try:
-        env = dict(os.environ, AOTX_HOME=str(tmp_path))
-        run = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(sock),
-                                "--temperature", "0", "--max-tokens", "3000", LONG],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out = b""
-        deadline = time.monotonic() + 120
-        while len(out) < 40:                    # the reply is streaming
-            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read().decode()
-            out += os.read(run.stdout.fileno(), 4096)
+        run, _ = _streaming_reply(tmp_path, sock)
         proc.kill()                             # kill -9
         _, err = run.communicate(timeout=60)
         proc.wait(30)

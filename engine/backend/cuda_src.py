@@ -458,13 +458,17 @@ template <> __device__ __forceinline__ void q8w<11>(const u8* __restrict__ row, 
         W.q[i] = (int)__vsub4(q, m);
     }
 }
-template <> __device__ __forceinline__ void q8w<12>(const u8* __restrict__ row, int u, Q8W& W) {  // Q4_K
-    const u8* b = row + 144 * (u >> 3);
-    const int j = u & 7;
+// Q4_K / Q5_K: block j's scale d * sc and offset -dmin * mn from the super-block's header
+__device__ __forceinline__ void q8w_k4_scales(const u8* b, int j, Q8W& W) {
     const u32 dm = *(const u32*)b;
     const float d = h2f((u16)(dm & 0xffff)), dmin = h2f((u16)(dm >> 16));
     float sc, mn; scale_min_k4(j, b + 4, sc, mn);
     W.dw = __fmul_rn(d, sc); W.mw = -__fmul_rn(dmin, mn); W.sa = W.sb = 1;
+}
+template <> __device__ __forceinline__ void q8w<12>(const u8* __restrict__ row, int u, Q8W& W) {  // Q4_K
+    const u8* b = row + 144 * (u >> 3);
+    const int j = u & 7;
+    q8w_k4_scales(b, j, W);
     const uint4* p = (const uint4*)(b + 16 + 32 * (j >> 1));
     const uint4 v0 = p[0], v1 = p[1];
     const u32 v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
@@ -475,10 +479,7 @@ template <> __device__ __forceinline__ void q8w<12>(const u8* __restrict__ row, 
 template <> __device__ __forceinline__ void q8w<13>(const u8* __restrict__ row, int u, Q8W& W) {  // Q5_K
     const u8* b = row + 176 * (u >> 3);
     const int j = u & 7;
-    const u32 dm = *(const u32*)b;
-    const float d = h2f((u16)(dm & 0xffff)), dmin = h2f((u16)(dm >> 16));
-    float sc, mn; scale_min_k4(j, b + 4, sc, mn);
-    W.dw = __fmul_rn(d, sc); W.mw = -__fmul_rn(dmin, mn); W.sa = W.sb = 1;
+    q8w_k4_scales(b, j, W);
     const uint4* p = (const uint4*)(b + 48 + 32 * (j >> 1));
     const uint4 v0 = p[0], v1 = p[1];
     const uint4* hp = (const uint4*)(b + 16);
