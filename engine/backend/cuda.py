@@ -67,6 +67,12 @@ class CudaBackend:
     ``numerics`` names the path the last compiled program took: "cuda-int8" or "cuda-f32".
     ``expert_int8``: the CPU expert tier of a mixture of experts uses the CPU backend's
     int8-activation kernels (default; False: its float path, for comparisons).
+    ``persistent``: decode buckets of up to 8 rows run as one persistent kernel per tick
+    instead of a graph of ~150 kernels (``cuda_persistent``; the same bits): "auto" (default)
+    on models under 1 GiB of weights with float32 activations whose steps it covers, "on"
+    whatever the size, "off" never; ``persistent_bps`` blocks per multiprocessor (at most what
+    fits at once), ``persistent_wpp`` warps per GEMV row pair of its GEMV blocks (1, 2, 4),
+    ``persistent_prefetch`` each step asks L2 for the next step's weights.
 
     Raises ModelError when CuPy sees no CUDA device."""
 
@@ -77,7 +83,8 @@ class CudaBackend:
                  tune_budget_s: float = kernel_choice.DEFAULT_BUDGET_S, artifact_root=None,
                  prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
                  dense_prefill: bool = True, int8_activations: bool = False,
-                 int8_min_bytes: int | None = None) -> None:
+                 int8_min_bytes: int | None = None, persistent: str = "auto", persistent_bps: int = 2,
+                 persistent_wpp: int = 1, persistent_prefetch: bool = True) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
@@ -97,7 +104,7 @@ class CudaBackend:
         self.int8_activations = bool(int8_activations)
         self.int8_min_bytes = INT8_MIN_BYTES if int8_min_bytes is None else int(int8_min_bytes)
         self.numerics = "cuda-int8" if self.int8_activations else "cuda-f32"
-        self._modules: dict[tuple[str, ...], dict] = {}
+        self._modules: dict[tuple[str, ...], object] = {}
         self._sampler = None
         self.fuse = fuse
         self.tune = tune
@@ -106,6 +113,12 @@ class CudaBackend:
         self.prefill = prefill
         self.gemv = gemv
         self.dense_prefill = bool(dense_prefill)
+        if persistent not in ("auto", "on", "off"):
+            raise ValueError(f"persistent {persistent!r} is not one of auto, on, off")
+        self.persistent = persistent
+        self.persistent_bps = int(persistent_bps)
+        self.persistent_wpp = int(persistent_wpp)
+        self.persistent_prefetch = bool(persistent_prefetch)
 
     def device_key(self) -> kernel_choice.DeviceKey:
         """The kernel-choice artifact key of this device and build: GPU name, driver and
@@ -223,6 +236,27 @@ class CudaBackend:
             mod = cp.RawModule(code=cuda_src.SRC, options=NVRTC_OPTIONS, name_expressions=list(key))
             got = self._modules[key] = {n: mod.get_function(n) for n in key}
         return dict(got)
+
+    def persistent_kernel(self, kinds: list[str]) -> tuple:
+        """The persistent decode step (``cuda_persistent``) that runs these kernel instances:
+        (kernel, kinds in its switch's order, their parameters, blocks of its grid), compiled
+        once per set of kinds. Raises RuntimeError when not one block fits a multiprocessor."""
+        from aotx.engine.backend import cuda_persistent as PS
+
+        key = ("persistent", str(self.persistent_prefetch)) + tuple(kinds)
+        got = self._modules.get(key)
+        if got is None:
+            src = PS.source(cuda_src.SRC, list(kinds), self.persistent_prefetch)
+            mod = cp.RawModule(code=src, options=NVRTC_OPTIONS)
+            kern = mod.get_function(PS.KERNEL)
+            regs = int(getattr(kern, "num_regs", 0) or 0)
+            smem = int(getattr(kern, "shared_size_bytes", 0) or 0)
+            got = self._modules[key] = (kern, list(kinds), PS.signatures(cuda_src.SRC), regs, smem)
+        kern, kinds_l, sigs, regs, smem = got
+        bps = PS.blocks_per_sm(regs, smem, self.persistent_bps)
+        if bps < 1:
+            raise RuntimeError(f"no block of {regs} registers and {smem} bytes of shared memory fits")
+        return kern, kinds_l, sigs, self.n_sm * bps
 
     def sampler_kernel(self) -> cp.RawKernel:
         """The ``sample_rows`` kernel of ``cuda_sampling`` (compiled once per backend)."""

@@ -54,6 +54,7 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 from aotx.engine.backend import cuda_choice as CC
+from aotx.engine.backend import cuda_persistent as PS
 from aotx.engine.backend import cuda_plan as P
 from aotx.engine.backend import cuda_sampling as CS
 from aotx.engine.backend import cuda_src as S
@@ -165,6 +166,8 @@ class _CacheState:
         self.counters = cp.zeros(b * prog.max_heads, cp.int32)
         self.rope = [tuple(cp.asarray(t) for t in spec.tables(kv.n_ctx)) for spec in prog.plan.rope_specs]
         self.graphs: dict[tuple[int, int], object] = {}
+        self.bar = cp.zeros(2, cp.uint32)         # the persistent step's grid barrier (cuda_persistent)
+        self.psteps: dict[tuple[int, int], tuple] = {}   # (rows, logits rows) -> its persistent launch
         # the zeros above are queued on the current stream; the graphs run on the cache's
         # non-blocking stream, which does not wait for it (the split attention's counters
         # must be zero before its first replay: a flaky first tick on the H200, session 4)
@@ -173,7 +176,7 @@ class _CacheState:
     @property
     def nbytes(self) -> int:
         n = sum(int(a.nbytes) for a in self.bufs) + self.tables.nbytes + int(self.part.nbytes + self.counters.nbytes)
-        n += int(self.xq.nbytes + self.xd.nbytes)
+        n += int(self.xq.nbytes + self.xd.nbytes) + int(self.bar.nbytes)
         return n + int(self.xs.nbytes) + (int(self.qkv.nbytes) if self.qkv is not None else 0)
 
 
@@ -1303,6 +1306,9 @@ class CudaProgram:
         self._eager_out_meta = np.zeros((2, 0), np.int32)
         self._keep: list = []          # the eager path's scratch arrays, alive until its forward returns
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # the persistent decode step (cuda_persistent): None when on, else why not
+        self._record_wpp: int | None = None        # set while a bucket's launches are recorded
+        self.persistent_reason = self._persistent_check()
 
     # ---- load-time helpers -------------------------------------------------------------------
 
@@ -1348,6 +1354,8 @@ class CudaProgram:
 
     def gemv_variant(self, site: str, rows: int) -> CC.GemvVariant:
         """The variant a GEMV of ``site`` launches over ``rows`` batch rows."""
+        if self._record_wpp is not None:           # the persistent step's GEMV blocks (no row_scale launch)
+            return CC.GemvVariant(min(CC.pow2(max(1, rows)), CC.NB_MAX), self._record_wpp, False)
         if self._forced_gemv is not None:
             return self._forced_gemv
         return self._gv[(site, CC.tune_bucket(rows))]
@@ -1542,12 +1550,89 @@ class CudaProgram:
 
     def _launches(self, kv: CudaKVCache, st: _CacheState, b: int, r: int) -> None:
         """Every launch of one replay: ``b`` batch rows, ``r`` logits rows."""
-        c = self._ctx(kv, st, b, r)
-        for s in self.steps:
-            s.graph(self, c)
+        pe = self._persistent(kv, st, b, r)
+        if pe is not None:
+            kern, table, n_steps, nblocks = pe
+            kern((nblocks,), (PS.THREADS,), (table, _i(n_steps), st.bar, _i(nblocks)))
+        else:
+            c = self._ctx(kv, st, b, r)
+            for s in self.steps:
+                s.graph(self, c)
         t = st.tables
         self.ks((r,), (1024,), (st.bufs[self.out_buf], _i(self.v_ld), _i(self.vocab), t.prm, t.hist,
                                 np.uint64(t.slot_ptr), np.uint64(t.pos_ptr), np.uint64(t.out_ptr), t.ids, t.rec))
+
+    # ---- the persistent decode step (cuda_persistent) -----------------------------------------
+
+    def _persistent_check(self) -> str | None:
+        """None when buckets of up to ``PS.MAX_ROWS`` rows may run the persistent step
+        (whether the steps are covered is found when a bucket is first recorded), else why not."""
+        mode = getattr(self.backend, "persistent", "off")
+        if mode == "off":
+            return "off"
+        if self.int8_activations:
+            return "int8 activations (quant_rows launches)"
+        if self.moe_steps:
+            return "experts (host steps)"
+        if self._forced_gemv is not None:
+            return f"one GEMV variant forced ({self._forced_gemv.name})"
+        wb = int(getattr(self.backend, "weight_bytes", 0))
+        if mode == "auto" and wb >= PS.MAX_WEIGHT_BYTES:
+            return f"{wb / (1 << 30):.1f} GiB of weights: reading them, not launching kernels, bounds a step"
+        wpp = int(getattr(self.backend, "persistent_wpp", 1))
+        if wpp not in CC.GEMV_GRID[1]:
+            return f"persistent_wpp {wpp} is not one of {CC.GEMV_GRID[1]}"
+        return None
+
+    @property
+    def persistent_note(self) -> str:
+        """What the startup profile says of the persistent step."""
+        if self.persistent_reason is None:
+            return f"on for decode buckets of up to {PS.MAX_ROWS} rows"
+        return f"off: {self.persistent_reason}"
+
+    def _record(self, kv: CudaKVCache, st: _CacheState, b: int, r: int) -> list:
+        """The launches (name, grid, block, args) the graph path makes for ``b`` rows and ``r``
+        logits rows, with the persistent step's GEMV variants, recorded, not run."""
+        rec, saved = PS.Recorder(), self.k
+        self.k = rec
+        self._record_wpp = int(getattr(self.backend, "persistent_wpp", 1))
+        try:
+            c = self._ctx(kv, st, b, r)
+            for s in self.steps:
+                s.graph(self, c)
+        finally:
+            self.k = saved
+            self._record_wpp = None
+        return rec.calls
+
+    def _persistent(self, kv: CudaKVCache, st: _CacheState, b: int, r: int):
+        """(kernel, step table, steps, blocks) of the persistent launch for this bucket, or
+        None (the graph of kernels runs; ``persistent_reason`` says why when it is not
+        only the bucket's size)."""
+        if self.persistent_reason is not None or b > PS.MAX_ROWS:
+            return None
+        got = st.psteps.get((b, r))
+        if got is not None:
+            return got
+        calls = self._record(kv, st, b, r)
+        bad = sorted({n for n, *_ in calls if not PS.covered(n)})
+        if bad:
+            self.persistent_reason = f"its steps launch {', '.join(bad)}"
+            return None
+        # one module for every bucket's kinds (NB 1 .. 8): recorded, not run, so any bucket
+        kinds = set()
+        for bb in (1, 2, 4, 8):
+            kinds.update(n for n, *_ in self._record(kv, st, bb, bb))
+        kinds.update(n for n, *_ in calls)
+        try:
+            kern, kinds_l, sigs, nblocks = self.backend.persistent_kernel(sorted(kinds))
+        except Exception as e:  # noqa: BLE001 - a compile or residency failure: the graph of kernels runs
+            self.persistent_reason = f"the persistent kernel did not build ({type(e).__name__}: {e})"
+            return None
+        table = cp.asarray(PS.step_table(calls, kinds_l, sigs))
+        got = st.psteps[(b, r)] = (kern, table, len(calls), nblocks)
+        return got
 
     def _capture(self, kv: CudaKVCache, st: _CacheState, b: int, r: int):
         s = kv.stream

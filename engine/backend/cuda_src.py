@@ -1018,7 +1018,7 @@ __device__ __forceinline__ bool gemv_sums(const u8* const (&rowA)[PPW], const u8
 // products and a fixed float tail, added with one rounding) in place of units of 8; the
 // lanes, groups, butterfly and epilogue are the same. Q8 0: xd, ldd unused.
 template <int TA, int TB, int NB, int MODE, int WPP, int PPW = 1, int Q8 = 0>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
+__device__ __forceinline__ void gemv_block(const int bx, const int by,
     const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,
     int n_pairs, int k, const float* __restrict__ x, int ldx, int B, const float* __restrict__ nw, float eps,
     const float* __restrict__ xs, const float* __restrict__ bias_a, const float* __restrict__ bias_b,
@@ -1037,7 +1037,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     __shared__ float s_red[WPP > 1 ? PPB : 1][4][2 * NB];   // per pair: R_g of A and B rows (WPP > 1)
     __shared__ float s_ss[NB][4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int b0 = blockIdx.y * NB;
+    const int b0 = by * NB;
     const int nb = min(NB, B - b0);
     gemv_scales<NB>(x, ldx, b0, nb, k, eps, nw, xs, s_scale, s_ss);
     const int pl0 = (warp / WPP) * PPW;      // the warp's first pair within the block
@@ -1048,7 +1048,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     const u8* rowB[PPW];
 #pragma unroll
     for (int q = 0; q < PPW; q++) {
-        const int p_raw = blockIdx.x * PPB + pl0 + q;
+        const int p_raw = bx * PPB + pl0 + q;
         valid[q] = p_raw < n_pairs;
         p[q] = valid[q] ? p_raw : n_pairs - 1;
         rows[q] = pair_rows<QKV>(p[q], a_stride, b_off, row_base, qd, kd, hd, rope_half, neox);
@@ -1065,6 +1065,23 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
             gemv_out<MODE>(tot[q], other, b0 + lane, p[q], rows[q], nw != nullptr, s_scale[lane], bias_a, bias_b, y,
                            ldy, hd, rope_half, neox, n_kv, n_ctx, tab_slot, tab_pos, rcos, rsin, kc, vc);
     }
+}
+// the kernel: one block of gemv_block per (bx, by) of the grid (the persistent decode
+// step, cuda_persistent.py, runs the same block function over virtual blocks)
+template <int TA, int TB, int NB, int MODE, int WPP, int PPW = 1, int Q8 = 0>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
+    const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,
+    int n_pairs, int k, const float* __restrict__ x, int ldx, int B, const float* __restrict__ nw, float eps,
+    const float* __restrict__ xs, const float* __restrict__ bias_a, const float* __restrict__ bias_b,
+    float* __restrict__ y, int ldy,
+    int row_base, int qd, int kd, int hd, int rope_half, int neox, int n_kv, int n_ctx,
+    const int* __restrict__ tab_slot, const int* __restrict__ tab_pos,
+    const float* __restrict__ rcos, const float* __restrict__ rsin, void* __restrict__ kc, void* __restrict__ vc,
+    const float2* __restrict__ xd, int ldd)
+{
+    gemv_block<TA, TB, NB, MODE, WPP, PPW, Q8>(blockIdx.x, blockIdx.y, Wa, Wb, rba, rbb, a_stride, b_off, n_pairs,
+        k, x, ldx, B, nw, eps, xs, bias_a, bias_b, y, ldy, row_base, qd, kd, hd, rope_half, neox, n_kv, n_ctx,
+        tab_slot, tab_pos, rcos, rsin, kc, vc, xd, ldd);
 }
 
 // One warp per (head, row): grid (H + 2 n_kv, N), 32 threads. Row r of src (N, ld) holds
@@ -1124,17 +1141,24 @@ __global__ void __launch_bounds__(32) head_rope_kv(
 
 // x[b, :] = scale * row tab_tok[b] of W (embedding lookup), k inputs.
 template <int T>
-__global__ void embed(const u8* __restrict__ W, long long rb, const int* __restrict__ tok, int k,
-                      float* __restrict__ x, int ldx, float scale)
+__device__ __forceinline__ void embed_block(const int bx, const int by,
+    const u8* __restrict__ W, long long rb, const int* __restrict__ tok, int k, float* __restrict__ x, int ldx,
+    float scale)
 {
-    const int b = blockIdx.y;
-    const int u = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = by;
+    const int u = bx * blockDim.x + threadIdx.x;
     if (u >= (k >> 3)) return;
     float w[8];
     deq8<T>(W + (long long)tok[b] * rb, u, w);
     float* o = x + (long long)b * ldx + 8 * u;
 #pragma unroll
     for (int i = 0; i < 8; i++) o[i] = w[i] * scale;
+}
+template <int T>
+__global__ void embed(const u8* __restrict__ W, long long rb, const int* __restrict__ tok, int k,
+                      float* __restrict__ x, int ldx, float scale)
+{
+    embed_block<T>(blockIdx.x, blockIdx.y, W, rb, tok, k, x, ldx, scale);
 }
 
 // out (m, k) float32 = every row of W dequantized
@@ -1243,7 +1267,7 @@ template <int E, int KVT> __device__ __forceinline__ void ldkv(const void* c, lo
 // no value, at the final combination: M' = max(M, z), out = acc e^(M - M') / (L e^(M - M')
 // + e^(z - M')). A function of the row's own scores: batch invariance holds.
 template <int HD, int KVT>
-__global__ void __launch_bounds__(128) attn_decode(
+__device__ __forceinline__ void attn_block(const int bx, const int by, const int bz,
     const float* __restrict__ q, int ldq, const void* __restrict__ kc, const void* __restrict__ vc,
     const int* __restrict__ tab_slot, const int* __restrict__ tab_pos, int H, int n_kv, int n_ctx, float scale,
     int window, const float* __restrict__ sinks, float* __restrict__ part, int* __restrict__ counters,
@@ -1253,7 +1277,7 @@ __global__ void __launch_bounds__(128) attn_decode(
     constexpr int PW = 32 / E;
     __shared__ float s_m[4], s_l[4], s_acc[4][HD];
     __shared__ int s_last;
-    const int s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int s = bx, h = by, b = bz;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int len = tab_pos[b] + 1;
     const int lo = (window > 0 && len > window) ? len - window : 0;
@@ -1367,6 +1391,16 @@ __global__ void __launch_bounds__(128) attn_decode(
     }
     if (threadIdx.x == 0) counters[bh] = 0;
 }
+template <int HD, int KVT>
+__global__ void __launch_bounds__(128) attn_decode(
+    const float* __restrict__ q, int ldq, const void* __restrict__ kc, const void* __restrict__ vc,
+    const int* __restrict__ tab_slot, const int* __restrict__ tab_pos, int H, int n_kv, int n_ctx, float scale,
+    int window, const float* __restrict__ sinks, float* __restrict__ part, int* __restrict__ counters,
+    float* __restrict__ out, int ldo, int nsmax, int minchunk)
+{
+    attn_block<HD, KVT>(blockIdx.x, blockIdx.y, blockIdx.z, q, ldq, kc, vc, tab_slot, tab_pos, H, n_kv, n_ctx,
+        scale, window, sinks, part, counters, out, ldo, nsmax, minchunk);
+}
 
 // ---- eager (prefill and mixed batches) and generic helpers --------------------------------
 
@@ -1441,11 +1475,16 @@ __global__ void causal_softmax(float* __restrict__ S, int ld, int n, int pos0, i
 
 // xo[j, :ld] = x[idx[j], :ld], one block per output row j: the rows whose logits a graph
 // replay needs, gathered before the output GEMV so it runs on those rows only
+__device__ __forceinline__ void gather_block(const int bx,
+    const float* __restrict__ x, int ld, const int* __restrict__ idx, float* __restrict__ xo)
+{
+    const float* src = x + (long long)idx[bx] * ld;
+    float* dst = xo + (long long)bx * ld;
+    for (int e = threadIdx.x; e < ld; e += blockDim.x) dst[e] = src[e];
+}
 __global__ void gather_rows(const float* __restrict__ x, int ld, const int* __restrict__ idx, float* __restrict__ xo)
 {
-    const float* src = x + (long long)idx[blockIdx.x] * ld;
-    float* dst = xo + (long long)blockIdx.x * ld;
-    for (int e = threadIdx.x; e < ld; e += blockDim.x) dst[e] = src[e];
+    gather_block(blockIdx.x, x, ld, idx, xo);
 }
 
 // gpt-oss's clamped SwiGLU on the GPU expert tier (ggml_swiglu_oai; cpu_moe.swiglu_oai):

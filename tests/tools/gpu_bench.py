@@ -89,6 +89,51 @@ def read_bytes_per_token(path) -> int:
     return n
 
 
+def _decode_rows(cp, model, prog, toks, B: int, steps: int) -> tuple[float, float]:
+    """Greedy decode of ``B`` slots (64-token prompts) for ``steps`` ticks: (tokens/s with
+    the host loop, device ms of one replay of the (B, B) graph)."""
+    from aotx.engine.model.batch import Segment
+
+    kv = model.new_kv_cache(B, 256)
+    for s in range(B):
+        model.forward(toks(64), [Segment(s, 0, 64)], kv)
+    cur = toks(B)
+    for i in range(3):
+        cur = model.greedy(cur, [Segment(s, 64 + i, 1) for s in range(B)], kv)
+    t = time.perf_counter()
+    for i in range(steps):
+        cur = model.greedy(cur, [Segment(s, 67 + i, 1) for s in range(B)], kv)
+    tps = B * steps / (time.perf_counter() - t)
+    ms = _replay_ms(cp, prog._state(kv).graphs[(B, B)], kv.stream)
+    return round(tps, 1), round(ms, 4)
+
+
+def persistent_variants(cp, model, prog, be, toks) -> dict:
+    """The persistent decode step against the graph of kernels (issue 19 item 4: what it
+    saves), at 1 and 8 rows, and its blocks per multiprocessor / warps per row pair."""
+    out = {}
+    saved = (prog.persistent_reason, be.persistent_bps, be.persistent_wpp, be.persistent_prefetch)
+    configs = (("graph of kernels", "off (bench)", saved[1], saved[2], True),
+               ("persistent bps1 wpp1", None, 1, 1, True), ("persistent bps2 wpp1", None, 2, 1, True),
+               ("persistent bps4 wpp1", None, 4, 1, True), ("persistent bps2 wpp2", None, 2, 2, True),
+               ("persistent bps2 wpp1 no L2 prefetch", None, 2, 1, False))
+    try:
+        for label, reason, bps, wpp, pf in configs:
+            prog.persistent_reason, be.persistent_bps, be.persistent_wpp, be.persistent_prefetch = reason, bps, wpp, pf
+            row = {}
+            for B in (1, 8):
+                try:
+                    row[f"b{B}_tok_s"], row[f"b{B}_device_ms"] = _decode_rows(cp, model, prog, toks, B, 64)
+                except Exception as e:  # noqa: BLE001 - one configuration's failure is a line, not the run's end
+                    row[f"b{B}_error"] = f"{type(e).__name__}: {e}"[:300]
+            row["note"] = prog.persistent_note
+            out[label] = row
+            log(f"   {label}: {row}")
+    finally:
+        prog.persistent_reason, be.persistent_bps, be.persistent_wpp, be.persistent_prefetch = saved
+    return out
+
+
 def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     import cupy as cp
     import numpy as np
@@ -165,6 +210,9 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     res["decode_b1_GBs"] = round(res["read_bytes_per_token"] / (ms * 1e-3) / 1e9, 1)
     res["decode_b1_bw_fraction"] = round(res["decode_b1_GBs"] / res["copy_GBs"], 3)
     del kv
+    res["persistent"] = prog.persistent_note
+    if prog.persistent_reason is None:
+        res["persistent_variants"] = persistent_variants(cp, model, prog, be, toks)
 
     # aggregate decode: 128-token prompts, 32 greedy steps for all slots
     kvb = model.new_kv_cache(64, 256)
@@ -290,6 +338,9 @@ def table(rows: dict, out: Path) -> None:
                 lbw = f", llama.cpp ~{a['read_bytes_per_token'] * l['decode_b1_tok_s'] / 1e9:.0f} GB/s (tg128)"
             lines.append(f"{name:14} {'b1 weight bandwidth':22} AOTX {a['decode_b1_GBs']} GB/s device-timed = "
                          f"{100 * a['decode_b1_bw_fraction']:.0f}% of the {a['copy_GBs']} GB/s copy{lbw}")
+        for label, pv in (a.get("persistent_variants") or {}).items():
+            lines.append(f"{name:14} {label:22} b1 {pv.get('b1_tok_s', '-')} tok/s {pv.get('b1_device_ms', '-')} ms, "
+                         f"b8 {pv.get('b8_tok_s', '-')} tok/s {pv.get('b8_device_ms', '-')} ms")
         if a.get("prefill_invariant_512_tok_s"):
             lines.append(f"{name:14} {'invariant prefill 512':22} AOTX {a['prefill_invariant_512_tok_s']} tok/s "
                          f"(GEMV kernels for every eager row; tensor cores: {a['prefill_tok_s']['512']})")
