@@ -2,7 +2,8 @@
 
 ``python tests/tools/nvrtc_check.py [--ptxas]``: compiles ``cuda_src.SRC`` with every
 template instance a model of each supported architecture could ask for, and
-``cuda_sampling.SRC``, through NVRTC (``pip install nvidia-cuda-nvrtc cupy-cuda13x``;
+``cuda_sampling.SRC``, through NVRTC (``--match REGEX``: only the instances whose
+name matches, e.g. ``--match 'gemv_h|quant_rows_h'``) (``pip install nvidia-cuda-nvrtc cupy-cuda13x``;
 NVRTC needs no device). With ``--ptxas`` (``pip install nvidia-cuda-nvcc``) it also
 assembles the PTX and prints each kernel's registers, spills and shared memory.
 Exit code 1 on a compile error (the log is printed).
@@ -49,6 +50,14 @@ def instances(types=None) -> list[str]:
             for wpp in wpps:
                 for ppw in CC.PPW_GRID[nb]:
                     names.append(f"gemv<{t},{t},{nb},{S.MODE_STORE},{wpp},{ppw},1>")
+    names.append("quant_rows_h")                  # fp16 activations (gemv_h, a measurement candidate)
+    for t in (S.H_TYPES if types is S.TYPES else [t for t in types if t in S.H_TYPES]):
+        for mode in (S.MODE_STORE, S.MODE_ADD, S.MODE_QKV16, S.MODE_SWIGLU):
+            names.append(f"gemv_h<{t},{t},1,{mode},4,1>")
+        for nb, wpps in CC.GEMV_GRID.items():
+            for wpp in wpps:
+                for ppw in (1, 2) if nb <= 4 else (1,):
+                    names.append(f"gemv_h<{t},{t},{nb},{S.MODE_STORE},{wpp},{ppw}>")
     for hd in (64, 96, 128, 256):
         for kvt in (0, 1):
             names.append(f"attn_decode<{hd},{kvt}>")
@@ -78,11 +87,14 @@ def main() -> int:
     ap.add_argument("--ptxas", action="store_true", help="assemble for sm_90 and print registers and spills")
     ap.add_argument("--filter", default="", help="regex: only report kernels whose mangled name matches")
     ap.add_argument("--types", default="", help="comma-separated GGML type codes to instantiate (default: all)")
+    ap.add_argument("--match", default="", help="regex: only compile the instances whose name matches (e.g. gemv_h)")
     args = ap.parse_args()
     from aotx.engine.backend import cuda_sampling as CS
     from aotx.engine.backend import cuda_src as S
 
     names = instances([int(t) for t in args.types.split(',')] if args.types else None)
+    if args.match:
+        names = [n for n in names if re.search(args.match, n)]
     ptx, log = compile_src(S.SRC, names, "compute_90")
     if log.strip():
         print(log)
