@@ -454,3 +454,27 @@ def test_learned_policy_refuses_bad_values():
         X.LearnedPolicy("mru")
     with pytest.raises(ValueError, match="decay"):
         X.LearnedPolicy("lfu", decay=1.5)
+
+
+def test_a_reused_calibration_is_not_timed_again_in_the_second_pass(request, tmp_path, monkeypatch):
+    """The MoE benchmark sets the experts up three times in one process (every expert on the
+    CPU, 40% on the GPU, all on the GPU); with the stored costs reused, the second pass
+    re-timed every layer each time (48 layers of the 30B-A3B shape: tens of seconds of a
+    10-minute device call). Stored costs come from an earlier second pass: reused as they are."""
+    from aotx.engine.model.loader import load_model
+
+    lm = load_model(request.getfixturevalue("tiny_model_path")("qwen3moe"))
+    calls = []
+    real = X.calibrate
+
+    def spy(*a, **kw):
+        calls.append(kw.get("model") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(X, "calibrate", spy)
+    X.setup(lm.model, model_fp=lm.fingerprint, root=tmp_path)
+    assert calls == [False, True]                # the layers, then the second pass with the step
+    again = X.setup(lm.model, model_fp=lm.fingerprint, root=tmp_path)
+    assert calls == [False, True] and again.note.endswith("stored calibration reused")
+    X.setup(lm.model, model_fp=lm.fingerprint, root=tmp_path, reuse=False)
+    assert calls == [False, True, False, True]
