@@ -112,6 +112,8 @@ def test_host_code_of_the_cuda_moe_path_passes_the_fake_cupy_checks():
     p = subprocess.run([sys.executable, "-m", "tests.tools.gpu_dryrun_moe"], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0 and "moe dry run OK" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    # the learned expert cache moved each architecture's GPU set to its skewed traffic's hot experts
+    assert p.stdout.count("learned lfu: hot experts on the GPU") == 3, p.stdout[-3000:]
 
 
 # ------------------------------------------------------------------ on a GPU

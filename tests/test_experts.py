@@ -373,3 +373,108 @@ def test_bug_the_dense_part_timed_after_placement_subtracts_the_experts_as_place
     assert dec == pytest.approx(1 / 4.0e-3)                  # the plan predicts the step that ran
     cpu_only = X.calibrate(Compiled(), layers, model=object())
     assert cpu_only.dense_decode_s == pytest.approx(0.0)     # 4 ms less 2 layers x 2 experts x 1 ms
+
+
+# ------------------------------------------------------------------ the learned cache the backend runs
+
+def _on(n, *ids):
+    m = np.zeros(n, bool)
+    m[list(ids)] = True
+    return m
+
+
+# (name, scores per layer, residents per layer, max copies, margin, ratio, expected [(layer, in, out)])
+REBALANCE_CASES = [
+    ("the hottest outsider replaces the coldest resident",
+     [[5, 0, 9, 1]], [_on(4, 0, 1)], 8, 0.0, 1.0, [(0, 2, 1)]),
+    ("two swaps, best pairs first; the third outsider is colder than the last resident",
+     [[0, 1, 9, 8, 2, 3]], [_on(6, 0, 1, 5)], 8, 0.0, 1.0, [(0, 2, 0), (0, 3, 1)]),
+    ("nothing hotter outside: no copy", [[9, 8, 1, 0]], [_on(4, 0, 1)], 8, 0.0, 1.0, []),
+    ("equal scores never churn", [[3, 3, 3, 3]], [_on(4, 0, 1)], 8, 0.0, 1.0, []),
+    ("the margin holds back a small gain", [[4, 0, 4.5, 0]], [_on(4, 0, 1)], 8, 1.0, 1.0, [(0, 2, 1)]),
+    ("... and the ratio a proportionally small one", [[10, 9, 12, 0]], [_on(4, 0, 1)], 8, 1.0, 1.5, []),
+    ("ties: the lower outsider in, the higher resident out",
+     [[0, 0, 5, 5]], [_on(4, 0, 1)], 1, 0.0, 1.0, [(0, 2, 1)]),
+    ("the copy bound goes to the largest gains over all layers, each layer's a prefix",
+     [[0, 0, 9, 8], [0, 1, 20, 2]], [_on(4, 0, 1), _on(4, 0, 1)], 2, 0.0, 1.0, [(1, 2, 0), (0, 2, 1)]),
+    ("a copy bound of 0 copies nothing", [[0, 9]], [_on(2, 0)], 0, 0.0, 1.0, []),
+    ("a layer all on the GPU, or with no slot, has nothing to swap",
+     [[0, 9], [0, 9]], [_on(2, 0, 1), _on(2)], 8, 0.0, 1.0, []),
+]
+
+
+@pytest.mark.parametrize("name,scores,resident,copies,margin,ratio,want", REBALANCE_CASES,
+                         ids=[c[0] for c in REBALANCE_CASES])
+def test_rebalance_promotes_the_hottest_and_evicts_the_coldest(name, scores, resident, copies, margin, ratio, want):
+    before = [r.copy() for r in resident]
+    got = X.rebalance([np.array(s, float) for s in scores], resident, copies, margin, ratio)
+    assert got == want
+    assert all(np.array_equal(a, b) for a, b in zip(before, resident)), "rebalance changed its input"
+
+
+def _traffic_ticks(cache, ticks):
+    """Feed cumulative counters built from per-tick rows {expert: rows}; the moves of each tick."""
+    total = [np.zeros(r.shape[0], np.int64) for r in cache.resident]
+    out = []
+    for tick in ticks:
+        for e, n in tick.items():
+            total[0][e] += n
+        out.append(cache.tick([t.copy() for t in total]))
+    return out
+
+
+def test_learned_cache_lfu_moves_toward_hot_experts_keeps_its_capacity_and_bounds_copies():
+    tiers = (("gpu", "gpu", "gpu", "host", "host", "host", "host", "host"),)
+    cache = X.LearnedCache(tiers, X.LearnedPolicy("lfu", decay=0.5, copies_per_tick=2, margin=1.0, ratio=1.5))
+    assert cache.capacity == [3]
+    moves = _traffic_ticks(cache, [{}] + [{5: 4, 6: 4, 7: 4, 0: 1}] * 3)
+    assert moves[0] == [] and moves[1] == [(0, 5, 2), (0, 6, 1)]   # 2 copies at most; the unused go first
+    assert moves[2] == [(0, 7, 0)]                                 # expert 0 (1 row a tick) makes room
+    assert moves[3] == []
+    assert cache.resident[0].tolist() == [False] * 5 + [True] * 3 and int(cache.resident[0].sum()) == 3
+    assert cache.copies == 3 and cache.stats()["ticks"] == 4
+    # hits/misses count the residents at the time the rows ran
+    assert (cache.hits, cache.misses) == (1 + 9 + 12, 12 + 4 + 1)
+    # the burst fades: other experts hot now take the slots back, within the bound again
+    moves = _traffic_ticks(cache, [{}] + [{0: 8, 1: 8}] * 4)
+    assert [m for m in moves if m] and all(len(m) <= 2 for m in moves)
+    assert cache.resident[0][[0, 1]].all() and int(cache.resident[0].sum()) == 3
+
+
+def test_learned_cache_lru_takes_the_most_recently_used():
+    tiers = (("gpu", "gpu", "host", "host"),)
+    cache = X.LearnedCache(tiers, X.LearnedPolicy("lru", copies_per_tick=4))
+    moves = _traffic_ticks(cache, [{}, {0: 1, 2: 1}, {2: 1, 3: 1}])
+    assert moves == [[], [(0, 2, 1)], [(0, 3, 0)]]
+    assert cache.resident[0].tolist() == [False, False, True, True]
+
+
+def test_learned_policy_refuses_bad_values():
+    with pytest.raises(ValueError, match="'mru'"):
+        X.LearnedPolicy("mru")
+    with pytest.raises(ValueError, match="decay"):
+        X.LearnedPolicy("lfu", decay=1.5)
+
+
+def test_a_reused_calibration_is_not_timed_again_in_the_second_pass(request, tmp_path, monkeypatch):
+    """The MoE benchmark sets the experts up three times in one process (every expert on the
+    CPU, 40% on the GPU, all on the GPU); with the stored costs reused, the second pass
+    re-timed every layer each time (48 layers of the 30B-A3B shape: tens of seconds of a
+    10-minute device call). Stored costs come from an earlier second pass: reused as they are."""
+    from aotx.engine.model.loader import load_model
+
+    lm = load_model(request.getfixturevalue("tiny_model_path")("qwen3moe"))
+    calls = []
+    real = X.calibrate
+
+    def spy(*a, **kw):
+        calls.append(kw.get("model") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(X, "calibrate", spy)
+    X.setup(lm.model, model_fp=lm.fingerprint, root=tmp_path)
+    assert calls == [False, True]                # the layers, then the second pass with the step
+    again = X.setup(lm.model, model_fp=lm.fingerprint, root=tmp_path)
+    assert calls == [False, True] and again.note.endswith("stored calibration reused")
+    X.setup(lm.model, model_fp=lm.fingerprint, root=tmp_path, reuse=False)
+    assert calls == [False, True, False, True]

@@ -860,6 +860,43 @@ class _GpuExperts:
         self.nbytes = sum(int(a.nbytes) for a in self.w) + sum(int(a.nbytes) for a in self.b if a is not None)
         return self.nbytes
 
+    def swap(self, promoted: int, evicted: int, stage: np.ndarray, off: int) -> int:
+        """The learned cache's move (``CudaProgram._learn_experts``, between ticks): expert
+        ``promoted`` takes ``evicted``'s device slot. Its gate, up and down rows (the file's
+        bytes) go through ``stage`` (pinned host memory, from byte ``off``) and are copied
+        over the slot on the current stream, its biases too; ``on``, ``slot`` and ``ids``
+        follow. The stream's later launches read the new weights (stream order); the caller
+        makes sure no launch still reads the slot and ``stage`` is not in use. The pinned
+        host copies the CPU pool holds are repacked for its kernels, not the file's layout,
+        so the source is the memory-mapped file (page cache; a page not resident is read
+        from disk here). Returns the offset past the bytes staged."""
+        if not (self.on[evicted] and not self.on[promoted]):
+            raise RuntimeError(f"moe layer {self.attrs['moe_layer']}: swap {promoted} in for {evicted}, but the tier "
+                               f"holds {self.ids}")
+        sl = int(self.slot[evicted])
+        stream = cp.cuda.get_current_stream()
+        rt = cp.cuda.runtime
+        for i, key in enumerate(("gate", "up", "down")):
+            raw = self.attrs[key].raw(promoted)
+            nb = int(raw.nbytes)
+            dst = stage[off:off + nb]
+            np.copyto(dst.reshape(raw.shape), raw)
+            rt.memcpyAsync(self.w[i].data.ptr + sl * self.mats[i].m * self.rb[i], dst.ctypes.data, nb,
+                           rt.memcpyHostToDevice, stream.ptr)
+            off += nb
+        for i, key in enumerate(("gate_bias", "up_bias", "down_bias")):
+            v = self.attrs.get(key)
+            if v is not None and self.b[i] is not None:
+                self.b[i][sl] = cp.asarray(np.ascontiguousarray(v[promoted], np.float32))
+        self.on[evicted], self.on[promoted] = False, True
+        self.slot[evicted], self.slot[promoted] = -1, sl
+        self.ids = sorted(set(self.ids) - {int(evicted)} | {int(promoted)})
+        return off
+
+    def expert_nbytes(self, e: int) -> int:
+        """Bytes of expert e's gate, up and down rows in the file's layout."""
+        return sum(int(self.attrs[k].raw(e).nbytes) for k in ("gate", "up", "down"))
+
     def _ptrs(self, i: int, e: int, width: int) -> tuple:
         """(weights of expert slot e in stack i, its bias) device addresses."""
         m = self.mats[i].m
@@ -1265,6 +1302,9 @@ class CudaProgram:
             if any(isinstance(s, P.MoeHost) for s in self.plan.steps) else None
         self.moe_scratch: dict = {}    # the GPU expert tiers' shared buffers (_MoeScratch) per shape
         self.moe_stages: dict = {}     # the moe steps' shared pinned rows (_MoeStage) per width
+        self.expert_cache = None       # the learned GPU expert cache (experts.LearnedCache) or None: static
+        self._cache_stage: tuple = ()  # its pinned staging (memory, uint8 view, event of the last copies)
+        self.expert_copy = {"bytes": 0, "seconds": 0.0}
         self.steps = []
         for s in self.plan.steps:
             rows = rows_of.get(id(s), P.ROWS_N)
@@ -1501,6 +1541,7 @@ class CudaProgram:
             raise ValueError(f"an expert plan of {len(plan.tiers)} layers for {len(self.moe_steps)} moe layers")
         gpu_bytes = host_bytes = 0
         pool = self.moe_steps[0].pool
+        self.expert_cache = None       # its residents were the old placement's (experts.setup attaches anew)
         for st, tiers in zip(self.moe_steps, plan.tiers):
             a = st.attrs
             if len(tiers) != a["n_expert"] or any(t not in ("gpu",) + cpu_moe.CPU_TIERS for t in tiers):
@@ -1516,13 +1557,73 @@ class CudaProgram:
             host_bytes += pool.warm([a["gate"], a["up"], a["down"]], sorted(host))
         return {"gpu_bytes": gpu_bytes, "host_bytes": host_bytes, "recalibrate": True}
 
+    def attach_expert_cache(self, cache) -> None:
+        """Run the learned GPU expert cache ``cache`` (``experts.LearnedCache``, whose
+        residents must be the GPU tier's experts now) from the next tick on, or none
+        (None: the placement stays as it is). The GPU tier's experts are materialized on
+        the CPU pool too, so an expert evicted later costs no repacking inside a tick.
+        Raises ValueError when the residents are not the tier's."""
+        if cache is None:
+            self.expert_cache = None
+            return
+        if len(cache.resident) != len(self.moe_steps):
+            raise ValueError(f"an expert cache of {len(cache.resident)} layers for {len(self.moe_steps)} moe layers")
+        for st, on in zip(self.moe_steps, cache.resident):
+            if not np.array_equal(np.asarray(on, bool), st.gpu.on):
+                raise ValueError(f"moe layer {st.attrs['moe_layer']}: the cache's residents are not the GPU tier's "
+                                 f"experts {st.gpu.ids}")
+        for st in self.moe_steps:
+            if st.gpu.ids:
+                a = st.attrs
+                st.pool.warm([a["gate"], a["up"], a["down"]], list(st.gpu.ids))
+        cache.tick([b.traffic for b in self.moe_steps])      # its baseline: the counters now
+        self.expert_cache = cache
+
+    def _learn_experts(self) -> None:
+        """The learned cache's step, BETWEEN ticks: called first thing in a forward (``_eager``,
+        the only path of a program with moe steps), before this tick launches anything. The
+        tick before is over by then: each moe step waited for its GPU tier's output (a
+        stream sync) before its layer's join, so no launch still reads a slot about to be
+        overwritten, and moe_rows reads ``on`` on this thread, so every row of this tick sees
+        one placement. The copies go on the current stream ahead of this tick's launches (its
+        first moe_gemv reads the new weights by stream order); at most the policy's
+        ``copies_per_tick`` experts, through one pinned staging buffer (grown on demand),
+        whose previous copies are waited for (an event) before it is rewritten."""
+        cache = self.expert_cache
+        t0 = time.perf_counter()
+        moves = cache.tick([b.traffic for b in self.moe_steps])
+        if not moves:
+            return
+        need = sum(self.moe_steps[li].gpu.expert_nbytes(e) for li, e, _ in moves)
+        mem, stage, ev = self._cache_stage or (None, np.empty(0, np.uint8), None)
+        if ev is not None:
+            ev.synchronize()
+        if stage.shape[0] < need:
+            mem = cp.cuda.alloc_pinned_memory(_pow2(need))
+            stage = np.frombuffer(mem, np.uint8, _pow2(need))
+            ev = None
+        off = 0
+        for li, e, v in moves:
+            off = self.moe_steps[li].gpu.swap(e, v, stage, off)
+        if ev is None:
+            ev = cp.cuda.Event()
+        ev.record(cp.cuda.get_current_stream())
+        self._cache_stage = (mem, stage, ev)
+        self.expert_copy["bytes"] += off
+        self.expert_copy["seconds"] += time.perf_counter() - t0
+
     def expert_stats(self) -> dict:
         """Rows routed to each expert of each moe layer since load; (row, expert) pairs the
-        GPU tier computed per layer; the CPU pool's counters."""
-        return {"traffic": [b.traffic.tolist() for b in self.moe_steps],
-                "gpu_rows": [b.gpu.rows for b in self.moe_steps],
-                "gpu_experts": [len(b.gpu.ids) for b in self.moe_steps],
-                "pool": self.moe_steps[0].pool.stats() if self.moe_steps else {}}
+        GPU tier computed per layer; the CPU pool's counters; with a learned cache, its
+        counters and the bytes and host seconds of its copies ("cache")."""
+        out = {"traffic": [b.traffic.tolist() for b in self.moe_steps],
+               "gpu_rows": [b.gpu.rows for b in self.moe_steps],
+               "gpu_experts": [len(b.gpu.ids) for b in self.moe_steps],
+               "pool": self.moe_steps[0].pool.stats() if self.moe_steps else {}}
+        if self.expert_cache is not None:
+            out["cache"] = {**self.expert_cache.stats(), "copied_bytes": self.expert_copy["bytes"],
+                            "copy_s": round(self.expert_copy["seconds"], 4)}
+        return out
 
     # ---- graph path ---------------------------------------------------------------------------
 
@@ -1685,6 +1786,8 @@ class CudaProgram:
     # ---- eager path (prefill, image rows) ----------------------------------------------------
 
     def _eager(self, tokens: np.ndarray, layout, kv: CudaKVCache, embeds=None) -> cp.ndarray | None:
+        if self.expert_cache is not None:
+            self._learn_experts()          # between ticks: before this tick's first launch
         st = self._state(kv)
         N = int(tokens.shape[0])
         out_rows = layout.out_rows.astype(np.int32)

@@ -21,11 +21,18 @@ Owns:
   the rest (no decode saving; a prefill still gains); ``copy_min_rows``
   is the row count from which copying a cold expert and running it on the GPU beats the
   CPU; ``decode_tok_s`` / ``prefill_tok_s`` are the speeds the measured costs predict.
-* ``ExpertCache``: the GPU cache's replacement policy at run time: "static" (the plan's
-  experts stay), "lru" or "lfu" (a cold expert that a tick routes ``copy_min_rows`` rows or
-  more to is copied in, evicting the least recently / least frequently used one).
-  ``simulate(trace, ...)`` replays a routing trace against a policy: hits, copies and the
-  modeled time, so a traffic-learned cache is measured against the static plan.
+* ``ExpertCache``: a model of a copy-in replacement policy, for ``simulate`` only (no
+  backend runs it): "static" (the plan's experts stay), "lru" or "lfu" (a cold expert that
+  a forward routes ``copy_min_rows`` rows or more to is copied in, evicting the least
+  recently / least frequently used one). ``simulate(trace, ...)`` replays a routing trace
+  against a policy: hits, copies and the modeled time.
+* ``LearnedPolicy``, ``rebalance`` and ``LearnedCache``: the learned GPU cache that the
+  CUDA backend runs (``--expert-cache lfu|lru``, opt-in; default static): each layer keeps
+  the static plan's number of GPU slots (the same memory), and between ticks the slots go
+  to the experts with the highest score (lfu: routed rows with exponential decay per tick;
+  lru: the tick of last use), at most ``copies_per_tick`` copies per tick over all layers.
+  ``rebalance`` is the pure decision, ``LearnedCache`` its state (scores, residents,
+  counters); the backend applies the moves (``CudaProgram._learn_experts``).
 * ``setup(model, ...)``: the whole sequence at engine start: calibrate (or reuse), plan,
   place (the backend allocates the cache, pins host memory, pins the CPU pool and touches
   the pages), then a second pass against the memory that was actually obtained and the
@@ -541,6 +548,134 @@ def simulate(trace: list[list[Any]], p: Plan, layers: list[MoeLayer], costs: Cos
     return out
 
 
+# ------------------------------------------------------------------ the learned cache (run by the backend)
+
+LEARNED = ("lfu", "lru")
+
+
+@dataclass(frozen=True)
+class LearnedPolicy:
+    """How the learned GPU expert cache (``LearnedCache``) re-assigns its slots between ticks.
+
+    ``kind``: "lfu" (the default: an expert's score is its routed rows, the score multiplied
+    by ``decay`` each tick first, so a burst fades in about 1 / (1 - decay) ticks) or "lru"
+    (the score is the last tick that routed a row to it). LFU is the one to use: with
+    routing near uniform (the usual case within a layer), LRU sees new "most recent"
+    experts every tick and spends its whole copy budget every tick for nothing, while LFU's
+    decayed counts only move an expert whose traffic clearly exceeds a resident's.
+    ``copies_per_tick``: at most this many experts copied in per tick over ALL layers, so a
+    tick's added latency stays bounded (Qwen3-30B-A3B's experts are 1.7-2.0 MB: 8 copies
+    are ~16 MB through the pinned staging buffer, a few ms); ``margin`` and ``ratio`` (lfu
+    only): a non-resident replaces a resident only when its score exceeds the resident's by
+    more than ``margin`` (decayed rows) and by more than ``ratio`` times, so equal traffic
+    never churns."""
+
+    kind: str = "lfu"
+    decay: float = 0.9
+    copies_per_tick: int = 8
+    margin: float = 1.0
+    ratio: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.kind not in LEARNED:
+            raise ValueError(f"learned expert cache kind {self.kind!r} (known: {', '.join(LEARNED)})")
+        if not 0.0 <= self.decay <= 1.0 or self.copies_per_tick < 0:
+            raise ValueError(f"learned expert cache: decay {self.decay} (0..1), copies_per_tick "
+                             f"{self.copies_per_tick} (>= 0)")
+
+
+def rebalance(scores: list[Any], resident: list[Any], max_copies: int, margin: float = 0.0,
+              ratio: float = 1.0) -> list[tuple[int, int, int]]:
+    """The learned cache's decision, a pure function. ``scores[l]``: (E,) float, how much
+    layer l's experts deserve a GPU slot; ``resident[l]``: (E,) bool, the experts there now
+    (the layer's capacity is their count and never changes). Within a layer, the i-th best
+    non-resident (score descending, then lower id) replaces the i-th worst resident (score
+    ascending, then higher id) while its score exceeds the resident's by more than
+    ``margin`` and by more than ``ratio`` times; over all layers the ``max_copies`` swaps
+    of the largest gain (score difference; ties: lower layer, then rank) are kept, each
+    layer's a prefix of its list (its gains fall with the rank). Returns
+    [(layer, promoted, evicted)], largest gain first."""
+    import numpy as np
+
+    cand: list[tuple[float, int, int, int, int]] = []
+    for li, (sc, on) in enumerate(zip(scores, resident)):
+        sc = np.asarray(sc, np.float64)
+        on = np.asarray(on, bool)
+        if not on.any() or on.all():
+            continue
+        ids = np.arange(sc.shape[0])
+        out_ids, in_ids = ids[~on], ids[on]
+        best = out_ids[np.lexsort((out_ids, -sc[out_ids]))]          # hottest outside first
+        worst = in_ids[np.lexsort((-in_ids, sc[in_ids]))]            # coldest inside first
+        for rank, (e, v) in enumerate(zip(best, worst)):
+            a, b = float(sc[e]), float(sc[v])
+            if not (a > b + margin and a > ratio * b):
+                break
+            cand.append((-(a - b), li, rank, int(e), int(v)))
+    cand.sort()
+    return [(li, e, v) for _, li, _, e, v in cand[:max(0, int(max_copies))]]
+
+
+class LearnedCache:
+    """The learned GPU expert cache's state: per moe layer the resident experts (the static
+    plan's "gpu" experts at first; their count, the layer's capacity, never changes, so the
+    cache uses the plan's memory), the scores and the counters. ``tick(traffic)`` takes the
+    backend's cumulative routed-row counters (``expert_stats()["traffic"]``: one (E,) array
+    per layer), scores the rows routed since the last call, decides the moves
+    (``rebalance``), applies them to ``resident`` and returns them; the backend copies the
+    promoted experts' weights into the evicted ones' slots before the next tick's first
+    launch. ``hits`` / ``misses``: routed rows whose expert was / was not resident when
+    they ran.
+
+    Batch invariance (DESIGN.md): the GPU tier's and the CPU pool's kernels agree to ~3e-6,
+    not bit for bit, so under a learned cache a row's bits depend on which tier held its
+    experts, i.e. on the traffic of earlier ticks (other users' requests included); under
+    the static plan they do not (the placement is fixed at load). That is why it is opt-in."""
+
+    def __init__(self, plan_tiers: tuple[tuple[str, ...], ...], policy: LearnedPolicy):
+        import numpy as np
+
+        self.policy = policy
+        self.resident = [np.array([t == "gpu" for t in tiers], bool) for tiers in plan_tiers]
+        self.capacity = [int(r.sum()) for r in self.resident]
+        self.score = [np.zeros(r.shape[0], np.float64) for r in self.resident]
+        self._last: list[Any] = [None] * len(self.resident)
+        self.ticks = self.copies = self.hits = self.misses = 0
+
+    def tick(self, traffic: list[Any]) -> list[tuple[int, int, int]]:
+        """Moves [(layer, promoted, evicted)] after the tick whose cumulative counters are
+        ``traffic`` (class docstring); [] when nothing moves. The first call only takes
+        the counters as its baseline (traffic before the cache existed is not scored)."""
+        import numpy as np
+
+        p = self.policy
+        self.ticks += 1
+        for li, tr in enumerate(traffic):
+            tr = np.array(tr, np.int64)
+            last, self._last[li] = self._last[li], tr
+            if last is None or last.shape != tr.shape or (tr < last).any():
+                continue                                   # a baseline, or counters reset: no evidence
+            delta = tr - last
+            on = self.resident[li]
+            self.hits += int(delta[on].sum())
+            self.misses += int(delta[~on].sum())
+            if p.kind == "lfu":
+                self.score[li] = self.score[li] * p.decay + delta
+            else:
+                self.score[li] = np.where(delta > 0, float(self.ticks), self.score[li])
+        margin, ratio = (p.margin, p.ratio) if p.kind == "lfu" else (0.0, 1.0)
+        moves = rebalance(self.score, self.resident, p.copies_per_tick, margin, ratio)
+        for li, e, v in moves:
+            self.resident[li][e], self.resident[li][v] = True, False
+        self.copies += len(moves)
+        return moves
+
+    def stats(self) -> dict[str, Any]:
+        tot = self.hits + self.misses
+        return {"policy": self.policy.kind, "ticks": self.ticks, "copies": self.copies, "hits": self.hits,
+                "misses": self.misses, "hit_rate": round(self.hits / tot, 4) if tot else 0.0}
+
+
 # ------------------------------------------------------------------ stored plans and setup
 
 def _store_path(root: Path, model_fp: str, device_fp: str) -> Path:
@@ -588,16 +723,19 @@ class Setup:
     stages: dict[str, float] = field(default_factory=dict)
     note: str = ""
     placed: dict[str, Any] = field(default_factory=dict)
-    cache: ExpertCache | None = None
+    cache: Any = None
 
 
 def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | None = None, policy: str = "static",
-          root: Path | None = None, reuse: bool = True) -> Setup:
+          root: Path | None = None, reuse: bool = True, learned: LearnedPolicy | None = None) -> Setup:
     """Calibrate (or reuse the stored costs), plan, place, re-plan against what was placed,
     and place again when the plan changed. ``model``: a TransformerModel with moe nodes;
     ``gpu_bytes``: the GPU budget left for the expert cache (0 on the CPU); ``host_bytes``:
     pinned host memory for experts (None: unlimited); ``root``: where stored calibrations
-    live (default the cache dir). Returns a Setup."""
+    live (default the cache dir); ``policy`` "lfu" / "lru": the learned GPU cache
+    (``LearnedCache`` with ``learned``, default ``LearnedPolicy(kind=policy)``) is attached
+    to a backend that can run it (``compiled.attach_expert_cache``), else (and for
+    "static") none is. Returns a Setup (its ``cache``: the LearnedCache when attached)."""
     compiled = model.compiled
     layers = moe_layers(model.program)
     stages: dict[str, float] = {}
@@ -611,7 +749,8 @@ def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | No
         except Exception:  # noqa: BLE001 - an unwritable data dir must not stop a load
             root = None
     costs, why = (load_stored(root, model_fp, dev) if (reuse and root is not None) else (None, "calibration forced"))
-    if costs is None or len(costs.cpu) != len(layers):
+    reused = costs is not None and len(costs.cpu) == len(layers)
+    if not reused:
         # the layers only: the decode step (the dense part) is timed in the second pass, after
         # placement, when the experts it routes to are in place (timed now, each first use
         # repacked an expert inside the timing: ~1.2 s per layer of the 30B-A3B shape, 2 cores)
@@ -627,9 +766,11 @@ def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | No
     t = time.perf_counter()
     got_gpu = int(placed.get("gpu_bytes", p1.gpu_bytes))
     got_host = placed.get("host_bytes")
+    # (reused costs were stored by an earlier setup's second pass, i.e. measured after pinning
+    # already: not timed again, as DESIGN.md's kernel choice reuses its artifact)
     need_dense = not costs.dense_decode_s
     re = calibrate(compiled, layers, model=model if need_dense else None, on_gpu=[t.count("gpu") for t in p1.tiers]) \
-        if (placed.get("recalibrate", True) or need_dense) else costs
+        if ((placed.get("recalibrate", True) and not reused) or need_dense) else costs
     # a timing can only be slowed down by other work on the machine: per layer, the faster
     # of the two passes' lines (at the larger calibration row count) is the better estimate
     n = CALIBRATION_ROWS[-1]
@@ -644,8 +785,14 @@ def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | No
     stages["experts replan"] = round(time.perf_counter() - t, 4)
     if root is not None:
         store(root, model_fp, dev, costs2, p2)
-    cache = ExpertCache(p2)
+    # the learned cache (opt-in) starts from this plan's GPU experts; a backend without one
+    # (the CPU's: no GPU tier) keeps the static placement
+    cache: Any = ExpertCache(p2)
     attach = getattr(compiled, "attach_expert_cache", None)
     if attach is not None:
-        attach(cache)
+        if policy in LEARNED and p2.count("gpu"):
+            cache = LearnedCache(p2.tiers, learned or LearnedPolicy(kind=policy))
+            attach(cache)
+        else:
+            attach(None)
     return Setup(p2, costs2, stages, f"{p2.summary()}; calibration: {why}", placed, cache)

@@ -12,7 +12,7 @@ same host rows), device sampling, the GPU expert tier's launches under each plac
 ones with the tier's kernels emulated in numpy (the same values; the float64 reference's
 within rounding), and the expert-tier setup (calibrate with GPU
 timings, plan, place: everything on the GPU under a large budget, a mix under 40%) on
-the CUDA program. Prints one line per scenario and ``moe dry run OK`` last; exit code 1 on the
+the CUDA program, and the learned GPU expert cache (lfu) under skewed routing. Prints one line per scenario and ``moe dry run OK`` last; exit code 1 on the
 first failure. Run in a subprocess by tests/test_cuda_moe.py.
 """
 
@@ -366,6 +366,95 @@ def _setup(model, root, fake) -> str:
     return st.plan.summary() + " | " + st2.plan.summary()
 
 
+def _learned(model, fake, root) -> str:
+    """The learned GPU expert cache (``--expert-cache lfu``) on the CUDA program: set up from
+    the 40% plan, then skewed traffic (a large bias on the router logits of as many experts
+    as each layer has GPU slots, experts the plan left on the CPU: the static
+    plan's worst case; at most n_used of them, so every row routes to each) over a few ticks: the GPU set must move to exactly the hot experts
+    with at most the policy's copies per tick and the capacity per layer unchanged, the
+    slots must hold the promoted experts' bytes (biases too), and the moe op with the tier's
+    kernels emulated must match the float64 reference within rounding and the CPU tier alone
+    within its int8 tolerance."""
+    from aotx.engine.backend import cpu_moe
+    from aotx.engine.model import experts as X
+    from aotx.engine.model.batch import Segment
+
+    c = model.compiled
+    layers = X.moe_layers(model.program)
+    total = sum(x.n_expert * x.expert_bytes for x in layers)
+    pol = X.LearnedPolicy("lfu", decay=0.5, copies_per_tick=3)
+    st = X.setup(model, model_fp="dryrun", gpu_bytes=int(total * 0.4), host_bytes=None, root=root, policy="lfu",
+                 learned=pol)
+    assert c.expert_cache is st.cache and isinstance(st.cache, X.LearnedCache), st.cache
+    cap = [len(s.gpu.ids) for s in c.moe_steps]
+    assert sum(cap) == st.plan.count("gpu") > 0, (cap, st.plan.summary())
+    hot, saved = [], []
+    for s, n in zip(c.moe_steps, cap):
+        off = [e for e in range(s.attrs["n_expert"]) if not s.gpu.on[e]]
+        h = off[:min(n, len(off), int(s.attrs["n_used"]))]   # every row routes to all of them (the fake's
+        # dense kernels do not run, so x, and the router logits but for the bias, are not random)
+        hot.append(sorted(h))
+        E = s.attrs["n_expert"]
+        b0 = s.attrs.get("router_bias")
+        saved.append(b0)
+        bias = np.zeros(E, np.float32) if b0 is None else np.array(b0, np.float32)
+        bias[h] += 1000.0
+        s.attrs["router_bias"] = bias
+    rng = np.random.default_rng(3)
+    kv = model.new_kv_cache(2, 64)
+    copies = []
+    try:
+        before = st.cache.copies
+        model.forward(rng.integers(0, VOCAB, 16).astype(np.int32), [Segment(0, 0, 16)], kv)
+        for i in range(12):
+            model.forward(rng.integers(0, VOCAB, 2).astype(np.int32), [Segment(0, 16 + i, 1), Segment(1, i, 1)], kv)
+            copies.append(st.cache.copies - before)
+            before = st.cache.copies
+    finally:
+        for s, b0 in zip(c.moe_steps, saved):
+            s.attrs["router_bias"] = b0
+    assert max(copies) <= pol.copies_per_tick and sum(copies) > 0, copies
+    for s, n, h, on in zip(c.moe_steps, cap, hot, st.cache.resident):
+        assert len(s.gpu.ids) == n and int(on.sum()) == n, (n, s.gpu.ids)
+        assert np.array_equal(on, s.gpu.on), (on, s.gpu.on)
+        assert set(h) <= set(s.gpu.ids), (h, s.gpu.ids)
+        for e in s.gpu.ids:                                  # the slot holds the expert's bytes
+            sl = int(s.gpu.slot[e])
+            for i, key in enumerate(("gate", "up", "down")):
+                raw = s.attrs[key].raw(e)
+                nb = int(raw.nbytes)
+                got = np.asarray(s.gpu.w[i]).reshape(-1)[sl * nb:(sl + 1) * nb]
+                assert np.array_equal(got, raw.reshape(-1)), (s.attrs["moe_layer"], e, key)
+            for i, key in enumerate(("gate_bias", "up_bias", "down_bias")):
+                if s.attrs.get(key) is not None:
+                    assert np.array_equal(np.asarray(s.gpu.b[i])[sl], s.attrs[key][e]), (e, key)
+    stats = c.expert_stats()["cache"]
+    assert stats["copies"] == st.cache.copies and stats["copied_bytes"] > 0, stats
+    # the moe op after the moves, the tier's kernels emulated: rows routed to the promoted experts
+    import cupy as cp
+
+    s = c.moe_steps[-1]
+    a = s.attrs
+    xh = rng.standard_normal((5, model.cfg.d_model)).astype(np.float32)
+    fake.emulate = True
+    try:
+        x = cp.asarray(xh)
+        got = cpu_moe.moe_rows(a, xh, s.pool, gpu=_Routed(s.gpu, x), worker=c.moe_worker)
+        ref = _ReferenceTier(s.gpu, a, xh)
+        want = cpu_moe.moe_rows(a, xh, s.pool, gpu=ref, worker=c.moe_worker)
+    finally:
+        fake.emulate = False
+    assert ref.pairs > 0, "no pair reached the GPU tier"
+    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    assert rel < 1e-5, f"after the moves, moe_rows with the GPU tier {rel:.2e} from the reference tier"
+    cpu_only = cpu_moe.moe_rows(a, xh, s.pool)
+    rel_cpu = float(np.linalg.norm(got - cpu_only) / np.linalg.norm(cpu_only))
+    assert rel_cpu < 5e-2, f"after the moves, {rel_cpu:.2e} from the CPU tier alone"
+    c.attach_expert_cache(None)
+    return (f"learned lfu: hot experts on the GPU within {len(copies) + 1} ticks, copies per tick {copies}, "
+            f"hit rate {stats['hit_rate']}; moe op {rel:.1e} from the reference, {rel_cpu:.1e} from the CPU tier")
+
+
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.tools import gpu_fake_cupy as fake
@@ -383,7 +472,7 @@ def main() -> int:
             model = _build(path)
             _exercise(model, fake)
             summary = _staging(model) + "; " + _grouped_matches_each(model, fake) + " | " + _placements(model) + " | " \
-                + _setup(model, tmp / "home", fake)
+                + _setup(model, tmp / "home", fake) + " | " + _learned(model, fake, tmp / "home")
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {name}")
             traceback.print_exc()
