@@ -127,16 +127,19 @@ def test_logits_match_cpu_every_architecture(arch_files, arch, kv_type):
     print(f"{arch} kv {kv_type}: worst relative logits error {worst:.2e}")
 
 
+@pytest.mark.parametrize("flash", [False, True], ids=["cublas", "flash"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_long_segments_on_the_cublas_attention_path_match_cpu(arch_files, arch, monkeypatch):
+def test_long_segments_on_the_cublas_attention_path_match_cpu(arch_files, arch, flash, monkeypatch):
     """The scenario's 130- and 150-token segments take the attention kernel (within
-    cuda_program.ATT_KERNEL_WORK); with the threshold at 0 they take the cuBLAS path
-    (gemma3: its sliding-window layers too). Both must match the CPU."""
+    cuda_program.ATT_KERNEL_WORK); with the threshold at 0 they take the long-segment path:
+    the cuBLAS one, or the flash-style kernel (attn_prefill) where it runs (gemma3: its
+    sliding-window layers too). Both must match the CPU."""
     from aotx.engine.backend import cuda_program as CP
 
     monkeypatch.setattr(CP, "ATT_KERNEL_WORK", 0)
+    monkeypatch.setattr(CP, "FLASH_ATTENTION", flash)
     worst = _compare(arch_files[arch], "f16")
-    print(f"{arch} cuBLAS attention: worst relative logits error {worst:.2e}")
+    print(f"{arch} {'flash' if flash else 'cuBLAS'} attention: worst relative logits error {worst:.2e}")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "phi3"])

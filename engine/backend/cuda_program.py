@@ -26,9 +26,10 @@ Two paths, one Program:
   rows run ``cuda_gemm.PrefillGemm`` (cuBLAS on tensor cores: float16 or TF32 inputs,
   float32 accumulation; the mode per weight is the kernel choice's; the weights' dense
   dequantized copies, kept when they fit a budget, else dequantized one tile at a time
-  into one scratch buffer); attention of long segments through cuBLAS
-  (scores, masked softmax kernel, values), the split-context attention kernel for short
-  segments; steps on the logits rows (after ``take_rows``) run the graph's GEMVs. With
+  into one scratch buffer); attention of long segments through the flash-style kernel
+  (``attn_prefill``: tensor cores, K and V read from the cache, no score matrix; head
+  dimensions ``FLASH_HEAD_DIMS`` on sm_80+), else through cuBLAS (scores, masked softmax
+  kernel, values), the split-context attention kernel for short segments; steps on the logits rows (after ``take_rows``) run the graph's GEMVs. With
   ``prefill="gemv"`` every eager step runs the graph's kernels instead (batch-invariant
   prefill, slow on large models; see below).
 
@@ -74,6 +75,12 @@ SHORT_SEGMENT = 16             # eager path: segments up to this long use the at
 # ten array operations per layer cost more host time than the kernel's device time
 ATT_KERNEL_WORK = 1 << 28
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+# eager path: long segments' attention runs the flash-style kernel (attn_prefill: tensor cores,
+# no score matrix) at these head dimensions on sm_80 and newer; the cuBLAS path otherwise.
+# FLASH_ATTENTION = False forces the cuBLAS path (tests and tests/tools/cuda_attn_bench.py).
+FLASH_HEAD_DIMS = S.FLASH_HEAD_DIMS
+FLASH_ATTENTION = True
+FLASH_ROWS = 64                # query rows per attn_prefill block (FA_BM in cuda_src.py)
 NT = 256                       # threads per block of the elementwise kernels
 PREFILL_FORCED = ("f16", "tf32", "f32", "gemv")
 MODE_NAME = {S.MODE_STORE: "store", S.MODE_ADD: "add", S.MODE_SWIGLU: "swiglu", S.MODE_GEGLU: "geglu",
@@ -474,6 +481,15 @@ class _QKV:
         self._head_rope_kv(prog, c, qkv.data.ptr, self.width, self.bias, N, c.ptr(s.q_out), c.ld(s.q_out))
 
 
+def _sm80(backend) -> bool:
+    """The backend's device runs mma.sync m16n8k16 on float16, cp.async and ldmatrix
+    (compute capability 8.0 or newer; ``attn_prefill``)."""
+    try:
+        return int(getattr(getattr(backend, "device", None), "compute_capability", 0)) >= 80
+    except (TypeError, ValueError):
+        return False
+
+
 class _Attend:
     def __init__(self, prog, s: P.Attend):
         self.s = s
@@ -489,6 +505,10 @@ class _Attend:
         self.names = {kvt: f"attn_decode<{s.hd},{kvt}>" for kvt in (0, 1)}
         prog.need.update(self.names.values())
         prog.need.add("causal_softmax")
+        self.flash = None           # the flash-style kernel's instance per KV type, where it runs
+        if s.hd in FLASH_HEAD_DIMS and _sm80(prog.backend):
+            self.flash = {kvt: f"attn_prefill<{s.hd},{kvt}>" for kvt in (0, 1)}
+            prog.need.update(self.flash.values())
         prog.max_heads = max(prog.max_heads, s.n_heads)
         prog.max_hd = max(prog.max_hd, s.hd)
 
@@ -529,6 +549,8 @@ class _Attend:
             self._rows(prog, c, qs.data.ptr, qs.shape[1], qs.shape[0], eb.short_slot_p, eb.short_pos_p,
                        os_.data.ptr, os_.shape[1], eb.part, eb.counters)
             o_all[eb.short_rows] = os_
+        if self.flash is not None and FLASH_ATTENTION:
+            return self._flash(prog, c, eb.long_segs)
         H, KV, hd = s.n_heads, s.n_kv, s.hd
         G = H // KV
         qd = H * hd
@@ -547,6 +569,19 @@ class _Attend:
                                       _u64(self.sinks)))
             o = cp.matmul(sc, vc)
             o_all[row:row + n] = o.reshape(KV, G, n, hd).transpose(2, 0, 1, 3).reshape(n, qd)
+
+    def _flash(self, prog, c: _Ctx, segs) -> None:
+        """Long segments (``(row, slot, pos, n)``) through ``attn_prefill``: one launch each,
+        (ceil(n / FLASH_ROWS), heads) blocks of 128 threads, K and V read from the cache."""
+        s = self.s
+        kc, vc = c.kv.layer_ptrs(s.layer)
+        name = self.flash[c.kv.kvt]
+        q, ldq, out, ldo = c.ptr(s.q), c.ld(s.q), c.ptr(s.out), c.ld(s.out)
+        for row, slot, pos, n in segs:
+            prog.k[name](((n + FLASH_ROWS - 1) // FLASH_ROWS, s.n_heads), (128,),
+                         (np.uint64(q + 4 * row * ldq), _i(ldq), np.uint64(kc), np.uint64(vc), _i(slot), _i(pos),
+                          _i(n), _i(s.n_heads), _i(s.n_kv), _i(c.kv.n_ctx), _f(s.scale), _i(s.window),
+                          _u64(self.sinks), np.uint64(out + 4 * row * ldo), _i(ldo)))
 
 
 class _KVStore:

@@ -54,12 +54,14 @@ def _exercise(model, kv_type: str) -> None:
     # within ATT_KERNEL_WORK, where long segments take the attention kernel)
     from aotx.engine.backend import cuda_program as CP
 
-    work, CP.ATT_KERNEL_WORK = CP.ATT_KERNEL_WORK, 0
+    # (the flash-style kernel, then the cuBLAS path it falls back to)
+    work, flash, CP.ATT_KERNEL_WORK = CP.ATT_KERNEL_WORK, CP.FLASH_ATTENTION, 0
     try:
-        model.forward(toks[:150], [Segment(0, 0, 150, all_logits=True)], kv)
-        model.forward(toks[:200], [Segment(1, 41, 180, logits=False), Segment(2, 130, 20)], kv)
+        for CP.FLASH_ATTENTION in (True, False):
+            model.forward(toks[:150], [Segment(0, 0, 150, all_logits=True)], kv)
+            model.forward(toks[:200], [Segment(1, 41, 180, logits=False), Segment(2, 130, 20)], kv)
     finally:
-        CP.ATT_KERNEL_WORK = work
+        CP.ATT_KERNEL_WORK, CP.FLASH_ATTENTION = work, flash
 
 
 def main() -> int:

@@ -305,6 +305,20 @@ def _extents(name: str, grid, a: dict) -> None:
         _need(w, a["sinks"], 4 * H, "sinks")
         _need(w, a["tab_slot"], 4 * B, "tab_slot")
         _need(w, a["tab_pos"], 4 * B, "tab_pos")
+    elif base == "attn_prefill":
+        hd, kvt = tpl
+        n, H, n_kv, n_ctx = i("n"), i("H"), i("n_kv"), i("n_ctx")
+        if grid[0] * 64 < n or grid[1] != H:
+            raise LaunchError(f"{w}: grid {grid} does not cover {n} rows (64 per block) of {H} heads")
+        if H % n_kv or not 0 <= i("pos0") <= i("pos0") + n <= n_ctx or i("slot") < 0:
+            raise LaunchError(f"{w}: {H} heads, {n_kv} KV heads, rows at {i('pos0')}..{i('pos0') + n - 1}, "
+                              f"n_ctx {n_ctx}, slot {i('slot')}")
+        _need(w, a["q"], 4 * ((n - 1) * i("ldq") + H * hd), "q")
+        _need(w, a["out"], 4 * ((n - 1) * i("ldo") + H * hd), "out")
+        _need(w, a["sinks"], 4 * H, "sinks")
+        end = (2 if kvt else 4) * ((i("slot") + 1) * n_kv * n_ctx * hd)   # the slot's last KV head, every position
+        _need(w, a["kc"], end, "kc (the slot's keys)")
+        _need(w, a["vc"], end, "vc (the slot's values)")
 
 
 # ---- numeric emulation of the GPU expert tier's kernels (``emulate = True``) -------------------
@@ -461,6 +475,7 @@ def get_elapsed_time(a, b) -> float:
 
 class Device:
     mem_info = (80 << 30, 141 << 30)      # (free, total) bytes, as CuPy reports them
+    compute_capability = "90"             # as CuPy reports it (a string); sm_80+ kernels run
 
     def __init__(self, i: int = 0):
         self.id = i

@@ -63,6 +63,9 @@ def instances(types=None) -> list[str]:
             names.append(f"attn_decode<{hd},{kvt}>")
     for kvt in (0, 1):
         names += [f"head_rope_kv<{kvt}>", f"kv_store<{kvt}>"]
+    for hd in S.FLASH_HEAD_DIMS:                    # the flash-style prefill attention (sm_80+)
+        for kvt in (0, 1):
+            names.append(f"attn_prefill<{hd},{kvt}>")
     return names
 
 
