@@ -19,12 +19,19 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/aotx-gpu && ln -sfn "$ROOT" /tmp/aotx-gpu/aotx
 export PYTHONPATH=/tmp/aotx-gpu:$ROOT:/tmp/aotx-site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-STEPS=${PCHECK_STEPS:-persistent,bench,fp16,invariance}
+STEPS=${PCHECK_STEPS:-persistent,invariance,bench,flash,fp16}
 if [[ $STEPS == *persistent* ]]; then
   echo "$(el) == tests/test_cuda_persistent*.py"
   timeout -s KILL 200 python3 -m pytest -x -q -rs -p no:cacheprovider tests/test_cuda_persistent_host.py \
     tests/test_cuda_persistent.py 2>&1 | tee "$OUTD/pytest_persistent.log" | tail -25
 fi
+
+if [[ $STEPS == *invariance* ]]; then
+  echo "$(el) == tests/test_cuda_invariance.py (float32 activations)"
+  timeout -s KILL 150 python3 -m pytest -x -q -rs -p no:cacheprovider tests/test_cuda_invariance.py -k "not int8" 2>&1 \
+    | tee "$OUTD/pytest_invariance.log" | tail -8
+fi
+
 if [[ $STEPS == *bench* ]]; then
   echo "$(el) == gpu_bench aotx: smollm2-135m shape"
   mkdir -p /tmp/pcheck && python3 -m tests.tools.gpu_bench write --out /tmp/pcheck --tokenizer .gpubench/tokenizer.json \
@@ -43,15 +50,20 @@ for k, v in (r.get("persistent_variants") or {}).items():
     print(f"  {k:38} {v}")
 PY
 fi
+
+if [[ $STEPS == *flash* ]]; then
+  echo "$(el) == flash prefill attention: tests and bench"
+  timeout -s KILL 150 python3 -m pytest -x -q -rs -p no:cacheprovider tests/test_cuda_flash_attention.py 2>&1 \
+    | tee "$OUTD/pytest_flash.log" | tail -8
+  timeout -s KILL 90 python3 -m pytest -x -q -rs -p no:cacheprovider tests/test_cuda_program.py -k long_segments 2>&1 \
+    | tail -4
+  timeout -s KILL 100 python3 -m tests.tools.cuda_attn_bench 2>&1 | tee "$OUTD/attn_bench.log" | tail -14
+fi
+
 if [[ $STEPS == *fp16* ]]; then
   echo "$(el) == fp16 GEMV test and bench"
   timeout -s KILL 90 python3 -m pytest -x -q -rs -p no:cacheprovider tests/test_cuda_gemv_f16.py 2>&1 \
     | tee "$OUTD/pytest_f16.log" | tail -8
   timeout -s KILL 150 python3 -m tests.tools.cuda_gemv_bench --fp16 2>&1 | tee "$OUTD/gemv_fp16.log" | tail -16
-fi
-if [[ $STEPS == *invariance* ]]; then
-  echo "$(el) == tests/test_cuda_invariance.py (float32 activations)"
-  timeout -s KILL 150 python3 -m pytest -x -q -rs -p no:cacheprovider tests/test_cuda_invariance.py -k "not int8" 2>&1 \
-    | tee "$OUTD/pytest_invariance.log" | tail -8
 fi
 echo "$(el) done"
