@@ -284,8 +284,12 @@ def _run(cmd: list[str], timeout: float) -> tuple[int, str, str]:
 def llamacpp_bench(bindir: Path, path: Path, name: str, timeout: float) -> dict:
     res: dict = {"engine": "llama.cpp", "model": name}
     pin = ["taskset", "-c", f"0-{(os.cpu_count() or 1) - 1}"] if shutil.which("taskset") else []
+    llp = os.environ.get("LLAMA_LD_LIBRARY_PATH")     # prebuilt binaries: their CUDA libraries, for them only
+    if llp:
+        pin = ["env", f"LD_LIBRARY_PATH={llp}"] + pin
     t_end = time.monotonic() + timeout
-    rc, out, err = _run(pin + [str(bindir / "llama-bench"), "-m", str(path), "-ngl", "99", "-fa", "0",
+    # FlashAttention off and on: the table takes llama.cpp's better figure of the two
+    rc, out, err = _run(pin + [str(bindir / "llama-bench"), "-m", str(path), "-ngl", "99", "-fa", "0,1",
                                "-p", "512,2048", "-n", "128", "-r", "3", "-o", "jsonl"],
                         max(5.0, 0.6 * timeout))
     res["llama_bench_rc"] = rc
@@ -294,15 +298,20 @@ def llamacpp_bench(bindir: Path, path: Path, name: str, timeout: float) -> dict:
             d = json.loads(ln)
         except ValueError:
             continue
+        fa = "fa1" if str(d.get("flash_attn")).lower() in ("1", "true", "on", "enabled") else "fa0"
+        ts = round(float(d["avg_ts"]), 1)
         if d.get("n_gen") == 0:
-            res.setdefault("prefill_tok_s", {})[str(d["n_prompt"])] = round(float(d["avg_ts"]), 1)
+            res.setdefault(f"prefill_tok_s_{fa}", {})[str(d["n_prompt"])] = ts
+            k = str(d["n_prompt"])
+            res.setdefault("prefill_tok_s", {})[k] = max(ts, res.get("prefill_tok_s", {}).get(k, 0.0))
         elif d.get("n_prompt") == 0:
-            res["decode_b1_tok_s"] = round(float(d["avg_ts"]), 1)
+            res[f"decode_b1_tok_s_{fa}"] = ts
+            res["decode_b1_tok_s"] = max(ts, res.get("decode_b1_tok_s", 0.0))
         res["build"] = f"{d.get('build_commit', '?')} (build {d.get('build_number', '?')})"
     if rc:
         res["llama_bench_err"] = err.strip().splitlines()[-3:]
     left = t_end - time.monotonic()
-    rc, out, err = _run(pin + [str(bindir / "llama-batched-bench"), "-m", str(path), "-ngl", "99", "-fa", "off",
+    rc, out, err = _run(pin + [str(bindir / "llama-batched-bench"), "-m", str(path), "-ngl", "99", "-fa", "on",
                                "-c", "12288", "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "32",
                                "-npl", "16,64", "--output-format", "jsonl"], max(5.0, left))
     res["batched_bench_rc"] = rc
@@ -358,7 +367,8 @@ def table(rows: dict, out: Path) -> None:
             lines.append(f"{name:14} {'invariant prefill 512':22} AOTX {a['prefill_invariant_512_tok_s']} tok/s "
                          f"(GEMV kernels for every eager row; tensor cores: {a['prefill_tok_s']['512']})")
     text = "\n".join(lines)
-    log("== table (random weights, vocabulary 49,152; llama.cpp -fa 0, built without FlashAttention)")
+    log("== table (random weights, vocabulary 49,152; llama.cpp: the better of -fa 0 and -fa 1 in llama-bench, "
+        "-fa on in llama-batched-bench)")
     log(text)
     (out / "table.txt").write_text(text + "\n")
 

@@ -28,9 +28,28 @@ if command -v taskset >/dev/null && [ "$NCPU" -ge 4 ]; then
   PIN_BENCH="taskset -c 0,1"; PIN_BUILD="taskset -c 2-$((NCPU - 1))"
 fi
 
-# 1. llama.cpp, in the background
+# 1. llama.cpp: prebuilt (.gpubench/llama-bin: built elsewhere for sm_90 and CUDA 13, RPATH $ORIGIN; the
+#    device's own cuBLAS and CUDA runtime put on ITS library path only), else built here in the background
+find_lib() {
+  local d f
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
+    [ -e "$d/$1" ] && { echo "$d/$1"; return; }
+  done
+  f=$(timeout 20 find /opt /usr/local /usr/lib /usr/lib64 -name "$1" 2>/dev/null | head -1)
+  [ -z "$f" ] && f=$(timeout 40 find / -name "$1" -not -path '/proc/*' -not -path '/sys/*' 2>/dev/null | head -1)
+  echo "$f"
+}
 rm -f "$WORK/llama-build.done"
-if [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -f .gpubench/llama.cpp-src.tar.xz ] && command -v cmake >/dev/null \
+LLAMA_BIN=$WORK/llama.cpp/build/bin
+if [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -x .gpubench/llama-bin/llama-bench ]; then
+  LLAMA_BIN=$ROOT/.gpubench/llama-bin
+  LLP=$LLAMA_BIN
+  for f in "$(find_lib libcublas.so.13)" "$(find_lib libcudart.so.13)"; do [ -n "$f" ] && LLP="$LLP:$(dirname "$f")"; done
+  export LLAMA_LD_LIBRARY_PATH=$LLP
+  LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | tail -4
+  echo 0 > "$WORK/llama-build.done"
+  echo "llama.cpp prebuilt: $LLAMA_BIN (library path $LLP)"
+elif [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -f .gpubench/llama.cpp-src.tar.xz ] && command -v cmake >/dev/null \
    && command -v nvcc >/dev/null; then
   GEN=""; command -v ninja >/dev/null && GEN="-G Ninja"
   (
@@ -65,7 +84,7 @@ cupy.cuda.runtime.runtimeGetVersion())" || exit 1
 LEFT=$((DEADLINE - ($(date +%s) - T0)))
 $PIN_BENCH "$PY" -m tests.tools.gpu_bench run --out "$OUTD" --work "$WORK" --tokenizer .gpubench/tokenizer.json \
   --deadline "$LEFT" --tests "${GPU_BENCH_TESTS:-1}" --models "${GPU_BENCH_MODELS:-smollm2-135m,llama-3.1-8b,qwen2.5-0.5b,qwen2.5-7b}" \
-  --llama-bin "$WORK/llama.cpp/build/bin" --build-done "$WORK/llama-build.done" --build-log "$WORK/llama-build.log"
+  --llama-bin "$LLAMA_BIN" --build-done "$WORK/llama-build.done" --build-log "$WORK/llama-build.log"
 RC=$?
 tail -c 200000 "$WORK/llama-build.log" > "$OUTD/llama-build.log" 2>/dev/null || true
 [ -f "$WORK/llama-build.done" ] && echo "llama.cpp build exit: $(cat "$WORK/llama-build.done")" \
