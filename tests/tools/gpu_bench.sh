@@ -14,6 +14,10 @@
 # pytest.log, aotx_*.json, llama-build.log (tail).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# prebuilt llama.cpp carried compressed (the tree that travels is limited): unpack once
+if [ -f .gpubench/llama-bin.tar.xz ] && [ ! -x .gpubench/llama-bin/llama-bench ]; then
+  mkdir -p .gpubench/llama-bin && tar -xJf .gpubench/llama-bin.tar.xz -C .gpubench/llama-bin --strip-components=1
+fi
 ROOT=$PWD
 T0=$(date +%s)
 DEADLINE=${GPU_BENCH_DEADLINE:-560}

@@ -34,6 +34,10 @@
 # GPU_BENCH_FAKE=1 (the AOTX side on fake CuPy: the flow only, numbers meaningless).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# prebuilt llama.cpp carried compressed (the tree that travels is limited): unpack once
+if [ -f .gpubench/llama-bin.tar.xz ] && [ ! -x .gpubench/llama-bin/llama-bench ]; then
+  mkdir -p .gpubench/llama-bin && tar -xJf .gpubench/llama-bin.tar.xz -C .gpubench/llama-bin --strip-components=1
+fi
 ROOT=$PWD
 T0=$(date +%s)
 DEADLINE=${MOE_BENCH_DEADLINE:-560}
