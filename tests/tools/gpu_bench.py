@@ -386,9 +386,11 @@ def cmd_run(args) -> int:
     # 1. tests
     if args.tests and left() > 300:
         t = time.monotonic()
-        limit = min(150.0, left() - 250)
-        rc, so, se = _run([sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-rs", "-p", "no:cacheprovider",
-                           "-s", "tests/test_cuda_invariance.py"], limit)
+        # GPU_BENCH_TEST_FILES (space-separated) and GPU_BENCH_TEST_S: which CUDA tests run first, how long at most
+        files = os.environ.get("GPU_BENCH_TEST_FILES", "tests/test_cuda_invariance.py").split()
+        limit = min(float(os.environ.get("GPU_BENCH_TEST_S", "150")), left() - 250)
+        rc, so, se = _run([sys.executable, "-m", "pytest", "-q", "--tb=short", "-rs", "-p", "no:cacheprovider",
+                           "-s"] + files, limit)
         (out / "pytest.log").write_text(so + "\n--- stderr\n" + se)
         tail = [ln for ln in so.splitlines() if " passed" in ln or " failed" in ln or " error" in ln]
         summary["steps"]["tests"] = {"rc": rc, "summary": tail[-1] if tail else f"rc {rc}",

@@ -90,6 +90,18 @@ $PIN_BENCH "$PY" -m tests.tools.gpu_bench run --out "$OUTD" --work "$WORK" --tok
   --deadline "$LEFT" --tests "${GPU_BENCH_TESTS:-1}" --models "${GPU_BENCH_MODELS:-smollm2-135m,llama-3.1-8b,qwen2.5-0.5b,qwen2.5-7b}" \
   --llama-bin "$LLAMA_BIN" --build-done "$WORK/llama-build.done" --build-log "$WORK/llama-build.log"
 RC=$?
+# GPU_BENCH_MICRO=1: the flash prefill attention's and the fp16 GEMV's benches while time is left
+if [ "${GPU_BENCH_MICRO:-0}" = 1 ]; then
+  for b in "tests.tools.cuda_attn_bench" "tests.tools.cuda_gemv_bench --fp16 --batches 1,4"; do
+    LEFT=$((DEADLINE - ($(date +%s) - T0) - 5))
+    if [ "$LEFT" -gt 40 ]; then
+      echo "== $b ($LEFT s left)"
+      $PIN_BENCH timeout -s KILL "$LEFT" "$PY" -m $b 2>&1 | tee "$OUTD/$(echo "$b" | cut -d' ' -f1 | sed 's/tests.tools.//').log" | tail -16
+    else
+      echo "== $b: skipped, $LEFT s left"
+    fi
+  done
+fi
 tail -c 200000 "$WORK/llama-build.log" > "$OUTD/llama-build.log" 2>/dev/null || true
 [ -f "$WORK/llama-build.done" ] && echo "llama.cpp build exit: $(cat "$WORK/llama-build.done")" \
   || echo "llama.cpp build still running after $(( $(date +%s) - T0 )) s: $(tail -1 "$WORK/llama-build.log")"
