@@ -88,7 +88,7 @@ def test_prefetch_ranges_are_the_gemvs_weight_rows():
            np.int32(288)) + (np.int32(0),) * (n - 7)
     glu = (np.uint64(1 << 20), np.uint64(3 << 20), np.int64(360), np.int64(200), np.int32(1), np.int32(0),
            np.int32(1536)) + (np.int32(0),) * (n - 7)
-    assert PS.weight_ranges("gemv<3,3,1,1,1>", lin) == [(1 << 20, 288 * 2 * 360)]
+    assert PS.weight_ranges("gemv<3,3,1,1,1>", lin) == [(1 << 20, (288 * 2 - 1) * 360)]
     assert PS.weight_ranges("gemv<3,3,1,2,1>", glu) == [(1 << 20, 1536 * 360), (3 << 20, 1536 * 200)]
     assert PS.weight_ranges("attn_decode<64,1>", ()) == []
     t = PS.step_table([("gemv<3,3,1,2,1>", (384, 1), (128,), glu)], ["gemv<3,3,1,2,1>"], sigs)

@@ -246,12 +246,13 @@ def _dims(grid) -> tuple[int, int, int]:
 
 def weight_ranges(name: str, args: tuple) -> list[tuple[int, int]]:
     """The weight bytes a launch reads, as (address, bytes) ranges (at most two): a GEMV's
-    rows of Wa (``n_pairs * a_stride`` rows) and, when a pair's second row comes from Wb
+    rows of Wa (``n_pairs * a_stride`` rows, less the odd last one) and, when a pair's second row comes from Wb
     (``a_stride`` 1: a GLU's gate and up), its ``n_pairs`` rows of Wb; nothing for the others."""
     if split_name(name)[0] != "gemv":
         return []
     wa, wb, rba, rbb, a_stride, _b_off, n_pairs = (int(_scalar(v)) for v in args[:7])
-    out = [(wa, n_pairs * a_stride * rba)]
+    # a matrix of m rows has (m + 1) // 2 pairs: the last pair's second row may not exist
+    out = [(wa, (n_pairs * a_stride - (a_stride - 1)) * rba)]
     if a_stride == 1:
         out.append((wb, n_pairs * rbb))
     return out
