@@ -105,7 +105,7 @@ def test_int8_activations_keep_the_graph_of_kernels(llama_path):
 
 
 def test_default_model_runs_persistent_with_the_graphs_tokens(default_model_path):
-    on, off = _build(default_model_path), _build(default_model_path, persistent="off")   # "auto": on below 1 GiB
+    on, off = _build(default_model_path, persistent="auto"), _build(default_model_path)   # "auto": on below 1 GiB
     prompt = np.arange(100, 140, dtype=np.int32)
     out = []
     for m in (on, off):

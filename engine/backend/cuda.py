@@ -68,9 +68,9 @@ class CudaBackend:
     ``expert_int8``: the CPU expert tier of a mixture of experts uses the CPU backend's
     int8-activation kernels (default; False: its float path, for comparisons).
     ``persistent``: decode buckets of up to 8 rows run as one persistent kernel per tick
-    instead of a graph of ~150 kernels (``cuda_persistent``; the same bits): "auto" (default)
-    on models under 1 GiB of weights with float32 activations whose steps it covers, "on"
-    whatever the size, "off" never; ``persistent_bps`` blocks per multiprocessor (at most what
+    instead of a graph of ~150 kernels (``cuda_persistent``; the same bits): "auto" on models
+    under 1 GiB of weights with float32 activations whose steps it covers, "on" whatever the
+    size, "off" (default until it has passed its tests on a GPU: written without one) never; ``persistent_bps`` blocks per multiprocessor (at most what
     fits at once), ``persistent_wpp`` warps per GEMV row pair of its GEMV blocks (1, 2, 4),
     ``persistent_prefetch`` each step asks L2 for the next step's weights.
 
@@ -83,7 +83,7 @@ class CudaBackend:
                  tune_budget_s: float = kernel_choice.DEFAULT_BUDGET_S, artifact_root=None,
                  prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
                  dense_prefill: bool = True, int8_activations: bool = False,
-                 int8_min_bytes: int | None = None, persistent: str = "auto", persistent_bps: int = 2,
+                 int8_min_bytes: int | None = None, persistent: str = "off", persistent_bps: int = 2,
                  persistent_wpp: int = 1, persistent_prefetch: bool = True) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")

@@ -166,8 +166,15 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     int8 = os.environ.get("AOTX_BENCH_NUMERICS", "int8") != "f32"
     # AOTX_BENCH_INT8_MIN: the int8_min_bytes rule's threshold (0: int8 on every model size)
     mb = os.environ.get("AOTX_BENCH_INT8_MIN")
+    # the kernels of session 7 (off by default until they have passed on a GPU), on here unless
+    # AOTX_BENCH_PERSISTENT=off / AOTX_BENCH_FLASH=0
+    from aotx.engine.backend import cuda_program as CP
+
+    CP.FLASH_ATTENTION = os.environ.get("AOTX_BENCH_FLASH", "1") == "1"
+    res["flash_attention"] = CP.FLASH_ATTENTION
     be = CudaBackend(tune="auto", artifact_root=home, tune_budget_s=tune_budget, int8_activations=int8,
-                     int8_min_bytes=int(mb) if mb else None)
+                     int8_min_bytes=int(mb) if mb else None,
+                     persistent=os.environ.get("AOTX_BENCH_PERSISTENT", "auto"))
     model = build(cfg, gf, be)
     res["numerics"] = be.numerics
     cp.cuda.Device().synchronize()

@@ -91,6 +91,8 @@ def main() -> int:
         for mode in ("f16", "tf32", "f32", "gemv"):
             scenarios.append((f"{name} prefill {mode}", name, {"prefill": mode}, "f16"))
         scenarios.append((f"{name} generic kernels", name, {"fuse": False}, "f16"))
+        for kv_type in ("f16", "f32"):          # the persistent decode step (cuda_persistent) at buckets 1-8
+            scenarios.append((f"{name} persistent step, kv {kv_type}", name, {"persistent": "on"}, kv_type))
         scenarios.append((f"{name} prefill tiles (no dense copies)", name, {"dense_prefill": False}, "f16"))
     variants = sorted({c for b in CC.TUNE_BUCKETS for norm in (False, True) for c in CC.gemv_candidates(b, norm)})
     for v in variants:
