@@ -183,7 +183,9 @@ __device__ __forceinline__ void l2_prefetch_share(unsigned long long p, int n, i
     long long sz = len - off < chunk ? len - off : chunk;
     sz &= ~15ll;
     if (sz <= 0) return;
+#if __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a + off), "r"((unsigned)sz) : "memory");
+#endif
 }
 
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
