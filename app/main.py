@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                     "beside the model; 'none' for OCR)")
     p.add_argument("--kv-type", choices=["f16", "f32"], help="KV cache element type for the engine (default: f16)")
     p.add_argument("--theme", choices=sorted(THEMES), help="colour theme (remembered; F6 switches)")
-    p.add_argument("--socket", help="engine socket path (default: under the AOTX data dir)")
+    p.add_argument("--socket",
+                   help="Unix socket of the engine (default: in the runtime dir; under $AOTX_HOME when set)")
     return p.parse_args(argv)
 
 

@@ -605,6 +605,11 @@ def run_bench(args) -> int:
         return 0
     if getattr(args, "capsules", None):
         sizes = tuple(int(x) for x in args.capsules.split(",") if x)
+        if max(sizes) + 64 > lm.config.n_ctx_train:
+            from aotx.engine.errors import UsageError
+
+            raise UsageError(f"--capsules {max(sizes)}: {lm.name} has a context of {lm.config.n_ctx_train} tokens; "
+                             f"a size needs 64 more for the next turn (at most {lm.config.n_ctx_train - 64})")
         res = bench_capsules(lm, sizes)
         if args.json:
             print(json.dumps({"device": device, "model": lm.name, "capsules": res}))

@@ -9,6 +9,7 @@ engine), ``cli_local.py`` (commands that open the model in-process).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from aotx.engine.errors import AotxError, UsageError, friendly_error
@@ -77,6 +78,25 @@ def _checked(name: str, limit: Limit):
     return parse
 
 
+def _int_list(name: str, lo: int, hi: int):
+    """An argparse type for a comma-separated list of integers in [lo, hi] (one at least),
+    returned as the text it was given (the bench parses it again)."""
+    def parse(text: str) -> str:
+        parts = [t.strip() for t in text.split(",") if t.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"{name}: expected integers separated by commas, got {text!r}")
+        for t in parts:
+            try:
+                v = int(t)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{name}: {t!r} is not an integer") from None
+            if not lo <= v <= hi:
+                raise argparse.ArgumentTypeError(f"{name}: {v} is outside {lo}..{hi}")
+        return ",".join(parts)
+
+    return parse
+
+
 def _float(name: str, lo: float | None = None, hi: float | None = None):
     return _checked(name, Limit(lo, hi))
 
@@ -107,7 +127,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="vision projector GGUF (llama.cpp's mmproj) for images; default: a file named mmproj*.gguf "
                         "beside the model; 'none' turns images into text by OCR")
     p.add_argument("--no-journal", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--socket", help="Unix socket of the engine (default: in the runtime dir)")
+    p.add_argument("--socket",
+                   help="Unix socket of the engine (default: in the runtime dir; under $AOTX_HOME when set)")
     p.add_argument("--draft-model", help="a smaller GGUF with the same vocabulary, for --speculative draft")
     p.add_argument("--keep-alive", default=None, metavar="DURATION",
                    help="unload a model loaded beside the default after it has been idle this long (5m, 1h; "
@@ -196,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--api-key-file", help="file holding the API key")
     q.add_argument("--api-key", help="the API key itself (stored in the entry, mode 0600)")
     q.add_argument("--context", type=_int("--context", 0), default=None, help="the server's context in tokens")
+    q.add_argument("--replace", action="store_true", help="replace a remote entry of that name (a running engine "
+                   "unloads the old one first)")
     q = msub.add_parser("remove", help="remove a remote model entry (a running engine unloads it first)")
     q.add_argument("name")
     q.add_argument("--socket", default=argparse.SUPPRESS)  # (or before "remove": the models' own --socket)
@@ -232,8 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    p.add_argument("--concurrency", default="1,2,4,8,16", help="aggregate decode at these slot counts")
-    p.add_argument("--capsules", metavar="SIZES", help="capsule benchmark at these context sizes, e.g. 512,2048,8192")
+    p.add_argument("--concurrency", default="1,2,4,8,16", type=_int_list("--concurrency", 1, 256),
+                   help="aggregate decode at these slot counts (1-256)")
+    p.add_argument("--capsules", metavar="SIZES", type=_int_list("--capsules", 16, 131072),
+                   help="capsule benchmark at these context sizes (16-131072 tokens), e.g. 512,2048,8192")
     p.add_argument("--speculative", action="store_true",
                    help="speculative decoding off vs prompt lookup vs a draft model (acceptance, tokens per "
                         "pass, speed)")
@@ -289,9 +314,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--memory-budget -4G`` -> ``--memory-budget=-4G``: argparse reads a value that
+    starts with a dash and a digit as an option and said "expected one argument", hiding
+    the real problem (a negative value), which the option's own check then names."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", a) and out[-1] != "--":
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``aotx`` console script. Returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = join_negative_values(sys.argv[1:] if argv is None else argv)
     try:
         ap = build_parser()
         args, extra = ap.parse_known_args(argv)

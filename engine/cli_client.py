@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
-from aotx.engine.units import parse_size, plural
+from aotx.engine.units import parse_size, plural, short_title
 from aotx.engine.ipc import protocol as P
 from aotx.engine.ipc.client import CancelOnSignal, ConnectionLost, EngineClient, model_ref
 from aotx.media.kinds import kind_of_name
@@ -93,7 +93,34 @@ def ignored_engine_flags(args, st: P.StatusReply) -> list[str]:
     return out
 
 
+def check_engine_flags(args) -> None:
+    """The engine flags a client can check itself, checked before it connects: one line
+    and exit 2 whether an engine runs (it would ignore them) or would be started (it would
+    exit with the reason after a 'started an engine' line). Raises UsageError."""
+    from pathlib import Path
+
+    from aotx.engine.units import parse_duration
+
+    budget = getattr(args, "memory_budget", None)
+    if budget is not None:
+        try:
+            parse_size(budget)
+        except ValueError:
+            raise UsageError(f"--memory-budget: cannot read {budget!r} as a size (e.g. 4G, 512M)") from None
+    keep = getattr(args, "keep_alive", None)
+    if keep is not None:
+        try:
+            parse_duration(keep)
+        except ValueError:
+            raise UsageError(f"--keep-alive: cannot read {keep!r} as a duration (e.g. 5m, 30s, 1h; 0: never "
+                             f"unload)") from None
+    mmproj = getattr(args, "mmproj", None)
+    if mmproj and mmproj != "none" and not Path(mmproj).expanduser().is_file():
+        raise UsageError(f"--mmproj {mmproj}: no such file (the vision projector GGUF, e.g. mmproj-model-f16.gguf)")
+
+
 async def connect(args, *, spawn: bool = True) -> EngineClient:
+    check_engine_flags(args)
     spawned: list[str] = []
 
     def notice(msg: str) -> None:
@@ -220,7 +247,7 @@ async def _run(args) -> int:
             if args.system is not None:
                 await client.update(conv_id, system_prompt=args.system)
         else:
-            title = " ".join(prompt.split())[:60]
+            title = short_title(prompt)
             conv = await client.create_conversation(title=title, system_prompt=args.system,
                                                     model=model_ref(args.model))
             conv_id = conv.conv_id

@@ -100,11 +100,11 @@ def cmd_logits(args) -> int:
     elif args.text is not None:
         ids = lm.tokenizer.encode(args.text, add_special=True, parse_special=True)
     else:
-        raise UsageError("aotx logits: give TEXT or --ids")
+        raise UsageError("logits: give TEXT or --ids")
     if not ids:
-        raise UsageError("aotx logits: no tokens to run")
+        raise UsageError("logits: no tokens to run")
     if len(ids) > lm.config.n_ctx_train:
-        raise UsageError(f"aotx logits: {len(ids)} tokens exceed the model's context of {lm.config.n_ctx_train}")
+        raise UsageError(f"logits: {len(ids)} tokens exceed the model's context of {lm.config.n_ctx_train}")
     kv = lm.model.new_kv_cache(1, len(ids))
     logits = lm.model.forward(np.asarray(ids, np.int32), [Segment(0, 0, len(ids), all_logits=True)], kv)
     k = min(args.top, logits.shape[1])
@@ -233,11 +233,13 @@ def cmd_conversations(args) -> int:
         found = read_conversations(conv_id)
     if found is None:
         from aotx.engine import cli_client
-        from aotx.engine.errors import EngineError
+        from aotx.engine.errors import EngineError, ErrorCode, NotFound
 
         try:
             found = asyncio.run(cli_client.fetch_conversations(args, conv_id))
         except EngineError as e:  # the writer holds the journal but does not answer (yet): read what is on disk
+            if str(getattr(e, "code", "")) == ErrorCode.NOT_FOUND:   # it answered: there is no such conversation
+                raise NotFound(f"{e}; see `aotx conversations list`") from None
             print(f"aotx: an engine holds the journal but {e}; showing the journal as it is on disk "
                   "(a reply being written shows as interrupted)", file=sys.stderr)
             found = read_conversations(conv_id, locked=False)

@@ -129,8 +129,11 @@ def cmd_unload(args) -> int:
 
 
 def _add_remote(args) -> int:
+    """Write a remote entry. A name a GGUF file already has is refused (the file would hide
+    the entry); an existing remote entry is replaced only with ``--replace``, and a running
+    engine that has it loaded unloads it first (else it would keep serving the old URL)."""
     from aotx.engine import paths
-    from aotx.engine.runtime.catalog import RemoteSpec, write_remote
+    from aotx.engine.runtime.catalog import Catalog, RemoteSpec, write_remote
 
     url = args.url.rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -140,8 +143,21 @@ def _add_remote(args) -> int:
     spec = RemoteSpec(url=url, model=args.remote_model or args.name, api_key=args.api_key or "",
                       api_key_env=args.api_key_env or "", api_key_file=args.api_key_file or "",
                       context=args.context or 0)
+    taken = Catalog().entries().get(args.name)
+    unloaded = False
+    if taken is not None and taken.kind != "remote":
+        raise UsageError(f"{args.name!r} is already the name of a local model ({taken.path}); choose another name "
+                         f"for the remote one")
+    if taken is not None:
+        if not getattr(args, "replace", False):
+            where = taken.remote.url if taken.remote else "?"
+            raise UsageError(f"a remote model named {args.name!r} exists (-> {where}); add --replace to replace it, "
+                             f"or choose another name")
+        unloaded = asyncio.run(_unload_if_loaded(args))
     p = write_remote(paths.models_dir(), args.name, spec)
-    print(f"added remote model {args.name} -> {url} (model {spec.model!r}); entry {p}")
+    verb = "replaced" if taken is not None else "added"
+    print(f"{verb} remote model {args.name} -> {url} (model {spec.model!r}); entry {p}"
+          + (" (unloaded the old one from the running engine first)" if unloaded else ""))
     return 0
 
 
@@ -175,7 +191,9 @@ async def _unload_if_loaded(args) -> bool:
         return False  # no engine: nothing is loaded
     try:
         ml = await client.list_models()
-        if not any(m.name == args.name and m.loaded for m in ml.models):
+        # only a loaded REMOTE model of that name: a local file may have the same name (it
+        # hides the entry), and it is not what is being removed
+        if not any(m.name == args.name and m.loaded and m.kind == "remote" for m in ml.models):
             return False
         try:
             await client.unload_model(args.name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 from pathlib import Path
 
 import platformdirs
@@ -69,8 +70,14 @@ def data_dir() -> Path:
 
 def runtime_dir() -> Path:
     """Directory for the engine's socket and lock: under ``$AOTX_HOME`` when set,
-    else the platform runtime dir (falling back to the data dir). Mode 0700."""
+    else the platform runtime dir (falling back to the data dir). Mode 0700.
+
+    On Linux without ``XDG_RUNTIME_DIR`` (containers, ssh, cron) the data dir's ``run``
+    folder, not platformdirs' /tmp fallback: that one printed a RuntimeDirWarning on every
+    command (a new user's report, session 7) and lies outside the one root AOTX writes to."""
     if os.environ.get("AOTX_HOME"):
+        return private_dir(data_dir() / "run")
+    if sys.platform.startswith("linux") and not os.environ.get("XDG_RUNTIME_DIR"):
         return private_dir(data_dir() / "run")
     try:
         return private_dir(Path(platformdirs.user_runtime_dir("aotx", appauthor=False)))

@@ -289,7 +289,7 @@ def serve(args) -> int:
              lm.config.n_layers, eng.device, eng.n_slots, eng.n_ctx)
     log.info("budget: %d of %d bytes used\n%s", eng.budget.used, eng.budget.total, eng.budget.table())
     if store.recovery_note:
-        log.info("journal: %s", store.recovery_note)
+        log.info("%s", store.recovery_note)   # it begins "journal: "
     for line in store.notices:
         log.warning("%s", line)
 

@@ -49,3 +49,17 @@ def parse_duration(text: str) -> float:
 def plural(n: int, word: str) -> str:
     """``n`` and ``word``, with an s unless n is 1: "1 message", "3 messages"."""
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def short_title(text: str, limit: int = 60) -> str:
+    """A conversation title from a prompt: whitespace collapsed, at most ``limit``
+    characters, cut at a word boundary when the cut falls inside a word (unless that leaves
+    less than half), with no trailing space or punctuation left by the cut (a new user saw
+    titles such as "... reverses a string," end in a comma)."""
+    t = " ".join(text.split())
+    if len(t) <= limit:
+        return t
+    cut = t[:limit]
+    if t[limit] != " " and " " in cut and cut.rfind(" ") >= limit // 2:
+        cut = cut[:cut.rfind(" ")]
+    return cut.rstrip(" ,;:-–—")

@@ -115,6 +115,9 @@ async def test_settings_modal_updates_system_prompt_and_sampling():
         await pilot.press("f4")
         await until(pilot, lambda: app.screen.query("#system-prompt"))
         screen = app.screen
+        await pilot.pause()
+        # nothing had the focus when the dialog opened: typed keys went nowhere (session 7's trial)
+        assert app.focused is screen.query_one("#system-prompt")
         screen.query_one("#system-prompt").text = "Answer in French."
         screen.query_one("#f-temperature", Input).value = "oops"
         await pilot.press("ctrl+s")

@@ -86,6 +86,11 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
                 yield Button("Cancel (esc)", id="cancel")
                 yield Button("Model… (ctrl+o)", id="pick-model")  # the picker opens over this dialog
 
+    def on_mount(self) -> None:
+        # the first field has the focus: keys typed right after F4 went nowhere (new-user
+        # report, session 7)
+        self.query_one("#system-prompt", TextArea).focus()
+
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "save":
             self.action_save()

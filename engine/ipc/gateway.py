@@ -55,6 +55,7 @@ from aotx.engine.ipc.client import ConnectionLost, EngineClient
 from aotx.engine.ipc.gateway_auth import KeyRing
 from aotx.engine.model import tool_calls
 from aotx.engine.ipc.server import raise_fd_limit
+from aotx.engine.units import short_title
 
 _CONV_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -652,7 +653,7 @@ class Gateway:
                                         self.cfg.retry_after_s) from None
             return hdr, False
         try:
-            conv = await client.create_conversation(title=" ".join(title.split())[:60], system_prompt=system,
+            conv = await client.create_conversation(title=short_title(title), system_prompt=system,
                                                     messages=[(t.role, t.text, t.meta) for t in history],
                                                     model=model)
         except ConnectionLost as e:
