@@ -40,16 +40,20 @@ MORE = "... "
 SETTINGS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
                              "repeat_penalty": float, "max_tokens": int, "seed": int, "speculative": str}
 HELP = """Commands:
-  /attach PATH...       attach images or audio to the next message (quoted or escaped paths work)
-  /system [TEXT]        set (or show) the system prompt of this conversation
-  /set [NAME VALUE]     set (or show) sampling: temperature, top_k, top_p, min_p, repeat_penalty,
-                        max_tokens (a number, or "context"), seed, speculative (auto, ngram, draft, off)
-  /fork                 branch this conversation here and continue in the branch
-  /new                  start a new conversation
-  /show                 this conversation's id, title and settings
-  /export PATH          write it as Markdown (.md) or JSON (.json)
-  /bye                  leave (also /exit, /quit, Ctrl-D); the engine keeps running
-Start and end a multi-line message with \"\"\". Ctrl-C cancels a reply being written."""
+  /attach PATH...    attach images or audio to the next message
+                     (quoted or escaped paths work)
+  /system [TEXT]     set (or show) the system prompt of this conversation
+  /set [NAME VALUE]  set (or show) sampling: temperature, top_k, top_p, min_p,
+                     repeat_penalty, max_tokens (a number, or "context"),
+                     seed, speculative (auto, ngram, draft, off)
+  /fork              branch this conversation here and continue in the branch
+  /new               start a new conversation
+  /show              this conversation's id, title and settings
+  /export PATH       write it as Markdown (.md) or JSON (.json)
+  /bye               leave (also /exit, /quit, Ctrl-D); the engine keeps
+                     running
+Start and end a multi-line message with \"\"\". Ctrl-C cancels a reply being
+written."""
 
 
 @dataclass(frozen=True)

@@ -142,3 +142,11 @@ def test_conversations_of_an_unknown_id_is_one_line_while_an_engine_runs(engine,
     r = aotx(home, "conversations", cmd, "nope")
     assert r.returncode == 2
     assert one_line(r) == "aotx: no conversation 'nope'; see `aotx conversations list`"
+
+
+def test_repl_help_fits_80_columns():
+    """The `aotx run` chat's /help wrapped mid-word at 80 columns (session 7's trial)."""
+    from aotx.app.repl import HELP
+
+    assert max(len(line) for line in HELP.splitlines()) <= 80
+    assert "/attach" in HELP and "/bye" in HELP and '"""' in HELP
