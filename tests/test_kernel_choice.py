@@ -342,3 +342,30 @@ def test_a_cpu_load_has_no_kernel_choice_note(tiny_gguf, tmp_path):
 
     lm = load_model(tiny_gguf.write_tiny_llama(tmp_path / "t.gguf"), device="cpu")
     assert lm.notes == {}
+
+
+def test_compiling_the_candidates_is_not_charged_to_the_timing_budget(tmp_path):
+    # session 8's H200 run: NVRTC compiled every candidate inside the first site's check
+    # (17-44 s), the 30 s budget was spent after one site and the rest ran their defaults
+    now = [0.0]
+    calls = []
+
+    def prepare():
+        calls.append(now[0])
+        now[0] += 100.0                             # a slow compile
+
+    sites = [site(key=f"s{i}", weight=w)[0] for i, w in enumerate((1.0, 2.0))]
+    res = KC.resolve(sites, KEY, path_in(tmp_path), "auto", budget_s=5.0, clock=lambda: now[0],
+                     prepare=prepare)
+    assert calls == [0.0]
+    assert res.source == {"s0": "tuned", "s1": "tuned"} and res.seconds == 0.0
+
+    # nothing to time (the artifact has both): prepare is not called
+    res = KC.resolve(sites, KEY, path_in(tmp_path), "auto", prepare=prepare)
+    assert calls == [0.0] and res.count("artifact") == 2
+
+    # a failing compile is left to the checks (a candidate that fails is rejected, never fatal)
+    def broken():
+        raise RuntimeError("nvrtc: error")
+    res = KC.resolve([site(key="s9")[0]], KEY, path_in(tmp_path), "force", prepare=broken)
+    assert res.source["s9"] == "tuned"

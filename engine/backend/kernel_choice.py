@@ -282,10 +282,12 @@ def tune_site(site: Site, rounds: int = ROUNDS) -> tuple[str, dict[str, float], 
 
 def resolve(sites: Iterable[Site], key: DeviceKey, path: Path | None, policy: str = "reuse", *,
             budget_s: float = DEFAULT_BUDGET_S, clock: Callable[[], float] = time.monotonic,
-            rounds: int = ROUNDS) -> Resolution:
+            rounds: int = ROUNDS, prepare: Callable[[], object] | None = None) -> Resolution:
     """Choose a candidate for every site (see the module docstring for ``policy``).
     ``path`` None behaves as "off". Never raises for a bad or unwritable artifact: the
-    defaults run and the Resolution says why."""
+    defaults run and the Resolution says why. ``prepare`` (compiling the candidates, say)
+    runs once before the timing budget's clock starts, only when sites will be timed;
+    an error from it is left for the sites' checks to report."""
     if policy not in POLICIES:
         raise ValueError(f"kernel choice policy {policy!r} is not one of {', '.join(POLICIES)}")
     sites = list(sites)
@@ -310,6 +312,11 @@ def resolve(sites: Iterable[Site], key: DeviceKey, path: Path | None, policy: st
         todo.append(s)
     tuned: dict[str, dict] = {}
     if policy in ("auto", "force") and todo:
+        if prepare is not None:
+            try:
+                prepare()
+            except Exception:  # noqa: BLE001 - each candidate's check meets it again and rejects it
+                pass
         t0 = clock()
         for s in sorted(todo, key=lambda s: -s.weight):
             if clock() - t0 > budget_s:

@@ -48,9 +48,20 @@ LLAMA_BIN=$WORK/llama.cpp/build/bin
 if [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -x .gpubench/llama-bin/llama-bench ]; then
   LLAMA_BIN=$ROOT/.gpubench/llama-bin
   LLP=$LLAMA_BIN
-  for f in "$(find_lib libcublas.so.13)" "$(find_lib libcudart.so.13)"; do [ -n "$f" ] && LLP="$LLP:$(dirname "$f")"; done
+  for f in "$(find_lib libcublas.so.13)" "$(find_lib libcudart.so.13)" "$(find_lib libcuda.so.1)"; do
+    [ -n "$f" ] && LLP="$LLP:$(dirname "$f")"
+  done
+  # the machine's own path too: the driver's libcuda.so.1 may be found only through it (session 8's
+  # first H200 call replaced it, and llama.cpp's CUDA backend did not load: "Available devices: (none)")
+  LLP="$LLP${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export LLAMA_LD_LIBRARY_PATH=$LLP
-  LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | tail -4
+  LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -v "^load_backend: loaded CPU" | tail -8
+  if ! LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
+    echo "llama.cpp sees no CUDA device; what the CUDA backend's library lacks:"
+    LD_LIBRARY_PATH=$LLP ldd "$LLAMA_BIN/libggml-cuda.so" 2>&1 | grep -i "not found" | head -5
+    LD_LIBRARY_PATH=$LLP "$PY" -c "import ctypes,sys; ctypes.CDLL(sys.argv[1])" "$LLAMA_BIN/libggml-cuda.so" 2>&1 | tail -2
+    ls -la /usr/local/nvidia/lib64/libcuda.so* 2>&1 | head -3; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+  fi
   echo 0 > "$WORK/llama-build.done"
   echo "llama.cpp prebuilt: $LLAMA_BIN (library path $LLP)"
 elif [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -f .gpubench/llama.cpp-src.tar.xz ] && command -v cmake >/dev/null \

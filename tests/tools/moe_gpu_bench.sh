@@ -99,7 +99,7 @@ if [ -x .gpubench/llama-bin/llama-bench ]; then
   LBIN=$ROOT/.gpubench/llama-bin
   CUBLAS=$(find_lib libcublas.so.13); CUDART=$(find_lib libcudart.so.13)
   LLP=$LBIN
-  for f in "$CUBLAS" "$CUDART"; do [ -n "$f" ] && LLP="$LLP:$(dirname "$f")"; done
+  for f in "$CUBLAS" "$CUDART" "$(find_lib libcuda.so.1)"; do [ -n "$f" ] && LLP="$LLP:$(dirname "$f")"; done
   LLP="$LLP${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   log "llama.cpp prebuilt: $LBIN; libcublas.so.13: ${CUBLAS:-NOT FOUND}; libcudart.so.13: ${CUDART:-NOT FOUND}"
   LD_LIBRARY_PATH=$LLP timeout 60 "$LBIN/llama-bench" --list-devices > "$OUTD/llama-devices.txt" 2>&1
