@@ -78,10 +78,10 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # eager path: long segments' attention runs the flash-style kernel (attn_prefill: tensor cores,
 # no score matrix) at these head dimensions on sm_80 and newer; the cuBLAS path otherwise.
 # FLASH_ATTENTION = False forces the cuBLAS path (tests and tests/tools/cuda_attn_bench.py).
-# Off by default until the kernel has passed its tests on a GPU (written in session 7 without
-# one; tests/test_cuda_flash_attention.py and the benches turn it on).
+# On since session 8's H200 run: within 2.3-2.5e-4 of the cuBLAS path and float64, 6-15x
+# faster at 512-8192 tokens (BENCHMARKS.md, "GPU, 2026-12-06").
 FLASH_HEAD_DIMS = S.FLASH_HEAD_DIMS
-FLASH_ATTENTION = False
+FLASH_ATTENTION = True
 FLASH_ROWS = 64                # query rows per attn_prefill block (FA_BM in cuda_src.py)
 NT = 256                       # threads per block of the elementwise kernels
 PREFILL_FORCED = ("f16", "tf32", "f32", "gemv")
