@@ -57,6 +57,19 @@ if [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -x .gpubench/llama-bin/llama-bench ]; th
   export LLAMA_LD_LIBRARY_PATH=$LLP
   LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -v "^load_backend: loaded CPU" | tail -8
   if ! LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
+    # other homes of the CUDA 13 libraries: the image's pip wheels (nvidia-cublas, nvidia-cuda-runtime), the driver's mount
+    SP=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" 2>/dev/null)
+    for extra in "$(ls -d "$SP"/nvidia/cu13/lib 2>/dev/null | head -1)" \
+                 "$(ls -d "$SP"/nvidia/cublas/lib "$SP"/nvidia/cuda_runtime/lib 2>/dev/null | tr '\n' ':')" \
+                 "/usr/local/nvidia/lib64:/usr/local/nvidia/lib"; do
+      [ -z "$extra" ] && continue
+      TRY="$LLAMA_BIN:$extra:$LLP"
+      if LD_LIBRARY_PATH=$TRY timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
+        LLP=$TRY; export LLAMA_LD_LIBRARY_PATH=$LLP; echo "llama.cpp sees the GPU with $extra first"; break
+      fi
+    done
+  fi
+  if ! LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
     echo "llama.cpp sees no CUDA device; what the CUDA backend's library lacks:"
     LD_LIBRARY_PATH=$LLP ldd "$LLAMA_BIN/libggml-cuda.so" 2>&1 | grep -i "not found" | head -5
     LD_LIBRARY_PATH=$LLP "$PY" -c "import ctypes,sys; ctypes.CDLL(sys.argv[1])" "$LLAMA_BIN/libggml-cuda.so" 2>&1 | tail -2
