@@ -431,6 +431,11 @@ def cmd_run(args) -> int:
     home = work / "aotx-home"
     bindir = Path(args.llama_bin)
 
+    def flush() -> None:
+        """summary.json as it stands (a call cut short still returns what was measured)."""
+        summary["rows"] = rows
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
     def built() -> bool:
         return (bindir / "llama-bench").exists() and (bindir / "llama-batched-bench").exists() and \
             Path(args.build_done).exists() and Path(args.build_done).read_text().strip() == "0"
@@ -465,6 +470,14 @@ def cmd_run(args) -> int:
         log(f"== wrote {name} ({arch or SHAPES_ARCH(name)}): {path.stat().st_size / 1e9:.2f} GB in "
             f"{time.monotonic() - t:.1f} s")
         summary["models"][name] = {"file_bytes": path.stat().st_size, "arch": arch or SHAPES_ARCH(name)}
+        # GPU_BENCH_LLAMA_FIRST=1: llama.cpp on the file before AOTX (a short lease still brings its side back)
+        if os.environ.get("GPU_BENCH_LLAMA_FIRST") == "1" and built() and left() > 60:
+            t = time.monotonic()
+            r = llamacpp_bench(bindir, path, name, min(CAP_SCALE * LLAMA_CAP, left() - 10))
+            rows.setdefault(name, {})["llama.cpp"] = r
+            log(f"== llama.cpp {name} ({time.monotonic() - t:.0f} s, first): prefill {r.get('prefill_tok_s')} "
+                f"decode b1 {r.get('decode_b1_tok_s')} aggregate {r.get('aggregate_tok_s')} [{r.get('build', '?')}]")
+            flush()
         cap = min(CAP_SCALE * AOTX_CAP.get(name, 120), left() - 20)
         t = time.monotonic()
         jf = out / f"aotx_{name}.json"
@@ -491,6 +504,7 @@ def cmd_run(args) -> int:
                         f"{gbs.get(st['default'], '-')}, best {best} {gbs[best]}; b16 {st.get('GBs_b16', '-')}, "
                         f"b64 {st.get('GBs_b64', '-')} GB/s")
         llama_pending(wait=False)
+        flush()
     llama_pending(wait=True)
     if not built():
         done = Path(args.build_done)
