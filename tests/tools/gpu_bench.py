@@ -294,7 +294,7 @@ def llamacpp_bench(bindir: Path, path: Path, name: str, timeout: float) -> dict:
     pin = ["taskset", "-c", f"0-{(os.cpu_count() or 1) - 1}"] if shutil.which("taskset") else []
     llp = os.environ.get("LLAMA_LD_LIBRARY_PATH")     # prebuilt binaries: their CUDA libraries, for them only
     if llp:
-        pin = ["env", f"LD_LIBRARY_PATH={llp}"] + pin
+        pin = ["env", f"LD_LIBRARY_PATH={llp}", f"LD_PRELOAD={os.environ.get('LLAMA_PRELOAD', '')}"] + pin
     t_end = time.monotonic() + timeout
     # FlashAttention off and on: the table takes llama.cpp's better figure of the two
     rc, out, err = _run(pin + [str(bindir / "llama-bench"), "-m", str(path), "-ngl", "99", "-fa", "0,1",

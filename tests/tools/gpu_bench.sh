@@ -43,20 +43,28 @@ find_lib() {
   [ -z "$f" ] && f=$(timeout 40 find / -name "$1" -not -path '/proc/*' -not -path '/sys/*' 2>/dev/null | head -1)
   echo "$f"
 }
+# the driver's libcuda.so.1 (not the toolkit's forward-compatibility copy): the prebuilt libggml-cuda.so
+# calls the driver API (cuMemCreate, ...) without naming libcuda as a dependency (it was linked against a
+# stub), so it is preloaded for llama.cpp's commands (session 8: "undefined symbol: cuMemCreate")
+driver_libcuda() {
+  local d
+  for d in /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu /usr/lib64; do
+    [ -e "$d/libcuda.so.1" ] && { echo "$d/libcuda.so.1"; return; }
+  done
+  ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}'
+}
 rm -f "$WORK/llama-build.done"
 LLAMA_BIN=$WORK/llama.cpp/build/bin
 if [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -x .gpubench/llama-bin/llama-bench ]; then
   LLAMA_BIN=$ROOT/.gpubench/llama-bin
   LLP=$LLAMA_BIN
-  for f in "$(find_lib libcublas.so.13)" "$(find_lib libcudart.so.13)" "$(find_lib libcuda.so.1)"; do
-    [ -n "$f" ] && LLP="$LLP:$(dirname "$f")"
-  done
-  # the machine's own path too: the driver's libcuda.so.1 may be found only through it (session 8's
-  # first H200 call replaced it, and llama.cpp's CUDA backend did not load: "Available devices: (none)")
+  for f in "$(find_lib libcublas.so.13)" "$(find_lib libcudart.so.13)"; do [ -n "$f" ] && LLP="$LLP:$(dirname "$f")"; done
+  export LLAMA_PRELOAD=$(driver_libcuda)
+  # the machine's own path too (where the driver's libraries are)
   LLP="$LLP${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export LLAMA_LD_LIBRARY_PATH=$LLP
-  LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -v "^load_backend: loaded CPU" | tail -8
-  if ! LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
+  LD_LIBRARY_PATH=$LLP LD_PRELOAD=$LLAMA_PRELOAD timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -v "^load_backend: loaded CPU" | tail -8
+  if ! LD_LIBRARY_PATH=$LLP LD_PRELOAD=$LLAMA_PRELOAD timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
     # other homes of the CUDA 13 libraries: the image's pip wheels (nvidia-cublas, nvidia-cuda-runtime), the driver's mount
     SP=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" 2>/dev/null)
     for extra in "$(ls -d "$SP"/nvidia/cu13/lib 2>/dev/null | head -1)" \
@@ -64,19 +72,19 @@ if [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -x .gpubench/llama-bin/llama-bench ]; th
                  "/usr/local/nvidia/lib64:/usr/local/nvidia/lib"; do
       [ -z "$extra" ] && continue
       TRY="$LLAMA_BIN:$extra:$LLP"
-      if LD_LIBRARY_PATH=$TRY timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
+      if LD_LIBRARY_PATH=$TRY LD_PRELOAD=$LLAMA_PRELOAD timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
         LLP=$TRY; export LLAMA_LD_LIBRARY_PATH=$LLP; echo "llama.cpp sees the GPU with $extra first"; break
       fi
     done
   fi
-  if ! LD_LIBRARY_PATH=$LLP timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
+  if ! LD_LIBRARY_PATH=$LLP LD_PRELOAD=$LLAMA_PRELOAD timeout 60 "$LLAMA_BIN/llama-bench" --list-devices 2>&1 | grep -q CUDA0; then
     echo "llama.cpp sees no CUDA device; what the CUDA backend's library lacks:"
     LD_LIBRARY_PATH=$LLP ldd "$LLAMA_BIN/libggml-cuda.so" 2>&1 | grep -i "not found" | head -5
     LD_LIBRARY_PATH=$LLP "$PY" -c "import ctypes,sys; ctypes.CDLL(sys.argv[1])" "$LLAMA_BIN/libggml-cuda.so" 2>&1 | tail -2
     ls -la /usr/local/nvidia/lib64/libcuda.so* 2>&1 | head -3; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
   fi
   echo 0 > "$WORK/llama-build.done"
-  echo "llama.cpp prebuilt: $LLAMA_BIN (library path $LLP)"
+  echo "llama.cpp prebuilt: $LLAMA_BIN (library path $LLP; preloaded ${LLAMA_PRELOAD:-nothing})"
 elif [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -f .gpubench/llama.cpp-src.tar.xz ] && command -v cmake >/dev/null \
    && command -v nvcc >/dev/null; then
   GEN=""; command -v ninja >/dev/null && GEN="-G Ninja"

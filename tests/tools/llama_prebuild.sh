@@ -31,7 +31,12 @@ cmake -S "$SRC" -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCM
   -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_CUDA_NCCL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH='$ORIGIN' -DCUDA_cuda_driver_LIBRARY="$W/stub/libcuda.so" \
-  -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--allow-shlib-undefined
+  -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined \
+  -DCMAKE_SHARED_LINKER_FLAGS="-Wl,--allow-shlib-undefined -Wl,--no-as-needed"
+# --no-as-needed keeps libcuda.so.1 among libggml-cuda.so's dependencies (the stub defines none of the
+# driver calls it makes, so the linker dropped it: on the device "undefined symbol: cuMemCreate").
+# The tarball of session 7 lacks it; gpu_bench.sh and moe_gpu_bench.sh preload the driver's
+# libcuda.so.1 for llama.cpp's commands either way (seen working on an H100, 2026-12-06).
 ninja -C build -j "$(nproc)" llama-bench llama-batched-bench ggml-cuda ggml-cpu-x64 ggml-cpu-haswell \
   ggml-cpu-skylakex ggml-cpu-icelake ggml-cpu-sapphirerapids ggml-cpu-zen4
 rm -rf lb && mkdir lb && cp -a build/bin/* lb/

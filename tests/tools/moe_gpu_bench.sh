@@ -94,21 +94,31 @@ find_lib() {
   [ -z "$f" ] && f=$(timeout 40 find / -name "$1" -not -path '/proc/*' -not -path '/sys/*' 2>/dev/null | head -1)
   echo "$f"
 }
-LBIN=""; LLP=""; BUILD_PID=""
+# the driver's libcuda.so.1 (not the toolkit's forward-compatibility copy): the prebuilt libggml-cuda.so
+# calls the driver API (cuMemCreate, ...) without naming libcuda as a dependency (it was linked against a
+# stub), so it is preloaded for llama.cpp's commands (session 8: "undefined symbol: cuMemCreate")
+driver_libcuda() {
+  local d
+  for d in /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu /usr/lib64; do
+    [ -e "$d/libcuda.so.1" ] && { echo "$d/libcuda.so.1"; return; }
+  done
+  ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}'
+}
+LBIN=""; LLP=""; BUILD_PID=""; LPRE=$(driver_libcuda)
 if [ -x .gpubench/llama-bin/llama-bench ]; then
   LBIN=$ROOT/.gpubench/llama-bin
   CUBLAS=$(find_lib libcublas.so.13); CUDART=$(find_lib libcudart.so.13)
   LLP=$LBIN
-  for f in "$CUBLAS" "$CUDART" "$(find_lib libcuda.so.1)"; do [ -n "$f" ] && LLP="$LLP:$(dirname "$f")"; done
+  for f in "$CUBLAS" "$CUDART"; do [ -n "$f" ] && LLP="$LLP:$(dirname "$f")"; done
   LLP="$LLP${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   log "llama.cpp prebuilt: $LBIN; libcublas.so.13: ${CUBLAS:-NOT FOUND}; libcudart.so.13: ${CUDART:-NOT FOUND}"
-  LD_LIBRARY_PATH=$LLP timeout 60 "$LBIN/llama-bench" --list-devices > "$OUTD/llama-devices.txt" 2>&1
+  LD_LIBRARY_PATH=$LLP LD_PRELOAD=$LPRE timeout 60 "$LBIN/llama-bench" --list-devices > "$OUTD/llama-devices.txt" 2>&1
   rc=$?
   if grep -qi "cuda" "$OUTD/llama-devices.txt"; then
     log "llama.cpp devices (rc $rc): $(grep -i cuda "$OUTD/llama-devices.txt" | head -3 | tr '\n' ' ')"
   else
     log "WARNING llama-bench --list-devices (rc $rc) names no CUDA device: $(tail -5 "$OUTD/llama-devices.txt" | tr '\n' ' ')"
-    LD_LIBRARY_PATH=$LLP ldd "$LBIN/llama-bench" "$LBIN"/libggml-cuda*.so 2>&1 | grep -i "not found" | head -5 >&2
+    LD_LIBRARY_PATH=$LLP LD_PRELOAD=$LPRE ldd "$LBIN/llama-bench" "$LBIN"/libggml-cuda*.so 2>&1 | grep -i "not found" | head -5 >&2
   fi
 elif [ -z "$FAKE" ] && [ -f .gpubench/llama.cpp-src.tar.xz ] && command -v cmake >/dev/null && command -v nvcc >/dev/null; then
   # the old way: build in the background (cores 8..), run after AOTX if done in time
@@ -163,14 +173,14 @@ run_llama() {          # $1: seconds it may take in all
   for n in $NCMOE_LIST; do
     t=$(( lend - $(date +%s) )); [ "$t" -lt 15 ] && { log "llama-bench -ncmoe $n: skipped (time)"; continue; }
     log "llama-bench -ncmoe $n (${t} s at most)"
-    LD_LIBRARY_PATH=$LLP $PIN_BENCH timeout "$(cap "$t" 70)" "$LBIN/llama-bench" -m "$F" -ngl 99 -ncmoe "$n" -fa 0 \
+    LD_LIBRARY_PATH=$LLP LD_PRELOAD=$LPRE $PIN_BENCH timeout "$(cap "$t" 70)" "$LBIN/llama-bench" -m "$F" -ngl 99 -ncmoe "$n" -fa 0 \
       -t "$BT" -p 512 -n 16 -r 2 -o jsonl >> "$OUTD/llama.jsonl" 2>> "$WORK/llama.err"
     log "llama-bench -ncmoe $n exit $?"
   done
   for n in $NCMOE_LIST; do
     t=$(( lend - $(date +%s) )); [ "$t" -lt 12 ] && { log "llama-batched-bench -ncmoe $n: skipped (time)"; continue; }
     log "llama-batched-bench -ncmoe $n (${t} s at most)"
-    LD_LIBRARY_PATH=$LLP $PIN_BENCH timeout "$(cap "$t" 45)" "$LBIN/llama-batched-bench" -m "$F" -ngl 99 -ncmoe "$n" \
+    LD_LIBRARY_PATH=$LLP LD_PRELOAD=$LPRE $PIN_BENCH timeout "$(cap "$t" 45)" "$LBIN/llama-batched-bench" -m "$F" -ngl 99 -ncmoe "$n" \
       -fa off -t "$BT" -tb "$BT" -c 4096 -b 2048 -ub 512 -npp 32 -ntg 8 -npl 16 --output-format jsonl 2>> "$WORK/llama.err" \
       | sed "s/^{/{\"n_cpu_moe_batched\": $n, /" >> "$OUTD/llama_batched.jsonl"
     log "llama-batched-bench -ncmoe $n exit ${PIPESTATUS[0]}"
