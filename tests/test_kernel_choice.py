@@ -359,6 +359,8 @@ def test_compiling_the_candidates_is_not_charged_to_the_timing_budget(tmp_path):
                      prepare=prepare)
     assert calls == [0.0]
     assert res.source == {"s0": "tuned", "s1": "tuned"} and res.seconds == 0.0
+    assert res.prepare_s == 100.0
+    assert "2 timed now in 0.0 s after 100.0 s compiling the candidates" in res.summary()
 
     # nothing to time (the artifact has both): prepare is not called
     res = KC.resolve(sites, KEY, path_in(tmp_path), "auto", prepare=prepare)
