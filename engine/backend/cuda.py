@@ -74,6 +74,12 @@ class CudaBackend:
     against the graph's 0.72) never; ``persistent_bps`` blocks per multiprocessor (at most
     what fits at once), ``persistent_wpp`` warps per GEMV row pair of its GEMV blocks (1, 2, 4),
     ``persistent_prefetch`` each step asks L2 for the next step's weights.
+    ``gemm_min_rows``: batches of at least this many rows (decode ticks of many slots
+    included) run the eager path, tensor-core GEMMs over dequantized weights, instead of the
+    captured graph of GEMVs, which reads the weights once per 16-row block (an 8B model at
+    64 rows: 0.45x llama.cpp's aggregate on an H100). None (the default): the graph up to
+    its largest bucket. A measurement knob, not batch-invariant: a row's bits depend on
+    whether its batch reached the threshold.
 
     Raises ModelError when CuPy sees no CUDA device."""
 
@@ -85,7 +91,8 @@ class CudaBackend:
                  prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
                  dense_prefill: bool = True, int8_activations: bool = False,
                  int8_min_bytes: int | None = None, persistent: str = "off", persistent_bps: int = 2,
-                 persistent_wpp: int = 1, persistent_prefetch: bool = True) -> None:
+                 persistent_wpp: int = 1, persistent_prefetch: bool = True,
+                 gemm_min_rows: int | None = None) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
@@ -120,6 +127,9 @@ class CudaBackend:
         self.persistent_bps = int(persistent_bps)
         self.persistent_wpp = int(persistent_wpp)
         self.persistent_prefetch = bool(persistent_prefetch)
+        if gemm_min_rows is not None and int(gemm_min_rows) < 2:
+            raise ValueError(f"gemm_min_rows {gemm_min_rows!r}: at least 2 (None: off)")
+        self.gemm_min_rows = None if gemm_min_rows is None else int(gemm_min_rows)
 
     def device_key(self) -> kernel_choice.DeviceKey:
         """The kernel-choice artifact key of this device and build: GPU name, driver and

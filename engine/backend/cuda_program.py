@@ -1670,6 +1670,9 @@ class CudaProgram:
         n = int(layout.n_rows)
         if n == 0 or n > self._state(kv).b_max:
             return False
+        gm = getattr(self.backend, "gemm_min_rows", None)    # opt-in: many rows on the eager path's GEMMs
+        if gm is not None and n >= gm:
+            return False
         segs = layout.segments
         if len(segs) == 1:
             return True

@@ -253,6 +253,27 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
         dt = time.perf_counter() - t
         res["aggregate_tok_s"][str(B)] = round(B * 32 / dt, 1)
         res["tick_device_ms"][str(B)] = round(_replay_ms(cp, prog._state(kvb).graphs[(B, B)], kvb.stream), 4)
+    # AOTX_BENCH_GEMM_ROWS=N: the same decode steps again with CudaBackend(gemm_min_rows=N)
+    # (batches of N+ rows on the eager path's tensor-core GEMMs, not the graph of GEMVs)
+    gm = os.environ.get("AOTX_BENCH_GEMM_ROWS")
+    if gm:
+        res["aggregate_gemm_tok_s"], saved_gm = {}, be.gemm_min_rows
+        be.gemm_min_rows = int(gm)
+        try:
+            for B in (16, 64):
+                cur = toks(B)
+                for rep in range(17):
+                    if rep == 1:
+                        cp.cuda.Device().synchronize()
+                        t = time.perf_counter()
+                    cur = model.greedy(cur, [Segment(s, pos[s], 1) for s in range(B)], kvb)
+                    for s in range(B):
+                        pos[s] += 1
+                res["aggregate_gemm_tok_s"][str(B)] = round(B * 16 / (time.perf_counter() - t), 1)
+        except Exception as e:  # noqa: BLE001 - a measurement's failure is a line, not the run's end
+            res["aggregate_gemm_error"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            be.gemm_min_rows = saved_gm
     del kvb
 
     # every GEMV site at batch 1: GB/s of each candidate the tuner timed
@@ -349,10 +370,17 @@ def table(rows: dict, out: Path) -> None:
                ("prefill 2048 tok/s", lambda r: r["prefill_tok_s"]["2048"]),
                ("decode b1 tok/s", lambda r: r["decode_b1_tok_s"]),
                ("aggregate 16 tok/s", lambda r: r["aggregate_tok_s"]["16"]),
-               ("aggregate 64 tok/s", lambda r: r["aggregate_tok_s"]["64"])]
+               ("aggregate 64 tok/s", lambda r: r["aggregate_tok_s"]["64"]),
+               # AOTX_BENCH_GEMM_ROWS: AOTX's decode ticks on the eager path's GEMMs, against llama.cpp's aggregates
+               ("aggregate 16, GEMMs", lambda r: r["aggregate_gemm_tok_s"]["16"] if "engine" in r and
+                r["engine"] == "aotx" else r["aggregate_tok_s"]["16"]),
+               ("aggregate 64, GEMMs", lambda r: r["aggregate_gemm_tok_s"]["64"] if "engine" in r and
+                r["engine"] == "aotx" else r["aggregate_tok_s"]["64"])]
     for name, r in rows.items():
         a, l = r.get("aotx", {}), r.get("llama.cpp", {})
         for label, get in metrics:
+            if label.endswith("GEMMs") and "aggregate_gemm_tok_s" not in a:
+                continue
             def val(d):
                 try:
                     return float(get(d))
@@ -494,7 +522,9 @@ def cmd_run(args) -> int:
                 f"invariant 512 {r['prefill_invariant_512_tok_s']}; decode b1 {r['decode_b1_tok_s']} tok/s "
                 f"({r['decode_b1_device_ms']} ms device, {r['decode_b1_GBs']} GB/s = "
                 f"{100 * r['decode_b1_bw_fraction']:.0f}% of copy {r['copy_GBs']}); aggregate "
-                f"{r['aggregate_tok_s']} (tick {r['tick_device_ms']} ms); prefill GEMM modes {r['prefill_modes']}")
+                f"{r['aggregate_tok_s']} (tick {r['tick_device_ms']} ms)"
+                + (f", on the GEMMs {r.get('aggregate_gemm_tok_s')} {r.get('aggregate_gemm_error', '')}"
+                   if "aggregate_gemm_tok_s" in r else "") + f"; prefill GEMM modes {r['prefill_modes']}")
             for site, st in r["gemv_sites"].items():
                 gbs = st.get("GBs", {})
                 if gbs:

@@ -10,8 +10,9 @@
 # Run from the repository root, after tests/tools/gpu_bench_prep.sh here:
 #   PYTHONUNBUFFERED=1 bash tests/tools/gpu_bench.sh          carry: [".whl", ".gpubench"]
 # Knobs: GPU_BENCH_DEADLINE (seconds, default 560), GPU_BENCH_MODELS (comma list),
-# GPU_BENCH_TESTS (1/0), GPU_BENCH_LLAMA (1/0). Files under $OUT: table.txt, summary.json,
-# pytest.log, aotx_*.json, llama-build.log (tail).
+# GPU_BENCH_TESTS (1/0), GPU_BENCH_LLAMA (1/0), GPU_BENCH_LLAMA_FIRST (1: llama.cpp before AOTX on each file);
+# AOTX_BENCH_GEMM_ROWS=16 also times the aggregates on the eager path's GEMMs (CudaBackend(gemm_min_rows)).
+# Files under $OUT: table.txt, summary.json, pytest.log, aotx_*.json, llama-build.log (tail).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # prebuilt llama.cpp carried compressed (the tree that travels is limited): unpack once

@@ -94,6 +94,8 @@ def main() -> int:
         for kv_type in ("f16", "f32"):          # the persistent decode step (cuda_persistent) at buckets 1-8
             scenarios.append((f"{name} persistent step, kv {kv_type}", name, {"persistent": "on"}, kv_type))
         scenarios.append((f"{name} prefill tiles (no dense copies)", name, {"dense_prefill": False}, "f16"))
+        # gemm_min_rows: batches of 3+ rows (the 3-slot decode, the 40-row chunk) on the eager path's GEMMs
+        scenarios.append((f"{name} gemm_min_rows 3", name, {"gemm_min_rows": 3}, "f16"))
     variants = sorted({c for b in CC.TUNE_BUCKETS for norm in (False, True) for c in CC.gemv_candidates(b, norm)})
     for v in variants:
         scenarios.append((f"q4k gemv {v}", "q4k", {"gemv": v, "prefill": "gemv"}, "f16"))
