@@ -124,7 +124,13 @@ def close_matches(name: str, names: list[str], n: int = 3) -> list[str]:
     low = {x.lower(): x for x in names}
     subs = [x for x in names if name.lower() in x.lower() or x.lower() in name.lower()]
     fuzzy = [low[x] for x in difflib.get_close_matches(name.lower(), list(low), n=n, cutoff=0.5)]
-    return list(dict.fromkeys(subs + fuzzy))[:n]
+    # a mistyped short form of a long name ("smolm2" for "SmolLM2-135M-Instruct.Q4_1"): its head
+    head = {}
+    for x in names:
+        head.setdefault(x.lower()[:len(name) + 1], x)
+    heads = [head[x] for x in difflib.get_close_matches(name.lower(), list(head), n=n, cutoff=0.8)] \
+        if len(name) >= 4 else []
+    return list(dict.fromkeys(subs + fuzzy + heads))[:n]
 
 
 # ---- argparse messages in the user's words (aotx and aotx-chat) ----------------------------

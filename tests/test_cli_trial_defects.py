@@ -150,3 +150,12 @@ def test_repl_help_fits_80_columns():
 
     assert max(len(line) for line in HELP.splitlines()) <= 80
     assert "/attach" in HELP and "/bye" in HELP and '"""' in HELP
+
+
+def test_tokenize_with_a_mistyped_model_name_suggests_the_close_one(tmp_path, default_model_path):
+    # session 7's new-user trial: `aotx tokenize --model smolm2` named no model to try instead
+    r = aotx(tmp_path, "tokenize", "--model", "smolm2", "hi")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"did you mean {default_model_path.stem}?" in one_line(r)
+    r = aotx(tmp_path, "tokenize", "--model", "zzzz", "hi")
+    assert r.returncode == 2 and "did you mean" not in one_line(r)

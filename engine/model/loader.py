@@ -66,7 +66,28 @@ def resolve_model_path(arg: str | os.PathLike[str] | None) -> Path:
     for cand in (paths.models_dir() / str(arg), paths.models_dir() / f"{arg}.gguf"):
         if cand.exists():
             return cand
-    raise ModelError(f"{arg}: no such model file (looked at the path and in {paths.models_dir()})")
+    raise ModelError(f"{arg}: no such model file (looked at the path and in {paths.models_dir()})"
+                     + _did_you_mean(str(arg), paths.models_dir()))
+
+
+def _did_you_mean(arg: str, folder: Path) -> str:
+    """"; did you mean NAME?" for a bare name close to the default model's or a file's in the
+    models folder (the names ``aotx models`` lists), else ""."""
+    from aotx.engine.errors import close_matches
+
+    if looks_like_path(arg):
+        return ""
+    names = []
+    try:
+        names.append(default_model_path().stem)
+    except ModelError:
+        pass
+    try:
+        names += sorted(f.stem for f in folder.glob("*.gguf"))
+    except OSError:
+        pass
+    near = close_matches(arg, list(dict.fromkeys(names)))
+    return f"; did you mean {' or '.join(near)}?" if near else ""
 
 
 def looks_like_path(arg: str) -> bool:
