@@ -220,7 +220,14 @@ def build_engine(args, progress=None):
                             prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
                             draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (),
                             kv_type=kv_type)
-    if getattr(getattr(lm.model, "program", None), "moe_nodes", lambda: [])():
+    ec = getattr(args, "expert_cache", None)
+    is_moe = bool(getattr(getattr(lm.model, "program", None), "moe_nodes", lambda: [])())
+    if ec not in (None, "static") and not is_moe:
+        # said, not refused: the flag is harmless here (llama.cpp's --n-cpu-moe on a dense file says nothing)
+        who = getattr(lm.config, "name", "") or "the model"
+        lm.notes["experts"] = f"--expert-cache {ec} has no effect: {who} has no mixture-of-experts layers"
+        log.warning("%s", lm.notes["experts"])
+    if is_moe:
         budget = place_experts(args, lm, device, budget, lambda cache: admission.plan(
             lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk, journal_bytes, total,
             capsule_bytes=capsule_host if device != "cuda" else 0,

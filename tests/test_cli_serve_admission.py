@@ -140,3 +140,22 @@ def test_an_attachment_that_cannot_be_used_refuses_the_message(tiny, tmp_path, m
     finally:
         eng.stop()
         store.close()
+
+
+def test_expert_cache_on_a_dense_model_is_said_not_silent(tiny, tmp_path, monkeypatch, caplog):
+    # session 7's new-user trial: `--expert-cache lfu` on a dense model passed without a word
+    monkeypatch.setenv("AOTX_HOME", str(tmp_path))
+    caplog.set_level(logging.WARNING, logger="aotx.serve")
+    eng, store = build(serve_args(tiny, expert_cache="lfu"))
+    try:
+        said = [r.getMessage() for r in caplog.records if "--expert-cache" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("--expert-cache lfu has no effect:") \
+            and said[0].endswith("has no mixture-of-experts layers"), said
+    finally:
+        store.close()
+    caplog.clear()
+    eng, store = build(serve_args(tiny, expert_cache="static"))      # the default: nothing to say
+    try:
+        assert not [r for r in caplog.records if "--expert-cache" in r.getMessage()]
+    finally:
+        store.close()
