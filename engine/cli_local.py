@@ -114,13 +114,26 @@ def cmd_logits(args) -> int:
         top = np.argpartition(-row, k - 1)[:k]
         top = top[np.lexsort((top, -row[top]))]
         rows.append({"pos": pos, "input_id": ids[pos], "top": [[int(i), round(float(row[i]), 4)] for i in top]})
+    def piece(i: int) -> str:
+        """The text token i stands for (token_to_piece is the vocabulary's spelling: "Ġis")."""
+        b = lm.tokenizer.token_bytes(i)
+        return b.decode("utf-8", "replace") if b else lm.tokenizer.token_to_piece(i)
     if args.json:
+        for r in rows:       # each id's text too (the ids alone meant nothing to a reader)
+            r["input_text"] = piece(r["input_id"])
+            r["top_texts"] = [piece(i) for i, _ in r["top"]]
         _jprint({"ids": ids, "positions": rows})
     else:
         for r in rows:
-            pairs = "  ".join(f"{i}:{v:.3f}" for i, v in r["top"])
-            print(f"{r['pos']:>5} {r['input_id']:>7} -> {pairs}")
+            pairs = "  ".join(f"{i} {_shown(piece(i))}:{v:.3f}" for i, v in r["top"])
+            print(f"{r['pos']:>5} {r['input_id']:>7} {_shown(piece(r['input_id']))} -> {pairs}")
     return 0
+
+
+def _shown(text: str, width: int = 12) -> str:
+    """A token's text quoted with its spaces and control characters visible, cut to ``width``."""
+    q = repr(text)
+    return q if len(q) <= width else q[:width - 2] + "…" + q[-1]
 
 
 def cmd_bench(args) -> int:

@@ -159,3 +159,16 @@ def test_tokenize_with_a_mistyped_model_name_suggests_the_close_one(tmp_path, de
     assert f"did you mean {default_model_path.stem}?" in one_line(r)
     r = aotx(tmp_path, "tokenize", "--model", "zzzz", "hi")
     assert r.returncode == 2 and "did you mean" not in one_line(r)
+
+
+def test_logits_show_each_tokens_text_beside_its_id(tmp_path, default_model_path):
+    # session 7's new-user trial: `aotx logits` printed ids only
+    r = aotx(tmp_path, "logits", "--top", "3", "The capital of France is")
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert "' is' -> 7042 ' Paris':" in last, last
+    r = aotx(tmp_path, "logits", "--top", "3", "--json", "The capital of France is")
+    import json
+
+    row = json.loads(r.stdout)["positions"][-1]
+    assert row["input_text"] == " is" and row["top_texts"][0] == " Paris" and row["top"][0][0] == 7042
