@@ -261,6 +261,17 @@ def build_engine(args, progress=None):
     return eng, store
 
 
+class _Notices(logging.Handler):
+    """Collects the warnings logged while the engine loads (``Welcome.notices``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def serve(args) -> int:
     """Run the engine until SIGTERM/SIGINT. Returns the exit code."""
     from aotx.engine import paths
@@ -286,11 +297,15 @@ def serve(args) -> int:
     lock = SocketLock(sock)
     lock.acquire()
     log.info("engine pid %d, socket %s", os.getpid(), sock)
+    said = _Notices()       # the load's warnings, for the Welcome of every client
+    logging.getLogger("aotx").addHandler(said)
     try:
         eng, store = build_engine(args, progress=lambda stage, s: log.info("load %-9s %.3f s", stage, s))
     except BaseException:
         lock.release()
         raise
+    finally:
+        logging.getLogger("aotx").removeHandler(said)
     lm = eng.lm
     log.info("model %s (%s, %d layers), device %s, %d slots x %d tokens", lm.name, lm.config.arch,
              lm.config.n_layers, eng.device, eng.n_slots, eng.n_ctx)
@@ -306,7 +321,7 @@ def serve(args) -> int:
         return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=eng.models.default_name,
                          device=eng.device, ready=eng.ready, pid=os.getpid(), journal=store.journaled,
                          draft_model=d.draft.lm.name if d is not None and d.draft else "",
-                         models=list(eng.models.loaded),
+                         models=list(eng.models.loaded), notices=said.lines[:8],
                          tool_format=tool_calls.family_of(template.source) if template is not None else "hermes")
 
     # The socket server runs on an asyncio loop in a thread; the tick loop runs here, on

@@ -172,3 +172,19 @@ def test_logits_show_each_tokens_text_beside_its_id(tmp_path, default_model_path
 
     row = json.loads(r.stdout)["positions"][-1]
     assert row["input_text"] == " is" and row["top_texts"][0] == " Paris" and row["top"][0][0] == 7042
+
+
+def test_run_that_starts_an_engine_says_the_engines_context_clamp(tmp_path, default_model_path):
+    # session 7's new-user trial: `--context` past the model's trained context was capped with a
+    # note only in engine.log, which a user of `aotx run` never sees
+    try:
+        r = aotx(tmp_path, "run", "--context", "99999", "--max-tokens", "2", "--temperature", "0", "hi", timeout=200)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("aotx: engine: ")]
+        assert len(lines) == 1 and "--context 99999 is more than the 8192 tokens" in lines[0] \
+            and lines[0].endswith("using 8192"), r.stderr
+        # a second client of the same engine (it did not start it) says nothing again
+        r = aotx(tmp_path, "run", "--max-tokens", "2", "--temperature", "0", "hi", timeout=200)
+        assert r.returncode == 0 and "aotx: engine: " not in r.stderr, r.stderr
+    finally:
+        aotx(tmp_path, "stop", timeout=60)

@@ -89,9 +89,14 @@ class EngineClient:
         while True:
             await asyncio.sleep(0.05)
             try:
-                return await cls._open(sock, client_name)
+                client = await cls._open(sock, client_name)
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):
                 pass
+            else:
+                if on_spawn:            # what the engine it started said while loading (its log is out of sight)
+                    for line in client.welcome.notices:
+                        on_spawn(f"engine: {line}")
+                return client
             code = None if winner else proc.poll()
             if winner and not _socket_lock_held(sock):
                 raise EngineError(f"the engine that was starting on {sock} stopped before answering "

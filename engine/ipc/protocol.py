@@ -456,6 +456,10 @@ class Welcome(_Base, tag="welcome"):
     # family); "" from an engine that does not say (the gateway assumes "hermes")
     tool_format: str = ""
     models: list[str] = []  # every loaded model (``model`` is the default one)
+    # what the engine said at startup that changes what the user asked for (a --context past
+    # the model's, a --memory-budget past the machine's, ...): a client that started the
+    # engine prints them, since the engine's own log is out of sight
+    notices: list[str] = []
 
 
 class Error(_Base, tag="error"):
