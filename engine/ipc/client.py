@@ -377,11 +377,19 @@ class CancelOnSignal:
         return self
 
     def __exit__(self, *exc) -> None:
+        first = self.signum if self.signum in (signal.SIGTERM, signal.SIGHUP) else 0
         for sig in self._installed:
             try:
                 self._loop.remove_signal_handler(sig)
             except (NotImplementedError, RuntimeError, ValueError):
-                pass
+                continue
+            if first and sig != signal.SIGINT:
+                # the process is on its way out with the first signal's code: a second signal
+                # arriving after the reply ended must not kill it by the default action (SIGHUP's
+                # is death: exit -1 instead of 143, a flaky test_a_second_signal_keeps_the_first_ones_
+                # exit_code). Ignored, not a Python handler: the interpreter's shutdown resets Python
+                # handlers to the default before it ends, and leaves SIG_IGN alone.
+                signal.signal(sig, signal.SIG_IGN)
 
     @property
     def exit_code(self) -> int:
