@@ -21,19 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli_support
 from tests.gateway_support import start_engine, stop_engine
 
 
-def aotx(home: Path, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    e = dict(os.environ, AOTX_HOME=str(home), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], env=e, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def one_line(r: subprocess.CompletedProcess) -> str:
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    return lines[0]
+aotx, one_line = cli_support.aotx, cli_support.one_line
 
 
 @pytest.fixture(scope="module")

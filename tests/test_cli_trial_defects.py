@@ -19,21 +19,15 @@ import pytest
 
 from aotx.engine.cli import join_negative_values
 from aotx.engine.units import short_title
+from tests import cli_support
 from tests.gateway_support import start_engine, stop_engine
 
 
-def aotx(home: Path, *args: str, timeout: float = 120, env: dict | None = None, drop=()) -> subprocess.CompletedProcess:
-    e = dict(os.environ, AOTX_HOME=str(home), **(env or {}))
-    for k in drop:
-        e.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], env=e, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+def aotx(home: Path, *args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return cli_support.aotx(home, *args, timeout=timeout, **kw)
 
 
-def one_line(r: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    return lines[0]
+one_line = cli_support.one_line
 
 
 @pytest.mark.parametrize("args,says", [

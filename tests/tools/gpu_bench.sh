@@ -35,25 +35,7 @@ fi
 
 # 1. llama.cpp: prebuilt (.gpubench/llama-bin: built elsewhere for sm_90 and CUDA 13, RPATH $ORIGIN; the
 #    device's own cuBLAS and CUDA runtime put on ITS library path only), else built here in the background
-find_lib() {
-  local d f
-  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
-    [ -e "$d/$1" ] && { echo "$d/$1"; return; }
-  done
-  f=$(timeout 20 find /opt /usr/local /usr/lib /usr/lib64 -name "$1" 2>/dev/null | head -1)
-  [ -z "$f" ] && f=$(timeout 40 find / -name "$1" -not -path '/proc/*' -not -path '/sys/*' 2>/dev/null | head -1)
-  echo "$f"
-}
-# the driver's libcuda.so.1 (not the toolkit's forward-compatibility copy): the prebuilt libggml-cuda.so
-# calls the driver API (cuMemCreate, ...) without naming libcuda as a dependency (it was linked against a
-# stub), so it is preloaded for llama.cpp's commands (session 8: "undefined symbol: cuMemCreate")
-driver_libcuda() {
-  local d
-  for d in /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu /usr/lib64; do
-    [ -e "$d/libcuda.so.1" ] && { echo "$d/libcuda.so.1"; return; }
-  done
-  ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}'
-}
+. tests/tools/gpu_common.sh      # find_lib, driver_libcuda
 rm -f "$WORK/llama-build.done"
 LLAMA_BIN=$WORK/llama.cpp/build/bin
 if [ "${GPU_BENCH_LLAMA:-1}" = 1 ] && [ -x .gpubench/llama-bin/llama-bench ]; then
