@@ -97,8 +97,6 @@ def check_engine_flags(args) -> None:
     """The engine flags a client can check itself, checked before it connects: one line
     and exit 2 whether an engine runs (it would ignore them) or would be started (it would
     exit with the reason after a 'started an engine' line). Raises UsageError."""
-    from pathlib import Path
-
     from aotx.engine.units import parse_duration
 
     budget = getattr(args, "memory_budget", None)
