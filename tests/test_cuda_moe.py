@@ -12,7 +12,9 @@ with both KV types, and greedy device sampling equal to the argmax of those logi
 GPU expert tier: the same logits (against the CPU) with every expert on the GPU, a mix,
 and every expert on the CPU, each tier computing exactly the pairs placed on it; the
 tier's grouped launches giving the bits of its per-expert launches (layer calls and
-logits); the calibration timing the GPU tier and placing by it.
+logits); the calibration timing the GPU tier and placing by it; with every expert on the
+GPU, the device moe step (routing and join on the device, decode in a graph): batch-invariant
+and within rounding of the host step.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def moe_files(tiny_models, tmp_path_factory):
             "gptoss": tiny_models.gptoss.write(root / "gptoss.gguf", tok)}
 
 
-def _build(path, device: str):
+def _build(path, device: str, **cuda_kw):
     from aotx.engine.model.architectures import build
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
@@ -80,7 +82,7 @@ def _build(path, device: str):
     else:
         from aotx.engine.backend.cuda import CudaBackend
 
-        be = CudaBackend(prefill="f32", expert_int8=False)
+        be = CudaBackend(prefill="f32", expert_int8=False, **cuda_kw)
     return build(cfg, gf, be)
 
 
@@ -236,6 +238,44 @@ def test_cuda_gpu_expert_tier_gives_the_cpu_logits_whatever_the_placement(moe_fi
         assert worst[placement] <= REL_TOL["f32"], f"{placement}: worst ||cuda - cpu|| / ||cpu|| {worst[placement]:.2e}"
     print(f"{name} GPU expert tier, worst relative logits error vs the CPU: "
           + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "gptoss"])
+def test_cuda_device_moe_step_is_batch_invariant_and_matches_the_host_step(moe_files, name):
+    """Every expert on the GPU: each moe layer runs as the device step (router, routing,
+    experts and join on the device; decode captured in a graph). Three slots with the same
+    prompt decoding the same token give the same logits bits in one batch (graph bucket 4),
+    alone (bucket 1); and these and a 9-token chunk's logits are within rounding of the
+    host step's (CudaBackend(moe_device=False), the same placement)."""
+    from aotx.engine.model import experts as X
+
+    rng = np.random.default_rng(11)
+    prompt, nxt = rng.integers(0, VOCAB, 8).astype(np.int32), rng.integers(0, VOCAB, 1).astype(np.int32)
+    runs = {}
+    for dev in (True, False):
+        m = _build(moe_files[name], "cuda", moe_device=dev)
+        c = m.compiled
+        c.place_experts(X.Plan(_tiers(m, "gpu")))
+        assert all(st.device_ready() for st in c.moe_steps) == dev, [st.dev_why for st in c.moe_steps]
+        kv = m.new_kv_cache(4, 64)
+        for slot in range(3):
+            m.forward(prompt, [Segment(slot, 0, 8)], kv)
+        batch = m.forward(np.repeat(nxt, 3), [Segment(s, 8, 1) for s in range(3)], kv)
+        kv1 = m.new_kv_cache(4, 64)
+        m.forward(prompt, [Segment(1, 0, 8)], kv1)
+        alone = m.forward(nxt, [Segment(1, 8, 1)], kv1)
+        kv2 = m.new_kv_cache(4, 64)
+        chunk = m.forward(np.concatenate([prompt, nxt]), [Segment(2, 0, 9)], kv2)
+        runs[dev] = (batch, alone, chunk)
+        if dev:
+            assert np.array_equal(batch[0], batch[1]) and np.array_equal(batch[1], batch[2]), \
+                "the same row gives other bits at another place in the batch"
+            assert np.array_equal(batch[1], alone[0]), "a decode row alone differs from the same row in a batch"
+    for a, b in zip(runs[True], runs[False]):
+        rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+        assert rel <= REL_TOL["f32"], f"device step vs host step: {rel:.2e}"
 
 
 def _layer_pairs(st, x_host: np.ndarray) -> list:

@@ -80,6 +80,9 @@ class CudaBackend:
     64 rows: 0.45x llama.cpp's aggregate on an H100). None (the default): the graph up to
     its largest bucket. A measurement knob, not batch-invariant: a row's bits depend on
     whether its batch reached the threshold.
+    ``moe_device``: a mixture-of-experts layer whose experts are all on the GPU tier runs
+    as a device step (router, routing, experts and join on the device, captured in the
+    decode graph; default); False: every moe layer runs as the host step (comparisons).
 
     Raises ModelError when CuPy sees no CUDA device."""
 
@@ -92,7 +95,7 @@ class CudaBackend:
                  dense_prefill: bool = True, int8_activations: bool = False,
                  int8_min_bytes: int | None = None, persistent: str = "off", persistent_bps: int = 2,
                  persistent_wpp: int = 1, persistent_prefetch: bool = True,
-                 gemm_min_rows: int | None = None) -> None:
+                 gemm_min_rows: int | None = None, moe_device: bool = True) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
@@ -127,6 +130,7 @@ class CudaBackend:
         self.persistent_bps = int(persistent_bps)
         self.persistent_wpp = int(persistent_wpp)
         self.persistent_prefetch = bool(persistent_prefetch)
+        self.moe_device = bool(moe_device)
         if gemm_min_rows is not None and int(gemm_min_rows) < 2:
             raise ValueError(f"gemm_min_rows {gemm_min_rows!r}: at least 2 (None: off)")
         self.gemm_min_rows = None if gemm_min_rows is None else int(gemm_min_rows)

@@ -807,6 +807,7 @@ class _GpuExperts:
         self.act = attrs["act"]
         self.on = np.zeros(self.E, bool)
         self.slot = np.full(self.E, -1, np.int64)
+        self.slot_dev = None             # slot as a device int32 array (moe_tiles reads it)
         self.ids: list[int] = []
         self.nbytes = 0
         self.rows = 0                    # (row, expert) pairs computed here since load
@@ -875,10 +876,14 @@ class _GpuExperts:
         """Hold exactly the experts ``ids`` on the device (those already here are uploaded
         again: placement happens at load). Returns the device bytes they take."""
         ids = sorted({int(e) for e in ids})
+        drop = getattr(self.prog, "drop_graphs", None)
+        if drop is not None:
+            drop()                       # graphs of the device-resident moe step name the old stacks
         self.w, self.b = None, (None, None, None)
         self._args = {}
         self.on[:] = False
         self.slot[:] = -1
+        self.slot_dev = None
         self.ids, self.nbytes = [], 0
         if not ids:
             return 0
@@ -892,6 +897,7 @@ class _GpuExperts:
             bs.append(cp.asarray(np.ascontiguousarray(v[ids], np.float32)) if v is not None else None)
         self.b = tuple(bs)
         self.slot[ids] = np.arange(len(ids))
+        self.slot_dev = cp.asarray(self.slot.astype(np.int32))
         self.on[ids] = True
         self.ids = ids
         self.nbytes = sum(int(a.nbytes) for a in self.w) + sum(int(a.nbytes) for a in self.b if a is not None)
@@ -927,6 +933,7 @@ class _GpuExperts:
                 self.b[i][sl] = cp.asarray(np.ascontiguousarray(v[promoted], np.float32))
         self.on[evicted], self.on[promoted] = False, True
         self.slot[evicted], self.slot[promoted] = -1, sl
+        self.slot_dev = cp.asarray(self.slot.astype(np.int32))
         self.ids = sorted(set(self.ids) - {int(evicted)} | {int(promoted)})
         return off
 
@@ -991,20 +998,7 @@ class _GpuExperts:
         xg = dev[1]
         prog.k["moe_gather"]((P_,), (128,), (np.uint64(x.data.ptr), _i(x.strides[0] // 4), dtab, _i(self.k), xg,
                                              _i(self.k)))
-        tp = dtab.data.ptr + 4 * P_
-        for (kern, ppb, _), name in zip(kerns, self.gemvs):
-            g = self.gemvs[name]
-            if name == "d" and self.act != "silu":
-                n_el = P_ * self.ff
-                fp = sc.fp
-                prog.k["swiglu_oai_rows"](((n_el + NT - 1) // NT,), (NT,),
-                                          (dev[4], _i(fp), dev[5], _i(fp), _i(P_), _i(self.ff),
-                                           _f(self.attrs["alpha"]), _f(self.attrs["limit"]), dev[2], _i(fp)))
-            head, tail = self._args[name]
-            gx = (g.n_pairs + ppb - 1) // ppb
-            for t0 in range(0, T, self.MAX_TILES):
-                kern((gx, min(self.MAX_TILES, T - t0)), (GEMV_WARPS * 32,),
-                     head + (np.uint64(tp + 12 * t0),) + tail)
+        self.run_gemvs(kerns, self._args, dtab.data.ptr + 4 * P_, T, P_, dev[2], (dev[4], dev[5]) if sc.oai else None)
         rt.memcpyAsync(sc.host[1].ctypes.data, dev[3].data.ptr, 4 * P_ * self.d, rt.memcpyDeviceToHost, stream.ptr)
         self.rows += P_
         self.calls += n_e
@@ -1030,12 +1024,21 @@ class _GpuExperts:
         sc.reserve(P_, T)
         if self._args and self._args_gen == sc.gen:
             return sc
-        dev, fp, d = sc.dev, sc.fp, sc.d
-        io = {"gu": (dev[1], self.k, dev[2], fp), "d": (dev[2], fp, dev[3], d)}
-        if sc.oai:
-            io.update({"g": (dev[1], self.k, dev[4], fp), "u": (dev[1], self.k, dev[5], fp)})
+        dev = sc.dev
+        self._args = self.launch_args(dev[1], dev[2], dev[3], (dev[4], dev[5]) if sc.oai else None)
+        self._args_gen = sc.gen
+        return sc
+
+    def launch_args(self, xg, h, y, gu=None) -> dict:
+        """Each GEMV's ``moe_gemv`` arguments (head, tail: all but the tile table's address)
+        on the buffers xg (P, k) gathered rows -> h (P, fp) hidden rows -> y (P, d) outputs;
+        ``gu``: gpt-oss's (gate, up) rows (P, fp)."""
+        fp, d = int(h.shape[1]), int(y.shape[1])
+        io = {"gu": (xg, self.k, h, fp), "d": (h, fp, y, d)}
+        if gu is not None:
+            io.update({"g": (xg, self.k, gu[0], fp), "u": (xg, self.k, gu[1], fp)})
         stack = {"gu": (0, 1), "g": (0, 0), "u": (1, 1), "d": (2, 2)}
-        self._args = {}
+        args = {}
         for name, g in self.gemvs.items():
             ia, ib = stack[name]
             xin, ldx, out, ldy = io[name]
@@ -1044,9 +1047,27 @@ class _GpuExperts:
                     np.int64(self.mats[ib].m * self.rb[ib]), np.int64(self.rb[ia]), np.int64(self.rb[ib]),
                     _i(g.a_stride), _i(g.b_off), _i(g.n_pairs), _i(g.k), np.uint64(xin.data.ptr), _i(ldx))
             tail = (_u64(self.b[ia]), _u64(self.b[ib]), _i(self.mats[ia].m), np.uint64(out.data.ptr), _i(ldy))
-            self._args[name] = (head, tail)
-        self._args_gen = sc.gen
-        return sc
+            args[name] = (head, tail)
+        return args
+
+    def run_gemvs(self, kerns: list, args: dict, tiles_ptr: int, T: int, P_: int, h, gu=None) -> None:
+        """The GEMVs over ``T`` tiles of the table at ``tiles_ptr`` (device), with ``kerns``
+        (``_kernel`` per GEMV) and ``args`` (``launch_args``); gpt-oss's clamped SwiGLU of
+        ``gu`` into h between its gate/up and down GEMVs."""
+        prog = self.prog
+        for (kern, ppb, _), name in zip(kerns, self.gemvs):
+            g = self.gemvs[name]
+            if name == "d" and self.act != "silu":
+                n_el = P_ * self.ff
+                fp = int(h.shape[1])
+                prog.k["swiglu_oai_rows"](((n_el + NT - 1) // NT,), (NT,),
+                                          (gu[0], _i(fp), gu[1], _i(fp), _i(P_), _i(self.ff),
+                                           _f(self.attrs["alpha"]), _f(self.attrs["limit"]), h, _i(fp)))
+            head, tail = args[name]
+            gx = (g.n_pairs + ppb - 1) // ppb
+            for t0 in range(0, T, self.MAX_TILES):
+                kern((gx, min(self.MAX_TILES, T - t0)), (GEMV_WARPS * 32,),
+                     head + (np.uint64(tiles_ptr + 12 * t0),) + tail)
 
     def _launch_each(self, pairs, x=None, c=None):
         """The per-expert launches (``grouped = False``): the rows gathered by an index
@@ -1172,14 +1193,38 @@ class _MoeHost:
     joined with the CPU's before the weighted sum; the result back. Both copies go through
     pinned buffers the program's moe steps share (``_MoeStage``: one D2H and its sync
     before the router, one asynchronous H2D after the join; no allocation per call). Eager only:
-    ``CudaProgram._graph_ok`` keeps a program with one off the graph path."""
+    ``CudaProgram._graph_ok`` keeps a program with one off the graph path.
+
+    Except when every expert of the layer is on the GPU tier (``device_ready``): then the
+    step runs on the device alone, in launches a CUDA graph captures (``_device``): the
+    router's GEMV, ``moe_route`` (top-k by ``cpu_moe.route``'s rules), ``moe_tiles`` (the
+    pairs by expert and the tile table, built on the device), ``moe_gather``, the tier's
+    ``moe_gemv`` launches over a fixed grid of tiles, ``moe_join``. Each row's numbers
+    depend on that row alone (batch-invariant); the router's logits are the device GEMV's,
+    so they differ from the host step's in the last bits."""
 
     def __init__(self, prog, s: P.MoeHost):
         from aotx.engine.backend import cpu_moe
 
         self.s = s
+        self.prog = prog
         self.gpu = _GpuExperts(prog, s.attrs)
         self.worker = prog.moe_worker
+        self.router_dev = s.attrs["router"]             # the device step's router (DevMatrix) and bias
+        rb = s.attrs.get("router_bias")
+        self.router_bias_dev = cp.ascontiguousarray(cp.asarray(rb, cp.float32).reshape(-1)) if rb is not None else None
+        self.dev_why = self._device_check(prog, s.attrs)
+        self.router_gemv = None
+        if self.dev_why is None:
+            r = self.router_dev
+            n0 = len(prog.gemvs)
+            self.router_gemv = _Gemv(prog, S.MODE_STORE, r, 0, r, 0, (r.m + 1) // 2, 2, 1, None, None, None, r.m,
+                                     q8=False)
+            del prog.gemvs[n0:]         # not a kernel-choice site: the default variant per bucket
+            for b in CC.TUNE_BUCKETS:
+                prog.need.add(self.router_gemv.name(self._router_variant(b)))
+            prog.need.update(("moe_route", "moe_tiles", "moe_join"))
+        self.dev_traffic = None         # (E,) uint64 on the device: pairs per expert the device step routed
         a = dict(s.attrs)
         int8 = bool(getattr(prog.backend, "expert_int8", True))
         a["router"] = _host_matrix(a["router"], int8)
@@ -1191,14 +1236,113 @@ class _MoeHost:
             a["shared_gate"] = _host_matrix(a["shared_gate"], int8)
         self.attrs = a
         self.pool = cpu_moe.ExpertPool.shared()
-        self.traffic = np.zeros(a["n_expert"], np.int64)
+        self.host_traffic = np.zeros(a["n_expert"], np.int64)
         self._moe_rows = cpu_moe.moe_rows
         self.stages = prog.moe_stages   # the program's _MoeStage per (input, output) width
 
+    @property
+    def traffic(self) -> np.ndarray:
+        """(E,) int64: the (row, expert) pairs routed to each expert since load, by the host
+        step and the device step (whose counters this reads back: a sync)."""
+        if self.dev_traffic is None:
+            return self.host_traffic
+        return self.host_traffic + self.dev_traffic.get().astype(np.int64)
+
+    @staticmethod
+    def _device_check(prog, attrs: dict) -> str | None:
+        """None when the layer can run as a device step once all its experts are on the
+        GPU tier, else why not."""
+        r = attrs["router"]
+        if not getattr(prog.backend, "moe_device", True):
+            return "turned off (CudaBackend(moe_device=False))"
+        if attrs.get("shared") is not None:
+            return "a shared expert (host step)"
+        if int(attrs["n_used"]) > 32 or int(attrs["n_expert"]) > 1024:
+            return f"{attrs['n_used']} of {attrs['n_expert']} experts per token (at most 32 of 1024)"
+        if int(getattr(r, "qtype", -1)) not in S.TYPES or int(r.k) != int(attrs["gate"].k):
+            return "the router's type or shape"
+        return None
+
+    def device_ready(self) -> bool:
+        """True when this step runs on the device (every expert of the layer on the GPU tier)."""
+        g = self.gpu
+        return self.dev_why is None and g.ok and g.slot_dev is not None and len(g.ids) == g.E
+
+    def _router_variant(self, rows: int) -> CC.GemvVariant:
+        if self.prog._forced_gemv is not None:
+            return self.prog._forced_gemv
+        b = CC.tune_bucket(rows)
+        return CC.GemvVariant.parse(CC.gemv_default(b, False, self.router_dev.m, self.router_dev.k))
+
+    def _device_buffers(self, prog, c: _Ctx, n: int, P_: int, tmax: int) -> dict:
+        """The device step's buffers for n rows: the graph path's by row count, shared by the
+        program's moe steps of one shape (fixed addresses: a graph names them); the eager
+        path's new, kept until its forward returns."""
+        g = self.gpu
+        E = g.E
+        fp = P._pad4(g.ff)
+        key = (n, E, int(self.attrs["n_used"]), g.k, fp, g.d, g.act != "silu")
+        if not c.eager:
+            got = prog.moe_device_scratch.get(key)
+            if got is not None:
+                return got
+        b = {"lg": cp.empty((n, P._pad4(E + (E & 1))), cp.float32), "sel": cp.empty(P_, cp.int32),
+             "w": cp.empty(P_, cp.float32), "tab": cp.empty(P_ + 3 * tmax, cp.int32), "pos": cp.empty(P_, cp.int32),
+             "xg": cp.empty((P_, g.k), cp.float32), "h": cp.empty((P_, fp), cp.float32),
+             "y": cp.empty((P_, g.d), cp.float32)}
+        b["gu"] = (cp.empty((P_, fp), cp.float32), cp.empty((P_, fp), cp.float32)) if g.act != "silu" else None
+        if c.eager:
+            prog._keep.append(b)
+        else:
+            prog.moe_device_scratch[key] = b
+        return b
+
+    def _device(self, prog, c: _Ctx) -> None:
+        """The step on the device (``device_ready``): no host work but the launches."""
+        x = c.arr(self.s.x)
+        n = int(x.shape[0])
+        if n == 0:
+            return
+        out = c.arr(self.s.out)
+        g, a = self.gpu, self.attrs
+        E, k = g.E, int(a["n_used"])
+        P_ = n * k
+        bucket = CC.tune_bucket(n)
+        kerns = [g._kernel(name, bucket) for name in g.gemvs]
+        nb = min(kk[2] for kk in kerns)
+        tmax = (P_ + nb - 1) // nb + min(E, P_)     # an expert's last tile may be partial
+        b = self._device_buffers(prog, c, n, P_, tmax)
+        if self.dev_traffic is None:
+            self.dev_traffic = cp.zeros(E, cp.uint64)
+        lg = b["lg"]
+        ldl = int(lg.shape[1])
+        self.router_gemv.launch(prog, c, x.data.ptr, int(x.strides[0]) // 4, n, lg.data.ptr, ldl,
+                                variant=self._router_variant(n))
+        rw = 4                                       # MOE_ROUTE_WARPS
+        prog.k["moe_route"](((n + rw - 1) // rw,), (32 * rw,),
+                            (lg, _i(ldl), _u64(self.router_bias_dev), _i(n), _i(E), _i(k),
+                             _i(a["gating"] == "softmax_weight"), _i(bool(a["norm_w"])), _f(a["w_scale"]),
+                             b["sel"], b["w"]), shared_mem=4 * rw * E)
+        prog.k["moe_tiles"]((1,), (1024,), (b["sel"], _i(P_), _i(k), _i(E), g.slot_dev, _i(nb), _i(tmax), b["tab"],
+                                           b["pos"], self.dev_traffic))
+        prog.k["moe_gather"]((P_,), (128,), (np.uint64(x.data.ptr), _i(int(x.strides[0]) // 4), b["tab"], _i(g.k),
+                                             b["xg"], _i(g.k)))
+        g.run_gemvs(kerns, g.launch_args(b["xg"], b["h"], b["y"], b["gu"]), b["tab"].data.ptr + 4 * P_, tmax, P_,
+                    b["h"], b["gu"])
+        prog.k["moe_join"]((n,), (NT,), (b["y"], _i(g.d), b["pos"], b["w"], _i(k), _i(g.d), np.uint64(out.data.ptr),
+                                         _i(int(out.strides[0]) // 4)))
+        g.rows += P_
+        g.calls += 1
+
     def graph(self, prog, c: _Ctx) -> None:
-        raise RuntimeError("the moe step runs on the host; a program with one has no CUDA graph")
+        if not self.device_ready():
+            raise RuntimeError("this moe step runs on the host (not every expert is on the GPU): no CUDA graph")
+        self._device(prog, c)
 
     def eager(self, prog, c: _Ctx) -> None:
+        if self.device_ready():
+            self._device(prog, c)
+            return
         x = c.arr(self.s.x)
         n = int(x.shape[0])
         if n == 0:
@@ -1231,7 +1375,7 @@ class _MoeHost:
             gpu = self.gpu
             gpu._x, gpu._c = x, c
         try:
-            y = self._moe_rows(self.attrs, xh, self.pool, self.traffic, small, gpu, self.worker)
+            y = self._moe_rows(self.attrs, xh, self.pool, self.host_traffic, small, gpu, self.worker)
         finally:
             self.gpu._x = self.gpu._c = None
         # the result back by one 2-D copy from pinned memory (asynchronous: the event keeps
@@ -1339,6 +1483,7 @@ class CudaProgram:
             if any(isinstance(s, P.MoeHost) for s in self.plan.steps) else None
         self.moe_scratch: dict = {}    # the GPU expert tiers' shared buffers (_MoeScratch) per shape
         self.moe_stages: dict = {}     # the moe steps' shared pinned rows (_MoeStage) per width
+        self.moe_device_scratch: dict = {}   # the device moe steps' graph-path buffers per (rows, shape)
         self.expert_cache = None       # the learned GPU expert cache (experts.LearnedCache) or None: static
         self._cache_stage: tuple = ()  # its pinned staging (memory, uint8 view, event of the last copies)
         self.expert_copy = {"bytes": 0, "seconds": 0.0}
@@ -1664,9 +1809,17 @@ class CudaProgram:
 
     # ---- graph path ---------------------------------------------------------------------------
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (and the device moe steps' buffers they name): the
+        GPU expert tier's stacks moved (placement)."""
+        for st in list(self._states.values()):
+            st.graphs.clear()
+            st.psteps.clear()
+        self.moe_device_scratch.clear()
+
     def _graph_ok(self, layout, kv: CudaKVCache) -> bool:
-        if self.moe_steps:
-            return False
+        if self.moe_steps and not all(m.device_ready() for m in self.moe_steps):
+            return False                # a host moe step: the eager path
         n = int(layout.n_rows)
         if n == 0 or n > self._state(kv).b_max:
             return False

@@ -115,7 +115,9 @@ def _tiers(model, placement: str):
 
 def _placements(model) -> str:
     """The GPU expert tier's host code: each placement applied, then a prefill, a decode
-    step and a mixed batch on the eager path (launches checked; the numbers are garbage)."""
+    step and a mixed batch (launches checked; the numbers are garbage): on the eager path
+    with host moe steps, and with every expert on the GPU as device steps, the decode
+    step captured in a graph."""
     from aotx.engine.model import experts as X
     from aotx.engine.model.batch import Segment
 
@@ -137,6 +139,9 @@ def _placements(model) -> str:
         assert model.forward(toks[:2], [Segment(0, 30, 1), Segment(1, 0, 1)], kv).shape == (2, VOCAB)
         assert model.forward(toks[:20], [Segment(0, 31, 1), Segment(1, 1, 19)], kv).shape == (2, VOCAB)
         got = [a - b for a, b in zip(c.expert_stats()["gpu_rows"], before)]
+        ready = [st.device_ready() for st in c.moe_steps]
+        want_ready = [placement == "gpu" or (placement == "mixed" and i == 0) for i in range(len(ready))]
+        assert ready == want_ready, (placement, ready)   # "mixed": layer 0 has every expert on the GPU
         if n_gpu == 0:
             assert sum(got) == 0, got
         else:
@@ -319,6 +324,85 @@ def _grouped_matches_each(model, fake) -> str:
             + f"); moe_rows vs the CPU tier alone {worst_cpu:.1e}")
 
 
+class _StubCtx:
+    """What ``_MoeHost._device`` reads of a step context: the input and output views, the
+    eager flag (its buffers are new and kept in ``prog._keep``)."""
+
+    def __init__(self, step, x, out):
+        self.vals, self.eager = {step.s.x: x, step.s.out: out}, True
+
+    def arr(self, vid):
+        return self.vals[vid]
+
+
+def _device_step(model, fake) -> str:
+    """The device-resident moe step (every expert of the layer on the GPU) with its kernels
+    emulated (the router's GEMV, moe_route, moe_tiles, moe_gather, moe_gemv, moe_join):
+    against the float64 reference of each routed expert joined with the routing's weights,
+    on 1 to 100 rows of a strided input into a strided output; a row's bits alone equal its
+    bits in the batch; the device traffic counters count every pair; and a host step (one
+    expert off the GPU) is not device_ready."""
+    import cupy as cp
+
+    from aotx.engine.backend import cpu_moe
+    from aotx.engine.model import experts as X
+
+    c = model.compiled
+    c.place_experts(X.Plan(_tiers(model, "gpu")))
+    st = c.moe_steps[-1]
+    assert st.device_ready(), st.dev_why
+    a = st.attrs
+    E, k, d = a["n_expert"], a["n_used"], model.cfg.d_model
+    rng = np.random.default_rng(7)
+    worst = 0.0
+    fake.emulate = True
+    try:
+        t0 = int(st.traffic.sum())
+        pairs = 0
+        for n in (1, 3, 16, 100):
+            wide = cp.asarray(rng.standard_normal((n, d + 24)).astype(np.float32))
+            x = wide[:, 8:8 + d]
+            ow = cp.zeros((n, d + 12), cp.float32)
+            out = ow[:, 4:4 + d]
+            c._keep = []
+            st._device(c, _StubCtx(st, x, out))
+            got = out.get()
+            xh = np.ascontiguousarray(x.get())
+            rw = _deq_rows(st.router_dev)
+            logits = (xh.astype(np.float64) @ rw.T).astype(np.float32)
+            if st.router_bias_dev is not None:
+                logits = logits + st.router_bias_dev.get()
+            sel, w, _ = cpu_moe.route(logits, k, a["gating"], a["norm_w"], a["w_scale"])
+            Y = np.stack([np.stack([_reference_ffn(a, int(sel[i, j]), xh[i:i + 1])[0] for j in range(k)])
+                          for i in range(n)])
+            want = cpu_moe.join(Y, w, np.empty((n, d), np.float32))
+            rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            worst = max(worst, rel)
+            assert rel < 1e-5, f"{n} rows: the device step {rel:.2e} from the reference"
+            pairs += n * k
+            if n > 1:                                   # row 1 alone: the same bits
+                o1 = cp.zeros((1, d), cp.float32)
+                st._device(c, _StubCtx(st, x[1:2], o1))
+                assert np.array_equal(o1.get()[0], got[1]), f"{n} rows: row 1 alone differs from row 1 in the batch"
+                pairs += k
+        assert int(st.traffic.sum()) - t0 == pairs, (int(st.traffic.sum()) - t0, pairs)
+    finally:
+        fake.emulate = False
+        c._keep = []
+    tiers = list(_tiers(model, "gpu"))
+    tiers[-1] = tuple("host" if e == 0 else "gpu" for e in range(E))
+    c.place_experts(X.Plan(tuple(tiers)))
+    assert not st.device_ready() and all(s.device_ready() for s in c.moe_steps[:-1])
+    return f"device step {worst:.1e} from the reference (1-100 rows), {pairs} pairs counted"
+
+
+def _deq_rows(dm) -> np.ndarray:
+    """A DevMatrix's m rows dequantized (float64)."""
+    from gguf.quants import dequantize
+
+    return dequantize(np.asarray(dm.data[:dm.m].get()), dm.qtype).astype(np.float64)
+
+
 def _setup(model, root, fake) -> str:
     from aotx.engine.model import experts as X
     from aotx.engine.runtime import admission
@@ -472,7 +556,8 @@ def main() -> int:
             model = _build(path)
             _exercise(model, fake)
             summary = _staging(model) + "; " + _grouped_matches_each(model, fake) + " | " + _placements(model) + " | " \
-                + _setup(model, tmp / "home", fake) + " | " + _learned(model, fake, tmp / "home")
+                + _device_step(model, fake) + " | " + _setup(model, tmp / "home", fake) + " | " \
+                + _learned(model, fake, tmp / "home")
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {name}")
             traceback.print_exc()

@@ -187,6 +187,8 @@ class RawKernel:
             elif not isinstance(a, _KIND[kind]):
                 raise LaunchError(f"{where}: {pname} ({kind}) passed as {type(a).__name__}")
         named = {n: a for a, (_, n) in zip(args, self.params)}
+        if self.name in _ALWAYS:          # the device moe step's index kernels: the tables moe_gemv's check reads
+            _ALWAYS[self.name](self.name, grid, named)
         _extents(self.name, grid, named)
         if emulate and self.name.split("<")[0] in _EMULATED:
             _EMULATED[self.name.split("<")[0]](self.name, grid, named)
@@ -256,6 +258,8 @@ def _extents(name: str, grid, a: dict) -> None:
             raise LaunchError(f"{w}: writes column {ycols - 1} of rows only {i('ldy')} wide")
         _need(w, a["tiles"], 12 * grid[1], "tiles")
         for e, b0, n in _i32(_addr(a["tiles"]), 3 * grid[1]).reshape(-1, 3).tolist():
+            if n == 0 and e == 0 and b0 == 0:
+                continue                 # a spare tile of moe_tiles' fixed grid (the kernel returns at once)
             if not 1 <= n <= nb or e < 0 or b0 < 0:
                 raise LaunchError(f"{w}: tile (expert {e}, row {b0}, {n} rows) with NB {nb}")
             _need(w, _addr(a["Wa"]) + e * i("ea"), rows_a * i("rba"), f"Wa of expert slot {e}")
@@ -394,8 +398,66 @@ def _emu_swiglu_oai(name, grid, a) -> None:
         _f32(_addr(a["out"]) + 4 * r * int(a["ldo"]), f)[:] = g / (np.float32(1) + np.exp(-alpha * g)) * (u + 1)
 
 
+def _emu_moe_route(name, grid, a) -> None:
+    """moe_route by cpu_moe.route itself (numba; the same rules), on the logits in memory."""
+    from aotx.engine.backend.cpu_moe import route
+
+    n, E, k, ldl = int(a["n"]), int(a["E"]), int(a["k"]), int(a["ldl"])
+    lg = np.zeros((n, E), np.float32)
+    for r in range(n):
+        lg[r] = _f32(_addr(a["lg"]) + 4 * r * ldl, E)
+    if np.isnan(lg).any() or np.isinf(lg).any():
+        lg = np.nan_to_num(lg, nan=0.0, posinf=1.0, neginf=-1.0)   # garbage rows (not emulated): any valid ids
+    if _addr(a["bias"]):
+        lg = lg + _f32(_addr(a["bias"]), E)
+    sel, w, _ = route(lg.astype(np.float32), k, "softmax_weight" if int(a["sw"]) else "softmax", bool(int(a["norm_w"])),
+                      float(a["w_scale"]))
+    _i32(_addr(a["sel"]), n * k)[:] = sel.reshape(-1)
+    _f32(_addr(a["wts"]), n * k)[:] = w.reshape(-1)
+
+
+def _emu_moe_tiles(name, grid, a) -> None:
+    P, k, E, nb, tmax = (int(a[t]) for t in ("P", "k", "E", "nb", "tmax"))
+    sel = _i32(_addr(a["sel"]), P).astype(np.int64)
+    if P and (sel.min() < 0 or sel.max() >= E):
+        raise LaunchError(f"kernel {name}: expert ids outside 0..{E - 1}")
+    slot = _i32(_addr(a["slot"]), E)
+    tab, pos = _i32(_addr(a["tab"]), P + 3 * tmax), _i32(_addr(a["pos"]), P)
+    order = np.argsort(sel, kind="stable")
+    tab[:P] = order // k
+    pos[order] = np.arange(P)
+    cnt = np.bincount(sel, minlength=E)
+    tiles, off = [], 0
+    for e in range(E):
+        for b in range(0, int(cnt[e]), nb):
+            tiles.append((int(slot[e]), off + b, min(nb, int(cnt[e]) - b)))
+        off += int(cnt[e])
+    if len(tiles) > tmax:
+        raise LaunchError(f"kernel {name}: {len(tiles)} tiles for a grid of {tmax}")
+    t = tab[P:].reshape(tmax, 3)
+    t[:] = 0
+    if tiles:
+        t[:len(tiles)] = np.array(tiles, np.int32)
+    if _addr(a["traffic"]):
+        tr = np.ctypeslib.as_array((ctypes.c_uint64 * E).from_address(_addr(a["traffic"])))
+        tr += cnt.astype(np.uint64)
+
+
+def _emu_moe_join(name, grid, a) -> None:
+    from aotx.engine.backend.cpu_moe import join
+
+    n, k, d, ldy, ldo = grid[0], int(a["k"]), int(a["d"]), int(a["ldy"]), int(a["ldo"])
+    pos = _i32(_addr(a["pos"]), n * k)
+    Y = np.stack([_f32(_addr(a["y"]) + 4 * int(q) * ldy, d) for q in pos]).reshape(n, k, d)
+    w = _f32(_addr(a["w"]), n * k).reshape(n, k)
+    out = join(Y, w.copy(), np.empty((n, d), np.float32))
+    for r in range(n):
+        _f32(_addr(a["out"]) + 4 * r * ldo, d)[:] = out[r]
+
+
 _EMULATED = {"gemv": _emu_gemv, "moe_gemv": _emu_moe_gemv, "moe_gather": _emu_moe_gather,
              "swiglu_oai_rows": _emu_swiglu_oai}
+_ALWAYS = {"moe_route": _emu_moe_route, "moe_tiles": _emu_moe_tiles, "moe_join": _emu_moe_join}
 
 
 class RawModule:
@@ -544,7 +606,7 @@ def install() -> None:
     cp = types.ModuleType("cupy")
     cp.__version__ = "0.0-fake"
     cp.ndarray = FakeArray
-    for n in ("float32", "float16", "float64", "int8", "int32", "int64", "uint8", "uint16", "uint32"):
+    for n in ("float32", "float16", "float64", "int8", "int32", "int64", "uint8", "uint16", "uint32", "uint64"):
         setattr(cp, n, getattr(np, n))
     for f in (zeros, ones, empty, empty_like, asarray, ascontiguousarray, concatenate, arange, matmul):
         setattr(cp, f.__name__, f)
