@@ -1248,6 +1248,12 @@ class _MoeHost:
             return self.host_traffic
         return self.host_traffic + self.dev_traffic.get().astype(np.int64)
 
+    def device_pairs(self) -> int:
+        """(row, expert) pairs of real rows the device step computed since load (its graph
+        replays included: the device counters, read back; the GPU tier's ``rows`` counts
+        the host step's calls only)."""
+        return int(self.dev_traffic.sum().get()) if self.dev_traffic is not None else 0
+
     @staticmethod
     def _device_check(prog, attrs: dict) -> str | None:
         """None when the layer can run as a device step once all its experts are on the
@@ -1323,16 +1329,16 @@ class _MoeHost:
                             (lg, _i(ldl), _u64(self.router_bias_dev), _i(n), _i(E), _i(k),
                              _i(a["gating"] == "softmax_weight"), _i(bool(a["norm_w"])), _f(a["w_scale"]),
                              b["sel"], b["w"]), shared_mem=4 * rw * E)
+        kv = getattr(c, "kv", None)             # padding rows (the scratch slot) are not counted as traffic
         prog.k["moe_tiles"]((1,), (1024,), (b["sel"], _i(P_), _i(k), _i(E), g.slot_dev, _i(nb), _i(tmax), b["tab"],
-                                           b["pos"], self.dev_traffic))
+                                           b["pos"], self.dev_traffic, np.uint64(getattr(c, "slot_p", 0) or 0),
+                                           _i(kv.scratch_slot if kv is not None else -1)))
         prog.k["moe_gather"]((P_,), (128,), (np.uint64(x.data.ptr), _i(int(x.strides[0]) // 4), b["tab"], _i(g.k),
                                              b["xg"], _i(g.k)))
         g.run_gemvs(kerns, g.launch_args(b["xg"], b["h"], b["y"], b["gu"]), b["tab"].data.ptr + 4 * P_, tmax, P_,
                     b["h"], b["gu"])
         prog.k["moe_join"]((n,), (NT,), (b["y"], _i(g.d), b["pos"], b["w"], _i(k), _i(g.d), np.uint64(out.data.ptr),
                                          _i(int(out.strides[0]) // 4)))
-        g.rows += P_
-        g.calls += 1
 
     def graph(self, prog, c: _Ctx) -> None:
         if not self.device_ready():
@@ -1799,7 +1805,7 @@ class CudaProgram:
         GPU tier computed per layer; the CPU pool's counters; with a learned cache, its
         counters and the bytes and host seconds of its copies ("cache")."""
         out = {"traffic": [b.traffic.tolist() for b in self.moe_steps],
-               "gpu_rows": [b.gpu.rows for b in self.moe_steps],
+               "gpu_rows": [b.gpu.rows + b.device_pairs() for b in self.moe_steps],
                "gpu_experts": [len(b.gpu.ids) for b in self.moe_steps],
                "pool": self.moe_steps[0].pool.stats() if self.moe_steps else {}}
         if self.expert_cache is not None:

@@ -1969,18 +1969,23 @@ __global__ void __launch_bounds__(MOE_ROUTE_WARPS * 32) moe_route(
 // experts in increasing id and pairs in increasing q within one: tab[0 .. P) = each position's row (moe_gather's
 // index), pos[q] = pair q's position (moe_join's); then tmax tiles from tab + P (expert slot, first position,
 // rows <= nb; moe_gemv's table), an expert's positions cut into tiles of nb, the tiles past the last empty
-// (0 rows: moe_gemv skips them). traffic (E) int64, when given, gets each expert's pairs added. E <= 1024.
+// (0 rows: moe_gemv skips them). traffic (E) int64, when given, gets each expert's pairs added, but those of
+// padding rows (row_slot[row] == pad_slot; row_slot null: none). E <= 1024.
 #define MOE_TILES_CHUNK 4096
 __global__ void __launch_bounds__(1024) moe_tiles(
     const int* __restrict__ sel, int P, int k, int E, const int* __restrict__ slot, int nb, int tmax,
-    int* __restrict__ tab, int* __restrict__ pos, unsigned long long* __restrict__ traffic)
+    int* __restrict__ tab, int* __restrict__ pos, unsigned long long* __restrict__ traffic,
+    const int* __restrict__ row_slot, int pad_slot)
 {
-    __shared__ int s_cnt[1024], s_off[1024], s_toff[1025];
+    __shared__ int s_cnt[1024], s_off[1024], s_toff[1025], s_real[1024];
     __shared__ int s_sel[MOE_TILES_CHUNK];
     const int e = threadIdx.x;
-    if (e < E) s_cnt[e] = 0;
+    if (e < E) s_cnt[e] = s_real[e] = 0;
     __syncthreads();
-    for (int q = threadIdx.x; q < P; q += blockDim.x) atomicAdd(&s_cnt[sel[q]], 1);
+    for (int q = threadIdx.x; q < P; q += blockDim.x) {
+        atomicAdd(&s_cnt[sel[q]], 1);
+        if (row_slot == nullptr || row_slot[q / k] != pad_slot) atomicAdd(&s_real[sel[q]], 1);
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         int o = 0, t = 0;
@@ -2019,7 +2024,7 @@ __global__ void __launch_bounds__(1024) moe_tiles(
             tl[1] = o0 + b;
             tl[2] = min(nb, cnt - b);
         }
-        if (traffic != nullptr) traffic[e] += (unsigned long long)cnt;
+        if (traffic != nullptr) traffic[e] += (unsigned long long)s_real[e];
     }
     for (int t = s_toff[E] + threadIdx.x; t < tmax; t += blockDim.x) {
         int* tl = tab + P + 3 * t;

@@ -187,13 +187,25 @@ class RawKernel:
             elif not isinstance(a, _KIND[kind]):
                 raise LaunchError(f"{where}: {pname} ({kind}) passed as {type(a).__name__}")
         named = {n: a for a, (_, n) in zip(args, self.params)}
+        if _recording is not None:        # stream capture: checked now, run when the graph is launched
+            _recording.append((self, grid, named))
+        else:
+            self._run(grid, named)
+        stats["launches"] += 1
+        stats["kernels"].add(self.name.split("<")[0])
+
+    def _run(self, grid, named) -> None:
+        """What a launch does here: the extent checks (some read tables in device memory) and
+        the emulated kernels (the device moe step's index kernels always; the expert tier's
+        with ``emulate``)."""
         if self.name in _ALWAYS:          # the device moe step's index kernels: the tables moe_gemv's check reads
             _ALWAYS[self.name](self.name, grid, named)
         _extents(self.name, grid, named)
         if emulate and self.name.split("<")[0] in _EMULATED:
             _EMULATED[self.name.split("<")[0]](self.name, grid, named)
-        stats["launches"] += 1
-        stats["kernels"].add(self.name.split("<")[0])
+
+
+_recording: list | None = None    # the launches of the stream capture in progress
 
 
 def _addr(a) -> int:
@@ -440,7 +452,11 @@ def _emu_moe_tiles(name, grid, a) -> None:
         t[:len(tiles)] = np.array(tiles, np.int32)
     if _addr(a["traffic"]):
         tr = np.ctypeslib.as_array((ctypes.c_uint64 * E).from_address(_addr(a["traffic"])))
-        tr += cnt.astype(np.uint64)
+        real = sel
+        if _addr(a["row_slot"]):
+            rs = _i32(_addr(a["row_slot"]), P // k if k else 0)
+            real = sel[rs[np.arange(P) // k] != int(a["pad_slot"])]
+        tr += np.bincount(real, minlength=E).astype(np.uint64)
 
 
 def _emu_moe_join(name, grid, a) -> None:
@@ -480,11 +496,17 @@ class RawModule:
 # ---- streams, events, graphs, runtime ----------------------------------------------------------
 
 class _Graph:
+    """A captured graph: its launches, run again (checks and emulated kernels) on each launch."""
+
+    def __init__(self, calls=()):
+        self.calls = list(calls)
+
     def upload(self, s=None):
         pass
 
     def launch(self, s=None):
-        pass
+        for k, grid, named in self.calls:
+            k._run(grid, named)
 
 
 class Stream:
@@ -506,14 +528,18 @@ class Stream:
             raise LaunchError("synchronize during stream capture")
 
     def begin_capture(self):
+        global _recording
         if self.ptr == 0:
             raise LaunchError("capture on the legacy default stream")
         self.capturing = True
+        _recording = []
 
     def end_capture(self):
+        global _recording
         self.capturing = False
         stats["captures"] += 1
-        return _Graph()
+        g, _recording = _Graph(_recording or ()), None
+        return g
 
 
 _null = Stream(null=True)
