@@ -478,3 +478,49 @@ def test_a_reused_calibration_is_not_timed_again_in_the_second_pass(request, tmp
     assert calls == [False, True] and again.note.endswith("stored calibration reused")
     X.setup(lm.model, model_fp=lm.fingerprint, root=tmp_path, reuse=False)
     assert calls == [False, True, False, True]
+
+
+def _fixed_costs(n_layers=4):
+    """gpu_costs with the GPU tier's call costing 5e-5 s fixed per layer."""
+    c = gpu_costs(n_layers)
+    return X.Costs(c.cpu, c.gpu, c.copy, c.dense_decode_s, c.device, gpu_fixed=(5e-5,) * n_layers)
+
+
+def test_whole_layers_go_on_the_gpu_where_the_backend_runs_them_as_device_steps():
+    """Issue 22 (H100, 30B-A3B shape: 40% of the experts spread over every layer decoded at 13.5
+    tok/s, slower than every expert on the CPU, 15.5; a layer with every expert on the GPU runs
+    as the CUDA backend's device step, with no host round trip). 4 layers of 8 experts, 2 per
+    token, CPU 2e-4 s and GPU 2.1e-5 s per expert at 1 row, fixed 5e-5, dense 1e-3; room for 16
+    experts. Spread: 4 per layer, each layer 1/4 x 4e-4 + 1/2 x 2e-4 + 1/4 x (5e-5 + 4.2e-5) =
+    2.23e-4 s, 528.5 tok/s; whole layers: 2 x 4.2e-5 (device steps, no fixed cost) + 2 x 4e-4,
+    530.8 tok/s: two whole layers."""
+    L = layers(4)
+    p = X.plan(L, _fixed_costs(), gpu_bytes=16 * EB, device_layers=(True,) * 4)
+    assert [t.count("gpu") for t in p.tiers] == [8, 8, 0, 0]
+    assert p.decode_tok_s == pytest.approx(1 / (1e-3 + 2 * 4.2e-5 + 2 * 4e-4), rel=1e-3)
+    assert "2 whole layers on the GPU" in p.reason and "530.8 tok/s against 528.5" in p.reason
+    # a backend without the device step (the model as before): the budget spread evenly
+    p = X.plan(L, _fixed_costs(), gpu_bytes=16 * EB)
+    assert [t.count("gpu") for t in p.tiers] == [4, 4, 4, 4] and "whole" not in p.reason
+    # only layers 1 and 3 can run as device steps: those two are the whole ones
+    p = X.plan(L, _fixed_costs(), gpu_bytes=16 * EB, device_layers=(False, True, False, True))
+    assert [t.count("gpu") for t in p.tiers] == [0, 8, 0, 8]
+    # room for 20: two whole layers, the 4 left spread over the other two
+    p = X.plan(L, _fixed_costs(), gpu_bytes=20 * EB, device_layers=(True,) * 4)
+    assert [t.count("gpu") for t in p.tiers] == [8, 8, 2, 2] and p.count("host") == 12
+
+
+def test_hot_experts_spread_over_every_layer_beat_whole_layers_when_the_costs_say_so():
+    """Skewed traffic (two experts of each layer take 90% of its rows): the budget spread puts
+    every layer's hot experts on the GPU and models faster than two whole layers, so it stays."""
+    L = layers(4)
+    share = [[0.45, 0.45] + [0.1 / 6] * 6 for _ in L]
+    p = X.plan(L, _fixed_costs(), gpu_bytes=16 * EB, device_layers=(True,) * 4, traffic=share)
+    assert all(t[0] == "gpu" and t[1] == "gpu" for t in p.tiers) and "whole" not in p.reason
+
+
+def test_a_device_step_layer_with_every_expert_on_the_gpu_pays_no_fixed_cost():
+    p = X.plan(layers(4), _fixed_costs(), gpu_bytes=32 * EB, device_layers=(True,) * 4)
+    assert p.count("gpu") == 32 and p.decode_tok_s == pytest.approx(1 / (1e-3 + 4 * 4.2e-5), rel=1e-3)
+    p = X.plan(layers(4), _fixed_costs(), gpu_bytes=32 * EB)              # the host step: fixed once per layer
+    assert p.decode_tok_s == pytest.approx(1 / (1e-3 + 4 * (5e-5 + 4.2e-5)), rel=1e-3)

@@ -1815,6 +1815,12 @@ class CudaProgram:
 
     # ---- graph path ---------------------------------------------------------------------------
 
+    @property
+    def moe_device_layers(self) -> tuple[bool, ...]:
+        """Per moe layer: it runs as the device step once every expert is on the GPU tier
+        (the expert planner's ``device_layers``)."""
+        return tuple(st.dev_why is None and st.gpu.ok for st in self.moe_steps)
+
     def drop_graphs(self) -> None:
         """Forget every captured graph (and the device moe steps' buffers they name): the
         GPU expert tier's stacks moved (placement)."""

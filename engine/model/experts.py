@@ -18,7 +18,9 @@ Owns:
   The cache's slots go first to the experts that save the most modeled decode time per
   byte (a layer's time as a function of its GPU-held traffic share, the GPU's fixed cost
   included), so layers share it evenly when traffic is uniform; then, while it lasts, to
-  the rest (no decode saving; a prefill still gains); ``copy_min_rows``
+  the rest (no decode saving; a prefill still gains). Where the backend runs a layer with
+  every expert on the GPU as a device step (the CUDA backend: no host round trip), whole
+  layers first is the other candidate, taken when modeled no slower; ``copy_min_rows``
   is the row count from which copying a cold expert and running it on the GPU beats the
   CPU; ``decode_tok_s`` / ``prefill_tok_s`` are the speeds the measured costs predict.
 * ``ExpertCache``: a model of a copy-in replacement policy, for ``simulate`` only (no
@@ -337,15 +339,18 @@ def decode_layer_s(k: int, f: float, cpu1: float, fixed: float, gpu1: float) -> 
     return t
 
 
-def _speeds(layers: list[MoeLayer], costs: Costs, on_gpu: list[int], copy_min_rows: int) -> tuple[float, float]:
-    """Modeled decode tok/s (batch 1; ``decode_layer_s`` per layer) and prefill tok/s (512
+def _speeds(layers: list[MoeLayer], costs: Costs, on_gpu: list[int], copy_min_rows: int,
+            device_layers: tuple[bool, ...] = (), held: list[float] | None = None) -> tuple[float, float]:
+    """Modeled decode tok/s (batch 1; ``decode_layer_s`` per layer at the GPU-held traffic
+    share ``held[l]``, default on_gpu[l] / n_expert: uniform routing) and prefill tok/s (512
     tokens, uniform routing: every expert gets 512 n_used / n_expert rows) of a placement
     with ``on_gpu[l]`` experts of layer l on the GPU. Within a layer the CPU and the GPU run
     at once (the slower one counts); the GPU tier's fixed cost is paid once per layer when
-    any row goes to it."""
+    any row goes to it, except in a layer of ``device_layers`` with every expert on the
+    GPU: that one runs as the backend's device step (no host round trip, no fixed cost)."""
     dec = costs.dense_decode_s
     pre = 512 * costs.dense_prefill_s
-    for L, g in zip(layers, on_gpu):
+    for i, (L, g) in enumerate(zip(layers, on_gpu)):
         cpu = costs.cpu[L.index]
         rows = 512 * L.n_used / L.n_expert     # rows per expert in a 512-token prefill
         n_cpu = L.n_expert - g
@@ -354,7 +359,11 @@ def _speeds(layers: list[MoeLayer], costs: Costs, on_gpu: list[int], copy_min_ro
             pre += L.n_expert * cpu(rows)
             continue
         gpu, fixed = costs.gpu[L.index], costs.fixed_s(L.index)
-        dec += decode_layer_s(L.n_used, g / L.n_expert, cpu(1), fixed, gpu(1))
+        if g == L.n_expert and L.index < len(device_layers) and device_layers[L.index]:
+            dec += L.n_used * gpu(1)
+            pre += L.n_expert * gpu(rows)
+            continue
+        dec += decode_layer_s(L.n_used, held[i] if held is not None else g / L.n_expert, cpu(1), fixed, gpu(1))
         if copy_min_rows and rows >= copy_min_rows:
             pre += fixed + L.n_expert * gpu(rows) + n_cpu * costs.copy[L.index]
         else:
@@ -363,20 +372,89 @@ def _speeds(layers: list[MoeLayer], costs: Costs, on_gpu: list[int], copy_min_ro
 
 
 def plan(layers: list[MoeLayer], costs: Costs, *, gpu_bytes: int = 0, host_bytes: int | None = None,
-         policy: str = "static", traffic: list[list[float]] | None = None) -> Plan:
+         policy: str = "static", traffic: list[list[float]] | None = None,
+         device_layers: tuple[bool, ...] = ()) -> Plan:
     """Place every expert (module docstring). ``gpu_bytes``: the GPU expert cache's budget
     (0 without a GPU); ``host_bytes``: pinned host memory for experts (None: unlimited;
     experts past it stay in the memory-mapped file); ``traffic[l][e]``: the expected share
     of layer l's routed rows that go to expert e (default uniform), e.g. learned from an
-    earlier run's counters. Raises ValueError on an unknown policy."""
+    earlier run's counters; ``device_layers[l]``: layer l runs as the backend's device step
+    once every one of its experts is on the GPU (no host round trip: ``_speeds``), which
+    makes whole layers on the GPU a candidate placement beside the budget spread over
+    layers; the one the costs model faster is taken (a tie: whole layers, whose saved host
+    round trips the costs leave out). Raises ValueError on an unknown policy."""
     if policy not in POLICIES:
         raise ValueError(f"expert cache policy {policy!r} (known: {', '.join(POLICIES)})")
-    tiers = [["mmap"] * L.n_expert for L in layers]
     share = [list(traffic[i]) if traffic else [1.0 / L.n_expert] * L.n_expert for i, L in enumerate(layers)]
-    left = gpu_bytes if costs.has_gpu else 0
-    reason = "no GPU expert tier: every expert on the CPU tier" if not costs.has_gpu else ""
+    budget = gpu_bytes if costs.has_gpu else 0
+    tiers, on_gpu, reason = _place_gpu(layers, costs, share, budget, ())
+    whole = [i for i, L in enumerate(layers) if L.index < len(device_layers) and device_layers[L.index]]
+    if budget > 0 and whole and any(g < L.n_expert for g, L in zip(on_gpu, layers)):
+        # whole layers first: the device-capable layers by modeled decode saving per byte (their
+        # host step's time less the device step's), while they fit; the budget left spread over the rest
+        def saving(i: int) -> float:
+            L = layers[i]
+            c1, g1, fx = costs.cpu[L.index](1), costs.gpu[L.index](1), costs.fixed_s(L.index)
+            return (decode_layer_s(L.n_used, 0.0, c1, fx, g1) - L.n_used * g1) / (L.n_expert * L.expert_bytes)
+
+        full, left = [], budget
+        for i in sorted(whole, key=lambda i: (-saving(i), i)):
+            nb = layers[i].n_expert * layers[i].expert_bytes
+            if nb <= left:
+                full.append(i)
+                left -= nb
+        if full:
+            t2, g2, r2 = _place_gpu(layers, costs, share, budget, tuple(full))
+            spread = _speeds(layers, costs, on_gpu, 0, device_layers, _held(tiers, share))[0]
+            by_layer = _speeds(layers, costs, g2, 0, device_layers, _held(t2, share))[0]
+            if by_layer >= spread:
+                tiers, on_gpu = t2, g2
+                reason = (f"{r2}; {len(full)} whole layers on the GPU (device steps), modeled decode "
+                          f"{by_layer:.1f} tok/s against {spread:.1f} with the budget spread over every layer")
+    host_left = math.inf if host_bytes is None else host_bytes
+    for i, L in enumerate(layers):
+        for e in sorted(range(L.n_expert), key=lambda e: -share[i][e]):
+            if tiers[i][e] == "mmap" and L.expert_bytes <= host_left:
+                tiers[i][e] = "host"
+                host_left -= L.expert_bytes
+    copy_min = 0
+    if costs.has_gpu and any(g < L.n_expert for g, L in zip(on_gpu, layers)):
+        # the fewest rows from which copy + GPU beats the CPU for one expert (max over layers)
+        need = []
+        for L in layers:
+            cpu, gpu, cp = costs.cpu[L.index], costs.gpu[L.index], costs.copy[L.index]
+            slope = cpu.b - gpu.b
+            if slope <= 0:
+                need.append(0)
+                continue
+            n = max(1, math.ceil((cp + gpu.a - cpu.a) / slope))
+            need.append(n if n <= 1 << 16 else 0)
+        copy_min = 0 if 0 in need else max(need)
+    dec, pre = _speeds(layers, costs, on_gpu, copy_min, device_layers, _held(tiers, share))
+    by_tier = {t: sum(L.expert_bytes for i, L in enumerate(layers) for x in tiers[i] if x == t) for t in TIERS}
+    return Plan(tuple(tuple(t) for t in tiers), policy, copy_min, by_tier["gpu"], by_tier["host"], by_tier["mmap"],
+                round(dec, 2), round(pre, 1), reason)
+
+
+def _held(tiers: list, share: list[list[float]]) -> list[float]:
+    """Per layer: the share of its routed rows that go to its experts on the GPU."""
+    return [sum(s for t, s in zip(ts, sh) if t == "gpu") for ts, sh in zip(tiers, share)]
+
+
+def _place_gpu(layers: list[MoeLayer], costs: Costs, share: list[list[float]], budget: int,
+               full: tuple[int, ...]) -> tuple[list[list[str]], list[int], str]:
+    """The GPU's experts: every expert of the layers ``full`` (indices into layers), then the
+    budget left spread over the others by modeled decode saving (below). Returns the tiers
+    ("gpu" or "mmap"), the GPU count per layer and the plan's reason."""
+    tiers = [["mmap"] * L.n_expert for L in layers]
     on_gpu = [0] * len(layers)
-    if left > 0:
+    left = budget
+    reason = "no GPU expert tier: every expert on the CPU tier" if not costs.has_gpu else ""
+    for i in full:
+        tiers[i] = ["gpu"] * layers[i].n_expert
+        on_gpu[i] = layers[i].n_expert
+        left -= layers[i].n_expert * layers[i].expert_bytes
+    if left > 0 or full:
         # each layer's experts hottest first; the saving of its (g+1)-th on the GPU: the layer's modeled
         # decode seconds (decode_layer_s, the GPU's fixed cost included) with g of them there less with g + 1.
         # While positive these fall as g grows (decode_layer_s is a Bernstein polynomial in f of a function
@@ -386,6 +464,8 @@ def plan(layers: list[MoeLayer], costs: Costs, *, gpu_bytes: int = 0, host_bytes
         order = [sorted(range(L.n_expert), key=lambda e: (-share[i][e], e)) for i, L in enumerate(layers)]
         cand = []
         for i, L in enumerate(layers):
+            if i in full:
+                continue
             cpu1, gpu1, fixed = costs.cpu[L.index](1), costs.gpu[L.index](1), costs.fixed_s(L.index)
             f, t = 0.0, decode_layer_s(L.n_used, 0.0, cpu1, fixed, gpu1)
             for g, e in enumerate(order[i]):
@@ -417,29 +497,7 @@ def plan(layers: list[MoeLayer], costs: Costs, *, gpu_bytes: int = 0, host_bytes
             reason = "every expert fits the GPU cache"
         else:
             reason = "the GPU budget holds part of the experts; the CPU pool computes the others"
-    host_left = math.inf if host_bytes is None else host_bytes
-    for i, L in enumerate(layers):
-        for e in sorted(range(L.n_expert), key=lambda e: -share[i][e]):
-            if tiers[i][e] == "mmap" and L.expert_bytes <= host_left:
-                tiers[i][e] = "host"
-                host_left -= L.expert_bytes
-    copy_min = 0
-    if costs.has_gpu and any(g < L.n_expert for g, L in zip(on_gpu, layers)):
-        # the fewest rows from which copy + GPU beats the CPU for one expert (max over layers)
-        need = []
-        for L in layers:
-            cpu, gpu, cp = costs.cpu[L.index], costs.gpu[L.index], costs.copy[L.index]
-            slope = cpu.b - gpu.b
-            if slope <= 0:
-                need.append(0)
-                continue
-            n = max(1, math.ceil((cp + gpu.a - cpu.a) / slope))
-            need.append(n if n <= 1 << 16 else 0)
-        copy_min = 0 if 0 in need else max(need)
-    dec, pre = _speeds(layers, costs, on_gpu, copy_min)
-    by_tier = {t: sum(L.expert_bytes for i, L in enumerate(layers) for x in tiers[i] if x == t) for t in TIERS}
-    return Plan(tuple(tuple(t) for t in tiers), policy, copy_min, by_tier["gpu"], by_tier["host"], by_tier["mmap"],
-                round(dec, 2), round(pre, 1), reason)
+    return tiers, on_gpu, reason
 
 
 # ------------------------------------------------------------------ the cache at run time
@@ -757,7 +815,9 @@ def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | No
         costs = calibrate(compiled, layers)
     stages["experts calibrate"] = round(time.perf_counter() - t, 4)
     t = time.perf_counter()
-    p1 = plan(layers, costs, gpu_bytes=gpu_bytes, host_bytes=host_bytes, policy=policy)
+    # the layers the backend runs as a device step once every expert is on the GPU (none on the CPU)
+    dev_layers = tuple(bool(x) for x in getattr(compiled, "moe_device_layers", ()))
+    p1 = plan(layers, costs, gpu_bytes=gpu_bytes, host_bytes=host_bytes, policy=policy, device_layers=dev_layers)
     stages["experts plan"] = round(time.perf_counter() - t, 4)
     t = time.perf_counter()
     placed = compiled.place_experts(p1)
@@ -779,7 +839,7 @@ def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | No
     costs2 = Costs(cpu, g.gpu, g.copy, re.dense_decode_s or costs.dense_decode_s, dev,
                    costs.measured_s + re.measured_s, re.dense_prefill_s or costs.dense_prefill_s, g.gpu_fixed)
     p2 = plan(layers, costs2, gpu_bytes=got_gpu, host_bytes=host_bytes if got_host is None else int(got_host),
-              policy=policy)
+              policy=policy, device_layers=dev_layers)
     if p2.tiers != p1.tiers:
         placed = compiled.place_experts(p2)
     stages["experts replan"] = round(time.perf_counter() - t, 4)

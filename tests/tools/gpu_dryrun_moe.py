@@ -483,6 +483,9 @@ def _learned(model, fake, root) -> str:
         saved.append(b0)
         bias = np.zeros(E, np.float32) if b0 is None else np.array(b0, np.float32)
         bias[h] += 1000.0
+        # fewer slots than experts per token (the whole-layer plan leaves a layer 1 slot): the other
+        # picks go to experts off the GPU too, so the residents get no rows and the hot ones win
+        bias[off[len(h):len(h) + max(0, int(s.attrs["n_used"]) - len(h))]] += 990.0   # softmax: not 0 in float32
         s.attrs["router_bias"] = bias
     rng = np.random.default_rng(3)
     kv = model.new_kv_cache(2, 64)

@@ -22,6 +22,9 @@ pointers address (weights dequantized by gguf, each dot product in float64, one 
 at a time, rounded to float32), so the tier's tables, strides and offsets are checked by
 value: the grouped launches must give the per-expert launches' values exactly, and both the
 float64 reference's within rounding. It says nothing about the device's reduction order.
+The device moe step's ``moe_route`` and ``moe_tiles`` always run (in numpy: cpu_moe.route's
+rules, the pairs grouped by expert), and ``moe_join`` (zeros unless emulated); a captured
+graph's launches run again, checks included, each time it is launched.
 """
 
 from __future__ import annotations
@@ -471,9 +474,23 @@ def _emu_moe_join(name, grid, a) -> None:
         _f32(_addr(a["out"]) + 4 * r * ldo, d)[:] = out[r]
 
 
+def _moe_join_or_zeros(name, grid, a) -> None:
+    """moe_join emulated with ``emulate``; else its output rows zeroed: finite, so that later
+    layers' routing (the host step's, on garbage NaN rows, picks the first experts) still
+    follows the router biases a dry run sets."""
+    if emulate:
+        _emu_moe_join(name, grid, a)
+        return
+    d, ldo = int(a["d"]), int(a["ldo"])
+    for r in range(grid[0]):
+        _f32(_addr(a["out"]) + 4 * r * ldo, d)[:] = 0.0
+
+
 _EMULATED = {"gemv": _emu_gemv, "moe_gemv": _emu_moe_gemv, "moe_gather": _emu_moe_gather,
              "swiglu_oai_rows": _emu_swiglu_oai}
-_ALWAYS = {"moe_route": _emu_moe_route, "moe_tiles": _emu_moe_tiles, "moe_join": _emu_moe_join}
+# the device moe step's kernels that run always: the index kernels (the tables moe_gemv's extent
+# check reads; garbage logits give valid expert ids) and the join (zeros unless emulated)
+_ALWAYS = {"moe_route": _emu_moe_route, "moe_tiles": _emu_moe_tiles, "moe_join": _moe_join_or_zeros}
 
 
 class RawModule:
