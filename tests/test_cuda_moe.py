@@ -201,12 +201,15 @@ def _rel_errors(got, want) -> list[float]:
 
 @needs_gpu
 @pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "moe_graphs"])
 @pytest.mark.parametrize("name", ["qwen3moe", "gptoss"])
-def test_cuda_gpu_expert_tier_gives_the_cpu_logits_whatever_the_placement(moe_files, name):
+def test_cuda_gpu_expert_tier_gives_the_cpu_logits_whatever_the_placement(moe_files, name, graphs):
+    """moe_graphs: the ticks with host moe steps as captured graphs between them
+    (``cuda_program._Segments``) instead of the eager path: the same logits."""
     from aotx.engine.model import experts as X
 
     cpu = _scenario(_build(moe_files[name], "cpu"), "f32")
-    m = _build(moe_files[name], "cuda")
+    m = _build(moe_files[name], "cuda", moe_graphs=graphs)
     c = m.compiled
     worst = {}
     for placement in ("gpu", "mixed", "cpu"):

@@ -83,6 +83,9 @@ class CudaBackend:
     ``moe_device``: a mixture-of-experts layer whose experts are all on the GPU tier runs
     as a device step (router, routing, experts and join on the device, captured in the
     decode graph; default); False: every moe layer runs as the host step (comparisons).
+    ``moe_graphs``: a tick with host moe steps (experts on the CPU tier) runs as captured
+    graphs between them instead of the eager path (``cuda_program._Segments``; opt-in: not
+    yet run on a GPU).
 
     Raises ModelError when CuPy sees no CUDA device."""
 
@@ -95,7 +98,8 @@ class CudaBackend:
                  dense_prefill: bool = True, int8_activations: bool = False,
                  int8_min_bytes: int | None = None, persistent: str = "off", persistent_bps: int = 2,
                  persistent_wpp: int = 1, persistent_prefetch: bool = True,
-                 gemm_min_rows: int | None = None, moe_device: bool = True) -> None:
+                 gemm_min_rows: int | None = None, moe_device: bool = True,
+                 moe_graphs: bool = False) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
@@ -131,6 +135,7 @@ class CudaBackend:
         self.persistent_wpp = int(persistent_wpp)
         self.persistent_prefetch = bool(persistent_prefetch)
         self.moe_device = bool(moe_device)
+        self.moe_graphs = bool(moe_graphs)
         if gemm_min_rows is not None and int(gemm_min_rows) < 2:
             raise ValueError(f"gemm_min_rows {gemm_min_rows!r}: at least 2 (None: off)")
         self.gemm_min_rows = None if gemm_min_rows is None else int(gemm_min_rows)

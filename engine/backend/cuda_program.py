@@ -1346,14 +1346,20 @@ class _MoeHost:
         self._device(prog, c)
 
     def eager(self, prog, c: _Ctx) -> None:
+        """The host step (or the device step when ``device_ready``). Also run between the
+        graphs of a tick cut at the host steps (``_Segments``): there on the layout's real
+        rows only (the bucket's padding rows are left as they are)."""
         if self.device_ready():
             self._device(prog, c)
             return
         x = c.arr(self.s.x)
+        out = c.arr(self.s.out)
+        if not c.eager and c.layout is not None:     # a graph's bucket: its real rows (tokens, or logits rows)
+            real = int(c.layout.n_rows) if c.plan_rows(self.s.x) == P.ROWS_N else int(len(c.layout.out_rows))
+            x, out = x[:real], out[:real]
         n = int(x.shape[0])
         if n == 0:
             return
-        out = c.arr(self.s.out)
         wx, wy = int(x.shape[1]), int(out.shape[1])
         sg = self.stages.get((wx, wy))
         if sg is None:
@@ -1430,6 +1436,27 @@ class _EagerBatch:
 
 _BIND = {P.Embed: _Embed, P.QKV: _QKV, P.Attend: _Attend, P.KVStore: _KVStore, P.TakeRows: _TakeRows,
          P.Norm: _Norm, P.HeadOp: _HeadOp, P.Elementwise: _Elementwise, P.GluRows: _GluRows, P.MoeHost: _MoeHost}
+
+
+class _Segments:
+    """A tick's launches cut at the host moe steps (``CudaBackend(moe_graphs=True)``):
+    ``graphs[i]`` (a captured CUDA graph, or None for no steps) runs the steps between host
+    steps i - 1 and i, the last one the sampler too; each host step runs on the host in
+    between, on the layout's real rows, on the cache's stream (its copies and its sync
+    order it after the graph before it and before the graph after it)."""
+
+    def __init__(self, graphs: list, hosts: list):
+        self.graphs, self.hosts = graphs, hosts
+
+    def launch(self, prog, kv: CudaKVCache, st: _CacheState, b: int, r: int, layout, s) -> None:
+        with s:
+            for i, g in enumerate(self.graphs):
+                if g is not None:
+                    g.launch(s)
+                if i < len(self.hosts):
+                    c = prog._ctx(kv, st, b, r)
+                    c.layout = layout
+                    self.hosts[i].eager(prog, c)
 
 
 class CudaProgram:
@@ -1830,8 +1857,9 @@ class CudaProgram:
         self.moe_device_scratch.clear()
 
     def _graph_ok(self, layout, kv: CudaKVCache) -> bool:
-        if self.moe_steps and not all(m.device_ready() for m in self.moe_steps):
-            return False                # a host moe step: the eager path
+        if self.moe_steps and not all(m.device_ready() for m in self.moe_steps) \
+                and not getattr(self.backend, "moe_graphs", False):
+            return False                # a host moe step: the eager path (moe_graphs: graphs between them)
         n = int(layout.n_rows)
         if n == 0 or n > self._state(kv).b_max:
             return False
@@ -1854,16 +1882,23 @@ class CudaProgram:
         c.eager, c.layout = False, None
         return c
 
-    def _launches(self, kv: CudaKVCache, st: _CacheState, b: int, r: int) -> None:
-        """Every launch of one replay: ``b`` batch rows, ``r`` logits rows."""
-        pe = self._persistent(kv, st, b, r)
+    def _launches(self, kv: CudaKVCache, st: _CacheState, b: int, r: int, steps: list | None = None,
+                  sampler: bool = True) -> None:
+        """Every launch of one replay: ``b`` batch rows, ``r`` logits rows; ``steps``: only
+        these (one segment of ``_Segments``), the sampler only with ``sampler``. A host moe
+        step among them (the plain run before a segmented capture, on padding rows) is
+        skipped: it is not captured, and its rows would count as traffic."""
+        pe = self._persistent(kv, st, b, r) if steps is None else None
         if pe is not None:
             kern, table, n_steps, nblocks = pe
             kern((nblocks,), (PS.THREADS,), (table, _i(n_steps), st.bar, _i(nblocks)))
         else:
             c = self._ctx(kv, st, b, r)
-            for s in self.steps:
-                s.graph(self, c)
+            for s in (self.steps if steps is None else steps):
+                if not (isinstance(s, _MoeHost) and not s.device_ready()):
+                    s.graph(self, c)
+        if not sampler:
+            return
         t = st.tables
         self.ks((r,), (1024,), (st.bufs[self.out_buf], _i(self.v_ld), _i(self.vocab), t.prm, t.hist,
                                 np.uint64(t.slot_ptr), np.uint64(t.pos_ptr), np.uint64(t.out_ptr), t.ids, t.rec))
@@ -1953,11 +1988,38 @@ class CudaProgram:
             self._keep = []
             self._launches(kv, st, b, r)
             s.synchronize()
+            parts = self._segments()
+            if len(parts) > 1:
+                lists, graphs = parts[0::2], []
+                for i, seg in enumerate(lists):
+                    last = i == len(lists) - 1
+                    if not seg and not last:
+                        graphs.append(None)
+                        continue
+                    s.begin_capture()
+                    self._launches(kv, st, b, r, steps=seg, sampler=last)
+                    graphs.append(s.end_capture())
+                for g in graphs:
+                    if g is not None:
+                        g.upload(s)
+                return _Segments(graphs, parts[1::2])
             s.begin_capture()
             self._launches(kv, st, b, r)
             g = s.end_capture()
         g.upload(s)
         return g
+
+    def _segments(self) -> list:
+        """The steps cut at the host moe steps: [steps, host step, steps, ..., steps] (one
+        list when every moe step runs on the device or there is none)."""
+        out, cur = [], []
+        for s in self.steps:
+            if isinstance(s, _MoeHost) and not s.device_ready():
+                out += [cur, s]
+                cur = []
+            else:
+                cur.append(s)
+        return out + [cur]
 
     def _replay(self, tokens: np.ndarray, layout, kv: CudaKVCache, rows, tick: int, want_ids: bool):
         st = self._state(kv)
@@ -1971,12 +2033,17 @@ class CudaProgram:
         need_hist = False
         if want_ids and R:
             need_hist = self._fill(prm, t.hist_np, rows, R, tick)
+        if self.expert_cache is not None:
+            self._learn_experts()          # between ticks (a segmented tick: host steps among the graphs)
         g = st.graphs.get((b, r))
         if g is None:
             g = st.graphs[(b, r)] = self._capture(kv, st, b, r)
         s = kv.stream
         t.upload(s, r, need_hist)
-        g.launch(s)
+        if isinstance(g, _Segments):
+            g.launch(self, kv, st, b, r, layout, s)
+        else:
+            g.launch(s)
         if want_ids:
             t.download_records(s, R)
         s.synchronize()  # before anything on another stream reads the graph's output

@@ -48,6 +48,66 @@ def _build(path, **kw):
     return build(cfg, gf, CudaBackend(**kw))
 
 
+def _exercise_segmented(model, fake) -> str:
+    """``CudaBackend(moe_graphs=True)``: the same batches as ``_exercise``, the ones that fit a
+    graph bucket as graphs cut at the host moe steps (``_Segments``): captured once per
+    bucket, replayed with the host steps between the graphs on the real rows only (a
+    3-row decode in the 4-row bucket: 3 rows to the host; the last layer's FFN on the
+    logits rows; the plain run before a capture skips them), each host step's rows and
+    "small" flags as on the eager path, traffic
+    counted per real row; every expert on the GPU: one graph, no host step."""
+    from aotx.engine.backend import cuda_program as CP
+    from aotx.engine.model import experts as X
+    from aotx.engine.model.batch import Segment
+
+    c = model.compiled
+    L = model.cfg.n_layers
+    k = model.cfg.n_expert_used
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, VOCAB, 200).astype(np.int32)
+    kv = model.new_kv_cache(3, 256)
+    seen = []
+    real = c.moe_steps[0]._moe_rows
+
+    def spy(attrs, x, pool, traffic=None, small=None, gpu=None, worker=None):
+        y = real(attrs, x, pool, traffic, small, gpu, worker)
+        seen.append((x.shape[0], None if small is None else small.tolist()))
+        return y
+
+    for s in c.moe_steps:
+        s._moe_rows = spy
+    try:
+        t0 = sum(c.expert_stats()["traffic"][0])
+        model.forward(toks[:150], [Segment(0, 0, 150)], kv)                      # past the largest bucket: eager
+        cap = fake.stats["captures"]
+        model.forward(toks[:2], [Segment(0, 150, 1), Segment(1, 0, 1)], kv)
+        assert fake.stats["captures"] == cap + L + 1, (fake.stats["captures"] - cap, "graphs for", L, "host steps")
+        g = next(iter(c._state(kv).graphs.values()))
+        assert isinstance(g, CP._Segments) and len(g.graphs) == L + 1 and len(g.hosts) == L
+        model.forward(toks[:2], [Segment(0, 151, 1), Segment(1, 1, 1)], kv)      # replayed, not captured again
+        assert fake.stats["captures"] == cap + L + 1
+        ids = model.sample(toks[:3], [Segment(0, 152, 1), Segment(1, 2, 1), Segment(2, 0, 1)], kv, None)
+        assert ids.shape == (3,)
+        model.forward(toks[:20], [Segment(1, 3, 1), Segment(2, 1, 19)], kv)      # a decode row + a 19-row chunk
+        rows = [n for n, _ in seen]          # the last layer's FFN: on the logits rows only
+        want = [150] * (L - 1) + [1] + [2] * (2 * L) + [3] * L + [20] * (L - 1) + [2]
+        assert rows == want, rows            # the plain run before each capture skips the host steps
+        assert seen[4 * L][1] == [True] + [False] * 19 and seen[5 * L - 1][1] is None, seen[4 * L]
+        got = sum(c.expert_stats()["traffic"][0]) - t0
+        assert got == (150 + 2 + 2 + 3 + 20) * k, (got, "pairs: padding rows counted?")
+    finally:
+        for s in c.moe_steps:
+            s._moe_rows = real
+    # every expert on the GPU: no host step, one graph per bucket
+    c.place_experts(X.Plan(_tiers(model, "gpu")))
+    cap = fake.stats["captures"]
+    model.forward(toks[:2], [Segment(0, 172, 1), Segment(1, 23, 1)], kv)
+    g = next(iter(c._state(kv).graphs.values()))
+    assert fake.stats["captures"] == cap + 1 and not isinstance(g, CP._Segments)
+    c.place_experts(X.Plan(_tiers(model, "cpu")))
+    return f"segmented graphs: {L + 1} per bucket around {L} host steps, host rows {sorted(set(rows))}"
+
+
 def _exercise(model, fake) -> None:
     from aotx.engine.backend import cpu_moe
     from aotx.engine.model.batch import Segment
@@ -580,6 +640,14 @@ def main() -> int:
             traceback.print_exc()
             return 1
         print(f"ok   {name}: int8 activations in {sum(g.q8 for g in model.compiled.gemvs)} dense GEMVs")
+        try:
+            model = _build(path, moe_graphs=True)
+            line = _exercise_segmented(model, fake)
+        except Exception:  # noqa: BLE001 - report the scenario and stop
+            print(f"FAIL {name} (moe_graphs)")
+            traceback.print_exc()
+            return 1
+        print(f"ok   {name}: {line}")
     print(f"moe dry run OK: {fake.stats['launches']} launches, {fake.stats['captures']} graph captures")
     return 0
 

@@ -194,6 +194,26 @@ def _speeds(model, vocab: int, res: dict, dump, prefill: bool = True, agg: bool 
         dump()
 
 
+def _with_moe_graphs(model, vocab: int, into: dict, dump) -> None:
+    """The placement's decode and aggregate again with ``CudaBackend(moe_graphs=True)`` (the
+    tick as captured graphs between the host moe steps, not the eager path), into
+    ``into["graphs"]``; MOE_BENCH_GRAPHS=0 skips it."""
+    if os.environ.get("MOE_BENCH_GRAPHS", "1") == "0":
+        return
+    be = model.compiled.backend
+    saved = getattr(be, "moe_graphs", False)
+    be.moe_graphs = True
+    try:
+        into["graphs"] = {}
+        _speeds(model, vocab, into["graphs"], dump, prefill=False)
+    except Exception as e:  # noqa: BLE001 - report it, the measurement goes on
+        into["graphs"] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        be.moe_graphs = saved
+    _say(f"   with moe_graphs: {into['graphs']}")
+    dump()
+
+
 def _gpu_share_of_rows(model, run) -> dict:
     """Run ``run()``; the (row, expert) pairs the GPU tier and the CPU pool computed in it."""
     s0 = model.compiled.expert_stats()
@@ -313,7 +333,11 @@ def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0, all_gpu: b
     t0 = time.perf_counter()
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
-    model = build(cfg, gf, CudaBackend(tune="auto", artifact_root=home, tune_budget_s=20.0))
+    # MOE_BENCH_BACKEND: more CudaBackend arguments as JSON ('{"moe_device": false}': every moe
+    # layer as the host step, so the planner spreads the budget as before whole layers)
+    extra = json.loads(os.environ.get("MOE_BENCH_BACKEND", "{}"))
+    model = build(cfg, gf, CudaBackend(tune="auto", artifact_root=home, tune_budget_s=20.0, **extra))
+    res["backend_args"] = extra
     cp.cuda.Device().synchronize()
     res["load_s"] = round(time.perf_counter() - t0, 2)
     _say(f"loaded in {res['load_s']} s")
@@ -345,6 +369,7 @@ def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0, all_gpu: b
          f"in {cpu_s:.0f} s")
     res["expert_pool"] = model.compiled.expert_stats()["pool"]
     dump()
+    _with_moe_graphs(model, cfg.vocab_size, res, dump)
     # 2. a share of the experts on the GPU tier (the stored calibration reused)
     if gpu_share > 0 and room("gpu_tier", 0.8 * cpu_s + 10):
         g: dict = {"share": gpu_share, "gpu_expert_budget_bytes": int(gpu_share * total)}
@@ -361,6 +386,7 @@ def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0, all_gpu: b
         _say(f"~{gpu_share:.0%} on the GPU: {g.get('prefill_512_tok_s')} / {g.get('decode_b1_tok_s')} / "
              f"{g.get(f'aggregate_{AGG_SLOTS}_tok_s')} tok/s")
         dump()
+        _with_moe_graphs(model, cfg.vocab_size, g, dump)
     # 3. every expert on the GPU: the issue's third row
     if all_gpu and room("all_gpu", 40):
         a: dict = {"share": 1.0, "gpu_expert_budget_bytes": int(total) + (64 << 20)}

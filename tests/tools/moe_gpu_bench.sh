@@ -70,7 +70,7 @@ log "start: deadline ${DEADLINE} s, ${LAYERS} layers, share ${SHARE}, all-gpu ${
 # 0. python with CuPy; packages the image lacks; aotx importable from this checkout
 PY=${PY:-python3}
 if ! "$PY" -c "import cupy" 2>/dev/null && [ -x /opt/torch/.venv/bin/python ]; then PY=/opt/torch/.venv/bin/python; fi
-if [ -d .whl ]; then
+if [ -d .whl ] && ! "$PY" -c "import gguf, msgspec, platformdirs, google_crc32c" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/aotx-site \
     .whl/*.whl >/dev/null 2>&1 || { log "wheel install failed"; exit 1; }
 fi
@@ -246,6 +246,13 @@ for name, x, y in rows:
         u, v = x.get(k), y.get(k)
         r = f"{u / v:8.2f}" if u and v else ""
         print(f"{name:46}{k:22}{u if u is not None else '-':>10}{v if v is not None else '-':>11}{r}")
+        gx = x.get("graphs", {})
+        if k in gx:               # the same placement with moe_graphs (graphs between the host moe steps)
+            u = gx[k]
+            r = f"{u / v:8.2f}" if u and v else ""
+            print(f"{'  with moe_graphs':46}{k:22}{u:>10}{v if v is not None else '-':>11}{r}")
+        if "error" in gx and k == "decode_b1_tok_s":
+            print(f"{'  with moe_graphs':46}{gx['error'][:80]}")
 ln = a.get("learned")
 if ln:
     print(f"learned GPU expert cache, router skew {ln.get('router_skew')}, {ln.get('share', 0):.0%} budget, "
