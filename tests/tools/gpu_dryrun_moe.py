@@ -580,9 +580,11 @@ def _learned(model, fake, root) -> str:
     # the moe op after the moves, the tier's kernels emulated: rows routed to the promoted experts
     import cupy as cp
 
-    s = c.moe_steps[-1]
+    # a layer with experts on both tiers (the whole-layer plan leaves some layers with none on the
+    # GPU), the most GPU experts first; 64 rows, so that some pairs reach its GPU experts
+    s = max(c.moe_steps, key=lambda m: (0 < len(m.gpu.ids) < m.gpu.E, len(m.gpu.ids)))
     a = s.attrs
-    xh = rng.standard_normal((5, model.cfg.d_model)).astype(np.float32)
+    xh = rng.standard_normal((64, model.cfg.d_model)).astype(np.float32)
     fake.emulate = True
     try:
         x = cp.asarray(xh)
