@@ -20,7 +20,8 @@ Fusions (what today's decode graph does for llama, found by pattern in any progr
   the GEMV adds into r's buffer (``mode "add"``); ``add(r, rms_norm(linear(a)))``
   (gemma3's post-norms): the linear stores, then the norm adds into r's buffer.
 Anything else runs as generic steps, one per node (``split`` is a view: no step); the
-``moe`` op as a host step (``MoeHost``: routing and the CPU expert tier on the host, the GPU tier's experts on the device).
+``moe`` op as one step (``MoeHost``: a host step, routing and the CPU expert tier on the host,
+the GPU tier's experts on the device; or, every expert on the GPU, a device step).
 
 Buffers: every materialized value gets a column range of a buffer ``(rows, width)``;
 buffers are reused once their last reader has run. Widths are multiples of 4 floats
@@ -173,8 +174,10 @@ class GluRows:
 class MoeHost:
     """The ``moe`` op (issue 22): the rows of x go to the host, the router, routing, the CPU
     tier's experts, join and shared expert run there (``cpu_moe.moe_rows``), the experts
-    placed on the GPU tier on the device meanwhile; the result comes back into out. ``attrs``: the node's attributes. A program with one runs
-    every forward on the eager path (no CUDA graph: the step waits for the host)."""
+    placed on the GPU tier on the device meanwhile; the result comes back into out.
+    ``attrs``: the node's attributes. While a layer has experts off the GPU its step waits
+    for the host (the tick runs eagerly, or as graphs between such steps); with every
+    expert on the GPU it runs on the device (``cuda_program._MoeHost.device_ready``)."""
     x: int
     out: int
     attrs: Any

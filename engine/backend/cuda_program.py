@@ -33,6 +33,14 @@ Two paths, one Program:
   ``prefill="gemv"`` every eager step runs the graph's kernels instead (batch-invariant
   prefill, slow on large models; see below).
 
+Mixtures of experts: a moe layer runs as a **host step** (``_MoeHost``: rows to the host, the
+router, routing and CPU expert tier there, the layer's GPU experts (``_GpuExperts``) launched
+meanwhile, the join, the result back), which keeps its tick on the eager path, or with
+``CudaBackend(moe_graphs=True)`` as graphs captured between the host steps (``_Segments``);
+or, when every expert of the layer is on the GPU tier, as a **device step** (router GEMV,
+``moe_route``, ``moe_tiles``, ``moe_gather``, ``moe_gemv``, ``moe_join``: no host work), which
+the graph captures like any other step.
+
 Batch invariance: every GEMV variant reduces each output element in one canonical order
 (``cuda_src``), so through the graph a row's numbers do not depend on the other rows, the
 bucket or the variant, and the eager path's GEMVs (logits rows) agree with the graph's.
