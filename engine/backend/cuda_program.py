@@ -1289,26 +1289,41 @@ class _MoeHost:
         return CC.GemvVariant.parse(CC.gemv_default(b, False, self.router_dev.m, self.router_dev.k))
 
     def _device_buffers(self, prog, c: _Ctx, n: int, P_: int, tmax: int) -> dict:
-        """The device step's buffers for n rows: the graph path's by row count, shared by the
-        program's moe steps of one shape (fixed addresses: a graph names them); the eager
-        path's new, kept until its forward returns."""
+        """The device step's buffers for n rows, shared by the program's moe steps of one shape
+        (they run one after the other on one stream): the graph path's by row count (fixed
+        addresses: a graph names them); the eager path's one set per shape, grown to the next
+        power of two when a forward needs more (views of it are returned; the old set goes
+        back to CuPy's pool, reused on the same stream only)."""
         g = self.gpu
         E = g.E
         fp = P._pad4(g.ff)
-        key = (n, E, int(self.attrs["n_used"]), g.k, fp, g.d, g.act != "silu")
+        shape = (E, int(self.attrs["n_used"]), g.k, fp, g.d, g.act != "silu")
         if not c.eager:
-            got = prog.moe_device_scratch.get(key)
-            if got is not None:
-                return got
+            got = prog.moe_device_scratch.get((n,) + shape)
+            if got is None:
+                got = prog.moe_device_scratch[(n,) + shape] = self._new_buffers(n, P_, tmax, fp)
+            return got
+        have = prog.moe_eager_scratch.get(shape)
+        if have is None or have["cap"][0] < n or have["cap"][1] < P_ or have["cap"][2] < tmax:
+            cap = (_pow2(max(n, have["cap"][0] if have else 1)), _pow2(max(P_, have["cap"][1] if have else 1)),
+                   _pow2(max(tmax, have["cap"][2] if have else 1)))
+            prog.moe_eager_scratch[shape] = None       # the old set back to the pool first
+            have = prog.moe_eager_scratch[shape] = self._new_buffers(*cap, fp)
+            have["cap"] = cap
+        b = {"lg": have["lg"][:n], "tab": have["tab"][:P_ + 3 * tmax]}
+        for key in ("sel", "w", "pos", "xg", "h", "y"):
+            b[key] = have[key][:P_]
+        b["gu"] = (have["gu"][0][:P_], have["gu"][1][:P_]) if have["gu"] is not None else None
+        return b
+
+    def _new_buffers(self, n: int, P_: int, tmax: int, fp: int) -> dict:
+        g = self.gpu
+        E = g.E
         b = {"lg": cp.empty((n, P._pad4(E + (E & 1))), cp.float32), "sel": cp.empty(P_, cp.int32),
              "w": cp.empty(P_, cp.float32), "tab": cp.empty(P_ + 3 * tmax, cp.int32), "pos": cp.empty(P_, cp.int32),
              "xg": cp.empty((P_, g.k), cp.float32), "h": cp.empty((P_, fp), cp.float32),
              "y": cp.empty((P_, g.d), cp.float32)}
         b["gu"] = (cp.empty((P_, fp), cp.float32), cp.empty((P_, fp), cp.float32)) if g.act != "silu" else None
-        if c.eager:
-            prog._keep.append(b)
-        else:
-            prog.moe_device_scratch[key] = b
         return b
 
     def _device(self, prog, c: _Ctx) -> None:
@@ -1337,7 +1352,10 @@ class _MoeHost:
                             (lg, _i(ldl), _u64(self.router_bias_dev), _i(n), _i(E), _i(k),
                              _i(a["gating"] == "softmax_weight"), _i(bool(a["norm_w"])), _f(a["w_scale"]),
                              b["sel"], b["w"]), shared_mem=4 * rw * E)
-        kv = getattr(c, "kv", None)             # padding rows (the scratch slot) are not counted as traffic
+        # padding rows (the scratch slot) are not counted as traffic. Known gap: on logits rows (the last
+        # layer's FFN after take_rows) in a graph bucket with fewer logits rows than tokens, a padding logits
+        # row is checked against a real token row's slot and counted (statistics only; decode is exact)
+        kv = getattr(c, "kv", None)
         prog.k["moe_tiles"]((1,), (1024,), (b["sel"], _i(P_), _i(k), _i(E), g.slot_dev, _i(nb), _i(tmax), b["tab"],
                                            b["pos"], self.dev_traffic, np.uint64(getattr(c, "slot_p", 0) or 0),
                                            _i(kv.scratch_slot if kv is not None else -1)))
@@ -1525,6 +1543,7 @@ class CudaProgram:
         self.moe_scratch: dict = {}    # the GPU expert tiers' shared buffers (_MoeScratch) per shape
         self.moe_stages: dict = {}     # the moe steps' shared pinned rows (_MoeStage) per width
         self.moe_device_scratch: dict = {}   # the device moe steps' graph-path buffers per (rows, shape)
+        self.moe_eager_scratch: dict = {}    # their eager-path buffers per shape (grown on demand)
         self.expert_cache = None       # the learned GPU expert cache (experts.LearnedCache) or None: static
         self._cache_stage: tuple = ()  # its pinned staging (memory, uint8 view, event of the last copies)
         self.expert_copy = {"bytes": 0, "seconds": 0.0}
@@ -1804,7 +1823,8 @@ class CudaProgram:
 
     def _learn_experts(self) -> None:
         """The learned cache's step, BETWEEN ticks: called first thing in a forward (``_eager``,
-        the only path of a program with moe steps), before this tick launches anything. The
+        or ``_replay`` on the cache's stream for a tick of graphs between host steps), before
+        this tick launches anything. The
         tick before is over by then: each moe step waited for its GPU tier's output (a
         stream sync) before its layer's join, so no launch still reads a slot about to be
         overwritten, and moe_rows reads ``on`` on this thread, so every row of this tick sees
@@ -2042,7 +2062,8 @@ class CudaProgram:
         if want_ids and R:
             need_hist = self._fill(prm, t.hist_np, rows, R, tick)
         if self.expert_cache is not None:
-            self._learn_experts()          # between ticks (a segmented tick: host steps among the graphs)
+            with kv.stream:                # between ticks (a segmented tick: host steps among the graphs); its
+                self._learn_experts()      # copies on the stream the graphs and host steps run on, ahead of them
         g = st.graphs.get((b, r))
         if g is None:
             g = st.graphs[(b, r)] = self._capture(kv, st, b, r)
