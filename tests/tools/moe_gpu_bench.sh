@@ -31,7 +31,10 @@
 # Knobs: MOE_BENCH_DEADLINE (seconds, default 560), MOE_BENCH_LAYERS (default 48), MOE_BENCH_BUDGET (8G),
 # MOE_BENCH_GPU_SHARE (0.4; 0: no GPU-tier runs), MOE_BENCH_ALL_GPU (1), MOE_BENCH_SKEW (0.8; 0: no learned
 # stage), MOE_BENCH_LLAMA_S (150), MOE_BENCH_WARM (1: the 1-layer warm-up run), MOE_BENCH_WORK (/tmp/moe_gpu_bench),
-# GPU_BENCH_FAKE=1 (the AOTX side on fake CuPy: the flow only, numbers meaningless).
+# GPU_BENCH_FAKE=1 (the AOTX side on fake CuPy: the flow only, numbers meaningless), MOE_BENCH_GRAPHS (1: the
+# CPU-tier and 40% placements' decode and aggregate again with CudaBackend(moe_graphs=True), the "with
+# moe_graphs" rows; 0: not), MOE_BENCH_BACKEND (more CudaBackend arguments as JSON, e.g. '{"moe_device": false}':
+# every moe layer as the host step, so the planner spreads the GPU budget over every layer, as before session 9).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # prebuilt llama.cpp carried compressed (the tree that travels is limited): unpack once
