@@ -1339,7 +1339,8 @@ class _MoeHost:
         bucket = CC.tune_bucket(n)
         kerns = [g._kernel(name, bucket) for name in g.gemvs]
         nb = min(kk[2] for kk in kerns)
-        tmax = (P_ + nb - 1) // nb + min(E, P_)     # an expert's last tile may be partial
+        # tiles: sum over the experts with rows of ceil(c_e / nb) <= (P + (nb - 1) m) / nb, m = min(E, P) of them
+        tmax = (P_ + (nb - 1) * min(E, P_)) // nb
         b = self._device_buffers(prog, c, n, P_, tmax)
         if self.dev_traffic is None:
             self.dev_traffic = cp.zeros(E, cp.uint64)
