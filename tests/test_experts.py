@@ -510,13 +510,32 @@ def test_whole_layers_go_on_the_gpu_where_the_backend_runs_them_as_device_steps(
     assert [t.count("gpu") for t in p.tiers] == [8, 8, 2, 2] and p.count("host") == 12
 
 
-def test_hot_experts_spread_over_every_layer_beat_whole_layers_when_the_costs_say_so():
-    """Skewed traffic (two experts of each layer take 90% of its rows): the budget spread puts
-    every layer's hot experts on the GPU and models faster than two whole layers, so it stays."""
+def test_whole_layers_keep_the_hot_experts_of_the_other_layers_on_the_gpu():
+    """Skewed traffic (two experts of each layer take 90% of its rows): two whole layers would
+    leave layers 2 and 3's hot experts on the CPU (modeled 531 tok/s); the plan scores every
+    count of whole layers and takes one, with every other layer's hot experts on the GPU too
+    (726 tok/s against 701 for the budget spread)."""
     L = layers(4)
     share = [[0.45, 0.45] + [0.1 / 6] * 6 for _ in L]
     p = X.plan(L, _fixed_costs(), gpu_bytes=16 * EB, device_layers=(True,) * 4, traffic=share)
-    assert all(t[0] == "gpu" and t[1] == "gpu" for t in p.tiers) and "whole" not in p.reason
+    assert [t.count("gpu") for t in p.tiers] == [8, 3, 3, 2]
+    assert all(t[0] == "gpu" and t[1] == "gpu" for t in p.tiers)
+    assert "1 whole layer on the GPU" in p.reason and "725.8 tok/s against 700.7" in p.reason
+
+
+def test_a_layer_a_whole_gpu_copy_does_not_speed_up_stays_spread_and_sets_no_copy_threshold():
+    """Regressions from a review: a device-capable layer whose GPU is slower than its CPU was
+    taken whole while it fit (its modeled saving negative), and a whole layer's copy cost set
+    copy_min_rows for every layer, though a whole layer copies nothing."""
+    L = layers(3)
+    slow = X.Costs((X.Line(1e-4, 1e-4),) * 3, (X.Line(2e-5, 1e-6), X.Line(2e-5, 1e-6), X.Line(5e-4, 1e-6)),
+                   (1e-3, 1e-3, 1e-3), dense_decode_s=1e-3, device="test", gpu_fixed=(5e-5,) * 3)
+    p = X.plan(L, slow, gpu_bytes=12 * EB, device_layers=(True,) * 3)
+    assert p.tiers[2].count("gpu") < 8 and p.tiers[0].count("gpu") == 8, [t.count("gpu") for t in p.tiers]
+    c = _fixed_costs()
+    c = X.Costs(c.cpu, c.gpu, (1.0,) + c.copy[1:], c.dense_decode_s, c.device, gpu_fixed=c.gpu_fixed)
+    p = X.plan(layers(4), c, gpu_bytes=16 * EB, device_layers=(True,) * 4)
+    assert p.tiers[0].count("gpu") == 8 and p.copy_min_rows == 10          # layer 0's copy cost: not counted
 
 
 def test_a_device_step_layer_with_every_expert_on_the_gpu_pays_no_fixed_cost():

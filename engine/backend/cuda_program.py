@@ -1816,11 +1816,16 @@ class CudaProgram:
                 raise ValueError(f"moe layer {st.attrs['moe_layer']}: the cache's residents are not the GPU tier's "
                                  f"experts {st.gpu.ids}")
         for st in self.moe_steps:
-            if st.gpu.ids:
+            if st.gpu.ids and len(st.gpu.ids) < st.gpu.E:   # a whole GPU layer never evicts (rebalance skips it)
                 a = st.attrs
                 st.pool.warm([a["gate"], a["up"], a["down"]], list(st.gpu.ids))
-        cache.tick([b.traffic for b in self.moe_steps])      # its baseline: the counters now
+        cache.tick(self._cache_traffic())      # its baseline: the counters now
         self.expert_cache = cache
+
+    def _cache_traffic(self) -> list:
+        """The learned cache's counters per moe layer: the host step's (a device-step layer, every
+        expert on the GPU, has nothing to move: its device counters are not read back each tick)."""
+        return [b.host_traffic if b.device_ready() else b.traffic for b in self.moe_steps]
 
     def _learn_experts(self) -> None:
         """The learned cache's step, BETWEEN ticks: called first thing in a forward (``_eager``,
@@ -1835,7 +1840,7 @@ class CudaProgram:
         whose previous copies are waited for (an event) before it is rewritten."""
         cache = self.expert_cache
         t0 = time.perf_counter()
-        moves = cache.tick([b.traffic for b in self.moe_steps])
+        moves = cache.tick(self._cache_traffic())
         if not moves:
             return
         need = sum(self.moe_steps[li].gpu.expert_nbytes(e) for li, e, _ in moves)

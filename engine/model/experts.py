@@ -63,6 +63,7 @@ TIERS = ("gpu", "host", "mmap")
 POLICIES = ("static", "lru", "lfu")
 PLAN_VERSION = 2               # 2: Costs.gpu is the marginal cost beside gpu_fixed (1: one expert's call)
 CALIBRATION_ROWS = (1, 16)     # each cost line is fitted to timings at these row counts
+WHOLE_LAYER_TOL = 0.02         # plan: whole GPU layers win modeled decode ties within this fraction
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def gpu_split(one: float, layer: dict[int, float], k: int, rows: tuple[int, int]
 
 
 def calibrate(compiled: Any, layers: list[MoeLayer], rows: tuple[int, int] = CALIBRATION_ROWS,
-              model: Any = None, on_gpu: list[int] | None = None) -> Costs:
+              model: Any = None, on_gpu: list[int] | None = None, device_layers: tuple[bool, ...] = ()) -> Costs:
     """Measure ``Costs`` on this machine through the backend: ``compiled.measure_experts(layer,
     rows) -> {"cpu": {n: s}, "copy": s, "gpu_one": s, "gpu_layer": {n: s}, "gpu_k": k}``
     (the best of a few runs each; "cpu": seconds per expert; "gpu_one": the GPU tier's call of
@@ -239,8 +240,9 @@ def calibrate(compiled: Any, layers: list[MoeLayer], rows: tuple[int, int] = CAL
     experts; the GPU keys absent without a GPU tier), split by ``gpu_split``. With ``model``
     (the TransformerModel), also a decode step, whose time less the modeled expert work is
     ``dense_decode_s``: the experts as placed now, ``on_gpu[l]`` of layer l on the GPU tier
-    (None: every expert on the CPU), priced as ``_speeds`` prices them, so the plan's
-    prediction at this placement is the step that ran."""
+    (None: every expert on the CPU), priced as ``_speeds`` prices them (``device_layers``: a
+    full one as the device step), so the plan's prediction at this placement is the step
+    that ran."""
     t0 = time.perf_counter()
     cpu, gpu, copy, fixed = [], [], [], []
     for L in layers:
@@ -261,7 +263,10 @@ def calibrate(compiled: Any, layers: list[MoeLayer], rows: tuple[int, int] = CAL
         for i, (L, c) in enumerate(zip(layers, cpu)):
             g = on_gpu[i] if (ok and on_gpu) else 0
             r = n * L.n_used / L.n_expert           # rows per expert of the timed prefill chunk
-            if g:
+            if g == L.n_expert and L.index < len(device_layers) and device_layers[L.index]:
+                exp_d += L.n_used * gpu[i](1)            # the device step: no fixed cost
+                exp_p += L.n_expert * gpu[i](r)
+            elif g:
                 exp_d += decode_layer_s(L.n_used, g / L.n_expert, c(1), fixed[i], gpu[i](1))
                 exp_p += max((L.n_expert - g) * c(r), fixed[i] + g * gpu[i](r))
             else:
@@ -381,8 +386,9 @@ def plan(layers: list[MoeLayer], costs: Costs, *, gpu_bytes: int = 0, host_bytes
     earlier run's counters; ``device_layers[l]``: layer l runs as the backend's device step
     once every one of its experts is on the GPU (no host round trip: ``_speeds``), which
     makes whole layers on the GPU a candidate placement beside the budget spread over
-    layers; the one the costs model faster is taken (a tie: whole layers, whose saved host
-    round trips the costs leave out). Raises ValueError on an unknown policy."""
+    layers: every count of whole layers (the best savers first) is scored, and the most whole
+    layers within ``WHOLE_LAYER_TOL`` of the best modeled decode taken (their saved host round
+    trips the costs leave out). Raises ValueError on an unknown policy."""
     if policy not in POLICIES:
         raise ValueError(f"expert cache policy {policy!r} (known: {', '.join(POLICIES)})")
     share = [list(traffic[i]) if traffic else [1.0 / L.n_expert] * L.n_expert for i, L in enumerate(layers)]
@@ -400,17 +406,23 @@ def plan(layers: list[MoeLayer], costs: Costs, *, gpu_bytes: int = 0, host_bytes
         full, left = [], budget
         for i in sorted(whole, key=lambda i: (-saving(i), i)):
             nb = layers[i].n_expert * layers[i].expert_bytes
-            if nb <= left:
+            if saving(i) > 0 and nb <= left:
                 full.append(i)
                 left -= nb
-        if full:
-            t2, g2, r2 = _place_gpu(layers, costs, share, budget, tuple(full))
-            spread = _speeds(layers, costs, on_gpu, 0, device_layers, _held(tiers, share))[0]
-            by_layer = _speeds(layers, costs, g2, 0, device_layers, _held(t2, share))[0]
-            if by_layer >= spread:
-                tiers, on_gpu = t2, g2
-                reason = (f"{r2}; {len(full)} whole layers on the GPU (device steps), modeled decode "
-                          f"{by_layer:.1f} tok/s against {spread:.1f} with the budget spread over every layer")
+        # every prefix of them (0: the budget spread), scored by modeled decode; within WHOLE_LAYER_TOL
+        # of the best, the most whole layers (the model leaves out the host step's round trip and the
+        # eager tick it forces, which a device-step layer saves: ~1.5 ms a layer on the H100, 30B-A3B)
+        spread = _speeds(layers, costs, on_gpu, 0, device_layers, _held(tiers, share))[0]
+        cands = [(spread, 0, tiers, on_gpu, reason)]
+        for j in range(1, len(full) + 1):
+            t2, g2, r2 = _place_gpu(layers, costs, share, budget, tuple(full[:j]))
+            cands.append((_speeds(layers, costs, g2, 0, device_layers, _held(t2, share))[0], j, t2, g2, r2))
+        best = max(c[0] for c in cands)
+        dec2, j, t2, g2, r2 = max((c for c in cands if c[0] >= best * (1.0 - WHOLE_LAYER_TOL)), key=lambda c: c[1])
+        if j and t2 != tiers:
+            tiers, on_gpu = t2, g2
+            reason = (f"{r2}; {j} whole layer{'s' if j > 1 else ''} on the GPU (device steps), modeled decode "
+                      f"{dec2:.1f} tok/s against {spread:.1f} with the budget spread over every layer")
     host_left = math.inf if host_bytes is None else host_bytes
     for i, L in enumerate(layers):
         for e in sorted(range(L.n_expert), key=lambda e: -share[i][e]):
@@ -419,9 +431,12 @@ def plan(layers: list[MoeLayer], costs: Costs, *, gpu_bytes: int = 0, host_bytes
                 host_left -= L.expert_bytes
     copy_min = 0
     if costs.has_gpu and any(g < L.n_expert for g, L in zip(on_gpu, layers)):
-        # the fewest rows from which copy + GPU beats the CPU for one expert (max over layers)
+        # the fewest rows from which copy + GPU beats the CPU for one expert (max over the layers
+        # with experts off the GPU: a whole layer there has nothing to copy)
         need = []
-        for L in layers:
+        for L, g in zip(layers, on_gpu):
+            if g == L.n_expert:
+                continue
             cpu, gpu, cp = costs.cpu[L.index], costs.gpu[L.index], costs.copy[L.index]
             slope = cpu.b - gpu.b
             if slope <= 0:
@@ -829,7 +844,8 @@ def setup(model: Any, *, model_fp: str, gpu_bytes: int = 0, host_bytes: int | No
     # (reused costs were stored by an earlier setup's second pass, i.e. measured after pinning
     # already: not timed again, as DESIGN.md's kernel choice reuses its artifact)
     need_dense = not costs.dense_decode_s
-    re = calibrate(compiled, layers, model=model if need_dense else None, on_gpu=[t.count("gpu") for t in p1.tiers]) \
+    re = calibrate(compiled, layers, model=model if need_dense else None, on_gpu=[t.count("gpu") for t in p1.tiers],
+                   device_layers=dev_layers) \
         if ((placed.get("recalibrate", True) and not reused) or need_dense) else costs
     # a timing can only be slowed down by other work on the machine: per layer, the faster
     # of the two passes' lines (at the larger calibration row count) is the better estimate
