@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from textual.css.query import NoMatches
+
 from aotx.app.format import error_text, media_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
@@ -153,6 +155,8 @@ class EngineLink:
                 self.connection_lost()
         except AotxError:
             pass
+        except NoMatches:
+            pass        # the reply came back while the app was closing: its widgets are gone
 
     async def sync_conversations(self, client=None) -> None:
         """Bring the sidebar and the search index in step with the engine's table: a

@@ -202,6 +202,24 @@ async def test_sidebar_follows_a_conversation_another_client_added():
         await until(pilot, lambda: "Sourdough" not in app.sidebar.visible())
 
 
+async def test_bug_a_status_reply_after_the_app_closed_does_not_fail_its_worker():
+    """Regression (CI, 2026-12-06: test_sidebar_follows_a_conversation_another_client_added failed
+    once): with a 0.05 s status poll, a status worker that ran while the app was closing found
+    no StatusBar (textual's NoMatches) and the failed worker failed the app. Now the late
+    reply is dropped."""
+    app, _ = make_app(history())
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        client = app.client
+
+    class Late:
+        async def status(self):
+            return await client.status()
+
+    app.client = Late()
+    await app._status_once()          # the widgets are gone: no NoMatches
+
+
 async def test_fork_titles_tell_forks_apart():
     from aotx.app.format import fork_title
 
