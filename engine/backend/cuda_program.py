@@ -1305,8 +1305,7 @@ class _MoeHost:
             return got
         have = prog.moe_eager_scratch.get(shape)
         if have is None or have["cap"][0] < n or have["cap"][1] < P_ or have["cap"][2] < tmax:
-            cap = (_pow2(max(n, have["cap"][0] if have else 1)), _pow2(max(P_, have["cap"][1] if have else 1)),
-                   _pow2(max(tmax, have["cap"][2] if have else 1)))
+            cap = tuple(_pow2(max(a, b)) for a, b in zip((n, P_, tmax), have["cap"] if have else (1, 1, 1)))
             prog.moe_eager_scratch[shape] = None       # the old set back to the pool first
             have = prog.moe_eager_scratch[shape] = self._new_buffers(*cap, fp)
             have["cap"] = cap
