@@ -15,8 +15,8 @@ from textual import work
 
 from aotx.engine.units import plural
 from aotx.app.engine_link import DEFAULT_TITLE
-from aotx.app.export import default_path, format_of, write_export
-from aotx.app.format import fork_title, refusal_text
+from aotx.engine.present.export import default_path, format_of, write_export
+from aotx.engine.present.format import fork_title, refusal_text
 from aotx.app.screens.details import DetailsScreen
 from aotx.app.screens.file_picker import FilePicker
 from aotx.app.screens.help import HelpScreen

@@ -27,12 +27,12 @@ from textual.widgets import Footer, Input, Static, TextArea
 
 from aotx.app import state as app_state
 from aotx.app.actions import ChatActions
-from aotx.app.attach import make_attachment
+from aotx.engine.present.attach import make_attachment
 from aotx.app.bindings import ACTIONS, app_bindings
 from aotx.app.engine_link import EngineLink, Outgoing
-from aotx.app.format import history_media, media_text, position_of
+from aotx.engine.present.format import history_media, media_text, position_of
 from aotx.app.models_ui import ModelActions
-from aotx.app.paste import parse_pasted_paths
+from aotx.engine.present.paste import parse_pasted_paths
 from aotx.app.search import SearchIndex
 from aotx.app.theming import CSS_PATHS, THEMES, theme_for_textual
 from aotx.app.widgets.chat_input import ChatInput
@@ -40,7 +40,7 @@ from aotx.app.widgets.chips import AttachmentBar
 from aotx.app.widgets.message import MessageWidget
 from aotx.app.widgets.sidebar import Sidebar
 from aotx.app.widgets.status_bar import StatusBar
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 ClientFactory = Callable[[Callable[[str], None]], Awaitable[Any]]
 STATUS_POLL_S = 2.0

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 from textual.css.query import NoMatches
 
-from aotx.app.format import error_text, media_text, notice_text, refusal_text
+from aotx.engine.present.format import error_text, media_text, notice_text, refusal_text
 from aotx.app.widgets.message import MessageWidget
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.ipc.client import ConnectionLost, model_label
 
 DEFAULT_TITLE = "New conversation"
@@ -195,7 +195,7 @@ class EngineLink:
         self.run_worker(self._follow_reply(conv_id, msg_id), group="follow", exclusive=True, name="follow")
 
     async def _follow_reply(self, conv_id: str, msg_id: str) -> None:
-        from aotx.app.format import position_of
+        from aotx.engine.present.format import position_of
 
         while True:
             await asyncio.sleep(FOLLOW_S)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from textual import work
 
 from aotx.app.screens.model_picker import ModelPicker
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 
 class ModelActions:

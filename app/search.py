@@ -19,7 +19,7 @@ import re
 import sqlite3
 from dataclasses import dataclass
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 

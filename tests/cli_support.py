@@ -10,11 +10,11 @@ from pathlib import Path
 
 
 def aotx(home: Path, *args: str, timeout: float = 300, env: dict | None = None, drop=()) -> subprocess.CompletedProcess:
-    """``python -m aotx.engine.cli ARGS`` with ``AOTX_HOME=home`` (``env`` added, ``drop`` removed)."""
+    """``python -m aotx.engine.cli.commands ARGS`` with ``AOTX_HOME=home`` (``env`` added, ``drop`` removed)."""
     e = dict(os.environ, AOTX_HOME=str(home), **(env or {}))
     for k in drop:
         e.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], env=e, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", *args], env=e, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 

@@ -270,7 +270,7 @@ def engine_server(loaded_model, tmp_path, monkeypatch):
     import tempfile
     import threading
 
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
     from aotx.engine.ipc.server import Server
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store

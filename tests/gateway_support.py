@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from aotx.engine.ipc import gateway as G
-from aotx.engine.ipc import gateway_auth as A
+from aotx.engine.gateway import server as G
+from aotx.engine.gateway import auth as A
 from aotx.engine.ipc.client import EngineClient
 
 KEY = "sk-aotx-test-key-0123456789abcdef"
@@ -39,7 +39,7 @@ def start_engine(home: Path, model: Path | None, *, slots: int = 4, context: int
     for name in unset:
         env.pop(name, None)
     log = open(home / "engine.log", "ab")
-    args = [sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", str(slots),
+    args = [sys.executable, "-m", "aotx.engine.cli.commands", "serve", "--socket", str(sock), "--slots", str(slots),
             "--context", str(context), "--device", device]
     if model is not None:
         args += ["--model", str(model)]

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
 
-from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine import protocol as P  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -17,11 +17,11 @@ from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
 from fakes.media_files import write_wav  # noqa: E402
 from fakes.terminal import bracketed_paste  # noqa: E402
 
-from aotx.app.format import LEGEND, LEGEND_ITEMS, GLYPHS  # noqa: E402
+from aotx.engine.present.format import LEGEND, LEGEND_ITEMS, GLYPHS  # noqa: E402
 from aotx.app.search import SearchIndex, fts_query  # noqa: E402
 from aotx.app.widgets.message import MessageWidget  # noqa: E402
 from aotx.app.widgets.sidebar import ConversationItem  # noqa: E402
-from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine import protocol as P  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -221,7 +221,7 @@ async def test_bug_a_status_reply_after_the_app_closed_does_not_fail_its_worker(
 
 
 async def test_fork_titles_tell_forks_apart():
-    from aotx.app.format import fork_title
+    from aotx.engine.present.format import fork_title
 
     assert fork_title("Trip", []) == "Trip (fork 1)"
     assert fork_title("Trip", ["Trip (fork 1)"]) == "Trip (fork 2)"

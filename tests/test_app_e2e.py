@@ -35,7 +35,7 @@ from textual.widgets import Input, Select
 
 from aotx.app.app import ChatApp
 from aotx.app.main import client_factory
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 pytestmark = pytest.mark.realmodel
 
@@ -46,7 +46,7 @@ LIMIT_S = 85.0
 
 def start_engine(sock: Path, home: Path) -> subprocess.Popen:
     log = open(home / "first-engine.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), *ENGINE_ARGS],
+    return subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "serve", "--socket", str(sock), *ENGINE_ARGS],
                             env={**os.environ, "AOTX_HOME": str(home)}, stdin=subprocess.DEVNULL, stdout=log,
                             stderr=log, start_new_session=True)
 

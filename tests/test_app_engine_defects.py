@@ -22,7 +22,7 @@ import pytest
 
 from aotx.app.app import ChatApp
 from aotx.app.main import client_factory
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 pytestmark = pytest.mark.realmodel
 
@@ -46,7 +46,7 @@ def engine(tmp_path, monkeypatch, default_model_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="aotx-e6-"))
     sock = sock_dir / "e.sock"
     log = open(home / "engine-test.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), *ENGINE_ARGS],
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "serve", "--socket", str(sock), *ENGINE_ARGS],
                             env={**os.environ, "AOTX_HOME": str(home)}, stdin=subprocess.DEVNULL, stdout=log,
                             stderr=log, start_new_session=True)
     yield sock

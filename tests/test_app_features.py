@@ -332,7 +332,7 @@ async def test_settings_speculative_choice_is_stored_in_the_conversation_samplin
 
 def test_parse_sampling_speculative():
     from aotx.app.screens.settings import parse_sampling
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
 
     base = P.SamplingParams(speculative="ngram")
     values = {"temperature": "0", "top_k": "40", "top_p": "1", "min_p": "0", "repeat_penalty": "1",
@@ -348,7 +348,7 @@ async def test_capsule_notice_speaks_plainly_and_only_when_it_helps():
     """Regression (issue 17, defect 7): "Context restored from a capsule: restored 29 tokens
     of context from a parked capsule (host memory) (no re-prefill)" on a brand-new chat.
     A new conversation has nothing to pick up: no notice; a continued one says so plainly."""
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
 
     notices = [P.Notice(id=0, kind="capsule", resource="capsule", asked=29,
                         message="restored 29 tokens of context from a parked capsule (host memory)")]
@@ -369,8 +369,8 @@ async def test_capsule_notice_speaks_plainly_and_only_when_it_helps():
 
 
 def test_notice_and_refusal_words_follow_codes():
-    from aotx.app.format import error_text, notice_text, refusal_text
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine.present.format import error_text, notice_text, refusal_text
+    from aotx.engine import protocol as P
 
     n = P.Notice(id=0, kind="capsule", resource="capsule",
                  message="the capsule on disk belongs to model abc, not def: re-prefilling from the journal's tokens")
@@ -403,8 +403,8 @@ async def test_engine_error_codes_drive_the_app():
 def test_a_model_notice_reads_as_its_sentence():
     """Regression (new-user trial, session 4): the TUI showed "Model: model. loading model
     qwen2.5-coder-0.5b-instruct-q4_k_m (468.6 MiB, qwen2 Q4_K_M)"."""
-    from aotx.app.format import notice_text
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine.present.format import notice_text
+    from aotx.engine import protocol as P
 
     n = P.Notice(id=1, kind="model", resource="model", message="loading model qwen2.5-coder (468.6 MiB, qwen2 Q4_K_M)")
     assert notice_text(n) == "Loading model qwen2.5-coder (468.6 MiB, qwen2 Q4_K_M)."

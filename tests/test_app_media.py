@@ -1,7 +1,7 @@
 """How aotx-chat words what an attachment became (MediaInfo events)."""
 
-from aotx.app.format import media_text, shown_text
-from aotx.engine.ipc import protocol as P
+from aotx.engine.present.format import media_text, shown_text
+from aotx.engine import protocol as P
 
 
 def test_transcript_is_shown_as_received():

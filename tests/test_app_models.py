@@ -13,7 +13,7 @@ from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
 
 from aotx.app.screens.model_picker import ModelPicker, model_row  # noqa: E402
 from aotx.app.widgets.sidebar import ConversationItem  # noqa: E402
-from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine import protocol as P  # noqa: E402
 
 QWEN = P.ModelInfo(name="qwen2.5-0.5b-instruct-q4_k_m", size_bytes=491_400_064, arch="qwen2", quant="Q4_K_M",
                    n_ctx_train=32768, needs_bytes=900 << 20)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from aotx.app.attach import make_attachment, sniff
-from aotx.app.paste import PastedItem, parse_pasted_paths
+from aotx.engine.present.attach import make_attachment, sniff
+from aotx.engine.present.paste import PastedItem, parse_pasted_paths
 
 H = "/home/u"
 

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
 
-from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine import protocol as P  # noqa: E402
 
 SIZES = {"80x24": (80, 24), "150x45": (150, 45)}
 

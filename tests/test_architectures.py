@@ -117,7 +117,7 @@ def test_gemma3_window_and_local_rope_base_matter(request, tiny_cache):
     """Guards the test above: the window and the sliding layers' RoPE base change the logits."""
     import dataclasses
 
-    from aotx.engine.backend.cpu import CpuBackend
+    from aotx.engine.backend.cpu.backend import CpuBackend
     from aotx.engine.model.architectures import gemma3
     from aotx.engine.model.transformer import build
 
@@ -176,7 +176,7 @@ def broken(request, tmp_path):
 def test_bad_file_is_one_line_naming_it_before_any_weight_loads(broken, monkeypatch, name, defects, pattern):
     import re
 
-    from aotx.engine.backend.cpu import CpuBackend
+    from aotx.engine.backend.cpu.backend import CpuBackend
 
     path = broken(name, defects)
     loads: list[str] = []
@@ -194,7 +194,7 @@ def test_bad_file_is_one_line_naming_it_before_any_weight_loads(broken, monkeypa
 def test_unsupported_tensor_type_is_found_before_any_weight_loads(tiny_gguf, tmp_path, monkeypatch):
     """The last layer's matrix has a type the CPU cannot read (IQ2_XXS): refused by name
     before the first layer's weights are touched."""
-    from aotx.engine.backend.cpu import CpuBackend
+    from aotx.engine.backend.cpu.backend import CpuBackend
 
     path = tiny_gguf.write_tiny_llama(tmp_path / "m.gguf", d_model=256, ffn=256,
                                       tensor_types={"blk.1.ffn_down.weight": T.IQ2_XXS})
@@ -209,7 +209,7 @@ def test_unsupported_tensor_type_is_found_before_any_weight_loads(tiny_gguf, tmp
 def test_bad_file_exits_2_from_the_cli(broken, tmp_path):
     path = broken("gemma3", dict(skip=["blk.0.post_ffw_norm.weight"]))
     env = dict(os.environ, AOTX_HOME=str(tmp_path / "home"), PYTHONDONTWRITEBYTECODE="1")
-    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "logits", "--model", str(path), "hi"],
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", "logits", "--model", str(path), "hi"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()

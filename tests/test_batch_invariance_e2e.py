@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 PROMPTS = [
     "Write a haiku about snow.", "The largest planet is", "Hi", "Tell me a joke about cats.",

@@ -19,7 +19,7 @@ import pytest
 
 def aotx(tmp_path, *args: str, cwd=None) -> subprocess.CompletedProcess:
     env = dict(os.environ, AOTX_HOME=str(tmp_path / "home"), PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", *args], capture_output=True, text=True,
                           env=env, timeout=120, cwd=cwd, stdin=subprocess.DEVNULL)
 
 

@@ -1,6 +1,6 @@
 """The ``aotx`` command line as a daily driver (issue 17, defect 9 and point 12).
 
-Runs the real CLI in a subprocess (``python -m aotx.engine.cli``) with ``AOTX_HOME``
+Runs the real CLI in a subprocess (``python -m aotx.engine.cli.commands``) with ``AOTX_HOME``
 in a temporary folder: one-line errors without internal names and with a "did you
 mean", ``--version``, ``conversations list|show|export`` read from the journal without
 starting an engine, and the gateway key file's first line being the key.
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from aotx.engine.ipc import gateway_auth as A
+from aotx.engine.gateway import auth as A
 
 
 def aotx(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, AOTX_HOME=str(home), PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", *args], capture_output=True, text=True,
                           env=env, timeout=120, input=stdin)
 
 
@@ -166,8 +166,8 @@ def test_defect9_gateway_key_file_first_line_is_the_key(tmp_path):
 def test_defect7_aotx_run_says_capsule_notices_in_the_users_words_and_only_when_continuing():
     """Regression (issue 17, defect 7): ``aotx run`` printed "restored 29 tokens of context
     from a parked capsule (host memory) (no re-prefill)" on stderr for a brand-new chat."""
-    from aotx.engine.cli_client import capsule_words
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine.cli.client import capsule_words
+    from aotx.engine import protocol as P
 
     picked = P.Notice(id=1, kind="capsule", resource="capsule", asked=29,
                       message="picked up where this conversation left off (29 tokens of context kept, not read again)")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from aotx.engine.cli import build_parser
-from aotx.engine.ipc import protocol as P
+from aotx.engine.cli.commands import build_parser
+from aotx.engine import protocol as P
 from aotx.engine.runtime.engine import Engine
 from aotx.engine.runtime.store import open_store
 from tests.fakes.sink import EventSink

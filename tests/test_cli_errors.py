@@ -1,7 +1,7 @@
 """A bad model file at the command line: exactly one line on stderr starting with
 ``aotx:``, naming the file and the problem, exit code 2, never a traceback.
 
-Runs the real CLI in a subprocess (``python -m aotx.engine.cli``) with ``AOTX_HOME``
+Runs the real CLI in a subprocess (``python -m aotx.engine.cli.commands``) with ``AOTX_HOME``
 in a temp dir; the broken files come from ``tests/models/llama.py``.
 """
 
@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 
 def aotx(tmp_path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, AOTX_HOME=str(tmp_path / "home"), PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", *args], capture_output=True, text=True,
                           env=env, timeout=120)
 
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.realmodel
 
 def aotx(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, AOTX_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

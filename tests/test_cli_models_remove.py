@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 
 from aotx.engine import paths
-from aotx.engine.cli import main
-from aotx.engine.ipc import protocol as P
+from aotx.engine.cli.commands import main
+from aotx.engine import protocol as P
 from aotx.engine.runtime.catalog import RemoteSpec, write_remote
 from tests.fakes.openai_server import FakeOpenAI
 

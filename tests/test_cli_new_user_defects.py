@@ -56,7 +56,7 @@ def test_bug1_sigterm_and_sighup_of_aotx_run_cancel_the_reply(home, engine, sig,
     but the engine went on writing the reply and journaled it "complete" although nobody
     received it. Now both cancel it, as Ctrl-C does, and exit 128 + the signal."""
     env = dict(os.environ, AOTX_HOME=str(home))
-    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(engine),
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "run", "--socket", str(engine),
                              "--temperature", "0", "--max-tokens", "400", "Write a very long story about a cat."],
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -109,7 +109,7 @@ def test_device_cuda_or_a_bad_budget_against_a_running_cpu_engine_is_refused(hom
 def test_a_second_signal_keeps_the_first_ones_exit_code(home, engine):
     """Regression (helper-28): SIGTERM then SIGHUP 10 ms apart exited 129, not 143."""
     env = dict(os.environ, AOTX_HOME=str(home))
-    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(engine),
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "run", "--socket", str(engine),
                              "--temperature", "0", "--max-tokens", "400", "Write a very long story about a dog."],
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -160,7 +160,7 @@ def test_a_refused_gateway_start_writes_no_key_file(tmp_path):
 
 
 def test_bug5_device_auto_still_falls_back_to_the_cpu():
-    from aotx.engine.serve import pick_device
+    from aotx.engine.cli.serve import pick_device
 
     assert pick_device("auto") == ("cuda" if _has_cuda() else "cpu")
     assert pick_device("cpu") == "cpu"
@@ -254,7 +254,7 @@ def test_bug1_sigterm_of_the_interactive_aotx_run_cancels_the_reply_too(home, en
 
     master, slave = pty.openpty()
     env = dict(os.environ, AOTX_HOME=str(home), TERM="dumb")
-    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(engine),
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "run", "--socket", str(engine),
                              "--temperature", "0", "--max-tokens", "400"], env=env, stdin=slave, stdout=slave,
                             stderr=slave, start_new_session=True)
     os.close(slave)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fakes.media_files import write_png  # noqa: E402
 from tests.fakes.sink import EventSink  # noqa: E402
 
-from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine import protocol as P  # noqa: E402
 from aotx.engine.runtime import admission  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def serve_args(model: Path, **kw) -> argparse.Namespace:
 
 
 def build(args):
-    from aotx.engine.serve import build_engine
+    from aotx.engine.cli.serve import build_engine
 
     return build_engine(args)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from aotx.engine.cli_local import print_conversation
+from aotx.engine.cli.local import print_conversation
 
 
 def _msg(msg_id, status, finish, text="hi"):
@@ -31,7 +31,7 @@ def test_serve_refuses_an_unreadable_memory_budget_before_loading(monkeypatch):
 
     import pytest
 
-    from aotx.engine import serve
+    from aotx.engine.cli import serve
     from aotx.engine.errors import UsageError
     from aotx.engine.model import loader
 
@@ -56,7 +56,7 @@ def test_three_aotx_run_started_together_share_one_engine(tmp_path, default_mode
 
     sock = f"/tmp/aotx-three-{os.getpid()}.sock"
     env = dict(os.environ, AOTX_HOME=str(tmp_path))
-    cmd = [sys.executable, "-m", "aotx.engine.cli", "run", "--socket", sock, "--max-tokens", "2", "--temperature", "0"]
+    cmd = [sys.executable, "-m", "aotx.engine.cli.commands", "run", "--socket", sock, "--max-tokens", "2", "--temperature", "0"]
     procs = [subprocess.Popen([*cmd, f"Say hello {i}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               stdin=subprocess.DEVNULL, text=True) for i in range(3)]
     try:
@@ -78,10 +78,10 @@ def test_journal_without_an_action_names_them_once_and_its_help_lists_them(tmp_p
     import sys
 
     env = dict(os.environ, AOTX_HOME=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "journal"], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", "journal"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "aotx: journal: choose verify, dump, repair or compact"
-    h = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "journal", "--help"], env=env, capture_output=True,
+    h = subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", "journal", "--help"], env=env, capture_output=True,
                        text=True, timeout=60)
     assert h.returncode == 0 and all(f"    {a} " in h.stdout for a in ("verify", "dump", "repair", "compact"))
 

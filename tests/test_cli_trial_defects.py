@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from aotx.engine.cli import join_negative_values
+from aotx.engine.cli.commands import join_negative_values
 from aotx.engine.units import short_title
 from tests import cli_support
 from tests.gateway_support import start_engine, stop_engine
@@ -54,7 +54,7 @@ def test_no_runtime_dir_warning_without_xdg_runtime_dir(tmp_path):
     """Without XDG_RUNTIME_DIR (and without AOTX_HOME) the socket goes under the data dir,
     and nothing but AOTX's own line is printed."""
     env = {"XDG_DATA_HOME": str(tmp_path / "data")}
-    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "status"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", "status"], capture_output=True, text=True,
                        timeout=60, stdin=subprocess.DEVNULL,
                        env={k: v for k, v in dict(os.environ, **env).items()
                             if k not in ("XDG_RUNTIME_DIR", "AOTX_HOME")})
@@ -140,7 +140,7 @@ def test_conversations_of_an_unknown_id_is_one_line_while_an_engine_runs(engine,
 
 def test_repl_help_fits_80_columns():
     """The `aotx run` chat's /help wrapped mid-word at 80 columns (session 7's trial)."""
-    from aotx.app.repl import HELP
+    from aotx.engine.cli.repl import HELP
 
     assert max(len(line) for line in HELP.splitlines()) <= 80
     assert "/attach" in HELP and "/bye" in HELP and '"""' in HELP

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from aotx.engine.errors import ProtocolError
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.ipc import server as server_mod
 from aotx.engine.ipc.client import EngineClient
 from aotx.engine.ipc.server import Server
@@ -301,7 +301,7 @@ def test_sigterm_with_active_generations_exits_cleanly(tiny_gguf, tmp_path):
     d = Path(tempfile.mkdtemp(prefix="aotx-g", dir="/tmp"))
     sock = d / "e.sock"
     env = dict(os.environ, AOTX_HOME=str(tmp_path / "home"))
-    p = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--model",
+    p = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "serve", "--socket", str(sock), "--model",
                           str(model), "--slots", "3", "--context", "1024", "--device", "cpu"],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tokens = [0, 0, 0]
@@ -350,7 +350,7 @@ def test_gateway_caps_connections_and_quiets_accept_errors(capsys):
     """The gateway's side of must-have 8: uvicorn answers 503 past max_connections,
     and asyncio's traceback per failed accept becomes one line per interval."""
     pytest.importorskip("uvicorn")
-    from aotx.engine.ipc import gateway as G
+    from aotx.engine.gateway import server as G
 
     server = G.uvicorn_server(object(), max_connections=7)
     assert server.config.limit_concurrency == 7

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aotx.engine.backend import cpu_attention, cpu_fdot
+from aotx.engine.backend.cpu import attention as cpu_attention
+from aotx.engine.backend.cpu import fdot as cpu_fdot
 
 H, KV, HD, N_SLOTS, N_CTX = 6, 2, 40, 3, 96        # head_dim 40: a tail after 8-wide lanes
 

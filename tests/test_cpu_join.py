@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cpu_attention, cpu_matmul
-from aotx.engine.backend.cpu_program import CpuProgram
+from aotx.engine.backend.cpu import attention as cpu_attention
+from aotx.engine.backend.cpu import matmul as cpu_matmul
+from aotx.engine.backend.cpu.program import CpuProgram
 from aotx.engine.model.batch import BatchLayout, Segment
 
 R = cpu_matmul.R

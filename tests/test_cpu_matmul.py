@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cpu_matmul, quants
-from aotx.engine.backend.cpu_matmul import QuantMatrix
+from aotx.engine.backend import quants
+from aotx.engine.backend.cpu import matmul as cpu_matmul
+from aotx.engine.backend.cpu.matmul import QuantMatrix
 from tests.conftest_quant_helpers import make_raw
 
 TYPES = sorted(quants.SUPPORTED_TYPES, key=lambda t: t.value)

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cpu_matmul, cpu_qdot
-from aotx.engine.backend.cpu_matmul import QuantMatrix
+from aotx.engine.backend.cpu import matmul as cpu_matmul
+from aotx.engine.backend.cpu import qdot as cpu_qdot
+from aotx.engine.backend.cpu.matmul import QuantMatrix
 from tests.conftest_quant_helpers import make_raw
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.ipc.client import EngineClient
 
 ROUNDS = 3
@@ -28,7 +28,7 @@ STREAMS = 4
 def _start_engine(home, sock):
     env = dict(os.environ, AOTX_HOME=str(home))
     log = open(home / "engine-test.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots",
+    return subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "serve", "--socket", str(sock), "--slots",
                              str(STREAMS), "--context", "512", "--device", "cpu"], env=env, stdout=log, stderr=log,
                             start_new_session=True)
 

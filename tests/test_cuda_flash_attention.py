@@ -49,7 +49,7 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def backend():
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
 
     be = CudaBackend()
     cc = int(be.device.compute_capability)
@@ -60,7 +60,7 @@ def backend():
 
 @pytest.fixture(scope="module")
 def kernels(backend):
-    from aotx.engine.backend import cuda_src as S
+    from aotx.engine.backend.cuda import source as S
 
     return backend.module([f"attn_prefill<{hd},{kvt}>" for hd in S.FLASH_HEAD_DIMS for kvt in (0, 1)])
 
@@ -185,7 +185,7 @@ def model_files(tiny_models, tiny_gguf, tmp_path_factory):
 
 
 def _build(path):
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.architectures import build
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
@@ -197,7 +197,7 @@ def _build(path):
 
 @pytest.mark.parametrize("name", ["llama-hd64", "llama-hd128", "gemma3", "gptoss"])
 def test_forward_with_flash_attention_matches_the_cublas_path(backend, model_files, name, monkeypatch):
-    from aotx.engine.backend import cuda_program as CP
+    from aotx.engine.backend.cuda import program as CP
 
     monkeypatch.setattr(CP, "ATT_KERNEL_WORK", 0)       # these tiny prompts take the long-segment path
     calls = []

@@ -105,7 +105,8 @@ def test_the_fake_checks_gemm_operands(fake):
 
 
 def test_kernel_signatures_parse_every_kernel_of_the_backend(fake):
-    from aotx.engine.backend import cuda_sampling, cuda_src
+    from aotx.engine.backend.cuda import sampling as cuda_sampling
+    from aotx.engine.backend.cuda import source as cuda_src
 
     sigs = fake.signatures(cuda_src.SRC)
     assert {"gemv", "row_scale", "rows_half", "dequant_h", "attn_decode", "head_rope_kv"} <= set(sigs)

@@ -1,6 +1,6 @@
 """Batch invariance on CUDA (issue 16 item 1, CUDA half) and the kernel choice on the device (issue 19).
 
-The CUDA backend's promise (engine/backend/cuda_program.py, "Batch invariance"): through
+The CUDA backend's promise (engine/backend/cuda/program.py, "Batch invariance"): through
 the graph a row's logits depend only on its token, position and the KV it attends to,
 bit for bit, whatever the batch bucket, the other rows, the GEMV variant the kernel
 choice picked, and whether the row is a decode, verify or short-prefill row; the eager
@@ -46,7 +46,7 @@ def model_path(tmp_path_factory):
 
 
 def _build(path, **kw):
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
     from aotx.engine.model.architectures import build
@@ -137,7 +137,7 @@ def test_tensor_core_prefill_stays_close_to_float32(model_path):
     prefill with every row's logits: ||x - x_f32|| / ||x_f32|| <= 1e-2, with dense
     dequantized weight copies (the default for a model this small: prefill_weight_bytes
     counts them) and on tiles (the scratch tile is then the only weight memory added)."""
-    from aotx.engine.backend.cuda_gemm import TILE_BYTES
+    from aotx.engine.backend.cuda.gemm import TILE_BYTES
 
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, VOCAB, 150).astype(np.int32)

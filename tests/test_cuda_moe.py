@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aotx.engine.backend import cuda_plan
+from aotx.engine.backend.cuda import plan as cuda_plan
 from aotx.engine.model.batch import Segment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,11 +76,11 @@ def _build(path, device: str, **cuda_kw):
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
     if device == "cpu":
-        from aotx.engine.backend.cpu import CpuBackend
+        from aotx.engine.backend.cpu.backend import CpuBackend
 
         be = CpuBackend(int8_activations=False)
     else:
-        from aotx.engine.backend.cuda import CudaBackend
+        from aotx.engine.backend.cuda.backend import CudaBackend
 
         be = CudaBackend(prefill="f32", expert_int8=False, **cuda_kw)
     return build(cfg, gf, be)
@@ -283,7 +283,7 @@ def test_cuda_device_moe_step_is_batch_invariant_and_matches_the_host_step(moe_f
 
 def _layer_pairs(st, x_host: np.ndarray) -> list:
     """The (expert, rows, slots) pairs the router sends to the GPU tier of host step ``st``."""
-    from aotx.engine.backend import cpu_moe
+    from aotx.engine.backend.cpu import experts as cpu_moe
 
     a = st.attrs
     logits = a["router"].matmul(np.ascontiguousarray(x_host), per_row=True)

@@ -50,11 +50,11 @@ def _build(path, device: str):
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
     if device == "cpu":
-        from aotx.engine.backend.cpu import CpuBackend
+        from aotx.engine.backend.cpu.backend import CpuBackend
 
         be = CpuBackend(int8_activations=False)  # the float path: CUDA computes in float32
     else:
-        from aotx.engine.backend.cuda import CudaBackend
+        from aotx.engine.backend.cuda.backend import CudaBackend
 
         be = CudaBackend(prefill="f32")  # the eager path's float32 GEMM (tensor cores: test_cuda_invariance)
     return build(cfg, gf, be)

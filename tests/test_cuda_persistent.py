@@ -1,4 +1,4 @@
-"""The persistent decode step on the device (issue 19 item 4; engine/backend/cuda_persistent.py).
+"""The persistent decode step on the device (issue 19 item 4; engine/backend/cuda/persistent.py).
 
 Its promise: a bucket of up to 8 rows runs as one kernel launch (every step's blocks over
 virtual blocks, a grid barrier between steps) and gives the SAME BITS as the graph of
@@ -35,7 +35,7 @@ VOCAB = 512
 
 
 def _build(path, **kw):
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.architectures import build
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aotx.engine.backend import cuda_plan as CP
+from aotx.engine.backend.cuda import plan as CP
 from aotx.engine.backend import ops
 
 

@@ -77,11 +77,11 @@ def _build(path, device: str, fuse: bool = True):
     gf = GGUFFile.open(path)
     cfg = ModelConfig.from_metadata(gf.metadata, str(path))
     if device == "cpu":
-        from aotx.engine.backend.cpu import CpuBackend
+        from aotx.engine.backend.cpu.backend import CpuBackend
 
         be = CpuBackend(int8_activations=False)
     else:
-        from aotx.engine.backend.cuda import CudaBackend
+        from aotx.engine.backend.cuda.backend import CudaBackend
 
         be = CudaBackend(fuse=fuse, prefill="f32")   # the float32 eager path (tensor-core modes: test_cuda_invariance)
     return build(cfg, gf, be)
@@ -134,7 +134,7 @@ def test_long_segments_on_the_cublas_attention_path_match_cpu(arch_files, arch, 
     cuda_program.ATT_KERNEL_WORK); with the threshold at 0 they take the long-segment path:
     the cuBLAS one, or the flash-style kernel (attn_prefill) where it runs (gemma3: its
     sliding-window layers too). Both must match the CPU."""
-    from aotx.engine.backend import cuda_program as CP
+    from aotx.engine.backend.cuda import program as CP
 
     monkeypatch.setattr(CP, "ATT_KERNEL_WORK", 0)
     monkeypatch.setattr(CP, "FLASH_ATTENTION", flash)

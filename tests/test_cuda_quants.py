@@ -36,8 +36,8 @@ if _n_dev < 1:
 import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from aotx.engine.backend import cuda_src as S  # noqa: E402
-from aotx.engine.backend.cuda import CudaBackend, _u64  # noqa: E402
+from aotx.engine.backend.cuda import source as S  # noqa: E402
+from aotx.engine.backend.cuda.backend import CudaBackend, _u64  # noqa: E402
 from tests.conftest_quant_helpers import make_raw, random_blocks  # noqa: E402
 
 pytestmark = pytest.mark.cuda

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.model.batch import Segment
 from tests.fakes.models import HostDeviceSampler, host_chain
 from tests.fakes.sink import EventSink

@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from aotx.engine.backend import cuda_sampling as CS
+from aotx.engine.backend.cuda import sampling as CS
 from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample, uniform
 from tests.fakes.models import HostDeviceSampler, HostOnly
@@ -119,7 +119,7 @@ def tiny_cpu(tiny_gguf, tmp_path_factory):
 
 def _run(lm, texts, sp: dict, speculative="off", slots=2):
     """Like test_cuda_state._generate with sampling settings of our own (top-k on)."""
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store
     from tests.fakes.sink import EventSink
@@ -165,7 +165,7 @@ def test_engine_mirrors_device_draws_exactly(tiny_cpu, speculative):
 
 def _kernel_ids(logits: np.ndarray, rows: list) -> np.ndarray:
     """Run ``sample_rows`` alone on host logits (R, V) float32."""
-    from aotx.engine.backend.cuda import NVRTC_OPTIONS
+    from aotx.engine.backend.cuda.backend import NVRTC_OPTIONS
 
     R, V = logits.shape
     k = cupy.RawModule(code=CS.SRC, options=NVRTC_OPTIONS).get_function("sample_rows")

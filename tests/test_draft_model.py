@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, distribution
 from aotx.engine.runtime.speculative import verify
@@ -270,7 +270,7 @@ def mismatched(tiny_gguf, tmp_path_factory, models):
 
 def test_vocabulary_mismatch_is_refused(mismatched, models, tmp_path, monkeypatch, capsys):
     from aotx.app.main import main as chat_main
-    from aotx.engine.cli import main
+    from aotx.engine.cli.commands import main
     from aotx.engine.errors import ModelError
     from aotx.engine.model.loader import load_model
     from aotx.engine.runtime.drafter import DraftModel, check_vocabulary_files
@@ -390,7 +390,7 @@ def test_admission_counts_the_draft_model_and_status_shows_it(models, tmp_path, 
     import argparse
 
     from aotx.engine.errors import AdmissionError
-    from aotx.engine.serve import build_engine
+    from aotx.engine.cli.serve import build_engine
 
     monkeypatch.setenv("AOTX_HOME", str(tmp_path))
     target, draft = models["target"], models["other"]

@@ -14,7 +14,7 @@ import asyncio
 import pytest
 
 from aotx.engine.errors import EngineError
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 
 # Raw prompts (their greedy steps had top-1/top-2 margins of at least 0.05 when a decode

@@ -23,7 +23,7 @@ def _streaming_reply(home, sock):
     """`aotx run` of a long reply against the engine at ``sock``, returned once its first 40
     bytes have streamed: (the process, what it printed so far)."""
     env = dict(os.environ, AOTX_HOME=str(home))
-    run = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "run", "--socket", str(sock),
+    run = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "run", "--socket", str(sock),
                             "--temperature", "0", "--max-tokens", "3000", LONG],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = b""

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend.cpu import CpuBackend
+from aotx.engine.backend.cpu.backend import CpuBackend
 from aotx.engine.model.architectures import llama
 from aotx.engine.model.batch import Segment
 from aotx.engine.model.config import ModelConfig
@@ -252,7 +252,7 @@ def test_kv_of_different_slots_never_mixes(lm):
 def test_rms_norm_zero_row_and_nan_do_not_raise():
     """Bug guard: numba's Python error model raised ZeroDivisionError inside rms_norm on
     a NaN row (fuzzed weights) or a zero row with eps 0; it must return, not raise."""
-    from aotx.engine.backend.cpu_ops import rms_norm
+    from aotx.engine.backend.cpu.ops import rms_norm
 
     x = np.zeros((3, 8), np.float32)
     x[1] = np.nan

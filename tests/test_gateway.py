@@ -27,10 +27,10 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from aotx.engine.errors import UsageError  # noqa: E402
-from aotx.engine.ipc import gateway as G  # noqa: E402
-from aotx.engine.ipc import gateway_auth as A  # noqa: E402
-from aotx.engine.ipc import gateway_schema as S  # noqa: E402
-from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine.gateway import server as G  # noqa: E402
+from aotx.engine.gateway import auth as A  # noqa: E402
+from aotx.engine.gateway import schema as S  # noqa: E402
+from aotx.engine import protocol as P  # noqa: E402
 
 pytestmark = pytest.mark.realmodel
 
@@ -539,7 +539,7 @@ def test_loopback(host, loop):
 def test_cli_gateway_generates_key_and_serves_openai(engine, tmp_path):
     sock, _ = engine
     env = dict(os.environ, AOTX_HOME=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "gateway", "--host", "0.0.0.0", "--socket", str(sock)],
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", "gateway", "--host", "0.0.0.0", "--socket", str(sock)],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--api-key-file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "gateway").exists()
@@ -548,7 +548,7 @@ def test_cli_gateway_generates_key_and_serves_openai(engine, tmp_path):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "gateway", "--port", str(port), "--socket",
+    proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "gateway", "--port", str(port), "--socket",
                              str(sock)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

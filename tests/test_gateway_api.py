@@ -29,7 +29,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine import protocol as P  # noqa: E402
 from tests.gateway_support import KEY, engine_call, gateway, start_engine, stop_engine  # noqa: E402
 
 pytestmark = pytest.mark.realmodel
@@ -143,7 +143,7 @@ def test_logprobs_equal_aotx_logits_for_the_same_ids(gw, engine, default_model_p
     tok = Tokenizer.from_metadata(GGUFFile.open(default_model_path).metadata)
     prompt_ids = tok.encode(prompt, add_special=True, parse_special=False)
     ids = prompt_ids + out_ids
-    res = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "logits", "--model", str(default_model_path),
+    res = subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", "logits", "--model", str(default_model_path),
                           "--top", "5", "--json", "--ids", ",".join(map(str, ids))],
                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
                                                                             "AOTX_HOME": str(engine[1])})
@@ -553,7 +553,7 @@ def test_anthropic_usage_counts_cached_prompt_tokens_once():
     the tokens read from the cache, so clients counted 30 tokens twice."""
     from types import SimpleNamespace
 
-    from aotx.engine.ipc.gateway_anthropic import _usage
+    from aotx.engine.gateway.anthropic import _usage
 
     u = _usage(SimpleNamespace(n_prompt=31, n_completion=5, n_cached=30))
     assert u == {"input_tokens": 1, "output_tokens": 5, "cache_read_input_tokens": 30}

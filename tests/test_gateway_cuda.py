@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 
-from aotx.engine.backend import cuda_sampling as CS
+from aotx.engine.backend.cuda import sampling as CS
 from aotx.engine.runtime.constraints import mask_bits
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, sample
 
@@ -48,7 +48,7 @@ def _random_masks(rng, R: int, V: int, density: float) -> np.ndarray:
 
 
 def _kernel(logits: np.ndarray, cfgs, states, masks: np.ndarray | None) -> np.ndarray:
-    from aotx.engine.backend.cuda import NVRTC_OPTIONS
+    from aotx.engine.backend.cuda.backend import NVRTC_OPTIONS
 
     R, V = logits.shape
     k = cupy.RawModule(code=CS.SRC, options=NVRTC_OPTIONS).get_function("sample_rows")
@@ -116,7 +116,7 @@ def test_engine_on_cuda_keeps_a_json_schema_reply_valid(request, tmp_path):
         from tests.tools.bench_constraints import synthetic_model
 
         default_model_path = synthetic_model(tmp_path)
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
     from aotx.engine.model.loader import load_model
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store

@@ -54,8 +54,8 @@ def _main() -> int:  # noqa: C901 - one scenario, told in order
 
     from gguf import GGMLQuantizationType as T
 
-    from aotx.engine.backend import cuda_sampling as CS
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda import sampling as CS
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.batch import Segment
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile

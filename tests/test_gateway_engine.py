@@ -18,7 +18,7 @@ import json
 import numpy as np
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, apply_mask, log_softmax, sample
 from aotx.engine.runtime.speculative import verify
 from aotx.engine.state import capsule as C

@@ -24,8 +24,8 @@ KEY = "sk-aotx-route-test-0123456789abcdef"
 
 @contextmanager
 def gateway(sock: Path):
-    from aotx.engine.ipc import gateway as G
-    from aotx.engine.ipc import gateway_auth as A
+    from aotx.engine.gateway import server as G
+    from aotx.engine.gateway import auth as A
     from aotx.engine.ipc.client import EngineClient
 
     config = G.GatewayConfig()

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aotx.engine.errors import UsageError
-from aotx.engine.ipc import gateway_auth as A
-from aotx.engine.ipc import gateway_media as M
-from aotx.engine.ipc import gateway_schema as S
+from aotx.engine.gateway import auth as A
+from aotx.engine.gateway import media as M
+from aotx.engine.gateway import schema as S
 from aotx.engine.model import tool_calls as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +184,7 @@ def test_parse_chat_tools_constraints_and_media():
 def test_no_repetition_penalty_by_default_with_tools_or_a_constraint():
     """Regression: with the engine's default penalty of 1.1 over the prompt's last tokens,
     Qwen2.5-Coder answered a tools request with a fenced JSON block, not its <tool_call>."""
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
 
     fmt = {"type": "json_object"}
     assert S.parse_chat({"messages": HELLO}, S.Limits()).sampling.repeat_penalty == P.REPEAT_PENALTY

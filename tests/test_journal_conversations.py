@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from aotx.engine.ipc.protocol import ConversationView
+from aotx.engine.protocol import ConversationView
 from aotx.engine.journal import records as R
 from aotx.engine.journal.conversations import ConversationTable, Receipt
 

@@ -121,7 +121,7 @@ async def test_the_engine_holds_new_work_while_the_disk_is_full_and_resumes_by_i
     [Errno 28]. Now: degraded in the status and the TUI's status line, a held notice
     naming the disk, then the held work runs once space returns, every receipt arrives."""
     from aotx.app.widgets.status_bar import StatusBar
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
 
     h = engine_server(slots=2, context=256)
     client = await h.connect()
@@ -170,8 +170,8 @@ def test_the_gateway_health_says_degraded():
     """The gateway's /health answers 503 with the degraded line while the disk is full."""
     import json
 
-    from aotx.engine.ipc import gateway as G
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine.gateway import server as G
+    from aotx.engine import protocol as P
 
     class Link:
         async def get(self):

@@ -40,7 +40,7 @@ def test_wider_modes_left_by_an_older_aotx_are_tightened_at_start(tmp_path, monk
         (home / "models" / "mine.gguf").write_bytes(b"GGUF")  # the user's model file: not ours to re-mode
     finally:
         os.umask(old)
-    from aotx.engine.serve import check_data_dir
+    from aotx.engine.cli.serve import check_data_dir
 
     check_data_dir()
     for p in [home, *home.rglob("*")]:
@@ -132,7 +132,7 @@ def test_a_second_local_user_can_read_nothing_and_cannot_connect(other_user, def
         (home / "engine.log").chmod(0o644)
         env = dict(os.environ, AOTX_HOME=str(home))
         log = open(base / "engine-test.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--slots", "1", "--context",
+        proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "serve", "--slots", "1", "--context",
                                  "256", "--device", "cpu"], env=env, stdout=log, stderr=log, start_new_session=True)
         sock = home / "run" / "engine.sock"
         _converse(sock, proc, base)
@@ -164,7 +164,7 @@ def _converse(sock: Path, proc, base: Path) -> None:
     a capsule, the socket all exist afterwards)."""
     import asyncio
 
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
     from aotx.engine.ipc.client import EngineClient
 
     async def go():

@@ -36,7 +36,7 @@ def _unprivileged() -> list[str]:
 
 def aotx(home: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, AOTX_HOME=str(home))
-    return subprocess.run([*_unprivileged(), sys.executable, "-m", "aotx.engine.cli", *args], env=env,
+    return subprocess.run([*_unprivileged(), sys.executable, "-m", "aotx.engine.cli.commands", *args], env=env,
                           capture_output=True, text=True, timeout=TIMEOUT, cwd="/")
 
 

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from aotx.engine.backend import cuda_choice as CC
+from aotx.engine.backend.cuda import choice as CC
 from aotx.engine.backend import kernel_choice as KC
 
 KEY = KC.DeviceKey(gpu="NVIDIA H200", driver="13000", cuda="13000", cupy="14.2.0", source="abc123")
@@ -318,7 +318,7 @@ def test_aotx_tune_without_cupy_is_one_line_exit_2(tiny_gguf, tmp_path, capsys, 
     written to the data dir."""
     import builtins
 
-    from aotx.engine.cli import main
+    from aotx.engine.cli.commands import main
 
     monkeypatch.setenv("AOTX_HOME", str(tmp_path / "home"))
     real_import = builtins.__import__
@@ -329,7 +329,7 @@ def test_aotx_tune_without_cupy_is_one_line_exit_2(tiny_gguf, tmp_path, capsys, 
         return real_import(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_cupy)
-    monkeypatch.delitem(__import__("sys").modules, "aotx.engine.backend.cuda", raising=False)
+    monkeypatch.delitem(__import__("sys").modules, "aotx.engine.backend.cuda.backend", raising=False)
     path = tiny_gguf.write_tiny_llama(tmp_path / "t.gguf")
     assert main(["tune", "--model", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.model.loader import file_fingerprint, load_model
 from tests.fakes.inproc import Client, make_engine, stop
 

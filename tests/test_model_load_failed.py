@@ -9,7 +9,7 @@ catalog; a file of the models folder stays listed with the load's error.
 
 from __future__ import annotations
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from tests.fakes.inproc import Client, answer, make_engine, stop
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from aotx.engine.errors import NotFound
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.admission import Budget
 from aotx.engine.runtime.catalog import Catalog, close_matches
 from tests.fakes.inproc import Client, answer, make_engine, reply, stop

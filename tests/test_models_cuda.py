@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.catalog import Catalog
 from aotx.engine.runtime.engine import Engine
 from aotx.engine.runtime.store import open_store
@@ -43,7 +43,7 @@ def home(tmp_path_factory, tiny_gguf):
 
 
 def _loader(entry):
-    from aotx.engine.serve import load_beside
+    from aotx.engine.cli.serve import load_beside
 
     return load_beside(entry, "cuda", "auto")
 

@@ -30,9 +30,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cpu_attention, cpu_moe, cpu_qdot
-from aotx.engine.backend.cpu_matmul import QuantMatrix
-from aotx.engine.backend.cpu_program import CpuProgram
+from aotx.engine.backend.cpu import attention as cpu_attention
+from aotx.engine.backend.cpu import experts as cpu_moe
+from aotx.engine.backend.cpu import qdot as cpu_qdot
+from aotx.engine.backend.cpu.matmul import QuantMatrix
+from aotx.engine.backend.cpu.program import CpuProgram
 from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec
 from aotx.engine.errors import ModelError
 from aotx.engine.model.batch import BatchLayout, Segment
@@ -492,7 +494,7 @@ def test_bad_moe_file_is_one_line_naming_it_before_any_weight_loads(request, tmp
                                                                      pattern):
     import re
 
-    from aotx.engine.backend.cpu import CpuBackend
+    from aotx.engine.backend.cpu.backend import CpuBackend
 
     models = request.getfixturevalue("tiny_models")
     tok = request.getfixturevalue("tiny_tokenizer")
@@ -537,7 +539,7 @@ def test_compact_k_quant_tiles_give_the_standard_tiles_bits(monkeypatch, qtype, 
     standard Q4 / Q8X2 tiles give (themselves checked
     against numpy in test_cpu_qdot), on every instruction set, for decode and prefill row
     counts and a row count that is not a multiple of 32 (a padded tile); in fewer bytes."""
-    from aotx.engine.backend import cpu_matmul
+    from aotx.engine.backend.cpu import matmul as cpu_matmul
     from tests.models.common import random_matrix
 
     rng = np.random.default_rng(5)

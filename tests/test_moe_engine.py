@@ -22,7 +22,7 @@ from aotx.engine.model.loader import load_model
 
 
 def _aotx(env, *args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
 
 

@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cpu_attention, cpu_ops
-from aotx.engine.backend.cpu_matmul import QuantMatrix
-from aotx.engine.backend.cpu_program import CpuProgram
+from aotx.engine.backend.cpu import attention as cpu_attention
+from aotx.engine.backend.cpu import ops as cpu_ops
+from aotx.engine.backend.cpu.matmul import QuantMatrix
+from aotx.engine.backend.cpu.program import CpuProgram
 from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec
 from aotx.engine.model.batch import BatchLayout, Segment
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from aotx.engine.errors import ErrorCode
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.model.loader import load_model
 from aotx.engine.runtime.engine import Engine
 from aotx.engine.runtime.store import open_store

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aotx.engine.errors import ProtocolError
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 # ---- framing: pure functions ------------------------------------------------------
 

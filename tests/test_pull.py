@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from aotx.engine import cli
-from aotx.engine.pull import parse_ref
+from aotx.engine.cli import commands as cli
+from aotx.engine.cli.pull import parse_ref
 from tests.fakes.hub import FakeHub
 
 REPO = "tiny-org/Tiny-GGUF"

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cuda_src
+from aotx.engine.backend.cuda import source as cuda_src
 from tests.conftest_quant_helpers import make_raw, random_blocks
 
 END = "// ---- end of the deq8 specializations ----"

@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cpu_matmul, quants
-from aotx.engine.backend.cpu_matmul import QuantMatrix
+from aotx.engine.backend import quants
+from aotx.engine.backend.cpu import matmul as cpu_matmul
+from aotx.engine.backend.cpu.matmul import QuantMatrix
 from aotx.engine.model.batch import Segment
 from aotx.engine.model.loader import load_model
 from tests.conftest_quant_helpers import make_raw, random_blocks

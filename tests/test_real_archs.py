@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.model.batch import Segment
 from tests.fakes.sink import EventSink
 
@@ -123,7 +123,7 @@ def _row_invariant_matmul() -> bool:
     """Issue 16's matmul (``QuantMatrix.numerics``): one kernel for every row count. Before
     it, K-quant weights (both real files) go through BLAS, whose sums depend on the row
     count, so a verify window's rows can differ from decode steps by float rounding."""
-    from aotx.engine.backend.cpu_matmul import QuantMatrix
+    from aotx.engine.backend.cpu.matmul import QuantMatrix
 
     return hasattr(QuantMatrix, "numerics")
 
@@ -172,7 +172,7 @@ def test_aotx_run_answers(real, tmp_path):
     home = tmp_path / "home"
     sock = Path(tempfile.mkdtemp(prefix="aotx-r", dir="/tmp")) / "e.sock"
     env = dict(os.environ, AOTX_HOME=str(home), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "aotx.engine.cli"]
+    cmd = [sys.executable, "-m", "aotx.engine.cli.commands"]
     try:
         r = subprocess.run(cmd + ["run", "--model", str(lm.path), "--device", DEVICE, "--socket", str(sock),
                                   "--slots", "1", "--context", "512", "--json", "--temperature", "0",

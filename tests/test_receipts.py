@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.receipts import Covers, Receipts
 
 

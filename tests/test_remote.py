@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.catalog import RemoteSpec, write_remote
 from tests.fakes.inproc import Client, answer, make_engine, reply, stop
 from tests.fakes.openai_server import FakeOpenAI, free_port

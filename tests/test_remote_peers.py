@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.catalog import RemoteSpec, write_remote
 from tests.fakes.inproc import Client, make_engine, reply, stop
 from tests.fakes.openai_server import FakeOpenAI, free_port
@@ -67,8 +67,8 @@ def wait_port(port: int, proc: subprocess.Popen | None = None, timeout: float = 
 
 @contextmanager
 def aotx_gateway(sock: Path):
-    from aotx.engine.ipc import gateway as G
-    from aotx.engine.ipc import gateway_auth as A
+    from aotx.engine.gateway import server as G
+    from aotx.engine.gateway import auth as A
     from aotx.engine.ipc.client import EngineClient
 
     config = G.GatewayConfig()
@@ -217,7 +217,7 @@ def test_llama_cpp_server_as_the_remote(loaded_model, default_model_path, llama_
 def _serve(home: Path, sock: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, AOTX_HOME=str(home))
     fh = open(log, "ab")
-    return subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), "--slots", "2",
+    return subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "serve", "--socket", str(sock), "--slots", "2",
                              "--context", "512", "--device", "cpu"], env=env, stdout=fh, stderr=fh,
                             start_new_session=True)
 

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fakes.media_files import write_png  # noqa: E402
 from tests.fakes.fake_engine import FakeEngine  # noqa: E402
 
-from aotx.app.repl import Command, Repl, apply_setting, parse_command  # noqa: E402
-from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine.cli.repl import Command, Repl, apply_setting, parse_command  # noqa: E402
+from aotx.engine import protocol as P  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +155,7 @@ def test_run_repl_refuses_a_missing_model_file_before_connecting(tmp_path):
     """`aotx run --model missing.gguf` at a terminal: one line, exit 2, no engine started."""
     import argparse
 
-    from aotx.app.repl import run_repl
+    from aotx.engine.cli.repl import run_repl
     from aotx.engine.errors import AotxError
 
     def connect():

@@ -49,7 +49,7 @@ def wait_for(session: str, text: str, limit_s: float, times: int = 1) -> str:
 
 
 def aotx(home: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", *args], capture_output=True, text=True,
                           env={**os.environ, "AOTX_HOME": str(home)}, timeout=60, cwd=ROOT)
 
 
@@ -60,7 +60,7 @@ def test_repl_in_a_real_terminal(tmp_path, default_model_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="aotx-repl-"))
     sock = sock_dir / "e.sock"
     session = f"aotx-repl-{os.getpid()}"
-    cmd = (f"cd {ROOT} && env AOTX_HOME={home} PYTHONDONTWRITEBYTECODE=1 {sys.executable} -m aotx.engine.cli run "
+    cmd = (f"cd {ROOT} && env AOTX_HOME={home} PYTHONDONTWRITEBYTECODE=1 {sys.executable} -m aotx.engine.cli.commands run "
            f"--socket {sock} --slots 1 --context 512 --device cpu --temperature 0 --max-tokens 24; "
            "echo REPL-EXIT-$?; sleep 60")
     tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40", cmd)

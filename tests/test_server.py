@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from aotx.engine.errors import EngineError
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.ipc.server import Server, SocketLock, bind_socket
 
 
@@ -91,7 +91,7 @@ def test_second_server_on_one_path_cannot_start(engine_server):
 
 def _aotx(args, home, timeout=120):
     env = dict(os.environ, AOTX_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "aotx.engine.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

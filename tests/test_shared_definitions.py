@@ -10,14 +10,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.media import kinds
 
 DEFAULTS = P.SamplingParams()
 
 
 def test_cli_flags_default_to_the_protocol():
-    from aotx.engine.cli import build_parser
+    from aotx.engine.cli.commands import build_parser
 
     args = build_parser().parse_args(["run", "hi"])
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "speculative"):
@@ -25,7 +25,7 @@ def test_cli_flags_default_to_the_protocol():
 
 
 def test_sampler_and_gateway_default_to_the_protocol():
-    from aotx.engine.ipc.gateway_schema import Limits, parse_chat
+    from aotx.engine.gateway.schema import Limits, parse_chat
     from aotx.engine.runtime.sampling import SamplerConfig
 
     assert SamplerConfig() == SamplerConfig.of(DEFAULTS)
@@ -43,7 +43,7 @@ def test_sampler_and_gateway_default_to_the_protocol():
     ({"top_k": -1}, "top_k"),
 ])
 def test_gateway_refuses_what_the_protocol_refuses(body, param):
-    from aotx.engine.ipc.gateway_schema import BadRequest, Limits, parse_chat
+    from aotx.engine.gateway.schema import BadRequest, Limits, parse_chat
 
     with pytest.raises(BadRequest) as e:
         parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, Limits())
@@ -52,7 +52,7 @@ def test_gateway_refuses_what_the_protocol_refuses(body, param):
 
 @pytest.mark.parametrize("name", sorted(kinds.EXTENSIONS) + ["clip.m4a", "notes.txt", "x.MP3"])
 def test_app_and_cli_take_the_media_profiles_kinds(name, tmp_path):
-    from aotx.app.attach import kind_of_extension
+    from aotx.engine.present.attach import kind_of_extension
 
     name = name if "." in name[1:] else "file" + name
     want = kinds.kind_of_name(name)
@@ -61,7 +61,7 @@ def test_app_and_cli_take_the_media_profiles_kinds(name, tmp_path):
 
 
 def test_app_sniff_is_the_media_profiles():
-    from aotx.app.attach import sniff
+    from aotx.engine.present.attach import sniff
     from aotx.media.profile import sniff as profile_sniff
 
     for head in (b"\x89PNG\r\n\x1a\n" + b"\0" * 8, b"II*\0" + b"\0" * 12, b"OggS" + b"\0" * 12, b"hello world 1234"):

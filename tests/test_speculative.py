@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState, distribution
 from aotx.engine.runtime.speculative import PromptLookup, verify
 from tests.fakes.sink import EventSink

@@ -163,7 +163,7 @@ def test_aotx_tokenize_cli_matches_llama_cpp(model, request, tmp_path):
     refs = {s["name"]: s for s in _refs(model, "tokenizer_refs.json")["strings"]}
     s = refs["qwen_chatml_turn" if model == "qwen2" else "gemma_turns"]
     env = dict(os.environ, AOTX_HOME=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "tokenize", "--model", str(path), "--special",
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", "tokenize", "--model", str(path), "--special",
                         "--json", s["text"]], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ids"] == s["special_true"]["ids"]

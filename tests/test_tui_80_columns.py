@@ -15,7 +15,7 @@ from textual.widgets import DataTable  # noqa: E402
 
 from aotx.app.screens.model_picker import COLUMNS, ModelPicker, fit_columns, model_row  # noqa: E402
 from aotx.app.widgets.status_bar import StatusBar  # noqa: E402
-from aotx.engine.ipc import protocol as P  # noqa: E402
+from aotx.engine import protocol as P  # noqa: E402
 
 LONG = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 

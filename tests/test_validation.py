@@ -15,7 +15,7 @@ import math
 import pytest
 
 from aotx.engine.errors import ErrorCode, UsageError
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from tests.fakes.sink import EventSink
 
 BAD_SAMPLING = [  # (field, value, the CLI flag's text for it or None when the CLI has no such flag)
@@ -36,7 +36,7 @@ BAD_SAMPLING = [  # (field, value, the CLI flag's text for it or None when the C
 
 
 def _cli_message(flag_value: str, field: str) -> str:
-    from aotx.engine.cli import build_parser
+    from aotx.engine.cli.commands import build_parser
 
     with pytest.raises(UsageError) as e:
         build_parser().parse_args(["run", "--" + field.replace("_", "-"), flag_value, "hi"])

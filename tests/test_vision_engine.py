@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.media_prompt import PLACEHOLDER_BASE, ImageStore, marker
 from tests.fakes.sink import EventSink
 
@@ -222,7 +222,7 @@ def test_profile_and_prompt_with_an_encoder(pair, tmp_path):
 
 def test_serve_pairs_the_mmproj_with_the_model(pair, tmp_path, tiny_gguf):
     from aotx.engine.errors import ModelError
-    from aotx.engine.serve import load_vision
+    from aotx.engine.cli.serve import load_vision
 
     lm, enc, d = pair
     found = load_vision(None, lm, "cpu")  # mmproj-tiny.gguf sits beside text.gguf
@@ -285,7 +285,7 @@ def test_aotx_run_attach_with_mmproj_beside_the_model(pair, tmp_path):
     img = _png(tmp_path / "cat.png", seed=3)
     sock = Path(tempfile.mkdtemp(prefix="aotx-v", dir="/tmp")) / "s.sock"
     env = dict(os.environ, AOTX_HOME=str(tmp_path / "home"))
-    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli", "run", "--model", str(d / "text.gguf"), "--socket",
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", "run", "--model", str(d / "text.gguf"), "--socket",
                         str(sock), "--json", "--temperature", "0", "--max-tokens", "2", "--device", "cpu", "--attach", str(img),
                         "what is it"], env=env, capture_output=True, text=True, timeout=120)
     pid = re.search(r"pid (\d+)", r.stderr)
@@ -308,7 +308,7 @@ def test_models_listing_shows_the_encoder_route(pair, tmp_path, monkeypatch):
     import shutil
 
     from aotx.engine import paths
-    from aotx.engine.cli_local import _media_profile
+    from aotx.engine.cli.local import _media_profile
     from aotx.engine.model.loader import list_models
 
     _, enc, d = pair

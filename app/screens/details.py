@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from aotx.app.format import GLYPHS
+from aotx.engine.present.format import GLYPHS
 
 
 def details_lines(w) -> list[tuple[str, str]]:

@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
 from aotx.app.bindings import ACTIONS, WIDGET_KEYS
-from aotx.app.format import LEGEND
+from aotx.engine.present.format import LEGEND
 
 
 class HelpScreen(ModalScreen[None]):

@@ -19,8 +19,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
-from aotx.app.format import ellipsize
-from aotx.engine.ipc import protocol as P
+from aotx.engine.present.format import ellipsize
+from aotx.engine import protocol as P
 from aotx.engine.units import fmt_bytes
 
 COLUMNS = ("model", "size", "arch", "quant", "context", "needs", "")

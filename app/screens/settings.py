@@ -9,7 +9,7 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 _HINTS = (("temperature", "0 = greedy"), ("top_k", "0 = off"), ("top_p", "1 = off"), ("min_p", "0 = off"),
           ("repeat_penalty", "1 = off"), ("max_tokens", "empty = to the context"), ("seed", "empty = random"))

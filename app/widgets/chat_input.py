@@ -12,7 +12,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
-from aotx.app.paste import parse_pasted_paths
+from aotx.engine.present.paste import parse_pasted_paths
 
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
 

@@ -9,7 +9,7 @@ from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import Static
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 
 class Chip(Static, can_focus=True):

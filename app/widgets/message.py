@@ -18,9 +18,9 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Static
 
-from aotx.app.format import GLYPHS
+from aotx.engine.present.format import GLYPHS
 from aotx.app.widgets.markdown_view import CodeBlock, MarkdownView
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 FRAME_S = 1 / 30
 

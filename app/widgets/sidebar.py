@@ -15,9 +15,9 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView, Static
 
-from aotx.app.format import LEGEND_ITEMS
+from aotx.engine.present.format import LEGEND_ITEMS
 from aotx.app.search import Hit, SearchIndex
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 
 def is_fork(title: str) -> bool:

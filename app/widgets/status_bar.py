@@ -18,8 +18,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
 
-from aotx.app.format import ellipsize, fmt_bytes
-from aotx.engine.ipc import protocol as P
+from aotx.engine.present.format import ellipsize, fmt_bytes
+from aotx.engine import protocol as P
 
 REDRAW_S = 0.25  # how often the line is redrawn while a reply streams
 MIN_MODEL = 12  # the fewest characters of the model's name kept beside the state

@@ -19,7 +19,7 @@ def pick_device(requested: str) -> str:
     if requested == "cpu":
         return "cpu"
     try:
-        from aotx.engine.backend import cuda as _cuda  # type: ignore[attr-defined]  # noqa: F401
+        from aotx.engine.backend.cuda import backend as _cuda  # type: ignore[attr-defined]  # noqa: F401
 
         have_backend = True
     except ImportError:

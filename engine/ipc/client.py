@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from aotx.engine.errors import AotxError, EngineError, ProtocolError
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 
 class ConnectionLost(EngineError):
@@ -73,7 +73,7 @@ class EngineClient:
             if not spawn:
                 raise EngineError(f"no engine answers on {sock}; start one with `aotx serve`") from None
         log = paths.data_dir() / "engine.log"
-        args = [sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(sock), *(engine_args or [])]
+        args = [sys.executable, "-m", "aotx.engine.cli.commands", "serve", "--socket", str(sock), *(engine_args or [])]
         try:  # the engine's log is private (0600), like everything in the data dir
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as e:  # a read-only or foreign data dir: one line, not a traceback

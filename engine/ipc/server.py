@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from aotx.engine.errors import EngineError, ErrorCode, ProtocolError
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 log = logging.getLogger("aotx.server")
 

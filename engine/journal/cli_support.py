@@ -3,7 +3,7 @@
 Owns: what ``aotx journal verify|dump|repair|compact`` and ``aotx conversations
 list|show`` report, as JSON-ready dicts, plus a one-line text form of each
 record for the non-JSON dump. Leaves to others: argument parsing, printing and
-exit codes (``engine/cli.py``: a ``JournalError`` becomes one line, exit 2).
+exit codes (``engine/cli/commands.py``: a ``JournalError`` becomes one line, exit 2).
 
 ``verify``, ``dump`` and the conversation commands only read (no lock, no file
 or directory created or changed), so they work while an engine runs and on a

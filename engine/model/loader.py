@@ -208,11 +208,11 @@ def make_backend(device: str, *, int8_activations: bool = True, tune: str = "reu
     its batch. On CUDA, ``tune`` is the kernel-choice policy (``engine/backend/kernel_choice.py``: off, reuse,
     auto, force)."""
     if device == "cpu":
-        from aotx.engine.backend.cpu import CpuBackend
+        from aotx.engine.backend.cpu.backend import CpuBackend
 
         return CpuBackend(int8_activations=int8_activations)
     if device == "cuda":
-        from aotx.engine.backend.cuda import CudaBackend  # type: ignore[import-not-found]
+        from aotx.engine.backend.cuda.backend import CudaBackend  # type: ignore[import-not-found]
 
         kw = {} if tune_budget_s is None else {"tune_budget_s": float(tune_budget_s)}
         return CudaBackend(tune=tune, int8_activations=int8_activations, **kw)

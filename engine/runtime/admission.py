@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from aotx.engine.errors import AdmissionError, ErrorCode
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.envelope import Envelope, working_bytes  # noqa: F401 (re-exported)
 from aotx.engine.units import fmt_bytes, parse_size  # noqa: F401 (re-exported)
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime import admission
 from aotx.engine.runtime.executor import LeaseResult, TickResult
 from aotx.engine.runtime.receipts import Covers

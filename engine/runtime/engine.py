@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aotx.engine.errors import AotxError, Busy, ErrorCode, ModelError, NotFound, RequestError, close_matches
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry
 from aotx.engine.runtime.drafter import DEFAULT_P_MIN

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from aotx.engine.backend.cuda_sampling import device_ok, fits_history
+from aotx.engine.backend.cuda.sampling import device_ok, fits_history
 from aotx.engine.model.batch import Segment
 from aotx.engine.runtime.requests import Request, RequestState
 from aotx.engine.runtime.sampling import log_softmax, sample, top_logprobs
@@ -261,7 +261,7 @@ class Executor:
         ptrs: dict[int, list[int]] = {}
         if masks:
             if self.masks is None:
-                from aotx.engine.backend.cuda_sampling import MaskTable
+                from aotx.engine.backend.cuda.sampling import MaskTable
 
                 self.masks = MaskTable(self.vocab)
             order = [k for k in masks]

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aotx.engine.errors import AdmissionError, Busy, ErrorCode, ModelError, NotFound
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry, estimate_terms
 from aotx.engine.runtime.commit import Commit

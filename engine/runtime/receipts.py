@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import threading
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.events import Inbox, ReceiptArrived
 from aotx.engine.runtime.requests import Request
 

@@ -38,7 +38,7 @@ import msgspec
 import numpy as np
 
 from aotx.engine.errors import Busy, ErrorCode, NotReady, RequestError
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime import admission
 from aotx.engine.runtime.catalog import ModelEntry
 from aotx.engine.runtime.receipts import Covers

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aotx.engine.ipc.protocol import SamplingParams
+from aotx.engine.protocol import SamplingParams
 
 
 @dataclass

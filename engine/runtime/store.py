@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from aotx.engine.errors import AotxError, ErrorCode, JournalError, NotFound
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.journal import records as R
 from aotx.engine.journal.conversations import ConversationTable, Receipt
 from aotx.engine.runtime.admission import Refusal, journal_refusal

@@ -52,7 +52,7 @@ import msgspec
 import numpy as np
 
 from aotx.engine.errors import Busy, ErrorCode, NotReady, RequestError
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.model import tool_calls
 from aotx.engine.model.chat_template import encode_chat
 from aotx.engine.model.termination import StopChecker

@@ -20,7 +20,7 @@ import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aotx.engine.errors import EngineError, ErrorCode
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.ipc.client import ConnectionLost
 
 

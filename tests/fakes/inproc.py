@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 from aotx.engine.runtime.admission import Budget
 from aotx.engine.runtime.catalog import Catalog
 from aotx.engine.runtime.engine import Engine

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from aotx.engine.ipc import protocol as P
+from aotx.engine import protocol as P
 
 #: The events that end an operation: a reply finished, an error, or the answer of a
 #: conversation operation (create, fork, cancel, delete ...).

@@ -5,7 +5,7 @@ checkout (the batch-invariant CPU kernels), on one model, in alternating runs.
 
 The old tree is ``git archive``d into a temporary directory (the repository is not
 changed) and imported instead of this checkout through PYTHONPATH (the editable
-install's finder comes after the path); THIS checkout's ``engine/bench.py`` is copied
+install's finder comes after the path); THIS checkout's ``engine/cli/bench.py`` is copied
 into it, so both trees are measured by the same code (``bench_engine_path``: prefill and
 decode as ``aotx run --json`` reports them, from an engine built as ``aotx serve``
 builds it, and the model alone). Each tree first runs once small to fill its numba
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 RUN = """
 import json, sys
-from aotx.engine.bench import bench_engine_path
+from aotx.engine.cli.bench import bench_engine_path
 sizes = tuple(int(s) for s in sys.argv[2].split(","))
 r = bench_engine_path(sys.argv[1] or None, "cpu", sizes, int(sys.argv[3]), int(sys.argv[4]))
 import aotx

@@ -125,8 +125,8 @@ def bench_masks(tok, device: str, reps: int) -> dict:
 def _bench_cuda_kernel(V: int, mask: np.ndarray) -> dict:
     import cupy as cp
 
-    from aotx.engine.backend import cuda_sampling as CS
-    from aotx.engine.backend.cuda import NVRTC_OPTIONS
+    from aotx.engine.backend.cuda import sampling as CS
+    from aotx.engine.backend.cuda.backend import NVRTC_OPTIONS
     from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
 
     class Row:
@@ -168,7 +168,7 @@ def _bench_cuda_kernel(V: int, mask: np.ndarray) -> dict:
 
 
 def bench_engine(model: Path, device: str, tokens: int) -> dict:
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
     from aotx.engine.model.loader import load_model
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store

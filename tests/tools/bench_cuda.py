@@ -41,7 +41,7 @@ def _model_path(arg: str | None, tmp: Path) -> tuple[Path, str]:
 
 
 def _build(path: Path):
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
     from aotx.engine.model.architectures import build

@@ -103,7 +103,7 @@ class Engine:
     def __init__(self, home: Path, model: Path | None, name: str):
         self.home, self.sock = home, home / f"{name}.sock"
         self.log = open(home / f"{name}.log", "wb")
-        args = [sys.executable, "-m", "aotx.engine.cli", "serve", "--socket", str(self.sock), "--slots", "4",
+        args = [sys.executable, "-m", "aotx.engine.cli.commands", "serve", "--socket", str(self.sock), "--slots", "4",
                 "--context", "4096", "--device", "cpu"] + (["--model", str(model)] if model else [])
         self.proc = subprocess.Popen(args, env=dict(os.environ, AOTX_HOME=str(home)), stdout=self.log,
                                      stderr=self.log)
@@ -145,7 +145,7 @@ class Gateway:
 
     def __init__(self, home: Path, sock: Path):
         self.err = open(home / "gateway.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli", "gateway", "--socket", str(sock),
+        self.proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "gateway", "--socket", str(sock),
                                       "--port", "0"], env=dict(os.environ, AOTX_HOME=str(home)),
                                      stdout=subprocess.DEVNULL, stderr=self.err)
         deadline = time.monotonic() + 120
@@ -185,7 +185,7 @@ class Gateway:
 
 async def stream(sock: Path, n_tokens: int, started: asyncio.Event | None = None) -> list[float]:
     """Token arrival times of one greedy raw reply of ``n_tokens`` tokens."""
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
     from aotx.engine.ipc.client import EngineClient
 
     c = await EngineClient.connect(sock, spawn=False, client_name="bench-stream")
@@ -208,7 +208,7 @@ def max_gap(times: list[float], t0: float = 0.0, t1: float = float("inf")) -> fl
 
 
 async def socket_message(sock: Path, text: str) -> str:
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
     from aotx.engine.ipc.client import EngineClient
 
     c = await EngineClient.connect(sock, spawn=False, client_name="bench-attack")

@@ -15,7 +15,7 @@ the first over the wall time from the first to the last), verify passes
 accepted, and whether the lookup output equals the plain output.
 
 Make the prompts file with AOTX's Python:
-    python -c "from aotx.engine.bench import dump_spec_prompts; dump_spec_prompts('prompts.json')"
+    python -c "from aotx.engine.cli.bench import dump_spec_prompts; dump_spec_prompts('prompts.json')"
 Run:
     /tmp/peer/bin/python tests/tools/bench_llamacpp_lookup.py --model PATH.gguf --prompts prompts.json [--json]
 """

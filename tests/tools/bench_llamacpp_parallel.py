@@ -5,7 +5,7 @@ Run with the peer's interpreter (llama-cpp-python, see shared/peer/llamacpp_benc
     /tmp/peer/bin/python tests/tools/bench_llamacpp_parallel.py --model PATH.gguf [--seqs 1,2,4,8,16]
         [--threads 2] [--tokens 64] [--repeats 3] [--json]
 
-For each N: one context with n_seq_max = N; N different chat prompts (engine/bench.py's
+For each N: one context with n_seq_max = N; N different chat prompts (engine/cli/bench.py's
 PROMPTS) are prefilled one sequence at a time, then every decode step is ONE llama_decode
 call whose llama_batch holds one token per sequence (seq_id = its sequence, logits on),
 greedy (argmax of llama_get_logits_ith), for --tokens steps. Aggregate decode tok/s =

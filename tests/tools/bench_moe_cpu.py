@@ -83,7 +83,7 @@ def side_aotx(model: str, threads: int, repeats: int) -> dict:
     import numba
 
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    from aotx.engine.bench import bench_model
+    from aotx.engine.cli.bench import bench_model
     from aotx.engine.model.loader import load_model
 
     from aotx.engine.model import experts as X

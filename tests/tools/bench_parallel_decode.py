@@ -2,7 +2,7 @@
 
 Run: NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python -m tests.tools.bench_parallel_decode 1,2,4,8,16
 
-For each B: engine/bench.py's PROMPTS (chat-wrapped) prefilled one sequence at a time,
+For each B: engine/cli/bench.py's PROMPTS (chat-wrapped) prefilled one sequence at a time,
 then 64 greedy steps, each ONE forward pass with B one-token segments (the engine's decode
 tick without the engine). Prints JSON: tokens per second of wall time and per CPU second of
 this process (time.process_time, all threads; with one thread it is the work per token,
@@ -20,7 +20,7 @@ import numpy as np
 
 
 def main(argv: list[str]) -> None:
-    from aotx.engine.bench import PROMPTS
+    from aotx.engine.cli.bench import PROMPTS
     from aotx.engine.model.batch import Segment
     from aotx.engine.model.loader import load_model
 

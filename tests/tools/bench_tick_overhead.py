@@ -47,7 +47,7 @@ class _Sink:
 
 
 def run_once(lm, k: int, tokens: int) -> dict:
-    from aotx.engine.ipc import protocol as P
+    from aotx.engine import protocol as P
     from aotx.engine.runtime.engine import Engine
     from aotx.engine.runtime.store import open_store
 

@@ -41,7 +41,7 @@ def _time(fn, runs: int) -> float:
 
 
 def bench(kernels: dict, H: int, KV: int, hd: int, n: int, runs: int) -> dict:
-    from aotx.engine.backend import cuda_program as CP
+    from aotx.engine.backend.cuda import program as CP
 
     rng = np.random.default_rng(0)
     n_ctx = n
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--lengths", default="512,2048,8192")
     a = ap.parse_args()
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
 
     be = CudaBackend()
     names = ["causal_softmax"] + [f"attn_prefill<{hd},{kvt}>" for hd in (64, 128) for kvt in (0, 1)]

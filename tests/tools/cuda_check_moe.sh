@@ -30,7 +30,7 @@ timeout 200 "$PY" -m pytest -x -q --tb=short -rs -s -p no:cacheprovider tests/te
 export AOTX_HOME=/tmp/aotx-moe-home
 SOCK=/tmp/aotx-moe-s/e.sock
 mkdir -p /tmp/aotx-moe-s
-aotx() { timeout 120 "$PY" -m aotx.engine.cli "$@"; }
+aotx() { timeout 120 "$PY" -m aotx.engine.cli.commands "$@"; }
 if [ -f .moe_files/qwen3moe.gguf ]; then
   echo "== 2. aotx run --device cuda (qwen3moe)"
   aotx run --model .moe_files/qwen3moe.gguf --device cuda --socket $SOCK --slots 2 --context 512 --json --profile \

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 PY = sys.executable
-CLI = [PY, "-m", "aotx.engine.cli"]
+CLI = [PY, "-m", "aotx.engine.cli.commands"]
 QUESTION = "What is the capital of France?"
 
 

@@ -13,7 +13,7 @@ Each site's weight is replicated into enough copies (>= 256 MB in all) that one 
 over the copies reads from HBM, not the 60 MB L2; the pass is one captured CUDA graph (as
 the decode tick runs them), so host launch cost is not in the figures. Random blocks with
 sane float16 scales (the values do not matter for timing). ``--src FILE``: also time the
-kernels of another cuda_src.py (e.g. ``git show HEAD~1:engine/backend/cuda_src.py``) in
+kernels of another cuda_src.py (e.g. ``git show HEAD~1:engine/backend/cuda/source.py``) in
 the same process, the default variant of each site, and compare their bits. A
 device-machine script, never run by CI:
 ``python -m tests.tools.cuda_gemv_bench [--quick] [--batches 1,4] [--src FILE] [--fp16]``.
@@ -29,9 +29,9 @@ import cupy as cp
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cuda_choice as CC
-from aotx.engine.backend import cuda_src as S
-from aotx.engine.backend.cuda import CudaBackend, _u64
+from aotx.engine.backend.cuda import choice as CC
+from aotx.engine.backend.cuda import source as S
+from aotx.engine.backend.cuda.backend import CudaBackend, _u64
 from tests.conftest_quant_helpers import random_blocks
 
 # (name, type A, type B (SwiGLU), mode, output rows m, inputs k, norm)
@@ -117,7 +117,7 @@ def main() -> int:
     kern = compile_all(be, names)
     print(f"{len(names)} kernels compiled (or loaded from CuPy's cache) in {time.perf_counter() - t0:.1f} s")
     if other is not None:
-        from aotx.engine.backend.cuda import NVRTC_OPTIONS
+        from aotx.engine.backend.cuda.backend import NVRTC_OPTIONS
 
         onames = sorted({CC.gemv_instance(int(site[1]), int(site[2] or site[1]), site[3], vs[0])
                          for site, _, vs, *_ in plan}
@@ -150,7 +150,7 @@ def main() -> int:
             kern["row_scale"]((B,), (128,), (_u64(x), np.int32(k), np.int32(k), np.float32(1e-5), _u64(xs)))
         y = cp.zeros((B, width), cp.float32)
 
-        from aotx.engine.backend.cuda_matrix import q8_buffers
+        from aotx.engine.backend.cuda.matrix import q8_buffers
 
         xq, xd = q8_buffers(B, k)
         ldq = xq.shape[1]
@@ -311,7 +311,7 @@ def compile_all(be, names, jobs: int = 0) -> dict:
     try:
         from cupy.cuda import compiler
 
-        from aotx.engine.backend.cuda import NVRTC_OPTIONS
+        from aotx.engine.backend.cuda.backend import NVRTC_OPTIONS
 
         arch, kind = compiler._get_arch_for_options_for_nvrtc()
         parts = [names[i::jobs] for i in range(jobs) if names[i::jobs]]

@@ -21,8 +21,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend import cuda_src as S
-from aotx.engine.backend.cuda import CudaBackend, _u64
+from aotx.engine.backend.cuda import source as S
+from aotx.engine.backend.cuda.backend import CudaBackend, _u64
 
 M = K = 4096
 REPS = 100

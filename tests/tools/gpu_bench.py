@@ -151,8 +151,8 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     import cupy as cp
     import numpy as np
 
-    from aotx.engine.backend import cuda_choice as CC
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda import choice as CC
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.batch import Segment
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
@@ -169,7 +169,7 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     # session 7's kernels: the flash prefill attention on unless AOTX_BENCH_FLASH=0; the persistent
     # decode step only with AOTX_BENCH_PERSISTENT=auto (session 8's H200: 0.72 ms a token through the
     # graph of kernels, 1.05 persistent; its variants are still timed side by side below)
-    from aotx.engine.backend import cuda_program as CP
+    from aotx.engine.backend.cuda import program as CP
 
     CP.FLASH_ATTENTION = os.environ.get("AOTX_BENCH_FLASH", "1") == "1"
     res["flash_attention"] = CP.FLASH_ATTENTION

@@ -25,7 +25,7 @@ import numpy as np
 
 
 def _build(path, **backend_kw):
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
     from aotx.engine.model.architectures import build
@@ -52,7 +52,7 @@ def _exercise(model, kv_type: str) -> None:
     model.forward(toks[:200], [Segment(1, 41, 180, logits=False), Segment(2, 130, 20)], kv)   # long + short
     # the same long segments on the cuBLAS attention path (these tiny models' prompts are
     # within ATT_KERNEL_WORK, where long segments take the attention kernel)
-    from aotx.engine.backend import cuda_program as CP
+    from aotx.engine.backend.cuda import program as CP
 
     # (the flash-style kernel, then the cuBLAS path it falls back to)
     work, flash, CP.ATT_KERNEL_WORK = CP.ATT_KERNEL_WORK, CP.FLASH_ATTENTION, 0
@@ -71,7 +71,7 @@ def main() -> int:
     fake_cupy.install()
     from gguf import GGMLQuantizationType as T
 
-    from aotx.engine.backend import cuda_choice as CC
+    from aotx.engine.backend.cuda import choice as CC
     from tests.models.cuda_testmodel import write_llama
 
     tmp = Path(tempfile.mkdtemp(prefix="aotx-dryrun-"))
@@ -115,7 +115,7 @@ def main() -> int:
                                                                   "int8_activations": True, "int8_min_bytes": 0}, "f16"))
     for label, name, kw, kv_type in scenarios:
         before = fake_cupy.stats["launches"]
-        from aotx.engine.backend import cuda_gemm
+        from aotx.engine.backend.cuda import gemm as cuda_gemm
 
         cap = cuda_gemm.DENSE_MAX_BYTES
         try:

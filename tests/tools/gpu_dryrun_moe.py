@@ -38,7 +38,7 @@ def _toy_tokenizer(tm):
 
 
 def _build(path, **kw):
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.architectures import build
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
@@ -56,7 +56,7 @@ def _exercise_segmented(model, fake) -> str:
     logits rows; the plain run before a capture skips them), each host step's rows and
     "small" flags as on the eager path, traffic
     counted per real row; every expert on the GPU: one graph, no host step."""
-    from aotx.engine.backend import cuda_program as CP
+    from aotx.engine.backend.cuda import program as CP
     from aotx.engine.model import experts as X
     from aotx.engine.model.batch import Segment
 
@@ -109,7 +109,7 @@ def _exercise_segmented(model, fake) -> str:
 
 
 def _exercise(model, fake) -> None:
-    from aotx.engine.backend import cpu_moe
+    from aotx.engine.backend.cpu import experts as cpu_moe
     from aotx.engine.model.batch import Segment
 
     c = model.compiled
@@ -262,7 +262,7 @@ def _staging(model) -> str:
 
 def _reference_ffn(a: dict, e: int, x: np.ndarray) -> np.ndarray:
     """Expert e's FFN on rows x in float64 from gguf's dequantized weights (+ biases)."""
-    from aotx.engine.backend import cpu_moe
+    from aotx.engine.backend.cpu import experts as cpu_moe
 
     W = [a[k].dequantize(e).astype(np.float64) for k in ("gate", "up", "down")]
     bias = [a.get(k) for k in ("gate_bias", "up_bias", "down_bias")]
@@ -320,7 +320,7 @@ def _grouped_matches_each(model, fake) -> str:
     against a stand-in GPU tier computing the same pairs with the reference."""
     import cupy as cp
 
-    from aotx.engine.backend import cpu_moe
+    from aotx.engine.backend.cpu import experts as cpu_moe
     from aotx.engine.model import experts as X
 
     c = model.compiled
@@ -404,7 +404,7 @@ def _device_step(model, fake) -> str:
     expert off the GPU) is not device_ready."""
     import cupy as cp
 
-    from aotx.engine.backend import cpu_moe
+    from aotx.engine.backend.cpu import experts as cpu_moe
     from aotx.engine.model import experts as X
 
     c = model.compiled
@@ -519,7 +519,7 @@ def _learned(model, fake, root) -> str:
     slots must hold the promoted experts' bytes (biases too), and the moe op with the tier's
     kernels emulated must match the float64 reference within rounding and the CPU tier alone
     within its int8 tolerance."""
-    from aotx.engine.backend import cpu_moe
+    from aotx.engine.backend.cpu import experts as cpu_moe
     from aotx.engine.model import experts as X
     from aotx.engine.model.batch import Segment
 

@@ -415,7 +415,7 @@ def _emu_swiglu_oai(name, grid, a) -> None:
 
 def _emu_moe_route(name, grid, a) -> None:
     """moe_route by cpu_moe.route itself (numba; the same rules), on the logits in memory."""
-    from aotx.engine.backend.cpu_moe import route
+    from aotx.engine.backend.cpu.experts import route
 
     n, E, k, ldl = int(a["n"]), int(a["E"]), int(a["k"]), int(a["ldl"])
     lg = np.zeros((n, E), np.float32)
@@ -463,7 +463,7 @@ def _emu_moe_tiles(name, grid, a) -> None:
 
 
 def _emu_moe_join(name, grid, a) -> None:
-    from aotx.engine.backend.cpu_moe import join
+    from aotx.engine.backend.cpu.experts import join
 
     n, k, d, ldy, ldo = grid[0], int(a["k"]), int(a["d"]), int(a["ldy"]), int(a["ldo"])
     pos = _i32(_addr(a["pos"]), n * k)

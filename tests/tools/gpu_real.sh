@@ -28,7 +28,7 @@ for m in qwen2.5-coder-0.5b-instruct-q4_k_m.gguf:"Write a Python function that r
          gemma-3-270m-q4_k_m.gguf:"The capital of France is"; do
   f=${m%%:*}; q=${m#*:}
   echo "== aotx run --device cuda --model $f"
-  timeout 120 "$PY" -m aotx.engine.cli run --model /tmp/real/$f --device cuda --socket /tmp/aotx-real-s.sock \
+  timeout 120 "$PY" -m aotx.engine.cli.commands run --model /tmp/real/$f --device cuda --socket /tmp/aotx-real-s.sock \
     --temperature 0 --max-tokens 48 "$q" 2>&1 | tail -12
-  timeout 30 "$PY" -m aotx.engine.cli stop --socket /tmp/aotx-real-s.sock >/dev/null 2>&1
+  timeout 30 "$PY" -m aotx.engine.cli.commands stop --socket /tmp/aotx-real-s.sock >/dev/null 2>&1
 done

@@ -229,7 +229,7 @@ def _skew_routers(model, skew: float) -> list:
     writes them); returns the old routers (``_unskew_routers`` puts them back)."""
     from gguf import GGMLQuantizationType as T
 
-    from aotx.engine.backend.cpu_matmul import QuantMatrix
+    from aotx.engine.backend.cpu.matmul import QuantMatrix
 
     saved = []
     for st in model.compiled.moe_steps:
@@ -304,7 +304,7 @@ def aotx(path: Path, budget: str, home: Path, gpu_share: float = 0.0, all_gpu: b
          json_out: Path | None = None) -> dict:
     import cupy as cp
 
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model import experts as X
     from aotx.engine.model.architectures import build
     from aotx.engine.model.config import ModelConfig

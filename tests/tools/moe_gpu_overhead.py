@@ -65,8 +65,8 @@ def main() -> int:
     import cupy as cp
     import numpy as np
 
-    from aotx.engine.backend import cpu_moe
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cpu import experts as cpu_moe
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model import experts as X
     from aotx.engine.model.architectures import build
     from aotx.engine.model.batch import Segment

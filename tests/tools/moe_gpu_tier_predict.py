@@ -60,7 +60,7 @@ def _decode_tok_s(model, steps: int) -> float:
 
 
 def run(name: str, path: Path, home: Path, steps: int) -> list[str]:
-    from aotx.engine.backend.cuda import CudaBackend
+    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model import experts as X
     from aotx.engine.model.architectures import build
     from aotx.engine.model.config import ModelConfig

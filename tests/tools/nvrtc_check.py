@@ -20,8 +20,8 @@ import tempfile
 
 
 def instances(types=None) -> list[str]:
-    from aotx.engine.backend import cuda_choice as CC
-    from aotx.engine.backend import cuda_src as S
+    from aotx.engine.backend.cuda import choice as CC
+    from aotx.engine.backend.cuda import source as S
 
     types = S.TYPES if types is None else types
     names = ["gather_rows", "rms_norm", "causal_softmax", "glu_rows", "ew_rows", "bias_rows", "head_ops",
@@ -92,8 +92,8 @@ def main() -> int:
     ap.add_argument("--types", default="", help="comma-separated GGML type codes to instantiate (default: all)")
     ap.add_argument("--match", default="", help="regex: only compile the instances whose name matches (e.g. gemv_h)")
     args = ap.parse_args()
-    from aotx.engine.backend import cuda_sampling as CS
-    from aotx.engine.backend import cuda_src as S
+    from aotx.engine.backend.cuda import sampling as CS
+    from aotx.engine.backend.cuda import source as S
 
     names = instances([int(t) for t in args.types.split(',')] if args.types else None)
     if args.match:

@@ -1,0 +1,288 @@
+"""The CUDA backend: weights on the GPU in their GGUF block layout, CuPy RawModule kernels.
+
+Owns: the device check, uploading GGUF tensors (``matrix``, ``vector``), compiling the
+kernels of ``cuda_src.py`` once per set of template instances (CuPy caches the compiled
+module on disk, keyed by source and options), and ``compile(program)``: an
+``ops.Program`` (the architecture's forward, traced once at load) becomes a
+``cuda_program.CudaProgram``, which owns buffers, the order of launches and the graphs.
+Nothing here, nor in any ``cuda*`` module, is specific to an architecture.
+
+Importing this module imports CuPy, so ``import aotx.engine.backend.cuda.backend`` failing with
+ImportError is how ``serve.pick_device`` learns that the CUDA backend is unavailable.
+
+Supported tensor types (``cuda_src.TYPES``): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4. The other IQ* types, TQ* and NVFP4 are
+refused with ModelError. Rows must hold a multiple of 32 inputs (256 for the K types and
+IQ4_XS).
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from aotx.engine.backend import kernel_choice
+from aotx.engine.backend.cuda import choice as cuda_choice
+from aotx.engine.backend.cuda import sampling as cuda_sampling
+from aotx.engine.backend.cuda import source as cuda_src
+from aotx.engine.backend.cuda.matrix import DevMatrix  # noqa: F401 - the upload's result type, named here too
+from aotx.engine.errors import ModelError
+
+SUPPORTED_TYPES: frozenset[T] = frozenset(T(c) for c in cuda_src.TYPES)
+NVRTC_OPTIONS = ("-std=c++17",)
+INT8_MIN_BYTES = 1 << 30        # int8 activations from this many bytes of weights (see CudaBackend)
+
+
+def _u64(a) -> np.uint64:
+    """A device pointer as a kernel argument (a cupy array or a raw address)."""
+    if a is None:
+        return np.uint64(0)
+    if isinstance(a, (int, np.integer)):
+        return np.uint64(a)
+    return np.uint64(a.data.ptr)
+
+
+class CudaBackend:
+    """Op set on one NVIDIA GPU through CuPy. ``weight_bytes`` counts the quantized
+    weights uploaded. ``fuse=False`` compiles programs without the fused kernels (tests of
+    the generic path).
+
+    Kernel choice (shared/DESIGN.md; ``kernel_choice``): ``tune`` is the policy for the
+    artifact under ``artifact_root`` (default: the data dir): "off" (default: fixed
+    default kernels, no file read or written: tests and tools), "reuse" (a valid
+    artifact's winners, else defaults), "auto" (what the engine uses: sites without a
+    valid winner are timed at load, within ``tune_budget_s``, and recorded) or "force"
+    (``aotx tune``: every site timed again). ``prefill`` / ``gemv`` force one eager GEMM
+    mode / one GEMV variant everywhere (``CudaProgram``; tests and benchmarks).
+    ``dense_prefill``: the eager GEMMs keep dense dequantized weight copies when they fit
+    the budget (``cuda_gemm``; default), False: always per-tile dequantization.
+    ``int8_activations``: every decode GEMV whose weight types have an integer form (all but
+    F32, F16, BF16 and Q2_K) rounds its activations to int8 per 32-input block (``quant_rows``)
+    and runs integer dot products (``__dp4a``), as llama.cpp's MMVQ; what the engine loads
+    (``make_backend``). Logits then differ from float arithmetic by about 1e-2 relative, as the
+    CPU's int8 path; still one reduction order per output, so the same bits whatever the batch
+    bucket or variant. False (the default here: tests and tools): float32 activations.
+    ``int8_min_bytes``: with int8 activations asked, a model whose weights on the device
+    take fewer bytes keeps float32 ones (default ``INT8_MIN_BYTES``, 1 GiB): there the
+    decode step is bound by its launches, not by reading weights, and ``quant_rows`` adds
+    one launch per GEMV site (measured on the 8B shape only; 0 forces int8 everywhere).
+    ``numerics`` names the path the last compiled program took: "cuda-int8" or "cuda-f32".
+    ``expert_int8``: the CPU expert tier of a mixture of experts uses the CPU backend's
+    int8-activation kernels (default; False: its float path, for comparisons).
+    ``persistent``: decode buckets of up to 8 rows run as one persistent kernel per tick
+    instead of a graph of ~150 kernels (``cuda_persistent``; the same bits): "auto" on models
+    under 1 GiB of weights with float32 activations whose steps it covers, "on" whatever the
+    size, "off" (the default: on the H200 it gave the graph's bits but took 1.05 ms a token
+    against the graph's 0.72) never; ``persistent_bps`` blocks per multiprocessor (at most
+    what fits at once), ``persistent_wpp`` warps per GEMV row pair of its GEMV blocks (1, 2, 4),
+    ``persistent_prefetch`` each step asks L2 for the next step's weights.
+    ``gemm_min_rows``: batches of at least this many rows (decode ticks of many slots
+    included) run the eager path, tensor-core GEMMs over dequantized weights, instead of the
+    captured graph of GEMVs, which reads the weights once per 16-row block (an 8B model at
+    64 rows: 0.45x llama.cpp's aggregate on an H100). None (the default): the graph up to
+    its largest bucket. A measurement knob, not batch-invariant: a row's bits depend on
+    whether its batch reached the threshold.
+    ``moe_device``: a mixture-of-experts layer whose experts are all on the GPU tier runs
+    as a device step (router, routing, experts and join on the device, captured in the
+    decode graph; default); False: every moe layer runs as the host step (comparisons).
+    ``moe_graphs``: a tick with host moe steps (experts on the CPU tier) runs as captured
+    graphs between them instead of the eager path (``cuda_program._Segments``; opt-in: not
+    yet run on a GPU).
+
+    Raises ModelError when CuPy sees no CUDA device."""
+
+    name = "cuda"
+    supported_types = SUPPORTED_TYPES
+
+    def __init__(self, device: int = 0, *, fuse: bool = True, tune: str = "off",
+                 tune_budget_s: float = kernel_choice.DEFAULT_BUDGET_S, artifact_root=None,
+                 prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
+                 dense_prefill: bool = True, int8_activations: bool = False,
+                 int8_min_bytes: int | None = None, persistent: str = "off", persistent_bps: int = 2,
+                 persistent_wpp: int = 1, persistent_prefetch: bool = True,
+                 gemm_min_rows: int | None = None, moe_device: bool = True,
+                 moe_graphs: bool = False) -> None:
+        if tune not in kernel_choice.POLICIES:
+            raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
+        try:
+            n = cp.cuda.runtime.getDeviceCount()
+        except Exception as e:  # noqa: BLE001 - the driver's errors come in many classes
+            raise ModelError(f"--device cuda: no usable CUDA driver ({e})") from None
+        if n <= device:
+            raise ModelError(f"--device cuda: CuPy sees {n} CUDA devices, device {device} does not exist")
+        self.device = cp.cuda.Device(device)
+        self.device.use()
+        props = cp.cuda.runtime.getDeviceProperties(device)
+        self.device_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.n_sm = int(props["multiProcessorCount"])
+        self.weight_bytes = 0
+        self.host_expert_bytes = 0       # mixtures of experts: experts kept for the CPU tier
+        self.expert_int8 = bool(expert_int8)   # the CPU tier's kernels: int8 activations (False: float, tests)
+        self.int8_activations = bool(int8_activations)
+        self.int8_min_bytes = INT8_MIN_BYTES if int8_min_bytes is None else int(int8_min_bytes)
+        self.numerics = "cuda-int8" if self.int8_activations else "cuda-f32"
+        self._modules: dict[tuple[str, ...], object] = {}
+        self._sampler = None
+        self.fuse = fuse
+        self.tune = tune
+        self.tune_budget_s = float(tune_budget_s)
+        self.artifact_root = artifact_root
+        self.prefill = prefill
+        self.gemv = gemv
+        self.dense_prefill = bool(dense_prefill)
+        if persistent not in ("auto", "on", "off"):
+            raise ValueError(f"persistent {persistent!r} is not one of auto, on, off")
+        self.persistent = persistent
+        self.persistent_bps = int(persistent_bps)
+        self.persistent_wpp = int(persistent_wpp)
+        self.persistent_prefetch = bool(persistent_prefetch)
+        self.moe_device = bool(moe_device)
+        self.moe_graphs = bool(moe_graphs)
+        if gemm_min_rows is not None and int(gemm_min_rows) < 2:
+            raise ValueError(f"gemm_min_rows {gemm_min_rows!r}: at least 2 (None: off)")
+        self.gemm_min_rows = None if gemm_min_rows is None else int(gemm_min_rows)
+
+    def device_key(self) -> kernel_choice.DeviceKey:
+        """The kernel-choice artifact key of this device and build: GPU name, driver and
+        runtime versions, CuPy version, hash of the kernel sources and options."""
+        rt = cp.cuda.runtime
+        return kernel_choice.DeviceKey(
+            gpu=self.device_name, driver=str(rt.driverGetVersion()), cuda=str(rt.runtimeGetVersion()),
+            cupy=str(cp.__version__),
+            source=kernel_choice.source_hash(cuda_src.SRC, cuda_sampling.SRC, " ".join(NVRTC_OPTIONS),
+                                             cuda_choice.CHOICE_VERSION))
+
+    def artifact_path(self):
+        """Where this device's kernel-choice artifact lives (None with tune "off")."""
+        if self.tune == "off":
+            return None
+        from aotx.engine import paths
+
+        root = self.artifact_root if self.artifact_root is not None else paths.data_dir()
+        return kernel_choice.artifact_path(root, self.device_name)
+
+    def compile(self, program, *, fuse: bool | None = None):
+        """The CudaProgram of ``program`` (kernels chosen and compiled, weights placed;
+        graphs are captured per KV cache on first use). ``fuse=False`` runs every op as a
+        generic kernel (the fallback path; for tests). Raises ModelError for a program the
+        CUDA backend cannot run (a head dimension its attention kernel lacks, say)."""
+        from aotx.engine.backend.cuda.program import CudaProgram
+
+        return CudaProgram(program, self, fuse=self.fuse if fuse is None else fuse, prefill=self.prefill,
+                           gemv=self.gemv)
+
+    # ---- tensors ---------------------------------------------------------------
+
+    def matrix(self, t) -> DevMatrix:
+        """A 2-D GGUF tensor (ggml shape ``[k, m]``) uploaded as a DevMatrix (m, k).
+
+        Raises ModelError for an unsupported type or a row length that is not a whole
+        number of the type's blocks."""
+        qt = T(int(t.qtype))
+        if qt not in SUPPORTED_TYPES:
+            raise ModelError(f"tensor {t.name!r} has tensor type {qt.name}, which the CUDA backend does not support "
+                             f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})")
+        k, m = (int(s) for s in t.shape)
+        be, bb = GGML_QUANT_SIZES[qt]
+        if k % max(be, 32):
+            raise ModelError(f"tensor {t.name!r}: rows of {k} inputs are not a multiple of {max(be, 32)}, "
+                             f"which the CUDA kernels need for {qt.name}")
+        rb = k // be * bb
+        raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+        if raw.size != m * rb:
+            raise ModelError(f"tensor {t.name!r}: {raw.size} bytes, expected {m} rows of {rb} bytes")
+        m_pad = m + (m & 1)
+        data = cp.zeros((m_pad, rb), cp.uint8)
+        data[:m] = cp.asarray(raw.reshape(m, rb))
+        dm = DevMatrix(t.name, int(qt), m, k, rb, data)
+        self.weight_bytes += dm.nbytes
+        return dm
+
+    def vector(self, t) -> cp.ndarray:
+        """A 1-D F32/F16/BF16 tensor as a float32 device array."""
+        if len(t.shape) != 1:
+            raise ModelError(f"tensor {t.name!r} should be 1-D, has shape {list(t.shape)}")
+        qt = T(int(t.qtype))
+        raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
+        if qt == T.F32:
+            v = raw.view(np.float32)
+        elif qt == T.F16:
+            v = raw.view(np.float16).astype(np.float32)
+        elif qt == T.BF16:
+            v = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            raise ModelError(f"tensor {t.name!r} is {qt.name}; 1-D tensors must be F32, F16 or BF16")
+        arr = cp.asarray(np.ascontiguousarray(v, dtype=np.float32))
+        self.weight_bytes += int(arr.nbytes)
+        return arr
+
+    def experts(self, t):
+        """A 3-D GGUF expert tensor (ggml ``[k, m, E]``) for the CPU expert tier:
+        ``cpu_moe.CpuExperts`` over the file's memory map (no GPU memory; counted in
+        ``host_expert_bytes``). The moe op runs on the host (``cuda_plan.MoeHost``)."""
+        from aotx.engine.backend.cpu.experts import CpuExperts
+
+        if len(t.shape) != 3:
+            raise ModelError(f"tensor {t.name!r} should be 3-D (experts), has shape {list(t.shape)}")
+        st = CpuExperts(t, int8=self.expert_int8)
+        self.host_expert_bytes += int(t.n_bytes)
+        return st
+
+    def expert_vectors(self, t) -> np.ndarray:
+        """Per-expert biases (ggml ``[n, E]``) as host float32 (E, n), for the CPU tier."""
+        from aotx.engine.backend.cpu.experts import expert_vectors
+
+        arr = expert_vectors(t)
+        self.host_expert_bytes += int(arr.nbytes)
+        return arr
+
+    def concat(self, name: str, parts: list[DevMatrix]) -> DevMatrix:
+        """One DevMatrix of the rows of ``parts`` (same type and k; each m even)."""
+        assert all(p.qtype == parts[0].qtype and p.k == parts[0].k and p.m % 2 == 0 for p in parts)
+        data = cp.concatenate([p.data for p in parts])
+        for p in parts:
+            self.weight_bytes -= p.nbytes
+            p.data = None  # type: ignore[assignment]
+        dm = DevMatrix(name, parts[0].qtype, sum(p.m for p in parts), parts[0].k, parts[0].row_bytes, data)
+        self.weight_bytes += dm.nbytes
+        return dm
+
+    # ---- kernels ---------------------------------------------------------------
+
+    def module(self, names) -> dict[str, cp.RawKernel]:
+        """Compile (or fetch from CuPy's disk cache) the source with these template
+        instances and plain kernels; returns name -> RawKernel."""
+        key = tuple(sorted(set(names)))
+        got = self._modules.get(key)
+        if got is None:
+            mod = cp.RawModule(code=cuda_src.SRC, options=NVRTC_OPTIONS, name_expressions=list(key))
+            got = self._modules[key] = {n: mod.get_function(n) for n in key}
+        return dict(got)
+
+    def persistent_kernel(self, kinds: list[str]) -> tuple:
+        """The persistent decode step (``cuda_persistent``) that runs these kernel instances:
+        (kernel, kinds in its switch's order, their parameters, blocks of its grid), compiled
+        once per set of kinds. Raises RuntimeError when not one block fits a multiprocessor."""
+        from aotx.engine.backend.cuda import persistent as PS
+
+        key = ("persistent", str(self.persistent_prefetch)) + tuple(kinds)
+        got = self._modules.get(key)
+        if got is None:
+            src = PS.source(cuda_src.SRC, list(kinds), self.persistent_prefetch)
+            mod = cp.RawModule(code=src, options=NVRTC_OPTIONS)
+            kern = mod.get_function(PS.KERNEL)
+            regs = int(getattr(kern, "num_regs", 0) or 0)
+            smem = int(getattr(kern, "shared_size_bytes", 0) or 0)
+            got = self._modules[key] = (kern, list(kinds), PS.signatures(cuda_src.SRC), regs, smem)
+        kern, kinds_l, sigs, regs, smem = got
+        bps = PS.blocks_per_sm(regs, smem, self.persistent_bps)
+        if bps < 1:
+            raise RuntimeError(f"no block of {regs} registers and {smem} bytes of shared memory fits")
+        return kern, kinds_l, sigs, self.n_sm * bps
+
+    def sampler_kernel(self) -> cp.RawKernel:
+        """The ``sample_rows`` kernel of ``cuda_sampling`` (compiled once per backend)."""
+        if self._sampler is None:
+            self._sampler = cp.RawModule(code=cuda_sampling.SRC, options=NVRTC_OPTIONS).get_function("sample_rows")
+        return self._sampler
