@@ -359,10 +359,6 @@ class _Parts:
         return "".join(texts), media
 
 
-def _text_of(content: Any, where: str) -> str:
-    return _Parts(Limits(), ()).read(content, where, media_ok=False)[0]
-
-
 def parse_tools(body: dict, tools_field: str = "tools", choice_field: str = "tool_choice") -> Tools:
     """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat body. Raises BadRequest."""
     _refuse_if(body.get("functions") not in (None, []), "functions",
