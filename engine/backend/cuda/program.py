@@ -1586,6 +1586,7 @@ class CudaProgram:
         self._eager_out_meta = np.zeros((2, 0), np.int32)
         self._keep: list = []          # the eager path's scratch arrays, alive until its forward returns
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.mask_table: CS.MaskTable | None = None   # constrained rows' token bitmasks (load_masks)
         # the persistent decode step (cuda_persistent): None when on, else why not
         self._record_wpp: int | None = None        # set while a bucket's launches are recorded
         self.persistent_reason = self._persistent_check()
@@ -1729,6 +1730,20 @@ class CudaProgram:
         self.ks((R,), (1024,), (self._eager_logits, _i(self._eager_logits.shape[1]), _i(self.vocab), cp.asarray(prm),
                                 cp.asarray(hist), meta[0], meta[1], Z64, ids, rec))
         return ids.get()
+
+    def samples_exactly(self, cfg, state, n_drafts: int = 0) -> bool:
+        """Whether ``sample`` picks exactly what the host's ``sampling.sample`` would for a row
+        with sampler ``cfg`` and state ``state`` (a verify window of ``n_drafts`` drafts):
+        ``cuda_sampling.device_ok`` and the penalty window fits the device table."""
+        return CS.device_ok(cfg, n_drafts) and CS.fits_history(cfg, state)
+
+    def load_masks(self, masks: np.ndarray) -> list[int]:
+        """Copy a tick's token bitmasks ((n, ceil(vocab / 32)) int32) to the device's mask
+        table (``cuda_sampling.MaskTable``, made on the first call); each row's device
+        address, for its sampler row's ``mask_ptr``. ValueError for masks of another width."""
+        if self.mask_table is None:
+            self.mask_table = CS.MaskTable(self.vocab)
+        return self.mask_table.load(masks)
 
     @staticmethod
     def _fill(prm: np.ndarray, hist: np.ndarray, rows, out, tick: int) -> bool:
