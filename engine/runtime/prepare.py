@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
+from aotx.engine.model.tokenizer import Tokenizer
 from aotx.engine.runtime.admission import Refusal
 from aotx.engine.runtime.events import Inbox, Prepared
 
@@ -109,7 +110,7 @@ class Preparer:
             self._done(key)
 
 
-def longest_piece(tokenizer: Any) -> int:
+def longest_piece(tokenizer: Tokenizer) -> int:
     """The most bytes one token of ``tokenizer`` stands for (special tokens included),
     at least 1 (one pass over the vocabulary: ~50 ms for 50k tokens; callers keep it)."""
     return max([1] + [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])
