@@ -178,6 +178,29 @@ async def test_theme_switch_at_run_time_is_remembered(home):
         assert app3.theme_name == "dark"
 
 
+async def test_more_than_two_themes_from_textual_and_all_remembered(home):
+    from aotx.app.theming import THEMES
+
+    assert {"dark", "light", "nord", "gruvbox", "tokyo-night", "dracula"} <= set(THEMES)
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        seen = []
+        for _ in range(3):
+            await pilot.press("f6")
+            seen.append((app.theme_name, app.theme))
+        assert seen[0] == ("light", "textual-light")
+        assert seen[1][0] == seen[1][1] and seen[1][0] not in ("dark", "light")  # a Textual theme by its name
+        app.theme = "nord"  # Textual's own "Change theme" command sets this
+        await pilot.pause()
+        assert app.theme_name == "nord" and app.has_class("theme-textual") and not app.has_class("theme-dark")
+    assert json.loads((home / "app_state.json").read_text())["theme"] == "nord"
+    app2, _ = make_app()
+    async with app2.run_test() as pilot:
+        await settle(pilot)
+        assert app2.theme_name == "nord" and app2.theme == "nord"
+
+
 async def test_pasted_paths_become_chips_even_without_input_focus(tmp_path):
     (tmp_path / "my cat.png").write_bytes(PNG)
     (tmp_path / "voice.wav").write_bytes(WAV)

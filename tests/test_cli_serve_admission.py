@@ -159,3 +159,20 @@ def test_expert_cache_on_a_dense_model_is_said_not_silent(tiny, tmp_path, monkey
         assert not [r for r in caplog.records if "--expert-cache" in r.getMessage()]
     finally:
         store.close()
+
+
+def test_serve_refuses_an_unreadable_memory_budget_before_loading(monkeypatch):
+    """Regression: `aotx serve --memory-budget 5X` loaded the model (seconds, gigabytes) and
+    only then refused the size."""
+    from aotx.engine.cli import serve
+    from aotx.engine.errors import UsageError
+    from aotx.engine.model import loader
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the flag was checked")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    args = argparse.Namespace(device="cpu", keep_alive=None, draft_model=None, model="/nonexistent.gguf",
+                              memory_budget="5X")
+    with pytest.raises(UsageError, match=r"--memory-budget: cannot read '5X' as a size"):
+        serve.build_engine(args)

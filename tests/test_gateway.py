@@ -518,6 +518,17 @@ def test_key_file_generated_0600_and_reused(tmp_path, monkeypatch):
         A.load_or_create(tmp_path / "missing")
 
 
+def test_gateway_key_file_first_line_is_the_key(tmp_path):
+    """Regression: the first line was a comment, so ``head -1 api_keys`` gave no key."""
+    path = tmp_path / "gateway" / "api_keys"
+    key = A.generate_key_file(path)
+    first = path.read_text().splitlines()[0]
+    assert first == key and first.startswith("sk-aotx-")
+    assert A.read_key_file(path) == [key]
+    head = subprocess.run(["head", "-1", str(path)], capture_output=True, text=True)
+    assert head.stdout.strip() == key
+
+
 @pytest.mark.parametrize("header,ok", [
     (f"Bearer {KEY}", True), (f"bearer {KEY}", True), (f"Bearer  {KEY} ", True), (f"Bearer {KEY2}", True),
     (None, False), ("", False), ("Bearer", False), ("Bearer ", False), (f"Basic {KEY}", False), (KEY, False),

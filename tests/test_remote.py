@@ -198,7 +198,7 @@ def test_cancel_a_remote_reply(loaded_model, home):
             stop(eng)
 
 
-def test_bug6_a_key_variable_missing_from_the_engines_environment_is_refused_before_journaling(
+def test_a_key_variable_missing_from_the_engines_environment_is_refused_before_journaling(
         loaded_model, home, monkeypatch):
     """Regression (fixcli): `VLLM_API_KEY=x aotx run --model big` against an engine started
     without it said only "the API key variable VLLM_API_KEY is not set" (it was set, in the

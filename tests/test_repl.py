@@ -170,3 +170,11 @@ def test_run_repl_refuses_a_missing_model_file_before_connecting(tmp_path):
         assert "missing.gguf" in str(e)
     else:
         assert rc == 2
+
+
+def test_repl_help_fits_80_columns():
+    """Regression: the `aotx run` chat's /help wrapped mid-word at 80 columns."""
+    from aotx.engine.cli.repl import HELP
+
+    assert max(len(line) for line in HELP.splitlines()) <= 80
+    assert "/attach" in HELP and "/bye" in HELP and '"""' in HELP
