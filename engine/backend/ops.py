@@ -12,7 +12,7 @@ build_ffn): every value is a (rows, width) float32 matrix. ``rows`` is symbolic:
 the batch's rows (one per token of the batch, in segment order), or ``"R"``, the rows whose
 logits are returned (``take_rows``). Weights are attributes of nodes: backend objects made
 by ``backend.matrix`` / ``backend.vector`` at load. Every op except ``attention`` is
-row-wise: a row's result depends only on that row (batch invariance, shared/DESIGN.md);
+row-wise: a row's result depends only on that row (batch invariance, DESIGN.md);
 ``attention`` mixes rows only through each slot's KV cache.
 
 engine/backend/IR.md is the prose version of this module for backend authors.

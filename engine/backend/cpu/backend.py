@@ -5,7 +5,7 @@ an ``ops.Program`` (``compile`` -> ``cpu_program.CpuProgram``: prebound kernel c
 the CPU KV cache). The kernels live in ``cpu_matmul.py`` (quantized matmul),
 ``cpu_attention.py`` (attention over the KV cache) and ``cpu_ops.py`` (everything else).
 Every op computes a row from that row alone, by one fixed sequence of operations (batch
-invariance, shared/DESIGN.md). The interface is engine/backend/IR.md section 6.
+invariance, DESIGN.md). The interface is engine/backend/IR.md section 6.
 """
 
 from __future__ import annotations

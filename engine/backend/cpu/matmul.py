@@ -9,7 +9,7 @@ and shapes (engine/model).
 
 Batch invariance: `matmul` computes out[i, j] from x[i] and weight row j alone, by one
 fixed sequence of operations whatever n is: the same kernel for a decode row, a
-speculative verify window and a 512-token prefill chunk (shared/DESIGN.md). Nothing
+speculative verify window and a 512-token prefill chunk (DESIGN.md). Nothing
 here chooses a kernel by n.
 
 How it computes

@@ -11,7 +11,7 @@ and its RoPE tables. Leaves the kernels to ``cpu_ops.py`` / ``cpu_matmul.py`` /
 ``cpu_attention.py``, the order of ops to the architecture (the Program), slots and
 scheduling to the runtime.
 
-Batch invariance (shared/DESIGN.md): every row of a batch - decode step, speculative
+Batch invariance (DESIGN.md): every row of a batch - decode step, speculative
 verify window, prefill chunk, logits row - goes through the same kernels in one call per
 op: ``QuantMatrix.matmul`` and ``cpu_attention.attention_rows`` compute each row by one
 fixed sequence of operations whatever the other rows are, so a row's logits do not
