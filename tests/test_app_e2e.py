@@ -58,7 +58,7 @@ def start_engine(sock: Path, home: Path) -> subprocess.Popen:
 def wait_answering(sock: Path, proc: subprocess.Popen, home: Path, limit_s: float = 60.0) -> None:
     """Wait until the engine started by the test accepts connections on ``sock``.
 
-    Regression (CI, stop 25): the app was started before the first engine listened, so its
+    Regression: the app was started before the first engine listened, so its
     factory found no engine and started a second one; that one won the socket lock and the
     test's ``welcome.pid == first.pid`` failed (26529 != 26528). One engine ran, as it
     should; the test had not waited for the engine it meant to kill."""

@@ -1,4 +1,4 @@
-"""The sampling defaults for a small model (issue 17, point 15), through the engine a
+"""The sampling defaults for a small model, through the engine a
 user meets: ``protocol.SamplingParams()`` as ``aotx run``, aotx-chat and the gateway send
 it when nothing is set.
 

@@ -1,4 +1,4 @@
-"""The command line of several models (issue 20): aotx models, run --model, unload, models add/remove.
+"""The command line of several models: aotx models, run --model, unload, models add/remove.
 
 ``aotx models`` without an engine reads the models folder; the rest runs against an
 ``aotx serve`` subprocess on the default model, with a tiny llama file in its models
@@ -45,7 +45,7 @@ def test_models_without_an_engine_reads_the_folder(home):
     assert any(m.get("default") for m in d["models"])
     text = aotx(home, "models").stdout
     assert "tiny-a" in text and "estimated for 8 slots" in text
-    # regression (session 4's new-user report): the "context" column showed the trained context,
+    # regression: the "context" column showed the trained context,
     # not what the engine would serve; now that column is the served one, "trained" the file's
     header = text.splitlines()[0].split()
     assert header[4:6] == ["context", "trained"], header
@@ -111,7 +111,7 @@ def test_run_model_loads_beside_the_default_then_unload(home, engine):
 
 
 def test_bug_models_shows_the_default_models_size_quant_and_served_context(home, engine):
-    """fixcli: `aotx models` showed size `-`, quant `-` and the trained context (8192)
+    """Regression: `aotx models` showed size `-`, quant `-` and the trained context (8192)
     for the loaded default model while `aotx status` said the engine serves 4096."""
     sock = str(engine)
     listed = json.loads(aotx(home, "models", "--socket", sock, "--json").stdout)
@@ -125,7 +125,7 @@ def test_bug_models_shows_the_default_models_size_quant_and_served_context(home,
 
 
 def test_bug_run_refused_by_the_engine_leaves_no_empty_conversation(home, engine):
-    """fixcli: a run the engine refuses (an unknown model name) left "0 messages" behind."""
+    """Regression: a run the engine refuses (an unknown model name) left "0 messages" behind."""
     sock = str(engine)
     before = json.loads(aotx(home, "conversations", "list", "--socket", sock, "--json").stdout or "[]")
     bad = aotx(home, "run", "--socket", sock, "--model", "no-such-model-here", "--max-tokens", "2", "x")

@@ -144,7 +144,7 @@ def test_openai_completions_raw_and_models(oa):
     models = oa.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert oa.models.retrieve("SmolLM2-135M-Instruct.Q4_1").owned_by == "aotx"
-    # regression (new-user trial, session 4): "context" said 8192 (the trained context) while
+    # regression: "context" said 8192 (the trained context) while
     # the engine served 1024, so a client sizing its prompts from it got a 400
     extra = models.data[0].model_extra
     assert extra["aotx"]["context"] == 1024 and extra["max_model_len"] == 1024
@@ -229,7 +229,7 @@ def test_parse_chat_good(body, check):
 
 
 def test_bug_max_tokens_above_the_ceiling_is_capped_not_refused():
-    """Regression (session 4's gateway breaker): max_tokens above the gateway's ceiling was
+    """Regression: max_tokens above the gateway's ceiling was
     a 400, so Claude Code (max_tokens 32,000) could not talk to it at all; an operator's
     --max-tokens-ceiling now caps the reply instead, and the default has none."""
     lim = S.Limits(max_tokens_ceiling=4096)

@@ -7,7 +7,7 @@ AVX512-VNNI `vpdpbusd`, AVX2 `vpmaddubsw` / `vpmaddwd`, or plain LLVM vector IR,
 by the CPU. Leaves to others: the weight layouts and which tensor takes which kernel
 (`cpu_matmul.py`).
 
-Batch invariance (DESIGN.md): out[i, j] is computed by one fixed sequence of
+Batch invariance (shared/DESIGN.md): out[i, j] is computed by one fixed sequence of
 operations that depends only on x[i] and weight row j - not on n, on the other rows, on
 how rows are grouped to share a weight load, on the thread that runs it, or on the
 instruction set. Prefill, decode and speculative verify rows all take this one kernel.
