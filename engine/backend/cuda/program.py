@@ -63,7 +63,6 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 from aotx.engine.backend.cuda import choice as CC
-from aotx.engine.backend.cuda import persistent as PS
 from aotx.engine.backend.cuda import plan as P
 from aotx.engine.backend.cuda import sampling as CS
 from aotx.engine.backend.cuda import source as S
@@ -183,8 +182,6 @@ class _CacheState:
         self.counters = cp.zeros(b * prog.max_heads, cp.int32)
         self.rope = [tuple(cp.asarray(t) for t in spec.tables(kv.n_ctx)) for spec in prog.plan.rope_specs]
         self.graphs: dict[tuple[int, int], object] = {}
-        self.bar = cp.zeros(2, cp.uint32)         # the persistent step's grid barrier (cuda_persistent)
-        self.psteps: dict[tuple[int, int], tuple] = {}   # (rows, logits rows) -> its persistent launch
         # the zeros above are queued on the current stream; the graphs run on the cache's
         # non-blocking stream, which does not wait for it (the split attention's counters
         # must be zero before its first replay: a flaky first tick on the H200, session 4)
@@ -193,7 +190,7 @@ class _CacheState:
     @property
     def nbytes(self) -> int:
         n = sum(int(a.nbytes) for a in self.bufs) + self.tables.nbytes + int(self.part.nbytes + self.counters.nbytes)
-        n += int(self.xq.nbytes + self.xd.nbytes) + int(self.bar.nbytes)
+        n += int(self.xq.nbytes + self.xd.nbytes)
         return n + int(self.xs.nbytes) + (int(self.qkv.nbytes) if self.qkv is not None else 0)
 
 
@@ -1586,9 +1583,6 @@ class CudaProgram:
         self._eager_out_meta = np.zeros((2, 0), np.int32)
         self._keep: list = []          # the eager path's scratch arrays, alive until its forward returns
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # the persistent decode step (cuda_persistent): None when on, else why not
-        self._record_wpp: int | None = None        # set while a bucket's launches are recorded
-        self.persistent_reason = self._persistent_check()
 
     # ---- load-time helpers -------------------------------------------------------------------
 
@@ -1634,8 +1628,6 @@ class CudaProgram:
 
     def gemv_variant(self, site: str, rows: int) -> CC.GemvVariant:
         """The variant a GEMV of ``site`` launches over ``rows`` batch rows."""
-        if self._record_wpp is not None:           # the persistent step's GEMV blocks (no row_scale launch)
-            return CC.GemvVariant(min(CC.pow2(max(1, rows)), CC.NB_MAX), self._record_wpp, False)
         if self._forced_gemv is not None:
             return self._forced_gemv
         return self._gv[(site, CC.tune_bucket(rows))]
@@ -1884,7 +1876,6 @@ class CudaProgram:
         GPU expert tier's stacks moved (placement)."""
         for st in list(self._states.values()):
             st.graphs.clear()
-            st.psteps.clear()
         self.moe_device_scratch.clear()
 
     def _graph_ok(self, layout, kv: CudaKVCache) -> bool:
@@ -1919,92 +1910,22 @@ class CudaProgram:
         these (one segment of ``_Segments``), the sampler only with ``sampler``. A host moe
         step among them (the plain run before a segmented capture, on padding rows) is
         skipped: it is not captured, and its rows would count as traffic."""
-        pe = self._persistent(kv, st, b, r) if steps is None else None
-        if pe is not None:
-            kern, table, n_steps, nblocks = pe
-            kern((nblocks,), (PS.THREADS,), (table, _i(n_steps), st.bar, _i(nblocks)))
-        else:
-            c = self._ctx(kv, st, b, r)
-            for s in (self.steps if steps is None else steps):
-                if not (isinstance(s, _MoeHost) and not s.device_ready()):
-                    s.graph(self, c)
-        if not sampler:
-            return
+        self._launch_steps(kv, st, b, r, steps)
+        if sampler:
+            self._launch_sampler(st, r)
+
+    def _launch_steps(self, kv: CudaKVCache, st: _CacheState, b: int, r: int, steps: list | None) -> None:
+        """The steps' launches of one replay (``_launches``; a tool may run them another way)."""
+        c = self._ctx(kv, st, b, r)
+        for s in (self.steps if steps is None else steps):
+            if not (isinstance(s, _MoeHost) and not s.device_ready()):
+                s.graph(self, c)
+
+    def _launch_sampler(self, st: _CacheState, r: int) -> None:
+        """``sample_rows`` over the ``r`` logits rows: ids and publication records."""
         t = st.tables
         self.ks((r,), (1024,), (st.bufs[self.out_buf], _i(self.v_ld), _i(self.vocab), t.prm, t.hist,
                                 np.uint64(t.slot_ptr), np.uint64(t.pos_ptr), np.uint64(t.out_ptr), t.ids, t.rec))
-
-    # ---- the persistent decode step (cuda_persistent) -----------------------------------------
-
-    def _persistent_check(self) -> str | None:
-        """None when buckets of up to ``PS.MAX_ROWS`` rows may run the persistent step
-        (whether the steps are covered is found when a bucket is first recorded), else why not."""
-        mode = getattr(self.backend, "persistent", "off")
-        if mode == "off":
-            return "off"
-        if self.int8_activations:
-            return "int8 activations (quant_rows launches)"
-        if self.moe_steps:
-            return "experts (host steps)"
-        if self._forced_gemv is not None:
-            return f"one GEMV variant forced ({self._forced_gemv.name})"
-        wb = int(getattr(self.backend, "weight_bytes", 0))
-        if mode == "auto" and wb >= PS.MAX_WEIGHT_BYTES:
-            return f"{wb / (1 << 30):.1f} GiB of weights: reading them, not launching kernels, bounds a step"
-        wpp = int(getattr(self.backend, "persistent_wpp", 1))
-        if wpp not in CC.GEMV_GRID[1]:
-            return f"persistent_wpp {wpp} is not one of {CC.GEMV_GRID[1]}"
-        return None
-
-    @property
-    def persistent_note(self) -> str:
-        """What the startup profile says of the persistent step."""
-        if self.persistent_reason is None:
-            return f"on for decode buckets of up to {PS.MAX_ROWS} rows"
-        return f"off: {self.persistent_reason}"
-
-    def _record(self, kv: CudaKVCache, st: _CacheState, b: int, r: int) -> list:
-        """The launches (name, grid, block, args) the graph path makes for ``b`` rows and ``r``
-        logits rows, with the persistent step's GEMV variants, recorded, not run."""
-        rec, saved = PS.Recorder(), self.k
-        self.k = rec
-        self._record_wpp = int(getattr(self.backend, "persistent_wpp", 1))
-        try:
-            c = self._ctx(kv, st, b, r)
-            for s in self.steps:
-                s.graph(self, c)
-        finally:
-            self.k = saved
-            self._record_wpp = None
-        return rec.calls
-
-    def _persistent(self, kv: CudaKVCache, st: _CacheState, b: int, r: int):
-        """(kernel, step table, steps, blocks) of the persistent launch for this bucket, or
-        None (the graph of kernels runs; ``persistent_reason`` says why when it is not
-        only the bucket's size)."""
-        if self.persistent_reason is not None or b > PS.MAX_ROWS:
-            return None
-        got = st.psteps.get((b, r))
-        if got is not None:
-            return got
-        calls = self._record(kv, st, b, r)
-        bad = sorted({n for n, *_ in calls if not PS.covered(n)})
-        if bad:
-            self.persistent_reason = f"its steps launch {', '.join(bad)}"
-            return None
-        # one module for every bucket's kinds (NB 1 .. 8): recorded, not run, so any bucket
-        kinds = set()
-        for bb in (1, 2, 4, 8):
-            kinds.update(n for n, *_ in self._record(kv, st, bb, bb))
-        kinds.update(n for n, *_ in calls)
-        try:
-            kern, kinds_l, sigs, nblocks = self.backend.persistent_kernel(sorted(kinds))
-        except Exception as e:  # noqa: BLE001 - a compile or residency failure: the graph of kernels runs
-            self.persistent_reason = f"the persistent kernel did not build ({type(e).__name__}: {e})"
-            return None
-        table = cp.asarray(PS.step_table(calls, kinds_l, sigs))
-        got = st.psteps[(b, r)] = (kern, table, len(calls), nblocks)
-        return got
 
     def _capture(self, kv: CudaKVCache, st: _CacheState, b: int, r: int):
         s = kv.stream
