@@ -169,10 +169,10 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     # session 7's kernels: the flash prefill attention on unless AOTX_BENCH_FLASH=0; the persistent
     # decode step only with AOTX_BENCH_PERSISTENT=auto (session 8's H200: 0.72 ms a token through the
     # graph of kernels, 1.05 persistent; its variants are still timed side by side below)
-    from aotx.engine.backend.cuda import program as CP
+    from aotx.engine.backend.cuda import attention as CA
 
-    CP.FLASH_ATTENTION = os.environ.get("AOTX_BENCH_FLASH", "1") == "1"
-    res["flash_attention"] = CP.FLASH_ATTENTION
+    CA.FLASH_ATTENTION = os.environ.get("AOTX_BENCH_FLASH", "1") == "1"
+    res["flash_attention"] = CA.FLASH_ATTENTION
     be = persistent_step.backend(tune="auto", artifact_root=home, tune_budget_s=tune_budget,
                                  int8_activations=int8, int8_min_bytes=int(mb) if mb else None,
                                  persistent=os.environ.get("AOTX_BENCH_PERSISTENT", "off"))

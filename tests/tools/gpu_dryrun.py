@@ -57,16 +57,16 @@ def _exercise(model, kv_type: str) -> None:
     model.forward(toks[:200], [Segment(1, 41, 180, logits=False), Segment(2, 130, 20)], kv)   # long + short
     # the same long segments on the cuBLAS attention path (these tiny models' prompts are
     # within ATT_KERNEL_WORK, where long segments take the attention kernel)
-    from aotx.engine.backend.cuda import program as CP
+    from aotx.engine.backend.cuda import attention as CA
 
     # (the flash-style kernel, then the cuBLAS path it falls back to)
-    work, flash, CP.ATT_KERNEL_WORK = CP.ATT_KERNEL_WORK, CP.FLASH_ATTENTION, 0
+    work, flash, CA.ATT_KERNEL_WORK = CA.ATT_KERNEL_WORK, CA.FLASH_ATTENTION, 0
     try:
-        for CP.FLASH_ATTENTION in (True, False):
+        for CA.FLASH_ATTENTION in (True, False):
             model.forward(toks[:150], [Segment(0, 0, 150, all_logits=True)], kv)
             model.forward(toks[:200], [Segment(1, 41, 180, logits=False), Segment(2, 130, 20)], kv)
     finally:
-        CP.ATT_KERNEL_WORK, CP.FLASH_ATTENTION = work, flash
+        CA.ATT_KERNEL_WORK, CA.FLASH_ATTENTION = work, flash
 
 
 def main() -> int:

@@ -164,6 +164,31 @@ class MaskTable:
         return [base + i * step for i in range(n)]
 
 
+_ONE_BITS = np.float32(1.0).view(np.int32)   # the sampler table's "no penalty" (1.0f) word
+
+
+def fill_rows(prm: np.ndarray, hist: np.ndarray, rows, out, tick: int) -> bool:
+    """Write the sampler table rows ``out`` (a list of rows, or a count R: rows 0 .. R-1;
+    the other rows of ``prm`` must already be zero, i.e. skipped) for ``rows`` (one
+    ``(SamplerConfig, SamplerState, extra_history)`` per row, or None: greedy without
+    penalty everywhere); True when a penalty history is used. Raises ValueError when the
+    counts differ."""
+    if rows is None:
+        sel = slice(0, out) if isinstance(out, int) else out
+        prm[sel, 0] = MODE_GREEDY
+        prm[sel, 3] = tick & 0x7FFFFFFF
+        prm[sel, 4] = _ONE_BITS
+        return False
+    if isinstance(out, int):
+        out = range(out)
+    if len(rows) != len(out):
+        raise ValueError(f"{len(rows)} sampler rows for {len(out)} logits rows")
+    need = False
+    for j, (cfg, st, extra) in zip(out, rows):
+        need |= fill_row(prm[j], hist[j], cfg, st, tick, extra)
+    return need
+
+
 def fits_history(cfg: SamplerConfig, st: SamplerState) -> bool:
     """Whether the row's penalty window (plus a verify window's drafts) fits the device
     table."""
