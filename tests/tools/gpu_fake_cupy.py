@@ -415,7 +415,7 @@ def _emu_swiglu_oai(name, grid, a) -> None:
 
 def _emu_moe_route(name, grid, a) -> None:
     """moe_route by cpu_moe.route itself (numba; the same rules), on the logits in memory."""
-    from aotx.engine.backend.cpu.experts import route
+    route = _cpu_experts().route
 
     n, E, k, ldl = int(a["n"]), int(a["E"]), int(a["k"]), int(a["ldl"])
     lg = np.zeros((n, E), np.float32)
@@ -463,7 +463,7 @@ def _emu_moe_tiles(name, grid, a) -> None:
 
 
 def _emu_moe_join(name, grid, a) -> None:
-    from aotx.engine.backend.cpu.experts import join
+    join = _cpu_experts().join
 
     n, k, d, ldy, ldo = grid[0], int(a["k"]), int(a["d"]), int(a["ldy"]), int(a["ldo"])
     pos = _i32(_addr(a["pos"]), n * k)
@@ -518,6 +518,16 @@ def _error_directive(code: str, name: str = "kern.cu") -> str | None:
         if m:
             return f"{f}({n}): error: #error directive: {m.group(1).strip()}\n\n1 error detected in the compilation of \"{name}\".\n"
     return None
+
+
+def _cpu_experts():
+    """The CPU expert pool's module (``backend/cpu/experts.py``; ``backend/cpu_moe.py`` in trees
+    before the backend's sub-packages, which tests/tools/gpu_bits.py also runs on this fake)."""
+    try:
+        from aotx.engine.backend.cpu import experts
+    except ModuleNotFoundError:
+        from aotx.engine.backend import cpu_moe as experts
+    return experts
 
 
 class RawModule:
