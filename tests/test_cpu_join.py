@@ -1,7 +1,7 @@
 """Joined matmuls on the CPU (cpu_matmul.join_rows, cpu_program.join_linears) and the
 one-call K/V store (cpu_attention.store_rows).
 
-Regression (issue 14): decode on the CPU was 0.86-0.89x the pre-port tree (64e403f) on the
+Regression: decode on the CPU was 0.86-0.89x the pre-port tree (64e403f) on the
 default model; the time went to per-call overhead (seven matmul calls per block, each
 quantizing the same activations again; a K/V store of four numpy operations per layer;
 attention's argument checks per call), not to arithmetic. The program now joins q/k/v and

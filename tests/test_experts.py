@@ -1,4 +1,4 @@
-"""Expert tiers (issue 22, engine/model/experts.py): the placement from measured costs, the
+"""Expert tiers (engine/model/experts.py): the placement from measured costs, the
 GPU cache's policies replayed on routing traces, stored calibrations, admission's lines,
 and the whole setup on a tiny MoE file on the CPU (every expert on the CPU tier).
 
@@ -107,7 +107,7 @@ def test_gpu_split_takes_the_calls_fixed_part_once_and_each_experts_share():
 
 
 def test_bug_decode_speed_counts_the_gpu_tiers_fixed_cost_once_per_layer():
-    """Regression (issue 22): the GPU tier was priced per expert from one expert's call, so
+    """Regression: the GPU tier was priced per expert from one expert's call, so
     its fixed cost (launches, table upload, copy down, sync: one per layer call, for all its
     experts) was counted n_used times, and a layer with a few experts on the GPU paid a
     fraction of it, though any row there pays all of it. One layer, 8 experts, 2 per token,
@@ -134,7 +134,7 @@ def test_bug_decode_speed_counts_the_gpu_tiers_fixed_cost_once_per_layer():
 
 
 def test_bug_a_layer_whose_gpu_call_is_mostly_fixed_cost_gets_its_share_of_the_cache():
-    """Regression (issue 22): priced by one expert's call, layer 1 (fixed 1.9e-4 s, 1e-6 s per
+    """Regression: priced by one expert's call, layer 1 (fixed 1.9e-4 s, 1e-6 s per
     expert) looked no faster than its CPU (2e-4 s per expert) and layer 0 (no fixed cost, 1.5e-4
     s per expert) took the whole budget: 8 experts there, a modeled 7e-4 s of expert work per
     token. With the fixed part paid once, the best split of 8 experts (every split tried) is
@@ -295,7 +295,7 @@ def test_setup_on_a_tiny_moe_file_places_every_expert_on_the_cpu_tier(request, t
 
 
 def test_bug_the_dense_decode_step_is_timed_warm_on_one_repeated_token(monkeypatch):
-    """Regression (session 5, a Qwen3-30B-A3B-shaped file): the calibration's decode step
+    """Regression (a Qwen3-30B-A3B-shaped file): the calibration's decode step
     fed a new token each time, each routing to experts never used yet, whose first use
     (materializing them) then counted as the dense part: 0.107 s per token where 0.017 s ran,
     and the plan's speed was 7x low. Now one token at one position is repeated and only the
@@ -489,7 +489,7 @@ def _fixed_costs(n_layers=4):
 
 
 def test_whole_layers_go_on_the_gpu_where_the_backend_runs_them_as_device_steps():
-    """Issue 22 (H100, 30B-A3B shape: 40% of the experts spread over every layer decoded at 13.5
+    """Measured (H100, 30B-A3B shape: 40% of the experts spread over every layer decoded at 13.5
     tok/s, slower than every expert on the CPU, 15.5; a layer with every expert on the GPU runs
     as the CUDA backend's device step, with no host round trip). 4 layers of 8 experts, 2 per
     token, CPU 2e-4 s and GPU 2.1e-5 s per expert at 1 row, fixed 5e-5, dense 1e-3; room for 16

@@ -1,4 +1,4 @@
-"""Mixtures of experts on the CPU (issue 22): qwen3moe, olmoe and gpt-oss against llama.cpp,
+"""Mixtures of experts on the CPU: qwen3moe, olmoe and gpt-oss against llama.cpp,
 the ``moe`` op against float64 written from its definition, the routing rules of each
 family, attention sinks, YaRN, batch invariance, and bad input.
 
@@ -104,7 +104,7 @@ def rel_err(got, ref) -> float:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_tiny_moe_file_matches_llama_cpp_teacher_forced(request, moe_cache, name):
-    """Issue 22's correctness on every tiny MoE file: mean |logit diff| on llama.cpp's top-5
+    """Correctness on every tiny MoE file: mean |logit diff| on llama.cpp's top-5
     <= 0.5 (observed 0.09 .. 0.16) and the argmax where its top-two gap is >= 0.5, except at
     rows within TIE_MARGIN of a routing tie (module docstring), at most MAX_TIE_ROWS."""
     path, ref = moe_file(request, name)
@@ -175,12 +175,12 @@ def test_moe_chunks_decode_steps_and_mixed_batches_agree(request, moe_cache, nam
     assert rel_err(np.concatenate(rows), whole) < 1e-4
 
 
-ROW_INVARIANT_MATMUL = hasattr(QuantMatrix, "numerics")   # issue 16's QuantMatrix: every type, every n
+ROW_INVARIANT_MATMUL = hasattr(QuantMatrix, "numerics")   # the row-invariant QuantMatrix: every type, every n
 
 
 def test_decode_rows_do_not_depend_on_the_batch(request, moe_cache):
     """Four slots decoding at once give each slot's logits as decoding it alone (their rows
-    share experts in one call). Bit for bit once every matmul is row-invariant (issue 16's
+    share experts in one call). Bit for bit once every matmul is row-invariant (the
     QuantMatrix); before that the F16/Q5_0/Q6_K matrices of this file round by batch size."""
     _, ref = moe_file(request, "qwen3moe")
     lm = loaded(request, moe_cache, "qwen3moe")
@@ -523,7 +523,7 @@ def test_expert_tensor_type_the_backend_lacks_is_refused_by_name(request, monkey
         load_model(path)
 
 
-# ------------------------------------------------------------------ the fused CPU expert tier (session 5)
+# ------------------------------------------------------------------ the fused CPU expert tier
 
 _ISAS = [pytest.param(cpu_markers.PORTABLE, id="portable"),
          pytest.param(cpu_markers.AVX2, id="avx2",
@@ -625,7 +625,7 @@ def test_fused_expert_layer_rows_do_not_depend_on_the_batch(request, moe_cache):
 
 def test_calibration_times_a_layer_call_of_n_used_experts_and_prices_each_expert_a_share(request, moe_cache,
                                                                                           monkeypatch):
-    """Regression (the H200 MoE benchmark, session 5): the CPU tier's calibration timed one
+    """Regression (the H200 MoE benchmark): the CPU tier's calibration timed one
     expert's call alone and the plan multiplied it by n_used, so a decode layer (n_used
     experts at once, over the pool's threads) was priced at up to the thread count times
     what it took (the plan said 2.6 tok/s where 7.7 ran). Now it times the call a layer
@@ -661,7 +661,7 @@ def _rss_kib() -> int:
 
 
 def test_bug_an_expert_stack_holds_only_the_experts_written_not_huge_pages_around_them():
-    """Regression (session 5): expert stacks were np.empty arrays, for which numpy asks for
+    """Regression: expert stacks were np.empty arrays, for which numpy asks for
     transparent huge pages, so materializing one expert committed whole 2 MiB pages of its
     neighbours (64 MiB held for 32 bytes written 2 MiB apart): experts the plan leaves in
     the file took memory anyway. lazy_empty's pages are committed 4 KiB at a time."""

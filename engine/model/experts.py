@@ -110,7 +110,7 @@ def step_seconds(model: Any, reps: int = 3) -> tuple[float, float]:
     # the decode step: one token at one position, repeated (the first run warms the experts it
     # routes to): each new token would route to experts not yet used, whose first use costs
     # their materialization, and the dense part (this time less the modeled expert work) was
-    # then priced at that cost (session 5: 0.107 s per token where 0.017 s ran)
+    # then priced at that cost (timed cold it read 0.107 s a token where 0.017 s ran)
     best_d = math.inf
     for i in range(reps + 2):
         t0 = time.perf_counter()

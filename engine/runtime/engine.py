@@ -432,7 +432,7 @@ class Engine:
     def _on_disconnect(self, ev: Disconnected) -> None:
         """A client went away (closed, or killed mid-reply). Its accepted messages are
         the user's: their replies run to the end here and are journaled, so the reply is
-        there when the user comes back (nobody cancelled it: issue 17, defect 6); events
+        there when the user comes back (finished, not cancelled: nobody cancelled it); events
         for the closed connection are dropped. Work not yet accepted is dropped."""
         for m in self.models:
             m.submitter.drop(ev.sink)
@@ -512,8 +512,8 @@ class Engine:
     def count_media(self, name: str, nbytes: int) -> str:
         """Admit a media specialist (``name``, e.g. "media: whisper-base") into the budget
         the first time an attachment needs it: "" when it fits (the budget now counts it,
-        ``aotx status`` shows it), else why not. A text-only chat never counts it (issue 17,
-        defect 8: the specialists took 1.1 GiB of the budget before any audio or picture)."""
+        ``aotx status`` shows it), else why not. A text-only chat never counts it (counted at
+        start-up, the specialists took 1.1 GiB of the budget before any audio or picture)."""
         b = self.budget
         if b is None or any(n == name for n, _ in b.terms):
             return ""

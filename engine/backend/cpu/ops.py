@@ -10,8 +10,9 @@ Each kernel is compiled for ONE array layout (any strides, numba's "A"), given a
 explicit signature: numba would otherwise compile a second version for C-contiguous
 arguments, and a one-row column block of a fused matrix IS C-contiguous while the same
 block of two rows is not - the two versions vectorize differently (exp, tanh, fused
-multiply-adds), so a row's numbers would depend on how many rows came with it (issue 16:
-phi3's fused gate/up rows differed in the last bits between a 1-row and a 2-row batch).
+multiply-adds), so a row's numbers would depend on how many rows came with it (without
+the signature phi3's fused gate/up rows differed in the last bits between a 1-row and a
+2-row batch).
 """
 
 from __future__ import annotations
