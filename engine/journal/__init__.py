@@ -13,7 +13,8 @@ layer ``aotx.engine.fileio``. See "Three positions" and "Journal" in DESIGN.md.
 
 Modules: ``records`` (types and framing), ``conversations`` (the one state
 machine), ``segments`` (files and the read-only scan, with resynchronisation),
-``directory`` (the writer lock, removing segments), ``writer`` (``Journal``),
+``directory`` (the writer lock, removing segments), ``writer`` (``Journal``; its
+drain's files in ``appender``, its streamed checkpoints in ``checkpoint_stream``),
 ``recovery`` (recover, salvage, verify, dump, compact), ``cli_support`` (plain
 dicts for ``aotx journal ...`` and ``aotx conversations ...``).
 

@@ -413,6 +413,7 @@ def decode_segment_header(data: bytes | memoryview) -> SegmentHeader:
 #: (past it) from damage (at or before it). It may lag behind after a power loss
 #: (it is fsynced at most once a second), never run ahead of the data.
 RECEIPT_FILE = "RECEIPT"
+RECEIPT_FILES = (RECEIPT_FILE,)  # every file the writer keeps the mark in
 RECEIPT_MAGIC = b"AOTXRCPT"
 RECEIPT_STRUCT = struct.Struct("<8sHHQQQI")
 
