@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 import google_crc32c
 
@@ -27,15 +26,12 @@ from aotx.engine.journal.records import (
     CRC, FRAME_OVERHEAD, RECORD_HEADER, Checkpoint, CheckpointEnd, CheckpointPart, crc32c, encode_payload,
 )
 
-if TYPE_CHECKING:
-    from aotx.engine.journal.writer import Journal
-
 
 class CheckpointRun:
     """A streamed checkpoint in progress (``Journal.begin_checkpoint``). ``done`` once
     its CheckpointEnd is published; ``end_seq`` is that record's seq."""
 
-    def __init__(self, journal: Journal, begin_seq: int, conv_ids: list[str], part_bytes: int):
+    def __init__(self, journal: StreamedCheckpoints, begin_seq: int, conv_ids: list[str], part_bytes: int):
         self.journal = journal
         self.begin_seq = begin_seq
         self.todo = deque(conv_ids)
