@@ -126,8 +126,10 @@ def test_a_lost_conversation_creation_is_named_by_the_records_after_it(tmp_path)
     data[off:off + 26] = bytes(26)  # its header zeroed: nothing of it can be read
     (tmp_path / "0000000001.seg").write_bytes(bytes(data))
     rep = recover(tmp_path)
-    assert len(rep.table.live()) == 9 and rep.damage[0]["first_lost"] == seq
+    assert len(rep.table.live()) == 10 and rep.damage[0]["first_lost"] == seq
     assert any(a["conv_id"] == "c4" for a in rep.damage[0]["affected"])  # its message named it
+    c4 = rep.table.get("c4")  # rebuilt from its message, and says what it lost
+    assert c4.salvaged.startswith("its creation was lost") and [m.text for m in c4.messages] == ["x" * 40]
 
 
 def test_a_bad_record_followed_by_valid_records_is_damage_even_without_a_receipt(tmp_path):

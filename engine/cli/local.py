@@ -271,7 +271,8 @@ def print_conversation_list(convs, as_json: bool) -> int:
         print("no conversations yet: start one with `aotx run` or `aotx-chat`")
     else:
         for c in convs:
-            print(f"{c.conv_id}  {plural(c.n_messages, 'message'):>12}  {c.title}")
+            print(f"{c.conv_id}  {plural(c.n_messages, 'message'):>12}  {c.title}"
+                  + ("  (salvaged after journal damage)" if c.salvaged else ""))
     return 0
 
 
@@ -282,6 +283,8 @@ def print_conversation(conv, as_json: bool) -> int:
         _jprint(msgspec.to_builtins(conv))
         return 0
     print(f"{conv.conv_id}  {conv.title}")
+    if conv.salvaged:
+        print(f"salvaged after journal damage: {conv.salvaged}")
     if conv.system_prompt:
         print(f"system: {conv.system_prompt}")
     for m in conv.messages:
@@ -290,6 +293,8 @@ def print_conversation(conv, as_json: bool) -> int:
         # status and finish reason, each once ("cancelled", not "cancelled, cancelled")
         state = m.status if not m.finish_reason or m.finish_reason == m.status else f"{m.status}, {m.finish_reason}"
         print(f"--- {m.role} {m.msg_id} [{state}] {where}")
+        if m.salvaged:
+            print(f"    salvaged after journal damage: {m.salvaged}")
         print(m.text)
         if m.token_ids:
             print(f"    token ids ({len(m.token_ids)}): {m.token_ids}")
