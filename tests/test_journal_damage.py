@@ -15,6 +15,7 @@ from aotx.engine.journal import (
     ConversationCreated, Journal, MessageAccepted, MessageFinished, TokensCommitted, dump, recover, verify,
 )
 from aotx.engine.journal import cli_support
+from aotx.engine.journal.records import RECEIPT_FILES
 
 # names new with this fix are imported inside the tests, so that on the tree before it
 # each regression test runs and fails on its assertions rather than at collection
@@ -55,6 +56,12 @@ def write(d: Path, recs, every: int = 4, **kw) -> list[tuple[int, int]]:
                 j.flush()
     entries = list(dump(d))
     return [(e.seq, e.offset) for e in entries]
+
+
+def set_receipt(d: Path, data: bytes) -> None:
+    """The acknowledged mark, in every file the writer keeps it in."""
+    for name in RECEIPT_FILES:
+        (d / name).write_bytes(data)
 
 
 def flip(path: Path, offset: int, bit: int = 0) -> bytes:
@@ -136,7 +143,8 @@ def test_a_bad_record_followed_by_valid_records_is_damage_even_without_a_receipt
     RECEIPT_FILE, Gap, decode_receipt, encode_receipt, JournalScan = _new()
     recs = three_conversations(40)
     where = write(tmp_path, recs)
-    (tmp_path / RECEIPT_FILE).unlink()  # no acknowledged point known at all
+    for name in RECEIPT_FILES:
+        (tmp_path / name).unlink()  # no acknowledged point known at all
     seq, off = where[20]
     flip(tmp_path / "0000000001.seg", off + 3)
     scan = JournalScan(tmp_path)
@@ -154,13 +162,13 @@ def test_a_torn_tail_past_the_acknowledged_point_is_cut_and_the_same_bytes_befor
     clean = seg.read_bytes()
     # the last record torn in half, never receipted: a crash's tail
     seg.write_bytes(clean[:last_off + 10])
-    (tmp_path / RECEIPT_FILE).write_bytes(encode_receipt(1, last_off, last_seq - 1))
+    set_receipt(tmp_path, encode_receipt(1, last_off, last_seq - 1))
     rep = recover(tmp_path)
     assert rep.damage == [] and rep.bytes_dropped == 10 and rep.last_seq == last_seq - 1
     assert "torn tail" in rep.summary()
     # the same cut, but the receipt had covered it: damage; the seq is not reused
     seg.write_bytes(clean[:last_off + 10])
-    (tmp_path / RECEIPT_FILE).write_bytes(encode_receipt(1, len(clean), last_seq))
+    set_receipt(tmp_path, encode_receipt(1, len(clean), last_seq))
     rep = recover(tmp_path)
     assert rep.damage and rep.damage[0]["first_lost"] == last_seq and rep.next_seq == last_seq + 1
     assert "at or before the acknowledged seq" in rep.damage[0]["why"]

@@ -24,7 +24,7 @@ from typing import Callable
 from aotx.engine.fileio import NO_SPACE, FileIO, write_all
 from aotx.engine.journal.conversations import Receipt
 from aotx.engine.journal.records import HEADER_BYTES, RECEIPT_FILES, encode_receipt, encode_segment_header
-from aotx.engine.journal.segments import list_segments, segment_name
+from aotx.engine.journal.segment_files import list_segments, segment_name
 
 log = logging.getLogger("aotx.journal")
 

@@ -89,14 +89,14 @@ class Journal(StreamedCheckpoints):
                  on_error: Callable[[BaseException], None] | None = None,
                  sync: Callable[[int], None] | None = None, repair: bool = False, fs: FileIO = OS,
                  part_bytes: int = 1 << 20):
-        from aotx.engine.journal.recovery import _mkdir, recover_locked
+        from aotx.engine.journal.recovery import make_dir, recover_locked
 
         if buffer_bytes < 4096 or segment_bytes < 4096:
             raise JournalError(f"journal sizes too small: buffer {buffer_bytes} and segment {segment_bytes} "
                                "bytes (4096 at least)")
         self.directory = Path(directory)
         self.fs = fs
-        _mkdir(self.directory, fs)
+        make_dir(self.directory, fs)
         self._dirlock = DirLock(self.directory)
         try:
             self.recovery = recover_locked(self.directory, repair=repair, fs=fs)
