@@ -430,9 +430,10 @@ class ConversationTable:
             self.conversations[c.conv_id] = c
         else:
             c = self.conversations.get(r.conv_id)
-            if c is None:
-                self._anomaly(seq, r.conv_id, None, "a checkpoint continues a conversation it never began")
-                return
+            if c is None:  # the part that began it was lost: rebuild it from this one on
+                c = self.conversations[r.conv_id] = Conversation(
+                    conv_id=r.conv_id, salvaged=LOST_CREATION + "; its first messages were lost")
+                self._anomaly(seq, r.conv_id, None, "a checkpoint continues a conversation whose first part was lost")
             c.messages.extend(msgs)
         for m in msgs:
             self._touch(m, seq)
