@@ -207,13 +207,24 @@ def capsule_words(n: P.Notice, continuing: bool) -> str:
     return "reading the earlier messages again (their saved state could not be used)"
 
 
+def read_stdin_text(what: str) -> str:
+    """All of standard input as text; ``UsageError`` naming ``what`` and the first bad byte
+    when it is not UTF-8."""
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"run: standard input ({what}) is not valid UTF-8 (byte 0x{data[e.start]:02x} at byte "
+                         f"{e.start}); give the text in UTF-8") from None
+
+
 def _jprint(obj) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
     sys.stdout.flush()
 
 
 async def _run(args) -> int:
-    prompt = sys.stdin.read() if args.prompt in ("-", None) else args.prompt
+    prompt = read_stdin_text("the prompt") if args.prompt in ("-", None) else args.prompt
     if not prompt.strip():  # the CLI prints "aotx: " before it: no second prefix
         raise UsageError("run: the prompt is empty" if not prompt else "run: the prompt is blank (only whitespace)")
     t0 = time.perf_counter()
