@@ -368,3 +368,22 @@ def test_a_destroyed_header_below_the_acknowledged_mark_is_damage_not_a_torn_tai
     assert v.tail is None and v.damage and "records seq 1..60 lost" in " ".join(v.damage)
     rep = recover(tmp_path)
     assert rep.bytes_dropped == 0 and rep.damage and rep.next_seq == 61
+
+
+def test_a_journal_from_before_the_second_receipt_copy_opens_and_gets_one(tmp_path):
+    """Old journals have only RECEIPT: they open as before; the writer adds RECEIPT.2 and
+    from then on the higher valid copy is the acknowledged mark."""
+    from aotx.engine.journal.segment_files import read_acknowledged
+
+    recs = three_conversations(30)
+    write(tmp_path, recs)
+    second = tmp_path / "RECEIPT.2"
+    second.unlink()  # as an older AOTX left it
+    rep = recover(tmp_path)
+    assert rep.problem is None and rep.acknowledged_seq == 30 and len(rep.table.live()) == 3
+    with Journal(tmp_path) as j:
+        j.publish(MessageAccepted("conv0", "late", "user", "more"), 0)
+    assert second.exists() and read_acknowledged(tmp_path)[2] == 31
+    set_receipt(tmp_path, b"")  # both copies unreadable: no mark, and nothing is lost for it
+    (tmp_path / "RECEIPT.2").write_bytes(_records.encode_receipt(1, 0, 31))
+    assert read_acknowledged(tmp_path)[2] == 31 and verify(tmp_path).ok

@@ -75,6 +75,7 @@ class RecoveryReport:
     damage: list[dict[str, Any]] = field(default_factory=list)
     gaps: list[GapNote] = field(default_factory=list)
     acknowledged_seq: int = 0
+    append_segment: int | None = None  # the segment the writer appends to (None: it starts a new one)
 
     def summary(self) -> str:
         """One line for the engine's log."""
@@ -222,6 +223,10 @@ def _recover_locked(d: Path, keep_records: bool, fs: FileIO) -> RecoveryReport:
         fs.fsync_dir(d)
     report.gaps = list(table.gaps)
     report.segments = segs
+    last = scan.segments[-1] if scan.segments and scan.segments[-1].number in segs else None
+    # appended to only when its file is named for it (a misplaced one that could not be
+    # renamed back is read in its place, but new records go to a new segment)
+    report.append_segment = last.number if last is not None and last.file_number == last.number else None
     report.next_seq = scan.next_seq
     report.interrupted = [m.msg_id for m in table.finish_recovery()]
     return report

@@ -138,7 +138,7 @@ class Journal(StreamedCheckpoints):
 
         self._files = SegmentAppender(self.directory, fs, sync if sync is not None else fs.fdatasync)
         try:  # the segment to append to: the last one recovery kept, or a new one
-            self._files.open(self.recovery.segments[-1] if self.recovery.segments else None, self._seq + 1)
+            self._files.open(self.recovery.append_segment, self._seq + 1)
         except OSError as e:
             self._dirlock.release()
             raise JournalError(f"cannot write the journal in {self.directory}: {describe_os_error(e)}") from None
