@@ -312,7 +312,7 @@ def test_a_flipped_bit_in_a_conversations_creation_keeps_all_its_later_records_r
 def test_deleting_the_first_segment_keeps_every_conversation_of_the_later_ones(tmp_path):
     """Deleting segment 1 of a 9-segment journal kept 440 of 507 records but showed 0
     conversations (every creation was in segment 1)."""
-    recs = nine_segments(tmp_path)
+    nine_segments(tmp_path)
     entries = list(dump(tmp_path))
     in_first = {e.record.conv_id for e in entries if e.segment == 1 and hasattr(e.record, "conv_id")}
     later = {e.record.conv_id for e in entries if e.segment > 1 and hasattr(e.record, "conv_id")}

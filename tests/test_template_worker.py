@@ -12,7 +12,6 @@ the worker is replaced, and the engine's memory stays at its level.
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 
