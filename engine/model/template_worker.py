@@ -42,6 +42,7 @@ from typing import Any
 
 import msgspec
 
+import aotx
 from aotx.engine.errors import TemplateError
 from aotx.engine.model.chat_template import ChatTemplate, WorkersUnavailable
 from aotx.engine.model.template_sandbox import RenderBudget
@@ -65,7 +66,7 @@ class _Worker:
 
     def __init__(self, as_headroom: int):
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[3])  # the folder holding the ``aotx`` package
+        root = str(Path(aotx.__file__).parent.parent)  # the folder holding the ``aotx`` package, as imported
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["AOTX_TEMPLATE_AS_HEADROOM"] = str(as_headroom)
         self.proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.model.template_worker"],
