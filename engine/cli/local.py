@@ -266,7 +266,7 @@ def cmd_conversations(args) -> int:
 def print_conversation_list(convs, as_json: bool) -> int:
     if as_json:
         _jprint([{"id": c.conv_id, "title": c.title, "messages": c.n_messages, "created_at": c.created_at,
-                  "updated_at": c.updated_at} for c in convs])
+                  "updated_at": c.updated_at, **({"salvaged": c.salvaged} if c.salvaged else {})} for c in convs])
     elif not convs:
         print("no conversations yet: start one with `aotx run` or `aotx-chat`")
     else:
