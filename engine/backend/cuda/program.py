@@ -90,7 +90,7 @@ class CacheState:
         self.graphs: dict[tuple[int, int], object] = {}
         # the zeros above are queued on the current stream; the graphs run on the cache's
         # non-blocking stream, which does not wait for it (the split attention's counters
-        # must be zero before its first replay, else the first tick is flaky on an H200)
+        # must be zero before its first replay, or the first tick can read stale counts)
         cp.cuda.get_current_stream().synchronize()
 
     @property
@@ -111,7 +111,7 @@ class CudaProgram:
     ``prefill``: None (each eager weight's GEMM mode from the kernel choice) or one of
     ``PREFILL_FORCED`` for every weight ("gemv": the graph's kernels, batch-invariant);
     ``gemv``: None (the kernel choice's variant per site and bucket) or one variant name
-    (``cuda_choice.GemvVariant``) for every GEMV. ``kernel_choice``: the
+    (``choice.GemvVariant``) for every GEMV. ``kernel_choice``: the
     ``kernel_choice.Resolution`` of this load (its ``summary()`` goes to the startup
     profile)."""
 
@@ -183,7 +183,7 @@ class CudaProgram:
         self.v_ld = self.plan.buffers[out_loc.buf][1]
         self._blas = cp.cuda.device.get_cublas_handle()
         # kernel choice: a variant per (GEMV site, bucket), a GEMM mode per prefill site;
-        # timing (policy auto/force) compiles the candidates itself (cuda_tune.kernels)
+        # timing (policy auto/force) compiles the candidates itself (tune.kernels)
         from aotx.engine.backend.cuda import tune as cuda_tune
 
         t0 = time.perf_counter()
@@ -227,7 +227,7 @@ class CudaProgram:
         return key
 
     def _plan_dense(self) -> None:
-        """Dense prefill copies (``cuda_gemm``) when every eager GEMM's dequantized weight
+        """Dense prefill copies (``gemm.py``) when every eager GEMM's dequantized weight
         fits the budget (``CudaBackend(dense_prefill=False)``: always tiles)."""
         uses = []
         for key, d in self.psites.items():
@@ -328,7 +328,7 @@ class CudaProgram:
         """Run one batch and pick each logits row's next token on the device.
 
         rows: one ``(SamplerConfig, SamplerState, extra_history)`` per logits row (each must
-        pass ``cuda_sampling.device_ok``), or None for greedy without penalty everywhere.
+        pass ``sampling.device_ok``), or None for greedy without penalty everywhere.
         The states are not advanced here (the caller mirrors the draws). Returns int32
         (R,) ids; the penalized logits stay in ``last_logits()``. Raises RuntimeError when
         a publication record does not belong to this tick."""
