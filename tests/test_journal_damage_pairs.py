@@ -155,9 +155,10 @@ def random_ops(rng: random.Random, w: Written) -> list[tuple]:
     a rename to a free number, a deleted segment."""
     ops: list[tuple] = []
     present = list(w.segments)
+    size_of = {n: len(w.files[segment_name(n)]) for n in present}
     for _ in range(rng.randint(2, 3)):
         n = rng.choice(present)
-        size = len(w.files[segment_name(n)])
+        size = size_of[n]
         kind = rng.choice(["header", "flip", "zero", "swap", "rename", "delete"])
         if kind == "header":
             ops.append(("header", n))
@@ -172,6 +173,7 @@ def random_ops(rng: random.Random, w: Written) -> list[tuple]:
             free = max(present) + 1
             ops.append(("rename", n, free))
             present[present.index(n)] = free
+            size_of[free] = size
         elif kind == "delete" and len(present) > 2:
             ops.append(("delete", n))
             present.remove(n)

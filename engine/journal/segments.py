@@ -41,7 +41,7 @@ from pathlib import Path
 from aotx.engine.journal.chain import plan_chain
 from aotx.engine.journal.damage import Damage, Entry, Problem, SegmentInfo, find_frame, read_what
 from aotx.engine.journal.records import (
-    FORMAT_VERSION, HEADER_BYTES, Checkpoint, FrameError, Gap, SegmentHeader, decode_frame, peek_frame,
+    FORMAT_VERSION, HEADER_BYTES, Checkpoint, CheckpointEnd, CheckpointPart, FrameError, Gap, SegmentHeader, decode_frame, peek_frame,
 )
 from aotx.engine.journal.segment_files import (  # noqa: F401 (the names callers import from here)
     DAMAGED_SUFFIX, SEGMENT_RE, TMP_SUFFIX, fsync_dir, list_segments, read_acknowledged, read_segment,
@@ -247,8 +247,16 @@ class JournalScan:
             return None
         found = (find_frame(data, HEADER_BYTES, HEADER_BYTES, expected if expected is not None else 1,
                             unbounded=expected is None) if len(data) > HEADER_BYTES else None)
-        base = expected if expected is not None else (found[3] if found else 1)
-        cp = found is not None and found[0] == HEADER_BYTES and isinstance(found[1], Checkpoint)
+        # it opens a checkpoint when its first record is the Checkpoint, or, that record lost
+        # too, a part or the end of one (a checkpoint lies whole in its own segment)
+        cp = found is not None and (isinstance(found[1], (CheckpointPart, CheckpointEnd)) or (
+            found[0] == HEADER_BYTES and isinstance(found[1], Checkpoint)))
+        # the first segment read starts at its first valid record; when bytes before that
+        # record are bad, at the seq the checkpoint's end names as its beginning, else at
+        # least one record earlier (the bad bytes held one record or more)
+        base = expected if expected is not None else (
+            (_checkpoint_begin(data, found[0]) if cp and found[0] > HEADER_BYTES else None)
+            or (found[3] - (found[0] > HEADER_BYTES) or 1) if found else 1)
         why = "records follow it" if found is not None else f"a receipt covered seq {self.acked_seq}"
         self._damage(Damage(info.number, 0, HEADER_BYTES, base, base - 1, err.kind, what, why, tick=self.last_tick,
                             header=True, base_seq=base, flags=1 if cp else 0))
@@ -309,3 +317,19 @@ class JournalScan:
         (after ``entries()`` has run): past every record read and every seq lost."""
         return self.end_seq or (self.last_seq + 1)
 
+
+def _checkpoint_begin(data: bytes, off: int) -> int | None:
+    """The seq of the Checkpoint record that a ``CheckpointEnd`` at or after ``off`` in
+    ``data`` names as its beginning (None when no valid end is found)."""
+    while off < len(data):
+        try:
+            record, _, _, off = decode_frame(data, off)
+        except FrameError:
+            got = find_frame(data, off, off + 1, 1, unbounded=True)
+            if got is None:
+                return None
+            off = got[0]
+            continue
+        if isinstance(record, CheckpointEnd):
+            return record.begin_seq or None
+    return None
