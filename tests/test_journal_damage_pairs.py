@@ -201,3 +201,17 @@ def test_random_pairs_and_triples_of_damage_keep_every_surviving_record_reachabl
     with capsys.disabled():
         print(f"\n[damage pairs] {n} random combinations in {time.monotonic() - t0:.1f} s")
     assert n > 120
+
+
+def test_a_segment_with_nothing_readable_under_the_name_of_another(journals, tmp_path):
+    """The last segment cut inside its header and swapped with the checkpoint segment:
+    the file with nothing readable took the number in its name, which the checkpoint
+    segment's intact header also names; the chain's numbers went backwards and
+    recovery stopped ("file exists" creating a segment it thought missing)."""
+    w = journals["checkpoint"]
+    first, last = segment_name(w.segments[0]), segment_name(w.segments[-1])
+    files, _ = apply_ops(w, [("swap", first, last), ("flip", first, 0)])
+    files[first] = files[first][:27]
+    destroyed = {s for s, (g, _, _) in w.where.items() if g == w.segments[-1]}
+    with time_limit(30):
+        check_case(tmp_path / "j", w, Case("swap, cut, header", files, destroyed))

@@ -178,8 +178,8 @@ def _number_headerless(infos: list[SegmentInfo]) -> None:
             continue
         prev = infos[i - 1].number if i else 0
         nxt = next((y.number for y in infos[i + 1:] if y.header is not None), None)
-        fits = [n for n in (x.file_number, prev + 1, (nxt or 0) - 1)
-                if n > prev and (nxt is None or n < nxt) and n not in used]
+        near = (prev + 1, (nxt or 0) - 1) if prev else ((nxt or 0) - 1, prev + 1)  # the first: before the next
+        fits = [n for n in (x.file_number, *near) if n > prev and (nxt is None or n < nxt) and n not in used]
         if fits:
             x.number = fits[0]
         used.add(x.number)
@@ -187,13 +187,17 @@ def _number_headerless(infos: list[SegmentInfo]) -> None:
 
 def _in_sequence_order(infos: list[SegmentInfo]) -> list[SegmentInfo]:
     """Segments by the seq they start at (then by number); one whose start is unknown
-    (header and every record destroyed) goes where its file name puts it."""
+    (header and every record destroyed) goes where its file name puts it among the
+    segments whose headers are intact (the others' names may be wrong too), or last
+    when its name is the number of another segment."""
     known = sorted((x for x in infos if x.key), key=lambda x: (x.key, x.number, x.file_number))
+    claimed = {y.number for y in known if y.header is not None}
     for x in sorted((x for x in infos if not x.key), key=lambda x: x.file_number):
-        at = 0
+        at = len(known)  # its name is another segment's number: nothing says where it was; last
         for i, y in enumerate(known):
-            if y.number < x.file_number:
-                at = i + 1
+            if x.file_number not in claimed and y.header is not None and y.number > x.file_number:
+                at = i
+                break
         known.insert(at, x)
     return known
 
