@@ -223,10 +223,17 @@ def _jprint(obj) -> None:
     sys.stdout.flush()
 
 
+PROMPT_FRAME_SLACK = 64 << 10  # bytes of a message frame that are not its prompt (ids, sampling, stops)
+
+
 async def _run(args) -> int:
     prompt = read_stdin_text("the prompt") if args.prompt in ("-", None) else args.prompt
     if not prompt.strip():  # the CLI prints "aotx: " before it: no second prefix
         raise UsageError("run: the prompt is empty" if not prompt else "run: the prompt is blank (only whitespace)")
+    size = len(prompt.encode())
+    if size > P.MAX_FRAME - PROMPT_FRAME_SLACK:  # refused before a conversation is created for it
+        raise UsageError(f"run: the prompt is {size:,} bytes; the engine takes at most {P.MAX_FRAME >> 20} MiB in "
+                         "one message")
     t0 = time.perf_counter()
     from aotx.engine.model.loader import check_model_arg
 

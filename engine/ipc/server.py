@@ -148,7 +148,10 @@ class Connection:
     def send(self, msg: P.Message) -> None:
         if self.closed:
             return
-        data = P.encode_frame(msg)
+        try:
+            data = P.encode_frame(msg)
+        except ProtocolError as e:  # an answer over the frame limit (a list of many conversations): say so
+            data = P.encode_frame(P.Error(id=getattr(msg, "id", 0), code=ErrorCode.TOO_LONG, message=str(e)))
         try:
             self.loop.call_soon_threadsafe(self._write, data)
         except RuntimeError:  # loop closed
