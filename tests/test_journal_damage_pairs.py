@@ -215,3 +215,13 @@ def test_a_segment_with_nothing_readable_under_the_name_of_another(journals, tmp
     destroyed = {s for s, (g, _, _) in w.where.items() if g == w.segments[-1]}
     with time_limit(30):
         check_case(tmp_path / "j", w, Case("swap, cut, header", files, destroyed))
+
+
+def test_two_swapped_segments_whose_headers_are_both_destroyed(journals, tmp_path):
+    """Both files of a swap without their headers: each took a number from its wrong name
+    in turn, the chain's numbers went backwards and recovery stopped."""
+    w = journals["checkpoint"]
+    a, b = w.segments[0], w.segments[1]
+    files, destroyed = apply_ops(w, [("header", a), ("header", b), ("swap", a, b)])
+    with time_limit(30):
+        check_case(tmp_path / "j", w, Case("two headers, swapped", files, destroyed))

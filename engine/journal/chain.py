@@ -167,22 +167,36 @@ def _drop_duplicates(infos: list[SegmentInfo], plan: ChainPlan) -> list[SegmentI
 
 
 def _number_headerless(infos: list[SegmentInfo]) -> None:
-    """Give each segment whose header is destroyed the number its place leaves: its file
-    name's when that lies between its neighbours' numbers and no other segment has it,
-    else the one after the segment before it (or before the one after it). A file
-    renamed as well as damaged is then misplaced, and renamed back, like any other."""
-    used = {x.number for x in infos if x.header is not None}
-    for i, x in enumerate(infos):
-        if x.header is not None or x.number != x.file_number:
-            used.add(x.number)
+    """Give the segments whose headers are destroyed the numbers their places leave. A
+    run of them between two segments with intact headers (numbers ``p`` and ``q``) keeps
+    the numbers in their file names when those rise between ``p`` and ``q``; else they
+    take the numbers just before ``q`` (just after ``p`` at the end of the chain). A
+    file renamed as well as damaged is then misplaced, and renamed back, like any other."""
+    used = {x.number for x in infos if x.header is not None or x.number != x.file_number}
+    i = 0
+    while i < len(infos):
+        if infos[i].header is not None or infos[i].number != infos[i].file_number:
+            i += 1
             continue
-        prev = infos[i - 1].number if i else 0
-        nxt = next((y.number for y in infos[i + 1:] if y.header is not None), None)
-        near = (prev + 1, (nxt or 0) - 1) if prev else ((nxt or 0) - 1, prev + 1)  # the first: before the next
-        fits = [n for n in (x.file_number, *near) if n > prev and (nxt is None or n < nxt) and n not in used]
-        if fits:
-            x.number = fits[0]
-        used.add(x.number)
+        j = i
+        while j < len(infos) and infos[j].header is None and infos[j].number == infos[j].file_number:
+            j += 1
+        run = infos[i:j]
+        p = infos[i - 1].number if i else 0
+        q = next((y.number for y in infos[j:] if y.header is not None), None)
+        names = [x.file_number for x in run]
+        if all(a < b for a, b in zip([p, *names], names)) and (q is None or names[-1] < q) and not used & set(names):
+            numbers = names
+        elif q is None:
+            numbers = list(range(p + 1, p + 1 + len(run)))
+        elif q - len(run) > p:
+            numbers = list(range(q - len(run), q))
+        else:  # no room between its neighbours: nothing better than its names
+            numbers = names
+        for x, n in zip(run, numbers):
+            x.number = n
+        used |= set(numbers)
+        i = j
 
 
 def _in_sequence_order(infos: list[SegmentInfo]) -> list[SegmentInfo]:
