@@ -166,3 +166,38 @@ def test_the_engine_refuses_a_growing_template_each_time_and_keeps_its_memory(ho
     finally:
         eng.stop()
         store.close()
+
+
+@pytest.mark.parametrize("source", ['{{ "a\\ud800b" }}', '{{ "x%c"|format(56320) }}'])
+def test_a_template_whose_output_is_not_valid_unicode_is_refused_naming_it_and_its_worker_lives_on(pool, source):
+    """A lone surrogate in the output could not be sent back: the worker died (exit status 1)
+    and the message said the template "was stopped" for no stated reason, after a second
+    render on a fresh worker; in the engine itself, it reached the tokenizer."""
+    t = ChatTemplate(source, name="odd")
+    t.workers = pool
+    ok = ChatTemplate(CHATML_TEMPLATE)
+    ok.workers = pool
+    ok.render(MSGS)
+    started, replaced = pool.started, pool.replaced
+    with pytest.raises(TemplateError, match=r"odd produced text that is not valid Unicode \(a lone surrogate at "
+                                            r"character 1\)"):
+        t.render(MSGS)
+    assert (pool.started, pool.replaced) == (started, replaced)
+    t.workers = None
+    with pytest.raises(TemplateError, match="odd produced text that is not valid Unicode"):
+        t.render(MSGS)
+
+
+def test_a_template_that_ends_its_worker_is_rendered_once_not_twice(pool):
+    """A worker that died in the middle of a render was taken for one that had died while
+    idle, and the render ran again on a fresh worker: every hostile template cost twice
+    its CPU limit (and a second worker start)."""
+    ok = ChatTemplate(CHATML_TEMPLATE)
+    ok.workers = pool
+    ok.render(MSGS)  # an idle worker that has rendered before
+    t = ChatTemplate(CPU_HOG, name="slow")
+    t.workers = pool
+    started, replaced = pool.started, pool.replaced
+    with pytest.raises(TemplateError, match="slow was stopped: the operating system stopped it for its CPU time"):
+        t.render(MSGS, budget=RenderBudget(cpu_seconds=0.5))
+    assert (pool.started, pool.replaced) == (started, replaced + 1)

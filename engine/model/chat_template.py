@@ -232,7 +232,13 @@ class ChatTemplate:
         from aotx.engine.model.template_sandbox import BudgetExceeded, render
 
         try:
-            return render(self._env, self._template, budget, variables)
+            text = render(self._env, self._template, budget, variables)
+            text.encode()  # a lone surrogate ("\ud800", "%c"|format(0xdc00)) can reach no tokenizer or peer
+            return text
+        except UnicodeEncodeError as e:
+            raise TemplateError(f"{self.name} produced text that is not valid Unicode (a lone surrogate at character "
+                                f"{e.start}); a chat template that does this is broken or hostile: use another "
+                                "model file (or `aotx run --raw`)") from None
         except BudgetExceeded as e:
             raise TemplateError(f"{self.name} was stopped: {e}; a chat template that does this is broken or "
                                 f"hostile: use another model file (or `aotx run --raw`)") from None
