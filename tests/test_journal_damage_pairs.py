@@ -225,3 +225,16 @@ def test_two_swapped_segments_whose_headers_are_both_destroyed(journals, tmp_pat
     files, destroyed = apply_ops(w, [("header", a), ("header", b), ("swap", a, b)])
     with time_limit(30):
         check_case(tmp_path / "j", w, Case("two headers, swapped", files, destroyed))
+
+
+def test_a_swapped_segment_cut_inside_its_header_is_renamed_before_it_is_cut(journals, tmp_path):
+    """Two segments swapped, then the one now first by name cut inside its header: the cut
+    file went last and was a torn tail, so the scan stopped before naming it misplaced;
+    the other file's rename back waited on its name for ever (salvage did not converge)."""
+    w = journals["gap"]
+    a, b = segment_name(w.segments[0]), segment_name(w.segments[1])
+    files, _ = apply_ops(w, [("swap", a, b)])
+    files[a] = files[a][:6]
+    destroyed = {s for s, (g, _, _) in w.where.items() if g == w.segments[1]}
+    with time_limit(30):
+        check_case(tmp_path / "j", w, Case("swap, cut", files, destroyed))

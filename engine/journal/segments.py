@@ -120,7 +120,9 @@ class JournalScan:
             data = read_segment(info.path)
             n = info.size = len(data)
             h = self._header(info, data, expected, is_last)
-            if h is None:
+            if h is None:  # a torn tail; under another segment's name, it is renamed before it is cut
+                if info.path in self.misplaced:
+                    self._misplaced_damage(info, expected or 1)
                 break
             if expected is None:
                 expected = h.base_seq
@@ -182,11 +184,7 @@ class JournalScan:
                 yield Entry(seq, tick, record, info.number, off, end)
                 off = end
             if info.path in self.misplaced:
-                seqs = (f"seq {info.first_seq}..{info.last_seq}" if info.n_records else f"from seq {h.base_seq}")
-                self._damage(Damage(info.number, 0, 0, h.base_seq, h.base_seq - 1, "misplaced",
-                                    f"segment {info.number} ({seqs}) is in file {Path(info.path).name}, named for "
-                                    f"segment {info.file_number}", "a crash never renames a segment",
-                                    path=info.path))
+                self._misplaced_damage(info, h.base_seq)
             if stop:
                 break
         if self.version_problem is not None and self.problem is None:
@@ -197,6 +195,12 @@ class JournalScan:
                 and not (self.damage and self.damage[-1].last_lost >= self.acked_seq)):
             self._damage(self._missing_at_end(expected or 1))
         self.end_seq = max(expected or 1, (self.damage[-1].last_lost + 1) if self.damage else 1)
+
+    def _misplaced_damage(self, info: SegmentInfo, base_seq: int) -> None:
+        seqs = f"seq {info.first_seq}..{info.last_seq}" if info.n_records else f"from seq {base_seq}"
+        self._damage(Damage(info.number, 0, 0, base_seq, base_seq - 1, "misplaced",
+                            f"segment {info.number} ({seqs}) is in file {Path(info.path).name}, named for "
+                            f"segment {info.file_number}", "a crash never renames a segment", path=info.path))
 
     def _missing_before(self, info: SegmentInfo, h: SegmentHeader) -> Damage:
         """The chain's first segment is not a checkpoint and does not start the history:
