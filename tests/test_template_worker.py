@@ -201,3 +201,46 @@ def test_a_template_that_ends_its_worker_is_rendered_once_not_twice(pool):
     with pytest.raises(TemplateError, match="slow was stopped: the operating system stopped it for its CPU time"):
         t.render(MSGS, budget=RenderBudget(cpu_seconds=0.5))
     assert (pool.started, pool.replaced) == (started, replaced + 1)
+
+
+@pytest.fixture(scope="module")
+def verbose_lm(tiny_gguf, tmp_path_factory):
+    from aotx.engine.model.loader import load_model
+
+    template = ('{% for m in messages %}<|{{ m.role }}|>{{ m.content }}'
+                '{{ "x" * 3000000 if m.content == "pad" else "" }}{% endfor %}')
+    p = tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("verbose") / "verbose.gguf", context_length=1024,
+                                   metadata={"tokenizer.chat_template": template, "general.name": "Verbose Tiny"})
+    return load_model(p, device="cpu")
+
+
+def test_a_template_output_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(verbose_lm):
+    """A template may write up to 32 Mi characters, which no context holds: the engine
+    tokenized them all anyway (97 s of CPU for 30 M characters on the default model)
+    and its RSS grew by 500-800 MB a message (440 MB -> 3.3 GB after eight). The size
+    floor that refuses a long message before its tokenization now applies to the
+    prompt the template made too."""
+    from aotx.engine.runtime.engine import Engine
+    from aotx.engine.runtime.store import open_store
+
+    store = open_store(None)
+    eng = Engine(verbose_lm, store, n_slots=1, n_ctx=512, prefill_chunk=64, device="cpu")
+    eng.start()
+    try:
+        s = EventSink()
+        eng.post(P.CreateConversation(id=1, title="t"), s)
+        conv = s.wait(30).conversation.conv_id
+        levels = []
+        for i in range(3):
+            s = EventSink()
+            t0 = time.monotonic()
+            eng.post(P.SubmitMessage(id=2 + i, conv_id=conv, text="pad"), s)
+            err = s.wait(60)
+            assert isinstance(err, P.Error) and err.code == ErrorCode.TOO_LONG, s.events
+            assert "the prompt the chat template made is 3,000,0" in err.message and "\n" not in err.message
+            assert time.monotonic() - t0 < 10
+            levels.append(rss_mib())
+        assert max(levels) - levels[0] < 32, levels
+    finally:
+        eng.stop()
+        store.close()

@@ -7,7 +7,8 @@ input, and the bounds that keep each preparation finite:
 * size first: a text that cannot fit the context whatever its tokenization is
   refused before any work (every token covers at most the vocabulary's longest
   piece, so ``len(text) / longest`` tokens is a floor); a 10 MB paste against a
-  4,096-token context is answered at once instead of tokenized for a minute;
+  4,096-token context is answered at once instead of tokenized for a minute, and
+  so is a prompt a chat template wrote that long (up to its 32 Mi characters);
 * the chat template renders inside its ``RenderBudget`` (CPU time and size;
   ``model/template_sandbox.py``), in a worker process whose memory and CPU the
   operating system bounds (``model/template_worker.py``: ``isolate`` routes a
@@ -128,17 +129,18 @@ def longest_piece(tokenizer: Tokenizer) -> int:
     return max([1] + [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])
 
 
-def check_size(text: str, longest: int, context_tokens: int) -> None:
+def check_size(text: str, longest: int, context_tokens: int, what: str = "the message") -> None:
     """Refuse ``text`` when no tokenization of it can fit ``context_tokens`` (with one
     token of reply): every token covers at most ``longest`` bytes (``longest_piece``)
     and a character is at least one byte, so ``len(text) / longest`` tokens is a
-    floor. Raises Refusal (too_long, context)."""
+    floor. ``what`` names the text ("the message", or the prompt a chat template
+    made). Raises Refusal (too_long, context)."""
     floor = -(-len(text) // longest)
     if floor + 1 > context_tokens:
         raise Refusal(ErrorCode.TOO_LONG, "context",
-                      f"the message is {len(text):,} characters, at least {floor:,} tokens (this vocabulary's "
+                      f"{what} is {len(text):,} characters, at least {floor:,} tokens (this vocabulary's "
                       f"longest token is {longest} bytes); the context holds {context_tokens:,} tokens",
                       asked=floor + 1, free=context_tokens,
                       accepts=f"a prompt of at most {context_tokens - 1} tokens",
-                      detail=f"the message is too long for the context: at least {floor:,} tokens, the context "
+                      detail=f"{what} is too long for the context: at least {floor:,} tokens, the context "
                              f"holds {context_tokens:,}")

@@ -287,12 +287,14 @@ class Submitter:
         if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
             return self._fit_images(sub, history, text)
         turn = {**P.template_fields(op.meta), "role": op.role, "content": text}
-        return text, self._chat_ids(history + [turn], op.tools, op.prefill)
+        return text, self._chat_ids(history + [turn], op.tools, op.prefill, fit=True)
 
-    def _chat_ids(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str) -> list[int]:
+    def _chat_ids(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str,
+                  fit: bool = False) -> list[int]:
         """Prompt ids of template messages ``msgs`` with ``tools`` (in the template's
         ``tools``, or described in the system prompt of a template without them) and an
-        assistant ``prefill`` left open. Raises TemplateError."""
+        assistant ``prefill`` left open. ``fit``: a rendered prompt that cannot fit the
+        context is refused before it is tokenized. Raises TemplateError or Refusal."""
         if prefill:
             msgs = msgs + [{"role": "assistant", "content": prefill}]
         extra: dict[str, Any] = {}
@@ -301,7 +303,12 @@ class Submitter:
                 extra["tools"] = tools
             else:  # the template knows no tools: describe them in the system prompt
                 msgs = _with_system(msgs, tool_calls.fallback_system_prompt(tools))
-        return encode_chat(self.lm.tokenizer, self.lm.template, msgs, continue_final=bool(prefill), **extra)
+        check = None
+        if fit:
+            longest, context = self._longest or longest_piece(self.lm.tokenizer), self.envelope.context_tokens
+            check = lambda text: check_size(text, longest, context, "the prompt the chat template made")  # noqa: E731
+        return encode_chat(self.lm.tokenizer, self.lm.template, msgs, continue_final=bool(prefill), check=check,
+                           **extra)
 
     def count(self, op: P.CountTokens, sink: Sink) -> None:
         """``CountTokens``: the prompt's ids made on a preparation worker as stage 3 makes a
