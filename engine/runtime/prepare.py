@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
+from aotx.engine.model.template_sandbox import DEFAULT_CPU_SECONDS, DEFAULT_MAX_CHARS, RenderBudget
 from aotx.engine.model.template_worker import TemplateWorkers, shared_workers
 from aotx.engine.model.tokenizer import Tokenizer
 from aotx.engine.runtime.admission import Refusal
@@ -40,6 +41,7 @@ from aotx.engine.runtime.events import Inbox, Prepared
 log = logging.getLogger("aotx.engine")
 
 N_WORKERS = 2  # one slow preparation (a long paste) does not hold up everyone else's
+RENDER_MIN_CHARS = 1 << 20  # a render may always build this much, whatever the context
 
 
 class Preparer:
@@ -127,6 +129,16 @@ def longest_piece(tokenizer: Tokenizer) -> int:
     """The most bytes one token of ``tokenizer`` stands for (special tokens included),
     at least 1 (one pass over the vocabulary: ~50 ms for 50k tokens; callers keep it)."""
     return max([1] + [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])
+
+
+def render_budget(longest: int, context_tokens: int) -> RenderBudget:
+    """The budget of a chat template render whose prompt must fit ``context_tokens``: the
+    default CPU time, and at most the characters a prompt that fits could hold (four
+    times the floor's, for what a template builds on the way; at least 1 Mi, at most
+    the sandbox's default). What a template writes past it stays in its worker: 30 M
+    characters crossing to the engine for each refused message grew its RSS for good."""
+    chars = min(DEFAULT_MAX_CHARS, max(RENDER_MIN_CHARS, 4 * longest * context_tokens))
+    return RenderBudget(DEFAULT_CPU_SECONDS, chars)
 
 
 def check_size(text: str, longest: int, context_tokens: int, what: str = "the message") -> None:

@@ -63,7 +63,7 @@ from aotx.engine.runtime.constraints import Compiler, GrammarState
 from aotx.engine.runtime.drafter import DraftDrafter, DraftModel
 from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import Inbox, MediaReady, Prepared
-from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece
+from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece, render_budget
 from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
@@ -307,6 +307,7 @@ class Submitter:
         if fit:
             longest, context = self._longest or longest_piece(self.lm.tokenizer), self.envelope.context_tokens
             check = lambda text: check_size(text, longest, context, "the prompt the chat template made")  # noqa: E731
+            extra["budget"] = render_budget(longest, context)
         return encode_chat(self.lm.tokenizer, self.lm.template, msgs, continue_final=bool(prefill), check=check,
                            **extra)
 
