@@ -126,3 +126,18 @@ def test_an_answer_over_the_frame_limit_becomes_an_error_for_its_request():
     err = P.decode_payload(frame[4:])
     assert isinstance(err, P.Error) and err.id == 7 and err.code == ErrorCode.TOO_LONG
     assert "ConversationList is" in err.message and "16 MiB" in err.message
+
+
+def test_a_frame_nested_too_deeply_gets_an_error_reply_and_the_connection_goes_on(serve_null):  # noqa: F811
+    """50,000 nested maps in one frame ended the connection's task with a RecursionError
+    traceback in the engine's log, and the client got its connection closed unanswered."""
+    _, path = serve_null()
+    s = raw_client(path)
+    assert isinstance(read_frame(s), P.Welcome)
+    bad = b"\x81\xa1a" * 50_000 + b"\xc0"
+    s.sendall(len(bad).to_bytes(4, "big") + bad)
+    err = read_frame(s)
+    assert isinstance(err, P.Error) and err.code == ErrorCode.BAD_FRAME and "nested" in err.message, err
+    s.sendall(P.encode_frame(P.Status(id=6)))
+    assert isinstance(read_frame(s), P.Ok)
+    s.close()

@@ -111,6 +111,8 @@ def decode_payload(body: bytes) -> Message:
         raise ProtocolError(f"invalid message: {e}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"undecodable frame: {e}") from None
+    except RecursionError:
+        raise ProtocolError("undecodable frame: its values are nested too deeply") from None
 
 
 def frame_length(header: bytes) -> int:
