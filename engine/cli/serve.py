@@ -261,6 +261,38 @@ def build_engine(args, progress=None):
     return eng, store
 
 
+def restart_args(args, eng) -> list[str]:
+    """The flags that start an engine like ``eng`` (built from ``serve``'s ``args``) again:
+    its default model by absolute path (nothing for the installed default), draft model and
+    projector by absolute path, and the sizing flags as they were given (a clamped
+    ``--context`` is clamped again with its notice). Never the socket: a client passes its own."""
+    from aotx.engine.model.loader import default_model_path
+    from aotx.engine.errors import ModelError
+
+    out: list[str] = []
+    lm = eng.lm
+    try:
+        is_default = lm.path.resolve() == default_model_path().resolve()
+    except ModelError:
+        is_default = False
+    if not is_default:
+        out += ["--model", str(lm.path.resolve())]
+    for flag, attr in (("--device", "device"), ("--slots", "slots"), ("--context", "context"),
+                       ("--memory-budget", "memory_budget"), ("--kv-type", "kv_type"),
+                       ("--expert-cache", "expert_cache"), ("--keep-alive", "keep_alive"),
+                       ("--speculative", "speculative"), ("--draft-p-min", "draft_p_min")):
+        v = getattr(args, attr, None)
+        if v is not None and not (attr == "device" and v == "auto"):
+            out += [flag, str(v)]
+    for flag, attr in (("--draft-model", "draft_model"), ("--mmproj", "mmproj")):
+        v = getattr(args, attr, None)
+        if v:
+            out += [flag, v if v == "none" else str(Path(v).expanduser().resolve())]
+    if getattr(args, "evict_idle", False):
+        out.append("--evict-idle")
+    return out
+
+
 class _Notices(logging.Handler):
     """Collects the warnings logged while the engine loads (``Welcome.notices``)."""
 
@@ -315,13 +347,15 @@ def serve(args) -> int:
     for line in store.notices:
         log.warning("%s", line)
 
+    again = restart_args(args, eng)
+
     def welcome() -> P.Welcome:
         d = eng.models.default
         template = getattr(getattr(d, "lm", None), "template", None)
         return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=eng.models.default_name,
                          device=eng.device, ready=eng.ready, pid=os.getpid(), journal=store.journaled,
                          draft_model=d.draft.lm.name if d is not None and d.draft else "",
-                         models=list(eng.models.loaded), notices=said.lines[:8],
+                         models=list(eng.models.loaded), notices=said.lines[:8], engine_args=again,
                          tool_format=tool_calls.family_of(template.source) if template is not None else "hermes")
 
     # The socket server runs on an asyncio loop in a thread; the tick loop runs here, on

@@ -46,6 +46,9 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
         self._closed = False
+        # the engine said it was stopped (``aotx stop``, SIGTERM) before closing the connection:
+        # a stop, not a crash; a client then waits for its user before starting another
+        self.stopped = False
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
 
     # ---- connection --------------------------------------------------------
@@ -152,6 +155,9 @@ class EngineClient:
         try:
             while True:
                 msg = await _read_frame(self._reader)
+                if isinstance(msg, P.Notice) and msg.id == 0 and msg.kind == "stopping":
+                    self.stopped = True
+                    continue
                 q = self._queues.get(getattr(msg, "id", -1))
                 if q is not None:
                     q.put_nowait(msg)
