@@ -254,6 +254,9 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
 
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
         text = event.text.strip()
+        if not text:  # Enter in an empty input: starts the engine after a stop, else nothing
+            self.restart_stopped_engine()
+            return
         if text.startswith("/attach"):
             self.chat_input.clear()
             rest = text[len("/attach"):].strip()

@@ -52,19 +52,37 @@ class EngineLink:
 
     # ---- connection --------------------------------------------------------
 
-    def start_engine(self) -> None:
+    engine_stopped: bool = False  # the engine said it was stopped: start one only when the user asks
+    stopped_args: list[str] | None = None  # the flags of the engine that was stopped (its Welcome's)
+
+    def start_engine(self, engine_args: list[str] | None = None) -> None:
+        """Connect (starting an engine when none answers; with ``engine_args``, the flags of
+        an engine that was stopped, instead of this app's own)."""
         self.ready = False
-        self.run_worker(self._connect(), group="connect", exclusive=True, name="connect")
+        self.run_worker(self._connect(engine_args), group="connect", exclusive=True, name="connect")
+
+    def restart_stopped_engine(self) -> None:
+        """The user sent a message, or pressed the key the screen names, after a stop: start
+        an engine with the stopped one's flags."""
+        if not self.engine_stopped:
+            return
+        self.engine_stopped = False
+        self.recovering = True  # a restart: the open conversation is reloaded, not replaced
+        self.show_notice("Starting the engine again…")
+        self.start_engine(self.stopped_args)
 
     def _on_spawn(self, line: str) -> None:
         self.status_bar.set_state("starting engine", line)
 
-    async def _connect(self) -> None:
+    async def _connect(self, engine_args: list[str] | None = None) -> None:
         delay = 0.5
         while True:
             self.status_bar.set_state("connecting")
             try:
-                client = await self.client_factory(self._on_spawn)
+                if engine_args is None:
+                    client = await self.client_factory(self._on_spawn)
+                else:
+                    client = await self.client_factory(self._on_spawn, engine_args=engine_args)
                 break
             except (AotxError, OSError) as e:
                 if getattr(e, "engine_exit", None) == 2 and not self.recovering:
@@ -89,7 +107,10 @@ class EngineLink:
                 await asyncio.sleep(0.25)
             self.ready = True
             recovering, self.recovering = self.recovering, False
-            if recovering:
+            if recovering and engine_args is not None:
+                self.show_notice("The engine is running again." + (" Your message is on its way." if self.outbox
+                                                                     else ""))
+            elif recovering:
                 self.show_notice("The engine is back. Everything it had made durable is here.")
             for line in s.notices:  # e.g. journal damage the engine salvaged at its start
                 self.show_notice(line, "warning")
@@ -110,35 +131,47 @@ class EngineLink:
             if target is not None and (recovering or target != self.conv_id or not self.chat_widgets):
                 await self.open_conversation(target)
         except ConnectionLost:
-            self.connection_lost()
+            self.connection_lost(client)
             return
         self.pump()
 
     async def _wait_ready(self) -> None:
+        client = self.client
         try:
             while True:
-                s = await self.client.status()
+                s = await client.status()
                 self.status_bar.set_status(s)
                 if s.ready:
                     break
                 await asyncio.sleep(0.25)
         except ConnectionLost:
-            self.connection_lost()
+            self.connection_lost(client)
             return
         self.ready = True
         self.pump()
 
-    def connection_lost(self) -> None:
-        """The engine went away: say so, mark what was streaming, reconnect."""
-        if self.recovering:
+    def connection_lost(self, client=None) -> None:
+        """The engine went away. Stopped (``aotx stop``: it said so before closing): say so and
+        wait for the user's next message (or F10) to start one with the stopped engine's flags.
+        Crashed: say so, mark what was streaming, start it again at once and reload."""
+        if self.recovering or self.engine_stopped:
             return
-        self.recovering, self.ready, self.client = True, False, None
-        self.status_bar.set_state("engine stopped", "restarting")
-        self.show_notice("The engine stopped (connection lost). Restarting it and reloading this conversation…")
-        self.notify("The engine stopped; restarting it.", severity="warning")
+        client = client or self.client
         for w in self.chat_widgets.values():
             if w.position in ("accepted", "committed") and w.role == "assistant" and not w.finish_reason:
                 w.set_position("interrupted")
+        self.ready, self.client = False, None
+        if getattr(client, "stopped", False):
+            self.engine_stopped = True
+            self.stopped_args = list(getattr(client.welcome, "engine_args", None) or [])
+            self.status_bar.set_state("engine stopped", "Enter starts it")
+            self.show_notice(f"The engine was stopped. Your next message starts it again on "
+                             f"{self.status_bar.model or 'the same model'} (or press Enter now).", kind="stopped")
+            return
+        self.recovering = True
+        self.status_bar.set_state("engine stopped", "restarting")
+        self.show_notice("The engine stopped (connection lost). Restarting it and reloading this conversation…")
+        self.notify("The engine stopped; restarting it.", severity="warning")
         self.start_engine()
 
     def poll_status(self) -> None:
@@ -152,7 +185,7 @@ class EngineLink:
             await self.sync_conversations(client)
         except ConnectionLost:
             if client is self.client:
-                self.connection_lost()
+                self.connection_lost(client)
         except AotxError:
             pass
         except NoMatches:
@@ -224,6 +257,8 @@ class EngineLink:
 
     def enqueue(self, item: Outgoing) -> None:
         self.outbox.append(item)
+        if self.engine_stopped:
+            self.restart_stopped_engine()
         self.pump()
 
     def pump(self) -> None:
@@ -252,7 +287,8 @@ class EngineLink:
             if not item.accepted:
                 self.outbox.insert(0, item)  # never reached the engine: send it again later
             self.active = None
-            self.connection_lost()
+            if client is self.client:
+                self.connection_lost(client)
             return
         except AotxError as e:
             target = item.reply or item.widget

@@ -59,11 +59,14 @@ def engine_args(ns: argparse.Namespace) -> list[str]:
 def client_factory(socket: str | None = None, args: list[str] | None = None, *, spawn: bool = True):
     """A factory that connects to the engine on ``socket`` and, when none answers and
     ``spawn``, starts one there with ``args`` (the app calls it again after a crash,
-    so a dead engine is restarted with the same arguments)."""
+    so a dead engine is restarted with the same arguments; after a stop, with
+    ``engine_args``: the stopped engine's own)."""
     from aotx.engine.ipc.client import EngineClient
 
-    async def factory(on_spawn: Callable[[str], None]):
-        return await EngineClient.connect(socket, spawn=spawn, engine_args=list(args or []),
+    async def factory(on_spawn: Callable[[str], None], *, engine_args: list[str] | None = None,
+                      spawn: bool = spawn):
+        return await EngineClient.connect(socket, spawn=spawn,
+                                          engine_args=list(args or []) if engine_args is None else engine_args,
                                           client_name="aotx-chat", on_spawn=on_spawn)
 
     return factory

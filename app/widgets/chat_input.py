@@ -46,9 +46,8 @@ class ChatInput(TextArea):
         if event.key == "enter":
             event.stop()
             event.prevent_default()
-            text = self.text
-            if text.strip():
-                self.post_message(self.Submitted(text))
+            # an empty input's Enter goes to the app too: it starts a stopped engine
+            self.post_message(self.Submitted(self.text))
             return
         if event.key == "up" and not self.text:
             event.stop()

@@ -183,6 +183,19 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
     return client
 
 
+async def reconnect(args, engine_args: list[str]) -> EngineClient:
+    """Reach the engine again after it went away (``aotx stop``, a crash): when none answers,
+    start one with ``engine_args``, the flags of the engine that went away (its Welcome's),
+    not this command's."""
+    def notice(msg: str) -> None:
+        print(f"aotx: {msg}", file=sys.stderr)
+
+    client = await EngineClient.connect(getattr(args, "socket", None), spawn=True, engine_args=engine_args,
+                                        client_name="aotx-cli", on_spawn=notice)
+    client.spawned = True
+    return client
+
+
 def dispatch(args, **kw) -> int:
     cmd = args.cmd
     if cmd == "run":

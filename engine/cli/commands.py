@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.cli.repl import run_repl  # no prompt at a terminal: chat there
             from aotx.engine.cli import client as cli_client
 
-            return run_repl(args, connect=lambda: cli_client.connect(args))
+            return run_repl(args, connect=lambda: cli_client.connect(args),
+                            reconnect=lambda engine_args: cli_client.reconnect(args, engine_args))
         from aotx.engine.cli import client as cli_client
 
         if args.cmd == "conversations":  # fork: named as aotx-chat names forks

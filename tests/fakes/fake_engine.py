@@ -7,7 +7,8 @@ app uses and yields the event sequence the protocol documents: Accepted, Durable
 slowly, to send notices, to refuse media (or to turn it into text as the engine's
 media profiles do, ``media_text``), to refuse a prompt longer than ``max_prompt_chars``
 (too_long, as the engine does: a refused Notice, then an Error, nothing recorded), to
-crash mid-reply, and to send each token only when the test lets it (``token_gate``); it
+crash mid-reply, to be stopped (``stop``: as ``aotx stop``, its clients told so), and to
+send each token only when the test lets it (``token_gate``); it
 forks conversations, and refuses with the engine's error codes (``EngineError.code``:
 not_found, busy).
 Leaves to others: everything a real engine does (no model, no disk).
@@ -57,15 +58,34 @@ class FakeEngine:
         self.max_prompt_chars = max_prompt_chars
         self.n_ctx = n_ctx
         self.token_gate = token_gate  # tests: awaited before token i is sent (a stream paced by the test)
+        self.down = False  # stopped: no engine answers until a client starts one (``connect``)
+        self.spawned_with: list[list[str]] = []  # the engine_args of each engine a client started after a stop
+        self.engine_args: list[str] = ["--model", "/models/fake.gguf", "--context", "2048"]  # its Welcome's
 
-    async def connect(self, on_spawn: Callable[[str], None] | None = None) -> "FakeEngineClient":
-        """The client factory the app takes: a new connection to this engine."""
+    async def connect(self, on_spawn: Callable[[str], None] | None = None, *,
+                      engine_args: list[str] | None = None, spawn: bool = True) -> "FakeEngineClient":
+        """The client factory the app takes: a new connection to this engine (after ``stop()``,
+        a new engine is started with ``engine_args``, recorded in ``spawned_with``; with
+        ``spawn`` false an EngineError instead, as no engine answers)."""
+        if self.down:
+            if not spawn:
+                raise EngineError("no engine answers on the fake socket")
+            self.down = False
+            self.spawned_with.append(list(engine_args or []))
         self.connects += 1
         if on_spawn and self.connects > 1:
             on_spawn("started an engine in the background (pid 4242, log engine.log)")
         client = FakeEngineClient(self)
         self.clients.append(client)
         return client
+
+    def stop(self) -> None:
+        """``aotx stop``: every connection is told the engine was stopped, then closed; no
+        engine answers until a client starts one."""
+        for c in self.clients:
+            c.stopped = True
+        self.crash()
+        self.down = True
 
     def add_conversation(self, title: str, messages: list[tuple[str, str]] = ()) -> P.ConversationView:
         conv = P.ConversationView(conv_id=f"c{next(self.ids)}", title=title, created_at=self._tick(),
@@ -107,13 +127,15 @@ class FakeEngineClient:
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
         self.closed = False
+        self.stopped = False  # as EngineClient.stopped: the engine said it was stopped before closing
         self.welcome = P.Welcome(protocol=P.PROTOCOL_VERSION, engine="fake", model=engine.model,
-                                 device=engine.device, ready=engine.load_steps == 0, pid=4242)
+                                 device=engine.device, ready=engine.load_steps == 0, pid=4242,
+                                 engine_args=list(engine.engine_args))
         self._rids = itertools.count(1)
         self._cancel: set[int] = set()
 
     def _check(self) -> None:
-        if self.closed:
+        if self.closed or self.engine.down:
             raise ConnectionLost("the engine closed the connection")
 
     def _conv(self, conv_id: str) -> P.ConversationView:
