@@ -313,11 +313,19 @@ class ModelSet:
         free = self.free()
         parts = ", ".join(f"{n} {fmt_bytes(v)}" for n, v in terms if v)
         idle = self.idle(exclude=name)
-        if idle:
-            frees = "; ".join(f"{m.name} frees {fmt_bytes(sum(v for _, v in m.terms))}" for m in idle)
+        d = self.default
+        # `aotx unload` keeps the default model: it is offered only as what --evict-idle or a
+        # restart with this model as the default would free
+        others = [m for m in idle if m is not d]
+        if others:
+            frees = "; ".join(f"{m.name} frees {fmt_bytes(sum(v for _, v in m.terms))}" for m in others)
             what = f"idle models: {frees} (`aotx unload NAME`, or start the engine with --evict-idle)"
         else:
-            what = "no loaded model is idle; lower --slots or --context, or raise --memory-budget"
+            what = "no model loaded beside the default is idle; lower --slots or --context, or raise --memory-budget"
+        if d is not None and d in idle:
+            what += (f"; the default model {d.name} frees {fmt_bytes(sum(v for _, v in d.terms))} only if the "
+                     f"engine runs with --evict-idle, or `aotx stop`, then `aotx run --model {name}` makes "
+                     f"{name} the default")
         busy = [m.name for m in self.loaded.values() if m.in_flight()]
         if busy:
             what += f"; generating: {', '.join(busy)}"
