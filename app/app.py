@@ -27,7 +27,7 @@ from textual.widgets import Footer, Input, Static, TextArea
 
 from aotx.app import state as app_state
 from aotx.app.actions import ChatActions
-from aotx.engine.present.attach import make_attachment
+from aotx.engine.present.attach import make_attachment, split_paste
 from aotx.app.bindings import ACTIONS, app_bindings
 from aotx.app.engine_link import EngineLink, Outgoing
 from aotx.engine.present.format import history_media, media_text, position_of
@@ -43,6 +43,10 @@ from aotx.app.widgets.status_bar import StatusBar
 from aotx.engine import protocol as P
 
 ClientFactory = Callable[[Callable[[str], None]], Awaitable[Any]]
+# what an empty chat shows (the first run, a new conversation): how to begin, and where the rest is
+EMPTY_HINT = ("Type a message below and press Enter to send it (Ctrl+J: a new line).\n"
+              "F1 lists every key · Ctrl+O picks the model · F5 or a dropped file attaches an image or audio · "
+              "F3 searches")
 STATUS_POLL_S = 2.0
 THEME_ORDER = list(THEMES)  # AOTX's own first (dark, light), then Textual's
 
@@ -86,7 +90,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         with Horizontal(id="main"):
             yield Sidebar(self.index, id="sidebar")
             with Vertical(id="chat-pane"):
-                yield VerticalScroll(id="chat")
+                yield VerticalScroll(Static(EMPTY_HINT, id="chat-empty", markup=False), id="chat")
                 yield Static("", id="input-notice", classes="empty", markup=False)
                 yield AttachmentBar(id="chips")
                 yield ChatInput(id="input")
@@ -206,7 +210,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         if widgets:
             await self.chat.mount_all(widgets)
         else:
-            await self.chat.mount(Static("Type a message below. F1 lists every key.", id="chat-empty"))
+            await self.chat.mount(Static(EMPTY_HINT, id="chat-empty", markup=False))
         for w, ns in zip(widgets, notes):
             for text, kind in ns:
                 w.add_notice(text, kind)
@@ -258,7 +262,6 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
             self.restart_stopped_engine()
             return
         if text.startswith("/attach"):
-            self.chat_input.clear()
             rest = text[len("/attach"):].strip()
             items = parse_pasted_paths(rest)
             paths = [i.value for i in items if i.kind == "path"] or ([rest] if rest else [])
@@ -277,7 +280,6 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         atts = self.query_one(AttachmentBar).take()
         if truncate_from is not None:
             await self._remove_from(truncate_from)
-        self.chat_input.clear()
         self.show_notice("")
         had_history = bool(self.messages())  # earlier turns (a capsule notice helps only then)
         w = MessageWidget("user", text, position="queued", attachments=atts)
@@ -293,14 +295,15 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
             await w.remove()
 
     def refused_before_accept(self, item: Outgoing, why: str) -> None:
-        """A message the engine refused before accepting it (nothing was journaled):
-        say so above the input, where the user looks, and put the words back in an
-        empty input to shorten or change (issue 17, defect 5)."""
+        """A message the engine refused before accepting it (nothing was journaled): the
+        reason, once, above the input, where the user looks (the message itself says only
+        what kind of refusal it was; no toast), and the words back in an empty input to
+        shorten or change."""
         back = not self.chat_input.text.strip() and self.conv_id == item.conv_id
         if back:
             self.chat_input.text = item.text
             self.chat_input.move_cursor(self.chat_input.document.end)
-        self.show_notice(why + (" Your message is back in the input." if back else ""), "error", kind="refusal")
+        self.show_notice(why + (" Your message is back in the input." if back else ""), kind="refusal")
         self.chat.scroll_end(animate=False)
 
     # ---- attachments -------------------------------------------------------
@@ -343,19 +346,22 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
     def on_chat_input_paths_pasted(self, event: ChatInput.PathsPasted) -> None:
         self.attach_paths(event.paths)
 
+    def on_chat_input_paste_note(self, event: ChatInput.PasteNote) -> None:
+        self.show_notice(event.note, kind="attach")
+
     async def on_paste(self, event: events.Paste) -> None:
         """A paste that no focused text box took (e.g. the sidebar had focus). A paste
         into another text box (TextArea lets it bubble up here) or a dialog is not
         also put into the input."""
         if isinstance(self.focused, (TextArea, Input)) or self.screen is not self.screen_stack[0]:
             return
-        items = parse_pasted_paths(event.text)
-        paths = [i.value for i in items if i.kind == "path"]
-        if paths:
-            self.attach_paths(paths)
-        text = "".join(i.value for i in items if i.kind == "text")
-        if text:
-            self.chat_input.insert_text(text)
+        split = split_paste(event.text)
+        if split.paths:
+            self.attach_paths(split.paths)
+        if split.text:
+            self.chat_input.insert_text(split.text)
+        if split.note:
+            self.show_notice(split.note, kind="attach")
 
     # ---- command palette ---------------------------------------------------
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from textual.css.query import NoMatches
 
-from aotx.engine.present.format import error_text, media_text, notice_text, refusal_text
+from aotx.engine.present.format import error_text, media_text, notice_text, refusal_head, refusal_text
 from aotx.app.widgets.message import MessageWidget
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
 from aotx.engine import protocol as P
@@ -45,6 +45,7 @@ class Outgoing:
     reply_id: str = ""
     events: list[str] = field(default_factory=list)
     had_history: bool = False  # the conversation had messages before this one
+    refusal: P.Notice | None = None  # the engine's ``refused`` notice, said once with the Error after it
 
 
 class EngineLink:
@@ -293,9 +294,12 @@ class EngineLink:
         except AotxError as e:
             target = item.reply or item.widget
             target.set_position("failed")
-            why = refusal_text(e.code if isinstance(e, EngineError) else "", str(e), "this message")
-            target.add_notice(f"Failed: {why}", "error")
-            if not item.accepted:
+            code = e.code if isinstance(e, EngineError) else ""
+            why = refusal_text(code, str(e), "this message")
+            if item.accepted:
+                target.add_notice(why, "error")
+            else:
+                target.add_notice(f"Not sent: {refusal_head(code)}. The reason is above the input.", "error")
                 self.refused_before_accept(item, why)
             self.status_bar.reply_finished()
         finally:
@@ -346,6 +350,8 @@ class EngineLink:
             reply.token_seqs.append(ev.seq)
             reply.add_delta(ev.text)
             self.status_bar.reply_token()
+        elif isinstance(ev, P.Notice) and ev.kind == "refused":
+            item.refusal = ev  # the Error that follows says it, once
         elif isinstance(ev, P.Notice):
             (reply or user).add_notice(notice_text(ev, item.had_history), ev.kind)
         elif isinstance(ev, P.MediaInfo):
@@ -375,10 +381,15 @@ class EngineLink:
                 return "retry"
             target = reply or user
             target.set_position("failed")
-            target.add_notice(error_text(ev), "error")
+            why = error_text(ev, item.refusal)
+            if item.accepted:
+                target.add_notice(why, "error")
+            else:  # the reason once, above the input (refused_before_accept); the message says what kind
+                target.add_notice(f"Not sent: {refusal_head(ev.code, getattr(item.refusal, 'resource', ''))}. "
+                                  f"The reason is above the input.", "error")
             if reply is not None:
                 await reply.finish()
             if not item.accepted:
-                self.refused_before_accept(item, error_text(ev))
+                self.refused_before_accept(item, why)
             self.status_bar.reply_finished()
         return None

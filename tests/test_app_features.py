@@ -191,11 +191,13 @@ async def test_pasted_paths_become_chips_even_without_input_focus(tmp_path):
         bar = app.query_one(AttachmentBar)
         assert [a.name for a in bar.attachments] == ["my cat.png", "voice.wav"]
         assert app.chat_input.text == ""
-        # a missing file gets a visible notice; text pastes stay text
+        # a missing file gets a visible notice and stays text, as pasted; text pastes stay text
         app.chat_input.focus()
         await app.chat_input._on_paste(__import__("textual").events.Paste(f"{tmp_path}/gone.png"))
         await settle(pilot)
         assert "no such file" in str(app.query_one("#input-notice").render())
+        assert app.chat_input.text == f"{tmp_path}/gone.png"
+        app.chat_input.clear()
         await app.chat_input._on_paste(__import__("textual").events.Paste("what is this?"))
         await pilot.pause()
         assert app.chat_input.text == "what is this?"
@@ -206,7 +208,9 @@ async def test_pasted_paths_become_chips_even_without_input_focus(tmp_path):
         assert [a.kind for a in sent[2]] == ["image", "audio"] and len(sent[2][0].sha256) == 64
         user = app.messages()[-1]
         assert user.position == "failed"
-        assert "refused the attachment (unsupported_media)" in user.notices()[0]
+        # the reason once, above the input; the message says what kind of refusal it was
+        assert user.notices() == ["Not sent: The engine refused the attachment. The reason is above the input."]
+        assert "refused the attachment (unsupported_media)" in str(app.query_one("#input-notice").render())
         assert bar.attachments == []
 
 
@@ -379,7 +383,13 @@ def test_notice_and_refusal_words_follow_codes():
     # by code, not wording: a media refusal whose text never says "media" is still about the attachment
     assert "refused the attachment" in error_text(P.Error(id=1, code="unsupported_media", message="no images"))
     assert "refused this message (too_long)" not in error_text(P.Error(id=1, code="bad_request", message="media x"))
-    assert refusal_text("busy", "conversation c1 is generating").startswith("A reply is still being written")
+    # busy is not only a conversation generating: a model that does not fit the memory budget
+    # is refused with it too, after a refused notice naming the resource
+    assert refusal_text("busy", "conversation c1 is generating") == \
+        "The engine is busy (busy): conversation c1 is generating"
+    memory = P.Notice(id=1, kind="refused", resource="memory", message="model q does not fit")
+    said = error_text(P.Error(id=1, code="busy", message="model q does not fit"), memory)
+    assert said == "Not enough memory (busy): model q does not fit" and "reply" not in said
 
 
 async def test_engine_error_codes_drive_the_app():

@@ -29,7 +29,7 @@ import msgspec
 
 from aotx.engine.units import plural, short_title
 from aotx.engine.present.attach import make_attachment
-from aotx.engine.present.format import GLYPHS, error_text, fork_title, media_text
+from aotx.engine.present.format import GLYPHS, error_text, fork_title, media_text, notice_text
 from aotx.engine.present.paste import parse_pasted_paths
 from aotx.engine.errors import AotxError
 from aotx.engine import protocol as P
@@ -333,6 +333,7 @@ class Repl:
         # Ctrl-C cancels the reply and the chat goes on; SIGTERM or SIGHUP cancel it and end the chat
         stopper = CancelOnSignal(asyncio.get_running_loop(), lambda r: self.client.cancel(target=r)).__enter__()
         user_pos, reply_pos, finish, timings, n_prompt, n_done, streamed = "queued", "queued", "", {}, 0, 0, False
+        refusal = None
         try:
             async for ev in self._events(text, atts, rid):
                 if isinstance(ev, P.Accepted):
@@ -346,11 +347,13 @@ class Repl:
                     if ev.text:
                         self.write(ev.text)
                         streamed = True
+                elif isinstance(ev, P.Notice) and ev.kind == "refused":
+                    refusal = ev          # said once, with the Error after it
                 elif isinstance(ev, P.Notice):
                     if ev.kind != "capsule":
-                        self.err(f"[{ev.kind}: {ev.message}]")
+                        self.err(f"[{notice_text(ev)}]")
                 elif isinstance(ev, P.Error):
-                    self.err(f"{GLYPHS['failed']} {error_text(ev)}")
+                    self.err(f"{GLYPHS['failed']} {error_text(ev, refusal)}")
                     if not rid:  # refused before it was accepted: nothing was journaled
                         self.attachments = atts
                     return

@@ -92,17 +92,37 @@ def notice_text(n: P.Notice, had_history: bool = True) -> str:
     return f"{text}. {n.message}".strip() if n.message else text + "."
 
 
-def error_text(e: P.Error) -> str:
-    """A refused submit, by the engine's error code."""
-    return refusal_text(e.code, e.message, "this message")
+def error_text(e: P.Error, refusal: P.Notice | None = None) -> str:
+    """A refused submit, by the engine's error code; ``refusal``: the ``refused`` notice
+    that came before it (its resource names what is short)."""
+    return refusal_text(e.code, e.message, "this message", resource=refusal.resource if refusal else "")
 
 
-def refusal_text(code: str, message: str, what: str = "the request") -> str:
-    """Plain words for an engine refusal, chosen by its error code (never by its wording)."""
+# what is short, by the refused notice's resource: the head of the refusal's sentence
+_SHORT = {"memory": "Not enough memory", "slots": "No free slot", "journal": "The journal's buffers are full",
+          "media": "An attachment cannot be used"}
+
+
+def refusal_head(code: str, resource: str = "") -> str:
+    """The kind of a refusal in a few words ("Too long for the context", "Not enough
+    memory"), as the head of ``refusal_text``'s sentence."""
+    if resource in _SHORT:
+        return _SHORT[resource]
+    return {ErrorCode.UNSUPPORTED_MEDIA: "The engine refused the attachment",
+            ErrorCode.BUSY: "The engine is busy", ErrorCode.NOT_FOUND: "Not found on the engine",
+            ErrorCode.NOT_READY: "The engine is still loading the model",
+            ErrorCode.TOO_LONG: "Too long for the context"}.get(code, "The engine refused it")
+
+
+def refusal_text(code: str, message: str, what: str = "the request", resource: str = "") -> str:
+    """Plain words for an engine refusal, chosen by its error code and, when the engine sent
+    a ``refused`` notice first, its resource (never by its wording)."""
+    if resource in _SHORT:
+        return f"{_SHORT[resource]} ({code}): {message}"
     if code == ErrorCode.UNSUPPORTED_MEDIA:
         return f"The engine refused the attachment ({code}): {message}"
     if code == ErrorCode.BUSY:
-        return f"A reply is still being written in this conversation: Esc cancels it first ({message})."
+        return f"The engine is busy ({code}): {message}"
     if code == ErrorCode.NOT_FOUND:
         return f"Not found on the engine (it may have been deleted elsewhere): {message}"
     if code == ErrorCode.NOT_READY:

@@ -58,6 +58,7 @@ class FakeEngine:
         self.max_prompt_chars = max_prompt_chars
         self.n_ctx = n_ctx
         self.token_gate = token_gate  # tests: awaited before token i is sent (a stream paced by the test)
+        self.refuse: tuple[str, str, str] | None = None  # (resource, code, message): refuse every message
         self.down = False  # stopped: no engine answers until a client starts one (``connect``)
         self.spawned_with: list[list[str]] = []  # the engine_args of each engine a client started after a stop
         self.engine_args: list[str] = ["--model", "/models/fake.gguf", "--context", "2048"]  # its Welcome's
@@ -246,6 +247,11 @@ class FakeEngineClient:
         conv = self._conv(conv_id)
         e.submit_models.append(model)
         e.submitted.append((conv_id, text, list(attachments or [])))
+        if e.refuse is not None:  # (resource, code, message): refused before acceptance, as admission does
+            resource, code, message = e.refuse
+            yield P.Notice(id=rid, kind="refused", resource=resource, message=message)
+            yield P.Error(id=rid, code=code, message=message)
+            return
         if not self.welcome.ready and e.load_steps > 0:
             yield P.Error(id=rid, code=ErrorCode.NOT_READY, message="the model is still loading")
             return
