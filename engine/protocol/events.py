@@ -72,6 +72,7 @@ class Accepted(_Base, tag="accepted"):
     prompt_ids: list[int] = []
     n_reused: int = 0
     choice: int = 0  # which of the request's n choices (each has its own conversation)
+    model: str = ""  # the model that writes the reply (the engine's name for it; "" from an older engine)
 
 
 class Token(_Base, tag="token"):

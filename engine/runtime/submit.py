@@ -406,7 +406,7 @@ class Submitter:
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
             r.drafter.bind(r)
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
-                             tick=tick, prompt_ids=prompt))
+                             tick=tick, prompt_ids=prompt, model=self.model_name))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.ACCEPTED)
         else:
@@ -421,7 +421,7 @@ class Submitter:
                 f.drafter.bind(f)
             r.forks.append(f)
             sink.send(P.Accepted(id=op.id, conv_id=f_conv, msg_id=f_msg, reply_id=f_reply, seq=f_seq, tick=tick,
-                                 prompt_ids=prompt, choice=i))
+                                 prompt_ids=prompt, choice=i, model=self.model_name))
             if st.journaled:
                 st.receipts.watch(f_seq, f, Covers.ACCEPTED)
         if st.journaled:
