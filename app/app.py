@@ -165,6 +165,9 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         self.conv_id, self.conv_view = conv_id, view
         self.sidebar.current = conv_id
         self.status_bar.max_tokens = view.sampling.max_tokens if view is not None and view.sampling else None
+        if conv_id != getattr(self, "_status_conv", None):  # the figures were another conversation's
+            self._status_conv = conv_id
+            self.status_bar.conversation_opened(sum(len(m.token_ids) for m in view.messages) if view else 0)
         self.show_conversation_model(view)
         if conv_id and conv_id != self.saved_state.last_conversation:
             self.saved_state = app_state.update_state(last_conversation=conv_id)

@@ -132,7 +132,7 @@ class EngineLink:
             if target is not None and (recovering or target != self.conv_id or not self.chat_widgets):
                 await self.open_conversation(target)
         except ConnectionLost:
-            self.connection_lost(client)
+            self.connection_lost()
             return
         self.pump()
 
@@ -146,18 +146,18 @@ class EngineLink:
                     break
                 await asyncio.sleep(0.25)
         except ConnectionLost:
-            self.connection_lost(client)
+            self.connection_lost()
             return
         self.ready = True
         self.pump()
 
-    def connection_lost(self, client=None) -> None:
+    def connection_lost(self) -> None:
         """The engine went away. Stopped (``aotx stop``: it said so before closing): say so and
         wait for the user's next message (or F10) to start one with the stopped engine's flags.
         Crashed: say so, mark what was streaming, start it again at once and reload."""
         if self.recovering or self.engine_stopped:
             return
-        client = client or self.client
+        client = self.client  # the connection that was lost (callers check it is still the app's)
         for w in self.chat_widgets.values():
             if w.position in ("accepted", "committed") and w.role == "assistant" and not w.finish_reason:
                 w.set_position("interrupted")
@@ -186,7 +186,7 @@ class EngineLink:
             await self.sync_conversations(client)
         except ConnectionLost:
             if client is self.client:
-                self.connection_lost(client)
+                self.connection_lost()
         except AotxError:
             pass
         except NoMatches:
@@ -271,6 +271,10 @@ class EngineLink:
 
     async def _stream(self, item: Outgoing) -> None:
         client = self.client
+        # until the engine accepts it the status line says what happens: its attachments are
+        # read (OCR, speech) or it is sent; a model loading for it says so (a "model" notice)
+        self.status_bar.set_state("reading attachments" if item.attachments else "sending",
+                                  ", ".join(a.name for a in item.attachments))
         try:
             await self._ensure_conversation(client, item)
             if item.truncate_from:
@@ -289,7 +293,7 @@ class EngineLink:
                 self.outbox.insert(0, item)  # never reached the engine: send it again later
             self.active = None
             if client is self.client:
-                self.connection_lost(client)
+                self.connection_lost()
             return
         except AotxError as e:
             target = item.reply or item.widget
@@ -340,6 +344,8 @@ class EngineLink:
             user.set_position("accepted")
             item.reply = MessageWidget("assistant", msg_id=ev.reply_id, position="accepted")
             item.reply.request_id = ev.id
+            if ev.model and self.conv_id == item.conv_id:
+                self.status_bar.set_conversation_model(ev.model)  # the model that answers, whatever was asked
             self.status_bar.reply_started(len(ev.prompt_ids))
             if self.conv_id == item.conv_id:
                 self.chat_widgets[ev.msg_id] = user
@@ -353,6 +359,8 @@ class EngineLink:
         elif isinstance(ev, P.Notice) and ev.kind == "refused":
             item.refusal = ev  # the Error that follows says it, once
         elif isinstance(ev, P.Notice):
+            if ev.kind == "model" and ev.message.startswith("loading model") and not item.accepted:
+                self.status_bar.set_state("loading model", ev.message[len("loading model"):].strip())
             (reply or user).add_notice(notice_text(ev, item.had_history), ev.kind)
         elif isinstance(ev, P.MediaInfo):
             user.add_notice(media_text(ev), "media" if not ev.error else "error")

@@ -58,6 +58,9 @@ class FakeEngine:
         self.max_prompt_chars = max_prompt_chars
         self.n_ctx = n_ctx
         self.token_gate = token_gate  # tests: awaited before token i is sent (a stream paced by the test)
+        self.before_accept: list[P.Notice] = []  # notices sent before Accepted (a model loading for the message)
+        self.accept_gate: Callable[[], Awaitable[None]] | None = None  # tests: awaited before Accepted
+        self.answer_model = ""  # the model Accepted names ("": the conversation's)
         self.refuse: tuple[str, str, str] | None = None  # (resource, code, message): refuse every message
         self.down = False  # stopped: no engine answers until a client starts one (``connect``)
         self.spawned_with: list[list[str]] = []  # the engine_args of each engine a client started after a stop
@@ -266,6 +269,10 @@ class FakeEngineClient:
             yield P.Error(id=rid, code=ErrorCode.TOO_LONG,
                           message=f"prompt of {asked} tokens does not fit the context of {e.n_ctx} tokens")
             return
+        for n in e.before_accept:
+            yield msgspec_replace(n, id=rid)
+        if e.accept_gate is not None:
+            await e.accept_gate()
         journaled = text
         if attachments:  # as the engine's media profiles do: the text the model receives
             from aotx.media.profile import MediaResult, render_for_prompt
@@ -283,7 +290,7 @@ class FakeEngineClient:
         conv.busy, conv.updated_at = True, e._tick()
         prompt_ids = list(range(sum(len(m.text) for m in conv.messages) // e.chars_per_token + 8))
         yield P.Accepted(id=rid, conv_id=conv_id, msg_id=user.msg_id, reply_id=reply.msg_id, seq=user.seq, tick=1,
-                         prompt_ids=prompt_ids)
+                         prompt_ids=prompt_ids, model=e.answer_model or conv.model or e.model)
         user.receipt = e._receipt(user.seq)
         yield P.Durable(id=rid, receipt=user.receipt, msg_id=user.msg_id)
         for n in e.notices:
