@@ -257,6 +257,7 @@ class ModelSet:
         self.evict_idle = evict_idle
         self.loaded: dict[str, Any] = {}
         self.default_name = ""
+        self.context = 0  # the engine's context per slot: a model loaded beside serves this, at most its own
         self.make_local: Callable[[ModelEntry], Any] | None = None
         self.make_remote: Callable[[ModelEntry], Any] | None = None
         self.estimate: Callable[[ModelEntry], tuple[tuple[str, int], ...]] | None = None
@@ -438,6 +439,8 @@ class ModelSet:
                 continue
             info = entry_info(e, self.estimate)
             info.default = name == self.default_name  # the engine's default, not the wheel's (e.default)
+            if self.context and e.kind == "gguf":  # what it would serve here, once loaded
+                info.n_ctx = min(self.context, e.n_ctx_train) if e.n_ctx_train else self.context
             out.append(info)
         for name, m in self.loaded.items():
             if name not in seen:
