@@ -104,3 +104,21 @@ def test_an_installed_file_that_now_holds_another_model_is_not_loaded(files, mon
     assert "now holds another model" in e.error and "aotx models add qwen-like" in e.error
     a.unlink()
     assert f"its file {a} is gone" in Catalog().entries()["qwen-like"].error
+
+
+def test_the_context_shown_is_the_one_the_engine_serves(files, monkeypatch):
+    """The picker showed 32768 (the file's trained context) for a model that runs at 4096:
+    an engine lists a model it has not loaded with the context it would serve it with."""
+    home, where, a, _ = files
+    monkeypatch.setenv("AOTX_HOME", str(home))
+    from aotx.app.screens.model_picker import model_row
+    from aotx.engine.runtime.catalog import Catalog
+    from aotx.engine.runtime.models import ModelSet
+
+    cat = Catalog()
+    cat.resolve(str(a))
+    ms = ModelSet(cat, total=1 << 30)
+    ms.context = 64
+    info = next(i for i in ms.infos() if i.name == "qwen-like")
+    assert info.n_ctx_train > 64 and info.n_ctx == 64
+    assert model_row(info, current="")[4] == "64"
