@@ -655,7 +655,7 @@ class Gateway:
         try:
             conv = await client.create_conversation(title=short_title(title), system_prompt=system,
                                                     messages=[(t.role, t.text, t.meta) for t in history],
-                                                    model=model)
+                                                    model=model, origin="gateway")
         except ConnectionLost as e:
             raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None

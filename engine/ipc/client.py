@@ -201,14 +201,15 @@ class EngineClient:
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
                                   sampling: P.SamplingParams | None = None,
                                   messages: list[tuple] | None = None,
-                                  model: str = "") -> P.ConversationView:
+                                  model: str = "", origin: str = "") -> P.ConversationView:
         """A new conversation on ``model`` ("": the engine's default); ``messages``
         (role, text[, meta]) are stored as its history without generating anything
         (``PriorMessage``)."""
         prior = [P.PriorMessage(role=m[0], text=m[1], meta=dict(m[2]) if len(m) > 2 and m[2] else {})
                  for m in (messages or [])]
         r = await self._call(lambda i: P.CreateConversation(id=i, title=title, system_prompt=system_prompt,
-                                                            sampling=sampling, messages=prior, model=model))
+                                                            sampling=sampling, messages=prior, model=model,
+                                                            origin=origin))
         return r.conversation
 
     async def list_conversations(self) -> list[P.ConversationView]:

@@ -66,6 +66,7 @@ class Constraint(msgspec.Struct, omit_defaults=True):
 
 
 CONSTRAINT_KINDS = ("json_schema", "lark", "gbnf", "regex")
+CONVERSATION_ORIGINS = ("", "run", "gateway")  # CreateConversation.origin: a chat, a one-shot run, an API request
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 16       # SubmitMessage.n
 MAX_TOP_LOGPROBS = 20  # SubmitMessage.logprobs (OpenAI's limit)
@@ -123,6 +124,7 @@ class ConversationView(msgspec.Struct, omit_defaults=True):
     messages: list[MessageView] = []
     busy: bool = False
     model: str = ""
+    origin: str = ""  # what made it ("" a chat, "run" a one-shot aotx run, "gateway" an API request)
 
 
 class BudgetLine(msgspec.Struct):

@@ -450,7 +450,8 @@ class Engine:
     def _create(self, op: P.CreateConversation, sink: Sink) -> None:
         model = self._model_name(op.model) if op.model else self.models.default_name
         view = self.store.create(op.title, op.system_prompt, op.sampling, tick=self.tick,
-                                 messages=[(m.role, m.text, m.meta) for m in op.messages], model=model)
+                                 messages=[(m.role, m.text, m.meta) for m in op.messages], model=model,
+                                 origin=op.origin)
         sink.send(P.ConversationInfo(id=op.id, conversation=view))
 
     def _list(self, op: P.ListConversations, sink: Sink) -> None:
