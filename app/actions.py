@@ -186,7 +186,7 @@ class ChatActions:
             return
         if await self._call(self.client.delete(self.conv_id), ok=True):
             await self.refresh_conversations()
-            rest = self.sidebar.conversations
+            rest = [c for c in self.sidebar.conversations if not c.origin] or self.sidebar.conversations
             await self.open_conversation(rest[0].conv_id if rest else None)
 
     @work(group="ui")

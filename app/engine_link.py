@@ -23,6 +23,7 @@ from textual.css.query import NoMatches
 from aotx.engine.present.format import error_text, media_text, notice_text, refusal_head, refusal_text
 from aotx.app.widgets.message import MessageWidget
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
+from aotx.engine.units import short_title
 from aotx.engine import protocol as P
 from aotx.engine.ipc.client import ConnectionLost, model_label
 
@@ -119,8 +120,9 @@ class EngineLink:
             await self.sync_conversations(client)
             target = self.conv_id or self.saved_state.last_conversation
             known = {c.conv_id for c in self.sidebar.conversations}
-            if target not in known:
-                target = self.sidebar.conversations[0].conv_id if self.sidebar.conversations else None
+            if target not in known:  # the newest chat (a one-shot `aotx run` is not where one goes on)
+                chats = [c for c in self.sidebar.conversations if not c.origin] or self.sidebar.conversations
+                target = chats[0].conv_id if chats else None
             start_model, self.start_model = self.start_model, ""
             if start_model and self.conv_id is None and not recovering:
                 # --model: a new conversation on it, not the last one on whatever model it had
@@ -312,7 +314,8 @@ class EngineLink:
         self.pump()
 
     async def _ensure_conversation(self, client, item: Outgoing) -> None:
-        first_line = item.text.strip().splitlines()[0][:48] if item.text.strip() else DEFAULT_TITLE
+        # a title from the first line, cut at a word (as `aotx run` makes one)
+        first_line = short_title(item.text.strip().splitlines()[0], 48) if item.text.strip() else DEFAULT_TITLE
         if item.conv_id is None:
             conv = await client.create_conversation(title=first_line, sampling=self.default_sampling,
                                                     model=getattr(self, "next_model", ""))

@@ -260,7 +260,7 @@ async def _run(args) -> int:
         else:
             title = short_title(prompt)
             conv = await client.create_conversation(title=title, system_prompt=args.system,
-                                                    model=model_ref(args.model))
+                                                    model=model_ref(args.model), origin="run")
             conv_id = conv.conv_id
             created = True
         rid_box: list[int] = []

@@ -264,14 +264,25 @@ def cmd_conversations(args) -> int:
 
 
 def print_conversation_list(convs, as_json: bool) -> int:
+    """Newest first: id, when it last changed, messages, its model, what made it (a chat, a
+    one-shot ``aotx run``, an API request) and its title; JSON with the same fields."""
+    from aotx.engine.present.format import ORIGIN_WORDS, fmt_when
+
+    convs = sorted(convs, key=lambda c: (c.updated_at, c.created_at), reverse=True)
     if as_json:
         _jprint([{"id": c.conv_id, "title": c.title, "messages": c.n_messages, "created_at": c.created_at,
-                  "updated_at": c.updated_at} for c in convs])
+                  "updated_at": c.updated_at, "model": c.model, "origin": c.origin} for c in convs])
     elif not convs:
         print("no conversations yet: start one with `aotx run` or `aotx-chat`")
     else:
-        for c in convs:
-            print(f"{c.conv_id}  {plural(c.n_messages, 'message'):>12}  {c.title}")
+        rows = [(c.conv_id, fmt_when(c.updated_at), plural(c.n_messages, "message"), c.model or "(default)",
+                 ORIGIN_WORDS.get(c.origin, "chat"), c.title) for c in convs]
+        w = [max(len(r[i]) for r in rows + [("ID", "UPDATED", "MESSAGES", "MODEL", "FROM", "")]) for i in range(5)]
+        w[3] = min(w[3], 36)
+        print(f"{'ID':<{w[0]}}  {'UPDATED':<{w[1]}}  {'MESSAGES':>{w[2]}}  {'MODEL':<{w[3]}}  {'FROM':<{w[4]}}  TITLE")
+        for r in rows:
+            model = r[3] if len(r[3]) <= w[3] else r[3][:w[3] - 1] + "…"
+            print(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {model:<{w[3]}}  {r[4]:<{w[4]}}  {r[5]}")
     return 0
 
 

@@ -223,6 +223,29 @@ def fork_title(parent: str, existing: list[str]) -> str:
     return f"{root} (fork {prefix}{k})"
 
 
+def fmt_when(ts: float, now: float | None = None) -> str:
+    """When something happened, as ``ollama list`` says it: "just now", "5 minutes ago",
+    "3 hours ago", "yesterday", "4 days ago", then the date ("2025-11-02"); "-" for 0."""
+    import time
+
+    if not ts:
+        return "-"
+    now = time.time() if now is None else now
+    s = max(0.0, now - ts)
+    if s < 60:
+        return "just now"
+    for unit, n in (("minute", 60), ("hour", 3600), ("day", 86400)):
+        if s < n * (60 if unit == "minute" else 24 if unit == "hour" else 7):
+            k = int(s // n)
+            if unit == "day" and k == 1:
+                return "yesterday"
+            return f"{k} {unit}{'' if k == 1 else 's'} ago"
+    return time.strftime("%Y-%m-%d", time.localtime(ts))
+
+
+ORIGIN_WORDS = {"run": "aotx run", "gateway": "API"}  # ConversationView.origin as a person reads it
+
+
 def ellipsize(text: str, width: int) -> str:
     """``text`` cut to at most ``width`` characters, its last one an ellipsis when cut
     ("" for a width under 1)."""

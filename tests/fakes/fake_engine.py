@@ -166,14 +166,16 @@ class FakeEngineClient:
     async def list_conversations(self) -> list[P.ConversationView]:
         self._check()
         return [P.ConversationView(conv_id=c.conv_id, title=c.title, created_at=c.created_at,
-                                   updated_at=c.updated_at, n_messages=len(c.messages), model=c.model)
+                                   updated_at=c.updated_at, n_messages=len(c.messages), model=c.model,
+                                   origin=c.origin)
                 for c in self.engine.convs.values()]
 
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
                                   sampling: P.SamplingParams | None = None,
-                                  messages: list | None = None, model: str = "") -> P.ConversationView:
+                                  messages: list | None = None, model: str = "", origin: str = "") -> P.ConversationView:
         self._check()
         conv = self.engine.add_conversation(title or "New conversation")
+        conv.origin = origin
         conv.system_prompt, conv.sampling = system_prompt, sampling
         conv.model = model or self.engine.model
         return conv
