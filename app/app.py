@@ -174,7 +174,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
 
     def _drop_draft_attachments(self) -> None:
         """Another conversation opens: the chips of the message being written belonged
-        to this one and must not go with the next one's first message (issue 17, defect 3)."""
+        to this one and must not go with the next one's first message."""
         dropped = self.query_one(AttachmentBar).take()
         if dropped or self.notice_kind == "attach":
             self.show_notice("")
@@ -340,7 +340,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
             self.show_notice("")
 
     def on_attachment_bar_changed(self, event: AttachmentBar.Changed) -> None:
-        """A chip went away: the notice says what is left (issue 17, defect 3)."""
+        """A chip went away: the notice says what is left."""
         if self.notice_kind == "attach" or not event.bar.attachments:
             self._attach_notice()
         if event.focus_lost:

@@ -1,4 +1,4 @@
-"""Mixtures of experts on the CUDA backend (issue 22): the dense layers on the GPU, the
+"""Mixtures of experts on the CUDA backend: the dense layers on the GPU, the
 ``moe`` op's routing and CPU expert tier on the host (``cuda_plan.MoeHost``,
 ``cpu_moe.moe_rows``), its GPU expert tier on the device (``cuda_program._GpuExperts``).
 
@@ -302,7 +302,7 @@ def _set_grouped(c, on: bool) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "gptoss"])
 def test_cuda_gpu_tier_grouped_launches_give_the_bits_of_the_per_expert_launches(moe_files, name):
-    """Issue 22, GPU tier host overhead: the tier runs one ``moe_gemv`` launch per GEMV for
+    """The GPU tier's host overhead: the tier runs one ``moe_gemv`` launch per GEMV for
     every expert it holds (rows gathered on the device, one table copy, one D2H); it must
     give exactly the bits of the per-expert ``gemv`` launches it replaced (``grouped =
     False``): per layer call on 1 to 100 rows (NB 1 .. 16, several tiles per expert, the

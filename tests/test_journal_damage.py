@@ -1,4 +1,4 @@
-"""Damage versus a torn tail (issue 15, must-have 1): the journal knows how far it
+"""Damage versus a torn tail: the journal knows how far it
 has acknowledged (its RECEIPT file), so a bad record at or before that point, or a
 bad record followed by valid ones, is damage: recovery keeps a byte-exact copy,
 salvages every valid record after it, names the conversations and messages
@@ -65,7 +65,7 @@ def flip(path: Path, offset: int, bit: int = 0) -> bytes:
 
 
 def test_one_flipped_bit_in_an_acknowledged_record_of_the_last_segment_loses_only_that_record(tmp_path):
-    """Defect 1: one flipped bit inside the last segment (an acknowledged record, not a
+    """Regression: one flipped bit inside the last segment (an acknowledged record, not a
     torn tail) made the next start cut the segment there: 54 of 64 durable records and
     2 of 3 conversations gone, the file truncated, no copy kept."""
     recs = three_conversations(64)
@@ -98,7 +98,7 @@ def test_one_flipped_bit_in_an_acknowledged_record_of_the_last_segment_loses_onl
 
 
 def test_journal_repair_salvages_every_valid_record_after_one_bad_record(tmp_path):
-    """Defect 8 (its journal half): `journal repair` kept 10 of 63 conversations after
+    """Regression: `journal repair` kept 10 of 63 conversations after
     one bad record instead of salvaging the valid records after it."""
     recs = []
     for k in range(63):

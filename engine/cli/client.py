@@ -212,7 +212,7 @@ def dispatch(args, **kw) -> int:
 def capsule_words(n: P.Notice, continuing: bool) -> str:
     """A capsule notice on stderr, in the user's words and only when it helps: when an
     earlier conversation is continued (``--conversation``); a new one's shared start is
-    no news (issue 17, defect 7). ``--json`` keeps the engine's own notice."""
+    no news. ``--json`` keeps the engine's own notice."""
     if not continuing or not n.message:
         return ""
     if n.message.startswith(("restored", "picked up")):

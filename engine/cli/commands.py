@@ -18,7 +18,7 @@ from aotx.engine.protocol import SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, Samp
 
 class _Parser(argparse.ArgumentParser):
     """argparse with AOTX's error line: exit code 2, one line, no internal names, and a
-    "did you mean" for a mistyped command or option (issue 17, defect 9)."""
+    "did you mean" for a mistyped command or option (never ``aotx: aotx: argument cmd: ...``)."""
 
     def error(self, message: str) -> None:  # argparse's default prints usage and exits 2: keep 2, one line
         raise UsageError(friendly_error(self, message))

@@ -207,7 +207,7 @@ def read_conversations(conv_id: str | None = None, locked: bool = True):
     mistaken for an interrupted one). Returns None when an engine holds the lock: then
     ask it over the socket. ``locked=False`` reads without the lock (the journal's
     rule for readers while a writer runs: a tail may still be in flight). Starts no
-    engine (issue 17, defect 9)."""
+    engine: reading a conversation never costs a model load."""
     import msgspec
 
     from aotx.engine import paths

@@ -282,12 +282,6 @@ def encode_frame(record: Record, tick: int, seq: int) -> bytes:
     return head + payload + CRC.pack(crc)
 
 
-def frame_of(type_id: int, tick: int, seq: int, payload: bytes) -> bytes:
-    """The frame of an already encoded payload."""
-    head = RECORD_HEADER.pack(type_id, tick, seq, len(payload))
-    return head + payload + CRC.pack(google_crc32c.extend(google_crc32c.value(head), payload))
-
-
 def fit_frame(record: Gap, tick: int, seq: int, size: int) -> bytes | None:
     """The frame of ``record`` padded (its ``pad`` field) to exactly ``size`` bytes, so
     that it can take the place of ``size`` damaged bytes without moving any later

@@ -239,7 +239,7 @@ class Submitter:
     def media_ready(self, sub: Submission, tick: int) -> Request | None:
         """The media stage is done (attachments rendered, or earlier pictures restored).
         An attachment that could not be used refuses the message, and nothing is written:
-        its refusal never goes into the prompt (issue 17, defect 4), the user sees why."""
+        its refusal never goes into the prompt as text for the model; the user sees why."""
         self._media_busy.discard((id(sub.sink), sub.op.id))
         if sub.media_errors:
             errors, sub.media_errors = sub.media_errors, []

@@ -48,7 +48,7 @@ class CudaBackend:
     weights uploaded. ``fuse=False`` compiles programs without the fused kernels (tests of
     the generic path).
 
-    Kernel choice (shared/DESIGN.md; ``kernel_choice``): ``tune`` is the policy for the
+    Kernel choice (DESIGN.md; ``kernel_choice``): ``tune`` is the policy for the
     artifact under ``artifact_root`` (default: the data dir): "off" (default: fixed
     default kernels, no file read or written: tests and tools), "reuse" (a valid
     artifact's winners, else defaults), "auto" (what the engine uses: sites without a

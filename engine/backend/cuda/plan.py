@@ -172,7 +172,7 @@ class GluRows:
 
 @dataclass
 class MoeHost:
-    """The ``moe`` op (issue 22): the rows of x go to the host, the router, routing, the CPU
+    """The ``moe`` op (mixtures of experts): the rows of x go to the host, the router, routing, the CPU
     tier's experts, join and shared expert run there (``cpu_moe.moe_rows``), the experts
     placed on the GPU tier on the device meanwhile; the result comes back into out.
     ``attrs``: the node's attributes. While a layer has experts off the GPU its step waits

@@ -86,7 +86,7 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # eager path: long segments' attention runs the flash-style kernel (attn_prefill: tensor cores,
 # no score matrix) at these head dimensions on sm_80 and newer; the cuBLAS path otherwise.
 # FLASH_ATTENTION = False forces the cuBLAS path (tests and tests/tools/cuda_attn_bench.py).
-# On since session 8's H200 run: within 2.3-2.5e-4 of the cuBLAS path and float64, 6-15x
+# On since it was measured on an H200: within 2.3-2.5e-4 of the cuBLAS path and float64, 6-15x
 # faster at 512-8192 tokens (BENCHMARKS.md, "GPU, 2026-12-06").
 FLASH_HEAD_DIMS = S.FLASH_HEAD_DIMS
 FLASH_ATTENTION = True
@@ -187,7 +187,7 @@ class _CacheState:
         self.psteps: dict[tuple[int, int], tuple] = {}   # (rows, logits rows) -> its persistent launch
         # the zeros above are queued on the current stream; the graphs run on the cache's
         # non-blocking stream, which does not wait for it (the split attention's counters
-        # must be zero before its first replay: a flaky first tick on the H200, session 4)
+        # must be zero before its first replay, else the first tick is flaky on an H200)
         cp.cuda.get_current_stream().synchronize()
 
     @property
@@ -776,7 +776,7 @@ class _MoeStage:
 
 
 class _GpuExperts:
-    """The GPU expert tier of one moe step (issue 22; engine/model/experts.py): the experts
+    """The GPU expert tier of one moe step (engine/model/experts.py plans the tiers): the experts
     the plan puts on "gpu" live on the device, uploaded once by ``place`` (the gate, up and
     down stacks of just those experts, in the file's block layout, and their biases), and
     their routed rows run through the decode GEMV's reduction: gate and up (one SwiGLU GEMV
@@ -1750,7 +1750,7 @@ class CudaProgram:
             need |= CS.fill_row(prm[j], hist[j], cfg, st, tick, extra)
         return need
 
-    # ---- expert tiers (issue 22; engine/model/experts.py): "gpu" on the device, "host"/"mmap" on the CPU
+    # ---- expert tiers (planned by engine/model/experts.py): "gpu" on the device, "host"/"mmap" on the CPU
 
     def measure_experts(self, layer: int, rows: tuple[int, ...]) -> dict:
         """Calibration of moe layer ``layer``: "cpu" {n: s}, seconds per expert on n rows on
