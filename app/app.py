@@ -27,12 +27,12 @@ from textual.widgets import Footer, Input, Static, TextArea
 
 from aotx.app import state as app_state
 from aotx.app.actions import ChatActions
-from aotx.engine.present.attach import make_attachment, split_paste
+from aotx.engine.present.attach import make_attachment
 from aotx.app.bindings import ACTIONS, app_bindings
 from aotx.app.engine_link import EngineLink, Outgoing
 from aotx.engine.present.format import history_media, media_text, position_of
 from aotx.app.models_ui import ModelActions
-from aotx.engine.present.paste import parse_pasted_paths
+from aotx.engine.present.paste import parse_pasted_paths, split_paste
 from aotx.app.search import SearchIndex
 from aotx.app.theming import CSS_PATHS, THEMES, theme_for_textual
 from aotx.app.widgets.chat_input import ChatInput

@@ -218,7 +218,7 @@ def test_split_paste_attaches_only_files_that_are_there(tmp_path) -> None:
     swallowed: "Not attached: ..." and the text gone from the input. Now it stays text."""
     from fakes.media_files import png_bytes
 
-    from aotx.engine.present.attach import split_paste
+    from aotx.engine.present.paste import split_paste
 
     (tmp_path / "cat.png").write_bytes(png_bytes(3, 3))
     (tmp_path / "dir.png").mkdir()

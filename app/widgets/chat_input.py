@@ -13,7 +13,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
-from aotx.engine.present.attach import split_paste
+from aotx.engine.present.paste import split_paste
 
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
 

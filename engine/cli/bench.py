@@ -371,10 +371,6 @@ def run_bench(args) -> int:
     from aotx.engine.cli.serve import pick_device
 
     device = pick_device(args.device)
-    if getattr(args, "engine_path", False):
-        from aotx.engine.cli.bench_path import run_engine_path
-
-        return run_engine_path(args, device)
     lm = load_model(args.model, device=device, tune="auto")
     if getattr(args, "speculative", False):
         # the draft model: --draft-model, else the model itself loaded a second time (its own
@@ -445,12 +441,3 @@ def run_bench(args) -> int:
         print(f"journal on, {k} conv: {r['aggregate_decode_tok_s']:.1f} tok/s{ratio}, receipt p50 "
               f"{r.get('receipt_p50_ms', 0)} ms, p99 {r.get('receipt_p99_ms', 0)} ms")
     return 0
-
-
-def __getattr__(name: str):
-    """``bench.bench_engine_path`` and ``bench.run_engine_path`` live in ``bench_path.py``."""
-    if name in ("bench_engine_path", "run_engine_path", "run_peer"):
-        from aotx.engine.cli import bench_path
-
-        return getattr(bench_path, name)
-    raise AttributeError(name)

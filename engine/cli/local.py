@@ -137,6 +137,11 @@ def _shown(text: str, width: int = 12) -> str:
 
 
 def cmd_bench(args) -> int:
+    if getattr(args, "engine_path", False):
+        from aotx.engine.backend.device import pick_device
+        from aotx.engine.cli.bench_path import run_engine_path
+
+        return run_engine_path(args, pick_device(args.device))
     from aotx.engine.cli.bench import run_bench
 
     return run_bench(args)

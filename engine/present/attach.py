@@ -7,9 +7,6 @@ profiles' own limits, so a chip is never one the engine will refuse), hashing it
 (sha256) and building the protocol's ``Attachment``. A Windows path (a drop from
 Windows Terminal into WSL) is read through its WSL mount. Each failure is a one-line
 reason a user can act on.
-``split_paste`` decides what a paste is: attachments only when every path in it names
-an existing file of an image or audio kind (a dropped file); anything else (an API path
-such as ``/api/v1/users``, ``/usr/bin/env``, a missing file) is text, inserted as typed.
 Leaves to others: parsing pastes (``paste.py``), decoding media (the engine's
 media profiles).
 """
@@ -129,44 +126,3 @@ def make_attachment(path: str) -> AttachResult:
     if problem:
         return AttachResult(path, problem=problem)
     return AttachResult(path, Attachment(path=str(p.resolve()), kind=ext_kind, sha256=h.hexdigest(), name=p.name))
-
-
-@dataclass(frozen=True)
-class PasteSplit:
-    """What a paste becomes: ``paths`` to attach, ``text`` to insert at the cursor, and a
-    ``note`` for the user ("" when there is nothing to say)."""
-
-    paths: list[str]
-    text: str
-    note: str = ""
-
-
-def split_paste(text: str, home: str | None = None) -> PasteSplit:
-    """A paste -> attachments and text. The paths ``paste.parse_pasted_paths`` finds become
-    attachments only when each names an existing regular file with an image or audio
-    extension (through its WSL mount for a Windows path); otherwise the whole paste is text,
-    exactly as pasted, as a terminal without AOTX would give it. A path with a media
-    extension that cannot be attached (missing, a directory) gets a note saying it went in
-    as text. Reads the file system (``stat`` only)."""
-    from aotx.engine.present.paste import parse_pasted_paths
-
-    items = parse_pasted_paths(text, home=home)
-    paths = [i.value for i in items if i.kind == "path"]
-    rest = "".join(i.value for i in items if i.kind == "text")
-    if not paths:
-        return PasteSplit([], rest)
-    missing = []
-    for p in paths:
-        local = windows_to_wsl(p) or p
-        if kind_of_extension(local) is None or not Path(local).expanduser().is_file():
-            missing.append(p)
-    if not missing:
-        return PasteSplit(paths, rest)
-    media = [p for p in missing if kind_of_extension(windows_to_wsl(p) or p) is not None]
-    note = ""
-    if media:
-        local = Path(windows_to_wsl(media[0]) or media[0]).expanduser()
-        why = "not a regular file" if local.exists() else "no such file"
-        more = f" (and {len(media) - 1} more)" if len(media) > 1 else ""
-        note = f"Not attached: {media[0]}: {why}{more}; pasted as text."
-    return PasteSplit([], text, note)
