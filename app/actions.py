@@ -112,9 +112,11 @@ class ChatActions:
             return
         self.editing = user
         self.chat_input.text = user.text
+        self.chat_input.move_cursor(self.chat_input.document.end)  # where one goes on typing
         self.chat_input.add_class("editing")
         self.chat_input.focus()
-        self.show_notice("Editing your last message: Enter resends it (later messages are dropped), Esc leaves.")
+        self.show_notice("Editing your last message: Enter resends it (later messages are dropped), Esc leaves.",
+                         kind="editing")
 
     def action_copy_last(self) -> None:
         w = self.last_message("assistant")

@@ -48,6 +48,7 @@ EMPTY_HINT = ("Type a message below and press Enter to send it (Ctrl+J: a new li
               "F1 lists every key · Ctrl+O picks the model · F5 or a dropped file attaches an image or audio · "
               "F3 searches")
 STATUS_POLL_S = 2.0
+NOTICE_TTL_S = 10.0  # how long a plain piece of news stays above the input
 THEME_ORDER = list(THEMES)  # AOTX's own first (dark, light), then Textual's
 
 
@@ -83,6 +84,8 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         self.editing: MessageWidget | None = None
         self.index = SearchIndex()
         self.notice_kind = ""  # what the line above the input says now ("attach", "refusal", ...)
+        self._notice_serial = 0  # which notice shows (an expired one's timer clears only its own)
+        self.notice_ttl_s = NOTICE_TTL_S
 
     # ---- layout ------------------------------------------------------------
 
@@ -147,13 +150,24 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
     # ---- notices -----------------------------------------------------------
 
     def show_notice(self, text: str, severity: str = "information", kind: str = "") -> None:
-        """A line above the input that stays until the next send (plus a toast for problems)."""
+        """A line above the input (plus a toast for problems). A plain piece of news (no
+        ``kind``, information) goes after ``notice_ttl_s``; one that says how things stand
+        (a refusal, attachments, a stopped engine, edit mode: a ``kind``) or a problem stays
+        until what it says changes or the next send."""
         line = self.query_one("#input-notice", Static)
         line.update(text)
         line.set_class(not text, "empty")
         self.notice_kind = kind if text else ""
+        self._notice_serial += 1
+        if text and not kind and severity == "information" and self.notice_ttl_s > 0:
+            serial = self._notice_serial
+            self.set_timer(self.notice_ttl_s, lambda: self._expire_notice(serial))
         if severity != "information":
             self.notify(text, severity=severity)
+
+    def _expire_notice(self, serial: int) -> None:
+        if serial == self._notice_serial and self.is_running:
+            self.show_notice("")
 
     # ---- conversations -----------------------------------------------------
 
@@ -288,7 +302,8 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         w = MessageWidget("user", text, position="queued", attachments=atts)
         await self.add_message_widget(w)
         if not self.ready:
-            self.show_notice("The engine is still starting; your message is queued and will be sent when it is ready.")
+            self.show_notice("The engine is still starting; your message is queued and will be sent when it is ready.",
+                             kind="queued")
         self.enqueue(Outgoing(text, atts, w, self.conv_id, truncate_from=cut, had_history=had_history))
 
     async def _remove_from(self, first: MessageWidget) -> None:

@@ -70,7 +70,7 @@ class EngineLink:
             return
         self.engine_stopped = False
         self.recovering = True  # a restart: the open conversation is reloaded, not replaced
-        self.show_notice("Starting the engine again…")
+        self.show_notice("Starting the engine again…", kind="connecting")
         self.start_engine(self.stopped_args)
 
     def _on_spawn(self, line: str) -> None:
@@ -94,7 +94,7 @@ class EngineLink:
                     self.exit(return_code=2, message=f"aotx-chat: {e.engine_message}")
                     return
                 self.status_bar.set_state("engine unavailable", f"{e}; retrying")
-                self.show_notice(f"Cannot reach the engine: {e}. Retrying in {delay:.0f} s.")
+                self.show_notice(f"Cannot reach the engine: {e}. Retrying in {delay:.0f} s.", kind="connecting")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         self.client = client
@@ -130,7 +130,7 @@ class EngineLink:
                 name = model_label(start_model)
                 self.status_bar.set_conversation_model(name)
                 self.show_notice(f"New conversation on {name}: it loads beside the engine's default "
-                                 f"({client.welcome.model}) at your first message.")
+                                 f"({client.welcome.model}) at your first message.", kind="model")
             if target is not None and (recovering or target != self.conv_id or not self.chat_widgets):
                 await self.open_conversation(target)
         except ConnectionLost:
@@ -173,7 +173,8 @@ class EngineLink:
             return
         self.recovering = True
         self.status_bar.set_state("engine stopped", "restarting")
-        self.show_notice("The engine stopped (connection lost). Restarting it and reloading this conversation…")
+        self.show_notice("The engine stopped (connection lost). Restarting it and reloading this conversation…",
+                         kind="connecting")
         self.notify("The engine stopped; restarting it.", severity="warning")
         self.start_engine()
 
