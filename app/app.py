@@ -34,7 +34,7 @@ from aotx.engine.present.format import history_media, media_text, position_of
 from aotx.app.models_ui import ModelActions
 from aotx.engine.present.paste import parse_pasted_paths, split_paste
 from aotx.app.search import SearchIndex
-from aotx.app.theming import CSS_PATHS, THEMES, theme_for_textual
+from aotx.app.theming import CSS_PATHS, THEMES, textual_themes, theme_for_textual
 from aotx.app.widgets.chat_input import ChatInput
 from aotx.app.widgets.chips import AttachmentBar
 from aotx.app.widgets.message import MessageWidget
@@ -117,6 +117,8 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         return self.query_one(ChatInput)
 
     def on_mount(self) -> None:
+        for theme in textual_themes():  # AOTX's own themes in the palette's "Change theme" list
+            self.register_theme(theme)
         self.apply_theme(self.theme_name, remember=False)
         self.theme_changed_signal.subscribe(self, self._on_textual_theme)
         self.chat.anchor()
@@ -133,7 +135,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
             self.remove_class(other.css_class)
         self.add_class(t.css_class)
         self.theme_name = name
-        self.theme = t.textual_theme
+        self.theme = t.registered_name
         if remember:
             self.saved_state = app_state.update_state(theme=name)
 

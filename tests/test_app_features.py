@@ -165,10 +165,10 @@ async def test_theme_switch_at_run_time_is_remembered(home):
     app, _ = make_app()
     async with app.run_test() as pilot:
         await settle(pilot)
-        assert app.has_class("theme-dark") and app.theme == "textual-dark"
+        assert app.has_class("theme-dark") and app.theme == "aotx-dark"
         await pilot.press("f6")
         assert app.has_class("theme-light") and not app.has_class("theme-dark")
-        assert app.theme == "textual-light"
+        assert app.theme == "aotx-light"
     assert json.loads((home / "app_state.json").read_text())["theme"] == "light"
     app2, _ = make_app()
     async with app2.run_test() as pilot:
@@ -189,7 +189,7 @@ async def test_more_than_two_themes_from_textual_and_all_remembered(home):
         for _ in range(3):
             await pilot.press("f6")
             seen.append((app.theme_name, app.theme))
-        assert seen[0] == ("light", "textual-light")
+        assert seen[0] == ("light", "aotx-light")
         assert seen[1][0] == seen[1][1] and seen[1][0] not in ("dark", "light")  # a Textual theme by its name
         app.theme = "nord"  # Textual's own "Change theme" command sets this
         await pilot.pause()
@@ -199,6 +199,20 @@ async def test_more_than_two_themes_from_textual_and_all_remembered(home):
     async with app2.run_test() as pilot:
         await settle(pilot)
         assert app2.theme_name == "nord" and app2.theme == "nord"
+
+
+async def test_the_palettes_theme_list_has_aotxs_own_themes(home):
+    """Textual's "Change theme" command listed Textual's themes only: AOTX's dark and light
+    were missing (they are CSS over a paired theme). They are registered as aotx-dark and
+    aotx-light, and choosing one there is choosing AOTX's theme."""
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        assert {"aotx-dark", "aotx-light"} <= set(app.available_themes)
+        app.theme = "aotx-light"     # what the palette's choice does
+        await pilot.pause()
+        assert app.theme_name == "light" and app.has_class("theme-light")
+    assert json.loads((home / "app_state.json").read_text())["theme"] == "light"
 
 
 async def test_pasted_paths_become_chips_even_without_input_focus(tmp_path):
