@@ -256,7 +256,7 @@ async def test_refusal_of_a_long_prompt_is_where_the_user_looks():
         assert user.position == "failed"
         # the refusal is above the input (always on screen), and the message's own notice
         # is at its end, inside the visible part of the chat
-        assert notice(app).startswith("Too long for the context (too_long)")
+        assert notice(app).startswith("Too long for the context: ")
         assert "back in the input" in notice(app)
         end = user.query(".msg-end-notices .msg-notice")
         assert end and any("Too long for the context" in str(n.render()) for n in end)

@@ -39,7 +39,7 @@ async def test_a_refused_model_load_is_said_once_without_a_busy_reply_prefix():
         above_input = str(app.query_one("#input-notice").render())
         on_screen = [above_input, *user.notices(), *(str(n) for n in app._notifications)]
         assert sum(WHY in s for s in on_screen) == 1, on_screen
-        assert above_input.startswith("Not enough memory (busy): model qwen2.5")
+        assert above_input.startswith("Not enough memory: model qwen2.5")
         assert "back in the input" in above_input and app.chat_input.text == "hello"
         assert user.notices() == ["Not sent: Not enough memory. The reason is above the input."]
         assert not any("reply is still being written" in s for s in on_screen)

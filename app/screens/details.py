@@ -8,13 +8,14 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from aotx.engine.present.format import GLYPHS
+from aotx.engine.present.format import FINISH_WORDS, GLYPHS, POSITION_MEANINGS
 
 
 def details_lines(w) -> list[tuple[str, str]]:
     """(label, value) rows for a MessageWidget ``w``."""
     rows = [("message id", w.msg_id or "(not yet accepted)"), ("role", w.role),
-            ("position", f"{GLYPHS.get(w.position, '?')} {w.position}")]
+            ("where it stands", f"{GLYPHS.get(w.position, '?')} {w.position}: "
+                                f"{POSITION_MEANINGS.get(w.position, w.position)}")]
     if w.seq:
         rows.append(("sequence", str(w.seq)))
     if w.role == "assistant":
@@ -22,7 +23,8 @@ def details_lines(w) -> list[tuple[str, str]]:
         if w.token_seqs and w.receipt is None:
             rows.append(("durable tokens", f"{w.durable_tokens} of {len(w.token_seqs)} streamed"))
         if w.finish_reason:
-            rows.append(("finish reason", w.finish_reason))
+            rows.append(("how it ended", "ended by the model" if w.finish_reason == "stop"
+                         else FINISH_WORDS.get(w.finish_reason, w.finish_reason)))
     if w.receipt is not None:
         r = w.receipt
         rows += [("receipt segment", str(r.segment)), ("receipt offset", f"{r.offset} B"),

@@ -27,6 +27,21 @@ POSITIONS: dict[str, tuple[str, str]] = {
 GLYPHS: dict[str, str] = {k: g for k, (g, _) in POSITIONS.items()}
 LEGEND_ITEMS: tuple[str, ...] = tuple(f"{g} {w}" for g, w in POSITIONS.values())
 LEGEND = "  ".join(LEGEND_ITEMS)
+# what each position means, for the details view
+POSITION_MEANINGS: dict[str, str] = {
+    "queued": "not at the engine yet (it is sent when the engine is ready)",
+    "accepted": "the engine has it",
+    "committed": "written by the model; not on disk yet",
+    "durable": "on disk: it survives a crash (the receipt below)",
+    "interrupted": "the engine stopped while writing it; the part on disk is kept",
+    "cancelled": "cancelled before it ended",
+    "failed": "refused or failed (the notice under it says why)",
+}
+# a reply's finish reason as a person reads it ("stop": it ended by itself, said nowhere)
+FINISH_WORDS: dict[str, str] = {
+    "length": "cut at its token limit", "context": "cut at the end of the context",
+    "cancelled": "cancelled", "error": "failed", "interrupted": "interrupted",
+}
 
 _COUNT_RESOURCES = {"slots": "slots", "context": "tokens", "queue": "requests"}
 
@@ -116,20 +131,21 @@ def refusal_head(code: str, resource: str = "") -> str:
 
 def refusal_text(code: str, message: str, what: str = "the request", resource: str = "") -> str:
     """Plain words for an engine refusal, chosen by its error code and, when the engine sent
-    a ``refused`` notice first, its resource (never by its wording)."""
+    a ``refused`` notice first, its resource (never by its wording). The code itself
+    (``too_long``, ``busy``) is a protocol word: it is not shown."""
     if resource in _SHORT:
-        return f"{_SHORT[resource]} ({code}): {message}"
+        return f"{_SHORT[resource]}: {message}"
     if code == ErrorCode.UNSUPPORTED_MEDIA:
-        return f"The engine refused the attachment ({code}): {message}"
+        return f"The engine refused the attachment: {message}"
     if code == ErrorCode.BUSY:
-        return f"The engine is busy ({code}): {message}"
+        return f"The engine is busy: {message}"
     if code == ErrorCode.NOT_FOUND:
         return f"Not found on the engine (it may have been deleted elsewhere): {message}"
     if code == ErrorCode.NOT_READY:
         return f"The engine is still loading the model: {message}"
     if code == ErrorCode.TOO_LONG:
-        return f"Too long for the context ({code}): {message}"
-    return f"The engine refused {what} ({code or 'error'}): {message}"
+        return f"Too long for the context: {message}"
+    return f"The engine refused {what}: {message}"
 
 
 def shown_text(text: str) -> str:
