@@ -167,3 +167,21 @@ async def test_a_long_first_message_titles_the_conversation_at_a_word():
         await settle(pilot)
         title = app.conv_view.title
         assert len(title) <= 48 and title == "Please explain how the borrow checker decides", title
+
+
+async def test_a_search_without_hits_says_so():
+    """A search that matched nothing showed an empty list, as if the list were broken."""
+    from aotx.app.widgets.sidebar import NoHitsItem
+
+    app, _ = make_app(history())
+    async with app.run_test(size=(120, 36)) as pilot:
+        await settle(pilot)
+        await pilot.press("f3")
+        await pilot.press(*"zebra")
+        await settle(pilot)
+        assert app.sidebar.visible() == []
+        said = app.sidebar.query_one(NoHitsItem)
+        assert "No conversation has “zebra”" in str(said.query_one("Label").render())
+        await pilot.press("enter")          # nothing to open: nothing happens
+        await settle(pilot)
+        assert app.conv_view.title == "Trip"

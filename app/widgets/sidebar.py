@@ -53,6 +53,14 @@ class OneShotsItem(ListItem):
         self.n, self.shown = n, shown
 
 
+class NoHitsItem(ListItem):
+    """What a search that matches nothing shows (not an empty list, which looks broken)."""
+
+    def __init__(self, needle: str) -> None:
+        super().__init__(Label(f"No conversation has “{needle}” in its title or messages.", markup=False,
+                               classes="conv-group"), disabled=True)
+
+
 class Sidebar(Vertical):
     """Search box and list of conversations. Posts ``Opened`` when one is chosen."""
 
@@ -108,6 +116,8 @@ class Sidebar(Vertical):
         old = lv.index
         lv.clear()
         lv.extend(ConversationItem(c, c.conv_id == self.current, h, self.default_model) for c, h in shown)
+        if needle and not shown:
+            lv.append(NoHitsItem(needle))
         if folded:
             lv.append(OneShotsItem(len(folded), self.show_one_shots))
             if self.show_one_shots:
