@@ -440,8 +440,29 @@ async def _status(args) -> int:
               f"{fmt_bytes(c.get('host_budget', 0))}   disk {fmt_bytes(c.get('disk_bytes', 0))} in "
               f"{c.get('disk_count', 0)} of {fmt_bytes(c.get('disk_budget', 0))}   (least recently used evicted first)")
     if st.journal:
-        print("journal " + "  ".join(f"{k}={v}" for k, v in st.journal.items()))
+        print("journal " + journal_line(st.journal))
     return 0
+
+
+def journal_line(j: dict) -> str:
+    """The journal's state in words: where it writes, what is durable, the buffer, and only
+    what is unusual (a checkpoint running, a disk that is full, a failure); ``--json`` has
+    every counter."""
+    from aotx.engine.units import fmt_bytes
+
+    if not j.get("enabled", True):
+        return "off (--no-journal): nothing is made durable"
+    parts = [f"segment {j.get('segment', '?')} ({fmt_bytes(j.get('segment_bytes', 0))})",
+             f"durable up to seq {j.get('durable_seq', 0)} of {j.get('last_seq', 0)}",
+             f"buffer {fmt_bytes(j.get('used', 0))} of {fmt_bytes(j.get('capacity', 0))} in use",
+             f"{j.get('fsyncs', 0):,} fsyncs"]
+    if j.get("checkpointing"):
+        parts.append("writing a checkpoint")
+    if j.get("degraded"):
+        parts.append(f"DEGRADED: {j['degraded']}")
+    if j.get("failed"):
+        parts.append(f"FAILED: {j['failed']}")
+    return ", ".join(parts)
 
 
 def _stop(args) -> int:

@@ -75,11 +75,20 @@ def _tokenizer(model_arg):
 
 
 def cmd_tokenize(args) -> int:
+    """The token ids of TEXT under a model's tokenizer; which model's is said on stderr (and in
+    ``--json``), since ids mean nothing without it."""
+    from aotx.engine.model.loader import resolve_model_path
+
+    path = resolve_model_path(args.model)
     tok = _tokenizer(args.model)
     ids = tok.encode(args.text, add_special=False, parse_special=args.special)
+    kind = getattr(tok, "model", "") or getattr(tok, "kind", "")
+    whose = f"{path.stem}'s tokenizer ({kind + ', ' if kind else ''}{tok.vocab_size:,} tokens)"
     if args.json:
-        _jprint({"ids": ids, "pieces": [tok.token_to_piece(i) for i in ids]})
+        _jprint({"ids": ids, "pieces": [tok.token_to_piece(i) for i in ids], "model": path.stem,
+                 "model_path": str(path), "tokenizer": kind, "vocab_size": tok.vocab_size})
     else:
+        print(f"aotx: {plural(len(ids), 'token')} with {whose}", file=sys.stderr)
         print(" ".join(str(i) for i in ids))
     return 0
 
@@ -199,8 +208,25 @@ def cmd_journal(args) -> int:
         if not rep.get("problem"):
             print("ok: nothing to repair")
     else:
-        print(json.dumps(rep, indent=1, default=str))
+        print(compact_summary(rep))
     return 0
+
+
+def compact_summary(rep: dict) -> str:
+    """``aotx journal compact``'s report in a sentence or two (``--json`` gives every field)."""
+    from aotx.engine.units import fmt_bytes
+
+    if rep.get("segment") is None:
+        return (f"nothing to compact: {plural(rep.get('conversations', 0), 'live conversation')}, "
+                f"{fmt_bytes(rep.get('bytes_before', 0))} on disk")
+    saved = rep.get("bytes_before", 0) - rep.get("bytes_after", 0)
+    dropped = rep.get("dropped", 0)
+    gone = (f"; the text of {plural(dropped, 'deleted conversation')} left the disk" if dropped else "")
+    return (f"compacted the journal into one checkpoint of {plural(rep.get('conversations', 0), 'live conversation')}"
+            f" (segment {rep['segment']}, up to seq {rep.get('covers_seq', 0)}): "
+            f"{fmt_bytes(rep.get('bytes_before', 0))} -> {fmt_bytes(rep.get('bytes_after', 0))}"
+            f"{' (' + fmt_bytes(saved) + ' freed)' if saved > 0 else ''}, "
+            f"{plural(len(rep.get('removed', [])), 'old segment')} removed{gone}")
 
 
 # ---- conversations read from the journal -------------------------------------------

@@ -193,7 +193,7 @@ def build_engine(args, progress=None):
     vision = load_vision(getattr(args, "mmproj", None), lm, device)
     from aotx.engine.runtime.media_prompt import DEFAULT_STORE_BYTES as image_store_bytes
     n_slots = args.slots or DEFAULT_SLOTS
-    n_ctx = args.context or min(DEFAULT_CONTEXT, lm.config.n_ctx_train)
+    n_ctx = args.context or served_context(None, lm.config.n_ctx_train)
     if n_ctx > lm.config.n_ctx_train:  # past it the model's positions mean nothing: cap, and say so
         log.warning("--context %d is more than the %d tokens %s was trained for; using %d", n_ctx,
                     lm.config.n_ctx_train, lm.name, lm.config.n_ctx_train)
@@ -293,6 +293,60 @@ def restart_args(args, eng) -> list[str]:
     return out
 
 
+def served_context(asked: int | None, n_ctx_train: int) -> int:
+    """The context per slot an engine gives a model: ``--context`` (default DEFAULT_CONTEXT),
+    at most the model's trained context (past it its positions mean nothing)."""
+    want = asked or DEFAULT_CONTEXT
+    return min(want, n_ctx_train) if n_ctx_train else want
+
+
+def precheck(args, device: str) -> None:
+    """What can be refused before the weights are read, refused then (one line, exit 2,
+    in about a second instead of after the load): a journal another engine holds, and a
+    configuration whose estimate from the file's header (weights, KV for --slots x
+    --context, working buffers, tables, journal and capsule buffers) is over the budget on
+    the CPU (the exact check after the load stays). ``--context`` past the model's trained
+    context is said here, plainly, on its own line (it is clamped)."""
+    from aotx.engine import paths
+    from aotx.engine.errors import AdmissionError
+    from aotx.engine.model.gguf_header import read_file_header
+    from aotx.engine.model.loader import resolve_model_path
+    from aotx.engine.runtime import admission
+    from aotx.engine.runtime.catalog import estimate_terms
+    from aotx.engine.units import fmt_bytes
+
+    if not getattr(args, "no_journal", False):
+        from aotx.engine.journal.directory import DirLock
+
+        jdir = paths.journal_dir()
+        jdir.mkdir(parents=True, exist_ok=True)
+        DirLock(jdir).release()  # JournalError: "in use by another process; stop the running engine first"
+    path = resolve_model_path(args.model)
+    h = read_file_header(path)
+    n_ctx = served_context(args.context, h.n_ctx_train)
+    if args.context and n_ctx < args.context and sys.stderr.isatty():  # (a log's reader sees the log line)
+        print(f"aotx: --context {args.context} is more than the {h.n_ctx_train} tokens {path.stem} was trained for: "
+              f"using {n_ctx} (a longer context gives the model positions it never saw)", file=sys.stderr)
+    if device != "cpu" or getattr(args, "draft_model", None):
+        return  # CUDA's budget is the GPU's; a draft model is counted after both are read
+    n_slots = args.slots or DEFAULT_SLOTS
+    try:
+        total = (admission.parse_size(args.memory_budget) if args.memory_budget else admission.default_cpu_budget())
+    except ValueError:
+        return  # build_engine says it in its words
+    total = min(total, admission.machine_memory_bytes()) if args.memory_budget else total
+    kv_bytes = 4 if getattr(args, "kv_type", None) == "f32" else 2
+    terms = estimate_terms(h, n_slots, n_ctx, getattr(args, "prefill_chunk", 256), kv_bytes) + (
+        ("journal buffers", 8 << 20), ("capsules (host)", min(512 << 20, max(64 << 20, total // 16))))
+    need = sum(v for _, v in terms)
+    if need > total:
+        table = "\n".join(f"  {n:<16} {fmt_bytes(v):>10}  ({v:,} bytes)" for n, v in terms)
+        raise AdmissionError(f"the configuration does not fit: {n_slots} slots x {n_ctx} tokens of context needs "
+                             f"about {fmt_bytes(need)} ({need:,} bytes, estimated from {path.name}'s header; nothing "
+                             f"was loaded), the budget is {fmt_bytes(total)} ({total:,} bytes):\n{table}\nlower "
+                             f"--slots or --context, or raise --memory-budget")
+
+
 class _Notices(logging.Handler):
     """Collects the warnings logged while the engine loads (``Welcome.notices``)."""
 
@@ -328,6 +382,11 @@ def serve(args) -> int:
     # take the lock before the (slow) model load so a second engine fails fast
     lock = SocketLock(sock)
     lock.acquire()
+    try:
+        precheck(args, pick_device(args.device))  # refusals that need no weights, before any are read
+    except BaseException:
+        lock.release()
+        raise
     log.info("engine pid %d, socket %s", os.getpid(), sock)
     said = _Notices()       # the load's warnings, for the Welcome of every client
     logging.getLogger("aotx").addHandler(said)
