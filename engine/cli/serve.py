@@ -390,6 +390,11 @@ def serve(args) -> int:
     log.info("engine pid %d, socket %s", os.getpid(), sock)
     said = _Notices()       # the load's warnings, for the Welcome of every client
     logging.getLogger("aotx").addHandler(said)
+    from aotx.engine.backend.cpu import warmup
+
+    # the first replies run on the kernels' single-threaded twins, which compile in a fraction of
+    # the time; the threaded ones come from the cache, or compile in the background (warmup.py)
+    warmup.PARALLEL.ready = False
     try:
         eng, store = build_engine(args, progress=lambda stage, s: log.info("load %-9s %.3f s", stage, s))
     except BaseException:
@@ -434,6 +439,7 @@ def serve(args) -> int:
     net = threading.Thread(target=loop.run_forever, name="aotx-socket", daemon=True)
     net.start()
     log.info("serving on %s", sock)
+    warmup.start_background(log.info)
 
     signals = []
 
