@@ -74,7 +74,11 @@ class EngineLink:
         self.start_engine(self.stopped_args)
 
     def _on_spawn(self, line: str) -> None:
+        """What a starting engine says (the spawn line, then its progress: reading the weights,
+        compiling kernels N of M on a first start): the status line, and the line above the
+        input, which has the room for the progress bar at 80 columns."""
         self.status_bar.set_state("starting engine", line)
+        self.show_notice(f"Starting the engine: {line}", kind="starting")
 
     async def _connect(self, engine_args: list[str] | None = None) -> None:
         delay = 0.5
@@ -108,6 +112,8 @@ class EngineLink:
                     break
                 await asyncio.sleep(0.25)
             self.ready = True
+            if self.notice_kind == "starting":
+                self.show_notice("")
             recovering, self.recovering = self.recovering, False
             if recovering and engine_args is not None:
                 self.show_notice("The engine is running again." + (" Your message is on its way." if self.outbox

@@ -65,9 +65,13 @@ def client_factory(socket: str | None = None, args: list[str] | None = None, *, 
 
     async def factory(on_spawn: Callable[[str], None], *, engine_args: list[str] | None = None,
                       spawn: bool = spawn):
+        from aotx.engine.present.format import startup_text
+
+        # what the starting engine says while it loads goes where the spawn line went: the status line
         return await EngineClient.connect(socket, spawn=spawn,
                                           engine_args=list(args or []) if engine_args is None else engine_args,
-                                          client_name="aotx-chat", on_spawn=on_spawn)
+                                          client_name="aotx-chat", on_spawn=on_spawn,
+                                          on_progress=lambda p: on_spawn(startup_text(p)))
 
     return factory
 

@@ -19,6 +19,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from aotx.engine.backend.cpu import attention, warmup
+from aotx.engine.backend.cpu.parallel import PARALLEL
 from aotx.engine.backend.cpu.matmul import QuantMatrix
 from aotx.engine.backend.cpu.fdot import HOST_F16
 
@@ -27,9 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def serial_first():
-    warmup.PARALLEL.ready = False
+    PARALLEL.ready = False
     yield
-    warmup.PARALLEL.ready = True
+    PARALLEL.ready = True
 
 
 def _q8_0(m: int, k: int, rng) -> np.ndarray:
@@ -47,13 +48,13 @@ def test_the_serial_matmul_twin_gives_the_threaded_kernels_bits(n):
     x = rng.standard_normal((n, 512)).astype(np.float32)
     threaded = w.matmul(x)
     bound = w.bound_matmul()
-    warmup.PARALLEL.ready = False
+    PARALLEL.ready = False
     try:
         serial = w.matmul(x)
         out = np.empty_like(serial)
         bound(x, out)
     finally:
-        warmup.PARALLEL.ready = True
+        PARALLEL.ready = True
     assert np.array_equal(threaded, serial) and np.array_equal(threaded, out)
 
 
@@ -79,11 +80,11 @@ def test_the_serial_attention_twin_gives_the_threaded_kernels_bits(half):
     par(*args(a))
     ser(*args(b))
     assert np.array_equal(a, b)
-    warmup.PARALLEL.ready = False
+    PARALLEL.ready = False
     try:
         assert attention.kernel_for(keys, H, hd, half) is ser
     finally:
-        warmup.PARALLEL.ready = True
+        PARALLEL.ready = True
 
 
 def test_bring_in_compiles_the_threaded_kernels_in_a_child_then_loads_them_from_the_cache(tmp_path):
@@ -120,3 +121,38 @@ def test_bring_in_compiles_the_threaded_kernels_in_a_child_then_loads_them_from_
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "compiling 1 multi-threaded kernel(s) in the background" in r.stdout
+
+
+def test_kernels_compiled_ahead_are_the_ones_the_model_loads(tmp_path, tiny_gguf):
+    """``warmup_ahead.ahead`` compiles from the file's header alone, on tiny arrays: only
+    worth it if those are the very signatures the engine's warm-up needs. After it, a load
+    of the model (single-threaded, as an engine warms up) compiles no attention or matmul
+    kernel: it finds them in the cache. (Compiles the kernels once: ~20 s of CPU.)"""
+    model = tiny_gguf.write_tiny_llama(tmp_path / "tiny.gguf", seed=1)
+    script = textwrap.dedent(f"""
+        import subprocess, sys
+        from numba.core import event
+        r = subprocess.run([sys.executable, "-m", "aotx.engine.model.warmup_ahead", {str(model)!r}, "f16",
+                            {str(tmp_path / "report.json")!r}], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        from aotx.engine.backend.cpu.parallel import PARALLEL
+        from aotx.engine.model.loader import load_model
+        PARALLEL.ready = False
+        compiled = []
+        class L(event.Listener):
+            def on_start(self, e): compiled.append(getattr(e.data.get("dispatcher"), "__name__", ""))
+            def on_end(self, e): pass
+        with event.install_listener("numba:compile", L()):
+            load_model({str(model)!r}, device="cpu")
+        heavy = [n for n in compiled if n in ("matmul_serial", "_attention_serial", "_rows", "_gemm_serial",
+                                              "store_f16")]
+        print(sorted(set(compiled)))
+        assert not heavy, heavy
+    """)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "nb"), AOTX_HOME=str(tmp_path / "home"))
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    import json
+
+    assert json.loads((tmp_path / "report.json").read_text()) == {"stage": "compiling kernels", "done": 2,
+                                                                   "total": 2, "detail": ""}

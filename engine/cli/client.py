@@ -117,12 +117,40 @@ def check_engine_flags(args) -> None:
         raise UsageError(f"--mmproj {mmproj}: no such file (the vision projector GGUF, e.g. mmproj-model-f16.gguf)")
 
 
+class StartupLine:
+    """What a starting engine says, on stderr: at a terminal one line redrawn in place (its
+    stage, a progress bar while a first start compiles kernels), else a line per change."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.open = False
+
+    def __call__(self, p: dict) -> None:
+        from aotx.engine.present.format import startup_text
+
+        text = f"aotx: starting the engine: {startup_text(p)}"
+        if self.tty:
+            sys.stderr.write("\r\x1b[2K" + text)
+            sys.stderr.flush()
+            self.open = True
+        else:
+            print(text, file=sys.stderr)
+
+    def end(self) -> None:
+        if self.open:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+            self.open = False
+
+
 async def connect(args, *, spawn: bool = True) -> EngineClient:
     check_engine_flags(args)
     spawned: list[str] = []
+    line = StartupLine()
 
     def notice(msg: str) -> None:
         spawned.append(msg)
+        line.end()
         print(f"aotx: {msg}", file=sys.stderr)
 
     sock = getattr(args, "socket", None)
@@ -148,8 +176,11 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
 
             pick_device("cuda")  # raises UsageError when it cannot run
     if client is None:
-        client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
-                                            on_spawn=notice)
+        try:
+            client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args),
+                                                client_name="aotx-cli", on_spawn=notice, on_progress=line)
+        finally:
+            line.end()
     client.spawned = bool(spawned)  # this command started the engine (and waited for its load)
     if not spawned:  # a running engine keeps the settings it was started with: say which flags it ignores
         st = await client.status() if any(getattr(args, a, None) not in (None, False, "auto")
@@ -190,8 +221,12 @@ async def reconnect(args, engine_args: list[str]) -> EngineClient:
     def notice(msg: str) -> None:
         print(f"aotx: {msg}", file=sys.stderr)
 
-    client = await EngineClient.connect(getattr(args, "socket", None), spawn=True, engine_args=engine_args,
-                                        client_name="aotx-cli", on_spawn=notice)
+    line = StartupLine()
+    try:
+        client = await EngineClient.connect(getattr(args, "socket", None), spawn=True, engine_args=engine_args,
+                                            client_name="aotx-cli", on_spawn=notice, on_progress=line)
+    finally:
+        line.end()
     client.spawned = True
     return client
 

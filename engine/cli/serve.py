@@ -395,13 +395,25 @@ def serve(args) -> int:
     # the first replies run on the kernels' single-threaded twins, which compile in a fraction of
     # the time; the threaded ones come from the cache, or compile in the background (warmup.py)
     warmup.PARALLEL.ready = False
+    device = pick_device(args.device)
+    from aotx.engine.model.loader import resolve_model_path
+
+    # on a cold cache a child compiles the model's kernels while this process reads the weights
+    from aotx.engine.cli.startup import StartupProgress, progress_paths
+
+    from aotx.engine.model.warmup_ahead import start_ahead
+
+    ahead = start_ahead(resolve_model_path(args.model), getattr(args, "kv_type", None) or "f16",
+                        report=progress_paths(sock)[1]) if device == "cpu" else None
+    progress = StartupProgress(sock, ahead)
     try:
-        eng, store = build_engine(args, progress=lambda stage, s: log.info("load %-9s %.3f s", stage, s))
+        eng, store = build_engine(args, progress=progress)
     except BaseException:
         lock.release()
         raise
     finally:
         logging.getLogger("aotx").removeHandler(said)
+        progress.close()
     lm = eng.lm
     log.info("model %s (%s, %d layers), device %s, %d slots x %d tokens", lm.name, lm.config.arch,
              lm.config.n_layers, eng.device, eng.n_slots, eng.n_ctx)

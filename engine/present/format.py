@@ -239,6 +239,28 @@ def fork_title(parent: str, existing: list[str]) -> str:
     return f"{root} (fork {prefix}{k})"
 
 
+def progress_bar(done: int, total: int, width: int = 12) -> str:
+    """``▕██████░░░░░░▏``: ``done`` of ``total`` in ``width`` cells (eighths of a cell)."""
+    if total <= 0:
+        return ""
+    eighths = round(8 * width * max(0, min(done, total)) / total)
+    full, part = divmod(eighths, 8)
+    bar = "█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")
+    return "▕" + bar + "░" * (width - len(bar)) + "▏"
+
+
+def startup_text(p: dict) -> str:
+    """What a starting engine says (``ipc.client.read_progress``) in one line:
+    "compiling kernels ▕████░░░░░░░░▏ 1 of 3 (matmul Q4_1), first start only",
+    "reading the weights"."""
+    stage = p.get("stage", "")
+    if p.get("total"):
+        detail = f" ({p['detail']})" if p.get("detail") else ""
+        return (f"{stage} {progress_bar(p.get('done', 0), p['total'])} {min(p.get('done', 0), p['total'])} of "
+                f"{p['total']}{detail}, first start only")
+    return stage
+
+
 def fmt_when(ts: float, now: float | None = None) -> str:
     """When something happened, as ``ollama list`` says it: "just now", "5 minutes ago",
     "3 hours ago", "yesterday", "4 days ago", then the date ("2025-11-02"); "-" for 0."""

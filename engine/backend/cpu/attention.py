@@ -33,7 +33,7 @@ from numba import njit, prange
 
 from . import fdot as cpu_fdot
 from .fdot import axpy, dots, exp_nonpos, f2h_bits, h2f
-from .warmup import PARALLEL
+from .parallel import PARALLEL
 
 ROW_BLOCK = 16   # rows of one slot that share one K/V conversion
 

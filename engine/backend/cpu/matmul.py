@@ -42,7 +42,7 @@ from numba import njit, prange
 
 from aotx.engine.backend import quants
 from aotx.engine.backend.cpu import fdot as cpu_fdot, markers as cpu_markers, qdot as cpu_qdot
-from aotx.engine.backend.cpu.warmup import PARALLEL
+from aotx.engine.backend.cpu.parallel import PARALLEL
 from aotx.engine.backend.cpu.repack import (
     COMPACT_OF, KIND_OF, R, _byte_rows, _dequantize, repack, repack_compact,
 )

@@ -1,12 +1,13 @@
 """Compiling the CPU kernels without making an engine's first reply wait for all of them.
 
-Owns: ``PARALLEL`` (whether the multi-threaded kernels run yet), the table of kernels
+Owns: setting ``parallel.PARALLEL`` (whether the multi-threaded kernels run yet), the table of kernels
 that have a single-threaded twin (``TWINS``: the same tiles or jobs in the same order,
 so the same numbers bit for bit, DESIGN.md's batch invariance), loading the threaded
 ones from numba's on-disk cache, and compiling the ones the cache lacks in a background
 process (``python -m aotx.engine.backend.cpu.warmup FILE``, niced) while the engine
 already answers on the twins. Leaves the kernels to ``qdot.py``, ``attention.py`` and
-``matmul.py``, and when to start to ``aotx serve``.
+``matmul.py``, compiling a model's single-threaded kernels ahead to
+``model/warmup_ahead.py``, and when to start to ``aotx serve``.
 
 Why: numba compiles a kernel at its first call and caches it on disk. On a fresh install
 the threaded kernels (``prange`` regions, lowered through numba's parfor passes) took
@@ -30,19 +31,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from aotx.engine.backend.cpu.parallel import PARALLEL
+
 log = logging.getLogger("aotx.warmup")
-
-
-class ParallelKernels:
-    """``ready``: the threaded kernels may run. True by default (a process that is not an
-    engine compiles each kernel at its first call, as numba does); an engine sets it False
-    before its load and ``start_background`` sets it True once they are compiled."""
-
-    def __init__(self) -> None:
-        self.ready = True
-
-
-PARALLEL = ParallelKernels()
 
 # (module, serial twin, threaded kernel): the threaded kernel takes the serial one's
 # arguments, so its signatures are the twin's
@@ -133,8 +124,8 @@ def start_background(log_line: Callable[[str], None] = log.info) -> threading.Th
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The background compiler: compile the pickled jobs into numba's cache, at a low
-    priority (the engine serves meanwhile)."""
+    """The background compiler: compile the pickled jobs (threaded kernels) into numba's
+    cache, at a low priority (the engine serves meanwhile)."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         os.nice(10)
@@ -144,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = pickle.load(fh)
     compile_jobs(jobs)
     return 0
+
+
 
 
 if __name__ == "__main__":
