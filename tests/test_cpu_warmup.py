@@ -132,9 +132,12 @@ def test_kernels_compiled_ahead_are_the_ones_the_model_loads(tmp_path, tiny_gguf
     script = textwrap.dedent(f"""
         import subprocess, sys
         from numba.core import event
+        from aotx.engine.model.warmup_ahead import cache_is_warm
+        assert not cache_is_warm()
         r = subprocess.run([sys.executable, "-m", "aotx.engine.model.warmup_ahead", {str(model)!r}, "f16",
                             {str(tmp_path / "report.json")!r}], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+        assert cache_is_warm()   # a second start compiles nothing ahead
         from aotx.engine.backend.cpu.parallel import PARALLEL
         from aotx.engine.model.loader import load_model
         PARALLEL.ready = False

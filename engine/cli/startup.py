@@ -63,8 +63,14 @@ class StartupProgress:
         if nxt:
             write_json(self.main, {"stage": nxt, "since": round(time.monotonic() - self.t0, 1)})
         if stage == "tokenizer" and self.ahead is not None:  # the warm-up is next: its kernels come ahead
+            import resource
+
+            t0 = time.monotonic()
             try:
                 self.ahead.wait(AHEAD_WAIT_S)
+                cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+                log.info("kernels compiled ahead (first start): waited %.1f s for them, %.1f s of CPU in the child",
+                         time.monotonic() - t0, cpu.ru_utime + cpu.ru_stime)
             except subprocess.TimeoutExpired:
                 log.warning("the kernels compiled ahead took over %.0f s; the warm-up compiles what is left",
                             AHEAD_WAIT_S)

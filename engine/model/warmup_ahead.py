@@ -85,8 +85,7 @@ def cache_is_warm() -> bool:
     try:
         from aotx.engine.backend.cpu import attention
 
-        c = attention._attention_serial._cache
-        return os.path.exists(os.path.join(c._cache_path, c._index_name))
+        return os.path.exists(attention._attention_serial._cache._cache_file._index_path)
     except Exception:  # noqa: BLE001 - numba's private layout moved: compile ahead, as on a cold start
         return False
 
