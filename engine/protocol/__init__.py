@@ -51,6 +51,10 @@ from aotx.engine.protocol.operations import (  # noqa: F401
     ShowConversation,
     SubmitMessage,
     CountTokens,
+    Embed,
+    Tokenize,
+    Detokenize,
+    POOLINGS,
     Cancel,
     DeleteConversation,
     RenameConversation,
@@ -81,6 +85,9 @@ from aotx.engine.protocol.events import (  # noqa: F401
     ModelList,
     TokenCount,
     ModelLoaded,
+    Embeddings,
+    TokenList,
+    Detokenized,
 )
 from aotx.engine.protocol.validation import (  # noqa: F401
     Limit,

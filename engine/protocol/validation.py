@@ -14,10 +14,14 @@ from aotx.engine.protocol.operations import (
     Cancel,
     CountTokens,
     CreateConversation,
+    Detokenize,
+    Embed,
     LoadModel,
+    POOLINGS,
     PriorMessage,
     SubmitMessage,
     SwitchModel,
+    Tokenize,
     UnloadModel,
 )
 from aotx.engine.protocol.values import (
@@ -60,6 +64,8 @@ SAMPLING_LIMITS: dict[str, Limit] = {
 SPECULATIVE_MODES = ("", "auto", "ngram", "draft", "off")
 MAX_STOP_STRINGS = 64  # the stop checker keeps every prefix of every stop string: bound them
 MAX_STOP_CHARS = 1024
+MAX_EMBED_TEXTS = 256  # Embed.texts
+MAX_DETOKENIZE_IDS = 1 << 20  # Detokenize.ids
 
 
 def limit_problem(name: str, value: Any, limit: Limit) -> str | None:
@@ -178,6 +184,29 @@ def operation_problem(op: Any) -> str | None:
             return "model must name a model (see ListModels)"
         if isinstance(op, LoadModel) and not isinstance(op.evict_idle, bool):
             return f"evict_idle must be a boolean, got {op.evict_idle!r}"
+    elif isinstance(op, Embed):
+        if not isinstance(op.texts, list) or not op.texts or len(op.texts) > MAX_EMBED_TEXTS:
+            return f"texts must hold 1 to {MAX_EMBED_TEXTS} texts"
+        for i, t in enumerate(op.texts):
+            if not isinstance(t, str) or not t:
+                return f"texts[{i}] must be a non-empty string"
+        if op.pooling not in POOLINGS:
+            return f"pooling {op.pooling!r}: use {', '.join(POOLINGS)}"
+        for name in ("normalize", "truncate"):
+            if not isinstance(getattr(op, name), bool):
+                return f"{name} must be a boolean, got {getattr(op, name)!r}"
+    elif isinstance(op, Tokenize):
+        if not isinstance(op.text, str):
+            return f"text must be a string, got {type(op.text).__name__}"
+        for name in ("add_special", "parse_special"):
+            if not isinstance(getattr(op, name), bool):
+                return f"{name} must be a boolean, got {getattr(op, name)!r}"
+    elif isinstance(op, Detokenize):
+        if not isinstance(op.ids, list) or len(op.ids) > MAX_DETOKENIZE_IDS:
+            return f"ids must be a list of at most {MAX_DETOKENIZE_IDS:,} token ids"
+        for i, t in enumerate(op.ids):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                return f"ids[{i}] must be a token id (an integer of at least 0), got {t!r}"
     elif isinstance(op, Cancel):
         if isinstance(op.target, bool) or not isinstance(op.target, int) or op.target < 0:
             return f"target must be a request id (an integer of at least 0), got {op.target!r}"

@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -138,7 +139,9 @@ class Engine:
             P.TruncateConversation: self._truncate, P.ForkConversation: self._fork, P.Status: self._status,
             P.ListModels: self._list_models, P.LoadModel: self._load_model, P.UnloadModel: self._unload_model,
             P.SwitchModel: self._switch_model, P.CountTokens: self._count_tokens,
+            P.Embed: self._embed, P.Tokenize: self._tokenize, P.Detokenize: self._detokenize,
         }
+        self._embedders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LocalModel -> Embedder
         assert set(self._operations) == set(P.OPERATIONS), "every protocol operation has a handler"
 
     # ---- the default model's parts (what single-model callers read) ---------------------------
@@ -496,6 +499,33 @@ class Engine:
         if not hasattr(m.submitter, "count"):
             raise RequestError(f"{m.name} is a remote model: its prompts are made and counted by its server")
         m.submitter.count(op, sink)
+
+    def _local(self, model: str, rid: int, sink: Sink, what: str) -> Any:
+        """The loaded local model ``model`` names ("" the default; loaded when it is not)."""
+        m, _ = self._ensure(model or self.models.default_name, rid, sink)
+        if getattr(m, "kind", "") == "remote":
+            raise RequestError(f"{m.name} is a remote model: its {what} are its server's")
+        return m
+
+    def _embed(self, op: P.Embed, sink: Sink) -> None:
+        """Embeddings of ``op.texts`` on the engine thread, between ticks (``embeddings.py``)."""
+        from aotx.engine.runtime.embeddings import Embedder
+
+        m = self._local(op.model, op.id, sink, "embeddings")
+        e = self._embedders.get(m)
+        if e is None:
+            e = self._embedders[m] = Embedder(m.lm, m.n_ctx, self.kv_type)
+        sink.send(e.embed(op))
+
+    def _tokenize(self, op: P.Tokenize, sink: Sink) -> None:
+        from aotx.engine.runtime.embeddings import tokenize
+
+        sink.send(tokenize(self._local(op.model, op.id, sink, "tokens").lm, op))
+
+    def _detokenize(self, op: P.Detokenize, sink: Sink) -> None:
+        from aotx.engine.runtime.embeddings import detokenize
+
+        sink.send(detokenize(self._local(op.model, op.id, sink, "tokens").lm, op))
 
     @staticmethod
     def _recorded_file(conv: Any, name: str) -> tuple[str, str]:
