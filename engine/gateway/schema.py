@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aotx.engine.gateway import media as M
+from aotx.engine.gateway.json_schemas import no_value_reason
 from aotx.engine import protocol as P
 
 
@@ -430,6 +431,8 @@ def parse_constraint(body: dict) -> P.Constraint | None:
             if not isinstance(schema, (dict, bool)):
                 raise BadRequest("'response_format.json_schema.schema' must be a JSON schema object",
                                  "response_format")
+            if (why := no_value_reason(schema)) is not None:
+                raise BadRequest(f"'response_format.json_schema.schema': {why}", "response_format", "invalid_schema")
             out.append(P.Constraint(kind="json_schema", grammar=json.dumps(schema),
                                     field="response_format.json_schema.schema"))
         elif kind not in ("text", None):
