@@ -95,6 +95,7 @@ from aotx.engine.protocol.validation import (  # noqa: F401
     SPECULATIVE_MODES,
     MAX_STOP_STRINGS,
     MAX_STOP_CHARS,
+    MAX_LOGIT_BIAS,
     limit_problem,
     sampling_problem,
     constraint_problem,

@@ -58,12 +58,16 @@ SAMPLING_LIMITS: dict[str, Limit] = {
     "repeat_last_n": Limit(-1, None, integer=True),
     "seed": Limit(0, (1 << 64) - 1, integer=True),
     "max_tokens": Limit(1, None, integer=True),
+    "frequency_penalty": Limit(-2.0, 2.0),
+    "presence_penalty": Limit(-2.0, 2.0),
 }
 #: ``SamplingParams.speculative``: "" the engine's default, "auto" prompt lookup where it
 #: pays, "ngram" prompt lookup, "draft" the engine's draft model, "off".
 SPECULATIVE_MODES = ("", "auto", "ngram", "draft", "off")
 MAX_STOP_STRINGS = 64  # the stop checker keeps every prefix of every stop string: bound them
 MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # SamplingParams.logit_bias entries
+LOGIT_BIAS_LIMIT = Limit(-100.0, 100.0)  # OpenAI's range of one bias
 MAX_EMBED_TEXTS = 256  # Embed.texts
 MAX_DETOKENIZE_IDS = 1 << 20  # Detokenize.ids
 
@@ -105,6 +109,13 @@ def sampling_problem(sp: Any) -> str | None:
     if len(sp.stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in sp.stop):
         return (f"stop strings: at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each (got "
                 f"{len(sp.stop)}, the longest {max(map(len, sp.stop), default=0)} characters)")
+    if not isinstance(sp.logit_bias, dict) or len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias: at most {MAX_LOGIT_BIAS} token ids"
+    for t, b in sp.logit_bias.items():
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            return f"logit_bias: {t!r} is not a token id (an integer of at least 0)"
+        if (why := limit_problem(f"logit_bias[{t}]", b, LOGIT_BIAS_LIMIT)):
+            return why
     if sp.speculative not in SPECULATIVE_MODES:
         return f"speculative mode {sp.speculative!r} is not available (use auto, ngram, draft or off)"
     return None

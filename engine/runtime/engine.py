@@ -491,6 +491,10 @@ class Engine:
                                    message=f"switched this conversation from {current} to {m.name}: {m.name} reads "
                                            f"its {len(conv.messages)} earlier messages again; what {current} "
                                            f"saved of it stays valid for {current}"))
+        vocab = getattr(getattr(getattr(m, "lm", None), "config", None), "vocab_size", 0)
+        if op.sampling is not None and op.sampling.logit_bias and vocab and max(op.sampling.logit_bias) >= vocab:
+            raise RequestError(f"logit_bias: token id {max(op.sampling.logit_bias)} is past the vocabulary of "
+                               f"{m.name} ({vocab:,} tokens)")
         self._enqueue(m.submitter.submit(op, sink, self.tick), m)
 
     def _count_tokens(self, op: P.CountTokens, sink: Sink) -> None:

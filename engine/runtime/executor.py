@@ -256,8 +256,9 @@ class Executor:
         needs the host (``cuda_sampling.device_ok``). A constrained row's bitmasks go to
         the device's mask table first; its rows carry their addresses."""
         for r, drafts in rows:
-            if not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler, r.sampler_state)):
-                return None
+            if r.sampler.host_only or not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler,
+                                                                                             r.sampler_state)):
+                return None  # (a logit bias or a frequency/presence penalty: the host's chain, exactly)
         ptrs: dict[int, list[int]] = {}
         if masks:
             if self.masks is None:

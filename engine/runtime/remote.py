@@ -282,6 +282,12 @@ class RemoteSubmitter:
             body["min_p"] = sp.min_p
         if sp.repeat_penalty != 1.0:
             body["repeat_penalty"] = sp.repeat_penalty
+        if sp.frequency_penalty:
+            body["frequency_penalty"] = sp.frequency_penalty
+        if sp.presence_penalty:
+            body["presence_penalty"] = sp.presence_penalty
+        if sp.logit_bias:  # the remote model's own token ids
+            body["logit_bias"] = {str(t): b for t, b in sp.logit_bias.items()}
         if max_tokens < UNBOUNDED_MAX_TOKENS:
             body["max_tokens"] = max_tokens
         if sp.stop:
