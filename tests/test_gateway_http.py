@@ -262,3 +262,65 @@ def test_a_self_referring_grammar_is_refused_by_the_engine_too(engine):
     evs = engine_call(engine[0], go)
     assert isinstance(evs[-1], __import__("aotx.engine.protocol", fromlist=["Error"]).Error)
     assert "admits no text" in evs[-1].message and evs[-1].message.startswith("schema:")
+
+
+# ---- sampling: logit bias, frequency and presence penalties; assistant prefill -------------------
+
+def _first_token(gw, body: dict) -> tuple[int, str]:
+    r = httpx.post(gw + "/v1/chat/completions", headers=H, json={
+        "model": "local", "messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 1,
+        "temperature": 0, "logprobs": True, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    e = r.json()["choices"][0]["logprobs"]["content"][0]
+    tok = httpx.post(gw + "/tokenize", headers=H, json={"content": e["token"]}).json()["tokens"]
+    return tok[0], e["token"]
+
+
+def test_logit_bias_bans_and_forces_tokens_on_the_greedy_path(gw):
+    """``logit_bias`` was refused (400); frequency/presence penalties were accepted and not
+    applied. Now a -100 bias bans the greedy token and +100 forces another."""
+    first, text = _first_token(gw, {})
+    banned, text2 = _first_token(gw, {"logit_bias": {str(first): -100}})
+    assert banned != first
+    forced_id = httpx.post(gw + "/tokenize", headers=H, json={"content": " Banana"}).json()["tokens"][0]
+    forced, _ = _first_token(gw, {"logit_bias": {str(forced_id): 100}})
+    assert forced == forced_id
+    for bad in ({"x": 1}, {"5": 500}, [1], {str(10 ** 9): 1}):
+        r = httpx.post(gw + "/v1/chat/completions", headers=H, json={
+            "model": "local", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logit_bias": bad})
+        assert r.status_code == 400 and "logit_bias" in r.text, (bad, r.text)
+
+
+def test_frequency_and_presence_penalties_change_a_repetitive_greedy_reply(oa):
+    kw = dict(model="local", messages=[{"role": "user", "content": "Write the word apple twenty times."}],
+              max_tokens=40, temperature=0, extra_body={"repeat_penalty": 1.0})
+    plain = oa.chat.completions.create(**kw).choices[0].message.content
+    pen = oa.chat.completions.create(**kw, frequency_penalty=2.0).choices[0].message.content
+    pres = oa.chat.completions.create(**kw, presence_penalty=2.0).choices[0].message.content
+    assert pen != plain and pres != plain and pen != pres  # each reaches the sampler (its math: test_sampling_penalties)
+    with pytest.raises(openai.BadRequestError):
+        oa.chat.completions.create(**kw, frequency_penalty=3.0)
+
+
+def test_assistant_prefill_on_chat_completions_is_continued(oa, gw):
+    """A final assistant message on /v1/chat/completions was a 400; it is the start of the
+    reply, continued (llama-server's behaviour, vLLM's continue_final_message): the content
+    holds the continuation only, and a stream and a whole reply agree."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    r = oa.chat.completions.create(model="local", messages=msgs, max_tokens=6, temperature=0)
+    text = r.choices[0].message.content
+    assert text and not text.startswith("The capital") and "Paris" in text
+    streamed = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+        model="local", messages=msgs, max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == text
+    r2 = oa.chat.completions.create(model="local", messages=msgs, max_tokens=6, temperature=0,
+                                    extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r2.choices[0].message.content == text
+    for extra, word in (({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+                        ({"continue_final_message": False}, "continue_final_message")):
+        with pytest.raises(openai.BadRequestError, match=word):
+            oa.chat.completions.create(model="local", messages=msgs, max_tokens=2, extra_body=extra)
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        oa.chat.completions.create(model="local", messages=msgs[:1], max_tokens=2,
+                                   extra_body={"continue_final_message": True})

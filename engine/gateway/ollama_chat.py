@@ -26,6 +26,7 @@ than off, and any unknown option. Leaves the engine and the conversation to ``co
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -202,13 +203,17 @@ def parse_chat(body: Any, limits: S.Limits, served_ctx: int) -> tuple[S.ChatRequ
                                    "conversation with X-AOTX-Conversation to keep earlier pictures)", "messages")
             parts = _images(m["images"], f"{where}.images", limits)
         msgs.append(out)
+    cbody, prefill = S.take_prefill({**{k: v for k, v in chat.items() if not k.startswith("_")}, "messages": msgs,
+                                     "tools": body.get("tools")})
+    if prefill and parts:
+        raise S.BadRequest("an assistant message after images is continued as a prefill, which takes no images; "
+                           "send the images without it", "messages")
     try:
-        req = S.parse_chat({**{k: v for k, v in chat.items() if not k.startswith("_")}, "messages": msgs,
-                            "tools": body.get("tools")}, limits)
+        req = S.parse_chat(cbody, limits)
     except S.BadRequest as e:
         raise S.relabel(e, CHAT_NAMES, {"max_tokens": "options", "response_format": "format"}) from None
     _finish(req, chat)
-    return req, parts
+    return dataclasses.replace(req, prefill=prefill), parts  # a final assistant message: Ollama continues it
 
 
 def parse_generate(body: Any, limits: S.Limits, served_ctx: int) -> tuple[S.ChatRequest | None, list[M.MediaPart],

@@ -21,13 +21,15 @@ What is supported, ignored and refused (the table the tests follow):
   ``{"type": "lark" | "gbnf" | "regex", "grammar": ...}``). Sampling fields left out
   take the engine's defaults (``protocol.SamplingParams``), not OpenAI's, except
   ``repeat_penalty``: 1 (none) on a reply with tools or a constraint unless sent.
+  ``frequency_penalty`` and ``presence_penalty`` (applied with the repetition penalty, over
+  its last ``repeat_last_n`` tokens, as llama.cpp does) and ``logit_bias`` (token ids, as
+  ``/tokenize`` gives them).
 * ``model`` routes the request (``Gateway.route``: an installed model by name, or
   "local" for the default one; any other name is a 404 ``model_not_found``; replies
-  name the model that ran); ignored: ``user``,
-  ``frequency_penalty``, ``presence_penalty``, ``metadata``, ``store``,
-  ``service_tier``, ``reasoning_effort``, ``modalities`` = ["text"], empty
-  ``logit_bias``, an image part's ``detail``, and any field not named here.
-* refused (400): non-empty ``logit_bias``, ``functions`` (the deprecated form: use
+  name the model that ran); ignored: ``user``, ``metadata``, ``store``,
+  ``service_tier``, ``reasoning_effort``, ``modalities`` = ["text"], an image part's
+  ``detail``, and any field not named here.
+* refused (400): ``functions`` (the deprecated form: use
   ``tools``), audio output, a tool message whose ``tool_call_id`` no earlier
   assistant call has, a ``tool_choice`` naming no tool in ``tools``, two
   constraints at once (a schema or grammar and a required tool call), media parts
@@ -137,6 +139,7 @@ class ChatRequest:
     constraint: P.Constraint | None = None
     logprobs: int = -1
     n: int = 1
+    prefill: str = ""  # a final assistant message the reply continues (``take_prefill``)
 
 
 @dataclass
@@ -242,15 +245,11 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest(f"'model' must be a string, got {_type_name(model)}", "model")
-    lb = body.get("logit_bias")
-    _refuse_if(lb not in (None, {}) , "logit_bias", "logit bias is not applied")
     stream = _bool(body, "stream")
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise BadRequest(f"'stream_options' must be an object, got {_type_name(so)}", "stream_options")
     include_usage = bool(so and so.get("include_usage") is True)
-    for name in ("frequency_penalty", "presence_penalty"):
-        _number(body, name, -2.0, 2.0)  # checked, not applied
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
     if mt is None:
         mt = _integer(body, "max_tokens", 1, 1 << 31)
@@ -264,6 +263,11 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
         v = _param(body, name, limit)
         if v is not None:
             setattr(sp, name, v if name != "top_p" or v > 0 else 1e-6)  # OpenAI's top_p 0: the top token
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = _number(body, name, -2.0, 2.0)
+        if v is not None:
+            setattr(sp, name, v)
+    sp.logit_bias = _logit_bias(body.get("logit_bias"))
     seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
     if seed is not None:
         sp.seed = seed & 0x7FFFFFFFFFFFFFFF  # the engine takes a non-negative seed; negative ones wrap
@@ -277,6 +281,29 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
             raise BadRequest(f"'stop' has {len(stop)} strings; at most 4 are allowed", "stop")
         sp.stop = [s for s in stop if s]
     return sp, stream, include_usage, model
+
+
+def _logit_bias(raw: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` ({"token id": bias in [-100, 100]}) as the engine's. Raises
+    BadRequest naming the bad entry (an id past the model's vocabulary: the engine's 400)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f"'logit_bias' must be an object of token ids and biases, got {_type_name(raw)}",
+                         "logit_bias")
+    if len(raw) > P.MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' has {len(raw)} entries; at most {P.MAX_LOGIT_BIAS}", "logit_bias")
+    out: dict[int, float] = {}
+    for k, v in raw.items():
+        key = str(k)
+        if not key.isdigit() or len(key) > 12:
+            raise BadRequest(f"'logit_bias': {key[:40]!r} is not a token id (use /tokenize to find one)",
+                             "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise BadRequest(f"'logit_bias[{key}]' must be a number between -100 and 100, got {v!r}"[:160],
+                             "logit_bias")
+        out[int(key)] = float(v)
+    return out
 
 
 def _structured_penalty(body: dict, sp: P.SamplingParams, structured: bool) -> None:
@@ -457,6 +484,44 @@ def parse_constraint(body: dict) -> P.Constraint | None:
     if c is not None and (why := P.constraint_problem(c)):
         raise BadRequest(why, c.field.split(".")[0])
     return c
+
+
+def take_prefill(body: dict, where: str = "messages") -> tuple[dict, str]:
+    """(the body without its final assistant message, that message's text): the start of the
+    reply, which the reply continues (an assistant prefill, as llama-server and Anthropic
+    take it; vLLM's ``continue_final_message``). ("", body) when the last message is not an
+    assistant's. Raises BadRequest for vLLM's flags set against it, or a final assistant
+    message with tool calls or without a user message before it."""
+    msgs = body.get("messages")
+    cont, gen_prompt = body.get("continue_final_message"), body.get("add_generation_prompt")
+    for name, v in (("continue_final_message", cont), ("add_generation_prompt", gen_prompt)):
+        if v is not None and not isinstance(v, bool):
+            raise BadRequest(f"'{name}' must be a boolean, got {_type_name(v)}", name)
+    if cont and gen_prompt:
+        raise BadRequest("'continue_final_message' and 'add_generation_prompt' are both true: a reply either "
+                         "continues the final assistant message or starts a new one", "add_generation_prompt")
+    last = msgs[-1] if isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) else None
+    final = last is not None and last.get("role") == "assistant"
+    if cont and not final:
+        raise BadRequest(f"'continue_final_message' is true but the last of '{where}' is not an assistant message",
+                         "continue_final_message")
+    if gen_prompt is False and not final:
+        raise BadRequest("'add_generation_prompt' false asks for a prompt that ends without the assistant's turn: "
+                         "this server always starts or continues one (end with an assistant message to continue "
+                         "it)", "add_generation_prompt", "unsupported_parameter")
+    if not final:
+        return body, ""
+    at = last.get(AT) if isinstance(last.get(AT), str) else f"{where}[{len(msgs) - 1}]"
+    if cont is False:
+        raise BadRequest(f"'{at}': the last message is an assistant's and 'continue_final_message' is false; this "
+                         "server answers a user or tool message, or continues a final assistant message",
+                         "continue_final_message")
+    if last.get("tool_calls"):
+        raise BadRequest(f"'{at}': a final assistant message (a prefill) takes text only, not tool calls", where)
+    if not any(isinstance(m, dict) and m.get("role") in ("user", "tool") for m in msgs[:-1]):
+        raise BadRequest(f"'{at}': an assistant prefill needs a user message before it", where)
+    text, _ = _Parts(Limits(), ()).read(last.get("content"), at, media_ok=False)
+    return {**body, "messages": msgs[:-1]}, text
 
 
 def parse_chat(body: Any, limits: Limits, file_roots: tuple = ()) -> ChatRequest:
