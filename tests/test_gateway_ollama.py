@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -265,3 +266,34 @@ def test_oterm_lists_the_models_and_chats(gw, engine, tmp_path):
         p.kill()
         p.wait(10)
         os.close(master)
+
+
+def test_a_new_engine_gets_the_models_the_dead_one_had_loaded(tmp_path, tiny_gguf):
+    """An engine died under the gateway and another one came up on the socket (the CLI's
+    connect starts one on the default model): requests for the model the dead engine served
+    got 404 until something reloaded it. The gateway remembers the loaded models and loads
+    them into the new engine (by file when its catalog does not name them)."""
+    (tmp_path / "elsewhere").mkdir()
+    tiny = tmp_path / "elsewhere" / "tiny-r.gguf"
+    tiny_gguf.write_tiny_llama(tiny, seed=3)
+    home = tmp_path / "home"
+    home.mkdir()
+    sock = Path(tempfile.mkdtemp(prefix="aotx-rs", dir="/tmp")) / "e.sock"
+    a, _ = start_engine(home, tiny, slots=1, context=256, sock=sock)
+    try:
+        with gateway(sock) as url:
+            h = {"Authorization": f"Bearer {KEY}"}
+            body = {"model": "tiny-r", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            assert httpx.post(url + "/v1/chat/completions", json=body, headers=h, timeout=120).status_code == 200
+            stop_engine(a, kill=True)
+            c, _ = start_engine(home, None, slots=1, context=256, sock=sock)  # the default model only
+            try:
+                r = httpx.post(url + "/v1/chat/completions", json=body, headers=h, timeout=300)
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == "tiny-r"
+                names = {m["id"]: m["aotx"]["loaded"] for m in httpx.get(url + "/v1/models", headers=h).json()["data"]}
+                assert names.get("tiny-r") is True and len(names) >= 2
+            finally:
+                stop_engine(c)
+    finally:
+        stop_engine(a)

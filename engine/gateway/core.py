@@ -161,6 +161,7 @@ class Gateway:
             raise ApiError(503, f"the engine did not list its models: {e}", "server_error",
                            code="engine_unavailable", headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
         self._model_cache = (now, models)
+        self.link.remember(models)
         return models
 
     async def route(self, name: str | None) -> str:
