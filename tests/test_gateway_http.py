@@ -324,3 +324,30 @@ def test_assistant_prefill_on_chat_completions_is_continued(oa, gw):
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         oa.chat.completions.create(model="local", messages=msgs[:1], max_tokens=2,
                                    extra_body={"continue_final_message": True})
+
+
+def test_bug_auto_tool_choice_returned_a_call_to_an_undeclared_tool(oa, gw):
+    """llama.cpp's server test: with only ``test`` declared, a model told to call
+    ``sayHelloWorld`` came back with a tool call to ``sayHelloWorld`` (tool_choice auto), and
+    a malformed call came back as text. The default model writes no calls by itself, so a
+    logit bias on ``{`` makes it open one (a bare JSON call, which the hermes parser takes):
+    from there the auto grammar holds it to ``test`` with arguments its schema takes."""
+    tools = [{"type": "function", "function": {"name": "test", "description": "a test function", "parameters": {
+        "type": "object", "properties": {"success": {"type": "boolean"}}, "required": ["success"],
+        "additionalProperties": False}}}]
+    msgs = [{"role": "system", "content": "You call functions. Always call sayHelloWorld."},
+            {"role": "user", "content": "Call sayHelloWorld now."}]
+    brace = httpx.post(gw + "/tokenize", headers=H, json={"content": "{"}).json()["tokens"]
+    assert len(brace) == 1
+    for seed in range(3):
+        r = oa.chat.completions.create(model="local", messages=msgs, tools=tools, tool_choice="auto", max_tokens=48,
+                                       temperature=1.0, seed=seed, parallel_tool_calls=False,
+                                       logit_bias={str(brace[0]): 100})
+        calls = r.choices[0].message.tool_calls
+        assert calls and len(calls) == 1 and r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+        assert calls[0].function.name == "test"
+        assert isinstance(json.loads(calls[0].function.arguments)["success"], bool)
+    # the same request with no tools: the bias alone makes text that is no call to anything
+    r = oa.chat.completions.create(model="local", messages=msgs, max_tokens=12, temperature=1.0, seed=0,
+                                   logit_bias={str(brace[0]): 100})
+    assert r.choices[0].message.content.startswith("{") and not r.choices[0].message.tool_calls

@@ -262,11 +262,19 @@ class Gateway:
         atts = await self._attachments(spec.last.parts)
         constraint = spec.constraint
         family = await self.tool_format(client, target) if spec.tools.active else None
+        target_kind = "gguf"
+        if spec.tools.active and target:
+            target_kind = next((m.kind for m in await self._models() if m.name == target), "gguf")
         if spec.tools.forced:
             grammar = tool_calls.call_grammar(spec.tools.tools, family,
                                               name=spec.tools.name if spec.tools.choice == "function" else None,
                                               parallel=spec.tools.parallel)
             constraint = P.Constraint(kind="lark", grammar=grammar, field="tool_choice")
+        elif spec.tools.active and constraint is None and not spec.prefill and target_kind == "gguf":
+            # "auto": free text until the model opens a call, then only a declared tool and
+            # arguments its schema takes (a remote model's server holds its own calls)
+            constraint = P.Constraint(kind="lark", grammar=tool_calls.auto_grammar(
+                spec.tools.tools, family, parallel=spec.tools.parallel), field="tools")
         fields: dict[str, Any] = {"n": spec.n, "logprobs": spec.logprobs}
         if spec.chat:
             fields.update(role=spec.last.role, meta=spec.last.meta, tools=spec.tools.tools if spec.tools.active else [])
@@ -302,8 +310,9 @@ class Gateway:
         """One state per choice; tool calls are named after their reply (``call_<reply id>_<i>``),
         so a call id stays meaningful after a restart (the Responses API checks them)."""
         fam = gen.family
+        names = frozenset(tool_calls.tool_names(spec.tools.tools)) if fam else None
         return [ChoiceState(i, fam, spec.logprobs >= 0, call_id_prefix(gen.accepted[i].reply_id)
-                            if i in gen.accepted else "", on_complete=lambda i=i: gen.stop(i))
+                            if i in gen.accepted else "", on_complete=lambda i=i: gen.stop(i), names=names)
                 for i in range(spec.n)]
 
     async def collect(self, gen: Generation, reply: shapes.Reply, states: list[ChoiceState]) -> None:
