@@ -215,12 +215,14 @@ def tls_files(cert: str | None, key: str | None) -> tuple[str, str] | None:
         return None
     if not cert or not key:
         raise UsageError("--tls-cert and --tls-key go together: the certificate and its private key (PEM files)")
+    import os
     import ssl
 
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not os.path.isfile(path):
+            raise UsageError(f"{flag} {path}: no such file")
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
-    except FileNotFoundError as e:
-        raise UsageError(f"--tls-cert/--tls-key: {e.filename}: no such file") from None
     except (ssl.SSLError, OSError) as e:
         raise UsageError(f"--tls-cert {cert} / --tls-key {key}: not a certificate and its key in PEM "
                          f"({getattr(e, 'reason', None) or e})") from None
