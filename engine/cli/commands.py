@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-key-concurrency", type=_int("--per-key-concurrency", 1), default=16)
     p.add_argument("--max-queue", type=_int("--max-queue", 1), default=64,
                    help="generations in flight across all keys before 429")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="a browser origin (https://chat.example; * for any) whose pages may call the API; "
+                   "repeatable (default: none, CORS off)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (with --tls-cert)")
 
     p = sub.add_parser("stop", help="stop the engine serving the socket")
     p.add_argument("--socket")
