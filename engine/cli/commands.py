@@ -13,6 +13,7 @@ import re
 import sys
 
 from aotx.engine.errors import AotxError, UsageError, friendly_error
+from aotx.engine.present import config as cli_config
 from aotx.engine.protocol import SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, SamplingParams, limit_problem
 
 
@@ -200,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (with --tls-key)")
     p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (with --tls-cert)")
 
+    sub.add_parser("config", help="the defaults in effect (model, device, context, slots, theme, api_key_file): "
+                   "each one's value and where it came from (the config file: `aotx config` names it)")
+    p = sub.add_parser("completion", help='print a shell completion script: eval "$(aotx completion bash)"')
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+
     p = sub.add_parser("stop", help="stop the engine serving the socket")
     p.add_argument("--socket")
 
@@ -337,12 +343,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = join_negative_values(sys.argv[1:] if argv is None else argv)
     try:
         ap = build_parser()
+        settings, cpath = cli_config.load()
+        cli_config.apply(ap, settings, cpath)  # the config file's defaults; flags still win
         args, extra = ap.parse_known_args(argv)
         if extra:  # name the subcommand whose options were meant, and suggest one of them
             chosen_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
         if not args.cmd:
             ap.print_help()
             return 2
+        if args.cmd == "config":
+            cli_config.show(ap, settings, cpath)
+            return 0
+        if args.cmd == "completion":
+            print(cli_config.completion(ap, args.shell))
+            return 0
         if args.cmd == "serve":
             from aotx.engine.cli.serve import serve
 
