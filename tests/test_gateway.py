@@ -145,7 +145,7 @@ def test_openai_completions_raw_and_models(oa):
     models = oa.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert oa.models.retrieve("SmolLM2-135M-Instruct.Q4_1").owned_by == "aotx"
-    # regression (new-user trial, session 4): "context" said 8192 (the trained context) while
+    # regression: "context" said 8192 (the trained context) while
     # the engine served 1024, so a client sizing its prompts from it got a 400
     extra = models.data[0].model_extra
     assert extra["aotx"]["context"] == 1024 and extra["max_model_len"] == 1024
@@ -230,7 +230,7 @@ def test_parse_chat_good(body, check):
 
 
 def test_bug_max_tokens_above_the_ceiling_is_capped_not_refused():
-    """Regression (session 4's gateway breaker): max_tokens above the gateway's ceiling was
+    """Regression: max_tokens above the gateway's ceiling was
     a 400, so Claude Code (max_tokens 32,000) could not talk to it at all; an operator's
     --max-tokens-ceiling now caps the reply instead, and the default has none."""
     lim = S.Limits(max_tokens_ceiling=4096)
@@ -517,6 +517,17 @@ def test_key_file_generated_0600_and_reused(tmp_path, monkeypatch):
         A.load_or_create(other)
     with pytest.raises(UsageError, match="does not exist"):
         A.load_or_create(tmp_path / "missing")
+
+
+def test_gateway_key_file_first_line_is_the_key(tmp_path):
+    """Regression: the first line was a comment, so ``head -1 api_keys`` gave no key."""
+    path = tmp_path / "gateway" / "api_keys"
+    key = A.generate_key_file(path)
+    first = path.read_text().splitlines()[0]
+    assert first == key and first.startswith("sk-aotx-")
+    assert A.read_key_file(path) == [key]
+    head = subprocess.run(["head", "-1", str(path)], capture_output=True, text=True)
+    assert head.stdout.strip() == key
 
 
 @pytest.mark.parametrize("header,ok", [

@@ -160,7 +160,7 @@ class Executor:
                 self.draft.restore(cap, slot.index, r.prompt)
             slot.tokens[:] = cap.tokens[:n].tolist()
             reuse = n
-            # the user's words (issue 17, defect 7); where it came from is in `aotx status`
+            # the user's words, no capsule or prefill jargon; where it came from is in `aotx status`
             note = f"picked up where this conversation left off ({n} tokens of context kept, not read again)"
         elif note.startswith("restored"):
             note = ""
