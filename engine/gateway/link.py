@@ -120,5 +120,6 @@ def engine_error(ev: P.Error, refused: P.Notice | None, retry_after_s: int, cons
     if ev.code == ErrorCode.NOT_READY:
         return ApiError(503, ev.message, "server_error", code="not_ready", headers=retry)
     if ev.code in (ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_MEDIA):
-        return ApiError(400, ev.message, "invalid_request_error", code=ev.code)
+        field = ev.message.split(":", 1)[0] if ev.message.startswith("logit_bias:") else None  # (the engine's vocabulary)
+        return ApiError(400, ev.message, "invalid_request_error", param=field, code=ev.code)
     return ApiError(500, f"the engine failed: {ev.message}", "server_error", code=ev.code)
