@@ -276,10 +276,12 @@ class LocalModel:
         return self._facts
 
     def close(self) -> None:
-        """Let go of the KV cache and the weights (the last references)."""
+        """Let go of the KV cache and the weights (the last references), and end the
+        preparation workers."""
         self.kv = None
         self.executor.kv = None
         self.draft = None
+        self.submitter.preparer.close()
 
 
 def prefixed(name: str, terms: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
