@@ -13,7 +13,7 @@ Every problem is one ModelError line naming the file and the key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aotx.engine.errors import ModelError
@@ -55,6 +55,11 @@ class ModelConfig:
     (expert_used_count: experts per token), ``expert_ffn_dim`` (expert_feed_forward_length,
     0 when absent: the architecture picks its default), ``shared_ffn_dim``
     (expert_shared_feed_forward_length, 0 when absent).
+
+    ``nextn_layers``: nextn_predict_layers, the multi-token-prediction blocks the file
+    appends after the main stack (block_count counts them; ``n_layers`` does not).
+    ``meta``: the file's metadata, for the keys only one architecture reads
+    (``architectures/hparams.py`` reads them, naming the key in every error).
     """
 
     arch: str
@@ -84,6 +89,8 @@ class ModelConfig:
     n_expert_used: int = 0
     expert_ffn_dim: int = 0
     shared_ffn_dim: int = 0
+    nextn_layers: int = 0
+    meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False, repr=False)
 
     def check_sliding_window(self, path: str) -> None:
         """Raise ModelError unless the file's sliding window can be used: present,
@@ -152,6 +159,10 @@ class ModelConfig:
         for key, val in (("embedding_length", d_model), ("attention.head_count", n_heads),
                          ("attention.head_count_kv", n_kv), ("block_count", n_layers), ("feed_forward_length", ffn)):
             positive(key, val)
+        nextn = get("nextn_predict_layers", 0)
+        if not 0 <= nextn < n_layers:
+            raise ModelError(f"{path}: {arch}.nextn_predict_layers is {nextn}; it must be in 0..{arch}.block_count - 1 "
+                             f"({n_layers - 1})")
         if n_heads % n_kv:
             raise ModelError(f"{path}: {arch}.attention.head_count is {n_heads}, not a multiple of "
                              f"head_count_kv {n_kv} ({arch}.attention.head_count_kv)")
@@ -226,7 +237,7 @@ class ModelConfig:
         return cls(
             arch=arch,
             name=str(meta.get("general.name", "")),
-            n_layers=n_layers,
+            n_layers=n_layers - nextn,
             d_model=d_model,
             n_heads=n_heads,
             n_kv_heads=n_kv,
@@ -251,4 +262,6 @@ class ModelConfig:
             n_expert_used=n_used,
             expert_ffn_dim=expert_ff,
             shared_ffn_dim=shared_ff,
+            nextn_layers=nextn,
+            meta=meta,
         )

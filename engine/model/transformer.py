@@ -32,7 +32,7 @@ from aotx.engine.errors import ModelError
 from aotx.engine.model.batch import BatchLayout, Segment
 from aotx.engine.model.config import ModelConfig
 
-KINDS = ("matrix", "vector", "host", "experts", "expert_vectors")
+KINDS = ("matrix", "vector", "host", "experts", "expert_vectors", "array")
 VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
 
 
@@ -43,8 +43,10 @@ class Tensor:
     "vector" (``backend.vector``: norms, biases) or "host" (a float32 numpy array kept on
     the host: RoPE frequency factors); for mixtures of experts "experts" (a 3-D stack of E
     matrices, ggml shape ``(k, m, E)``: ``backend.experts``) and "expert_vectors" (one bias
-    per expert, ggml ``(n, E)``: ``backend.expert_vectors``); ``optional``: absent is fine
-    (the weight is None)."""
+    per expert, ggml ``(n, E)``: ``backend.expert_vectors``); "array" (a small float tensor
+    of any rank, F32/F16/BF16, as a float32 backend array of the reversed ggml shape:
+    ``backend.array``; a convolution kernel); ``optional``: absent is fine (the weight is
+    None)."""
 
     name: str
     shape: tuple[int, ...]
@@ -127,10 +129,31 @@ def resolve_tensors(specs: list, gf, backend) -> list[tuple[Tensor, Any]]:
                                  f"{', '.join(sorted(_type_name(q) for q in supported))})")
         elif t.qtype not in VECTOR_TYPES:
             raise ModelError(f"{gf.path}: tensor {spec.name!r} has tensor type {_type_name(t.qtype)}, which is not "
-                             f"supported for a {'per-expert bias' if spec.kind == 'expert_vectors' else '1-D tensor'} "
+                             f"supported for a {_what(spec.kind)} "
                              f"(supported: F32, F16, BF16)")
         out.append((spec, t))
     return out
+
+
+def _what(kind: str) -> str:
+    return {"expert_vectors": "per-expert bias", "array": "small float tensor"}.get(kind, "1-D tensor")
+
+
+def check_known(arch: ModuleType, cfg: ModelConfig, specs: list, gf) -> None:
+    """For an architecture that sets ``KNOWN_TENSORS_ONLY``: every tensor of the file must
+    be one it declares (any option of a OneOf) or one its ``ignored_tensor(cfg, name)``
+    accepts; otherwise the file is a variant it does not know, refused naming the tensor."""
+    if not getattr(arch, "KNOWN_TENSORS_ONLY", False):
+        return
+    known = set()
+    for s in specs:
+        for t in ([x for opt in s.options for x in opt] if isinstance(s, OneOf) else [s]):
+            known.add(t.name)
+    ignored = getattr(arch, "ignored_tensor", lambda cfg, name: False)
+    for name in gf.tensors:
+        if name not in known and not ignored(cfg, name):
+            raise ModelError(f"{gf.path}: tensor {name!r} is not part of the {cfg.arch} architecture AOTX knows "
+                             f"(a variant it cannot run)")
 
 
 def _host_vector(t) -> np.ndarray:
@@ -153,11 +176,12 @@ def load_weights(resolved: list[tuple[Tensor, Any]], gf, backend) -> Weights:
                 loaded[spec.name] = _host_vector(t)
             else:
                 load = {"matrix": backend.matrix, "vector": backend.vector}.get(spec.kind)
-                if load is None:  # the expert kinds: only backends that run mixtures of experts have them
+                if load is None:  # the expert kinds and arrays: only backends that run them have them
                     load = getattr(backend, spec.kind, None)
                     if load is None:
-                        raise ModelError(f"{gf.path}: the {backend.name.upper()} backend does not run mixtures of "
-                                         f"experts (tensor {spec.name!r})")
+                        what = "recurrent layers" if spec.kind == "array" else "mixtures of experts"
+                        raise ModelError(f"{gf.path}: the {backend.name.upper()} backend does not run {what} "
+                                         f"(tensor {spec.name!r})")
                 loaded[spec.name] = load(t)
         except ModelError as e:
             msg = str(e)
@@ -182,7 +206,9 @@ class TransformerModel:
         if check is not None:
             check(cfg, str(gf.path))
         _check_block_count(cfg, gf)
-        resolved = resolve_tensors(arch.tensors(cfg), gf, backend)
+        specs = arch.tensors(cfg)
+        check_known(arch, cfg, specs, gf)
+        resolved = resolve_tensors(specs, gf, backend)
         w = load_weights(resolved, gf, backend)
         b = ProgramBuilder()
         try:

@@ -23,6 +23,7 @@ buffers are reused across calls. The returned logits are a fresh array.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 from aotx.engine.backend.cpu import attention as cpu_attention
 from aotx.engine.backend.cpu import fdot as cpu_fdot
 from aotx.engine.backend.cpu import ops as cpu_ops
+from aotx.engine.backend.cpu import recurrent as cpu_recurrent
 from aotx.engine.backend.ops import ROWS_N, Node, Program, RopeSpec, Value
 
 KV_TYPES = ("f16", "f32")
@@ -167,7 +169,7 @@ def join_linears(program: Program) -> tuple[Program, int]:
         i = j
     if not joined:
         return program, 0
-    return Program(tuple(nodes), tuple(values), program.output, program.d_model, program.kv_layers), joined
+    return dataclasses.replace(program, nodes=tuple(nodes), values=tuple(values)), joined
 
 
 class _Buffers:
@@ -219,12 +221,17 @@ class CpuProgram:
     # ---- public --------------------------------------------------------------------
 
     def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> CpuKVCache:
-        """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed)."""
-        return CpuKVCache(self.program, n_slots, n_ctx, kv_type)
+        """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed); its ``state``
+        holds the recurrent layers' buffers (``recurrent.RecurrentState``), None without them."""
+        kv = CpuKVCache(self.program, n_slots, n_ctx, kv_type)
+        layers = self.program.state_layers
+        kv.state = cpu_recurrent.RecurrentState(layers, n_slots) if layers else None
+        return kv
 
     def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
-        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates."""
-        return CpuKVCache.nbytes(self.program, n_slots, n_ctx, kv_type)
+        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates (recurrent state included)."""
+        return (CpuKVCache.nbytes(self.program, n_slots, n_ctx, kv_type)
+                + cpu_recurrent.RecurrentState.nbytes(self.program.state_layers, n_slots))
 
     def forward(self, tokens: np.ndarray, layout: Any, kv: CpuKVCache,
                 embeds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
@@ -238,8 +245,13 @@ class CpuProgram:
                              f"{kv.n_ctx} positions)")   # the kernels store without bounds checks
         bt.views = self._views(bt)
         env: list[Any] = [None] * len(self.program.values)
+        state = getattr(kv, "state", None)
+        if state is not None:
+            state.begin(layout)        # each segment continues its slot's state (or starts at 0)
         for step in self._steps:
             step(env, bt, kv)
+        if state is not None:
+            state.end()
         return env[self.program.output.id]
 
     # ---- expert tiers (issue 22; cpu_moe.py, engine/model/experts.py) ----------------
@@ -354,7 +366,8 @@ class CpuProgram:
     def _compile(self, i: int, node) -> Callable[[list, _Batch, CpuKVCache], None]:
         if node.outs[0].id == self.program.output.id and node.op not in ("linear", "scale", "softcap", "take_rows"):
             raise ValueError(f"a program whose output is made by {node.op} is not supported on the CPU")
-        return getattr(self, "_c_" + node.op)(i, node)
+        own = getattr(self, "_c_" + node.op, None)
+        return own(i, node) if own is not None else cpu_recurrent.compile_node(self, i, node)
 
     def _c_embed(self, i, node):
         table, scale, o = node.attrs["table"], node.attrs["scale"], node.out.id
