@@ -27,7 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import common, experts, gemma3, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe, real
+from . import (common, experts, gemma3, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe,
+               qwen35, real)
 from .common import Tokenizer, tokenizer_from_gguf
 
 #: every tiny reference file: name -> (writer module, its keyword arguments)
@@ -39,6 +40,7 @@ TINY: dict[str, tuple[Any, dict[str, Any]]] = {
     "phi3": (phi3, {}),
     "phi3-longrope": (phi3, {"longrope": True}),
     "iquants": (iquants, {}),
+    "qwen35": (qwen35, {}),
 }
 
 #: the tiny mixture-of-experts files (issue 22; references in tests/data/refs/moe/)
@@ -57,4 +59,4 @@ def write(name: str, path: str | Path, tokenizer: Tokenizer, **overrides: Any) -
 
 
 __all__ = ["MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gptoss", "hf_vocab", "iquants", "llama",
-           "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "real", "tokenizer_from_gguf", "write"]
+           "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "qwen35", "real", "tokenizer_from_gguf", "write"]
