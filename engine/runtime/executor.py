@@ -135,10 +135,13 @@ class Executor:
         caps = self.capsules
         fp = self.lm.fingerprint
         if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + PARK_MIN_EXTRA:
-            caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp, backend=self.device,
-                                               numerics=self.numerics, device=caps.device_budget > 0,
-                                               drafter=self._drafter_state(slot.index),
-                                               sampler=self._sampler_of.get(slot.conv_id)))
+            try:
+                caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp,
+                                                   backend=self.device, numerics=self.numerics,
+                                                   device=caps.device_budget > 0, drafter=self._drafter_state(slot.index),
+                                                   sampler=self._sampler_of.get(slot.conv_id)))
+            except C.CapsuleError as e:   # a cache: the journal's tokens rebuild the state
+                log.warning("state of %s not parked: %s", slot.conv_id, e)
         if slot.conv_id != r.conv_id:           # the slot's state leaves it: one entry per slot at most
             self._sampler_of.pop(slot.conv_id, None)
         if r.fork_capsule is not None:  # a forked choice: the prompt's state, then its first token
@@ -154,7 +157,7 @@ class Executor:
             return LeaseResult(reuse)
         cap, n, note = caps.best_for(r.conv_id, r.prompt)
         n = min(n, len(r.prompt) - 1)
-        if cap is not None and n > reuse:
+        if cap is not None and n > reuse and C.restorable(cap, n):
             C.restore(cap, self.kv, slot.index, fingerprint=fp, n=n)
             if self.draft is not None:
                 self.draft.restore(cap, slot.index, r.prompt)
@@ -177,8 +180,13 @@ class Executor:
         self._sampler_of[r.conv_id] = r.sampler_state       # what a capsule of this slot carries
         if caps is None or caps.dir is None or r.slot is None or len(r.slot.tokens) < 2:
             return
-        cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device,
-                         numerics=self.numerics, drafter=self._drafter_state(r.slot.index), sampler=r.sampler_state)
+        try:
+            cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint,
+                             backend=self.device, numerics=self.numerics, drafter=self._drafter_state(r.slot.index),
+                             sampler=r.sampler_state)
+        except C.CapsuleError as e:
+            log.warning("capsule of %s not written: %s", r.conv_id, e)
+            return
         conv_id = r.conv_id
 
         def write() -> None:
@@ -359,8 +367,10 @@ class Executor:
                 fed = [r.next_input] + drafts[:len(produced) - 1]
                 if drafts:
                     r.drafter.update(len(drafts), len(produced) - 1)
-                    if len(fed) < n:  # roll back the rejected drafts' KV cells
+                    if len(fed) < n:  # roll back the rejected drafts' KV cells (and recurrent state)
                         self.kv.clear(r.slot.index, r.pos + len(fed), r.pos + n)
+                        if getattr(self.kv, "state", None) is not None:
+                            self.kv.state.rollback(r.slot.index, r.pos + len(fed))
             out.append(RowResult(r, produced, fed, len(drafts), got_lp))
             off += n
         return out + forked

@@ -84,7 +84,7 @@ class LocalModel:
         self.envelope = Envelope.of(lm.config, n_slots, n_ctx, prefill_chunk, store.journal_capacity)
         self.kv = lm.model.new_kv_cache(n_slots, n_ctx, kv_type)
         self.draft = DraftModel(draft_lm, n_slots, n_ctx, p_min=draft_p_min) if draft_lm is not None else None
-        self.slots = SlotTable(n_slots)
+        self.slots = SlotTable(n_slots, whole_prefix=getattr(self.kv, "state", None) is not None)
         self.waiting: deque[Request] = deque()  # accepted, in arrival order (durable_wait or queued)
         self.running: list[Request] = []        # prefill or decode, holding a slot
         self.executor = Executor(lm, self.kv, device=device, capsules=capsules, draft=self.draft)

@@ -3,9 +3,11 @@
 A slot's live state is a closed set of named buffers: K and V of every layer
 for positions ``0..n-1``, the token ids those positions hold, the position
 (``n``), the pending token (sampled, not yet fed), the sampler state (seed,
-Philox step counter, penalty history) and, with a draft model, the drafter state
-(the draft slot's K and V up to its committed boundary and the ids they hold;
-``runtime/drafter.py``). A capsule is a copy of that set with a header: the
+Philox step counter, penalty history), on a hybrid model the recurrent buffers
+(each convolution's last inputs and each delta-rule layer's state matrices, as
+the KV cache's ``state`` names them: ``conv.<i>``, ``delta.<i>``) and, with a
+draft model, the drafter state (the draft slot's K and V up to its committed
+boundary and the ids they hold; ``runtime/drafter.py``). A capsule is a copy of that set with a header: the
 model fingerprint, backend, KV type (f16 | f32), dtype layout, length and a CRC32C over every buffer
 (the drafter buffers have their own CRC32C in ``header.drafter``). Restore
 copies back into the *same* live buffers (nothing resolved at load changes)
@@ -23,9 +25,13 @@ sampler state and the drafter state, and live in three homes.
 File format (little-endian): magic ``AOTXCAPS``, u32 version, u32 header
 length, header (msgpack map), then the buffers raw: ``k``, ``v``, ``tokens``,
 then, when ``header.shapes`` names them, ``draft_k``, ``draft_v``,
-``draft_tokens``. The drafter buffers were added without a version change: a
-reader that does not know them stops after ``tokens`` and ignores the header's
-unknown fields, and a capsule without them restores with an empty drafter.
+``draft_tokens``, then the recurrent buffers ``header.state`` names, in that order
+(float32, shapes in ``header.shapes["state.<name>"]``). The drafter and recurrent
+buffers were added without a version change: a reader that does not know them
+stops before them and ignores the header's unknown fields, and a capsule without
+drafter buffers restores with an empty drafter. The recurrent state stands at one
+position: a hybrid model's capsule restores whole (``restorable``), never a prefix
+of it as KV alone could.
 ``k`` and ``v`` are float16 when ``header.kv_type`` is "f16" and float32 for "f32"
 (the field's default: capsules written before it were float32); the drafter's are
 ``header.drafter["kv_type"]`` likewise. A capsule restores only into a KV cache of its
@@ -45,6 +51,7 @@ import numpy as np
 
 from aotx.engine.errors import AotxError
 from aotx.engine.fileio import OS, FileIO, describe_os_error, read_regular, write_file
+from aotx.engine.state.prefix import common_prefix
 
 MAGIC = b"AOTXCAPS"
 VERSION = 1
@@ -82,6 +89,8 @@ class CapsuleHeader(msgspec.Struct, frozen=True):
     # executor's numerics); a disk capsule of other numerics is not restored (its reply would
     # not be the one a fresh prefill gives). Empty: written before the field existed.
     numerics: str = ""
+    # the recurrent buffers' names, in file order (empty: an attention-only model)
+    state: list[str] = []
 
 
 _KV_DTYPES = {"f16": np.float16, "f32": np.float32}
@@ -98,7 +107,8 @@ class Capsule:
     header's kv_type);
     ``tokens``: (n,) int32. Sampler state in the header. Drafter state (or None):
     ``draft_k``, ``draft_v``: the draft model's (n_layers', n_kv_heads', m, head_dim')
-    float16 or float32; ``draft_tokens``: (m,) int32."""
+    float16 or float32; ``draft_tokens``: (m,) int32. ``state``: a hybrid model's
+    recurrent buffers at position n (name -> float32 array), or None."""
 
     header: CapsuleHeader
     k: np.ndarray
@@ -109,6 +119,7 @@ class Capsule:
     draft_k: np.ndarray | None = None
     draft_v: np.ndarray | None = None
     draft_tokens: np.ndarray | None = None
+    state: dict[str, np.ndarray] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -117,7 +128,10 @@ class Capsule:
     @property
     def nbytes(self) -> int:
         return int(self.k.nbytes + self.v.nbytes + self.tokens.nbytes) + sum(
-            int(a.nbytes) for a in self._draft_buffers())
+            int(a.nbytes) for a in self._draft_buffers() + self._state_buffers())
+
+    def _state_buffers(self) -> tuple[np.ndarray, ...]:
+        return () if self.state is None else tuple(self.state[n] for n in self.header.state)
 
     def _draft_buffers(self) -> tuple[np.ndarray, ...]:
         return () if self.draft_k is None else (self.draft_k, self.draft_v, self.draft_tokens)
@@ -144,9 +158,17 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
     header says 0 until then. grammar: the slot's constraint state as data, or None.
     numerics: the arithmetic behind the KV (CapsuleHeader.numerics)."""
     n = len(tokens)
+    rec = None
+    if getattr(kv, "state", None) is not None:
+        try:
+            rec = kv.state.snapshot(slot, n)
+        except ValueError as e:
+            raise CapsuleError(f"cannot snapshot slot {slot} at {n} tokens: {e}") from None
     k, v = kv.snapshot_slot(slot, n, device=True) if device else kv.snapshot_slot(slot, n)
     toks = np.asarray(tokens, np.int32)
     shapes = {"k": list(k.shape), "v": list(v.shape), "tokens": [n]}
+    names = list(rec) if rec is not None else []
+    shapes.update({f"state.{name}": list(rec[name].shape) for name in names})
     dk = dv = dt = None
     dmeta: dict[str, Any] = {}
     if drafter is not None:
@@ -157,11 +179,12 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
     kv_type = _kv_type_of(k)
     hdr = CapsuleHeader(
         fingerprint=fingerprint, backend=backend, layout=f"kv:{kv_type}:{list(k.shape[:2])}+n+[{k.shape[3]}]",
-        n_tokens=n, shapes=shapes, crc32c=0 if device else _crc(k, v, toks),
+        n_tokens=n, shapes=shapes, crc32c=0 if device else _crc(k, v, toks, *(rec[x] for x in names)),
         pending_token=pending_token, seed=getattr(sampler, "seed", 0), step=getattr(sampler, "step", 0),
         history=list(getattr(sampler, "history", [])), drafter=dmeta, kv_type=kv_type, grammar=dict(grammar or {}),
-        numerics=numerics)
-    return Capsule(hdr, k, v, toks, home="device" if device else "host", draft_k=dk, draft_v=dv, draft_tokens=dt)
+        numerics=numerics, state=names)
+    return Capsule(hdr, k, v, toks, home="device" if device else "host", draft_k=dk, draft_v=dv, draft_tokens=dt,
+                   state=rec)
 
 
 def to_host(cap: Capsule) -> Capsule:
@@ -170,9 +193,26 @@ def to_host(cap: Capsule) -> Capsule:
     if isinstance(cap.k, np.ndarray):
         return cap
     k, v = cap.k.get(), cap.v.get()
-    hdr = msgspec.structs.replace(cap.header, crc32c=_crc(k, v, cap.tokens))
+    hdr = msgspec.structs.replace(cap.header, crc32c=_crc(k, v, cap.tokens, *cap._state_buffers()))
     return Capsule(hdr, k, v, cap.tokens, home="host", last_used=cap.last_used, draft_k=cap.draft_k,
-                   draft_v=cap.draft_v, draft_tokens=cap.draft_tokens)
+                   draft_v=cap.draft_v, draft_tokens=cap.draft_tokens, state=cap.state)
+
+
+def restorable(cap: Capsule, n: int) -> bool:
+    """Whether ``restore(cap, ..., n=n)`` can put the slot at position ``n``: any n up to
+    the capsule's length for KV alone; with recurrent buffers only the whole capsule
+    (the state stands at exactly ``n_tokens``)."""
+    return 0 < n <= cap.n_tokens and (cap.state is None or n == cap.n_tokens)
+
+
+def usable_prefix(cap: Capsule, prompt: list[int]) -> int:
+    """How many positions of ``prompt`` the capsule can put in place: the shared token
+    prefix, or for a capsule with recurrent buffers its whole length when all of it is a
+    prefix of ``prompt`` (else 0)."""
+    n = common_prefix(cap.tokens.tolist(), prompt)
+    if cap.state is not None and n != cap.n_tokens:
+        return 0
+    return n
 
 
 def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = None) -> int:
@@ -193,6 +233,17 @@ def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = No
         raise CapsuleError(f"capsule layout {cap.header.layout} does not match the KV cache")
     if n > n_ctx:
         raise CapsuleError(f"capsule of {n} tokens does not fit a context of {n_ctx}")
+    st = getattr(kv, "state", None)
+    if (st is None) != (cap.state is None):
+        raise CapsuleError("capsule and KV cache disagree on recurrent state: " + (
+            "the capsule has none" if cap.state is None else "the model has none"))
+    if st is not None and n != cap.n_tokens:
+        raise CapsuleError(f"a capsule with recurrent state restores whole ({cap.n_tokens} tokens), not {n}")
+    if st is not None:
+        try:
+            st.restore(slot, cap.state, n)       # checks every buffer before it writes any
+        except ValueError as e:
+            raise CapsuleError(f"capsule layout {cap.header.layout} does not match the model: {e}") from None
     kv.restore_slot(slot, cap.k, cap.v, n)
     return n
 
@@ -202,7 +253,7 @@ def verify(cap: Capsule) -> None:
     drafter buffers' equals ``header.drafter["crc32c"]``); a device capsule is checked
     on its host copy."""
     cap = to_host(cap)
-    got = _crc(cap.k, cap.v, cap.tokens)
+    got = _crc(cap.k, cap.v, cap.tokens, *cap._state_buffers())
     if got != cap.header.crc32c:
         raise CapsuleError(f"capsule checksum mismatch (stored {cap.header.crc32c:#010x}, computed {got:#010x})")
     if cap.draft_k is not None:
@@ -225,7 +276,8 @@ def save(cap: Capsule, path: Path, fs: FileIO = OS) -> int:
     head = msgspec.msgpack.encode(cap.header)
     tmp = path.with_name(path.name + TMP_SUFFIX)
     chunks = [_HEAD.pack(MAGIC, VERSION, len(head)), head] + [
-        np.ascontiguousarray(a).data for a in (cap.k, cap.v, cap.tokens) + cap._draft_buffers()]
+        np.ascontiguousarray(a).data for a in (cap.k, cap.v, cap.tokens) + cap._draft_buffers()
+        + cap._state_buffers()]
     size = write_file(fs, tmp, chunks)  # removes tmp on failure
     try:
         fs.replace(tmp, path)
@@ -281,6 +333,7 @@ def load(path: Path) -> Capsule:
     names = [("k", kdt), ("v", kdt), ("tokens", np.int32)]
     if "draft_k" in hdr.shapes:
         names += [("draft_k", ddt), ("draft_v", ddt), ("draft_tokens", np.int32)]
+    names += [(f"state.{x}", np.float32) for x in hdr.state]
     for name, dt in names:
         shape = tuple(hdr.shapes.get(name, []))
         nb = int(np.prod(shape)) * np.dtype(dt).itemsize
@@ -289,7 +342,8 @@ def load(path: Path) -> Capsule:
         out[name] = np.frombuffer(data, dt, count=int(np.prod(shape)), offset=off).reshape(shape).copy()
         off += nb
     cap = Capsule(hdr, out["k"], out["v"], out["tokens"], home="disk", draft_k=out.get("draft_k"),
-                  draft_v=out.get("draft_v"), draft_tokens=out.get("draft_tokens"))
+                  draft_v=out.get("draft_v"), draft_tokens=out.get("draft_tokens"),
+                  state={x: out[f"state.{x}"] for x in hdr.state} if hdr.state else None)
     try:
         verify(cap)
     except CapsuleError as e:
