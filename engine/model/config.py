@@ -155,10 +155,12 @@ class ModelConfig:
         n_layers = get("block_count")
         n_heads = get("attention.head_count")
         n_kv = get("attention.head_count_kv", n_heads)
-        ffn = get("feed_forward_length")
+        # a mixture of experts may leave out the dense width (llama.cpp reads it optionally)
+        ffn = get("feed_forward_length", 0 if raw("expert_count") else None)
         for key, val in (("embedding_length", d_model), ("attention.head_count", n_heads),
                          ("attention.head_count_kv", n_kv), ("block_count", n_layers), ("feed_forward_length", ffn)):
-            positive(key, val)
+            if not (key == "feed_forward_length" and ffn == 0 and raw("expert_count")):
+                positive(key, val)
         nextn = get("nextn_predict_layers", 0)
         if not 0 <= nextn < n_layers:
             raise ModelError(f"{path}: {arch}.nextn_predict_layers is {nextn}; it must be in 0..{arch}.block_count - 1 "

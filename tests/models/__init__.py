@@ -40,7 +40,6 @@ TINY: dict[str, tuple[Any, dict[str, Any]]] = {
     "phi3": (phi3, {}),
     "phi3-longrope": (phi3, {"longrope": True}),
     "iquants": (iquants, {}),
-    "qwen35": (qwen35, {}),
 }
 
 #: the tiny mixture-of-experts files (issue 22; references in tests/data/refs/moe/)
