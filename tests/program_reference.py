@@ -141,10 +141,10 @@ def _delta_rule(q, k, v, alpha, beta, a: dict) -> np.ndarray:
     return out.reshape(n, H * S)
 
 
-def reference_logits(program, tokens, n_ctx: int | None = None) -> np.ndarray:
+def reference_logits(program, tokens, n_ctx: int | None = None, inputs: dict | None = None) -> np.ndarray:
     """(n, vocab) float64 logits of ``tokens`` (one sequence from position 0). ``n_ctx``:
     the context size a KV cache would have (it selects Phi-3's long or short RoPE factors;
-    default len(tokens))."""
+    default len(tokens)); ``inputs``: the rows of the program's ``input`` ops by name."""
     tokens = np.asarray(tokens, np.int64)
     n = tokens.shape[0]
     n_ctx = n if n_ctx is None else n_ctx
@@ -198,6 +198,10 @@ def reference_logits(program, tokens, n_ctx: int | None = None) -> np.ndarray:
             y = (x3 / np.sqrt(np.sum(x3 * x3, axis=-1, keepdims=True) + a["eps"])).reshape(n, -1)
         elif op == "sigmoid_gate":
             y = x[0] / (1.0 + np.exp(-x[1]))
+        elif op == "input":
+            y = np.asarray(inputs[a["name"]], np.float64)
+        elif op == "concat":
+            y = np.concatenate([x[0], x[1]], axis=1)
         elif op == "deinterleave":
             x4 = x[0].reshape(n, -1, a["parts"], a["head_dim"])
             for j, o in enumerate(node.outs):

@@ -36,7 +36,9 @@ GLU_ACTS = ("silu", "gelu_tanh")
 OPS = ("embed", "rms_norm", "head_rms_norm", "linear", "split", "rope", "attention", "glu", "add", "scale",
        "softcap", "take_rows", "moe",
        # recurrent layers (Qwen3.5's gated DeltaNet) and gated attention output
-       "short_conv", "delta_rule", "l2_norm", "sigmoid_gate", "deinterleave")
+       "short_conv", "delta_rule", "l2_norm", "sigmoid_gate", "deinterleave",
+       # rows the caller supplies (a multi-token-prediction head's hidden-state input), column concat
+       "input", "concat")
 #: a ``short_conv`` node's activation after the convolution
 CONV_ACTS = ("none", "silu")
 #: how a ``moe`` node turns router logits into expert weights (llama.cpp's
@@ -134,6 +136,7 @@ class Program:
     d_model: int
     kv_layers: tuple[KVLayer, ...]
     state_layers: tuple[StateLayer, ...] = ()
+    hidden: Value | None = None      # (N, d) rows a backend keeps after each forward (mark_hidden)
 
     @property
     def vocab(self) -> int:
@@ -421,7 +424,28 @@ class ProgramBuilder:
         if sum(n.op == "take_rows" for n in self._nodes) != 1:
             raise ProgramError("a program takes the logits rows exactly once")
         return Program(tuple(self._nodes), tuple(self._values), logits, self._d_model, tuple(self._kv),
-                       tuple(self._states))
+                       tuple(self._states), getattr(self, "_hidden", None))
+
+    def mark_hidden(self, x: Value) -> None:
+        """Keep ``x`` ((N, d): every row of the batch) after each forward: the final-normed
+        hidden state a multi-token-prediction head reads (backends: ``last_hidden``)."""
+        if x.rows != ROWS_N:
+            raise ProgramError(f"mark_hidden: {x!r} must be batch rows (N)")
+        self._hidden = x
+
+    def input(self, name: str, width: int) -> Value:
+        """(N, width) rows the caller supplies with each forward (``inputs[name]``)."""
+        out = self._new(ROWS_N, width, name)
+        self._emit("input", (), (out,), name=name)
+        return out
+
+    def concat(self, a: Value, b: Value, name: str = "") -> Value:
+        """[a, b] side by side: (rows, a.width + b.width)."""
+        if a.rows != b.rows:
+            raise ProgramError(f"concat: {a!r} and {b!r} are on different rows")
+        out = self._new(a.rows, a.width + b.width, name)
+        self._emit("concat", (a, b), (out,))
+        return out
 
     # ---- recurrent layers (IR.md section 9) -------------------------------------------
 

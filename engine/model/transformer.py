@@ -210,6 +210,7 @@ class TransformerModel:
         check_known(arch, cfg, specs, gf)
         resolved = resolve_tensors(specs, gf, backend)
         w = load_weights(resolved, gf, backend)
+        self.weights, self._gf = w, gf       # the MTP head shares them (load_mtp)
         b = ProgramBuilder()
         try:
             logits = arch.forward(b, cfg, w)
@@ -257,6 +258,34 @@ class TransformerModel:
         placeholders past the vocabulary; see runtime/media_prompt.py)."""
         return self.compiled.forward(tokens, BatchLayout.of(segments), kv, embeds)
 
+    def last_hidden(self) -> np.ndarray | None:
+        """The last forward's (N, d_model) final-normed hidden states, for a program that
+        keeps them (an architecture with an MTP head), else None."""
+        return getattr(self.compiled, "last_hidden", None)
+
+    @property
+    def has_mtp(self) -> bool:
+        """The file has nextn (multi-token-prediction) blocks this architecture can run."""
+        return bool(self.cfg.nextn_layers) and hasattr(self.arch, "mtp_forward")
+
+    def load_mtp(self) -> "MtpHead":
+        """Load the file's first nextn block as an MTP head on this backend (its own tensors;
+        the embedding and output head shared with this model). Raises ModelError naming
+        a missing tensor or an op the backend cannot run."""
+        gf = self._gf
+        if not self.has_mtp:
+            raise ModelError(f"{gf.path}: the model has no MTP head (no {self.cfg.arch}.nextn_predict_layers)")
+        w = load_weights(resolve_tensors(self.arch.mtp_tensors(self.cfg), gf, self.backend), gf, self.backend)
+        b = ProgramBuilder()
+        try:
+            logits = self.arch.mtp_forward(b, self.cfg, Weights({**self.weights._w, **w._w}))
+            program = b.finish(logits)
+            return MtpHead(program, self.backend.compile(program))
+        except ProgramError as e:
+            raise ModelError(f"{gf.path}: the MTP head cannot be built from this file ({e})") from None
+        except ValueError as e:     # a backend that cannot run one of its ops
+            raise ModelError(f"{gf.path}: the MTP head does not run on the {self.backend.name} backend ({e})") from None
+
     def _sample(self, tokens: np.ndarray, segments: list[Segment], kv, rows, tick: int = 0) -> np.ndarray:
         """Run one batch and pick each logits row's next token on the device (only where
         ``device_sampling``; see the CUDA backend). Returns (R,) int32."""
@@ -265,6 +294,29 @@ class TransformerModel:
     def _greedy(self, tokens: np.ndarray, segments: list[Segment], kv) -> np.ndarray:
         """``sample`` with every row greedy (only where ``device_sampling``)."""
         return self.compiled.greedy(tokens, BatchLayout.of(segments), kv)
+
+
+class MtpHead:
+    """A multi-token-prediction head traced and compiled beside its model: ``forward(tokens,
+    segments, kv, hidden)`` -> (R, vocab) logits, ``hidden`` the (N, d_model) rows of its
+    ``input`` "h"; ``last_hidden()`` its own final-normed rows of that forward."""
+
+    def __init__(self, program, compiled):
+        self.program = program
+        self.compiled = compiled
+        self.d_model = program.d_model
+
+    def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16"):
+        return self.compiled.new_kv_cache(n_slots, n_ctx, kv_type)
+
+    def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
+        return self.compiled.kv_cache_bytes(n_slots, n_ctx, kv_type)
+
+    def forward(self, tokens: np.ndarray, segments: list[Segment], kv, hidden: np.ndarray) -> np.ndarray:
+        return self.compiled.forward(tokens, BatchLayout.of(segments), kv, None, {"h": hidden})
+
+    def last_hidden(self) -> np.ndarray:
+        return self.compiled.last_hidden
 
 
 def _check_block_count(cfg: ModelConfig, gf) -> None:

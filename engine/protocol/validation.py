@@ -56,8 +56,9 @@ SAMPLING_LIMITS: dict[str, Limit] = {
     "max_tokens": Limit(1, None, integer=True),
 }
 #: ``SamplingParams.speculative``: "" the engine's default, "auto" prompt lookup where it
-#: pays, "ngram" prompt lookup, "draft" the engine's draft model, "off".
-SPECULATIVE_MODES = ("", "auto", "ngram", "draft", "off")
+#: pays, "ngram" prompt lookup, "draft" the engine's draft model, "mtp" the model's own
+#: multi-token-prediction head (a file with nextn layers), "off".
+SPECULATIVE_MODES = ("", "auto", "ngram", "draft", "mtp", "off")
 MAX_STOP_STRINGS = 64  # the stop checker keeps every prefix of every stop string: bound them
 MAX_STOP_CHARS = 1024
 
@@ -100,7 +101,7 @@ def sampling_problem(sp: Any) -> str | None:
         return (f"stop strings: at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each (got "
                 f"{len(sp.stop)}, the longest {max(map(len, sp.stop), default=0)} characters)")
     if sp.speculative not in SPECULATIVE_MODES:
-        return f"speculative mode {sp.speculative!r} is not available (use auto, ngram, draft or off)"
+        return f"speculative mode {sp.speculative!r} is not available (use auto, ngram, draft, mtp or off)"
     return None
 
 

@@ -123,6 +123,7 @@ class Executor:
         self.vocab = lm.config.vocab_size
         self.d_model = lm.config.d_model
         self.masks: Any = None  # cuda_sampling.MaskTable, made on the first constrained device row
+        self._row0: dict[int, int] = {}
         self.prefill_tokens = 0  # prompt tokens run through the model (tests count prefills with it)
 
     # ---- slots ------------------------------------------------------------------------
@@ -211,9 +212,11 @@ class Executor:
         segs: list[Segment] = []
         toks: list[int] = []
         rows: list[tuple[Request, list[int]]] = []  # (request, drafts): 1 + len(drafts) logits rows
+        self._row0: dict[int, int] = {}              # id(request) -> its decode rows' first batch row
         for d in plan.decode:
             r = d.request
             drafts = r.drafter.propose(r.prompt + r.completion, d.draft_room) if r.drafter is not None else []
+            self._row0[id(r)] = len(toks)
             segs.append(Segment(r.slot.index, r.pos, 1 + len(drafts), all_logits=bool(drafts)))
             toks.append(r.next_input)
             toks.extend(drafts)
@@ -236,7 +239,24 @@ class Executor:
         except Exception as e:  # noqa: BLE001 - any failure of the device is one
             raise DeviceError(str(e)) from e
         device_s = time.perf_counter() - t1
+        self._observe_prefill(plan, len(toks) - sum(c.n for c in plan.prefill))
         return TickResult(self._pick(rows, ids, logits, masks), device_s)
+
+    def _hidden(self) -> np.ndarray | None:
+        """The last forward's hidden rows, where the model keeps them (an MTP head's input)."""
+        get = getattr(self.lm.model, "last_hidden", None)
+        return get() if get is not None else None
+
+    def _observe_prefill(self, plan: TickPlan, row: int) -> None:
+        """Hand each prefill chunk's rows to a drafter that follows the target's hidden
+        states (the MTP drafter); ``row`` is the first prefill row of the batch."""
+        for c in plan.prefill:
+            r = c.request
+            if hasattr(r.drafter, "observe"):
+                h = self._hidden()
+                if h is not None:
+                    r.drafter.observe(c.start, r.prompt[c.start:c.start + c.n], h[row:row + c.n])
+            row += c.n
 
     @staticmethod
     def _masks_of(r: Request, drafts: list[int]) -> np.ndarray:
@@ -365,6 +385,10 @@ class Executor:
             fed: list[int] = []
             if r.state is RequestState.DECODE:
                 fed = [r.next_input] + drafts[:len(produced) - 1]
+                if hasattr(r.drafter, "observe") and id(r) in self._row0:
+                    h = self._hidden()
+                    if h is not None:
+                        r.drafter.observe(r.pos, fed, h[self._row0[id(r)]:self._row0[id(r)] + len(fed)])
                 if drafts:
                     r.drafter.update(len(drafts), len(produced) - 1)
                     if len(fed) < n:  # roll back the rejected drafts' KV cells (and recurrent state)

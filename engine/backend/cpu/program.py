@@ -198,6 +198,8 @@ class CpuProgram:
 
     def __init__(self, program: Program, *, join: bool = True):
         self.traced = program               # as the architecture traced it
+        self.inputs: dict[str, np.ndarray] = {}
+        self.last_hidden: np.ndarray | None = None
         # what runs: with q/k/v and gate/up joined into one matmul each (join_linears)
         self.program, self.joined = join_linears(program) if join else (program, 0)
         program = self.program
@@ -234,8 +236,12 @@ class CpuProgram:
                 + cpu_recurrent.RecurrentState.nbytes(self.program.state_layers, n_slots))
 
     def forward(self, tokens: np.ndarray, layout: Any, kv: CpuKVCache,
-                embeds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-        """Run one batch; returns (R, vocab) float32 logits (a fresh array)."""
+                embeds: tuple[np.ndarray, np.ndarray] | None = None,
+                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Run one batch; returns (R, vocab) float32 logits (a fresh array). ``inputs``: the
+        rows of the program's ``input`` ops by name; ``last_hidden`` then holds a copy of the
+        program's ``hidden`` rows (when it marks one)."""
+        self.inputs = inputs or {}
         bt = _Batch(tokens, layout, embeds)
         if bt.n_out == 0 and bt.n == 0:
             return np.empty((0, self.program.vocab), np.float32)
@@ -252,6 +258,8 @@ class CpuProgram:
             step(env, bt, kv)
         if state is not None:
             state.end()
+        if self.program.hidden is not None:
+            self.last_hidden = np.array(env[self.program.hidden.id])
         return env[self.program.output.id]
 
     # ---- expert tiers (issue 22; cpu_moe.py, engine/model/experts.py) ----------------
@@ -285,6 +293,8 @@ class CpuProgram:
             for x in n.inputs:
                 last[x.id] = i
         last[prog.output.id] = len(nodes)
+        if prog.hidden is not None:        # read after the last node (last_hidden)
+            last[prog.hidden.id] = len(nodes)
         self._last = last
         base = list(range(len(prog.values)))     # the value whose buffer a value lives in
         glast = list(last)                       # per root: the last reader of any value in its buffer

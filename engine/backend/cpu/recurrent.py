@@ -3,7 +3,8 @@ the per-slot state they carry.
 
 Owns: the numba kernels of ``short_conv``, ``delta_rule`` (one recurrence for decode,
 verify and short prefill rows; the chunked form for whole aligned chunks of long prefill
-segments: ``delta_chunk``), ``l2_norm``, ``sigmoid_gate`` and ``deinterleave``; the state
+segments: ``delta_chunk``), ``l2_norm``, ``sigmoid_gate`` and ``deinterleave``, and the
+closures of ``input`` (caller rows) and ``concat`` (a multi-token-prediction head's); the state
 (``RecurrentState``: one buffer per ``ops.StateLayer``, the position each slot's state
 stands at, snapshot / restore for capsules, rollback of a verify window); and the closures
 ``CpuProgram`` binds for these ops (``compile_node``). Leaves matmuls, attention and the
@@ -407,5 +408,31 @@ def _c_deinterleave(prog, i, node):
     return run
 
 
+def _c_input(prog, i, node):
+    name, oi, w = node.attrs["name"], node.out.id, node.out.width
+
+    def run(env, bt, kv):
+        x = prog.inputs.get(name)
+        if x is None or x.shape != (bt.n, w):
+            raise ValueError(f"input {name!r}: expected ({bt.n}, {w}) rows, got "
+                             f"{None if x is None else x.shape}")
+        env[oi] = np.ascontiguousarray(x, np.float32)
+    return run
+
+
+def _c_concat(prog, i, node):
+    ai, bi, oi, w = node.inputs[0].id, node.inputs[1].id, node.out.id, node.out.width
+    wa = node.inputs[0].width
+
+    def run(env, bt, kv):
+        a = env[ai]
+        y = _out(prog, node, bt, a.shape[0], w)
+        y[:, :wa] = a
+        y[:, wa:] = env[bi]
+        env[oi] = y
+    return run
+
+
 _COMPILERS = {"short_conv": _c_short_conv, "delta_rule": _c_delta_rule, "l2_norm": _c_l2_norm,
-              "sigmoid_gate": _c_sigmoid_gate, "deinterleave": _c_deinterleave}
+              "sigmoid_gate": _c_sigmoid_gate, "deinterleave": _c_deinterleave, "input": _c_input,
+              "concat": _c_concat}

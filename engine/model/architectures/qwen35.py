@@ -22,7 +22,9 @@ rope.dimension_sections, so pair j turns at p unless its sector falls in the fou
 section (then at 0: no rotation). Here that is a NEOX RoPE whose frequency factor is
 infinite for such pairs.
 The ``nextn_predict_layers`` blocks after the main stack are the multi-token-prediction
-head (``mtp.py``); the main forward does not run them.
+head (``mtp_forward``, traced by ``TransformerModel.load_mtp``; runtime/mtp.py drafts with
+it); the main forward does not run them, but keeps every row's final-normed hidden state
+for it.
 
 Checked against llama.cpp (as vendored by llama-cpp-python 0.3.36, 0c1e5709):
 src/models/qwen35.cpp (load_arch_hparams: ssm.* keys, recurrent layers from
@@ -224,11 +226,70 @@ def build(b: ProgramBuilder, cfg: ModelConfig, w: Weights, ffn) -> Value:
         else:
             a = build_gated_attention(b, cfg, rope, w, p, h)
         x = b.add(a, x, name=p + "attn_residual")
-        if i == cfg.n_layers - 1:
+        if i == cfg.n_layers - 1 and not cfg.nextn_layers:
             x = b.take_rows(x, name="out_rows")
         h = b.rms_norm(x, w[p + "post_attention_norm.weight"], cfg.norm_eps, name=p + "attn_post_norm")
         x = b.add(ffn(b, cfg, w, p, h), x, name=p + "post_ffn")
-    return C.output_head(b, cfg, w, x)
+    if not cfg.nextn_layers:
+        return C.output_head(b, cfg, w, x)
+    # a file with an MTP head: every row's final-normed hidden state is kept for it (llama.cpp's
+    # h_nextn with embeddings_nextn_masked off), so the logits rows are taken after the norm
+    h = b.rms_norm(x, w["output_norm.weight"], cfg.norm_eps, name="h_nextn")
+    b.mark_hidden(h)
+    out = w.get("output.weight")
+    return b.linear(b.take_rows(h, name="out_rows"), w["token_embd.weight"] if out is None else out, name="logits")
+
+
+def nextn_tensors(cfg: ModelConfig, ffn_tensors) -> list:
+    """The first nextn block's tensors (the MTP head), ``ffn_tensors(cfg, p)`` its FFN's."""
+    d, p = cfg.d_model, f"blk.{cfg.n_layers}."
+    return ([C.vec(p + "attn_norm.weight", d), C.vec(p + "post_attention_norm.weight", d)]
+            + attention_tensors(cfg, p) + ffn_tensors(cfg, p)
+            + [C.mat(p + "nextn.eh_proj.weight", 2 * d, d), C.vec(p + "nextn.enorm.weight", d),
+               C.vec(p + "nextn.hnorm.weight", d), C.mat(p + "nextn.embed_tokens.weight", d, cfg.vocab_size, True),
+               C.mat(p + "nextn.shared_head_head.weight", d, cfg.vocab_size, True),
+               C.vec(p + "nextn.shared_head_norm.weight", d, True)])
+
+
+def build_mtp(b: ProgramBuilder, cfg: ModelConfig, w: Weights, ffn) -> Value:
+    """The MTP head (llama.cpp qwen35.cpp graph_mtp): row t pairs the target's final-normed
+    hidden state of position t-1 (the ``input`` "h") with the embedding of token t:
+        x = Weh_proj [rmsnorm(embed(t)) * enorm, rmsnorm(h) * hnorm]
+        x = x + gated_attention(rmsnorm(x) * attn_norm);  x = x + ffn(rmsnorm(x) * post_attention_norm)
+        h' = rmsnorm(x) * shared_head_norm (else output_norm)   (kept: the next draft step's h)
+        logits = Whead h'   (shared_head_head, else the model's output head)"""
+    lin = linear_hparams(cfg)
+    rope = imrope_spec(cfg, lin.sections)
+    eps, p = cfg.norm_eps, f"blk.{cfg.n_layers}."
+    e = b.embed(_first(w, p + "nextn.embed_tokens.weight", "token_embd.weight"), name="mtp_tok_embd")
+    h = b.input("h", cfg.d_model)
+    x = b.linear(b.concat(b.rms_norm(e, w[p + "nextn.enorm.weight"], eps, name="mtp_enorm"),
+                          b.rms_norm(h, w[p + "nextn.hnorm.weight"], eps, name="mtp_hnorm"), name="mtp_concat"),
+                 w[p + "nextn.eh_proj.weight"], name="mtp_eh_proj")
+    a = build_gated_attention(b, cfg, rope, w, p, b.rms_norm(x, w[p + "attn_norm.weight"], eps, name=p + "attn_norm"))
+    x = b.add(a, x, name="mtp_attn_residual")
+    f = ffn(b, cfg, w, p, b.rms_norm(x, w[p + "post_attention_norm.weight"], eps, name=p + "attn_post_norm"))
+    x = b.add(f, x, name="mtp_post_ffn")
+    hn = b.rms_norm(x, _first(w, p + "nextn.shared_head_norm.weight", "output_norm.weight"), eps, name="mtp_h")
+    b.mark_hidden(hn)
+    head = _first(w, p + "nextn.shared_head_head.weight", "output.weight", "token_embd.weight")
+    return b.linear(b.take_rows(hn, name="mtp_rows"), head, name="mtp_logits")
+
+
+def _first(w: Weights, *names: str):
+    """The first of ``names`` the file has (the last one is required)."""
+    for n in names[:-1]:
+        if n in w:
+            return w[n]
+    return w[names[-1]]
+
+
+def mtp_forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
+    return build_mtp(b, cfg, w, lambda b, cfg, w, p, h: C.build_ffn(b, w, p, h, "silu"))
+
+
+def mtp_tensors(cfg: ModelConfig) -> list:
+    return nextn_tensors(cfg, lambda cfg, p: C.ffn_tensors(cfg, p))
 
 
 def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:

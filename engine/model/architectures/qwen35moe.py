@@ -60,3 +60,17 @@ def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
     scale = K.key(cfg, "model", "expert_weights_scale", 0.0, float)
     return Q.build(b, cfg, w, lambda b, cfg, w, p, h: M.build_moe(b, cfg, w, p, h, gating="softmax", norm_w=True,
                                                                   w_scale=scale))
+
+
+def _moe_ffn_tensors(cfg: ModelConfig, p: str) -> list:
+    return M.moe_tensors(cfg, p, expert_ffn_dim(cfg), shared_ff=shared_ffn_dim(cfg))
+
+
+def mtp_tensors(cfg: ModelConfig) -> list:
+    return Q.nextn_tensors(cfg, _moe_ffn_tensors)
+
+
+def mtp_forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
+    scale = K.key(cfg, "model", "expert_weights_scale", 0.0, float)
+    return Q.build_mtp(b, cfg, w, lambda b, cfg, w, p, h: M.build_moe(b, cfg, w, p, h, gating="softmax", norm_w=True,
+                                                                      w_scale=scale))
