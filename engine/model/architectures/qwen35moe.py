@@ -51,8 +51,7 @@ def tensors(cfg: ModelConfig) -> list:
     lin = Q.linear_hparams(cfg)
     out = C.embedding_tensors(cfg)
     for i in range(cfg.n_layers):
-        out += Q.layer_tensors(cfg, lin, i) + M.moe_tensors(cfg, f"blk.{i}.", expert_ffn_dim(cfg),
-                                                            shared_ff=shared_ffn_dim(cfg))
+        out += Q.layer_tensors(cfg, lin, i) + _moe_ffn_tensors(cfg, f"blk.{i}.")
     return out
 
 
@@ -63,7 +62,7 @@ def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
 
 
 def _moe_ffn_tensors(cfg: ModelConfig, p: str) -> list:
-    return M.moe_tensors(cfg, p, expert_ffn_dim(cfg), shared_ff=shared_ffn_dim(cfg))
+    return M.moe_tensors(cfg, p, expert_ffn_dim(cfg), shared_ff=shared_ffn_dim(cfg), shared_gate=True)
 
 
 def mtp_tensors(cfg: ModelConfig) -> list:
