@@ -55,7 +55,7 @@ def test_snapshot_restore_and_disk_are_byte_exact_with_the_state(q35, tmp_path):
     kv = q35.model.new_kv_cache(2, 128)
     _prefill(q35, kv, 0, ids)
     cap = C.snapshot(kv, 0, ids, fingerprint=q35.fingerprint)
-    assert cap.header.state == list(kv.state.names) and len(cap.header.state) == 6   # 3 conv + 3 delta layers
+    assert cap.header.state == list(kv.state.names) == ["conv.0", "delta.1"]
     C.save(cap, tmp_path / "h.caps")
     back = C.load(tmp_path / "h.caps")
     _prefill(q35, kv, 1, list(range(300, 340)))        # slot 1 holds something else first
@@ -110,6 +110,26 @@ def test_a_hybrid_capsule_restores_whole(q35):
         C.restore(cap, kv, 1, fingerprint=q35.fingerprint, n=len(ids) - 3)
     with pytest.raises(C.CapsuleError, match="stands at position"):
         C.snapshot(kv, 0, ids[:-1], fingerprint=q35.fingerprint)
+
+
+def test_a_checkpoint_restores_the_state_of_its_position(q35, tmp_path):
+    """A capsule keeps the state at the end of the prompt as a checkpoint: restored there
+    (through the disk), decoding goes on exactly as after prefilling that prompt alone."""
+    ids = q35.tokenizer.encode(RAW, parse_special=True)
+    n = len(ids)
+    kv = q35.model.new_kv_cache(2, 128)
+    first = _prefill(q35, kv, 0, ids)
+    ckpt = {n: kv.state.snapshot(0, n)}
+    reply = [first] + _greedy(q35, kv, 0, n, first, 6)
+    cap = C.snapshot(kv, 0, ids + reply[:-1], fingerprint=q35.fingerprint, checkpoints=ckpt)
+    assert cap.header.checkpoints == [n] and C.restorable(cap, n) and not C.restorable(cap, n - 1)
+    assert C.usable_prefix(cap, ids + [11, 12, 13]) == n
+    C.save(cap, tmp_path / "c.caps")
+    back = C.load(tmp_path / "c.caps")
+    C.restore(back, kv, 1, fingerprint=q35.fingerprint, n=n)
+    assert kv.state.position(1) == n
+    again = _greedy(q35, kv, 1, n, first, 6)
+    assert [first] + again == reply
 
 
 # ---- the engine ------------------------------------------------------------------------
@@ -169,6 +189,33 @@ def test_parked_hybrid_conversation_resumes_with_the_same_reply(q35, tmp_path):
         eng.stop()
         store.close()
     assert with_caps == plain
+
+
+def test_the_next_turn_resumes_at_the_prompt_checkpoint(q35, tmp_path):
+    """The reply is rendered into the next prompt by the template, not as the tokens fed
+    (a hybrid slot cannot cut its state back to where they diverge): the slot's
+    checkpoint at the end of the previous prompt is reused, and the reply is the one a
+    fresh prefill of the whole history gives."""
+    eng, store = _engine(q35, tmp_path / "with", n_slots=1)
+    try:
+        a = _create(eng, "a")
+        first, _ = _turn(eng, a, "Name a planet.")
+        done, with_ckpt = _turn(eng, a, "Name another one.")
+        assert done.timings["prompt_tokens_reused"] >= first.timings["prompt_tokens"]
+    finally:
+        eng.stop()
+        store.close()
+    eng, store = _engine(q35, tmp_path / "plain", n_slots=1, capsules=False)
+    try:
+        a, b = _create(eng, "a"), _create(eng, "b")
+        _turn(eng, a, "Name a planet.")
+        _turn(eng, b, "Name a color.")       # takes a's slot: a's next turn prefills anew
+        done, plain = _turn(eng, a, "Name another one.")
+        assert done.timings["prompt_tokens_reused"] == 0
+    finally:
+        eng.stop()
+        store.close()
+    assert with_ckpt == plain
 
 
 class _Wrong:

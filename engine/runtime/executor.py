@@ -50,6 +50,7 @@ from aotx.engine.state import capsule as C
 
 log = logging.getLogger("aotx.engine")
 PARK_MIN_EXTRA = 16  # park a slot's state only when it holds this many tokens past the new prefix
+CHECKPOINTS = 2      # recurrent-state copies a hybrid slot keeps at the end of its prompts
 
 
 class DeviceError(Exception):
@@ -135,22 +136,28 @@ class Executor:
         r, slot, reuse = lease.request, lease.slot, lease.reuse
         caps = self.capsules
         fp = self.lm.fingerprint
+        st = getattr(self.kv, "state", None)
         if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + PARK_MIN_EXTRA:
             try:
                 caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp,
                                                    backend=self.device, numerics=self.numerics,
                                                    device=caps.device_budget > 0, drafter=self._drafter_state(slot.index),
-                                                   sampler=self._sampler_of.get(slot.conv_id)))
+                                                   sampler=self._sampler_of.get(slot.conv_id),
+                                                   checkpoints=slot.checkpoints))
             except C.CapsuleError as e:   # a cache: the journal's tokens rebuild the state
                 log.warning("state of %s not parked: %s", slot.conv_id, e)
         if slot.conv_id != r.conv_id:           # the slot's state leaves it: one entry per slot at most
             self._sampler_of.pop(slot.conv_id, None)
+        if st is not None and 0 < reuse != st.position(slot.index):
+            # a hybrid slot reused at a checkpoint short of its state's position
+            st.restore(slot.index, slot.checkpoints[reuse], reuse)
         if r.fork_capsule is not None:  # a forked choice: the prompt's state, then its first token
             cap, r.fork_capsule = r.fork_capsule, None
             n = C.restore(cap, self.kv, slot.index, fingerprint=fp)
             if self.draft is not None and cap.draft_k is not None:
                 self.draft.restore(cap, slot.index, r.prompt)
             slot.tokens[:] = cap.tokens[:n].tolist()
+            slot.checkpoints = {p: c for p, c in (cap.checkpoints or {}).items() if p < n}
             return LeaseResult(n, f"choice {r.choice}: forked the prompt's state ({n} tokens) from choice 0", n)
         if caps is None:
             return LeaseResult(reuse)
@@ -163,6 +170,7 @@ class Executor:
             if self.draft is not None:
                 self.draft.restore(cap, slot.index, r.prompt)
             slot.tokens[:] = cap.tokens[:n].tolist()
+            slot.checkpoints = {p: c for p, c in (cap.checkpoints or {}).items() if p < n}
             reuse = n
             # the user's words (issue 17, defect 7); where it came from is in `aotx status`
             note = f"picked up where this conversation left off ({n} tokens of context kept, not read again)"
@@ -184,7 +192,7 @@ class Executor:
         try:
             cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint,
                              backend=self.device, numerics=self.numerics, drafter=self._drafter_state(r.slot.index),
-                             sampler=r.sampler_state)
+                             sampler=r.sampler_state, checkpoints=r.slot.checkpoints)
         except C.CapsuleError as e:
             log.warning("capsule of %s not written: %s", r.conv_id, e)
             return
@@ -239,8 +247,23 @@ class Executor:
         except Exception as e:  # noqa: BLE001 - any failure of the device is one
             raise DeviceError(str(e)) from e
         device_s = time.perf_counter() - t1
+        self._checkpoint(plan)
         self._observe_prefill(plan, len(toks) - sum(c.n for c in plan.prefill))
         return TickResult(self._pick(rows, ids, logits, masks), device_s)
+
+    def _checkpoint(self, plan: TickPlan) -> None:
+        """A hybrid slot whose prompt ends this tick keeps a copy of its recurrent state
+        there (the next turn, whose prompt shares this one but not the reply as the
+        template renders it, resumes from it); at most CHECKPOINTS per slot."""
+        st = getattr(self.kv, "state", None)
+        if st is None:
+            return
+        for c in plan.prefill:
+            if c.last:
+                cks = c.request.slot.checkpoints
+                cks[c.start + c.n] = st.snapshot(c.request.slot.index, c.start + c.n)
+                for p in sorted(cks)[:-CHECKPOINTS]:
+                    del cks[p]
 
     def _hidden(self) -> np.ndarray | None:
         """The last forward's hidden rows, where the model keeps them (an MTP head's input)."""

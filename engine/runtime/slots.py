@@ -8,13 +8,15 @@ again. Leasing prefers the free slot holding the longest matching prefix, then
 the least recently used one.
 
 A hybrid model's slot (recurrent state beside its KV: ``whole_prefix``) can be reused
-only where its state stands, at the end of its tokens: a slot whose tokens are not all a
-prefix of the prompt is reused from position 0 (the state restarts there).
+only where it has a state: at the end of its tokens, or at a checkpoint (the state copied
+at the end of each prompt it prefilled, ``Slot.checkpoints``); elsewhere it is reused
+from position 0 (the state restarts there).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from aotx.engine.state.prefix import common_prefix
 
@@ -29,6 +31,8 @@ class Slot:
     conv_id: str | None = None
     state: str = "free"
     last_used: int = 0
+    # a hybrid model's recurrent buffers at earlier positions of ``tokens`` ({n: buffers})
+    checkpoints: dict[int, Any] = field(default_factory=dict)
 
 
 class SlotTable:
@@ -44,7 +48,7 @@ class SlotTable:
         n = common_prefix(slot.tokens, prompt)
         cap = max(0, len(prompt) - 1)
         if self.whole_prefix and (n != len(slot.tokens) or n > cap):
-            return 0
+            return max((p for p in slot.checkpoints if p <= min(n, cap)), default=0)
         return min(n, cap)
 
     def free_count(self) -> int:
@@ -67,6 +71,8 @@ class SlotTable:
     def take(self, slot: Slot, conv_id: str, keep: int) -> None:
         """Lease ``slot`` to ``conv_id``, keeping its first ``keep`` KV positions."""
         del slot.tokens[keep:]
+        for p in [p for p in slot.checkpoints if p > keep]:
+            del slot.checkpoints[p]
         slot.conv_id = conv_id
         slot.state = "prefill"
         self._clock += 1
@@ -83,4 +89,5 @@ class SlotTable:
         for s in self.slots:
             if s.conv_id == conv_id and s.state == "free":
                 s.tokens.clear()
+                s.checkpoints.clear()
                 s.conv_id = None

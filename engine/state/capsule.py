@@ -30,8 +30,11 @@ then, when ``header.shapes`` names them, ``draft_k``, ``draft_v``,
 buffers were added without a version change: a reader that does not know them
 stops before them and ignores the header's unknown fields, and a capsule without
 drafter buffers restores with an empty drafter. The recurrent state stands at one
-position: a hybrid model's capsule restores whole (``restorable``), never a prefix
-of it as KV alone could.
+position, so a hybrid model's capsule restores whole, or at one of its
+checkpoints: earlier positions where the slot's state was copied (the end of
+each prompt it prefilled; ``header.checkpoints``, buffers ``ckpt.<n>.<name>`` after
+the state's), never at any other prefix as KV alone could (``restorable``,
+``usable_prefix``).
 ``k`` and ``v`` are float16 when ``header.kv_type`` is "f16" and float32 for "f32"
 (the field's default: capsules written before it were float32); the drafter's are
 ``header.drafter["kv_type"]`` likewise. A capsule restores only into a KV cache of its
@@ -91,6 +94,8 @@ class CapsuleHeader(msgspec.Struct, frozen=True):
     numerics: str = ""
     # the recurrent buffers' names, in file order (empty: an attention-only model)
     state: list[str] = []
+    # positions < n_tokens where the recurrent buffers were also kept (each a full set)
+    checkpoints: list[int] = []
 
 
 _KV_DTYPES = {"f16": np.float16, "f32": np.float32}
@@ -120,6 +125,7 @@ class Capsule:
     draft_v: np.ndarray | None = None
     draft_tokens: np.ndarray | None = None
     state: dict[str, np.ndarray] | None = None
+    checkpoints: dict[int, dict[str, np.ndarray]] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -131,7 +137,11 @@ class Capsule:
             int(a.nbytes) for a in self._draft_buffers() + self._state_buffers())
 
     def _state_buffers(self) -> tuple[np.ndarray, ...]:
-        return () if self.state is None else tuple(self.state[n] for n in self.header.state)
+        if self.state is None:
+            return ()
+        ck = self.checkpoints or {}
+        return tuple(self.state[n] for n in self.header.state) + tuple(
+            ck[p][n] for p in self.header.checkpoints for n in self.header.state)
 
     def _draft_buffers(self) -> tuple[np.ndarray, ...]:
         return () if self.draft_k is None else (self.draft_k, self.draft_v, self.draft_tokens)
@@ -146,7 +156,8 @@ def _crc(*arrays: np.ndarray) -> int:
 
 def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str = "cpu",
              pending_token: int = -1, sampler=None, drafter=None, device: bool = False,
-             grammar: dict[str, Any] | None = None, numerics: str = "") -> Capsule:
+             grammar: dict[str, Any] | None = None, numerics: str = "",
+             checkpoints: dict[int, dict[str, np.ndarray]] | None = None) -> Capsule:
     """Copy slot ``slot``'s state for positions 0..len(tokens)-1 out of the live KV cache.
 
     kv: the model's KV cache (any backend's: its ``snapshot_slot(slot, n)`` returns host
@@ -156,6 +167,8 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
     caches only) keeps K and V on the GPU beside the live buffers: home "device", no PCIe
     copy; their CRC32C is computed when they leave the device (``to_host``), so the
     header says 0 until then. grammar: the slot's constraint state as data, or None.
+    checkpoints: a hybrid slot's recurrent buffers kept at earlier positions ({n: buffers},
+    the slot's ``checkpoints``); those below len(tokens) go into the capsule.
     numerics: the arithmetic behind the KV (CapsuleHeader.numerics)."""
     n = len(tokens)
     rec = None
@@ -169,6 +182,7 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
     shapes = {"k": list(k.shape), "v": list(v.shape), "tokens": [n]}
     names = list(rec) if rec is not None else []
     shapes.update({f"state.{name}": list(rec[name].shape) for name in names})
+    ckpt = {p: c for p, c in sorted((checkpoints or {}).items()) if 0 < p < n} if rec is not None else {}
     dk = dv = dt = None
     dmeta: dict[str, Any] = {}
     if drafter is not None:
@@ -179,12 +193,13 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
     kv_type = _kv_type_of(k)
     hdr = CapsuleHeader(
         fingerprint=fingerprint, backend=backend, layout=f"kv:{kv_type}:{list(k.shape[:2])}+n+[{k.shape[3]}]",
-        n_tokens=n, shapes=shapes, crc32c=0 if device else _crc(k, v, toks, *(rec[x] for x in names)),
+        n_tokens=n, shapes=shapes, crc32c=0 if device else _crc(k, v, toks, *(rec[x] for x in names), *(
+            c[x] for c in ckpt.values() for x in names)),
         pending_token=pending_token, seed=getattr(sampler, "seed", 0), step=getattr(sampler, "step", 0),
         history=list(getattr(sampler, "history", [])), drafter=dmeta, kv_type=kv_type, grammar=dict(grammar or {}),
-        numerics=numerics, state=names)
+        numerics=numerics, state=names, checkpoints=list(ckpt))
     return Capsule(hdr, k, v, toks, home="device" if device else "host", draft_k=dk, draft_v=dv, draft_tokens=dt,
-                   state=rec)
+                   state=rec, checkpoints=ckpt or None)
 
 
 def to_host(cap: Capsule) -> Capsule:
@@ -195,14 +210,14 @@ def to_host(cap: Capsule) -> Capsule:
     k, v = cap.k.get(), cap.v.get()
     hdr = msgspec.structs.replace(cap.header, crc32c=_crc(k, v, cap.tokens, *cap._state_buffers()))
     return Capsule(hdr, k, v, cap.tokens, home="host", last_used=cap.last_used, draft_k=cap.draft_k,
-                   draft_v=cap.draft_v, draft_tokens=cap.draft_tokens, state=cap.state)
+                   draft_v=cap.draft_v, draft_tokens=cap.draft_tokens, state=cap.state, checkpoints=cap.checkpoints)
 
 
 def restorable(cap: Capsule, n: int) -> bool:
     """Whether ``restore(cap, ..., n=n)`` can put the slot at position ``n``: any n up to
-    the capsule's length for KV alone; with recurrent buffers only the whole capsule
-    (the state stands at exactly ``n_tokens``)."""
-    return 0 < n <= cap.n_tokens and (cap.state is None or n == cap.n_tokens)
+    the capsule's length for KV alone; with recurrent buffers the whole capsule or one of
+    its checkpoints."""
+    return 0 < n <= cap.n_tokens and (cap.state is None or n == cap.n_tokens or n in (cap.checkpoints or {}))
 
 
 def usable_prefix(cap: Capsule, prompt: list[int]) -> int:
@@ -211,7 +226,7 @@ def usable_prefix(cap: Capsule, prompt: list[int]) -> int:
     prefix of ``prompt`` (else 0)."""
     n = common_prefix(cap.tokens.tolist(), prompt)
     if cap.state is not None and n != cap.n_tokens:
-        return 0
+        return max((p for p in cap.checkpoints or {} if p <= n), default=0)
     return n
 
 
@@ -237,11 +252,12 @@ def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = No
     if (st is None) != (cap.state is None):
         raise CapsuleError("capsule and KV cache disagree on recurrent state: " + (
             "the capsule has none" if cap.state is None else "the model has none"))
-    if st is not None and n != cap.n_tokens:
-        raise CapsuleError(f"a capsule with recurrent state restores whole ({cap.n_tokens} tokens), not {n}")
+    if st is not None and not restorable(cap, n):
+        raise CapsuleError(f"a capsule with recurrent state restores whole ({cap.n_tokens} tokens) or at a "
+                           f"checkpoint ({sorted(cap.checkpoints or {})}), not at {n}")
     if st is not None:
-        try:
-            st.restore(slot, cap.state, n)       # checks every buffer before it writes any
+        try:                                     # checks every buffer before it writes any
+            st.restore(slot, cap.state if n == cap.n_tokens else cap.checkpoints[n], n)
         except ValueError as e:
             raise CapsuleError(f"capsule layout {cap.header.layout} does not match the model: {e}") from None
     kv.restore_slot(slot, cap.k, cap.v, n)
@@ -334,8 +350,11 @@ def load(path: Path) -> Capsule:
     if "draft_k" in hdr.shapes:
         names += [("draft_k", ddt), ("draft_v", ddt), ("draft_tokens", np.int32)]
     names += [(f"state.{x}", np.float32) for x in hdr.state]
+    names += [(f"ckpt.{p}.{x}", np.float32) for p in hdr.checkpoints for x in hdr.state]
+    shapes = dict(hdr.shapes)           # a checkpoint's buffers have the state's shapes
+    shapes.update({f"ckpt.{p}.{x}": hdr.shapes.get(f"state.{x}", []) for p in hdr.checkpoints for x in hdr.state})
     for name, dt in names:
-        shape = tuple(hdr.shapes.get(name, []))
+        shape = tuple(shapes.get(name, []))
         nb = int(np.prod(shape)) * np.dtype(dt).itemsize
         if off + nb > len(data):
             raise CapsuleError(f"{path}: truncated capsule (buffer {name} runs past the end)")
@@ -343,7 +362,8 @@ def load(path: Path) -> Capsule:
         off += nb
     cap = Capsule(hdr, out["k"], out["v"], out["tokens"], home="disk", draft_k=out.get("draft_k"),
                   draft_v=out.get("draft_v"), draft_tokens=out.get("draft_tokens"),
-                  state={x: out[f"state.{x}"] for x in hdr.state} if hdr.state else None)
+                  state={x: out[f"state.{x}"] for x in hdr.state} if hdr.state else None,
+                  checkpoints={p: {x: out[f"ckpt.{p}.{x}"] for x in hdr.state} for p in hdr.checkpoints} or None)
     try:
         verify(cap)
     except CapsuleError as e:

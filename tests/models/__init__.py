@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import (common, experts, gemma3, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe,
-               qwen35, real)
+               qwen35, qwen35moe, real)
 from .common import Tokenizer, tokenizer_from_gguf
 
 #: every tiny reference file: name -> (writer module, its keyword arguments)
@@ -50,12 +50,20 @@ MOE: dict[str, tuple[Any, dict[str, Any]]] = {
 }
 
 
+#: the tiny hybrid and new-architecture files (issue 35; references in tests/data/refs/hybrid/)
+HYBRID: dict[str, tuple[Any, dict[str, Any]]] = {
+    "qwen35": (qwen35, {}),
+    "qwen35moe": (qwen35moe, {}),
+}
+
+
 def write(name: str, path: str | Path, tokenizer: Tokenizer, **overrides: Any) -> Path:
-    """Write the tiny file ``name`` (a key of ``TINY`` or ``MOE``) to ``path``; ``overrides`` change
-    its writer's arguments (the result then no longer matches the stored reference)."""
-    module, kwargs = TINY[name] if name in TINY else MOE[name]
+    """Write the tiny file ``name`` (a key of ``TINY``, ``MOE`` or ``HYBRID``) to ``path``;
+    ``overrides`` change its writer's arguments (the result then no longer matches the
+    stored reference)."""
+    module, kwargs = TINY[name] if name in TINY else MOE[name] if name in MOE else HYBRID[name]
     return module.write(path, tokenizer, **{**kwargs, **overrides})
 
 
-__all__ = ["MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gptoss", "hf_vocab", "iquants", "llama",
-           "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "qwen35", "real", "tokenizer_from_gguf", "write"]
+__all__ = ["HYBRID", "MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gptoss", "hf_vocab", "iquants", "llama",
+           "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "real", "tokenizer_from_gguf", "write"]

@@ -1,6 +1,6 @@
 """A tiny ``qwen35moe`` GGUF (Qwen3.5 / 3.6 mixture of experts): the layers of the tiny
-``qwen35`` file (``qwen35.py``: three gated DeltaNet layers, one gated full-attention
-layer, one nextn block) with 8 routed experts, 2 per token, renormalised, and a shared
+``qwen35`` file (``qwen35.py``: a gated DeltaNet layer, a gated full-attention layer, one
+nextn block) with 8 routed experts, 2 per token, renormalised, and a shared
 expert gated by sigmoid(``ffn_gate_inp_shexp`` h) in place of the dense FFN.
 
 Metadata: qwen35's keys plus expert_count, expert_used_count, expert_feed_forward_length
@@ -37,10 +37,10 @@ def moe_block(tw: TinyWriter, p: str, d_model: int, n_expert: int, expert_ffn: i
     tw.matrix(p + "ffn_down_shexp.weight", d_model, shared_ffn, TYPES["ffn_down_shexp"])
 
 
-def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 36, n_layers: int = 4, nextn: int = 1,
+def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 36, n_layers: int = 2, nextn: int = 1,
           d_model: int = 64, n_heads: int = 4, n_kv_heads: int = 2, head_dim: int = 32, rope_dim: int = 16,
           sections: tuple[int, ...] = (3, 3, 2, 0), n_k: int = 2, n_v: int = 4, state: int = 16, conv: int = 4,
-          interval: int = 4, ffn: int = 256, n_expert: int = 8, n_expert_used: int = 2, expert_ffn: int = 64,
+          interval: int = 2, ffn: int = 256, n_expert: int = 8, n_expert_used: int = 2, expert_ffn: int = 64,
           shared_ffn: int = 128, a_mean: float = -0.6, context_length: int = 262144, pre: str = "qwen35",
           tied: bool = False, **defects: Any) -> Path:
     """Write the tiny qwen35moe file to ``path``; ``defects`` go to ``TinyWriter``."""
