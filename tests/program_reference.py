@@ -151,6 +151,7 @@ def reference_logits(program, tokens, n_ctx: int | None = None, inputs: dict | N
     positions = np.arange(n)
     mats: dict = {}
     env: dict[int, np.ndarray] = {}
+    kvs: dict[int, tuple[np.ndarray, np.ndarray]] = {}     # attention layer -> its K and V
     for node in program.nodes:
         a, op = node.attrs, node.op
         x = [env[v.id] for v in node.inputs]
@@ -172,7 +173,12 @@ def reference_logits(program, tokens, n_ctx: int | None = None, inputs: dict | N
         elif op == "rope":
             y = _rope(x[0], a["spec"], a["head_dim"], positions, n_ctx)
         elif op == "attention":
+            kvs[a["layer"]] = (x[1], x[2])
             y = _attention(x[0], x[1], x[2], a)
+        elif op == "shared_attention":
+            y = _attention(x[0], *kvs[a["layer"]], a)
+        elif op == "lookup":
+            y = _matrix(a["table"], mats)[tokens] * a["scale"]
         elif op == "glu":
             g = x[0]
             act = g / (1.0 + np.exp(-g)) if a["act"] == "silu" else \

@@ -2,8 +2,7 @@
 same Program (tests/program_reference.py, written from the op definitions), and bad
 files refused at load with one line naming the tensor or key: a missing tensor, a tensor
 these modules do not know (a variant they cannot run), missing or inconsistent
-linear-attention keys. Fidelity against llama.cpp is tests/test_architectures.py's, on the
-references in tests/data/refs/tiny/.
+linear-attention keys. Fidelity against llama.cpp: tests/test_refs_hybrid.py.
 """
 
 from __future__ import annotations
@@ -100,60 +99,3 @@ def test_a_tensor_the_module_does_not_know_is_refused(tiny_tokenizer, tmp_path):
                               np.zeros((8, 128, 64), np.float32))
     with pytest.raises(ModelError, match=r"tensor 'blk\.0\.ffn_gate_up_exps\.weight' is not part of the qwen35moe"):
         _build(path)
-
-
-# ---- against llama.cpp ------------------------------------------------------------------
-
-REFS = __import__("pathlib").Path(__file__).resolve().parent / "data" / "refs" / "hybrid"
-
-
-def _reference(name, tiny_tokenizer, tmp_path):
-    """(model on the CPU as the engine loads it: int8 activations, the ref) after checking the
-    regenerated file is byte-identical to the one llama.cpp ran."""
-    import hashlib
-    import json
-
-    from tests import models
-
-    ref = json.loads((REFS / f"{name}.json").read_text(encoding="utf-8"))
-    path = models.write(name, tmp_path / f"{name}.gguf", tiny_tokenizer)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert digest == ref["sha256"], f"{name} regenerated differently: rerun tests/tools/make_refs_hybrid.py"
-    return _build(path, int8=True), ref
-
-
-@pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
-def test_teacher_forced_logits_match_llama_cpp(name, tiny_tokenizer, tmp_path):
-    """Every position of the four prompts: argmax = llama.cpp's where its top-two gap is
-    >= 0.5, mean |logit diff| on its top-5 far inside 0.5."""
-    from tests import refcheck
-
-    model, ref = _reference(name, tiny_tokenizer, tmp_path)
-
-    def forward(ids):
-        kv = model.new_kv_cache(1, len(ids) + 1)
-        return model.forward(np.asarray(ids, np.int32), [Segment(0, 0, len(ids), all_logits=True)], kv)
-
-    report = refcheck.compare(forward, ref)
-    report.check()
-    assert report.mad < 0.25, report.summary()
-
-
-@pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
-def test_greedy_tokens_match_llama_cpp(name, tiny_tokenizer, tmp_path):
-    """llama.cpp's greedy continuation of each prompt, decoded step by step along its path
-    (the recurrent state carried from one forward to the next): the same token at every
-    step whose reference top-two gap is at least 0.5 (a nearer tie two correct engines may
-    break either way)."""
-    model, ref = _reference(name, tiny_tokenizer, tmp_path)
-    compared = 0
-    for g in ref["greedy"]:
-        ids = g["prompt_ids"]
-        kv = model.new_kv_cache(1, len(ids) + len(g["tokens"]) + 1)
-        row = model.forward(np.asarray(ids, np.int32), [Segment(0, 0, len(ids))], kv)[0]
-        for i, (want, gap) in enumerate(zip(g["tokens"], g["gap"])):
-            if gap >= 0.5:
-                assert int(np.argmax(row)) == want, f"{g['name']} step {i}"
-                compared += 1
-            row = model.forward(np.asarray([want], np.int32), [Segment(0, len(ids) + i, 1)], kv)[0]
-    assert compared >= 40

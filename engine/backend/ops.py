@@ -38,7 +38,9 @@ OPS = ("embed", "rms_norm", "head_rms_norm", "linear", "split", "rope", "attenti
        # recurrent layers (Qwen3.5's gated DeltaNet) and gated attention output
        "short_conv", "delta_rule", "l2_norm", "sigmoid_gate", "deinterleave",
        # rows the caller supplies (a multi-token-prediction head's hidden-state input), column concat
-       "input", "concat")
+       "input", "concat",
+       # Gemma 4: a second token table (per-layer embeddings), attention over another layer's KV
+       "lookup", "shared_attention")
 #: a ``short_conv`` node's activation after the convolution
 CONV_ACTS = ("none", "silu")
 #: how a ``moe`` node turns router logits into expert weights (llama.cpp's
@@ -425,6 +427,31 @@ class ProgramBuilder:
             raise ProgramError("a program takes the logits rows exactly once")
         return Program(tuple(self._nodes), tuple(self._values), logits, self._d_model, tuple(self._kv),
                        tuple(self._states), getattr(self, "_hidden", None))
+
+    def lookup(self, table: Any, scale: float = 1.0, name: str = "") -> Value:
+        """(N, table.k): row i = scale * table row tokens[i], like ``embed`` but anywhere in
+        the program and for any table (Gemma 4's per-layer token embeddings). Rows the
+        caller gives as embeddings take table row 0 (llama.cpp's padding-token rows)."""
+        m, k = _width_of(table)
+        out = self._new(ROWS_N, k, name)
+        self._emit("lookup", (), (out,), table=table, scale=float(scale), vocab=m)
+        return out
+
+    def shared_attention(self, q: Value, *, kv_layer: int, n_heads: int, head_dim: int, scale: float,
+                         window: int = 0, name: str = "") -> Value:
+        """``attention`` of q over the KV cache of the earlier attention node whose layer is
+        ``kv_layer`` (Gemma 4's last layers reuse KV): nothing is stored; row i attends to
+        what that layer stored for its slot, positions [lo, p] as ``attention`` says."""
+        if q.rows != ROWS_N or not 0 <= kv_layer < len(self._kv):
+            raise ProgramError(f"shared_attention: {q!r} over KV layer {kv_layer} ({len(self._kv)} so far)")
+        L = self._kv[kv_layer]
+        if L.head_dim != head_dim or q.width != n_heads * head_dim or n_heads % L.n_kv_heads:
+            raise ProgramError(f"shared_attention: q {q.width} for {n_heads} heads of {head_dim} over KV layer "
+                               f"{kv_layer} ({L.n_kv_heads} heads of {L.head_dim})")
+        out = self._new(ROWS_N, q.width, name)
+        self._emit("shared_attention", (q,), (out,), layer=int(kv_layer), n_heads=int(n_heads),
+                   n_kv_heads=L.n_kv_heads, head_dim=int(head_dim), scale=float(scale), window=int(window), sinks=None)
+        return out
 
     def mark_hidden(self, x: Value) -> None:
         """Keep ``x`` ((N, d): every row of the batch) after each forward: the final-normed

@@ -28,6 +28,9 @@ ROPE_SCALING_SUPPORTED = ("none", "linear", "yarn", "longrope")
 # the architectures here): ext_factor 1 when the scaling type is yarn, beta_fast 32, beta_slow 1
 YARN_BETA_FAST = 32.0
 YARN_BETA_SLOW = 1.0
+# keys an architecture module reads per layer itself (``hparams.array``); the config keeps
+# their largest value (Gemma 4: KV heads and FFN widths differ between layer kinds)
+PER_LAYER_KEYS = {"gemma4": ("attention.head_count_kv", "feed_forward_length")}
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,8 @@ class ModelConfig:
             v = meta.get(full, default)
             if v is None:
                 raise ModelError(f"{path}: metadata key {full!r} is missing")
+            if isinstance(v, list) and v and key in PER_LAYER_KEYS.get(arch, ()):
+                v = max(v)
             if isinstance(v, list):
                 # llama.cpp's get_key_or_arr: one value per layer; AOTX needs them all equal
                 if not v or any(x != v[0] for x in v):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import (common, experts, gemma3, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe,
+from . import (common, experts, gemma3, gemma4, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe,
                qwen35, qwen35moe, real)
 from .common import Tokenizer, tokenizer_from_gguf
 
@@ -54,6 +54,7 @@ MOE: dict[str, tuple[Any, dict[str, Any]]] = {
 HYBRID: dict[str, tuple[Any, dict[str, Any]]] = {
     "qwen35": (qwen35, {}),
     "qwen35moe": (qwen35moe, {}),
+    "gemma4": (gemma4, {}),
 }
 
 
@@ -65,5 +66,5 @@ def write(name: str, path: str | Path, tokenizer: Tokenizer, **overrides: Any) -
     return module.write(path, tokenizer, **{**kwargs, **overrides})
 
 
-__all__ = ["HYBRID", "MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gptoss", "hf_vocab", "iquants", "llama",
+__all__ = ["HYBRID", "MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gemma4", "gptoss", "hf_vocab", "iquants", "llama",
            "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "real", "tokenizer_from_gguf", "write"]

@@ -31,6 +31,7 @@ import numpy as np
 
 from aotx.engine.backend.cpu import attention as cpu_attention
 from aotx.engine.backend.cpu import fdot as cpu_fdot
+from aotx.engine.backend.cpu import kv_layers as cpu_kv_layers
 from aotx.engine.backend.cpu import ops as cpu_ops
 from aotx.engine.backend.cpu import recurrent as cpu_recurrent
 from aotx.engine.backend.ops import ROWS_N, Node, Program, RopeSpec, Value
@@ -63,6 +64,7 @@ class CpuKVCache:
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.rope = [spec.tables(n_ctx) for spec in program.rope_specs()]
+        self.uniform = len({(L.n_kv_heads, L.head_dim) for L in program.kv_layers}) <= 1   # else kv_layers.py
 
     @staticmethod
     def nbytes(program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
@@ -80,6 +82,7 @@ class CpuKVCache:
     @property
     def slot_shape(self) -> tuple[int, int, int, int]:
         """One slot's KV layout: (n_layers, n_kv_heads, n_ctx, head_dim)."""
+        if not self.uniform: return cpu_kv_layers.flat_shape(self)  # noqa: E701
         return (len(self.k),) + tuple(self.k[0].shape[1:])
 
     @property
@@ -91,6 +94,7 @@ class CpuKVCache:
         """Copies of ``slot``'s K and V for positions 0..n-1: two (n_layers, n_kv_heads, n,
         head_dim) arrays, float16 for an f16 cache and float32 for f32 (capsule snapshot;
         ``device`` is accepted for the interface and means nothing on the CPU)."""
+        if not self.uniform: return cpu_kv_layers.snapshot(self, slot, n)  # noqa: E701
         k = np.stack([layer[slot, :, :n, :] for layer in self.k])
         v = np.stack([layer[slot, :, :n, :] for layer in self.v])
         if self.kv_type == "f16":
@@ -101,6 +105,7 @@ class CpuKVCache:
         """Copy positions 0..n-1 of ``k``, ``v`` (as ``snapshot_slot`` returns them, same
         dtype) into ``slot`` (capsule restore; byte-exact). Raises ValueError on a dtype
         that is not this cache's."""
+        if not self.uniform: return cpu_kv_layers.restore(self, slot, k, v, n)  # noqa: E701
         if np.dtype(k.dtype) != self.dtype or np.dtype(v.dtype) != self.dtype:
             raise ValueError(f"KV of dtype {k.dtype} cannot restore into an {self.kv_type} cache")
         if self.kv_type == "f16":
@@ -204,9 +209,6 @@ class CpuProgram:
         self.program, self.joined = join_linears(program) if join else (program, 0)
         program = self.program
         self._specs = program.rope_specs()
-        kv_shapes = {(L.n_kv_heads, L.head_dim) for L in program.kv_layers}
-        if len(kv_shapes) > 1:
-            raise ValueError(f"layers with different KV shapes {sorted(kv_shapes)} are not supported")
         self._plan_buffers()
         self.moe_nodes = program.moe_nodes()
         # moe layer -> the last forward's (n, k) expert ids and (n,) routing margins
@@ -251,13 +253,11 @@ class CpuProgram:
                              f"{kv.n_ctx} positions)")   # the kernels store without bounds checks
         bt.views = self._views(bt)
         env: list[Any] = [None] * len(self.program.values)
-        state = getattr(kv, "state", None)
-        if state is not None:
-            state.begin(layout)        # each segment continues its slot's state (or starts at 0)
+        state = getattr(kv, "state", None)    # recurrent layers: each segment continues its slot's state
+        state is not None and state.begin(layout)
         for step in self._steps:
             step(env, bt, kv)
-        if state is not None:
-            state.end()
+        state is not None and state.end()
         if self.program.hidden is not None:
             self.last_hidden = np.array(env[self.program.hidden.id])
         return env[self.program.output.id]

@@ -433,6 +433,46 @@ def _c_concat(prog, i, node):
     return run
 
 
-_COMPILERS = {"short_conv": _c_short_conv, "delta_rule": _c_delta_rule, "l2_norm": _c_l2_norm,
+def _c_lookup(prog, i, node):
+    table, scale, oi = node.attrs["table"], np.float32(node.attrs["scale"]), node.out.id
+
+    def run(env, bt, kv):
+        ids = bt.tokens.astype(np.int64)
+        if bt.embeds is not None:
+            ids[bt.embeds[0]] = 0
+        x = table.rows(ids)
+        if scale != 1.0:
+            x *= scale
+        env[oi] = x
+    return run
+
+
+def _c_shared_attention(prog, i, node):
+    """``attention`` without its store, over the KV of layer ``attrs["layer"]`` (cpu/program.py's
+    ``_c_attention``, the same kernel and bookkeeping)."""
+    from aotx.engine.backend.cpu import attention as cpu_attention
+    from aotx.engine.backend.cpu import fdot as cpu_fdot
+
+    a = node.attrs
+    L, H, hd, window = a["layer"], a["n_heads"], a["head_dim"], int(a["window"])
+    scale = np.float32(a["scale"])
+    sinks = cpu_attention.checked_sinks(a["scale"], None, H)
+    qi, oi, so = node.inputs[0].id, node.out.id, prog._slot(node.out)
+    kernel_for, mode = cpu_attention.kernel_for, cpu_fdot.HOST_F16
+
+    def run(env, bt, kv):
+        n = bt.n
+        q = np.ascontiguousarray(env[qi]).reshape(n, H, hd)
+        y = bt.views[so] if so >= 0 else np.empty((n, H * hd), np.float32)
+        keys = bt.keys.get(window)
+        if keys is None:
+            keys = bt.keys[window] = cpu_attention.attended_keys(bt.lengths, window)
+        kernel_for(keys, H, hd)(mode, q, kv.k[L], kv.v[L], bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd),
+                                kv.half, sinks, False)
+        env[oi] = y
+    return run
+
+
+_COMPILERS = {"short_conv": _c_short_conv, "lookup": _c_lookup, "shared_attention": _c_shared_attention, "delta_rule": _c_delta_rule, "l2_norm": _c_l2_norm,
               "sigmoid_gate": _c_sigmoid_gate, "deinterleave": _c_deinterleave, "input": _c_input,
               "concat": _c_concat}
