@@ -17,7 +17,7 @@ class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_
 UNTIL_CONTEXT = 1_000_000
 """The default ``max_tokens``: more than any context, so a reply runs until it ends by
 itself or the context is full (a requested 1000-word story is ~1,300 tokens: a
-512-token default cut it; issue 17, point 15)."""
+512-token default cut it)."""
 
 
 REPEAT_PENALTY = 1.1
@@ -28,7 +28,7 @@ France?" loops ("la femme, la femme, ...") to the token limit in llama.cpp's gre
 reply and did in AOTX's (its first token is a near-tie: today's executor answers
 instead), and 1.05 still looped; 1.1 ended it with a real answer, keeps the code
 answer's start and halves a list's repeated phrasing; from 1.15 the code answer itself
-changes. (Ollama's default is 1.1 too.) Issue 17, point 15."""
+changes. (Ollama's default is 1.1 too.)"""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -108,6 +108,7 @@ class MessageView(msgspec.Struct, omit_defaults=True):
     seq: int = 0
     model: str = ""
     meta: dict[str, Any] = {}  # as PriorMessage.meta (the template's fields and clients' notes)
+    salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 
 class ConversationView(msgspec.Struct, omit_defaults=True):
@@ -123,6 +124,7 @@ class ConversationView(msgspec.Struct, omit_defaults=True):
     messages: list[MessageView] = []
     busy: bool = False
     model: str = ""
+    salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 
 class BudgetLine(msgspec.Struct):

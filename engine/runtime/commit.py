@@ -39,7 +39,7 @@ class Commit:
         """A queued request took its slot: ``got.reuse`` prompt positions are in place."""
         r, slot = lease.request, lease.slot
         # only a conversation with earlier messages has anything to pick up: a new one's
-        # shared start (the system prompt) found in another's capsule is no news (issue 17, defect 7)
+        # shared start (the system prompt) found in another's capsule is no news to its user
         if got.note and r.has_history:
             r.sink.send(P.Notice(id=r.rid, kind="capsule", resource="capsule", message=got.note, asked=got.restored))
         self.slots.take(slot, r.conv_id, got.reuse)

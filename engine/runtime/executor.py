@@ -172,7 +172,7 @@ class Executor:
             slot.tokens[:] = cap.tokens[:n].tolist()
             slot.checkpoints = {p: c for p, c in (cap.checkpoints or {}).items() if p < n}
             reuse = n
-            # the user's words (issue 17, defect 7); where it came from is in `aotx status`
+            # the user's words, no capsule or prefill jargon; where it came from is in `aotx status`
             note = f"picked up where this conversation left off ({n} tokens of context kept, not read again)"
         elif note.startswith("restored"):
             note = ""

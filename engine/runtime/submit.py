@@ -135,6 +135,7 @@ class Submitter:
         self._media_busy: set[tuple[int, int]] = set()
         self.constraints = Compiler(lm.tokenizer)  # llguidance's vocabulary is built on first use
         self.preparer = Preparer(inbox)
+        self.preparer.isolate(getattr(lm, "template", None))  # chat templates render where the OS bounds their memory and CPU
         self.preparing: dict[str, Submission] = {}  # conv_id -> its message in the preparation stage
         self._longest: int | None = None  # bytes of the vocabulary's longest token
         self.model_name: str = getattr(lm, "name", "")  # the engine's name for this model (models.ModelSet)
@@ -245,7 +246,7 @@ class Submitter:
     def media_ready(self, sub: Submission, tick: int) -> Request | None:
         """The media stage is done (attachments rendered, or earlier pictures restored).
         An attachment that could not be used refuses the message, and nothing is written:
-        its refusal never goes into the prompt (issue 17, defect 4), the user sees why."""
+        its refusal never goes into the prompt as text for the model; the user sees why."""
         self._media_busy.discard((id(sub.sink), sub.op.id))
         if sub.media_errors:
             errors, sub.media_errors = sub.media_errors, []

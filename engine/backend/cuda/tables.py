@@ -1,6 +1,6 @@
 """The device tables a CUDA decode graph reads and writes, each with its pinned host mirror.
 
-Owns (shared/DESIGN.md, "device tables"): the row table ``tab`` (4, b_max) int32: per
+Owns (DESIGN.md, "device tables"): the row table ``tab`` (4, b_max) int32: per
 batch row its token, slot and position, then the batch rows whose logits are wanted; the
 sampler table ``prm`` (b_max, P_WORDS) and the penalty history ``hist`` (b_max, H_MAX)
 (layouts in ``cuda_sampling``); the sampled ids; the publication records ``rec``
