@@ -123,3 +123,35 @@ def test_the_mixture_of_experts_variant_is_refused_by_name(g4, tmp_path):
     path = _with_extra_tensor(g4, tmp_path / "moe.gguf", "blk.0.ffn_gate_inp.weight", np.zeros((8, 64), np.float32))
     with pytest.raises(ModelError, match=r"tensor 'blk\.0\.ffn_gate_inp\.weight' is not part of the gemma4"):
         _build(path)
+
+
+def test_the_gemma4_tokenizer_follows_llama_cpp(tmp_path):
+    """tokenizer.ggml.model "gemma4" (BPE over raw UTF-8, ``▁`` spaces, ``<0xXX>`` bytes,
+    newline runs looked up whole, BOS always added): a synthetic vocabulary of that kind
+    (tests/models/gemma4.synthetic_vocab) tokenized and detokenized as llama.cpp does
+    (tests/data/refs/hybrid/gemma4_tokenizer.json)."""
+    import json
+    from pathlib import Path
+
+    from tests.models import gemma4
+
+    from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.model.tokenizer import Tokenizer
+
+    path = gemma4.write(tmp_path / "vocab.gguf", gemma4.synthetic_vocab())
+    tok = Tokenizer.from_metadata(GGUFFile.open(path).metadata)
+    ref = json.loads((Path(__file__).resolve().parent / "data" / "refs" / "hybrid" / "gemma4_tokenizer.json")
+                     .read_text(encoding="utf-8"))
+    bad = []
+    for s in ref["strings"]:
+        for mode, parse in (("special_true", True), ("special_false", False)):
+            want = s[mode]
+            ids = tok.encode(s["text"], add_special=True, parse_special=parse)
+            if ids != want["ids"]:
+                bad.append(f"{s['name']} {mode}: {ids} != llama.cpp {want['ids']}")
+            for unparse, skip in (("true", False), ("false", True)):
+                got = tok.decode(want["ids"], skip_special=skip)
+                if got != want[f"llama_detokenize_special_{unparse}"]:
+                    bad.append(f"{s['name']} {mode} decode(skip_special={skip}): {got!r} != "
+                               f"{want[f'llama_detokenize_special_{unparse}']!r}")
+    assert not bad, "\n".join(bad)

@@ -104,3 +104,55 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 45, n_layers: i
             tw.vector(p + "layer_output_scale.weight", 1, mean=0.8, std=0.1)
     tw.vector("output_norm.weight", d_model, mean=3.0, std=0.3)
     return tw.write()
+
+
+#: the text the synthetic Gemma 4 vocabulary is trained on (also what its references tokenize)
+VOCAB_TEXT = ("The quick brown fox jumps over the lazy dog. On a narrow spit of rock at the edge of the northern "
+              "sea there stood a lighthouse, and in the lighthouse there lived an old keeper.\n"
+              "def fibonacci(n):\n    a, b = 0, 1\n    return a\n\nprint(fibonacci(10))\n")
+
+
+def synthetic_vocab(n_merges: int = 300) -> Tokenizer:
+    """A small vocabulary of Gemma 4's kind (``tokenizer.ggml.model`` "gemma4": BPE over raw
+    UTF-8 with ``▁`` for spaces and ``<0xXX>`` byte fallback): specials ``<pad>`` ``<eos>``
+    ``<bos>`` ``<unk>`` ``<|turn>`` ``<turn|>``, the 256 byte tokens, the characters of
+    ``VOCAB_TEXT`` and ``n_merges`` merges trained on it (most frequent pair first, ties by
+    the pair's text), and ``\\n\\n\\n``, a token no merge makes (llama.cpp looks newline runs up
+    whole). Deterministic."""
+    from gguf import GGUFValueType as V
+
+    specials = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2), ("<|turn>", 3), ("<turn|>", 3)]
+    tokens = [t for t, _ in specials] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [ty for _, ty in specials] + [6] * 256
+    words = [list(w) for w in VOCAB_TEXT.replace(" ", "▁").split("\n") if w]
+    chars = sorted({c for w in words for c in w})
+    tokens += chars
+    types += [1] * len(chars)
+    merges = []
+    for _ in range(n_merges):
+        counts: dict[tuple[str, str], int] = {}
+        for w in words:
+            for a, b in zip(w, w[1:]):
+                counts[(a, b)] = counts.get((a, b), 0) + 1
+        if not counts:
+            break
+        (a, b), _ = min(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+        types.append(1)
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if w[i] == a and w[i + 1] == b:
+                    w[i:i + 2] = [a + b]
+                i += 1
+    tokens += ["\n", "\n\n", "\n\n\n"]
+    types += [1, 1, 1]
+    merges.append("\n \n")
+    kv = (("tokenizer.ggml.model", "gemma4", V.STRING), ("tokenizer.ggml.pre", "gemma4", V.STRING),
+          ("tokenizer.ggml.tokens", tuple(tokens), V.ARRAY), ("tokenizer.ggml.token_type", tuple(types), V.ARRAY),
+          ("tokenizer.ggml.merges", tuple(merges), V.ARRAY), ("tokenizer.ggml.bos_token_id", 2, V.UINT32),
+          ("tokenizer.ggml.eos_token_id", 1, V.UINT32), ("tokenizer.ggml.unknown_token_id", 3, V.UINT32),
+          ("tokenizer.ggml.padding_token_id", 0, V.UINT32), ("tokenizer.ggml.add_bos_token", True, V.BOOL),
+          ("tokenizer.ggml.add_space_prefix", False, V.BOOL))
+    return Tokenizer(kv, len(tokens))

@@ -67,11 +67,59 @@ def _greedy(path: Path, prompts) -> list[dict]:
     return out
 
 
+GEMMA4_STRINGS = [
+    ("trained", "The quick brown fox jumps over the lazy dog."),
+    ("spaces", "  two leading,  double  inner and trailing  "),
+    ("clean_spaces", "hello , world . it 's ok ' quoted ' ?"),
+    ("newlines", "a\nb\n\nc\n\n\nd\n\n\n\ne\n"),
+    ("only_newlines", "\n\n\n"),
+    ("bytes", "caf\u00e9 \U0001f600 \u4e2d\u6587"),
+    ("code", "def f(n):\n    return n\n\nprint(f(10))"),
+    ("turns", "<|turn>user\nhi there<turn|>\n<|turn>model\n"),
+    ("bos_eos_text", "<bos>text<eos>"),
+]
+
+
+def make_gemma4_vocab() -> None:
+    """tests/data/refs/hybrid/gemma4_tokenizer.json: llama.cpp's tokenization of
+    GEMMA4_STRINGS with tests/models/gemma4.synthetic_vocab() (a "gemma4" BPE vocabulary)
+    in the tiny gemma4 file, special-token parsing on and off, both detokenizations."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    models = R._models()
+    with tempfile.TemporaryDirectory() as td:
+        path = models.gemma4.write(Path(td) / "gemma4-vocab.gguf", models.gemma4.synthetic_vocab())
+        m = Llama(model_path=str(path), vocab_only=True, verbose=False)
+        vocab = llama_cpp.llama_model_get_vocab(m.model)
+        out = []
+        for name, text in GEMMA4_STRINGS:
+            entry = {"name": name, "text": text}
+            for special in (True, False):
+                ids = m.tokenize(text.encode(), add_bos=True, special=special)
+                entry[f"special_{str(special).lower()}"] = {
+                    "ids": ids,
+                    "llama_detokenize_special_true": R._llama_detokenize(vocab, ids, True),
+                    "llama_detokenize_special_false": R._llama_detokenize(vocab, ids, False),
+                    "detok_special_true": m.detokenize(ids, special=True).decode("utf-8", errors="replace")}
+            out.append(entry)
+        ref = {"vocabulary": "tests/models/gemma4.py synthetic_vocab()", "engine": R.engine_facts(),
+               "method": "written into the tiny gemma4 file, loaded vocab_only; Llama.tokenize(text, add_bos=True, "
+                         "special=True|False); llama_detokenize(remove_special=False, unparse_special); "
+                         "detok = Llama.detokenize(special=True)",
+               "strings": out}
+    (OUT / "gemma4_tokenizer.json").write_text(json.dumps(ref, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    print("gemma4 vocabulary", len(out), "strings")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smollm2", required=True, help="the default model's GGUF (its tokenizer goes in every file)")
-    ap.add_argument("names", nargs="*", help="files of tests.models.HYBRID (default: all)")
+    ap.add_argument("names", nargs="*", help="files of tests.models.HYBRID, or gemma4-vocab (default: all)")
     args = ap.parse_args()
+    if args.names == ["gemma4-vocab"]:
+        make_gemma4_vocab()
+        return
     models = R._models()
     refcheck = R._refcheck()
     tok = models.tokenizer_from_gguf(args.smollm2)
