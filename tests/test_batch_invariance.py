@@ -44,11 +44,11 @@ def _llama_types() -> list[T]:
 
 
 def _architectures() -> list[str]:
-    """The names of tests/models.TINY (every tiny architecture file) and tests/models.MOE
-    (the tiny mixture-of-experts files)."""
+    """The names of tests/models.TINY (every tiny architecture file), tests/models.MOE
+    (the tiny mixture-of-experts files) and tests/models.HYBRID (qwen35, qwen35moe, gemma4)."""
     import tests.models as models
 
-    return sorted(models.TINY) + sorted(getattr(models, "MOE", {}))
+    return sorted(models.TINY) + sorted(getattr(models, "MOE", {})) + sorted(getattr(models, "HYBRID", {}))
 
 
 def tiny_file_names() -> list[str]:
