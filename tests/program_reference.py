@@ -122,7 +122,8 @@ def _short_conv(x: np.ndarray, w: np.ndarray, act: str) -> np.ndarray:
 
 def _delta_rule(q, k, v, alpha, beta, a: dict) -> np.ndarray:
     """ops.ProgramBuilder.delta_rule from position 0 (zero state), in float64: per value
-    head h (key head h % n_k_heads), S = exp(g) S; d = b (v - S^T k); S += k d^T; o = scale S^T q."""
+    head h (key head h % n_k_heads, or h // (H / n_k_heads) for "grouped" key_heads),
+    S = exp(g) S; d = b (v - S^T k); S += k d^T; o = scale S^T q."""
     n = q.shape[0]
     Hk, H, S = a["n_k_heads"], a["n_v_heads"], a["head_dim"]
     A, dtb = np.asarray(a["a"], np.float64), np.asarray(a["dt_bias"], np.float64)
@@ -133,11 +134,12 @@ def _delta_rule(q, k, v, alpha, beta, a: dict) -> np.ndarray:
     out = np.zeros((n, H, S))
     for h in range(H):
         St = np.zeros((S, S))
+        hk = h % Hk if a.get("key_heads", "tiled") == "tiled" else h // (H // Hk)
         for t in range(n):
             St = np.exp(g[t, h]) * St
-            d = b[t, h] * (v[t, h] - St.T @ k[t, h % Hk])
-            St = St + np.outer(k[t, h % Hk], d)
-            out[t, h] = a["scale"] * (St.T @ q[t, h % Hk])
+            d = b[t, h] * (v[t, h] - St.T @ k[t, hk])
+            St = St + np.outer(k[t, hk], d)
+            out[t, h] = a["scale"] * (St.T @ q[t, hk])
     return out.reshape(n, H * S)
 
 

@@ -1,4 +1,4 @@
-"""qwen35 and qwen35moe on the CPU: the executor against the float64 interpreter of the
+"""qwen35, qwen35moe and qwen3next on the CPU: the executor against the float64 interpreter of the
 same Program (tests/program_reference.py, written from the op definitions), and bad
 files refused at load with one line naming the tensor or key: a missing tensor, a tensor
 these modules do not know (a variant they cannot run), missing or inconsistent
@@ -28,12 +28,12 @@ def _build(path, int8=False):
 
 
 def _writer(arch):
-    from tests.models import qwen35, qwen35moe
+    from tests.models import qwen35, qwen35moe, qwen3next
 
-    return {"qwen35": qwen35, "qwen35moe": qwen35moe}[arch]
+    return {"qwen35": qwen35, "qwen35moe": qwen35moe, "qwen3next": qwen3next}[arch]
 
 
-@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "qwen3next"])
 def test_cpu_program_matches_the_float64_interpreter(arch, tiny_tokenizer, tmp_path):
     """150 positions: the aligned chunks 0..127 in the chunked form, the rest recurrent."""
     model = _build(_writer(arch).write(tmp_path / f"{arch}.gguf", tiny_tokenizer))

@@ -55,8 +55,9 @@ def _delta_inputs(rng, n, Hk=2, H=4, S=16):
     return q, k, v, al, be, a, dtb
 
 
-def _delta64(q, k, v, al, be, a, dtb, Hk, S0=None):
-    """float64 recurrence from the definition (S[i][j]; key head h % Hk)."""
+def _delta64(q, k, v, al, be, a, dtb, Hk, S0=None, grouped=False):
+    """float64 recurrence from the definition (S[i][j]; key head h % Hk, or h // (H / Hk)
+    when ``grouped``)."""
     n, H = al.shape
     S = v.shape[1] // H
     q3, k3, v3 = (m.astype(np.float64).reshape(n, -1, S) for m in (q, k, v))
@@ -67,23 +68,27 @@ def _delta64(q, k, v, al, be, a, dtb, Hk, S0=None):
     states = np.zeros((H, S, S)) if S0 is None else S0.astype(np.float64).copy()
     for h in range(H):
         St = states[h]
+        hk = h // (H // Hk) if grouped else h % Hk
         for t in range(n):
             St = np.exp(g[t, h]) * St
-            d = b[t, h] * (v3[t, h] - St.T @ k3[t, h % Hk])
-            St = St + np.outer(k3[t, h % Hk], d)
-            out[t, h] = (St.T @ q3[t, h % Hk]) / np.sqrt(S)
+            d = b[t, h] * (v3[t, h] - St.T @ k3[t, hk])
+            St = St + np.outer(k3[t, hk], d)
+            out[t, h] = (St.T @ q3[t, hk]) / np.sqrt(S)
         states[h] = St
     return out.reshape(n, H * S), states
 
 
-def test_delta_recurrence_matches_float64():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_delta_recurrence_matches_float64(grouped):
+    """Both key-head layouts: Qwen3.5's tiled (h % Hk) and Qwen3-Next's grouped (h // 2)."""
     rng = np.random.default_rng(2)
     n, Hk, H, S = 40, 2, 4, 16
     q, k, v, al, be, a, dtb = _delta_inputs(rng, n, Hk, H, S)
     M = np.zeros((H, S, S), np.float32)
     out = np.empty((n, H * S), np.float32)
-    R.delta_rows(q, k, v, al, be, a, dtb, M, 0, n, Hk, 1 / np.sqrt(S), out)
-    want, states = _delta64(q, k, v, al, be, a, dtb, Hk)
+    kmap = np.arange(H) // (H // Hk) if grouped else np.arange(H) % Hk
+    R.delta_rows(q, k, v, al, be, a, dtb, M, 0, n, kmap, 1 / np.sqrt(S), out)
+    want, states = _delta64(q, k, v, al, be, a, dtb, Hk, grouped=grouped)
     assert np.abs(out - want).max() < 1e-5 * np.abs(want).max() + 1e-6
     assert np.abs(M.transpose(0, 2, 1) - states).max() < 1e-5     # M[h, j, i] = S_h[i][j]
 
@@ -97,7 +102,7 @@ def test_chunked_delta_equals_the_recurrence_within_float32():
     M0 = (0.3 * rng.standard_normal((H, S, S))).astype(np.float32)
     M_rec, M_chk = M0.copy(), M0.copy()
     out_rec = np.empty((n, H * S), np.float32)
-    R.delta_rows(q, k, v, al, be, a, dtb, M_rec, 0, n, Hk, 1 / np.sqrt(S), out_rec)
+    R.delta_rows(q, k, v, al, be, a, dtb, M_rec, 0, n, np.arange(H) % Hk, 1 / np.sqrt(S), out_rec)
     heads = np.arange(H) % Hk
     out_chk = np.empty((n, H * S), np.float32)
     for c in range(0, n, C):

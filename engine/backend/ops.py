@@ -499,12 +499,14 @@ class ProgramBuilder:
         return out
 
     def delta_rule(self, q: Value, k: Value, v: Value, alpha: Value, beta: Value, *, n_k_heads: int,
-                   n_v_heads: int, head_dim: int, a: Any, dt_bias: Any, scale: float, name: str = "") -> Value:
+                   n_v_heads: int, head_dim: int, a: Any, dt_bias: Any, scale: float, key_heads: str = "tiled",
+                   name: str = "") -> Value:
         """The gated delta rule (Yang et al. 2024, "Gated Delta Networks"; llama.cpp
         ggml_gated_delta_net) with a state matrix S (head_dim x head_dim) per value head
         and slot. q, k (N, n_k_heads*head_dim), v (N, n_v_heads*head_dim), alpha, beta
         (N, n_v_heads); a, dt_bias: (n_v_heads,) vectors. Per row and value head h, with
-        key head h % n_k_heads (ggml's tiled broadcast): g = a[h] * softplus(alpha[h] +
+        key head h % n_k_heads (``key_heads`` "tiled": ggml's broadcast, Qwen3.5) or
+        h // (n_v_heads / n_k_heads) ("grouped": Qwen3-Next): g = a[h] * softplus(alpha[h] +
         dt_bias[h]) (softplus(x) = x above 20, else log(1 + exp(x))), b = sigmoid(beta[h]),
         S = exp(g) S;  d = b (v_h - S^T k);  S = S + k d^T;  out_h = scale S^T q."""
         if not (q.rows == k.rows == v.rows == alpha.rows == beta.rows == ROWS_N):
@@ -517,9 +519,11 @@ class ProgramBuilder:
             if _width_of(vec) != (n_v_heads,):
                 raise ProgramError(f"delta_rule: {what} {getattr(vec, 'name', '')} has shape {_width_of(vec)}, "
                                    f"expected ({n_v_heads},)")
+        if key_heads not in ("tiled", "grouped"):
+            raise ProgramError(f"delta_rule: key_heads {key_heads!r} (known: tiled, grouped)")
         out = self._new(ROWS_N, v.width, name)
         self._emit("delta_rule", (q, k, v, alpha, beta), (out,), n_k_heads=int(n_k_heads), n_v_heads=int(n_v_heads),
-                   head_dim=int(head_dim), a=a, dt_bias=dt_bias, scale=float(scale),
+                   head_dim=int(head_dim), a=a, dt_bias=dt_bias, scale=float(scale), key_heads=key_heads,
                    state=self._state("delta", (n_v_heads, head_dim, head_dim)))
         return out
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import (common, experts, gemma3, gemma4, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe,
-               qwen35, qwen35moe, real)
+               qwen35, qwen35moe, qwen3next, real)
 from .common import Tokenizer, tokenizer_from_gguf
 
 #: every tiny reference file: name -> (writer module, its keyword arguments)
@@ -55,6 +55,7 @@ HYBRID: dict[str, tuple[Any, dict[str, Any]]] = {
     "qwen35": (qwen35, {}),
     "qwen35moe": (qwen35moe, {}),
     "gemma4": (gemma4, {}),
+    "qwen3next": (qwen3next, {}),
 }
 
 
@@ -67,4 +68,4 @@ def write(name: str, path: str | Path, tokenizer: Tokenizer, **overrides: Any) -
 
 
 __all__ = ["HYBRID", "MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gemma4", "gptoss", "hf_vocab", "iquants", "llama",
-           "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "real", "tokenizer_from_gguf", "write"]
+           "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "real", "tokenizer_from_gguf", "write"]

@@ -52,13 +52,16 @@ def attention_block(tw: TinyWriter, p: str, *, d_model: int, n_heads: int, n_kv_
 
 
 def linear_block(tw: TinyWriter, p: str, *, d_model: int, n_k: int, n_v: int, state: int, conv: int,
-                 a_mean: float) -> None:
-    """A gated DeltaNet layer's tensors."""
+                 a_mean: float, fused_ba: bool = False) -> None:
+    """A gated DeltaNet layer's tensors (``fused_ba``: Qwen3-Next's one ``ssm_ba`` matrix)."""
     key, value = n_k * state, n_v * state
     tw.matrix(p + "attn_qkv.weight", 2 * key + value, d_model, TYPES["attn_qkv"])
     tw.matrix(p + "attn_gate.weight", value, d_model, TYPES["attn_gate"])
-    tw.matrix(p + "ssm_beta.weight", n_v, d_model, TYPES["ssm_beta"])
-    tw.matrix(p + "ssm_alpha.weight", n_v, d_model, TYPES["ssm_alpha"])
+    if fused_ba:
+        tw.matrix(p + "ssm_ba.weight", 2 * n_v, d_model, TYPES["ssm_beta"])
+    else:
+        tw.matrix(p + "ssm_beta.weight", n_v, d_model, TYPES["ssm_beta"])
+        tw.matrix(p + "ssm_alpha.weight", n_v, d_model, TYPES["ssm_alpha"])
     tw.matrix(p + "ssm_conv1d.weight", 2 * key + value, conv, T.F32, std=0.5)
     tw.vector(p + "ssm_dt.bias", n_v, mean=-1.0, std=0.5)
     tw.vector(p + "ssm_a", n_v, mean=a_mean, std=0.15)
@@ -73,7 +76,7 @@ def ffn_block(tw: TinyWriter, p: str, d_model: int, ffn: int) -> None:
 
 
 def hparams(tw: TinyWriter, *, n_layers: int, nextn: int, d_model: int, ffn: int, n_heads: int, n_kv_heads: int,
-            head_dim: int, rope_dim: int, sections: tuple[int, ...], n_k: int, n_v: int, state: int, conv: int,
+            head_dim: int, rope_dim: int, sections: tuple[int, ...] | None, n_k: int, n_v: int, state: int, conv: int,
             interval: int, context_length: int) -> None:
     """The keys Qwen3NextModel / Qwen3_5TextModel's converter writes (qwen35moe adds its own)."""
     w = tw.w
@@ -90,7 +93,8 @@ def hparams(tw: TinyWriter, *, n_layers: int, nextn: int, d_model: int, ffn: int
                 [(i + 1) % interval != 0 for i in range(n_layers)] + [False] * nextn)
     w.add_full_attention_interval(interval)
     w.add_rope_dimension_count(rope_dim)
-    w.add_rope_dimension_sections(list(sections))
+    if sections is not None:
+        w.add_rope_dimension_sections(list(sections))
     if nextn:
         w.add_nextn_predict_layers(nextn)
 

@@ -42,9 +42,10 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 36, n_layers: i
           sections: tuple[int, ...] = (3, 3, 2, 0), n_k: int = 2, n_v: int = 4, state: int = 16, conv: int = 4,
           interval: int = 2, ffn: int = 256, n_expert: int = 8, n_expert_used: int = 2, expert_ffn: int = 64,
           shared_ffn: int = 128, a_mean: float = -0.6, context_length: int = 262144, pre: str = "qwen35",
-          tied: bool = False, **defects: Any) -> Path:
-    """Write the tiny qwen35moe file to ``path``; ``defects`` go to ``TinyWriter``."""
-    tw = TinyWriter(path, "qwen35moe", seed=seed, name="tiny-qwen35moe", **defects)
+          tied: bool = False, arch: str = "qwen35moe", fused_ba: bool = False, **defects: Any) -> Path:
+    """Write the tiny qwen35moe file to ``path`` (``arch`` "qwen3next" with ``fused_ba`` and no
+    ``sections``: Qwen3-Next's layout); ``defects`` go to ``TinyWriter``."""
+    tw = TinyWriter(path, arch, seed=seed, name=f"tiny-{arch}", **defects)
     Q.hparams(tw, n_layers=n_layers, nextn=nextn, d_model=d_model, ffn=ffn, n_heads=n_heads, n_kv_heads=n_kv_heads,
               head_dim=head_dim, rope_dim=rope_dim, sections=sections, n_k=n_k, n_v=n_v, state=state, conv=conv,
               interval=interval, context_length=context_length)
@@ -59,7 +60,8 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 36, n_layers: i
         tw.vector(p + "attn_norm.weight", d_model)
         tw.vector(p + "post_attention_norm.weight", d_model)
         if i < n_layers and (i + 1) % interval != 0:
-            Q.linear_block(tw, p, d_model=d_model, n_k=n_k, n_v=n_v, state=state, conv=conv, a_mean=a_mean)
+            Q.linear_block(tw, p, d_model=d_model, n_k=n_k, n_v=n_v, state=state, conv=conv, a_mean=a_mean,
+                           fused_ba=fused_ba)
         else:
             Q.attention_block(tw, p, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
         moe_block(tw, p, d_model, n_expert, expert_ffn, shared_ffn)

@@ -40,6 +40,7 @@ SENSITIVITY = {
     "gemma4": {"no_window": ({"window": 4096}, "sliding_window 4096: no layer slides over these prompts"),
                "swa_base_1e6": ({"rope_base_swa": 1000000.0}, "rope.freq_base_swa = 1e6: one RoPE base"),
                "softcap_10": ({"softcap": 10.0}, "final_logit_softcapping 10 instead of 30")},
+    "qwen3next": {"no_state_memory": ({"a_mean": -60.0}, "ssm_a near -60: the recurrent state forgets every token")},
     "qwen35moe": {"top1": ({"n_expert_used": 1}, "expert_used_count 1 instead of 2"),
                   "no_state_memory": ({"a_mean": -60.0}, "ssm_a near -60: the recurrent state forgets every token")},
 }

@@ -43,7 +43,7 @@ UNDO_ROWS = 16      # segments of 2 .. UNDO_ROWS rows can be rolled back (verify
 _SIG_CONV = ["void(float32[:, :], float32[:, :], float32[:, :, :], int64[:], int64[:], int64[:], boolean, "
              "float32[:, :])"]
 _SIG_DELTA = ["void(float32[:, :], float32[:, :], float32[:, :], float32[:, :], float32[:, :], float32[:], "
-              "float32[:], float32[:, :, :], int64, int64, int64, float64, float32[:, :])"]
+              "float32[:], float32[:, :, :], int64, int64, int64[:], float64, float32[:, :])"]
 _SIG_L2 = ["void(float32[:, :], int64, float64, float32[:, :])"]
 _SIG_GATE = ["void(float32[:, :], float32[:, :], float32[:, :])"]
 _SIG_SUBST = ["void(float32[:, :, :], float32[:, :, :])"]
@@ -81,11 +81,12 @@ def conv_rows(x, w, state, seg_slot, seg_row0, seg_n, silu, out):
 
 
 @nb.njit(_SIG_DELTA, cache=True, fastmath=True, error_model="numpy")
-def delta_rows(q, k, v, alpha, beta, a, dtb, M, r0, r1, Hk, scale, out):
+def delta_rows(q, k, v, alpha, beta, a, dtb, M, r0, r1, kmap, scale, out):
     """The gated delta rule, one row at a time, for rows r0 .. r1-1 of one slot whose state
     is M (n_heads, S, S) float32 with M[h, j, i] = S_h[i][j] (ggml's layout: row j of M is
     column j of S). q, k (N, Hk*S) (L2-normalised), v (N, H*S), alpha, beta (N, H) raw;
-    a, dtb (H,). Per row and head h (key head h % Hk), as ggml_gated_delta_net:
+    a, dtb (H,); kmap (H,) the key head of each value head. Per row and head h (key head
+    kmap[h]), as ggml_gated_delta_net:
         g = a[h] softplus(alpha + dtb[h]);  b = sigmoid(beta)
         for each j:  M[j] *= exp(g);  d = (v_j - M[j].k) b;  M[j] += d k;  out_j = scale M[j].q
     (rows j of M are independent, so each is decayed, updated and read in one pass)."""
@@ -93,7 +94,7 @@ def delta_rows(q, k, v, alpha, beta, a, dtb, M, r0, r1, Hk, scale, out):
     S = M.shape[1]
     sc = np.float32(scale)
     for h in range(H):
-        hk = h % Hk
+        hk = kmap[h]
         for t in range(r0, r1):
             x = alpha[t, h] + dtb[h]
             sp = x if x > np.float32(20.0) else np.log(np.float32(1.0) + np.exp(x))
@@ -289,8 +290,8 @@ class RecurrentState:
                 conv_rows(x[:keep], w, b, one + slot, one * 0, one + keep, silu,
                           np.empty((keep, x.shape[1]), np.float32))
             else:
-                q, k, v, al, be, a, dtb, hk, scale = rows
-                delta_rows(q, k, v, al, be, a, dtb, b[slot], 0, keep, hk, scale,
+                q, k, v, al, be, a, dtb, kmap, scale = rows
+                delta_rows(q, k, v, al, be, a, dtb, b[slot], 0, keep, kmap, scale,
                            np.empty((v.shape[0], v.shape[1]), np.float32))
         self.pos[slot] = n
         del self.undo[slot]
@@ -335,7 +336,7 @@ def _c_delta_rule(prog, i, node):
     dtb = np.ascontiguousarray(A["dt_bias"], np.float32)
     qi, ki, vi, ai, bi = (x.id for x in node.inputs)
     oi = node.out.id
-    heads = np.arange(H) % Hk
+    heads = np.arange(H) % Hk if A["key_heads"] == "tiled" else np.arange(H) // (H // Hk)   # each v head's k head
 
     def run(env, bt, kv):
         st = kv.state
@@ -347,12 +348,12 @@ def _c_delta_rule(prog, i, node):
             u = st.undo_of(s)
             if u is not None:
                 u["inputs"][L] = (np.array(q[r0:r0 + n]), np.array(k[r0:r0 + n]), np.array(v[r0:r0 + n]),
-                                  np.array(al[r0:r0 + n]), np.array(be[r0:r0 + n]), a, dtb, Hk, scale)
+                                  np.array(al[r0:r0 + n]), np.array(be[r0:r0 + n]), a, dtb, heads, scale)
             M = M_all[slot]
             c0 = min(p + n, -(-p // CHUNK) * CHUNK)      # the first aligned chunk boundary
             c1 = max(c0, (p + n) // CHUNK * CHUNK)       # the last one
             if c0 > p:
-                delta_rows(q, k, v, al, be, a, dtb, M, r0, r0 + c0 - p, Hk, scale, y)
+                delta_rows(q, k, v, al, be, a, dtb, M, r0, r0 + c0 - p, heads, scale, y)
             for c in range(c0, c1, CHUNK):
                 lo = r0 + c - p
                 rs = slice(lo, lo + CHUNK)
@@ -364,7 +365,7 @@ def _c_delta_rule(prog, i, node):
                 delta_chunk(qh, kh, vh, np.ascontiguousarray(g.T), np.ascontiguousarray(b.T), M, scale, o)
                 y[rs] = o.transpose(1, 0, 2).reshape(CHUNK, H * S)
             if c1 < p + n:
-                delta_rows(q, k, v, al, be, a, dtb, M, r0 + c1 - p, r0 + n, Hk, scale, y)
+                delta_rows(q, k, v, al, be, a, dtb, M, r0 + c1 - p, r0 + n, heads, scale, y)
         env[oi] = y
     return run
 

@@ -57,14 +57,19 @@ KNOWN_TENSORS_ONLY = True
 class Linear:
     """The gated DeltaNet hyperparameters: ``conv`` kernel width, ``n_k`` key heads and
     ``n_v`` value heads of ``head_dim`` each, ``recurrent`` one bool per layer of the main
-    stack, ``sections`` the four M-RoPE sections."""
+    stack, ``sections`` the four M-RoPE sections (None: plain NEOX RoPE); Qwen3-Next's
+    layout: ``fused_ba`` (beta and alpha from one ``ssm_ba`` matrix, per key head
+    [beta x r, alpha x r]) and ``key_heads`` "grouped" (value head h reads key head h // r,
+    r = n_v / n_k; Qwen3.5's converter reorders to "tiled": h % n_k)."""
 
     conv: int
     n_k: int
     n_v: int
     head_dim: int
     recurrent: tuple[bool, ...]
-    sections: tuple[int, ...]
+    sections: tuple[int, ...] | None
+    fused_ba: bool = False
+    key_heads: str = "tiled"
 
     @property
     def key_dim(self) -> int:
@@ -102,6 +107,8 @@ def linear_hparams(cfg: ModelConfig, path: str = "model") -> Linear:
     if all(rec):
         raise ModelError(f"{path}: {cfg.arch} has no full-attention layer (attention.recurrent_layers / "
                          f"full_attention_interval)")
+    if cfg.arch == "qwen3next":     # plain NEOX RoPE, the Qwen3-Next projections' layout
+        return Linear(conv, n_k, n_v, state, rec, None, fused_ba=True, key_heads="grouped")
     sections = K.array(cfg, path, "rope.dimension_sections", 4)
     if sections is None:
         raise ModelError(f"{path}: metadata key '{cfg.arch}.rope.dimension_sections' is missing")
@@ -111,10 +118,13 @@ def linear_hparams(cfg: ModelConfig, path: str = "model") -> Linear:
     return Linear(conv, n_k, n_v, state, rec, tuple(sections))
 
 
-def imrope_spec(cfg: ModelConfig, sections: tuple[int, ...]) -> RopeSpec:
+def imrope_spec(cfg: ModelConfig, sections: tuple[int, ...] | None) -> RopeSpec:
     """Interleaved M-RoPE for text positions (p, p, p, 0) as a NEOX spec: pair j's sector
     is j % sum(sections); sectors 3i, 3i+1, 3i+2 below 3 x sections[0], [1], [2] turn at
-    p, the rest (the fourth section) at 0 (frequency factor inf: angle 0)."""
+    p, the rest (the fourth section) at 0 (frequency factor inf: angle 0). No sections:
+    plain NEOX RoPE (Qwen3-Next)."""
+    if sections is None:
+        return C.rope_spec(cfg, "neox", factors=False)
     total = sum(sections)
     ff = []
     for j in range(cfg.rope_dim // 2):
@@ -148,8 +158,9 @@ def linear_tensors(cfg: ModelConfig, lin: Linear, p: str) -> list:
     """A gated DeltaNet layer's tensors."""
     d = cfg.d_model
     conv_dim = 2 * lin.key_dim + lin.value_dim
-    return [C.mat(p + "attn_qkv.weight", d, conv_dim), C.mat(p + "attn_gate.weight", d, lin.value_dim),
-            C.mat(p + "ssm_beta.weight", d, lin.n_v), C.mat(p + "ssm_alpha.weight", d, lin.n_v),
+    ba = ([C.mat(p + "ssm_ba.weight", d, 2 * lin.n_v)] if lin.fused_ba else
+          [C.mat(p + "ssm_beta.weight", d, lin.n_v), C.mat(p + "ssm_alpha.weight", d, lin.n_v)])
+    return [C.mat(p + "attn_qkv.weight", d, conv_dim), C.mat(p + "attn_gate.weight", d, lin.value_dim)] + ba + [
             Tensor(p + "ssm_conv1d.weight", (lin.conv, conv_dim), "array"), C.vec(p + "ssm_dt.bias", lin.n_v),
             C.vec(p + "ssm_a", lin.n_v), C.vec(p + "ssm_norm.weight", lin.head_dim),
             C.mat(p + "ssm_out.weight", lin.value_dim, d)]
@@ -183,15 +194,20 @@ def build_linear_attention(b: ProgramBuilder, cfg: ModelConfig, lin: Linear, w: 
     S, eps = lin.head_dim, cfg.norm_eps
     qkv = b.linear(h, w[p + "attn_qkv.weight"], name=p + "qkv_mixed")
     z = b.linear(h, w[p + "attn_gate.weight"], name=p + "z")
-    beta = b.linear(h, w[p + "ssm_beta.weight"], name=p + "beta")
-    alpha = b.linear(h, w[p + "ssm_alpha.weight"], name=p + "alpha")
+    if lin.fused_ba:    # per key head: r betas then r alphas
+        ba = b.linear(h, w[p + "ssm_ba.weight"], name=p + "mixed_ba")
+        beta, alpha = b.deinterleave(ba, lin.n_v // lin.n_k, 2, names=(p + "beta", p + "alpha"))
+    else:
+        beta = b.linear(h, w[p + "ssm_beta.weight"], name=p + "beta")
+        alpha = b.linear(h, w[p + "ssm_alpha.weight"], name=p + "alpha")
     conv = b.short_conv(qkv, w[p + "ssm_conv1d.weight"], act="silu", name=p + "conv_output_silu")
     q, k, v = b.split(conv, (lin.key_dim, lin.key_dim, lin.value_dim), names=(p + "q_conv", p + "k_conv",
                                                                               p + "v_conv"))
     q = b.l2_norm(q, eps, S, name=p + "q_l2")
     k = b.l2_norm(k, eps, S, name=p + "k_l2")
     o = b.delta_rule(q, k, v, alpha, beta, n_k_heads=lin.n_k, n_v_heads=lin.n_v, head_dim=S, a=w[p + "ssm_a"],
-                     dt_bias=w[p + "ssm_dt.bias"], scale=1.0 / math.sqrt(S), name=p + "attn_output")
+                     dt_bias=w[p + "ssm_dt.bias"], scale=1.0 / math.sqrt(S), key_heads=lin.key_heads,
+                     name=p + "attn_output")
     o = b.head_rms_norm(o, w[p + "ssm_norm.weight"], eps, S, name=p + "ssm_norm")
     o = b.glu(z, o, "silu", name=p + "norm_gated")
     return b.linear(o, w[p + "ssm_out.weight"], name=p + "linear_attn_out")
