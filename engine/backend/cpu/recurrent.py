@@ -80,7 +80,7 @@ def conv_rows(x, w, state, seg_slot, seg_row0, seg_n, silu, out):
                     state[slot, i, c] = state[slot, i + n, c]
 
 
-@nb.njit(_SIG_DELTA, cache=True, fastmath=True, error_model="numpy")
+@nb.njit(_SIG_DELTA, cache=True, fastmath=True, error_model="numpy", parallel=True)
 def delta_rows(q, k, v, alpha, beta, a, dtb, M, r0, r1, kmap, scale, out):
     """The gated delta rule, one row at a time, for rows r0 .. r1-1 of one slot whose state
     is M (n_heads, S, S) float32 with M[h, j, i] = S_h[i][j] (ggml's layout: row j of M is
@@ -89,11 +89,12 @@ def delta_rows(q, k, v, alpha, beta, a, dtb, M, r0, r1, kmap, scale, out):
     kmap[h]), as ggml_gated_delta_net:
         g = a[h] softplus(alpha + dtb[h]);  b = sigmoid(beta)
         for each j:  M[j] *= exp(g);  d = (v_j - M[j].k) b;  M[j] += d k;  out_j = scale M[j].q
-    (rows j of M are independent, so each is decayed, updated and read in one pass)."""
+    (rows j of M are independent, so each is decayed, updated and read in one pass). Heads
+    run in parallel; each head's arithmetic is the same on any thread."""
     H = M.shape[0]
     S = M.shape[1]
     sc = np.float32(scale)
-    for h in range(H):
+    for h in nb.prange(H):
         hk = kmap[h]
         for t in range(r0, r1):
             x = alpha[t, h] + dtb[h]
