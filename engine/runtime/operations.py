@@ -21,8 +21,9 @@ from typing import Any, Protocol
 
 from aotx.engine import protocol as P
 from aotx.engine.errors import Busy, ModelError, NotFound, RequestError, close_matches
+from aotx.engine.journal.conversations import Conversation
 from aotx.engine.runtime.catalog import Catalog
-from aotx.engine.runtime.models import ModelSet
+from aotx.engine.runtime.models import ModelSet, ServedModel
 from aotx.engine.runtime.requests import Request, Sink
 from aotx.engine.runtime.store import ConversationStore
 
@@ -41,7 +42,7 @@ class EngineTables(Protocol):
     def requests(self) -> list[Request]: ...
     def preparing(self) -> set[str]: ...
     def is_busy(self, conv_id: str) -> bool: ...
-    def enqueue(self, r: Request | None, m: Any = None) -> None: ...
+    def enqueue(self, r: Request | None, m: ServedModel | None = None) -> None: ...
     def cancel(self, r: Request) -> None: ...
     def status_reply(self, rid: int) -> P.StatusReply: ...
 
@@ -119,7 +120,7 @@ class Operations:
         m.submitter.count(op, sink)
 
     @staticmethod
-    def _recorded_file(conv: Any, name: str) -> tuple[str, str]:
+    def _recorded_file(conv: Conversation, name: str) -> tuple[str, str]:
         """(path, "") of the file the conversation's model ``name`` was loaded from, as its
         last reply recorded it, when that file is still there with the same fingerprint;
         else ("", why not: "" when nothing was recorded)."""
@@ -222,7 +223,8 @@ class Operations:
 
     # ---- what the handlers share ---------------------------------------------------------
 
-    def _ensure(self, name: str, rid: int, sink: Sink, evict_idle: bool | None = None) -> tuple[Any, list[str]]:
+    def _ensure(self, name: str, rid: int, sink: Sink,
+                evict_idle: bool | None = None) -> tuple[ServedModel, list[str]]:
         """The loaded model ``name`` (loaded now when it is not; the client is told)."""
         def on_load(message: str) -> None:
             sink.send(P.Notice(id=rid, kind="model", resource="model", message=message))

@@ -32,6 +32,7 @@ from typing import Any
 
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
 from aotx.engine.model.template_worker import TemplateWorkers, shared_workers
+from aotx.engine.model.tokenizer import Tokenizer
 from aotx.engine.runtime.admission import Refusal
 from aotx.engine.runtime.events import Inbox, Prepared
 
@@ -121,7 +122,7 @@ class Preparer:
             self._done(key)
 
 
-def longest_piece(tokenizer: Any) -> int:
+def longest_piece(tokenizer: Tokenizer) -> int:
     """The most bytes one token of ``tokenizer`` stands for (special tokens included),
     at least 1 (one pass over the vocabulary: ~50 ms for 50k tokens; callers keep it)."""
     return max([1] + [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])

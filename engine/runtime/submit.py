@@ -46,7 +46,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -55,11 +55,12 @@ from aotx.engine.errors import Busy, ErrorCode, NotReady, RequestError
 from aotx.engine import protocol as P
 from aotx.engine.model import tool_calls
 from aotx.engine.model.chat_template import encode_chat
+from aotx.engine.model.loader import LoadedModel
 from aotx.engine.model.termination import StopChecker
 from aotx.engine.model.tokenizer import StreamDecoder
 from aotx.engine.runtime import admission, media_prompt
-from aotx.engine.runtime.constraints import Compiler
-from aotx.engine.runtime.drafter import DraftDrafter
+from aotx.engine.runtime.constraints import Compiler, GrammarState
+from aotx.engine.runtime.drafter import DraftDrafter, DraftModel
 from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import Inbox, MediaReady, Prepared
 from aotx.engine.runtime.mtp import MtpDrafter
@@ -68,7 +69,12 @@ from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
 from aotx.engine.runtime.speculative import PromptLookup
+from aotx.engine.runtime.store import ConversationStore
 from aotx.media.kinds import MediaKind
+
+if TYPE_CHECKING:   # media loads its encoders and profiles only when an attachment needs them
+    from aotx.media.profile import MediaProfile
+    from aotx.media.vision import VisionEncoder
 
 # speculative "auto" (the default): prompt lookup on the CPU, where a verify window of a few
 # rows costs little more than one row, drafting only after a match of this many tokens so
@@ -91,7 +97,7 @@ class Submission:
     held: bool = False
     need: int = 0  # journal credit asked when it was held
     prompt: list[int] = field(default_factory=list)
-    constraint: Any = None  # constraints.GrammarState (compiled in stage 1), or None
+    constraint: GrammarState | None = None  # compiled in stage 1
     dropped: bool = False  # its client went away or cancelled it while it was being prepared
     model: str = ""  # the loaded model whose submitter runs its stages
     media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
@@ -116,8 +122,9 @@ class Submitter:
     (the model's own multi-token-prediction head) or None. ``vision`` and
     ``images`` are set when pictures go to an encoder."""
 
-    def __init__(self, lm: Any, store: Any, envelope: Envelope, inbox: Inbox, is_busy: Callable[[str], bool], *,
-                 device: str, speculative: str, draft: Any = None, mtp: Any = None):
+    def __init__(self, lm: LoadedModel, store: ConversationStore, envelope: Envelope, inbox: Inbox,
+                 is_busy: Callable[[str], bool], *, device: str, speculative: str, draft: DraftModel | None = None,
+                 mtp: MtpModel | None = None):
         self.lm = lm
         self.store = store
         self.envelope = envelope
@@ -127,8 +134,8 @@ class Submitter:
         self.speculative = speculative
         self.draft = draft
         self.mtp = mtp
-        self.vision: Any = None
-        self.images: Any = None
+        self.vision: VisionEncoder | None = None
+        self.images: media_prompt.ImageStore | None = None
         self.ready = True
         self.not_ready_reason = ""
         self.held: list[Submission] = []
@@ -141,7 +148,7 @@ class Submitter:
         self.model_name: str = getattr(lm, "name", "")  # the engine's name for this model (models.ModelSet)
         # the model's media.profile.MediaProfile (set by serve) and the engine's admission of a
         # specialist when an attachment first needs it: count_media(name, bytes) -> "" or why not
-        self.media_profile: Any = None
+        self.media_profile: MediaProfile | None = None
         self.count_media: Callable[[str, int], str] | None = None
 
     # ---- 1. check ---------------------------------------------------------------------
