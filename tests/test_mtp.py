@@ -122,3 +122,13 @@ def test_mtp_is_refused_for_a_model_without_an_mtp_head(files):
         assert isinstance(err, P.Error) and "multi-token-prediction head" in err.message, err
     finally:
         eng.stop()
+
+
+def test_a_hybrid_draft_model_is_refused(q35):
+    """A draft model's slots are cut back to the committed tokens after every verify pass,
+    which a recurrent state cannot follow: refused in one line, naming the way out."""
+    from aotx.engine.errors import ModelError
+    from aotx.engine.runtime.drafter import DraftModel
+
+    with pytest.raises(ModelError, match="recurrent layers and cannot draft"):
+        DraftModel(q35, 1, 64)
