@@ -278,10 +278,12 @@ class LocalModel:
         return self._facts
 
     def close(self) -> None:
-        """Let go of the KV cache and the weights (the last references)."""
+        """Let go of the KV cache and the weights (the last references), and end the
+        preparation workers."""
         self.kv = None
         self.executor.kv = None
         self.draft = None
+        self.submitter.preparer.close()
 
 
 def _mtp_model(lm: Any, n_slots: int, n_ctx: int, p_min: float) -> MtpModel | None:
