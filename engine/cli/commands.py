@@ -176,7 +176,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--speculative", choices=[m for m in SPECULATIVE_MODES if m], default=d.speculative,
                    help="speculative decoding for this reply: auto (prompt lookup where it pays), ngram "
-                        "(prompt lookup), draft (the engine's --draft-model) or off (default: the engine's choice)")
+                        "(prompt lookup), draft (the engine's --draft-model), mtp (the model's own MTP head) or off "
+                        "(default: the engine's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the engine in the foreground")
     add_engine_flags(p)
-    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "off"], default=None,
+    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "mtp", "off"], default=None,
                    help="default speculative decoding: auto (prompt lookup on the CPU after 2-token "
-                        "matches, off on CUDA), ngram (prompt lookup), draft (--draft-model) or off "
+                        "matches, off on CUDA), ngram (prompt lookup), draft (--draft-model), mtp (the "
+                        "model's multi-token-prediction head, for files with nextn layers) or off "
                         "(default: draft with --draft-model, else auto; see BENCHMARKS.md)")
     p.add_argument("--draft-p-min", type=_float("--draft-p-min", 0.0, 1.0), default=None,
                    help="stop drafting when the draft model's top probability falls below this (default 0.75)")

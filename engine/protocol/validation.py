@@ -67,8 +67,9 @@ SAMPLING_LIMITS: dict[str, Limit] = {
     "presence_penalty": Limit(-2.0, 2.0),
 }
 #: ``SamplingParams.speculative``: "" the engine's default, "auto" prompt lookup where it
-#: pays, "ngram" prompt lookup, "draft" the engine's draft model, "off".
-SPECULATIVE_MODES = ("", "auto", "ngram", "draft", "off")
+#: pays, "ngram" prompt lookup, "draft" the engine's draft model, "mtp" the model's own
+#: multi-token-prediction head (a file with nextn layers), "off".
+SPECULATIVE_MODES = ("", "auto", "ngram", "draft", "mtp", "off")
 MAX_STOP_STRINGS = 64  # the stop checker keeps every prefix of every stop string: bound them
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # SamplingParams.logit_bias entries
@@ -124,7 +125,7 @@ def sampling_problem(sp: Any) -> str | None:
         if (why := limit_problem(f"logit_bias[{t}]", b, LOGIT_BIAS_LIMIT)):
             return why
     if sp.speculative not in SPECULATIVE_MODES:
-        return f"speculative mode {sp.speculative!r} is not available (use auto, ngram, draft or off)"
+        return f"speculative mode {sp.speculative!r} is not available (use auto, ngram, draft, mtp or off)"
     return None
 
 
