@@ -27,7 +27,7 @@ def test_compact_says_what_it_did_in_a_sentence():
 
 
 def test_the_status_journal_line_is_words():
-    from aotx.engine.cli.client import journal_line
+    from aotx.engine.cli.status import journal_line
 
     j = {"fsyncs": 1234, "blocks": 9, "receipts": 9, "bytes_written": 4096, "segments_created": 1,
          "capacity": 8 << 20, "used": 0, "reserved": 0, "free": 8 << 20, "last_seq": 41, "durable_seq": 41,

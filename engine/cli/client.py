@@ -235,8 +235,6 @@ def dispatch(args, **kw) -> int:
     cmd = args.cmd
     if cmd == "run":
         return asyncio.run(_run(args))
-    if cmd == "status":
-        return asyncio.run(_status(args))
     if cmd == "stop":
         return _stop(args)
     if cmd == "conversations":
@@ -255,13 +253,24 @@ def capsule_words(n: P.Notice, continuing: bool) -> str:
     return "reading the earlier messages again (their saved state could not be used)"
 
 
+def read_stdin_text(what: str) -> str:
+    """All of standard input as text; ``UsageError`` naming ``what`` and the first bad byte
+    when it is not UTF-8."""
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"run: standard input ({what}) is not valid UTF-8 (byte 0x{data[e.start]:02x} at byte "
+                         f"{e.start}); give the text in UTF-8") from None
+
+
 def _jprint(obj) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
     sys.stdout.flush()
 
 
 async def _run(args) -> int:
-    prompt = sys.stdin.read() if args.prompt in ("-", None) else args.prompt
+    prompt = read_stdin_text("the prompt") if args.prompt in ("-", None) else args.prompt
     if not prompt.strip():  # the CLI prints "aotx: " before it: no second prefix
         raise UsageError("run: the prompt is empty" if not prompt else "run: the prompt is blank (only whitespace)")
     t0 = time.perf_counter()
@@ -305,6 +314,8 @@ async def _run(args) -> int:
         t_loading = 0.0
         stopper = CancelOnSignal(asyncio.get_running_loop(), lambda rid: client.cancel(target=rid))
         stopper.__enter__()
+        main = asyncio.current_task()
+        watch = None  # says, once, that the receipt waits for a full disk
         code = 0
         prompt_ids: list[int] = []
         completion: list[int] = []
@@ -403,6 +414,18 @@ async def _run(args) -> int:
                             if engine_stopping:
                                 print(f"aotx: `aotx run --conversation {conv_id} ...` continues it once an engine runs "
                                       f"again", file=sys.stderr)
+                    welcome = getattr(client, "welcome", None)
+                    if welcome is not None and welcome.journal:  # what is left is the receipt: a signal ends the wait
+                        if stopper.signum:
+                            _stopped_waiting(stopper, conv_id)
+                            break
+                        stopper.waiting_for_receipt(main.cancel)
+                        watch = asyncio.create_task(_say_when_held(client))
+        except asyncio.CancelledError:
+            if not stopper.stopped_waiting:
+                raise
+            main.uncancel()
+            _stopped_waiting(stopper, conv_id)
         except ConnectionLost:
             if not rid_box:
                 raise
@@ -416,88 +439,37 @@ async def _run(args) -> int:
             return 1
         return stopper.exit_code or code
     finally:
+        if watch is not None:
+            watch.cancel()
         if stopper is not None:
             stopper.__exit__()
         await client.close()
 
 
-async def _status(args) -> int:
-    from aotx.engine.units import fmt_bytes
+RECEIPT_PATIENCE_S = 1.0  # a receipt later than this after the reply's end: ask the engine why
 
-    client = await connect(args, spawn=False)
+
+async def _say_when_held(client) -> None:
+    """After the reply's end, while its receipt does not come: when the engine holds its
+    work for a full disk, say so once on stderr (the engine's own line: which disk, how
+    much it needs, how much is free)."""
     try:
-        st = await client.status()
-    finally:
-        await client.close()
-    if args.json:
-        _jprint({"model": st.model, "model_path": st.model_path, "device": st.device, "ready": st.ready,
-                 "budget_bytes": st.budget_bytes, "used_bytes": st.used_bytes,
-                 "free_bytes": st.budget_bytes - st.used_bytes,
-                 "budget": {b.name: b.bytes for b in st.budget}, "n_ctx": st.n_ctx, "queue": st.queue,
-                 "tick": st.tick, "slots": [{"slot": s.slot, "state": s.state, "conversation": s.conv_id,
-                                             "position": s.position} for s in st.slots],
-                 "journal": st.journal, "capsules": st.capsules, "profile": st.profile, "stats": st.stats,
-                 "fingerprint": st.fingerprint, "draft_model": st.draft_model,
-                 "draft_model_path": st.draft_model_path, "degraded": st.degraded, "notices": st.notices})
-        return 0
-    print(f"model   {st.model} ({st.model_path})")
-    if st.draft_model:
-        print(f"draft   {st.draft_model} ({st.draft_model_path}): its own KV per slot, counted below")
-    print(f"device  {st.device}   ready: {'yes' if st.ready else 'NO'}"
-          f"{'   DEGRADED: new work is held' if st.degraded else ''}   context {st.n_ctx} tokens per slot")
-    if st.degraded:
-        print(f"disk    {st.degraded}")
-    for line in st.notices:
-        print(f"notice  {line}")
-    print("budget")
-    for b in st.budget:
-        print(f"  {b.name:<16} {fmt_bytes(b.bytes):>10}  ({b.bytes:,} bytes)")
-    print(f"  {'used':<16} {fmt_bytes(st.used_bytes):>10}  ({st.used_bytes:,} bytes)")
-    print(f"  {'free':<16} {fmt_bytes(st.budget_bytes - st.used_bytes):>10}  "
-          f"({st.budget_bytes - st.used_bytes:,} bytes of {st.budget_bytes:,})")
-    if len(st.models) > 1:
-        print("models  (loaded)")
-        for m in st.models:
-            what = "remote" if m.kind == "remote" else fmt_bytes(m.needs_bytes)
-            busy = f"generating ({m.busy})" if m.busy else f"idle {m.idle_s:.0f} s"
-            print(f"  {'*' if m.default else ' '} {m.name:<36} {what:>10}  {busy}")
-    print(f"slots   ({st.queue} queued)")
-    several = len({s.model for s in st.slots}) > 1
-    for s in st.slots:
-        owner = f"{s.model}: " if several else ""
-        print(f"  {owner}{s.slot:>3}  {s.state:<8} {s.conv_id or '-':<14} {s.position} tokens in KV")
-    if st.capsules:
-        c = st.capsules
-        if c.get("device_budget"):
-            print(f"capsules device {fmt_bytes(c.get('device_bytes', 0))} in {c.get('device_count', 0)} of "
-                  f"{fmt_bytes(c.get('device_budget', 0))}")
-        print(f"capsules host {fmt_bytes(c.get('host_bytes', 0))} in {c.get('host_count', 0)} of "
-              f"{fmt_bytes(c.get('host_budget', 0))}   disk {fmt_bytes(c.get('disk_bytes', 0))} in "
-              f"{c.get('disk_count', 0)} of {fmt_bytes(c.get('disk_budget', 0))}   (least recently used evicted first)")
-    if st.journal:
-        print("journal " + journal_line(st.journal))
-    return 0
+        while True:
+            await asyncio.sleep(RECEIPT_PATIENCE_S)
+            st = await client.status()
+            if st.degraded:
+                print(f"aotx: the reply is complete but not yet durable: {st.degraded}; waiting for its receipt "
+                      "(Ctrl-C or kill stops waiting: the engine keeps the reply and writes it when space returns)",
+                      file=sys.stderr, flush=True)
+                return
+    except (AotxError, ConnectionLost, OSError):
+        return
 
 
-def journal_line(j: dict) -> str:
-    """The journal's state in words: where it writes, what is durable, the buffer, and only
-    what is unusual (a checkpoint running, a disk that is full, a failure); ``--json`` has
-    every counter."""
-    from aotx.engine.units import fmt_bytes
-
-    if not j.get("enabled", True):
-        return "off (--no-journal): nothing is made durable"
-    parts = [f"segment {j.get('segment', '?')} ({fmt_bytes(j.get('segment_bytes', 0))})",
-             f"durable up to seq {j.get('durable_seq', 0)} of {j.get('last_seq', 0)}",
-             f"buffer {fmt_bytes(j.get('used', 0))} of {fmt_bytes(j.get('capacity', 0))} in use",
-             f"{j.get('fsyncs', 0):,} fsyncs"]
-    if j.get("checkpointing"):
-        parts.append("writing a checkpoint")
-    if j.get("degraded"):
-        parts.append(f"DEGRADED: {j['degraded']}")
-    if j.get("failed"):
-        parts.append(f"FAILED: {j['failed']}")
-    return ", ".join(parts)
+def _stopped_waiting(stopper, conv_id: str) -> None:
+    print(f"aotx: stopped waiting for the reply's receipt ({signal.Signals(stopper.signum).name}): the reply is "
+          f"complete in the engine but not yet durable; the engine writes it when it can (`aotx conversations "
+          f"show {conv_id}` says when it is)", file=sys.stderr, flush=True)
 
 
 def _stop(args) -> int:

@@ -13,6 +13,7 @@ import re
 import sys
 
 from aotx.engine.errors import AotxError, UsageError, friendly_error
+from aotx.engine.present import config as cli_config
 from aotx.engine.protocol import SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, SamplingParams, limit_problem
 
 
@@ -51,6 +52,32 @@ def chosen_parser(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argp
             break
         parser = sub.choices[name]
     return parser
+
+
+def not_utf8(text: str) -> str | None:
+    """Where ``text`` is not valid Unicode, in words ("byte 0xff at character 3"), or None.
+    Python hands bytes that are not UTF-8 (in argv, on a pipe) over as lone surrogates."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        ch = text[e.start]
+        what = f"byte 0x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF else f"U+{ord(ch):04X}"
+        return f"{what} at character {e.start}"
+
+
+def check_text_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse any command-line text that is not valid UTF-8, naming its flag (or the
+    positional argument) and where: it could not be sent to the engine or written."""
+    names = {}
+    for a in parser._actions:
+        names[a.dest] = a.option_strings[-1] if a.option_strings else f"the {a.dest.replace('_', ' ')}"
+    for dest, value in vars(args).items():
+        for text in (value if isinstance(value, list) else [value]):
+            where = not_utf8(text) if isinstance(text, str) else None
+            if where:
+                raise UsageError(f"{names.get(dest, '--' + dest.replace('_', '-'))}: not valid UTF-8 ({where}); "
+                                 "give the text in UTF-8")
 
 
 def version() -> str:
@@ -149,7 +176,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--speculative", choices=[m for m in SPECULATIVE_MODES if m], default=d.speculative,
                    help="speculative decoding for this reply: auto (prompt lookup where it pays), ngram "
-                        "(prompt lookup), draft (the engine's --draft-model) or off (default: the engine's choice)")
+                        "(prompt lookup), draft (the engine's --draft-model), mtp (the model's own MTP head) or off "
+                        "(default: the engine's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the engine in the foreground")
     add_engine_flags(p)
-    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "off"], default=None,
+    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "mtp", "off"], default=None,
                    help="default speculative decoding: auto (prompt lookup on the CPU after 2-token "
-                        "matches, off on CUDA), ngram (prompt lookup), draft (--draft-model) or off "
+                        "matches, off on CUDA), ngram (prompt lookup), draft (--draft-model), mtp (the "
+                        "model's multi-token-prediction head, for files with nextn layers) or off "
                         "(default: draft with --draft-model, else auto; see BENCHMARKS.md)")
     p.add_argument("--draft-p-min", type=_float("--draft-p-min", 0.0, 1.0), default=None,
                    help="stop drafting when the draft model's top probability falls below this (default 0.75)")
@@ -194,6 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-key-concurrency", type=_int("--per-key-concurrency", 1), default=16)
     p.add_argument("--max-queue", type=_int("--max-queue", 1), default=64,
                    help="generations in flight across all keys before 429")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="a browser origin (https://chat.example; * for any) whose pages may call the API; "
+                   "repeatable (default: none, CORS off)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (with --tls-cert)")
+
+    sub.add_parser("config", help="the defaults in effect (model, device, context, slots, theme, api_key_file): "
+                   "each one's value and where it came from (the config file: `aotx config` names it)")
+    p = sub.add_parser("completion", help='print a shell completion script: eval "$(aotx completion bash)"')
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
 
     p = sub.add_parser("stop", help="stop the engine serving the socket")
     p.add_argument("--socket")
@@ -334,12 +373,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = join_negative_values(sys.argv[1:] if argv is None else argv)
     try:
         ap = build_parser()
+        settings, cpath = cli_config.load()
+        cli_config.apply(ap, settings, cpath)  # the config file's defaults; flags still win
         args, extra = ap.parse_known_args(argv)
         if extra:  # name the subcommand whose options were meant, and suggest one of them
             chosen_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
+        check_text_args(chosen_parser(ap, args), args)
         if not args.cmd:
             ap.print_help()
             return 2
+        if args.cmd == "config":
+            cli_config.show(ap, settings, cpath)
+            return 0
+        if args.cmd == "completion":
+            print(cli_config.completion(ap, args.shell))
+            return 0
         if args.cmd == "serve":
             from aotx.engine.cli.serve import serve
 
@@ -361,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.cli import local as cli_local
 
             return getattr(cli_local, f"cmd_{args.cmd}")(args)
+        if args.cmd == "status":
+            import asyncio
+
+            from aotx.engine.cli.status import status
+
+            return asyncio.run(status(args))
         if args.cmd == "conversations" and not args.ccmd:
             raise UsageError("conversations: choose list, show, export, fork or delete")
         if args.cmd == "conversations" and args.ccmd in ("list", "show", "export"):

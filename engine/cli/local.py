@@ -302,10 +302,12 @@ def print_conversation_list(convs, as_json: bool) -> int:
     convs = sorted(convs, key=lambda c: (c.updated_at, c.created_at), reverse=True)
     if as_json:
         _jprint([{"id": c.conv_id, "title": c.title, "messages": c.n_messages, "created_at": c.created_at,
-                  "updated_at": c.updated_at, "model": c.model, "origin": c.origin} for c in convs])
+                  "updated_at": c.updated_at, "model": c.model, "origin": c.origin,
+                  **({"salvaged": c.salvaged} if getattr(c, "salvaged", "") else {})} for c in convs])
     elif not convs:
         print("no conversations yet: start one with `aotx run` or `aotx-chat`")
     else:
+        by_id = {c.conv_id: c for c in convs}
         rows = [(c.conv_id, fmt_when(c.updated_at), plural(c.n_messages, "message"), c.model or "(default)",
                  ORIGIN_WORDS.get(c.origin, "chat"), c.title) for c in convs]
         w = [max(len(r[i]) for r in rows + [("ID", "UPDATED", "MESSAGES", "MODEL", "FROM", "")]) for i in range(5)]
@@ -313,7 +315,8 @@ def print_conversation_list(convs, as_json: bool) -> int:
         print(f"{'ID':<{w[0]}}  {'UPDATED':<{w[1]}}  {'MESSAGES':>{w[2]}}  {'MODEL':<{w[3]}}  {'FROM':<{w[4]}}  TITLE")
         for r in rows:
             model = r[3] if len(r[3]) <= w[3] else r[3][:w[3] - 1] + "…"
-            print(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {model:<{w[3]}}  {r[4]:<{w[4]}}  {r[5]}")
+            print(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {model:<{w[3]}}  {r[4]:<{w[4]}}  {r[5]}"
+                  + ("  (salvaged after journal damage)" if getattr(by_id[r[0]], "salvaged", "") else ""))
     return 0
 
 
@@ -324,6 +327,8 @@ def print_conversation(conv, as_json: bool) -> int:
         _jprint(msgspec.to_builtins(conv))
         return 0
     print(f"{conv.conv_id}  {conv.title}")
+    if getattr(conv, "salvaged", ""):
+        print(f"salvaged after journal damage: {conv.salvaged}")
     if conv.system_prompt:
         print(f"system: {conv.system_prompt}")
     for m in conv.messages:
@@ -332,6 +337,8 @@ def print_conversation(conv, as_json: bool) -> int:
         # status and finish reason, each once ("cancelled", not "cancelled, cancelled")
         state = m.status if not m.finish_reason or m.finish_reason == m.status else f"{m.status}, {m.finish_reason}"
         print(f"--- {m.role} {m.msg_id} [{state}] {where}")
+        if getattr(m, "salvaged", ""):
+            print(f"    salvaged after journal damage: {m.salvaged}")
         print(m.text)
         if m.token_ids:
             print(f"    token ids ({len(m.token_ids)}): {m.token_ids}")

@@ -297,6 +297,38 @@ class EngineClient:
         finally:
             self._queues.pop(rid, None)
 
+    async def _call_loading(self, make: Callable[[int], P.Message]):
+        """``_call`` for an operation that may load its model first (its Notices skipped)."""
+        rid, q = self._new()
+        try:
+            await self._send(make(rid))
+            while True:
+                msg = await q.get()
+                if msg is _CLOSED:
+                    raise ConnectionLost("the engine closed the connection")
+                if isinstance(msg, P.Notice):
+                    continue
+                if isinstance(msg, P.Error):
+                    raise EngineError(msg.message, msg.code)
+                return msg
+        finally:
+            self._queues.pop(rid, None)
+
+    async def embed(self, texts: list[str], *, model: str = "", pooling: str = "mean", normalize: bool = True,
+                    truncate: bool = False) -> P.Embeddings:
+        """One embedding per text (``Embed``; the model is loaded when it is not). Raises
+        EngineError (bad_request naming the text for one past the context)."""
+        return await self._call_loading(lambda i: P.Embed(id=i, texts=texts, model=model, pooling=pooling,
+                                                          normalize=normalize, truncate=truncate))
+
+    async def tokenize(self, text: str, *, model: str = "", add_special: bool = False,
+                       parse_special: bool = False) -> P.TokenList:
+        return await self._call_loading(lambda i: P.Tokenize(id=i, text=text, model=model, add_special=add_special,
+                                                             parse_special=parse_special))
+
+    async def detokenize(self, ids: list[int], *, model: str = "") -> P.Detokenized:
+        return await self._call_loading(lambda i: P.Detokenize(id=i, ids=ids, model=model))
+
     async def unload_model(self, model: str) -> None:
         await self._call(lambda i: P.UnloadModel(id=i, model=model))
 
@@ -372,7 +404,8 @@ class CancelOnSignal:
     a reply nobody reads. ``exit_code`` is 128 + the signal's number (130, 143, 129),
     0 when none came. After SIGHUP the terminal is gone: standard output and error go to
     /dev/null so the last writes cannot fail. A second SIGTERM or SIGHUP exits at once, with
-    the first one's code.
+    the first one's code. Once the reply has ended and only its receipt is awaited
+    (``waiting_for_receipt``), a signal stops the wait at once: the engine keeps the reply.
     kill -9 cannot be caught: the engine then finishes the reply (as for a dead aotx-chat)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -382,6 +415,7 @@ class CancelOnSignal:
         self.signum = 0
         self._rid = 0
         self._installed: list[int] = []
+        self._stop_waiting = None  # the reply ended: called on a signal to stop waiting for its receipt
 
     def __enter__(self) -> "CancelOnSignal":
         for sig in self.SIGNALS:
@@ -411,6 +445,15 @@ class CancelOnSignal:
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else 0
 
+    def waiting_for_receipt(self, stop) -> None:
+        """The reply has ended; from now on a signal calls ``stop()`` (which ends the wait
+        for its receipt) instead of cancelling a reply that is no longer running."""
+        self._stop_waiting = stop
+
+    @property
+    def stopped_waiting(self) -> bool:
+        return bool(self.signum) and self._stop_waiting is not None
+
     def accepted(self, rid: int) -> None:
         self._rid = rid
         if self.signum:  # the signal came before the engine accepted the message
@@ -426,7 +469,9 @@ class CancelOnSignal:
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
             os.close(devnull)
-        if self._rid:
+        if self._stop_waiting is not None:
+            self._stop_waiting()
+        elif self._rid:
             self._loop.create_task(self._cancel_quietly())
 
     async def _cancel_quietly(self) -> None:

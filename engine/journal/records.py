@@ -408,6 +408,11 @@ def decode_segment_header(data: bytes | memoryview) -> SegmentHeader:
 #: (past it) from damage (at or before it). It may lag behind after a power loss
 #: (it is fsynced at most once a second), never run ahead of the data.
 RECEIPT_FILE = "RECEIPT"
+#: The mark is kept twice: ``RECEIPT`` and ``RECEIPT.2``, the same bytes written after the
+#: same fsync, so that losing one (alone, or with the last segment) leaves the other.
+#: A journal from before the second copy has only ``RECEIPT``; the writer creates the
+#: second at its next start, and an older AOTX ignores it.
+RECEIPT_FILES = (RECEIPT_FILE, RECEIPT_FILE + ".2")
 RECEIPT_MAGIC = b"AOTXRCPT"
 RECEIPT_STRUCT = struct.Struct("<8sHHQQQI")
 

@@ -49,6 +49,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int = UNTIL_CONTEXT
     stop: list[str] = []
     speculative: str = ""  # "" = the engine's default; SPECULATIVE_MODES
+    # OpenAI's penalties, as llama.cpp applies them with the repetition penalty (over the same
+    # last ``repeat_last_n`` tokens): a logit loses count * frequency_penalty + presence_penalty
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (-100 bans it, 100 forces it)
 
 
 
@@ -109,6 +114,7 @@ class MessageView(msgspec.Struct, omit_defaults=True):
     seq: int = 0
     model: str = ""
     meta: dict[str, Any] = {}  # as PriorMessage.meta (the template's fields and clients' notes)
+    salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 
 class ConversationView(msgspec.Struct, omit_defaults=True):
@@ -125,6 +131,7 @@ class ConversationView(msgspec.Struct, omit_defaults=True):
     busy: bool = False
     model: str = ""
     origin: str = ""  # what made it ("" a chat, "run" a one-shot aotx run, "gateway" an API request)
+    salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 
 class BudgetLine(msgspec.Struct):
