@@ -70,7 +70,7 @@ class EngineLink:
             return
         self.engine_stopped = False
         self.recovering = True  # a restart: the open conversation is reloaded, not replaced
-        self.show_notice("Starting the engine again…", kind="connecting")
+        self.show_notice("Starting the engine again…", kind="starting")
         self.start_engine(self.stopped_args)
 
     def _on_spawn(self, line: str) -> None:
@@ -78,7 +78,10 @@ class EngineLink:
         compiling kernels N of M on a first start): the status line, and the line above the
         input, which has the room for the progress bar at 80 columns."""
         self.status_bar.set_state("starting engine", line)
-        self.show_notice(f"Starting the engine: {line}", kind="starting")
+        if self.recovering and not self.outbox and self.notice_kind == "connecting":  # after a crash: say both
+            self.show_notice(f"The engine stopped (connection lost). Restarting it: {line}", kind="connecting")
+        else:
+            self.show_notice(f"Starting the engine: {line}", kind="starting")
 
     async def _connect(self, engine_args: list[str] | None = None) -> None:
         delay = 0.5
@@ -112,7 +115,7 @@ class EngineLink:
                     break
                 await asyncio.sleep(0.25)
             self.ready = True
-            if self.notice_kind == "starting":
+            if self.notice_kind in ("starting", "connecting"):
                 self.show_notice("")
             recovering, self.recovering = self.recovering, False
             if recovering and engine_args is not None:
