@@ -214,7 +214,7 @@ async def test_details_screen_shows_receipt():
         await pilot.press("i")
         await pilot.pause()
         body = str(app.screen.query_one("#details-body").render())
-        assert f"receipt last_seq  {reply.receipt.last_seq}" in body
+        assert f"receipt up to seq  {reply.receipt.last_seq}" in body
         assert reply.msg_id in body and "tokens" in body
         await pilot.press("escape")
         assert not app.screen.query("#details-body")

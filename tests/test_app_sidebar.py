@@ -185,3 +185,16 @@ async def test_a_search_without_hits_says_so():
         await pilot.press("enter")          # nothing to open: nothing happens
         await settle(pilot)
         assert app.conv_view.title == "Trip"
+
+
+async def test_a_long_title_ends_in_an_ellipsis_in_the_sidebar():
+    """A title longer than the sidebar was cut at its edge in the middle of a word
+    ("Write a haiku about the s"): it ends in an ellipsis."""
+    e = FakeEngine()
+    e.add_conversation("Write a haiku about the sea and the wind over it", [("user", "x"), ("assistant", "y")])
+    app, _ = make_app(e)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await settle(pilot)
+        label = app.sidebar.query_one(ConversationItem).query_one(".conv-title")
+        shown = "".join(s.text for s in label.render_lines(label.region.reset_offset)[0]).rstrip()
+        assert shown.endswith("…") and shown.startswith("▸ Write a haiku"), shown

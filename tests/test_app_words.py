@@ -49,7 +49,9 @@ async def test_details_and_headers_say_what_positions_and_finishes_mean():
         reply = app.messages()[-1]
         rows = dict(details_lines(reply))
         assert "position" not in rows
-        assert rows["where it stands"] == "● durable: on disk: it survives a crash (the receipt below)"
+        assert rows["where it stands"] == "● durable: on disk, it survives a crash"
+        assert rows["reply speed"] == "250.0 tok/s" and rows["first token after"] == "12 ms"
+        assert not any("_" in k for k in rows)
         assert rows["how it ended"] == "ended by the model"
         reply.finish_reason = "length"
         assert reply._header_text() == "● Assistant (cut at its token limit)"

@@ -3,8 +3,8 @@
 A first run sat on ``writing · context 37/4096`` (aotx-chat) or on nothing (``aotx run``)
 while the engine compiled its kernels. The engine now writes its stage beside its socket
 while it loads (``cli/startup.py``), a child compiling kernels ahead writes its count, and
-clients show them: "compiling kernels ▕████░░░░░░░░▏ 1 of 3 (matmul Q4_1), first start
-only". The files go once the engine is loaded."""
+clients show them: "compiling kernels (first start only) ▕████░░░░░░░░▏ 1 of 3: matmul Q4_1".
+The files go once the engine is loaded."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_the_engine_writes_its_stage_and_the_client_reads_it(tmp_path):
     p("tokenizer", 1.0)
     got = read_progress(sock)
     assert got["stage"] == "compiling kernels" and (got["done"], got["total"]) == (1, 3), got
-    assert startup_text(got) == "compiling kernels ▕████░░░░░░░░▏ 1 of 3 (matmul Q4_1), first start only"
+    assert startup_text(got) == "compiling kernels (first start only) ▕████░░░░░░░░▏ 1 of 3: matmul Q4_1"
     p.close()
     assert read_progress(sock) == {} and not list(tmp_path.iterdir())
 
@@ -54,7 +54,7 @@ async def test_aotx_chat_shows_a_starting_engines_progress_above_the_input(tmp_p
         app._on_spawn(startup_text({"stage": "compiling kernels", "done": 1, "total": 3, "detail": "matmul Q4_1"}))
         await pilot.pause()
         said = str(app.query_one("#input-notice").render())
-        assert said.startswith("Starting the engine: compiling kernels ▕") and "1 of 3" in said
+        assert said.startswith("Starting the engine: compiling kernels (first start only) ▕") and "1 of 3" in said
         await settle(pilot)
         app.ready = False
         await app._connect()     # the engine answers: the progress goes

@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from aotx.engine.present.format import FINISH_WORDS, GLYPHS, POSITION_MEANINGS
+from aotx.engine.present.format import FINISH_WORDS, GLYPHS, POSITION_MEANINGS, TIMING_WORDS
 
 
 def details_lines(w) -> list[tuple[str, str]]:
@@ -28,13 +28,14 @@ def details_lines(w) -> list[tuple[str, str]]:
     if w.receipt is not None:
         r = w.receipt
         rows += [("receipt segment", str(r.segment)), ("receipt offset", f"{r.offset} B"),
-                 ("receipt last_seq", str(r.last_seq))]
+                 ("receipt up to seq", str(r.last_seq))]
     else:
         rows.append(("receipt", "none yet: not durable"))
     for a in w.attachments:
         rows.append(("attachment", f"{a.kind} {a.name} sha256 {a.sha256[:16]}…"))
     for k, v in sorted(w.timings.items()):
-        rows.append((k, f"{v:g}"))
+        label, fmt = TIMING_WORDS.get(k, (k.replace("_", " "), "{:g}"))
+        rows.append((label, fmt.format(v)))
     return rows
 
 

@@ -32,10 +32,17 @@ POSITION_MEANINGS: dict[str, str] = {
     "queued": "not at the engine yet (it is sent when the engine is ready)",
     "accepted": "the engine has it",
     "committed": "written by the model; not on disk yet",
-    "durable": "on disk: it survives a crash (the receipt below)",
+    "durable": "on disk, it survives a crash",
     "interrupted": "the engine stopped while writing it; the part on disk is kept",
     "cancelled": "cancelled before it ended",
     "failed": "refused or failed (the notice under it says why)",
+}
+# a reply's timings (Committed.timings) as a person reads them: key -> (label, format)
+TIMING_WORDS: dict[str, tuple[str, str]] = {
+    "ttft_s": ("first token after", "{:.2f} s"), "ttft_ms": ("first token after", "{:.0f} ms"),
+    "prompt_tokens": ("prompt", "{:.0f} tokens"), "prompt_tokens_reused": ("prompt reused", "{:.0f} tokens"),
+    "prompt_tokens_per_s": ("prompt speed", "{:.1f} tok/s"), "completion_tokens": ("reply", "{:.0f} tokens"),
+    "decode_tokens_per_s": ("reply speed", "{:.1f} tok/s"), "tokens_per_s": ("reply speed", "{:.1f} tok/s"),
 }
 # a reply's finish reason as a person reads it ("stop": it ended by itself, said nowhere)
 FINISH_WORDS: dict[str, str] = {
@@ -251,13 +258,13 @@ def progress_bar(done: int, total: int, width: int = 12) -> str:
 
 def startup_text(p: dict) -> str:
     """What a starting engine says (``ipc.client.read_progress``) in one line:
-    "compiling kernels ▕████░░░░░░░░▏ 1 of 3 (matmul Q4_1), first start only",
+    "compiling kernels (first start only) ▕████░░░░░░░░▏ 1 of 3: matmul Q4_1",
     "reading the weights"."""
     stage = p.get("stage", "")
     if p.get("total"):
-        detail = f" ({p['detail']})" if p.get("detail") else ""
-        return (f"{stage} {progress_bar(p.get('done', 0), p['total'])} {min(p.get('done', 0), p['total'])} of "
-                f"{p['total']}{detail}, first start only")
+        detail = f": {p['detail']}" if p.get("detail") else ""
+        return (f"{stage} (first start only) {progress_bar(p.get('done', 0), p['total'])} "
+                f"{min(p.get('done', 0), p['total'])} of {p['total']}{detail}")
     return stage
 
 
