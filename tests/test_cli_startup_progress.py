@@ -17,8 +17,13 @@ from aotx.engine.present.format import progress_bar, startup_text
 
 
 def test_the_engine_writes_its_stage_and_the_client_reads_it(tmp_path):
+    import subprocess
+    import sys
+
     sock = tmp_path / "engine.sock"
-    p = StartupProgress(sock)
+    # a child "compiling ahead" that takes a moment: the stage before the warm-up waits for it
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    p = StartupProgress(sock, child)
     assert read_progress(sock) == {"stage": "opening the model file", "since": 0.0}
     p("open", 0.3)
     assert read_progress(sock)["stage"] == "reading the weights"
@@ -27,10 +32,13 @@ def test_the_engine_writes_its_stage_and_the_client_reads_it(tmp_path):
                                                         "detail": "matmul Q4_1"}))
     assert "done" not in read_progress(sock)          # not while the weights are read
     p("weights", 4.0)
-    p("tokenizer", 1.0)
+    assert read_progress(sock)["stage"] == "reading the tokenizer"
+    p.main.write_text(json.dumps({"stage": "compiling kernels"}))   # what p("tokenizer") says as it waits
     got = read_progress(sock)
     assert got["stage"] == "compiling kernels" and (got["done"], got["total"]) == (1, 3), got
     assert startup_text(got) == "compiling kernels (first start only) ▕████░░░░░░░░▏ 1 of 3: matmul Q4_1"
+    p("tokenizer", 1.0)             # waits for the child, then the warm-up runs
+    assert child.poll() == 0 and read_progress(sock)["stage"] == "warming up"
     p.close()
     assert read_progress(sock) == {} and not list(tmp_path.iterdir())
 
@@ -59,3 +67,11 @@ async def test_aotx_chat_shows_a_starting_engines_progress_above_the_input(tmp_p
         app.ready = False
         await app._connect()     # the engine answers: the progress goes
         assert str(app.query_one("#input-notice").render()) == ""
+
+
+def test_a_start_with_the_kernels_cached_says_warming_up_not_compiling(tmp_path):
+    sock = tmp_path / "engine.sock"
+    p = StartupProgress(sock, None)
+    p("tokenizer", 1.0)
+    assert read_progress(sock)["stage"] == "warming up"
+    p.close()

@@ -109,13 +109,27 @@ def keep_alive_seconds(text: str | None) -> float:
     return v
 
 
-def load_beside(entry, device: str, asked: str | None):
+def load_beside(entry, device: str, asked: str | None, kv_type: str = "f16"):
     """Load a model (catalog ``entry``) beside the default one, on the engine's
     ``device``; when ``--device`` was ``asked`` auto and CUDA cannot run the file, on
     the CPU (the engine runs it there: ``Engine._make_local``). A mixture of experts
-    keeps its routed experts on the CPU tier (no GPU expert cache is planned for it)."""
+    keeps its routed experts on the CPU tier (no GPU expert cache is planned for it).
+    On the CPU its first reply does not wait for kernels it is the first to need (other
+    weight types): a child compiles their single-threaded twins while the weights are read,
+    and the threaded ones compile in the background after the load (warmup.py)."""
     from aotx.engine.model.loader import load_model
 
+    if device == "cpu":
+        from aotx.engine.backend.cpu import warmup
+        from aotx.engine.cli.startup import AheadWait
+        from aotx.engine.model.warmup_ahead import start_ahead
+
+        warmup.PARALLEL.ready = False
+        try:
+            return load_model(entry.path, device=device, tune="auto",
+                              progress=AheadWait(start_ahead(entry.path, kv_type, force=True)))
+        finally:
+            warmup.start_background(log.info)
     try:
         return load_model(entry.path, device=device, tune="auto")
     except ModelError as e:
@@ -244,7 +258,7 @@ def build_engine(args, progress=None):
     from aotx.engine.runtime.catalog import Catalog
 
     def load_entry(entry):
-        return load_beside(entry, device, args.device)
+        return load_beside(entry, device, args.device, kv_type)
 
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
                  kv_type=kv_type, capsules=caps, speculative=speculative, draft_lm=draft_lm,

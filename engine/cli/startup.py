@@ -47,6 +47,21 @@ def write_json(path: Path, data: dict) -> None:
         pass  # progress is a courtesy: a read-only runtime dir must not stop the engine
 
 
+class AheadWait:
+    """A loader ``progress`` that only waits, before the warm-up, for the child compiling
+    kernels ahead (a model loaded beside the default: no client reads a progress file)."""
+
+    def __init__(self, ahead: subprocess.Popen | None) -> None:
+        self.ahead = ahead
+
+    def __call__(self, stage: str, seconds: float) -> None:
+        if stage == "tokenizer" and self.ahead is not None:
+            try:
+                self.ahead.wait(AHEAD_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+
+
 class StartupProgress:
     """The loader's ``progress(stage, seconds)``: a log line per stage, the progress file,
     and before the warm-up the wait for ``ahead`` (the child compiling kernels, or None)."""
@@ -60,6 +75,8 @@ class StartupProgress:
     def __call__(self, stage: str, seconds: float) -> None:
         log.info("load %-9s %.3f s", stage, seconds)
         nxt = NEXT.get(stage, "")
+        if stage == "tokenizer" and self.ahead is None:
+            nxt = "warming up"  # the kernels are in the cache (a later start): nothing to compile
         if nxt:
             write_json(self.main, {"stage": nxt, "since": round(time.monotonic() - self.t0, 1)})
         if stage == "tokenizer" and self.ahead is not None:  # the warm-up is next: its kernels come ahead

@@ -91,10 +91,10 @@ def cache_is_warm() -> bool:
 
 
 def start_ahead(model_path: str | os.PathLike[str], kv_type: str = "f16",
-                report: str | os.PathLike[str] | None = None) -> subprocess.Popen | None:
+                report: str | os.PathLike[str] | None = None, force: bool = False) -> subprocess.Popen | None:
     """``ahead`` in a child process (None when it cannot start, or when the cache is warm:
     the engine compiles alone)."""
-    if cache_is_warm():
+    if cache_is_warm() and not force:  # (force: a model loaded beside may have weight types not yet compiled)
         return None
     try:
         return subprocess.Popen([sys.executable, "-m", "aotx.engine.model.warmup_ahead", str(model_path),
