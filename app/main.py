@@ -89,7 +89,10 @@ def make_client_factory(ns: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = parse_args(argv)
+    try:
+        ns = parse_args(argv)
+    except SystemExit as e:  # a usage error or an unreadable config file: said in one line already
+        return e.code if isinstance(e.code, int) else 2
     if ns.model:  # a missing or non-GGUF file: one line and exit 2, before the TUI opens (as `aotx run`)
         from aotx.engine.errors import AotxError
         from aotx.engine.model.loader import check_model_arg

@@ -476,8 +476,7 @@ class CpuProgram:
             kc, vc = kv.k[L], kv.v[L]
             # every row's K/V to its slot and position in one call (float16 rounded there;
             # forward has checked the slots and positions against the cache)
-            # (contiguous copies, n x KV x hd floats: one kernel signature for one row and for many,
-            # where a strided view of a joined projection would compile a second)
+            # (contiguous copies: one kernel signature for one row and for many, not two)
             (store16 if kv.half else store32)(kc, vc, np.ascontiguousarray(env[ki]).reshape(n, KV, hd),
                                              np.ascontiguousarray(env[vi]).reshape(n, KV, hd), bt.slots, bt.positions)
             y = bt.views[so]
