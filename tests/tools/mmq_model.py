@@ -222,7 +222,8 @@ def quant_rows(x: np.ndarray, nw: np.ndarray | None = None, eps: float = 1e-5):
     dx = (amax / f32(127.0)).astype(f32)
     sx = warp_sum(np.moveaxis(blk, 2, 0))
     ss = (x.astype(np.float64) ** 2).mean(axis=1)
-    xs = (1.0 / np.sqrt(ss + eps)).astype(f32)
+    with np.errstate(divide="ignore"):
+        xs = (1.0 / np.sqrt(ss + eps)).astype(f32)
     return xq, dx, sx.astype(f32), xs
 
 
