@@ -92,7 +92,7 @@ def kernels(be, t: T) -> dict:
         ks = be.module(sorted(names))
         for n, kern in ks.items():            # the widest tiles of 136-block rows need more than 48 KiB
             if n.startswith("mmq"):
-                kern.max_dynamic_shared_size_bytes = MQ.SMEM_MAX
+                kern.max_dynamic_shared_size_bytes = MQ.smem_limit(be)
         _MODULES[t] = ks
     return _MODULES[t]
 
@@ -120,7 +120,9 @@ def _args(wa, wb, mode: int, q, row0: int, rows: int, y, nw=None, bias=None, qkv
 
 
 def gemv(kern, ta, tb, mode, n_pairs, args, rows):
-    kern[CC.gemv_instance(ta, tb, mode, GEMV1, True)](((n_pairs + 3) // 4, rows), (128,), args)
+    ppb = GEMV1.pairs_per_block
+    kern[CC.gemv_instance(ta, tb, mode, GEMV1, True)](((n_pairs + ppb - 1) // ppb, (rows + GEMV1.nb - 1) // GEMV1.nb),
+                                                      (128,), args)
 
 
 def mmq(kern, ta, tb, mode, wn, wm, n_pairs, args, rows, k):

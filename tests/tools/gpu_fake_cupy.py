@@ -265,6 +265,9 @@ def _extents(name: str, grid, a: dict) -> None:
         _need(w, a["bias_b"], 4 * (rows_b if mode in (0, 1, 3, 5) else n_pairs), "bias_b")
         if grid[1] * nb < B:
             raise LaunchError(f"{w}: grid.y {grid[1]} x NB {nb} does not cover {B} rows")
+        ppb = 4 // tpl[4] * (tpl[5] if len(tpl) > 5 else 1)          # GEMV_WARPS / WPP x PPW row pairs a block
+        if grid[0] * ppb < n_pairs:
+            raise LaunchError(f"{w}: grid.x {grid[0]} x {ppb} pairs a block does not cover {n_pairs} row pairs")
         if mode in (3, 5):
             for t in ("tab_slot", "tab_pos"):
                 _need(w, a[t], 4 * B, t)

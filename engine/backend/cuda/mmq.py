@@ -107,11 +107,20 @@ def site_for(prog, g) -> tuple[MmqSite | None, str]:
     if ta not in MMQ_TYPES or tb not in MMQ_TYPES:
         return None, "a weight type without an integer form"
     cap = int(getattr(prog, "mmq_smem_max", SMEM_MAX))
+    wn = choose_wn(ta, tb, g.k, cap)
+    if wn is None:
+        return None, f"{smem_bytes(ta, tb, g.k, WN_CHOICES[-1], 4)} bytes of shared memory per block (at most {cap})"
+    return MmqSite(ta, tb, g.k, g.n_pairs, wn), ""
+
+
+def choose_wn(ta: int, tb: int, k: int, cap: int = SMEM_MAX) -> int | None:
+    """The tile's warp columns for rows of ``k`` inputs: the widest whose 64-row tile lets two
+    blocks share a multiprocessor, else the narrowest if it fits at all (None: it does not)."""
     for wn in WN_CHOICES:
-        need = smem_bytes(ta, tb, g.k, wn, 4)
+        need = smem_bytes(ta, tb, k, wn, 4)
         if need <= SMEM_TWO or (wn == WN_CHOICES[-1] and need <= cap):
-            return MmqSite(ta, tb, g.k, g.n_pairs, wn), ""
-    return None, f"{smem_bytes(ta, tb, g.k, WN_CHOICES[-1], 4)} bytes of shared memory per block (at most {cap})"
+            return wn
+    return None
 
 
 def program_min_rows(backend, int8: bool) -> int | None:
