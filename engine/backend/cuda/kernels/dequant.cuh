@@ -463,17 +463,6 @@ template <> __device__ __forceinline__ void q8w<39>(const u8* __restrict__ row, 
     }
 }
 
-// The float tail of one block's contribution, from its exact integer dot product isum:
-// (dw * dx) * isum, then, for the types with an offset, one fma of mw * (sum of the float
-// inputs). q8dot and the MMQ (mmq.cu) both end with it: the same float operations.
-// (fisum: isum as a float, exactly: |isum| < 2^24 for every type, so any exact conversion
-// gives these bits)
-template <int T>
-__device__ __forceinline__ float q8_tail(float dw, float mw, float fisum, const float2 xd) {
-    float t = __fmul_rn(__fmul_rn(dw, xd.x), fisum);
-    if (Q8Traits<T>::has_min) t = fmaf(mw, xd.y, t);
-    return t;
-}
 // The contribution of one weight block to one batch row's sum: xa, xb its 32 int8 inputs,
 // xd = (dx, sum of the float inputs).
 template <int T>
@@ -484,7 +473,9 @@ __device__ __forceinline__ float q8dot(const Q8W& W, const int4 xa, const int4 x
     s1 = __dp4a(W.q[4], xb.x, s1); s1 = __dp4a(W.q[5], xb.y, s1);
     s1 = __dp4a(W.q[6], xb.z, s1); s1 = __dp4a(W.q[7], xb.w, s1);
     const int isum = Q8Traits<T>::sub16 ? W.sa * s0 + W.sb * s1 : s0 + s1;
-    return q8_tail<T>(W.dw, W.mw, __int2float_rn(isum), xd);
+    float t = __fmul_rn(__fmul_rn(W.dw, xd.x), __int2float_rn(isum));
+    if (Q8Traits<T>::has_min) t = fmaf(W.mw, xd.y, t);
+    return t;
 }
 
 

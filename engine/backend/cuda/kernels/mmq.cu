@@ -1,7 +1,7 @@
 // ---- MMQ: the int8 GEMV's sums on tensor cores, one weight read for many batch rows --------
 // The decode GEMV on int8 activations (gemv.cu, Q8 1) forms each output in one canonical
 // order: per 32-input block u its contribution (q8dot: an exact integer dot product isum of
-// the weight block's int8 levels with the input block's, then q8_tail's float operations);
+// the weight block's int8 levels with the input block's, then a fixed float tail: q8dot's);
 // virtual lane v (0..127) adds the blocks v, v + 128, ... from 0.f; per group g of 32 lanes
 // the warp butterfly (xor 16, 8, 4, 2, 1) gives R_g; the sum is ((R_0 + R_1) + R_2) + R_3;
 // then gemv_out. This kernel forms exactly those float operations, so every output has the
@@ -12,7 +12,7 @@
 //   m16n8k16 (the block's two 16-input halves s0, s1) when a type has integer sub-block
 //   scales (isum = sa s0 + sb s1, as q8dot);
 // * the weight levels and scales are q8w<T>'s own (the GEMV's code, run on a copy of the
-//   block in shared memory), the float tail is q8_tail<T> (q8dot's);
+//   block in shared memory), the float tail is q8dot's (mmq_tail);
 // * the butterfly over the 32 lanes of a group is one fixed binary tree: lanes l and l + 16
 //   first, those sums 8 apart, then 4, 2, 1 (a float add commutes bit for bit). Its leaves,
 //   left to right, are the lanes bitrev5(p), p = 0..31. Visiting the lanes in that order,
@@ -91,6 +91,17 @@ __device__ __forceinline__ void mmq_k16(int (&c)[4], u32 a0, u32 a1, u32 b0) {
 // and a float add at full rate, where I2F runs at an eighth of it); the value __int2float_rn gives
 __device__ __forceinline__ float mmq_i2f(int i) { return __fsub_rn(__int_as_float(0x4B400000 + i), 12582912.f); }
 
+// q8dot's float tail (dequant.cuh, written there inline: the GEMV's code stays as it was), from
+// the block's exact integer dot product as a float: (dw * dx) * isum, then for the types with
+// an offset one fma of mw * (the sum of the block's float inputs). The same operations in the
+// same order, so the same bits.
+template <int T>
+__device__ __forceinline__ float mmq_tail(float dw, float mw, float fisum, const float2 xd) {
+    float t = __fmul_rn(__fmul_rn(dw, xd.x), fisum);
+    if (Q8Traits<T>::has_min) t = fmaf(mw, xd.y, t);
+    return t;
+}
+
 // Rounds of group g's chunks (c = 4 r + g < nch) and of lane v's blocks (v + 128 r < nu).
 __device__ __forceinline__ int mmq_group_rounds(int g, int nch) { return g < nch ? (nch - 1 - g) / 4 + 1 : 0; }
 __device__ __forceinline__ int mmq_lane_rounds(int v, int nu) { return v < nu ? (nu - 1 - v) / 128 + 1 : 0; }
@@ -153,7 +164,7 @@ __device__ __forceinline__ void mmq_stage(const u8* slab, u8* est, u8* xst, cons
 }
 
 // One round of a leaf for one warp: the MMAs of its 16 weight rows with its two n8 tiles of
-// batch rows, q8_tail, and each output's lane sum (acc, o = 4 t + 2 j + h).
+// batch rows, mmq_tail, and each output's lane sum (acc, o = 4 t + 2 j + h).
 template <int TA, int TB, int ROWS, int MT>
 __device__ __forceinline__ void mmq_round(const u8* est, const u8* xst, int r, int wn, int wm, int gid, int tig,
                                           float (&acc)[8]) {
@@ -192,9 +203,9 @@ __device__ __forceinline__ void mmq_round(const u8* est, const u8* xst, int r, i
         for (int j = 0; j < 2; j++) {
             const float2 d = *(const float2*)(xr + (2 * tig + j) * MMQ_REC + 32);
             acc[4 * t + 2 * j] = __fadd_rn(acc[4 * t + 2 * j],
-                                           q8_tail<TA>(__uint_as_float(sA.x), __uint_as_float(sA.y), cA[j], d));
+                                           mmq_tail<TA>(__uint_as_float(sA.x), __uint_as_float(sA.y), cA[j], d));
             acc[4 * t + 2 * j + 1] = __fadd_rn(acc[4 * t + 2 * j + 1],
-                                               q8_tail<TB>(__uint_as_float(sB.x), __uint_as_float(sB.y), cB[j], d));
+                                               mmq_tail<TB>(__uint_as_float(sB.x), __uint_as_float(sB.y), cB[j], d));
         }
     }
 }
