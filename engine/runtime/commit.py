@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from aotx.engine import protocol as P
 from aotx.engine.runtime import admission
@@ -25,12 +24,13 @@ from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Request, RequestState
 from aotx.engine.runtime.scheduler import Lease, TickPlan, queue_positions
 from aotx.engine.runtime.slots import SlotTable
+from aotx.engine.runtime.store import ConversationStore
 
 
 class Commit:
     """The commit step of one engine: ``store`` a ``ConversationStore``, ``slots`` its table."""
 
-    def __init__(self, store: Any, slots: SlotTable, numerics: str = ""):
+    def __init__(self, store: ConversationStore, slots: SlotTable, numerics: str = ""):
         self.store = store
         self.slots = slots
         self.numerics = numerics  # the arithmetic behind the tokens, named in every Committed

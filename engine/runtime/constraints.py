@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from aotx.engine.errors import RequestError
+from aotx.engine.model.tokenizer import Tokenizer
 
 #: llguidance's JSON compile options for every JSON schema: no free whitespace between
 #: tokens (a small model given free whitespace can loop on newlines), OpenAI's
@@ -56,7 +57,7 @@ class _Vocabulary:
     """What llguidance's ``TokenizerWrapper`` reads from a tokenizer: every token's
     bytes, the special ids, and an encoder for the text a grammar forces."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Tokenizer):
         self._tok = tokenizer
         self.eos_token_id = tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
@@ -79,7 +80,7 @@ class Compiler:
     token trie over the vocabulary, ~1-3 s for 150k tokens) is built on first use and
     kept; ``compile`` is safe from any thread."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.vocab = int(tokenizer.vocab_size)
         self.words = (self.vocab + 31) // 32
@@ -137,7 +138,16 @@ class Compiler:
         m = llg.LLMatcher(self.lltokenizer, text, log_level=0)
         if m.is_error():
             raise GrammarError(f"{field or 'constraint'}: {m.get_error()}")
-        return GrammarState(self, text, m, field)
+        g = GrammarState(self, text, m, field)
+        g.mask()  # the first step's mask (kept for it): the matcher knows its dead ends once it has one
+        if m.is_stopped() and not m.is_accepting():
+            # stopped before its first token and not accepting the empty text: the grammar's
+            # language is empty (a schema that only refers to itself, {"$ref": "#"}), and the
+            # reply would be "" where a value was promised
+            raise GrammarError(f"{field or 'constraint'}: the grammar admits no text at all (a schema or rule that "
+                               "only refers to itself, such as {\"$ref\": \"#\"}, has no value); give it a case "
+                               "that ends")
+        return g
 
 
 class GrammarState:

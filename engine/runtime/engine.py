@@ -39,23 +39,36 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from aotx.engine.errors import AotxError, ErrorCode
 from aotx.engine import protocol as P
+from aotx.engine.model.interface import KVCache
+from aotx.engine.model.loader import LoadedModel
 from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry
-from aotx.engine.runtime.drafter import DEFAULT_P_MIN
+from aotx.engine.runtime.commit import Commit
+from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftModel
+from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import (
     CapsuleWritten, ClientOp, Disconnected, MediaReady, Prepared, ReceiptArrived, RemoteEvent, Wake,
 )
-from aotx.engine.runtime.executor import DeviceError
+from aotx.engine.runtime.executor import DeviceError, Executor
+from aotx.engine.runtime.media_prompt import ImageStore
 from aotx.engine.runtime.models import (
-    EXTRA_CAPSULE_HOST, LocalModel, ModelSet, header_terms, is_shared_term, local_terms,
+    EXTRA_CAPSULE_HOST, LocalModel, ModelSet, ServedModel, header_terms, is_shared_term, local_terms,
 )
 from aotx.engine.runtime.operations import Operations
 from aotx.engine.runtime.requests import Request, RequestState, Sink
+from aotx.engine.runtime.slots import SlotTable
+from aotx.engine.runtime.store import ConversationStore
+from aotx.engine.runtime.submit import Submission, Submitter
+from aotx.engine.state.cache import CapsuleCache
 from aotx.engine.units import fmt_bytes
+
+if TYPE_CHECKING:   # media loads its encoders only when an image needs them
+    from aotx.media.vision import VisionEncoder
 
 log = logging.getLogger("aotx.engine")
 
@@ -85,10 +98,11 @@ class Engine:
     when a load would not fit (else the load is refused with the numbers).
     """
 
-    def __init__(self, lm: Any, store: Any, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
-                 budget: Budget | None = None, device: str = "cpu", capsules: Any = None, speculative: str = "off",
-                 draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN, catalog: Catalog | None = None,
-                 loader: Callable[[ModelEntry], Any] | None = None, capsule_root: Any = None,
+    def __init__(self, lm: LoadedModel, store: ConversationStore, *, n_slots: int = 8, n_ctx: int = 4096,
+                 prefill_chunk: int = 256, budget: Budget | None = None, device: str = "cpu",
+                 capsules: CapsuleCache | None = None, speculative: str = "off", draft_lm: LoadedModel | None = None,
+                 draft_p_min: float = DEFAULT_P_MIN, catalog: Catalog | None = None,
+                 loader: Callable[[ModelEntry], LoadedModel] | None = None, capsule_root: Path | None = None,
                  keep_alive_s: float = 0.0, evict_idle: bool = False, name: str = "",
                  kv_type: str = "f16"):
         self.store = store
@@ -142,39 +156,39 @@ class Engine:
         return self.models.default
 
     @property
-    def lm(self) -> Any:
+    def lm(self) -> LoadedModel:
         return self.default_model.lm
 
     @property
-    def kv(self) -> Any:
+    def kv(self) -> KVCache:
         return self.default_model.kv
 
     @property
-    def slots(self) -> Any:
+    def slots(self) -> SlotTable:
         return self.default_model.slots
 
     @property
-    def envelope(self) -> Any:
+    def envelope(self) -> Envelope:
         return self.default_model.envelope
 
     @property
-    def executor(self) -> Any:
+    def executor(self) -> Executor:
         return self.default_model.executor
 
     @property
-    def commit(self) -> Any:
+    def commit(self) -> Commit:
         return self.default_model.commit
 
     @property
-    def submitter(self) -> Any:
+    def submitter(self) -> Submitter:
         return self.default_model.submitter
 
     @property
-    def draft(self) -> Any:
+    def draft(self) -> DraftModel | None:
         return self.default_model.draft
 
     @property
-    def capsules(self) -> Any:
+    def capsules(self) -> CapsuleCache | None:
         return self.default_model.capsules
 
     @property
@@ -202,19 +216,19 @@ class Engine:
         return d.submitter.not_ready_reason if d is not None else ""
 
     @property
-    def vision(self) -> Any:
+    def vision(self) -> VisionEncoder | None:
         return self.submitter.vision
 
     @vision.setter
-    def vision(self, enc: Any) -> None:
+    def vision(self, enc: VisionEncoder | None) -> None:
         self.submitter.vision = enc
 
     @property
-    def images(self) -> Any:
+    def images(self) -> ImageStore | None:
         return self.executor.images
 
     @images.setter
-    def images(self, store: Any) -> None:
+    def images(self, store: ImageStore | None) -> None:
         self.submitter.images = self.executor.images = store
 
     # ---- loading models ------------------------------------------------------------------
@@ -251,12 +265,12 @@ class Engine:
         m.submitter.count_media = self.count_media
         return m
 
-    def _make_remote(self, entry: ModelEntry) -> Any:
+    def _make_remote(self, entry: ModelEntry) -> ServedModel:
         from aotx.engine.runtime.remote import RemoteModel
 
         return RemoteModel(entry, self.store, self._inbox, self.is_busy)
 
-    def _model_of(self, r: Request) -> Any:
+    def _model_of(self, r: Request) -> ServedModel:
         return self.models.get(r.model) or self.models.default
 
     # ---- thread plumbing ---------------------------------------------------------------
@@ -281,8 +295,15 @@ class Engine:
         for m in self.models:
             if m.kind == "remote":
                 m.close()
+        self._close_preparers()
 
-    def post(self, op: Any, sink: Sink) -> None:
+    def _close_preparers(self) -> None:
+        """The preparation workers end with the loop: a stopped engine leaves no thread."""
+        for m in self.models:
+            if m.kind != "remote":
+                m.submitter.preparer.close()
+
+    def post(self, op: P.Operation, sink: Sink) -> None:
         """Queue a client operation (a protocol ``Operation``), answered through ``sink.send``."""
         self._inbox.put(ClientOp(op, sink))
 
@@ -323,6 +344,7 @@ class Engine:
                             if r in m.running:
                                 m.running.remove(r)
         self._end_replies_on_stop()
+        self._close_preparers()
 
     STOP_RECEIPT_WAIT_S = 2.0
 
@@ -358,7 +380,7 @@ class Engine:
 
     # ---- events ------------------------------------------------------------------------
 
-    def _guarded(self, fn: Callable[[], None], op: Any, sink: Sink) -> None:
+    def _guarded(self, fn: Callable[[], None], op: P.Operation, sink: Sink) -> None:
         """Run one client operation; refusals and bugs become an Error reply."""
         try:
             fn()
@@ -379,7 +401,7 @@ class Engine:
 
         self._guarded(run, ev.op, ev.sink)
 
-    def _submitter_of(self, sub: Any) -> Any:
+    def _submitter_of(self, sub: Submission) -> tuple[Submitter, ServedModel]:
         m = self.models.get(getattr(sub, "model", "")) or self.models.default
         return m.submitter, m
 
@@ -439,7 +461,7 @@ class Engine:
 
     # ---- requests --------------------------------------------------------------------
 
-    def enqueue(self, r: Request | None, m: Any = None) -> None:
+    def enqueue(self, r: Request | None, m: ServedModel | None = None) -> None:
         """An accepted request joins its model's line (None: the submission is not done
         yet); its forked choices (n > 1) wait beside it for its prompt."""
         if r is None:
@@ -487,7 +509,7 @@ class Engine:
         self.stats["device_s"] += device_s
         self.stats["host_s"] += time.perf_counter() - t0 - device_s
 
-    def _fail_closed(self, m: Any, e: DeviceError) -> None:
+    def _fail_closed(self, m: ServedModel, e: DeviceError) -> None:
         """A model's device work failed: that model refuses new work and fails its
         requests; the other models and every read go on."""
         log.error("device work of model %s failed at tick %d", m.name, self.tick, exc_info=e.__cause__)

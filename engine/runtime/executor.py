@@ -7,14 +7,14 @@ image rows), the device path (below), sampling and speculative acceptance, and
 rolling back the KV of rejected drafts. It changes no request bookkeeping
 (positions, completions, states: ``commit.py``) and publishes nothing.
 
-The device path, chosen per tick from what the model declares
-(``device_sampling``, engine/model/interface.py) and what the rows need:
+The device path, chosen per tick from the path the model runs (``device_path``,
+engine/model/interface.py) and what the rows need:
 
 * ``greedy``: every row is greedy without a penalty: the model returns the argmax
   ids only (CUDA);
-* ``sample``: every row's sampler is one the device chain runs exactly
-  (``cuda_sampling.device_ok``): the model returns the ids only; the executor then
-  advances each sampler's state as the host chain would have;
+* ``sample``: every row's sampler is one the device chain runs exactly (the model's
+  ``samples_exactly``): the model returns the ids only; the executor then advances each
+  sampler's state as the host chain would have;
 * ``forward``: otherwise (the CPU, image rows, speculative sampling, logprobs, the
   tick where an n > 1 request's prompt ends): logits come back and the host samples
   (``sampling.sample``, ``speculative.verify``).
@@ -22,7 +22,7 @@ The device path, chosen per tick from what the model declares
 All three pick the same ids for the same rows. A constrained row (``constraints.py``)
 has a token bitmask per logits row (a verify window's row i after its first i drafts):
 on the host ``sampling.apply_mask``, on the device the sampling kernel reads it from
-the mask table (``cuda_sampling.MaskTable``). Its grammar state advances past the
+the address the model's ``load_masks`` gave. Its grammar state advances past the
 tokens picked. An n > 1 request forks here: at the end of choice 0's prompt every
 other choice samples its first token from the same logits row and gets a capsule of
 the prompt's KV (``capsule.snapshot``, with the grammar state) that its own slot
@@ -36,20 +36,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from aotx.engine.backend.cuda.sampling import device_ok, fits_history
 from aotx.engine.model.batch import Segment
+from aotx.engine.model.interface import DEVICE_SAMPLING, KVCache
+from aotx.engine.model.loader import LoadedModel
+from aotx.engine.runtime.drafter import DraftModel
+from aotx.engine.runtime.media_prompt import ImageStore
 from aotx.engine.runtime.requests import Request, RequestState
-from aotx.engine.runtime.sampling import log_softmax, sample, top_logprobs
+from aotx.engine.runtime.sampling import SamplerState, log_softmax, sample, top_logprobs
 from aotx.engine.runtime.scheduler import Lease, TickPlan
 from aotx.engine.runtime.speculative import verify
 from aotx.engine.state import capsule as C
+from aotx.engine.state.cache import CapsuleCache
 
 log = logging.getLogger("aotx.engine")
 PARK_MIN_EXTRA = 16  # park a slot's state only when it holds this many tokens past the new prefix
+CHECKPOINTS = 2      # recurrent-state copies a hybrid slot keeps at the end of its prompts
 
 
 class DeviceError(Exception):
@@ -90,8 +94,8 @@ class TickResult:
 @dataclass
 class _RowState:
     """A sampler state as the device sampler reads it, for one logits row, with the
-    device address of the row's token bitmask (``cuda_sampling.fill_row`` reads
-    ``mask_ptr``; 0: no mask)."""
+    device address of the row's token bitmask (the device sampler reads ``mask_ptr``;
+    0: no mask)."""
 
     seed: int
     step: int
@@ -106,23 +110,22 @@ class Executor:
     or None; draft: the ``drafter.DraftModel`` or None; images: the ``ImageStore`` of
     pictures given to a vision encoder, or None."""
 
-    def __init__(self, lm: Any, kv: Any, *, device: str, capsules: Any = None, draft: Any = None):
+    def __init__(self, lm: LoadedModel, kv: KVCache, *, device: str, capsules: CapsuleCache | None = None,
+                 draft: DraftModel | None = None):
         self.lm = lm
         self.kv = kv
         self.device = device
         self.capsules = capsules
         self.draft = draft
-        self.images: Any = None
-        self._sampler_of: dict[str, Any] = {}  # conv_id -> its last reply's SamplerState (capsule snapshots)
+        self.images: ImageStore | None = None
+        self._sampler_of: dict[str, SamplerState] = {}  # conv_id -> its last reply's SamplerState (capsule snapshots)
         # the arithmetic behind the tokens, named in every reply (README: CPU and CUDA differ)
-        self.numerics = getattr(getattr(lm.model, "backend", None), "numerics", None) or (
-            "cuda-f32" if device == "cuda" else "cpu-int8")
+        self.numerics = getattr(lm.model, "numerics", None) or ("cuda-f32" if device == "cuda" else "cpu-int8")
         if capsules is not None and not getattr(capsules, "numerics", "x"):
             capsules.numerics = self.numerics   # disk capsules of other arithmetic are not restored
-        self.device_sampling = bool(lm.model.device_sampling)
-        self.vocab = lm.config.vocab_size
+        self.device_path = lm.model.device_path   # interface.HOST or DEVICE_SAMPLING
         self.d_model = lm.config.d_model
-        self.masks: Any = None  # cuda_sampling.MaskTable, made on the first constrained device row
+        self._row0: dict[int, int] = {}    # id(request) -> its decode rows' first batch row (MTP drafters)
         self.prefill_tokens = 0  # prompt tokens run through the model (tests count prefills with it)
 
     # ---- slots ------------------------------------------------------------------------
@@ -134,19 +137,28 @@ class Executor:
         r, slot, reuse = lease.request, lease.slot, lease.reuse
         caps = self.capsules
         fp = self.lm.fingerprint
+        st = getattr(self.kv, "state", None)
         if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + PARK_MIN_EXTRA:
-            caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp, backend=self.device,
-                                               numerics=self.numerics, device=caps.device_budget > 0,
-                                               drafter=self._drafter_state(slot.index),
-                                               sampler=self._sampler_of.get(slot.conv_id)))
+            try:
+                caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp,
+                                                   backend=self.device, numerics=self.numerics,
+                                                   device=caps.device_budget > 0, drafter=self._drafter_state(slot.index),
+                                                   sampler=self._sampler_of.get(slot.conv_id),
+                                                   checkpoints=slot.checkpoints))
+            except C.CapsuleError as e:   # a cache: the journal's tokens rebuild the state
+                log.warning("state of %s not parked: %s", slot.conv_id, e)
         if slot.conv_id != r.conv_id:           # the slot's state leaves it: one entry per slot at most
             self._sampler_of.pop(slot.conv_id, None)
+        if st is not None and 0 < reuse != st.position(slot.index):
+            # a hybrid slot reused at a checkpoint short of its state's position
+            st.restore(slot.index, slot.checkpoints[reuse], reuse)
         if r.fork_capsule is not None:  # a forked choice: the prompt's state, then its first token
             cap, r.fork_capsule = r.fork_capsule, None
             n = C.restore(cap, self.kv, slot.index, fingerprint=fp)
             if self.draft is not None and cap.draft_k is not None:
                 self.draft.restore(cap, slot.index, r.prompt)
             slot.tokens[:] = cap.tokens[:n].tolist()
+            slot.checkpoints = {p: c for p, c in (cap.checkpoints or {}).items() if p < n}
             return LeaseResult(n, f"choice {r.choice}: forked the prompt's state ({n} tokens) from choice 0", n)
         if caps is None:
             return LeaseResult(reuse)
@@ -154,11 +166,12 @@ class Executor:
             return LeaseResult(reuse)
         cap, n, note = caps.best_for(r.conv_id, r.prompt)
         n = min(n, len(r.prompt) - 1)
-        if cap is not None and n > reuse:
+        if cap is not None and n > reuse and C.restorable(cap, n):
             C.restore(cap, self.kv, slot.index, fingerprint=fp, n=n)
             if self.draft is not None:
                 self.draft.restore(cap, slot.index, r.prompt)
             slot.tokens[:] = cap.tokens[:n].tolist()
+            slot.checkpoints = {p: c for p, c in (cap.checkpoints or {}).items() if p < n}
             reuse = n
             # the user's words, no capsule or prefill jargon; where it came from is in `aotx status`
             note = f"picked up where this conversation left off ({n} tokens of context kept, not read again)"
@@ -177,8 +190,13 @@ class Executor:
         self._sampler_of[r.conv_id] = r.sampler_state       # what a capsule of this slot carries
         if caps is None or caps.dir is None or r.slot is None or len(r.slot.tokens) < 2:
             return
-        cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device,
-                         numerics=self.numerics, drafter=self._drafter_state(r.slot.index), sampler=r.sampler_state)
+        try:
+            cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint,
+                             backend=self.device, numerics=self.numerics, drafter=self._drafter_state(r.slot.index),
+                             sampler=r.sampler_state, checkpoints=r.slot.checkpoints)
+        except C.CapsuleError as e:
+            log.warning("capsule of %s not written: %s", r.conv_id, e)
+            return
         conv_id = r.conv_id
 
         def write() -> None:
@@ -203,9 +221,11 @@ class Executor:
         segs: list[Segment] = []
         toks: list[int] = []
         rows: list[tuple[Request, list[int]]] = []  # (request, drafts): 1 + len(drafts) logits rows
+        self._row0 = {}
         for d in plan.decode:
             r = d.request
             drafts = r.drafter.propose(r.prompt + r.completion, d.draft_room) if r.drafter is not None else []
+            self._row0[id(r)] = len(toks)
             segs.append(Segment(r.slot.index, r.pos, 1 + len(drafts), all_logits=bool(drafts)))
             toks.append(r.next_input)
             toks.extend(drafts)
@@ -228,7 +248,39 @@ class Executor:
         except Exception as e:  # noqa: BLE001 - any failure of the device is one
             raise DeviceError(str(e)) from e
         device_s = time.perf_counter() - t1
+        self._checkpoint(plan)
+        self._observe_prefill(plan, len(toks) - sum(c.n for c in plan.prefill))
         return TickResult(self._pick(rows, ids, logits, masks), device_s)
+
+    def _checkpoint(self, plan: TickPlan) -> None:
+        """A hybrid slot whose prompt ends this tick keeps a copy of its recurrent state
+        there (the next turn, whose prompt shares this one but not the reply as the
+        template renders it, resumes from it); at most CHECKPOINTS per slot."""
+        st = getattr(self.kv, "state", None)
+        if st is None:
+            return
+        for c in plan.prefill:
+            if c.last:
+                cks = c.request.slot.checkpoints
+                cks[c.start + c.n] = st.snapshot(c.request.slot.index, c.start + c.n)
+                for p in sorted(cks)[:-CHECKPOINTS]:
+                    del cks[p]
+
+    def _hidden(self) -> np.ndarray | None:
+        """The last forward's hidden rows, where the model keeps them (an MTP head's input)."""
+        get = getattr(self.lm.model, "last_hidden", None)
+        return get() if get is not None else None
+
+    def _observe_prefill(self, plan: TickPlan, row: int) -> None:
+        """Hand each prefill chunk's rows to a drafter that follows the target's hidden
+        states (the MTP drafter); ``row`` is the first prefill row of the batch."""
+        for c in plan.prefill:
+            r = c.request
+            if hasattr(r.drafter, "observe"):
+                h = self._hidden()
+                if h is not None:
+                    r.drafter.observe(c.start, r.prompt[c.start:c.start + c.n], h[row:row + c.n])
+            row += c.n
 
     @staticmethod
     def _masks_of(r: Request, drafts: list[int]) -> np.ndarray:
@@ -241,7 +293,7 @@ class Executor:
                      masks: dict[int, np.ndarray]):
         """(ids, None) when the device picked the tokens, else (None, host logits)."""
         model = self.lm.model
-        if embeds is None and self.device_sampling and not any(r.needs_logits for r, _ in rows):
+        if embeds is None and self.device_path == DEVICE_SAMPLING and not any(r.needs_logits for r, _ in rows):
             if all(r.plain_greedy for r, _ in rows):
                 return model.greedy(tok_arr, segs, self.kv), None
             srows = self._device_rows(rows, masks)
@@ -253,19 +305,16 @@ class Executor:
 
     def _device_rows(self, rows: list, masks: dict[int, np.ndarray]) -> list | None:
         """The sampler rows for ``model.sample`` (one per logits row), or None when a row
-        needs the host (``cuda_sampling.device_ok``). A constrained row's bitmasks go to
-        the device's mask table first; its rows carry their addresses."""
+        needs the host (the model's ``samples_exactly`` says no). A constrained row's
+        bitmasks go to the device first (``load_masks``); its rows carry their addresses."""
+        model = self.lm.model
         for r, drafts in rows:
-            if not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler, r.sampler_state)):
-                return None
+            if r.sampler.host_only or not model.samples_exactly(r.sampler, r.sampler_state, len(drafts)):
+                return None  # (a logit bias or a frequency/presence penalty: the host's chain, exactly)
         ptrs: dict[int, list[int]] = {}
         if masks:
-            if self.masks is None:
-                from aotx.engine.backend.cuda.sampling import MaskTable
-
-                self.masks = MaskTable(self.vocab)
             order = [k for k in masks]
-            addrs = self.masks.load(np.concatenate([masks[k] for k in order]))
+            addrs = model.load_masks(np.concatenate([masks[k] for k in order]))
             at = 0
             for k in order:
                 ptrs[k] = addrs[at:at + masks[k].shape[0]]
@@ -357,10 +406,16 @@ class Executor:
             fed: list[int] = []
             if r.state is RequestState.DECODE:
                 fed = [r.next_input] + drafts[:len(produced) - 1]
+                if hasattr(r.drafter, "observe") and id(r) in self._row0:
+                    h = self._hidden()
+                    if h is not None:
+                        r.drafter.observe(r.pos, fed, h[self._row0[id(r)]:self._row0[id(r)] + len(fed)])
                 if drafts:
                     r.drafter.update(len(drafts), len(produced) - 1)
-                    if len(fed) < n:  # roll back the rejected drafts' KV cells
+                    if len(fed) < n:  # roll back the rejected drafts' KV cells (and recurrent state)
                         self.kv.clear(r.slot.index, r.pos + len(fed), r.pos + n)
+                        if getattr(self.kv, "state", None) is not None:
+                            self.kv.state.rollback(r.slot.index, r.pos + len(fed))
             out.append(RowResult(r, produced, fed, len(drafts), got_lp))
             off += n
         return out + forked

@@ -46,7 +46,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -55,19 +55,26 @@ from aotx.engine.errors import Busy, ErrorCode, NotReady, RequestError
 from aotx.engine import protocol as P
 from aotx.engine.model import tool_calls
 from aotx.engine.model.chat_template import encode_chat
+from aotx.engine.model.loader import LoadedModel
 from aotx.engine.model.termination import StopChecker
 from aotx.engine.model.tokenizer import StreamDecoder
 from aotx.engine.runtime import admission, media_prompt
-from aotx.engine.runtime.constraints import Compiler
-from aotx.engine.runtime.drafter import DraftDrafter
+from aotx.engine.runtime.constraints import Compiler, GrammarState
+from aotx.engine.runtime.drafter import DraftDrafter, DraftModel
 from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import Inbox, MediaReady, Prepared
+from aotx.engine.runtime.mtp import MtpDrafter
 from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece
 from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
 from aotx.engine.runtime.speculative import PromptLookup
+from aotx.engine.runtime.store import ConversationStore
 from aotx.media.kinds import MediaKind
+
+if TYPE_CHECKING:   # media loads its encoders and profiles only when an attachment needs them
+    from aotx.media.profile import MediaProfile
+    from aotx.media.vision import VisionEncoder
 
 # speculative "auto" (the default): prompt lookup on the CPU, where a verify window of a few
 # rows costs little more than one row, drafting only after a match of this many tokens so
@@ -90,7 +97,7 @@ class Submission:
     held: bool = False
     need: int = 0  # journal credit asked when it was held
     prompt: list[int] = field(default_factory=list)
-    constraint: Any = None  # constraints.GrammarState (compiled in stage 1), or None
+    constraint: GrammarState | None = None  # compiled in stage 1
     dropped: bool = False  # its client went away or cancelled it while it was being prepared
     model: str = ""  # the loaded model whose submitter runs its stages
     media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
@@ -111,11 +118,13 @@ class Submitter:
     lm: the ``LoadedModel``; store: the ``ConversationStore``; envelope: the engine's;
     inbox: the engine's (media stages post ``MediaReady`` to it); is_busy(conv_id):
     whether a conversation is generating; device: "cpu" | "cuda"; speculative: the
-    engine's default mode; draft: the ``DraftModel`` or None. ``vision`` and
+    engine's default mode; draft: the ``DraftModel`` or None; mtp: the ``mtp.MtpModel``
+    (the model's own multi-token-prediction head) or None. ``vision`` and
     ``images`` are set when pictures go to an encoder."""
 
-    def __init__(self, lm: Any, store: Any, envelope: Envelope, inbox: Inbox, is_busy: Callable[[str], bool], *,
-                 device: str, speculative: str, draft: Any = None):
+    def __init__(self, lm: LoadedModel, store: ConversationStore, envelope: Envelope, inbox: Inbox,
+                 is_busy: Callable[[str], bool], *, device: str, speculative: str, draft: DraftModel | None = None,
+                 mtp: MtpModel | None = None):
         self.lm = lm
         self.store = store
         self.envelope = envelope
@@ -124,8 +133,9 @@ class Submitter:
         self.device = device
         self.speculative = speculative
         self.draft = draft
-        self.vision: Any = None
-        self.images: Any = None
+        self.mtp = mtp
+        self.vision: VisionEncoder | None = None
+        self.images: media_prompt.ImageStore | None = None
         self.ready = True
         self.not_ready_reason = ""
         self.held: list[Submission] = []
@@ -138,7 +148,7 @@ class Submitter:
         self.model_name: str = getattr(lm, "name", "")  # the engine's name for this model (models.ModelSet)
         # the model's media.profile.MediaProfile (set by serve) and the engine's admission of a
         # specialist when an attachment first needs it: count_media(name, bytes) -> "" or why not
-        self.media_profile: Any = None
+        self.media_profile: MediaProfile | None = None
         self.count_media: Callable[[str, int], str] | None = None
 
     # ---- 1. check ---------------------------------------------------------------------
@@ -175,8 +185,11 @@ class Submitter:
         if mode == "draft" and self.draft is None:
             raise RequestError("speculative mode 'draft' needs a draft model: start the engine with "
                                "--draft-model PATH (or use auto, ngram or off)")
+        if mode == "mtp" and self.mtp is None:
+            raise RequestError("speculative mode 'mtp' needs a model with a multi-token-prediction head (nextn "
+                               "layers) on the CPU (or use auto, ngram, draft or off)")
         if mode not in P.SPECULATIVE_MODES:
-            raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft or off)")
+            raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft, mtp or off)")
         return mode
 
     # ---- 2. media ---------------------------------------------------------------------
@@ -465,6 +478,8 @@ class Submitter:
             return PromptLookup(min_ngram=AUTO_MIN_NGRAM) if self.device == "cpu" else None
         if mode == "draft":
             return DraftDrafter(draft=self.draft)
+        if mode == "mtp":
+            return MtpDrafter(self.mtp)
         return None  # "off", or "" with an engine default of "off"
 
     # ---- held messages -------------------------------------------------------------------

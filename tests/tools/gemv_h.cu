@@ -1,7 +1,7 @@
 // ---- fp16 decode GEMV (gemv_h): dequantize in registers to half2, HFMA2 --------------------
-// The other half of issue 19 item 1 ("integer dot products as MMVQ, or dequantize in
-// registers with fp16 math: measure both"). A measurement candidate: cuda_program does not
-// launch it and the kernel choice does not time it (tests/tools/cuda_gemv_bench.py --fp16 does).
+// The fp16 form of the decode GEMV, measured against the int8 one (integer dot products as
+// llama.cpp's MMVQ) and slower: a measurement candidate the engine does not compile; the
+// kernel choice does not time it (tests/tools/cuda_gemv_bench.py --fp16 does).
 //
 // Activations: ``quant_rows_h`` (one launch per GEMV, like quant_rows for int8) writes each
 // 32-input block of x (times the norm weight nw when given) as float16 values x * 2^es, es a

@@ -8,7 +8,7 @@
 #      in the background, while
 #   2. tests/test_cuda_invariance.py and tests/test_cuda_parity.py run in the foreground;
 #   3. SAME / DIFFERENT per configuration;
-#   4. with the time left, the other tests/test_cuda_*.py.
+#   4. with the time left, the other tests/test_cuda_*.py that need a GPU.
 # Prepare here first:  bash tests/tools/gpu_reshape_prep.sh   (.whl/ and .dev/old/aotx)
 # Device (one H100):   PYTHONUNBUFFERED=1 bash tests/tools/gpu_reshape_check.sh
 #                      carry: [".whl", ".dev/old"], timeout_s 600
@@ -93,7 +93,9 @@ B_RC=$([ "$(cat "$OUTD/bits_verdict.txt" 2>/dev/null)" = "SAME" ] && echo 0 || e
 LEFT=$(( BUDGET - $(el) ))
 echo "== $(el)s 4. the other tests/test_cuda_*.py (${LEFT}s left)"
 if [ "$LEFT" -gt 45 ]; then
-  OTHERS=$(ls tests/test_cuda_*.py | grep -v -e test_cuda_invariance -e test_cuda_parity | tr '\n' ' ')
+  # the GPU ones (the CPU-only files: host, kernel_source, plan, persistent_host run in CI)
+  OTHERS=$(ls tests/test_cuda_*.py | grep -v -e test_cuda_invariance -e test_cuda_parity -e test_cuda_host \
+    -e test_cuda_kernel_source -e test_cuda_plan -e test_cuda_persistent_host | tr '\n' ' ')
   PYTHONPATH=$NEWPATH timeout -s KILL $(( LEFT - 10 )) "$PY" -m pytest -q --tb=line -rs -p no:cacheprovider \
     $OTHERS > "$OUTD/pytest_others.log" 2>&1
   O_RC=$?

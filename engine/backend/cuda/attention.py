@@ -33,11 +33,11 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # eager path: long segments' attention runs the flash-style kernel (attn_prefill: tensor cores,
 # no score matrix) at these head dimensions on sm_80 and newer; the cuBLAS path otherwise.
 # FLASH_ATTENTION = False forces the cuBLAS path (tests and tests/tools/cuda_attn_bench.py).
-# On since it was measured on an H200: within 2.3-2.5e-4 of the cuBLAS path and float64, 6-15x
+# On since an H200 run: within 2.3-2.5e-4 of the cuBLAS path and float64, 6-15x
 # faster at 512-8192 tokens (BENCHMARKS.md, "GPU, 2026-12-06").
 FLASH_HEAD_DIMS = S.FLASH_HEAD_DIMS
 FLASH_ATTENTION = True
-FLASH_ROWS = 64                # query rows per attn_prefill block (FA_BM in cuda_src.py)
+FLASH_ROWS = 64                # query rows per attn_prefill block (FA_BM in kernels/attn_prefill.cu)
 
 
 def sm80(backend) -> bool:

@@ -1,16 +1,16 @@
 """The CUDA backend: weights on the GPU in their GGUF block layout, CuPy RawModule kernels.
 
 Owns: the device check, uploading GGUF tensors (``matrix``, ``vector``), compiling the
-kernels of ``cuda_src.py`` once per set of template instances (CuPy caches the compiled
+kernels of ``kernels/`` (``source.py`` joins them into modules) once per set of template instances (CuPy caches the compiled
 module on disk, keyed by source and options), and ``compile(program)``: an
 ``ops.Program`` (the architecture's forward, traced once at load) becomes a
-``cuda_program.CudaProgram``, which owns buffers, the order of launches and the graphs.
-Nothing here, nor in any ``cuda*`` module, is specific to an architecture.
+``program.CudaProgram``, which owns buffers, the order of launches and the graphs.
+Nothing here, nor in any module of this package, is specific to an architecture.
 
 Importing this module imports CuPy, so ``import aotx.engine.backend.cuda.backend`` failing with
 ImportError is how ``serve.pick_device`` learns that the CUDA backend is unavailable.
 
-Supported tensor types (``cuda_src.TYPES``): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Supported tensor types (``source.TYPES``): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4. The other IQ* types, TQ* and NVFP4 are
 refused with ModelError. Rows must hold a multiple of 32 inputs (256 for the K types and
 IQ4_XS).
@@ -63,7 +63,7 @@ class CudaBackend:
     weights uploaded. ``fuse=False`` compiles programs without the fused kernels (tests of
     the generic path).
 
-    Kernel choice (DESIGN.md; ``kernel_choice``): ``tune`` is the policy for the
+    Kernel choice (DESIGN.md, "Kernel choice"; ``kernel_choice``): ``tune`` is the policy for the
     artifact under ``artifact_root`` (default: the data dir): "off" (default: fixed
     default kernels, no file read or written: tests and tools), "reuse" (a valid
     artifact's winners, else defaults), "auto" (what the engine uses: sites without a
@@ -71,7 +71,7 @@ class CudaBackend:
     (``aotx tune``: every site timed again). ``prefill`` / ``gemv`` force one eager GEMM
     mode / one GEMV variant everywhere (``CudaProgram``; tests and benchmarks).
     ``dense_prefill``: the eager GEMMs keep dense dequantized weight copies when they fit
-    the budget (``cuda_gemm``; default), False: always per-tile dequantization.
+    the budget (``gemm.py``; default), False: always per-tile dequantization.
     ``int8_activations``: every decode GEMV whose weight types have an integer form (all but
     F32, F16, BF16 and Q2_K) rounds its activations to int8 per 32-input block (``quant_rows``)
     and runs integer dot products (``__dp4a``), as llama.cpp's MMVQ; what the engine loads
@@ -101,7 +101,7 @@ class CudaBackend:
     as a device step (router, routing, experts and join on the device, captured in the
     decode graph; default); False: every moe layer runs as the host step (comparisons).
     ``moe_graphs``: a tick with host moe steps (experts on the CPU tier) runs as captured
-    graphs between them instead of the eager path (``cuda_program._Segments``; opt-in: not
+    graphs between them instead of the eager path (``moe.Segments``; opt-in: not
     yet run on a GPU).
 
     Raises ModelError when CuPy sees no CUDA device."""
@@ -228,8 +228,8 @@ class CudaBackend:
 
     def experts(self, t):
         """A 3-D GGUF expert tensor (ggml ``[k, m, E]``) for the CPU expert tier:
-        ``cpu_moe.CpuExperts`` over the file's memory map (no GPU memory; counted in
-        ``host_expert_bytes``). The moe op runs on the host (``cuda_plan.MoeHost``)."""
+        ``cpu.experts.CpuExperts`` over the file's memory map (no GPU memory; counted in
+        ``host_expert_bytes``). The moe op runs on the host (``plan.MoeHost``, ``moe.MoeStep``)."""
         from aotx.engine.backend.cpu.experts import CpuExperts
 
         if len(t.shape) != 3:

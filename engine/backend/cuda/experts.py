@@ -86,7 +86,7 @@ class MoeStage:
 
 
 class GpuExperts:
-    """The GPU expert tier of one moe step (engine/model/experts.py plans the tiers): the experts
+    """The GPU expert tier of one moe step (the plan: engine/model/experts.py): the experts
     the plan puts on "gpu" live on the device, uploaded once by ``place`` (the gate, up and
     down stacks of just those experts, in the file's block layout, and their biases), and
     their routed rows run through the decode GEMV's reduction: gate and up (one SwiGLU GEMV
@@ -99,7 +99,7 @@ class GpuExperts:
     on the device, the GEMVs run into preallocated buffers (``MoeScratch``, shared by the
     program's moe steps, grown on demand), and the output comes back with one D2H copy into
     pinned memory; ``wait`` is the layer's one sync. The
-    GEMV reduces each output element in the canonical order of the decode GEMV (cuda_src),
+    GEMV reduces each output element in the canonical order of the decode GEMV (kernels/gemv.cu),
     so a row's expert outputs do not depend on the batch, the tiles or the variant and
     equal the bits of ``gemv`` launched on each expert alone (``grouped = False`` runs those
     per-expert launches: the reference of the bit-identity test and of the host-overhead
@@ -265,7 +265,7 @@ class GpuExperts:
 
     def launch(self, pairs, x=None, c=None):
         """Start the FFNs of ``pairs`` ((expert, rows, slots j) of experts held here, as
-        ``cpu_moe.groups`` gives them) on the device rows ``x`` (default: the step's input set
+        ``cpu.experts.groups`` gives them) on the device rows ``x`` (default: the step's input set
         by ``MoeStep``); returns the handle ``wait`` takes. Its output: (P, d) float32, pairs
         in order, rows in order within."""
         if not self.grouped:
@@ -277,7 +277,7 @@ class GpuExperts:
                                   np.concatenate([r for _, r, _ in pairs]), x)
 
     def launch_routed(self, experts: np.ndarray, rows: np.ndarray, x=None):
-        """``launch`` for pairs given as two (P,) int64 arrays (``cpu_moe.moe_rows``): each
+        """``launch`` for pairs given as two (P,) int64 arrays (``cpu.experts.moe_rows``): each
         pair's expert (held here; grouped by expert, in increasing id) and row of x."""
         P_ = int(rows.shape[0])
         if P_ == 0:

@@ -34,8 +34,8 @@ OOM = getattr(getattr(cp.cuda, "memory", None), "OutOfMemoryError", MemoryError)
 
 
 class MoeStep:
-    """The moe op (``cuda_plan.MoeHost``): x's rows to the host, the router, routing, the
-    CPU tier's experts (``cpu_moe.moe_rows``) and the shared expert there; the experts the
+    """The moe op (``plan.MoeHost``): x's rows to the host, the router, routing, the
+    CPU tier's experts (``cpu.experts.moe_rows``) and the shared expert there; the experts the
     plan put on the GPU tier (``GpuExperts``) run on the device meanwhile, their outputs
     joined with the CPU's before the weighted sum; the result back. Both copies go through
     pinned buffers the program's moe steps share (``MoeStage``: one D2H and its sync
@@ -44,7 +44,7 @@ class MoeStep:
 
     Except when every expert of the layer is on the GPU tier (``device_ready``): then the
     step runs on the device alone, in launches a CUDA graph captures (``_device``): the
-    router's GEMV, ``moe_route`` (top-k by ``cpu_moe.route``'s rules), ``moe_tiles`` (the
+    router's GEMV, ``moe_route`` (top-k by ``cpu.experts.route``'s rules), ``moe_tiles`` (the
     pairs by expert and the tile table, built on the device), ``moe_gather``, the tier's
     ``moe_gemv`` launches over a fixed grid of tiles, ``moe_join``. Each row's numbers
     depend on that row alone (batch-invariant); the router's logits are the device GEMV's,
@@ -270,7 +270,7 @@ class MoeStep:
 
 def measure_experts(prog, layer: int, rows: tuple[int, ...]) -> dict:
     """Calibration of moe layer ``layer``: "cpu" {n: s}, seconds per expert on n rows on
-    the CPU tier (``cpu_moe.measure``); the GPU tier's call of one expert ("gpu_one") and
+    the CPU tier (``cpu.experts.measure``); the GPU tier's call of one expert ("gpu_one") and
     of a layer's n_used experts ("gpu_layer" {n: s}, "gpu_k" experts), and the copy of one
     expert to the GPU ("copy"; ``GpuExperts.measure``; these absent when this layer's
     experts cannot run on the GPU tier)."""

@@ -176,7 +176,7 @@ class GluRows:
 @dataclass
 class MoeHost:
     """The ``moe`` op: the rows of x go to the host, the router, routing, the CPU
-    tier's experts, join and shared expert run there (``cpu_moe.moe_rows``), the experts
+    tier's experts, join and shared expert run there (``cpu.experts.moe_rows``), the experts
     placed on the GPU tier on the device meanwhile; the result comes back into out.
     ``attrs``: the node's attributes. While a layer has experts off the GPU its step waits
     for the host (the tick runs eagerly, or as graphs between such steps); with every

@@ -96,7 +96,7 @@ class CacheState:
         self.graphs: dict[tuple[int, int], object] = {}
         # the zeros above are queued on the current stream; the graphs run on the cache's
         # non-blocking stream, which does not wait for it (the split attention's counters
-        # must be zero before its first replay, else the first tick is flaky on an H200)
+        # must be zero before its first replay, or the first tick can read stale counts)
         cp.cuda.get_current_stream().synchronize()
 
     @property
@@ -117,7 +117,7 @@ class CudaProgram:
     ``prefill``: None (each eager weight's GEMM mode from the kernel choice) or one of
     ``PREFILL_FORCED`` for every weight ("gemv": the graph's kernels, batch-invariant);
     ``gemv``: None (the kernel choice's variant per site and bucket) or one variant name
-    (``cuda_choice.GemvVariant``) for every GEMV. ``kernel_choice``: the
+    (``choice.GemvVariant``) for every GEMV. ``kernel_choice``: the
     ``kernel_choice.Resolution`` of this load (its ``summary()`` goes to the startup
     profile)."""
 
@@ -192,7 +192,7 @@ class CudaProgram:
         self.v_ld = self.plan.buffers[out_loc.buf][1]
         self._blas = cp.cuda.device.get_cublas_handle()
         # kernel choice: a variant per (GEMV site, bucket), a GEMM mode per prefill site;
-        # timing (policy auto/force) compiles the candidates itself (cuda_tune.kernels)
+        # timing (policy auto/force) compiles the candidates itself (tune.kernels)
         from aotx.engine.backend.cuda import tune as cuda_tune
 
         t0 = time.perf_counter()
@@ -220,6 +220,7 @@ class CudaProgram:
         self._eager_out_meta = np.zeros((2, 0), np.int32)
         self._keep: list = []          # the eager path's scratch arrays, alive until its forward returns
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.mask_table: CS.MaskTable | None = None   # constrained rows' token bitmasks (load_masks)
 
     # ---- load-time helpers -------------------------------------------------------------------
 
@@ -238,7 +239,7 @@ class CudaProgram:
         return key
 
     def _plan_dense(self) -> None:
-        """Dense prefill copies (``cuda_gemm``) when every eager GEMM's dequantized weight
+        """Dense prefill copies (``gemm.py``) when every eager GEMM's dequantized weight
         fits the budget (``CudaBackend(dense_prefill=False)``: always tiles)."""
         uses = []
         for key, d in self.psites.items():
@@ -339,7 +340,7 @@ class CudaProgram:
         """Run one batch and pick each logits row's next token on the device.
 
         rows: one ``(SamplerConfig, SamplerState, extra_history)`` per logits row (each must
-        pass ``cuda_sampling.device_ok``), or None for greedy without penalty everywhere.
+        pass ``sampling.device_ok``), or None for greedy without penalty everywhere.
         The states are not advanced here (the caller mirrors the draws). Returns int32
         (R,) ids; the penalized logits stay in ``last_logits()``. Raises RuntimeError when
         a publication record does not belong to this tick."""
@@ -358,6 +359,20 @@ class CudaProgram:
         self.ks((R,), (1024,), (self._eager_logits, i32(self._eager_logits.shape[1]), i32(self.vocab), cp.asarray(prm),
                                 cp.asarray(hist), meta[0], meta[1], Z64, ids, rec))
         return ids.get()
+
+    def samples_exactly(self, cfg, state, n_drafts: int = 0) -> bool:
+        """Whether ``sample`` picks exactly what the host's ``sampling.sample`` would for a row
+        with sampler ``cfg`` and state ``state`` (a verify window of ``n_drafts`` drafts):
+        ``cuda_sampling.device_ok`` and the penalty window fits the device table."""
+        return CS.device_ok(cfg, n_drafts) and CS.fits_history(cfg, state)
+
+    def load_masks(self, masks: np.ndarray) -> list[int]:
+        """Copy a tick's token bitmasks ((n, ceil(vocab / 32)) int32) to the device's mask
+        table (``cuda_sampling.MaskTable``, made on the first call); each row's device
+        address, for its sampler row's ``mask_ptr``. ValueError for masks of another width."""
+        if self.mask_table is None:
+            self.mask_table = CS.MaskTable(self.vocab)
+        return self.mask_table.load(masks)
 
     # ---- expert tiers (engine/model/experts.py's plan): "gpu" on the device, "host"/"mmap" on the CPU
 

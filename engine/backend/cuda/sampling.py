@@ -5,7 +5,8 @@ tables" of DESIGN.md: sampling parameters, RNG key and counter, penalty
 history), the publication records it writes, and the host helpers that fill the
 table from a request's ``SamplerConfig`` / ``SamplerState`` (the runtime's objects, read by
 attribute: a backend does not import the runtime). Leaves the order of
-launches and the CUDA graph to ``cuda_llama.py`` and the bookkeeping of the sampler
+launches and the CUDA graph to ``program.py``, the kernel itself to
+``kernels/sampling.cu``, and the bookkeeping of the sampler
 state (step counter, history) to the runtime, which mirrors what the kernel did.
 
 The chain is the host's, step for step (llama.cpp's default order, common/sampling.cpp):

@@ -44,7 +44,7 @@ Layout conventions (all row-major, float32 unless said):
   Every product in a deq8 is exact in float32 (a float16 scale times small integers), so
   the values equal gguf's ``dequantize`` bit for bit whether or not the compiler fuses
   the one add into an FMA.
-* int8 activations (``cuda_program`` with ``int8_activations``): ``quant_rows`` writes a
+* int8 activations (``CudaProgram`` with ``int8_activations``): ``quant_rows`` writes a
   GEMV's input rows as int8 blocks of 32 (``xq`` (B, ldq) and ``xd`` (B, ldq / 32) float2
   scale and float sum), ``q8w<T>`` reads a weight block as int8 levels and ``gemv<..., Q8 =
   1>`` multiplies them with ``__dp4a`` (the types of ``Q8_TYPES``).

@@ -24,7 +24,7 @@ from aotx.engine.backend.cuda import plan as P
 from aotx.engine.backend.cuda import source as S
 from aotx.engine.errors import ModelError
 
-GEMV_WARPS = CC.GEMV_WARPS    # warps per GEMV block (cuda_src.py defines the same)
+GEMV_WARPS = CC.GEMV_WARPS    # warps per GEMV block (kernels/shared.cuh defines the same)
 NT = 256                       # threads per block of the elementwise kernels
 MODE_NAME = {S.MODE_STORE: "store", S.MODE_ADD: "add", S.MODE_SWIGLU: "swiglu", S.MODE_GEGLU: "geglu",
              S.MODE_QKV: "qkv", S.MODE_QKV16: "qkv"}
@@ -101,7 +101,7 @@ class Ctx:
 class Gemv:
     """One GEMV launch: fixed weights, mode and epilogue; x, y, rows supplied per run.
 
-    ``site``: its kernel-choice site (``cuda_choice.gemv_site``; all layers' GEMVs of one
+    ``site``: its kernel-choice site (``choice.gemv_site``; all layers' GEMVs of one
     shape share it); the variant at each batch bucket comes from ``prog.gemv_variant``.
     ``qkv``: for the fused QKV epilogue, (first row of [q; k; v] this matrix holds, the
     QKVStep step) so that ``launch`` can pass the cache, RoPE tables and row tables.

@@ -1,4 +1,4 @@
-// ---- flash-style prefill attention (issue 19 item 2): tensor cores, no score matrix ----------
+// ---- flash-style prefill attention: tensor cores, no score matrix ----------------------------
 // attn_prefill<HD, KVT>: the attention of one long segment (n rows of slot `slot` at positions
 // pos0 .. pos0 + n - 1; q and out point at its first row) read straight from the KV cache, as
 // IR.md section 5 says: row i attends to keys [lo, pos0 + i], lo = max(0, pos0 + i + 1 - window)
@@ -20,7 +20,7 @@
 // < 1.5 for every model here), so the scaled values sit far inside float16's range (65504),
 // and scaling first can only shrink them; the rounding is relative either way (11 bits down to
 // 6e-5; smaller entries are negligible terms of the dot product). Needs sm_80 (mma m16n8k16
-// f16, cp.async, ldmatrix): cuda_program registers the instances only there; older targets
+// f16, cp.async, ldmatrix): attention.py registers the instances only there; older targets
 // compile an empty body.
 #define FA_BM 64
 #define FA_BN 64

@@ -83,7 +83,7 @@ __global__ void gather_rows(const float* __restrict__ x, int ld, const int* __re
     gather_block(blockIdx.x, x, ld, idx, xo);
 }
 
-// gpt-oss's clamped SwiGLU on the GPU expert tier (ggml_swiglu_oai; cpu_moe.swiglu_oai):
+// gpt-oss's clamped SwiGLU on the GPU expert tier (ggml_swiglu_oai; cpu/experts.py swiglu_oai):
 // x = min(g, limit), y = clamp(u, -limit, limit), out = x / (1 + exp(-alpha x)) * (y + 1)
 __global__ void swiglu_oai_rows(const float* __restrict__ g, int ldg, const float* __restrict__ u, int ldu, int n,
                                 int f, float alpha, float limit, float* __restrict__ out, int ldo)

@@ -1,5 +1,5 @@
 // ---- the decode GEMV and its canonical reduction order ------------------------------------
-// Batch invariance (shared/DESIGN.md) asks one reduction order per output element, whatever
+// Batch invariance (DESIGN.md) asks one reduction order per output element, whatever
 // the batch bucket or the kernel variant the kernel choice picked. Every variant below
 // computes the dot product of one weight row with one (normed) batch row in THE SAME order:
 // * the row's inputs are units u of 8 (u = 0 .. k/8 - 1); "virtual lane" v (0..127) takes
@@ -466,8 +466,8 @@ __device__ __forceinline__ void gemv_block(const int bx, const int by,
                            ldy, hd, rope_half, neox, n_kv, n_ctx, tab_slot, tab_pos, rcos, rsin, kc, vc);
     }
 }
-// the kernel: one block of gemv_block per (bx, by) of the grid (the persistent decode
-// step, cuda_persistent.py, runs the same block function over virtual blocks)
+// the kernel: one block of gemv_block per (bx, by) of the grid (tests/tools/persistent_step.py
+// runs the same block function over virtual blocks)
 template <int TA, int TB, int NB, int MODE, int WPP, int PPW = 1, int Q8 = 0>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv(
     const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,

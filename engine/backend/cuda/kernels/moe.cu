@@ -1,4 +1,4 @@
-// ---- the GPU expert tier (issue 22; cuda_program._GpuExperts): one launch per GEMV for all experts ----
+// ---- the GPU expert tier (experts.py, GpuExperts): one launch per GEMV for all experts ----
 // xo[j, :k] = x[idx[j], :k], one block per output row j: the rows routed to the experts held on
 // the device, gathered in (expert, row) pair order from the index table the host copied once
 __global__ void moe_gather(const float* __restrict__ x, int ldx, const int* __restrict__ idx, int k,
@@ -49,12 +49,12 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) moe_gemv(
                    nullptr, nullptr, nullptr, nullptr);
 }
 
-// ---- the device-resident moe step (cuda_program._MoeHost.device_ready): every expert of the layer on the
+// ---- the device-resident moe step (moe.py, MoeStep.device_ready): every expert of the layer on the
 // GPU, so the router, the routing, the experts and the join run here in launches a CUDA graph captures (no
 // host round trip). The experts' GEMVs are moe_gemv above; these three kernels do the rest.
 
 // moe_route: one warp per row i of the router logits lg (n rows, ldl apart; + bias (E) when given): the k
-// experts cpu_moe._route picks, by its rules: sel[i k + j] in decreasing value (ties: the lower id), w[i k + j]
+// experts cpu/experts.py's _route picks, by its rules: sel[i k + j] in decreasing value (ties: the lower id), w[i k + j]
 // their weights. Gating softmax (sw 0): p = softmax(l) (float64 sum), w = p[sel]; softmax_weight (sw 1):
 // selected by l, w = softmax of those k. norm_w: w / max(sum w, MOE_NORM_MIN) (float32 sum in j order);
 // w_scale multiplies w unless it is 0 or 1. E <= 1024 (p in shared memory, E floats per warp).
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(1024) moe_tiles(
 }
 
 // moe_join: out[i, c] = sum_j w[i k + j] y[pos[i k + j], c] for j = 0 .. k-1 in that order, each product and
-// sum rounded (no fused multiply-add): cpu_moe.join's bits. One block per row.
+// sum rounded (no fused multiply-add): cpu/experts.py join's bits. One block per row.
 __global__ void moe_join(const float* __restrict__ y, int ldy, const int* __restrict__ pos,
                          const float* __restrict__ w, int k, int d, float* __restrict__ out, int ldo)
 {
