@@ -23,22 +23,19 @@ Two paths, one Program:
   record per logits row. No cuBLAS inside. Rows of one slot at consecutive positions are
   causal without a mask: a layer's K and V rows are all written before its attention reads.
   Each GEMV launch runs the variant (rows per block, warps per row pair, where the norm
-  scale is computed) the kernel choice recorded for its (site, bucket); with int8
-  activations, a bucket of at least ``mmq_min_rows`` rows runs each GEMV as the MMQ
-  (``mmq.py``: int8 tensor cores, a fixed grid per bucket, the GEMV's bits).
+  scale is computed) the kernel choice recorded for its (site, bucket); int8 GEMVs of
+  ``mmq_min_rows`` rows and more run as the MMQ (``mmq.py``: int8 tensor cores, its bits).
 * **eager**: anything larger (prefill chunks) and batches with image rows. Steps on batch
   rows run ``gemm.PrefillGemm`` (cuBLAS on tensor cores: float16 or TF32 inputs, float32
   accumulation; the mode per weight is the kernel choice's; dense dequantized weight copies
   when they fit a budget, else one tile at a time); attention as ``attention.py`` says;
   steps on the logits rows (after ``take_rows``) run the graph's GEMVs. With
   ``prefill="gemv"`` every eager step runs the graph's kernels instead (batch-invariant
-  prefill; with int8 activations its GEMVs of ``mmq_min_rows`` rows and more run as the MMQ,
-  else slow on large models).
+  prefill: the MMQ with int8 activations, else slow on large models).
 
-Batch invariance: every GEMV variant reduces each output element in one canonical order
-(``kernels/gemv.cu``), and the MMQ forms the int8 GEMV's operations in that order
-(``kernels/mmq.cu``), so through the graph a row's numbers do not depend on the other rows,
-the bucket, the variant or whether its GEMVs ran as the MMQ, and the eager path's GEMVs
+Batch invariance: every GEMV variant, and the MMQ (``kernels/mmq.cu``), reduce each output
+element in one canonical order (``kernels/gemv.cu``), so through the graph a row's numbers do
+not depend on the other rows, the bucket, the variant or the MMQ, and the eager path's GEMVs
 (logits rows) agree with the graph's.
 The eager path's cuBLAS GEMMs and attention round differently: a prefill chunk of more
 rows than a graph takes gives logits within about 1e-3 (relative) of the same rows run
@@ -136,8 +133,7 @@ class CudaProgram:
         if hasattr(backend, "numerics"):
             backend.numerics = "cuda-int8" if self.int8_activations else "cuda-f32"
         self.q8_k = 0                  # the most inputs of such a GEMV (the size of the xq scratch rows)
-        # the MMQ (int8 tensor cores, the int8 GEMV's bits) for launches of this many rows and more
-        self.mmq_min_rows = MQ.program_min_rows(backend, self.int8_activations)
+        self.mmq_min_rows = MQ.program_min_rows(backend, self.int8_activations)   # the MMQ from this many rows
         self.mmq_smem_max = MQ.smem_limit(backend) if self.mmq_min_rows is not None else 0
         try:
             self.plan = P.plan(program, fuse=fuse)
