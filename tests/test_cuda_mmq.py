@@ -4,7 +4,8 @@ bits are the int8 decode GEMV's, whatever the number of rows, the row's place or
 * every type with an integer form (``mmq.MMQ_TYPES``), rows of 3-13 blocks and of 136 blocks
   (some lanes add two), with and without the RMSNorm scale: a batch row's outputs through the
   MMQ at 1, 2, 16, 64 and 128 rows, first, last or at an odd offset in the batch, and in every
-  tile shape (8 or 16 row pairs, 16/32/64 batch rows a block), are the bits the int8 GEMV
+  tile shape (8 or 16 row pairs, 16/32/64 batch rows a block, 1, 2 or 4 warp sets sharing each
+  group's leaves), are the bits the int8 GEMV
   (``gemv<..., Q8 1>``, its default variant) gives over all 128 rows; and those outputs match
   float64 numpy from the GGUF bytes: within 1e-5 of the same int8 arithmetic, within 2e-2 of
   the float inputs (the tolerances of tests/test_cuda_gemv_q8.py);
@@ -49,8 +50,9 @@ from tests.test_cuda_quants import _ref, upload  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 TYPES = tuple(T(t) for t in MQ.MMQ_TYPES)
-FULL = (T.Q4_K, T.Q6_K)                     # every tile shape; the other types: the narrowest and the widest
-SHAPES_ALL = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4))   # (WN, WM)
+FULL = (T.Q4_K, T.Q6_K)                     # every tile shape; the other types: three
+# (WN, WM, S): 8 or 16 row pairs, 16 / 32 / 64 batch rows, 1, 2 or 4 warp sets sharing the leaves
+SHAPES_ALL = ((1, 1, 1), (1, 2, 2), (1, 4, 4), (2, 1, 4), (2, 2, 1), (2, 4, 2), (2, 4, 1))
 ROWS = (1, 2, 16, 64, 128)
 BMAX = 128
 EPS = 1e-5
@@ -58,7 +60,7 @@ GEMV1 = CC.GemvVariant(1, 4, True)          # the int8 GEMV's default at one row
 
 
 def _shapes(t: T) -> tuple:
-    return SHAPES_ALL if t in FULL else ((1, 1), (2, 4))
+    return SHAPES_ALL if t in FULL else ((1, 1, 1), (2, 1, 4), (2, 4, 2))
 
 
 def _k(qtype: T, big: bool) -> int:
@@ -79,16 +81,16 @@ def kernels(be, t: T) -> dict:
     """The instances the tests of type ``t`` launch (one module per type: small compiles)."""
     if t not in _MODULES:
         names = {"quant_rows", CC.gemv_instance(int(t), int(t), S.MODE_STORE, GEMV1, True)}
-        names.update(f"mmq<{int(t)},{int(t)},{S.MODE_STORE},{wn},{wm}>" for wn, wm in _shapes(t))
+        names.update(f"mmq<{int(t)},{int(t)},{S.MODE_STORE},{wn},{wm},{sp}>" for wn, wm, sp in _shapes(t))
         if t == T.Q4_K:
             for mode in (S.MODE_SWIGLU, S.MODE_QKV16):
                 names.add(CC.gemv_instance(int(T.Q4_K), int(T.Q6_K) if mode == S.MODE_SWIGLU else int(T.Q4_K), mode,
                                            GEMV1, True))
-            names.add(f"mmq<{int(T.Q4_K)},{int(T.Q6_K)},{S.MODE_SWIGLU},2,4>")
-            names.add(f"mmq<{int(T.Q4_K)},{int(T.Q4_K)},{S.MODE_QKV16},2,4>")
+            names.add(f"mmq<{int(T.Q4_K)},{int(T.Q6_K)},{S.MODE_SWIGLU},2,4,1>")
+            names.add(f"mmq<{int(T.Q4_K)},{int(T.Q4_K)},{S.MODE_QKV16},2,4,2>")
         if t == T.Q6_K:
             names.add(CC.gemv_instance(int(t), int(t), S.MODE_ADD, GEMV1, True))
-            names.add(f"mmq<{int(t)},{int(t)},{S.MODE_ADD},1,2>")
+            names.add(f"mmq<{int(t)},{int(t)},{S.MODE_ADD},1,2,4>")
         ks = be.module(sorted(names))
         for n, kern in ks.items():            # the widest tiles of 136-block rows need more than 48 KiB
             if n.startswith("mmq"):
@@ -125,9 +127,10 @@ def gemv(kern, ta, tb, mode, n_pairs, args, rows):
                                                       (128,), args)
 
 
-def mmq(kern, ta, tb, mode, wn, wm, n_pairs, args, rows, k):
+def mmq(kern, ta, tb, mode, wn, wm, sp, n_pairs, args, rows, k):
     grid = ((rows + 16 * wm - 1) // (16 * wm), (n_pairs + 8 * wn - 1) // (8 * wn))
-    kern[f"mmq<{ta},{tb},{mode},{wn},{wm}>"](grid, (32 * wn * wm,), args, shared_mem=MQ.smem_bytes(ta, tb, k, wn, wm))
+    kern[f"mmq<{ta},{tb},{mode},{wn},{wm},{sp}>"](grid, (32 * wn * wm * sp,), args,
+                                                   shared_mem=MQ.smem_bytes(ta, tb, k, wn, wm, sp))
 
 
 def _bits_differ(a: np.ndarray, b: np.ndarray) -> int:
@@ -158,16 +161,16 @@ def test_a_rows_mmq_outputs_are_the_int8_gemvs_bits_at_every_row_count_place_and
     gemv(kern, t, t, S.MODE_STORE, n_pairs, args, BMAX)
     ref = ref.get()
     assert np.isfinite(ref).all()
-    for wn, wm in _shapes(qtype):
+    for wn, wm, sp in _shapes(qtype):
         for M in ROWS:
             for row0 in sorted({0, BMAX - M, 7 if M + 7 <= BMAX else 0}):
                 y = cp.full((M, m + 1), np.nan, cp.float32)          # poisoned: every output must be written
                 n_pairs, args = _args(w, None, S.MODE_STORE, q, row0, M, y, nw)
-                mmq(kern, t, t, S.MODE_STORE, wn, wm, n_pairs, args, M, k)
+                mmq(kern, t, t, S.MODE_STORE, wn, wm, sp, n_pairs, args, M, k)
                 got = y.get()
                 bad = _bits_differ(got, ref[row0:row0 + M])
-                assert bad == 0, (f"WN {wn} WM {wm}, {M} rows from row {row0}: {bad} outputs differ from the "
-                                  f"int8 GEMV's")
+                assert bad == 0, (f"WN {wn} WM {wm} S {sp}, {M} rows from row {row0}: {bad} outputs differ from "
+                                  f"the int8 GEMV's")
 
     # the same int8 arithmetic in float64, and the float inputs (test_cuda_gemv_q8's references)
     lv, dx, sx = _quant_np(x, nwh)
@@ -205,7 +208,7 @@ def test_mmq_epilogues_swiglu_add_and_qkv_give_the_gemvs_bits(be):
         if use == "gemv":
             gemv(kern, int(T.Q4_K), int(T.Q6_K), S.MODE_SWIGLU, n_pairs, args, rows)
         else:
-            mmq(kern, int(T.Q4_K), int(T.Q6_K), S.MODE_SWIGLU, 2, 4, n_pairs, args, rows, k)
+            mmq(kern, int(T.Q4_K), int(T.Q6_K), S.MODE_SWIGLU, 2, 4, 1, n_pairs, args, rows, k)
         outs.append(y.get())
     assert np.isfinite(outs[0]).all() and _bits_differ(*outs) == 0, "SwiGLU"
     # the residual add
@@ -218,7 +221,7 @@ def test_mmq_epilogues_swiglu_add_and_qkv_give_the_gemvs_bits(be):
         if use == "gemv":
             gemv(kern, int(T.Q6_K), int(T.Q6_K), S.MODE_ADD, n_pairs, args, rows)
         else:
-            mmq(kern, int(T.Q6_K), int(T.Q6_K), S.MODE_ADD, 1, 2, n_pairs, args, rows, k)
+            mmq(kern, int(T.Q6_K), int(T.Q6_K), S.MODE_ADD, 1, 2, 4, n_pairs, args, rows, k)
         outs.append(y.get())
     assert _bits_differ(*outs) == 0 and not np.array_equal(outs[0], resid), "residual add"
     # QKV: 4 q heads and 2 kv heads of 32 dims (neox RoPE on 16 of them), a float16 cache of 3 slots x 64
@@ -239,7 +242,7 @@ def test_mmq_epilogues_swiglu_add_and_qkv_give_the_gemvs_bits(be):
         if use == "gemv":
             gemv(kern, int(T.Q4_K), int(T.Q4_K), S.MODE_QKV16, n_pairs, args, rows)
         else:
-            mmq(kern, int(T.Q4_K), int(T.Q4_K), S.MODE_QKV16, 2, 4, n_pairs, args, rows, k)
+            mmq(kern, int(T.Q4_K), int(T.Q4_K), S.MODE_QKV16, 2, 4, 2, n_pairs, args, rows, k)
         outs.append((y.get(), kc.get(), vc.get()))
     (yg, kg, vg), (ym, km, vm) = outs
     assert np.isfinite(yg).all() and _bits_differ(yg, ym) == 0, "q rows"

@@ -111,10 +111,11 @@ def test_mmq_order_gives_every_output_the_int8_gemvs_bits(qtype, k):
     terms = _terms(qtype, m, k, B, seed=k + int(qtype), norm=bool(k % 2))
     assert np.isfinite(terms).all()
     g = M.gemv_sums(terms)
-    q = M.mmq_sums(terms)
     assert g.shape == (m, B)
-    bad = int((g.view(np.uint32) != q.view(np.uint32)).sum())
-    assert bad == 0, f"{bad} of {g.size} outputs differ between the GEMV's order and the MMQ's"
+    for split in (1, 2, 4):                     # one warp set, or 2 / 4 sharing each group's leaves
+        q = M.mmq_sums(terms, split)
+        bad = int((g.view(np.uint32) != q.view(np.uint32)).sum())
+        assert bad == 0, f"split {split}: {bad} of {g.size} outputs differ between the GEMV's order and the MMQ's"
 
 
 def test_the_gemv_models_butterfly_is_the_reduction_models():
@@ -129,8 +130,9 @@ def test_the_stack_forms_the_butterfly_tree_with_signed_zeros_and_empty_lanes():
     the GEMV's accumulator starts at 0: outputs whose every term is -0 are +0 in both."""
     terms = np.full((2, 3, 8), -0.0, f32)       # k = 256: 8 blocks, lanes 8..127 empty
     terms[1, 1, 3] = 1.5
-    g, q = M.gemv_sums(terms), M.mmq_sums(terms)
-    assert g.tobytes() == q.tobytes()
+    g = M.gemv_sums(terms)
+    for split in (1, 2, 4):
+        assert g.tobytes() == M.mmq_sums(terms, split).tobytes()
     assert g[0, 0].tobytes() == f32(0.0).tobytes() and g[1, 1] == f32(1.5)
 
 
@@ -150,6 +152,9 @@ def test_other_orders_give_other_bits_on_the_same_data():
     finally:
         M.bitrev5 = saved
     assert int((wrong.view(np.uint32) != g.view(np.uint32)).sum()) > g.size // 4
+    # four warp sets whose subtree sums are added left to right ((P0 + P1) + P2) + P3, not as
+    # the tree's top levels: other bits too
+    assert int((M.mmq_sums(terms, 4, chain=True).view(np.uint32) != g.view(np.uint32)).sum()) > g.size // 8
 
 
 def test_host_code_on_fake_cupy_gives_the_int8_gemvs_bits_through_the_mmq():

@@ -20,19 +20,19 @@ from tests.tools.gpu_fake_cupy import LaunchError, _addr, _f32, _i32, _i8, _need
 
 
 def extents(w: str, tpl: list, grid, a: dict) -> None:
-    """mmq<TA, TB, MODE, WN, WM>: the int8 GEMV's checks, plus its tile geometry and the dynamic
+    """mmq<TA, TB, MODE, WN, WM, S>: the int8 GEMV's checks, plus its tile geometry and the dynamic
     shared memory its layout needs."""
     from aotx.engine.backend.cuda import mmq as MQ
 
-    ta, tb, mode, wn, wm = tpl
+    ta, tb, mode, wn, wm, sp = tpl
     i = lambda k: int(a[k])   # noqa: E731
     B, k, n_pairs = i("B"), i("k"), i("n_pairs")
-    if a["__block__"] != (32 * wn * wm,):
-        raise LaunchError(f"{w}: block {a['__block__']} for {wn} x {wm} warps")
+    if a["__block__"] != (32 * wn * wm * sp,) or sp not in (1, 2, 4):
+        raise LaunchError(f"{w}: block {a['__block__']} for {wn} x {wm} warps in {sp} sets")
     if grid[0] * 16 * wm < B or grid[1] * 8 * wn < n_pairs:
         raise LaunchError(f"{w}: grid {grid} does not cover {B} rows ({16 * wm} a block) and {n_pairs} pairs "
                           f"({8 * wn} a block)")
-    need = MQ.smem_bytes(ta, tb, k, wn, wm)
+    need = MQ.smem_bytes(ta, tb, k, wn, wm, sp)
     if a["__smem__"] < need:
         raise LaunchError(f"{w}: {a['__smem__']} bytes of dynamic shared memory, its layout needs {need}")
     if mode in (3, 5):
@@ -76,8 +76,8 @@ def emu_quant_rows(name, grid, a) -> None:
 
 
 def emu_mmq(name, grid, a) -> None:
-    ta, tb, mode, _, _ = (int(t) for t in name[name.index("<") + 1:-1].split(","))
-    emu_q8(ta, tb, mode, a, mmq=True)
+    ta, tb, mode, _, _, sp = (int(t) for t in name[name.index("<") + 1:-1].split(","))
+    emu_q8(ta, tb, mode, a, mmq=True, split=sp)
 
 
 def _pair_rows(a: dict, mode: int, n_pairs: int):
@@ -100,9 +100,9 @@ def _pair_rows(a: dict, mode: int, n_pairs: int):
     return s0 + head * hd + da - rb0, s0 + head * hd + db - rb0, sect, head, dd, da, db
 
 
-def emu_q8(ta: int, tb: int, mode: int, a: dict, mmq: bool) -> None:
+def emu_q8(ta: int, tb: int, mode: int, a: dict, mmq: bool, split: int = 1) -> None:
     """The int8 GEMV (``mmq`` False: its lanes, butterfly and group sums) or the MMQ (its leaf
-    order and stack) by tests/tools/mmq_model.py from the memory the arguments address, then
+    order and stacks, ``split`` warp sets) by tests/tools/mmq_model.py from the memory the arguments address, then
     gemv_out in every mode."""
     from tests.tools import mmq_model as MM
 
@@ -115,7 +115,7 @@ def emu_q8(ta: int, tb: int, mode: int, a: dict, mmq: bool) -> None:
     for w, rows, qt, rbytes in ((a["Wa"], ra, ta, int(a["rba"])), (a["Wb"], rb, tb, int(a["rbb"]))):
         raw = np.frombuffer(ctypes.string_at(_addr(w), int(rows.max() + 1) * rbytes), np.uint8).reshape(-1, rbytes)
         terms = MM.block_terms(MM.q8_weights(raw[rows], qt, k), qt, xq, xd[:, :, 0].copy(), xd[:, :, 1].copy())
-        sums.append(MM.mmq_sums(terms) if mmq else MM.gemv_sums(terms))
+        sums.append(MM.mmq_sums(terms, split) if mmq else MM.gemv_sums(terms))
     sc = _f32(_addr(a["xs"]), B).copy() if _addr(a["nw"]) else None
     ba = _f32(_addr(a["bias_a"]), int(ra.max()) + 1)[ra] if _addr(a["bias_a"]) else np.zeros(n_pairs, np.float32)
     bb = _f32(_addr(a["bias_b"]), int(rb.max()) + 1)[rb] if _addr(a["bias_b"]) else np.zeros(n_pairs, np.float32)

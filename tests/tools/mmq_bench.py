@@ -77,8 +77,7 @@ def cmd_micro(args) -> int:
     for label, n, k in sites:
         for qt in (T.Q4_K, T.Q6_K):
             t = int(qt)
-            wn = MQ.choose_wn(t, t, k)
-            site = MQ.MmqSite(t, t, k, (n + 1) // 2, wn)
+            site = MQ.make_site(t, t, k, (n + 1) // 2, be.n_sm, MQ.smem_limit(be))
             for M in ROWS:
                 v = CC.GemvVariant.parse(CC.gemv_default(M, False, n, k, True))
                 names.add(CC.gemv_instance(t, t, S.MODE_STORE, v, True))
@@ -134,7 +133,8 @@ def cmd_micro(args) -> int:
                         ((n_pairs + ppb - 1) // ppb, (M + v.nb - 1) // v.nb), (128,), a)
 
             row = {"site": label, "type": qt.name, "n": n, "k": k, "rows": M, "copies": copies,
-                   "weight_bytes": per, "gemv_variant": v.name, "mmq_tile": f"wn{site.wn}wm{MQ.wm_for(M)}"}
+                   "weight_bytes": per, "gemv_variant": v.name,
+                   "mmq_tile": f"wn{site.wn}wm{MQ.wm_for(M)}s{site.split(MQ.wm_for(M))}"}
             for kind in ("gemv", "mmq"):
                 s = cp.cuda.Stream(non_blocking=True)
                 with s:

@@ -17,7 +17,8 @@ Owns: numpy forms of what the CUDA kernels compute on int8 activations
 * ``mmq_sums``: the MMQ's order as ``mmq.cu`` runs it: the 128 lanes visited group by group
   in the butterfly tree's leaf order (lane ``32 g + bitrev5(p)``), each lane's blocks summed
   when it is visited, and the tree formed by a stack of pending subtree sums (merge as many
-  times as ``p`` has trailing one bits);
+  times as ``p`` has trailing one bits); with a split S, S warp sets each form one subtree
+  of 32 / S leaves and the tree's top levels add those;
 * ``epilogue``: ``gemv_out`` for the store, add, SwiGLU and GEGLU modes.
 
 ``tests/test_cuda_mmq_model.py`` proves the two orders give the same bits on random data
@@ -270,27 +271,46 @@ def gemv_sums(terms: np.ndarray) -> np.ndarray:
     return tot
 
 
-def mmq_sums(terms: np.ndarray) -> np.ndarray:
-    """The MMQ's sums, as mmq.cu's leaf loop forms them (see the module docstring)."""
+def mmq_sums(terms: np.ndarray, split: int = 1, chain: bool = False) -> np.ndarray:
+    """The MMQ's sums, as mmq.cu's leaf loop forms them (see the module docstring). ``split``
+    (mmq.cu's S: 1, 2 or 4): warp set s of a block visits the leaves p = s 32 / S .. (s + 1)
+    32 / S - 1 of each group with a stack of its own, which ends with that subtree's sum P_s;
+    the group's sum is P_0 (S 1), P_0 + P_1 (S 2) or (P_0 + P_1) + (P_2 + P_3) (S 4): the
+    tree's top levels over those subtrees. ``chain``: ((P_0 + P_1) + P_2) + P_3 instead (a
+    wrong order, for the tests' counter-example)."""
     nu = terms.shape[-1]
     shape = terms.shape[:-1]
-    st = [np.zeros(shape, f32) for _ in range(5)]
+    ls = 32 // split
     tot = np.zeros(shape, f32)
-    for i in range(128):
-        g, p = i >> 5, i & 31
-        v = 32 * g + bitrev5(p)
-        acc = np.zeros(shape, f32)
-        for r in range(rounds(v, nu)):
-            acc = (acc + terms[..., v + 128 * r]).astype(f32)
-        tz = trailing_ones(p)
-        x = acc
-        for lv in range(5):
-            if lv < tz:
-                x = (st[lv] + x).astype(f32)
-        if tz < 5:
-            st[tz] = x
+    for g in range(4):
+        parts = []
+        for s_ in range(split):
+            st = [np.zeros(shape, f32) for _ in range(5)]
+            part = None
+            for t in range(ls):
+                v = 32 * g + bitrev5(s_ * ls + t)
+                acc = np.zeros(shape, f32)
+                for r in range(rounds(v, nu)):
+                    acc = (acc + terms[..., v + 128 * r]).astype(f32)
+                tz = trailing_ones(t)
+                x = acc
+                for lv in range(5):
+                    if lv < tz:
+                        x = (st[lv] + x).astype(f32)
+                if t == ls - 1:
+                    part = x                       # tz(ls - 1) = log2(ls): the subtree's root
+                else:
+                    st[tz] = x
+            parts.append(part)
+        if split == 1:
+            rg = parts[0]
+        elif split == 2:
+            rg = (parts[0] + parts[1]).astype(f32)
+        elif chain:
+            rg = (((parts[0] + parts[1]).astype(f32) + parts[2]).astype(f32) + parts[3]).astype(f32)
         else:
-            tot = x if g == 0 else (tot + x).astype(f32)
+            rg = ((parts[0] + parts[1]).astype(f32) + (parts[2] + parts[3]).astype(f32)).astype(f32)
+        tot = rg if g == 0 else (tot + rg).astype(f32)
     return tot
 
 

@@ -3,7 +3,8 @@ with how much shared memory, and its launch.
 
 Owns: ``site_for(prog, gemv)`` (an ``MmqSite`` for a GEMV the MMQ can run, or None and the
 reason), the tile shape (``WN`` warp columns of 8 row pairs, ``WM`` warp rows of 16 batch
-rows: ``wm_for``), the shared memory a launch needs (``smem_bytes``, the layout mmq.cu
+rows: ``wm_for``; ``S`` warp sets sharing each group's leaves on small matrices:
+``choose_split``), the shared memory a launch needs (``smem_bytes``, the layout mmq.cu
 describes), the template instances a program compiles (``MmqSite.names``), raising each
 instance's dynamic shared memory limit once at load (``prepare``) and the launch itself
 (``MmqSite.launch``). Leaves the arguments (the GEMV's own: the same signature) and the
@@ -34,6 +35,9 @@ SMEM_TWO = 110 * 1024            # at most this, two blocks fit one multiprocess
 WN_CHOICES = (2, 1)              # warp columns of 8 row pairs, widest first
 MIN_CC = 80                      # mma.sync s8 and cp.async
 DEFAULT_MIN_ROWS = 16            # CudaBackend(mmq_min_rows): decode ticks of this many rows and more
+MAX_THREADS = 512                # a block's threads (WN x WM x S warps): 2 blocks fit at 64 registers, 1 at 128
+TARGET_BLOCKS = 2                # row-pair tiles x warp sets per multiprocessor the split aims for
+N_SM = 132                       # multiprocessors when the backend does not say (an H100)
 
 
 def chunk_bytes(qtype: int) -> tuple[int, int]:
@@ -43,13 +47,15 @@ def chunk_bytes(qtype: int) -> tuple[int, int]:
     return ch, (ch + 47) // 16 * 16
 
 
-def smem_bytes(ta: int, tb: int, k: int, wn: int, wm: int) -> int:
+def smem_bytes(ta: int, tb: int, k: int, wn: int, wm: int, split: int = 1) -> int:
     """Dynamic shared memory of one block: the slab (16 wn rows x rmax records), two weight
-    stages and two input stages (rmax = ceil(k / 4096) rounds)."""
+    stages and three input stages of ``split`` leaves each, and the subtree sums of the warp
+    sets when there are several (rmax = ceil(k / 4096) rounds)."""
     rows, mt = 16 * wn, 16 * wm
     rmax = (k // 32 + 127) // 128
     chs = max(chunk_bytes(ta)[1], chunk_bytes(tb)[1])
-    return rows * rmax * chs + 2 * rmax * (rows + mt) * REC
+    comb = split * wn * wm * 8 * 32 * 4 if split > 1 else 0
+    return rows * rmax * chs + split * rmax * (2 * rows + 3 * mt) * REC + comb
 
 
 def wm_for(rows: int) -> int:
@@ -58,37 +64,73 @@ def wm_for(rows: int) -> int:
     return 1 if rows <= 16 else (2 if rows <= 32 else 4)
 
 
+def choose_split(n_pairs: int, wn: int, wm: int, ta: int, tb: int, k: int, n_sm: int, cap: int = SMEM_MAX) -> int:
+    """Warp sets sharing each group's leaves (mmq.cu's S: 1, 2 or 4): the fewest that give at
+    least ``TARGET_BLOCKS`` row-pair tiles x sets per multiprocessor, within ``MAX_THREADS``
+    threads and the shared memory a block may have (more sets: more warps on a small matrix,
+    a quarter of the chain of leaves at S 4; the sum's order is the same)."""
+    tiles = (n_pairs + 8 * wn - 1) // (8 * wn)
+    best = 1
+    for sp in (1, 2, 4):
+        if 32 * wn * wm * sp > MAX_THREADS or smem_bytes(ta, tb, k, wn, wm, sp) > cap:
+            break
+        best = sp
+        if tiles * sp >= TARGET_BLOCKS * n_sm:
+            break
+    return best
+
+
 @dataclass(frozen=True)
 class MmqSite:
-    """One GEMV's MMQ form: weight types, inputs, row pairs and the tile's warp columns ``wn``."""
+    """One GEMV's MMQ form: weight types, inputs, row pairs, the tile's warp columns ``wn`` and
+    the warp sets ``splits`` for 1, 2 and 4 warp rows."""
 
     ta: int
     tb: int
     k: int
     n_pairs: int
     wn: int
+    splits: tuple[int, int, int] = (1, 1, 1)
+
+    def split(self, wm: int) -> int:
+        return self.splits[{1: 0, 2: 1, 4: 2}[wm]]
 
     def name(self, mode: int, wm: int) -> str:
-        return f"mmq<{self.ta},{self.tb},{mode},{self.wn},{wm}>"
+        return f"mmq<{self.ta},{self.tb},{mode},{self.wn},{wm},{self.split(wm)}>"
 
     def names(self, modes) -> list[str]:
         """Every instance a program may launch for this GEMV (each tile height, each mode)."""
         return [self.name(m, wm) for m in modes for wm in (1, 2, 4)]
 
     def smem(self, wm: int) -> int:
-        return smem_bytes(self.ta, self.tb, self.k, self.wn, wm)
+        return smem_bytes(self.ta, self.tb, self.k, self.wn, wm, self.split(wm))
 
     def geometry(self, rows: int) -> tuple[tuple[int, int], tuple[int], int, int]:
         """(grid, block, dynamic shared memory, wm) of a launch over ``rows`` batch rows: batch
         tiles along x (blocks sharing a weight tile run together), row-pair tiles along y."""
         wm = wm_for(rows)
         grid = ((rows + 16 * wm - 1) // (16 * wm), (self.n_pairs + 8 * self.wn - 1) // (8 * self.wn))
-        return grid, (32 * self.wn * wm,), self.smem(wm), wm
+        return grid, (32 * self.wn * wm * self.split(wm),), self.smem(wm), wm
 
     def launch(self, kernels: dict, mode: int, rows: int, args: tuple) -> None:
         """One launch over ``rows`` rows with the GEMV's argument tuple ``args``."""
         grid, block, smem, wm = self.geometry(rows)
         kernels[self.name(mode, wm)](grid, block, args, shared_mem=smem)
+
+
+def make_site(ta: int, tb: int, k: int, n_pairs: int, n_sm: int, cap: int = SMEM_MAX) -> MmqSite | None:
+    """The MMQ site of a matrix (None: even the narrowest tile needs more shared memory than
+    ``cap``): its warp columns (``choose_wn``; the narrow tile where the wide one leaves fewer
+    than ``TARGET_BLOCKS`` tiles x sets per multiprocessor) and its splits."""
+    wn = choose_wn(ta, tb, k, cap)
+    if wn is None:
+        return None
+    if wn > 1 and smem_bytes(ta, tb, k, 1, 4) <= cap:
+        wide = (n_pairs + 8 * wn - 1) // (8 * wn) * choose_split(n_pairs, wn, 1, ta, tb, k, n_sm, cap)
+        if wide < TARGET_BLOCKS * n_sm:
+            wn = 1
+    splits = tuple(choose_split(n_pairs, wn, wm, ta, tb, k, n_sm, cap) for wm in (1, 2, 4))
+    return MmqSite(ta, tb, k, n_pairs, wn, splits)
 
 
 def site_for(prog, g) -> tuple[MmqSite | None, str]:
@@ -107,10 +149,11 @@ def site_for(prog, g) -> tuple[MmqSite | None, str]:
     if ta not in MMQ_TYPES or tb not in MMQ_TYPES:
         return None, "a weight type without an integer form"
     cap = int(getattr(prog, "mmq_smem_max", SMEM_MAX))
-    wn = choose_wn(ta, tb, g.k, cap)
-    if wn is None:
+    n_sm = int(getattr(getattr(prog, "backend", None), "n_sm", 0) or N_SM)
+    site = make_site(ta, tb, g.k, g.n_pairs, n_sm, cap)
+    if site is None:
         return None, f"{smem_bytes(ta, tb, g.k, WN_CHOICES[-1], 4)} bytes of shared memory per block (at most {cap})"
-    return MmqSite(ta, tb, g.k, g.n_pairs, wn), ""
+    return site, ""
 
 
 def choose_wn(ta: int, tb: int, k: int, cap: int = SMEM_MAX) -> int | None:

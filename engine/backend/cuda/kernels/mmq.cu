@@ -20,25 +20,32 @@
 //   many of them as p has trailing one bits (a binary counter), which forms every add of
 //   the butterfly, and at p = 31 the whole tree, R_g;
 // * a lane's own sum (its blocks v, v + 128, ... in order, from 0.f) is formed when its leaf
-//   is visited.
+//   is visited;
+// * a subtree's sum needs only its own leaves, so S warp sets (S = 1, 2, 4) can form the S
+//   subtrees of 32 / S leaves of a group side by side (set s: leaves s 32 / S ..), each with
+//   its own stack, and set 0 adds them as the tree's top levels: P0 + P1, or
+//   (P0 + P1) + (P2 + P3) (small matrices: more warps, a shorter chain of leaves).
 //
-// The block (CTA): WN x WM warps. Warp column wn owns 8 row pairs: its 16 weight rows, the m16
-// operand, are the pairs' A rows (rows 16 wn + 0..7 of the tile) and B rows (16 wn + 8..15),
-// so a thread's accumulators (MMA rows gid and gid + 8) are the A and B sums of one pair,
-// gemv_out's two operands. Warp row wm owns 16 batch rows (two n8 tiles); a thread holds 8
-// outputs: (tile t, column 2 tig + j, A or B), o = 4 t + 2 j + h.
-// The K loop visits the 128 lanes, group by group, in the tree's order. A group's lanes read
-// the 1024-input chunks c = 4 r + g of every row (r = 0 .. rounds - 1): that "slab" is copied
-// into shared memory once per group (cp.async, 16-byte pieces, each row's chunk contiguous,
-// so every weight byte leaves memory once), then per leaf the lane's blocks are expanded by
-// q8w into a stage of int8 words and scales, and the batch rows' input blocks are copied
-// beside them; stages are double-buffered (the next leaf's expansion and copies overlap this
-// leaf's MMAs). Shared memory (dynamic, bytes): the slab ROWS x rmax x CHS, then two weight
-// stages of rmax x ROWS records and two input stages of rmax x MT records (MMQ_REC bytes
-// each: 32 bytes of int8 levels, then dw, mw, float sa, float sb, or dx, sum x); rmax = ceil(k / 4096).
-// engine/backend/cuda/mmq.py computes the same size (mmq_smem_bytes) and the grid:
-// (ceil(B / MT), ceil(n_pairs / (8 WN))), batch tiles fastest so that blocks sharing a
-// weight tile run together. Needs sm_80+ (mma.sync s8, cp.async).
+// The block (CTA): WN x WM x S warps. Warp column wn owns 8 row pairs: its 16 weight rows, the
+// m16 operand, are the pairs' A rows (rows 16 wn + 0..7 of the tile) and B rows (16 wn +
+// 8..15), so a thread's accumulators (MMA rows gid and gid + 8) are the A and B sums of one
+// pair, gemv_out's two operands. Warp row wm owns 16 batch rows (two n8 tiles); a thread
+// holds 8 outputs: (tile t, column 2 tig + j, A or B), o = 4 t + 2 j + h.
+// The K loop runs 4 x 32 / S iterations; in each, every warp set visits one leaf of its
+// subtree, group by group. A group's lanes read the 1024-input chunks c = 4 r + g of every row
+// (r = 0 .. rounds - 1): that "slab" is copied into shared memory once per group (cp.async,
+// 16-byte pieces, each row's chunk contiguous, so every weight byte leaves memory once, and
+// the S sets share it); per iteration the S leaves' blocks are expanded by q8w into a weight
+// stage of int8 words and scales (double-buffered: the next iteration's expansion overlaps
+// this one's MMAs), and the batch rows' input blocks are copied into an input stage two
+// iterations ahead (three buffers: the copies' latency hides behind two iterations of work).
+// Shared memory (dynamic, bytes): the slab ROWS x rmax x CHS, then two weight stages of S x
+// rmax x ROWS records and three input stages of S x rmax x MT records (MMQ_REC bytes each:
+// 32 bytes of int8 levels, then dw, mw, float sa, float sb, or dx, sum x), then S x WN WM x 256
+// floats of subtree sums (S > 1); rmax = ceil(k / 4096). engine/backend/cuda/mmq.py computes
+// the same size (smem_bytes) and the grid: (ceil(B / MT), ceil(n_pairs / (8 WN))), batch tiles
+// fastest so that blocks sharing a weight tile run together. Needs sm_80+ (mma.sync s8,
+// cp.async).
 
 #define MMQ_REC 48          // bytes of a stage record (a 16-byte multiple; 12 words: no bank conflicts)
 
@@ -127,39 +134,55 @@ __device__ __forceinline__ void mmq_load_slab(u8* slab, const u8* const* s_row, 
     }
 }
 
-// The stage of leaf i (lane v = 32 g + bitrev5(i % 32)): each of the lane's blocks (one per
-// round r) of every tile row, expanded by q8w from the slab into est record (r, row); the
-// tile's batch rows' input blocks (32 int8 bytes, then dx and sum x) copied into xst record
-// (r, m) (rows past B read row B - 1: their outputs are never stored).
-template <int TA, int TB, int ROWS, int MT, int NT, int CHS>
-__device__ __forceinline__ void mmq_stage(const u8* slab, u8* est, u8* xst, const u8* const* s_row, int i, int nu,
-                                          int rmax, const i8* __restrict__ xq, int ldx,
-                                          const float2* __restrict__ xd, int ldd, int m0, int B) {
-    const int g = i >> 5, v = 32 * g + (int)(__brev((u32)(i & 31)) >> 27);
-    const int rv = mmq_lane_rounds(v, nu);
-    for (int e = threadIdx.x; e < ROWS * rv; e += NT) {
-        const int row = e % ROWS, r = e / ROWS, c = 4 * r + g;
+// Lane v of leaf p in group g: the butterfly tree's leaf order
+__device__ __forceinline__ int mmq_lane(int g, int p) { return 32 * g + (int)(__brev((u32)p) >> 27); }
+
+// The weight stage of iteration it: for each warp set s2, the blocks (one per round r) of its
+// leaf (group g = it / LS, leaf p = s2 LS + it % LS) of every tile row, expanded by q8w from the
+// slab into est record (s2, r, row).
+template <int TA, int TB, int ROWS, int NT, int CHS, int S>
+__device__ __forceinline__ void mmq_stage_w(const u8* slab, u8* est, const u8* const* s_row, int it, int nu,
+                                            int rmax) {
+    constexpr int LS = 32 / S;
+    const int g = it / LS;
+    for (int r = 0; r < rmax; r++)
+    for (int e = threadIdx.x; e < S * ROWS; e += NT) {       // divisions by constants only
+        const int row = e % ROWS, s2 = e / ROWS;
+        const int v = mmq_lane(g, s2 * LS + it % LS);
+        if (r >= mmq_lane_rounds(v, nu)) continue;
+        const int c = 4 * r + g;
         const bool isb = (row & 8) != 0;
         const size_t src = (size_t)(s_row[row] + (size_t)c * (isb ? MmqBlk<TB>::ch : MmqBlk<TA>::ch));
         const u8* chunk = slab + ((size_t)row * rmax + r) * CHS + (src & 15);
         Q8W W;
         if (TA == TB || !isb) q8w<TA>(chunk, v & 31, W);
         else q8w<TB>(chunk, v & 31, W);
-        uint4* o = (uint4*)(est + ((size_t)r * ROWS + row) * MMQ_REC);
+        uint4* o = (uint4*)(est + ((size_t)(s2 * rmax + r) * ROWS + row) * MMQ_REC);
         o[0] = make_uint4((u32)W.q[0], (u32)W.q[1], (u32)W.q[2], (u32)W.q[3]);
         o[1] = make_uint4((u32)W.q[4], (u32)W.q[5], (u32)W.q[6], (u32)W.q[7]);
         o[2] = make_uint4(__float_as_uint(W.dw), __float_as_uint(W.mw), __float_as_uint(__int2float_rn(W.sa)),
                           __float_as_uint(__int2float_rn(W.sb)));
     }
-    for (int e = threadIdx.x; e < 2 * MT * rv; e += NT) {
-        const int half = e & 1, m = (e >> 1) % MT, r = (e >> 1) / MT;
-        const long long row = min(m0 + m, B - 1);
-        mmq_cp16(xst + ((size_t)r * MT + m) * MMQ_REC + 16 * half, xq + row * ldx + 32 * (v + 128 * r) + 16 * half);
-    }
-    for (int e = threadIdx.x; e < MT * rv; e += NT) {
-        const int m = e % MT, r = e / MT;
-        const long long row = min(m0 + m, B - 1);
-        mmq_cp8(xst + ((size_t)r * MT + m) * MMQ_REC + 32, xd + row * ldd + v + 128 * r);
+}
+
+// The input stage of iteration it: for each warp set s2, its leaf's blocks of the tile's batch
+// rows (32 int8 bytes, then dx and sum x) copied into xst record (s2, r, m) (rows past B read row
+// B - 1: their outputs are never stored). Needs no slab: issued two iterations ahead.
+template <int MT, int NT, int S>
+__device__ __forceinline__ void mmq_stage_x(u8* xst, int it, int nu, int rmax, const i8* __restrict__ xq, int ldx,
+                                            const float2* __restrict__ xd, int ldd, int m0, int B) {
+    constexpr int LS = 32 / S;
+    const int g = it / LS;
+    for (int r = 0; r < rmax; r++) {
+        for (int e = threadIdx.x; e < 3 * S * MT; e += NT) {   // per record: two 16-byte pieces, the scales
+            const int piece = e / (S * MT), m = e % MT, s2 = (e / MT) % S;
+            const int v = mmq_lane(g, s2 * LS + it % LS);
+            if (r >= mmq_lane_rounds(v, nu)) continue;
+            const long long row = min(m0 + m, B - 1);
+            u8* dst = xst + ((size_t)(s2 * rmax + r) * MT + m) * MMQ_REC;
+            if (piece < 2) mmq_cp16(dst + 16 * piece, xq + row * ldx + 32 * (v + 128 * r) + 16 * piece);
+            else mmq_cp8(dst + 32, xd + row * ldd + v + 128 * r);
+        }
     }
 }
 
@@ -211,9 +234,10 @@ __device__ __forceinline__ void mmq_round(const u8* est, const u8* xst, int r, i
 }
 
 // y = W . x over int8 rows: gemv<TA, TB, NB, MODE, WPP, PPW, 1>'s arguments and outputs (the
-// same bits), 8 WN row pairs x 16 WM batch rows per block (see above).
-template <int TA, int TB, int MODE, int WN, int WM>
-__global__ void __launch_bounds__(32 * WN * WM) mmq(
+// same bits), 8 WN row pairs x 16 WM batch rows per block, S warp sets sharing each group's
+// leaves (see above).
+template <int TA, int TB, int MODE, int WN, int WM, int S>
+__global__ void __launch_bounds__(32 * WN * WM * S) mmq(
     const u8* __restrict__ Wa, const u8* __restrict__ Wb, long long rba, long long rbb, int a_stride, int b_off,
     int n_pairs, int k, const float* __restrict__ x, int ldx, int B, const float* __restrict__ nw, float eps,
     const float* __restrict__ xs, const float* __restrict__ bias_a, const float* __restrict__ bias_b,
@@ -225,19 +249,22 @@ __global__ void __launch_bounds__(32 * WN * WM) mmq(
 {
     static_assert(Q8Traits<TA>::ok && Q8Traits<TB>::ok, "MMQ: both weight types have an integer form");
     static_assert(WN >= 1 && WN <= 4 && WM >= 1 && WM <= 4, "WN, WM in 1..4");
+    static_assert(S == 1 || S == 2 || S == 4, "S is 1, 2 or 4");
     constexpr bool QKV = (MODE == M_QKV || MODE == M_QKV16);
-    constexpr int NT = 32 * WN * WM, ROWS = 16 * WN, MT = 16 * WM;
+    constexpr int NWT = WN * WM, NT = 32 * NWT * S, ROWS = 16 * WN, MT = 16 * WM, LS = 32 / S;
+    constexpr int TOP = LS == 32 ? 3 : (LS == 16 ? 2 : 1);      // bits of q = t / 4 (t: a set's leaf, 0..LS-1)
     constexpr int CHS = MmqBlk<TA>::chs > MmqBlk<TB>::chs ? MmqBlk<TA>::chs : MmqBlk<TB>::chs;
     extern __shared__ __align__(16) u8 mmq_sm[];
     __shared__ const u8* s_row[ROWS];
     const int nu = k >> 5, rmax = (nu + 127) >> 7;
+    const size_t esz = (size_t)S * rmax * ROWS * MMQ_REC, xsz = (size_t)S * rmax * MT * MMQ_REC;
     u8* slab = mmq_sm;
-    u8* est = slab + (size_t)ROWS * rmax * CHS;
-    u8* xst = est + (size_t)2 * rmax * ROWS * MMQ_REC;
-    const size_t esz = (size_t)rmax * ROWS * MMQ_REC, xsz = (size_t)rmax * MT * MMQ_REC;
+    u8* est = slab + (size_t)ROWS * rmax * CHS;        // 2 weight stages
+    u8* xst = est + 2 * esz;                           // 3 input stages
+    float* comb = (float*)(xst + 3 * xsz);             // S x NWT x 8 x 32 subtree sums (S > 1)
     const i8* xq = (const i8*)x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-    const int wn = warp % WN, wm = warp / WN;
+    const int set = warp / NWT, w2 = warp % NWT, wn = w2 % WN, wm = w2 / WN;
     const int m0 = blockIdx.x * MT, p0 = blockIdx.y * (8 * WN);
     if (threadIdx.x < ROWS) {          // tile row 16 w + 8 h + i: the A (h 0) or B (h 1) row of pair 8 w + i
         const int t = threadIdx.x;
@@ -254,78 +281,91 @@ __global__ void __launch_bounds__(32 * WN * WM) mmq(
         for (int lv = 0; lv < 5; lv++) st[lv][o] = 0.f;
     }
     mmq_load_slab<TA, TB, ROWS, NT, CHS>(slab, s_row, 0, nu, rmax);
+    mmq_stage_x<MT, NT, S>(xst, 0, nu, rmax, xq, ldx, xd, ldd, m0, B);
+    mmq_stage_x<MT, NT, S>(xst + xsz, 1, nu, rmax, xq, ldx, xd, ldd, m0, B);
     mmq_commit();
     mmq_wait();
     __syncthreads();
-    mmq_stage<TA, TB, ROWS, MT, NT, CHS>(slab, est, xst, s_row, 0, nu, rmax, xq, ldx, xd, ldd, m0, B);
-    mmq_commit();
-    mmq_wait();
+    mmq_stage_w<TA, TB, ROWS, NT, CHS, S>(slab, est, s_row, 0, nu, rmax);
     __syncthreads();
-    // the 128 leaves, four at a time: leaf p = 4 q + s closes 0, 1, 0 and 2 + tz(q) subtrees for
-    // s = 0..3 (tz: trailing one bits), so three of four merges are fixed at compile time
+    // 4 LS iterations, four at a time: in iteration it every warp set visits one leaf, t = it % LS
+    // of its subtree; leaf t = 4 q + u closes 0, 1, 0 and 2 + tz(q) pending subtrees for u = 0..3
+    // (tz: trailing one bits), so three of four merges are fixed at compile time
 #pragma unroll 1
-    for (int i4 = 0; i4 < 128; i4 += 4) {
+    for (int it4 = 0; it4 < 4 * LS; it4 += 4) {
 #pragma unroll
-        for (int s = 0; s < 4; s++) {
-            const int i = i4 + s, g = i >> 5, p = i & 31, buf = s & 1;
-            // the next leaf's stage (its group's slab is in place), or at a group's last leaf the
-            // next group's slab (the slab is read by expansions only, the last one done)
-            if (p < 31)
-                mmq_stage<TA, TB, ROWS, MT, NT, CHS>(slab, est + (buf ^ 1) * esz, xst + (buf ^ 1) * xsz, s_row, i + 1,
-                                                     nu, rmax, xq, ldx, xd, ldd, m0, B);
+        for (int u = 0; u < 4; u++) {
+            const int it = it4 + u, g = it / LS, t = it % LS;
+            const bool last = t == LS - 1;             // the group's last iteration
+            // inputs two iterations ahead; the next iteration's weights (its group's slab is in
+            // place), or at a group's last iteration the next group's slab (the slab is read by
+            // expansions only, the last one done)
+            if (it + 2 < 4 * LS)
+                mmq_stage_x<MT, NT, S>(xst + ((it + 2) % 3) * xsz, it + 2, nu, rmax, xq, ldx, xd, ldd, m0, B);
+            if (!last)
+                mmq_stage_w<TA, TB, ROWS, NT, CHS, S>(slab, est + ((u + 1) & 1) * esz, s_row, it + 1, nu, rmax);
             else if (g < 3)
                 mmq_load_slab<TA, TB, ROWS, NT, CHS>(slab, s_row, g + 1, nu, rmax);
             mmq_commit();
-            // this leaf: lane v's sum of its blocks, from 0.f, round after round
-            const int v = 32 * g + (int)(__brev((u32)p) >> 27);
+            // this iteration's leaf of the warp's set: lane v's sum of its blocks, from 0.f
+            const int v = mmq_lane(g, set * LS + t);
             const int rv = mmq_lane_rounds(v, nu);
+            const u8* eb = est + (u & 1) * esz + (size_t)set * rmax * ROWS * MMQ_REC;
+            const u8* xb = xst + (it % 3) * xsz + (size_t)set * rmax * MT * MMQ_REC;
             float acc[8];
 #pragma unroll
             for (int o = 0; o < 8; o++) acc[o] = 0.f;
-            for (int r = 0; r < rv; r++)
-                mmq_round<TA, TB, ROWS, MT>(est + buf * esz, xst + buf * xsz, r, wn, wm, gid, tig, acc);
-            // the tree: merge with the pending subtrees below level tz(p), keep the sum at level
-            // tz(p); at p = 31 (tz 5) it is R_g: tot = R_0, then tot + R_g
-            if (s == 0 || s == 2) {
+            for (int r = 0; r < rv; r++) mmq_round<TA, TB, ROWS, MT>(eb, xb, r, wn, wm, gid, tig, acc);
+            // the subtree: merge with the pending sums below level tz(t), keep the result at
+            // level tz(t); at t = LS - 1 it is the set's subtree sum P
+            if (u == 0 || u == 2) {
 #pragma unroll
                 for (int o = 0; o < 8; o++) st[0][o] = acc[o];
-            } else if (s == 1) {
+            } else if (u == 1) {
 #pragma unroll
                 for (int o = 0; o < 8; o++) st[1][o] = __fadd_rn(st[0][o], acc[o]);
             } else {
-                const int tq = __ffs(~(p >> 2)) - 1;      // tz(q), q = p / 4: 0..3
+                const int tq = __ffs(~(t >> 2)) - 1;
 #pragma unroll
                 for (int o = 0; o < 8; o++) {
-                    float x = __fadd_rn(st[1][o], __fadd_rn(st[0][o], acc[o]));
-                    if (tq == 0) {
-                        st[2][o] = x;
+                    float xv = __fadd_rn(st[1][o], __fadd_rn(st[0][o], acc[o]));
+                    if (TOP >= 1 && tq >= 1) xv = __fadd_rn(st[2][o], xv);
+                    if (TOP >= 2 && tq >= 2) xv = __fadd_rn(st[3][o], xv);
+                    if (TOP >= 3 && tq >= 3) xv = __fadd_rn(st[4][o], xv);
+                    if (tq < TOP) {
+                        if (tq == 0) st[2][o] = xv;
+                        else if (tq == 1) st[3][o] = xv;
+                        else st[4][o] = xv;
+                    } else if (S == 1) {
+                        tot[o] = g == 0 ? xv : __fadd_rn(tot[o], xv);       // R_g = P
                     } else {
-                        x = __fadd_rn(st[2][o], x);
-                        if (tq == 1) {
-                            st[3][o] = x;
-                        } else {
-                            x = __fadd_rn(st[3][o], x);
-                            if (tq == 2) st[4][o] = x;
-                            else tot[o] = g == 0 ? __fadd_rn(st[4][o], x) : __fadd_rn(tot[o], __fadd_rn(st[4][o], x));
-                        }
+                        comb[((set * NWT + w2) * 8 + o) * 32 + lane] = xv;
                     }
                 }
             }
-            mmq_wait();
+            if (last) mmq_wait();
+            else asm volatile("cp.async.wait_group 1;" ::: "memory");    // all but this iteration's inputs
             __syncthreads();
-            if (p == 31 && g < 3) {            // the next group's first stage, from its slab
-                mmq_stage<TA, TB, ROWS, MT, NT, CHS>(slab, est + (buf ^ 1) * esz, xst + (buf ^ 1) * xsz, s_row, i + 1,
-                                                     nu, rmax, xq, ldx, xd, ldd, m0, B);
-                mmq_commit();
-                mmq_wait();
+            if (S > 1 && last && set == 0) {
+                // R_g from the sets' subtrees, the tree's top levels: P0 + P1, or (P0 + P1) + (P2 + P3)
+#pragma unroll
+                for (int o = 0; o < 8; o++) {
+                    const float* cb = comb + ((size_t)w2 * 8 + o) * 32 + lane;
+                    float rg = __fadd_rn(cb[0], cb[NWT * 256]);
+                    if (S == 4) rg = __fadd_rn(rg, __fadd_rn(cb[2 * NWT * 256], cb[3 * NWT * 256]));
+                    tot[o] = g == 0 ? rg : __fadd_rn(tot[o], rg);
+                }
+            }
+            if (last && g < 3) {               // the next group's first weight stage, from its slab
+                mmq_stage_w<TA, TB, ROWS, NT, CHS, S>(slab, est + ((u + 1) & 1) * esz, s_row, it + 1, nu, rmax);
                 __syncthreads();
             }
         }
     }
-    // the epilogue: a thread holds pair 8 wn + gid's A and B sums for batch rows 2 tig + j of
-    // its warp's two n8 tiles
+    // the epilogue (warp set 0): a thread holds pair 8 wn + gid's A and B sums for batch rows
+    // 2 tig + j of its warp's two n8 tiles
     const int pr = p0 + 8 * wn + gid;
-    if (pr < n_pairs) {
+    if (set == 0 && pr < n_pairs) {
         const PairRows rows = pair_rows<QKV>(pr, a_stride, b_off, row_base, qd, kd, hd, rope_half, neox);
 #pragma unroll
         for (int t = 0; t < 2; t++) {
