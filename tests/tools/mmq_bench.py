@@ -68,6 +68,7 @@ def cmd_micro(args) -> int:
     from tests.conftest_quant_helpers import random_blocks
 
     out = Path(args.out)
+    deadline = time.monotonic() + args.deadline          # no site starts after this
     be = CudaBackend()
     rng = np.random.default_rng(0)
     sites = FAKE_SITES if args.fake else SITES
@@ -94,7 +95,6 @@ def cmd_micro(args) -> int:
     from tests.tools.gpu_bench import copy_bandwidth
 
     res["copy_GBs"] = round(copy_bandwidth(cp) / 1e9, 1) if not args.fake else 0.0
-    deadline = time.monotonic() + args.deadline
     x = cp.asarray(rng.standard_normal((max(ROWS), max(k for _, _, k in sites))).astype(np.float32))
     for label, qt, n, k, site in plan:
         if time.monotonic() > deadline:
@@ -189,6 +189,7 @@ def cmd_engine(args) -> int:
 
     out, work = Path(args.out), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.deadline          # no measurement starts after this
     name = "smollm2-135m" if args.fake else "llama-3.1-8b"
     res: dict = {"shape": name}
     t0 = time.perf_counter()
@@ -220,7 +221,6 @@ def cmd_engine(args) -> int:
                       [Segment(s, 0, plen) for s in range(s0, s0 + chunk)], kv)
     cp.cuda.Device().synchronize()
     res["aggregate"] = {}
-    deadline = time.monotonic() + args.deadline
     for B in ((4, 8) if args.fake else (16, 64)):
         cur0 = rng.integers(0, V, B).astype(np.int32)
         row: dict = {}
