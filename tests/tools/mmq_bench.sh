@@ -73,8 +73,8 @@ M_RC=${PIPESTATUS[0]}
 E_RC=0
 if [ "${MMQ_BENCH_ENGINE:-1}" = 1 ]; then
   echo "== $(el)s 3. the engine: aggregate decode, MMQ on and off ($(left) s left)"
-  wait "$P_WRITE"
-  cat "$OUTD/write.log" | tail -3
+  while [ ! -f "$WORK/$SHAPE.gguf" ] && kill -0 "$P_WRITE" 2>/dev/null && [ "$(left)" -gt 90 ]; do sleep 2; done
+  tail -3 "$OUTD/write.log"
   if [ -f "$WORK/$SHAPE.gguf" ] && [ "$(left)" -gt 60 ]; then
     timeout -s KILL $(( $(left) - 15 )) "$PY" -m tests.tools.mmq_bench engine $FAKE_ARG --out "$OUTD" --work "$WORK" \
       --deadline $(( $(left) - 45 )) 2>&1 | tee "$OUTD/engine.log" | tail -12
