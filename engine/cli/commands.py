@@ -13,6 +13,7 @@ import re
 import sys
 
 from aotx.engine.errors import AotxError, UsageError, friendly_error
+from aotx.engine.present import config as cli_config
 from aotx.engine.protocol import SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, SamplingParams, limit_problem
 
 
@@ -175,7 +176,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--speculative", choices=[m for m in SPECULATIVE_MODES if m], default=d.speculative,
                    help="speculative decoding for this reply: auto (prompt lookup where it pays), ngram "
-                        "(prompt lookup), draft (the engine's --draft-model) or off (default: the engine's choice)")
+                        "(prompt lookup), draft (the engine's --draft-model), mtp (the model's own MTP head) or off "
+                        "(default: the engine's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the engine in the foreground")
     add_engine_flags(p)
-    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "off"], default=None,
+    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "mtp", "off"], default=None,
                    help="default speculative decoding: auto (prompt lookup on the CPU after 2-token "
-                        "matches, off on CUDA), ngram (prompt lookup), draft (--draft-model) or off "
+                        "matches, off on CUDA), ngram (prompt lookup), draft (--draft-model), mtp (the "
+                        "model's multi-token-prediction head, for files with nextn layers) or off "
                         "(default: draft with --draft-model, else auto; see BENCHMARKS.md)")
     p.add_argument("--draft-p-min", type=_float("--draft-p-min", 0.0, 1.0), default=None,
                    help="stop drafting when the draft model's top probability falls below this (default 0.75)")
@@ -220,6 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-key-concurrency", type=_int("--per-key-concurrency", 1), default=16)
     p.add_argument("--max-queue", type=_int("--max-queue", 1), default=64,
                    help="generations in flight across all keys before 429")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="a browser origin (https://chat.example; * for any) whose pages may call the API; "
+                   "repeatable (default: none, CORS off)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (with --tls-cert)")
+
+    sub.add_parser("config", help="the defaults in effect (model, device, context, slots, theme, api_key_file): "
+                   "each one's value and where it came from (the config file: `aotx config` names it)")
+    p = sub.add_parser("completion", help='print a shell completion script: eval "$(aotx completion bash)"')
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
 
     p = sub.add_parser("stop", help="stop the engine serving the socket")
     p.add_argument("--socket")
@@ -233,19 +246,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--socket")
     msub = p.add_subparsers(dest="mcmd", parser_class=_Parser)
-    q = msub.add_parser("add", help="add a remote OpenAI-compatible endpoint (vLLM, SGLang, llama-server, Ollama) "
-                        "as a model")
+    q = msub.add_parser("add", help="install a GGUF file under a name (aotx models add NAME PATH), or add a remote "
+                        "OpenAI-compatible endpoint (vLLM, SGLang, llama-server, Ollama) with --url")
     q.add_argument("name")
-    q.add_argument("--url", required=True, help="the endpoint's base URL, e.g. http://gpu-box:8000/v1")
+    q.add_argument("path", nargs="?", help="the GGUF file (it stays where it is; the name points at it)")
+    q.add_argument("--url", help="a remote endpoint's base URL, e.g. http://gpu-box:8000/v1")
     q.add_argument("--remote-model", help="the model's id on the server (default: NAME)")
     q.add_argument("--api-key-env", help="environment variable holding the API key, read from the engine's "
                    "environment (set it where the engine starts)")
     q.add_argument("--api-key-file", help="file holding the API key")
     q.add_argument("--api-key", help="the API key itself (stored in the entry, mode 0600)")
     q.add_argument("--context", type=_int("--context", 0), default=None, help="the server's context in tokens")
-    q.add_argument("--replace", action="store_true", help="replace a remote entry of that name (a running engine "
+    q.add_argument("--replace", action="store_true", help="replace an entry of that name (a running engine "
                    "unloads the old one first)")
-    q = msub.add_parser("remove", help="remove a remote model entry (a running engine unloads it first)")
+    q = msub.add_parser("remove", help="remove an installed name or a remote entry (the file itself stays; a running "
+                        "engine unloads the model first)")
     q.add_argument("name")
     q.add_argument("--socket", default=argparse.SUPPRESS)  # (or before "remove": the models' own --socket)
 
@@ -358,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = join_negative_values(sys.argv[1:] if argv is None else argv)
     try:
         ap = build_parser()
+        settings, cpath = cli_config.load()
+        cli_config.apply(ap, settings, cpath)  # the config file's defaults; flags still win
         args, extra = ap.parse_known_args(argv)
         if extra:  # name the subcommand whose options were meant, and suggest one of them
             chosen_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
@@ -365,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.cmd:
             ap.print_help()
             return 2
+        if args.cmd == "config":
+            cli_config.show(ap, settings, cpath)
+            return 0
+        if args.cmd == "completion":
+            print(cli_config.completion(ap, args.shell))
+            return 0
         if args.cmd == "serve":
             from aotx.engine.cli.serve import serve
 
@@ -386,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.cli import local as cli_local
 
             return getattr(cli_local, f"cmd_{args.cmd}")(args)
+        if args.cmd == "status":
+            import asyncio
+
+            from aotx.engine.cli.status import status
+
+            return asyncio.run(status(args))
         if args.cmd == "conversations" and not args.ccmd:
             raise UsageError("conversations: choose list, show, export, fork or delete")
         if args.cmd == "conversations" and args.ccmd in ("list", "show", "export"):
@@ -401,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.cli.repl import run_repl  # no prompt at a terminal: chat there
             from aotx.engine.cli import client as cli_client
 
-            return run_repl(args, connect=lambda: cli_client.connect(args))
+            return run_repl(args, connect=lambda: cli_client.connect(args),
+                            reconnect=lambda engine_args: cli_client.reconnect(args, engine_args))
         from aotx.engine.cli import client as cli_client
 
         if args.cmd == "conversations":  # fork: named as aotx-chat names forks

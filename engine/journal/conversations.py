@@ -108,6 +108,7 @@ class Conversation(msgspec.Struct, omit_defaults=True):
     # the name is not installed but the file is still there (Engine._submit)
     model_path: str = ""
     model_fingerprint: str = ""
+    origin: str = ""  # what made it ("" a chat, "run" a one-shot aotx run, "gateway" an API request)
     salvaged: str = ""  # rebuilt from later records after damage: what of it is missing ("": nothing)
 
     def message(self, msg_id: str) -> Message | None:
@@ -322,7 +323,7 @@ class ConversationTable:
             return
         self.conversations[r.conv_id] = Conversation(
             conv_id=r.conv_id, title=r.title, created_at=r.created_at, updated_at=r.created_at,
-            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq, model=r.model)
+            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq, model=r.model, origin=r.origin)
 
     def _renamed(self, r: ConversationRenamed, seq: int) -> None:
         if (c := self._conv(r.conv_id, seq)) is not None:

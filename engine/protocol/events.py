@@ -32,6 +32,10 @@ class Welcome(_Base, tag="welcome"):
     # the model's, a --memory-budget past the machine's, ...): a client that started the
     # engine prints them, since the engine's own log is out of sight
     notices: list[str] = []
+    # the ``aotx serve`` flags that start an engine like this one again (its model by absolute
+    # path, its slots, context, device, ...; never its socket): a client that saw it stopped
+    # starts the next one with them, not with its own
+    engine_args: list[str] = []
 
 
 class Error(_Base, tag="error"):
@@ -68,6 +72,7 @@ class Accepted(_Base, tag="accepted"):
     prompt_ids: list[int] = []
     n_reused: int = 0
     choice: int = 0  # which of the request's n choices (each has its own conversation)
+    model: str = ""  # the model that writes the reply (the engine's name for it; "" from an older engine)
 
 
 class Token(_Base, tag="token"):
@@ -94,7 +99,9 @@ class Token(_Base, tag="token"):
 
 class Notice(_Base, tag="notice"):
     """Admission feedback. kind: held | queued | refused | resumed | model (a model was
-    loaded, unloaded or switched for this request).
+    loaded, unloaded or switched for this request) | stopping (the engine is stopping:
+    for a reply in progress, its id; with id 0, to every connection just before the
+    engine closes it, so a client tells a stop from a crash).
     resource names what is short (slots, context, journal, memory, media, model)."""
 
     id: int
@@ -211,3 +218,30 @@ class ModelLoaded(_Base, tag="model_loaded"):
     model: ModelInfo
     unloaded: list[str] = []
     already: bool = False
+
+
+class Embeddings(_Base, tag="embeddings"):
+    """Answer to ``Embed``: ``vectors`` (one list of floats per text, in order), the token
+    count of each text and the ``model`` that made them (its name)."""
+
+    id: int
+    vectors: list[list[float]]
+    n_tokens: list[int]
+    model: str = ""
+
+
+class TokenList(_Base, tag="token_list"):
+    """Answer to ``Tokenize``: the ``ids`` and each one's bytes (``pieces``)."""
+
+    id: int
+    ids: list[int]
+    pieces: list[bytes] = []
+    model: str = ""
+
+
+class Detokenized(_Base, tag="detokenized"):
+    """Answer to ``Detokenize``: the ids' text (invalid UTF-8 as U+FFFD)."""
+
+    id: int
+    text: str
+    model: str = ""

@@ -43,6 +43,7 @@ from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftModel
 from aotx.engine.runtime.envelope import Envelope, working_bytes
 from aotx.engine.runtime.events import Inbox
 from aotx.engine.runtime.executor import DeviceError, Executor
+from aotx.engine.runtime.mtp import MtpModel
 from aotx.engine.runtime.requests import Request, RequestState
 from aotx.engine.runtime.scheduler import plan_leases, plan_tick
 from aotx.engine.runtime.slots import SlotTable
@@ -130,13 +131,14 @@ class LocalModel:
         self.envelope = Envelope.of(lm.config, n_slots, n_ctx, prefill_chunk, store.journal_capacity)
         self.kv = lm.model.new_kv_cache(n_slots, n_ctx, kv_type)
         self.draft = DraftModel(draft_lm, n_slots, n_ctx, p_min=draft_p_min) if draft_lm is not None else None
-        self.slots = SlotTable(n_slots)
+        self.mtp = _mtp_model(lm, n_slots, n_ctx, draft_p_min)
+        self.slots = SlotTable(n_slots, whole_prefix=getattr(self.kv, "state", None) is not None)
         self.waiting: deque[Request] = deque()  # accepted, in arrival order (durable_wait or queued)
         self.running: list[Request] = []        # prefill or decode, holding a slot
         self.executor = Executor(lm, self.kv, device=device, capsules=capsules, draft=self.draft)
         self.commit = Commit(store, self.slots, self.executor.numerics)
         self.submitter = Submitter(lm, store, self.envelope, inbox, is_busy, device=device, speculative=speculative,
-                                   draft=self.draft)
+                                   draft=self.draft, mtp=self.mtp)
         self.submitter.model_name = name
         self.terms = tuple(terms)
         self.last_used = time.monotonic()
@@ -276,10 +278,25 @@ class LocalModel:
         return self._facts
 
     def close(self) -> None:
-        """Let go of the KV cache and the weights (the last references)."""
+        """Let go of the KV cache and the weights (the last references), and end the
+        preparation workers."""
         self.kv = None
         self.executor.kv = None
         self.draft = None
+        self.submitter.preparer.close()
+
+
+def _mtp_model(lm: Any, n_slots: int, n_ctx: int, p_min: float) -> MtpModel | None:
+    """The model's own multi-token-prediction head for ``--speculative mtp`` (a file with
+    nextn layers, on a backend that returns hidden states: the CPU), else None."""
+    model = lm.model
+    if not getattr(model, "has_mtp", False) or getattr(model, "device_path", "host") != "host":
+        return None
+    try:
+        return MtpModel(model.load_mtp(), n_slots, n_ctx, p_min=p_min)
+    except ModelError as e:
+        log.warning("the MTP head is not used: %s", e)
+        return None
 
 
 def prefixed(name: str, terms: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
@@ -303,6 +320,7 @@ class ModelSet:
         self.evict_idle = evict_idle
         self.loaded: dict[str, ServedModel] = {}
         self.default_name = ""
+        self.context = 0  # the engine's context per slot: a model loaded beside serves this, at most its own
         self.make_local: Callable[[ModelEntry], ServedModel] | None = None
         self.make_remote: Callable[[ModelEntry], ServedModel] | None = None
         self.estimate: Callable[[ModelEntry], tuple[tuple[str, int], ...]] | None = None
@@ -359,11 +377,19 @@ class ModelSet:
         free = self.free()
         parts = ", ".join(f"{n} {fmt_bytes(v)}" for n, v in terms if v)
         idle = self.idle(exclude=name)
-        if idle:
-            frees = "; ".join(f"{m.name} frees {fmt_bytes(sum(v for _, v in m.terms))}" for m in idle)
+        d = self.default
+        # `aotx unload` keeps the default model: it is offered only as what --evict-idle or a
+        # restart with this model as the default would free
+        others = [m for m in idle if m is not d]
+        if others:
+            frees = "; ".join(f"{m.name} frees {fmt_bytes(sum(v for _, v in m.terms))}" for m in others)
             what = f"idle models: {frees} (`aotx unload NAME`, or start the engine with --evict-idle)"
         else:
-            what = "no loaded model is idle; lower --slots or --context, or raise --memory-budget"
+            what = "no model loaded beside the default is idle; lower --slots or --context, or raise --memory-budget"
+        if d is not None and d in idle:
+            what += (f"; the default model {d.name} frees {fmt_bytes(sum(v for _, v in d.terms))} only if the "
+                     f"engine runs with --evict-idle, or `aotx stop`, then `aotx run --model {name}` makes "
+                     f"{name} the default")
         busy = [m.name for m in self.loaded.values() if m.in_flight()]
         if busy:
             what += f"; generating: {', '.join(busy)}"
@@ -476,6 +502,8 @@ class ModelSet:
                 continue
             info = entry_info(e, self.estimate)
             info.default = name == self.default_name  # the engine's default, not the wheel's (e.default)
+            if self.context and e.kind == "gguf":  # what it would serve here, once loaded
+                info.n_ctx = min(self.context, e.n_ctx_train) if e.n_ctx_train else self.context
             out.append(info)
         for name, m in self.loaded.items():
             if name not in seen:

@@ -222,13 +222,13 @@ class ConversationStore:
     # ---- writes -----------------------------------------------------------------
 
     def create(self, title: str, system_prompt: str | None, sampling: P.SamplingParams | None,
-               tick: int = 0, messages: Sequence[tuple] = (), model: str = "") -> P.ConversationView:
+               tick: int = 0, messages: Sequence[tuple] = (), model: str = "", origin: str = "") -> P.ConversationView:
         """A new conversation on ``model``, with ``messages`` (role, text[, meta]) stored as finished history."""
         cid = _new_id("c")
         now = time.time()
         recs: list[Any] = [R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=now,
                                                  system_prompt=system_prompt, sampling=_sampling_dict(sampling),
-                                                 model=model)]
+                                                 model=model, origin=origin)]
         for role, text, *meta in messages:
             mid = _new_id("m")
             recs.append(R.MessageAccepted(conv_id=cid, msg_id=mid, role=role, text=text, created_at=now,

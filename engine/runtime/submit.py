@@ -63,6 +63,7 @@ from aotx.engine.runtime.constraints import Compiler, GrammarState
 from aotx.engine.runtime.drafter import DraftDrafter, DraftModel
 from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import Inbox, MediaReady, Prepared
+from aotx.engine.runtime.mtp import MtpDrafter
 from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece, render_budget
 from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
@@ -117,11 +118,13 @@ class Submitter:
     lm: the ``LoadedModel``; store: the ``ConversationStore``; envelope: the engine's;
     inbox: the engine's (media stages post ``MediaReady`` to it); is_busy(conv_id):
     whether a conversation is generating; device: "cpu" | "cuda"; speculative: the
-    engine's default mode; draft: the ``DraftModel`` or None. ``vision`` and
+    engine's default mode; draft: the ``DraftModel`` or None; mtp: the ``mtp.MtpModel``
+    (the model's own multi-token-prediction head) or None. ``vision`` and
     ``images`` are set when pictures go to an encoder."""
 
     def __init__(self, lm: LoadedModel, store: ConversationStore, envelope: Envelope, inbox: Inbox,
-                 is_busy: Callable[[str], bool], *, device: str, speculative: str, draft: DraftModel | None = None):
+                 is_busy: Callable[[str], bool], *, device: str, speculative: str, draft: DraftModel | None = None,
+                 mtp: MtpModel | None = None):
         self.lm = lm
         self.store = store
         self.envelope = envelope
@@ -130,6 +133,7 @@ class Submitter:
         self.device = device
         self.speculative = speculative
         self.draft = draft
+        self.mtp = mtp
         self.vision: VisionEncoder | None = None
         self.images: media_prompt.ImageStore | None = None
         self.ready = True
@@ -181,8 +185,11 @@ class Submitter:
         if mode == "draft" and self.draft is None:
             raise RequestError("speculative mode 'draft' needs a draft model: start the engine with "
                                "--draft-model PATH (or use auto, ngram or off)")
+        if mode == "mtp" and self.mtp is None:
+            raise RequestError("speculative mode 'mtp' needs a model with a multi-token-prediction head (nextn "
+                               "layers) on the CPU (or use auto, ngram, draft or off)")
         if mode not in P.SPECULATIVE_MODES:
-            raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft or off)")
+            raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft, mtp or off)")
         return mode
 
     # ---- 2. media ---------------------------------------------------------------------
@@ -421,7 +428,7 @@ class Submitter:
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
             r.drafter.bind(r)
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
-                             tick=tick, prompt_ids=prompt))
+                             tick=tick, prompt_ids=prompt, model=self.model_name))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.ACCEPTED)
         else:
@@ -436,7 +443,7 @@ class Submitter:
                 f.drafter.bind(f)
             r.forks.append(f)
             sink.send(P.Accepted(id=op.id, conv_id=f_conv, msg_id=f_msg, reply_id=f_reply, seq=f_seq, tick=tick,
-                                 prompt_ids=prompt, choice=i))
+                                 prompt_ids=prompt, choice=i, model=self.model_name))
             if st.journaled:
                 st.receipts.watch(f_seq, f, Covers.ACCEPTED)
         if st.journaled:
@@ -479,6 +486,8 @@ class Submitter:
             return PromptLookup(min_ngram=AUTO_MIN_NGRAM) if self.device == "cpu" else None
         if mode == "draft":
             return DraftDrafter(draft=self.draft)
+        if mode == "mtp":
+            return MtpDrafter(self.mtp)
         return None  # "off", or "" with an engine default of "off"
 
     # ---- held messages -------------------------------------------------------------------

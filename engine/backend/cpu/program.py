@@ -23,6 +23,7 @@ buffers are reused across calls. The returned logits are a fresh array.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,9 @@ import numpy as np
 
 from aotx.engine.backend.cpu import attention as cpu_attention
 from aotx.engine.backend.cpu import fdot as cpu_fdot
+from aotx.engine.backend.cpu import kv_layers as cpu_kv_layers
 from aotx.engine.backend.cpu import ops as cpu_ops
+from aotx.engine.backend.cpu import recurrent as cpu_recurrent
 from aotx.engine.backend.ops import ROWS_N, Node, Program, RopeSpec, Value
 
 KV_TYPES = ("f16", "f32")
@@ -61,6 +64,7 @@ class CpuKVCache:
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.rope = [spec.tables(n_ctx) for spec in program.rope_specs()]
+        self.uniform = len({(L.n_kv_heads, L.head_dim) for L in program.kv_layers}) <= 1   # else kv_layers.py
 
     @staticmethod
     def nbytes(program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
@@ -78,6 +82,7 @@ class CpuKVCache:
     @property
     def slot_shape(self) -> tuple[int, int, int, int]:
         """One slot's KV layout: (n_layers, n_kv_heads, n_ctx, head_dim)."""
+        if not self.uniform: return cpu_kv_layers.flat_shape(self)  # noqa: E701
         return (len(self.k),) + tuple(self.k[0].shape[1:])
 
     @property
@@ -89,6 +94,7 @@ class CpuKVCache:
         """Copies of ``slot``'s K and V for positions 0..n-1: two (n_layers, n_kv_heads, n,
         head_dim) arrays, float16 for an f16 cache and float32 for f32 (capsule snapshot;
         ``device`` is accepted for the interface and means nothing on the CPU)."""
+        if not self.uniform: return cpu_kv_layers.snapshot(self, slot, n)  # noqa: E701
         k = np.stack([layer[slot, :, :n, :] for layer in self.k])
         v = np.stack([layer[slot, :, :n, :] for layer in self.v])
         if self.kv_type == "f16":
@@ -99,6 +105,7 @@ class CpuKVCache:
         """Copy positions 0..n-1 of ``k``, ``v`` (as ``snapshot_slot`` returns them, same
         dtype) into ``slot`` (capsule restore; byte-exact). Raises ValueError on a dtype
         that is not this cache's."""
+        if not self.uniform: return cpu_kv_layers.restore(self, slot, k, v, n)  # noqa: E701
         if np.dtype(k.dtype) != self.dtype or np.dtype(v.dtype) != self.dtype:
             raise ValueError(f"KV of dtype {k.dtype} cannot restore into an {self.kv_type} cache")
         if self.kv_type == "f16":
@@ -167,7 +174,7 @@ def join_linears(program: Program) -> tuple[Program, int]:
         i = j
     if not joined:
         return program, 0
-    return Program(tuple(nodes), tuple(values), program.output, program.d_model, program.kv_layers), joined
+    return dataclasses.replace(program, nodes=tuple(nodes), values=tuple(values)), joined
 
 
 class _Buffers:
@@ -196,13 +203,12 @@ class CpuProgram:
 
     def __init__(self, program: Program, *, join: bool = True):
         self.traced = program               # as the architecture traced it
+        self.inputs: dict[str, np.ndarray] = {}
+        self.last_hidden: np.ndarray | None = None
         # what runs: with q/k/v and gate/up joined into one matmul each (join_linears)
         self.program, self.joined = join_linears(program) if join else (program, 0)
         program = self.program
         self._specs = program.rope_specs()
-        kv_shapes = {(L.n_kv_heads, L.head_dim) for L in program.kv_layers}
-        if len(kv_shapes) > 1:
-            raise ValueError(f"layers with different KV shapes {sorted(kv_shapes)} are not supported")
         self._plan_buffers()
         self.moe_nodes = program.moe_nodes()
         # moe layer -> the last forward's (n, k) expert ids and (n,) routing margins
@@ -219,16 +225,25 @@ class CpuProgram:
     # ---- public --------------------------------------------------------------------
 
     def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> CpuKVCache:
-        """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed)."""
-        return CpuKVCache(self.program, n_slots, n_ctx, kv_type)
+        """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed); its ``state``
+        holds the recurrent layers' buffers (``recurrent.RecurrentState``), None without them."""
+        kv = CpuKVCache(self.program, n_slots, n_ctx, kv_type)
+        layers = self.program.state_layers
+        kv.state = cpu_recurrent.RecurrentState(layers, n_slots) if layers else None
+        return kv
 
     def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
-        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates."""
-        return CpuKVCache.nbytes(self.program, n_slots, n_ctx, kv_type)
+        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates (recurrent state included)."""
+        return (CpuKVCache.nbytes(self.program, n_slots, n_ctx, kv_type)
+                + cpu_recurrent.RecurrentState.nbytes(self.program.state_layers, n_slots))
 
     def forward(self, tokens: np.ndarray, layout: Any, kv: CpuKVCache,
-                embeds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-        """Run one batch; returns (R, vocab) float32 logits (a fresh array)."""
+                embeds: tuple[np.ndarray, np.ndarray] | None = None,
+                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Run one batch; returns (R, vocab) float32 logits (a fresh array). ``inputs``: the
+        rows of the program's ``input`` ops by name; ``last_hidden`` then holds a copy of the
+        program's ``hidden`` rows (when it marks one)."""
+        self.inputs = inputs or {}
         bt = _Batch(tokens, layout, embeds)
         if bt.n_out == 0 and bt.n == 0:
             return np.empty((0, self.program.vocab), np.float32)
@@ -238,8 +253,13 @@ class CpuProgram:
                              f"{kv.n_ctx} positions)")   # the kernels store without bounds checks
         bt.views = self._views(bt)
         env: list[Any] = [None] * len(self.program.values)
+        state = getattr(kv, "state", None)    # recurrent layers: each segment continues its slot's state
+        state is not None and state.begin(layout)
         for step in self._steps:
             step(env, bt, kv)
+        state is not None and state.end()
+        if self.program.hidden is not None:
+            self.last_hidden = np.array(env[self.program.hidden.id])
         return env[self.program.output.id]
 
     # ---- expert tiers (experts/, engine/model/experts.py) ----------------
@@ -273,6 +293,8 @@ class CpuProgram:
             for x in n.inputs:
                 last[x.id] = i
         last[prog.output.id] = len(nodes)
+        if prog.hidden is not None:        # read after the last node (last_hidden)
+            last[prog.hidden.id] = len(nodes)
         self._last = last
         base = list(range(len(prog.values)))     # the value whose buffer a value lives in
         glast = list(last)                       # per root: the last reader of any value in its buffer
@@ -354,7 +376,8 @@ class CpuProgram:
     def _compile(self, i: int, node) -> Callable[[list, _Batch, CpuKVCache], None]:
         if node.outs[0].id == self.program.output.id and node.op not in ("linear", "scale", "softcap", "take_rows"):
             raise ValueError(f"a program whose output is made by {node.op} is not supported on the CPU")
-        return getattr(self, "_c_" + node.op)(i, node)
+        own = getattr(self, "_c_" + node.op, None)
+        return own(i, node) if own is not None else cpu_recurrent.compile_node(self, i, node)
 
     def _c_embed(self, i, node):
         table, scale, o = node.attrs["table"], node.attrs["scale"], node.out.id
@@ -374,7 +397,7 @@ class CpuProgram:
     def _c_rms_norm(self, i, node):
         w, eps, xi, oi = node.attrs["weight"], node.attrs["eps"], node.inputs[0].id, node.out.id
         s = self._slot(node.out)
-        kern = cpu_ops.rms_norm
+        kern = cpu_ops.rms_norm.dispatcher()
 
         def run(env, bt, kv):
             y = bt.views[s]
@@ -385,7 +408,7 @@ class CpuProgram:
     def _c_head_rms_norm(self, i, node):
         w, eps, hd = node.attrs["weight"], node.attrs["eps"], node.attrs["head_dim"]
         xi, oi, inplace, H = node.inputs[0].id, node.out.id, self._inplace[i], node.out.width // hd
-        kern = cpu_ops.head_rms_norm
+        kern = cpu_ops.head_rms_norm.dispatcher()
 
         def run(env, bt, kv):
             x = env[xi] if inplace else env[xi].copy()
@@ -426,7 +449,7 @@ class CpuProgram:
         spec: RopeSpec = node.attrs["spec"]
         si = self._specs.index(spec)
         hd = node.attrs["head_dim"]
-        kern = cpu_ops.rope_inplace if spec.mode == "normal" else cpu_ops.rope_neox_inplace
+        kern = (cpu_ops.rope_inplace if spec.mode == "normal" else cpu_ops.rope_neox_inplace).dispatcher()
         xi, oi, inplace, H = node.inputs[0].id, node.out.id, self._inplace[i], node.out.width // hd
 
         def run(env, bt, kv):
@@ -453,20 +476,21 @@ class CpuProgram:
             kc, vc = kv.k[L], kv.v[L]
             # every row's K/V to its slot and position in one call (float16 rounded there;
             # forward has checked the slots and positions against the cache)
-            (store16 if kv.half else store32)(kc, vc, env[ki].reshape(n, KV, hd), env[vi].reshape(n, KV, hd),
-                                             bt.slots, bt.positions)
+            # (contiguous copies: one kernel signature for one row and for many, not two)
+            (store16 if kv.half else store32)(kc, vc, np.ascontiguousarray(env[ki]).reshape(n, KV, hd),
+                                             np.ascontiguousarray(env[vi]).reshape(n, KV, hd), bt.slots, bt.positions)
             y = bt.views[so]
             keys = bt.keys.get(window)
             if keys is None:
                 keys = bt.keys[window] = cpu_attention.attended_keys(bt.lengths, window)
             # every row (decode, verify, prefill) in one call, one kernel (attention_rows' checks made here)
-            kernel_for(keys, H, hd)(mode, q, kc, vc, bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd),
-                                    kv.half, sinks, has_sinks)
+            kernel_for(keys, H, hd, kv.half)(mode, q, kc, vc, bt.slots, bt.lengths, scale, window,
+                                             y.reshape(n, H, hd), kv.half, sinks, has_sinks)
             env[oi] = y
         return run
 
     def _c_glu(self, i, node):
-        kern = cpu_ops.silu_mul if node.attrs["act"] == "silu" else cpu_ops.gelu_tanh_mul
+        kern = (cpu_ops.silu_mul if node.attrs["act"] == "silu" else cpu_ops.gelu_tanh_mul).dispatcher()
         gi, ui, oi, inplace = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i]
         s = self._slot(node.out)
 
@@ -480,7 +504,7 @@ class CpuProgram:
     def _c_add(self, i, node):
         ai, bi, oi, inplace = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i]
         s = self._slot(node.out)
-        kern = cpu_ops.add_inplace
+        kern = cpu_ops.add_inplace.dispatcher()
 
         def run(env, bt, kv):
             if inplace:
