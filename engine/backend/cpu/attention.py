@@ -292,7 +292,7 @@ def attended_keys(lengths: np.ndarray, window: int) -> int:
     return int(lengths.sum()) if window <= 0 else int(np.minimum(lengths, window).sum())
 
 
-def kernel_for(keys: int, n_heads: int, head_dim: int, half: bool = True):
+def kernel_for(keys: int, n_heads: int, head_dim: int, half: bool):
     """The compiled kernel attention_rows runs for ``keys`` attended pairs over a float16
     (``half``) or float32 cache: on the threads, or on the calling thread below
     PARALLEL_MACS or while the threaded kernels compile (warmup.py; the same jobs and

@@ -469,8 +469,8 @@ def _c_shared_attention(prog, i, node):
         keys = bt.keys.get(window)
         if keys is None:
             keys = bt.keys[window] = cpu_attention.attended_keys(bt.lengths, window)
-        kernel_for(keys, H, hd)(mode, q, kv.k[L], kv.v[L], bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd),
-                                kv.half, sinks, False)
+        kernel_for(keys, H, hd, kv.half)(mode, q, kv.k[L], kv.v[L], bt.slots, bt.lengths, scale, window,
+                                         y.reshape(n, H, hd), kv.half, sinks, False)
         env[oi] = y
     return run
 
