@@ -20,10 +20,11 @@ from gguf import GGMLQuantizationType as T
 
 from aotx.engine.backend.cpu import attention as cpu_attention
 from aotx.engine.backend.cpu import matmul as cpu_matmul
+from aotx.engine.backend.cpu import repack as cpu_repack
 from aotx.engine.backend.cpu.program import CpuProgram
 from aotx.engine.model.batch import BatchLayout, Segment
 
-R = cpu_matmul.R
+R = cpu_repack.R
 
 
 def _matrix(qtype: T, m: int, k: int, seed: int) -> cpu_matmul.QuantMatrix:

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from aotx.engine.errors import AdmissionError
+from aotx.engine.model import expert_cache as XC
+from aotx.engine.model import expert_plan as XP
 from aotx.engine.model import experts as X
 from aotx.engine.runtime import admission
 
@@ -161,7 +163,7 @@ def test_simulate_pays_the_gpu_fixed_cost_once_per_layer_call_with_gpu_rows():
     # step 2: experts 0 (GPU, 1 row) and 5 (CPU, 1 row): max(2e-4, 5e-5 + 1.1e-5) = 2e-4
     # step 3: expert 6 only (CPU, 2 rows): 3e-4, no GPU call
     trace = [[np.array([[0, 1]] * 3)], [np.array([[0, 5]])], [np.array([[6, 6]])]]
-    assert X.simulate(trace, p, L, c)["modeled_s"] == pytest.approx(7.6e-5 + 2e-4 + 3e-4, abs=1e-9)
+    assert XC.simulate(trace, p, L, c)["modeled_s"] == pytest.approx(7.6e-5 + 2e-4 + 3e-4, abs=1e-9)
 
 
 def test_unknown_policy_is_refused():
@@ -188,18 +190,18 @@ def test_learned_cache_beats_a_static_plan_that_guessed_wrong():
     p = X.plan(L, costs, gpu_bytes=2 * EB)                 # uniform guess: experts 0 and 1
     assert [e for e, t in enumerate(p.tiers[0]) if t == "gpu"] == [0, 1]
     trace = _zipf_trace()
-    static = X.simulate(trace, p, L, costs)
+    static = XC.simulate(trace, p, L, costs)
     assert static["copies"] == 0 and static["hit_rate"] < 0.2
     learned_s = []
     for policy in ("lfu", "lru"):
-        got = X.simulate(trace, X.plan(L, costs, gpu_bytes=2 * EB, policy=policy), L, costs, policy=policy)
+        got = XC.simulate(trace, X.plan(L, costs, gpu_bytes=2 * EB, policy=policy), L, costs, policy=policy)
         assert got["hit_rate"] > 0.8 and got["copies"] >= 2, (policy, got)
         assert got["modeled_s"] < static["modeled_s"], (policy, got, static)
         learned_s.append(got["modeled_s"])
     # the static plan made from the learned traffic (counters of an earlier run) is the best of all
     counts = np.bincount(np.concatenate([s[0].reshape(-1) for s in trace]), minlength=8)
     learned = X.plan(L, costs, gpu_bytes=2 * EB, traffic=[list(counts / counts.sum())])
-    best = X.simulate(trace, learned, L, costs)
+    best = XC.simulate(trace, learned, L, costs)
     assert best["hit_rate"] > 0.85 and best["copies"] == 0 and best["modeled_s"] < min(learned_s)
 
 
@@ -369,7 +371,7 @@ def test_bug_the_dense_part_timed_after_placement_subtracts_the_experts_as_place
     per_layer = X.decode_layer_s(2, 0.5, 1e-3, fixed, g(1))
     assert c.dense_decode_s == pytest.approx(4.0e-3 - 2 * per_layer)
     assert c.dense_decode_s > 4.0e-3 - 2 * 2 * 1e-3          # more than the all-CPU pricing left
-    dec, _ = X._speeds(layers, c, [4, 4], 0)
+    dec, _ = XP._speeds(layers, c, [4, 4], 0)
     assert dec == pytest.approx(1 / 4.0e-3)                  # the plan predicts the step that ran
     cpu_only = X.calibrate(Compiled(), layers, model=object())
     assert cpu_only.dense_decode_s == pytest.approx(0.0)     # 4 ms less 2 layers x 2 experts x 1 ms
@@ -407,7 +409,7 @@ REBALANCE_CASES = [
                          ids=[c[0] for c in REBALANCE_CASES])
 def test_rebalance_promotes_the_hottest_and_evicts_the_coldest(name, scores, resident, copies, margin, ratio, want):
     before = [r.copy() for r in resident]
-    got = X.rebalance([np.array(s, float) for s in scores], resident, copies, margin, ratio)
+    got = XC.rebalance([np.array(s, float) for s in scores], resident, copies, margin, ratio)
     assert got == want
     assert all(np.array_equal(a, b) for a, b in zip(before, resident)), "rebalance changed its input"
 

@@ -31,6 +31,7 @@ from aotx.engine.gateway import server as G  # noqa: E402
 from aotx.engine.gateway import auth as A  # noqa: E402
 from aotx.engine.gateway import schema as S  # noqa: E402
 from aotx.engine import protocol as P  # noqa: E402
+from aotx.engine.gateway.link import engine_error  # noqa: E402
 
 pytestmark = pytest.mark.realmodel
 
@@ -489,7 +490,7 @@ def test_no_engine_is_503_with_retry_after(tmp_path):
 @pytest.mark.parametrize("code,status", [("too_long", 400), ("busy", 409), ("not_found", 404), ("not_ready", 503),
                                          ("bad_request", 400), ("unsupported_media", 400), ("internal", 500)])
 def test_engine_error_table(code, status):
-    e = G._engine_error(P.Error(id=1, code=code, message="m"), None, 2)
+    e = engine_error(P.Error(id=1, code=code, message="m"), None, 2)
     assert e.status == status and e.body["error"]["message"]
     assert (e.headers.get("Retry-After") == "2") == (status == 503)
 

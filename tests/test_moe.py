@@ -24,6 +24,7 @@ import importlib.util
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ from gguf import GGMLQuantizationType as T
 
 from aotx.engine.backend.cpu import attention as cpu_attention
 from aotx.engine.backend.cpu import experts as cpu_moe
-from aotx.engine.backend.cpu import qdot as cpu_qdot
+from aotx.engine.backend.cpu import markers as cpu_markers
 from aotx.engine.backend.cpu.matmul import QuantMatrix
 from aotx.engine.backend.cpu.program import CpuProgram
 from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec
@@ -524,11 +525,11 @@ def test_expert_tensor_type_the_backend_lacks_is_refused_by_name(request, monkey
 
 # ------------------------------------------------------------------ the fused CPU expert tier
 
-_ISAS = [pytest.param(cpu_qdot.PORTABLE, id="portable"),
-         pytest.param(cpu_qdot.AVX2, id="avx2",
-                      marks=pytest.mark.skipif(not cpu_qdot.host_has_avx2(), reason="CPU without AVX2")),
-         pytest.param(cpu_qdot.VNNI, id="vnni",
-                      marks=pytest.mark.skipif(not cpu_qdot.host_has_vnni(), reason="CPU without AVX-VNNI"))]
+_ISAS = [pytest.param(cpu_markers.PORTABLE, id="portable"),
+         pytest.param(cpu_markers.AVX2, id="avx2",
+                      marks=pytest.mark.skipif(not cpu_markers.host_has_avx2(), reason="CPU without AVX2")),
+         pytest.param(cpu_markers.VNNI, id="vnni",
+                      marks=pytest.mark.skipif(not cpu_markers.host_has_vnni(), reason="CPU without AVX-VNNI"))]
 
 
 @pytest.mark.parametrize("isa", _ISAS)
@@ -540,6 +541,7 @@ def test_compact_k_quant_tiles_give_the_standard_tiles_bits(monkeypatch, qtype, 
     against numpy in test_cpu_qdot), on every instruction set, for decode and prefill row
     counts and a row count that is not a multiple of 32 (a padded tile); in fewer bytes."""
     from aotx.engine.backend.cpu import matmul as cpu_matmul
+    from aotx.engine.backend.cpu import repack as cpu_repack
     from tests.models.common import random_matrix
 
     rng = np.random.default_rng(5)
@@ -553,7 +555,7 @@ def test_compact_k_quant_tiles_give_the_standard_tiles_bits(monkeypatch, qtype, 
     assert a.nbytes < (0.8 if qtype == T.Q4_K else 0.67) * b.nbytes
     mats = [a]
     if qtype == T.Q6_K:          # the unpacked compact kind too (int8 quants, compact scales)
-        c = cpu_matmul.from_tiles(raw, qtype, m, k, cpu_matmul.repack_compact(raw, qtype, m, k, kind="q6k"), "q6k")
+        c = cpu_matmul.from_tiles(raw, qtype, m, k, cpu_repack.repack_compact(raw, qtype, m, k, kind="q6k"), "q6k")
         assert c.kind == "q6k"
         mats.append(c)
     b.isa = isa
@@ -642,7 +644,7 @@ def test_calibration_times_a_layer_call_of_n_used_experts_and_prices_each_expert
 
     monkeypatch.setattr(type(fused), "run", spy)
     clock = iter(float(i) for i in range(10_000))        # each timed call takes exactly 1 "second"
-    monkeypatch.setattr(cpu_moe.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     got = cpu_moe.measure(a, (1, 16), cp.expert_pool, reps=3)["cpu"]
     k = a["n_used"]
     assert k > 1

@@ -5,7 +5,7 @@ skipped), generating ``<data dir>/gateway/api_keys`` with one random key on its 
 (then a comment; mode 0600, written and fsynced, directory fsynced) when no key
 file is given, and
 checking a bearer token against every key in constant time. Leaves HTTP to
-``gateway.py``.
+``limits.py`` and ``server.py``.
 
 A key is identified to the rest of the gateway by a short fingerprint (the first
 12 hex digits of its SHA-256), never by the key itself, so logs and the

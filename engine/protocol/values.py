@@ -108,6 +108,7 @@ class MessageView(msgspec.Struct, omit_defaults=True):
     seq: int = 0
     model: str = ""
     meta: dict[str, Any] = {}  # as PriorMessage.meta (the template's fields and clients' notes)
+    salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 
 class ConversationView(msgspec.Struct, omit_defaults=True):
@@ -123,6 +124,7 @@ class ConversationView(msgspec.Struct, omit_defaults=True):
     messages: list[MessageView] = []
     busy: bool = False
     model: str = ""
+    salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 
 class BudgetLine(msgspec.Struct):

@@ -13,7 +13,7 @@ continues the same constraint exactly).
 Every end-of-generation id of the vocabulary is llguidance's EOS: a grammar that is
 satisfied allows them (and only them once it cannot grow), so a reply ends where the
 grammar does. Leaves applying a mask to logits to ``sampling.py`` (host) and the
-CUDA sampling kernel (``backend/cuda_sampling.py``), and choosing rows to the executor.
+CUDA sampling kernel (``backend/cuda/sampling.py``), and choosing rows to the executor.
 
 Limits: a grammar compiles in llguidance's default resource limits (a schema or a
 grammar past them is refused with the library's message); masks are computed on the

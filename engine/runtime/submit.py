@@ -132,6 +132,7 @@ class Submitter:
         self._media_busy: set[tuple[int, int]] = set()
         self.constraints = Compiler(lm.tokenizer)  # llguidance's vocabulary is built on first use
         self.preparer = Preparer(inbox)
+        self.preparer.isolate(getattr(lm, "template", None))  # chat templates render where the OS bounds their memory and CPU
         self.preparing: dict[str, Submission] = {}  # conv_id -> its message in the preparation stage
         self._longest: int | None = None  # bytes of the vocabulary's longest token
         self.model_name: str = getattr(lm, "name", "")  # the engine's name for this model (models.ModelSet)

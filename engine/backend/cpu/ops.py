@@ -1,9 +1,9 @@
 """The CPU op set besides matmul and attention: norms, RoPE (both modes), activations, adds.
 
 Owns: numba kernels (compiled once, cached on disk). Leaves the quantized matmul to
-``cpu_matmul.py``, attention over the KV cache (and storing K/V into it) to
-``cpu_attention.py``, the order of ops to the architecture module and the program
-executor (``cpu_program.py``). Every kernel here computes a row from that row alone
+``cpu/matmul.py``, attention over the KV cache (and storing K/V into it) to
+``cpu/attention.py``, the order of ops to the architecture module and the program
+executor (``cpu/program.py``). Every kernel here computes a row from that row alone
 (one compiled loop per row, whatever the number of rows): batch-invariant.
 
 Each kernel is compiled for ONE array layout (any strides, numba's "A"), given as an

@@ -77,10 +77,6 @@ class PrefillGemm:
         self.dense_reason = "not planned"
 
     @property
-    def scratch_bytes(self) -> int:
-        return self.tile_bytes
-
-    @property
     def weight_bytes(self) -> int:
         """Device bytes the eager path adds for weights: the dense copies when accepted
         (then no tile scratch is ever allocated), else the one tile scratch."""

@@ -169,9 +169,6 @@ class _Tuner:
 
     # ---- GEMV sites -----------------------------------------------------------------------------
 
-    def _launch(self, g, b: int, v: CC.GemvVariant) -> None:
-        self.prog_launch(g, b, v)
-
     def prog_launch(self, g, b: int, v: CC.GemvVariant) -> None:
         g.launch(self.prog, self.c, self.x.data.ptr, self.ldx, b, self.y.data.ptr, self.ldy, variant=v,
                  kernels=self.k)
