@@ -233,6 +233,7 @@ async def _run(args) -> int:
     check_model_arg(args.model)  # a missing or non-GGUF file: refused before an engine or a conversation
     client = await connect(args)
     stopper = None
+    watch = None  # says, once, that the receipt waits for a full disk (set while waiting)
     try:
         st = await client.status()
         if args.profile:
@@ -269,7 +270,6 @@ async def _run(args) -> int:
         stopper = CancelOnSignal(asyncio.get_running_loop(), lambda rid: client.cancel(target=rid))
         stopper.__enter__()
         main = asyncio.current_task()
-        watch = None  # says, once, that the receipt waits for a full disk
         code = 0
         prompt_ids: list[int] = []
         completion: list[int] = []
