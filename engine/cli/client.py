@@ -233,7 +233,7 @@ async def _run(args) -> int:
     check_model_arg(args.model)  # a missing or non-GGUF file: refused before an engine or a conversation
     client = await connect(args)
     stopper = None
-    watch = None  # says, once, that the receipt waits for a full disk (set while waiting)
+    watch = None  # says, once, that the receipt waits for a full disk
     try:
         st = await client.status()
         if args.profile:
