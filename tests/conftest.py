@@ -37,9 +37,24 @@ def pytest_runtest_teardown(item, nextitem):
     grows over the suite."""
     yield
     if nextitem is None or nextitem.path != item.path:
+        _drop_process_caches()
         gc.collect()
         if _malloc_trim is not None:
             _malloc_trim(0)
+
+
+def _drop_process_caches() -> None:
+    """The media specialists' process-wide models (one Whisper model per data dir, the OCR
+    model): a module's tests load them under their own AOTX_HOME, and no later module
+    reuses those; the next module that needs one loads it again."""
+    whisper = sys.modules.get("aotx.media.whisper")
+    if whisper is not None:
+        with whisper._MODELS_LOCK:
+            whisper._MODELS.clear()
+    ocr = sys.modules.get("aotx.media.ocr")
+    if ocr is not None:
+        with ocr._MODEL_LOCK:
+            ocr._MODEL = None
 
 
 @pytest.fixture(scope="session")
