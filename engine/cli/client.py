@@ -28,7 +28,8 @@ def engine_args(args) -> list[str]:
     for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
                        ("--context", "context"), ("--memory-budget", "memory_budget"),
                        ("--draft-model", "draft_model"), ("--mmproj", "mmproj"), ("--keep-alive", "keep_alive"),
-                       ("--kv-type", "kv_type"), ("--expert-cache", "expert_cache")):
+                       ("--kv-type", "kv_type"), ("--expert-cache", "expert_cache"),
+                       ("--context-policy", "context_policy")):
         v = getattr(args, attr, None)
         if attr == "model" and v is not None and not _is_model_file(v):
             continue  # a remote entry, or a name the engine's catalog resolves: loaded beside the default

@@ -251,7 +251,8 @@ def build_engine(args, progress=None):
                  draft_p_min=DEFAULT_P_MIN if getattr(args, "draft_p_min", None) is None else args.draft_p_min,
                  catalog=Catalog(), loader=load_entry, capsule_root=None if no_journal else paths.capsules_dir(),
                  keep_alive_s=keep_alive_seconds(getattr(args, "keep_alive", None)),
-                 evict_idle=bool(getattr(args, "evict_idle", False)))
+                 evict_idle=bool(getattr(args, "evict_idle", False)),
+                 context_policy=getattr(args, "context_policy", None) or "rolling")
     eng.submitter.media_profile = media_profile(lm, device, vision)  # specialists: counted when first used
     if vision is not None:
         from aotx.engine.runtime.media_prompt import ImageStore, special_wrap

@@ -82,6 +82,7 @@ class Message(msgspec.Struct, omit_defaults=True):
     receipt: Receipt | None = None
     meta: dict[str, Any] = {}  # chat-template fields (MessageAccepted.meta)
     model: str = ""  # a reply's model
+    context: dict[str, Any] = {}  # a reply whose prompt left earlier messages out (MessageFinished.context)
 
 
 class Conversation(msgspec.Struct, omit_defaults=True):
@@ -101,6 +102,7 @@ class Conversation(msgspec.Struct, omit_defaults=True):
     # the name is not installed but the file is still there (Engine._submit)
     model_path: str = ""
     model_fingerprint: str = ""
+    context: str = ""  # its context policy ("": the engine's default)
 
     def message(self, msg_id: str) -> Message | None:
         for m in reversed(self.messages):
@@ -292,7 +294,7 @@ class ConversationTable:
             return
         self.conversations[r.conv_id] = Conversation(
             conv_id=r.conv_id, title=r.title, created_at=r.created_at, updated_at=r.created_at,
-            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq, model=r.model)
+            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq, model=r.model, context=r.context)
 
     def _renamed(self, r: ConversationRenamed, seq: int) -> None:
         if (c := self._conv(r.conv_id, seq)) is not None:
@@ -307,6 +309,8 @@ class ConversationTable:
         if (c := self._conv(r.conv_id, seq)) is not None:
             c.system_prompt = r.system_prompt
             c.sampling = dict(r.sampling)
+            if r.context is not None:
+                c.context = r.context
             if r.model is not None and r.model != c.model:
                 c.model, c.model_path, c.model_fingerprint = r.model, "", ""
 
@@ -366,6 +370,8 @@ class ConversationTable:
         m.finish_reason = r.reason
         m.n_prompt = r.n_prompt
         m.n_completion = r.n_completion
+        if r.context:
+            m.context = dict(r.context)
         self._touch(m, seq)
 
     def _capsule(self, r: CapsuleStored, seq: int) -> None:

@@ -35,6 +35,7 @@ from aotx.engine.protocol.operations import (
     ListModels,
     LoadModel,
     RenameConversation,
+    SetContextPolicy,
     ShowConversation,
     Status,
     SubmitMessage,
@@ -51,7 +52,7 @@ _LEN = struct.Struct(">I")
 Message = Union[
     Hello, CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel,
     DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, SetContextPolicy,
     Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, MediaInfo, Committed,
     Durable, StatusReply, ModelList, ModelLoaded, TokenCount,
 ]

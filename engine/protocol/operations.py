@@ -48,6 +48,7 @@ class CreateConversation(_Base, tag="create"):
     sampling: SamplingParams | None = None
     messages: list[PriorMessage] = []
     model: str = ""
+    context: str = ""  # its context policy (values.CONTEXT_POLICIES; "": the engine's default)
 
 
 class ListConversations(_Base, tag="list"):
@@ -174,6 +175,15 @@ class UnloadModel(_Base, tag="unload_model"):
     model: str
 
 
+class SetContextPolicy(_Base, tag="context_policy"):
+    """Set conversation ``conv_id``'s context policy (``values.CONTEXT_POLICIES``; "": the
+    engine's default) from its next message on. Answered by ``ConversationInfo``."""
+
+    id: int
+    conv_id: str
+    policy: str
+
+
 class SwitchModel(_Base, tag="switch_model"):
     """Run conversation ``conv_id`` on ``model`` from its next message on (the history is
     kept: the new model prefills it). Answered by ``ConversationInfo``."""
@@ -188,6 +198,6 @@ class SwitchModel(_Base, tag="switch_model"):
 Operation = Union[
     CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel, DeleteConversation,
     RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, SetContextPolicy,
 ]
 OPERATIONS: tuple[type, ...] = Operation.__args__

@@ -16,12 +16,14 @@ from aotx.engine.protocol.operations import (
     CreateConversation,
     LoadModel,
     PriorMessage,
+    SetContextPolicy,
     SubmitMessage,
     SwitchModel,
     UnloadModel,
 )
 from aotx.engine.protocol.values import (
     CONSTRAINT_KINDS,
+    CONTEXT_POLICIES,
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
     MAX_TOP_LOGPROBS,
@@ -142,6 +144,10 @@ def operation_problem(op: Any) -> str | None:
         why = sampling_problem(sampling)
         if why:
             return why
+    if isinstance(op, (CreateConversation, SetContextPolicy)):
+        policy = op.context if isinstance(op, CreateConversation) else op.policy
+        if policy not in ("", *CONTEXT_POLICIES):
+            return f"context policy {policy!r} is not one of {', '.join(CONTEXT_POLICIES)}"
     if isinstance(op, CreateConversation):
         for m in op.messages:
             if not isinstance(m, PriorMessage) or not isinstance(m.text, str):

@@ -53,6 +53,7 @@ from aotx.engine.runtime.models import (
     EXTRA_CAPSULE_HOST, LocalModel, ModelSet, header_terms, is_shared_term, local_terms,
 )
 from aotx.engine.runtime.requests import Request, RequestState, Sink
+from aotx.engine.runtime.submit import ContinueJob
 from aotx.engine.units import fmt_bytes
 
 log = logging.getLogger("aotx.engine")
@@ -88,7 +89,7 @@ class Engine:
                  draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN, catalog: Catalog | None = None,
                  loader: Callable[[ModelEntry], Any] | None = None, capsule_root: Any = None,
                  keep_alive_s: float = 0.0, evict_idle: bool = False, name: str = "",
-                 kv_type: str = "f16"):
+                 kv_type: str = "f16", context_policy: str = "rolling"):
         self.store = store
         self.n_slots = n_slots
         self.n_ctx = n_ctx
@@ -98,6 +99,7 @@ class Engine:
         self.capsule_root = capsule_root
         self._loader = loader
         self.kv_type = kv_type
+        self.context_policy = context_policy  # what a conversation without its own runs under (context.py)
         self.tick = 0
         self.stats = {"ticks": 0, "tokens": 0, "device_s": 0.0, "host_s": 0.0}
         self._inbox = store.inbox
@@ -111,6 +113,7 @@ class Engine:
         default = LocalModel(name, lm, store, self._inbox, self._is_busy, n_slots=n_slots, n_ctx=n_ctx,
                              prefill_chunk=prefill_chunk, device=device, capsules=capsules, speculative=speculative,
                              draft_lm=draft_lm, draft_p_min=draft_p_min, default=True, kv_type=kv_type,
+                             context_policy=context_policy,
                              terms=tuple((n, v) for n, v in budget.terms if not is_shared_term(n)) if budget else
                              local_terms(lm, n_slots, n_ctx, prefill_chunk, kv_type=kv_type))
         self.models = ModelSet(self.catalog, budget.total if budget else 1 << 62,
@@ -138,6 +141,7 @@ class Engine:
             P.TruncateConversation: self._truncate, P.ForkConversation: self._fork, P.Status: self._status,
             P.ListModels: self._list_models, P.LoadModel: self._load_model, P.UnloadModel: self._unload_model,
             P.SwitchModel: self._switch_model, P.CountTokens: self._count_tokens,
+            P.SetContextPolicy: self._set_context,
         }
         assert set(self._operations) == set(P.OPERATIONS), "every protocol operation has a handler"
 
@@ -253,7 +257,7 @@ class Engine:
         m = LocalModel(entry.name, lm, self.store, self._inbox, self._is_busy, n_slots=self.n_slots, n_ctx=n_ctx,
                        prefill_chunk=self.prefill_chunk, device=device, capsules=caps,
                        speculative="auto" if self.speculative == "draft" else self.speculative, terms=terms,
-                       entry=entry, kv_type=self.kv_type)
+                       entry=entry, kv_type=self.kv_type, context_policy=self.context_policy)
         m.submitter.count_media = self.count_media
         return m
 
@@ -408,6 +412,9 @@ class Engine:
     def _on_prepared(self, ev: Prepared) -> None:
         sub = ev.submission
         submitter, m = self._submitter_of(sub)
+        if isinstance(sub, ContinueJob):  # a reply's prompt cut again by its context policy
+            m.continued(sub, ev.error, self._finish)
+            return
         self._guarded(lambda: self._enqueue(submitter.prepared(ev, self.tick), m), sub.op, sub.sink)
 
     def _on_receipt(self, ev: ReceiptArrived) -> None:
@@ -445,7 +452,8 @@ class Engine:
     def _create(self, op: P.CreateConversation, sink: Sink) -> None:
         model = self._model_name(op.model) if op.model else self.models.default_name
         view = self.store.create(op.title, op.system_prompt, op.sampling, tick=self.tick,
-                                 messages=[(m.role, m.text, m.meta) for m in op.messages], model=model)
+                                 messages=[(m.role, m.text, m.meta) for m in op.messages], model=model,
+                                 context=op.context)
         sink.send(P.ConversationInfo(id=op.id, conversation=view))
 
     def _list(self, op: P.ListConversations, sink: Sink) -> None:
@@ -600,6 +608,11 @@ class Engine:
         self.store.switch_model(op.conv_id, name, tick=self.tick)
         sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
 
+    def _set_context(self, op: P.SetContextPolicy, sink: Sink) -> None:
+        self._require_idle(op.conv_id)
+        self.store.set_context(op.conv_id, op.policy, tick=self.tick)
+        sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
+
     def _preparing(self) -> set[str]:
         """Conversations whose message is in some local model's preparation stage."""
         return {c for m in self.models for c in getattr(m.submitter, "preparing", ())}
@@ -712,4 +725,5 @@ class Engine:
                                                for m in self.models))},
             degraded=self.store.hold_reason(), notices=list(self.store.notices),
             models=[m.info() for m in self.models], n_slots=self.n_slots, kv_type=self.kv_type,
+            context_policy=self.context_policy,
         )

@@ -205,7 +205,7 @@ class Executor:
         rows: list[tuple[Request, list[int]]] = []  # (request, drafts): 1 + len(drafts) logits rows
         for d in plan.decode:
             r = d.request
-            drafts = r.drafter.propose(r.prompt + r.completion, d.draft_room) if r.drafter is not None else []
+            drafts = r.drafter.propose(r.tokens, d.draft_room) if r.drafter is not None else []
             segs.append(Segment(r.slot.index, r.pos, 1 + len(drafts), all_logits=bool(drafts)))
             toks.append(r.next_input)
             toks.extend(drafts)

@@ -57,7 +57,7 @@ from aotx.engine.model import tool_calls
 from aotx.engine.model.chat_template import encode_chat
 from aotx.engine.model.termination import StopChecker
 from aotx.engine.model.tokenizer import StreamDecoder
-from aotx.engine.runtime import admission, media_prompt
+from aotx.engine.runtime import admission, context, media_prompt
 from aotx.engine.runtime.constraints import Compiler
 from aotx.engine.runtime.drafter import DraftDrafter
 from aotx.engine.runtime.envelope import Envelope
@@ -94,6 +94,21 @@ class Submission:
     dropped: bool = False  # its client went away or cancelled it while it was being prepared
     model: str = ""  # the loaded model whose submitter runs its stages
     media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
+    policy: str = ""  # the context policy its prompt is made under (context.py)
+    fit: Any = None  # context.Fit: the prompt fitted to the context (stage 3; None: raw or with pictures)
+    continuation: Any = None  # context.Continuation: how its reply goes on past the end of the context
+
+
+@dataclass(eq=False)
+class ContinueJob:
+    """A reply that reached the end of the context, its prompt being cut again on a
+    preparation worker (``Submitter.continue_reply``); ``fit`` is the result (None: no
+    cut leaves room, the reply ends)."""
+
+    request: Request
+    sink: Sink
+    model: str = ""
+    fit: Any = None
 
 
 @dataclass(eq=False)
@@ -115,7 +130,7 @@ class Submitter:
     ``images`` are set when pictures go to an encoder."""
 
     def __init__(self, lm: Any, store: Any, envelope: Envelope, inbox: Inbox, is_busy: Callable[[str], bool], *,
-                 device: str, speculative: str, draft: Any = None):
+                 device: str, speculative: str, draft: Any = None, context_policy: str = context.DEFAULT_POLICY):
         self.lm = lm
         self.store = store
         self.envelope = envelope
@@ -124,6 +139,7 @@ class Submitter:
         self.device = device
         self.speculative = speculative
         self.draft = draft
+        self.context_policy = context_policy  # the engine's default (a conversation may set its own)
         self.vision: Any = None
         self.images: Any = None
         self.ready = True
@@ -260,14 +276,19 @@ class Submitter:
         if not op.raw and self.images is not None and media_prompt.has_markers(history + [{"content": sub.text}]):
             if not sub.restored and self._restore_images(sub, history):
                 return None
+        sub.policy = context.policy_of(self.store.get(op.conv_id).context, self.context_policy)
+        parts = None if op.raw else self.store.prompt_history(op.conv_id)
         self.preparing[op.conv_id] = sub
-        self.preparer.submit(sub, lambda: self._prepare(sub, history))
+        self.preparer.submit(sub, lambda: self._prepare(sub, history, parts))
         return None
 
-    def _prepare(self, sub: Submission, history: list[dict]) -> tuple[str, list[int]]:
+    def _prepare(self, sub: Submission, history: list[dict], parts: tuple | None = None) -> tuple[str, list[int]]:
         """The work of stage 3, on a preparation worker: (the user's turn as the prompt
-        holds it, the prompt's token ids). Raises Refusal (too long for the context,
-        whatever its tokens) or TemplateError (the template failed or passed its budget)."""
+        holds it, the prompt's token ids). ``parts``: ``store.prompt_history``'s, which the
+        conversation's context policy fits to the context (``context.fit``: sets ``sub.fit``
+        and ``sub.continuation``). Raises Refusal (too long for the context, whatever its
+        tokens, or even with every earlier turn left out) or TemplateError (the template
+        failed or passed its budget)."""
         op, text, tok = sub.op, sub.text, self.lm.tokenizer
         if self._longest is None:
             self._longest = longest_piece(tok)
@@ -280,7 +301,28 @@ class Submitter:
         if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
             return self._fit_images(sub, history, text)
         turn = {**P.template_fields(op.meta), "role": op.role, "content": text}
-        return text, self._chat_ids(history + [turn], op.tools, op.prefill)
+        if parts is None:
+            return text, self._chat_ids(history + [turn], op.tools, op.prefill)
+        return text, self._fit(sub, parts, turn)
+
+    def _fit(self, sub: Submission, parts: tuple, turn: dict[str, Any]) -> list[int]:
+        """The prompt's ids under the conversation's context policy (on the worker)."""
+        op = sub.op
+        system, msgs, start = parts
+        hist = context.History(system, [(mid, tool_calls.template_message(m)) for mid, m in msgs], start)
+
+        def render(kept: list[dict[str, Any]]) -> list[int]:
+            return self._chat_ids(kept + [turn], op.tools, op.prefill)
+
+        ctx = self.envelope.context_tokens
+        got = context.fit(sub.policy, ctx, hist, render, room=context.reply_room(ctx, sub.sampling.max_tokens))
+        if got is None:  # even alone the newest turn leaves no room: today's refusal, with its numbers
+            admission.check_prompt(len(render([system] if system else [])), self.envelope)
+            raise AssertionError("context.fit found no cut for a turn that fits alone")
+        sub.fit = got
+        if sub.policy in context.CONTINUING:
+            sub.continuation = context.Continuation(sub.policy, hist, got.start, got.head, render)
+        return got.ids
 
     def _chat_ids(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str) -> list[int]:
         """Prompt ids of template messages ``msgs`` with ``tools`` (in the template's
@@ -328,9 +370,34 @@ class Submitter:
         if ev.error is not None:
             raise ev.error
         self._ready_and_idle(sub.op.conv_id)
-        admission.check_prompt(len(ev.prompt), self.envelope)
+        try:
+            admission.check_prompt(len(ev.prompt), self.envelope)
+        except admission.Refusal as e:
+            if e.resource == "context" and e.detail and not sub.op.raw and sub.policy not in context.CONTINUING:
+                e.detail += (f"; this conversation's context policy is {sub.policy}: `/context rolling` in aotx "
+                             f"(F4 in aotx-chat) lets older turns leave the prompt")
+            raise
         sub.prompt = list(ev.prompt)
         return self._accept(sub, ev.text, tick)
+
+    def continue_reply(self, r: Request) -> None:
+        """A reply reached the end of the context under a continuing policy: its prompt is
+        cut again on a preparation worker (``context.fit`` with the reply's tokens kept
+        whole); a ``Prepared`` of a ``ContinueJob`` brings the result back (the engine
+        hands it to the model: ``LocalModel.continued``)."""
+        c: context.Continuation = r.continuation
+        job = ContinueJob(r, r.sink, model=self.model_name)
+        ctx = self.envelope.context_tokens
+        n_reply = len(r.completion)
+        left = max(1, r.max_tokens - n_reply)
+
+        def work() -> tuple[str, list[int]]:
+            hist = context.History(c.history.system, c.history.messages, c.start)
+            job.fit = context.fit(c.policy, ctx, hist, c.render, room=context.reply_room(ctx, left), extra=n_reply,
+                                  must_cut=True, min_room=max(1, min(left, ctx // 16)))
+            return "", job.fit.ids if job.fit is not None else []
+
+        self.preparer.submit(job, work)
 
     def _ready_and_idle(self, conv_id: str) -> None:
         if not self.ready:
@@ -379,7 +446,9 @@ class Submitter:
         op, sink, sp, prompt, st = sub.op, sub.sink, sub.sampling, sub.prompt, self.store
         ctx = self.envelope.context_tokens
         has_history = bool(st.get(op.conv_id).messages)  # before this message's records
-        max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
+        # a reply goes on past the end of the context under a continuing policy: its own
+        # max_tokens is its only limit then
+        max_tokens = sp.max_tokens if sub.continuation is not None else max(1, min(sp.max_tokens, ctx - len(prompt)))
         msg_id, reply_id, recs = st.accept_records(op.conv_id, op.role, text, sp, op.attachments, raw=op.raw,
                                                    meta=op.meta, **self._model_fields())
         reply = admission.reply_credit(max_tokens, self.envelope)
@@ -403,10 +472,20 @@ class Submitter:
         seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
         r = self._request(sub, op.conv_id, msg_id, reply_id, seq, seed, max_tokens, reply)
         r.constraint, r.has_history = sub.constraint, has_history
+        if sub.continuation is not None:
+            r.continuation = sub.continuation
+            r.stop.goes_on = True
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
             r.drafter.bind(r)
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
                              tick=tick, prompt_ids=prompt))
+        cut = sub.fit.cut if sub.fit is not None else None
+        if cut is not None:
+            if not cut.kept_from:  # only the newest turn stays: the next prompt starts at it
+                cut.kept_from = msg_id
+            r.cuts.append(cut)
+            sink.send(P.Notice(id=op.id, kind="context", resource="context", message=context.cut_text(cut),
+                               asked=cut.n_tokens, cut=cut))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.ACCEPTED)
         else:
