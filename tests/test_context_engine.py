@@ -124,3 +124,50 @@ async def test_a_bad_policy_is_refused_naming_it(engine_server):
     except EngineError as e:
         assert "forever" in str(e) and "rolling" in str(e)
     await c.close()
+
+
+COUNT = "Write a long story about a dragon, at least 500 words."  # greedy: runs past 250 tokens
+
+
+async def test_a_reply_reaching_the_end_of_the_context_goes_on_after_a_cut(engine_server):
+    """Under "rolling" a reply that fills the context is not cut short: the earlier turns
+    leave the prompt, the reply so far is prefilled again after it, and decoding goes on
+    to the reply's own limit. Its tokens and text stay one reply, in the stream and in the
+    journal."""
+    h = engine_server(slots=1, context=256, prefill_chunk=256)
+    c = await h.connect()
+    history = [("user", f"Tell me about {t}.") if k % 2 == 0 else
+               ("assistant", f"{t.capitalize()} is interesting in many ways.") for t in TOPICS[:6] for k in range(2)]
+    conv = (await c.create_conversation(messages=history)).conv_id
+    evs = await turn(c, conv, COUNT, 160, timeout=300)
+    end = done(evs)
+    acc = next(e for e in evs if isinstance(e, P.Accepted))
+    toks = [e for e in evs if isinstance(e, P.Token)]
+    assert len(acc.prompt_ids) + end.n_completion > 256, "the reply must reach the end of the context"
+    assert end.finish_reason in ("length", "stop") and end.n_completion == len(toks)
+    notes = [e for e in evs if isinstance(e, P.Notice) and e.kind == "context"]
+    assert notes and notes[-1].cut is not None and notes[-1].cut.during_reply, notes
+    assert "goes on" in notes[-1].message
+    # positions start again lower after the cut (the prompt got shorter), each one step on
+    pos = [t.pos for t in toks]
+    drops = [i for i in range(1, len(pos)) if pos[i] != pos[i - 1] + 1]
+    assert len(drops) == len(notes) and all(pos[i] < pos[i - 1] for i in drops)
+    assert max(pos) < 256
+    reply = (await c.show(conv)).messages[-1]
+    assert reply.text == "".join(t.text for t in toks) == end.text
+    assert reply.token_ids == [t.token_id for t in toks]
+    assert reply.context is not None and reply.context.during_reply
+    await c.close()
+
+
+async def test_a_reply_that_fills_the_context_alone_ends_with_a_notice(engine_server):
+    h = engine_server(slots=1, context=96, prefill_chunk=256)
+    c = await h.connect()
+    conv = (await c.create_conversation()).conv_id
+    evs = await turn(c, conv, COUNT, 200, timeout=300)
+    end = done(evs)
+    assert end.finish_reason == "context"
+    note = next(e for e in evs if isinstance(e, P.Notice) and e.kind == "context")
+    assert "reached the end of the context (96 tokens) and stopped" in note.message
+    assert "the newest turn and the reply alone fill it" in note.message
+    await c.close()
