@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
 from aotx.engine.units import parse_size, plural, short_title
 from aotx.engine import protocol as P
@@ -241,14 +243,17 @@ async def _run(args) -> int:
                                     max_tokens=args.max_tokens, stop=list(args.stop),
                                     speculative=args.speculative)
         created = False
+        policy = getattr(args, "context_policy", None) or ""   # the conversation's own (else the engine's)
         if args.conversation:
             conv_id = args.conversation
             if args.system is not None:
                 await client.update(conv_id, system_prompt=args.system)
+            if policy:
+                await client.set_context(conv_id, policy)
         else:
             title = short_title(prompt)
             conv = await client.create_conversation(title=title, system_prompt=args.system,
-                                                    model=model_ref(args.model))
+                                                    model=model_ref(args.model), context=policy)
             conv_id = conv.conv_id
             created = True
         rid_box: list[int] = []
@@ -262,6 +267,7 @@ async def _run(args) -> int:
         prompt_ids: list[int] = []
         completion: list[int] = []
         refused = ""
+        cuts: list[dict] = []    # where the prompt left earlier messages out (context notices)
         engine_stopping = False   # the engine said it is stopping: a cancelled finish is its, not Ctrl-C's
         try:
             async for ev in client.submit(conv_id, prompt, attachments=attachments, sampling=sampling, raw=args.raw,
@@ -304,11 +310,14 @@ async def _run(args) -> int:
                                  **({"msg_id": ev.msg_id} if ev.msg_id else {})})
                 elif isinstance(ev, P.Notice):
                     engine_stopping = engine_stopping or ev.kind == "stopping"
+                    if ev.cut is not None:
+                        cuts.append(msgspec.to_builtins(ev.cut))
                     if ev.kind == "model" and ev.message.startswith("loading model") and not rid_box:
                         t_loading = time.perf_counter()
                     if args.json:
                         _jprint({"event": "notice", "kind": ev.kind, "resource": ev.resource, "message": ev.message,
-                                 "asked": ev.asked, "free": ev.free, "position": ev.position})
+                                 "asked": ev.asked, "free": ev.free, "position": ev.position,
+                                 **({"cut": msgspec.to_builtins(ev.cut)} if ev.cut is not None else {})})
                     elif ev.kind == "capsule":
                         words = capsule_words(ev, continuing=bool(args.conversation))
                         if words:
@@ -338,7 +347,7 @@ async def _run(args) -> int:
                     if args.json:
                         _jprint({"event": "done", "conversation": conv_id, "prompt_ids": prompt_ids,
                                  "completion_ids": completion, "text": ev.text, "finish_reason": ev.finish_reason,
-                                 "numerics": ev.numerics,
+                                 "numerics": ev.numerics, **({"context": cuts} if cuts else {}),
                                  "timings": {"load_s": load_s,
                                              "engine_load_s": round(sum(st.profile.values()), 4),
                                              "prompt_tokens": int(t.get("prompt_tokens", 0)),
