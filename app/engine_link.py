@@ -312,6 +312,8 @@ class EngineLink:
             self.status_bar.reply_token()
         elif isinstance(ev, P.Notice):
             (reply or user).add_notice(notice_text(ev, item.had_history), ev.kind)
+            if ev.cut is not None and reply is not None:   # the details view shows the reply's cut
+                reply.context = ev.cut
         elif isinstance(ev, P.MediaInfo):
             user.add_notice(media_text(ev), "media" if not ev.error else "error")
         elif isinstance(ev, P.Committed):

@@ -23,6 +23,11 @@ def details_lines(w) -> list[tuple[str, str]]:
             rows.append(("durable tokens", f"{w.durable_tokens} of {len(w.token_seqs)} streamed"))
         if w.finish_reason:
             rows.append(("finish reason", w.finish_reason))
+        cut = getattr(w, "context", None)
+        if cut is not None:
+            rows.append(("context cut", f"{cut.n_messages} earlier messages ({cut.n_tokens:,} tokens) left the prompt, "
+                                        f"{cut.n_out} out in all (policy {cut.policy}"
+                                        f"{', during the reply' if cut.during_reply else ''})"))
     if w.receipt is not None:
         r = w.receipt
         rows += [("receipt segment", str(r.segment)), ("receipt offset", f"{r.offset} B"),
