@@ -37,6 +37,8 @@ import re
 import socket
 import sys
 import time
+
+import msgspec
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,6 +218,7 @@ class Generation:
         self._done = False
         self.constraint_field = ""
         self.model = ""  # the engine model it runs on ("" the default)
+        self.cuts: list[P.ContextCut] = []  # where the prompt left earlier messages out (context notices)
         self.family: str | None = None  # its model's tool-call format (None: no tools)
 
     # one-choice views (the first choice)
@@ -252,6 +255,8 @@ class Generation:
             if isinstance(ev, P.Notice):
                 if ev.kind == "refused":
                     refused = ev
+                elif ev.cut is not None and ev.choice == 0:
+                    self.cuts.append(ev.cut)
             elif isinstance(ev, P.Error):
                 self._done = True
                 if self.created:
@@ -278,6 +283,8 @@ class Generation:
                 return
             if isinstance(ev, P.Accepted):
                 self.accepted[ev.choice] = ev
+            elif isinstance(ev, P.Notice) and ev.cut is not None and ev.choice == 0:
+                self.cuts.append(ev.cut)
             elif isinstance(ev, P.Committed):
                 self.committed[ev.choice] = ev
             elif isinstance(ev, P.Durable):
@@ -292,11 +299,13 @@ class Generation:
             yield ev
 
     def aotx(self, choice: int = 0) -> dict[str, Any]:
-        """The ``aotx`` object of a reply's choice: conversation, message ids, receipts."""
+        """The ``aotx`` object of a reply's choice: conversation, message ids, receipts, and
+        ``context``: where its prompt left earlier messages out (the engine's cuts), if it did."""
         a = self.accepted.get(choice)
         return {"conversation": a.conv_id if a else self.conv_id, "msg_id": a.msg_id if a else None,
                 "reply_id": a.reply_id if a else None, "receipt": S.receipt_dict(self.receipts.get(choice)),
-                "user_receipt": S.receipt_dict(self.user_receipt)}
+                "user_receipt": S.receipt_dict(self.user_receipt),
+                **({"context": [msgspec.to_builtins(c) for c in self.cuts]} if self.cuts and choice == 0 else {})}
 
     async def abandon(self) -> None:
         """The client went away: cancel the generation unless it finished. The
@@ -617,7 +626,7 @@ class Gateway:
 
     async def _conversation(self, client: EngineClient, request: Request, system: str | None,
                             title: str, history: list[S.Turn] = (), conv_id: str | None = None,
-                            model: str = "", last: S.Turn | None = None) -> tuple[str, bool]:
+                            model: str = "", last: S.Turn | None = None, context: str = "") -> tuple[str, bool]:
         """(conversation id, created) for a request: ``conv_id`` (a response continued),
         the header's, or a new one on ``model`` holding ``history`` (the request's earlier
         turns) as finished messages. A request naming a conversation whose messages end
@@ -651,11 +660,17 @@ class Gateway:
                 except EngineError as e:
                     raise _engine_error(P.Error(id=0, code=e.code, message=str(e)), None,
                                         self.cfg.retry_after_s) from None
+            if context and context != view.context:   # the request's context_policy, from this turn on
+                try:
+                    await client.set_context(hdr, context)
+                except EngineError as e:
+                    raise _engine_error(P.Error(id=0, code=e.code, message=str(e)), None,
+                                        self.cfg.retry_after_s) from None
             return hdr, False
         try:
             conv = await client.create_conversation(title=short_title(title), system_prompt=system,
                                                     messages=[(t.role, t.text, t.meta) for t in history],
-                                                    model=model)
+                                                    model=model, context=context)
         except ConnectionLost as e:
             raise ApiError(503, f"the engine went away: {e}", "server_error", code="engine_unavailable",
                            headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
@@ -753,7 +768,7 @@ class Gateway:
         spec = Spec(chat=True, system=req.system, history=req.messages[:-1], last=req.messages[-1],
                     sampling=req.sampling, stream=req.stream, include_usage=req.include_usage, tools=req.tools,
                     constraint=req.constraint, logprobs=req.logprobs, n=req.n, title=req.messages[-1].text,
-                    model=req.model)
+                    model=req.model, context=req.context)
         return await self.generate(request, key, spec, CHAT)
 
     async def completions(self, request: Request) -> Response:
@@ -805,7 +820,7 @@ class Gateway:
         conv_id, created = await self._conversation(client, request, spec.system, spec.title or spec.last.text,
                                                     history=spec.history if spec.chat else [],
                                                     conv_id=spec.conversation, model=target,
-                                                    last=spec.last if spec.chat else None)
+                                                    last=spec.last if spec.chat else None, context=spec.context)
         atts = await self._attachments(spec.last.parts)
         constraint = spec.constraint
         family = await self.tool_format(client, target) if spec.tools.active else None
