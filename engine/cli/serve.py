@@ -206,7 +206,10 @@ def build_engine(args, progress=None):
     except ValueError:
         raise UsageError(f"--memory-budget: cannot read {args.memory_budget!r} as a size (e.g. 4G, 512M)") from None
     kv_type = getattr(args, "kv_type", None) or "f16"
-    kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type)
+    try:
+        kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type)
+    except ValueError as e:  # a KV type this backend or this model's head size does not take
+        raise UsageError(f"--kv-type {kv_type}: {e}") from None
     prefill_chunk = getattr(args, "prefill_chunk", 256)
     journal_bytes = 8 << 20
     capsule_host = min(512 << 20, max(64 << 20, total // 16))

@@ -159,7 +159,7 @@ def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefil
     """The budget of a configuration (bytes; on CUDA ``total`` is GPU memory and the
     capsule share is their device home). ``draft_terms``: a draft model's (name, bytes)
     terms (``DraftModel.budget_terms``: its weights, its KV for every slot, its working
-    buffers). ``kv_type``: the KV cache's element type ("f16" | "f32"), whose size
+    buffers). ``kv_type``: the KV cache's element type ("f16" | "f32" | "q8_0" | "q4_0"), whose size
     ``kv_bytes`` already is; shown in the table. ``expert_cache_bytes``: a mixture-of-experts
     model's GPU expert cache (sized from what the other terms leave; its experts are not
     in ``weight_bytes`` on CUDA). Raises AdmissionError with every term when it does not fit."""
@@ -176,8 +176,14 @@ def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefil
         raise AdmissionError(f"the configuration does not fit: {n_slots} slots x {n_ctx} tokens of context "
                              f"needs {fmt_bytes(b.used)} ({b.used:,} bytes), the budget is {fmt_bytes(total)} "
                              f"({total:,} bytes):\n{b.table()}\nlower --slots or --context, "
-                             f"{'use --kv-type f16, ' if kv_type == 'f32' else ''}or raise --memory-budget")
+                             f"{_smaller_kv(kv_type)}or raise --memory-budget")
     return b
+
+
+def _smaller_kv(kv_type: str) -> str:
+    """The advice toward a KV type that takes less memory ("" for the smallest)."""
+    smaller = {"f32": "f16 (or q8_0)", "f16": "q8_0 (or q4_0)", "q8_0": "q4_0"}.get(kv_type)
+    return f"use --kv-type {smaller}, " if smaller else ""
 
 
 #: GPU memory kept free beside the expert cache (allocator slack, copy staging)

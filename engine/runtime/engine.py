@@ -126,7 +126,8 @@ class Engine:
         default.submitter.count_media = self.count_media
         kv1 = lm.model.kv_cache_bytes(1, 16, kv_type)
         cfg = lm.config
-        self._kv_value_bytes = max(1, round(kv1 / max(1, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 16)))
+        # bytes per cached value (2 for f16, 34/32 for q8_0's blocks, ...): other models' estimates
+        self._kv_value_bytes = kv1 / max(1, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 16)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._handlers: dict[type, Callable[[Any], None]] = {

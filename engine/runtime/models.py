@@ -520,7 +520,7 @@ def local_terms(lm: Any, n_slots: int, n_ctx: int, prefill_chunk: int, *, capsul
     return tuple((n, v) for n, v in terms if v)
 
 
-def header_terms(entry: ModelEntry, n_slots: int, n_ctx: int, prefill_chunk: int, kv_value_bytes: int,
+def header_terms(entry: ModelEntry, n_slots: int, n_ctx: int, prefill_chunk: int, kv_value_bytes: float,
                  capsule_host: int = EXTRA_CAPSULE_HOST) -> tuple[tuple[str, int], ...]:
     """The estimate, from the file's header, of ``local_terms``."""
     if entry.header is None:

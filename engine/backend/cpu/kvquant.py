@@ -1,0 +1,312 @@
+"""Quantized KV caches on the CPU: llama.cpp's q8_0 and q4_0 blocks, stored and attended.
+
+Owns: the block formats of a quantized KV cache row (``row_bytes``), the KV store that
+quantizes each row's K and V (``store_q``: as llama.cpp's CPU backend quantizes its
+``-ctk/-ctv q8_0 | q4_0`` caches), the exact dequantization (``dequantize``), and attention
+over a quantized cache (``attention_q``). Leaves the cache's allocation to
+``kvcache.CpuKVCache``, the float caches and the shared job layout to ``attention.py``.
+
+Block formats (ggml's, so a slot's bytes are what llama.cpp holds and what capsules
+copy): a head's row of ``head_dim`` values is ``head_dim / 32`` blocks of 32, each
+    q8_0 (34 bytes): d float16, then 32 int8 q;          x = d * q
+    q4_0 (18 bytes): d float16, then 16 bytes of nibbles; x[j] = d * (lo(qs[j]) - 8),
+                     x[j + 16] = d * (hi(qs[j]) - 8)
+Quantization, per block: q8_0 as ggml-cpu's x86 ``quantize_row_q8_0`` (amax = max |x|,
+d = amax / 127, q = round-half-even(x * 127 / amax)); q4_0 as ``quantize_row_q4_0_ref``
+(m = the value of largest magnitude, d = m / -8, q = min(15, trunc(x / d + 8.5))). d is
+rounded to float16 (nearest even) for storage.
+
+Attention over a quantized cache is attention over its dequantized values, bit for bit:
+d * q is exact in float32 (an 11-bit d times an integer of at most 8 bits), and the
+kernel dequantizes K and V a chunk of ``CHUNK`` positions at a time into a small float32
+tile (never the whole cache: the bytes read from memory are the quantized ones) and runs
+``attention.py``'s arithmetic on it: the scores through ``fdot.dots`` in its fixed order,
+the max and ``exp_nonpos``, the denominator, and V summed over positions in increasing
+order with one fused multiply-add per term, as ``fdot.axpy`` does. So a row's output is
+``attention_rows`` over ``dequantize(cache)``, and batch invariance carries over.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .attention import _blocks, _job, _max, attended_keys, checked_sinks
+from .fdot import dots, exp_nonpos, f2h_bits, fma32
+from .qdot import bits_f32
+
+QUANT_TYPES = ("q8_0", "q4_0")
+BLOCK = 32
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+KIND = {"q8_0": 0, "q4_0": 1}    # the kernels' argument
+CHUNK = 32                       # positions dequantized at a time (a tile that stays in L1)
+
+
+def row_bytes(kv_type: str, head_dim: int) -> int:
+    """Bytes of one head's row of ``head_dim`` values. Raises ValueError when the head
+    size is not a multiple of the 32-value block."""
+    if head_dim % BLOCK:
+        raise ValueError(f"KV cache type {kv_type} stores blocks of {BLOCK} values: a head size of {head_dim} is not "
+                         f"a multiple of {BLOCK} (use --kv-type f16)")
+    return head_dim // BLOCK * BLOCK_BYTES[kv_type]
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def h2f1(h):
+    """float16 bits (an unsigned integer) -> float32, exactly."""
+    h = np.uint32(h)
+    s = (h & np.uint32(0x8000)) << np.uint32(16)
+    e = (h >> np.uint32(10)) & np.uint32(0x1F)
+    m = h & np.uint32(0x3FF)
+    if e == 0:                                    # zero or subnormal: m * 2^-24
+        v = np.float32(m) * np.float32(5.9604644775390625e-08)
+        return -v if s else v
+    if e == 31:
+        return bits_f32(np.int32(s | np.uint32(0x7F800000) | (m << np.uint32(13))))
+    return bits_f32(np.int32(s | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))))
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _quant_block(x, xo, out, oo, kind):
+    """The 32 values x[xo:xo+32] (float32) -> one block at out[oo:] (uint8)."""
+    if kind == 0:
+        amax = np.float32(0.0)
+        for j in range(BLOCK):
+            amax = max(amax, abs(x[xo + j]))
+        d = amax / np.float32(127.0)
+        iv = np.float32(127.0) / amax if amax != np.float32(0.0) else np.float32(0.0)
+        h = f2h_bits(d)
+        out[oo] = np.uint8(h & np.uint16(0xFF))
+        out[oo + 1] = np.uint8(h >> np.uint16(8))
+        for j in range(BLOCK):
+            out[oo + 2 + j] = np.uint8(np.int32(np.rint(x[xo + j] * iv)) & 0xFF)
+    else:
+        amax = np.float32(0.0)
+        mx = np.float32(0.0)
+        for j in range(BLOCK):
+            v = x[xo + j]
+            if amax < abs(v):
+                amax = abs(v)
+                mx = v
+        d = mx / np.float32(-8.0)
+        iv = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+        h = f2h_bits(d)
+        out[oo] = np.uint8(h & np.uint16(0xFF))
+        out[oo + 1] = np.uint8(h >> np.uint16(8))
+        for j in range(16):
+            a = min(15, np.int32(x[xo + j] * iv + np.float32(8.5)))
+            b = min(15, np.int32(x[xo + 16 + j] * iv + np.float32(8.5)))
+            out[oo + 2 + j] = np.uint8(a | (b << 4))
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _dequant(src, si, off, n_rows, rb, hd, kind, dst):
+    """``n_rows`` rows of blocks from byte ``off`` of ``src`` (uint8; ``si`` the same
+    bytes as int8) -> dst[0 : n_rows * hd] float32, exactly."""
+    bb = 34 if kind == 0 else 18
+    for t in range(n_rows):
+        o = off + t * rb
+        for b in range(hd // BLOCK):
+            ob = o + b * bb
+            d = h2f1(np.uint32(src[ob]) | (np.uint32(src[ob + 1]) << np.uint32(8)))
+            base = t * hd + b * BLOCK
+            if kind == 0:
+                for j in range(BLOCK):
+                    dst[base + j] = d * np.float32(si[ob + 2 + j])
+            else:
+                for j in range(16):
+                    q = np.int32(src[ob + 2 + j])
+                    dst[base + j] = d * np.float32((q & 15) - 8)
+                    dst[base + 16 + j] = d * np.float32((q >> 4) - 8)
+
+
+@njit(cache=True, error_model="numpy")
+def _store_q(kc, vc, k, v, slots, positions, kind):
+    """Row r of k, v ((N, KV, hd) float32) -> its slot and position of the caches
+    ((n_slots, KV, n_ctx, row_bytes) uint8), quantized."""
+    bb = 34 if kind == 0 else 18
+    for r in range(k.shape[0]):
+        s, p = slots[r], positions[r]
+        for h in range(k.shape[1]):
+            kr = k[r, h]
+            vr = v[r, h]
+            ko = kc[s, h, p]
+            vo = vc[s, h, p]
+            for b in range(k.shape[2] // BLOCK):
+                _quant_block(kr, b * BLOCK, ko, b * bb, kind)
+                _quant_block(vr, b * BLOCK, vo, b * bb, kind)
+
+
+def store_q(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
+            positions: np.ndarray, kv_type: str) -> None:
+    """Quantize row r of k, v ((N, KV, hd) float32) into position positions[r] of slot
+    slots[r] of the caches ((n_slots, KV, n_ctx, row_bytes) uint8), as llama.cpp's CPU
+    backend stores a ``kv_type`` cache. The caller has checked the slots and positions."""
+    _store_q(k_cache, v_cache, np.asarray(k, np.float32), np.asarray(v, np.float32),
+             np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(positions, np.int32), KIND[kv_type])
+
+
+def quantize(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """(..., hd) float32 -> (..., row_bytes) uint8 blocks (the store's quantization)."""
+    x = np.ascontiguousarray(x, np.float32)
+    hd = x.shape[-1]
+    rows = x.reshape(-1, 1, 1, hd)
+    out = np.zeros((rows.shape[0], 1, 1, row_bytes(kv_type, hd)), np.uint8)
+    idx = np.arange(rows.shape[0], dtype=np.int32)
+    _store_q(out, np.zeros_like(out), rows[:, 0], rows[:, 0], idx, np.zeros_like(idx), KIND[kv_type])
+    return out.reshape(x.shape[:-1] + (out.shape[-1],))
+
+
+def dequantize(blocks: np.ndarray, kv_type: str, head_dim: int) -> np.ndarray:
+    """(..., row_bytes) uint8 blocks -> (..., head_dim) float32, exactly."""
+    b = np.ascontiguousarray(blocks, np.uint8)
+    rb = row_bytes(kv_type, head_dim)
+    flat = b.reshape(-1)
+    n = flat.shape[0] // rb
+    out = np.empty(n * head_dim, np.float32)
+    _dequant(flat, flat.view(np.int8), 0, n, rb, head_dim, KIND[kv_type], out)
+    return out.reshape(b.shape[:-1] + (head_dim,))
+
+
+# ------------------------------------------------------------------ attention
+
+
+@njit(cache=True, error_model="numpy")
+def _rows_q(q, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks,
+            has_sinks, kt, rb, kind):
+    """``attention._rows`` over a quantized cache: rows r0..r1-1, KV head g; position t of
+    this slot and head starts at byte base + (t - t0) * rb of K / V (uint8; Ki / Vi the
+    same bytes as int8). kt: (CHUNK * hd) float32 tile."""
+    N, H, hd = q.shape
+    span = sc.shape[1]
+    for r in range(r0, r1):
+        L = lengths[r]
+        lo = L - window if window > 0 and L > window else 0
+        n = L - lo
+        if n <= 0:
+            for gi in range(G):
+                for d in range(hd):
+                    out[r, g * G + gi, d] = 0.0
+            continue
+        kb = base + (lo - t0) * rb
+        q0 = (r * H + g * G) * hd
+        for c0 in range(0, n, CHUNK):
+            cn = min(CHUNK, n - c0)
+            _dequant(K, Ki, kb + c0 * rb, cn, rb, hd, kind, kt)
+            gi = 0
+            while gi < G:                    # query heads two at a time (the same per-pair math)
+                if gi + 2 <= G:
+                    t = 0
+                    while t + 4 <= cn:
+                        dots(2, 4, q, q0 + gi * hd, hd, kt, t * hd, hd, hd, sc, gi * span + c0 + t, span)
+                        t += 4
+                    while t < cn:
+                        dots(2, 1, q, q0 + gi * hd, hd, kt, t * hd, hd, hd, sc, gi * span + c0 + t, span)
+                        t += 1
+                    gi += 2
+                else:
+                    t = 0
+                    while t + 4 <= cn:
+                        dots(1, 4, q, q0 + gi * hd, hd, kt, t * hd, hd, hd, sc, gi * span + c0 + t, span)
+                        t += 4
+                    while t < cn:
+                        dots(1, 1, q, q0 + gi * hd, hd, kt, t * hd, hd, hd, sc, gi * span + c0 + t, span)
+                        t += 1
+                    gi += 1
+        for gi in range(G):
+            mx = _max(sc[gi, :n]) * scale
+            if has_sinks:
+                mx = max(mx, sinks[g * G + gi])
+                den[1 + gi] = mx
+            for u in range(n):
+                sc[gi, u] = exp_nonpos(sc[gi, u] * scale - mx)
+        for gi in range(G):
+            for d in range(hd):
+                o[gi, d] = 0.0
+        for c0 in range(0, n, CHUNK):
+            cn = min(CHUNK, n - c0)
+            _dequant(V, Vi, kb + c0 * rb, cn, rb, hd, kind, kt)
+            for t in range(cn):
+                for gi in range(G):
+                    w = sc[gi, c0 + t]
+                    for d in range(hd):      # per element, positions in increasing order (axpy's)
+                        o[gi, d] = fma32(w, kt[t * hd + d], o[gi, d])
+        for gi in range(G):
+            dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
+            d_sum = den[0]
+            if has_sinks:
+                d_sum += exp_nonpos(sinks[g * G + gi] - den[1 + gi])
+            inv = np.float32(1.0) / d_sum
+            h = g * G + gi
+            for d in range(hd):
+                out[r, h, d] = o[gi, d] * inv
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _run_job_q(p, starts, q, K, Ki, V, Vi, slots, lengths, scale, window, out, KV, n_ctx, sinks, has_sinks, rb,
+               kind):
+    N, H, hd = q.shape
+    G = H // KV
+    r0, r1, s, g, lo_min, span = _job(p, starts, slots, lengths, KV, window, n_ctx)
+    sc = np.empty((G, max(span, 1)), np.float32)
+    ones = np.ones(max(span, 1), np.float32)
+    o = np.empty((G, hd), np.float32)
+    den = np.empty(1 + G, np.float32)
+    kt = np.empty(CHUNK * hd, np.float32)
+    head0 = ((s * KV + g) * n_ctx + lo_min) * rb
+    _rows_q(q, K, Ki, V, Vi, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks,
+            has_sinks, kt, rb, kind)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _attention_q_parallel(q, kc, vc, slots, lengths, scale, window, out, sinks, has_sinks, kind):
+    n_slots, KV, n_ctx, rb = kc.shape
+    starts = _blocks(slots, q.shape[0])
+    K, V = kc.reshape(-1), vc.reshape(-1)
+    Ki, Vi = K.view(np.int8), V.view(np.int8)
+    for p in prange((starts.shape[0] - 1) * KV):
+        _run_job_q(p, starts, q, K, Ki, V, Vi, slots, lengths, scale, window, out, KV, n_ctx, sinks, has_sinks, rb,
+                   kind)
+
+
+@njit(cache=True, error_model="numpy")
+def _attention_q_serial(q, kc, vc, slots, lengths, scale, window, out, sinks, has_sinks, kind):
+    n_slots, KV, n_ctx, rb = kc.shape
+    starts = _blocks(slots, q.shape[0])
+    K, V = kc.reshape(-1), vc.reshape(-1)
+    Ki, Vi = K.view(np.int8), V.view(np.int8)
+    for p in range((starts.shape[0] - 1) * KV):
+        _run_job_q(p, starts, q, K, Ki, V, Vi, slots, lengths, scale, window, out, KV, n_ctx, sinks, has_sinks, rb,
+                   kind)
+
+
+def kernel_for_q(keys: int, n_heads: int, head_dim: int):
+    """The compiled kernel ``attention_q`` runs for ``keys`` attended pairs (on the threads,
+    or on the calling thread below ``attention.PARALLEL_MACS``; the same arithmetic). Its
+    arguments: (q C-contiguous float32, k_cache, v_cache, slots int32, lengths int32,
+    float32 scale, int window, out, sinks, has_sinks, kind: ``KIND[kv_type]``)."""
+    from .attention import PARALLEL_MACS
+
+    return _attention_q_parallel if keys * n_heads * head_dim * 2 >= PARALLEL_MACS else _attention_q_serial
+
+
+def attention_q(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
+                scale: float, window: int, out: np.ndarray, kv_type: str, sinks: np.ndarray | None = None) -> np.ndarray:
+    """``attention.attention_rows`` over a quantized cache (``kv_type`` q8_0 or q4_0;
+    k_cache, v_cache: (n_slots, KV, n_ctx, row_bytes) uint8, C-contiguous). The same
+    result, bit for bit, as ``attention_rows`` over ``dequantize(k_cache)``,
+    ``dequantize(v_cache)``. Returns out."""
+    if k_cache.dtype != np.uint8 or v_cache.dtype != np.uint8:
+        raise ValueError(f"a {kv_type} KV cache holds uint8 blocks, got {k_cache.dtype}/{v_cache.dtype}")
+    if k_cache.shape[-1] != row_bytes(kv_type, q.shape[2]):
+        raise ValueError(f"a {kv_type} row of head size {q.shape[2]} is {row_bytes(kv_type, q.shape[2])} bytes, the "
+                         f"cache's are {k_cache.shape[-1]}")
+    has_sinks = sinks is not None
+    sinks = checked_sinks(scale, sinks, q.shape[1])
+    if q.shape[0]:
+        lengths = np.ascontiguousarray(lengths, np.int32)
+        run = kernel_for_q(attended_keys(lengths, window), q.shape[1], q.shape[2])
+        run(np.ascontiguousarray(q, np.float32), k_cache, v_cache, np.ascontiguousarray(slots, np.int32), lengths,
+            np.float32(scale), int(window), out, sinks, has_sinks, KIND[kv_type])
+    return out
+
