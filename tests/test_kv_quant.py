@@ -5,9 +5,12 @@ blocks, and everything that must keep working on them.
   q8_0 follows ggml-cpu's x86 quantizer (round half to even, 127 / amax), which differs from
   gguf-py's port of the scalar reference (roundf, 1 / d) by one step on rare elements; our
   dequantization equals gguf-py's on our bytes;
+* llama.cpp's rotation of a quantized cache (a 64-point Walsh-Hadamard matrix on K and V
+  where the head size is a multiple of 64, and on the queries; the output rotated back):
+  orthonormal, its own inverse;
 * attention over a quantized cache equals ``attention_rows`` over its dequantized values,
-  bit for bit (sliding windows, attention sinks, grouped heads, several slots, prefill
-  blocks and decode rows);
+  bit for bit, in the rotated space where there is one (sliding windows, attention sinks,
+  grouped heads, several slots, prefill blocks and decode rows);
 * capsules of a quantized cache restore byte-exact and decode token-identically;
 * speculative verify (prompt lookup) and prefix reuse on q8_0 give the tokens of plain
   greedy decoding on a fresh engine.
@@ -80,23 +83,39 @@ def test_a_head_size_off_the_block_is_refused_with_the_reason():
         Q.row_bytes("q8_0", 80)
 
 
-def _cache(rng, kv_type, n_slots, KV, n_ctx, hd, lengths):
+def _cache(rng, kv_type, n_slots, KV, n_ctx, hd, lengths, rotate=True):
     rb = Q.row_bytes(kv_type, hd)
     kc = np.zeros((n_slots, KV, n_ctx, rb), np.uint8)
     vc = np.zeros_like(kc)
     for s, n in enumerate(lengths):
         k = rng.standard_normal((n, KV, hd)).astype(np.float32)
         v = rng.standard_normal((n, KV, hd)).astype(np.float32)
-        Q.store_q(kc, vc, k, v, np.full(n, s, np.int32), np.arange(n, dtype=np.int32), kv_type)
+        Q.store_q(kc, vc, k, v, np.full(n, s, np.int32), np.arange(n, dtype=np.int32), kv_type, rotate=rotate)
     return kc, vc
 
 
+def test_the_rotations_are_llamacpps_orthonormal_hadamard_blocks():
+    assert Q.rotations(96) is None and Q.rotations(32) is None
+    rk, rv = Q.rotations(64)
+    assert rk.shape == rv.shape == (64, 64)
+    rk, rv = Q.rotations(192)          # K: the largest power of two from 64 dividing 192; V: 64
+    assert rk.shape == (64, 64) and rv.shape == (64, 64)
+    rk, rv = Q.rotations(256)
+    assert rk.shape == (256, 256) and rv.shape == (64, 64)
+    np.testing.assert_allclose(rk.astype(np.float64) @ rk, np.eye(256), atol=1e-6)
+    np.testing.assert_array_equal(rk, rk.T)
+    assert set(np.unique(np.abs(rv))) == {np.float32(0.125)}
+    x = np.random.default_rng(9).standard_normal((3, 256)).astype(np.float32)
+    np.testing.assert_allclose(Q.rotate(Q.rotate(x, rk), rk), x, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("window,sinks", [(0, False), (23, False), (0, True)])
-def test_attention_is_attention_over_the_dequantized_cache_bit_for_bit(kv_type, window, sinks):
+@pytest.mark.parametrize("window,sinks,rotate", [(0, False, True), (23, False, True), (0, True, True),
+                                                 (0, False, False)])
+def test_attention_is_attention_over_the_dequantized_cache_bit_for_bit(kv_type, window, sinks, rotate):
     rng = np.random.default_rng(3)
     KV, H, hd, n_ctx = 2, 6, 64, 160
-    kc, vc = _cache(rng, kv_type, 3, KV, n_ctx, hd, [150, 77, 0])
+    kc, vc = _cache(rng, kv_type, 3, KV, n_ctx, hd, [150, 77, 0], rotate)
     # slot 0: a prefill block of 40 rows (more than a row block) ending at 150; slot 1: a
     # decode row and a verify window; slot 2: one row at position 0
     slots = np.array([0] * 40 + [1] * 4 + [2], np.int32)
@@ -104,10 +123,19 @@ def test_attention_is_attention_over_the_dequantized_cache_bit_for_bit(kv_type, 
     q = rng.standard_normal((len(slots), H, hd)).astype(np.float32)
     sk = rng.standard_normal(H).astype(np.float32) if sinks else None
     got = Q.attention_q(q, kc, vc, slots, lengths, 0.125, window, np.empty((len(slots), H, hd), np.float32),
-                        kv_type, sinks=sk)
-    want = A.attention_rows(q, Q.dequantize(kc, kv_type, hd), Q.dequantize(vc, kv_type, hd), slots, lengths,
-                            0.125, window, np.empty((len(slots), H, hd), np.float32), sinks=sk)
+                        kv_type, sinks=sk, rotate=rotate)
+    rk, rv = Q.rotations(hd) if rotate else (None, None)
+    want = A.attention_rows(Q.rotate(q, rk) if rotate else q, Q.dequantize(kc, kv_type, hd),
+                            Q.dequantize(vc, kv_type, hd), slots, lengths, 0.125, window,
+                            np.empty((len(slots), H, hd), np.float32), sinks=sk)
+    if rotate:
+        want = Q.rotate(want, rv)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    if rotate:   # the rotation leaves the mathematics as it was: close to the float attention
+        exact = A.attention_rows(q, Q.rotate(Q.dequantize(kc, kv_type, hd), rk), Q.rotate(Q.dequantize(vc, kv_type, hd),
+                                 rv), slots, lengths, 0.125, window, np.empty((len(slots), H, hd), np.float32),
+                                 sinks=sk)
+        np.testing.assert_allclose(got, exact, atol=2e-4)
 
 
 def test_the_store_writes_its_rows_and_nothing_else():
@@ -116,8 +144,9 @@ def test_the_store_writes_its_rows_and_nothing_else():
     vc = np.zeros_like(kc)
     k = rng.standard_normal((2, 2, 64)).astype(np.float32)
     Q.store_q(kc, vc, k, -k, np.array([1, 0], np.int32), np.array([5, 9], np.int32), "q8_0")
-    np.testing.assert_array_equal(kc[1, :, 5], Q.quantize(k[0], "q8_0"))
-    np.testing.assert_array_equal(vc[0, :, 9], Q.quantize(-k[1], "q8_0"))
+    rk, rv = Q.rotations(64)           # (rotated first, as llama.cpp does for a head size of 64)
+    np.testing.assert_array_equal(kc[1, :, 5], Q.quantize(Q.rotate(k[0], rk), "q8_0"))
+    np.testing.assert_array_equal(vc[0, :, 9], Q.quantize(Q.rotate(-k[1], rv), "q8_0"))
     kc[1, :, 5] = 0
     kc[0, :, 9] = 0
     assert not kc.any()

@@ -16,6 +16,16 @@ d = amax / 127, q = round-half-even(x * 127 / amax)); q4_0 as ``quantize_row_q4_
 (m = the value of largest magnitude, d = m / -8, q = min(15, trunc(x / d + 8.5))). d is
 rounded to float16 (nearest even) for storage.
 
+Rotation (llama.cpp since its PR 21038, on by default for a quantized cache): where the
+head size is a multiple of 64, K and V are rotated by an orthonormal Walsh-Hadamard matrix
+before they are quantized (``rotations``: K by the largest power of two from 64 up that
+divides the head size, V by blocks of 64, as llama.cpp's ``attn_rot_k`` / ``attn_rot_v``),
+the queries by K's, and each head's output is rotated back by V's (the matrices are
+symmetric and their own inverse). Dot products and weighted sums do not change under an
+orthonormal rotation; the outliers of a few channels are spread over the block, so a
+32-value block's scale fits its values better. ``rotate`` applies one per row in a fixed
+order (one fused multiply-add per term, inputs in increasing order).
+
 Attention over a quantized cache is attention over its dequantized values, bit for bit:
 d * q is exact in float32 (an 11-bit d times an integer of at most 8 bits), and the
 kernel dequantizes K and V a chunk of ``CHUNK`` positions at a time into a small float32
@@ -23,7 +33,8 @@ tile (never the whole cache: the bytes read from memory are the quantized ones) 
 ``attention.py``'s arithmetic on it: the scores through ``fdot.dots`` in its fixed order,
 the max and ``exp_nonpos``, the denominator, and V summed over positions in increasing
 order with one fused multiply-add per term, as ``fdot.axpy`` does. So a row's output is
-``attention_rows`` over ``dequantize(cache)``, and batch invariance carries over.
+``rotate(attention_rows(rotate(q), dequantize(cache)))`` (without the rotations where the
+head size has none), and batch invariance carries over.
 """
 
 from __future__ import annotations
@@ -40,6 +51,30 @@ BLOCK = 32
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 KIND = {"q8_0": 0, "q4_0": 1}    # the kernels' argument
 CHUNK = 32                       # positions dequantized at a time (a tile that stays in L1)
+
+
+NO_ROTATION = np.zeros((1, 1), np.float32)   # the kernels' rotation argument when there is none
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The (n, n) Walsh-Hadamard matrix (Sylvester's; n a power of two) times 1/sqrt(n):
+    orthonormal, symmetric, its own inverse. float32."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def rotations(head_dim: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(K's rotation, V's) of a quantized cache of this head size, as llama.cpp chooses
+    them (``attn_rot_k``, ``attn_rot_v``: a head size that is a multiple of 64; K by the
+    largest power of two from 64 up dividing it, V by 64), or None."""
+    if head_dim % 64:
+        return None
+    nk = 64
+    while head_dim % (2 * nk) == 0:
+        nk *= 2
+    return hadamard(nk), hadamard(64)
 
 
 def row_bytes(kv_type: str, head_dim: int) -> int:
@@ -120,40 +155,88 @@ def _dequant(src, si, off, n_rows, rb, hd, kind, dst):
                     dst[base + 16 + j] = d * np.float32((q >> 4) - 8)
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _rotate(x, xo, hd, R, out, oo):
+    """out[oo + j] = sum over i, in increasing order, of x[xo + i] * R[i, j] within each
+    block of R's size (one fused multiply-add per term, from 0)."""
+    n = R.shape[0]
+    for b in range(hd // n):
+        for j in range(n):
+            out[oo + b * n + j] = np.float32(0.0)
+        for i in range(n):
+            xi = x[xo + b * n + i]
+            for j in range(n):
+                out[oo + b * n + j] = fma32(xi, R[i, j], out[oo + b * n + j])
+
+
 @njit(cache=True, error_model="numpy")
-def _store_q(kc, vc, k, v, slots, positions, kind):
+def _store_q(kc, vc, k, v, slots, positions, kind, rk, rv, rot):
     """Row r of k, v ((N, KV, hd) float32) -> its slot and position of the caches
-    ((n_slots, KV, n_ctx, row_bytes) uint8), quantized."""
+    ((n_slots, KV, n_ctx, row_bytes) uint8), rotated (``rot``: by rk, rv) and quantized."""
     bb = 34 if kind == 0 else 18
+    hd = k.shape[2]
+    tk = np.empty(hd, np.float32)
+    tv = np.empty(hd, np.float32)
     for r in range(k.shape[0]):
         s, p = slots[r], positions[r]
         for h in range(k.shape[1]):
             kr = k[r, h]
             vr = v[r, h]
+            if rot:
+                _rotate(kr, 0, hd, rk, tk, 0)
+                _rotate(vr, 0, hd, rv, tv, 0)
+            else:
+                for d in range(hd):
+                    tk[d] = kr[d]
+                    tv[d] = vr[d]
             ko = kc[s, h, p]
             vo = vc[s, h, p]
-            for b in range(k.shape[2] // BLOCK):
-                _quant_block(kr, b * BLOCK, ko, b * bb, kind)
-                _quant_block(vr, b * BLOCK, vo, b * bb, kind)
+            for b in range(hd // BLOCK):
+                _quant_block(tk, b * BLOCK, ko, b * bb, kind)
+                _quant_block(tv, b * BLOCK, vo, b * bb, kind)
+
+
+def _rot_args(head_dim: int, rotate: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+    r = rotations(head_dim) if rotate else None
+    return (r[0], r[1], True) if r is not None else (NO_ROTATION, NO_ROTATION, False)
 
 
 def store_q(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray,
-            positions: np.ndarray, kv_type: str) -> None:
+            positions: np.ndarray, kv_type: str, rotate: bool = True) -> None:
     """Quantize row r of k, v ((N, KV, hd) float32) into position positions[r] of slot
     slots[r] of the caches ((n_slots, KV, n_ctx, row_bytes) uint8), as llama.cpp's CPU
-    backend stores a ``kv_type`` cache. The caller has checked the slots and positions."""
-    _store_q(k_cache, v_cache, np.asarray(k, np.float32), np.asarray(v, np.float32),
-             np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(positions, np.int32), KIND[kv_type])
+    backend stores a ``kv_type`` cache (rotated first where ``rotations`` has one, unless
+    ``rotate`` is False). The caller has checked the slots and positions."""
+    k = np.asarray(k, np.float32)
+    _store_q(k_cache, v_cache, k, np.asarray(v, np.float32), np.ascontiguousarray(slots, np.int32),
+             np.ascontiguousarray(positions, np.int32), KIND[kv_type], *_rot_args(k.shape[2], rotate))
+
+
+def rotate(x: np.ndarray, R: np.ndarray) -> np.ndarray:
+    """(..., hd) float32 rows times ``R`` per block of its size, in the kernels' order."""
+    x = np.ascontiguousarray(x, np.float32)
+    flat = x.reshape(-1)
+    out = np.empty_like(flat)
+    _rotate_rows(flat, x.shape[-1], R, out)
+    return out.reshape(x.shape)
+
+
+@njit(cache=True, error_model="numpy")
+def _rotate_rows(x, hd, R, out):
+    for r in range(x.shape[0] // hd):
+        _rotate(x, r * hd, hd, R, out, r * hd)
 
 
 def quantize(x: np.ndarray, kv_type: str) -> np.ndarray:
-    """(..., hd) float32 -> (..., row_bytes) uint8 blocks (the store's quantization)."""
+    """(..., hd) float32 -> (..., row_bytes) uint8 blocks (the store's quantization,
+    without its rotation)."""
     x = np.ascontiguousarray(x, np.float32)
     hd = x.shape[-1]
     rows = x.reshape(-1, 1, 1, hd)
     out = np.zeros((rows.shape[0], 1, 1, row_bytes(kv_type, hd)), np.uint8)
     idx = np.arange(rows.shape[0], dtype=np.int32)
-    _store_q(out, np.zeros_like(out), rows[:, 0], rows[:, 0], idx, np.zeros_like(idx), KIND[kv_type])
+    _store_q(out, np.zeros_like(out), rows[:, 0], rows[:, 0], idx, np.zeros_like(idx), KIND[kv_type], NO_ROTATION,
+             NO_ROTATION, False)
     return out.reshape(x.shape[:-1] + (out.shape[-1],))
 
 
@@ -172,12 +255,13 @@ def dequantize(blocks: np.ndarray, kv_type: str, head_dim: int) -> np.ndarray:
 
 
 @njit(cache=True, error_model="numpy")
-def _rows_q(q, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks,
-            has_sinks, kt, rb, kind):
-    """``attention._rows`` over a quantized cache: rows r0..r1-1, KV head g; position t of
-    this slot and head starts at byte base + (t - t0) * rb of K / V (uint8; Ki / Vi the
-    same bytes as int8). kt: (CHUNK * hd) float32 tile."""
-    N, H, hd = q.shape
+def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den,
+            sinks, has_sinks, kt, rb, kind, rv, rot):
+    """``attention._rows`` over a quantized cache: rows r0..r1-1, KV head g; row r's query
+    head g * G + gi at flat element (r - r0) * qs + qh + gi * hd of q; position t of this
+    slot and head starts at byte base + (t - t0) * rb of K / V (uint8; Ki / Vi the same bytes
+    as int8). kt: (CHUNK * hd) float32 tile. ``rot``: each head's output rotated back by rv."""
+    N, H, hd = out.shape
     span = sc.shape[1]
     for r in range(r0, r1):
         L = lengths[r]
@@ -189,7 +273,7 @@ def _rows_q(q, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, window, out
                     out[r, g * G + gi, d] = 0.0
             continue
         kb = base + (lo - t0) * rb
-        q0 = (r * H + g * G) * hd
+        q0 = (r - r0) * qs + qh
         for c0 in range(0, n, CHUNK):
             cn = min(CHUNK, n - c0)
             _dequant(K, Ki, kb + c0 * rb, cn, rb, hd, kind, kt)
@@ -238,13 +322,18 @@ def _rows_q(q, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, window, out
                 d_sum += exp_nonpos(sinks[g * G + gi] - den[1 + gi])
             inv = np.float32(1.0) / d_sum
             h = g * G + gi
-            for d in range(hd):
-                out[r, h, d] = o[gi, d] * inv
+            if rot:                          # back from the rotated space: o * inv, times rv
+                for d in range(hd):
+                    kt[d] = o[gi, d] * inv
+                _rotate(kt, 0, hd, rv, out[r, h], 0)
+            else:
+                for d in range(hd):
+                    out[r, h, d] = o[gi, d] * inv
 
 
 @njit(cache=True, inline="always", error_model="numpy")
 def _run_job_q(p, starts, q, K, Ki, V, Vi, slots, lengths, scale, window, out, KV, n_ctx, sinks, has_sinks, rb,
-               kind):
+               kind, rk, rv, rot):
     N, H, hd = q.shape
     G = H // KV
     r0, r1, s, g, lo_min, span = _job(p, starts, slots, lengths, KV, window, n_ctx)
@@ -254,48 +343,61 @@ def _run_job_q(p, starts, q, K, Ki, V, Vi, slots, lengths, scale, window, out, K
     den = np.empty(1 + G, np.float32)
     kt = np.empty(CHUNK * hd, np.float32)
     head0 = ((s * KV + g) * n_ctx + lo_min) * rb
-    _rows_q(q, K, Ki, V, Vi, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks,
-            has_sinks, kt, rb, kind)
+    if rot:   # the job's query heads, rotated as K was
+        qr = np.empty((r1 - r0) * G * hd, np.float32)
+        qf = q.reshape(-1)
+        for r in range(r0, r1):
+            for gi in range(G):
+                _rotate(qf, (r * H + g * G + gi) * hd, hd, rk, qr, ((r - r0) * G + gi) * hd)
+        _rows_q(qr, G * hd, 0, K, Ki, V, Vi, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o,
+                den, sinks, has_sinks, kt, rb, kind, rv, rot)
+    else:
+        _rows_q(q.reshape(-1)[r0 * H * hd:], H * hd, g * G * hd, K, Ki, V, Vi, head0, lo_min, r0, r1, g, G, lengths,
+                scale, window, out, sc, ones, o, den, sinks, has_sinks, kt, rb, kind, rv, rot)
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def _attention_q_parallel(q, kc, vc, slots, lengths, scale, window, out, sinks, has_sinks, kind):
+def _attention_q_parallel(q, kc, vc, slots, lengths, scale, window, out, sinks, has_sinks, kind, rk, rv, rot):
     n_slots, KV, n_ctx, rb = kc.shape
     starts = _blocks(slots, q.shape[0])
     K, V = kc.reshape(-1), vc.reshape(-1)
     Ki, Vi = K.view(np.int8), V.view(np.int8)
     for p in prange((starts.shape[0] - 1) * KV):
         _run_job_q(p, starts, q, K, Ki, V, Vi, slots, lengths, scale, window, out, KV, n_ctx, sinks, has_sinks, rb,
-                   kind)
+                   kind, rk, rv, rot)
 
 
 @njit(cache=True, error_model="numpy")
-def _attention_q_serial(q, kc, vc, slots, lengths, scale, window, out, sinks, has_sinks, kind):
+def _attention_q_serial(q, kc, vc, slots, lengths, scale, window, out, sinks, has_sinks, kind, rk, rv, rot):
     n_slots, KV, n_ctx, rb = kc.shape
     starts = _blocks(slots, q.shape[0])
     K, V = kc.reshape(-1), vc.reshape(-1)
     Ki, Vi = K.view(np.int8), V.view(np.int8)
     for p in range((starts.shape[0] - 1) * KV):
         _run_job_q(p, starts, q, K, Ki, V, Vi, slots, lengths, scale, window, out, KV, n_ctx, sinks, has_sinks, rb,
-                   kind)
+                   kind, rk, rv, rot)
 
 
 def kernel_for_q(keys: int, n_heads: int, head_dim: int):
     """The compiled kernel ``attention_q`` runs for ``keys`` attended pairs (on the threads,
     or on the calling thread below ``attention.PARALLEL_MACS``; the same arithmetic). Its
     arguments: (q C-contiguous float32, k_cache, v_cache, slots int32, lengths int32,
-    float32 scale, int window, out, sinks, has_sinks, kind: ``KIND[kv_type]``)."""
+    float32 scale, int window, out, sinks, has_sinks, kind: ``KIND[kv_type]``, rk, rv, rot:
+    the rotations, ``NO_ROTATION`` twice and False without)."""
     from .attention import PARALLEL_MACS
 
     return _attention_q_parallel if keys * n_heads * head_dim * 2 >= PARALLEL_MACS else _attention_q_serial
 
 
 def attention_q(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: np.ndarray, lengths: np.ndarray,
-                scale: float, window: int, out: np.ndarray, kv_type: str, sinks: np.ndarray | None = None) -> np.ndarray:
+                scale: float, window: int, out: np.ndarray, kv_type: str, sinks: np.ndarray | None = None,
+                rotate: bool = True) -> np.ndarray:
     """``attention.attention_rows`` over a quantized cache (``kv_type`` q8_0 or q4_0;
-    k_cache, v_cache: (n_slots, KV, n_ctx, row_bytes) uint8, C-contiguous). The same
-    result, bit for bit, as ``attention_rows`` over ``dequantize(k_cache)``,
-    ``dequantize(v_cache)``. Returns out."""
+    k_cache, v_cache: (n_slots, KV, n_ctx, row_bytes) uint8, C-contiguous, stored by
+    ``store_q`` with the same ``rotate``). The same result, bit for bit, as
+    ``rotate(attention_rows(rotate(q, rk), dequantize(k_cache), dequantize(v_cache)), rv)``
+    with (rk, rv) = ``rotations(hd)``, or without the rotations where there are none.
+    Returns out."""
     if k_cache.dtype != np.uint8 or v_cache.dtype != np.uint8:
         raise ValueError(f"a {kv_type} KV cache holds uint8 blocks, got {k_cache.dtype}/{v_cache.dtype}")
     if k_cache.shape[-1] != row_bytes(kv_type, q.shape[2]):
@@ -307,6 +409,6 @@ def attention_q(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slots: 
         lengths = np.ascontiguousarray(lengths, np.int32)
         run = kernel_for_q(attended_keys(lengths, window), q.shape[1], q.shape[2])
         run(np.ascontiguousarray(q, np.float32), k_cache, v_cache, np.ascontiguousarray(slots, np.int32), lengths,
-            np.float32(scale), int(window), out, sinks, has_sinks, KIND[kv_type])
+            np.float32(scale), int(window), out, sinks, has_sinks, KIND[kv_type], *_rot_args(q.shape[2], rotate))
     return out
 

@@ -374,6 +374,7 @@ class CpuProgram:
         store16, store32 = cpu_attention.store_f16, cpu_attention.store_f32
         kernel_for, mode = cpu_attention.kernel_for, cpu_fdot.HOST_F16
         store_q, kernel_for_q = kvquant._store_q, kvquant.kernel_for_q
+        rot = kvquant._rot_args(hd, True)
 
         def run(env, bt, kv):
             n = bt.n
@@ -385,11 +386,11 @@ class CpuProgram:
                 keys = bt.keys[window] = cpu_attention.attended_keys(bt.lengths, window)
             # every row's K/V to its slot and position in one call (float16 rounded or
             # quantized there; forward has checked the slots and positions against the cache)
-            if kv.quant:
+            if kv.quant:   # (rotated first where llama.cpp rotates: kvquant.rotations)
                 store_q(kc, vc, env[ki].reshape(n, KV, hd), env[vi].reshape(n, KV, hd), bt.slots, bt.positions,
-                        kvquant.KIND[kv.kv_type])
+                        kvquant.KIND[kv.kv_type], *rot)
                 kernel_for_q(keys, H, hd)(q, kc, vc, bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd), sinks,
-                                          has_sinks, kvquant.KIND[kv.kv_type])
+                                          has_sinks, kvquant.KIND[kv.kv_type], *rot)
                 env[oi] = y
                 return
             (store16 if kv.half else store32)(kc, vc, env[ki].reshape(n, KV, hd), env[vi].reshape(n, KV, hd),
