@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from aotx.engine.backend.device import pick_device  # noqa: F401 (serve's device choice; bench and tests use it here)
-from aotx.engine.errors import AotxError, ModelError, UsageError
+from aotx.engine.errors import AdmissionError, AotxError, ModelError, UsageError
 
 log = logging.getLogger("aotx.serve")
 
@@ -193,11 +193,6 @@ def build_engine(args, progress=None):
     vision = load_vision(getattr(args, "mmproj", None), lm, device)
     from aotx.engine.runtime.media_prompt import DEFAULT_STORE_BYTES as image_store_bytes
     n_slots = args.slots or DEFAULT_SLOTS
-    n_ctx = args.context or min(DEFAULT_CONTEXT, lm.config.n_ctx_train)
-    if n_ctx > lm.config.n_ctx_train:  # past it the model's positions mean nothing: cap, and say so
-        log.warning("--context %d is more than the %d tokens %s was trained for; using %d", n_ctx,
-                    lm.config.n_ctx_train, lm.name, lm.config.n_ctx_train)
-        n_ctx = lm.config.n_ctx_train
     try:
         if args.memory_budget:
             total = clamp_budget(admission.parse_size(args.memory_budget), device, args.memory_budget)
@@ -207,7 +202,7 @@ def build_engine(args, progress=None):
         raise UsageError(f"--memory-budget: cannot read {args.memory_budget!r} as a size (e.g. 4G, 512M)") from None
     kv_type = getattr(args, "kv_type", None) or "f16"
     try:
-        kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type)
+        lm.model.kv_cache_bytes(1, 1, kv_type)
     except ValueError as e:  # a KV type this backend or this model's head size does not take
         raise UsageError(f"--kv-type {kv_type}: {e}") from None
     prefill_chunk = getattr(args, "prefill_chunk", 256)
@@ -216,15 +211,38 @@ def build_engine(args, progress=None):
     # on CUDA the budget is the GPU's memory: parked capsules stay on the device up to a share
     # of it, and host-memory capsules live outside it
     capsule_device = min(2 << 30, total // 16) if device == "cuda" else 0
-    budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
-                            journal_bytes, total, capsule_bytes=capsule_host if device != "cuda" else 0,
-                            media_bytes=media_bytes(lm, device, vision) + (image_store_bytes if vision else 0),
-                            capsule_device_bytes=capsule_device,
-                            prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
-                            draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (),
-                            kv_type=kv_type)
-    ec = getattr(args, "expert_cache", None)
+    media = media_bytes(lm, device, vision) + (image_store_bytes if vision else 0)
+
+    def plan_for(n_ctx: int):
+        return admission.plan(lm.config, lm.model.weight_bytes, lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type),
+                              n_slots, n_ctx, prefill_chunk, journal_bytes, total,
+                              capsule_bytes=capsule_host if device != "cuda" else 0, media_bytes=media,
+                              capsule_device_bytes=capsule_device,
+                              prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
+                              draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (),
+                              kv_type=kv_type)
+
+    def fits(n_ctx: int) -> bool:
+        try:
+            plan_for(n_ctx)
+            return True
+        except AdmissionError:
+            return False
+
     is_moe = bool(getattr(getattr(lm.model, "program", None), "moe_nodes", lambda: [])())
+    # a mixture of experts keeps what the budget leaves for its expert cache: its default
+    # context stays at DEFAULT_CONTEXT (or its trained one, when shorter)
+    train = min(DEFAULT_CONTEXT, lm.config.n_ctx_train) if is_moe and not args.context else lm.config.n_ctx_train
+    choice = admission.choose_context(args.context, train, fits,
+                                      lambda s, n: lm.model.kv_cache_bytes(s, n, kv_type), n_slots, total, kv_type,
+                                      model=lm.name)
+    n_ctx = choice.n_ctx
+    log.info("%s", choice.line)
+    if choice.notice:  # said where the user looks: the clients' start, `aotx status`, the TUI
+        log.warning("%s", choice.notice)
+    kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type)
+    budget = plan_for(n_ctx)
+    ec = getattr(args, "expert_cache", None)
     if ec not in (None, "static") and not is_moe:
         # said, not refused: the flag is harmless here (llama.cpp's --n-cpu-moe on a dense file says nothing)
         who = getattr(lm.config, "name", "") or "the model"
@@ -242,6 +260,9 @@ def build_engine(args, progress=None):
 
     no_journal = getattr(args, "no_journal", False)
     store = open_store(None if no_journal else paths.journal_dir(), buffer_bytes=journal_bytes)
+    if choice.notice:
+        store.notices.append(choice.notice)
+    lm.notes["context"] = choice.line
     caps = CapsuleCache(None if no_journal else paths.capsules_dir() / lm.fingerprint, host_bytes=capsule_host,
                         fingerprint=lm.fingerprint, device_bytes=capsule_device, kv_type=kv_type)
     from aotx.engine.runtime.catalog import Catalog
