@@ -167,7 +167,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
 
     def _drop_draft_attachments(self) -> None:
         """Another conversation opens: the chips of the message being written belonged
-        to this one and must not go with the next one's first message (issue 17, defect 3)."""
+        to this one and must not go with the next one's first message."""
         dropped = self.query_one(AttachmentBar).take()
         if dropped or self.notice_kind == "attach":
             self.show_notice("")
@@ -294,7 +294,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
     def refused_before_accept(self, item: Outgoing, why: str) -> None:
         """A message the engine refused before accepting it (nothing was journaled):
         say so above the input, where the user looks, and put the words back in an
-        empty input to shorten or change (issue 17, defect 5)."""
+        empty input to shorten or change."""
         back = not self.chat_input.text.strip() and self.conv_id == item.conv_id
         if back:
             self.chat_input.text = item.text
@@ -333,7 +333,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
             self.show_notice("")
 
     def on_attachment_bar_changed(self, event: AttachmentBar.Changed) -> None:
-        """A chip went away: the notice says what is left (issue 17, defect 3)."""
+        """A chip went away: the notice says what is left."""
         if self.notice_kind == "attach" or not event.bar.attachments:
             self._attach_notice()
         if event.focus_lost:

@@ -58,7 +58,7 @@ WIDGET_KEYS: tuple[tuple[str, str], ...] = (
     ("/attach PATH", "Attach files (quoted or escaped paths too)"),
 )
 
-# Help rows must fit an 80-column terminal (issue 17, point 14): the help table's key
+# Help rows must fit an 80-column terminal: the help table's key
 # column plus its description column, each with a cell of padding, inside the dialog.
 HELP_KEY_WIDTH, HELP_TEXT_WIDTH = 16, 46
 

@@ -161,7 +161,7 @@ class EngineLink:
     async def sync_conversations(self, client=None) -> None:
         """Bring the sidebar and the search index in step with the engine's table: a
         conversation another client added, renamed, continued or deleted shows up here
-        without a restart (issue 17, point 13)."""
+        without a restart."""
         client = client or self.client
         if client is None:
             return
@@ -191,7 +191,7 @@ class EngineLink:
     def follow(self, conv_id: str, msg_id: str) -> None:
         """Show a reply the engine is still writing that this app did not ask for (an
         earlier aotx-chat that was closed or killed mid-reply, or another client): the
-        engine finishes it, and the widget follows it until it is done (issue 17, defect 6)."""
+        engine finishes it, and the widget follows it until it is done (never "cancelled")."""
         self.run_worker(self._follow_reply(conv_id, msg_id), group="follow", exclusive=True, name="follow")
 
     async def _follow_reply(self, conv_id: str, msg_id: str) -> None:

@@ -1,4 +1,4 @@
-"""aotx-chat and several models (issue 20): the model picker and each conversation's model.
+"""aotx-chat and several models: the model picker and each conversation's model.
 
 Owns: Ctrl+O (``action_pick_model``: the engine's ``ListModels`` in ``ModelPicker``; the
 choice switches the open conversation with ``SwitchModel``, its history kept and read

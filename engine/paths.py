@@ -74,7 +74,7 @@ def runtime_dir() -> Path:
 
     On Linux without ``XDG_RUNTIME_DIR`` (containers, ssh, cron) the data dir's ``run``
     folder, not platformdirs' /tmp fallback: that one printed a RuntimeDirWarning on every
-    command (a new user's report, session 7) and lies outside the one root AOTX writes to."""
+    command and lies outside the one root AOTX writes to."""
     if os.environ.get("AOTX_HOME"):
         return private_dir(data_dir() / "run")
     if sys.platform.startswith("linux") and not os.environ.get("XDG_RUNTIME_DIR"):

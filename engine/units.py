@@ -54,8 +54,8 @@ def plural(n: int, word: str) -> str:
 def short_title(text: str, limit: int = 60) -> str:
     """A conversation title from a prompt: whitespace collapsed, at most ``limit``
     characters, cut at a word boundary when the cut falls inside a word (unless that leaves
-    less than half), with no trailing space or punctuation left by the cut (a new user saw
-    titles such as "... reverses a string," end in a comma)."""
+    less than half), with no trailing space or punctuation left by the cut (never a title
+    such as "... reverses a string," ending in a comma)."""
     t = " ".join(text.split())
     if len(t) <= limit:
         return t

@@ -1,5 +1,5 @@
 """Running the ``aotx`` command in tests: one subprocess with its own data dir, and the one
-error line a refusal must print (shared by the new-user and trial defect tests)."""
+error line a refusal must print (shared by the ``test_cli_*`` files)."""
 
 from __future__ import annotations
 
@@ -22,4 +22,15 @@ def one_line(r: subprocess.CompletedProcess) -> str:
     """The single non-blank line of standard error (asserted: one, and no traceback)."""
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def usage_error(r: subprocess.CompletedProcess) -> str:
+    """The one line of a refusal: exit code 2, no traceback, one line on standard error,
+    starting ``aotx: `` once (never ``aotx: aotx:``)."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("aotx: ") and not lines[0].startswith("aotx: aotx:"), lines[0]
     return lines[0]

@@ -1,5 +1,5 @@
 """Teacher-forced comparison of a forward pass with llama.cpp's reference logits: the
-"Done when" of issue 14, in one function.
+acceptance rule for a real architecture, in one function.
 
 ``compare(forward, ref)`` feeds every reference token sequence through ``forward`` at once
 (teacher-forced: the reference tokens, not the model's own choices), and at each compared

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
+from app_fake_engine import FakeEngine, make_app, notice, settle  # noqa: E402
+from fakes.terminal import bracketed_paste  # noqa: E402
 
 from aotx.engine import protocol as P  # noqa: E402
 
@@ -217,3 +218,52 @@ async def test_details_screen_shows_receipt():
         assert reply.msg_id in body and "tokens" in body
         await pilot.press("escape")
         assert not app.screen.query("#details-body")
+
+
+async def test_arrow_keys_move_between_messages():
+    e = FakeEngine()
+    e.add_conversation("Rust lifetimes", [("user", "what is 'a?"), ("assistant", "A **lifetime** names a borrow.")])
+    e.add_conversation("Pasta recipe", [("user", "carbonara?"), ("assistant", "Eggs, guanciale, pecorino. No cream.")])
+    e.add_conversation("Trip", [("user", "where to in May?"), ("assistant", "Lisbon: warm, and the jacaranda bloom.")])
+    app, _ = make_app(e)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        ms = app.messages()
+        assert app.chat_input.has_focus and app.chat_input.text == ""
+        await pilot.press("up")  # from the empty input: the last message
+        assert app.focused is ms[-1]
+        await pilot.press("up")
+        assert app.focused is ms[-2]
+        await pilot.press("up")  # the first stays the first
+        assert app.focused is ms[0]
+        await pilot.press("down")
+        assert app.focused is ms[1]
+        await pilot.press("down")  # past the last: back to the input
+        assert app.chat_input.has_focus
+
+
+async def test_refusal_of_a_long_prompt_is_where_the_user_looks():
+    """Regression: a too-long prompt's refusal was shown out of view."""
+    big = "".join(f"paragraph {i}: some pasted log output that goes on and on\n" for i in range(1200))
+    app, engine = make_app(FakeEngine(max_prompt_chars=4000))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await settle(pilot)
+        bracketed_paste(app, big)
+        await pilot.pause()
+        await pilot.press("enter")
+        await settle(pilot)
+        user = app.messages()[-1]
+        assert user.position == "failed"
+        # the refusal is above the input (always on screen), and the message's own notice
+        # is at its end, inside the visible part of the chat
+        assert notice(app).startswith("Too long for the context (too_long)")
+        assert "back in the input" in notice(app)
+        end = user.query(".msg-end-notices .msg-notice")
+        assert end and any("Too long for the context" in str(n.render()) for n in end)
+        await pilot.pause()
+        chat = app.chat.region
+        last = end.last().region
+        assert chat.y <= last.y and last.bottom <= chat.bottom, (chat, last)
+        # nothing reached the journal, and the words are back to shorten
+        assert all(not c.messages for c in engine.convs.values())
+        assert app.chat_input.text == big.strip()

@@ -116,7 +116,7 @@ async def test_settings_modal_updates_system_prompt_and_sampling():
         await until(pilot, lambda: app.screen.query("#system-prompt"))
         screen = app.screen
         await pilot.pause()
-        # nothing had the focus when the dialog opened: typed keys went nowhere (session 7's trial)
+        # nothing had the focus when the dialog opened: typed keys went nowhere
         assert app.focused is screen.query_one("#system-prompt")
         screen.query_one("#system-prompt").text = "Answer in French."
         screen.query_one("#f-temperature", Input).value = "oops"
@@ -176,6 +176,29 @@ async def test_theme_switch_at_run_time_is_remembered(home):
     app3, _ = make_app(theme="dark")
     async with app3.run_test() as pilot:
         assert app3.theme_name == "dark"
+
+
+async def test_more_than_two_themes_from_textual_and_all_remembered(home):
+    from aotx.app.theming import THEMES
+
+    assert {"dark", "light", "nord", "gruvbox", "tokyo-night", "dracula"} <= set(THEMES)
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        seen = []
+        for _ in range(3):
+            await pilot.press("f6")
+            seen.append((app.theme_name, app.theme))
+        assert seen[0] == ("light", "textual-light")
+        assert seen[1][0] == seen[1][1] and seen[1][0] not in ("dark", "light")  # a Textual theme by its name
+        app.theme = "nord"  # Textual's own "Change theme" command sets this
+        await pilot.pause()
+        assert app.theme_name == "nord" and app.has_class("theme-textual") and not app.has_class("theme-dark")
+    assert json.loads((home / "app_state.json").read_text())["theme"] == "nord"
+    app2, _ = make_app()
+    async with app2.run_test() as pilot:
+        await settle(pilot)
+        assert app2.theme_name == "nord" and app2.theme == "nord"
 
 
 async def test_pasted_paths_become_chips_even_without_input_focus(tmp_path):
@@ -345,7 +368,7 @@ def test_parse_sampling_speculative():
 
 
 async def test_capsule_notice_speaks_plainly_and_only_when_it_helps():
-    """Regression (issue 17, defect 7): "Context restored from a capsule: restored 29 tokens
+    """Regression: "Context restored from a capsule: restored 29 tokens
     of context from a parked capsule (host memory) (no re-prefill)" on a brand-new chat.
     A new conversation has nothing to pick up: no notice; a continued one says so plainly."""
     from aotx.engine import protocol as P
@@ -401,7 +424,7 @@ async def test_engine_error_codes_drive_the_app():
 
 
 def test_a_model_notice_reads_as_its_sentence():
-    """Regression (new-user trial, session 4): the TUI showed "Model: model. loading model
+    """Regression: the TUI showed "Model: model. loading model
     qwen2.5-coder-0.5b-instruct-q4_k_m (468.6 MiB, qwen2 Q4_K_M)"."""
     from aotx.engine.present.format import notice_text
     from aotx.engine import protocol as P

@@ -1,4 +1,4 @@
-"""aotx-chat and several models (issue 20, must-have 3): the model picker (Ctrl+O), the model
+"""aotx-chat and several models: the model picker (Ctrl+O), the model
 of each conversation in the status line and the sidebar, switching mid-conversation."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_model_rows_show_size_arch_quant_context_and_state():
                                             "900.0 MiB", "")
     loaded = P.ModelInfo(name="a", loaded=True, size_bytes=1 << 20)
     assert model_row(loaded, current="a")[0] == "▸ a" and model_row(loaded, current="a")[-1] == "loaded"
-    # a loaded model shows the context it serves, not its file's (session 4's new-user report)
+    # a loaded model shows the context it serves, not its file's
     served = P.ModelInfo(name="q", loaded=True, n_ctx_train=32768, n_ctx=4096)
     assert model_row(served, current="")[4] == "4096"
     assert model_row(REMOTE, current="")[1] == "remote"
@@ -108,7 +108,7 @@ async def test_f4_settings_opens_the_model_picker():
 
 
 async def test_aotx_chat_model_flag_opens_a_new_conversation_on_that_model():
-    """Regression (new-user trial, session 4): `aotx-chat --model qwen.gguf` with an engine
+    """Regression: `aotx-chat --model qwen.gguf` with an engine
     running opened the last conversation and answered on the default model, saying
     nothing; Ctrl+N's new conversations ignored the chosen model too."""
     engine = FakeEngine()
@@ -143,7 +143,7 @@ def _engine_exiting(code: int, message: str, calls: list):
 
 
 async def test_aotx_chat_exits_when_the_engine_it_started_refuses_its_arguments():
-    """Regression (new-user trial, session 4): `aotx-chat --model qwen-coder` (a name naming
+    """Regression: `aotx-chat --model qwen-coder` (a name naming
     nothing) or a GGUF of an architecture AOTX lacks opened the TUI and restarted the
     engine every 5 s for ever ("Cannot reach the engine ... Retrying in 5 s"). An engine
     that exits 2 before answering refused its arguments: the app ends, exit code 2."""
@@ -169,7 +169,7 @@ async def test_aotx_chat_keeps_retrying_an_engine_that_crashed_at_start():
 
 
 def test_aotx_chat_with_a_file_as_its_home_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
-    """Regression (new-user trial, session 4): `AOTX_HOME=afile aotx-chat` printed a
+    """Regression: `AOTX_HOME=afile aotx-chat` printed a
     traceback ending in StorageError ("a file stands where a directory should be"), exit 1."""
     from aotx.app.main import main
 

@@ -1,4 +1,7 @@
-"""Table test of parse_pasted_paths: what real terminals send when a file is dropped."""
+"""Pastes and drops: a table test of parse_pasted_paths (what real terminals send when a
+file is dropped), file sniffing, and aotx-chat taking a bracketed paste exactly once, in
+whichever text box has the focus (pastes go through Textual's terminal parser,
+``fakes.terminal.bracketed_paste``, the way a terminal delivers them)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from aotx.engine.present.attach import make_attachment, sniff
-from aotx.engine.present.paste import PastedItem, parse_pasted_paths
+from textual.widgets import TextArea  # noqa: E402
+
+from aotx.engine.present.attach import make_attachment, sniff  # noqa: E402
+from aotx.engine.present.paste import PastedItem, parse_pasted_paths  # noqa: E402
+from app_fake_engine import FakeEngine, chips, make_app, settle, until  # noqa: E402
+from fakes.media_files import write_png  # noqa: E402
+from fakes.terminal import bracketed_paste  # noqa: E402
 
 H = "/home/u"
 
@@ -50,8 +58,8 @@ CASES = [
     ("non-media path still a path", "/etc/hosts", P("/etc/hosts")),
     ("mixed quoting styles", "'/tmp/a b.png' /tmp/c\\ d.wav \"/tmp/e f.ogg\"",
      P("/tmp/a b.png", "/tmp/c d.wav", "/tmp/e f.ogg")),
-    # issue 15 item 11: cases from public bug reports
-    ("quoted path then text (issue 15)", "'/tmp/cat.jpg' describe this", P("/tmp/cat.jpg") + T("describe this")),
+    # cases from public bug reports
+    ("quoted path then text", "'/tmp/cat.jpg' describe this", P("/tmp/cat.jpg") + T("describe this")),
     ("double-quoted path then a question", '"/tmp/my cat.png" what is in it?',
      P("/tmp/my cat.png") + T("what is in it?")),
     ("escaped path then text", r"/tmp/my\ cat.png what is it?", P("/tmp/my cat.png") + T("what is it?")),
@@ -62,11 +70,11 @@ CASES = [
      P("/tmp/cat.jpg") + T("what's this?")),
     ("quoted path line, then a text line", "'/tmp/a.png'\nwhat is this?\nand this?",
      P("/tmp/a.png") + T("what is this?\nand this?")),
-    ("backslash-escaped space, relative (issue 15)", r"Example\ file.wav", P("Example file.wav")),
+    ("backslash-escaped space, relative", r"Example\ file.wav", P("Example file.wav")),
     ("backslash-escaped, relative, trailing space", "Screen\\ Shot\\ 2024-01-01\\ at\\ 9.41.00.png ",
      P("Screen Shot 2024-01-01 at 9.41.00.png")),
     ("quoted relative name", "'my cat.png'", P("my cat.png")),
-    ("Windows-quoted path (issue 15)", r'"C:\Users\me\My Pictures\cat 1.png"', P(r"C:\Users\me\My Pictures\cat 1.png")),
+    ("Windows-quoted path", r'"C:\Users\me\My Pictures\cat 1.png"', P(r"C:\Users\me\My Pictures\cat 1.png")),
     ("Windows path unquoted", r"C:\Users\me\cat.png", P(r"C:\Users\me\cat.png")),
     ("Windows path with forward slashes", "C:/Users/me/cat.png", P("C:/Users/me/cat.png")),
     ("Windows-quoted path then text", r'"D:\clips\a b.wav" what is said?', P(r"D:\clips\a b.wav") + T("what is said?")),
@@ -129,3 +137,75 @@ def test_make_attachment(tmp_path) -> None:
     assert "not an image or audio" in make_attachment(str(tmp_path / "notes.txt")).problem
     (tmp_path / "dir.png").mkdir()
     assert "not a regular file" in make_attachment(str(tmp_path / "dir.png")).problem
+
+
+# ---- a bracketed paste in the app: inserted once -------------------------------------
+
+@pytest.fixture
+def app_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTX_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.mark.usefixtures("app_home")
+async def test_bracketed_paste_is_inserted_once():
+    """Regression: a bracketed paste was inserted twice ("hello therehello there")."""
+    app, engine = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        assert app.chat_input.has_focus
+        events = bracketed_paste(app, "hello there")
+        assert [type(e).__name__ for e in events] == ["Paste"]
+        await pilot.pause()
+        assert app.chat_input.text == "hello there"  # was "hello therehello there"
+        bracketed_paste(app, ", first line\nsecond line\n")
+        await pilot.pause()
+        assert app.chat_input.text == "hello there, first line\nsecond line\n"
+        await pilot.press("enter")
+        await settle(pilot)
+        assert engine.submitted[-1][1] == "hello there, first line\nsecond line"  # sent stripped
+
+
+@pytest.mark.usefixtures("app_home")
+async def test_a_large_paste_is_not_doubled():
+    """The report: a 67 KB paste became a 30,030-token prompt, twice the paste."""
+    big = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(1300))
+    assert len(big) > 66_000
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        bracketed_paste(app, big)
+        await pilot.pause()
+        assert app.chat_input.text == big
+
+
+@pytest.mark.usefixtures("app_home")
+async def test_paste_of_a_dropped_path_with_a_question(tmp_path):
+    """A dropped file followed by typed words: the file becomes a chip, the words text."""
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        shot = write_png(tmp_path / "my shot.png")
+        bracketed_paste(app, f"'{shot}' what does it say?")
+        await settle(pilot)
+        assert chips(app) == ["my shot.png"]
+        assert app.chat_input.text == "what does it say?"
+
+
+@pytest.mark.usefixtures("app_home")
+async def test_other_text_boxes_take_a_paste_once():
+    app, _ = make_app(FakeEngine())
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        app.chat_input.insert("x")
+        await pilot.press("enter")
+        await settle(pilot)
+        await pilot.press("f4")
+        await until(pilot, lambda: app.screen.query("#system-prompt"))
+        box = app.screen.query_one("#system-prompt", TextArea)
+        box.focus()
+        await pilot.pause()
+        bracketed_paste(app, "Be brief.")
+        await pilot.pause()
+        assert box.text == "Be brief."
+        assert app.chat_input.text == ""  # the paste did not also land in the input behind the dialog

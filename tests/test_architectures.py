@@ -71,7 +71,7 @@ def all_logits(lm, ids, kv_type: str = "f16") -> np.ndarray:
 
 @pytest.mark.parametrize("name", TINY_NAMES)
 def test_tiny_file_matches_llama_cpp_teacher_forced(request, tiny_cache, name):
-    """Issue 14's Done-when on every tiny file: argmax equal where llama.cpp's top-two gap
+    """The acceptance rule on every tiny file: argmax equal where llama.cpp's top-two gap
     is >= 0.5, mean |logit diff| on its top-5 <= 0.5 (observed 0.05 .. 0.10)."""
     path, ref = _fixture(request, "tiny_reference")(name)
     refcheck = _by_path("aotx_tests_refcheck", "refcheck.py")

@@ -1,6 +1,6 @@
-"""Batch invariance of the forward pass on tiny GGUF files (issue 16, item 2).
+"""Batch invariance of the forward pass on tiny GGUF files.
 
-The promise (shared/DESIGN.md, engine/model/batch.py): for a given model, backend and KV
+The promise (DESIGN.md, engine/model/batch.py): for a given model, backend and KV
 type (f32, f16, q8_0, q4_0), the logits of a row depend only on that row's token, its position and the KV it
 attends to - not on the other rows of the batch, the batch size, the segment length, the
 prefill chunking, the slot, or whether the row is a decode, prefill or verify row.

@@ -1,4 +1,4 @@
-"""Same request, same tokens, whatever else the engine does (issue 16, item 3), end to end
+"""Same request, same tokens, whatever else the engine does, end to end
 on the real default model through an in-process engine (the tick loop on its thread, as
 the tests' engines run; requests and events as the protocol carries them).
 

@@ -1,5 +1,5 @@
-"""Capsule files on disk (issue 15): private modes (defect 2), no temporary file left
-by a failed write or a crash (defect 3), checkpoints written 0600 (defect 2)."""
+"""Capsule files on disk: private modes, no temporary file left by a failed write or a
+crash, checkpoints written 0600."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def wide_umask():
 
 
 def test_capsules_are_written_0600_in_0700_directories(tmp_path, monkeypatch, wide_umask):
-    """Defect 2: capsules were written 0644 in 0755 directories under the data dir (their
+    """Regression: capsules were written 0644 in 0755 directories under the data dir (their
     token buffers decode to the user's text)."""
     monkeypatch.setenv("AOTX_HOME", str(tmp_path / "home"))
     from aotx.engine import paths
@@ -49,7 +49,7 @@ def test_capsules_are_written_0600_in_0700_directories(tmp_path, monkeypatch, wi
 
 
 def test_compaction_checkpoints_are_written_0600(tmp_path, wide_umask):
-    """Defect 2: `aotx journal compact` wrote its checkpoint segment 0644."""
+    """Regression: `aotx journal compact` wrote its checkpoint segment 0644."""
     from aotx.engine.journal import ConversationCreated, Journal, compact
 
     with Journal(tmp_path) as j:
@@ -85,7 +85,7 @@ class FullDisk:
 
 
 def test_a_capsule_write_that_fills_the_disk_leaves_no_temporary_file(tmp_path):
-    """Defect 3: a capsule write on a full disk left a 2 MB `.caps.tmp` that kept the disk
+    """Regression: a capsule write on a full disk left a 2 MB `.caps.tmp` that kept the disk
     full, so every later message failed with [Errno 28], even after a restart."""
     disk = FullDisk(room=4096)
     caps = CapsuleCache(tmp_path, fingerprint="fp", fs=disk.io)
@@ -116,7 +116,7 @@ def test_eviction_to_a_full_disk_drops_the_capsule_instead_of_failing_the_tick(t
 
 
 def test_temporary_capsules_a_crash_left_are_removed_when_the_cache_opens(tmp_path):
-    """Defect 3: the tmp file was never removed, so the disk stayed full across restarts."""
+    """Regression: the tmp file was never removed, so the disk stayed full across restarts."""
     (tmp_path / "c1.caps.tmp").write_bytes(b"\0" * (2 << 20))
     C.save(_cap(30), tmp_path / "c2.caps")
     caps = CapsuleCache(tmp_path, fingerprint="fp")

@@ -1,4 +1,4 @@
-"""A fresh user's bad ``--model`` (fixcli): one line, exit code 2, nothing started or written.
+"""A fresh user's bad ``--model``: one line, exit code 2, nothing started or written.
 
 Bugs named here: aotx-chat opened the TUI and never exited for a missing model file;
 ``--model README.md`` (an existing file without a "/") was read as a catalog name;
@@ -111,7 +111,7 @@ def test_catalog_resolves_an_existing_file_as_a_path(tmp_path, text_file, monkey
     (["--device", "gpu"], "aotx-chat: --device 'gpu' is not one of auto, cpu, cuda; did you mean 'cpu'?"),
 ])
 def test_bug_aotx_chat_flag_typo_is_one_line_with_a_did_you_mean(argv, line, capsys):
-    """Regression (session 4's new-user report): a mistyped aotx-chat flag printed argparse's
+    """Regression: a mistyped aotx-chat flag printed argparse's
     usage block and "unrecognized arguments", with no suggestion (`aotx` itself suggests)."""
     from aotx.app import main as chat_main
 
@@ -123,7 +123,7 @@ def test_bug_aotx_chat_flag_typo_is_one_line_with_a_did_you_mean(argv, line, cap
 
 
 def test_bug_run_with_an_unknown_model_name_starts_no_engine(tmp_path, default_model_path):
-    """Regression (session 4's new-user report): with no engine, `aotx run --model NAME` for a
+    """Regression: with no engine, `aotx run --model NAME` for a
     name nothing knows started an engine (loading the default model) and then refused the
     name; it is refused at once now, in the engine's words, and no engine is started."""
     r = aotx(tmp_path, "run", "--model", "qwen-coder", "hi")

@@ -1,4 +1,4 @@
-"""The sampling defaults for a small model (issue 17, point 15), through the engine a
+"""The sampling defaults for a small model, through the engine a
 user meets: ``protocol.SamplingParams()`` as ``aotx run``, aotx-chat and the gateway send
 it when nothing is set.
 
@@ -46,8 +46,8 @@ def test_cli_sends_the_protocol_defaults():
     assert P.SamplingParams().repeat_penalty == P.REPEAT_PENALTY == 1.1
 
 
-def test_point15_default_max_tokens_runs_to_the_context(tiny_gguf, tmp_path):
-    """Regression (issue 17, point 15): the default length limit was 512 tokens, which cut
+def test_default_max_tokens_runs_to_the_context(tiny_gguf, tmp_path):
+    """Regression: the default length limit was 512 tokens, which cut
     a requested 1000-word story (~1,300 tokens). A tiny model that never stops by itself
     (greedy, no penalty: it cycles without an end-of-text token) now writes until the
     context is full."""
@@ -66,7 +66,7 @@ def test_point15_default_max_tokens_runs_to_the_context(tiny_gguf, tmp_path):
 
 
 @pytest.mark.realmodel
-def test_point15_default_repeat_penalty_answers_without_a_loop_and_keeps_the_code_answer(loaded_model):
+def test_default_repeat_penalty_answers_without_a_loop_and_keeps_the_code_answer(loaded_model):
     """At temperature 0 with the default penalty, through the engine: llama.cpp's reference
     prompts (the prompt ids must be the reference's) get replies that end by themselves
     without repeating themselves, and the code answer starts as llama.cpp's greedy

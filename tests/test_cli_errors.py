@@ -88,3 +88,18 @@ def test_valid_tiny_model_works(valid, tmp_path):
     assert r.stdout.split() == ["272", "261", "2"]
     r = aotx(tmp_path, "logits", "--model", str(valid), "--top", "2", "--json", "--ids", "1,2,3")
     assert r.returncode == 0, r.stderr
+
+
+def test_an_engine_refusal_that_lists_items_keeps_them(tmp_path):
+    """Regression: `aotx run --memory-budget 10M hi` ended with a dangling colon: "...the
+    budget is 10.0 MiB (10,485,760 bytes): (details in ...)"; the items the engine listed
+    under its refusal now follow it on the one line."""
+    from aotx.engine.ipc.client import _tail
+
+    log = tmp_path / "engine.log"
+    log.write_text("starting\naotx: the model does not fit: the budget is 10.0 MiB (10,485,760 bytes):\n"
+                   "  weights 98.4 MiB\n  KV cache 96.0 MiB\n")
+    assert _tail(log) == ("the model does not fit: the budget is 10.0 MiB (10,485,760 bytes): weights 98.4 MiB; "
+                          "KV cache 96.0 MiB")
+    log.write_text("aotx: plain refusal\n")
+    assert _tail(log) == "plain refusal"

@@ -1,4 +1,4 @@
-"""The command line of several models (issue 20): aotx models, run --model, unload, models add/remove.
+"""The command line of several models: aotx models, run --model, unload, models add/remove.
 
 ``aotx models`` without an engine reads the models folder; the rest runs against an
 ``aotx serve`` subprocess on the default model, with a tiny llama file in its models
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_support import aotx as cli_aotx, one_line
 from tests.gateway_support import start_engine, stop_engine
 
 pytestmark = pytest.mark.realmodel
@@ -44,7 +45,7 @@ def test_models_without_an_engine_reads_the_folder(home):
     assert any(m.get("default") for m in d["models"])
     text = aotx(home, "models").stdout
     assert "tiny-a" in text and "estimated for 8 slots" in text
-    # regression (session 4's new-user report): the "context" column showed the trained context,
+    # regression: the "context" column showed the trained context,
     # not what the engine would serve; now that column is the served one, "trained" the file's
     header = text.splitlines()[0].split()
     assert header[4:6] == ["context", "trained"], header
@@ -110,7 +111,7 @@ def test_run_model_loads_beside_the_default_then_unload(home, engine):
 
 
 def test_bug_models_shows_the_default_models_size_quant_and_served_context(home, engine):
-    """fixcli: `aotx models` showed size `-`, quant `-` and the trained context (8192)
+    """Regression: `aotx models` showed size `-`, quant `-` and the trained context (8192)
     for the loaded default model while `aotx status` said the engine serves 4096."""
     sock = str(engine)
     listed = json.loads(aotx(home, "models", "--socket", sock, "--json").stdout)
@@ -124,7 +125,7 @@ def test_bug_models_shows_the_default_models_size_quant_and_served_context(home,
 
 
 def test_bug_run_refused_by_the_engine_leaves_no_empty_conversation(home, engine):
-    """fixcli: a run the engine refuses (an unknown model name) left "0 messages" behind."""
+    """Regression: a run the engine refuses (an unknown model name) left "0 messages" behind."""
     sock = str(engine)
     before = json.loads(aotx(home, "conversations", "list", "--socket", sock, "--json").stdout or "[]")
     bad = aotx(home, "run", "--socket", sock, "--model", "no-such-model-here", "--max-tokens", "2", "x")
@@ -149,3 +150,46 @@ def test_bug_a_loaded_model_whose_file_was_deleted_still_answers_by_name(home, e
     assert aotx(home, "unload", "tiny-gone", "--socket", sock).returncode == 0
     r = aotx(home, "run", "--socket", sock, "--model", "tiny-gone", "--max-tokens", "2", "hi")
     assert r.returncode == 2 and "no model named 'tiny-gone'" in r.stderr, r.stderr
+
+
+def test_unload_of_the_default_model_is_refused_and_it_stays_loaded(home, engine):
+    """Regression: `aotx unload <default model>` said "unloaded" and left no model loaded
+    although the README says the default model stays."""
+    default = json.loads(cli_aotx(home, "status", "--socket", str(engine), "--json").stdout)["model"]
+    r = cli_aotx(home, "unload", default, "--socket", str(engine))
+    assert r.returncode == 2 and r.stdout == ""
+    assert one_line(r) == (f"aotx: {default} is the engine's default model: it stays loaded (unload the models "
+                           f"loaded beside it; `aotx stop` frees all of them)")
+    listed = json.loads(cli_aotx(home, "models", "--socket", str(engine), "--json").stdout)
+    assert next(m for m in listed["models"] if m["name"] == default)["loaded"] is True
+
+
+def test_models_add_refuses_an_existing_name_unless_replace(tmp_path):
+    """Regression: ``models add`` silently replaced an entry of the same name."""
+    r = cli_aotx(tmp_path, "models", "add", "big", "--url", "http://a/v1", "--remote-model", "Qwen/Qwen2.5-72B",
+             timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = cli_aotx(tmp_path, "models", "add", "big", "--url", "http://b/v1", timeout=120)
+    assert r.returncode == 2
+    assert "a remote model named 'big' exists (-> http://a/v1); add --replace" in one_line(r)
+    entry = (tmp_path / "models" / "big.remote.json").read_text()
+    assert "http://a/v1" in entry and "Qwen2.5-72B" in entry          # nothing was written
+    r = cli_aotx(tmp_path, "models", "add", "big", "--url", "http://b/v1", "--replace", timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("replaced remote model big -> http://b/v1")
+    assert "http://b/v1" in (tmp_path / "models" / "big.remote.json").read_text()
+
+
+def test_models_add_refuses_a_local_models_name(tmp_path, default_model_path):
+    r = cli_aotx(tmp_path, "models", "add", default_model_path.stem, "--url", "http://x/v1", timeout=120)
+    assert r.returncode == 2
+    assert "is already the name of a local model" in one_line(r)
+    assert not list((tmp_path / "models").glob("*.remote.json"))
+
+
+def test_tokenize_with_a_mistyped_model_name_suggests_the_close_one(tmp_path, default_model_path):
+    """Regression: `aotx tokenize --model smolm2` named no model to try instead."""
+    r = cli_aotx(tmp_path, "tokenize", "--model", "smolm2", "hi", timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"did you mean {default_model_path.stem}?" in one_line(r)
+    r = cli_aotx(tmp_path, "tokenize", "--model", "zzzz", "hi", timeout=120)
+    assert r.returncode == 2 and "did you mean" not in one_line(r)

@@ -1,10 +1,10 @@
-"""``aotx serve`` admits only what can work (issue 17, defect 8), on a tiny model.
+"""``aotx serve`` admits only what can work, on a tiny model.
 
 Regressions: ``--memory-budget 500G`` on a 23 GiB machine sized 24.3 GiB of KV with no
 warning; ``--context 100000000`` logged that it exceeds the trained 8,192 and sized
 100M tokens anyway; the speech and OCR specialists took 1.1 GiB of the budget before
 any audio or picture was used, so ``--memory-budget 1G`` refused a text-only chat.
-Also defect 4's engine side: an attachment that cannot be used refuses the message
+Also the engine's side of attachments: an attachment that cannot be used refuses the message
 (nothing journaled) instead of putting its refusal text into the prompt.
 """
 
@@ -117,7 +117,7 @@ def test_a_specialist_is_counted_once_when_first_needed(tiny, tmp_path, monkeypa
 
 
 def test_an_attachment_that_cannot_be_used_refuses_the_message(tiny, tmp_path, monkeypatch):
-    """Defect 4 (engine side): the question went to the model with the refusal text inside
+    """Regression: the question went to the model with the refusal text inside
     the prompt ("decompression bomb DOS attack"). Now the message is refused, and nothing
     reaches the journal or the model."""
     monkeypatch.setenv("AOTX_HOME", str(tmp_path))
@@ -143,7 +143,7 @@ def test_an_attachment_that_cannot_be_used_refuses_the_message(tiny, tmp_path, m
 
 
 def test_expert_cache_on_a_dense_model_is_said_not_silent(tiny, tmp_path, monkeypatch, caplog):
-    # session 7's new-user trial: `--expert-cache lfu` on a dense model passed without a word
+    # regression: `--expert-cache lfu` on a dense model passed without a word
     monkeypatch.setenv("AOTX_HOME", str(tmp_path))
     caplog.set_level(logging.WARNING, logger="aotx.serve")
     eng, store = build(serve_args(tiny, expert_cache="lfu"))
@@ -159,3 +159,20 @@ def test_expert_cache_on_a_dense_model_is_said_not_silent(tiny, tmp_path, monkey
         assert not [r for r in caplog.records if "--expert-cache" in r.getMessage()]
     finally:
         store.close()
+
+
+def test_serve_refuses_an_unreadable_memory_budget_before_loading(monkeypatch):
+    """Regression: `aotx serve --memory-budget 5X` loaded the model (seconds, gigabytes) and
+    only then refused the size."""
+    from aotx.engine.cli import serve
+    from aotx.engine.errors import UsageError
+    from aotx.engine.model import loader
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the flag was checked")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    args = argparse.Namespace(device="cpu", keep_alive=None, draft_model=None, model="/nonexistent.gguf",
+                              memory_budget="5X")
+    with pytest.raises(UsageError, match=r"--memory-budget: cannot read '5X' as a size"):
+        serve.build_engine(args)

@@ -1,4 +1,4 @@
-"""Connection limits and a clean stop (issue 15 defect 9, must-have 8).
+"""Connection limits and a clean stop.
 
 * a cap on concurrent client connections, refused with a clear ``Error``
   (``too_many_connections``) that ``EngineClient.connect`` turns into one line;
@@ -147,7 +147,7 @@ def test_limit_refuses_with_a_clear_error_and_frees_on_close(serve_null):
 
 
 def test_a_flood_of_connections_never_locks_out_a_real_client(serve_null):
-    """Regression (issue 15 defect 9): ~20,000 connections locked real clients out
+    """Regression: ~20,000 connections locked real clients out
     for 30 s. 600 connections against a limit of 50: every one past the limit is
     answered at once (a refusal or a close, never a hang), the server holds at most
     50, and the moment the flood is gone a real client is served."""
@@ -238,7 +238,7 @@ _EMFILE_SCRIPT = textwrap.dedent("""
 
 
 def test_out_of_descriptors_logs_once_and_recovers(tmp_path):
-    """Regression (issue 15 defect 9): at the descriptor limit asyncio wrote a
+    """Regression: at the descriptor limit asyncio wrote a
     'Too many open files' traceback per accept (76 MB of log) and stopped accepting.
     With 64 descriptors and 150 clients: a few log lines, no traceback, clients past
     the limit told so, and a client served once descriptors are free."""
@@ -295,7 +295,7 @@ def test_out_of_descriptors_logs_once_and_recovers(tmp_path):
 
 
 def test_sigterm_with_active_generations_exits_cleanly(tiny_gguf, tmp_path):
-    """Regression (issue 15 defect 9): SIGTERM while replies streamed logged
+    """Regression: SIGTERM while replies streamed logged
     'Task was destroyed but it is pending' and 'Event loop is closed' tracebacks."""
     model = tiny_gguf.write_tiny_llama(tmp_path / "tiny.gguf", context_length=2048)
     d = Path(tempfile.mkdtemp(prefix="aotx-g", dir="/tmp"))
@@ -347,7 +347,7 @@ def test_sigterm_with_active_generations_exits_cleanly(tiny_gguf, tmp_path):
 
 
 def test_gateway_caps_connections_and_quiets_accept_errors(capsys):
-    """The gateway's side of must-have 8: uvicorn answers 503 past max_connections,
+    """The gateway's side of the connection limit: uvicorn answers 503 past max_connections,
     and asyncio's traceback per failed accept becomes one line per interval."""
     pytest.importorskip("uvicorn")
     from aotx.engine.gateway import server as G

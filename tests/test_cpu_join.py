@@ -1,7 +1,7 @@
 """Joined matmuls on the CPU (cpu_matmul.join_rows, cpu_program.join_linears) and the
 one-call K/V store (cpu_attention.store_rows).
 
-Regression (issue 14): decode on the CPU was 0.86-0.89x the pre-port tree (64e403f) on the
+Regression: decode on the CPU was 0.86-0.89x the pre-port tree (64e403f) on the
 default model; the time went to per-call overhead (seven matmul calls per block, each
 quantizing the same activations again; a K/V store of four numpy operations per layer;
 attention's argument checks per call), not to arithmetic. The program now joins q/k/v and
@@ -20,10 +20,11 @@ from gguf import GGMLQuantizationType as T
 
 from aotx.engine.backend.cpu import attention as cpu_attention
 from aotx.engine.backend.cpu import matmul as cpu_matmul
+from aotx.engine.backend.cpu import repack as cpu_repack
 from aotx.engine.backend.cpu.program import CpuProgram
 from aotx.engine.model.batch import BatchLayout, Segment
 
-R = cpu_matmul.R
+R = cpu_repack.R
 
 
 def _matrix(qtype: T, m: int, k: int, seed: int) -> cpu_matmul.QuantMatrix:

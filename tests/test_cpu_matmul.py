@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as T
 
 from aotx.engine.backend import quants
 from aotx.engine.backend.cpu import matmul as cpu_matmul
+from aotx.engine.backend.cpu import repack as cpu_repack
 from aotx.engine.backend.cpu.matmul import QuantMatrix
 from tests.conftest_quant_helpers import make_raw
 
@@ -47,15 +48,15 @@ def _rel(out, ref):
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("qtype", sorted(cpu_matmul.KIND_OF, key=lambda t: t.value), ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", sorted(cpu_repack.KIND_OF, key=lambda t: t.value), ids=lambda t: t.name)
 def test_decompose_equals_gguf_dequantize_bit_for_bit(qtype):
     rng = np.random.default_rng(int(qtype))
     k = _k(qtype, 256)
     raw = _raw(qtype, 37, k, rng)
-    q, D, M, B = cpu_matmul.decompose(cpu_matmul._byte_rows(raw, qtype, k), qtype, k)
+    q, D, M, B = cpu_repack.decompose(cpu_repack._byte_rows(raw, qtype, k), qtype, k)
     assert q.dtype == np.int8 and D.dtype == np.float32 and D.shape == (37, k // B)
     want = gguf.quants.dequantize(np.asarray(raw), qtype).reshape(37, k).astype(np.float32)
-    np.testing.assert_array_equal(cpu_matmul.combine(q, D, M, B), want)
+    np.testing.assert_array_equal(cpu_repack.combine(q, D, M, B), want)
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["f32", "int8"])
@@ -67,7 +68,7 @@ def test_matmul_matches_float64_reference(qtype, n, int8):
     m = 75                                       # not a multiple of the 32-row tile
     raw = _raw(qtype, m, k, rng)
     qm = QuantMatrix(raw, qtype, m, k, "blk.0.test", int8=int8)
-    assert qm.int8 == (int8 and qtype in cpu_matmul.KIND_OF)
+    assert qm.int8 == (int8 and qtype in cpu_repack.KIND_OF)
     x = rng.standard_normal((n, k)).astype(np.float32)
     out = qm.matmul(x)
     assert out.shape == (n, m) and out.dtype == np.float32

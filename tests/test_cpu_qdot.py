@@ -4,7 +4,7 @@ The kernel promises (cpu_qdot's module docstring) exact int32 block sums and the
 float32 sequence per output: for each block b, u = dx * float(S) (one rounding), then
 main = fma(d, u, main) and, for the kinds with a minimum, second = fma(c, sx, second)
 (Q8X2: second = fma(d_1, dx * float(S_1), second)), and at the end main + second. This
-file re-computes that sequence in numpy from the GGUF bytes (cpu_matmul.decompose, itself
+file re-computes that sequence in numpy from the GGUF bytes (repack.decompose, itself
 checked against gguf's dequantization in test_cpu_matmul.py) with an exact fused
 multiply-add, and requires equality on the VNNI, AVX2 and portable paths; then that a
 row's bits never depend on the other rows of the call, whatever their number."""
@@ -18,17 +18,18 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend.cpu import matmul as cpu_matmul
+from aotx.engine.backend.cpu import markers as cpu_markers
 from aotx.engine.backend.cpu import qdot as cpu_qdot
+from aotx.engine.backend.cpu import repack as cpu_repack
 from aotx.engine.backend.cpu.matmul import QuantMatrix
 from tests.conftest_quant_helpers import make_raw
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
-ISAS = [pytest.param(cpu_qdot.PORTABLE, id="portable"),
-        pytest.param(cpu_qdot.AVX2, id="avx2",
-                     marks=pytest.mark.skipif(not cpu_qdot.host_has_avx2(), reason="CPU without AVX2")),
-        pytest.param(cpu_qdot.VNNI, id="vnni",
-                     marks=pytest.mark.skipif(not cpu_qdot.host_has_vnni(), reason="CPU without AVX-VNNI"))]
+ISAS = [pytest.param(cpu_markers.PORTABLE, id="portable"),
+        pytest.param(cpu_markers.AVX2, id="avx2",
+                     marks=pytest.mark.skipif(not cpu_markers.host_has_avx2(), reason="CPU without AVX2")),
+        pytest.param(cpu_markers.VNNI, id="vnni",
+                     marks=pytest.mark.skipif(not cpu_markers.host_has_vnni(), reason="CPU without AVX-VNNI"))]
 
 
 def raw_weights(qtype: T, m: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -76,16 +77,16 @@ def quantized(x: np.ndarray, kind: str, isa: str):
     nb = k // 32
     bufs = (np.empty((n, k), np.int8), np.empty((n, nb), np.float32), np.empty((n, nb), np.float32),
             np.empty((n, nb), np.int32), np.empty((n, 2 * nb), np.int32))
-    cs, ch = cpu_qdot.corrections(kind, isa)
+    cs, ch = cpu_markers.corrections(kind, isa)
     cpu_qdot.quantize_x(x, *bufs, np.int32(cs), np.int32(ch))
     return bufs
 
 
 def emulate(raw: np.ndarray, qtype: T, k: int, x: np.ndarray) -> np.ndarray:
     """The documented arithmetic in numpy: (n, m) float32."""
-    kind = cpu_matmul.KIND_OF[qtype]
+    kind = cpu_repack.KIND_OF[qtype]
     xq, dx, sx, _, _ = quantized(x, kind, "portable")
-    q, D, M, B = cpu_matmul.decompose(cpu_matmul._byte_rows(raw, qtype, k), qtype, k)
+    q, D, M, B = cpu_repack.decompose(cpu_repack._byte_rows(raw, qtype, k), qtype, k)
     n, m, nb = x.shape[0], raw.shape[0], k // 32
     qi = xq.astype(np.int64).reshape(n, nb, 32)
     qw = q.astype(np.int64).reshape(m, nb, 32)
@@ -99,7 +100,7 @@ def emulate(raw: np.ndarray, qtype: T, k: int, x: np.ndarray) -> np.ndarray:
                 acc = main if h == 0 else second
                 acc[...] = fma32(D[None, :, 2 * b + h], u, acc)
             continue
-        off = cpu_qdot.OFFSET.get(kind, 0)
+        off = cpu_markers.OFFSET.get(kind, 0)
         if qtype in (T.Q4_0, T.Q5_0):                   # q = u - off, w = d u + (-off d)
             qn, Mb = qw[:, b] + off, np.float32(-off) * D[:, b]
         else:
@@ -186,7 +187,7 @@ def test_quantize_x_follows_its_documented_rounding(kind, isa):
     q = np.rint(xb * inv[:, :, None]).astype(np.int8)
     np.testing.assert_array_equal(xq, q.reshape(n, k))
     np.testing.assert_array_equal(dx, amax / np.float32(127.0))
-    cs, ch = cpu_qdot.corrections(kind, isa)
+    cs, ch = cpu_markers.corrections(kind, isa)
     np.testing.assert_array_equal(xs, -cs * q.astype(np.int32).sum(axis=2))
     np.testing.assert_array_equal(xh, -ch * q.astype(np.int32).reshape(n, 6, 16).sum(axis=2))
     p = ((xb[:, :, 0:8] + xb[:, :, 8:16]) + xb[:, :, 16:24]) + xb[:, :, 24:32]

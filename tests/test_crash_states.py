@@ -590,3 +590,4 @@ def test_power_loss_while_the_disk_is_full_and_after_space_returns(tmp_path, cap
         print(f"\n[crash states] disk full: {n} distinct power-loss states recovered ({fs.failures} writes failed "
               f"for want of space) in {time.monotonic() - t0:.1f} s")
     assert n >= 100
+

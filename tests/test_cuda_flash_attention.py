@@ -12,7 +12,7 @@ Two checks:
   within ROW_REL.
 * ``CudaProgram.forward`` of tiny generated models (llama at head dims 64 and 128, gemma3 with
   its sliding window, gpt-oss with sinks) on a two-chunk long prompt: logits of every row with
-  the kernel within E2E_REL of the cuBLAS path it replaces (``cuda_program.FLASH_ATTENTION =
+  the kernel within E2E_REL of the cuBLAS path it replaces (``attention.FLASH_ATTENTION =
   False``), and the kernel did run (``ATT_KERNEL_WORK`` = 0 sends these tiny prompts down the
   long-segment path).
 
@@ -197,24 +197,24 @@ def _build(path):
 
 @pytest.mark.parametrize("name", ["llama-hd64", "llama-hd128", "gemma3", "gptoss"])
 def test_forward_with_flash_attention_matches_the_cublas_path(backend, model_files, name, monkeypatch):
-    from aotx.engine.backend.cuda import program as CP
+    from aotx.engine.backend.cuda import attention as CA
 
-    monkeypatch.setattr(CP, "ATT_KERNEL_WORK", 0)       # these tiny prompts take the long-segment path
+    monkeypatch.setattr(CA, "ATT_KERNEL_WORK", 0)       # these tiny prompts take the long-segment path
     calls = []
-    flash = CP._Attend._flash
+    flash = CA.AttendStep._flash
 
     def counted(self, prog, c, segs):
         calls.append(len(segs))
         return flash(self, prog, c, segs)
 
-    monkeypatch.setattr(CP._Attend, "_flash", counted)
+    monkeypatch.setattr(CA.AttendStep, "_flash", counted)
     m = _build(model_files[name])
-    assert all(a.flash is not None for a in m.compiled.steps if isinstance(a, CP._Attend)), \
+    assert all(a.flash is not None for a in m.compiled.steps if isinstance(a, CA.AttendStep)), \
         "every attention step should have the flash kernel at this head dimension"
     toks = np.random.default_rng(3).integers(0, m.cfg.vocab_size, 400).astype(np.int32)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(CP, "FLASH_ATTENTION", on)
+        monkeypatch.setattr(CA, "FLASH_ATTENTION", on)
         kv = m.new_kv_cache(2, 512, "f16")
         outs = [m.forward(toks[:230], [Segment(1, 0, 230, all_logits=True)], kv),            # first chunk
                 m.forward(toks[230:400], [Segment(1, 230, 160, all_logits=True),               # second chunk

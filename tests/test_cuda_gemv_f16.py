@@ -1,6 +1,6 @@
 """The fp16 decode GEMV (``quant_rows_h`` then ``gemv_h``; issue 19 item 1, dequantize-in-registers
 with half2 math, a measurement candidate the engine does not launch) on a GPU, for every type
-with a half2 form (``cuda_src.H_TYPES``: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), two widths, batch 1 and 17
+with a half2 form (``tests/tools/gemv_h.H_TYPES``: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), two widths, batch 1 and 17
 rows (NB 16 and a partial block), with and without a folded RMSNorm:
 
 * ``quant_rows_h`` against numpy: the float16 values (x * nw * 2^es, in the lane-interleaved
@@ -42,10 +42,11 @@ from aotx.engine.backend.cuda.backend import CudaBackend, _u64  # noqa: E402
 from tests.conftest_quant_helpers import make_raw  # noqa: E402
 from tests.test_cuda_quants import _ref, upload  # noqa: E402
 from tests.tools.cuda_gemv_bench import compile_all, h_buffers, h_instance  # noqa: E402
+from tests.tools.gemv_h import H_TYPES  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
-TYPES = tuple(T(t) for t in S.H_TYPES)
+TYPES = tuple(T(t) for t in H_TYPES)
 EPS = 1e-5
 VARIANTS = [CC.GemvVariant(nb, wpp, True, ppw) for nb in (1, 4, 16) for wpp in (1, 2, 4)
             for ppw in ((1, 2) if nb <= 4 else (1,))]
@@ -205,7 +206,7 @@ def _chains(Lb: np.ndarray, xb: np.ndarray) -> np.ndarray:
 
 
 def half_model(L, da, db, oa, ob, xh: np.ndarray, sx, s0, s1) -> np.ndarray:
-    """(B, m) float64: the unit contributions of the comment in cuda_src (gemv_h) summed in float64."""
+    """(B, m) float64: the unit contributions of the comment in tests/tools/gemv_h.cu summed in float64."""
     m, k = L.shape
     nu = k // 32
     Lr = L.reshape(m, nu, 32)

@@ -1,4 +1,4 @@
-"""The decode GEMV on int8 activations (``quant_rows`` then ``gemv<...,Q8 = 1>``; issue 19 item 1,
+"""The decode GEMV on int8 activations (``quant_rows`` then ``gemv<...,Q8 = 1>``;
 the integer-dot-product form of llama.cpp's MMVQ) on a GPU, for every tensor type with an
 integer form (``cuda_src.Q8_TYPES``):
 

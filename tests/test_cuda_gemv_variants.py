@@ -1,5 +1,5 @@
 """The decode GEMV's variants with several row pairs per warp (``gemv<...,WPP,PPW>``, PPW 2
-or 4: one x and norm-weight load serves PPW pairs; issue 19 item 1) on a GPU: the same bits
+or 4: one x and norm-weight load serves PPW pairs) on a GPU: the same bits
 as the one-pair kernel for every tensor type, epilogue mode, norm placement and batch
 shape, including blocks whose last pairs are past the matrix; and within 1e-5 of float64.
 

@@ -116,3 +116,21 @@ def test_kernel_signatures_parse_every_kernel_of_the_backend(fake):
     assert [k for k, _ in sigs["quant_rows"]] == ["ptr", "int", "int", "ptr", "float", "ptr", "ptr", "int", "ptr",
                                                   "int"]
     assert "sample_rows" in fake.signatures(cuda_sampling.SRC)
+
+
+def test_gpu_bits_runs_every_configuration_on_the_fake(tmp_path):
+    """tests/tools/gpu_bits.py (the before/after bits of tests/tools/gpu_reshape_check.sh) on the
+    fake CuPy: every configuration builds, prefills, decodes through the graphs and prints
+    its line (the numbers are the fake's, so only the paths are checked here)."""
+    tool = ROOT / "tests" / "tools" / "gpu_bits.py"
+    w = subprocess.run([sys.executable, str(tool), "write", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert w.returncode == 0, w.stderr[-3000:]
+    p = subprocess.run([sys.executable, str(tool), "run", str(tmp_path), "--fake"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in p.stdout.splitlines() if " " in line)
+    assert p.stdout.rstrip().endswith("bits done"), p.stdout
+    assert set(lines) >= {"llama-q4_1-f32", "llama-q4_k_m-int8", "qwen3moe-host-step", "qwen3moe-device-step",
+                          "gemma3-int8"}, p.stdout
+    assert all(re.fullmatch(r"[0-9a-f]{64}", v) for k, v in lines.items() if k != "bits"), p.stdout

@@ -53,7 +53,6 @@ def _build(path, **kw):
 
     gf = GGUFFile.open(path)
     kw.setdefault("int8_min_bytes", 0)           # int8 activations when asked, even on this tiny model
-    kw.setdefault("persistent", "auto")          # float32: buckets 1-8 run the persistent step, 16+ the graph
     return build(ModelConfig.from_metadata(gf.metadata, str(path)), gf, CudaBackend(**kw))
 
 

@@ -1,6 +1,6 @@
-"""Mixtures of experts on the CUDA backend (issue 22): the dense layers on the GPU, the
+"""Mixtures of experts on the CUDA backend: the dense layers on the GPU, the
 ``moe`` op's routing and CPU expert tier on the host (``cuda_plan.MoeHost``,
-``cpu_moe.moe_rows``), its GPU expert tier on the device (``cuda_program._GpuExperts``).
+``cpu_moe.moe_rows``), its GPU expert tier on the device (``experts.GpuExperts``).
 
 Without a GPU (CI): the plan of each MoE architecture (a host step per layer; gpt-oss's
 attention steps carry their sinks and windows), and the host code of the whole path against fake
@@ -205,7 +205,7 @@ def _rel_errors(got, want) -> list[float]:
 @pytest.mark.parametrize("name", ["qwen3moe", "gptoss"])
 def test_cuda_gpu_expert_tier_gives_the_cpu_logits_whatever_the_placement(moe_files, name, graphs):
     """moe_graphs: the ticks with host moe steps as captured graphs between them
-    (``cuda_program._Segments``) instead of the eager path: the same logits."""
+    (``moe.Segments``) instead of the eager path: the same logits."""
     from aotx.engine.model import experts as X
 
     cpu = _scenario(_build(moe_files[name], "cpu"), "f32")
@@ -302,7 +302,7 @@ def _set_grouped(c, on: bool) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "gptoss"])
 def test_cuda_gpu_tier_grouped_launches_give_the_bits_of_the_per_expert_launches(moe_files, name):
-    """Issue 22, GPU tier host overhead: the tier runs one ``moe_gemv`` launch per GEMV for
+    """The GPU tier's host overhead: the tier runs one ``moe_gemv`` launch per GEMV for
     every expert it holds (rows gathered on the device, one table copy, one D2H); it must
     give exactly the bits of the per-expert ``gemv`` launches it replaced (``grouped =
     False``): per layer call on 1 to 100 rows (NB 1 .. 16, several tiles per expert, the

@@ -1,4 +1,5 @@
-"""The persistent decode step on the device (issue 19 item 4; engine/backend/cuda/persistent.py).
+"""The persistent decode step on the device (tests/tools/persistent_step.py: an experiment the
+engine does not run).
 
 Its promise: a bucket of up to 8 rows runs as one kernel launch (every step's blocks over
 virtual blocks, a grid barrier between steps) and gives the SAME BITS as the graph of
@@ -29,19 +30,19 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from aotx.engine.model.batch import Segment  # noqa: E402
 from tests.models.cuda_testmodel import write_llama  # noqa: E402
+from tests.tools import persistent_step  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 VOCAB = 512
 
 
 def _build(path, **kw):
-    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.architectures import build
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
 
     gf = GGUFFile.open(path)
-    return build(ModelConfig.from_metadata(gf.metadata, str(path)), gf, CudaBackend(**kw))
+    return build(ModelConfig.from_metadata(gf.metadata, str(path)), gf, persistent_step.backend(**kw))
 
 
 @pytest.fixture(scope="module", params=("q41", "q4km"))
@@ -105,7 +106,7 @@ def test_int8_activations_keep_the_graph_of_kernels(llama_path):
 
 
 def test_default_model_runs_persistent_with_the_graphs_tokens(default_model_path):
-    on, off = _build(default_model_path, persistent="auto"), _build(default_model_path)   # "auto": on below 1 GiB
+    on, off = _build(default_model_path, persistent="auto"), _build(default_model_path, persistent="off")  # "auto": on below 1 GiB
     prompt = np.arange(100, 140, dtype=np.int32)
     out = []
     for m in (on, off):

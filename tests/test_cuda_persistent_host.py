@@ -1,4 +1,4 @@
-"""The persistent decode step's host side (engine/backend/cuda/persistent.py), without a GPU:
+"""The persistent decode step's host side (tests/tools/persistent_step.py), without a GPU:
 the parameter layout and packing of a recorded launch, the generated source's switch, the
 step table and the residency rule. The device run is tests/test_cuda_persistent.py; the
 whole path on the fake CuPy is tests/test_cuda_host.py's dry run."""
@@ -10,8 +10,8 @@ import struct
 import numpy as np
 import pytest
 
-from aotx.engine.backend.cuda import persistent as PS
 from aotx.engine.backend.cuda import source as S
+from tests.tools import persistent_step as PS
 
 
 def test_every_covered_kernel_has_a_block_function_with_its_parameters():

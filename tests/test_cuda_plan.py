@@ -1,4 +1,5 @@
-"""``cuda_plan.plan``: the CUDA backend's fusions found in programs of every architecture's shape.
+"""``plan.plan`` (engine/backend/cuda/plan.py): the CUDA backend's fusions found in programs
+of every architecture's shape.
 
 Runs without a GPU (the planner is pure Python): programs are traced with
 ``ops.ProgramBuilder`` over stand-in weights in the shapes of llama, qwen2 (QKV bias),
@@ -6,10 +7,14 @@ qwen3 (QK-norm), gemma3 (post-norms, GEGLU, soft-capping) and phi3 (fused QKV an
 gate/up), and the plan must fuse each layer's attention input into one QKV step, its
 FFN into one GLU GEMV and its residual adds into the GEMV (or the post-norm) that
 produces them; the unfused plan must run every op generically. Buffers: no two values
-alive at once share columns.
+alive at once share columns. Each fusion rule (``plan.FUSION_RULES``) and the generic steps
+are also run alone on a ``plan.Lowering``: what each emits, which nodes it claims, and the
+programs it must leave alone.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -138,3 +143,105 @@ def test_views_of_a_split_are_aligned_or_refused():
     y = b.take_rows(b.add(c, c))
     with pytest.raises(CP.PlanError, match="multiple of 4"):
         CP.plan(b.finish(b.linear(y, _Mat("o", 50, 64))), fuse=False)
+
+
+# ---- each fusion rule on its own (plan.FUSION_RULES, run by plan.plan) --------------------------
+
+def _kinds(steps) -> list[str]:
+    return [type(s).__name__ for s in steps]
+
+
+def test_the_driver_runs_the_rules_in_order_then_the_generic_steps():
+    assert CP.FUSION_RULES == (CP.fuse_qkv_attention, CP.fuse_glu, CP.fuse_residual_add)
+    prog = _program("qwen3")
+    L = CP.Lowering(prog)
+    for rule in CP.FUSION_RULES:
+        rule(L)
+    CP.generic_steps(L)
+    assert _kinds(L.steps()) == _kinds(CP.plan(prog).steps)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_qkv_rule_alone_fuses_each_layers_attention_input(arch):
+    prog = _program(arch)
+    L = CP.Lowering(prog)
+    CP.fuse_qkv_attention(L)
+    steps = L.steps()
+    assert _kinds(steps) == ["QKV", "Attend"] * 2 and L.fused["qkv"] == 2 and L.fused["norm_prologue"] == 2
+    q = steps[0]
+    assert [off for _, off in q.mats] == ([0] if arch == "phi3" else [0, 4 * 32, 4 * 32 + 2 * 32])
+    assert (q.q_norm is not None and q.k_norm is not None) == (arch == "qwen3")
+    assert steps[1].q == q.q_out                 # the attention reads the rotated q the QKV step wrote
+    ops_done = sorted({L.nodes[i].op for i in L.done})
+    want = {"linear", "rope", "attention"} | ({"head_rms_norm"} if arch == "qwen3" else set()) \
+        | ({"split"} if arch == "phi3" else set())
+    assert set(ops_done) == want, ops_done
+
+
+def test_qkv_rule_leaves_an_attention_whose_k_projection_has_another_reader():
+    b = ops.ProgramBuilder()
+    spec = ops.RopeSpec("normal", 32, 10000.0)
+    x = b.embed(_Mat("tok", 50, 64))
+    q, k, v = (b.linear(x, _Mat(n, 64, 64)) for n in "qkv")
+    a = b.attention(b.rope(q, spec, 32), b.rope(k, spec, 32), v, n_heads=2, n_kv_heads=2, head_dim=32, scale=0.2)
+    y = b.add(a, k)                              # k read again after the attention: not fusable
+    L = CP.Lowering(b.finish(b.linear(b.take_rows(y), _Mat("o", 50, 64))))
+    CP.fuse_qkv_attention(L)
+    assert L.steps() == [] and not L.done and L.fused["qkv"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_glu_rule_alone_fuses_gate_and_up(arch):
+    L = CP.Lowering(_program(arch))
+    CP.fuse_glu(L)
+    steps = L.steps()
+    assert _kinds(steps) == ["Glu", "Glu"] and L.fused["glu"] == 2
+    g = steps[0]
+    assert g.act == ("gelu_tanh" if arch == "gemma3" else "silu") and g.norm is not None
+    assert ((g.wa is g.wb) and (g.a0, g.b0) == (0, 128)) if arch == "phi3" else (g.wa is not g.wb)
+    assert sorted({L.nodes[i].op for i in L.done}) == (["glu", "linear", "split"] if arch == "phi3"
+                                                        else ["glu", "linear"])
+
+
+def test_residual_add_rule_alone_adds_in_place():
+    L = CP.Lowering(_program("llama"))
+    CP.fuse_residual_add(L)
+    steps = L.steps()
+    assert _kinds(steps) == ["Linear"] * 4 and all(s.mode == "add" for s in steps) and L.fused["add"] == 4
+    for s in steps:                              # the add's output lives where its residual did
+        assert s.out in L.alias and s.x not in L.alias
+
+
+def test_residual_add_rule_alone_adds_post_norms_in_place():
+    L = CP.Lowering(_program("gemma3"))
+    CP.fuse_residual_add(L)
+    steps = L.steps()
+    assert _kinds(steps) == ["Norm"] * 4 and all(s.add for s in steps) and L.fused["post_norm"] == 4
+
+
+def test_residual_add_rule_keeps_a_residual_read_after_the_linear():
+    b = ops.ProgramBuilder()
+    x = b.embed(_Mat("tok", 50, 64))
+    o = b.linear(x, _Mat("o", 64, 64))
+    y = b.add(x, o)
+    z = b.add(y, x)                              # x read after the linear: its buffer must stay
+    L = CP.Lowering(b.finish(b.linear(b.take_rows(z), _Mat("out", 50, 64))))
+    CP.fuse_residual_add(L)
+    assert L.fused["add"] == 0 and not L.alias
+
+
+def test_generic_steps_alone_give_one_step_per_node():
+    prog = _program("phi3")
+    L = CP.Lowering(prog, fuse=False)
+    CP.generic_steps(L)
+    kinds = _kinds(L.steps())
+    n_ops = [n.op for n in prog.nodes]
+    assert kinds.count("Linear") == n_ops.count("linear") and kinds.count("Norm") == n_ops.count("rms_norm")
+    assert kinds.count("KVStore") == kinds.count("Attend") == n_ops.count("attention")
+    # a split's outputs are views of its input (no step): (value, column offset) each
+    assert len(L.alias) == sum(len(n.outs) for n in prog.nodes if n.op == "split") == 10
+    assert all(isinstance(a, tuple) for a in L.alias.values())
+    with pytest.raises(CP.PlanError, match="not supported"):
+        bad = CP.Lowering(prog, fuse=False)
+        bad.nodes[0] = dataclasses.replace(bad.nodes[0], op="conv")
+        CP.generic_steps(bad)

@@ -131,13 +131,13 @@ def test_logits_match_cpu_every_architecture(arch_files, arch, kv_type):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_long_segments_on_the_cublas_attention_path_match_cpu(arch_files, arch, flash, monkeypatch):
     """The scenario's 130- and 150-token segments take the attention kernel (within
-    cuda_program.ATT_KERNEL_WORK); with the threshold at 0 they take the long-segment path:
+    attention.ATT_KERNEL_WORK); with the threshold at 0 they take the long-segment path:
     the cuBLAS one, or the flash-style kernel (attn_prefill) where it runs (gemma3: its
     sliding-window layers too). Both must match the CPU."""
-    from aotx.engine.backend.cuda import program as CP
+    from aotx.engine.backend.cuda import attention as CA
 
-    monkeypatch.setattr(CP, "ATT_KERNEL_WORK", 0)
-    monkeypatch.setattr(CP, "FLASH_ATTENTION", flash)
+    monkeypatch.setattr(CA, "ATT_KERNEL_WORK", 0)
+    monkeypatch.setattr(CA, "FLASH_ATTENTION", flash)
     worst = _compare(arch_files[arch], "f16")
     print(f"{arch} {'flash' if flash else 'cuBLAS'} attention: worst relative logits error {worst:.2e}")
 
@@ -159,7 +159,7 @@ def test_plan_fuses_the_known_patterns(arch_files, arch):
     L = m.cfg.n_layers
     assert f["qkv"] == L and f["glu"] == L, f
     assert f["add"] + f["post_norm"] == 2 * L, f
-    assert not any(type(s).__name__ in ("_HeadOp", "_KVStore") for s in m.compiled.steps)
+    assert not any(type(s).__name__ in ("HeadOpStep", "KVStoreStep") for s in m.compiled.steps)
 
 
 def test_kv_cache_types_and_device_capsule_round_trip(arch_files):

@@ -1,4 +1,4 @@
-"""The CUDA backend's tensor types on a GPU (issue 14, item 5): the ``dequant<T>``,
+"""The CUDA backend's tensor types on a GPU: the ``dequant<T>``,
 ``embed<T>`` and ``gemv<TA,TB,...>`` kernels of ``cuda_src`` for Q2_K, Q3_K, IQ4_NL, IQ4_XS
 and MXFP4, against gguf.quants.dequantize and float64, and a tiny GGUF of these types
 through ``load_model(device="cuda")``.

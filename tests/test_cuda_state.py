@@ -74,7 +74,7 @@ class _Counting(_GreedyOnHost):
 class _NoGreedy(_GreedyOnHost):
     """Declares no device sampling: the engine copies logits and samples on the host."""
 
-    device_sampling = False
+    device_path = "host"
 
 
 def _generate(lm, texts, *, temperature=0.0, repeat_penalty=1.0, speculative="off", slots=2, max_tokens=40,

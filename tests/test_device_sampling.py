@@ -211,7 +211,7 @@ def test_cuda_sample_rows_equals_host_chain(cfg):
 @needs_cuda
 @pytest.mark.parametrize("V", [151936, 262144], ids=["qwen2-vocab", "gemma3-vocab"])
 def test_cuda_penalty_at_large_vocabularies_equals_host_chain(V):
-    """Regression (session 4, tests/test_gateway_cuda.py's greedy-penalty case at Qwen's
+    """Regression (tests/test_gateway_cuda.py's greedy-penalty case at Qwen's
     151,936 ids): the penalty's distinct-id bitmap covered 131,072 ids in shared memory and
     a larger vocabulary wrote past it (cudaErrorIllegalAddress, every later kernel failed).
     Each id is now penalized once at its first place in the window, for any vocabulary."""

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (issue 10, issue 6's drafter state).
+"""Speculative decoding with a draft model, and the drafter's state in capsules.
 
 Tiny llama GGUFs from ``tiny_gguf``: the target (2 layers), the same file loaded
 again as its own draft, its first layer alone (same seed, 1 layer: a smaller

@@ -18,7 +18,7 @@ from aotx.engine import protocol as P
 
 
 # Raw prompts (their greedy steps had top-1/top-2 margins of at least 0.05 when a decode
-# row's numbers still depended on its batch; since issue 16 they no longer do, and
+# row's numbers still depended on its batch; now they no longer do, and
 # tests/test_batch_invariance_e2e.py runs prompts with near-ties too).
 PROMPTS = [
     "The capital of France is", "Snow is", "The moon orbits", "My favourite colour is",
@@ -207,7 +207,7 @@ async def test_cancel_one_of_three_streams(engine_server):
 async def test_disconnect_mid_stream_finishes_the_reply_and_frees_the_slot(engine_server):
     """A client that vanishes mid-reply (closed, or killed) did not cancel it: the engine
     writes the reply to the end and journals it, so it is there when the user comes back
-    (regression, issue 17 defect 6: it said "cancelled"); then the slot is free."""
+    (regression: it said "cancelled"); then the slot is free."""
     h = engine_server(slots=2, context=256)
     n = 10
     want = await solo(h, PROMPTS[6], n)

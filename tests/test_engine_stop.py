@@ -1,6 +1,6 @@
 """A reply in progress when the engine is stopped (``aotx stop`` / SIGTERM).
 
-Regression (session 4's new-user report): `aotx stop` during `aotx run` closed the connection
+Regression: `aotx stop` during `aotx run` closed the connection
 under the reply, and the client said "the engine closed the connection in the middle of a
 reply", as for a crash. Now the engine tells each reply in progress that it is stopping,
 ends it as cancelled with its text so far committed and durable, and the client ends the

@@ -1,4 +1,4 @@
-"""Expert tiers (issue 22, engine/model/experts.py): the placement from measured costs, the
+"""Expert tiers (engine/model/experts.py): the placement from measured costs, the
 GPU cache's policies replayed on routing traces, stored calibrations, admission's lines,
 and the whole setup on a tiny MoE file on the CPU (every expert on the CPU tier).
 
@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from aotx.engine.errors import AdmissionError
+from aotx.engine.model import expert_cache as XC
+from aotx.engine.model import expert_plan as XP
 from aotx.engine.model import experts as X
 from aotx.engine.runtime import admission
 
@@ -105,7 +107,7 @@ def test_gpu_split_takes_the_calls_fixed_part_once_and_each_experts_share():
 
 
 def test_bug_decode_speed_counts_the_gpu_tiers_fixed_cost_once_per_layer():
-    """Regression (issue 22): the GPU tier was priced per expert from one expert's call, so
+    """Regression: the GPU tier was priced per expert from one expert's call, so
     its fixed cost (launches, table upload, copy down, sync: one per layer call, for all its
     experts) was counted n_used times, and a layer with a few experts on the GPU paid a
     fraction of it, though any row there pays all of it. One layer, 8 experts, 2 per token,
@@ -132,7 +134,7 @@ def test_bug_decode_speed_counts_the_gpu_tiers_fixed_cost_once_per_layer():
 
 
 def test_bug_a_layer_whose_gpu_call_is_mostly_fixed_cost_gets_its_share_of_the_cache():
-    """Regression (issue 22): priced by one expert's call, layer 1 (fixed 1.9e-4 s, 1e-6 s per
+    """Regression: priced by one expert's call, layer 1 (fixed 1.9e-4 s, 1e-6 s per
     expert) looked no faster than its CPU (2e-4 s per expert) and layer 0 (no fixed cost, 1.5e-4
     s per expert) took the whole budget: 8 experts there, a modeled 7e-4 s of expert work per
     token. With the fixed part paid once, the best split of 8 experts (every split tried) is
@@ -161,7 +163,7 @@ def test_simulate_pays_the_gpu_fixed_cost_once_per_layer_call_with_gpu_rows():
     # step 2: experts 0 (GPU, 1 row) and 5 (CPU, 1 row): max(2e-4, 5e-5 + 1.1e-5) = 2e-4
     # step 3: expert 6 only (CPU, 2 rows): 3e-4, no GPU call
     trace = [[np.array([[0, 1]] * 3)], [np.array([[0, 5]])], [np.array([[6, 6]])]]
-    assert X.simulate(trace, p, L, c)["modeled_s"] == pytest.approx(7.6e-5 + 2e-4 + 3e-4, abs=1e-9)
+    assert XC.simulate(trace, p, L, c)["modeled_s"] == pytest.approx(7.6e-5 + 2e-4 + 3e-4, abs=1e-9)
 
 
 def test_unknown_policy_is_refused():
@@ -188,18 +190,18 @@ def test_learned_cache_beats_a_static_plan_that_guessed_wrong():
     p = X.plan(L, costs, gpu_bytes=2 * EB)                 # uniform guess: experts 0 and 1
     assert [e for e, t in enumerate(p.tiers[0]) if t == "gpu"] == [0, 1]
     trace = _zipf_trace()
-    static = X.simulate(trace, p, L, costs)
+    static = XC.simulate(trace, p, L, costs)
     assert static["copies"] == 0 and static["hit_rate"] < 0.2
     learned_s = []
     for policy in ("lfu", "lru"):
-        got = X.simulate(trace, X.plan(L, costs, gpu_bytes=2 * EB, policy=policy), L, costs, policy=policy)
+        got = XC.simulate(trace, X.plan(L, costs, gpu_bytes=2 * EB, policy=policy), L, costs, policy=policy)
         assert got["hit_rate"] > 0.8 and got["copies"] >= 2, (policy, got)
         assert got["modeled_s"] < static["modeled_s"], (policy, got, static)
         learned_s.append(got["modeled_s"])
     # the static plan made from the learned traffic (counters of an earlier run) is the best of all
     counts = np.bincount(np.concatenate([s[0].reshape(-1) for s in trace]), minlength=8)
     learned = X.plan(L, costs, gpu_bytes=2 * EB, traffic=[list(counts / counts.sum())])
-    best = X.simulate(trace, learned, L, costs)
+    best = XC.simulate(trace, learned, L, costs)
     assert best["hit_rate"] > 0.85 and best["copies"] == 0 and best["modeled_s"] < min(learned_s)
 
 
@@ -293,7 +295,7 @@ def test_setup_on_a_tiny_moe_file_places_every_expert_on_the_cpu_tier(request, t
 
 
 def test_bug_the_dense_decode_step_is_timed_warm_on_one_repeated_token(monkeypatch):
-    """Regression (session 5, a Qwen3-30B-A3B-shaped file): the calibration's decode step
+    """Regression (a Qwen3-30B-A3B-shaped file): the calibration's decode step
     fed a new token each time, each routing to experts never used yet, whose first use
     (materializing them) then counted as the dense part: 0.107 s per token where 0.017 s ran,
     and the plan's speed was 7x low. Now one token at one position is repeated and only the
@@ -369,7 +371,7 @@ def test_bug_the_dense_part_timed_after_placement_subtracts_the_experts_as_place
     per_layer = X.decode_layer_s(2, 0.5, 1e-3, fixed, g(1))
     assert c.dense_decode_s == pytest.approx(4.0e-3 - 2 * per_layer)
     assert c.dense_decode_s > 4.0e-3 - 2 * 2 * 1e-3          # more than the all-CPU pricing left
-    dec, _ = X._speeds(layers, c, [4, 4], 0)
+    dec, _ = XP._speeds(layers, c, [4, 4], 0)
     assert dec == pytest.approx(1 / 4.0e-3)                  # the plan predicts the step that ran
     cpu_only = X.calibrate(Compiled(), layers, model=object())
     assert cpu_only.dense_decode_s == pytest.approx(0.0)     # 4 ms less 2 layers x 2 experts x 1 ms
@@ -407,7 +409,7 @@ REBALANCE_CASES = [
                          ids=[c[0] for c in REBALANCE_CASES])
 def test_rebalance_promotes_the_hottest_and_evicts_the_coldest(name, scores, resident, copies, margin, ratio, want):
     before = [r.copy() for r in resident]
-    got = X.rebalance([np.array(s, float) for s in scores], resident, copies, margin, ratio)
+    got = XC.rebalance([np.array(s, float) for s in scores], resident, copies, margin, ratio)
     assert got == want
     assert all(np.array_equal(a, b) for a, b in zip(before, resident)), "rebalance changed its input"
 
@@ -487,7 +489,7 @@ def _fixed_costs(n_layers=4):
 
 
 def test_whole_layers_go_on_the_gpu_where_the_backend_runs_them_as_device_steps():
-    """Issue 22 (H100, 30B-A3B shape: 40% of the experts spread over every layer decoded at 13.5
+    """Measured (H100, 30B-A3B shape: 40% of the experts spread over every layer decoded at 13.5
     tok/s, slower than every expert on the CPU, 15.5; a layer with every expert on the GPU runs
     as the CUDA backend's device step, with no host round trip). 4 layers of 8 experts, 2 per
     token, CPU 2e-4 s and GPU 2.1e-5 s per expert at 1 row, fixed 5e-5, dense 1e-3; room for 16

@@ -31,6 +31,7 @@ from aotx.engine.gateway import server as G  # noqa: E402
 from aotx.engine.gateway import auth as A  # noqa: E402
 from aotx.engine.gateway import schema as S  # noqa: E402
 from aotx.engine import protocol as P  # noqa: E402
+from aotx.engine.gateway.link import engine_error  # noqa: E402
 
 pytestmark = pytest.mark.realmodel
 
@@ -144,7 +145,7 @@ def test_openai_completions_raw_and_models(oa):
     models = oa.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
     assert oa.models.retrieve("SmolLM2-135M-Instruct.Q4_1").owned_by == "aotx"
-    # regression (new-user trial, session 4): "context" said 8192 (the trained context) while
+    # regression: "context" said 8192 (the trained context) while
     # the engine served 1024, so a client sizing its prompts from it got a 400
     extra = models.data[0].model_extra
     assert extra["aotx"]["context"] == 1024 and extra["max_model_len"] == 1024
@@ -229,7 +230,7 @@ def test_parse_chat_good(body, check):
 
 
 def test_bug_max_tokens_above_the_ceiling_is_capped_not_refused():
-    """Regression (session 4's gateway breaker): max_tokens above the gateway's ceiling was
+    """Regression: max_tokens above the gateway's ceiling was
     a 400, so Claude Code (max_tokens 32,000) could not talk to it at all; an operator's
     --max-tokens-ceiling now caps the reply instead, and the default has none."""
     lim = S.Limits(max_tokens_ceiling=4096)
@@ -489,7 +490,7 @@ def test_no_engine_is_503_with_retry_after(tmp_path):
 @pytest.mark.parametrize("code,status", [("too_long", 400), ("busy", 409), ("not_found", 404), ("not_ready", 503),
                                          ("bad_request", 400), ("unsupported_media", 400), ("internal", 500)])
 def test_engine_error_table(code, status):
-    e = G._engine_error(P.Error(id=1, code=code, message="m"), None, 2)
+    e = engine_error(P.Error(id=1, code=code, message="m"), None, 2)
     assert e.status == status and e.body["error"]["message"]
     assert (e.headers.get("Retry-After") == "2") == (status == 503)
 
@@ -516,6 +517,17 @@ def test_key_file_generated_0600_and_reused(tmp_path, monkeypatch):
         A.load_or_create(other)
     with pytest.raises(UsageError, match="does not exist"):
         A.load_or_create(tmp_path / "missing")
+
+
+def test_gateway_key_file_first_line_is_the_key(tmp_path):
+    """Regression: the first line was a comment, so ``head -1 api_keys`` gave no key."""
+    path = tmp_path / "gateway" / "api_keys"
+    key = A.generate_key_file(path)
+    first = path.read_text().splitlines()[0]
+    assert first == key and first.startswith("sk-aotx-")
+    assert A.read_key_file(path) == [key]
+    head = subprocess.run(["head", "-1", str(path)], capture_output=True, text=True)
+    assert head.stdout.strip() == key
 
 
 @pytest.mark.parametrize("header,ok", [

@@ -359,7 +359,7 @@ def test_anthropic_messages_text_and_streaming(gw):
     greedy = {"temperature": 0}  # (recent SDKs dropped the temperature argument; the API takes it)
     # a first identical request leaves the prompt's prefix in the capsule cache, so both compared
     # replies prefill the same last token on it (a 22-row prefill and a 1-row one round differently
-    # on the CPU until its matmul is row-invariant for every n, issue 16: greedy may then differ)
+    # on the CPU until its matmul is row-invariant for every n: greedy may then differ)
     cl.messages.create(model="local", max_tokens=1, system="Be terse.", extra_body=greedy,
                        messages=[{"role": "user", "content": "Name a color."}])
     m = cl.messages.create(model="local", max_tokens=8, system="Be terse.", extra_body=greedy,
@@ -548,7 +548,7 @@ def test_continuing_a_response_still_being_generated_is_409_not_a_fork_of_its_pa
 
 
 def test_anthropic_usage_counts_cached_prompt_tokens_once():
-    """Regression (new-user trial, session 4): usage said input_tokens 31 and
+    """Regression: usage said input_tokens 31 and
     cache_read_input_tokens 30 for a 31-token prompt; Anthropic's input_tokens excludes
     the tokens read from the cache, so clients counted 30 tokens twice."""
     from types import SimpleNamespace
@@ -561,7 +561,7 @@ def test_anthropic_usage_counts_cached_prompt_tokens_once():
 
 
 def test_bug_a_response_cut_at_max_output_tokens_is_incomplete_down_to_its_message_item(oa):
-    """Regression (session 4's new-user report): a response stopped by max_output_tokens said
+    """Regression: a response stopped by max_output_tokens said
     status "incomplete" but its message item "completed", and its stream ended with
     response.completed; OpenAI marks both incomplete and ends with response.incomplete."""
     prompt = "Count from one to one hundred in words, separated by commas."

@@ -141,7 +141,7 @@ def test_engine_on_cuda_keeps_a_json_schema_reply_valid(request, tmp_path):
             assert isinstance(c, P.Committed) and c.finish_reason == "stop", s.events
             texts[device] = c.text
             if device == "cuda":
-                assert eng.executor.masks is not None, "the device path did not use the mask table"
+                assert lm.model.compiled.mask_table is not None, "the device path did not use the mask table"
         finally:
             eng.stop()
     jsonschema.validate(json.loads(texts["cuda"]), schema)

@@ -3,7 +3,8 @@
 The CUDA sampler reads a constrained row's bitmask through the device address in words
 16-17 of its sampler-table row (``cuda_sampling.fill_row`` writes ``mask_ptr``;
 ``MaskTable.load`` puts the masks in device memory). What can go wrong on the host is
-found here without a GPU: the executor's row-to-mask mapping (``Executor._device_rows``,
+found here without a GPU: the executor's row-to-mask mapping (``Executor._device_rows``
+through the model's ``load_masks``,
 a verify window's rows included), the address written into the table, the table reaching
 the kernel on the graph path (uploaded before the replay) and on the eager path (the
 kernel's argument), and the mask table's growth.
@@ -157,7 +158,7 @@ def _main() -> int:  # noqa: C901 - one scenario, told in order
     assert got[:4].tolist() == [300, 7, 40, 299], got
     t = prog._state(kv).tables
     words = np.asarray(t.prm).reshape(-1, CS.P_WORDS)[:5, 16:18].copy().view(np.uint64).ravel()
-    tab = ex.masks
+    tab = prog.mask_table
     base, step = tab.dev.data.ptr, W * 4
     assert words.tolist()[:4] == [base + i * step for i in range(4)] and words[4] == 0, words
     print("ok graph: 5 rows, masks at", [hex(int(w)) for w in words])
@@ -166,19 +167,19 @@ def _main() -> int:  # noqa: C901 - one scenario, told in order
     d, e = req(4), req(5)
     srows = ex._device_rows([(d, []), (e, [])], {id(e): one_hot([123])})
     got = model.sample(np.arange(11, dtype=np.int32), [Segment(3, 0, 10), Segment(3, 10, 1)], kv, srows, tick=8)
-    assert int(got[1]) == 123 and seen_masks[-1][0] == 0 and seen_masks[-1][1] == ex.masks.dev.data.ptr, \
+    assert int(got[1]) == 123 and seen_masks[-1][0] == 0 and seen_masks[-1][1] == prog.mask_table.dev.data.ptr, \
         (got, seen_masks[-1])
     print("ok eager: ids", got.tolist())
 
     # the table grows past its 64 rows; every address inside the new table, each its own mask
     many = one_hot([i % V for i in range(100)])
-    addrs = ex.masks.load(many)
-    assert ex.masks.rows >= 100 and len(set(addrs)) == 100
+    addrs = prog.load_masks(many)
+    assert prog.mask_table.rows >= 100 and len(set(addrs)) == 100
     for i in (0, 63, 64, 99):
         m = host(np.uint64(addrs[i]), W * 4).view(np.int32)
         assert (m == many[i]).all(), i
     try:
-        ex.masks.load(np.zeros((1, W + 1), np.int32))
+        prog.load_masks(np.zeros((1, W + 1), np.int32))
         raise AssertionError("a mask of the wrong width was accepted")
     except ValueError:
         pass

@@ -1,4 +1,4 @@
-"""The gateway routes by the request's ``model`` (issue 20, must-have 6).
+"""The gateway routes by the request's ``model``.
 
 An in-process engine on the default model with a tiny llama file in its models folder,
 behind an in-process gateway; the official ``openai`` client lists the models and
@@ -99,7 +99,7 @@ def test_gateway_lists_and_routes_by_model(engine_server, loaded_model, tmp_path
                         json={"model": "smol", "max_tokens": 2, "messages": msgs, "stream": True}, timeout=60)
         assert r4.status_code == 404 and r4.json()["error"]["type"] == "not_found_error", r4.text
         assert len(h.store.list_views()) == before
-        # helper-28: "LOCAL" was refused though names match without case; GET /v1/models/{id}
+        # regression: "LOCAL" was refused though names match without case; GET /v1/models/{id}
         # refused "local" and a lower-case id that chat accepted; a 100,000-character name came
         # back whole in the 404
         assert oa.chat.completions.create(model="LOCAL", messages=msgs, temperature=0,

@@ -1,4 +1,4 @@
-"""Broken GGUF files: every defect of issue 2 point 3 is a ModelError naming the file
+"""Broken GGUF files: every kind of damage is a ModelError naming the file
 and the problem, never another exception (and never a crash inside numpy, mmap or a
 numba kernel). Files come from ``tests/models/llama.py``; the CLI side of the same
 errors is in ``test_cli_errors.py``.
@@ -246,7 +246,7 @@ def test_fuzzed_files_load_or_raise_model_error(fuzz_base, tmp_path, data):
 
 
 def test_a_block_count_past_the_files_blocks_is_refused_before_the_tensor_list(tiny_gguf, tmp_path):
-    """Regression (new-user trial, session 4: the README's test run was killed for memory at
+    """Regression (the README's test run was killed for memory at
     23 GB): a fuzzed byte made llama.block_count 83,886,129; the architecture's list of
     expected tensors for that many layers took gigabytes before any tensor was looked up.
     Found again by this file's fuzz test under a memory limit."""

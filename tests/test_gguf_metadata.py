@@ -1,6 +1,6 @@
 """Hostile GGUF containers, in the style of gguf-py's validation tests: deliberately
 corrupted files, one defect each, every one refused with a ModelError that names
-the file, the key (or tensor) and the problem. Issue 15 defect 10 / must-have 9.
+the file, the key (or tensor) and the problem.
 
 Files are built byte by byte here (``gguf_bytes``) so each case states exactly what
 is wrong; the nested array and the big-endian file come from gguf's own writer,
@@ -84,7 +84,7 @@ BIG = 1 << 62
 
 # id -> (file bytes, regexes the message must match). Each row is one defect.
 CASES = {
-    # --- issue 15 defect 10, as reported
+    # --- the damage as reported
     "empty-key": (gguf_bytes([ARCH, kv("", U32, struct.pack("<I", 1))]),
                   [r"metadata key #1 \(at byte \d+\) is empty"]),
     "string-2^62-bytes": (gguf_bytes([ARCH, kv("general.name", STR, struct.pack("<Q", BIG) + b"\0" * 14)]),
@@ -163,7 +163,7 @@ def _write(path: Path, endian=GGUFEndian.LITTLE, arrays=()) -> Path:
 
 
 def test_nested_array_from_gguf_writer_is_refused_not_flattened(tmp_path):
-    """Regression (issue 15 defect 10): ``[[1, 2], [3]]`` written by gguf's own writer
+    """Regression: ``[[1, 2], [3]]`` written by gguf's own writer
     came back as ``[1, 2, 3]``."""
     p = _write(tmp_path / "nested.gguf", arrays=[("test.nested", [[1, 2], [3]])])
     with pytest.raises(ModelError, match=r"'test\.nested' .*array of arrays; nested arrays are not supported"):
@@ -171,7 +171,7 @@ def test_nested_array_from_gguf_writer_is_refused_not_flattened(tmp_path):
 
 
 def test_big_endian_file_says_big_endian(tmp_path):
-    """Regression (issue 15 defect 10): a big-endian file was reported only as
+    """Regression: a big-endian file was reported only as
     'GGUF version 50331648 is not supported'."""
     p = _write(tmp_path / "be.gguf", endian=GGUFEndian.BIG)
     with pytest.raises(ModelError) as ei:
@@ -202,7 +202,7 @@ def test_fifo_is_refused_without_blocking(tmp_path):
 # ---- the header reader the model list and `aotx pull` use (gguf_header.read_header) ----------
 
 def test_header_reader_refuses_the_same_defects(tmp_path):
-    """Regression (issue 15 defect 10, on the second reader): the model list reads each
+    """Regression: the model list reads each
     file's header with ``gguf_header``; there too a big-endian file said only 'version
     50331648', an empty key passed, and a pipe in the models folder blocked the list."""
     from aotx.engine.model.gguf_header import read_file_header, read_header
@@ -275,7 +275,7 @@ def test_tiny_llama_and_cuda_test_model_are_accepted(tiny_models, tmp_path):
 
 @pytest.mark.parametrize("name", ["qwen2", "gemma3"])
 def test_real_architecture_files_are_accepted(request, name):
-    """The two real files of issue 14 (Qwen2.5-Coder-0.5B-Instruct with its tools template,
+    """The two real files (Qwen2.5-Coder-0.5B-Instruct with its tools template,
     Gemma 3 270M with its 262144-token SentencePiece vocabulary) read as gguf-py reads them."""
     path = request.getfixturevalue(f"{name}_model_path")
     assert _same_as_gguf_py(path) > 0

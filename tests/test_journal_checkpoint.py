@@ -43,7 +43,7 @@ def fill(j: Journal, table: ConversationTable, n_convs: int, text_bytes: int, ti
 
 
 def test_an_online_checkpoint_larger_than_the_journal_buffer_streams(tmp_path):
-    """Defect 6: online compaction stopped once live data passed the 8 MiB buffer (`a
+    """Regression: online compaction stopped once live data passed the 8 MiB buffer (`a
     checkpoint of 183022672 bytes does not fit the journal buffer of 8388608 bytes`) and
     the journal grew without bound. Here the buffer is 64 KiB and the live data 2 MiB."""
     table = ConversationTable()

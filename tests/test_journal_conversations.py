@@ -72,12 +72,31 @@ def test_rename_update_truncate_delete_capsule():
     assert t.get("c1") is None and t.live() == []
 
 
-def test_records_for_unknown_things_are_ignored_and_counted():
+def test_records_whose_conversation_or_message_start_was_lost_rebuild_them_marked_salvaged():
+    """A record whose conversation's creation (or a reply's start) was lost to damage used
+    to be dropped with every later record of that conversation; each record names its
+    conversation, so the conversation is rebuilt and says what it is missing."""
     t = ConversationTable()
-    _play(t, [R.MessageAccepted("nope", "m", "user", "x"), R.ConversationCreated("c"),
-              R.MessageFinished("c", "missing", "stop"), R.ConversationTruncated("c", "missing"),
-              R.ConversationCreated("c", "dup")])
-    assert t.ignored == 4 and t.get("c").title == ""
+    _play(t, [R.MessageAccepted("nope", "m", "user", "x", created_at=5.0), R.ConversationCreated("c"),
+              R.MessageFinished("c", "missing", "stop"), R.ConversationTruncated("c", "missing2"),
+              R.ConversationCreated("c", "dup"), R.TokensCommitted("c", "r", 7, [1, 2], "ab"),
+              R.TokensCommitted("c", "r", 11, [3], "c")])
+    nope = t.get("nope")
+    assert nope.salvaged.startswith("its creation was lost") and nope.created_at == 5.0
+    assert [(m.msg_id, m.text, m.status) for m in nope.messages] == [("m", "x", "complete")]
+    c = t.get("c")
+    assert c.title == "" and c.salvaged == ""
+    assert [(m.msg_id, m.status, m.salvaged != "") for m in c.messages] == [("missing", "complete", True),
+                                                                              ("r", "streaming", True)]
+    assert c.message("r").token_ids == [1, 2, 3] and "positions 9..10 were lost" in c.message("r").salvaged
+    assert t.ignored == 2  # the truncation of an unknown message, the second creation
+
+
+def test_records_of_a_deleted_conversation_stay_ignored():
+    t = ConversationTable()
+    _play(t, [R.ConversationCreated("c"), R.ConversationDeleted("c"), R.MessageAccepted("c", "m", "user", "x"),
+              R.ConversationDeleted("gone"), R.MessageAccepted("gone", "m", "user", "x")])
+    assert t.live() == [] and t.ignored == 2
 
 
 def test_replayed_sequence_numbers_change_nothing():

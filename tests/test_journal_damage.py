@@ -1,4 +1,4 @@
-"""Damage versus a torn tail (issue 15, must-have 1): the journal knows how far it
+"""Damage versus a torn tail: the journal knows how far it
 has acknowledged (its RECEIPT file), so a bad record at or before that point, or a
 bad record followed by valid ones, is damage: recovery keeps a byte-exact copy,
 salvages every valid record after it, names the conversations and messages
@@ -15,6 +15,9 @@ from aotx.engine.journal import (
     ConversationCreated, Journal, MessageAccepted, MessageFinished, TokensCommitted, dump, recover, verify,
 )
 from aotx.engine.journal import cli_support
+from aotx.engine.journal import records as _records
+
+RECEIPT_FILES = getattr(_records, "RECEIPT_FILES", ("RECEIPT",))  # every file the writer keeps its mark in
 
 # names new with this fix are imported inside the tests, so that on the tree before it
 # each regression test runs and fails on its assertions rather than at collection
@@ -57,6 +60,12 @@ def write(d: Path, recs, every: int = 4, **kw) -> list[tuple[int, int]]:
     return [(e.seq, e.offset) for e in entries]
 
 
+def set_receipt(d: Path, data: bytes) -> None:
+    """The acknowledged mark, in every file the writer keeps it in."""
+    for name in RECEIPT_FILES:
+        (d / name).write_bytes(data)
+
+
 def flip(path: Path, offset: int, bit: int = 0) -> bytes:
     data = bytearray(path.read_bytes())
     data[offset] ^= 1 << bit
@@ -65,7 +74,7 @@ def flip(path: Path, offset: int, bit: int = 0) -> bytes:
 
 
 def test_one_flipped_bit_in_an_acknowledged_record_of_the_last_segment_loses_only_that_record(tmp_path):
-    """Defect 1: one flipped bit inside the last segment (an acknowledged record, not a
+    """Regression: one flipped bit inside the last segment (an acknowledged record, not a
     torn tail) made the next start cut the segment there: 54 of 64 durable records and
     2 of 3 conversations gone, the file truncated, no copy kept."""
     recs = three_conversations(64)
@@ -98,7 +107,7 @@ def test_one_flipped_bit_in_an_acknowledged_record_of_the_last_segment_loses_onl
 
 
 def test_journal_repair_salvages_every_valid_record_after_one_bad_record(tmp_path):
-    """Defect 8 (its journal half): `journal repair` kept 10 of 63 conversations after
+    """Regression: `journal repair` kept 10 of 63 conversations after
     one bad record instead of salvaging the valid records after it."""
     recs = []
     for k in range(63):
@@ -126,15 +135,18 @@ def test_a_lost_conversation_creation_is_named_by_the_records_after_it(tmp_path)
     data[off:off + 26] = bytes(26)  # its header zeroed: nothing of it can be read
     (tmp_path / "0000000001.seg").write_bytes(bytes(data))
     rep = recover(tmp_path)
-    assert len(rep.table.live()) == 9 and rep.damage[0]["first_lost"] == seq
+    assert len(rep.table.live()) == 10 and rep.damage[0]["first_lost"] == seq
     assert any(a["conv_id"] == "c4" for a in rep.damage[0]["affected"])  # its message named it
+    c4 = rep.table.get("c4")  # rebuilt from its message, and says what it lost
+    assert c4.salvaged.startswith("its creation was lost") and [m.text for m in c4.messages] == ["x" * 40]
 
 
 def test_a_bad_record_followed_by_valid_records_is_damage_even_without_a_receipt(tmp_path):
     RECEIPT_FILE, Gap, decode_receipt, encode_receipt, JournalScan = _new()
     recs = three_conversations(40)
     where = write(tmp_path, recs)
-    (tmp_path / RECEIPT_FILE).unlink()  # no acknowledged point known at all
+    for name in RECEIPT_FILES:
+        (tmp_path / name).unlink()  # no acknowledged point known at all
     seq, off = where[20]
     flip(tmp_path / "0000000001.seg", off + 3)
     scan = JournalScan(tmp_path)
@@ -152,13 +164,13 @@ def test_a_torn_tail_past_the_acknowledged_point_is_cut_and_the_same_bytes_befor
     clean = seg.read_bytes()
     # the last record torn in half, never receipted: a crash's tail
     seg.write_bytes(clean[:last_off + 10])
-    (tmp_path / RECEIPT_FILE).write_bytes(encode_receipt(1, last_off, last_seq - 1))
+    set_receipt(tmp_path, encode_receipt(1, last_off, last_seq - 1))
     rep = recover(tmp_path)
     assert rep.damage == [] and rep.bytes_dropped == 10 and rep.last_seq == last_seq - 1
     assert "torn tail" in rep.summary()
     # the same cut, but the receipt had covered it: damage; the seq is not reused
     seg.write_bytes(clean[:last_off + 10])
-    (tmp_path / RECEIPT_FILE).write_bytes(encode_receipt(1, len(clean), last_seq))
+    set_receipt(tmp_path, encode_receipt(1, len(clean), last_seq))
     rep = recover(tmp_path)
     assert rep.damage and rep.damage[0]["first_lost"] == last_seq and rep.next_seq == last_seq + 1
     assert "at or before the acknowledged seq" in rep.damage[0]["why"]
@@ -268,3 +280,110 @@ def test_a_flipped_bit_anywhere_loses_at_most_the_records_it_touched(tmp_path):
         assert again.damage == [] and again.bytes_dropped == 0 and verify(d).ok, pos
         checked += 1
     assert checked > 200
+
+
+# ---- recovery by sequence numbers, not file names ---------------------------------------------
+
+def nine_segments(d: Path) -> list:
+    recs = []
+    for k in range(6):
+        recs += [ConversationCreated(f"c{k}", f"Chat {k}", float(k)),
+                 MessageAccepted(f"c{k}", f"u{k}", "user", "question " * 20)]
+    recs += three_conversations(300)
+    write(d, recs, segment_bytes=4096)
+    assert len(list(d.glob("*.seg"))) >= 6
+    return recs
+
+
+def test_a_flipped_bit_in_a_conversations_creation_keeps_all_its_later_records_reachable(tmp_path):
+    """One flipped bit in the record that creates a conversation hid the whole
+    conversation: every later record of it was dropped from the table."""
+    recs = three_conversations(64)
+    where = write(tmp_path, recs)
+    flip(tmp_path / "0000000001.seg", where[0][1] + 40)  # conv0's ConversationCreated
+    rep = recover(tmp_path)
+    conv0 = rep.table.get("conv0")
+    assert conv0 is not None and conv0.salvaged and len(conv0.messages) == 2
+    assert conv0.message("reply0").token_ids and conv0.message("reply0").status == "complete"
+    shown = cli_support.conversation_show_cmd("conv0", tmp_path)  # what `aotx conversations show` prints
+    assert shown["salvaged"] and [m["msg_id"] for m in shown["messages"]] == ["user0", "reply0"]
+
+
+def test_deleting_the_first_segment_keeps_every_conversation_of_the_later_ones(tmp_path):
+    """Deleting segment 1 of a 9-segment journal kept 440 of 507 records but showed 0
+    conversations (every creation was in segment 1)."""
+    nine_segments(tmp_path)
+    entries = list(dump(tmp_path))
+    in_first = {e.record.conv_id for e in entries if e.segment == 1 and hasattr(e.record, "conv_id")}
+    later = {e.record.conv_id for e in entries if e.segment > 1 and hasattr(e.record, "conv_id")}
+    (tmp_path / "0000000001.seg").unlink()
+    v = verify(tmp_path)
+    assert not v.ok and "segment 1 is missing" in v.damage[0] and "records seq 1.." in v.damage[0]
+    rep = recover(tmp_path)
+    live = {c.conv_id: c for c in rep.table.live()}
+    assert set(live) == later == {"conv0", "conv1", "conv2"}  # every conversation with a record left
+    assert {k for k, c in live.items() if c.salvaged} == in_first & later == later  # each says what it lost
+    assert "segment 1 was missing" in rep.notices()[0]
+
+
+def test_swapped_segment_names_lose_no_record(tmp_path):
+    """Swapping the names of segments 3 and 5 dropped 131 intact records, among them
+    all of segment 4, which was not touched."""
+    recs = nine_segments(tmp_path)
+    s3, s5 = tmp_path / "0000000003.seg", tmp_path / "0000000005.seg"
+    b3, b5 = s3.read_bytes(), s5.read_bytes()
+    s3.write_bytes(b5)
+    s5.write_bytes(b3)
+    v = verify(tmp_path)
+    assert not v.ok and v.n_records == len(recs) and any("is in file 0000000003.seg" in x for x in v.damage)
+    rep = recover(tmp_path, keep_records=True)
+    assert [e.record for e in rep.records] == recs and sum(d["n_lost"] for d in rep.damage) == 0
+    assert s3.read_bytes() == b3 and s5.read_bytes() == b5  # renamed back
+    assert verify(tmp_path).ok
+
+
+def test_losing_receipt_with_the_last_segment_is_noticed(tmp_path):
+    """Deleting RECEIPT together with the last segment lost its records with no notice."""
+    recs = nine_segments(tmp_path)
+    last = sorted(tmp_path.glob("*.seg"))[-1]
+    first_lost = [e.seq for e in dump(tmp_path) if e.segment == int(last.name[:10])][0]
+    (tmp_path / "RECEIPT").unlink()
+    last.unlink()
+    v = verify(tmp_path)
+    assert not v.ok and f"records seq {first_lost}..{len(recs)} lost" in v.damage[0]
+    rep = recover(tmp_path)
+    assert rep.damage[0]["first_lost"] == first_lost and rep.damage[0]["last_lost"] == len(recs)
+    assert rep.next_seq == len(recs) + 1  # the lost seqs are never handed out again
+
+
+@pytest.mark.parametrize("size", [10, 0])
+def test_a_destroyed_header_below_the_acknowledged_mark_is_damage_not_a_torn_tail(tmp_path, size):
+    """A segment truncated to 10 or 0 bytes while RECEIPT acknowledged its records was
+    reported as a torn tail ("a crash leaves this"), with no damage line."""
+    recs = three_conversations(60)
+    write(tmp_path, recs)
+    seg = tmp_path / "0000000001.seg"
+    seg.write_bytes(seg.read_bytes()[:size])
+    v = verify(tmp_path)
+    assert v.tail is None and v.damage and "records seq 1..60 lost" in " ".join(v.damage)
+    rep = recover(tmp_path)
+    assert rep.bytes_dropped == 0 and rep.damage and rep.next_seq == 61
+
+
+def test_a_journal_from_before_the_second_receipt_copy_opens_and_gets_one(tmp_path):
+    """Old journals have only RECEIPT: they open as before; the writer adds RECEIPT.2 and
+    from then on the higher valid copy is the acknowledged mark."""
+    from aotx.engine.journal.segment_files import read_acknowledged
+
+    recs = three_conversations(30)
+    write(tmp_path, recs)
+    second = tmp_path / "RECEIPT.2"
+    second.unlink()  # as an older AOTX left it
+    rep = recover(tmp_path)
+    assert rep.problem is None and rep.acknowledged_seq == 30 and len(rep.table.live()) == 3
+    with Journal(tmp_path) as j:
+        j.publish(MessageAccepted("conv0", "late", "user", "more"), 0)
+    assert second.exists() and read_acknowledged(tmp_path)[2] == 31
+    set_receipt(tmp_path, b"")  # both copies unreadable: no mark, and nothing is lost for it
+    (tmp_path / "RECEIPT.2").write_bytes(_records.encode_receipt(1, 0, 31))
+    assert read_acknowledged(tmp_path)[2] == 31 and verify(tmp_path).ok

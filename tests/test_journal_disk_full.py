@@ -1,4 +1,4 @@
-"""A full disk (issue 15, defect 3, must-have 4): the journal does not fail for good
+"""A full disk: the journal does not fail for good
 on ENOSPC; it reports a degraded state naming the disk and how much it needs, the
 engine holds new work with a notice saying so (and ``aotx status``, the gateway's
 health and the TUI's status line show it), and everything resumes by itself when
@@ -59,7 +59,7 @@ def wait_for(pred, timeout=10.0, what="condition"):
 
 
 def test_the_journal_waits_out_a_full_disk_and_loses_nothing(tmp_path, disk):
-    """Defect 3: a full disk failed the journal for good: every later message failed with
+    """Regression: a full disk failed the journal for good: every later message failed with
     [Errno 28], even after the space came back."""
     receipts = []
     j = Journal(tmp_path, on_receipt=receipts.append)
@@ -117,7 +117,7 @@ async def _wait_status(client, pred, timeout=20.0):
 
 
 async def test_the_engine_holds_new_work_while_the_disk_is_full_and_resumes_by_itself(engine_server, disk):
-    """Defect 3: `aotx status` said `ready: yes` while every message failed with
+    """Regression: `aotx status` said `ready: yes` while every message failed with
     [Errno 28]. Now: degraded in the status and the TUI's status line, a held notice
     naming the disk, then the held work runs once space returns, every receipt arrives."""
     from aotx.app.widgets.status_bar import StatusBar

@@ -1,4 +1,4 @@
-"""Private by default (issue 15, must-have 3): the data dir and everything under it
+"""Private by default: the data dir and everything under it
 0700/0600, the engine's umask 077, wider modes left by an older AOTX tightened at
 start; another local user can read no file and cannot connect to the socket."""
 
@@ -25,7 +25,7 @@ def mode(p: Path) -> int:
 
 
 def test_wider_modes_left_by_an_older_aotx_are_tightened_at_start(tmp_path, monkeypatch):
-    """Defect 2: capsules 0644 in 0755 directories and a 0644 compaction checkpoint made
+    """Regression: capsules 0644 in 0755 directories and a 0644 compaction checkpoint made
     conversations readable by other users; the engine's start now makes them private."""
     home = tmp_path / "home"
     monkeypatch.setenv("AOTX_HOME", str(home))

@@ -19,7 +19,7 @@ from aotx.engine.journal import (
     compact, dump, recover, verify,
 )
 from aotx.engine.journal.records import (
-    FORMAT_VERSION, HEADER_BYTES, RECEIPT_FILE, Gap, encode_receipt, encode_segment_header,
+    FORMAT_VERSION, HEADER_BYTES, RECEIPT_FILES, Gap, encode_receipt, encode_segment_header,
 )
 
 
@@ -79,9 +79,10 @@ def assert_salvaged(entries):
 
 
 def acknowledge(d, seq):
-    """Set the journal's acknowledged point (its RECEIPT file) to ``seq``: what a
+    """Set the journal's acknowledged mark (both its RECEIPT files) to ``seq``: what a
     writer that crashed before receipting the later records leaves."""
-    (Path(d) / RECEIPT_FILE).write_bytes(encode_receipt(1, 0, seq))
+    for name in RECEIPT_FILES:
+        (Path(d) / name).write_bytes(encode_receipt(1, 0, seq))
 
 
 def test_clean_journal_recovers_everything(journal):
@@ -196,11 +197,11 @@ def test_missing_middle_segment_is_salvaged_keeping_every_later_record(journal):
 def test_missing_first_segment_is_salvaged(journal):
     d, segs = journal
     segs[0].unlink()
-    assert verify(d).problem.kind == "gap" and "earlier segments are missing" in verify(d).problem.message
+    assert verify(d).problem.kind == "gap" and "segment 1 is missing" in verify(d).problem.message
     rep = recover(d, keep_records=True)
     lost = assert_salvaged(rep.records)
-    assert min(lost) == 1 and rep.damage[0]["n_lost"] == len(lost)
-    assert verify(d).ok
+    assert min(lost) == 1 and rep.damage[0]["n_lost"] == len(lost) and "segment 1 was missing" in rep.notices()[0]
+    assert verify(d).ok and segs[0].exists()  # recreated, holding the Gap
 
 
 def test_newer_format_version_is_always_refused(journal):

@@ -1,7 +1,6 @@
-"""The data dir and its segment files when something is wrong with them (issue 15,
-defect 9, must-have 4): a read-only data dir, an unreadable segment, a directory
-named ``*.seg``, a FIFO named ``*.seg``. Each gives one clear line and exit code 2,
-never a traceback, never a hang.
+"""The data dir and its segment files when something is wrong with them: a read-only
+data dir, an unreadable segment, a directory named ``*.seg``, a FIFO named ``*.seg``.
+Each gives one clear line and exit code 2, never a traceback, never a hang.
 
 Permissions do not bind root: when the tests run as root, each command runs with
 every capability dropped (``setpriv --bounding-set=-all``), so that the file modes
@@ -66,7 +65,7 @@ def test_verify_works_on_a_healthy_journal_as_that_user(home):
 
 
 def test_a_fifo_named_like_a_segment_neither_hangs_verify_nor_the_engine_start(home):
-    """Defect 9: a FIFO named *.seg hung `journal verify` and the engine's start."""
+    """Regression: a FIFO named *.seg hung `journal verify` and the engine's start."""
     os.mkfifo(home / "journal" / "0000000002.seg")
     line = one_line_error(aotx(home, "journal", "verify"), "0000000002.seg", "FIFO")
     assert "regular file" in line
@@ -78,14 +77,14 @@ def test_a_fifo_named_like_a_segment_neither_hangs_verify_nor_the_engine_start(h
 
 
 def test_a_directory_named_like_a_segment_is_one_line(home):
-    """Defect 9: a directory named *.seg gave a raw traceback (exit code 1)."""
+    """Regression: a directory named *.seg gave a raw traceback (exit code 1)."""
     (home / "journal" / "0000000002.seg").mkdir()
     one_line_error(aotx(home, "journal", "verify"), "0000000002.seg", "a directory")
     one_line_error(aotx(home, "journal", "compact"), "a directory")
 
 
 def test_an_unreadable_segment_is_one_line(home):
-    """Defect 9: an unreadable segment gave a raw traceback (exit code 1)."""
+    """Regression: an unreadable segment gave a raw traceback (exit code 1)."""
     seg = home / "journal" / "0000000001.seg"
     seg.chmod(0o000)
     try:
@@ -96,7 +95,7 @@ def test_an_unreadable_segment_is_one_line(home):
 
 
 def test_a_read_only_data_dir_is_one_line(home):
-    """Defect 9: a read-only data dir gave raw tracebacks (exit code 1): the engine
+    """Regression: a read-only data dir gave raw tracebacks (exit code 1): the engine
     refuses before loading anything, journal commands that write say so, reads work."""
     (home / "run").mkdir(mode=0o700)
     seg = home / "journal" / "0000000001.seg"

@@ -1,4 +1,4 @@
-"""The kernel-choice artifact (shared/DESIGN.md "Kernel choice"; issue 19 item 5), on the CPU.
+"""The kernel-choice artifact (DESIGN.md, "Kernel choice"), on the CPU.
 
 ``engine/backend/kernel_choice.py`` is pure Python: these tests drive it with fake timers
 and fake checks, in every case the design names: first load on a device (missing: timed
@@ -345,7 +345,7 @@ def test_a_cpu_load_has_no_kernel_choice_note(tiny_gguf, tmp_path):
 
 
 def test_compiling_the_candidates_is_not_charged_to_the_timing_budget(tmp_path):
-    # session 8's H200 run: NVRTC compiled every candidate inside the first site's check
+    # on an H200, NVRTC compiled every candidate inside the first site's check
     # (17-44 s), the 30 s budget was spent after one site and the rest ran their defaults
     now = [0.0]
     calls = []

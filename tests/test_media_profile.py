@@ -354,7 +354,7 @@ def test_ocr_writes_nothing_outside_aotx_home(tmp_path):
 
 
 def test_audio_without_a_speech_model_says_what_to_install(monkeypatch, tmp_path):
-    """Issue 8 point 5: an attachment the profile cannot take is refused with what would accept it."""
+    """An attachment the profile cannot take is refused with what would accept it."""
     monkeypatch.setattr(profile, "_installed", lambda *mods: "ctranslate2")
     with pytest.raises(MediaError) as e:
         profile.prepare(_wav(tmp_path / "a.wav"))

@@ -116,7 +116,7 @@ def test_only_the_engines_default_is_marked_default(loaded_model, tmp_path, monk
 
 def test_a_running_engine_falls_back_when_the_file_went_away_while_it_ran(loaded_model, tmp_path, monkeypatch,
                                                                           tiny_gguf):
-    """Defect (helper-28): on an engine that is still running, a conversation whose model
+    """Regression: on an engine that is still running, a conversation whose model
     (loaded by path, then unloaded) lost its file failed with exit 2 ("No such file or
     directory"); after a restart the same case fell back. Now both fall back with the notice."""
     home = tmp_path / "home"

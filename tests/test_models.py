@@ -1,9 +1,9 @@
-"""Several models in one engine (issue 20, must-haves 1 and 2): load, switch, unload, admission.
+"""Several models in one engine: load, switch, unload, admission.
 
 An Engine runs in-process on the default model (SmolLM2, loaded once per session) with
 tiny random-weight llama files of other shapes in its models folder (another
 vocabulary, other layer counts and contexts, another tensor type), so that nothing
-here waits on the architectures of issue 14. Every reply is greedy, so a model's
+here waits on the model layer's architectures. Every reply is greedy, so a model's
 tokens are a function of its prompt: a stream run beside other models must equal the
 same prompt run on an engine holding that model alone.
 """
@@ -371,13 +371,13 @@ def test_list_models_describes_every_installed_model(loaded_model, home):
 # ---- 6. real files of other architectures (qwen2, gemma3), once the model layer runs them ----------
 
 def test_three_real_models_in_one_engine(loaded_model, home, qwen2_model_path, gemma3_model_path):
-    """Done-when of issue 20 with real files: SmolLM2 (llama), Qwen2.5-Coder-0.5B (qwen2) and
+    """Several models with real files: SmolLM2 (llama), Qwen2.5-Coder-0.5B (qwen2) and
     Gemma 3 270M (gemma3) loaded together, each answering in its own vocabulary."""
     from aotx.engine.model.architectures import REGISTRY
 
     missing = [a for a in ("qwen2", "gemma3") if a not in REGISTRY]
     if missing:
-        pytest.skip(f"the model layer does not run {', '.join(missing)} yet (issue 14)")
+        pytest.skip(f"the model layer does not run {', '.join(missing)} yet")
     for name, p in (("qwen2", qwen2_model_path), ("gemma3", gemma3_model_path)):
         (home / "models" / f"{name}.gguf").symlink_to(p)
     eng = make_engine(loaded_model, home, context=512)

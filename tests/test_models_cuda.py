@@ -1,4 +1,4 @@
-"""Several models in one engine on a GPU (issue 20 on CUDA): the default model and tiny
+"""Several models in one engine on a GPU: the default model and tiny
 llama files loaded beside it through serve's loader (``serve.load_beside``), each
 model's greedy reply beside the others equal to the same prompt on an engine holding
 that model alone, on the device the model was loaded on (a file the CUDA backend cannot

@@ -1,4 +1,4 @@
-"""Mixtures of experts on the CPU (issue 22): qwen3moe, olmoe and gpt-oss against llama.cpp,
+"""Mixtures of experts on the CPU: qwen3moe, olmoe and gpt-oss against llama.cpp,
 the ``moe`` op against float64 written from its definition, the routing rules of each
 family, attention sinks, YaRN, batch invariance, and bad input.
 
@@ -24,6 +24,7 @@ import importlib.util
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ from gguf import GGMLQuantizationType as T
 
 from aotx.engine.backend.cpu import attention as cpu_attention
 from aotx.engine.backend.cpu import experts as cpu_moe
-from aotx.engine.backend.cpu import qdot as cpu_qdot
+from aotx.engine.backend.cpu import markers as cpu_markers
 from aotx.engine.backend.cpu.matmul import QuantMatrix
 from aotx.engine.backend.cpu.program import CpuProgram
 from aotx.engine.backend.ops import ProgramBuilder, ProgramError, RopeSpec
@@ -103,7 +104,7 @@ def rel_err(got, ref) -> float:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_tiny_moe_file_matches_llama_cpp_teacher_forced(request, moe_cache, name):
-    """Issue 22's correctness on every tiny MoE file: mean |logit diff| on llama.cpp's top-5
+    """Correctness on every tiny MoE file: mean |logit diff| on llama.cpp's top-5
     <= 0.5 (observed 0.09 .. 0.16) and the argmax where its top-two gap is >= 0.5, except at
     rows within TIE_MARGIN of a routing tie (module docstring), at most MAX_TIE_ROWS."""
     path, ref = moe_file(request, name)
@@ -174,12 +175,12 @@ def test_moe_chunks_decode_steps_and_mixed_batches_agree(request, moe_cache, nam
     assert rel_err(np.concatenate(rows), whole) < 1e-4
 
 
-ROW_INVARIANT_MATMUL = hasattr(QuantMatrix, "numerics")   # issue 16's QuantMatrix: every type, every n
+ROW_INVARIANT_MATMUL = hasattr(QuantMatrix, "numerics")   # the row-invariant QuantMatrix: every type, every n
 
 
 def test_decode_rows_do_not_depend_on_the_batch(request, moe_cache):
     """Four slots decoding at once give each slot's logits as decoding it alone (their rows
-    share experts in one call). Bit for bit once every matmul is row-invariant (issue 16's
+    share experts in one call). Bit for bit once every matmul is row-invariant (the
     QuantMatrix); before that the F16/Q5_0/Q6_K matrices of this file round by batch size."""
     _, ref = moe_file(request, "qwen3moe")
     lm = loaded(request, moe_cache, "qwen3moe")
@@ -522,13 +523,13 @@ def test_expert_tensor_type_the_backend_lacks_is_refused_by_name(request, monkey
         load_model(path)
 
 
-# ------------------------------------------------------------------ the fused CPU expert tier (session 5)
+# ------------------------------------------------------------------ the fused CPU expert tier
 
-_ISAS = [pytest.param(cpu_qdot.PORTABLE, id="portable"),
-         pytest.param(cpu_qdot.AVX2, id="avx2",
-                      marks=pytest.mark.skipif(not cpu_qdot.host_has_avx2(), reason="CPU without AVX2")),
-         pytest.param(cpu_qdot.VNNI, id="vnni",
-                      marks=pytest.mark.skipif(not cpu_qdot.host_has_vnni(), reason="CPU without AVX-VNNI"))]
+_ISAS = [pytest.param(cpu_markers.PORTABLE, id="portable"),
+         pytest.param(cpu_markers.AVX2, id="avx2",
+                      marks=pytest.mark.skipif(not cpu_markers.host_has_avx2(), reason="CPU without AVX2")),
+         pytest.param(cpu_markers.VNNI, id="vnni",
+                      marks=pytest.mark.skipif(not cpu_markers.host_has_vnni(), reason="CPU without AVX-VNNI"))]
 
 
 @pytest.mark.parametrize("isa", _ISAS)
@@ -540,6 +541,7 @@ def test_compact_k_quant_tiles_give_the_standard_tiles_bits(monkeypatch, qtype, 
     against numpy in test_cpu_qdot), on every instruction set, for decode and prefill row
     counts and a row count that is not a multiple of 32 (a padded tile); in fewer bytes."""
     from aotx.engine.backend.cpu import matmul as cpu_matmul
+    from aotx.engine.backend.cpu import repack as cpu_repack
     from tests.models.common import random_matrix
 
     rng = np.random.default_rng(5)
@@ -553,7 +555,7 @@ def test_compact_k_quant_tiles_give_the_standard_tiles_bits(monkeypatch, qtype, 
     assert a.nbytes < (0.8 if qtype == T.Q4_K else 0.67) * b.nbytes
     mats = [a]
     if qtype == T.Q6_K:          # the unpacked compact kind too (int8 quants, compact scales)
-        c = cpu_matmul.from_tiles(raw, qtype, m, k, cpu_matmul.repack_compact(raw, qtype, m, k, kind="q6k"), "q6k")
+        c = cpu_matmul.from_tiles(raw, qtype, m, k, cpu_repack.repack_compact(raw, qtype, m, k, kind="q6k"), "q6k")
         assert c.kind == "q6k"
         mats.append(c)
     b.isa = isa
@@ -623,7 +625,7 @@ def test_fused_expert_layer_rows_do_not_depend_on_the_batch(request, moe_cache):
 
 def test_calibration_times_a_layer_call_of_n_used_experts_and_prices_each_expert_a_share(request, moe_cache,
                                                                                           monkeypatch):
-    """Regression (the H200 MoE benchmark, session 5): the CPU tier's calibration timed one
+    """Regression (the H200 MoE benchmark): the CPU tier's calibration timed one
     expert's call alone and the plan multiplied it by n_used, so a decode layer (n_used
     experts at once, over the pool's threads) was priced at up to the thread count times
     what it took (the plan said 2.6 tok/s where 7.7 ran). Now it times the call a layer
@@ -642,7 +644,7 @@ def test_calibration_times_a_layer_call_of_n_used_experts_and_prices_each_expert
 
     monkeypatch.setattr(type(fused), "run", spy)
     clock = iter(float(i) for i in range(10_000))        # each timed call takes exactly 1 "second"
-    monkeypatch.setattr(cpu_moe.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     got = cpu_moe.measure(a, (1, 16), cp.expert_pool, reps=3)["cpu"]
     k = a["n_used"]
     assert k > 1
@@ -659,7 +661,7 @@ def _rss_kib() -> int:
 
 
 def test_bug_an_expert_stack_holds_only_the_experts_written_not_huge_pages_around_them():
-    """Regression (session 5): expert stacks were np.empty arrays, for which numpy asks for
+    """Regression: expert stacks were np.empty arrays, for which numpy asks for
     transparent huge pages, so materializing one expert committed whole 2 MiB pages of its
     neighbours (64 MiB held for 32 bytes written 2 MiB apart): experts the plan leaves in
     the file took memory anyway. lazy_empty's pages are committed 4 KiB at a time."""

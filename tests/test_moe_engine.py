@@ -1,4 +1,4 @@
-"""A mixture-of-experts file through the whole engine on the CPU (issue 22): ``aotx run``
+"""A mixture-of-experts file through the whole engine on the CPU: ``aotx run``
 with the startup profile's expert stages and the plan's note, a conversation continued
 from its slot's KV, the engine restarted (the journal recovers the conversation; the
 stored calibration is reused), and a capsule round trip on each MoE architecture. The

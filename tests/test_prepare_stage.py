@@ -1,4 +1,4 @@
-"""The preparation stage (issue 15 defects 4 and 5, must-have 5): a message's prompt
+"""The preparation stage: a message's prompt
 is made on a worker, never on the tick thread, within bounds.
 
 An in-process Engine over a tiny llama whose GGUF carries the hostile chat template
@@ -84,7 +84,7 @@ def tokens_between(s: TimedSink, t0: float, t1: float) -> int:
 
 
 def test_hostile_template_is_refused_while_another_stream_flows(engine):
-    """Regression (issue 15 defect 4): the template hung the engine; other clients timed
+    """Regression: the template hung the engine; other clients timed
     out. It renders on a worker now: a stream started while it renders runs meanwhile
     (the old engine rendered on the tick thread: not one token until the render ended)."""
     eng = engine(n_ctx=4096)
@@ -108,7 +108,7 @@ def test_hostile_template_is_refused_while_another_stream_flows(engine):
 
 
 def test_engine_stops_promptly_while_a_template_renders(engine):
-    """Regression (issue 15 defect 4): SIGTERM was ignored while the template ran (the
+    """Regression: SIGTERM was ignored while the template ran (the
     stop request waits for the tick, and the tick waited for the render)."""
     eng = engine()
     conv = create(eng, "stop me")
@@ -121,7 +121,7 @@ def test_engine_stops_promptly_while_a_template_renders(engine):
 
 
 def test_ten_megabyte_message_is_refused_at_once_and_writes_nothing(engine):
-    """Regression (issue 15 defect 5): a 10 MB message stopped another client's stream
+    """Regression: a 10 MB message stopped another client's stream
     for up to 9.6 s (it was tokenized on the tick thread). It cannot fit the context
     whatever its tokens, so it is refused before any tokenization; journaled: nothing."""
     eng = engine(journal=True)

@@ -274,7 +274,7 @@ typed_maps = st.builds(lambda tag, fields: {"type": tag, **fields}, st.sampled_f
 
 weird_numbers = (st.integers(-(2 ** 63), 2 ** 63 - 1) | st.floats(allow_nan=True, allow_infinity=True))
 # max_tokens is always there and tiny: a client that goes away no longer cancels its reply (the
-# engine writes it to the end, issue 17 defect 6), and the default length runs to the context
+# engine writes it to the end), and the default length runs to the context
 sampling_maps = st.fixed_dictionaries({"max_tokens": st.integers(-3, 3)}, optional={
     "temperature": weird_numbers, "top_k": st.integers(-(2 ** 63), 2 ** 63 - 1), "top_p": weird_numbers,
     "min_p": weird_numbers, "repeat_penalty": weird_numbers, "repeat_last_n": st.integers(-(2 ** 63), 2 ** 63 - 1),

@@ -1,4 +1,4 @@
-"""``aotx pull`` against a local server in the Hub's URL layout (issue 20, must-have 4).
+"""``aotx pull`` against a local server in the Hub's URL layout.
 
 The machines have no internet: ``tests/fakes/hub.py`` serves tiny GGUF files the way
 the Hub does (resolve -> 302 to a CDN URL with the LFS sha256 and size; ranges on the

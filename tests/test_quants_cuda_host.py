@@ -136,7 +136,7 @@ def _reference(raw: np.ndarray, qtype: T, k: int) -> np.ndarray:
 CUDA_TYPES = [T(c) for c in cuda_src.TYPES]
 
 
-def test_cuda_types_include_the_issue_14_types():
+def test_cuda_types_include_the_k_quants_iq4_and_mxfp4():
     assert {T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4} <= set(CUDA_TYPES)
 
 

@@ -1,4 +1,4 @@
-"""IQ4_NL, IQ4_XS and MXFP4 on the CPU (issue 14, item 5): dequantization, QuantMatrix
+"""IQ4_NL, IQ4_XS and MXFP4 on the CPU: dequantization, QuantMatrix
 matmul and embedding rows, and a tiny llama GGUF that mixes them, end to end.
 
 References, none written from our kernels:
@@ -229,7 +229,7 @@ def write_mixed_model(tiny_gguf, path, seed: int = 0, tensor_types=MIX):
 
 def new_kv_f32(model, n_slots: int, n_ctx: int):
     """A float32 KV cache (the tolerances here are float32's), also once the float16
-    default of issue 14 item 7 gives new_kv_cache a kv_type argument."""
+    default gives new_kv_cache a kv_type argument."""
     if "kv_type" in inspect.signature(model.new_kv_cache).parameters:
         return model.new_kv_cache(n_slots, n_ctx, kv_type="f32")
     return model.new_kv_cache(n_slots, n_ctx)

@@ -1,4 +1,4 @@
-"""The two real files of issue 14 on the CPU: Qwen2.5-Coder-0.5B-Instruct (qwen2) and
+"""The two real files on the CPU: Qwen2.5-Coder-0.5B-Instruct (qwen2) and
 Gemma 3 270M (gemma3), through the new one-forward design.
 
 * teacher-forced against llama.cpp's chat references (tests/data/refs/<model>/chat_refs.json,
@@ -120,7 +120,7 @@ def test_four_concurrent_conversations_equal_each_alone(real):
 
 
 def _row_invariant_matmul() -> bool:
-    """Issue 16's matmul (``QuantMatrix.numerics``): one kernel for every row count. Before
+    """The row-invariant matmul (``QuantMatrix.numerics``): one kernel for every row count. Before
     it, K-quant weights (both real files) go through BLAS, whose sums depend on the row
     count, so a verify window's rows can differ from decode steps by float rounding."""
     from aotx.engine.backend.cpu.matmul import QuantMatrix
@@ -131,7 +131,7 @@ def _row_invariant_matmul() -> bool:
 def test_speculative_ngram_equals_plain_greedy(real):
     name, lm = real
     if DEVICE == "cpu" and not _row_invariant_matmul():
-        pytest.xfail("needs issue 16's row-invariant CPU matmul (helper invariance) for K-quant files")
+        pytest.xfail("needs the row-invariant CPU matmul for K-quant files")
     prompts = ["def add(a, b):\n    return a + b\n\n\ndef add(", "one two three four one two three four one two"]
     plain = _replies(lm, prompts, n_slots=2, max_tokens=16)
     lookup = _replies(lm, prompts, n_slots=2, max_tokens=16, speculative="ngram")

@@ -1,6 +1,6 @@
 """engine/runtime/receipts.py: which durable events a client gets for one receipt.
 
-Regression (helper-28): after a cancelled `aotx run --json`, the stream ended with a
+Regression: after a cancelled `aotx run --json`, the stream ended with a
 `durable` event without the reply's msg_id. The reply's last tokens and its finish were
 made durable by one fsync; the receipt sent a plain tokens event and then the reply's
 final one, and the client (which stops at the first event covering the reply's last

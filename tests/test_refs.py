@@ -1,4 +1,4 @@
-"""The reference data of issue 14 and the checker the forward tests use with it.
+"""The llama.cpp reference data and the checker the forward tests use with it.
 
 * Every tiny file of ``tests/models`` regenerates byte-identical to the file llama.cpp's
   references in ``tests/data/refs/tiny/`` were made from (their sha256), so a comparison

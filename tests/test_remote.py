@@ -1,4 +1,4 @@
-"""A remote OpenAI-compatible engine as a model (issue 20, must-have 5).
+"""A remote OpenAI-compatible engine as a model.
 
 The journal, the three positions and receipts stay here while the reply comes from
 the endpoint. These tests drive an in-process Engine (default model loaded once per
@@ -198,9 +198,9 @@ def test_cancel_a_remote_reply(loaded_model, home):
             stop(eng)
 
 
-def test_bug6_a_key_variable_missing_from_the_engines_environment_is_refused_before_journaling(
+def test_a_key_variable_missing_from_the_engines_environment_is_refused_before_journaling(
         loaded_model, home, monkeypatch):
-    """Regression (fixcli): `VLLM_API_KEY=x aotx run --model big` against an engine started
+    """Regression: `VLLM_API_KEY=x aotx run --model big` against an engine started
     without it said only "the API key variable VLLM_API_KEY is not set" (it was set, in the
     wrong process) and journaled the message with a failed reply. Now the message says it
     is the engine's environment and how to fix it, and nothing is journaled."""

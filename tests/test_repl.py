@@ -1,4 +1,4 @@
-"""The interactive ``aotx run`` (issue 17, point 10) against the scripted engine:
+"""The interactive ``aotx run`` against the scripted engine:
 slash commands, settings saved in the conversation, attachments, fork, markers.
 The terminal end to end (tmux, the real default model) is tests/test_repl_tmux.py."""
 
@@ -141,7 +141,7 @@ async def test_repl_context_shows_and_sets_the_conversations_policy():
 
 
 async def test_bug_one_message_was_counted_as_1_messages():
-    """A new user's report: "(1 messages)" in the CLI's and the TUI's lines; now "1 message"
+    """Regression: "(1 messages)" in the CLI's and the TUI's lines; now "1 message"
     (units.plural, used by every such line)."""
     from aotx.engine.units import plural
 
@@ -154,7 +154,7 @@ async def test_bug_one_message_was_counted_as_1_messages():
 
 
 async def test_repl_with_model_chats_with_that_model():
-    """Regression (new-user trial, session 4): `aotx run --model qwen... ` with no prompt
+    """Regression: `aotx run --model qwen... ` with no prompt
     (the terminal chat) ignored --model: the banner and every reply were the default's."""
     engine = FakeEngine()
     repl, term = await drive(engine, ["hello", "/new", "again"], model="/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
@@ -183,3 +183,11 @@ def test_run_repl_refuses_a_missing_model_file_before_connecting(tmp_path):
         assert "missing.gguf" in str(e)
     else:
         assert rc == 2
+
+
+def test_repl_help_fits_80_columns():
+    """Regression: the `aotx run` chat's /help wrapped mid-word at 80 columns."""
+    from aotx.engine.cli.repl import HELP
+
+    assert max(len(line) for line in HELP.splitlines()) <= 80
+    assert "/attach" in HELP and "/bye" in HELP and '"""' in HELP

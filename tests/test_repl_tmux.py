@@ -1,5 +1,5 @@
 """End to end in a real terminal: ``aotx run`` with no prompt, driven through tmux on
-the default model (issue 17, point 10).
+the default model.
 
 tmux gives the program a real pseudo-terminal (so ``aotx run`` sees a TTY and opens
 the interactive chat, with readline), the test types into it with ``send-keys`` and

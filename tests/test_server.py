@@ -171,3 +171,18 @@ def test_status_json_over_the_socket(engine_server, tmp_path):
     st = json.loads(r.stdout)
     assert st["ready"] is True and st["n_ctx"] == 128 and len(st["slots"]) == 3
     assert all(s["state"] == "free" for s in st["slots"])
+
+
+def test_no_runtime_dir_warning_without_xdg_runtime_dir(tmp_path):
+    """Without XDG_RUNTIME_DIR (and without AOTX_HOME) the socket goes under the data dir,
+    and nothing but AOTX's own line is printed (platformdirs' RuntimeDirWarning was printed
+    on every command)."""
+    from tests.cli_support import one_line
+
+    env = {"XDG_DATA_HOME": str(tmp_path / "data")}
+    r = subprocess.run([sys.executable, "-m", "aotx.engine.cli.commands", "status"], capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL,
+                       env={k: v for k, v in dict(os.environ, **env).items()
+                            if k not in ("XDG_RUNTIME_DIR", "AOTX_HOME")})
+    assert "RuntimeDirWarning" not in r.stderr
+    assert str(tmp_path / "data" / "aotx" / "run" / "engine.sock") in one_line(r)

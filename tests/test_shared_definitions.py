@@ -1,6 +1,6 @@
 """One definition each, used everywhere: sampling parameters and their defaults, media kinds.
 
-Regression (issue 18): the defaults were written in cli.py, protocol.py and sampling.py;
+Regression: the defaults were written in cli.py, protocol.py and sampling.py;
 media kinds were decided in three places that disagreed (the app and the CLI took
 ``.m4a``, which the media profile cannot decode, and the CLI sent ``.opus`` as an image).
 """

@@ -1,7 +1,6 @@
-"""Hostile chat templates are stopped by the render budget (issue 15 defect 4,
-must-have 5): each is refused with a TemplateError naming the template and the
-limit it passed, after bounded time and memory, and ordinary templates render
-exactly as before (the llama.cpp references in test_chat_template.py).
+"""Hostile chat templates are stopped by the render budget: each is refused with a
+TemplateError naming the template and the limit it passed, after bounded time and
+memory, and ordinary templates render exactly as before (the llama.cpp references in test_chat_template.py).
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def test_hostile_template_is_refused_naming_template_and_limit(case):
 
 
 def test_default_budget_stops_the_reported_template():
-    """Regression (issue 15 defect 4): the template of the report hung the engine
+    """Regression: the template of the report hung the engine
     forever; with no budget given, the default (2 s of CPU) stops it."""
     src = HOSTILE["nested-range"][0]
     t = ChatTemplate.from_metadata({"tokenizer.chat_template": src, "general.name": "Evil 1B"})

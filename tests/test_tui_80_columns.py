@@ -1,5 +1,6 @@
 """aotx-chat at 80 columns: what the status line and the model picker (Ctrl+O) keep when
-the terminal is narrow; at 120 columns the picker leaves nothing out."""
+the terminal is narrow (at 120 columns the picker leaves nothing out), the help's rows,
+and the 80x24 layout (a narrower sidebar, the F4 dialog's buttons on screen)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from app_fake_engine import FakeEngine, make_app, settle  # noqa: E402
+from app_fake_engine import FakeEngine, make_app, settle, until  # noqa: E402
 
-from textual.widgets import DataTable  # noqa: E402
+from textual.widgets import Button, DataTable  # noqa: E402
 
 from aotx.app.screens.model_picker import COLUMNS, ModelPicker, fit_columns, model_row  # noqa: E402
 from aotx.app.widgets.status_bar import StatusBar  # noqa: E402
@@ -124,3 +125,46 @@ def test_model_picker_fit_columns_drops_the_least_useful_first():
         dropped += [COLUMNS[i] for i in range(len(COLUMNS)) if i not in keep and COLUMNS[i] not in dropped]
     assert dropped == ["arch", "quant", "needs", "context", "size"]
     assert fit_columns(rows, 21)[0] == [0, 6]  # the name and the loaded mark stay
+
+
+async def test_help_rows_fit_80_columns():
+    app, _ = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+        table = app.screen.query_one(DataTable)
+        assert table.virtual_size.width <= table.scrollable_content_region.width, (
+            table.virtual_size, table.scrollable_content_region)
+        assert table.row_count >= 25
+        box = app.screen.query_one("#help-box")
+        assert box.region.right <= 80 and box.region.bottom <= 24
+
+
+def _history() -> FakeEngine:
+    e = FakeEngine()
+    e.add_conversation("Rust lifetimes", [("user", "what is 'a?"), ("assistant", "A **lifetime** names a borrow.")])
+    e.add_conversation("Pasta recipe", [("user", "carbonara?"), ("assistant", "Eggs, guanciale, pecorino. No cream.")])
+    e.add_conversation("Trip", [("user", "where to in May?"), ("assistant", "Lisbon: warm, and the jacaranda bloom.")])
+    return e
+
+
+async def test_80x24_layout_sidebar_narrows_and_f4_buttons_are_on_screen():
+    app, _ = make_app(_history())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert app.screen.has_class("-narrow") and app.screen.has_class("-short")
+        assert app.sidebar.region.width <= 24
+        assert not app.sidebar.query_one("#legend").display
+        assert app.chat_input.region.bottom <= 23 and app.chat_input.region.height >= 3
+        await pilot.press("f4")
+        await until(pilot, lambda: app.screen.query("#save"))
+        await pilot.pause()
+        for bid in ("save", "cancel"):
+            b = app.screen.query_one(f"#{bid}", Button)
+            assert 0 <= b.region.y and b.region.bottom <= 24 and b.region.right <= 80, (bid, b.region)
+    app, _ = make_app(_history())
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        assert app.screen.has_class("-wide") and app.sidebar.region.width == 30
+        assert app.sidebar.query_one("#legend").display

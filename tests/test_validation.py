@@ -1,5 +1,5 @@
 """The engine checks every field of every operation, whoever the client is, and a refused
-operation writes nothing (issue 15, items 7 and 8).
+operation writes nothing.
 
 Regression tests: before, the engine protocol accepted temperature NaN, repeat_penalty
 -2 or 0 and max_tokens -5 (the CLI and the gateway checked them, the engine did not) and
@@ -152,7 +152,7 @@ def test_engine_refuses_bad_sampling_and_writes_nothing(engine, field, value, fl
 
 
 def test_refused_create_for_journal_credit_leaves_nothing_behind(engine):
-    """Issue 15 item 8: a conversation whose first message cannot get journal credit is
+    """A conversation whose first message cannot get journal credit is
     refused whole; before, the conversation and the message were journaled anyway."""
     eng = engine(buffer_bytes=64 << 10)
     st = eng.store

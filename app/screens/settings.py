@@ -76,7 +76,7 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams, str] | None
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-box", classes="dialog"):
             yield Static("System prompt and sampling of this conversation", classes="dialog-title")
-            # the form scrolls, the buttons stay on screen (at 80x24 too: issue 17, point 14)
+            # the form scrolls, the buttons stay on screen (at 80x24 too)
             with VerticalScroll(id="settings-body"):
                 yield TextArea(self.system_prompt, id="system-prompt")
                 with Grid(id="sampling-grid"):
@@ -99,8 +99,7 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams, str] | None
                 yield Button("Model… (ctrl+o)", id="pick-model")  # the picker opens over this dialog
 
     def on_mount(self) -> None:
-        # the first field has the focus: keys typed right after F4 went nowhere (new-user
-        # report, session 7)
+        # the first field has the focus, so keys typed right after F4 go into it, not nowhere
         self.query_one("#system-prompt", TextArea).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:

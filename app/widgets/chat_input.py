@@ -68,7 +68,7 @@ class ChatInput(TextArea):
 
         Textual calls ``_on_paste`` of every class in the MRO unless the default is
         prevented: calling TextArea's handler here without ``prevent_default()`` made
-        it run twice and every paste appear twice (issue 17, defect 1)."""
+        it run twice and every paste appear twice."""
         event.stop()
         event.prevent_default()
         items = parse_pasted_paths(event.text)

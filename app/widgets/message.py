@@ -115,7 +115,7 @@ class MessageWidget(Vertical, can_focus=True):
 
     def add_notice(self, text: str, kind: str = "notice") -> None:
         """A line under the header (admission, media), or for an error or refusal under
-        the text, where the view is when it comes (issue 17, defect 5)."""
+        the text, where the view is when it comes (never out of view)."""
         if not text:
             return
         line = Static(text, classes=f"msg-notice {kind}", markup=False)

@@ -1,6 +1,6 @@
 """Kernel choice: the measured winner per kernel site on this device, kept in an artifact.
 
-Owns (shared/DESIGN.md, "Kernel choice"): the artifact file, one per GPU model under
+Owns (DESIGN.md, "Kernel choice"): the artifact file, one per GPU model under
 ``<data dir>/kernel_choice/``; its key (GPU name, driver, CUDA runtime, CuPy version,
 kernel source hash); reading it, where a missing, stale or corrupt file is a status with
 a reason, never an exception; timing the candidates of the sites a program needs through

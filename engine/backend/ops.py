@@ -4,7 +4,7 @@ Owns: the definition of each op (its inputs, attributes and exact semantics), th
 symbolic values ops read and write, ``ProgramBuilder`` (what an architecture module calls
 once at load to state its forward pass), ``Program`` (the resulting list of nodes, checked
 for consistent widths) and ``RopeSpec`` with the RoPE tables every backend shares.
-Leaves to others: the kernels (``cpu.py``/``cpu_program.py``, the CUDA compiler), which
+Leaves to others: the kernels (``cpu/backend.py``/``cpu/program.py``, the CUDA compiler), which
 tensors an architecture has and the order of its ops (``engine/model/architectures``).
 
 The model (a ggml-style graph, at the granularity of llama.cpp's build_norm / build_attn /
@@ -12,7 +12,7 @@ build_ffn): every value is a (rows, width) float32 matrix. ``rows`` is symbolic:
 the batch's rows (one per token of the batch, in segment order), or ``"R"``, the rows whose
 logits are returned (``take_rows``). Weights are attributes of nodes: backend objects made
 by ``backend.matrix`` / ``backend.vector`` at load. Every op except ``attention`` is
-row-wise: a row's result depends only on that row (batch invariance, shared/DESIGN.md);
+row-wise: a row's result depends only on that row (batch invariance, DESIGN.md);
 ``attention`` mixes rows only through each slot's KV cache.
 
 engine/backend/IR.md is the prose version of this module for backend authors.
@@ -483,12 +483,3 @@ class ProgramBuilder:
         if sum(n.op == "take_rows" for n in self._nodes) != 1:
             raise ProgramError("a program takes the logits rows exactly once")
         return Program(tuple(self._nodes), tuple(self._values), logits, self._d_model, tuple(self._kv))
-
-
-def check_scale(value: float, what: str) -> float:
-    """``value`` as a finite positive float (attention scales, embedding scales), else
-    ProgramError naming ``what``."""
-    v = float(value)
-    if not (math.isfinite(v) and v > 0):
-        raise ProgramError(f"{what} is {value}; it must be finite and positive")
-    return v

@@ -5,7 +5,7 @@ geometry (`block_layout`), and `dequantize_rows`, which turns selected rows of a
 kept in its file layout, into float32. The kernels are numba-compiled (`cache=True`).
 
 Leaves to others: the fast matmul kernels and the repacked weight layouts
-(`cpu_matmul.py`), reading the file (`gguf.GGUFReader`, memmap) and choosing which tensors
+(`cpu/matmul.py`), reading the file (`gguf.GGUFReader`, memmap) and choosing which tensors
 to load (engine/model).
 
 Sources for the block layouts: ggml-common.h (`block_q4_0`, `block_q4_1`, `block_q5_0`,

@@ -202,12 +202,23 @@ def dispatch(args, **kw) -> int:
 def capsule_words(n: P.Notice, continuing: bool) -> str:
     """A capsule notice on stderr, in the user's words and only when it helps: when an
     earlier conversation is continued (``--conversation``); a new one's shared start is
-    no news (issue 17, defect 7). ``--json`` keeps the engine's own notice."""
+    no news. ``--json`` keeps the engine's own notice."""
     if not continuing or not n.message:
         return ""
     if n.message.startswith(("restored", "picked up")):
         return "picked up where this conversation left off"
     return "reading the earlier messages again (their saved state could not be used)"
+
+
+def read_stdin_text(what: str) -> str:
+    """All of standard input as text; ``UsageError`` naming ``what`` and the first bad byte
+    when it is not UTF-8."""
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"run: standard input ({what}) is not valid UTF-8 (byte 0x{data[e.start]:02x} at byte "
+                         f"{e.start}); give the text in UTF-8") from None
 
 
 def _jprint(obj) -> None:
@@ -216,7 +227,7 @@ def _jprint(obj) -> None:
 
 
 async def _run(args) -> int:
-    prompt = sys.stdin.read() if args.prompt in ("-", None) else args.prompt
+    prompt = read_stdin_text("the prompt") if args.prompt in ("-", None) else args.prompt
     if not prompt.strip():  # the CLI prints "aotx: " before it: no second prefix
         raise UsageError("run: the prompt is empty" if not prompt else "run: the prompt is blank (only whitespace)")
     t0 = time.perf_counter()
@@ -263,6 +274,8 @@ async def _run(args) -> int:
         t_loading = 0.0
         stopper = CancelOnSignal(asyncio.get_running_loop(), lambda rid: client.cancel(target=rid))
         stopper.__enter__()
+        main = asyncio.current_task()
+        watch = None  # says, once, that the receipt waits for a full disk
         code = 0
         prompt_ids: list[int] = []
         completion: list[int] = []
@@ -365,6 +378,18 @@ async def _run(args) -> int:
                             if engine_stopping:
                                 print(f"aotx: `aotx run --conversation {conv_id} ...` continues it once an engine runs "
                                       f"again", file=sys.stderr)
+                    welcome = getattr(client, "welcome", None)
+                    if welcome is not None and welcome.journal:  # what is left is the receipt: a signal ends the wait
+                        if stopper.signum:
+                            _stopped_waiting(stopper, conv_id)
+                            break
+                        stopper.waiting_for_receipt(main.cancel)
+                        watch = asyncio.create_task(_say_when_held(client))
+        except asyncio.CancelledError:
+            if not stopper.stopped_waiting:
+                raise
+            main.uncancel()
+            _stopped_waiting(stopper, conv_id)
         except ConnectionLost:
             if not rid_box:
                 raise
@@ -378,9 +403,37 @@ async def _run(args) -> int:
             return 1
         return stopper.exit_code or code
     finally:
+        if watch is not None:
+            watch.cancel()
         if stopper is not None:
             stopper.__exit__()
         await client.close()
+
+
+RECEIPT_PATIENCE_S = 1.0  # a receipt later than this after the reply's end: ask the engine why
+
+
+async def _say_when_held(client) -> None:
+    """After the reply's end, while its receipt does not come: when the engine holds its
+    work for a full disk, say so once on stderr (the engine's own line: which disk, how
+    much it needs, how much is free)."""
+    try:
+        while True:
+            await asyncio.sleep(RECEIPT_PATIENCE_S)
+            st = await client.status()
+            if st.degraded:
+                print(f"aotx: the reply is complete but not yet durable: {st.degraded}; waiting for its receipt "
+                      "(Ctrl-C or kill stops waiting: the engine keeps the reply and writes it when space returns)",
+                      file=sys.stderr, flush=True)
+                return
+    except (AotxError, ConnectionLost, OSError):
+        return
+
+
+def _stopped_waiting(stopper, conv_id: str) -> None:
+    print(f"aotx: stopped waiting for the reply's receipt ({signal.Signals(stopper.signum).name}): the reply is "
+          f"complete in the engine but not yet durable; the engine writes it when it can (`aotx conversations "
+          f"show {conv_id}` says when it is)", file=sys.stderr, flush=True)
 
 
 async def _status(args) -> int:

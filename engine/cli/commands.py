@@ -19,7 +19,7 @@ from aotx.engine.protocol import (CONTEXT_POLICIES, SAMPLING_LIMITS, SPECULATIVE
 
 class _Parser(argparse.ArgumentParser):
     """argparse with AOTX's error line: exit code 2, one line, no internal names, and a
-    "did you mean" for a mistyped command or option (issue 17, defect 9)."""
+    "did you mean" for a mistyped command or option (never ``aotx: aotx: argument cmd: ...``)."""
 
     def error(self, message: str) -> None:  # argparse's default prints usage and exits 2: keep 2, one line
         raise UsageError(friendly_error(self, message))
@@ -52,6 +52,32 @@ def chosen_parser(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argp
             break
         parser = sub.choices[name]
     return parser
+
+
+def not_utf8(text: str) -> str | None:
+    """Where ``text`` is not valid Unicode, in words ("byte 0xff at character 3"), or None.
+    Python hands bytes that are not UTF-8 (in argv, on a pipe) over as lone surrogates."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        ch = text[e.start]
+        what = f"byte 0x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF else f"U+{ord(ch):04X}"
+        return f"{what} at character {e.start}"
+
+
+def check_text_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse any command-line text that is not valid UTF-8, naming its flag (or the
+    positional argument) and where: it could not be sent to the engine or written."""
+    names = {}
+    for a in parser._actions:
+        names[a.dest] = a.option_strings[-1] if a.option_strings else f"the {a.dest.replace('_', ' ')}"
+    for dest, value in vars(args).items():
+        for text in (value if isinstance(value, list) else [value]):
+            where = not_utf8(text) if isinstance(text, str) else None
+            if where:
+                raise UsageError(f"{names.get(dest, '--' + dest.replace('_', '-'))}: not valid UTF-8 ({where}); "
+                                 "give the text in UTF-8")
 
 
 def version() -> str:
@@ -342,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = ap.parse_known_args(argv)
         if extra:  # name the subcommand whose options were meant, and suggest one of them
             chosen_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
+        check_text_args(chosen_parser(ap, args), args)
         if not args.cmd:
             ap.print_help()
             return 2

@@ -207,7 +207,7 @@ def read_conversations(conv_id: str | None = None, locked: bool = True):
     mistaken for an interrupted one). Returns None when an engine holds the lock: then
     ask it over the socket. ``locked=False`` reads without the lock (the journal's
     rule for readers while a writer runs: a tail may still be in flight). Starts no
-    engine (issue 17, defect 9)."""
+    engine: reading a conversation never costs a model load."""
     import msgspec
 
     from aotx.engine import paths
@@ -266,12 +266,13 @@ def cmd_conversations(args) -> int:
 def print_conversation_list(convs, as_json: bool) -> int:
     if as_json:
         _jprint([{"id": c.conv_id, "title": c.title, "messages": c.n_messages, "created_at": c.created_at,
-                  "updated_at": c.updated_at} for c in convs])
+                  "updated_at": c.updated_at, **({"salvaged": c.salvaged} if getattr(c, "salvaged", "") else {})} for c in convs])
     elif not convs:
         print("no conversations yet: start one with `aotx run` or `aotx-chat`")
     else:
         for c in convs:
-            print(f"{c.conv_id}  {plural(c.n_messages, 'message'):>12}  {c.title}")
+            print(f"{c.conv_id}  {plural(c.n_messages, 'message'):>12}  {c.title}"
+                  + ("  (salvaged after journal damage)" if getattr(c, "salvaged", "") else ""))
     return 0
 
 
@@ -282,6 +283,8 @@ def print_conversation(conv, as_json: bool) -> int:
         _jprint(msgspec.to_builtins(conv))
         return 0
     print(f"{conv.conv_id}  {conv.title}")
+    if getattr(conv, "salvaged", ""):
+        print(f"salvaged after journal damage: {conv.salvaged}")
     if conv.system_prompt:
         print(f"system: {conv.system_prompt}")
     for m in conv.messages:
@@ -290,6 +293,8 @@ def print_conversation(conv, as_json: bool) -> int:
         # status and finish reason, each once ("cancelled", not "cancelled, cancelled")
         state = m.status if not m.finish_reason or m.finish_reason == m.status else f"{m.status}, {m.finish_reason}"
         print(f"--- {m.role} {m.msg_id} [{state}] {where}")
+        if getattr(m, "salvaged", ""):
+            print(f"    salvaged after journal damage: {m.salvaged}")
         print(m.text)
         if m.token_ids:
             print(f"    token ids ({len(m.token_ids)}): {m.token_ids}")

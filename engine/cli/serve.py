@@ -42,7 +42,7 @@ def media_bytes(lm, device: str, vision=None) -> int:
     """Bytes the media routes loaded at start use: the vision encoder's weights and
     working memory (its route is "encoder"). The speech and OCR specialists load when
     a first attachment needs one, and admission counts them then (``Engine.count_media``):
-    a text-only chat never pays for them (issue 17, defect 8). 0 without the media extra."""
+    a text-only chat never pays for them. 0 without the media extra."""
     prof = media_profile(lm, device, vision)
     if prof is None:
         return 0
@@ -51,7 +51,7 @@ def media_bytes(lm, device: str, vision=None) -> int:
 
 def clamp_budget(total: int, device: str, asked: str | None) -> int:
     """``--memory-budget`` past what the machine has is clamped to it, and the log says so
-    (issue 17, defect 8: 500G on a 23 GiB machine sized 24.3 GiB of KV without a word)."""
+    (unclamped, 500G on a 23 GiB machine sized 24.3 GiB of KV without a word)."""
     from aotx.engine.runtime import admission
     from aotx.engine.units import fmt_bytes
 

@@ -14,7 +14,7 @@ stop_sequence, tool_use), or the streaming events ``message_start``,
 it: an engine that fails or goes away is an ``api_error``). The key may come as
 ``x-api-key`` (Anthropic's clients) or as a bearer token. ``POST /v1/messages/count_tokens``
 answers a Messages body's prompt token count (``{"input_tokens": N}``) without running it. Leaves HTTP, the engine
-and tool-call parsing to ``gateway.py``.
+and tool-call parsing to ``core.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from aotx.engine.errors import EngineError
 from aotx.engine.gateway import media as M
 from aotx.engine.gateway import schema as S
+from aotx.engine.gateway import shapes
 from aotx.engine import protocol as P
 from aotx.engine.ipc.client import ConnectionLost
 
@@ -188,7 +189,7 @@ class MessagesAPI:
     def error(e) -> Response:
         return error_response(e.status, e.body["error"]["message"], e.headers)
 
-    def _content(self, c: S.Choice) -> list[dict[str, Any]]:
+    def _content(self, c: shapes.Choice) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if c.text:
             out.append({"type": "text", "text": c.text})
@@ -201,14 +202,14 @@ class MessagesAPI:
         return out
 
     @staticmethod
-    def _stop(c: S.Choice, spec) -> tuple[str, str | None]:
+    def _stop(c: shapes.Choice, spec) -> tuple[str, str | None]:
         if c.tool_calls:
             return "tool_use", None
         if c.finish_reason == "stop" and c.stop_sequence:
             return "stop_sequence", c.stop_sequence
         return STOP.get(c.finish_reason, "end_turn"), None
 
-    async def final(self, gw, gen, reply: S.Reply, spec) -> dict[str, Any]:
+    async def final(self, gw, gen, reply: shapes.Reply, spec) -> dict[str, Any]:
         c = reply.choices[0]
         stop, seq = self._stop(c, spec)
         return {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model,
@@ -216,7 +217,7 @@ class MessagesAPI:
                 "usage": _usage(reply),
                 "aotx": reply.aotx}
 
-    async def stream(self, gw, gen, reply: S.Reply, spec, states) -> AsyncIterator[bytes]:
+    async def stream(self, gw, gen, reply: shapes.Reply, spec, states) -> AsyncIterator[bytes]:
         def ev(obj: dict[str, Any]) -> bytes:
             return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
@@ -357,7 +358,7 @@ def split_prefill(msgs: list[dict]) -> tuple[list[dict], str]:
     return msgs[:-1], text
 
 
-def _usage(reply: S.Reply) -> dict[str, int]:
+def _usage(reply: shapes.Reply) -> dict[str, int]:
     """Anthropic's usage: ``input_tokens`` counts the prompt tokens NOT read from the cache
     (the restored capsule's), ``cache_read_input_tokens`` those that were; their sum is the
     prompt (OpenAI's prompt_tokens counts the cached ones in)."""

@@ -5,7 +5,7 @@ skipped), generating ``<data dir>/gateway/api_keys`` with one random key on its 
 (then a comment; mode 0600, written and fsynced, directory fsynced) when no key
 file is given, and
 checking a bearer token against every key in constant time. Leaves HTTP to
-``gateway.py``.
+``limits.py`` and ``server.py``.
 
 A key is identified to the rest of the gateway by a short fingerprint (the first
 12 hex digits of its SHA-256), never by the key itself, so logs and the
@@ -42,7 +42,7 @@ def generate_key_file(path: Path) -> str:
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        # the key is the first line, so `head -1 api_keys` gives it (issue 17, defect 9)
+        # the key is the first line, so `head -1 api_keys` gives it; the comment follows it
         os.write(fd, (f"{key}\n# AOTX gateway API keys above, one per line (send as 'Authorization: Bearer "
                       f"<key>'); lines starting with # are comments\n").encode())
         os.fsync(fd)

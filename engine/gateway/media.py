@@ -9,7 +9,7 @@ writing each part once, by content hash, into ``<data dir>/gateway/uploads``
 (0700 directory, 0600 files; the engine runs as the same user and journals the
 path, so earlier turns' pictures can be read again). The engine then runs the
 same media profile as the TUI (``SubmitMessage.strict_media``: a part it cannot
-use refuses the request instead of being left out). Leaves HTTP to ``gateway.py``.
+use refuses the request instead of being left out). Leaves HTTP to ``core.py``.
 
 A part's ``where`` (``messages[1].content[0].image_url``) names it in every error.
 """

@@ -22,7 +22,7 @@ parts, ``function_call`` and ``function_call_output`` items), ``instructions``,
 system prompt when given and keeps it otherwise (OpenAI drops it; keeping it keeps the
 restored state valid). Several new input items after ``previous_response_id`` start a
 new conversation holding the history (the state is then found by prefix, in memory).
-Leaves HTTP, auth and the engine to ``gateway.py``.
+Leaves HTTP, auth and the engine to ``core.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 
 from aotx.engine.errors import EngineError, ErrorCode
 from aotx.engine.gateway import schema as S
+from aotx.engine.gateway import shapes
 from aotx.engine import protocol as P
 from aotx.engine.model import tool_calls
 
@@ -170,7 +171,7 @@ class ResponsesAPI:
     def error(e) -> Response:
         return e.response()
 
-    def _response(self, gen, reply: S.Reply, spec, status: str) -> dict[str, Any]:
+    def _response(self, gen, reply: shapes.Reply, spec, status: str) -> dict[str, Any]:
         a = gen.accepted.get(0)
         rid = response_id(a.conv_id, a.reply_id) if a else reply.id
         c = reply.choices[0]
@@ -205,17 +206,17 @@ class ResponsesAPI:
             "aotx": gen.aotx(0),
         }
 
-    async def final(self, gw, gen, reply: S.Reply, spec) -> dict[str, Any]:
+    async def final(self, gw, gen, reply: shapes.Reply, spec) -> dict[str, Any]:
         return self._response(gen, reply, spec, "completed")
 
-    def _failed(self, gen, reply: S.Reply, spec, message: str) -> dict[str, Any]:
+    def _failed(self, gen, reply: shapes.Reply, spec, message: str) -> dict[str, Any]:
         """The ``response.failed`` event that ends a stream the engine could not finish (it
         failed, or went away): the response with status "failed" and OpenAI's error object."""
         resp = self._response(gen, reply, spec, "in_progress")
         resp.update(status="failed", output=[], error={"code": "server_error", "message": message})
         return {"type": "response.failed", "response": resp}
 
-    async def stream(self, gw, gen, reply: S.Reply, spec, states) -> AsyncIterator[bytes]:
+    async def stream(self, gw, gen, reply: shapes.Reply, spec, states) -> AsyncIterator[bytes]:
         seq = 0
 
         def ev(obj: dict[str, Any]) -> bytes:
@@ -305,7 +306,7 @@ class ResponsesAPI:
         yield ev({"type": f"response.{final['status']}", "response": final})   # completed, or incomplete
 
 
-def _incomplete(reply: S.Reply) -> bool:
+def _incomplete(reply: shapes.Reply) -> bool:
     """The reply stopped at its max_output_tokens or the context (OpenAI: status
     "incomplete", reason max_output_tokens, on the response and its message item)."""
     return reply.choices[0].finish_reason in ("length", "context")
@@ -422,7 +423,7 @@ async def retrieve(gw, request: Request) -> Response:
                          "output": output, "previous_response_id": _previous(msgs, at),
                          "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
                          "aotx": {"conversation": conv_id, "reply_id": reply_id,
-                                  "receipt": S.receipt_dict(msg.receipt)}})
+                                  "receipt": shapes.receipt_dict(msg.receipt)}})
 
 
 def _previous(msgs: list[P.MessageView], at: int) -> str | None:

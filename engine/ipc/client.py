@@ -362,7 +362,8 @@ class CancelOnSignal:
     a reply nobody reads. ``exit_code`` is 128 + the signal's number (130, 143, 129),
     0 when none came. After SIGHUP the terminal is gone: standard output and error go to
     /dev/null so the last writes cannot fail. A second SIGTERM or SIGHUP exits at once, with
-    the first one's code.
+    the first one's code. Once the reply has ended and only its receipt is awaited
+    (``waiting_for_receipt``), a signal stops the wait at once: the engine keeps the reply.
     kill -9 cannot be caught: the engine then finishes the reply (as for a dead aotx-chat)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -372,6 +373,7 @@ class CancelOnSignal:
         self.signum = 0
         self._rid = 0
         self._installed: list[int] = []
+        self._stop_waiting = None  # the reply ended: called on a signal to stop waiting for its receipt
 
     def __enter__(self) -> "CancelOnSignal":
         for sig in self.SIGNALS:
@@ -401,6 +403,15 @@ class CancelOnSignal:
     def exit_code(self) -> int:
         return 128 + self.signum if self.signum else 0
 
+    def waiting_for_receipt(self, stop) -> None:
+        """The reply has ended; from now on a signal calls ``stop()`` (which ends the wait
+        for its receipt) instead of cancelling a reply that is no longer running."""
+        self._stop_waiting = stop
+
+    @property
+    def stopped_waiting(self) -> bool:
+        return bool(self.signum) and self._stop_waiting is not None
+
     def accepted(self, rid: int) -> None:
         self._rid = rid
         if self.signum:  # the signal came before the engine accepted the message
@@ -416,7 +427,9 @@ class CancelOnSignal:
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
             os.close(devnull)
-        if self._rid:
+        if self._stop_waiting is not None:
+            self._stop_waiting()
+        elif self._rid:
             self._loop.create_task(self._cancel_quietly())
 
     async def _cancel_quietly(self) -> None:

@@ -13,9 +13,13 @@ layer ``aotx.engine.fileio``. See "Three positions" and "Journal" in DESIGN.md.
 
 Modules: ``records`` (types and framing), ``conversations`` (the one state
 machine), ``segments`` (files and the read-only scan, with resynchronisation),
-``directory`` (the writer lock, removing segments), ``writer`` (``Journal``),
-``recovery`` (recover, salvage, verify, dump, compact), ``cli_support`` (plain
-dicts for ``aotx journal ...`` and ``aotx conversations ...``).
+``directory`` (the writer lock, removing segments), ``writer`` (``Journal``; its
+drain's files in ``appender``, its streamed checkpoints in ``checkpoint_stream``),
+``recovery`` (recover and its report; the repairs in ``salvage``), ``chain``
+(which segments, in sequence order), ``damage`` (what a scan finds),
+``segment_files`` (names, the acknowledged mark), ``reading`` (verify, dump, the
+table for tools), ``compaction``, ``cli_support`` (plain dicts for ``aotx journal
+...`` and ``aotx conversations ...``).
 
 Typical engine use::
 
@@ -37,10 +41,10 @@ from aotx.engine.journal.records import (
     FrameError, Gap, MessageAccepted, MessageFinished, Record, TokensCommitted, decode_frame,
     encode_frame, frame_size,
 )
-from aotx.engine.journal.recovery import (
-    CompactReport, RecoveryReport, VerifyReport, compact, dump, read_table, recover, verify,
-)
-from aotx.engine.journal.segments import Damage, Entry, Problem
+from aotx.engine.journal.compaction import CompactReport, compact
+from aotx.engine.journal.damage import Damage, Entry, Problem
+from aotx.engine.journal.reading import VerifyReport, dump, read_table, verify
+from aotx.engine.journal.recovery import RecoveryReport, recover
 from aotx.engine.journal.writer import Journal
 
 __all__ = [

@@ -22,8 +22,10 @@ from typing import Any, Iterator
 import msgspec
 
 from aotx.engine.errors import JournalError
-from aotx.engine.journal.recovery import compact, dump, read_table, recover, verify
-from aotx.engine.journal.segments import Entry
+from aotx.engine.journal.compaction import compact
+from aotx.engine.journal.damage import Entry
+from aotx.engine.journal.reading import dump, read_table, verify
+from aotx.engine.journal.recovery import recover
 
 
 def _dir(directory: str | os.PathLike | None, create: bool = True) -> Path:

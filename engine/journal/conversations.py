@@ -13,9 +13,15 @@ reply goes ``accepted`` (no tokens yet) -> ``streaming`` (tokens committed) ->
 ``failed`` (reason error) or ``interrupted`` (the engine stopped before it
 finished; ``finish_recovery()`` marks these after a replay).
 
-The table is lenient: a record naming an unknown or deleted conversation or
-message changes nothing and is counted in ``ignored`` (a journal written by a
-correct engine has none). It never raises on a decoded record.
+The table is lenient and keeps every record it is given reachable. A record
+naming a conversation it does not know (its ``ConversationCreated`` was lost to
+damage, or the checkpoint part that held it) rebuilds that conversation from the
+record, every record naming its conversation: the conversation is marked
+``salvaged`` with what is missing (title, system prompt, settings, earlier
+messages), and so is a message rebuilt from its tokens or its finish. A record
+naming a deleted conversation, a message that is already there, or a truncation
+of a message it does not know changes nothing and is counted in ``ignored`` (a
+journal written by a correct engine has none). It never raises on a decoded record.
 
 Checkpoints. A ``Checkpoint`` replaces the table only when it is the first record
 replayed (the chain starts there); met later in a replay it is a summary of
@@ -83,6 +89,7 @@ class Message(msgspec.Struct, omit_defaults=True):
     meta: dict[str, Any] = {}  # chat-template fields (MessageAccepted.meta)
     model: str = ""  # a reply's model
     context: dict[str, Any] = {}  # a reply whose prompt left earlier messages out (MessageFinished.context)
+    salvaged: str = ""  # rebuilt after damage: what of it is missing ("": nothing)
 
 
 class Conversation(msgspec.Struct, omit_defaults=True):
@@ -103,6 +110,7 @@ class Conversation(msgspec.Struct, omit_defaults=True):
     model_path: str = ""
     model_fingerprint: str = ""
     context: str = ""  # its context policy ("": the engine's default)
+    salvaged: str = ""  # rebuilt from later records after damage: what of it is missing ("": nothing)
 
     def message(self, msg_id: str) -> Message | None:
         for m in reversed(self.messages):
@@ -173,6 +181,8 @@ def _part(conv_id: str, head: msgspec.Raw | None, messages: list[msgspec.Raw], m
         return CheckpointPart(conv_id=conv_id, messages=messages, more=more)
     return CheckpointPart(conv_id=conv_id, conversation=head, messages=messages, more=more)
 
+
+LOST_CREATION = "its creation was lost: title, system prompt and settings are unknown"
 
 _FINISH_STATUS = {"stop": "complete", "length": "complete", "context": "complete",
                   "cancelled": "cancelled", "error": "failed", "interrupted": "interrupted"}
@@ -271,17 +281,31 @@ class ConversationTable:
             if self.gaps:
                 self.gaps[-1].affected.append(dict(d))
 
-    def _conv(self, conv_id: str, seq: int) -> Conversation | None:
+    def _conv(self, conv_id: str, seq: int, created_at: float = 0.0) -> Conversation | None:
         c = self.conversations.get(conv_id)
-        if c is None or c.deleted:
-            if self.loading:
-                return None  # its checkpoint part is still to come and holds this record
+        if c is None:
+            # its creation (or the checkpoint part holding it) was lost: rebuild it from this
+            # record on. While a streamed checkpoint loads, its part may still come: the part
+            # then replaces this one whole (it holds this record's change already).
+            c = self.conversations[conv_id] = Conversation(
+                conv_id=conv_id, created_at=created_at, updated_at=created_at, salvaged=LOST_CREATION)
+            if not self.loading:
+                self._anomaly(seq, conv_id, None, "a record names a conversation whose creation was lost: "
+                              "rebuilt from its later records")
+        elif c.deleted:
             self.ignored += 1
-            self._anomaly(seq, conv_id, None, "a record names a conversation that is not known"
-                          if c is None else "a record names a deleted conversation")
+            self._anomaly(seq, conv_id, None, "a record names a deleted conversation")
             return None
         c.seq = seq
         return c
+
+    def _stub(self, c: Conversation, msg_id: str, seq: int, what: str) -> Message:
+        """A reply whose ``MessageAccepted`` was lost, rebuilt from a later record of it."""
+        m = Message(msg_id=msg_id, role="assistant", salvaged=what)
+        c.messages.append(m)
+        if not self.loading:
+            self._anomaly(seq, c.conv_id, msg_id, f"a record names a message whose start was lost: {what}")
+        return m
 
     def _touch(self, msg: Message, seq: int) -> None:
         msg.seq = seq
@@ -289,7 +313,13 @@ class ConversationTable:
             self._pending.append((seq, msg))
 
     def _created(self, r: ConversationCreated, seq: int) -> None:
-        if r.conv_id in self.conversations and not self.conversations[r.conv_id].deleted:
+        old = self.conversations.get(r.conv_id)
+        if old is not None and old.salvaged == LOST_CREATION and not old.deleted:
+            # rebuilt from records a checkpoint's replay met before this one: fill it in
+            old.title, old.created_at, old.system_prompt = r.title, r.created_at, r.system_prompt
+            old.sampling, old.model, old.salvaged = dict(r.sampling), r.model, ""
+            return
+        if old is not None and not old.deleted:
             self.ignored += 1
             return
         self.conversations[r.conv_id] = Conversation(
@@ -301,6 +331,9 @@ class ConversationTable:
             c.title = r.title
 
     def _deleted(self, r: ConversationDeleted, seq: int) -> None:
+        if r.conv_id not in self.conversations:  # deleted, whatever it was: nothing to rebuild
+            self.conversations[r.conv_id] = Conversation(conv_id=r.conv_id, deleted=True, seq=seq)
+            return
         if (c := self._conv(r.conv_id, seq)) is not None:
             c.deleted = True
             c.messages = []  # nothing of a deleted conversation is kept in memory
@@ -324,7 +357,7 @@ class ConversationTable:
             self.ignored += 1
 
     def _accepted(self, r: MessageAccepted, seq: int) -> None:
-        if (c := self._conv(r.conv_id, seq)) is None:
+        if (c := self._conv(r.conv_id, seq, r.created_at)) is None:
             return
         if c.message(r.msg_id) is not None:
             self.ignored += 1
@@ -344,14 +377,16 @@ class ConversationTable:
         if (c := self._conv(r.conv_id, seq)) is None:
             return
         m = c.message(r.msg_id)
-        if m is None:  # a reply whose MessageAccepted was not journaled: start it here
-            m = Message(msg_id=r.msg_id, role="assistant")
-            c.messages.append(m)
+        if m is None:  # a reply whose MessageAccepted was lost: start it here
+            m = self._stub(c, r.msg_id, seq, "its start was lost (its sampling; any tokens before these)")
         if not m.token_ids:
             m.start_pos = r.start_pos
-        elif r.start_pos != m.start_pos + len(m.token_ids) and self.gaps:
-            self._anomaly(seq, r.conv_id, r.msg_id, f"tokens at position {r.start_pos} follow tokens ending at "
-                          f"{m.start_pos + len(m.token_ids)}: tokens are missing")
+        elif r.start_pos != m.start_pos + len(m.token_ids):
+            end = m.start_pos + len(m.token_ids)
+            what = (f"tokens at positions {end}..{r.start_pos - 1} were lost" if r.start_pos > end else
+                    f"tokens at position {r.start_pos} follow tokens ending at {end}")
+            m.salvaged = f"{m.salvaged}; {what}" if m.salvaged else what
+            self._anomaly(seq, r.conv_id, r.msg_id, f"{what}: tokens are missing")
         m.token_ids.extend(r.token_ids)
         m.text += r.text
         if m.status == "accepted":
@@ -362,10 +397,8 @@ class ConversationTable:
         if (c := self._conv(r.conv_id, seq)) is None:
             return
         m = c.message(r.msg_id)
-        if m is None:
-            self.ignored += 1
-            self._anomaly(seq, r.conv_id, r.msg_id, "a reply finished that was never started")
-            return
+        if m is None:  # its start and tokens were lost: the finish is what is left of it
+            m = self._stub(c, r.msg_id, seq, "its start and its tokens were lost")
         m.status = _FINISH_STATUS.get(r.reason, "complete")
         m.finish_reason = r.reason
         m.n_prompt = r.n_prompt
@@ -403,9 +436,10 @@ class ConversationTable:
             self.conversations[c.conv_id] = c
         else:
             c = self.conversations.get(r.conv_id)
-            if c is None:
-                self._anomaly(seq, r.conv_id, None, "a checkpoint continues a conversation it never began")
-                return
+            if c is None:  # the part that began it was lost: rebuild it from this one on
+                c = self.conversations[r.conv_id] = Conversation(
+                    conv_id=r.conv_id, salvaged=LOST_CREATION + "; its first messages were lost")
+                self._anomaly(seq, r.conv_id, None, "a checkpoint continues a conversation whose first part was lost")
             c.messages.extend(msgs)
         for m in msgs:
             self._touch(m, seq)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aotx.engine.errors import JournalError
 from aotx.engine.fileio import OS, FileIO, describe_os_error
-from aotx.engine.journal.segments import list_segments
+from aotx.engine.journal.segment_files import list_segments
 
 LOCK_NAME = "LOCK"
 

@@ -286,12 +286,6 @@ def encode_frame(record: Record, tick: int, seq: int) -> bytes:
     return head + payload + CRC.pack(crc)
 
 
-def frame_of(type_id: int, tick: int, seq: int, payload: bytes) -> bytes:
-    """The frame of an already encoded payload."""
-    head = RECORD_HEADER.pack(type_id, tick, seq, len(payload))
-    return head + payload + CRC.pack(google_crc32c.extend(google_crc32c.value(head), payload))
-
-
 def fit_frame(record: Gap, tick: int, seq: int, size: int) -> bytes | None:
     """The frame of ``record`` padded (its ``pad`` field) to exactly ``size`` bytes, so
     that it can take the place of ``size`` damaged bytes without moving any later
@@ -418,6 +412,11 @@ def decode_segment_header(data: bytes | memoryview) -> SegmentHeader:
 #: (past it) from damage (at or before it). It may lag behind after a power loss
 #: (it is fsynced at most once a second), never run ahead of the data.
 RECEIPT_FILE = "RECEIPT"
+#: The mark is kept twice: ``RECEIPT`` and ``RECEIPT.2``, the same bytes written after the
+#: same fsync, so that losing one (alone, or with the last segment) leaves the other.
+#: A journal from before the second copy has only ``RECEIPT``; the writer creates the
+#: second at its next start, and an older AOTX ignores it.
+RECEIPT_FILES = (RECEIPT_FILE, RECEIPT_FILE + ".2")
 RECEIPT_MAGIC = b"AOTXRCPT"
 RECEIPT_STRUCT = struct.Struct("<8sHHQQQI")
 

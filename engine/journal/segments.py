@@ -1,260 +1,52 @@
-"""Segment files: names, listing and a read-only scan of the whole journal.
+"""The read-only scan of a whole journal, record by record, across damage.
 
-Owns: how segment files are named (``0000000001.seg``), which segments form the
-live chain (from the newest *complete* checkpoint segment on), and
-``JournalScan``, which walks that chain record by record, checking every
-header, CRC and sequence number. Where a record fails its check the scan
-resynchronises on the next valid frame (as LevelDB's ``log_reader`` does) and
-goes on, so every valid record after damage is still read. Leaves to others:
-what to do about what it finds (``recovery.py``) and writing (``writer.py``).
-Nothing here modifies a file; files are opened with O_NONBLOCK and anything
-that is not a regular file is refused by name (a FIFO never hangs a scan).
+Owns: ``JournalScan``, which walks the live chain (``chain.py``: the segments in
+the order their sequence numbers give) record by record, checking every header,
+CRC and sequence number. Where a record fails its check the scan resynchronises
+on the next valid frame (as LevelDB's ``log_reader`` does) and goes on, so every
+valid record after damage is still read. Leaves to others: what to do about what
+it finds (``recovery.py``, ``salvage.py``) and writing (``writer.py``). Nothing
+here modifies a file; files are opened with O_NONBLOCK and anything that is not a
+regular file is refused by name (a FIFO never hangs a scan).
 
-What the scan tells apart, given the acknowledged point (the journal's
-``RECEIPT`` file: the last receipt issued):
+What the scan tells apart, given the acknowledged mark (the last receipt issued,
+kept in ``RECEIPT`` and ``RECEIPT.2``):
 
 * a **torn tail**: bad bytes at the end of the last segment, with no valid
-  record after them, all past the acknowledged point. A crash leaves this;
-  ``recovery`` cuts it off.
-* **damage**: anything else: a bad record at or before the acknowledged
-  point, a bad record followed by valid records, a missing segment, a bad
-  header on a segment that holds records, acknowledged records missing at the
-  end. A crash cannot explain it; ``recovery`` salvages (``Damage``).
+  record after them, all past the acknowledged mark, in a segment the mark does
+  not reach. A crash leaves this; ``recovery`` cuts it off.
+* **damage**: anything else: a bad record at or before the acknowledged mark, a
+  bad record followed by valid records, a missing segment (in the middle, at the
+  start, or at the end where the mark names later segments or records), a
+  segment under another number's name or repeated in a second file, a bad header
+  on a segment that holds records or that the mark reaches. A crash cannot
+  explain it; ``recovery`` salvages (``Damage``), and every range of lost
+  sequence numbers is named.
 
 Problem kinds (the first one is ``problem``): ``torn`` (a record or header cut
 short), ``zeros`` (zero-filled space where a record should be), ``corrupt``
 (bad CRC, magic, length, type or payload), ``sequence`` (a sequence number out
-of order), ``gap`` (segments or acknowledged records missing), ``version`` (a
-segment from a newer format version: always refused, never salvaged).
+of order), ``gap`` (segments or acknowledged records missing), ``misplaced`` (a
+segment in a file named for another number), ``duplicate`` (a second file
+holding a segment), ``version`` (a segment from a newer format version: always
+refused, never salvaged).
 """
 
 from __future__ import annotations
 
 import os
-import re
-import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
 
-import msgspec
-import numpy as np
-
-from aotx.engine.errors import JournalError
-from aotx.engine.fileio import OS, FileIO, NotRegularFile, describe_os_error, read_regular
+from aotx.engine.journal.chain import plan_chain
+from aotx.engine.journal.damage import Damage, Entry, Problem, SegmentInfo, find_frame, read_what
 from aotx.engine.journal.records import (
-    FORMAT_VERSION, FRAME_OVERHEAD, HEADER_BYTES, RECEIPT_FILE, RECORD_HEADER, RECORD_TYPES, Checkpoint,
-    CheckpointEnd, FrameError, Gap, Record, SegmentHeader, decode_frame, decode_receipt, decode_segment_header,
-    peek_frame,
+    FORMAT_VERSION, HEADER_BYTES, Checkpoint, FrameError, Gap, SegmentHeader, decode_frame, peek_frame,
 )
-
-SEGMENT_RE = re.compile(r"^(\d{10})\.seg$")
-TMP_SUFFIX = ".tmp"
-DAMAGED_SUFFIX = ".damaged"
-_MAX_TYPE = max(RECORD_TYPES)
-_SEQ = struct.Struct("<Q")
-_LEN = struct.Struct("<I")
-
-
-def segment_name(number: int) -> str:
-    return f"{number:010d}.seg"
-
-
-def list_segments(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(number, path)`` of every segment file in ``directory``, by number."""
-    d = Path(directory)
-    out = []
-    try:
-        names = os.listdir(d) if d.is_dir() else []
-    except OSError as e:
-        raise JournalError(f"cannot list the journal directory {d}: {describe_os_error(e)}") from None
-    for name in names:
-        m = SEGMENT_RE.match(name)
-        if m:
-            out.append((int(m.group(1)), d / name))
-    out.sort()
-    return out
-
-
-def fsync_dir(directory: str | os.PathLike, fs: FileIO = OS) -> None:
-    """fsync a directory so that creates, renames and unlinks in it are durable."""
-    fs.fsync_dir(directory)
-
-
-def read_segment(path: str | os.PathLike, limit: int | None = None) -> bytes:
-    """The bytes of segment file ``path``. Raises ``JournalError`` naming the file
-    when it cannot be read or is not a regular file (a FIFO, a directory, ...)."""
-    try:
-        return read_regular(path, limit)
-    except NotRegularFile as e:
-        raise JournalError(f"{e}: a journal segment must be a regular file; move it out of "
-                           f"{Path(path).parent}") from None
-    except OSError as e:
-        raise JournalError(f"cannot read journal segment {path}: {describe_os_error(e)}"
-                           + (" (check its owner and mode)" if e.errno in (1, 13) else "")) from None
-
-
-def read_acknowledged(directory: str | os.PathLike) -> tuple[int, int, int] | None:
-    """``(segment, offset, last_seq)`` of the last receipt the writer recorded in the
-    journal's ``RECEIPT`` file, or None (no file, or it fails its check)."""
-    try:
-        return decode_receipt(read_regular(Path(directory) / RECEIPT_FILE, 64))
-    except OSError:
-        return None
-
-
-class Problem(msgspec.Struct, frozen=True):
-    """Something wrong in a journal: where (segment number, byte offset in that
-    segment), what kind, and a message naming the bad value."""
-
-    segment: int
-    offset: int
-    kind: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"segment {self.segment} offset {self.offset}: {self.message} ({self.kind})"
-
-
-class Damage(msgspec.Struct):
-    """Bytes ``[offset, end)`` of ``segment`` fail their checks and a crash does not
-    explain them. Records ``first_lost .. last_lost`` are gone (none when
-    ``last_lost < first_lost``); the valid records after ``end`` are kept.
-
-    ``why``: why this is damage, not a torn tail; ``found``: what the bad bytes
-    held as far as can still be read (maps of ``type``, ``seq``, ``conv_id``,
-    ``msg_id``: read past a failed CRC, so a hint, never replayed); ``header``:
-    the segment's header must be rewritten (``base_seq`` and ``flags`` are what it
-    should say); ``missing``: the segment file itself is missing; ``prefix``: the
-    lost records come before the segment's first record; ``opens_checkpoint``:
-    the lost bytes opened a streamed checkpoint."""
-
-    segment: int
-    offset: int
-    end: int
-    first_lost: int
-    last_lost: int
-    kind: str
-    message: str
-    why: str = ""
-    tick: int = 0
-    found: list[dict[str, Any]] = []
-    header: bool = False
-    base_seq: int = 0
-    flags: int = 0
-    missing: bool = False
-    through: int = 0  # with ``missing``: the last missing segment number
-    prefix: bool = False
-    opens_checkpoint: bool = False
-
-    @property
-    def n_lost(self) -> int:
-        return max(0, self.last_lost - self.first_lost + 1)
-
-    @property
-    def problem(self) -> Problem:
-        return Problem(self.segment, self.offset, self.kind, self.message)
-
-    def lost_text(self) -> str:
-        if not self.n_lost:
-            return "no record lost"
-        if self.n_lost == 1:
-            return f"record seq {self.first_lost} lost"
-        return f"records seq {self.first_lost}..{self.last_lost} lost"
-
-    def __str__(self) -> str:
-        where = (f"segment {self.segment} is missing" if self.missing and self.through <= self.segment else
-                 f"segments {self.segment}..{self.through} are missing" if self.missing else
-                 f"segment {self.segment} bytes {self.offset}..{self.end}")
-        return f"{where}: {self.message} ({self.kind}; {self.why}); {self.lost_text()}"
-
-
-class Entry(NamedTuple):
-    """One decoded record and where it lies: bytes [offset, end) of ``segment``."""
-
-    seq: int
-    tick: int
-    record: Record
-    segment: int
-    offset: int
-    end: int
-
-
-class SegmentInfo(msgspec.Struct):
-    number: int
-    path: str
-    size: int  # bytes in the file
-    header: SegmentHeader | None = None
-    valid_end: int = 0  # bytes of the file that hold good data (header + whole records)
-    n_records: int = 0
-    first_seq: int = 0
-    last_seq: int = 0
-
-
-def find_frame(data: bytes, origin: int, start: int, min_seq: int, *, unbounded: bool = False):
-    """Resynchronise: the first offset ``p >= start`` (below ``end``) where a valid
-    frame begins whose seq could follow damage that began at ``origin`` with the
-    record ``min_seq``: ``min_seq <= seq <= min_seq + (p - origin) // 26``.
-
-    ``unbounded``: any seq from ``min_seq`` on (a segment whose header is lost).
-    Returns ``(p, record, tick, seq, frame_end)`` or None. Candidates are found with
-    a vectorised test on the type field, then checked with the CRC32C."""
-    n = len(data)
-    chunk = 4 << 20
-    c = start
-    while c < n - RECORD_HEADER.size + 1:
-        stop = min(n - RECORD_HEADER.size + 1, c + chunk)
-        a = np.frombuffer(data, np.uint8, count=stop - c + 1, offset=c)
-        hits = np.flatnonzero((a[:-1] >= 1) & (a[:-1] <= _MAX_TYPE) & (a[1:] == 0)) + c
-        for p in hits.tolist():
-            (seq,) = _SEQ.unpack_from(data, p + 10)
-            if seq < min_seq or (not unbounded and seq > min_seq + (p - origin) // FRAME_OVERHEAD):
-                continue
-            (length,) = _LEN.unpack_from(data, p + 18)
-            if p + FRAME_OVERHEAD + length > n:
-                continue
-            try:
-                record, tick, seq2, fend = decode_frame(data, p)
-            except FrameError:
-                continue
-            return p, record, tick, seq2, fend
-        c = stop
-    return None
-
-
-def _read_what(data: bytes, start: int, end: int) -> list[dict[str, Any]]:
-    """What the damaged bytes [start, end) held, frame by frame, reading past the CRC."""
-    out: list[dict[str, Any]] = []
-    q = start
-    while q < end and len(out) < 64:
-        try:
-            type_id, _tick, seq, fend, rec = peek_frame(data, q)
-        except FrameError:
-            break
-        if rec is not None:
-            d = {"type": type(rec).__name__, "seq": seq}
-            for k in ("conv_id", "msg_id"):
-                v = getattr(rec, k, None)
-                if isinstance(v, str):
-                    d[k] = v
-            out.append(d)
-        elif type_id in RECORD_TYPES and q + RECORD_HEADER.size < min(fend, end):
-            # the payload does not decode as its type (a flipped bit in a key, say): read it
-            # untyped and keep its short strings, which recovery matches to known ids
-            try:
-                raw = msgspec.msgpack.decode(data[q + RECORD_HEADER.size:min(fend, end) - 4])
-            except (msgspec.DecodeError, ValueError):
-                raw = None
-            if isinstance(raw, dict):
-                strings = [v for v in raw.values() if isinstance(v, str) and 0 < len(v) <= 64]
-                d = {"type": RECORD_TYPES[type_id].__name__, "seq": seq, "strings": strings}
-                for k in ("conv_id", "msg_id"):
-                    if isinstance(raw.get(k), str):
-                        d[k] = raw[k]
-                out.append(d)
-        if fend <= q or fend > end or type_id not in RECORD_TYPES:
-            break
-        q = fend
-    return out
+from aotx.engine.journal.segment_files import (  # noqa: F401 (the names callers import from here)
+    DAMAGED_SUFFIX, SEGMENT_RE, TMP_SUFFIX, fsync_dir, list_segments, read_acknowledged, read_segment,
+    segment_name,
+)
 
 
 class JournalScan:
@@ -263,7 +55,7 @@ class JournalScan:
     After construction, ``segments`` is the chain (the newest complete checkpoint
     segment and all after it, or all segments when there is none) and
     ``superseded`` the numbers of older segments a checkpoint made redundant.
-    ``acknowledged`` is the ``RECEIPT`` file's ``(segment, offset, last_seq)`` or
+    ``acknowledged`` is the acknowledged mark ``(segment, offset, last_seq)`` or
     None; pass ``acknowledged=`` to override it. ``entries()`` yields every valid
     record in sequence order, across damage. When it ends: ``damage`` lists what a
     crash does not explain, ``tail`` is a torn tail (or None), ``problem`` the
@@ -290,65 +82,10 @@ class JournalScan:
         self.segments: list[SegmentInfo] = []
         self.newer: list[int] = []  # segments of a newer format version (left alone)
         self.end_seq: int | None = None  # set by entries(): the seq after everything read or lost
-        self._header_errors: dict[int, FrameError] = {}
-        self._plan()
-
-    # ---- which segments form the chain ----------------------------------------------
-
-    def _plan(self) -> None:
-        infos: list[SegmentInfo] = []
-        for number, path in list_segments(self.directory):
-            head = read_segment(path, HEADER_BYTES)
-            info = SegmentInfo(number, str(path), os.stat(path).st_size)
-            try:
-                info.header = decode_segment_header(head)
-            except FrameError as e:
-                self._header_errors[number] = e
-            infos.append(info)
-        for i, info in enumerate(infos):  # a newer format version anywhere is refused
-            h = info.header
-            if h is not None and h.version > FORMAT_VERSION:
-                self.version_problem = Problem(
-                    info.number, 0, "version", f"segment {info.number} has format version {h.version}; this AOTX "
-                    f"reads versions up to {FORMAT_VERSION} (upgrade AOTX, or move {info.path} aside)")
-                self.newer = [x.number for x in infos[i:]]
-                infos = infos[:i]
-                break
-        start = self._start(infos)
-        self.superseded = [x.number for x in infos[:start]]
-        self.segments = infos[start:]
-
-    def _start(self, infos: list[SegmentInfo]) -> int:
-        """Index of the chain's first segment: the newest checkpoint segment whose
-        checkpoint is complete; else the first segment when it begins the history
-        (seq 1); else the newest checkpoint segment (damaged: salvage reads it)."""
-        cps = [i for i, x in enumerate(infos) if x.header is not None and x.header.checkpoint]
-        for i in reversed(cps):
-            if self._checkpoint_complete(infos[i]):
-                return i
-        if infos and infos[0].header is not None and infos[0].header.base_seq == 1 and not infos[0].header.checkpoint:
-            return 0
-        return cps[-1] if cps else 0
-
-    @staticmethod
-    def _checkpoint_complete(info: SegmentInfo) -> bool:
-        data = read_segment(info.path)
-        try:
-            record, _, seq, off = decode_frame(data, HEADER_BYTES)
-        except FrameError:
-            return False
-        if not isinstance(record, Checkpoint):
-            return False
-        if not record.streamed:
-            return True
-        while off < len(data):
-            try:
-                r, _, _, off = decode_frame(data, off)
-            except FrameError:
-                return False
-            if isinstance(r, CheckpointEnd) and r.begin_seq == seq:
-                return True
-        return False
+        plan = plan_chain(self.directory)
+        self.version_problem = plan.version_problem
+        self.superseded, self.segments, self.newer = plan.superseded, plan.segments, plan.newer
+        self.duplicates, self.misplaced = plan.duplicates, plan.misplaced
 
     # ---- the walk -------------------------------------------------------------------
 
@@ -362,10 +99,16 @@ class JournalScan:
         expected: int | None = None  # seq the next record must carry (None: the first segment says)
         pending: Damage | None = None  # damage whose lost range ends where the next segment begins
         chain = self.segments
+        for dup in self.duplicates:
+            name = Path(dup.path).name
+            self._damage(Damage(dup.number, 0, 0, dup.base_seq, dup.base_seq - 1, "duplicate",
+                                f"file {name} {'repeats' if dup.identical else 'holds another copy of'} segment "
+                                f"{dup.number} (from seq {dup.base_seq}), which {Path(dup.kept).name} holds",
+                                "a crash never copies a segment", path=dup.path))
         prev_number: int | None = None
         for i, info in enumerate(chain):
             is_last = i == len(chain) - 1 and not self.newer
-            if prev_number is not None and info.number != prev_number + 1:
+            if prev_number is not None and info.number > prev_number + 1:
                 d = Damage(prev_number + 1, 0, 0, expected, expected - 1, "gap",
                            f"segment {prev_number + 1} is missing (next present is {info.number})"
                            if info.number == prev_number + 2 else
@@ -382,10 +125,7 @@ class JournalScan:
             if expected is None:
                 expected = h.base_seq
                 if not h.checkpoint and h.base_seq != 1:
-                    self._damage(Damage(info.number, HEADER_BYTES, HEADER_BYTES, 1, h.base_seq - 1, "gap",
-                                        f"segment {info.number} starts at seq {h.base_seq} and no checkpoint precedes "
-                                        "it: earlier segments are missing", "a crash never removes a segment",
-                                        prefix=True, base_seq=1, flags=h.flags))
+                    self._damage(self._missing_before(info, h))
             elif h.base_seq > expected:
                 if pending is not None:
                     pending.last_lost = h.base_seq - 1  # the lost records end where this segment begins
@@ -441,40 +181,77 @@ class JournalScan:
                 expected = self.last_seq + 1
                 yield Entry(seq, tick, record, info.number, off, end)
                 off = end
+            if info.path in self.misplaced:
+                seqs = (f"seq {info.first_seq}..{info.last_seq}" if info.n_records else f"from seq {h.base_seq}")
+                self._damage(Damage(info.number, 0, 0, h.base_seq, h.base_seq - 1, "misplaced",
+                                    f"segment {info.number} ({seqs}) is in file {Path(info.path).name}, named for "
+                                    f"segment {info.file_number}", "a crash never renames a segment",
+                                    path=info.path))
             if stop:
                 break
         if self.version_problem is not None and self.problem is None:
             self.problem = self.version_problem
         if pending is not None:  # damage at the end of the last segment with later ones unreadable
             pending.last_lost = max(pending.last_lost, self.acked_seq)
-        if (self.tail is None and chain and expected is not None and self.acked_seq >= expected
+        if (self.tail is None and not self.newer and self.acked_seq >= (expected or 1)
                 and not (self.damage and self.damage[-1].last_lost >= self.acked_seq)):
-            last = chain[-1]  # the journal ends cleanly, yet a receipt covered records after its end
-            self._damage(Damage(last.number, last.size, last.size, expected, self.acked_seq, "gap",
-                                f"the journal ends at seq {expected - 1}, but a receipt covered seq "
-                                f"{self.acked_seq}", "acknowledged records are missing", tick=self.last_tick))
+            self._damage(self._missing_at_end(expected or 1))
         self.end_seq = max(expected or 1, (self.damage[-1].last_lost + 1) if self.damage else 1)
 
+    def _missing_before(self, info: SegmentInfo, h: SegmentHeader) -> Damage:
+        """The chain's first segment is not a checkpoint and does not start the history:
+        the segments before it are missing (or a lost checkpoint that replaced them)."""
+        why = "a crash never removes a segment"
+        if info.number > 1:  # the missing records get a segment of their own, numbered just before
+            what = (f"segment {info.number - 1} is missing" if info.number == 2 else
+                    f"segments before {info.number} are missing (or the checkpoint that replaced them)")
+            return Damage(info.number - 1, 0, 0, 1, h.base_seq - 1, "gap", f"{what}: segment {info.number} "
+                          f"starts at seq {h.base_seq}", why, missing=True, through=info.number - 1)
+        return Damage(info.number, HEADER_BYTES, HEADER_BYTES, 1, h.base_seq - 1, "gap",
+                      f"segment {info.number} starts at seq {h.base_seq} and no checkpoint precedes it: earlier "
+                      "segments are missing", why, prefix=True, base_seq=1, flags=h.flags)
+
+    def _missing_at_end(self, expected: int) -> Damage:
+        """The journal ends cleanly at ``expected - 1``, yet the acknowledged mark covers
+        records after it: in segments after the last one (gone), or in the last one."""
+        ack_segment, _, acked = self.acknowledged
+        why = "acknowledged records are missing"
+        if not self.segments:
+            return Damage(ack_segment, 0, 0, 1, acked, "gap", f"no segment is left, but a receipt covered seq "
+                          f"{acked} in segment {ack_segment}", why, missing=True, through=ack_segment)
+        last = self.segments[-1]
+        if ack_segment > last.number:
+            what = (f"segment {last.number + 1} is missing" if ack_segment == last.number + 1 else
+                    f"segments {last.number + 1}..{ack_segment} are missing")
+            return Damage(last.number + 1, 0, 0, expected, acked, "gap", f"{what}: the journal ends at seq "
+                          f"{expected - 1} in segment {last.number}, but a receipt covered seq {acked} in segment "
+                          f"{ack_segment}", why, tick=self.last_tick, missing=True, through=ack_segment)
+        return Damage(last.number, last.size, last.size, expected, acked, "gap",
+                      f"the journal ends at seq {expected - 1}, but a receipt covered seq {acked}", why,
+                      tick=self.last_tick)
+
     def _header(self, info: SegmentInfo, data: bytes, expected: int | None, is_last: bool) -> SegmentHeader | None:
-        """The segment's header, or one rebuilt from its records when it is damaged
-        (recorded as ``Damage(header=True)``); None for a torn tail (a segment whose
-        creation a crash cut short, holding no records)."""
-        err = self._header_errors.get(info.number)
-        h = info.header
-        if err is None and h.number == info.number:
-            return h
-        what = f"segment header: {err}" if err is not None else f"header names segment {h.number}, the file is {info.path}"
-        if is_last and len(data) <= HEADER_BYTES and (expected is None or expected > self.acked_seq):
-            self._tail_problem(info, 0, err.kind if err is not None and err.kind != "corrupt" else "torn", what)
+        """The segment's header, or one rebuilt from its records when it is destroyed
+        (recorded as ``Damage(header=True)``); None for a torn tail: the last segment,
+        holding no records, that the acknowledged mark does not reach (a crash cut its
+        creation short). Where the mark reaches it, its lost header is damage."""
+        err = info.header_error
+        if err is None:
+            return info.header
+        what = f"segment header: {err}"
+        ack = self.acknowledged
+        reached = ack is not None and (ack[0] >= info.number if expected is None else expected <= self.acked_seq)
+        if is_last and len(data) <= HEADER_BYTES and not reached:
+            self._tail_problem(info, 0, err.kind if err.kind != "corrupt" else "torn", what)
             info.valid_end = 0
             return None
         found = (find_frame(data, HEADER_BYTES, HEADER_BYTES, expected if expected is not None else 1,
                             unbounded=expected is None) if len(data) > HEADER_BYTES else None)
         base = expected if expected is not None else (found[3] if found else 1)
         cp = found is not None and found[0] == HEADER_BYTES and isinstance(found[1], Checkpoint)
-        self._damage(Damage(info.number, 0, HEADER_BYTES, base, base - 1, err.kind if err else "corrupt", what,
-                            "records follow it", tick=self.last_tick, header=True, base_seq=base,
-                            flags=1 if cp else 0))
+        why = "records follow it" if found is not None else f"a receipt covered seq {self.acked_seq}"
+        self._damage(Damage(info.number, 0, HEADER_BYTES, base, base - 1, err.kind, what, why, tick=self.last_tick,
+                            header=True, base_seq=base, flags=1 if cp else 0))
         return SegmentHeader(FORMAT_VERSION, 1 if cp else 0, info.number, base)
 
     def _resync(self, info: SegmentInfo, data: bytes, off: int, expected: int, bad: FrameError, is_last: bool):
@@ -504,17 +281,17 @@ class JournalScan:
         if found is not None:
             p, _, _, seq, _ = found
             self._damage(Damage(info.number, off, p, expected, seq - 1, bad.kind, str(bad), "valid records follow it",
-                                tick=self.last_tick, found=_read_what(data, off, p), opens_checkpoint=opens))
+                                tick=self.last_tick, found=read_what(data, off, p), opens_checkpoint=opens))
             return ("found", p, seq)
         if not is_last:
             d = Damage(info.number, off, n, expected, expected - 1, bad.kind, str(bad), "later segments follow it",
-                       tick=self.last_tick, found=_read_what(data, off, n), opens_checkpoint=opens)
+                       tick=self.last_tick, found=read_what(data, off, n), opens_checkpoint=opens)
             self._damage(d)
             return ("pending", d)
         if expected <= self.acked_seq:
             self._damage(Damage(info.number, off, n, expected, self.acked_seq, bad.kind, str(bad),
                                 f"at or before the acknowledged seq {self.acked_seq}", tick=self.last_tick,
-                                found=_read_what(data, off, n), opens_checkpoint=opens))
+                                found=read_what(data, off, n), opens_checkpoint=opens))
         else:
             self._tail_problem(info, off, bad.kind, str(bad))
         return ("stop",)
@@ -531,3 +308,4 @@ class JournalScan:
         """The sequence number the next record appended after the chain must carry
         (after ``entries()`` has run): past every record read and every seq lost."""
         return self.end_seq or (self.last_seq + 1)
+

@@ -8,7 +8,8 @@ file, which recovery reads to tell a torn tail from damage), segment rotation,
 streamed online checkpoints, and waiting out a full disk. Leaves to others:
 what records mean (``conversations.py``), reading and repairing the files at
 start (``recovery.py``, which ``Journal`` runs first), the file system calls
-themselves (``engine/fileio.py``: tests pass a recording or failing one).
+themselves (``engine/fileio.py``: tests pass a recording or failing one), and
+the segment and receipt files the drain appends to (``appender.py``).
 
 Threads. ``reserve``, ``publish``, ``checkpoint_step`` and ``flush`` may be
 called from any thread (a short lock orders them); none of them ever waits on
@@ -24,15 +25,10 @@ the disk has fallen behind; ``publish`` spends reserved credit first and may
 borrow free space beyond it; a record that fits in neither raises
 ``JournalError`` (reserve first). Credit comes back as blocks become durable.
 
-Checkpoints stream. ``begin_checkpoint`` publishes a ``Checkpoint`` as the first
-record of a new segment; each ``checkpoint_step`` (one per tick) encodes the next
-conversations, about ``part_bytes`` at a time, into ``CheckpointPart`` records
-that bypass the ring (they go to the drain as a block of their own, so a
-checkpoint of any size never needs ring credit and never holds a live record
-up); the next chunk is encoded once the previous one is durable, so memory
-stays bounded. The last step publishes ``CheckpointEnd``; once it is durable the
-segments before the checkpoint's are removed. The segment does not rotate while
-a checkpoint is open, so a checkpoint lies in one segment.
+Checkpoints stream (``checkpoint_stream.py``, whose methods ``Journal`` inherits):
+a ``Checkpoint`` opens a new segment, its parts bypass the ring, and once its
+``CheckpointEnd`` is durable the segments before it are removed. The segment does
+not rotate while a checkpoint is open, so a checkpoint lies in one segment.
 
 Disk full. A write or fsync that fails with ENOSPC or EDQUOT does not fail the
 journal: the drain truncates the segment back to its durable size, marks the
@@ -55,74 +51,26 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import google_crc32c
 
 from aotx.engine.errors import JournalError
-from aotx.engine.fileio import NO_SPACE, OS, FileIO, describe_os_error, write_all
-from aotx.engine.journal.conversations import ConversationTable, Receipt, checkpoint_parts
+from aotx.engine.fileio import NO_SPACE, OS, FileIO, describe_os_error
+from aotx.engine.journal.appender import SegmentAppender, fmt_bytes, mount_point
+from aotx.engine.journal.blocks import Block
+from aotx.engine.journal.checkpoint_stream import CheckpointRun, StreamedCheckpoints  # noqa: F401 (re-exported)
+from aotx.engine.journal.conversations import Receipt
 from aotx.engine.journal.directory import LOCK_NAME, DirLock, remove_older_segments  # noqa: F401 (re-exported)
 from aotx.engine.journal.records import (
-    CRC, FLAG_CHECKPOINT, FRAME_OVERHEAD, HEADER_BYTES, RECEIPT_FILE, RECORD_HEADER, Checkpoint, CheckpointEnd,
-    CheckpointPart, Record, crc32c, encode_payload, encode_receipt, encode_segment_header,
+    CRC, FLAG_CHECKPOINT, FRAME_OVERHEAD, HEADER_BYTES, RECORD_HEADER, Checkpoint, CheckpointEnd, CheckpointPart,
+    Record, crc32c, encode_payload,
 )
-from aotx.engine.journal.segments import list_segments, segment_name
 
 log = logging.getLogger("aotx.journal")
 
-RECEIPT_SYNC_S = 1.0  # the RECEIPT file is fdatasynced at most this often (it may lag after a power loss)
 
-
-class _Block(NamedTuple):
-    start: int  # absolute ring offset (bytes published before it); side blocks: 0
-    end: int
-    first_seq: int
-    last_seq: int
-    checkpoint: bool  # opens a checkpoint segment (rotate, flag it)
-    frames: tuple = ()  # a side block: its frames, written instead of ring bytes
-    ends_checkpoint: bool = False  # once durable, the segments before the checkpoint's go
-    aborts_checkpoint: bool = False  # an empty block: the open checkpoint will not end
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(f) for f in self.frames) if self.frames else self.end - self.start
-
-
-def _mount_point(path: Path) -> Path:
-    """The mount point of the file system holding ``path``."""
-    path = path.resolve()
-    dev = os.stat(path).st_dev
-    while path.parent != path and os.stat(path.parent).st_dev == dev:
-        path = path.parent
-    return path
-
-
-def _fmt(n: int, exact: bool = False) -> str:
-    """``n`` bytes in words ("1.5 MiB"), with the exact count after it when ``exact``."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}" + (f" ({n} bytes)" if exact else "")
-    return f"{n} bytes"
-
-
-class CheckpointRun:
-    """A streamed checkpoint in progress (``Journal.begin_checkpoint``). ``done`` once
-    its CheckpointEnd is published; ``end_seq`` is that record's seq."""
-
-    def __init__(self, journal: Journal, begin_seq: int, conv_ids: list[str], part_bytes: int):
-        self.journal = journal
-        self.begin_seq = begin_seq
-        self.todo = deque(conv_ids)
-        self.part_bytes = part_bytes
-        self.n_parts = 0
-        self.n_conversations = 0
-        self.waiting_seq = begin_seq  # the next chunk is encoded once this is durable
-        self.done = False
-        self.end_seq = 0
-
-
-class Journal:
+class Journal(StreamedCheckpoints):
     """The journal of one engine, open for appending.
 
     ``Journal(directory)`` takes the directory's lock, runs recovery (the
@@ -141,14 +89,14 @@ class Journal:
                  on_error: Callable[[BaseException], None] | None = None,
                  sync: Callable[[int], None] | None = None, repair: bool = False, fs: FileIO = OS,
                  part_bytes: int = 1 << 20):
-        from aotx.engine.journal.recovery import _mkdir, recover_locked
+        from aotx.engine.journal.recovery import make_dir, recover_locked
 
         if buffer_bytes < 4096 or segment_bytes < 4096:
             raise JournalError(f"journal sizes too small: buffer {buffer_bytes} and segment {segment_bytes} "
                                "bytes (4096 at least)")
         self.directory = Path(directory)
         self.fs = fs
-        _mkdir(self.directory, fs)
+        make_dir(self.directory, fs)
         self._dirlock = DirLock(self.directory)
         try:
             self.recovery = recover_locked(self.directory, repair=repair, fs=fs)
@@ -160,7 +108,6 @@ class Journal:
         self.part_bytes = part_bytes
         self._on_receipt = on_receipt
         self._on_error = on_error
-        self._sync = sync if sync is not None else fs.fdatasync
         self._ring = bytearray(buffer_bytes)
         self._view = memoryview(self._ring)
 
@@ -175,7 +122,7 @@ class Journal:
         self._flushed_seq = self._seq
         self._reserved = 0
         self._side_bytes = 0  # bytes of side blocks (checkpoint parts) not yet durable
-        self._pending: deque[_Block] = deque()
+        self._pending: deque[Block] = deque()
         self._durable_seq = self._seq
         self._last_receipt: Receipt | None = None
         self._closing = False
@@ -185,53 +132,34 @@ class Journal:
         self._cp_run: CheckpointRun | None = None
         self._cp_open = False  # drain side: the current segment holds an open checkpoint
         self._cp_segment = 0
-        self._n = {"fsyncs": 0, "blocks": 0, "receipts": 0, "bytes_written": 0, "segments_created": 0,
+        self._n = {"fsyncs": 0, "blocks": 0, "receipts": 0, "bytes_written": 0,
                    "checkpoints": 0, "callback_errors": 0, "no_space_retries": 0}
         self.callback_error: Exception | None = None  # the last exception raised by on_receipt
 
-        self._fd = -1
-        self._ack_fd = -1
-        self._ack_synced = 0.0
-        try:
-            self._open_receipt_file()
-            # the segment to append to: the last one recovery kept, or a new one
-            if self.recovery.segments:
-                self._segment = self.recovery.segments[-1]
-                path = self.directory / segment_name(self._segment)
-                self._fd = fs.open(path, os.O_WRONLY | os.O_APPEND)
-                self._seg_size = os.fstat(self._fd).st_size
-            else:
-                self._segment = 0
-                self._seg_size = 0
-                self._open_segment(max([n for n, _ in list_segments(self.directory)], default=0) + 1,
-                                   self._seq + 1, 0)
+        self._files = SegmentAppender(self.directory, fs, sync if sync is not None else fs.fdatasync)
+        try:  # the segment to append to: the last one recovery kept, or a new one
+            self._files.open(self.recovery.append_segment, self._seq + 1)
         except OSError as e:
-            self._close_fds()
             self._dirlock.release()
             raise JournalError(f"cannot write the journal in {self.directory}: {describe_os_error(e)}") from None
         except BaseException:
-            self._close_fds()
             self._dirlock.release()
             raise
         self._thread = threading.Thread(target=self._drain, name="aotx-journal-drain", daemon=True)
         self._thread.start()
 
-    def _open_receipt_file(self) -> None:
-        path = self.directory / RECEIPT_FILE
-        existed = path.exists()
-        self._ack_fd = self.fs.open(path, os.O_RDWR | os.O_CREAT)
-        if not existed:
-            self.fs.fsync_dir(self.directory)
+    @property
+    def _sync(self) -> Callable[[int], None]:
+        """The function that makes a segment's descriptor durable (tests replace it)."""
+        return self._files.sync
 
-    def _close_fds(self) -> None:
-        for name in ("_fd", "_ack_fd"):
-            fd = getattr(self, name, -1)
-            if fd >= 0:
-                try:
-                    self.fs.close(fd)
-                except OSError:
-                    pass
-                setattr(self, name, -1)
+    @_sync.setter
+    def _sync(self, fn: Callable[[int], None]) -> None:
+        self._files.sync = fn
+
+    @property
+    def _segment(self) -> int:
+        return self._files.segment
 
     # ---- producer side (any thread, never waits on disk) ---------------------------
 
@@ -308,135 +236,12 @@ class Journal:
         # lock held
         if self._head == self._flushed:
             return
-        self._pending.append(_Block(self._flushed, self._head, self._flushed_seq + 1, self._seq, checkpoint,
+        self._pending.append(Block(self._flushed, self._head, self._flushed_seq + 1, self._seq, checkpoint,
                                     ends_checkpoint=ends_checkpoint))
         self._flushed = self._head
         self._flushed_seq = self._seq
         self._work.notify()
 
-    # ---- streamed checkpoints ------------------------------------------------------------
-
-    def begin_checkpoint(self, table: ConversationTable, tick: int) -> CheckpointRun | None:
-        """Open a streamed checkpoint of ``table`` (which must have applied every
-        record published so far, else ``JournalError``): its Checkpoint record opens
-        a new segment. Returns the run to pass to ``checkpoint_step``, or None when
-        a checkpoint is already open, the ring has no room for the opening record
-        now, or the disk is full (try later). Never waits."""
-        live = table.live()
-        payload = encode_payload(Checkpoint(covers_seq=table.last_seq, created_at=time.time(), streamed=True,
-                                            n_conversations=len(live)))
-        with self._lock:
-            if table.last_seq != self._data_seq:
-                raise JournalError(f"checkpoint of a table at seq {table.last_seq}, journal is at seq "
-                                   f"{self._data_seq}")
-            if self._cp_run is not None or self._degraded or self._failed is not None or self._closing:
-                return None
-            if self.capacity - (self._head - self._tail) - self._reserved < FRAME_OVERHEAD + len(payload):
-                return None
-            self._seal(False)
-            seq = self._put(Checkpoint.type_id, payload, tick)
-            self._seal(True)
-            self._cp_run = CheckpointRun(self, seq, [c.conv_id for c in live], self.part_bytes)
-            return self._cp_run
-
-    def checkpoint_step(self, run: CheckpointRun, table: ConversationTable, tick: int) -> bool:
-        """Write the next chunk of ``run`` (about ``part_bytes``: whole conversations,
-        a long one split into consecutive parts), or its CheckpointEnd when every
-        conversation is written. Does nothing while the previous chunk is not yet
-        durable. ``table`` is the live table (it must have applied every record
-        published). Returns True once the run is done. Never waits on disk."""
-        if run.done:
-            return True
-        with self._lock:
-            if self._failed is not None:
-                raise JournalError(f"the journal failed: {self._failed}")
-            if self._durable_seq < run.waiting_seq or self._degraded or self._closing:
-                return False
-            if table.last_seq != self._data_seq:
-                raise JournalError(f"checkpoint step with a table at seq {table.last_seq}, journal is at seq "
-                                   f"{self._data_seq}")
-        if run.todo:
-            payloads: list[bytes] = []
-            size = 0
-            while run.todo and size < run.part_bytes:
-                c = table.get(run.todo.popleft())
-                if c is None:
-                    continue  # deleted since the checkpoint began: replay drops it too
-                run.n_conversations += 1
-                for part in checkpoint_parts(c, run.part_bytes):
-                    p = encode_payload(part)
-                    payloads.append(p)
-                    size += len(p)
-            if payloads:
-                with self._lock:
-                    run.waiting_seq = self._put_side(CheckpointPart.type_id, payloads, tick)
-                    run.n_parts += len(payloads)
-                return False
-        end = encode_payload(CheckpointEnd(begin_seq=run.begin_seq, n_conversations=run.n_conversations,
-                                           n_parts=run.n_parts))
-        with self._lock:
-            if self.capacity - (self._head - self._tail) - self._reserved < FRAME_OVERHEAD + len(end):
-                return False
-            self._seal(False)
-            run.end_seq = self._put(CheckpointEnd.type_id, end, tick)
-            self._seal(False, ends_checkpoint=True)
-            run.done = True
-            self._cp_run = None
-        return True
-
-    def abort_checkpoint(self, run: CheckpointRun) -> None:
-        """Give up ``run`` without its CheckpointEnd: it stays an incomplete checkpoint
-        that recovery does not start from (the older segments stay), and segments
-        rotate again. Never waits."""
-        with self._lock:
-            if self._cp_run is run:
-                self._cp_run = None
-                self._pending.append(_Block(0, 0, self._flushed_seq + 1, self._flushed_seq, False,
-                                            aborts_checkpoint=True))
-                self._work.notify()
-
-    def _put_side(self, type_id: int, payloads: list[bytes], tick: int) -> int:
-        """Publish records outside the ring as a block of their own (lock held); returns the last seq."""
-        if self._failed is not None or self._closing:
-            raise JournalError("the journal is closed" if self._closing else f"the journal failed: {self._failed}")
-        self._seal(False)  # records published before these are written before them
-        frames = []
-        first = self._seq + 1
-        for payload in payloads:
-            self._seq += 1
-            head = RECORD_HEADER.pack(type_id, tick, self._seq, len(payload))
-            frames.append(head + payload + CRC.pack(google_crc32c.extend(crc32c(head), payload)))
-        block = _Block(0, 0, first, self._seq, False, tuple(frames))
-        self._side_bytes += block.nbytes
-        self._pending.append(block)
-        self._flushed_seq = self._seq
-        self._work.notify()
-        return self._seq
-
-    def checkpoint(self, table: ConversationTable, tick: int, timeout: float = 60.0) -> int:
-        """Write a whole streamed checkpoint of ``table`` now, waiting for the disk as
-        needed (tools and tests; the engine steps one chunk per tick instead). Once it
-        is durable the older segments are removed. Returns the CheckpointEnd's seq.
-        Raises ``JournalError`` when the table is behind the journal or it does not
-        finish within ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        run = None
-        while run is None:
-            run = self.begin_checkpoint(table, tick)
-            if run is None:
-                if self._cp_run is not None:
-                    raise JournalError("a checkpoint is already being written")
-                self._wait_progress(deadline)
-        while not self.checkpoint_step(run, table, tick):
-            self._wait_progress(deadline)
-        return run.end_seq
-
-    def _wait_progress(self, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise JournalError("the checkpoint did not finish in time (the disk is behind or full)")
-        self.flush()
-        self.wait_durable(self._seq, min(remaining, 0.5))
 
     # ---- waiting and status ------------------------------------------------------------
 
@@ -502,9 +307,9 @@ class Journal:
         """Counters and levels for status displays and tests (sizes in bytes)."""
         with self._lock:
             used = self._head - self._tail
-            return dict(self._n, capacity=self.capacity, used=used, reserved=self._reserved,
+            return dict(self._n, segments_created=self._files.segments_created, capacity=self.capacity, used=used, reserved=self._reserved,
                         free=self.capacity - used - self._reserved, last_seq=self._seq,
-                        durable_seq=self._durable_seq, segment=self._segment, segment_bytes=self._seg_size,
+                        durable_seq=self._durable_seq, segment=self._files.segment, segment_bytes=self._files.size,
                         pending_blocks=len(self._pending), failed=str(self._failed) if self._failed else None,
                         degraded=self._degraded, checkpointing=self._cp_run is not None)
 
@@ -527,12 +332,9 @@ class Journal:
             self._closed = True
             self._done.notify_all()
         if not alive:
-            if self._ack_fd >= 0 and self._failed is None:
-                try:
-                    self.fs.fdatasync(self._ack_fd)
-                except OSError:
-                    pass
-            self._close_fds()
+            if self._failed is None:
+                self._files.sync_receipts()
+            self._files.close()
             self._dirlock.release()
         if alive:
             raise JournalError(f"the journal drain did not finish within {timeout} s")
@@ -567,7 +369,7 @@ class Journal:
             if self._on_error is not None:
                 self._on_error(exc)
 
-    def _write_blocks(self, blocks: list[_Block]) -> None:
+    def _write_blocks(self, blocks: list[Block]) -> None:
         run_start = run_end = None
         run_seq = 0
         for b in blocks:
@@ -575,7 +377,7 @@ class Journal:
                 self._cp_open = False
                 continue
             size = b.nbytes
-            written = self._seg_size + (0 if run_start is None else run_end - run_start)
+            written = self._files.size + (0 if run_start is None else run_end - run_start)
             rotate = b.checkpoint or (not self._cp_open and written > HEADER_BYTES
                                       and written + size > self.segment_bytes)
             if (rotate or b.frames) and run_start is not None:
@@ -583,9 +385,9 @@ class Journal:
                 run_start = None
             if rotate:
                 self._until_space(lambda b=b: self._open_segment(
-                    self._segment + 1, b.first_seq, FLAG_CHECKPOINT if b.checkpoint else 0), HEADER_BYTES)
+                    self._files.segment + 1, b.first_seq, FLAG_CHECKPOINT if b.checkpoint else 0), HEADER_BYTES)
                 if b.checkpoint:
-                    self._cp_open, self._cp_segment = True, self._segment
+                    self._cp_open, self._cp_segment = True, self._files.segment
             if b.frames:
                 self._commit(0, 0, b.last_seq, b.frames)
                 continue
@@ -624,30 +426,12 @@ class Journal:
             return [self._view[a:cap], self._view[0:a + b - cap]]
 
         def attempt() -> None:
-            parts = pieces()
-            try:
-                while parts:
-                    n = self.fs.writev(self._fd, parts)
-                    self._n["bytes_written"] += n
-                    while parts and n >= len(parts[0]):
-                        n -= len(parts[0])
-                        parts.pop(0)
-                    if n:
-                        parts[0] = parts[0][n:]
-                self._sync(self._fd)
-            except OSError as e:
-                if e.errno in NO_SPACE:  # drop whatever part of the block got in; it is written again
-                    try:
-                        self.fs.ftruncate(self._fd, self._seg_size)
-                    except OSError:
-                        pass
-                raise
+            self._n["bytes_written"] += self._files.append(pieces())
 
         self._until_space(attempt, nbytes)
         self._n["fsyncs"] += 1
-        self._seg_size += nbytes
-        receipt = Receipt(self._segment, self._seg_size, last_seq)
-        self._record_receipt(receipt)
+        receipt = Receipt(self._files.segment, self._files.size, last_seq)
+        self._files.record_receipt(receipt)
         with self._lock:
             if frames:
                 self._side_bytes -= nbytes
@@ -663,22 +447,6 @@ class Journal:
             except Exception as exc:  # a broken callback must not stop durability
                 self._n["callback_errors"] += 1
                 self.callback_error = exc
-
-    def _record_receipt(self, receipt: Receipt) -> None:
-        """Overwrite the RECEIPT file with ``receipt`` (before it is issued, so no
-        receipt a client holds is ever past it after a crash of the process); fdatasync
-        it at most once a second. Its failure never fails the journal: recovery then
-        knows an older acknowledged point."""
-        if self._ack_fd < 0:
-            return
-        try:
-            self.fs.pwrite(self._ack_fd, encode_receipt(receipt.segment, receipt.offset, receipt.last_seq), 0)
-            now = time.monotonic()
-            if now - self._ack_synced >= RECEIPT_SYNC_S:
-                self._ack_synced = now
-                self.fs.fdatasync(self._ack_fd)
-        except OSError as e:
-            log.warning("journal: could not record receipt %s in %s: %s", receipt.last_seq, RECEIPT_FILE, e)
 
     def _until_space(self, attempt: Callable[[], None], nbytes: int) -> None:
         """Run ``attempt``; while it fails for want of space, be degraded and retry it
@@ -715,38 +483,19 @@ class Journal:
         except OSError:
             free = 0
         try:
-            mount = _mount_point(self.directory)
+            mount = mount_point(self.directory)
         except OSError:
             mount = self.directory
         with self._lock:
             waiting = (self._head - self._tail) + self._side_bytes
         what = "quota exceeded" if e.errno == errno.EDQUOT else "disk full"
         need = max(nbytes, waiting)
-        line = (f"{what}: the journal in {self.directory} (file system at {mount}) needs {_fmt(need, True)} for "
-                f"records waiting to be written and {_fmt(free, True)} are free; new work is held until space returns")
+        line = (f"{what}: the journal in {self.directory} (file system at {mount}) needs {fmt_bytes(need, True)} for "
+                f"records waiting to be written and {fmt_bytes(free, True)} are free; new work is held until space returns")
         if not self._degraded:
             log.warning("journal: %s", line)
         with self._lock:
             self._degraded = line
 
     def _open_segment(self, number: int, base_seq: int, flags: int) -> None:
-        """Create segment ``number`` (header only), fsync it and the directory.
-        A failure removes the partial file."""
-        path = self.directory / segment_name(number)
-        fd = self.fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
-        try:
-            write_all(self.fs, fd, encode_segment_header(number, base_seq, flags))
-            self._sync(fd)
-            self.fs.fsync_dir(self.directory)
-        except BaseException:
-            self.fs.close(fd)
-            try:
-                self.fs.unlink(path)
-                self.fs.fsync_dir(self.directory)
-            except OSError:
-                pass
-            raise
-        if self._fd >= 0:
-            self.fs.close(self._fd)
-        self._fd, self._segment, self._seg_size = fd, number, HEADER_BYTES
-        self._n["segments_created"] += 1
+        self._files.open_segment(number, base_seq, flags)

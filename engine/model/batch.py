@@ -70,10 +70,3 @@ class BatchLayout:
                 out.append(row + s.n - 1)
             row += s.n
         return cls(n, positions, slots, np.asarray(out, np.int64), tuple(segments), row0)
-
-    def write_rows(self, slot_row: np.ndarray, pos_row: np.ndarray) -> list[int]:
-        """Write each row's slot and position into caller-owned int32 buffers (a device
-        table's pinned mirror) and return the logits rows as a list."""
-        slot_row[:self.n_rows] = self.slots
-        pos_row[:self.n_rows] = self.positions
-        return self.out_rows.tolist()

@@ -147,6 +147,11 @@ def _template_line(tb: Any) -> int | None:
     return line
 
 
+class WorkersUnavailable(Exception):
+    """No template worker process can be started (``template_worker.py``): the template
+    renders in the calling thread, bounded by the sandbox's checks only."""
+
+
 class ChatTemplate:
     """A compiled chat template.
 
@@ -172,6 +177,9 @@ class ChatTemplate:
         self.fallback = fallback if fallback is not None else ("chatml" if is_fallback else None)
         self.name = name or (f"the built-in {self.fallback} template" if self.fallback else "the chat template")
         self._env = _make_env()
+        #: where renders run: None in this thread; a ``template_worker.TemplateWorkers`` pool
+        #: (the engine's preparation stage sets it) in worker processes the OS bounds
+        self.workers: Any = None
         try:
             self._template = compile_template(self._env, source)
         except jinja2.TemplateSyntaxError as e:
@@ -205,14 +213,26 @@ class ChatTemplate:
         during rendering, including the template's own ``raise_exception``, and
         naming the template and the limit when it passes its budget.
         """
-        import jinja2
-
-        from aotx.engine.model.template_sandbox import DEFAULT_BUDGET, BudgetExceeded, render
+        from aotx.engine.model.template_sandbox import DEFAULT_BUDGET
 
         variables = dict(messages=list(messages), add_generation_prompt=add_generation_prompt,
                          bos_token=bos_token, eos_token=eos_token, **extra)
+        if self.workers is not None:
+            try:
+                return self.workers.render(self.source, self.name, variables, budget or DEFAULT_BUDGET)
+            except WorkersUnavailable as e:
+                log.warning("%s; rendering %s in the engine, bounded by the sandbox's checks only", e, self.name)
+                self.workers = None
+        return self.render_here(variables, budget or DEFAULT_BUDGET)
+
+    def render_here(self, variables: dict[str, Any], budget: RenderBudget) -> str:
+        """``render`` in this thread, with the template's ``variables`` given whole."""
+        import jinja2
+
+        from aotx.engine.model.template_sandbox import BudgetExceeded, render
+
         try:
-            return render(self._env, self._template, budget or DEFAULT_BUDGET, variables)
+            return render(self._env, self._template, budget, variables)
         except BudgetExceeded as e:
             raise TemplateError(f"{self.name} was stopped: {e}; a chat template that does this is broken or "
                                 f"hostile: use another model file (or `aotx run --raw`)") from None

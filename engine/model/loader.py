@@ -280,7 +280,4 @@ def load_model(path: str | os.PathLike[str] | None = None, *, device: str = "cpu
     model.forward(np.array([0, 0], np.int32), [Segment(0, 0, 2)], kv)
     model.forward(np.array([0], np.int32), [Segment(0, 2, 1)], kv)
     stage("warm-up")
-    pn = getattr(getattr(model, "compiled", None), "persistent_note", None)
-    if isinstance(pn, str):
-        notes["persistent"] = pn
     return LoadedModel(p, gf, cfg, model, tok, template, backend.name, fingerprint(gf), prof, notes)

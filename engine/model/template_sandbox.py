@@ -45,6 +45,9 @@ YIELD_S = 0.001
 _MAX_INT_BITS = 1 << 20
 _MAX_JSON_INDENT = 1024
 _WIDTH = re.compile(r"\d{7,}")  # a width or precision of a million or more in a format string
+_NESTED_SPEC = re.compile(r"\{[^{}]*:[^{}]*\{")  # str.format: a width or precision given as an argument
+_STAR_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d*\.\*)")  # %-format: a "*" width or precision
+_LIPSUM_CHARS = 16  # at most, per word lipsum() writes (a word, a space, punctuation, markup)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class RenderBudget:
 
     cpu_seconds: float = DEFAULT_CPU_SECONDS
     max_chars: int = DEFAULT_MAX_CHARS
+    yield_gil: bool = True  # sleep now and then so a thread of the engine gets the GIL (not in a worker)
 
 
 DEFAULT_BUDGET = RenderBudget()
@@ -75,7 +79,7 @@ class _Meter:
         self.budget = budget
         now = time.thread_time()
         self.deadline = now + budget.cpu_seconds
-        self.next_yield = now + YIELD_EVERY_S
+        self.next_yield = now + YIELD_EVERY_S if budget.yield_gil else float("inf")
         self.chars = 0  # output so far
         self.n = 0
 
@@ -112,10 +116,19 @@ class _Meter:
         self.tick()
 
 
-def _widths(fmt: Any, m: _Meter) -> None:
-    if isinstance(fmt, str):
-        for w in _WIDTH.findall(fmt):
-            m.need(int(w), "a formatted field")
+def _widths(fmt: Any, m: _Meter, args: Any = ()) -> None:
+    """Refuse a format string whose literal widths, or whose widths given as arguments
+    (``"{:>{}}".format(s, n)``, ``"%*s" % (n, s)``), pass the size limit."""
+    if not isinstance(fmt, str):
+        return
+    for w in _WIDTH.findall(fmt):
+        m.need(int(w), "a formatted field")
+    if _NESTED_SPEC.search(fmt) or _STAR_SPEC.search(fmt):
+        values = list(args.values()) if isinstance(args, dict) else list(args) if isinstance(args, (list, tuple)) \
+            else [args]
+        for v in values:
+            if isinstance(v, int) and not isinstance(v, bool):
+                m.need(v, "a formatted field (a width given as an argument)")
 
 
 def _replace_size(s: Any, old: Any, new: Any) -> int:
@@ -147,7 +160,7 @@ def _precheck_str_method(m: _Meter, s: str, name: str, args: tuple, kwargs: dict
     elif name == "expandtabs":
         m.need(len(s) + s.count("\t") * _int_arg(args, kwargs, 0, "tabsize"), "a string (str.expandtabs)")
     elif name in ("format", "format_map"):
-        _widths(s, m)
+        _widths(s, m, list(args) + list(kwargs.values()) if name == "format" else (args[0] if args else ()))
 
 
 def _precheck_filter(m: _Meter, name: str, args: tuple, kwargs: dict) -> None:
@@ -165,7 +178,7 @@ def _precheck_filter(m: _Meter, name: str, args: tuple, kwargs: dict) -> None:
     elif name == "join" and isinstance(v, (list, tuple)):
         m.need(_join_size(args[1] if len(args) > 1 else kwargs.get("d", ""), v), "a string (|join)")
     elif name == "format":
-        _widths(v, m)
+        _widths(v, m, list(args[1:]) + list(kwargs.values()))
     elif name in ("batch", "slice"):
         m.need(_int_arg(args, kwargs, 1, "linecount" if name == "batch" else "slices"), f"a list (|{name})")
     elif name == "tojson":
@@ -190,6 +203,21 @@ def _budgeted_filter(env: Any, name: str, f: Any) -> Any:
         value_args = args[1:] if getattr(f, "jinja_pass_arg", None) is not None else args
         _precheck_filter(m, name, value_args, kwargs)
         return m.check(f(*args, **kwargs), f"a value (|{name})")
+
+    return wrapper
+
+
+def _budgeted_lipsum(env: Any, lipsum: Any) -> Any:
+    """Jinja's ``lipsum(n=5, html=True, min=20, max=100)``, refused before it runs when
+    its ``n`` paragraphs of up to ``max`` words could pass the size limit (it runs as
+    one library call, between two of the budget's checkpoints)."""
+
+    @functools.wraps(lipsum)
+    def wrapper(n: Any = 5, html: Any = True, min: Any = 20, max: Any = 100) -> Any:  # noqa: A002 - jinja's names
+        m = env.meter()
+        if m is not None and isinstance(n, int) and isinstance(max, int):
+            m.need(n * max * _LIPSUM_CHARS, f"a string (lipsum of {n:,} paragraphs)")
+        return lipsum(n, html, min, max)
 
     return wrapper
 
@@ -270,6 +298,9 @@ def make_environment(filters: dict[str, Any] | None = None, globals_: dict[str, 
                           extensions=[jinja2.ext.loopcontrols, _Generation])
     env.filters.update(filters or {})
     env.globals.update(globals_ or {})
+    lipsum = env.globals.get("lipsum")
+    if lipsum is not None:
+        env.globals["lipsum"] = _budgeted_lipsum(env, lipsum)
     for name, f in list(env.filters.items()):
         env.filters[name] = _budgeted_filter(env, name, f)
     return env
@@ -292,7 +323,7 @@ def _precheck_binop(m: _Meter, op: str, a: Any, b: Any) -> None:
                 b * a.bit_length() > _MAX_INT_BITS:
             raise BudgetExceeded(f"it tried to compute an integer power of more than {_MAX_INT_BITS:,} bits")
     elif op == "%" and isinstance(a, str):
-        _widths(a, m)
+        _widths(a, m, b)
 
 
 def compile_template(env: Any, source: str) -> Any:

@@ -5,8 +5,9 @@ tensor's presence, shape and type checked against the file before any weight is 
 one ModelError line naming the tensor and the file otherwise), tracing the architecture's
 ``forward`` into an ``ops.Program`` once, asking the backend to compile it, and the model
 interface of engine/model/interface.py that the runtime, the drafter and the capsules call
-(``forward``, ``new_kv_cache``, ``kv_cache_bytes``, ``weight_bytes``, ``device_sampling``,
-``sample`` / ``greedy`` / ``last_logits`` where the backend samples on the device).
+(``forward``, ``new_kv_cache``, ``kv_cache_bytes``, ``weight_bytes``, ``numerics``,
+``device_path``; ``sample`` / ``greedy`` / ``last_logits`` / ``samples_exactly`` /
+``load_masks`` where the backend samples on the device).
 
 Leaves to the architecture module (``architectures/<arch>.py``) which tensors exist and
 the order of ops; to the backend the kernels, buffers and graphs; to ``batch.py`` the
@@ -31,6 +32,7 @@ from aotx.engine.backend.ops import ProgramBuilder, ProgramError
 from aotx.engine.errors import ModelError
 from aotx.engine.model.batch import BatchLayout, Segment
 from aotx.engine.model.config import ModelConfig
+from aotx.engine.model.interface import DEVICE_SAMPLING, HOST
 
 KINDS = ("matrix", "vector", "host", "experts", "expert_vectors")
 VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
@@ -191,13 +193,20 @@ class TransformerModel:
             self.compiled = backend.compile(self.program)
         except ProgramError as e:
             raise ModelError(f"{gf.path}: the {cfg.arch} forward pass cannot be built from this file ({e})") from None
-        # sample / greedy / last_logits exist only where the backend samples on the device:
-        # the runtime asks hasattr(model, "sample") (and interface.py's device_sampling)
-        self.device_sampling = bool(getattr(self.compiled, "device_sampling", False))
-        if self.device_sampling:
+        # the device-sampling path's methods exist only where the backend samples on the
+        # device (interface.py: the runtime reads device_path)
+        self.device_path = DEVICE_SAMPLING if getattr(self.compiled, "device_sampling", False) else HOST
+        if self.device_path == DEVICE_SAMPLING:
             self.sample = self._sample
             self.greedy = self._greedy
             self.last_logits = self.compiled.last_logits
+            self.samples_exactly = self.compiled.samples_exactly
+            self.load_masks = self.compiled.load_masks
+
+    @property
+    def numerics(self) -> str:
+        """The arithmetic behind the logits, as the backend names it ("cpu-int8", "cuda-f32", ...)."""
+        return self.backend.numerics
 
     @property
     def weight_bytes(self) -> int:
@@ -232,12 +241,12 @@ class TransformerModel:
         return self.compiled.forward(tokens, BatchLayout.of(segments), kv, embeds)
 
     def _sample(self, tokens: np.ndarray, segments: list[Segment], kv, rows, tick: int = 0) -> np.ndarray:
-        """Run one batch and pick each logits row's next token on the device (only where
-        ``device_sampling``; see the CUDA backend). Returns (R,) int32."""
+        """Run one batch and pick each logits row's next token on the device (only on the
+        device-sampling path; see the CUDA backend). Returns (R,) int32."""
         return self.compiled.sample(tokens, BatchLayout.of(segments), kv, rows, tick)
 
     def _greedy(self, tokens: np.ndarray, segments: list[Segment], kv) -> np.ndarray:
-        """``sample`` with every row greedy (only where ``device_sampling``)."""
+        """``sample`` with every row greedy (only on the device-sampling path)."""
         return self.compiled.greedy(tokens, BatchLayout.of(segments), kv)
 
 

@@ -7,8 +7,12 @@ with what its attachments became (transcripts, OCR text) as quotes, and a one-li
 italic note of where it stands (durable with its receipt, interrupted, cancelled).
 JSON is for programs: the conversation as the engine shows it (``ConversationView``:
 messages, token ids, receipts, sampling) under ``{"format": "aotx-conversation",
-"version": 1, "exported_at", "conversation"}``. Files are written whole (a temporary
-file, fsynced, renamed), so a crash leaves the old file or the new one.
+"version": 1, "exported_at", "conversation"}``. Files are written whole: a private
+temporary file of a new name beside the target (never one that already exists, never
+through a link), fsynced, given the user's umask only once it is complete, then
+renamed over the target; a crash leaves the old file or the new one. A target that
+exists and is not a regular file (a device, a FIFO, a symbolic link, a folder) is
+refused by name and left as it was.
 Leaves to others: getting the conversation (the engine's ``show``, or the journal).
 """
 
@@ -18,6 +22,8 @@ import datetime as _dt
 import json
 import os
 import re
+import stat
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -25,6 +31,7 @@ import msgspec
 from aotx.engine.units import plural
 from aotx.engine.present.format import GLYPHS, history_media, media_text, position_of
 from aotx.engine.errors import UsageError
+from aotx.engine.fileio import file_kind
 from aotx.engine import protocol as P
 
 FORMATS = ("md", "json")
@@ -96,25 +103,65 @@ def default_path(conv: P.ConversationView, fmt: str = "md", folder: str | os.Pat
     return Path(folder or Path.cwd()) / f"{slug(conv.title)}-{conv.conv_id}.{fmt}"
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` would, for a moment,
+    for every thread) where Linux says it; else set and restored."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def check_target(p: Path) -> None:
+    """Refuse ``p`` when it exists and is not a regular file, saying what it is."""
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UsageError(f"cannot export to {p}: {e.strerror or e}") from None
+    if stat.S_ISREG(st.st_mode):
+        return
+    what = file_kind(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        what += f" (to {os.readlink(p)})"
+    raise UsageError(f"cannot export to {p}: it is {what}, not a regular file; nothing was written (choose a "
+                     "file name that is free or a regular file)")
+
+
 def write_export(conv: P.ConversationView, path: str | os.PathLike[str], fmt: str | None = None) -> Path:
     """Write ``conv`` to ``path`` (format from ``fmt`` or the file's extension), whole:
-    temporary file, fsync, rename. Returns the path. Raises UsageError naming the path
-    when it cannot be written."""
+    a private temporary file, fsync, the user's umask, rename. Returns the path. Raises
+    UsageError naming the path when it cannot be written or is not a regular file."""
     p = Path(path).expanduser()
     text = render(conv, fmt or format_of(p))
     if not p.parent.is_dir():
         raise UsageError(f"cannot export to {p}: the folder {p.parent} does not exist")
-    tmp = p.with_name(f".{p.name}.tmp")
+    check_target(p)
+    tmp = None
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
+        fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)  # 0600, O_EXCL
+        tmp = Path(name)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+            os.fchmod(fh.fileno(), 0o666 & ~_umask())  # readable as the user's files are, once complete
+        check_target(p)  # it may have been replaced meanwhile
         os.replace(tmp, p)
+        tmp = None
     except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
         raise UsageError(f"cannot export to {p}: {e.strerror or e}") from None
+    finally:
+        if tmp is not None:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
     return p

@@ -56,7 +56,7 @@ def capsule_text(n: P.Notice, had_history: bool = True) -> str:
     re-reading of the earlier messages) or could not (a saved state from another model
     or damaged: the earlier messages are read again). Only a conversation with earlier
     messages has anything to pick up: a new one's shared start (the system prompt) is
-    no news (issue 17, defect 7)."""
+    no news, and says nothing."""
     msg = n.message.strip().rstrip(".")
     if not had_history:
         return ""
@@ -151,7 +151,7 @@ def history_media(m: P.MessageView) -> tuple[str, list[P.MediaInfo]]:
     """A journaled user message with attachments -> (the user's own words, what each
     attachment became), so a reopened conversation shows its transcripts and OCR text
     as notices, as they were shown live, and a retry or an edit sends only the words
-    (issue 17, point 14). Messages without attachments come back unchanged."""
+    (not the transcript block the journal keeps). Messages without attachments come back unchanged."""
     text = m.text
     if not m.attachments:
         return text, []

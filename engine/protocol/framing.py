@@ -63,9 +63,41 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 
 def encode_frame(msg: Message) -> bytes:
-    """Length-prefixed MessagePack frame of ``msg``."""
-    body = _encoder.encode(msg)
+    """Length-prefixed MessagePack frame of ``msg``. Raises ``ProtocolError`` naming the
+    field when a text is not valid Unicode (a lone surrogate: bytes that were not UTF-8
+    on a command line or a pipe) or a number does not fit 64 bits."""
+    try:
+        body = _encoder.encode(msg)
+    except UnicodeEncodeError as e:
+        where = _bad_text(msgspec.structs.asdict(msg) if isinstance(msg, msgspec.Struct) else msg, "")
+        raise ProtocolError(f"{type(msg).__name__}: {where or 'a text'} is not valid UTF-8 "
+                            f"(character {e.start}: {e.object[e.start:e.end]!r})") from None
+    except OverflowError as e:
+        raise ProtocolError(f"{type(msg).__name__}: a number is out of range: {e}") from None
     return _LEN.pack(len(body)) + body
+
+
+def _bad_text(obj: object, path: str) -> str:
+    """The path of the first text in ``obj`` that cannot be UTF-8 ("" when none)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode()
+        except UnicodeEncodeError:
+            return path or "a text"
+        return ""
+    if isinstance(obj, msgspec.Struct):
+        obj = msgspec.structs.asdict(obj)
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            got = _bad_text(k, f"{path}.{k!r}" if path else repr(k)) or _bad_text(v, f"{path}.{k}" if path else str(k))
+            if got:
+                return got
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            got = _bad_text(v, f"{path}[{i}]")
+            if got:
+                return got
+    return ""
 
 
 def decode_payload(body: bytes) -> Message:

@@ -35,6 +35,11 @@ from aotx.engine.protocol.values import (
 from aotx.media.kinds import MediaKind
 
 
+#: the largest integer a frame carries for a field with no upper bound of its own (MessagePack's
+#: signed 64-bit range): a bigger one is out of range, named, never an overflow in the encoder
+MAX_INTEGER = (1 << 63) - 1
+
+
 class Limit(NamedTuple):
     """The range of one parameter: ``lo`` and ``hi`` inclusive (None: unbounded), except
     ``lo`` itself when ``lo_open``; ``integer`` for whole numbers."""
@@ -74,6 +79,8 @@ def limit_problem(name: str, value: Any, limit: Limit) -> str | None:
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{name} must be a number, got {value!r}"
     lo, hi = limit.lo, limit.hi
+    if limit.integer and hi is None and value > MAX_INTEGER:
+        return f"{name} must be at most {MAX_INTEGER}, got {value}"
     bad = (isinstance(value, float) and math.isnan(value)) or (lo is not None and value < lo) or \
         (limit.lo_open and value == lo) or (hi is not None and value > hi)
     if not bad:

@@ -17,7 +17,7 @@ class _Base(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_
 UNTIL_CONTEXT = 1_000_000
 """The default ``max_tokens``: more than any context, so a reply runs until it ends by
 itself or the context is full (a requested 1000-word story is ~1,300 tokens: a
-512-token default cut it; issue 17, point 15)."""
+512-token default cut it)."""
 
 
 REPEAT_PENALTY = 1.1
@@ -28,7 +28,7 @@ France?" loops ("la femme, la femme, ...") to the token limit in llama.cpp's gre
 reply and did in AOTX's (its first token is a near-tie: today's executor answers
 instead), and 1.05 still looped; 1.1 ended it with a real answer, keeps the code
 answer's start and halves a list's repeated phrasing; from 1.15 the code answer itself
-changes. (Ollama's default is 1.1 too.) Issue 17, point 15."""
+changes. (Ollama's default is 1.1 too.)"""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -136,6 +136,7 @@ class MessageView(msgspec.Struct, omit_defaults=True):
     model: str = ""
     meta: dict[str, Any] = {}  # as PriorMessage.meta (the template's fields and clients' notes)
     context: ContextCut | None = None  # a reply whose prompt left earlier messages out
+    salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 
 class ConversationView(msgspec.Struct, omit_defaults=True):
@@ -152,6 +153,7 @@ class ConversationView(msgspec.Struct, omit_defaults=True):
     busy: bool = False
     model: str = ""
     context: str = ""  # its context policy (CONTEXT_POLICIES; "": the engine's default)
+    salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 
 class BudgetLine(msgspec.Struct):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from aotx.engine import protocol as P
 from aotx.engine.runtime import admission
@@ -26,12 +25,13 @@ from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Request, RequestState
 from aotx.engine.runtime.scheduler import Lease, TickPlan, queue_positions
 from aotx.engine.runtime.slots import SlotTable
+from aotx.engine.runtime.store import ConversationStore
 
 
 class Commit:
     """The commit step of one engine: ``store`` a ``ConversationStore``, ``slots`` its table."""
 
-    def __init__(self, store: Any, slots: SlotTable, numerics: str = ""):
+    def __init__(self, store: ConversationStore, slots: SlotTable, numerics: str = ""):
         self.store = store
         self.slots = slots
         self.numerics = numerics  # the arithmetic behind the tokens, named in every Committed
@@ -40,7 +40,7 @@ class Commit:
         """A queued request took its slot: ``got.reuse`` prompt positions are in place."""
         r, slot = lease.request, lease.slot
         # only a conversation with earlier messages has anything to pick up: a new one's
-        # shared start (the system prompt) found in another's capsule is no news (issue 17, defect 7)
+        # shared start (the system prompt) found in another's capsule is no news to its user
         if got.note and r.has_history:
             r.sink.send(P.Notice(id=r.rid, kind="capsule", resource="capsule", message=got.note, asked=got.restored))
         self.slots.take(slot, r.conv_id, got.reuse)

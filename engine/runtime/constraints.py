@@ -13,7 +13,7 @@ continues the same constraint exactly).
 Every end-of-generation id of the vocabulary is llguidance's EOS: a grammar that is
 satisfied allows them (and only them once it cannot grow), so a reply ends where the
 grammar does. Leaves applying a mask to logits to ``sampling.py`` (host) and the
-CUDA sampling kernel (``backend/cuda_sampling.py``), and choosing rows to the executor.
+CUDA sampling kernel (``backend/cuda/sampling.py``), and choosing rows to the executor.
 
 Limits: a grammar compiles in llguidance's default resource limits (a schema or a
 grammar past them is refused with the library's message); masks are computed on the
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from aotx.engine.errors import RequestError
+from aotx.engine.model.tokenizer import Tokenizer
 
 #: llguidance's JSON compile options for every JSON schema: no free whitespace between
 #: tokens (a small model given free whitespace can loop on newlines), OpenAI's
@@ -56,7 +57,7 @@ class _Vocabulary:
     """What llguidance's ``TokenizerWrapper`` reads from a tokenizer: every token's
     bytes, the special ids, and an encoder for the text a grammar forces."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Tokenizer):
         self._tok = tokenizer
         self.eos_token_id = tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
@@ -79,7 +80,7 @@ class Compiler:
     token trie over the vocabulary, ~1-3 s for 150k tokens) is built on first use and
     kept; ``compile`` is safe from any thread."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.vocab = int(tokenizer.vocab_size)
         self.words = (self.vocab + 31) // 32

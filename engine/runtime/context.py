@@ -218,3 +218,33 @@ def merged(cuts: list[P.ContextCut]) -> P.ContextCut | None:
     return P.ContextCut(policy=last.policy, n_messages=sum(c.n_messages for c in cuts), n_out=last.n_out,
                         n_tokens=sum(c.n_tokens for c in cuts), first=cuts[0].first or last.first, last=last.last,
                         kept_from=last.kept_from, during_reply=any(c.during_reply for c in cuts))
+
+
+@dataclass(eq=False)
+class ContinueJob:
+    """A reply that reached the end of the context, its prompt being cut again on a
+    preparation worker (``continue_reply``); ``fit`` is the result (None: no cut leaves
+    room, the reply ends). The engine hands it back to the model (``LocalModel.continued``)."""
+
+    request: Any
+    sink: Any
+    model: str = ""
+    fit: Fit | None = None
+
+
+def continue_reply(r: Any, preparer: Any, n_ctx: int, model: str) -> None:
+    """Cut the prompt of request ``r`` (a ``requests.Request`` whose ``continuation`` is a
+    ``Continuation``) again on one of ``preparer``'s workers: ``fit`` with the reply's
+    tokens kept whole after it; a ``Prepared`` of a ``ContinueJob`` brings the result back."""
+    c: Continuation = r.continuation
+    job = ContinueJob(r, r.sink, model=model)
+    n_reply = len(r.completion)
+    left = max(1, r.max_tokens - n_reply)
+
+    def work() -> tuple[str, list[int]]:
+        hist = History(c.history.system, c.history.messages, c.start)
+        job.fit = fit(c.policy, n_ctx, hist, c.render, room=reply_room(n_ctx, left), extra=n_reply, must_cut=True,
+                      min_room=max(1, min(left, n_ctx // 16)))
+        return "", job.fit.ids if job.fit is not None else []
+
+    preparer.submit(job, work)

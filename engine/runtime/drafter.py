@@ -46,8 +46,10 @@ import numpy as np
 
 from aotx.engine.errors import ModelError
 from aotx.engine.model.batch import SMALL_SEGMENT, Segment
+from aotx.engine.model.loader import LoadedModel
 from aotx.engine.model.vocabulary import check_vocabulary_files, vocabulary_mismatch  # noqa: F401 (re-exported)
 from aotx.engine.runtime.envelope import working_bytes
+from aotx.engine.runtime.requests import Request
 from aotx.engine.runtime.sampling import apply_repeat_penalty, distribution, uniform
 from aotx.engine.runtime.speculative import AdaptiveWindow
 from aotx.engine.state.prefix import common_prefix
@@ -71,7 +73,7 @@ class DraftModel:
     lm: a ``loader.LoadedModel`` (its own weights, never the target's object);
     p_min: stop drafting when the draft's top probability falls below it."""
 
-    def __init__(self, lm, n_slots: int, n_ctx: int, *, p_min: float = DEFAULT_P_MIN):
+    def __init__(self, lm: LoadedModel, n_slots: int, n_ctx: int, *, p_min: float = DEFAULT_P_MIN):
         self.lm = lm
         self.model = lm.model
         self.n_ctx = n_ctx
@@ -195,13 +197,13 @@ class DraftDrafter(AdaptiveWindow):
     """One request's drafter over the shared ``DraftModel``; ``bind(request)`` gives it
     the request (its slot, sampler configuration and state) before the first proposal."""
 
-    draft: Any = None  # DraftModel
-    req: Any = None
+    draft: DraftModel | None = None
+    req: Request | None = None
     q: list | None = None
     _base: int = 0
     _fed: list[int] = field(default_factory=list)
 
-    def bind(self, request) -> None:
+    def bind(self, request: Request) -> None:
         self.req = request
 
     def prefill(self, pos: int, n: int) -> None:

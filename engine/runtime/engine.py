@@ -23,7 +23,9 @@ model's when it names none); a model not loaded is loaded on demand (admission
 across all of them: ``ModelSet.ensure``). Remote models (``remote.py``) join the same
 way: their stream's arrivals are committed in the tick like a local model's tokens.
 
-Leaves to others: sockets (``ipc/server.py``), a message's way in (``submit.py``),
+Leaves to others: what each client operation does (``operations.py``: its handlers and
+the dispatch table, checked complete), sockets (``ipc/server.py``), a message's way in
+(``submit.py``),
 admission (``admission.py``), conversation state (``store.py``), receipts
 (``receipts.py``), the math (the model). Thread model: events arrive through
 ``post``/``post_disconnect`` from any thread (``events.Inbox``) and run on the
@@ -34,27 +36,40 @@ thread-safe.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from aotx.engine.errors import AotxError, Busy, ErrorCode, ModelError, NotFound, RequestError, close_matches
+from aotx.engine.errors import AotxError, ErrorCode
 from aotx.engine import protocol as P
+from aotx.engine.model.interface import KVCache
+from aotx.engine.model.loader import LoadedModel
 from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry
-from aotx.engine.runtime.drafter import DEFAULT_P_MIN
+from aotx.engine.runtime.commit import Commit
+from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftModel
+from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import (
     CapsuleWritten, ClientOp, Disconnected, MediaReady, Prepared, ReceiptArrived, RemoteEvent, Wake,
 )
-from aotx.engine.runtime.executor import DeviceError
+from aotx.engine.runtime.executor import DeviceError, Executor
+from aotx.engine.runtime.media_prompt import ImageStore
 from aotx.engine.runtime.models import (
-    EXTRA_CAPSULE_HOST, LocalModel, ModelSet, header_terms, is_shared_term, local_terms,
+    EXTRA_CAPSULE_HOST, LocalModel, ModelSet, ServedModel, header_terms, is_shared_term, local_terms,
 )
+from aotx.engine.runtime.operations import Operations
 from aotx.engine.runtime.requests import Request, RequestState, Sink
-from aotx.engine.runtime.submit import ContinueJob
+from aotx.engine.runtime.slots import SlotTable
+from aotx.engine.runtime.store import ConversationStore
+from aotx.engine.runtime.context import ContinueJob
+from aotx.engine.runtime.submit import Submission, Submitter
+from aotx.engine.state.cache import CapsuleCache
 from aotx.engine.units import fmt_bytes
+
+if TYPE_CHECKING:   # media loads its encoders only when an image needs them
+    from aotx.media.vision import VisionEncoder
 
 log = logging.getLogger("aotx.engine")
 
@@ -84,10 +99,11 @@ class Engine:
     when a load would not fit (else the load is refused with the numbers).
     """
 
-    def __init__(self, lm: Any, store: Any, *, n_slots: int = 8, n_ctx: int = 4096, prefill_chunk: int = 256,
-                 budget: Budget | None = None, device: str = "cpu", capsules: Any = None, speculative: str = "off",
-                 draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN, catalog: Catalog | None = None,
-                 loader: Callable[[ModelEntry], Any] | None = None, capsule_root: Any = None,
+    def __init__(self, lm: LoadedModel, store: ConversationStore, *, n_slots: int = 8, n_ctx: int = 4096,
+                 prefill_chunk: int = 256, budget: Budget | None = None, device: str = "cpu",
+                 capsules: CapsuleCache | None = None, speculative: str = "off", draft_lm: LoadedModel | None = None,
+                 draft_p_min: float = DEFAULT_P_MIN, catalog: Catalog | None = None,
+                 loader: Callable[[ModelEntry], LoadedModel] | None = None, capsule_root: Path | None = None,
                  keep_alive_s: float = 0.0, evict_idle: bool = False, name: str = "",
                  kv_type: str = "f16", context_policy: str = "rolling"):
         self.store = store
@@ -108,9 +124,9 @@ class Engine:
         name = name or lm.name
         if name not in self.catalog.entries():
             self.catalog.extra[name] = lm.path
-        self._has_budget = budget is not None
+        self.has_budget = budget is not None
         self._capsules_on = capsules is not None
-        default = LocalModel(name, lm, store, self._inbox, self._is_busy, n_slots=n_slots, n_ctx=n_ctx,
+        default = LocalModel(name, lm, store, self._inbox, self.is_busy, n_slots=n_slots, n_ctx=n_ctx,
                              prefill_chunk=prefill_chunk, device=device, capsules=capsules, speculative=speculative,
                              draft_lm=draft_lm, draft_p_min=draft_p_min, default=True, kv_type=kv_type,
                              context_policy=context_policy,
@@ -135,16 +151,7 @@ class Engine:
             Prepared: self._on_prepared, CapsuleWritten: self._on_capsule_written,
             Disconnected: self._on_disconnect, RemoteEvent: lambda ev: None, Wake: lambda ev: None,
         }
-        self._operations: dict[type, Callable[[Any, Sink], None]] = {
-            P.CreateConversation: self._create, P.ListConversations: self._list, P.ShowConversation: self._show,
-            P.SubmitMessage: self._submit, P.Cancel: self._cancel_op, P.DeleteConversation: self._delete,
-            P.RenameConversation: self._rename, P.UpdateConversation: self._update,
-            P.TruncateConversation: self._truncate, P.ForkConversation: self._fork, P.Status: self._status,
-            P.ListModels: self._list_models, P.LoadModel: self._load_model, P.UnloadModel: self._unload_model,
-            P.SwitchModel: self._switch_model, P.CountTokens: self._count_tokens,
-            P.SetContextPolicy: self._set_context,
-        }
-        assert set(self._operations) == set(P.OPERATIONS), "every protocol operation has a handler"
+        self._operations = Operations(self).table   # every protocol operation's handler (checked complete)
 
     # ---- the default model's parts (what single-model callers read) ---------------------------
 
@@ -153,44 +160,44 @@ class Engine:
         return self.models.default
 
     @property
-    def lm(self) -> Any:
+    def lm(self) -> LoadedModel:
         return self.default_model.lm
 
     @property
-    def kv(self) -> Any:
+    def kv(self) -> KVCache:
         return self.default_model.kv
 
     @property
-    def slots(self) -> Any:
+    def slots(self) -> SlotTable:
         return self.default_model.slots
 
     @property
-    def envelope(self) -> Any:
+    def envelope(self) -> Envelope:
         return self.default_model.envelope
 
     @property
-    def executor(self) -> Any:
+    def executor(self) -> Executor:
         return self.default_model.executor
 
     @property
-    def commit(self) -> Any:
+    def commit(self) -> Commit:
         return self.default_model.commit
 
     @property
-    def submitter(self) -> Any:
+    def submitter(self) -> Submitter:
         return self.default_model.submitter
 
     @property
-    def draft(self) -> Any:
+    def draft(self) -> DraftModel | None:
         return self.default_model.draft
 
     @property
-    def capsules(self) -> Any:
+    def capsules(self) -> CapsuleCache | None:
         return self.default_model.capsules
 
     @property
     def budget(self) -> Budget | None:
-        return self.models.budget() if self._has_budget else None
+        return self.models.budget() if self.has_budget else None
 
     @property
     def _waiting(self) -> list[Request]:
@@ -213,19 +220,19 @@ class Engine:
         return d.submitter.not_ready_reason if d is not None else ""
 
     @property
-    def vision(self) -> Any:
+    def vision(self) -> VisionEncoder | None:
         return self.submitter.vision
 
     @vision.setter
-    def vision(self, enc: Any) -> None:
+    def vision(self, enc: VisionEncoder | None) -> None:
         self.submitter.vision = enc
 
     @property
-    def images(self) -> Any:
+    def images(self) -> ImageStore | None:
         return self.executor.images
 
     @images.setter
-    def images(self, store: Any) -> None:
+    def images(self, store: ImageStore | None) -> None:
         self.submitter.images = self.executor.images = store
 
     # ---- loading models ------------------------------------------------------------------
@@ -255,30 +262,19 @@ class Engine:
                             capsule_host=EXTRA_CAPSULE_HOST if caps is not None else 0, kv_type=self.kv_type)
         # the device it was loaded on: serve's loader falls back to the CPU for a file CUDA cannot run
         device = lm.backend if getattr(lm, "backend", "") in ("cpu", "cuda") else self.device
-        m = LocalModel(entry.name, lm, self.store, self._inbox, self._is_busy, n_slots=self.n_slots, n_ctx=n_ctx,
+        m = LocalModel(entry.name, lm, self.store, self._inbox, self.is_busy, n_slots=self.n_slots, n_ctx=n_ctx,
                        prefill_chunk=self.prefill_chunk, device=device, capsules=caps,
                        speculative="auto" if self.speculative == "draft" else self.speculative, terms=terms,
                        entry=entry, kv_type=self.kv_type, context_policy=self.context_policy)
         m.submitter.count_media = self.count_media
         return m
 
-    def _make_remote(self, entry: ModelEntry) -> Any:
+    def _make_remote(self, entry: ModelEntry) -> ServedModel:
         from aotx.engine.runtime.remote import RemoteModel
 
-        return RemoteModel(entry, self.store, self._inbox, self._is_busy)
+        return RemoteModel(entry, self.store, self._inbox, self.is_busy)
 
-    def _ensure(self, name: str, rid: int, sink: Sink, evict_idle: bool | None = None) -> tuple[Any, list[str]]:
-        """The loaded model ``name`` (loaded now when it is not; the client is told)."""
-        def on_load(message: str) -> None:
-            sink.send(P.Notice(id=rid, kind="model", resource="model", message=message))
-
-        m, unloaded = self.models.ensure(name, evict_idle=evict_idle, on_load=on_load)
-        for u in unloaded:
-            sink.send(P.Notice(id=rid, kind="model", resource="memory",
-                               message=f"unloaded the idle model {u} to make room for {m.name}"))
-        return m, unloaded
-
-    def _model_of(self, r: Request) -> Any:
+    def _model_of(self, r: Request) -> ServedModel:
         return self.models.get(r.model) or self.models.default
 
     # ---- thread plumbing ---------------------------------------------------------------
@@ -304,7 +300,7 @@ class Engine:
             if m.kind == "remote":
                 m.close()
 
-    def post(self, op: Any, sink: Sink) -> None:
+    def post(self, op: P.Operation, sink: Sink) -> None:
         """Queue a client operation (a protocol ``Operation``), answered through ``sink.send``."""
         self._inbox.put(ClientOp(op, sink))
 
@@ -359,7 +355,7 @@ class Engine:
             r.sink.send(P.Notice(id=r.rid, kind="stopping", resource="engine",
                                  message="the engine is stopping: this reply ends here, and what it wrote is kept"))
             try:
-                self._cancel(r)
+                self.cancel(r)
             except Exception:  # noqa: BLE001 - on the way out: the journal's recovery ends it instead
                 log.exception("could not end request %d on stop", r.rid)
         for _ in range(3):    # a running reply ends at its model's next tick (as a client's cancel)
@@ -380,7 +376,7 @@ class Engine:
 
     # ---- events ------------------------------------------------------------------------
 
-    def _guarded(self, fn: Callable[[], None], op: Any, sink: Sink) -> None:
+    def _guarded(self, fn: Callable[[], None], op: P.Operation, sink: Sink) -> None:
         """Run one client operation; refusals and bugs become an Error reply."""
         try:
             fn()
@@ -401,14 +397,14 @@ class Engine:
 
         self._guarded(run, ev.op, ev.sink)
 
-    def _submitter_of(self, sub: Any) -> Any:
+    def _submitter_of(self, sub: Submission) -> tuple[Submitter, ServedModel]:
         m = self.models.get(getattr(sub, "model", "")) or self.models.default
         return m.submitter, m
 
     def _on_media_ready(self, ev: MediaReady) -> None:
         sub = ev.submission
         submitter, m = self._submitter_of(sub)
-        self._guarded(lambda: self._enqueue(submitter.media_ready(sub, self.tick), m), sub.op, sub.sink)
+        self._guarded(lambda: self.enqueue(submitter.media_ready(sub, self.tick), m), sub.op, sub.sink)
 
     def _on_prepared(self, ev: Prepared) -> None:
         sub = ev.submission
@@ -416,7 +412,7 @@ class Engine:
         if isinstance(sub, ContinueJob):  # a reply's prompt cut again by its context policy
             m.continued(sub, ev.error, self._finish)
             return
-        self._guarded(lambda: self._enqueue(submitter.prepared(ev, self.tick), m), sub.op, sub.sink)
+        self._guarded(lambda: self.enqueue(submitter.prepared(ev, self.tick), m), sub.op, sub.sink)
 
     def _on_receipt(self, ev: ReceiptArrived) -> None:
         """Mark messages durable, let requests whose user message is now durable into the
@@ -428,7 +424,7 @@ class Engine:
                 r.state = RequestState.QUEUED
         for m in self.models:
             for sub in m.submitter.take_held(self.store.journal_free_bytes()):
-                self._guarded(lambda sub=sub, m=m: self._enqueue(m.submitter.prompt(sub, self.tick), m), sub.op,
+                self._guarded(lambda sub=sub, m=m: self.enqueue(m.submitter.prompt(sub, self.tick), m), sub.op,
                               sub.sink)
 
     def _on_capsule_written(self, ev: CapsuleWritten) -> None:
@@ -443,196 +439,28 @@ class Engine:
     def _on_disconnect(self, ev: Disconnected) -> None:
         """A client went away (closed, or killed mid-reply). Its accepted messages are
         the user's: their replies run to the end here and are journaled, so the reply is
-        there when the user comes back (nobody cancelled it: issue 17, defect 6); events
+        there when the user comes back (finished, not cancelled: nobody cancelled it); events
         for the closed connection are dropped. Work not yet accepted is dropped."""
         for m in self.models:
             m.submitter.drop(ev.sink)
 
-    # ---- client operations ---------------------------------------------------------------
+    # ---- what the operations ask of the engine ---------------------------------------------
 
-    def _create(self, op: P.CreateConversation, sink: Sink) -> None:
-        model = self._model_name(op.model) if op.model else self.models.default_name
-        view = self.store.create(op.title, op.system_prompt, op.sampling, tick=self.tick,
-                                 messages=[(m.role, m.text, m.meta) for m in op.messages], model=model,
-                                 context=op.context)
-        sink.send(P.ConversationInfo(id=op.id, conversation=view))
+    def requests(self) -> list[Request]:
+        """Every accepted request not finished yet (each choice of each), in acceptance order."""
+        return list(self._by_rid.values())
 
-    def _list(self, op: P.ListConversations, sink: Sink) -> None:
-        sink.send(P.ConversationList(id=op.id, conversations=self.store.list_views(busy=self._busy_convs())))
-
-    def _show(self, op: P.ShowConversation, sink: Sink) -> None:
-        sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
-
-    def _submit(self, op: P.SubmitMessage, sink: Sink) -> None:
-        """A message runs on the model it names, else its conversation's (else the
-        default). Naming another model switches the conversation to it (journaled with
-        the reply); a conversation whose model is no longer installed runs on the
-        default, with a notice. A model not loaded is loaded first."""
-        conv = self.store.get(op.conv_id)
-        self._require_idle(op.conv_id)
-        if op.after and (not conv.messages or conv.messages[-1].msg_id != op.after):
-            raise Busy(f"conversation {op.conv_id} has moved on from message {op.after}: another turn came after it")
-        current = conv.model or self.models.default_name
-        want = op.model or current
-        try:
-            m, _ = self._ensure(want, op.id, sink)
-        except (NotFound, ModelError) as e:
-            # a conversation coming back to a model that is gone (NotFound) or whose file no
-            # longer loads (ModelError: deleted, truncated or replaced while this engine ran)
-            if op.model or want == self.models.default_name:
-                raise
-            found, why = self._recorded_file(conv, want) if isinstance(e, NotFound) else ("", "")
-            if found:  # not installed, but the file it was loaded from is still there
-                m, _ = self._ensure(found, op.id, sink)
-            else:
-                m, _ = self._ensure(self.models.default_name, op.id, sink)
-                gone = "is not installed any more" if isinstance(e, NotFound) else "cannot be loaded any more"
-                sink.send(P.Notice(id=op.id, kind="model", resource="model",
-                                   message=f"this conversation ran on {want}, which {gone} ({why or e}); this "
-                                           f"reply runs on {m.name}, the engine's default (choose another with "
-                                           f"--model, or Ctrl+O in aotx-chat)"))
-        else:
-            if m.name != current and conv.messages:
-                sink.send(P.Notice(id=op.id, kind="model", resource="model",
-                                   message=f"switched this conversation from {current} to {m.name}: {m.name} reads "
-                                           f"its {len(conv.messages)} earlier messages again; what {current} "
-                                           f"saved of it stays valid for {current}"))
-        self._enqueue(m.submitter.submit(op, sink, self.tick), m)
-
-    def _count_tokens(self, op: P.CountTokens, sink: Sink) -> None:
-        """The prompt's token count on the model named (loaded first when it is not)."""
-        m, _ = self._ensure(op.model or self.models.default_name, op.id, sink)
-        if not hasattr(m.submitter, "count"):
-            raise RequestError(f"{m.name} is a remote model: its prompts are made and counted by its server")
-        m.submitter.count(op, sink)
-
-    @staticmethod
-    def _recorded_file(conv: Any, name: str) -> tuple[str, str]:
-        """(path, "") of the file the conversation's model ``name`` was loaded from, as its
-        last reply recorded it, when that file is still there with the same fingerprint;
-        else ("", why not: "" when nothing was recorded)."""
-        path = getattr(conv, "model_path", "")
-        if not path or conv.model != name:
-            return "", ""
-        from aotx.engine.errors import ModelError
-        from aotx.engine.model.loader import file_fingerprint
-
-        if not os.path.isfile(path):
-            return "", f"its file {path} is gone"
-        try:
-            fp = file_fingerprint(path)
-        except (ModelError, OSError) as e:
-            return "", f"its file {path} cannot be read: {e}"
-        if fp != conv.model_fingerprint:
-            return "", f"its file {path} now holds another model (fingerprint {fp}, not {conv.model_fingerprint})"
-        return path, ""
-
-    def _cancel_op(self, op: P.Cancel, sink: Sink) -> None:
-        for m in self.models:
-            if hasattr(m.submitter, "cancel_preparing"):  # a remote model prepares nothing here
-                m.submitter.cancel_preparing(op, sink)
-        for r in list(self._by_rid.values()):
-            if (op.target and r.rid == op.target and r.sink is sink) or (op.conv_id and r.conv_id == op.conv_id):
-                self._cancel(r)
-        sink.send(P.Ok(id=op.id))
-
-    def _delete(self, op: P.DeleteConversation, sink: Sink) -> None:
-        self._require_idle(op.conv_id)
-        self.store.delete(op.conv_id, tick=self.tick)
-        for m in self.models:
-            m.forget(op.conv_id)
-        sink.send(P.Ok(id=op.id))
-
-    def _rename(self, op: P.RenameConversation, sink: Sink) -> None:
-        self.store.rename(op.conv_id, op.title, tick=self.tick)
-        sink.send(P.Ok(id=op.id))
-
-    def _update(self, op: P.UpdateConversation, sink: Sink) -> None:
-        self.store.update(op.conv_id, op.system_prompt, op.sampling, tick=self.tick)
-        sink.send(P.Ok(id=op.id))
-
-    def _truncate(self, op: P.TruncateConversation, sink: Sink) -> None:
-        self._require_idle(op.conv_id)
-        self.store.truncate(op.conv_id, op.msg_id, tick=self.tick)
-        sink.send(P.Ok(id=op.id))
-
-    def _fork(self, op: P.ForkConversation, sink: Sink) -> None:
-        view = self.store.fork(op.conv_id, op.at_msg_id or None, tick=self.tick)
-        sink.send(P.ConversationInfo(id=op.id, conversation=view))
-
-    def _status(self, op: P.Status, sink: Sink) -> None:
-        sink.send(self.status_reply(op.id))
-
-    def _list_models(self, op: P.ListModels, sink: Sink) -> None:
-        ms = self.models
-        sink.send(P.ModelList(id=op.id, models=ms.infos(), budget_bytes=ms.total if self._has_budget else 0,
-                              used_bytes=ms.used() if self._has_budget else 0, models_dir=str(self.catalog.models_dir)))
-
-    def _load_model(self, op: P.LoadModel, sink: Sink) -> None:
-        already = self.models.get(op.model) is not None
-        m, unloaded = self._ensure(op.model, op.id, sink, evict_idle=op.evict_idle or None)
-        info = m.info()
-        info.default = m.name == self.models.default_name
-        sink.send(P.ModelLoaded(id=op.id, model=info, unloaded=unloaded, already=already))
-
-    def _unload_model(self, op: P.UnloadModel, sink: Sink) -> None:
-        name = op.model if self.models.get(op.model) is not None else self._loaded_name(op.model)
-        if name == self.models.default_name:  # it stays (README); unloading it left no model loaded
-            raise RequestError(f"{name} is the engine's default model: it stays loaded (unload the models loaded "
-                               f"beside it; `aotx stop` frees all of them)")
-        self.models.unload(name)
-        sink.send(P.Ok(id=op.id))
-
-    def _model_name(self, ref: str) -> str:
-        """The catalog name ``ref`` names; a loaded model's own name first (its file may be gone
-        from the models folder: it still runs, as `aotx models` shows it loaded)."""
-        if self.models.get(ref) is not None:
-            return ref
-        return self.catalog.resolve(ref).name
-
-    def _loaded_name(self, ref: str) -> str:
-        """The loaded model ``ref`` names (a catalog name or path); NotFound when none."""
-        try:
-            name = self.catalog.resolve(ref).name
-        except NotFound:
-            name = ref
-        if self.models.get(name) is None:
-            near = close_matches(ref, list(self.models.loaded))
-            hint = f"; did you mean {', '.join(near)}?" if near else ""
-            raise NotFound(f"model {ref!r} is not loaded{hint} (loaded: {', '.join(self.models.loaded) or 'none'})")
-        return name
-
-    def _switch_model(self, op: P.SwitchModel, sink: Sink) -> None:
-        self._require_idle(op.conv_id)
-        self.store.get(op.conv_id)
-        name = self._model_name(op.model)
-        self.store.switch_model(op.conv_id, name, tick=self.tick)
-        sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
-
-    def _set_context(self, op: P.SetContextPolicy, sink: Sink) -> None:
-        self._require_idle(op.conv_id)
-        self.store.set_context(op.conv_id, op.policy, tick=self.tick)
-        sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
-
-    def _preparing(self) -> set[str]:
+    def preparing(self) -> set[str]:
         """Conversations whose message is in some local model's preparation stage."""
         return {c for m in self.models for c in getattr(m.submitter, "preparing", ())}
 
-    def _busy_convs(self) -> set[str]:
-        return {r.conv_id for r in self._by_rid.values()} | self._preparing()
-
-    def _is_busy(self, conv_id: str) -> bool:
-        return conv_id in self._preparing() or any(r.conv_id == conv_id for r in self._by_rid.values())
-
-    def _require_idle(self, conv_id: str) -> None:
-        if conv_id in self._preparing():
-            raise Busy(f"conversation {conv_id} is preparing a message; wait for it or cancel it first")
-        if self._is_busy(conv_id):
-            raise Busy(f"conversation {conv_id} is generating; cancel it first")
+    def is_busy(self, conv_id: str) -> bool:
+        """Whether a message of ``conv_id`` is being prepared or its reply is running."""
+        return conv_id in self.preparing() or any(r.conv_id == conv_id for r in self._by_rid.values())
 
     # ---- requests --------------------------------------------------------------------
 
-    def _enqueue(self, r: Request | None, m: Any = None) -> None:
+    def enqueue(self, r: Request | None, m: ServedModel | None = None) -> None:
         """An accepted request joins its model's line (None: the submission is not done
         yet); its forked choices (n > 1) wait beside it for its prompt."""
         if r is None:
@@ -642,7 +470,7 @@ class Engine:
             self._by_rid[f.key] = f
         (m or self._model_of(r)).enqueue(r)
 
-    def _cancel(self, r: Request) -> None:
+    def cancel(self, r: Request) -> None:
         if r.state is RequestState.DONE:
             return
         if self._model_of(r).cancel(r):
@@ -680,7 +508,7 @@ class Engine:
         self.stats["device_s"] += device_s
         self.stats["host_s"] += time.perf_counter() - t0 - device_s
 
-    def _fail_closed(self, m: Any, e: DeviceError) -> None:
+    def _fail_closed(self, m: ServedModel, e: DeviceError) -> None:
         """A model's device work failed: that model refuses new work and fails its
         requests; the other models and every read go on."""
         log.error("device work of model %s failed at tick %d", m.name, self.tick, exc_info=e.__cause__)
@@ -691,8 +519,8 @@ class Engine:
     def count_media(self, name: str, nbytes: int) -> str:
         """Admit a media specialist (``name``, e.g. "media: whisper-base") into the budget
         the first time an attachment needs it: "" when it fits (the budget now counts it,
-        ``aotx status`` shows it), else why not. A text-only chat never counts it (issue 17,
-        defect 8: the specialists took 1.1 GiB of the budget before any audio or picture)."""
+        ``aotx status`` shows it), else why not. A text-only chat never counts it (counted at
+        start-up, the specialists took 1.1 GiB of the budget before any audio or picture)."""
         b = self.budget
         if b is None or any(n == name for n, _ in b.terms):
             return ""

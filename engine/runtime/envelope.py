@@ -11,10 +11,11 @@ checks requests against it. Leaves the accounting of the whole budget to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from aotx.engine.model.config import ModelConfig
 
 
-def working_bytes(cfg: Any, prefill_chunk: int, n_slots: int, n_ctx: int) -> int:
+def working_bytes(cfg: ModelConfig, prefill_chunk: int, n_slots: int, n_ctx: int) -> int:
     """Working buffers of one tick: activations of a prefill chunk plus decode rows
     (x, h, q, k, v, attention out, gate, up: float32), one chunk's attention scores
     (heads x chunk x context float32) and the logits rows (vocab float32 each)."""
@@ -43,6 +44,6 @@ class Envelope:
     publication_bytes: int
 
     @classmethod
-    def of(cls, cfg: Any, n_slots: int, n_ctx: int, prefill_chunk: int, publication_bytes: int) -> Envelope:
+    def of(cls, cfg: ModelConfig, n_slots: int, n_ctx: int, prefill_chunk: int, publication_bytes: int) -> Envelope:
         return cls(n_slots, n_ctx, prefill_chunk, working_bytes(cfg, prefill_chunk, n_slots, n_ctx),
                    publication_bytes)

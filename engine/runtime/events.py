@@ -16,30 +16,37 @@ import queue
 from dataclasses import dataclass
 from typing import Any, Union
 
+from aotx.engine import protocol as P
+from aotx.engine.errors import AotxError
+from aotx.engine.journal.conversations import Receipt
+from aotx.engine.runtime.requests import Request, Sink
+
 
 @dataclass(frozen=True)
 class ClientOp:
-    op: Any  # a protocol Operation
-    sink: Any  # requests.Sink
+    op: P.Operation
+    sink: Sink
 
 
 @dataclass(frozen=True)
 class ReceiptArrived:
-    receipt: Any  # journal.conversations.Receipt
-    accepted: tuple  # requests whose user message the receipt made durable
+    receipt: Receipt
+    accepted: tuple[Request, ...]  # requests whose user message the receipt made durable
 
 
 @dataclass(frozen=True)
 class MediaReady:
-    submission: Any  # submit.Submission, its attachments turned into text or its pictures re-encoded
+    # a submit.Submission (not imported: submit posts these events), its attachments turned
+    # into text or its pictures re-encoded
+    submission: Any
 
 
 @dataclass(frozen=True)
 class Prepared:
-    submission: Any  # submit.Submission
+    submission: Any  # a submit.Submission (not imported: submit posts these events)
     text: str = ""  # the user's turn as the prompt holds it (pictures that did not fit left out)
     prompt: list[int] | tuple = ()  # token ids
-    error: Any = None  # an AotxError raised while preparing (the template refused, too long), or None
+    error: AotxError | None = None  # raised while preparing (the template refused, too long)
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,7 @@ class RemoteEvent:
 
 @dataclass(frozen=True)
 class Disconnected:
-    sink: Any
+    sink: Sink
 
 
 @dataclass(frozen=True)

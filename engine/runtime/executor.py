@@ -7,14 +7,14 @@ image rows), the device path (below), sampling and speculative acceptance, and
 rolling back the KV of rejected drafts. It changes no request bookkeeping
 (positions, completions, states: ``commit.py``) and publishes nothing.
 
-The device path, chosen per tick from what the model declares
-(``device_sampling``, engine/model/interface.py) and what the rows need:
+The device path, chosen per tick from the path the model runs (``device_path``,
+engine/model/interface.py) and what the rows need:
 
 * ``greedy``: every row is greedy without a penalty: the model returns the argmax
   ids only (CUDA);
-* ``sample``: every row's sampler is one the device chain runs exactly
-  (``cuda_sampling.device_ok``): the model returns the ids only; the executor then
-  advances each sampler's state as the host chain would have;
+* ``sample``: every row's sampler is one the device chain runs exactly (the model's
+  ``samples_exactly``): the model returns the ids only; the executor then advances each
+  sampler's state as the host chain would have;
 * ``forward``: otherwise (the CPU, image rows, speculative sampling, logprobs, the
   tick where an n > 1 request's prompt ends): logits come back and the host samples
   (``sampling.sample``, ``speculative.verify``).
@@ -22,7 +22,7 @@ The device path, chosen per tick from what the model declares
 All three pick the same ids for the same rows. A constrained row (``constraints.py``)
 has a token bitmask per logits row (a verify window's row i after its first i drafts):
 on the host ``sampling.apply_mask``, on the device the sampling kernel reads it from
-the mask table (``cuda_sampling.MaskTable``). Its grammar state advances past the
+the address the model's ``load_masks`` gave. Its grammar state advances past the
 tokens picked. An n > 1 request forks here: at the end of choice 0's prompt every
 other choice samples its first token from the same logits row and gets a capsule of
 the prompt's KV (``capsule.snapshot``, with the grammar state) that its own slot
@@ -36,17 +36,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from aotx.engine.backend.cuda.sampling import device_ok, fits_history
 from aotx.engine.model.batch import Segment
+from aotx.engine.model.interface import DEVICE_SAMPLING, KVCache
+from aotx.engine.model.loader import LoadedModel
+from aotx.engine.runtime.drafter import DraftModel
+from aotx.engine.runtime.media_prompt import ImageStore
 from aotx.engine.runtime.requests import Request, RequestState
-from aotx.engine.runtime.sampling import log_softmax, sample, top_logprobs
+from aotx.engine.runtime.sampling import SamplerState, log_softmax, sample, top_logprobs
 from aotx.engine.runtime.scheduler import Lease, TickPlan
 from aotx.engine.runtime.speculative import verify
 from aotx.engine.state import capsule as C
+from aotx.engine.state.cache import CapsuleCache
 
 log = logging.getLogger("aotx.engine")
 PARK_MIN_EXTRA = 16  # park a slot's state only when it holds this many tokens past the new prefix
@@ -90,8 +93,8 @@ class TickResult:
 @dataclass
 class _RowState:
     """A sampler state as the device sampler reads it, for one logits row, with the
-    device address of the row's token bitmask (``cuda_sampling.fill_row`` reads
-    ``mask_ptr``; 0: no mask)."""
+    device address of the row's token bitmask (the device sampler reads ``mask_ptr``;
+    0: no mask)."""
 
     seed: int
     step: int
@@ -106,23 +109,21 @@ class Executor:
     or None; draft: the ``drafter.DraftModel`` or None; images: the ``ImageStore`` of
     pictures given to a vision encoder, or None."""
 
-    def __init__(self, lm: Any, kv: Any, *, device: str, capsules: Any = None, draft: Any = None):
+    def __init__(self, lm: LoadedModel, kv: KVCache, *, device: str, capsules: CapsuleCache | None = None,
+                 draft: DraftModel | None = None):
         self.lm = lm
         self.kv = kv
         self.device = device
         self.capsules = capsules
         self.draft = draft
-        self.images: Any = None
-        self._sampler_of: dict[str, Any] = {}  # conv_id -> its last reply's SamplerState (capsule snapshots)
+        self.images: ImageStore | None = None
+        self._sampler_of: dict[str, SamplerState] = {}  # conv_id -> its last reply's SamplerState (capsule snapshots)
         # the arithmetic behind the tokens, named in every reply (README: CPU and CUDA differ)
-        self.numerics = getattr(getattr(lm.model, "backend", None), "numerics", None) or (
-            "cuda-f32" if device == "cuda" else "cpu-int8")
+        self.numerics = getattr(lm.model, "numerics", None) or ("cuda-f32" if device == "cuda" else "cpu-int8")
         if capsules is not None and not getattr(capsules, "numerics", "x"):
             capsules.numerics = self.numerics   # disk capsules of other arithmetic are not restored
-        self.device_sampling = bool(lm.model.device_sampling)
-        self.vocab = lm.config.vocab_size
+        self.device_path = lm.model.device_path   # interface.HOST or DEVICE_SAMPLING
         self.d_model = lm.config.d_model
-        self.masks: Any = None  # cuda_sampling.MaskTable, made on the first constrained device row
         self.prefill_tokens = 0  # prompt tokens run through the model (tests count prefills with it)
 
     # ---- slots ------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class Executor:
                 self.draft.restore(cap, slot.index, r.prompt)
             slot.tokens[:] = cap.tokens[:n].tolist()
             reuse = n
-            # the user's words (issue 17, defect 7); where it came from is in `aotx status`
+            # the user's words, no capsule or prefill jargon; where it came from is in `aotx status`
             note = f"picked up where this conversation left off ({n} tokens of context kept, not read again)"
         elif note.startswith("restored"):
             note = ""
@@ -241,7 +242,7 @@ class Executor:
                      masks: dict[int, np.ndarray]):
         """(ids, None) when the device picked the tokens, else (None, host logits)."""
         model = self.lm.model
-        if embeds is None and self.device_sampling and not any(r.needs_logits for r, _ in rows):
+        if embeds is None and self.device_path == DEVICE_SAMPLING and not any(r.needs_logits for r, _ in rows):
             if all(r.plain_greedy for r, _ in rows):
                 return model.greedy(tok_arr, segs, self.kv), None
             srows = self._device_rows(rows, masks)
@@ -253,19 +254,16 @@ class Executor:
 
     def _device_rows(self, rows: list, masks: dict[int, np.ndarray]) -> list | None:
         """The sampler rows for ``model.sample`` (one per logits row), or None when a row
-        needs the host (``cuda_sampling.device_ok``). A constrained row's bitmasks go to
-        the device's mask table first; its rows carry their addresses."""
+        needs the host (the model's ``samples_exactly`` says no). A constrained row's
+        bitmasks go to the device first (``load_masks``); its rows carry their addresses."""
+        model = self.lm.model
         for r, drafts in rows:
-            if not (device_ok(r.sampler, len(drafts)) and fits_history(r.sampler, r.sampler_state)):
+            if not model.samples_exactly(r.sampler, r.sampler_state, len(drafts)):
                 return None
         ptrs: dict[int, list[int]] = {}
         if masks:
-            if self.masks is None:
-                from aotx.engine.backend.cuda.sampling import MaskTable
-
-                self.masks = MaskTable(self.vocab)
             order = [k for k in masks]
-            addrs = self.masks.load(np.concatenate([masks[k] for k in order]))
+            addrs = model.load_masks(np.concatenate([masks[k] for k in order]))
             at = 0
             for k in order:
                 ptrs[k] = addrs[at:at + masks[k].shape[0]]

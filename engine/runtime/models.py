@@ -31,22 +31,26 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aotx.engine.errors import AdmissionError, Busy, ErrorCode, ModelError, NotFound
 from aotx.engine import protocol as P
 from aotx.engine.runtime import context
+from aotx.engine.model.loader import LoadedModel
 from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry, estimate_terms
 from aotx.engine.runtime.commit import Commit
 from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftModel
 from aotx.engine.runtime.envelope import Envelope, working_bytes
+from aotx.engine.runtime.events import Inbox
 from aotx.engine.runtime.executor import DeviceError, Executor
 from aotx.engine.runtime.requests import Request, RequestState
 from aotx.engine.runtime.scheduler import plan_leases, plan_tick
 from aotx.engine.runtime.slots import SlotTable
+from aotx.engine.runtime.store import ConversationStore
 from aotx.engine.runtime.submit import Submitter
 from aotx.engine.state.prefix import common_prefix
+from aotx.engine.state.cache import CapsuleCache
 from aotx.engine.units import fmt_bytes
 
 log = logging.getLogger("aotx.engine")
@@ -60,6 +64,47 @@ def is_shared_term(name: str) -> bool:
     return name in SHARED_TERMS or name.startswith("media")
 
 
+class ServedModel(Protocol):
+    """What the engine and the ``ModelSet`` ask of a model they serve: loaded here
+    (``LocalModel``) or remote (``remote.RemoteModel``). ``kind``: "gguf" | "remote";
+    ``lm``: the ``LoadedModel`` (None for a remote one); ``submitter``: its way in
+    (``submit.Submitter``, or ``remote.RemoteSubmitter``: the calls both answer are
+    ``submit``, ``media_ready``, ``prompt``, ``take_held``, ``drop``, ``fail_held``,
+    ``ready``, ``not_ready_reason``; the preparation stage's are a local model's only)."""
+
+    kind: str
+    name: str
+    entry: ModelEntry | None
+    default: bool
+    terms: tuple[tuple[str, int], ...]
+    last_used: float
+    n_ctx: int
+    lm: LoadedModel | None
+    capsules: CapsuleCache | None
+    draft: DraftModel | None
+    submitter: Any
+    waiting: deque[Request]
+    running: list[Request]
+
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def ready(self) -> bool: ...
+
+    def in_flight(self) -> int: ...
+    def has_work(self) -> bool: ...
+    def touch(self) -> None: ...
+    def enqueue(self, r: Request) -> None: ...
+    def cancel(self, r: Request) -> bool: ...
+    def finish(self, r: Request, reason: str, tick: int, capsule_written: Callable[[str, str, int], None]) -> None: ...
+    def forget(self, conv_id: str) -> None: ...
+    def tick(self, tick: int, finish: Callable[[Request, str], None]) -> tuple[int, float]: ...
+    def fail_closed(self, reason: str, finish: Callable[[Request, str], None]) -> None: ...
+    def slot_views(self) -> list[P.SlotView]: ...
+    def info(self) -> P.ModelInfo: ...
+    def close(self) -> None: ...
+
+
 class LocalModel:
     """One loaded GGUF model's state in the engine (see the module docstring).
 
@@ -68,9 +113,10 @@ class LocalModel:
 
     kind = "gguf"
 
-    def __init__(self, name: str, lm: Any, store: Any, inbox: Any, is_busy: Callable[[str], bool], *,
-                 n_slots: int, n_ctx: int, prefill_chunk: int, device: str, capsules: Any = None,
-                 speculative: str = "off", draft_lm: Any = None, draft_p_min: float = DEFAULT_P_MIN,
+    def __init__(self, name: str, lm: LoadedModel, store: ConversationStore, inbox: Inbox,
+                 is_busy: Callable[[str], bool], *, n_slots: int, n_ctx: int, prefill_chunk: int, device: str,
+                 capsules: CapsuleCache | None = None, speculative: str = "off", draft_lm: LoadedModel | None = None,
+                 draft_p_min: float = DEFAULT_P_MIN,
                  terms: tuple[tuple[str, int], ...] = (), entry: ModelEntry | None = None, default: bool = False,
                  kv_type: str = "f16", context_policy: str = context.DEFAULT_POLICY):
         self.name = name
@@ -183,7 +229,7 @@ class LocalModel:
         return n_out, result.device_s
 
     def continued(self, job: Any, error: Any, finish: Callable[[Request, str], None]) -> None:
-        """A reply's prompt came back cut (``submit.ContinueJob``; ``error``: the worker's
+        """A reply's prompt came back cut (``context.ContinueJob``; ``error``: the worker's
         failure, or None): the reply goes on from its new prompt and its text so far,
         prefilled in its own slot (the shared start of the two prompts kept), or it ends
         at the end of the context with a notice saying why."""
@@ -313,28 +359,28 @@ class ModelSet:
         self.shared = tuple(shared)
         self.keep_alive_s = keep_alive_s
         self.evict_idle = evict_idle
-        self.loaded: dict[str, Any] = {}
+        self.loaded: dict[str, ServedModel] = {}
         self.default_name = ""
-        self.make_local: Callable[[ModelEntry], Any] | None = None
-        self.make_remote: Callable[[ModelEntry], Any] | None = None
+        self.make_local: Callable[[ModelEntry], ServedModel] | None = None
+        self.make_remote: Callable[[ModelEntry], ServedModel] | None = None
         self.estimate: Callable[[ModelEntry], tuple[tuple[str, int], ...]] | None = None
 
     # ---- the set --------------------------------------------------------------------------
 
-    def add(self, m: Any, default: bool = False) -> None:
+    def add(self, m: ServedModel, default: bool = False) -> None:
         self.loaded[m.name] = m
         if default or not self.default_name:
             self.default_name = m.name
         m.default = m.name == self.default_name
 
     @property
-    def default(self) -> Any:
+    def default(self) -> ServedModel | None:
         return self.loaded.get(self.default_name)
 
     def __iter__(self):
         return iter(list(self.loaded.values()))
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str) -> ServedModel | None:
         return self.loaded.get(name)
 
     # ---- the budget -----------------------------------------------------------------------
@@ -359,7 +405,7 @@ class ModelSet:
     def add_shared(self, name: str, nbytes: int) -> None:
         self.shared = self.shared + ((name, nbytes),)
 
-    def idle(self, exclude: str = "") -> list[Any]:
+    def idle(self, exclude: str = "") -> list[ServedModel]:
         """Loaded models with nothing in flight, least recently used first."""
         return sorted((m for m in self.loaded.values() if m.name != exclude and not m.in_flight()),
                       key=lambda m: m.last_used)
@@ -388,7 +434,7 @@ class ModelSet:
     # ---- loading and unloading -----------------------------------------------------------------
 
     def ensure(self, name: str, *, evict_idle: bool | None = None,
-               on_load: Callable[[str], None] | None = None) -> tuple[Any, list[str]]:
+               on_load: Callable[[str], None] | None = None) -> tuple[ServedModel, list[str]]:
         """The loaded model ``name`` (a catalog name or a GGUF path), loading it when it is
         not: (model, names of idle models unloaded to make room). Raises NotFound (with the
         close matches), ModelError (the file cannot be used), Refusal (it does not fit).
@@ -444,7 +490,7 @@ class ModelSet:
             out.append(victim.name)
         return out
 
-    def unload(self, name: str, reason: str = "") -> Any:
+    def unload(self, name: str, reason: str = "") -> ServedModel:
         """Unload ``name``. Raises NotFound when it is not loaded, Busy while it generates."""
         m = self.loaded.get(name)
         if m is None:
@@ -508,7 +554,7 @@ def entry_info(e: ModelEntry, estimate: Callable | None = None, default: bool = 
                        needs_bytes=need, error=e.error)
 
 
-def local_terms(lm: Any, n_slots: int, n_ctx: int, prefill_chunk: int, *, capsule_host: int = 0,
+def local_terms(lm: LoadedModel, n_slots: int, n_ctx: int, prefill_chunk: int, *, capsule_host: int = 0,
                 capsule_device: int = 0, kv_type: str = "f16") -> tuple[tuple[str, int], ...]:
     """The budget terms of a loaded model beside the default one."""
     terms = [("weights", int(lm.model.weight_bytes)),
@@ -529,5 +575,5 @@ def header_terms(entry: ModelEntry, n_slots: int, n_ctx: int, prefill_chunk: int
         ((("capsules (host)", capsule_host),) if capsule_host else ())
 
 
-__all__ = ["LocalModel", "ModelSet", "local_terms", "header_terms", "entry_info", "is_shared_term", "DeviceError",
-           "AdmissionError"]
+__all__ = ["LocalModel", "ModelSet", "ServedModel", "local_terms", "header_terms", "entry_info", "is_shared_term",
+           "DeviceError", "AdmissionError"]

@@ -9,7 +9,10 @@ input, and the bounds that keep each preparation finite:
   piece, so ``len(text) / longest`` tokens is a floor); a 10 MB paste against a
   4,096-token context is answered at once instead of tokenized for a minute;
 * the chat template renders inside its ``RenderBudget`` (CPU time and size;
-  ``model/template_sandbox.py``): a hostile template is refused naming it;
+  ``model/template_sandbox.py``), in a worker process whose memory and CPU the
+  operating system bounds (``model/template_worker.py``: ``isolate`` routes a
+  model's template there): a hostile template is refused naming it, and what it
+  built never grows the engine;
 * tokenization of long fragments goes through ``tokenizers`` with the GIL
   released (``Tokenizer.encode``), so the tick thread keeps running.
 
@@ -28,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
+from aotx.engine.model.template_worker import TemplateWorkers, shared_workers
+from aotx.engine.model.tokenizer import Tokenizer
 from aotx.engine.runtime.admission import Refusal
 from aotx.engine.runtime.events import Inbox, Prepared
 
@@ -50,14 +55,22 @@ class Preparer:
     preparations, not by its whole queue. Workers start on first use and are
     daemons: a stuck C call can never keep the process from exiting."""
 
-    def __init__(self, inbox: Inbox, n_workers: int = N_WORKERS):
+    def __init__(self, inbox: Inbox, n_workers: int = N_WORKERS, templates: TemplateWorkers | None = None):
         self.inbox = inbox
         self.n_workers = n_workers
+        self.templates = templates if templates is not None else shared_workers()
         self._cond = threading.Condition()
         self._pending: dict[int, deque] = {}  # id(sink) -> its preparations not yet started
         self._turns: deque[int] = deque()  # sinks with pending work and none running, in turn order
         self._running: set[int] = set()  # sinks one of whose preparations is running
         self._threads: list[threading.Thread] = []
+
+    def isolate(self, template: Any) -> None:
+        """Render ``template`` (a model's ``ChatTemplate``) in the template worker processes
+        from now on, and start one worker now so the first message does not wait for it."""
+        if hasattr(template, "workers"):
+            template.workers = self.templates
+            self.templates.warm()
 
     def submit(self, sub: Any, work: Callable[[], tuple[str, list[int]]]) -> None:
         key = id(sub.sink)
@@ -109,7 +122,7 @@ class Preparer:
             self._done(key)
 
 
-def longest_piece(tokenizer: Any) -> int:
+def longest_piece(tokenizer: Tokenizer) -> int:
     """The most bytes one token of ``tokenizer`` stands for (special tokens included),
     at least 1 (one pass over the vocabulary: ~50 ms for 50k tokens; callers keep it)."""
     return max([1] + [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])

@@ -40,10 +40,13 @@ import numpy as np
 from aotx.engine.errors import Busy, ErrorCode, NotReady, RequestError
 from aotx.engine import protocol as P
 from aotx.engine.runtime import admission
-from aotx.engine.runtime.catalog import ModelEntry
+from aotx.engine.runtime.catalog import ModelEntry, RemoteSpec
+from aotx.engine.runtime.events import Inbox
 from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Request, RequestState, Sink
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
+from aotx.engine.runtime.store import ConversationStore
+from aotx.engine.runtime.submit import Submission
 
 log = logging.getLogger("aotx.engine")
 
@@ -59,7 +62,7 @@ class RemoteStream:
     ("text", str), ("usage", prompt_tokens, completion_tokens), ("done", reason) or
     ("fail", kind, message) with kind dropped | http | refused | garbage; ``wake()`` after each."""
 
-    def __init__(self, spec: Any, body: dict[str, Any], chat: bool, model_name: str, wake: Callable[[], None]):
+    def __init__(self, spec: RemoteSpec, body: dict[str, Any], chat: bool, model_name: str, wake: Callable[[], None]):
         self.spec = spec
         self.body = body
         self.chat = chat
@@ -223,7 +226,7 @@ class RemoteSubmitter:
         self.model_name = owner.name
         self.ready = True
         self.not_ready_reason = ""
-        self.held: list[Any] = []
+        self.held: list[Submission] = []   # stays empty: a remote message is never held
         self.vision: Any = None
         self.images: Any = None
 
@@ -303,13 +306,13 @@ class RemoteSubmitter:
         return r
 
     # the submitter interface the engine calls; a remote model has no media stage or held line
-    def media_ready(self, sub: Any, tick: int) -> None:
+    def media_ready(self, sub: Submission, tick: int) -> None:
         return None
 
-    def prompt(self, sub: Any, tick: int) -> None:
+    def prompt(self, sub: Submission, tick: int) -> None:
         return None
 
-    def take_held(self, free: int) -> list:
+    def take_held(self, free: int) -> list[Submission]:
         return []
 
     def drop(self, sink: Sink) -> None:
@@ -324,7 +327,7 @@ class RemoteModel:
 
     kind = "remote"
 
-    def __init__(self, entry: ModelEntry, store: Any, inbox: Any, is_busy: Callable[[str], bool]):
+    def __init__(self, entry: ModelEntry, store: ConversationStore, inbox: Inbox, is_busy: Callable[[str], bool]):
         from aotx.engine.runtime.events import RemoteEvent
 
         self.name = entry.name

@@ -12,12 +12,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from aotx.engine import protocol as P
 from aotx.engine.model.termination import StopChecker
 from aotx.engine.model.tokenizer import StreamDecoder
+from aotx.engine.runtime.constraints import GrammarState
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
 from aotx.engine.runtime.slots import Slot
+from aotx.engine.state.capsule import Capsule
 
 
 class RequestState(enum.Enum):
@@ -45,7 +48,7 @@ class RequestState(enum.Enum):
 class Sink(Protocol):
     """Where a request's events go (a client connection); ``send`` is thread-safe."""
 
-    def send(self, message: Any) -> None: ...
+    def send(self, message: P.Message) -> None: ...
 
 
 class Drafter(Protocol):
@@ -97,11 +100,11 @@ class Request:
     drafter: Drafter | None = None
     n_drafted: int = 0
     n_draft_accepted: int = 0
-    constraint: Any = None  # constraints.GrammarState of a constrained reply, or None
+    constraint: GrammarState | None = None  # a constrained reply's grammar state
     logprobs: int = -1      # -1: none; k >= 0: each token's logprob and the top k
     choice: int = 0         # which of the request's n choices
     forks: list[Request] = field(default_factory=list)  # choice 0: the choices waiting for its prompt
-    fork_capsule: Any = None  # a waiting choice: the prompt's state, restored when it leases a slot
+    fork_capsule: Capsule | None = None  # a waiting choice: the prompt's state, restored when it leases a slot
     durable: bool = False     # the user's message is on disk (a forked choice may learn it while waiting)
     model: str = ""  # the name of the loaded model it runs on (``models.ModelSet``)
     has_history: bool = False  # the conversation had messages before this one (a capsule notice helps then)

@@ -46,7 +46,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -55,11 +55,12 @@ from aotx.engine.errors import Busy, ErrorCode, NotReady, RequestError
 from aotx.engine import protocol as P
 from aotx.engine.model import tool_calls
 from aotx.engine.model.chat_template import encode_chat
+from aotx.engine.model.loader import LoadedModel
 from aotx.engine.model.termination import StopChecker
 from aotx.engine.model.tokenizer import StreamDecoder
 from aotx.engine.runtime import admission, context, media_prompt
-from aotx.engine.runtime.constraints import Compiler
-from aotx.engine.runtime.drafter import DraftDrafter
+from aotx.engine.runtime.constraints import Compiler, GrammarState
+from aotx.engine.runtime.drafter import DraftDrafter, DraftModel
 from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import Inbox, MediaReady, Prepared
 from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece
@@ -67,7 +68,12 @@ from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
 from aotx.engine.runtime.speculative import PromptLookup
+from aotx.engine.runtime.store import ConversationStore
 from aotx.media.kinds import MediaKind
+
+if TYPE_CHECKING:   # media loads its encoders and profiles only when an attachment needs them
+    from aotx.media.profile import MediaProfile
+    from aotx.media.vision import VisionEncoder
 
 # speculative "auto" (the default): prompt lookup on the CPU, where a verify window of a few
 # rows costs little more than one row, drafting only after a match of this many tokens so
@@ -90,25 +96,13 @@ class Submission:
     held: bool = False
     need: int = 0  # journal credit asked when it was held
     prompt: list[int] = field(default_factory=list)
-    constraint: Any = None  # constraints.GrammarState (compiled in stage 1), or None
+    constraint: GrammarState | None = None  # compiled in stage 1
     dropped: bool = False  # its client went away or cancelled it while it was being prepared
     model: str = ""  # the loaded model whose submitter runs its stages
     media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
     policy: str = ""  # the context policy its prompt is made under (context.py)
     fit: Any = None  # context.Fit: the prompt fitted to the context (stage 3; None: raw or with pictures)
     continuation: Any = None  # context.Continuation: how its reply goes on past the end of the context
-
-
-@dataclass(eq=False)
-class ContinueJob:
-    """A reply that reached the end of the context, its prompt being cut again on a
-    preparation worker (``Submitter.continue_reply``); ``fit`` is the result (None: no
-    cut leaves room, the reply ends)."""
-
-    request: Request
-    sink: Sink
-    model: str = ""
-    fit: Any = None
 
 
 @dataclass(eq=False)
@@ -129,8 +123,9 @@ class Submitter:
     engine's default mode; draft: the ``DraftModel`` or None. ``vision`` and
     ``images`` are set when pictures go to an encoder."""
 
-    def __init__(self, lm: Any, store: Any, envelope: Envelope, inbox: Inbox, is_busy: Callable[[str], bool], *,
-                 device: str, speculative: str, draft: Any = None, context_policy: str = context.DEFAULT_POLICY):
+    def __init__(self, lm: LoadedModel, store: ConversationStore, envelope: Envelope, inbox: Inbox,
+                 is_busy: Callable[[str], bool], *, device: str, speculative: str, draft: DraftModel | None = None,
+                 context_policy: str = context.DEFAULT_POLICY):
         self.lm = lm
         self.store = store
         self.envelope = envelope
@@ -140,20 +135,21 @@ class Submitter:
         self.speculative = speculative
         self.draft = draft
         self.context_policy = context_policy  # the engine's default (a conversation may set its own)
-        self.vision: Any = None
-        self.images: Any = None
+        self.vision: VisionEncoder | None = None
+        self.images: media_prompt.ImageStore | None = None
         self.ready = True
         self.not_ready_reason = ""
         self.held: list[Submission] = []
         self._media_busy: set[tuple[int, int]] = set()
         self.constraints = Compiler(lm.tokenizer)  # llguidance's vocabulary is built on first use
         self.preparer = Preparer(inbox)
+        self.preparer.isolate(getattr(lm, "template", None))  # chat templates render where the OS bounds their memory and CPU
         self.preparing: dict[str, Submission] = {}  # conv_id -> its message in the preparation stage
         self._longest: int | None = None  # bytes of the vocabulary's longest token
         self.model_name: str = getattr(lm, "name", "")  # the engine's name for this model (models.ModelSet)
         # the model's media.profile.MediaProfile (set by serve) and the engine's admission of a
         # specialist when an attachment first needs it: count_media(name, bytes) -> "" or why not
-        self.media_profile: Any = None
+        self.media_profile: MediaProfile | None = None
         self.count_media: Callable[[str, int], str] | None = None
 
     # ---- 1. check ---------------------------------------------------------------------
@@ -255,7 +251,7 @@ class Submitter:
     def media_ready(self, sub: Submission, tick: int) -> Request | None:
         """The media stage is done (attachments rendered, or earlier pictures restored).
         An attachment that could not be used refuses the message, and nothing is written:
-        its refusal never goes into the prompt (issue 17, defect 4), the user sees why."""
+        its refusal never goes into the prompt as text for the model; the user sees why."""
         self._media_busy.discard((id(sub.sink), sub.op.id))
         if sub.media_errors:
             errors, sub.media_errors = sub.media_errors, []
@@ -382,22 +378,8 @@ class Submitter:
 
     def continue_reply(self, r: Request) -> None:
         """A reply reached the end of the context under a continuing policy: its prompt is
-        cut again on a preparation worker (``context.fit`` with the reply's tokens kept
-        whole); a ``Prepared`` of a ``ContinueJob`` brings the result back (the engine
-        hands it to the model: ``LocalModel.continued``)."""
-        c: context.Continuation = r.continuation
-        job = ContinueJob(r, r.sink, model=self.model_name)
-        ctx = self.envelope.context_tokens
-        n_reply = len(r.completion)
-        left = max(1, r.max_tokens - n_reply)
-
-        def work() -> tuple[str, list[int]]:
-            hist = context.History(c.history.system, c.history.messages, c.start)
-            job.fit = context.fit(c.policy, ctx, hist, c.render, room=context.reply_room(ctx, left), extra=n_reply,
-                                  must_cut=True, min_room=max(1, min(left, ctx // 16)))
-            return "", job.fit.ids if job.fit is not None else []
-
-        self.preparer.submit(job, work)
+        cut again on a preparation worker (``context.continue_reply``)."""
+        context.continue_reply(r, self.preparer, self.envelope.context_tokens, self.model_name)
 
     def _ready_and_idle(self, conv_id: str) -> None:
         if not self.ready:

@@ -1,10 +1,11 @@
 """Model doubles for engine tests: a loaded model wrapped to declare, or hide, device sampling.
 
-The model interface the runtime calls (engine/model/interface.py): ``device_sampling`` says whether
+The model interface the runtime calls (engine/model/interface.py): ``device_path`` says whether
 ``sample(tokens, segments, kv, rows, tick)`` and ``greedy(tokens, segments, kv)``
-exist; they return ids only (the CUDA model). ``HostDeviceSampler`` gives a CPU model
-that contract, picking ids by the host's own sampler chain on its logits, so the
-engine's device path runs on any machine; ``HostOnly`` hides it.
+exist ("device-sampling"); they return ids only (the CUDA model). ``HostDeviceSampler``
+gives a CPU model that contract, picking ids by the host's own sampler chain on its
+logits and accepting the rows the CUDA sampler accepts, so the engine's device path runs
+on any machine; ``HostOnly`` hides it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,15 @@ def host_chain(logits: np.ndarray, rows: list | None) -> np.ndarray:
 
 
 class HostDeviceSampler(ModelProxy):
-    """A model with the device-sampling contract, its ids picked on the host."""
+    """A model with the device-sampling contract, its ids picked on the host; it takes the
+    rows the CUDA sampler takes (``cuda_sampling.device_ok``, ``fits_history``)."""
 
-    device_sampling = True
+    device_path = "device-sampling"
+
+    def samples_exactly(self, cfg, state, n_drafts=0):
+        from aotx.engine.backend.cuda.sampling import device_ok, fits_history
+
+        return device_ok(cfg, n_drafts) and fits_history(cfg, state)
 
     def greedy(self, tokens, segments, kv):
         return self.sample(tokens, segments, kv, None)
@@ -54,4 +61,4 @@ class HostDeviceSampler(ModelProxy):
 class HostOnly(ModelProxy):
     """Hides device sampling: logits come back and the engine samples on the host."""
 
-    device_sampling = False
+    device_path = "host"

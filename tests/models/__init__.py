@@ -4,7 +4,7 @@ architecture, and random-weight GGUFs of real shapes (``cuda_testmodel``).
 * ``llama``: the original tiny llama files (toy 300-token BPE, ChatML template), valid and
   deliberately broken ones (``write_tiny_llama``, ``corrupt_*``); the ``tiny_gguf`` fixture.
 * ``llama3``, ``qwen2``, ``qwen3``, ``gemma3``, ``phi3``, ``iquants``: one tiny file each
-  for the architectures of issue 14 (and the IQ4_NL / IQ4_XS / MXFP4 tensor types), with a
+  for every architecture the model layer runs (and the IQ4_NL / IQ4_XS / MXFP4 tensor types), with a
   real tokenizer copied from a GGUF (``common.tokenizer_from_gguf``; the tests use the
   default model's, SmolLM2's gpt2 BPE of 49152 tokens) and the metadata keys llama.cpp's
   converter writes. Each ``write(path, tokenizer, seed=..., **defects)`` is deterministic:
@@ -41,7 +41,7 @@ TINY: dict[str, tuple[Any, dict[str, Any]]] = {
     "iquants": (iquants, {}),
 }
 
-#: the tiny mixture-of-experts files (issue 22; references in tests/data/refs/moe/)
+#: the tiny mixture-of-experts files (references in tests/data/refs/moe/)
 MOE: dict[str, tuple[Any, dict[str, Any]]] = {
     "qwen3moe": (qwen3moe, {}),
     "olmoe": (olmoe, {}),

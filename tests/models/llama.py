@@ -30,7 +30,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 
-#: Every tensor type the CPU backend must run (issue 2 point 3).
+#: Every tensor type the CPU backend must run.
 SUPPORTED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
              T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)

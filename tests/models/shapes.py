@@ -1,4 +1,4 @@
-"""Random-weight GGUFs in the exact shapes and tensor-type mix of real Q4_K_M models (issue 19 item 6).
+"""Random-weight GGUFs in the exact shapes and tensor-type mix of real Q4_K_M models.
 
 Owns: ``SHAPES`` (Qwen2.5-0.5B-Instruct, Qwen2.5-7B-Instruct and Llama-3.1-8B-Instruct, as
 llama.cpp's ``llama-quantize`` lays out Q4_K_M: ``q4_k_m_types``; and the default model,

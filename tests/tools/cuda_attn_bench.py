@@ -1,6 +1,6 @@
 """Long-prefill attention on the GPU: ``python -m tests.tools.cuda_attn_bench``.
 
-Times one layer's attention of one prompt segment through ``cuda_program._Attend.eager``
+Times one layer's attention of one prompt segment through ``attention.AttendStep.eager``
 (the code the eager path runs, on stand-in context objects: a float16 KV cache of one
 layer, the segment's query rows, the output rows) with the flash-style kernel
 (``attn_prefill``) and with the cuBLAS path it replaces (``FLASH_ATTENTION = False``:
@@ -41,7 +41,7 @@ def _time(fn, runs: int) -> float:
 
 
 def bench(kernels: dict, H: int, KV: int, hd: int, n: int, runs: int) -> dict:
-    from aotx.engine.backend.cuda import program as CP
+    from aotx.engine.backend.cuda import attention as CA
 
     rng = np.random.default_rng(0)
     n_ctx = n
@@ -52,22 +52,22 @@ def bench(kernels: dict, H: int, KV: int, hd: int, n: int, runs: int) -> dict:
     c = SimpleNamespace(kv=kv, ptr=lambda v: bufs[v].data.ptr, ld=lambda v: int(bufs[v].shape[1]),
                         arr=lambda v: bufs[v],
                         layout_info=SimpleNamespace(all_short=False, short_rows=None, long_segs=[(0, 0, 0, n)]))
-    att = CP._Attend.__new__(CP._Attend)
+    att = CA.AttendStep.__new__(CA.AttendStep)
     att.s = SimpleNamespace(layer=0, q=0, out=1, n_heads=H, n_kv=KV, hd=hd, scale=float(1 / np.sqrt(hd)), window=0)
     att.sinks = None
     att.flash = {kvt: f"attn_prefill<{hd},{kvt}>" for kvt in (0, 1)}
     prog = SimpleNamespace(k=kernels)
     res = {}
     outs = {}
-    flash = CP.FLASH_ATTENTION
+    flash = CA.FLASH_ATTENTION
     try:
         for name, on in (("flash", True), ("cublas", False)):
-            CP.FLASH_ATTENTION = on
+            CA.FLASH_ATTENTION = on
             res[name] = _time(lambda: att.eager(prog, c), runs)
             outs[name] = bufs[1].copy()
             cp.get_default_memory_pool().free_all_blocks()
     finally:
-        CP.FLASH_ATTENTION = flash
+        CA.FLASH_ATTENTION = flash
     d = float(cp.linalg.norm(outs["flash"] - outs["cublas"]) / cp.linalg.norm(outs["cublas"]))
     res["rel_diff"] = d
     return res

@@ -300,13 +300,19 @@ def compile_all(be, names, jobs: int = 0) -> dict:
     """name -> kernel for these instances, compiled as ``jobs`` NVRTC programs in worker
     processes (NVRTC is single-threaded: the ~230 instances of ``--fp16`` take about 2 minutes
     as one program on one core), with the options and -arch CuPy itself would use; on any
-    failure, one ``be.module`` (CuPy's own compile and disk cache)."""
+    failure, one ``compile_module`` (CuPy's own compile and disk cache). The module: the
+    engine's kernels, and ``tests/tools/gemv_h.cu`` after them (``gemv_h.module()``)."""
     import multiprocessing as mp
     import os
     import tempfile
     from concurrent.futures import ProcessPoolExecutor
 
+    from aotx.engine.backend.cuda.backend import compile_module
+    from tests.tools import gemv_h
+
     names = sorted(names)
+    module = gemv_h.module()
+    src = module.text
     jobs = jobs or max(1, min(12, (os.cpu_count() or 1) - 1))
     try:
         from cupy.cuda import compiler
@@ -316,7 +322,7 @@ def compile_all(be, names, jobs: int = 0) -> dict:
         arch, kind = compiler._get_arch_for_options_for_nvrtc()
         parts = [names[i::jobs] for i in range(jobs) if names[i::jobs]]
         with ProcessPoolExecutor(len(parts), mp_context=mp.get_context("spawn")) as ex:
-            res = list(ex.map(_compile_part, [(S.SRC, p, tuple(NVRTC_OPTIONS) + (arch,), kind) for p in parts]))
+            res = list(ex.map(_compile_part, [(src, p, tuple(NVRTC_OPTIONS) + (arch,), kind) for p in parts]))
         tmp = tempfile.mkdtemp(prefix="gemv_bench_")
         kern = {}
         for i, (code, lowered) in enumerate(res):
@@ -330,7 +336,7 @@ def compile_all(be, names, jobs: int = 0) -> dict:
         return kern
     except Exception as e:  # noqa: BLE001 - any failure of the parallel path: the plain one
         print(f"parallel compile failed ({type(e).__name__}: {e}); one NVRTC program instead", flush=True)
-        return be.module(names)
+        return compile_module(module, names)
 
 
 def plan_names(batches, fp16: bool) -> tuple[set, list]:

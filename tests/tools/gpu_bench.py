@@ -115,8 +115,8 @@ def _decode_rows(cp, model, prog, toks, B: int, steps: int) -> tuple[float, floa
 
 
 def persistent_variants(cp, model, prog, be, toks) -> dict:
-    """The persistent decode step against the graph of kernels (issue 19 item 4: what it
-    saves), at 1 and 8 rows, and its blocks per multiprocessor / warps per row pair."""
+    """The persistent decode step (tests/tools/persistent_step.py) against the graph of
+    kernels (what it saves), at 1 and 8 rows, and its blocks per multiprocessor / warps per row pair."""
     import numpy as np
 
     out = {}
@@ -152,11 +152,11 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     import numpy as np
 
     from aotx.engine.backend.cuda import choice as CC
-    from aotx.engine.backend.cuda.backend import CudaBackend
     from aotx.engine.model.batch import Segment
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
     from aotx.engine.model.architectures import build
+    from tests.tools import persistent_step
 
     res: dict = {"engine": "aotx", "model": name}
     t0 = time.perf_counter()
@@ -169,13 +169,13 @@ def aotx_bench(path: Path, name: str, home: Path, tune_budget: float) -> dict:
     # session 7's kernels: the flash prefill attention on unless AOTX_BENCH_FLASH=0; the persistent
     # decode step only with AOTX_BENCH_PERSISTENT=auto (session 8's H200: 0.72 ms a token through the
     # graph of kernels, 1.05 persistent; its variants are still timed side by side below)
-    from aotx.engine.backend.cuda import program as CP
+    from aotx.engine.backend.cuda import attention as CA
 
-    CP.FLASH_ATTENTION = os.environ.get("AOTX_BENCH_FLASH", "1") == "1"
-    res["flash_attention"] = CP.FLASH_ATTENTION
-    be = CudaBackend(tune="auto", artifact_root=home, tune_budget_s=tune_budget, int8_activations=int8,
-                     int8_min_bytes=int(mb) if mb else None,
-                     persistent=os.environ.get("AOTX_BENCH_PERSISTENT", "off"))
+    CA.FLASH_ATTENTION = os.environ.get("AOTX_BENCH_FLASH", "1") == "1"
+    res["flash_attention"] = CA.FLASH_ATTENTION
+    be = persistent_step.backend(tune="auto", artifact_root=home, tune_budget_s=tune_budget,
+                                 int8_activations=int8, int8_min_bytes=int(mb) if mb else None,
+                                 persistent=os.environ.get("AOTX_BENCH_PERSISTENT", "off"))
     model = build(cfg, gf, be)
     res["numerics"] = be.numerics
     cp.cuda.Device().synchronize()

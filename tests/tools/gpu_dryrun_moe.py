@@ -50,13 +50,13 @@ def _build(path, **kw):
 
 def _exercise_segmented(model, fake) -> str:
     """``CudaBackend(moe_graphs=True)``: the same batches as ``_exercise``, the ones that fit a
-    graph bucket as graphs cut at the host moe steps (``_Segments``): captured once per
+    graph bucket as graphs cut at the host moe steps (``moe.Segments``): captured once per
     bucket, replayed with the host steps between the graphs on the real rows only (a
     3-row decode in the 4-row bucket: 3 rows to the host; the last layer's FFN on the
     logits rows; the plain run before a capture skips them), each host step's rows and
     "small" flags as on the eager path, traffic
     counted per real row; every expert on the GPU: one graph, no host step."""
-    from aotx.engine.backend.cuda import program as CP
+    from aotx.engine.backend.cuda import moe as CM
     from aotx.engine.model import experts as X
     from aotx.engine.model.batch import Segment
 
@@ -83,7 +83,7 @@ def _exercise_segmented(model, fake) -> str:
         model.forward(toks[:2], [Segment(0, 150, 1), Segment(1, 0, 1)], kv)
         assert fake.stats["captures"] == cap + L + 1, (fake.stats["captures"] - cap, "graphs for", L, "host steps")
         g = next(iter(c._state(kv).graphs.values()))
-        assert isinstance(g, CP._Segments) and len(g.graphs) == L + 1 and len(g.hosts) == L
+        assert isinstance(g, CM.Segments) and len(g.graphs) == L + 1 and len(g.hosts) == L
         model.forward(toks[:2], [Segment(0, 151, 1), Segment(1, 1, 1)], kv)      # replayed, not captured again
         assert fake.stats["captures"] == cap + L + 1
         ids = model.sample(toks[:3], [Segment(0, 152, 1), Segment(1, 2, 1), Segment(2, 0, 1)], kv, None)
@@ -103,7 +103,7 @@ def _exercise_segmented(model, fake) -> str:
     cap = fake.stats["captures"]
     model.forward(toks[:2], [Segment(0, 172, 1), Segment(1, 23, 1)], kv)
     g = next(iter(c._state(kv).graphs.values()))
-    assert fake.stats["captures"] == cap + 1 and not isinstance(g, CP._Segments)
+    assert fake.stats["captures"] == cap + 1 and not isinstance(g, CM.Segments)
     c.place_experts(X.Plan(_tiers(model, "cpu")))
     return f"segmented graphs: {L + 1} per bucket around {L} host steps, host rows {sorted(set(rows))}"
 
@@ -282,7 +282,7 @@ def _reference_ffn(a: dict, e: int, x: np.ndarray) -> np.ndarray:
 
 
 class _Routed:
-    """The GPU tier with the step's device rows bound (as ``_MoeHost`` binds them)."""
+    """The GPU tier with the step's device rows bound (as ``moe.MoeStep`` binds them)."""
 
     def __init__(self, gpu, x):
         self.gpu, self.x, self.on = gpu, x, gpu.on
@@ -385,7 +385,7 @@ def _grouped_matches_each(model, fake) -> str:
 
 
 class _StubCtx:
-    """What ``_MoeHost._device`` reads of a step context: the input and output views, the
+    """What ``moe.MoeStep._device`` reads of a step context: the input and output views, the
     eager flag (its buffers are new and kept in ``prog._keep``)."""
 
     def __init__(self, step, x, out):

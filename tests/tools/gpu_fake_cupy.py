@@ -415,7 +415,7 @@ def _emu_swiglu_oai(name, grid, a) -> None:
 
 def _emu_moe_route(name, grid, a) -> None:
     """moe_route by cpu_moe.route itself (numba; the same rules), on the logits in memory."""
-    from aotx.engine.backend.cpu.experts import route
+    route = _cpu_experts().route
 
     n, E, k, ldl = int(a["n"]), int(a["E"]), int(a["k"]), int(a["ldl"])
     lg = np.zeros((n, E), np.float32)
@@ -463,7 +463,7 @@ def _emu_moe_tiles(name, grid, a) -> None:
 
 
 def _emu_moe_join(name, grid, a) -> None:
-    from aotx.engine.backend.cpu.experts import join
+    join = _cpu_experts().join
 
     n, k, d, ldy, ldo = grid[0], int(a["k"]), int(a["d"]), int(a["ldy"]), int(a["ldo"])
     pos = _i32(_addr(a["pos"]), n * k)
@@ -493,8 +493,46 @@ _EMULATED = {"gemv": _emu_gemv, "moe_gemv": _emu_moe_gemv, "moe_gather": _emu_mo
 _ALWAYS = {"moe_route": _emu_moe_route, "moe_tiles": _emu_moe_tiles, "moe_join": _moe_join_or_zeros}
 
 
+class CompileException(Exception):
+    """CuPy's ``cupy.cuda.compiler.CompileException``: NVRTC's log is its message."""
+
+    def __init__(self, msg, source, name, options, backend="nvrtc"):
+        super().__init__(msg)
+        self._msg = msg
+
+    def get_message(self) -> str:
+        return self._msg
+
+
+def _error_directive(code: str, name: str = "kern.cu") -> str | None:
+    """NVRTC's log for the first ``#error`` directive of ``code`` (the preprocessor's part of
+    a compile, done here as NVRTC does it: the location follows ``#line`` markers), else None."""
+    f, n = name, 0
+    for line in code.split("\n"):
+        n += 1
+        m = re.match(r'\s*#\s*line\s+(\d+)(?:\s+"([^"]*)")?', line)
+        if m:
+            f, n = m.group(2) or f, int(m.group(1)) - 1
+            continue
+        m = re.match(r"\s*#\s*error\b(.*)", line)
+        if m:
+            return f"{f}({n}): error: #error directive: {m.group(1).strip()}\n\n1 error detected in the compilation of \"{name}\".\n"
+    return None
+
+
+def _cpu_experts():
+    """The CPU expert pool's module (``backend/cpu/experts.py``; ``backend/cpu_moe.py`` in trees
+    before the backend's sub-packages, which tests/tools/gpu_bits.py also runs on this fake)."""
+    try:
+        from aotx.engine.backend.cpu import experts
+    except ModuleNotFoundError:
+        from aotx.engine.backend import cpu_moe as experts
+    return experts
+
+
 class RawModule:
     def __init__(self, code: str, options=(), name_expressions=None):
+        self.log = _error_directive(code)
         self.sigs = signatures(code)
         self.names = set(name_expressions or ())
         for n in self.names:
@@ -502,6 +540,8 @@ class RawModule:
                 raise LaunchError(f"name expression {n!r}: no such kernel")
 
     def get_function(self, name: str) -> RawKernel:
+        if self.log is not None:         # CuPy compiles the module when a function is first asked for
+            raise CompileException(self.log, "", "kern.cu", ())
         base = name.split("<")[0]
         if "<" in name and name not in self.names:
             raise LaunchError(f"{name} was not among the module's name expressions")
@@ -664,6 +704,7 @@ def install() -> None:
         memcpyHostToDevice=1, memcpyDeviceToHost=2)
     cuda.runtime = rt
     cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 1)
+    cuda.compiler = types.SimpleNamespace(CompileException=CompileException)
     cp.cuda = cuda
     cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
     cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T, cublas.CUBLAS_POINTER_MODE_HOST = 0, 1, 0

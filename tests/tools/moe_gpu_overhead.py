@@ -103,7 +103,7 @@ def main() -> int:
         after = _call_times(lambda: gpu.launch_routed(experts, routed, x), gpu.wait, args.reps)
         y_after = gpu.wait(gpu.launch_routed(experts, routed, x)).copy()
         same = bool(np.array_equal(y_before.view(np.int32), y_after.view(np.int32)))
-        # the whole op per layer call (router, routing, the tiers, the join) as _MoeHost runs it
+        # the whole op per layer call (router, routing, the tiers, the join) as moe.MoeStep runs it
         gpu._x = x
         op = {}
         for grouped in (False, True):

@@ -1,8 +1,9 @@
 """Compile the CUDA backend's kernels with NVRTC for sm_90 on a machine without a GPU.
 
-``python tests/tools/nvrtc_check.py [--ptxas]``: compiles ``cuda_src.SRC`` with every
-template instance a model of each supported architecture could ask for, and
-``cuda_sampling.SRC``, through NVRTC (``--match REGEX``: only the instances whose
+``python tests/tools/nvrtc_check.py [--ptxas]``: compiles the kernels module
+(``engine/backend/cuda/kernels/``, followed by the measurement candidate ``tests/tools/gemv_h.cu``)
+with every template instance a model of each supported architecture could ask for, and
+the sampler's module, through NVRTC (``--match REGEX``: only the instances whose
 name matches, e.g. ``--match 'gemv_h|quant_rows_h'``) (``pip install nvidia-cuda-nvrtc cupy-cuda13x``;
 NVRTC needs no device). With ``--ptxas`` (``pip install nvidia-cuda-nvcc``) it also
 assembles the PTX and prints each kernel's registers, spills and shared memory.
@@ -51,7 +52,9 @@ def instances(types=None) -> list[str]:
                 for ppw in CC.PPW_GRID[nb]:
                     names.append(f"gemv<{t},{t},{nb},{S.MODE_STORE},{wpp},{ppw},1>")
     names.append("quant_rows_h")                  # fp16 activations (gemv_h, a measurement candidate)
-    for t in (S.H_TYPES if types is S.TYPES else [t for t in types if t in S.H_TYPES]):
+    from tests.tools.gemv_h import H_TYPES
+
+    for t in (H_TYPES if types is S.TYPES else [t for t in types if t in H_TYPES]):
         for mode in (S.MODE_STORE, S.MODE_ADD, S.MODE_QKV16, S.MODE_SWIGLU):
             names.append(f"gemv_h<{t},{t},1,{mode},4,1>")
         for nb, wpps in CC.GEMV_GRID.items():
@@ -69,16 +72,18 @@ def instances(types=None) -> list[str]:
     return names
 
 
-def compile_src(src: str, names: list[str], arch: str) -> tuple[bytes, str]:
+def compile_src(module, names: list[str], arch: str) -> tuple[bytes, str]:
+    """PTX of ``module`` (``source.Module``) with these instances, and NVRTC's log (its errors
+    as file:line)."""
     import cupy_backends.cuda.libs.nvrtc as nvrtc
 
-    prog = nvrtc.createProgram(src, "aotx.cu", [], [])
+    prog = nvrtc.createProgram(module.text, "aotx.cu", [], [])
     for n in names:
         nvrtc.addNameExpression(prog, n)
     try:
         nvrtc.compileProgram(prog, ["-std=c++17", f"-arch={arch}"])
     except Exception:  # noqa: BLE001 - NVRTCError; the log says what
-        print(nvrtc.getProgramLog(prog))
+        print(module.explain(nvrtc.getProgramLog(prog)))
         raise SystemExit(1)
     log = nvrtc.getProgramLog(prog)
     ptx = nvrtc.getPTX(prog)
@@ -92,19 +97,20 @@ def main() -> int:
     ap.add_argument("--types", default="", help="comma-separated GGML type codes to instantiate (default: all)")
     ap.add_argument("--match", default="", help="regex: only compile the instances whose name matches (e.g. gemv_h)")
     args = ap.parse_args()
-    from aotx.engine.backend.cuda import sampling as CS
     from aotx.engine.backend.cuda import source as S
+    from tests.tools import gemv_h
 
     names = instances([int(t) for t in args.types.split(',')] if args.types else None)
     if args.match:
         names = [n for n in names if re.search(args.match, n)]
-    ptx, log = compile_src(S.SRC, names, "compute_90")
+    module = gemv_h.module()
+    ptx, log = compile_src(module, names, "compute_90")
     if log.strip():
         print(log)
-    ptx2, log2 = compile_src(CS.SRC, [], "compute_90")
+    ptx2, log2 = compile_src(S.SAMPLING, [], "compute_90")
     if log2.strip():
         print(log2)
-    print(f"NVRTC: cuda_src ({len(names)} instances) and cuda_sampling compile for compute_90")
+    print(f"NVRTC: the kernels ({len(names)} instances) and the sampler compile for compute_90")
     if args.ptxas:
         import nvidia  # the nvidia-cuda-nvcc wheel's ptxas
 

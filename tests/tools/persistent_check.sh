@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 19 item 4 (and item 1's fp16 form) on one GPU, one bounded call: the persistent decode
-# step's tests, the CUDA invariance tests (float32 activations: buckets 1-8 persistent against
-# 16-64 through the graph of kernels, bit for bit), the default model's shape through
+# The persistent decode step and the fp16 GEMV (measurement candidates in tests/tools:
+# persistent_step.py, gemv_h.cu) on one GPU, one bounded call: the persistent decode
+# step's tests (its bits against the graph of kernels), the CUDA invariance tests (the
+# engine's graph path), the default model's shape through
 # gpu_bench's AOTX side (persistent against the graph of kernels, blocks per SM, warps per pair,
 # L2 prefetch; bits compared), the fp16 GEMV test and bench.
 # Here first: .whl/ (gguf, msgspec, platformdirs, google-crc32c for Python 3.12) and

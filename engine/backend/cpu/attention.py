@@ -3,7 +3,7 @@
 Owns: `attention_rows` (decode, speculative verify and prefill rows alike, a sliding
 window, float32 or float16 KV, optional per-head attention sinks); `store_rows`, which
 writes every row's K/V into either cache dtype in one call. Leaves to others: the cache's
-allocation and layout (cpu_program.py), RoPE and the projections (cpu_ops.py, cpu_matmul.py).
+allocation and layout (program.py), RoPE and the projections (ops.py, matmul.py).
 
 KV cache layout, per layer: (n_slots, n_kv_heads, n_ctx, head_dim), float32, or float16
 kept as its uint16 bit patterns (numba has no float16): one slot's one head is a

@@ -2,10 +2,10 @@
 
 Owns: turning GGUF tensors into backend objects (``matrix``, ``vector``) and compiling
 an ``ops.Program`` (``compile`` -> ``cpu_program.CpuProgram``: prebound kernel calls and
-the CPU KV cache). The kernels live in ``cpu_matmul.py`` (quantized matmul),
-``cpu_attention.py`` (attention over the KV cache) and ``cpu_ops.py`` (everything else).
+the CPU KV cache). The kernels live in ``cpu/matmul.py`` (quantized matmul),
+``cpu/attention.py`` (attention over the KV cache) and ``cpu/ops.py`` (everything else).
 Every op computes a row from that row alone, by one fixed sequence of operations (batch
-invariance, shared/DESIGN.md). The interface is engine/backend/IR.md section 6.
+invariance, DESIGN.md). The interface is engine/backend/IR.md section 6.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class CpuBackend:
         self.supported_types = SUPPORTED_TYPES
 
     def compile(self, program):
-        """The CPU executor of ``program`` (an ops.Program): see cpu_program.py."""
+        """The CPU executor of ``program`` (an ops.Program): see cpu/program.py."""
         from aotx.engine.backend.cpu.program import CpuProgram
 
         return CpuProgram(program)

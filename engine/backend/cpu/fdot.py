@@ -6,7 +6,7 @@ products (up to 2 x 4), each in ONE documented order; `axpy`, weighted sums of r
 (uint16: numba has no float16) to float32 with F16C's vcvtph2ps where the CPU has it and
 exact integer bit manipulation elsewhere; `f32_to_f16` (round to nearest even) and `f2h_bits`,
 its scalar form for kernels (the KV store). Used by
-the attention kernel (`cpu_attention.py`) and the float matmul path (`cpu_matmul.py`).
+the attention kernel (`attention.py`) and the float matmul path (`cpu/matmul.py`).
 Leaves to others: everything about layouts and which rows meet.
 
 The order of a dot product of n elements (n any length), `dots`:
@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .qdot import _features, _h2f_bits, _ptr, _splat, _splat_value, bits_f32
+from aotx.engine.backend.cpu.llvm_ir import _features, _h2f_bits, _ptr, _splat, _splat_value, bits_f32
 
 _F32 = ir.FloatType()
 _I16, _I32 = ir.IntType(16), ir.IntType(32)

@@ -44,7 +44,7 @@ from numba import njit, prange
 
 from .attention import _blocks, _job, _max, attended_keys, checked_sinks
 from .fdot import dots, exp_nonpos, f2h_bits, fma32
-from .qdot import bits_f32
+from .llvm_ir import bits_f32
 
 QUANT_TYPES = ("q8_0", "q4_0")
 BLOCK = 32

@@ -1,17 +1,18 @@
 """The CPU op set besides matmul and attention: norms, RoPE (both modes), activations, adds.
 
 Owns: numba kernels (compiled once, cached on disk). Leaves the quantized matmul to
-``cpu_matmul.py``, attention over the KV cache (and storing K/V into it) to
-``cpu_attention.py``, the order of ops to the architecture module and the program
-executor (``cpu_program.py``). Every kernel here computes a row from that row alone
+``cpu/matmul.py``, attention over the KV cache (and storing K/V into it) to
+``cpu/attention.py``, the order of ops to the architecture module and the program
+executor (``cpu/program.py``). Every kernel here computes a row from that row alone
 (one compiled loop per row, whatever the number of rows): batch-invariant.
 
 Each kernel is compiled for ONE array layout (any strides, numba's "A"), given as an
 explicit signature: numba would otherwise compile a second version for C-contiguous
 arguments, and a one-row column block of a fused matrix IS C-contiguous while the same
 block of two rows is not - the two versions vectorize differently (exp, tanh, fused
-multiply-adds), so a row's numbers would depend on how many rows came with it (issue 16:
-phi3's fused gate/up rows differed in the last bits between a 1-row and a 2-row batch).
+multiply-adds), so a row's numbers would depend on how many rows came with it (without
+the signature phi3's fused gate/up rows differed in the last bits between a 1-row and a
+2-row batch).
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ becomes a closure bound to its kernel, weights and attributes; buffers are assig
 pass (a value's buffer is reused once its last reader has run; row-wise ops on a dead
 input run in place); the per-batch facts (where each row's K/V goes, each row's slot and
 attention length) are computed once per forward from the ``BatchLayout``, not per layer. Also the KV cache (``CpuKVCache``: float32, f16 bits,
-or llama.cpp's q8_0 / q4_0 blocks: ``kvcache.py``, ``kvquant.py``) and its RoPE tables. Leaves the kernels to ``cpu_ops.py`` / ``cpu_matmul.py`` /
-``cpu_attention.py``, the order of ops to the architecture (the Program), slots and
+or llama.cpp's q8_0 / q4_0 blocks: ``kvcache.py``, ``kvquant.py``) and its RoPE tables. Leaves the kernels to ``cpu/ops.py`` /
+``cpu/matmul.py`` / ``cpu/attention.py``, the order of ops to the architecture (the Program), slots and
 scheduling to the runtime.
 
-Batch invariance (shared/DESIGN.md): every row of a batch - decode step, speculative
+Batch invariance (DESIGN.md): every row of a batch - decode step, speculative
 verify window, prefill chunk, logits row - goes through the same kernels in one call per
 op: ``QuantMatrix.matmul`` and ``cpu_attention.attention_rows`` compute each row by one
 fixed sequence of operations whatever the other rows are, so a row's logits do not
@@ -169,7 +169,7 @@ class CpuProgram:
             step(env, bt, kv)
         return env[self.program.output.id]
 
-    # ---- expert tiers (issue 22; cpu_moe.py, engine/model/experts.py) ----------------
+    # ---- expert tiers (experts/, engine/model/experts.py) ----------------
 
     def measure_experts(self, layer: int, rows: tuple[int, ...]) -> dict:
         """Calibration: seconds of one expert of moe layer ``layer`` on n rows, CPU tier."""
@@ -452,7 +452,7 @@ class CpuProgram:
 
     def _c_moe(self, i, node):
         """Router, top-k, the experts on the rows routed to them (the CPU expert pool), the
-        join in selection order, the shared expert (cpu_moe.py)."""
+        join in selection order, the shared expert (experts/)."""
         from aotx.engine.backend.cpu import experts as cpu_moe
 
         a = node.attrs

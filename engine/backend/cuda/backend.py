@@ -1,16 +1,16 @@
 """The CUDA backend: weights on the GPU in their GGUF block layout, CuPy RawModule kernels.
 
 Owns: the device check, uploading GGUF tensors (``matrix``, ``vector``), compiling the
-kernels of ``cuda_src.py`` once per set of template instances (CuPy caches the compiled
+kernels of ``kernels/`` (``source.py`` joins them into modules) once per set of template instances (CuPy caches the compiled
 module on disk, keyed by source and options), and ``compile(program)``: an
 ``ops.Program`` (the architecture's forward, traced once at load) becomes a
-``cuda_program.CudaProgram``, which owns buffers, the order of launches and the graphs.
-Nothing here, nor in any ``cuda*`` module, is specific to an architecture.
+``program.CudaProgram``, which owns buffers, the order of launches and the graphs.
+Nothing here, nor in any module of this package, is specific to an architecture.
 
 Importing this module imports CuPy, so ``import aotx.engine.backend.cuda.backend`` failing with
 ImportError is how ``serve.pick_device`` learns that the CUDA backend is unavailable.
 
-Supported tensor types (``cuda_src.TYPES``): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Supported tensor types (``source.TYPES``): F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4. The other IQ* types, TQ* and NVFP4 are
 refused with ModelError. Rows must hold a multiple of 32 inputs (256 for the K types and
 IQ4_XS).
@@ -24,7 +24,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from aotx.engine.backend import kernel_choice
 from aotx.engine.backend.cuda import choice as cuda_choice
-from aotx.engine.backend.cuda import sampling as cuda_sampling
 from aotx.engine.backend.cuda import source as cuda_src
 from aotx.engine.backend.cuda.matrix import DevMatrix  # noqa: F401 - the upload's result type, named here too
 from aotx.engine.errors import ModelError
@@ -32,6 +31,9 @@ from aotx.engine.errors import ModelError
 SUPPORTED_TYPES: frozenset[T] = frozenset(T(c) for c in cuda_src.TYPES)
 NVRTC_OPTIONS = ("-std=c++17",)
 INT8_MIN_BYTES = 1 << 30        # int8 activations from this many bytes of weights (see CudaBackend)
+# NVRTC's refusal (CuPy compiles a RawModule when its first function is asked for)
+_COMPILE_ERRORS = (getattr(getattr(cp.cuda, "compiler", None), "CompileException",
+                           type("_NoCompileError", (Exception,), {})),)
 
 
 def _u64(a) -> np.uint64:
@@ -43,12 +45,24 @@ def _u64(a) -> np.uint64:
     return np.uint64(a.data.ptr)
 
 
+def compile_module(module: cuda_src.Module, name_expressions, kernels=None) -> dict[str, cp.RawKernel]:
+    """Compile ``module`` (``source.Module``) with these template instances through NVRTC (or
+    fetch it from CuPy's disk cache): name -> RawKernel for ``kernels`` (default: the name
+    expressions). Raises ``source.KernelCompileError`` naming each error's file:line."""
+    names = list(name_expressions)
+    mod = cp.RawModule(code=module.text, options=NVRTC_OPTIONS, name_expressions=names or None)
+    try:
+        return {n: mod.get_function(n) for n in (names if kernels is None else kernels)}
+    except _COMPILE_ERRORS as e:
+        raise cuda_src.compile_error(module, e) from None
+
+
 class CudaBackend:
     """Op set on one NVIDIA GPU through CuPy. ``weight_bytes`` counts the quantized
     weights uploaded. ``fuse=False`` compiles programs without the fused kernels (tests of
     the generic path).
 
-    Kernel choice (shared/DESIGN.md; ``kernel_choice``): ``tune`` is the policy for the
+    Kernel choice (DESIGN.md, "Kernel choice"; ``kernel_choice``): ``tune`` is the policy for the
     artifact under ``artifact_root`` (default: the data dir): "off" (default: fixed
     default kernels, no file read or written: tests and tools), "reuse" (a valid
     artifact's winners, else defaults), "auto" (what the engine uses: sites without a
@@ -56,7 +70,7 @@ class CudaBackend:
     (``aotx tune``: every site timed again). ``prefill`` / ``gemv`` force one eager GEMM
     mode / one GEMV variant everywhere (``CudaProgram``; tests and benchmarks).
     ``dense_prefill``: the eager GEMMs keep dense dequantized weight copies when they fit
-    the budget (``cuda_gemm``; default), False: always per-tile dequantization.
+    the budget (``gemm.py``; default), False: always per-tile dequantization.
     ``int8_activations``: every decode GEMV whose weight types have an integer form (all but
     F32, F16, BF16 and Q2_K) rounds its activations to int8 per 32-input block (``quant_rows``)
     and runs integer dot products (``__dp4a``), as llama.cpp's MMVQ; what the engine loads
@@ -70,13 +84,6 @@ class CudaBackend:
     ``numerics`` names the path the last compiled program took: "cuda-int8" or "cuda-f32".
     ``expert_int8``: the CPU expert tier of a mixture of experts uses the CPU backend's
     int8-activation kernels (default; False: its float path, for comparisons).
-    ``persistent``: decode buckets of up to 8 rows run as one persistent kernel per tick
-    instead of a graph of ~150 kernels (``cuda_persistent``; the same bits): "auto" on models
-    under 1 GiB of weights with float32 activations whose steps it covers, "on" whatever the
-    size, "off" (the default: on the H200 it gave the graph's bits but took 1.05 ms a token
-    against the graph's 0.72) never; ``persistent_bps`` blocks per multiprocessor (at most
-    what fits at once), ``persistent_wpp`` warps per GEMV row pair of its GEMV blocks (1, 2, 4),
-    ``persistent_prefetch`` each step asks L2 for the next step's weights.
     ``gemm_min_rows``: batches of at least this many rows (decode ticks of many slots
     included) run the eager path, tensor-core GEMMs over dequantized weights, instead of the
     captured graph of GEMVs, which reads the weights once per 16-row block (an 8B model at
@@ -87,7 +94,7 @@ class CudaBackend:
     as a device step (router, routing, experts and join on the device, captured in the
     decode graph; default); False: every moe layer runs as the host step (comparisons).
     ``moe_graphs``: a tick with host moe steps (experts on the CPU tier) runs as captured
-    graphs between them instead of the eager path (``cuda_program._Segments``; opt-in: not
+    graphs between them instead of the eager path (``moe.Segments``; opt-in: not
     yet run on a GPU).
 
     Raises ModelError when CuPy sees no CUDA device."""
@@ -99,9 +106,7 @@ class CudaBackend:
                  tune_budget_s: float = kernel_choice.DEFAULT_BUDGET_S, artifact_root=None,
                  prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
                  dense_prefill: bool = True, int8_activations: bool = False,
-                 int8_min_bytes: int | None = None, persistent: str = "off", persistent_bps: int = 2,
-                 persistent_wpp: int = 1, persistent_prefetch: bool = True,
-                 gemm_min_rows: int | None = None, moe_device: bool = True,
+                 int8_min_bytes: int | None = None, gemm_min_rows: int | None = None, moe_device: bool = True,
                  moe_graphs: bool = False) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
@@ -131,12 +136,6 @@ class CudaBackend:
         self.prefill = prefill
         self.gemv = gemv
         self.dense_prefill = bool(dense_prefill)
-        if persistent not in ("auto", "on", "off"):
-            raise ValueError(f"persistent {persistent!r} is not one of auto, on, off")
-        self.persistent = persistent
-        self.persistent_bps = int(persistent_bps)
-        self.persistent_wpp = int(persistent_wpp)
-        self.persistent_prefetch = bool(persistent_prefetch)
         self.moe_device = bool(moe_device)
         self.moe_graphs = bool(moe_graphs)
         if gemm_min_rows is not None and int(gemm_min_rows) < 2:
@@ -150,7 +149,7 @@ class CudaBackend:
         return kernel_choice.DeviceKey(
             gpu=self.device_name, driver=str(rt.driverGetVersion()), cuda=str(rt.runtimeGetVersion()),
             cupy=str(cp.__version__),
-            source=kernel_choice.source_hash(cuda_src.SRC, cuda_sampling.SRC, " ".join(NVRTC_OPTIONS),
+            source=kernel_choice.source_hash(cuda_src.KERNELS.text, cuda_src.SAMPLING.text, " ".join(NVRTC_OPTIONS),
                                              cuda_choice.CHOICE_VERSION))
 
     def artifact_path(self):
@@ -219,8 +218,8 @@ class CudaBackend:
 
     def experts(self, t):
         """A 3-D GGUF expert tensor (ggml ``[k, m, E]``) for the CPU expert tier:
-        ``cpu_moe.CpuExperts`` over the file's memory map (no GPU memory; counted in
-        ``host_expert_bytes``). The moe op runs on the host (``cuda_plan.MoeHost``)."""
+        ``cpu.experts.CpuExperts`` over the file's memory map (no GPU memory; counted in
+        ``host_expert_bytes``). The moe op runs on the host (``plan.MoeHost``, ``moe.MoeStep``)."""
         from aotx.engine.backend.cpu.experts import CpuExperts
 
         if len(t.shape) != 3:
@@ -256,33 +255,11 @@ class CudaBackend:
         key = tuple(sorted(set(names)))
         got = self._modules.get(key)
         if got is None:
-            mod = cp.RawModule(code=cuda_src.SRC, options=NVRTC_OPTIONS, name_expressions=list(key))
-            got = self._modules[key] = {n: mod.get_function(n) for n in key}
+            got = self._modules[key] = compile_module(cuda_src.KERNELS, key)
         return dict(got)
 
-    def persistent_kernel(self, kinds: list[str]) -> tuple:
-        """The persistent decode step (``cuda_persistent``) that runs these kernel instances:
-        (kernel, kinds in its switch's order, their parameters, blocks of its grid), compiled
-        once per set of kinds. Raises RuntimeError when not one block fits a multiprocessor."""
-        from aotx.engine.backend.cuda import persistent as PS
-
-        key = ("persistent", str(self.persistent_prefetch)) + tuple(kinds)
-        got = self._modules.get(key)
-        if got is None:
-            src = PS.source(cuda_src.SRC, list(kinds), self.persistent_prefetch)
-            mod = cp.RawModule(code=src, options=NVRTC_OPTIONS)
-            kern = mod.get_function(PS.KERNEL)
-            regs = int(getattr(kern, "num_regs", 0) or 0)
-            smem = int(getattr(kern, "shared_size_bytes", 0) or 0)
-            got = self._modules[key] = (kern, list(kinds), PS.signatures(cuda_src.SRC), regs, smem)
-        kern, kinds_l, sigs, regs, smem = got
-        bps = PS.blocks_per_sm(regs, smem, self.persistent_bps)
-        if bps < 1:
-            raise RuntimeError(f"no block of {regs} registers and {smem} bytes of shared memory fits")
-        return kern, kinds_l, sigs, self.n_sm * bps
-
     def sampler_kernel(self) -> cp.RawKernel:
-        """The ``sample_rows`` kernel of ``cuda_sampling`` (compiled once per backend)."""
+        """The ``sample_rows`` kernel (``kernels/sampling.cu``; compiled once per backend)."""
         if self._sampler is None:
-            self._sampler = cp.RawModule(code=cuda_sampling.SRC, options=NVRTC_OPTIONS).get_function("sample_rows")
+            self._sampler = compile_module(cuda_src.SAMPLING, (), ("sample_rows",))["sample_rows"]
         return self._sampler

@@ -5,9 +5,9 @@ warps per row pair WPP, and where the RMSNorm scale is computed) and of the pref
 modes; which variants are candidates at each batch bucket, and which one runs by default
 (no artifact, or ``kernel_choice`` policy "off"/"reuse" without one); the site keys the
 artifact records. Leaves the artifact to ``kernel_choice``, the launches and their timing
-to ``cuda_program`` and ``cuda_gemm``, the kernels to ``cuda_src``.
+to ``program.py``, ``steps.py`` and ``gemm.py``, the kernels to ``kernels/``.
 
-Every GEMV variant computes each output element in the same order (``cuda_src``, "the
+Every GEMV variant computes each output element in the same order (``kernels/gemv.cu``, "the
 canonical reduction order"), so the choice between them changes speed, never a bit of
 the logits. The prefill GEMM modes differ in arithmetic (float16 or TF32 tensor-core
 inputs, or float32), so their candidates are checked against float32 within a tolerance.
@@ -25,7 +25,7 @@ CHOICE_VERSION = "4"      # the naming of sites and candidates; part of the arti
 # affordable at every NB.
 GEMV_GRID: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 8: (1, 2, 4), 16: (1, 2, 4)}
 NB_MAX = 16
-GEMV_WARPS = 4           # warps per GEMV block (cuda_src's GEMV_WARPS)
+GEMV_WARPS = 4           # warps per GEMV block (GEMV_WARPS of kernels/shared.cuh)
 # row pairs per warp (PPW > 1: one x load serves PPW pairs) compiled at each NB, with any WPP
 PPW_GRID: dict[int, tuple[int, ...]] = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2), 8: (1,), 16: (1,)}
 PAIRED_WPP = (2, 4)      # the WPPs whose two-pairs-per-warp form is a kernel-choice candidate

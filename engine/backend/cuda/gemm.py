@@ -2,7 +2,7 @@
 
 Owns: ``PrefillGemm``, which computes ``Y[:, :m] (+)= norm(X) @ W[r0:r0 + m].T`` for the
 many-row batches the eager path runs (prefill chunks), in one of three modes
-(``cuda_choice.PREFILL_MODES``): ``f16`` (float16 weights and activations, GemmEx,
+(``choice.PREFILL_MODES``): ``f16`` (float16 weights and activations, GemmEx,
 float32 accumulation: tensor cores), ``tf32`` (float32 weights, GemmEx with TF32
 tensor-core math), ``f32`` (float32 weights, SGEMM). Where the weights come from:
 * **dense** (``plan_dense`` accepted the model: every prefill weight's dequantized copy,
@@ -19,8 +19,8 @@ converted (and RMS-normed) once per op (``prepare``) and reused by every GEMM of
 (q, k, v; gate and up). Both sources hold the same dequantized values (the same kernels
 write them); only cuBLAS's blocking of the rows differs.
 
-Leaves which mode each weight uses to the kernel choice (``cuda_choice``, ``kernel_choice``)
-and the order of ops to ``cuda_program``. Runs on CuPy's current stream (the eager path's).
+Leaves which mode each weight uses to the kernel choice (``choice.py``, ``kernel_choice``)
+and the order of ops to ``program.py``. Runs on CuPy's current stream (the eager path's).
 
 Limits: float16 inputs saturate at +-65504 (the f16 mode is offered only for inputs that
 are RMS-normed or attention outputs); TF32 and float16 round the inputs to 11 significant
@@ -75,10 +75,6 @@ class PrefillGemm:
         self._dense: dict[tuple[int, int], cp.ndarray] = {}
         self.dense_bytes = 0
         self.dense_reason = "not planned"
-
-    @property
-    def scratch_bytes(self) -> int:
-        return self.tile_bytes
 
     @property
     def weight_bytes(self) -> int:

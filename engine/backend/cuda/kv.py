@@ -8,7 +8,7 @@ graph replays on; and the interface the runtime and the capsules use: ``clear``
 byte-exact, same dtype; ``snapshot_slot(device=True)`` keeps the copy on the GPU: the
 device home) and ``copy_slot`` (a fork on the device).
 Leaves the device tables (rows, sampler, penalty history, publication records) to
-``cuda_tables.py`` and the activation buffers and graphs to ``cuda_program.py``.
+``tables.py`` and the activation buffers and graphs to ``program.py``.
 
 Not thread-safe: one engine thread drives it. Every method runs on ``self.stream`` and
 waits for it, so nothing else is in flight when it returns.

@@ -1,9 +1,9 @@
-"""A weight matrix on the GPU (``DevMatrix``): what ``cuda.CudaBackend.matrix`` uploads and
+"""A weight matrix on the GPU (``DevMatrix``): what ``backend.CudaBackend.matrix`` uploads and
 the CUDA program's steps (dense layers and the GPU expert tier) launch kernels on; and the
 int8 activation rows its int8 GEMVs read (``q8_buffers``).
 
-Its own module so that ``cuda`` (which compiles programs), ``cuda_program`` (which builds
-expert stacks of this type) and ``cuda_tune`` (which times GEMVs on scratch rows) import it
+Its own module so that ``backend`` (which uploads weights), ``experts`` (which builds
+expert stacks of this type) and ``tune`` (which times GEMVs on scratch rows) import it
 without importing each other.
 """
 

@@ -2,8 +2,11 @@
 
 Owns: ``plan(program)``, a pure function of the ``ops.Program`` (no CuPy: it runs and is
 tested on machines without a GPU) that returns the list of steps both CUDA executors run
-(``cuda_program.py``: the captured graph and the eager path) and where every value lives.
-Leaves the kernels to ``cuda_src.py`` and the launches to ``cuda_program.py``.
+(``program.py``: the captured graph and the eager path) and where every value lives: the
+step types, the fusion rules (``FUSION_RULES``, each a function over a ``Lowering``, run in
+order by ``plan``), the generic steps and the buffers. Leaves the kernels to ``kernels/``
+and the launches to ``program.py`` and its step executors (``steps.py``, ``attention.py``,
+``moe.py``).
 
 Fusions (what today's decode graph does for llama, found by pattern in any program):
 * ``rms_norm`` whose every reader is a ``linear``: the norm becomes the GEMV's prologue
@@ -172,12 +175,12 @@ class GluRows:
 
 @dataclass
 class MoeHost:
-    """The ``moe`` op (issue 22): the rows of x go to the host, the router, routing, the CPU
-    tier's experts, join and shared expert run there (``cpu_moe.moe_rows``), the experts
+    """The ``moe`` op: the rows of x go to the host, the router, routing, the CPU
+    tier's experts, join and shared expert run there (``cpu.experts.moe_rows``), the experts
     placed on the GPU tier on the device meanwhile; the result comes back into out.
     ``attrs``: the node's attributes. While a layer has experts off the GPU its step waits
     for the host (the tick runs eagerly, or as graphs between such steps); with every
-    expert on the GPU it runs on the device (``cuda_program._MoeHost.device_ready``)."""
+    expert on the GPU it runs on the device (``moe.MoeStep.device_ready``)."""
     x: int
     out: int
     attrs: Any
@@ -202,9 +205,6 @@ class Plan:
     kv_layers: tuple
     rope_specs: list
     fused: dict[str, int] = field(default_factory=dict)   # counts, for tests and the startup profile
-
-    def buffer_of(self, vid: int) -> int:
-        return self.loc[vid].buf
 
 
 # ---- matching ---------------------------------------------------------------------------------
@@ -231,25 +231,35 @@ class _Graph:
         return c[0] if len(c) == 1 else None
 
 
-def plan(program, *, fuse: bool = True) -> Plan:
-    """The steps and buffers of ``program`` (an ``ops.Program``, duck-typed). ``fuse=False``
-    runs every node as a generic step (the fallback path, tested on its own).
-    Raises PlanError for a program the CUDA backend cannot run."""
-    g = _Graph(program)
-    nodes = g.nodes
-    width = {v.id: v.width for v in program.values}
-    rows = {v.id: v.rows for v in program.values}
-    done: set[int] = set()                  # node indices consumed by a fused step
-    at: dict[int, list] = {}               # node index -> steps emitted at that position
-    alias: dict[int, int] = {}             # value id -> value id whose location it shares
-    fused = {"qkv": 0, "glu": 0, "add": 0, "post_norm": 0, "norm_prologue": 0}
+class Lowering:
+    """What the fusion rules share while a program is lowered: its graph (``g``: ``nodes``,
+    producers, consumers), each value's width and row kind, the nodes a rule has consumed
+    (``done``), the steps emitted at each node index (``at``; the plan runs them in node
+    order), the values that share another's location (``alias``: a value id, or (value id,
+    column offset) for a view) and the count of each fusion (``fused``)."""
 
-    def emit(i: int, step) -> None:
-        at.setdefault(i, []).append(step)
+    def __init__(self, program, fuse: bool = True):
+        self.g = _Graph(program)
+        self.nodes = self.g.nodes
+        self.fuse = fuse
+        self.width = {v.id: v.width for v in program.values}
+        self.rows = {v.id: v.rows for v in program.values}
+        self.done: set[int] = set()
+        self.at: dict[int, list] = {}
+        self.alias: dict = {}
+        self.fused = {"qkv": 0, "glu": 0, "add": 0, "post_norm": 0, "norm_prologue": 0}
 
-    def linear_src(vid: int):
+    def emit(self, i: int, step) -> None:
+        self.at.setdefault(i, []).append(step)
+
+    def steps(self) -> list:
+        """The emitted steps in node order."""
+        return [s for i in sorted(self.at) for s in self.at[i]]
+
+    def linear_src(self, vid: int):
         """(linear node index, first row of its matrix) when ``vid`` is a linear's output,
         or a split output of a linear read only by that split; else None."""
+        g = self.g
         i, n = g.node_of(vid)
         if n is None:
             return None
@@ -262,103 +272,121 @@ def plan(program, *, fuse: bool = True) -> Plan:
                 return j, int(n.attrs["offsets"][k])
         return None
 
-    def norm_of(x_vid: int):
+    def norm_of(self, x_vid: int):
         """(input value, (weight, eps)) when x is an rms_norm output read only by linears
         (the norm folds into their prologue), else (x, None)."""
-        if not fuse:
+        if not self.fuse:
             return x_vid, None
-        i, n = g.node_of(x_vid)
+        i, n = self.g.node_of(x_vid)
         if n is None or n.op != "rms_norm":
             return x_vid, None
-        if all(c < len(nodes) and nodes[c].op == "linear" for c in g.cons.get(x_vid, [])):
+        if all(c < len(self.nodes) and self.nodes[c].op == "linear" for c in self.g.cons.get(x_vid, [])):
             return n.inputs[0].id, (n.attrs["weight"], n.attrs["eps"])
         return x_vid, None
 
-    # -- QKV + attention
-    def match_qkv(ia: int, a):
-        """The QKV step and the node indices it replaces, or None."""
-        hd, H, KV = a.attrs["head_dim"], a.attrs["n_heads"], a.attrs["n_kv_heads"]
-        qd, kd = H * hd, KV * hd
-        spec, heads, proj, chain = None, [], [], []
-        for vid in (a.inputs[0].id, a.inputs[1].id):
-            ir, r = g.node_of(vid)
-            if r is None or r.op != "rope" or r.attrs["head_dim"] != hd or g.only_reader(vid) != ia:
-                return None
-            if spec is not None and r.attrs["spec"] != spec:
-                return None
-            spec = r.attrs["spec"]
-            chain.append(ir)
-            src = r.inputs[0].id
-            if g.only_reader(src) != ir:
-                return None
-            ih, hn = g.node_of(src)
-            if hn is not None and hn.op == "head_rms_norm":
-                if hn.attrs["head_dim"] != hd or g.only_reader(hn.inputs[0].id) != ih:
-                    return None
-                chain.append(ih)
-                heads.append((hn.attrs["weight"], hn.attrs["eps"]))
-                src = hn.inputs[0].id
-            else:
-                heads.append(None)
-            proj.append(src)
-        if g.only_reader(a.inputs[2].id) != ia:
-            return None
-        proj.append(a.inputs[2].id)
-        if heads[0] is not None and heads[1] is not None and heads[0][1] != heads[1][1]:
-            return None          # one eps in head_rope_kv
-        srcs = [linear_src(p) for p in proj]
-        if any(s is None for s in srcs):
-            return None
-        lin_idx = sorted({s[0] for s in srcs})
-        lins = [nodes[i] for i in lin_idx]
-        if len({n.inputs[0].id for n in lins}) != 1:
-            return None
-        if len(lins) == 1:       # one fused matrix split into q, k, v (in this order)
-            split_i = g.node_of(proj[0])[0]
-            if ([s[1] for s in srcs] != [0, qd, qd + kd] or lins[0].out.width != qd + 2 * kd
-                    or len(nodes[split_i].outs) != 3):
-                return None
-            mats = [(lins[0].attrs["weight"], 0)]
-            biases = [(lins[0].attrs.get("bias"), 0)]
-            chain.append(split_i)
-        elif len(lins) == 3 and all(s[1] == 0 for s in srcs):
-            order = [g.node_of(p)[1] for p in proj]
-            if [n.out.width for n in order] != [qd, kd, kd]:
-                return None
-            mats = [(order[0].attrs["weight"], 0), (order[1].attrs["weight"], qd),
-                    (order[2].attrs["weight"], qd + kd)]
-            biases = [(order[0].attrs.get("bias"), 0), (order[1].attrs.get("bias"), qd),
-                      (order[2].attrs.get("bias"), qd + kd)]
-        else:
-            return None
-        x, norm = norm_of(lins[0].inputs[0].id)
-        step = QKV(x, norm, mats, biases, a.inputs[0].id, a.attrs["layer"], spec, H, KV, hd, heads[0], heads[1])
-        return step, min(lin_idx), set(lin_idx) | set(chain)
+    def dead_after(self, vid: int, i: int, add_i: int) -> bool:
+        """Nothing but the add reads ``vid`` at or after node ``i``, and vid is defined before i."""
+        p = self.g.prod.get(vid)
+        if p is None or p >= i:
+            return False
+        return all(c < i or c == add_i for c in self.g.cons.get(vid, []))
 
-    for ia, a in enumerate(nodes):
-        if a.op != "attention" or not fuse:
+
+# ---- the fusion rules: each finds its pattern in the nodes no earlier rule consumed ----------
+
+def _match_qkv(L: Lowering, ia: int, a):
+    """The QKV step of attention node ``a`` (index ``ia``) and the node indices it replaces, or None."""
+    g, nodes = L.g, L.nodes
+    hd, H, KV = a.attrs["head_dim"], a.attrs["n_heads"], a.attrs["n_kv_heads"]
+    qd, kd = H * hd, KV * hd
+    spec, heads, proj, chain = None, [], [], []
+    for vid in (a.inputs[0].id, a.inputs[1].id):
+        ir, r = g.node_of(vid)
+        if r is None or r.op != "rope" or r.attrs["head_dim"] != hd or g.only_reader(vid) != ia:
+            return None
+        if spec is not None and r.attrs["spec"] != spec:
+            return None
+        spec = r.attrs["spec"]
+        chain.append(ir)
+        src = r.inputs[0].id
+        if g.only_reader(src) != ir:
+            return None
+        ih, hn = g.node_of(src)
+        if hn is not None and hn.op == "head_rms_norm":
+            if hn.attrs["head_dim"] != hd or g.only_reader(hn.inputs[0].id) != ih:
+                return None
+            chain.append(ih)
+            heads.append((hn.attrs["weight"], hn.attrs["eps"]))
+            src = hn.inputs[0].id
+        else:
+            heads.append(None)
+        proj.append(src)
+    if g.only_reader(a.inputs[2].id) != ia:
+        return None
+    proj.append(a.inputs[2].id)
+    if heads[0] is not None and heads[1] is not None and heads[0][1] != heads[1][1]:
+        return None          # one eps in head_rope_kv
+    srcs = [L.linear_src(p) for p in proj]
+    if any(s is None for s in srcs):
+        return None
+    lin_idx = sorted({s[0] for s in srcs})
+    lins = [nodes[i] for i in lin_idx]
+    if len({n.inputs[0].id for n in lins}) != 1:
+        return None
+    if len(lins) == 1:       # one fused matrix split into q, k, v (in this order)
+        split_i = g.node_of(proj[0])[0]
+        if ([s[1] for s in srcs] != [0, qd, qd + kd] or lins[0].out.width != qd + 2 * kd
+                or len(nodes[split_i].outs) != 3):
+            return None
+        mats = [(lins[0].attrs["weight"], 0)]
+        biases = [(lins[0].attrs.get("bias"), 0)]
+        chain.append(split_i)
+    elif len(lins) == 3 and all(s[1] == 0 for s in srcs):
+        order = [g.node_of(p)[1] for p in proj]
+        if [n.out.width for n in order] != [qd, kd, kd]:
+            return None
+        mats = [(order[0].attrs["weight"], 0), (order[1].attrs["weight"], qd),
+                (order[2].attrs["weight"], qd + kd)]
+        biases = [(order[0].attrs.get("bias"), 0), (order[1].attrs.get("bias"), qd),
+                  (order[2].attrs.get("bias"), qd + kd)]
+    else:
+        return None
+    x, norm = L.norm_of(lins[0].inputs[0].id)
+    step = QKV(x, norm, mats, biases, a.inputs[0].id, a.attrs["layer"], spec, H, KV, hd, heads[0], heads[1])
+    return step, min(lin_idx), set(lin_idx) | set(chain)
+
+
+def fuse_qkv_attention(L: Lowering) -> None:
+    """``attention(rope(linear(h)), rope(linear(h)), linear(h))`` (three linears or one split
+    fused linear; a ``head_rms_norm`` between a linear and its rope allowed): one ``QKV`` step
+    at the first linear, then an ``Attend`` that only reads the cache."""
+    for ia, a in enumerate(L.nodes):
+        if a.op != "attention":
             continue
-        m = match_qkv(ia, a)
+        m = _match_qkv(L, ia, a)
         if m is None:
             continue
         step, first, used = m
-        done.update(used)
-        done.add(ia)
-        emit(first, step)
-        emit(ia, Attend(step.q_out, a.out.id, a.attrs["layer"], step.n_heads, step.n_kv, step.hd, a.attrs["scale"],
-                        a.attrs["window"], a.attrs.get("sinks")))
-        fused["qkv"] += 1
+        L.done.update(used)
+        L.done.add(ia)
+        L.emit(first, step)
+        L.emit(ia, Attend(step.q_out, a.out.id, a.attrs["layer"], step.n_heads, step.n_kv, step.hd,
+                          a.attrs["scale"], a.attrs["window"], a.attrs.get("sinks")))
+        L.fused["qkv"] += 1
         if step.norm is not None:
-            fused["norm_prologue"] += 1
+            L.fused["norm_prologue"] += 1
 
-    # -- GLU of two linears
+
+def fuse_glu(L: Lowering) -> None:
+    """``glu(linear(h), linear(h))`` (or the two halves of one split linear): one ``Glu`` GEMV."""
+    g, nodes = L.g, L.nodes
     for ig, n in enumerate(nodes):
-        if n.op != "glu" or not fuse or ig in done:
+        if n.op != "glu" or ig in L.done:
             continue
         ga, gb = n.inputs[0].id, n.inputs[1].id
         if g.only_reader(ga) != ig or g.only_reader(gb) != ig:
             continue
-        sa, sb = linear_src(ga), linear_src(gb)
+        sa, sb = L.linear_src(ga), L.linear_src(gb)
         if sa is None or sb is None:
             continue
         la, lb = nodes[sa[0]], nodes[sb[0]]
@@ -368,97 +396,113 @@ def plan(program, *, fuse: bool = True) -> Plan:
             split_i = g.node_of(ga)[0]
             if split_i != g.node_of(gb)[0]:
                 continue
-            done.add(split_i)
-        x, norm = norm_of(la.inputs[0].id)
+            L.done.add(split_i)
+        x, norm = L.norm_of(la.inputs[0].id)
         f = n.out.width
         ba, bb = la.attrs.get("bias"), lb.attrs.get("bias")
-        done.update({sa[0], sb[0], ig})
-        emit(min(sa[0], sb[0]), Glu(x, norm, la.attrs["weight"], sa[1], lb.attrs["weight"], sb[1], f,
-                                    (ba, sa[1]) if ba is not None else None, (bb, sb[1]) if bb is not None else None,
-                                    n.attrs["act"], n.out.id))
-        fused["glu"] += 1
+        L.done.update({sa[0], sb[0], ig})
+        L.emit(min(sa[0], sb[0]), Glu(x, norm, la.attrs["weight"], sa[1], lb.attrs["weight"], sb[1], f,
+                                      (ba, sa[1]) if ba is not None else None,
+                                      (bb, sb[1]) if bb is not None else None, n.attrs["act"], n.out.id))
+        L.fused["glu"] += 1
         if norm is not None:
-            fused["norm_prologue"] += 1
+            L.fused["norm_prologue"] += 1
 
-    # -- residual adds into the residual's buffer
-    def dead_after(vid: int, i: int, add_i: int) -> bool:
-        """Nothing but the add reads ``vid`` at or after node ``i``, and vid is defined before i."""
-        p = g.prod.get(vid)
-        if p is None or p >= i:
-            return False
-        return all(c < i or c == add_i for c in g.cons.get(vid, []))
 
+def fuse_residual_add(L: Lowering) -> None:
+    """``add(r, linear(a))`` where nothing after the linear reads the residual ``r``: the GEMV
+    adds into r's buffer (``Linear`` mode "add"); ``add(r, rms_norm(...))`` (post-norms): the
+    norm adds into r's buffer (``Norm(add=True)``). The add's output then aliases ``r``."""
+    g, nodes = L.g, L.nodes
     for i_add, n in enumerate(nodes):
-        if n.op != "add" or not fuse or i_add in done:
+        if n.op != "add" or i_add in L.done:
             continue
         for r_vid, o_vid in ((n.inputs[0].id, n.inputs[1].id), (n.inputs[1].id, n.inputs[0].id)):
             if r_vid == o_vid or g.only_reader(o_vid) != i_add:
                 continue
             io, o = g.node_of(o_vid)
-            if o is None or io in done:
+            if o is None or io in L.done:
                 continue
-            if o.op == "linear" and dead_after(r_vid, io, i_add) and rows[r_vid] == rows[o_vid]:
-                x, norm = norm_of(o.inputs[0].id)
-                done.update({io, i_add})
-                emit(io, Linear(x, norm, o.attrs["weight"], o.attrs.get("bias"), n.out.id, "add"))
-                alias[n.out.id] = r_vid
-                fused["add"] += 1
+            if o.op == "linear" and L.dead_after(r_vid, io, i_add) and L.rows[r_vid] == L.rows[o_vid]:
+                x, norm = L.norm_of(o.inputs[0].id)
+                L.done.update({io, i_add})
+                L.emit(io, Linear(x, norm, o.attrs["weight"], o.attrs.get("bias"), n.out.id, "add"))
+                L.alias[n.out.id] = r_vid
+                L.fused["add"] += 1
                 if norm is not None:
-                    fused["norm_prologue"] += 1
+                    L.fused["norm_prologue"] += 1
                 break
-            if o.op == "rms_norm" and dead_after(r_vid, io, i_add) and rows[r_vid] == rows[o_vid]:
-                done.update({io, i_add})
-                emit(io, Norm(o.inputs[0].id, o.attrs["weight"], o.attrs["eps"], n.out.id, add=True))
-                alias[n.out.id] = r_vid
-                fused["post_norm"] += 1
+            if o.op == "rms_norm" and L.dead_after(r_vid, io, i_add) and L.rows[r_vid] == L.rows[o_vid]:
+                L.done.update({io, i_add})
+                L.emit(io, Norm(o.inputs[0].id, o.attrs["weight"], o.attrs["eps"], n.out.id, add=True))
+                L.alias[n.out.id] = r_vid
+                L.fused["post_norm"] += 1
                 break
 
-    # -- everything else: one generic step per node
-    for i, n in enumerate(nodes):
-        if i in done:
+
+#: the fusion rules in the order they run (a later rule sees only the nodes earlier ones left)
+FUSION_RULES = (fuse_qkv_attention, fuse_glu, fuse_residual_add)
+
+
+def generic_steps(L: Lowering) -> None:
+    """Every node no rule consumed as its own step (an ``rms_norm`` whose readers all fold it
+    into their prologue: none; a ``split``: a view, no step). Raises PlanError for an op the
+    CUDA backend has no step for."""
+    for i, n in enumerate(L.nodes):
+        if i in L.done:
             continue
         op, A = n.op, n.attrs
         if op == "embed":
-            emit(i, Embed(n.out.id, A["table"], A["scale"]))
+            L.emit(i, Embed(n.out.id, A["table"], A["scale"]))
         elif op == "linear":
-            x, norm = norm_of(n.inputs[0].id)
-            emit(i, Linear(x, norm, A["weight"], A.get("bias"), n.out.id))
+            x, norm = L.norm_of(n.inputs[0].id)
+            L.emit(i, Linear(x, norm, A["weight"], A.get("bias"), n.out.id))
             if norm is not None:
-                fused["norm_prologue"] += 1
+                L.fused["norm_prologue"] += 1
         elif op == "rms_norm":
-            if norm_of(n.out.id)[1] is not None:
+            if L.norm_of(n.out.id)[1] is not None:
                 continue        # folded into every reader's prologue
-            emit(i, Norm(n.inputs[0].id, A["weight"], A["eps"], n.out.id))
+            L.emit(i, Norm(n.inputs[0].id, A["weight"], A["eps"], n.out.id))
         elif op == "head_rms_norm":
-            emit(i, HeadOp(n.inputs[0].id, n.out.id, A["head_dim"], w=A["weight"], eps=A["eps"]))
+            L.emit(i, HeadOp(n.inputs[0].id, n.out.id, A["head_dim"], w=A["weight"], eps=A["eps"]))
         elif op == "rope":
-            emit(i, HeadOp(n.inputs[0].id, n.out.id, A["head_dim"], spec=A["spec"]))
+            L.emit(i, HeadOp(n.inputs[0].id, n.out.id, A["head_dim"], spec=A["spec"]))
         elif op == "split":
             for o, off in zip(n.outs, A["offsets"]):
-                alias[o.id] = (n.inputs[0].id, int(off))   # a view
+                L.alias[o.id] = (n.inputs[0].id, int(off))   # a view
         elif op == "attention":
-            emit(i, KVStore(n.inputs[1].id, n.inputs[2].id, A["layer"], A["n_kv_heads"], A["head_dim"]))
-            emit(i, Attend(n.inputs[0].id, n.out.id, A["layer"], A["n_heads"], A["n_kv_heads"], A["head_dim"],
-                           A["scale"], A["window"], A.get("sinks")))
+            L.emit(i, KVStore(n.inputs[1].id, n.inputs[2].id, A["layer"], A["n_kv_heads"], A["head_dim"]))
+            L.emit(i, Attend(n.inputs[0].id, n.out.id, A["layer"], A["n_heads"], A["n_kv_heads"], A["head_dim"],
+                             A["scale"], A["window"], A.get("sinks")))
         elif op == "glu":
-            emit(i, GluRows(n.inputs[0].id, n.inputs[1].id, A["act"], n.out.id))
+            L.emit(i, GluRows(n.inputs[0].id, n.inputs[1].id, A["act"], n.out.id))
         elif op == "add":
-            emit(i, Elementwise("add", n.inputs[0].id, n.inputs[1].id, n.out.id))
+            L.emit(i, Elementwise("add", n.inputs[0].id, n.inputs[1].id, n.out.id))
         elif op == "scale":
-            emit(i, Elementwise("scale", n.inputs[0].id, None, n.out.id, A["s"]))
+            L.emit(i, Elementwise("scale", n.inputs[0].id, None, n.out.id, A["s"]))
         elif op == "softcap":
-            emit(i, Elementwise("softcap", n.inputs[0].id, None, n.out.id, A["cap"]))
+            L.emit(i, Elementwise("softcap", n.inputs[0].id, None, n.out.id, A["cap"]))
         elif op == "take_rows":
-            emit(i, TakeRows(n.inputs[0].id, n.out.id))
+            L.emit(i, TakeRows(n.inputs[0].id, n.out.id))
         elif op == "moe":
-            emit(i, MoeHost(n.inputs[0].id, n.out.id, A))
+            L.emit(i, MoeHost(n.inputs[0].id, n.out.id, A))
         else:
             raise PlanError(f"op {op!r} is not supported by the CUDA backend")
 
-    steps = [s for i in sorted(at) for s in at[i]]
-    loc, buffers = _assign(steps, alias, width, rows, g.output)
-    return Plan(steps, loc, buffers, g.output, int(program.output.width), int(program.d_model),
-                tuple(program.kv_layers), list(program.rope_specs()), fused)
+
+def plan(program, *, fuse: bool = True) -> Plan:
+    """The steps and buffers of ``program`` (an ``ops.Program``, duck-typed): the fusion rules
+    (``FUSION_RULES``, none with ``fuse=False``: every node as a generic step, the fallback
+    path tested on its own), then one generic step per node left, then buffers.
+    Raises PlanError for a program the CUDA backend cannot run."""
+    L = Lowering(program, fuse)
+    for rule in FUSION_RULES if fuse else ():
+        rule(L)
+    generic_steps(L)
+    steps = L.steps()
+    loc, buffers = _assign(steps, L.alias, L.width, L.rows, L.g.output)
+    return Plan(steps, loc, buffers, L.g.output, int(program.output.width), int(program.d_model),
+                tuple(program.kv_layers), list(program.rope_specs()), L.fused)
 
 
 # ---- buffers ----------------------------------------------------------------------------------

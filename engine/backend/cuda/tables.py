@@ -1,12 +1,12 @@
 """The device tables a CUDA decode graph reads and writes, each with its pinned host mirror.
 
-Owns (shared/DESIGN.md, "device tables"): the row table ``tab`` (4, b_max) int32: per
+Owns (DESIGN.md, "The tick": the device tables): the row table ``tab`` (4, b_max) int32: per
 batch row its token, slot and position, then the batch rows whose logits are wanted; the
 sampler table ``prm`` (b_max, P_WORDS) and the penalty history ``hist`` (b_max, H_MAX)
-(layouts in ``cuda_sampling``); the sampled ids; the publication records ``rec``
+(layouts in ``sampling.py``); the sampled ids; the publication records ``rec``
 (b_max, REC_WORDS): (tick, slot, position, token) per logits row. The host fills a
 mirror, one asynchronous copy per table moves it before a replay, and the records come
-back the same way. Leaves what the kernels do with them to ``cuda_program.py``.
+back the same way. Leaves what the kernels do with them to ``program.py`` and its steps.
 
 Rows: ``b_max`` = the slot count rounded up to a power of two, at least
 ``GRAPH_MIN_ROWS``: a replay runs up to ``b_max`` rows (decode steps of many slots, a

@@ -1,7 +1,7 @@
 """Kernel choice for one CudaProgram: its sites, and how a candidate is checked and timed.
 
 Owns: ``resolve_choices(prog)``, called once by ``CudaProgram.__init__``: the sites of the
-program (every distinct GEMV shape at every batch bucket of ``cuda_choice.TUNE_BUCKETS``,
+program (every distinct GEMV shape at every batch bucket of ``choice.TUNE_BUCKETS``,
 every distinct prefill GEMM), handed to ``kernel_choice.resolve`` with the backend's
 policy, device key and artifact path; the result fills ``prog._gv`` (GEMV variant per
 (site, bucket)) and ``prog._pm`` (GEMM mode per prefill site).
@@ -11,7 +11,7 @@ compiles every candidate once (one NVRTC module, kept in ``prog._tune_k`` so the
 does not compile them again) and, per candidate:
 * check: one launch on fixed random inputs; a GEMV variant must give the same bits as
   the site's default variant (output rows and, for QKV, the K/V it writes): batch
-  invariance depends on it; a GEMM mode must be within ``cuda_choice.PREFILL_TOL`` of
+  invariance depends on it; a GEMM mode must be within ``choice.PREFILL_TOL`` of
   float32 (relative Frobenius norm);
 * measure: a CUDA graph of launches over up to ``TUNE_LAYERS`` of the site's matrices
   (different layers: weights stream from memory as in a forward, not from L2), replayed
@@ -19,7 +19,7 @@ does not compile them again) and, per candidate:
   around ``GEMM_REPS`` calls.
 
 Leaves the decision and the artifact to ``kernel_choice``, the candidates to
-``cuda_choice``, the launches to ``cuda_program``.
+``choice.py``, the launches to ``steps.py`` (``Gemv.launch``) and ``gemm.py``.
 """
 
 from __future__ import annotations
@@ -168,9 +168,6 @@ class _Tuner:
         self._ref.clear()
 
     # ---- GEMV sites -----------------------------------------------------------------------------
-
-    def _launch(self, g, b: int, v: CC.GemvVariant) -> None:
-        self.prog_launch(g, b, v)
 
     def prog_launch(self, g, b: int, v: CC.GemvVariant) -> None:
         g.launch(self.prog, self.c, self.x.data.ptr, self.ldx, b, self.y.data.ptr, self.ldy, variant=v,

@@ -24,7 +24,6 @@ import math
 
 from aotx.engine.backend.ops import ProgramBuilder, Value
 from aotx.engine.model.architectures import common as C
-from aotx.engine.model.batch import SMALL_SEGMENT, Segment  # noqa: F401 (re-exported)
 from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.transformer import Weights
 

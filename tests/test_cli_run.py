@@ -1,10 +1,11 @@
-"""The command-line defects a new user found (fixcli, second round): a killed ``aotx run``
-left the engine writing; engine flags ignored silently by a running engine; ``--device
-cuda`` without a GPU accepted; gateway ports out of range; ``unload`` of the default
-model; the remote API key read from the engine's environment; doubled error prefixes;
-``load_s`` repeating the engine's startup time.
+"""``aotx run``: a signal (SIGTERM, SIGHUP; a second one) cancels the reply it was
+streaming, as Ctrl-C does, in one-shot and interactive use; engine flags given to a
+running engine are named, not silently ignored (a GPU or a malformed size that cannot
+be had is refused); a bad attachment named once; ``load_s`` is the load this reply paid;
+a conversation past its context says what to do; several runs started together share
+one engine; the engine's context clamp and capsule notices said in the user's words.
 
-The tests that need an engine run ``aotx serve`` on the default model (2 slots, 512
+The tests that need an engine share ``aotx serve`` on the default model (2 slots, 512
 tokens of context, CPU) on a socket of their own, with AOTX_HOME in a temporary folder.
 """
 
@@ -30,17 +31,22 @@ aotx, one_line = cli_support.aotx, cli_support.one_line
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    return tmp_path_factory.mktemp("cli-new-user")
+    return tmp_path_factory.mktemp("cli-run")
 
 
 @pytest.fixture(scope="module")
 def engine(home, default_model_path):
-    # the engine does not see VLLM_API_KEY (the remote-key test sets it for the client only)
+    # the engine does not see VLLM_API_KEY (a client-side key must not reach it)
     proc, sock = start_engine(home, None, slots=2, context=512, timeout=180,
                               sock=Path(f"/tmp/aotx-nu-{os.getpid()}.sock"), unset=("VLLM_API_KEY",))
     yield sock
     stop_engine(proc)
     sock.unlink(missing_ok=True)
+
+
+def _last_reply_conv(home: Path, sock: Path) -> str:
+    listed = json.loads(aotx(home, "conversations", "list", "--socket", str(sock), "--json").stdout)
+    return max(listed, key=lambda c: c["created_at"])["id"]
 
 
 def _last_reply(home: Path, sock: Path) -> dict:
@@ -49,9 +55,83 @@ def _last_reply(home: Path, sock: Path) -> dict:
     return shown["messages"][-1]
 
 
+# ---- without the shared engine (those that start one run before it starts) ----------------
+
+
+def test_aotx_run_says_capsule_notices_in_the_users_words_and_only_when_continuing():
+    """Regression: ``aotx run`` printed "restored 29 tokens of context from a parked capsule
+    (host memory) (no re-prefill)" on stderr for a brand-new chat."""
+    from aotx.engine.cli.client import capsule_words
+    from aotx.engine import protocol as P
+
+    picked = P.Notice(id=1, kind="capsule", resource="capsule", asked=29,
+                      message="picked up where this conversation left off (29 tokens of context kept, not read again)")
+    assert capsule_words(picked, continuing=False) == ""  # a new chat's shared start is no news
+    assert capsule_words(picked, continuing=True) == "picked up where this conversation left off"
+    again = P.Notice(id=1, kind="capsule", resource="capsule",
+                     message="reading this conversation's earlier messages again: its saved state could not be used "
+                             "(it was made by another model)")
+    words = capsule_words(again, continuing=True)
+    assert words.startswith("reading") and "capsule" not in words and "prefill" not in words
+
+
+def test_three_aotx_run_started_together_share_one_engine(tmp_path, default_model_path):
+    """Regression: `for i in 1 2 3; do aotx run ... & done` with no engine: each started one;
+    the two that lost the socket's lock exited, and their clients gave up ("the engine
+    exited with code 2 before answering: another engine is already serving ...") while the
+    winner was still loading. They now wait for it."""
+    sock = f"/tmp/aotx-three-{os.getpid()}.sock"
+    env = dict(os.environ, AOTX_HOME=str(tmp_path))
+    cmd = [sys.executable, "-m", "aotx.engine.cli.commands", "run", "--socket", sock, "--max-tokens", "2",
+           "--temperature", "0"]
+    procs = [subprocess.Popen([*cmd, f"Say hello {i}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL, text=True) for i in range(3)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-400:] for o in outs]
+        assert sum("started an engine" in o[1] for o in outs) >= 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        subprocess.run([*cmd[:3], "stop", "--socket", sock], env=env, capture_output=True, timeout=60)
+
+
+def test_run_that_starts_an_engine_says_the_engines_context_clamp(tmp_path, default_model_path):
+    """Regression: `--context` past the model's trained context was capped with a note only
+    in engine.log, which a user of `aotx run` never sees."""
+    try:
+        r = aotx(tmp_path, "run", "--context", "99999", "--max-tokens", "2", "--temperature", "0", "hi", timeout=200)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("aotx: engine: ")]
+        assert len(lines) == 1 and "--context 99999 is more than the 8192 tokens" in lines[0] \
+            and lines[0].endswith("using 8192"), r.stderr
+        # a second client of the same engine (it did not start it) says nothing again
+        r = aotx(tmp_path, "run", "--max-tokens", "2", "--temperature", "0", "hi", timeout=200)
+        assert r.returncode == 0 and "aotx: engine: " not in r.stderr, r.stderr
+    finally:
+        aotx(tmp_path, "stop", timeout=60)
+
+
+@pytest.mark.realmodel
+def test_load_s_counts_the_engine_start_this_command_waited_for(tmp_path, default_model_path):
+    """The other half: a run that started the engine reports its load as load_s."""
+    sock = tmp_path / "e.sock"
+    try:
+        r = aotx(tmp_path, "run", "--socket", str(sock), "--slots", "1", "--context", "256", "--device", "cpu",
+                 "--json", "--max-tokens", "1", "--temperature", "0", "hi")
+        assert r.returncode == 0, r.stderr
+        done = next(e for e in map(json.loads, r.stdout.splitlines()) if e["event"] == "done")
+        assert done["timings"]["load_s"] == done["timings"]["engine_load_s"] > 0.0, done["timings"]
+    finally:
+        aotx(tmp_path, "stop", "--socket", str(sock), timeout=60)
+
+
+# ---- against the shared engine --------------------------------------------------------------
+
 @pytest.mark.realmodel
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
-def test_bug1_sigterm_and_sighup_of_aotx_run_cancel_the_reply(home, engine, sig, code):
+def test_sigterm_and_sighup_of_aotx_run_cancel_the_reply(home, engine, sig, code):
     """Regression: `timeout`/`kill` (SIGTERM) or a closed terminal (SIGHUP) ended `aotx run`
     but the engine went on writing the reply and journaled it "complete" although nobody
     received it. Now both cancel it, as Ctrl-C does, and exit 128 + the signal."""
@@ -74,7 +154,7 @@ def test_bug1_sigterm_and_sighup_of_aotx_run_cancel_the_reply(home, engine, sig,
 
 
 @pytest.mark.realmodel
-def test_bug2_engine_flags_given_to_a_running_engine_are_named_not_silently_ignored(home, engine):
+def test_engine_flags_given_to_a_running_engine_are_named_not_silently_ignored(home, engine):
     """Regression: `aotx run --context 8192 --slots 4 --kv-type f32` against a running engine
     exited 0 and said nothing; status still showed the running engine's sizes."""
     r = aotx(home, "run", "--socket", str(engine), "--slots", "4", "--context", "1024", "--kv-type", "f32",
@@ -90,8 +170,8 @@ def test_bug2_engine_flags_given_to_a_running_engine_are_named_not_silently_igno
 
 @pytest.mark.realmodel
 def test_device_cuda_or_a_bad_budget_against_a_running_cpu_engine_is_refused(home, engine):
-    """Regression (helper-28): `aotx run --device cuda "hi"` with a CPU engine running only
-    warned and answered on the CPU (rc 0), and `--memory-budget 5X` only warned "ignores
+    """Regression: `aotx run --device cuda "hi"` with a CPU engine running only warned and
+    answered on the CPU (rc 0), and `--memory-budget 5X` only warned "ignores
     --memory-budget 5X". The GPU that was asked for cannot be had without a restart, and a
     malformed size is a usage error: one line each, exit 2, nothing submitted."""
     n = len(json.loads(aotx(home, "conversations", "list", "--socket", str(engine), "--json").stdout))
@@ -107,7 +187,7 @@ def test_device_cuda_or_a_bad_budget_against_a_running_cpu_engine_is_refused(hom
 
 @pytest.mark.realmodel
 def test_a_second_signal_keeps_the_first_ones_exit_code(home, engine):
-    """Regression (helper-28): SIGTERM then SIGHUP 10 ms apart exited 129, not 143."""
+    """Regression: SIGTERM then SIGHUP 10 ms apart exited 129, not 143."""
     env = dict(os.environ, AOTX_HOME=str(home))
     proc = subprocess.Popen([sys.executable, "-m", "aotx.engine.cli.commands", "run", "--socket", str(engine),
                              "--temperature", "0", "--max-tokens", "400", "Write a very long story about a dog."],
@@ -125,81 +205,8 @@ def test_a_second_signal_keeps_the_first_ones_exit_code(home, engine):
             proc.kill()
 
 
-def _has_cuda() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001
-        return False
-
-
-@pytest.mark.skipif(_has_cuda(), reason="this machine has a CUDA device")
-@pytest.mark.parametrize("argv", [["serve", "--device", "cuda"], ["run", "--device", "cuda", "hi"]])
-def test_bug5_device_cuda_without_a_gpu_is_an_error_not_a_cpu_engine(tmp_path, argv):
-    """Regression: `aotx serve --device cuda` (or `aotx run --device cuda` starting an
-    engine) on a machine without a GPU warned "the engine runs on the cpu" and went on.
-    Now it is one line saying why, exit 2, and no engine is started."""
-    r = aotx(tmp_path, *argv, "--socket", str(tmp_path / "e.sock"), timeout=60)
-    assert r.returncode == 2
-    line = one_line(r)
-    assert line.startswith("aotx: --device cuda: ") and ("CuPy" in line or "no CUDA device" in line), line
-    assert "started an engine" not in r.stderr and not (tmp_path / "engine.log").exists()
-
-
-@pytest.mark.skipif(_has_cuda(), reason="this machine has a CUDA device")
-def test_a_refused_gateway_start_writes_no_key_file(tmp_path):
-    """Regression (helper-26's note): `aotx gateway --device cuda` without a GPU (and no
-    engine) wrote a new API key file before the engine's refusal stopped it. The key of a
-    first start is now written once an engine answers."""
-    r = aotx(tmp_path, "gateway", "--port", "0", "--device", "cuda", "--socket", str(tmp_path / "e.sock"),
-             timeout=60)
-    assert r.returncode == 2
-    assert "--device cuda: " in one_line(r)
-    assert not (tmp_path / "gateway" / "api_keys").exists()
-
-
-def test_bug5_device_auto_still_falls_back_to_the_cpu():
-    from aotx.engine.cli.serve import pick_device
-
-    assert pick_device("auto") == ("cuda" if _has_cuda() else "cpu")
-    assert pick_device("cpu") == "cpu"
-
-
-@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
-def test_bug3_gateway_port_out_of_range_is_a_usage_error(tmp_path, port):
-    """Regression: `aotx gateway --port 99999` was accepted and served on another port.
-    Now 0..65535 (0: a free port), else one line, exit 2, and no key file written."""
-    r = aotx(tmp_path, "gateway", "--port", port, timeout=60)
-    assert r.returncode == 2
-    assert one_line(r) == f"aotx: gateway: --port must be between 0 and 65535, got {port}"
-    assert not (tmp_path / "gateway").exists()
-
-
 @pytest.mark.realmodel
-def test_bug4_unload_of_the_default_model_is_refused_and_it_stays_loaded(home, engine):
-    """Regression: `aotx unload <default model>` said "unloaded" and left no model loaded
-    although the README says the default model stays."""
-    default = json.loads(aotx(home, "status", "--socket", str(engine), "--json").stdout)["model"]
-    r = aotx(home, "unload", default, "--socket", str(engine))
-    assert r.returncode == 2 and r.stdout == ""
-    assert one_line(r) == (f"aotx: {default} is the engine's default model: it stays loaded (unload the models "
-                           f"loaded beside it; `aotx stop` frees all of them)")
-    listed = json.loads(aotx(home, "models", "--socket", str(engine), "--json").stdout)
-    assert next(m for m in listed["models"] if m["name"] == default)["loaded"] is True
-
-
-@pytest.mark.parametrize("prompt,words", [("", "empty"), ("   \n\t", "blank (only whitespace)")])
-def test_bug7_an_empty_or_blank_prompt_is_one_line_with_one_prefix(tmp_path, prompt, words):
-    """Regression: `aotx run ""` said "aotx: aotx run: the prompt is empty"; a prompt of
-    spaces was sent to the model."""
-    r = aotx(tmp_path, "run", "--socket", str(tmp_path / "e.sock"), prompt, timeout=60)
-    assert r.returncode == 2 and one_line(r) == f"aotx: run: the prompt is {words}"
-    assert not (tmp_path / "engine.log").exists()  # refused before an engine was started
-
-
-@pytest.mark.realmodel
-def test_bug7_a_bad_attachment_is_named_once_on_one_line(home, engine, tmp_path):
+def test_a_bad_attachment_is_named_once_on_one_line(home, engine, tmp_path):
     """Regression: `--attach README.md` printed "README.md: README.md: not an image…", and
     printed it twice (the media notice, then the refusal)."""
     notes = tmp_path / "notes.md"
@@ -211,19 +218,7 @@ def test_bug7_a_bad_attachment_is_named_once_on_one_line(home, engine, tmp_path)
 
 
 @pytest.mark.realmodel
-def test_bug7_fork_of_one_message_says_message_not_messages(home, engine):
-    """Regression: "forked from c… with 1 messages"."""
-    r = aotx(home, "run", "--socket", str(engine), "--json", "--max-tokens", "1", "--temperature", "0", "hi")
-    conv = next(e for e in map(json.loads, r.stdout.splitlines()) if e["event"] == "done")["conversation"]
-    shown = json.loads(aotx(home, "conversations", "show", conv, "--socket", str(engine), "--json").stdout)
-    first = shown["messages"][0]["msg_id"]
-    f = aotx(home, "conversations", "fork", conv, "--at", first, "--socket", str(engine))
-    assert f.returncode == 0, f.stderr
-    assert f"forked from {conv} with 1 message; continue" in f.stdout, f.stdout
-
-
-@pytest.mark.realmodel
-def test_bug8_load_s_is_the_load_this_reply_paid_not_the_engines_startup(home, engine):
+def test_load_s_is_the_load_this_reply_paid_not_the_engines_startup(home, engine):
     """Regression: `aotx run --json`'s done.timings.load_s repeated the engine's startup
     time (13.5 s) on every reply to an engine that had long loaded its model."""
     r = aotx(home, "run", "--socket", str(engine), "--json", "--max-tokens", "1", "--temperature", "0", "hi")
@@ -233,21 +228,7 @@ def test_bug8_load_s_is_the_load_this_reply_paid_not_the_engines_startup(home, e
 
 
 @pytest.mark.realmodel
-def test_bug8_load_s_counts_the_engine_start_this_command_waited_for(tmp_path, default_model_path):
-    """The other half: a run that started the engine reports its load as load_s."""
-    sock = tmp_path / "e.sock"
-    try:
-        r = aotx(tmp_path, "run", "--socket", str(sock), "--slots", "1", "--context", "256", "--device", "cpu",
-                 "--json", "--max-tokens", "1", "--temperature", "0", "hi")
-        assert r.returncode == 0, r.stderr
-        done = next(e for e in map(json.loads, r.stdout.splitlines()) if e["event"] == "done")
-        assert done["timings"]["load_s"] == done["timings"]["engine_load_s"] > 0.0, done["timings"]
-    finally:
-        aotx(tmp_path, "stop", "--socket", str(sock), timeout=60)
-
-
-@pytest.mark.realmodel
-def test_bug1_sigterm_of_the_interactive_aotx_run_cancels_the_reply_too(home, engine):
+def test_sigterm_of_the_interactive_aotx_run_cancels_the_reply_too(home, engine):
     """The chat of `aotx run` (no prompt, at a terminal): SIGTERM mid-reply cancelled
     nothing either. Now it cancels the reply and ends the chat with 143."""
     import pty
@@ -286,9 +267,9 @@ def test_bug1_sigterm_of_the_interactive_aotx_run_cancels_the_reply_too(home, en
 
 
 def test_a_conversation_past_its_context_is_one_line_with_what_to_do(home, engine):
-    """Regression (new-user trial, session 4): continuing a conversation that had filled its
-    context printed two lines ("the prompt is 143 tokens; the context holds 128 ..." and
-    "prompt of 143 tokens does not fit ...") and no way forward."""
+    """Regression: continuing a conversation that had filled its context printed two lines
+    ("the prompt is 143 tokens; the context holds 128 ..." and "prompt of 143 tokens does
+    not fit ...") and no way forward."""
     first = aotx(home, "run", "--socket", str(engine), "--max-tokens", "1", "--temperature", "0", "Hello there.")
     assert first.returncode == 0, first.stderr
     conv = _last_reply_conv(home, engine)
@@ -296,22 +277,3 @@ def test_a_conversation_past_its_context_is_one_line_with_what_to_do(home, engin
     assert r.returncode == 2
     line = one_line(r)
     assert "the context holds 512" in line and f"aotx conversations fork {conv} --at" in line, line
-
-
-def _last_reply_conv(home: Path, sock: Path) -> str:
-    listed = json.loads(aotx(home, "conversations", "list", "--socket", str(sock), "--json").stdout)
-    return max(listed, key=lambda c: c["created_at"])["id"]
-
-
-def test_conversations_delete_from_the_cli(home, engine):
-    """Regression (new-user trial, session 4): `aotx conversations delete ID` was "unknown
-    conversations command 'delete'" (only F8 in aotx-chat deleted)."""
-    r = aotx(home, "run", "--socket", str(engine), "--max-tokens", "1", "--temperature", "0", "Delete me later.")
-    assert r.returncode == 0, r.stderr
-    conv = _last_reply_conv(home, engine)
-    d = aotx(home, "conversations", "delete", conv, "--socket", str(engine))
-    assert d.returncode == 0 and d.stdout.startswith(f"deleted {conv}  “Delete me later.”"), d.stdout + d.stderr
-    listed = json.loads(aotx(home, "conversations", "list", "--socket", str(engine), "--json").stdout)
-    assert conv not in {c["id"] for c in listed}
-    again = aotx(home, "conversations", "delete", conv, "--socket", str(engine))
-    assert again.returncode == 2 and conv in one_line(again)

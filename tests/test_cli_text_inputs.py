@@ -1,0 +1,89 @@
+"""Text that is not valid Unicode and numbers out of range: one line naming the field.
+
+``aotx run`` with bytes that are not UTF-8 in its arguments or on standard input used
+to end in a ``UnicodeEncodeError`` traceback (``encode_frame``), and a
+``--max-tokens`` of 30 digits in an ``OverflowError`` one. Now each is one line on
+stderr naming the field, exit code 2, nothing started. On the socket, a frame whose
+text fields are not UTF-8 gets an ``Error`` reply and the connection goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from aotx.engine import protocol as P
+from aotx.engine.errors import ErrorCode, ProtocolError
+from tests.test_connections import hello_frame, raw_client, read_frame, serve_null  # noqa: F401 (a fixture)
+
+BIG = "1" + "0" * 29
+
+
+def aotx(tmp_path, *args: bytes | str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, AOTX_HOME=str(tmp_path / "home"), PYTHONDONTWRITEBYTECODE="1")
+    argv = [os.fsencode(sys.executable), b"-m", b"aotx.engine.cli.commands",
+            *[a if isinstance(a, bytes) else a.encode() for a in args]]
+    return subprocess.run(argv, input=stdin if stdin is not None else b"", capture_output=True, env=env, timeout=120)
+
+
+def one_line(r: subprocess.CompletedProcess, *needles: str) -> str:
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 2, (r.returncode, err)
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    line = err.splitlines()[0]
+    assert line.startswith("aotx: "), line
+    for n in needles:
+        assert n in line, (n, line)
+    assert r.stdout == b""
+    return line
+
+
+@pytest.mark.parametrize("args,needles", [
+    ((b"run", b"hi \xff there"), ("the prompt: not valid UTF-8", "byte 0xff at character 3")),
+    ((b"run", b"--stop", b"\xfe", b"hi"), ("--stop: not valid UTF-8", "byte 0xfe")),
+    ((b"run", b"--system", b"be \xc3", b"hi"), ("--system: not valid UTF-8", "byte 0xc3")),
+    ((b"conversations", b"show", b"c\xff"), ("the id: not valid UTF-8",)),
+])
+def test_argv_that_is_not_utf8_is_one_line_naming_the_flag(tmp_path, args, needles):
+    """Bytes that are not UTF-8 on the command line reached encode_frame as lone
+    surrogates: a UnicodeEncodeError traceback."""
+    one_line(aotx(tmp_path, *args), *needles)
+    assert not (tmp_path / "home" / "run").exists() or not list((tmp_path / "home" / "run").glob("*.sock"))
+
+
+@pytest.mark.parametrize("args", [(b"run",), (b"run", b"-")])
+def test_stdin_that_is_not_utf8_is_one_line(tmp_path, args):
+    one_line(aotx(tmp_path, *args, stdin=b"hello \x80\x81 world"),
+             "standard input (the prompt) is not valid UTF-8", "byte 0x80 at byte 6")
+
+
+@pytest.mark.parametrize("flag", ["--max-tokens", "--top-k", "--seed"])
+def test_an_integer_too_big_for_the_protocol_is_one_line_naming_the_flag(tmp_path, flag):
+    """``--max-tokens`` with 30 digits passed the range check (no upper bound) and ended
+    in OverflowError in the encoder."""
+    one_line(aotx(tmp_path, "run", flag, BIG, "hi"), f"{flag} must be", f"got {BIG}")
+
+
+def test_the_encoder_names_a_field_that_cannot_be_utf8():
+    msg = P.SubmitMessage(id=1, conv_id="c", text="ok", sampling=P.SamplingParams(stop=["fine", "bad \udcff"]))
+    with pytest.raises(ProtocolError, match=r"SubmitMessage: sampling.stop\[1\] is not valid UTF-8"):
+        P.encode_frame(msg)
+    with pytest.raises(ProtocolError, match="a number is out of range"):
+        P.encode_frame(P.SubmitMessage(id=1, conv_id="c", text="x", sampling=P.SamplingParams(max_tokens=1 << 70)))
+
+
+def test_a_frame_whose_text_is_not_utf8_gets_an_error_reply_and_the_connection_goes_on(serve_null):  # noqa: F811
+    _, path = serve_null()
+    s = raw_client(path)
+    assert isinstance(read_frame(s), P.Welcome)
+    good = P.encode_frame(P.SubmitMessage(id=5, conv_id="c", text="abc"))[4:]
+    for bad in (good.replace(b"\xa3abc", b"\xa3a\xff\xfe"), good.replace(b"\xa3abc", b"\xa3\xed\xa0\x80")):
+        s.sendall(len(bad).to_bytes(4, "big") + bad)
+        err = read_frame(s)
+        assert isinstance(err, P.Error) and err.code == ErrorCode.BAD_FRAME and "UTF-8" in err.message, err
+    s.sendall(P.encode_frame(P.Status(id=6)))
+    assert isinstance(read_frame(s), P.Ok)
+    s.close()
