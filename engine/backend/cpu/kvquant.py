@@ -42,63 +42,90 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import _blocks, _job, _max, attended_keys, checked_sinks
-from .fdot import dots, exp_nonpos, f2h_bits, fma32
-from .llvm_ir import bits_f32
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-QUANT_TYPES = ("q8_0", "q4_0")
-BLOCK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+from aotx.engine.backend.kvformat import BLOCK, BLOCK_BYTES, QUANT_TYPES, hadamard, row_bytes, rotations  # noqa: F401
+
+from .attention import _blocks, _job, _max, attended_keys, checked_sinks
+from .fdot import _fma_v, _widen, dots, exp_nonpos, f2h_bits, fma32
+from .llvm_ir import _ptr, _splat, _splat_value
+
 KIND = {"q8_0": 0, "q4_0": 1}    # the kernels' argument
 CHUNK = 32                       # positions dequantized at a time (a tile that stays in L1)
-
-
 NO_ROTATION = np.zeros((1, 1), np.float32)   # the kernels' rotation argument when there is none
 
 
-def hadamard(n: int) -> np.ndarray:
-    """The (n, n) Walsh-Hadamard matrix (Sylvester's; n a power of two) times 1/sqrt(n):
-    orthonormal, symmetric, its own inverse. float32."""
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return (h / np.sqrt(n)).astype(np.float32)
+_F32, _I8, _I16, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V8I16, _V8F32 = ir.VectorType(_I16, 8), ir.VectorType(_F32, 8)
+_V16I8, _V16F32 = ir.VectorType(_I8, 16), ir.VectorType(_F32, 16)
+_V32I8, _V32F32 = ir.VectorType(_I8, 32), ir.VectorType(_F32, 32)
 
 
-def rotations(head_dim: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(K's rotation, V's) of a quantized cache of this head size, as llama.cpp chooses
-    them (``attn_rot_k``, ``attn_rot_v``: a head size that is a multiple of 64; K by the
-    largest power of two from 64 up dividing it, V by 64), or None."""
-    if head_dim % 64:
-        return None
-    nk = 64
-    while head_dim % (2 * nk) == 0:
-        nk *= 2
-    return hadamard(nk), hadamard(64)
+def _deq_codegen(context, builder, sig, args):
+    kind = sig.args[0].literal_value
+    intp = context.get_value_type(types.intp)
+    _, src_ty, _, _, dst_ty, _ = sig.args
+    _, src, off, nb, dst, doff = args
+    bb = 34 if kind == 0 else 18
+    sp = _ptr(builder, context, src_ty, src, off, _I8)
+    dp = _ptr(builder, context, dst_ty, dst, doff, _F32)
+    with cgutils.for_range(builder, nb, intp=intp) as loop:
+        blk = builder.gep(sp, [builder.mul(loop.index, ir.Constant(intp, bb))])
+        h = builder.load(builder.bitcast(blk, _I16.as_pointer()), align=1)
+        d = builder.extract_element(_widen(builder, _splat_value(builder, _V8I16, h), "f16"), ir.Constant(_I32, 0))
+        out = builder.gep(dp, [builder.mul(loop.index, ir.Constant(intp, BLOCK))])
+        qp = builder.gep(blk, [ir.Constant(intp, 2)])
+        if kind == 0:                          # d * q, q the 32 int8
+            v = builder.load(builder.bitcast(qp, _V32I8.as_pointer()), align=1)
+            f = builder.fmul(_splat_value(builder, _V32F32, d), builder.sitofp(v, _V32F32))
+            builder.store(f, builder.bitcast(out, _V32F32.as_pointer()), align=4)
+        else:                                  # d * (nibble - 8): low nibbles the first 16, high the rest
+            v = builder.load(builder.bitcast(qp, _V16I8.as_pointer()), align=1)
+            halves = (builder.and_(v, _splat(_V16I8, 15)), builder.lshr(v, _splat(_V16I8, 4)))
+            for k, part in enumerate(halves):
+                f = builder.fsub(builder.uitofp(part, _V16F32), _splat(_V16F32, 8.0))
+                f = builder.fmul(_splat_value(builder, _V16F32, d), f)
+                builder.store(f, builder.bitcast(builder.gep(out, [ir.Constant(intp, 16 * k)]),
+                                                 _V16F32.as_pointer()), align=4)
+    return context.get_dummy_value()
 
 
-def row_bytes(kv_type: str, head_dim: int) -> int:
-    """Bytes of one head's row of ``head_dim`` values. Raises ValueError when the head
-    size is not a multiple of the 32-value block."""
-    if head_dim % BLOCK:
-        raise ValueError(f"KV cache type {kv_type} stores blocks of {BLOCK} values: a head size of {head_dim} is not "
-                         f"a multiple of {BLOCK} (use --kv-type f16)")
-    return head_dim // BLOCK * BLOCK_BYTES[kv_type]
+@intrinsic(prefer_literal=True)
+def deq_blocks(typingctx, kind, src, off, nb, dst, doff):
+    """deq_blocks(kind, src, off, nb, dst, doff): the ``nb`` blocks at byte ``off`` of src
+    (uint8) dequantized into dst[doff : doff + 32 nb] (float32): kind (a literal) 0 for
+    q8_0, 1 for q4_0. d * q, exact in float32; d converted exactly (F16C's vcvtph2ps where
+    the CPU has it, integer operations elsewhere)."""
+    if not isinstance(kind, types.IntegerLiteral) or kind.literal_value not in (0, 1):
+        raise TypeError("deq_blocks: kind must be a literal 0 (q8_0) or 1 (q4_0)")
+    return types.void(kind, src, off, nb, dst, doff), _deq_codegen
 
 
-@njit(cache=True, inline="always", error_model="numpy")
-def h2f1(h):
-    """float16 bits (an unsigned integer) -> float32, exactly."""
-    h = np.uint32(h)
-    s = (h & np.uint32(0x8000)) << np.uint32(16)
-    e = (h >> np.uint32(10)) & np.uint32(0x1F)
-    m = h & np.uint32(0x3FF)
-    if e == 0:                                    # zero or subnormal: m * 2^-24
-        v = np.float32(m) * np.float32(5.9604644775390625e-08)
-        return -v if s else v
-    if e == 31:
-        return bits_f32(np.int32(s | np.uint32(0x7F800000) | (m << np.uint32(13))))
-    return bits_f32(np.int32(s | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))))
+def _fma_rows_codegen(context, builder, sig, args):
+    intp = context.get_value_type(types.intp)
+    _, src_ty, _, dst_ty, _, _ = sig.args
+    w, src, soff, dst, doff, n = args
+    sp = _ptr(builder, context, src_ty, src, soff, _F32)
+    dp = _ptr(builder, context, dst_ty, dst, doff, _F32)
+    wv = _splat_value(builder, _V8F32, w)
+    with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(intp, 8)), intp=intp) as loop:
+        i = builder.mul(loop.index, ir.Constant(intp, 8))
+        a = builder.bitcast(builder.gep(sp, [i]), _V8F32.as_pointer())
+        o = builder.bitcast(builder.gep(dp, [i]), _V8F32.as_pointer())
+        builder.store(_fma_v(builder, wv, builder.load(a, align=4), builder.load(o, align=4)), o, align=4)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def fma_row(typingctx, w, src, soff, dst, doff, n):
+    """fma_row(w, src, soff, dst, doff, n): dst[doff + i] = fma(w, src[soff + i], dst[doff + i])
+    for i < n (a multiple of 8), one rounding each: the weighted sum's step, 8 lanes at a time."""
+    if w != types.float32:
+        raise TypeError("fma_row: w must be float32")
+    return types.void(w, src, soff, dst, doff, n), _fma_rows_codegen
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -137,22 +164,12 @@ def _quant_block(x, xo, out, oo, kind):
 @njit(cache=True, inline="always", error_model="numpy")
 def _dequant(src, si, off, n_rows, rb, hd, kind, dst):
     """``n_rows`` rows of blocks from byte ``off`` of ``src`` (uint8; ``si`` the same
-    bytes as int8) -> dst[0 : n_rows * hd] float32, exactly."""
-    bb = 34 if kind == 0 else 18
-    for t in range(n_rows):
-        o = off + t * rb
-        for b in range(hd // BLOCK):
-            ob = o + b * bb
-            d = h2f1(np.uint32(src[ob]) | (np.uint32(src[ob + 1]) << np.uint32(8)))
-            base = t * hd + b * BLOCK
-            if kind == 0:
-                for j in range(BLOCK):
-                    dst[base + j] = d * np.float32(si[ob + 2 + j])
-            else:
-                for j in range(16):
-                    q = np.int32(src[ob + 2 + j])
-                    dst[base + j] = d * np.float32((q & 15) - 8)
-                    dst[base + 16 + j] = d * np.float32((q >> 4) - 8)
+    bytes as int8, unused) -> dst[0 : n_rows * hd] float32, exactly (a row's blocks are
+    consecutive: one ``deq_blocks`` call)."""
+    if kind == 0:
+        deq_blocks(0, src, off, n_rows * (hd // BLOCK), dst, 0)
+    else:
+        deq_blocks(1, src, off, n_rows * (hd // BLOCK), dst, 0)
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -311,10 +328,8 @@ def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, win
             cn = min(CHUNK, n - c0)
             _dequant(V, Vi, kb + c0 * rb, cn, rb, hd, kind, kt)
             for t in range(cn):
-                for gi in range(G):
-                    w = sc[gi, c0 + t]
-                    for d in range(hd):      # per element, positions in increasing order (axpy's)
-                        o[gi, d] = fma32(w, kt[t * hd + d], o[gi, d])
+                for gi in range(G):          # per element, positions in increasing order (axpy's)
+                    fma_row(sc[gi, c0 + t], kt, t * hd, o, gi * hd, hd)
         for gi in range(G):
             dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
             d_sum = den[0]
