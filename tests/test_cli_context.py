@@ -56,3 +56,7 @@ def test_run_says_where_earlier_messages_left_the_prompt(home, engine):
     stopped = run(home, engine, "--conversation", conv, "--context-policy", "stop", LONG + LONG)
     assert stopped.returncode == 2
     assert "`/context rolling`" in stopped.stderr and "context holds 256" in stopped.stderr, stopped.stderr
+    shown = aotx(home, "conversations", "show", conv, "--socket", str(engine))
+    assert shown.returncode == 0, shown.stderr
+    assert "context policy: stop" in shown.stdout
+    assert shown.stdout.count("✂ 2 earlier messages") == 2, shown.stdout      # the two replies whose prompts were cut
