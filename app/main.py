@@ -38,6 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--theme", choices=sorted(THEMES), help="colour theme (remembered; F6 switches)")
     p.add_argument("--socket",
                    help="Unix socket of the engine (default: in the runtime dir; under $AOTX_HOME when set)")
+    from aotx.engine.present import config as cli_config
+    from aotx.engine.errors import AotxError
+
+    try:  # the config file's defaults (model, device, theme); flags still win
+        cli_config.apply(p, *cli_config.load())
+    except AotxError as e:
+        p.exit(2, f"aotx-chat: {e}\n")
     return p.parse_args(argv)
 
 

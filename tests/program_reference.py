@@ -111,16 +111,49 @@ def _moe(x: np.ndarray, a: dict, mats: dict) -> np.ndarray:
     return out
 
 
-def reference_logits(program, tokens, n_ctx: int | None = None) -> np.ndarray:
+def _short_conv(x: np.ndarray, w: np.ndarray, act: str) -> np.ndarray:
+    """ops.ProgramBuilder.short_conv from position 0 (zero state): out[t] = sum_j w[:, j] x[t-K+1+j]."""
+    n, C = x.shape
+    K = w.shape[1]
+    u = np.concatenate([np.zeros((K - 1, C)), x])
+    y = sum(w[:, j] * u[j:j + n] for j in range(K))
+    return y / (1.0 + np.exp(-y)) if act == "silu" else y
+
+
+def _delta_rule(q, k, v, alpha, beta, a: dict) -> np.ndarray:
+    """ops.ProgramBuilder.delta_rule from position 0 (zero state), in float64: per value
+    head h (key head h % n_k_heads, or h // (H / n_k_heads) for "grouped" key_heads),
+    S = exp(g) S; d = b (v - S^T k); S += k d^T; o = scale S^T q."""
+    n = q.shape[0]
+    Hk, H, S = a["n_k_heads"], a["n_v_heads"], a["head_dim"]
+    A, dtb = np.asarray(a["a"], np.float64), np.asarray(a["dt_bias"], np.float64)
+    q, k, v = q.reshape(n, Hk, S), k.reshape(n, Hk, S), v.reshape(n, H, S)
+    x = alpha + dtb
+    g = A * np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+    b = 1.0 / (1.0 + np.exp(-beta))
+    out = np.zeros((n, H, S))
+    for h in range(H):
+        St = np.zeros((S, S))
+        hk = h % Hk if a.get("key_heads", "tiled") == "tiled" else h // (H // Hk)
+        for t in range(n):
+            St = np.exp(g[t, h]) * St
+            d = b[t, h] * (v[t, h] - St.T @ k[t, hk])
+            St = St + np.outer(k[t, hk], d)
+            out[t, h] = a["scale"] * (St.T @ q[t, hk])
+    return out.reshape(n, H * S)
+
+
+def reference_logits(program, tokens, n_ctx: int | None = None, inputs: dict | None = None) -> np.ndarray:
     """(n, vocab) float64 logits of ``tokens`` (one sequence from position 0). ``n_ctx``:
     the context size a KV cache would have (it selects Phi-3's long or short RoPE factors;
-    default len(tokens))."""
+    default len(tokens)); ``inputs``: the rows of the program's ``input`` ops by name."""
     tokens = np.asarray(tokens, np.int64)
     n = tokens.shape[0]
     n_ctx = n if n_ctx is None else n_ctx
     positions = np.arange(n)
     mats: dict = {}
     env: dict[int, np.ndarray] = {}
+    kvs: dict[int, tuple[np.ndarray, np.ndarray]] = {}     # attention layer -> its K and V
     for node in program.nodes:
         a, op = node.attrs, node.op
         x = [env[v.id] for v in node.inputs]
@@ -142,7 +175,12 @@ def reference_logits(program, tokens, n_ctx: int | None = None) -> np.ndarray:
         elif op == "rope":
             y = _rope(x[0], a["spec"], a["head_dim"], positions, n_ctx)
         elif op == "attention":
+            kvs[a["layer"]] = (x[1], x[2])
             y = _attention(x[0], x[1], x[2], a)
+        elif op == "shared_attention":
+            y = _attention(x[0], *kvs[a["layer"]], a)
+        elif op == "lookup":
+            y = _matrix(a["table"], mats)[tokens] * a["scale"]
         elif op == "glu":
             g = x[0]
             act = g / (1.0 + np.exp(-g)) if a["act"] == "silu" else \
@@ -158,6 +196,25 @@ def reference_logits(program, tokens, n_ctx: int | None = None) -> np.ndarray:
             y = x[0]
         elif op == "moe":
             y = _moe(x[0], a, mats)
+        elif op == "short_conv":
+            y = _short_conv(x[0], np.asarray(a["weight"], np.float64), a["act"])
+        elif op == "delta_rule":
+            y = _delta_rule(*x, a)
+        elif op == "l2_norm":
+            hd = a["head_dim"]
+            x3 = x[0].reshape(n, -1, hd)
+            y = (x3 / np.sqrt(np.sum(x3 * x3, axis=-1, keepdims=True) + a["eps"])).reshape(n, -1)
+        elif op == "sigmoid_gate":
+            y = x[0] / (1.0 + np.exp(-x[1]))
+        elif op == "input":
+            y = np.asarray(inputs[a["name"]], np.float64)
+        elif op == "concat":
+            y = np.concatenate([x[0], x[1]], axis=1)
+        elif op == "deinterleave":
+            x4 = x[0].reshape(n, -1, a["parts"], a["head_dim"])
+            for j, o in enumerate(node.outs):
+                env[o.id] = x4[:, :, j, :].reshape(n, -1)
+            continue
         else:
             raise ValueError(f"unknown op {op!r}")
         env[node.out.id] = y

@@ -10,7 +10,8 @@ list: a llama file per tensor type the CPU runs, and every architecture of
 tests/models.TINY and .MOE): several sequences are fed to one KV cache
 through a random schedule - random slots, random chunk lengths (decode rows, verify
 windows, prefill chunks), several sequences per batch in random order, and verify windows
-whose draft tokens are rejected and rolled back (kv.clear) before the true tokens come -
+whose draft tokens are rejected and rolled back (kv.clear, and a hybrid model's recurrent
+state with kv.state.rollback) before the true tokens come -
 and every logits row must be bit-identical to the same row of the sequence computed
 alone in slot 0 of a fresh cache, in one segment. Bounded for CI: a few examples per
 file, sequences of at most 24 tokens, 2-layer models.
@@ -43,11 +44,11 @@ def _llama_types() -> list[T]:
 
 
 def _architectures() -> list[str]:
-    """The names of tests/models.TINY (every tiny architecture file) and tests/models.MOE
-    (the tiny mixture-of-experts files)."""
+    """The names of tests/models.TINY (every tiny architecture file), tests/models.MOE
+    (the tiny mixture-of-experts files) and tests/models.HYBRID (qwen35, qwen35moe, gemma4)."""
     import tests.models as models
 
-    return sorted(models.TINY) + sorted(getattr(models, "MOE", {}))
+    return sorted(models.TINY) + sorted(getattr(models, "MOE", {})) + sorted(getattr(models, "HYBRID", {}))
 
 
 def tiny_file_names() -> list[str]:
@@ -162,6 +163,8 @@ def test_every_logits_row_equals_the_row_computed_alone(name, tiny_file):
                 row += n_true + n_draft
                 if n_draft:                    # the verify window's rejected drafts: roll back their KV
                     kv.clear(slots[i], pos[i] + n_true, pos[i] + n_true + n_draft)
+                    if getattr(kv, "state", None) is not None:   # and a hybrid model's recurrent state
+                        kv.state.rollback(slots[i], pos[i] + n_true)
                 pos[i] += n_true
 
     check()

@@ -33,7 +33,7 @@ def test_dry_run_of_every_cuda_path_passes_the_launch_checks():
     assert "dry run OK" in out
     # every kernel family the backend has was launched at least once
     for k in ("gemv", "row_scale", "rows_half", "dequant_h", "dequant", "attn_decode", "head_rope_kv", "embed",
-              "sample_rows", "causal_softmax", "kv_store", "head_ops", "persistent_step", "attn_prefill"):
+              "sample_rows", "causal_softmax", "kv_store", "head_ops", "persistent_step", "attn_prefill", "mmq"):
         assert k in out.split("kernels:")[-1], k
     reused = re.search(r"artifact reused: \d+ launches; kernel choice: (\d+) of (\d+) sites from the artifact", out)
     assert reused and reused.group(1) == reused.group(2), out   # the tuner's artifact is reused without timing

@@ -311,3 +311,45 @@ def test_a_tool_call_block_written_twice_is_one_call():
             got_content, got_calls, ids = _stream("hermes", text, list(range(step, len(text), step)))
             assert [a for _, a in got_calls] == want, (text, step, got_calls)
             assert ids == [f"call_m1_{i}" for i in range(len(want))] and got_content == ""
+
+
+@pytest.mark.parametrize("family,text,whole", [
+    ("hermes", "Hello there, no call.", True),
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>', True),
+    ("hermes", '<tool_call>\n{"name": "sayHelloWorld", "arguments": {}}\n</tool_call>', False),  # undeclared
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Rome"}}\n</tool_call>', False),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": }', False),  # malformed
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Oslo"}}', True),  # a bare call, declared
+    ("hermes", '{"name": "nope", "arguments": {}}', False),
+    ("hermes", "I would write <tool_call]> here", True),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}', True),
+    ("llama3_json", '{"name": "nope", "parameters": {}}', False),
+    ("llama3_json", "Plain words.", True),
+])
+def test_auto_grammar_holds_calls_to_the_declared_tools(smol_tok, family, text, whole):
+    """With tool_choice auto a call to a tool that was never declared came back as a tool
+    call, and a malformed one as plain text. The lazy grammar lets free text through and,
+    once a call opens, only a declared name and arguments its schema takes; ``whole``:
+    the text is a complete reply under it (it may end there)."""
+    pytest.importorskip("llguidance")
+    from aotx.engine.runtime.constraints import Compiler
+
+    c = Compiler(smol_tok)
+    g = c.compile("lark", T.auto_grammar([WEATHER], family), "tools")
+    ids = smol_tok.encode(text)
+    n = g.matcher.validate_tokens(ids)
+    if whole:
+        assert n == len(ids) and g.consume(ids) and g.accepting, (text, n, len(ids))
+    else:
+        assert n < len(ids) or not (g.consume(ids) and g.accepting), text
+
+
+def test_stream_parser_keeps_a_call_to_an_undeclared_tool_as_text():
+    text = 'Hi <tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    p = T.StreamParser("hermes", "c_", names={"get_weather"})
+    outs = [p.feed(ch) for ch in text] + [p.finish()]
+    assert "".join(d.content for d in outs) == text and not any(d.calls for d in outs)
+    p = T.StreamParser("hermes", "c_", names={"get_weather"})
+    outs = [p.feed('{"name": "nope", "arguments": {}}'), p.finish()]
+    assert not any(d.calls for d in outs)
+    assert T.tool_names([WEATHER]) == ["get_weather"]

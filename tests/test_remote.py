@@ -223,3 +223,25 @@ def test_a_key_variable_missing_from_the_engines_environment_is_refused_before_j
             assert view.messages == []
         finally:
             stop(eng)
+
+
+def test_bug_a_multi_line_data_event_was_refused_and_each_reply_opened_a_client(loaded_model, home):
+    """The SSE format lets one event's data span several ``data:`` lines (joined with
+    newlines); the reader took each line as an event and refused the stream. It also
+    opened an HTTP client per reply. Now events are read with httpx-sse and every reply of a
+    remote model goes over its one client (its kept-alive connection: one client port)."""
+    with FakeOpenAI(mode="multiline") as srv:
+        add_remote(home, "ml", srv.url, model="m")
+        eng = make_engine(loaded_model, home)
+        try:
+            c = Client(eng)
+            for _ in range(2):
+                conv = c.create(model="ml")
+                rid = c.post(lambda i: P.SubmitMessage(id=i, conv_id=conv.conv_id, text="Hi",
+                                                       sampling=P.SamplingParams(max_tokens=20)))
+                end = reply(c.sink, rid)
+                assert isinstance(end, P.Committed) and end.text == "Hello from the remote side.", end
+                assert end.finish_reason == "stop" and end.n_prompt == 7
+            assert len(srv.peers) == 2 and srv.peers[0] == srv.peers[1]  # one connection, kept alive
+        finally:
+            stop(eng)

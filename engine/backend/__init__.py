@@ -62,9 +62,26 @@ class WeightMatrix(Protocol):
     qtype: Any
 
 
+class RecurrentState(Protocol):
+    """A hybrid program's recurrent buffers of every slot (IR.md section 9; CPU:
+    ``cpu.recurrent.RecurrentState``), ``KVCache.state``. Each slot's state stands at one
+    position: ``position(slot)``; ``snapshot(slot, n)`` (n must be that position) and
+    ``restore(slot, buffers, n)``, byte-exact, by ``names``; ``rollback(slot, n)`` back into
+    the slot's last segment of 2..16 rows (a verify window's rejected drafts)."""
+
+    names: tuple[str, ...]
+
+    def position(self, slot: int) -> int: ...
+    def snapshot(self, slot: int, n: int) -> dict[str, np.ndarray]: ...
+    def restore(self, slot: int, buffers: dict[str, np.ndarray], n: int) -> None: ...
+    def rollback(self, slot: int, n: int) -> None: ...
+
+
 @runtime_checkable
 class KVCache(Protocol):
-    """K and V of every layer for ``n_slots`` slots of ``n_ctx`` positions (IR.md section 5)."""
+    """K and V of every layer for ``n_slots`` slots of ``n_ctx`` positions (IR.md section 5).
+    A program with recurrent layers gives its cache a ``state`` (``RecurrentState``; None
+    or absent otherwise)."""
 
     kv_type: str
     n_slots: int
@@ -99,7 +116,9 @@ class CompiledProgram(Protocol):
     """A Program compiled by a backend, once, at load. ``forward(tokens (N,) int32, layout,
     kv, embeds=None)`` writes every row's K/V into its slot and returns (R, vocab) float32
     host logits (R = 0: an empty array); ``embeds``: None or ``(rows (k,) int64, values (k,
-    d_model) float32)``, rows that take those values instead of their token's embedding."""
+    d_model) float32)``, rows that take those values instead of their token's embedding.
+    A program with ``input`` ops takes their rows as ``inputs`` (a dict by name), and one
+    that marks a hidden value keeps it after each forward (``last_hidden``, IR.md section 9)."""
 
     device_sampling: bool
 

@@ -26,13 +26,23 @@ from typing import Any
 
 import numpy as np
 
+from aotx.engine.backend.rope import RopeSpec  # noqa: F401  (re-exported: ops.RopeSpec)
+
 ROWS_N = "N"   # one row per token of the batch
 ROWS_R = "R"   # one row per logits row (BatchLayout.out_rows)
 
 ROPE_MODES = ("normal", "neox")
 GLU_ACTS = ("silu", "gelu_tanh")
 OPS = ("embed", "rms_norm", "head_rms_norm", "linear", "split", "rope", "attention", "glu", "add", "scale",
-       "softcap", "take_rows", "moe")
+       "softcap", "take_rows", "moe",
+       # recurrent layers (Qwen3.5's gated DeltaNet) and gated attention output
+       "short_conv", "delta_rule", "l2_norm", "sigmoid_gate", "deinterleave",
+       # rows the caller supplies (a multi-token-prediction head's hidden-state input), column concat
+       "input", "concat",
+       # Gemma 4: a second token table (per-layer embeddings), attention over another layer's KV
+       "lookup", "shared_attention")
+#: a ``short_conv`` node's activation after the convolution
+CONV_ACTS = ("none", "silu")
 #: how a ``moe`` node turns router logits into expert weights (llama.cpp's
 #: llama_expert_gating_func_type): "softmax" (probabilities over every expert, the top-k
 #: of them kept: Qwen3-MoE, OLMoE, Qwen2-MoE) or "softmax_weight" (top-k of the raw
@@ -65,88 +75,6 @@ class Value:
 
     def __repr__(self) -> str:
         return f"%{self.id}<{self.rows}x{self.width}>{' ' + self.name if self.name else ''}"
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """One RoPE configuration (llama.cpp's ggml_rope_ext arguments without YaRN).
-
-    mode: "normal" rotates adjacent pairs (x[2j], x[2j+1]) (GGML_ROPE_TYPE_NORM: llama);
-          "neox" rotates (x[j], x[j + dim/2]) (GGML_ROPE_TYPE_NEOX: qwen2, qwen3, gemma3, phi3).
-    dim:  rotated dimensions of each head (even, <= head_dim); the rest pass through.
-    base: theta base; pair j turns by angle  pos * freq_scale * base**(-2j/dim) / ff[j].
-    freq_scale: 1 / the linear scaling factor (1.0 when unscaled).
-    attn_factor: cos and sin are multiplied by it (ggml's mscale; Phi-3 long-rope's
-          attention factor; 1.0 elsewhere). Rotating q and k both scales q.k by its square.
-    freq_factors: (dim/2,) ff[j] (Llama 3's rope_freqs, Phi-3's short factors), or None (1).
-    long_factors, long_ctx: Phi-3's long factors: a KV cache with n_ctx > long_ctx uses
-          long_factors instead of freq_factors (llama.cpp get_rope_factors: n_ctx_seq >
-          n_ctx_orig_yarn). None / 0 when absent.
-    ext_factor, beta_fast, beta_slow, yarn_ctx: YaRN (Peng et al. 2023, as ggml's
-          rope_yarn; gpt-oss): with ext_factor != 0 pair j turns by a mix of the scaled
-          and the unscaled angle, theta = theta_s (1 - r_j) + theta_u r_j with
-          r_j = ext_factor * (1 - clamp((j - lo) / max(0.001, hi - lo), 0, 1)), where
-          lo = max(0, floor(c(beta_fast))), hi = min(dim - 1, ceil(c(beta_slow))),
-          c(b) = dim * ln(yarn_ctx / (2 pi b)) / (2 ln base) (ggml_rope_yarn_corr_dims),
-          and cos, sin are further multiplied by 1 + 0.1 ln(1 / freq_scale). ext_factor
-          0 (the default) is plain RoPE.
-    Hashable: backends share one table per distinct spec and cache size."""
-
-    mode: str
-    dim: int
-    base: float
-    freq_scale: float = 1.0
-    attn_factor: float = 1.0
-    freq_factors: tuple[float, ...] | None = None
-    long_factors: tuple[float, ...] | None = None
-    long_ctx: int = 0
-    ext_factor: float = 0.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    yarn_ctx: int = 0
-
-    def factors_for(self, n_ctx: int) -> tuple[float, ...] | None:
-        """The frequency factors a KV cache of ``n_ctx`` positions uses."""
-        if self.long_factors is not None and n_ctx > self.long_ctx:
-            return self.long_factors
-        return self.freq_factors
-
-    def tables(self, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin for positions 0..n_ctx-1: two (n_ctx, dim/2) float32 arrays,
-        ``attn_factor * cos(angle)`` and ``attn_factor * sin(angle)`` with the angle of
-        the class docstring (YaRN's mix and magnitude factor when ext_factor != 0), computed
-        in float64 and rounded once (ggml computes theta in float32 by repeated
-        multiplication; the two agree to ~1e-6 relative)."""
-        ang, mscale = self.angles(np.arange(n_ctx, dtype=np.float64), n_ctx)
-        return ((np.cos(ang) * mscale).astype(np.float32), (np.sin(ang) * mscale).astype(np.float32))
-
-    def angles(self, positions: np.ndarray, n_ctx: int) -> tuple[np.ndarray, float]:
-        """float64 (len(positions), dim/2) rotation angles, and the factor cos and sin are
-        multiplied by (attn_factor, times YaRN's magnitude correction when ext_factor != 0),
-        for a KV cache of ``n_ctx`` positions (the class docstring's formulas)."""
-        half = self.dim // 2
-        j = np.arange(half, dtype=np.float64)
-        inv = self.base ** (-2.0 * j / self.dim)
-        ff = self.factors_for(n_ctx)
-        if ff is not None:
-            inv = inv / np.asarray(ff, np.float64)
-        extrap = np.asarray(positions, np.float64)[:, None] * inv[None, :]
-        ang = extrap * self.freq_scale
-        mscale = self.attn_factor
-        if self.ext_factor != 0.0:
-            lo, hi = self.yarn_corr_dims()
-            mix = (1.0 - np.clip((j - lo) / max(0.001, hi - lo), 0.0, 1.0)) * self.ext_factor
-            ang = ang * (1.0 - mix)[None, :] + extrap * mix[None, :]
-            mscale *= 1.0 + 0.1 * math.log(1.0 / self.freq_scale)
-        return ang, mscale
-
-    def yarn_corr_dims(self) -> tuple[float, float]:
-        """YaRN's correction range (ggml_rope_yarn_corr_dims): pairs below ``lo`` keep the
-        unscaled angle, pairs above ``hi`` the scaled one."""
-        def corr(b: float) -> float:
-            return self.dim * math.log(self.yarn_ctx / (b * 2.0 * math.pi)) / (2.0 * math.log(self.base))
-
-        return max(0.0, math.floor(corr(self.beta_fast))), min(self.dim - 1.0, math.ceil(corr(self.beta_slow)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,6 +114,18 @@ class KVLayer:
 
 
 @dataclass(frozen=True, eq=False)
+class StateLayer:
+    """One recurrent buffer of a slot, owned by the ``short_conv`` or ``delta_rule`` node
+    whose ``attrs["state"]`` indexes it: ``kind`` "conv" (``shape`` (K-1, channels): the
+    last K-1 inputs) or "delta" (``shape`` (n_heads, head_dim, head_dim): one matrix per
+    head). float32, carried from one forward to the next like KV, but not indexable by
+    position: a slot's state stands at exactly one position (IR.md section 9)."""
+
+    kind: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class Program:
     """A traced forward pass: ``nodes`` in execution order (each input defined by an
     earlier node), ``values`` (by id), ``output`` (the (R, vocab) logits), ``d_model``
@@ -197,6 +137,8 @@ class Program:
     output: Value
     d_model: int
     kv_layers: tuple[KVLayer, ...]
+    state_layers: tuple[StateLayer, ...] = ()
+    hidden: Value | None = None      # (N, d) rows a backend keeps after each forward (mark_hidden)
 
     @property
     def vocab(self) -> int:
@@ -272,6 +214,7 @@ class ProgramBuilder:
         self._nodes: list[Node] = []
         self._values: list[Value] = []
         self._kv: list[KVLayer] = []
+        self._states: list[StateLayer] = []
         self._d_model = 0
 
     # ---- helpers -------------------------------------------------------------------
@@ -482,4 +425,131 @@ class ProgramBuilder:
             raise ProgramError(f"the output {logits!r} must be on the logits rows (take_rows)")
         if sum(n.op == "take_rows" for n in self._nodes) != 1:
             raise ProgramError("a program takes the logits rows exactly once")
-        return Program(tuple(self._nodes), tuple(self._values), logits, self._d_model, tuple(self._kv))
+        return Program(tuple(self._nodes), tuple(self._values), logits, self._d_model, tuple(self._kv),
+                       tuple(self._states), getattr(self, "_hidden", None))
+
+    def lookup(self, table: Any, scale: float = 1.0, name: str = "") -> Value:
+        """(N, table.k): row i = scale * table row tokens[i], like ``embed`` but anywhere in
+        the program and for any table (Gemma 4's per-layer token embeddings). Rows the
+        caller gives as embeddings take table row 0 (llama.cpp's padding-token rows)."""
+        m, k = _width_of(table)
+        out = self._new(ROWS_N, k, name)
+        self._emit("lookup", (), (out,), table=table, scale=float(scale), vocab=m)
+        return out
+
+    def shared_attention(self, q: Value, *, kv_layer: int, n_heads: int, head_dim: int, scale: float,
+                         window: int = 0, name: str = "") -> Value:
+        """``attention`` of q over the KV cache of the earlier attention node whose layer is
+        ``kv_layer`` (Gemma 4's last layers reuse KV): nothing is stored; row i attends to
+        what that layer stored for its slot, positions [lo, p] as ``attention`` says."""
+        if q.rows != ROWS_N or not 0 <= kv_layer < len(self._kv):
+            raise ProgramError(f"shared_attention: {q!r} over KV layer {kv_layer} ({len(self._kv)} so far)")
+        L = self._kv[kv_layer]
+        if L.head_dim != head_dim or q.width != n_heads * head_dim or n_heads % L.n_kv_heads:
+            raise ProgramError(f"shared_attention: q {q.width} for {n_heads} heads of {head_dim} over KV layer "
+                               f"{kv_layer} ({L.n_kv_heads} heads of {L.head_dim})")
+        out = self._new(ROWS_N, q.width, name)
+        self._emit("shared_attention", (q,), (out,), layer=int(kv_layer), n_heads=int(n_heads),
+                   n_kv_heads=L.n_kv_heads, head_dim=int(head_dim), scale=float(scale), window=int(window), sinks=None)
+        return out
+
+    def mark_hidden(self, x: Value) -> None:
+        """Keep ``x`` ((N, d): every row of the batch) after each forward: the final-normed
+        hidden state a multi-token-prediction head reads (backends: ``last_hidden``)."""
+        if x.rows != ROWS_N:
+            raise ProgramError(f"mark_hidden: {x!r} must be batch rows (N)")
+        self._hidden = x
+
+    def input(self, name: str, width: int) -> Value:
+        """(N, width) rows the caller supplies with each forward (``inputs[name]``)."""
+        out = self._new(ROWS_N, width, name)
+        self._emit("input", (), (out,), name=name)
+        return out
+
+    def concat(self, a: Value, b: Value, name: str = "") -> Value:
+        """[a, b] side by side: (rows, a.width + b.width)."""
+        if a.rows != b.rows:
+            raise ProgramError(f"concat: {a!r} and {b!r} are on different rows")
+        out = self._new(a.rows, a.width + b.width, name)
+        self._emit("concat", (a, b), (out,))
+        return out
+
+    # ---- recurrent layers (IR.md section 9) -------------------------------------------
+
+    def _state(self, kind: str, shape: tuple[int, ...]) -> int:
+        self._states.append(StateLayer(kind, tuple(int(d) for d in shape)))
+        return len(self._states) - 1
+
+    def short_conv(self, x: Value, weight: Any, act: str = "silu", name: str = "") -> Value:
+        """A causal depthwise convolution over each slot's positions with a carried state
+        (llama.cpp ggml_ssm_conv): weight (C, K) float32, x (N, C). Row i (slot s, position
+        p): out[c] = act(sum_j weight[c, j] * u[p - K + 1 + j][c], j = 0 .. K-1 in that
+        order), u[t] the slot's input at position t (earlier rows of the segment, else the
+        slot's conv state; zero before position 0). After the forward the state holds the
+        slot's last K-1 inputs. act: CONV_ACTS."""
+        if x.rows != ROWS_N:
+            raise ProgramError("short_conv: its input must be batch rows (N)")
+        C, K = _width_of(weight)
+        if C != x.width or K < 2:
+            raise ProgramError(f"short_conv: kernel {getattr(weight, 'name', '')} of shape ({C}, {K}) for {x!r}")
+        if act not in CONV_ACTS:
+            raise ProgramError(f"short_conv: activation {act!r} (known: {', '.join(CONV_ACTS)})")
+        out = self._new(ROWS_N, C, name)
+        self._emit("short_conv", (x,), (out,), weight=weight, act=act, state=self._state("conv", (K - 1, C)))
+        return out
+
+    def delta_rule(self, q: Value, k: Value, v: Value, alpha: Value, beta: Value, *, n_k_heads: int,
+                   n_v_heads: int, head_dim: int, a: Any, dt_bias: Any, scale: float, key_heads: str = "tiled",
+                   name: str = "") -> Value:
+        """The gated delta rule (Yang et al. 2024, "Gated Delta Networks"; llama.cpp
+        ggml_gated_delta_net) with a state matrix S (head_dim x head_dim) per value head
+        and slot. q, k (N, n_k_heads*head_dim), v (N, n_v_heads*head_dim), alpha, beta
+        (N, n_v_heads); a, dt_bias: (n_v_heads,) vectors. Per row and value head h, with
+        key head h % n_k_heads (``key_heads`` "tiled": ggml's broadcast, Qwen3.5) or
+        h // (n_v_heads / n_k_heads) ("grouped": Qwen3-Next): g = a[h] * softplus(alpha[h] +
+        dt_bias[h]) (softplus(x) = x above 20, else log(1 + exp(x))), b = sigmoid(beta[h]),
+        S = exp(g) S;  d = b (v_h - S^T k);  S = S + k d^T;  out_h = scale S^T q."""
+        if not (q.rows == k.rows == v.rows == alpha.rows == beta.rows == ROWS_N):
+            raise ProgramError("delta_rule: every operand must be batch rows (N)")
+        if (q.width != n_k_heads * head_dim or k.width != q.width or v.width != n_v_heads * head_dim
+                or alpha.width != n_v_heads or beta.width != n_v_heads or n_k_heads <= 0 or n_v_heads % n_k_heads):
+            raise ProgramError(f"delta_rule: q {q.width}, k {k.width}, v {v.width}, alpha {alpha.width}, beta "
+                               f"{beta.width} for {n_k_heads} key and {n_v_heads} value heads of {head_dim}")
+        for vec, what in ((a, "a"), (dt_bias, "dt_bias")):
+            if _width_of(vec) != (n_v_heads,):
+                raise ProgramError(f"delta_rule: {what} {getattr(vec, 'name', '')} has shape {_width_of(vec)}, "
+                                   f"expected ({n_v_heads},)")
+        if key_heads not in ("tiled", "grouped"):
+            raise ProgramError(f"delta_rule: key_heads {key_heads!r} (known: tiled, grouped)")
+        out = self._new(ROWS_N, v.width, name)
+        self._emit("delta_rule", (q, k, v, alpha, beta), (out,), n_k_heads=int(n_k_heads), n_v_heads=int(n_v_heads),
+                   head_dim=int(head_dim), a=a, dt_bias=dt_bias, scale=float(scale), key_heads=key_heads,
+                   state=self._state("delta", (n_v_heads, head_dim, head_dim)))
+        return out
+
+    def l2_norm(self, x: Value, eps: float, head_dim: int, name: str = "") -> Value:
+        """Each head_dim chunk of the row divided by sqrt(sum(chunk**2) + eps) (llama.cpp
+        build_gdn_l2_norm: rms_norm with eps/head_dim, times 1/sqrt(head_dim))."""
+        if x.width % head_dim:
+            raise ProgramError(f"l2_norm: width {x.width}, head_dim {head_dim}")
+        out = self._new(x.rows, x.width, name)
+        self._emit("l2_norm", (x,), (out,), eps=float(eps), head_dim=int(head_dim))
+        return out
+
+    def sigmoid_gate(self, x: Value, gate: Value, name: str = "") -> Value:
+        """x * sigmoid(gate), element-wise (Qwen3.5's gated attention output)."""
+        self._same("sigmoid_gate", x, gate)
+        out = self._new(x.rows, x.width, name)
+        self._emit("sigmoid_gate", (x, gate), (out,))
+        return out
+
+    def deinterleave(self, x: Value, head_dim: int, parts: int, names: tuple[str, ...] = ()) -> tuple[Value, ...]:
+        """x as n_heads consecutive groups of ``parts`` head_dim chunks (Qwen3.5's query and
+        gate, interleaved per head); output j gathers chunk j of every head, (rows,
+        n_heads*head_dim)."""
+        if parts < 2 or x.width % (parts * head_dim):
+            raise ProgramError(f"deinterleave: width {x.width} is not heads of {parts} x {head_dim}")
+        names = tuple(names) + ("",) * (parts - len(names))
+        outs = tuple(self._new(x.rows, x.width // parts, n) for n in names)
+        self._emit("deinterleave", (x,), outs, head_dim=int(head_dim), parts=int(parts))
+        return outs

@@ -13,6 +13,7 @@ import re
 import sys
 
 from aotx.engine.errors import AotxError, UsageError, friendly_error
+from aotx.engine.present import config as cli_config
 from aotx.engine.protocol import (CONTEXT_POLICIES, SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, SamplingParams,
                                   limit_problem)
 
@@ -182,7 +183,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--speculative", choices=[m for m in SPECULATIVE_MODES if m], default=d.speculative,
                    help="speculative decoding for this reply: auto (prompt lookup where it pays), ngram "
-                        "(prompt lookup), draft (the engine's --draft-model) or off (default: the engine's choice)")
+                        "(prompt lookup), draft (the engine's --draft-model), mtp (the model's own MTP head) or off "
+                        "(default: the engine's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,9 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the engine in the foreground")
     add_engine_flags(p)
-    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "off"], default=None,
+    p.add_argument("--speculative", choices=["auto", "ngram", "draft", "mtp", "off"], default=None,
                    help="default speculative decoding: auto (prompt lookup on the CPU after 2-token "
-                        "matches, off on CUDA), ngram (prompt lookup), draft (--draft-model) or off "
+                        "matches, off on CUDA), ngram (prompt lookup), draft (--draft-model), mtp (the "
+                        "model's multi-token-prediction head, for files with nextn layers) or off "
                         "(default: draft with --draft-model, else auto; see BENCHMARKS.md)")
     p.add_argument("--draft-p-min", type=_float("--draft-p-min", 0.0, 1.0), default=None,
                    help="stop drafting when the draft model's top probability falls below this (default 0.75)")
@@ -227,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-key-concurrency", type=_int("--per-key-concurrency", 1), default=16)
     p.add_argument("--max-queue", type=_int("--max-queue", 1), default=64,
                    help="generations in flight across all keys before 429")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
+                   help="a browser origin (https://chat.example; * for any) whose pages may call the API; "
+                   "repeatable (default: none, CORS off)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (with --tls-cert)")
+
+    sub.add_parser("config", help="the defaults in effect (model, device, context, slots, theme, api_key_file): "
+                   "each one's value and where it came from (the config file: `aotx config` names it)")
+    p = sub.add_parser("completion", help='print a shell completion script: eval "$(aotx completion bash)"')
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"])
 
     p = sub.add_parser("stop", help="stop the engine serving the socket")
     p.add_argument("--socket")
@@ -365,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = join_negative_values(sys.argv[1:] if argv is None else argv)
     try:
         ap = build_parser()
+        settings, cpath = cli_config.load()
+        cli_config.apply(ap, settings, cpath)  # the config file's defaults; flags still win
         args, extra = ap.parse_known_args(argv)
         if extra:  # name the subcommand whose options were meant, and suggest one of them
             chosen_parser(ap, args).error(f"unrecognized arguments: {' '.join(extra)}")
@@ -372,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.cmd:
             ap.print_help()
             return 2
+        if args.cmd == "config":
+            cli_config.show(ap, settings, cpath)
+            return 0
+        if args.cmd == "completion":
+            print(cli_config.completion(ap, args.shell))
+            return 0
         if args.cmd == "serve":
             from aotx.engine.cli.serve import serve
 

@@ -37,6 +37,7 @@ from aotx.engine.gateway.auth import KeyRing
 from aotx.engine.gateway.generation import ChoiceState, Generation, call_id_prefix
 from aotx.engine.gateway.limits import ApiError, GatewayConfig, InFlight, authenticate, engine_gone, read_json
 from aotx.engine.gateway.link import EngineLink, engine_error
+from aotx.engine.gateway.ollama import KeepAlive
 from aotx.engine.gateway.streaming import ClientGone, EventStream, race_disconnect
 from aotx.engine.ipc.client import ConnectionLost, EngineClient
 from aotx.engine.model import tool_calls
@@ -72,6 +73,8 @@ class Gateway:
         self.link = link
         self.inflight = InFlight(cfg)
         self._model_cache: tuple[float, list[P.ModelInfo]] | None = None
+        self.metrics: Any = None  # metrics.Metrics, when the app counts (``create_app``)
+        self.keep_alive = KeepAlive(self)  # Ollama's keep_alive: models the gateway unloads when idle
 
     # -- auth and body --
 
@@ -80,7 +83,6 @@ class Gateway:
 
     async def _json(self, request: Request) -> Any:
         return await read_json(request, self.cfg.limits.max_body_bytes)
-
 
     async def _conversation(self, client: EngineClient, request: Request, system: str | None,
                             title: str, history: list[S.Turn] = (), conv_id: str | None = None,
@@ -165,6 +167,7 @@ class Gateway:
             raise ApiError(503, f"the engine did not list its models: {e}", "server_error",
                            code="engine_unavailable", headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
         self._model_cache = (now, models)
+        self.link.remember(models)
         return models
 
     async def route(self, name: str | None) -> str:
@@ -172,6 +175,8 @@ class Gateway:
         loaded model by name (an id of ``/v1/models``; ``NAME.gguf`` and case aside), or
         ``DEFAULT_ALIAS`` ("local") for the engine's default. Any other name is answered
         as OpenAI and vLLM do: 404 ``model_not_found``, naming the close ones."""
+        if name and name.endswith(":latest"):  # Ollama's clients name a model with its tag
+            name = name.removesuffix(":latest")
         if not name or name.lower() == DEFAULT_ALIAS:
             return ""
         models = await self._models()
@@ -189,6 +194,33 @@ class Gateway:
                             f"{', '.join(names) or 'none'} (GET /v1/models lists them; {DEFAULT_ALIAS!r} is "
                             f"the default one)", "invalid_request_error", param="model", code="model_not_found")
 
+
+    @property
+    def device(self) -> str:
+        """The engine's device ("cpu" or "cuda"), as its welcome said."""
+        c = self.link._client
+        return c.welcome.device if c is not None else ""
+
+    async def embeddings(self, texts: list[str], model: str, pooling: str, normalize: bool, truncate: bool,
+                         dims: Any = None, dims_field: str = "dimensions") -> P.Embeddings:
+        """The engine's ``Embed`` of ``texts`` on ``model`` ("" the default). ``dims``: the
+        width a client asked for, refused (400 naming ``dims_field``) unless it is the
+        model's own. Raises ApiError for the engine's refusals."""
+        client = await self.link.get()
+        try:
+            e = await client.embed(texts, model=model, pooling=pooling, normalize=normalize, truncate=truncate)
+        except ConnectionLost as lost:
+            raise engine_gone(lost, self.cfg.retry_after_s) from None
+        except EngineError as err:
+            raise engine_error(P.Error(id=0, code=err.code, message=str(err)), None, self.cfg.retry_after_s) from None
+        if dims is not None:
+            width = len(e.vectors[0])
+            if isinstance(dims, bool) or not isinstance(dims, int) or dims != width:
+                raise ApiError(400, f"'{dims_field}' is {dims!r}: this model's embeddings have {width} dimensions "
+                                    "(they cannot be shortened)", "invalid_request_error", param=dims_field,
+                               code="unsupported_parameter")
+        self._model_cache = None  # it may have loaded a model
+        return e
 
     # -- the generation every endpoint runs --
 
@@ -236,11 +268,19 @@ class Gateway:
         atts = await self._attachments(spec.last.parts)
         constraint = spec.constraint
         family = await self.tool_format(client, target) if spec.tools.active else None
+        target_kind = "gguf"
+        if spec.tools.active and target:
+            target_kind = next((m.kind for m in await self._models() if m.name == target), "gguf")
         if spec.tools.forced:
             grammar = tool_calls.call_grammar(spec.tools.tools, family,
                                               name=spec.tools.name if spec.tools.choice == "function" else None,
                                               parallel=spec.tools.parallel)
             constraint = P.Constraint(kind="lark", grammar=grammar, field="tool_choice")
+        elif spec.tools.active and constraint is None and not spec.prefill and target_kind == "gguf":
+            # "auto": free text until the model opens a call, then only a declared tool and
+            # arguments its schema takes (a remote model's server holds its own calls)
+            constraint = P.Constraint(kind="lark", grammar=tool_calls.auto_grammar(
+                spec.tools.tools, family, parallel=spec.tools.parallel), field="tools")
         fields: dict[str, Any] = {"n": spec.n, "logprobs": spec.logprobs}
         if spec.chat:
             fields.update(role=spec.last.role, meta=spec.last.meta, tools=spec.tools.tools if spec.tools.active else [])
@@ -276,8 +316,9 @@ class Gateway:
         """One state per choice; tool calls are named after their reply (``call_<reply id>_<i>``),
         so a call id stays meaningful after a restart (the Responses API checks them)."""
         fam = gen.family
+        names = frozenset(tool_calls.tool_names(spec.tools.tools)) if fam else None
         return [ChoiceState(i, fam, spec.logprobs >= 0, call_id_prefix(gen.accepted[i].reply_id)
-                            if i in gen.accepted else "", on_complete=lambda i=i: gen.stop(i))
+                            if i in gen.accepted else "", on_complete=lambda i=i: gen.stop(i), names=names)
                 for i in range(spec.n)]
 
     async def collect(self, gen: Generation, reply: shapes.Reply, states: list[ChoiceState]) -> None:
@@ -299,14 +340,15 @@ class Gateway:
             raise ApiError(500, "the engine failed while generating this reply", "server_error",
                            code="generation_failed", aotx=gen.aotx())
 
-    @staticmethod
-    def _finish_reply(gen: Generation, reply: shapes.Reply, states: list[ChoiceState]) -> None:
+    def _finish_reply(self, gen: Generation, reply: shapes.Reply, states: list[ChoiceState]) -> None:
         reply.choices = [st.choice for st in states]
         for st in states:
             st.choice.aotx = gen.aotx(st.index)
         reply.aotx = gen.aotx(0)
         if len(states) > 1:
             reply.aotx["choices"] = [gen.aotx(st.index) for st in states]
+        if self.metrics is not None:
+            self.metrics.reply(gen, reply)
 
     async def generate(self, request: Request, key: str, spec: Spec, api: Any) -> Response:
         """Run ``spec`` and answer in ``api``'s shapes (``CHAT``, ``COMPLETION``, or the
@@ -328,7 +370,7 @@ class Gateway:
                     self.inflight.leave(key)
 
                 handed_over = True
-                return EventStream(body, headers, on_close)
+                return EventStream(body, headers, on_close, getattr(api, "media_type", None))
             try:
                 await race_disconnect(request, self.collect(gen, reply, states))
             except ApiError as e:

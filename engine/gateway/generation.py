@@ -198,13 +198,14 @@ class ChoiceState:
     family splits content from calls as the text streams)."""
 
     def __init__(self, index: int, family: str | None, logprobs: bool, call_prefix: str = "",
-                 on_complete: Callable[[], None] | None = None):
+                 on_complete: Callable[[], None] | None = None, names: frozenset[str] | None = None):
         self.index = index
         # called once when the parser finds the reply's calls complete and the model
         # repeating them (``StreamParser.complete``): the generation may be stopped
         self.on_complete = on_complete
         self._stopped = False
-        self.parser = tool_calls.StreamParser(family, call_prefix) if family else None
+        # ``names``: the declared tools; a call to another stays text (tool_calls.StreamParser)
+        self.parser = tool_calls.StreamParser(family, call_prefix, names=names) if family else None
         self.sent = ""
         self.logprobs: list[dict[str, Any]] | None = [] if logprobs else None
         self.choice = shapes.Choice(index=index, logprobs=self.logprobs)

@@ -11,17 +11,21 @@ to the API modules.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from aotx.engine.gateway import media as M
 from aotx.engine.gateway import schema as S
 from aotx.engine.gateway import shapes
 from aotx.engine.gateway.auth import KeyRing
+from aotx.engine.gateway.streaming import ClientGone
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,9 @@ class GatewayConfig:
     durable_timeout_s: float = 30.0
     # concurrent HTTP connections (idle keep-alives included) before uvicorn answers 503
     max_connections: int = 512
+    # the browser origins (``https://chat.example``; "*" any) whose pages may call the API
+    # (CORS); none by default: a browser page of another origin cannot read the answers
+    cors_origins: tuple[str, ...] = ()
 
 
 class ApiError(Exception):
@@ -116,9 +123,37 @@ def authenticate(keys: KeyRing, request: Request) -> str:
     return fp
 
 
+#: with a declared Content-Length over the limit, the 413 names the field open at the cut
+#: from what arrives within this many bytes and seconds: never waiting for the body itself
+HEAD_BYTES = 64 << 10
+HEAD_WAIT_S = 0.5
+
+
+async def _head(request: Request, limit: int, wait_s: float) -> bytes:
+    """Up to ``limit`` bytes of the body, as many as arrive within ``wait_s`` seconds."""
+    head = bytearray()
+    chunks = request.stream()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    try:
+        while len(head) < limit:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                head += await asyncio.wait_for(chunks.__anext__(), left)
+            except (StopAsyncIteration, asyncio.TimeoutError, ClientDisconnect):
+                break
+    finally:
+        with contextlib.suppress(BaseException):
+            await chunks.aclose()
+    return bytes(head[:limit])
+
+
 async def read_json(request: Request, limit: int) -> Any:
     """The request's body as JSON, read up to ``limit`` bytes. Raises ApiError: 413 past
-    the limit, 400 for an empty body or one that is not JSON."""
+    the limit (at once for a declared Content-Length over it), 400 for an empty body, one
+    that is not JSON or a string that is not Unicode; ClientGone when the client leaves."""
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -126,17 +161,16 @@ async def read_json(request: Request, limit: int) -> Any:
         except ValueError:
             raise ApiError(400, f"Content-Length {cl!r} is not a number", "invalid_request_error") from None
         if n > limit:
-            head = bytearray()
-            async for chunk in request.stream():  # read up to the limit only, to name the field
-                head += chunk
-                if len(head) > limit:
-                    break
-            raise too_large(bytes(head[:limit]), f"the request body is {n:,} bytes; the limit is {limit:,}")
+            head = await _head(request, min(limit, HEAD_BYTES), HEAD_WAIT_S)
+            raise too_large(head, f"the request body is {n:,} bytes; the limit is {limit:,}")
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise too_large(bytes(buf[:limit]), f"the request body exceeds the limit of {limit:,} bytes")
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise too_large(bytes(buf[:limit]), f"the request body exceeds the limit of {limit:,} bytes")
+    except ClientDisconnect:
+        raise ClientGone() from None
     if not buf:
         raise ApiError(400, "the request body is empty; send a JSON object", "invalid_request_error")
     try:
@@ -144,4 +178,79 @@ async def read_json(request: Request, limit: int) -> Any:
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request_error",
                        code="invalid_json") from None
+    where = not_unicode(body)
+    if where is not None:
+        raise ApiError(400, f"'{where[0]}' is not valid Unicode: it holds a lone surrogate ({where[1]}); send UTF-8 "
+                            "text (a surrogate pair's halves together)", "invalid_request_error",
+                       param=where[0].split("[")[0].split(".")[0], code="invalid_unicode")
     return body
+
+
+def not_unicode(body: Any) -> tuple[str, str] | None:
+    """(the field, the escape) of the first string in ``body`` that holds a lone UTF-16
+    surrogate (JSON's ``"\\ud800"`` escape decodes to one; no UTF-8 text has it, and the
+    engine's protocol refuses it), or None. One C-speed pass when there is none."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    except (ValueError, RecursionError):  # (json.loads made it: neither happens)
+        return None
+
+    def bad(s: str) -> str | None:
+        for ch in s:
+            if 0xD800 <= ord(ch) <= 0xDFFF:
+                return f"\\u{ord(ch):04x}"
+        return None
+
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if (esc := bad(v)) is not None:
+                return path or "body", esc
+        elif isinstance(v, dict):
+            items = []
+            for k, x in v.items():
+                sub = f"{path}.{k}" if path else k
+                if (esc := bad(k)) is not None:
+                    return sub.encode("utf-8", "backslashreplace").decode(), esc
+                items.append((sub, x))
+            stack.extend(reversed(items))
+        elif isinstance(v, list):
+            stack.extend(reversed([(f"{path}[{i}]", x) for i, x in enumerate(v)]))
+    return None
+
+
+class OneLineErrors:
+    """ASGI middleware around the routes: an exception no handler took is answered 500
+    (``answer(path)`` gives the body, in the shape of the API that was called) and
+    logged as one line, never as a traceback (Starlette's own error middleware logs one
+    and raises it again); a client that left while its body was read is not logged."""
+
+    def __init__(self, app: Any, log: Callable[[str], None], answer: Callable[[str], Any]):
+        self.app = app
+        self.log = log
+        self.answer = answer
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: dict) -> None:
+            nonlocal started
+            if message.get("type") == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except (ClientDisconnect, ClientGone):
+            pass
+        except Exception as e:  # noqa: BLE001 - the one place every unexpected error ends
+            self.log(f"aotx gateway: internal error on {scope.get('method')} {scope.get('path')}: {e!r}")
+            if not started:
+                await self.answer(scope.get("path", ""))(scope, receive, send)

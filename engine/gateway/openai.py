@@ -1,7 +1,9 @@
 """OpenAI's chat completions, (legacy) completions and models endpoints.
 
 Owns: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (the body parsed by
-``schema.py`` into a ``Spec``, run by ``core.Gateway.generate``), their renderer in
+``schema.py`` into a ``Spec``, run by ``core.Gateway.generate``; a final assistant message
+is a prefill the reply continues, and holds the continuation only, as llama-server, vLLM's
+``continue_final_message`` and Anthropic's Messages do), their renderer in
 OpenAI's shapes (``shapes.py``: JSON with the ``X-AOTX-Receipt`` header and an
 ``aotx`` body field, or server-sent chunks ending with the usage chunk when asked,
 an SSE comment ``: aotx.receipt {json}`` and ``data: [DONE]``), and ``GET /v1/models``
@@ -63,11 +65,18 @@ async def model(gw, request: Request) -> Response:
 async def chat(gw, request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     key = gw._auth(request)
-    req = S.parse_chat(await gw._json(request), gw.cfg.limits, gw.keys.file_roots(key))
+    body = await gw._json(request)
+    prefill = ""
+    if isinstance(body, dict):
+        body, prefill = S.take_prefill(body)
+    req = S.parse_chat(body, gw.cfg.limits, gw.keys.file_roots(key))
+    if prefill and req.messages[-1].parts:
+        raise S.BadRequest("an assistant prefill after a media part is not supported; send the media without it",
+                           "messages")
     spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=req.messages[-1],
                   sampling=req.sampling, stream=req.stream, include_usage=req.include_usage, tools=req.tools,
                   constraint=req.constraint, logprobs=req.logprobs, n=req.n, title=req.messages[-1].text,
-                  model=req.model, context=req.context)
+                  model=req.model, prefill=prefill, context=req.context)
     return await gw.generate(request, key, spec, CHAT)
 
 

@@ -2,8 +2,9 @@
 
 Owns: turning a decoded JSON body of ``POST /v1/chat/completions`` or
 ``POST /v1/completions`` into a ``ChatRequest`` / ``CompletionRequest`` (or a
-``BadRequest`` naming the field and the bad value), with several choices, tool calls
-and log probabilities, and the ``Spec`` of one generation every API fills in. Leaves
+``BadRequest`` naming the field and the bad value; ``fields.py`` holds the errors and
+the tools and response-format parsing, re-exported here), with several choices, tool
+calls and log probabilities, and the ``Spec`` of one generation every API fills in. Leaves
 to others: the response objects (``shapes.py``), HTTP, authentication and the engine
 (``server.py``), media parts (``media.py``).
 
@@ -21,13 +22,15 @@ What is supported, ignored and refused (the table the tests follow):
   ``{"type": "lark" | "gbnf" | "regex", "grammar": ...}``). Sampling fields left out
   take the engine's defaults (``protocol.SamplingParams``), not OpenAI's, except
   ``repeat_penalty``: 1 (none) on a reply with tools or a constraint unless sent.
+  ``frequency_penalty`` and ``presence_penalty`` (applied with the repetition penalty, over
+  its last ``repeat_last_n`` tokens, as llama.cpp does) and ``logit_bias`` (token ids, as
+  ``/tokenize`` gives them).
 * ``model`` routes the request (``Gateway.route``: an installed model by name, or
   "local" for the default one; any other name is a 404 ``model_not_found``; replies
-  name the model that ran); ignored: ``user``,
-  ``frequency_penalty``, ``presence_penalty``, ``metadata``, ``store``,
-  ``service_tier``, ``reasoning_effort``, ``modalities`` = ["text"], empty
-  ``logit_bias``, an image part's ``detail``, and any field not named here.
-* refused (400): non-empty ``logit_bias``, ``functions`` (the deprecated form: use
+  name the model that ran); ignored: ``user``, ``metadata``, ``store``,
+  ``service_tier``, ``reasoning_effort``, ``modalities`` = ["text"], an image part's
+  ``detail``, and any field not named here.
+* refused (400): ``functions`` (the deprecated form: use
   ``tools``), audio output, a tool message whose ``tool_call_id`` no earlier
   assistant call has, a ``tool_choice`` naming no tool in ``tools``, two
   constraints at once (a schema or grammar and a required tool call), media parts
@@ -43,33 +46,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aotx.engine.gateway import media as M
+from aotx.engine.gateway.fields import (  # noqa: F401 (re-exported: S.BadRequest, S.Tools, ...)
+    AT, BadRequest, Tools, _refuse_if, _type_name, parse_constraint, parse_tools, relabel,
+)
 from aotx.engine import protocol as P
-
-
-class BadRequest(Exception):
-    """A request the gateway refuses with 400 (or ``status``: 403 for a file the key may
-    not read, 413 for a media part too large); ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.status = status
-
-
-# the key of a chat message made from another API's item (Responses' input, a Messages
-# block) that holds where that item is in the request sent ("input[2]"): errors name it
-AT = "_aotx_at"
-
-
-def relabel(e: BadRequest, renames: tuple[tuple[str, str], ...], params: dict[str, str]) -> BadRequest:
-    """``e`` in another API's terms: each (chat name, its name there) of ``renames``
-    replaced in the message, the param mapped by ``params``."""
-    msg = e.message
-    for a, b in renames:
-        msg = msg.replace(a, b)
-    return BadRequest(msg, params.get(e.param, e.param), e.code, status=e.status)
 
 
 @dataclass(frozen=True)
@@ -100,26 +80,6 @@ class Turn:
 
 
 @dataclass(frozen=True)
-class Tools:
-    """What a request says about tools: the function ``tools`` (OpenAI's shape),
-    ``choice`` "auto" | "none" | "required" | "function" (then ``name``), and whether
-    several calls may come at once."""
-
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    choice: str = "auto"
-    name: str | None = None
-    parallel: bool = True
-
-    @property
-    def active(self) -> bool:
-        return bool(self.tools) and self.choice != "none"
-
-    @property
-    def forced(self) -> bool:
-        return bool(self.tools) and self.choice in ("required", "function")
-
-
-@dataclass(frozen=True)
 class ChatRequest:
     """A parsed chat request. ``messages``: the turns, with system/developer folded
     into ``system``; the last one is a user or tool message. ``constraint``: the
@@ -137,6 +97,7 @@ class ChatRequest:
     logprobs: int = -1
     n: int = 1
     context: str = ""  # ``context_policy``: the conversation's context policy ("": the engine's)
+    prefill: str = ""  # a final assistant message the reply continues (``take_prefill``)
 
 
 @dataclass
@@ -180,11 +141,6 @@ class CompletionRequest:
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _type_name(v: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
-            int: "an integer", float: "a number"}.get(type(v), type(v).__name__)
 
 
 def _param(body: dict, name: str, limit: P.Limit) -> float | int | None:
@@ -231,11 +187,6 @@ def _bool(body: dict, name: str) -> bool:
     return v
 
 
-def _refuse_if(cond: bool, name: str, why: str) -> None:
-    if cond:
-        raise BadRequest(f"'{name}' is not supported: {why}", name, "unsupported_parameter")
-
-
 def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, str | None]:
     """Sampling, stream, include_usage and model of either endpoint's body."""
     if not isinstance(body, dict):
@@ -243,15 +194,11 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest(f"'model' must be a string, got {_type_name(model)}", "model")
-    lb = body.get("logit_bias")
-    _refuse_if(lb not in (None, {}) , "logit_bias", "logit bias is not applied")
     stream = _bool(body, "stream")
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise BadRequest(f"'stream_options' must be an object, got {_type_name(so)}", "stream_options")
     include_usage = bool(so and so.get("include_usage") is True)
-    for name in ("frequency_penalty", "presence_penalty"):
-        _number(body, name, -2.0, 2.0)  # checked, not applied
     mt = _integer(body, "max_completion_tokens", 1, 1 << 31)
     if mt is None:
         mt = _integer(body, "max_tokens", 1, 1 << 31)
@@ -265,6 +212,11 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
         v = _param(body, name, limit)
         if v is not None:
             setattr(sp, name, v if name != "top_p" or v > 0 else 1e-6)  # OpenAI's top_p 0: the top token
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = _number(body, name, -2.0, 2.0)
+        if v is not None:
+            setattr(sp, name, v)
+    sp.logit_bias = _logit_bias(body.get("logit_bias"))
     seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
     if seed is not None:
         sp.seed = seed & 0x7FFFFFFFFFFFFFFF  # the engine takes a non-negative seed; negative ones wrap
@@ -278,6 +230,29 @@ def _common(body: Any, limits: Limits) -> tuple[P.SamplingParams, bool, bool, st
             raise BadRequest(f"'stop' has {len(stop)} strings; at most 4 are allowed", "stop")
         sp.stop = [s for s in stop if s]
     return sp, stream, include_usage, model
+
+
+def _logit_bias(raw: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` ({"token id": bias in [-100, 100]}) as the engine's. Raises
+    BadRequest naming the bad entry (an id past the model's vocabulary: the engine's 400)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f"'logit_bias' must be an object of token ids and biases, got {_type_name(raw)}",
+                         "logit_bias")
+    if len(raw) > P.MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' has {len(raw)} entries; at most {P.MAX_LOGIT_BIAS}", "logit_bias")
+    out: dict[int, float] = {}
+    for k, v in raw.items():
+        key = str(k)
+        if not key.isdigit() or len(key) > 12:
+            raise BadRequest(f"'logit_bias': {key[:40]!r} is not a token id (use /tokenize to find one)",
+                             "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise BadRequest(f"'logit_bias[{key}]' must be a number between -100 and 100, got {v!r}"[:160],
+                             "logit_bias")
+        out[int(key)] = float(v)
+    return out
 
 
 def _structured_penalty(body: dict, sp: P.SamplingParams, structured: bool) -> None:
@@ -358,104 +333,42 @@ class _Parts:
         return "".join(texts), media
 
 
-def parse_tools(body: dict, tools_field: str = "tools", choice_field: str = "tool_choice") -> Tools:
-    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat body. Raises BadRequest."""
-    _refuse_if(body.get("functions") not in (None, []), "functions",
-               "the deprecated 'functions' form; send 'tools' with {\"type\": \"function\", \"function\": ...}")
-    raw = body.get(tools_field)
-    tools: list[dict[str, Any]] = []
-    if raw is not None:
-        if not isinstance(raw, list):
-            raise BadRequest(f"'{tools_field}' must be an array, got {_type_name(raw)}", tools_field)
-        for i, t in enumerate(raw):
-            if not isinstance(t, dict) or t.get("type", "function") != "function":
-                raise BadRequest(f"'{tools_field}[{i}]' must be a function tool ({{\"type\": \"function\", "
-                                 f"\"function\": {{...}}}})", tools_field)
-            fn = t.get("function", t if "name" in t else None)
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise BadRequest(f"'{tools_field}[{i}].function.name' must be a non-empty string", tools_field)
-            params = fn.get("parameters")
-            if params is not None and not isinstance(params, dict):
-                raise BadRequest(f"'{tools_field}[{i}].function.parameters' must be a JSON schema object", tools_field)
-            clean = {"name": fn["name"]}
-            if isinstance(fn.get("description"), str):
-                clean["description"] = fn["description"]
-            clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
-            tools.append({"type": "function", "function": clean})
-        names = [t["function"]["name"] for t in tools]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise BadRequest(f"'{tools_field}': the name {sorted(dup)[0]!r} is given twice", tools_field)
-    tc = body.get(choice_field)
-    choice, name = "auto", None
-    if tc is None:
-        choice = "auto" if tools else "none"
-    elif isinstance(tc, str):
-        if tc not in ("auto", "none", "required"):
-            raise BadRequest(f"'{choice_field}' must be auto, none, required or a function, got {tc!r}", choice_field)
-        choice = tc
-    elif isinstance(tc, dict):
-        fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
-        name = fn.get("name")
-        if not isinstance(name, str):
-            raise BadRequest(f"'{choice_field}' names no function ({{\"type\": \"function\", \"function\": "
-                             f"{{\"name\": ...}}}})", choice_field)
-        choice = "function"
-    else:
-        raise BadRequest(f"'{choice_field}' must be a string or an object, got {_type_name(tc)}", choice_field)
-    if choice in ("required", "function") and not tools:
-        raise BadRequest(f"'{choice_field}' is {choice!r} but the request has no tools", choice_field)
-    if choice == "function" and name not in [t["function"]["name"] for t in tools]:
-        raise BadRequest(f"'{choice_field}' names the function {name!r}, which is not in '{tools_field}' "
-                         f"({', '.join(t['function']['name'] for t in tools)})", choice_field, "unknown_tool")
-    par = body.get("parallel_tool_calls", True)
-    if not isinstance(par, bool):
-        raise BadRequest(f"'parallel_tool_calls' must be a boolean, got {_type_name(par)}", "parallel_tool_calls")
-    return Tools(tools, choice, name, par)
-
-
-def parse_constraint(body: dict) -> P.Constraint | None:
-    """The constraint of ``response_format`` or ``grammar`` (at most one). Raises BadRequest."""
-    out: list[P.Constraint] = []
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict):
-            raise BadRequest(f"'response_format' must be an object, got {_type_name(rf)}", "response_format")
-        kind = rf.get("type")
-        if kind == "json_object":
-            out.append(P.Constraint(kind="json_schema", grammar='{"type": "object"}', field="response_format"))
-        elif kind == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict):
-                raise BadRequest("'response_format.json_schema' must be an object with a 'schema'", "response_format")
-            schema = js.get("schema", {})
-            if not isinstance(schema, (dict, bool)):
-                raise BadRequest("'response_format.json_schema.schema' must be a JSON schema object",
-                                 "response_format")
-            out.append(P.Constraint(kind="json_schema", grammar=json.dumps(schema),
-                                    field="response_format.json_schema.schema"))
-        elif kind not in ("text", None):
-            raise BadRequest(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
-                             "response_format")
-    g = body.get("grammar")
-    if g is not None:
-        if isinstance(g, str):
-            g = {"type": "gbnf", "grammar": g}
-        if not isinstance(g, dict):
-            raise BadRequest(f"'grammar' must be a GBNF string or an object, got {_type_name(g)}", "grammar")
-        kind = g.get("type", g.get("syntax", "gbnf"))
-        text = g.get("grammar", g.get("value"))
-        if kind not in ("lark", "gbnf", "regex"):
-            raise BadRequest(f"'grammar.type' must be lark, gbnf or regex, got {kind!r}", "grammar")
-        if not isinstance(text, str) or not text.strip():
-            raise BadRequest("'grammar.grammar' must be the grammar's text", "grammar")
-        out.append(P.Constraint(kind=kind, grammar=text, field="grammar"))
-    if len(out) > 1:
-        raise BadRequest("'response_format' and 'grammar' are two constraints; send one", "grammar")
-    c = out[0] if out else None
-    if c is not None and (why := P.constraint_problem(c)):
-        raise BadRequest(why, c.field.split(".")[0])
-    return c
+def take_prefill(body: dict, where: str = "messages") -> tuple[dict, str]:
+    """(the body without its final assistant message, that message's text): the start of the
+    reply, which the reply continues (an assistant prefill, as llama-server and Anthropic
+    take it; vLLM's ``continue_final_message``). ("", body) when the last message is not an
+    assistant's. Raises BadRequest for vLLM's flags set against it, or a final assistant
+    message with tool calls or without a user message before it."""
+    msgs = body.get("messages")
+    cont, gen_prompt = body.get("continue_final_message"), body.get("add_generation_prompt")
+    for name, v in (("continue_final_message", cont), ("add_generation_prompt", gen_prompt)):
+        if v is not None and not isinstance(v, bool):
+            raise BadRequest(f"'{name}' must be a boolean, got {_type_name(v)}", name)
+    if cont and gen_prompt:
+        raise BadRequest("'continue_final_message' and 'add_generation_prompt' are both true: a reply either "
+                         "continues the final assistant message or starts a new one", "add_generation_prompt")
+    last = msgs[-1] if isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) else None
+    final = last is not None and last.get("role") == "assistant"
+    if cont and not final:
+        raise BadRequest(f"'continue_final_message' is true but the last of '{where}' is not an assistant message",
+                         "continue_final_message")
+    if gen_prompt is False and not final:
+        raise BadRequest("'add_generation_prompt' false asks for a prompt that ends without the assistant's turn: "
+                         "this server always starts or continues one (end with an assistant message to continue "
+                         "it)", "add_generation_prompt", "unsupported_parameter")
+    if not final:
+        return body, ""
+    at = last.get(AT) if isinstance(last.get(AT), str) else f"{where}[{len(msgs) - 1}]"
+    if cont is False:
+        raise BadRequest(f"'{at}': the last message is an assistant's and 'continue_final_message' is false; this "
+                         "server answers a user or tool message, or continues a final assistant message",
+                         "continue_final_message")
+    if last.get("tool_calls"):
+        raise BadRequest(f"'{at}': a final assistant message (a prefill) takes text only, not tool calls", where)
+    if not any(isinstance(m, dict) and m.get("role") in ("user", "tool") for m in msgs[:-1]):
+        raise BadRequest(f"'{at}': an assistant prefill needs a user message before it", where)
+    text, _ = _Parts(Limits(), ()).read(last.get("content"), at, media_ok=False)
+    return {**body, "messages": msgs[:-1]}, text
 
 
 def parse_chat(body: Any, limits: Limits, file_roots: tuple = ()) -> ChatRequest:

@@ -1,9 +1,12 @@
 """``aotx gateway``: the HTTP application in front of the engine, and the command.
 
-Owns: the ASGI application (``create_app``: the routes of every API, the error
-handlers that answer in each API's error shape, the lifespan that opens the engine
+Owns: the ASGI application (``create_app``: the routes of every API, the OpenAI ones
+also without ``/v1`` as llama-server serves them; CORS for the origins named with
+``--cors-origin``, none by default; the error handlers that answer in each API's error
+shape, one log line for an unexpected error; the lifespan that opens the engine
 connection) and the command (``run_gateway``: keys, the listening socket, uvicorn with
-its connection limit, one line per burst of failed accepts). Every response names its
+its connection limit and, with ``--tls-cert`` / ``--tls-key``, HTTPS; one line per
+burst of failed accepts). Every response names its
 conversation in ``X-AOTX-Conversation``; a reply carries its durable receipt
 (``X-AOTX-Receipt`` and an ``aotx`` body field, or an SSE comment line
 ``: aotx.receipt {json}`` just before ``data: [DONE]`` when streaming).
@@ -33,17 +36,20 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Mount, Route
 
 from aotx.engine.errors import EngineError, UsageError
 from aotx.engine.gateway import schema as S
 from aotx.engine.gateway import shapes
 from aotx.engine.gateway.auth import KeyRing
 from aotx.engine.gateway.core import Gateway
-from aotx.engine.gateway.limits import ApiError, GatewayConfig
+from aotx.engine.gateway.limits import ApiError, GatewayConfig, OneLineErrors
 from aotx.engine.gateway.link import EngineLink
+from aotx.engine.gateway.streaming import ClientGone
 from aotx.engine.ipc.server import raise_fd_limit
 
 __all__ = ["ApiError", "EngineLink", "Gateway", "GatewayConfig", "create_app", "is_loopback", "listen_socket",
@@ -61,32 +67,42 @@ def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_a
     """The ASGI application. With ``connect_at_start`` its lifespan opens the engine
     connection (a failure there is logged; requests answer 503 until it works)."""
     from aotx.engine.gateway import anthropic as gateway_anthropic
+    from aotx.engine.gateway import ollama as gateway_ollama
     from aotx.engine.gateway import openai as gateway_openai
     from aotx.engine.gateway import responses as gateway_responses
+    from aotx.engine.gateway import tokens as gateway_tokens
+    from aotx.engine.gateway.metrics import Metrics
 
     gw = Gateway(cfg, keys, link)
+    gw.metrics = metrics = Metrics()
+
+    def shaped(path: str, status: int, message: str, headers: dict[str, str] | None = None,
+               body: dict | None = None) -> Response:
+        """An error in the shape of the API that was called (OpenAI's unless said)."""
+        if path.startswith("/v1/messages"):
+            return gateway_anthropic.error_response(status, message, headers)
+        if path.startswith("/api/"):
+            return JSONResponse({"error": message}, status_code=status, headers=headers)  # Ollama's
+        return JSONResponse(body or shapes.error_body(message, "server_error"), status_code=status, headers=headers)
 
     async def api_error(request: Request, exc: ApiError) -> Response:
-        if request.url.path.startswith("/v1/messages"):
-            return gateway_anthropic.error_response(exc.status, exc.body["error"]["message"], exc.headers)
-        return exc.response()
+        return shaped(request.url.path, exc.status, exc.body["error"]["message"], exc.headers, exc.body)
 
     async def bad_request(request: Request, exc: S.BadRequest) -> Response:
-        if request.url.path.startswith("/v1/messages"):
-            return gateway_anthropic.error_response(exc.status, exc.message)
-        return JSONResponse(shapes.error_body(exc.message, "invalid_request_error", exc.param, exc.code),
-                            status_code=exc.status)
+        return shaped(request.url.path, exc.status, exc.message, None,
+                      shapes.error_body(exc.message, "invalid_request_error", exc.param, exc.code))
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(shapes.error_body(f"{request.method} {request.url.path}: {exc.detail}", type_),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return shaped(request.url.path, exc.status_code, message, getattr(exc, "headers", None),
+                      shapes.error_body(message, type_))
 
-    async def internal(request: Request, exc: Exception) -> Response:
-        print(f"aotx gateway: internal error on {request.method} {request.url.path}: {exc!r}", file=sys.stderr)
-        if request.url.path.startswith("/v1/messages"):
-            return gateway_anthropic.error_response(500, "internal error in the gateway")
-        return JSONResponse(shapes.error_body("internal error in the gateway", "server_error"), status_code=500)
+    def internal(path: str) -> Response:
+        return shaped(path, 500, "internal error in the gateway")
+
+    async def gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client left while its body was read
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -98,20 +114,53 @@ def create_app(cfg: GatewayConfig, keys: KeyRing, link: EngineLink, *, connect_a
         yield
         await link.close()
 
+    def post(path: str, endpoint) -> Route:
+        return Route(path, _bound(endpoint, gw), methods=["POST"])
+
+    def get(path: str, endpoint) -> Route:
+        return Route(path, _bound(endpoint, gw), methods=["GET"])
+
+    openai_routes = [
+        get("/models", gateway_openai.models),
+        get("/models/{name:path}", gateway_openai.model),
+        post("/chat/completions", gateway_openai.chat),
+        post("/completions", gateway_openai.completions),
+        post("/embeddings", gateway_tokens.embeddings),
+        post("/responses", gateway_responses.create),
+        get("/responses/{response_id}", gateway_responses.retrieve),
+    ]
     routes = [
         Route("/health", gw.health, methods=["GET"]),
-        Route("/v1/models", _bound(gateway_openai.models, gw), methods=["GET"]),
-        Route("/v1/models/{name:path}", _bound(gateway_openai.model, gw), methods=["GET"]),
-        Route("/v1/chat/completions", _bound(gateway_openai.chat, gw), methods=["POST"]),
-        Route("/v1/completions", _bound(gateway_openai.completions, gw), methods=["POST"]),
-        Route("/v1/responses", _bound(gateway_responses.create, gw), methods=["POST"]),
-        Route("/v1/responses/{response_id}", _bound(gateway_responses.retrieve, gw), methods=["GET"]),
-        Route("/v1/messages", _bound(gateway_anthropic.create, gw), methods=["POST"]),
-        Route("/v1/messages/count_tokens", _bound(gateway_anthropic.count_tokens, gw), methods=["POST"]),
+        get("/metrics", metrics.endpoint),
+        post("/tokenize", gateway_tokens.tokenize),
+        post("/detokenize", gateway_tokens.detokenize),
+        Mount("/v1", routes=[
+            *openai_routes,
+            post("/messages", gateway_anthropic.create),
+            post("/messages/count_tokens", gateway_anthropic.count_tokens),
+        ]),
+        # the OpenAI routes without /v1 too: a client whose base URL lacks it (llama-server serves both)
+        *openai_routes,
+        Mount("/api", routes=[
+            get("/version", gateway_ollama.version),
+            get("/tags", gateway_ollama.tags),
+            get("/ps", gateway_ollama.ps),
+            post("/show", gateway_ollama.show),
+            post("/chat", gateway_ollama.chat),
+            post("/generate", gateway_ollama.generate),
+            post("/embed", gateway_ollama.embed),
+            post("/embeddings", gateway_ollama.embeddings),
+        ]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    middleware = [Middleware(metrics.middleware),
+                  Middleware(OneLineErrors, log=lambda line: print(line, file=sys.stderr), answer=internal)]
+    if cfg.cors_origins:  # outermost: a browser's preflight is answered before the key is asked
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["*"],
+                                        allow_headers=["*"], max_age=600,
+                                        expose_headers=["X-AOTX-Conversation", "X-AOTX-Receipt", "Retry-After"]))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={ApiError: api_error, S.BadRequest: bad_request, HTTPException: http_error,
-                                        Exception: internal})
+                                        ClientGone: gone, ClientDisconnect: gone})
     app.state.gateway = gw
     return app
 
@@ -146,14 +195,38 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return s
 
 
-def uvicorn_server(app: Starlette, max_connections: int = GatewayConfig.max_connections):
+def uvicorn_server(app: Starlette, max_connections: int = GatewayConfig.max_connections,
+                   tls: tuple[str, str] | None = None):
     """The uvicorn server of ``app``: past ``max_connections`` concurrent connections
-    a new request is answered 503 at once (uvicorn's ``limit_concurrency``)."""
+    a new request is answered 503 at once (uvicorn's ``limit_concurrency``). ``tls``:
+    (certificate file, key file) in PEM: HTTPS (uvicorn's ``ssl_certfile`` / ``ssl_keyfile``)."""
     import uvicorn
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", server_header=False,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5, limit_concurrency=max_connections)
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5, limit_concurrency=max_connections,
+                            ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
     return uvicorn.Server(config)
+
+
+def tls_files(cert: str | None, key: str | None) -> tuple[str, str] | None:
+    """(certificate, key) for HTTPS, checked by loading them as uvicorn will; None for
+    plain HTTP. Raises UsageError naming the flag and the problem."""
+    if not cert and not key:
+        return None
+    if not cert or not key:
+        raise UsageError("--tls-cert and --tls-key go together: the certificate and its private key (PEM files)")
+    import os
+    import ssl
+
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not os.path.isfile(path):
+            raise UsageError(f"{flag} {path}: no such file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise UsageError(f"--tls-cert {cert} / --tls-key {key}: not a certificate and its key in PEM "
+                         f"({getattr(e, 'reason', None) or e})") from None
+    return cert, key
 
 
 ACCEPT_LOG_INTERVAL_S = 10.0
@@ -191,6 +264,7 @@ def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
     if not is_loopback(host) and not args.api_key_file:
         raise UsageError(f"--host {host} is not a loopback address: pass --api-key-file with the keys that may "
                          f"use it (a key file generated for loopback use is not taken implicitly)")
+    tls = tls_files(getattr(args, "tls_cert", None), getattr(args, "tls_key", None))
     # An existing key file is read first (a bad one fails before anything starts); a first
     # start's key is written only once an engine answers, so a refused start (no engine,
     # --device cuda without a GPU, a busy port) leaves no key file behind.
@@ -200,7 +274,8 @@ def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
     sock = listen_socket(host, port)
     cfg = GatewayConfig(
         limits=S.Limits(max_tokens_ceiling=args.max_tokens_ceiling),
-        per_key_concurrency=args.per_key_concurrency, max_queue=args.max_queue)
+        per_key_concurrency=args.per_key_concurrency, max_queue=args.max_queue,
+        cors_origins=tuple(getattr(args, "cors_origin", None) or ()))
 
     async def main() -> int:
         asyncio.get_running_loop().set_exception_handler(quiet_accept_errors())
@@ -213,9 +288,10 @@ def run_gateway(args, connect: Callable[[], Awaitable[Any]]) -> int:
         else:
             print(f"aotx gateway: {len(keys)} API key(s) from {path}", file=sys.stderr)
         app = create_app(cfg, KeyRing(keys, gateway_auth.key_options(path.read_text(encoding="utf-8"), path)), link)
-        server = uvicorn_server(app, cfg.max_connections)
+        server = uvicorn_server(app, cfg.max_connections, tls)
         shown = f"[{host}]" if ":" in host else host
-        print(f"aotx gateway: serving model {link.model} at http://{shown}:{sock.getsockname()[1]}/v1 "
+        print(f"aotx gateway: serving model {link.model} at http{'s' if tls else ''}://{shown}:"
+              f"{sock.getsockname()[1]}/v1 "
               f"(engine socket {(await link.get()).socket_path})", file=sys.stderr)
         await server.serve(sockets=[sock])
         return 0

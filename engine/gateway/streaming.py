@@ -2,7 +2,7 @@
 
 Owns: the server-sent-events framing every API's stream uses (``sse``: one ``data:``
 event, optionally named; ``sse_comment``: a ``: name {json}`` comment line),
-``EventStream`` (a streaming response that watches the connection while it streams
+``ndjson`` (a line of newline-delimited JSON), ``EventStream`` (a streaming response that watches the connection while it streams
 and, when the client leaves or the server stops, cancels the body and tells its owner),
 and ``race_disconnect`` (await work unless the client leaves first: ``ClientGone``).
 Leaves what is streamed to the API modules (``openai.py``, ``anthropic.py``,
@@ -64,18 +64,26 @@ def sse_comment(name: str, obj: Any) -> bytes:
     return f": {name} ".encode() + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def ndjson(obj: Any) -> bytes:
+    """One line of newline-delimited JSON (Ollama's streaming)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
 class EventStream(Response):
     """A streaming response that watches for the client leaving while it streams,
-    and then cancels the body and calls ``on_close(gone=True)``."""
+    and then cancels the body and calls ``on_close(gone=True)``. Server-sent events,
+    or ``media_type`` (Ollama's ``application/x-ndjson``)."""
 
     media_type = "text/event-stream"
 
     def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str],
-                 on_close: Callable[[bool], Awaitable[None]]):
+                 on_close: Callable[[bool], Awaitable[None]], media_type: str | None = None):
         self.body_iterator = body
         self.on_close = on_close
         self.status_code = 200
         self.background = None
+        if media_type:
+            self.media_type = media_type
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
     async def __call__(self, scope, receive, send) -> None:

@@ -282,6 +282,38 @@ class EngineClient:
         finally:
             self._queues.pop(rid, None)
 
+    async def _call_loading(self, make: Callable[[int], P.Message]):
+        """``_call`` for an operation that may load its model first (its Notices skipped)."""
+        rid, q = self._new()
+        try:
+            await self._send(make(rid))
+            while True:
+                msg = await q.get()
+                if msg is _CLOSED:
+                    raise ConnectionLost("the engine closed the connection")
+                if isinstance(msg, P.Notice):
+                    continue
+                if isinstance(msg, P.Error):
+                    raise EngineError(msg.message, msg.code)
+                return msg
+        finally:
+            self._queues.pop(rid, None)
+
+    async def embed(self, texts: list[str], *, model: str = "", pooling: str = "mean", normalize: bool = True,
+                    truncate: bool = False) -> P.Embeddings:
+        """One embedding per text (``Embed``; the model is loaded when it is not). Raises
+        EngineError (bad_request naming the text for one past the context)."""
+        return await self._call_loading(lambda i: P.Embed(id=i, texts=texts, model=model, pooling=pooling,
+                                                          normalize=normalize, truncate=truncate))
+
+    async def tokenize(self, text: str, *, model: str = "", add_special: bool = False,
+                       parse_special: bool = False) -> P.TokenList:
+        return await self._call_loading(lambda i: P.Tokenize(id=i, text=text, model=model, add_special=add_special,
+                                                             parse_special=parse_special))
+
+    async def detokenize(self, ids: list[int], *, model: str = "") -> P.Detokenized:
+        return await self._call_loading(lambda i: P.Detokenize(id=i, ids=ids, model=model))
+
     async def unload_model(self, model: str) -> None:
         await self._call(lambda i: P.UnloadModel(id=i, model=model))
 

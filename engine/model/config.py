@@ -13,7 +13,7 @@ Every problem is one ModelError line naming the file and the key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aotx.engine.errors import ModelError
@@ -28,6 +28,9 @@ ROPE_SCALING_SUPPORTED = ("none", "linear", "yarn", "longrope")
 # the architectures here): ext_factor 1 when the scaling type is yarn, beta_fast 32, beta_slow 1
 YARN_BETA_FAST = 32.0
 YARN_BETA_SLOW = 1.0
+# keys an architecture module reads per layer itself (``hparams.array``); the config keeps
+# their largest value (Gemma 4: KV heads and FFN widths differ between layer kinds)
+PER_LAYER_KEYS = {"gemma4": ("attention.head_count_kv", "feed_forward_length")}
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,11 @@ class ModelConfig:
     (expert_used_count: experts per token), ``expert_ffn_dim`` (expert_feed_forward_length,
     0 when absent: the architecture picks its default), ``shared_ffn_dim``
     (expert_shared_feed_forward_length, 0 when absent).
+
+    ``nextn_layers``: nextn_predict_layers, the multi-token-prediction blocks the file
+    appends after the main stack (block_count counts them; ``n_layers`` does not).
+    ``meta``: the file's metadata, for the keys only one architecture reads
+    (``architectures/hparams.py`` reads them, naming the key in every error).
     """
 
     arch: str
@@ -84,6 +92,8 @@ class ModelConfig:
     n_expert_used: int = 0
     expert_ffn_dim: int = 0
     shared_ffn_dim: int = 0
+    nextn_layers: int = 0
+    meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False, repr=False)
 
     def check_sliding_window(self, path: str) -> None:
         """Raise ModelError unless the file's sliding window can be used: present,
@@ -127,6 +137,8 @@ class ModelConfig:
             v = meta.get(full, default)
             if v is None:
                 raise ModelError(f"{path}: metadata key {full!r} is missing")
+            if isinstance(v, list) and v and key in PER_LAYER_KEYS.get(arch, ()):
+                v = max(v)
             if isinstance(v, list):
                 # llama.cpp's get_key_or_arr: one value per layer; AOTX needs them all equal
                 if not v or any(x != v[0] for x in v):
@@ -148,10 +160,16 @@ class ModelConfig:
         n_layers = get("block_count")
         n_heads = get("attention.head_count")
         n_kv = get("attention.head_count_kv", n_heads)
-        ffn = get("feed_forward_length")
+        # a mixture of experts may leave out the dense width (llama.cpp reads it optionally)
+        ffn = get("feed_forward_length", 0 if raw("expert_count") else None)
         for key, val in (("embedding_length", d_model), ("attention.head_count", n_heads),
                          ("attention.head_count_kv", n_kv), ("block_count", n_layers), ("feed_forward_length", ffn)):
-            positive(key, val)
+            if not (key == "feed_forward_length" and ffn == 0 and raw("expert_count")):
+                positive(key, val)
+        nextn = get("nextn_predict_layers", 0)
+        if not 0 <= nextn < n_layers:
+            raise ModelError(f"{path}: {arch}.nextn_predict_layers is {nextn}; it must be in 0..{arch}.block_count - 1 "
+                             f"({n_layers - 1})")
         if n_heads % n_kv:
             raise ModelError(f"{path}: {arch}.attention.head_count is {n_heads}, not a multiple of "
                              f"head_count_kv {n_kv} ({arch}.attention.head_count_kv)")
@@ -226,7 +244,7 @@ class ModelConfig:
         return cls(
             arch=arch,
             name=str(meta.get("general.name", "")),
-            n_layers=n_layers,
+            n_layers=n_layers - nextn,
             d_model=d_model,
             n_heads=n_heads,
             n_kv_heads=n_kv,
@@ -251,4 +269,6 @@ class ModelConfig:
             n_expert_used=n_used,
             expert_ffn_dim=expert_ff,
             shared_ffn_dim=shared_ff,
+            nextn_layers=nextn,
+            meta=meta,
         )

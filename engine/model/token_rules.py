@@ -39,6 +39,9 @@ _LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n
               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
              r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5: letters take their combining marks (\p{M}) with them
+_QWEN35_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
+              r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3,
     "pixtral": _LLAMA3, "dbrx": _LLAMA3, "smaug-bpe": _LLAMA3,
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
+    "qwen35": PreTokenizerSpec((_QWEN35_RE,), clean_spaces=False),
     "stablelm2": PreTokenizerSpec((_QWEN2_RE,)),
     "smollm": PreTokenizerSpec((r"\p{N}", _GPT2_RE), clean_spaces=False),
     "starcoder": _STARCODER, "refact": _STARCODER, "codeshell": _STARCODER, "exaone": _STARCODER,

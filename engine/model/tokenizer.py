@@ -44,6 +44,7 @@ its merges are derived in Python.
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -59,7 +60,7 @@ _GIL_FREE_CHARS = 4096
 class Tokenizer:
     """A GGUF tokenizer. Build it with ``Tokenizer.from_metadata(meta)``.
 
-    Attributes: ``model`` ("gpt2" or "llama"), ``pre`` (``tokenizer.ggml.pre``),
+    Attributes: ``model`` ("gpt2", "gemma4" or "llama"), ``pre`` (``tokenizer.ggml.pre``),
     ``add_bos``/``add_eos`` (what ``encode(add_special=True)`` adds), ``bos_id``,
     ``eos_id``, ``eot_id``, ``eom_id``, ``eog_ids`` (frozenset), ``vocab_size``.
     Immutable after construction and safe to share between threads.
@@ -92,6 +93,10 @@ class Tokenizer:
         special.sort(key=lambda x: -len(x[0].encode("utf-8")))
         self._special = tuple(special)
         self._pieces = tuple(self._piece_bytes(i) for i in range(len(self._tokens)))
+        self._by_text: dict[str, int] = {}      # gemma4: runs of newlines that are tokens
+        for i, t in enumerate(self._tokens):
+            if model == "gemma4" and t and not t.strip("\n"):
+                self._by_text.setdefault(t, i)
 
     # --- construction ---------------------------------------------------------------
 
@@ -128,8 +133,41 @@ class Tokenizer:
             return cls._build_bpe(meta, list(tokens), types, rules)
         if model == "llama":
             return cls._build_spm(meta, list(tokens), types, rules)
+        if model == "gemma4":
+            return cls._build_raw_bpe(meta, list(tokens), types, rules)
         raise TokenizerError(f"tokenizer.ggml.model {model!r} is not supported "
-                             f"(AOTX reads 'gpt2' BPE and 'llama' SentencePiece vocabularies)")
+                             f"(AOTX reads 'gpt2' BPE, 'gemma4' BPE and 'llama' SentencePiece vocabularies)")
+
+    @classmethod
+    def _build_raw_bpe(cls, meta: Mapping[str, Any], tokens: list[str], types: list[int],
+                       rules: _TokenRules) -> "Tokenizer":
+        """Gemma 4's BPE (``tokenizer.ggml.model == "gemma4"``, llama-vocab.cpp's
+        LLAMA_VOCAB_PRE_TYPE_GEMMA4): spaces become ``▁``, the text splits into runs of
+        non-newlines and runs of newlines (a newline run that is a token is that token),
+        BPE merges run on raw UTF-8 characters, and a piece outside the vocabulary falls
+        back to ``<0xXX>`` byte tokens; BOS is always added; pieces decode with ``▁`` as
+        a space."""
+        from tokenizers import Regex
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or ()]
+        if any(len(m) != 2 or not all(m) for m in merges):
+            raise TokenizerError("GGUF metadata tokenizer.ggml.merges holds an entry that is not 'left right'")
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)
+        try:
+            hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
+        except Exception as e:  # noqa: BLE001
+            raise TokenizerError(f"cannot build the gemma4 BPE tokenizer from the GGUF vocabulary ({e})") from None
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+        hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        cls._register_added(hf, tokens, types)
+        add_eos = meta.get("tokenizer.ggml.add_eos_token")
+        return cls._finish(meta, rules, "gemma4", "gemma4", tokens, types, hf, add_bos=True,
+                           add_eos=False if add_eos is None else bool(add_eos), add_space_prefix=False,
+                           clean_spaces=True)
 
     @classmethod
     def _build_bpe(cls, meta: Mapping[str, Any], tokens: list[str], types: list[int],
@@ -300,7 +338,7 @@ class Tokenizer:
             return text.encode("utf-8")
         if ty == TokenType.UNUSED:
             return b""
-        if self.model == "llama":
+        if self.model in ("llama", "gemma4"):
             if ty == TokenType.BYTE and len(text) == 6 and text.startswith("<0x"):
                 return bytes([int(text[3:5], 16)])
             return text.replace("▁", " ").encode("utf-8")
@@ -386,6 +424,10 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", "▁")
+            elif self.model == "gemma4":
+                ids.extend(self._encode_raw_bpe(frag.replace(" ", "▁")))
+                prev_special = False
+                continue
             if len(frag) < _GIL_FREE_CHARS:
                 ids.extend(self._hf.encode(frag, add_special_tokens=False).ids)
             else:  # tokenizers releases the GIL in encode_batch (not in encode): the tick keeps running
@@ -395,6 +437,15 @@ class Tokenizer:
             assert self.eos_id is not None
             ids.append(self.eos_id)
         return ids
+
+    def _encode_raw_bpe(self, frag: str) -> list[int]:
+        """Gemma 4: each run of newlines that is a token becomes that token (llama.cpp's
+        newline-run lookup); the other runs go through the BPE."""
+        out: list[int] = []
+        for run in re.findall(r"[^\n]+|\n+", frag):
+            tid = self._by_text.get(run) if run[0] == "\n" else None
+            out.extend([tid] if tid is not None else self._hf.encode(run, add_special_tokens=False).ids)
+        return out
 
     # --- decode ----------------------------------------------------------------------
 

@@ -5,9 +5,9 @@ Owns, per template family (``family_of`` tells it from the template's source):
 * parsing a reply's text into content and tool calls (``parse``), and the same
   incrementally while it streams (``StreamParser``: text deltas in, content deltas
   and tool-call deltas out; concatenated, they equal ``parse`` of the whole text);
-* the grammar that forces a call (``call_grammar``: an llguidance Lark grammar with
-  the call's JSON held to each tool's ``parameters`` schema), for ``tool_choice``
-  "required" or a named function;
+* the grammars of calls (``tool_grammar.py``, re-exported here): ``call_grammar`` forces
+  one, for ``tool_choice`` "required" or a named function; ``auto_grammar`` holds
+  ``auto``'s calls to the declared tools once the model opens one;
 * the tools' description for a template that does not take ``tools``
   (``fallback_system_prompt``: the Hermes format, parsed as ``hermes``).
 
@@ -37,6 +37,7 @@ from aotx.engine.model.tool_json import (
     _DECODER, ToolCall, _bare_calls, _bare_scan, _bare_start, _call_from, _canonical, _hermes_block, _json_prefix,
     _partial_suffix, _raw_value, _split_top,
 )
+from aotx.engine.model.tool_grammar import _function  # noqa: F401 (the tools' function objects)
 
 FAMILIES = ("hermes", "llama3_json", "mistral")
 
@@ -68,12 +69,6 @@ def fallback_system_prompt(tools: list[dict[str, Any]]) -> str:
             f"{lines}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
             "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
-
-
-def _function(tool: dict[str, Any]) -> dict[str, Any]:
-    """The ``function`` object of an OpenAI tool (or the tool itself, flat forms)."""
-    f = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-    return f
 
 
 def template_message(m: dict[str, Any]) -> dict[str, Any]:
@@ -185,9 +180,13 @@ class StreamParser:
     content. ``finish`` returns the rest. The calls sent equal ``parse``'s of the whole
     text; content may differ from ``parse``'s only in surrounding whitespace."""
 
-    def __init__(self, family: str, id_prefix: str = ""):
+    def __init__(self, family: str, id_prefix: str = "", names: frozenset[str] | set[str] | None = None):
         self.family = family
         self.id_prefix = id_prefix  # call i gets the id ``id_prefix + str(i)`` (random ids without one)
+        # the declared tools' names (None: any): a call to another one is not a call but text,
+        # as the model wrote it (the auto grammar keeps them from being written at all)
+        self.names = frozenset(names) if names is not None else None
+        self._foreign = False  # hermes: the open block names an undeclared tool
         self.text = ""
         self._sent = 0        # chars of self.text consumed
         self._index = -1      # current call index
@@ -202,6 +201,12 @@ class StreamParser:
     @property
     def calls(self) -> list[ToolCall]:
         return self._calls
+
+    def _declared(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """``calls``, or none when one of them names a tool that was not declared."""
+        if self.names is not None and any(c.name not in self.names for c in calls):
+            return []
+        return calls
 
     def _name(self, call: ToolCall, i: int) -> None:
         if self.id_prefix:
@@ -238,7 +243,7 @@ class StreamParser:
                         body = body[m.end():]
                     self.complete = _bare_scan(body.rstrip("`").rstrip())[1]
                 return Delta()
-            calls = _bare_calls(self.text)
+            calls = self._declared(_bare_calls(self.text))
             if not calls:  # not a call after all: the text as the tag parser sees it
                 self._bare = False
                 return self._hermes(final=True)
@@ -314,13 +319,27 @@ class StreamParser:
                     self._named = True
                     call = ToolCall(json.loads('"' + m.group(1) + '"'), "")
                     self._args_at = self._call_start + m.end()
-                    if any(c.name == call.name for c in self._calls):
+                    self._foreign = self.names is not None and call.name not in self.names
+                    if self._foreign:
+                        pass  # not a call: the block is text, sent whole at its end
+                    elif any(c.name == call.name for c in self._calls):
                         self._pending = call  # held whole: it may be a copy of an earlier call
                     else:
                         self._index += 1
                         self._name(call, self._index)
                         self._calls.append(call)
                         out.calls.append((self._index, call.id, call.name, ""))
+            if self._foreign:
+                if body_end < 0:
+                    if final:
+                        out.content += open_tag + body
+                        self._sent = len(t)
+                        self._in_call = self._foreign = False
+                    return out
+                out.content += open_tag + body + close_tag
+                self._foreign = self._in_call = False
+                self._sent = body_end + len(close_tag)
+                continue
             if self._named and self._pending is not None:
                 args = _json_prefix(t[self._args_at:body_end if body_end >= 0 else len(t)])
                 if args is not None:
@@ -406,6 +425,7 @@ class StreamParser:
         if not final:
             return out
         content, calls = parse(t, self.family)
+        calls = self._declared(calls)
         if not calls:
             out.content = t
         else:
@@ -419,40 +439,4 @@ class StreamParser:
 
 
 
-# ---- forcing a call ----------------------------------------------------------------------
-
-def call_grammar(tools: list[dict[str, Any]], family: str, *, name: str | None = None,
-                 parallel: bool = True) -> str:
-    """An llguidance Lark grammar for a reply that is one call (``parallel``: one or
-    more) in ``family``'s format, to ``name`` or to any of ``tools``; each call's JSON
-    is held to its tool's ``parameters`` schema (``%json``)."""
-    fns = [_function(t) for t in tools]
-    if name is not None:
-        fns = [f for f in fns if f.get("name") == name]
-    args_key = "parameters" if family == "llama3_json" else "arguments"
-    alts = []
-    for f in fns:
-        params = f.get("parameters") or {"type": "object"}
-        schema = {"type": "object", "properties": {"name": {"const": f["name"]}, args_key: params},
-                  "required": ["name", args_key], "additionalProperties": False,
-                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
-        alts.append("%json " + json.dumps(schema, ensure_ascii=False))
-    rules = [f"call_{i}: {a}" for i, a in enumerate(alts)]
-    one = " | ".join(f"call_{i}" for i in range(len(alts)))
-    if family == "hermes":
-        block = f'"<tool_call>\\n" ({one}) "\\n</tool_call>"'
-        start = f"start: block (\"\\n\" block)*" if parallel else "start: block"
-        return "\n".join([start, f"block: {block}", *rules])
-    if family == "llama3_json":
-        start = f"start: ({one}) (\"; \" ({one}))*" if parallel else f"start: {one}"
-        return "\n".join([start, *rules])
-    if family == "mistral":
-        start = (f'start: "[TOOL_CALLS][" ({one}) (", " ({one}))* "]"' if parallel
-                 else f'start: "[TOOL_CALLS][" ({one}) "]"')
-        return "\n".join([start, *rules])
-    raise ValueError(f"unknown tool-call family {family!r}")
-
-
-def tool_names(tools: list[dict[str, Any]]) -> list[str]:
-    return [str(_function(t).get("name", "")) for t in tools]
-
+from aotx.engine.model.tool_grammar import auto_grammar, call_grammar, tool_names  # noqa: E402,F401 (re-exported)

@@ -34,7 +34,7 @@ from aotx.engine.model.batch import BatchLayout, Segment
 from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.interface import DEVICE_SAMPLING, HOST
 
-KINDS = ("matrix", "vector", "host", "experts", "expert_vectors")
+KINDS = ("matrix", "vector", "host", "experts", "expert_vectors", "array")
 VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
 
 
@@ -45,8 +45,10 @@ class Tensor:
     "vector" (``backend.vector``: norms, biases) or "host" (a float32 numpy array kept on
     the host: RoPE frequency factors); for mixtures of experts "experts" (a 3-D stack of E
     matrices, ggml shape ``(k, m, E)``: ``backend.experts``) and "expert_vectors" (one bias
-    per expert, ggml ``(n, E)``: ``backend.expert_vectors``); ``optional``: absent is fine
-    (the weight is None)."""
+    per expert, ggml ``(n, E)``: ``backend.expert_vectors``); "array" (a small float tensor
+    of any rank, F32/F16/BF16, as a float32 backend array of the reversed ggml shape:
+    ``backend.array``; a convolution kernel); ``optional``: absent is fine (the weight is
+    None)."""
 
     name: str
     shape: tuple[int, ...]
@@ -129,10 +131,31 @@ def resolve_tensors(specs: list, gf, backend) -> list[tuple[Tensor, Any]]:
                                  f"{', '.join(sorted(_type_name(q) for q in supported))})")
         elif t.qtype not in VECTOR_TYPES:
             raise ModelError(f"{gf.path}: tensor {spec.name!r} has tensor type {_type_name(t.qtype)}, which is not "
-                             f"supported for a {'per-expert bias' if spec.kind == 'expert_vectors' else '1-D tensor'} "
+                             f"supported for a {_what(spec.kind)} "
                              f"(supported: F32, F16, BF16)")
         out.append((spec, t))
     return out
+
+
+def _what(kind: str) -> str:
+    return {"expert_vectors": "per-expert bias", "array": "small float tensor"}.get(kind, "1-D tensor")
+
+
+def check_known(arch: ModuleType, cfg: ModelConfig, specs: list, gf) -> None:
+    """For an architecture that sets ``KNOWN_TENSORS_ONLY``: every tensor of the file must
+    be one it declares (any option of a OneOf) or one its ``ignored_tensor(cfg, name)``
+    accepts; otherwise the file is a variant it does not know, refused naming the tensor."""
+    if not getattr(arch, "KNOWN_TENSORS_ONLY", False):
+        return
+    known = set()
+    for s in specs:
+        for t in ([x for opt in s.options for x in opt] if isinstance(s, OneOf) else [s]):
+            known.add(t.name)
+    ignored = getattr(arch, "ignored_tensor", lambda cfg, name: False)
+    for name in gf.tensors:
+        if name not in known and not ignored(cfg, name):
+            raise ModelError(f"{gf.path}: tensor {name!r} is not part of the {cfg.arch} architecture AOTX knows "
+                             f"(a variant it cannot run)")
 
 
 def _host_vector(t) -> np.ndarray:
@@ -155,11 +178,12 @@ def load_weights(resolved: list[tuple[Tensor, Any]], gf, backend) -> Weights:
                 loaded[spec.name] = _host_vector(t)
             else:
                 load = {"matrix": backend.matrix, "vector": backend.vector}.get(spec.kind)
-                if load is None:  # the expert kinds: only backends that run mixtures of experts have them
+                if load is None:  # the expert kinds and arrays: only backends that run them have them
                     load = getattr(backend, spec.kind, None)
                     if load is None:
-                        raise ModelError(f"{gf.path}: the {backend.name.upper()} backend does not run mixtures of "
-                                         f"experts (tensor {spec.name!r})")
+                        what = "recurrent layers" if spec.kind == "array" else "mixtures of experts"
+                        raise ModelError(f"{gf.path}: the {backend.name.upper()} backend does not run {what} "
+                                         f"(tensor {spec.name!r})")
                 loaded[spec.name] = load(t)
         except ModelError as e:
             msg = str(e)
@@ -184,8 +208,11 @@ class TransformerModel:
         if check is not None:
             check(cfg, str(gf.path))
         _check_block_count(cfg, gf)
-        resolved = resolve_tensors(arch.tensors(cfg), gf, backend)
+        specs = arch.tensors(cfg)
+        check_known(arch, cfg, specs, gf)
+        resolved = resolve_tensors(specs, gf, backend)
         w = load_weights(resolved, gf, backend)
+        self.weights, self._gf = w, gf       # the MTP head shares them (load_mtp)
         b = ProgramBuilder()
         try:
             logits = arch.forward(b, cfg, w)
@@ -240,6 +267,34 @@ class TransformerModel:
         placeholders past the vocabulary; see runtime/media_prompt.py)."""
         return self.compiled.forward(tokens, BatchLayout.of(segments), kv, embeds)
 
+    def last_hidden(self) -> np.ndarray | None:
+        """The last forward's (N, d_model) final-normed hidden states, for a program that
+        keeps them (an architecture with an MTP head), else None."""
+        return getattr(self.compiled, "last_hidden", None)
+
+    @property
+    def has_mtp(self) -> bool:
+        """The file has nextn (multi-token-prediction) blocks this architecture can run."""
+        return bool(self.cfg.nextn_layers) and hasattr(self.arch, "mtp_forward")
+
+    def load_mtp(self) -> "MtpHead":
+        """Load the file's first nextn block as an MTP head on this backend (its own tensors;
+        the embedding and output head shared with this model). Raises ModelError naming
+        a missing tensor or an op the backend cannot run."""
+        gf = self._gf
+        if not self.has_mtp:
+            raise ModelError(f"{gf.path}: the model has no MTP head (no {self.cfg.arch}.nextn_predict_layers)")
+        w = load_weights(resolve_tensors(self.arch.mtp_tensors(self.cfg), gf, self.backend), gf, self.backend)
+        b = ProgramBuilder()
+        try:
+            logits = self.arch.mtp_forward(b, self.cfg, Weights({**self.weights._w, **w._w}))
+            program = b.finish(logits)
+            return MtpHead(program, self.backend.compile(program))
+        except ProgramError as e:
+            raise ModelError(f"{gf.path}: the MTP head cannot be built from this file ({e})") from None
+        except ValueError as e:     # a backend that cannot run one of its ops
+            raise ModelError(f"{gf.path}: the MTP head does not run on the {self.backend.name} backend ({e})") from None
+
     def _sample(self, tokens: np.ndarray, segments: list[Segment], kv, rows, tick: int = 0) -> np.ndarray:
         """Run one batch and pick each logits row's next token on the device (only on the
         device-sampling path; see the CUDA backend). Returns (R,) int32."""
@@ -248,6 +303,29 @@ class TransformerModel:
     def _greedy(self, tokens: np.ndarray, segments: list[Segment], kv) -> np.ndarray:
         """``sample`` with every row greedy (only on the device-sampling path)."""
         return self.compiled.greedy(tokens, BatchLayout.of(segments), kv)
+
+
+class MtpHead:
+    """A multi-token-prediction head traced and compiled beside its model: ``forward(tokens,
+    segments, kv, hidden)`` -> (R, vocab) logits, ``hidden`` the (N, d_model) rows of its
+    ``input`` "h"; ``last_hidden()`` its own final-normed rows of that forward."""
+
+    def __init__(self, program, compiled):
+        self.program = program
+        self.compiled = compiled
+        self.d_model = program.d_model
+
+    def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16"):
+        return self.compiled.new_kv_cache(n_slots, n_ctx, kv_type)
+
+    def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
+        return self.compiled.kv_cache_bytes(n_slots, n_ctx, kv_type)
+
+    def forward(self, tokens: np.ndarray, segments: list[Segment], kv, hidden: np.ndarray) -> np.ndarray:
+        return self.compiled.forward(tokens, BatchLayout.of(segments), kv, None, {"h": hidden})
+
+    def last_hidden(self) -> np.ndarray:
+        return self.compiled.last_hidden
 
 
 def _check_block_count(cfg: ModelConfig, gf) -> None:

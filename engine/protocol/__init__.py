@@ -53,6 +53,10 @@ from aotx.engine.protocol.operations import (  # noqa: F401
     ShowConversation,
     SubmitMessage,
     CountTokens,
+    Embed,
+    Tokenize,
+    Detokenize,
+    POOLINGS,
     Cancel,
     DeleteConversation,
     RenameConversation,
@@ -84,6 +88,9 @@ from aotx.engine.protocol.events import (  # noqa: F401
     ModelList,
     TokenCount,
     ModelLoaded,
+    Embeddings,
+    TokenList,
+    Detokenized,
 )
 from aotx.engine.protocol.validation import (  # noqa: F401
     Limit,
@@ -91,6 +98,7 @@ from aotx.engine.protocol.validation import (  # noqa: F401
     SPECULATIVE_MODES,
     MAX_STOP_STRINGS,
     MAX_STOP_CHARS,
+    MAX_LOGIT_BIAS,
     limit_problem,
     sampling_problem,
     constraint_problem,

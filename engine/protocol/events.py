@@ -216,3 +216,30 @@ class ModelLoaded(_Base, tag="model_loaded"):
     model: ModelInfo
     unloaded: list[str] = []
     already: bool = False
+
+
+class Embeddings(_Base, tag="embeddings"):
+    """Answer to ``Embed``: ``vectors`` (one list of floats per text, in order), the token
+    count of each text and the ``model`` that made them (its name)."""
+
+    id: int
+    vectors: list[list[float]]
+    n_tokens: list[int]
+    model: str = ""
+
+
+class TokenList(_Base, tag="token_list"):
+    """Answer to ``Tokenize``: the ``ids`` and each one's bytes (``pieces``)."""
+
+    id: int
+    ids: list[int]
+    pieces: list[bytes] = []
+    model: str = ""
+
+
+class Detokenized(_Base, tag="detokenized"):
+    """Answer to ``Detokenize``: the ids' text (invalid UTF-8 as U+FFFD)."""
+
+    id: int
+    text: str
+    model: str = ""

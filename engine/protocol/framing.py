@@ -11,6 +11,8 @@ from aotx.engine.protocol.events import (
     Accepted,
     Committed,
     ConversationInfo,
+    Detokenized,
+    Embeddings,
     ConversationList,
     Durable,
     Error,
@@ -22,6 +24,7 @@ from aotx.engine.protocol.events import (
     StatusReply,
     Token,
     TokenCount,
+    TokenList,
     Welcome,
 )
 from aotx.engine.protocol.operations import (
@@ -29,6 +32,8 @@ from aotx.engine.protocol.operations import (
     CountTokens,
     CreateConversation,
     DeleteConversation,
+    Detokenize,
+    Embed,
     ForkConversation,
     Hello,
     ListConversations,
@@ -40,6 +45,7 @@ from aotx.engine.protocol.operations import (
     Status,
     SubmitMessage,
     SwitchModel,
+    Tokenize,
     TruncateConversation,
     UnloadModel,
     UpdateConversation,
@@ -52,9 +58,9 @@ _LEN = struct.Struct(">I")
 Message = Union[
     Hello, CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel,
     DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, SetContextPolicy,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, Embed, Tokenize, Detokenize, SetContextPolicy,
     Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, MediaInfo, Committed,
-    Durable, StatusReply, ModelList, ModelLoaded, TokenCount,
+    Durable, StatusReply, ModelList, ModelLoaded, TokenCount, Embeddings, TokenList, Detokenized,
 ]
 
 

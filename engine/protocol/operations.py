@@ -194,10 +194,49 @@ class SwitchModel(_Base, tag="switch_model"):
 
 
 
+POOLINGS = ("mean", "last", "cls")  # Embed.pooling: llama.cpp's pooling types, by the same names
+
+
+class Embed(_Base, tag="embed"):
+    """One embedding vector per text of ``texts`` from ``model``'s last hidden state (after
+    its output norm; "": the engine's default model, loaded when it is not), pooled over the
+    text's tokens as llama.cpp's ``--pooling`` does: "mean" (every token), "last" (the last
+    token) or "cls" (the first); ``normalize``: divided by its L2 norm. The text is tokenized
+    with the model's BOS/EOS (``add_special``), special-token text kept plain. Nothing is
+    stored. Answered with ``Embeddings``."""
+
+    id: int
+    texts: list[str]
+    model: str = ""
+    pooling: str = "mean"
+    normalize: bool = True
+    truncate: bool = False  # a text past the context: cut to it (else refused, naming it)
+
+
+class Tokenize(_Base, tag="tokenize"):
+    """``text`` as ``model``'s token ids ("": the default model): ``add_special`` adds BOS/EOS
+    as the model's metadata says, ``parse_special`` reads special-token text (``<|im_end|>``)
+    as its one id. Answered with ``TokenList`` (each id with its bytes)."""
+
+    id: int
+    text: str
+    model: str = ""
+    add_special: bool = False
+    parse_special: bool = False
+
+
+class Detokenize(_Base, tag="detokenize"):
+    """The text of ``ids`` on ``model`` ("": the default model). Answered with ``Detokenized``."""
+
+    id: int
+    ids: list[int]
+    model: str = ""
+
+
 #: The operations a client asks the engine to run (everything but the handshake).
 Operation = Union[
     CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel, DeleteConversation,
     RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, SetContextPolicy,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, Embed, Tokenize, Detokenize, SetContextPolicy,
 ]
 OPERATIONS: tuple[type, ...] = Operation.__args__

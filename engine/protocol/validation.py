@@ -14,11 +14,15 @@ from aotx.engine.protocol.operations import (
     Cancel,
     CountTokens,
     CreateConversation,
+    Detokenize,
+    Embed,
     LoadModel,
+    POOLINGS,
     PriorMessage,
     SetContextPolicy,
     SubmitMessage,
     SwitchModel,
+    Tokenize,
     UnloadModel,
 )
 from aotx.engine.protocol.values import (
@@ -61,12 +65,19 @@ SAMPLING_LIMITS: dict[str, Limit] = {
     "repeat_last_n": Limit(-1, None, integer=True),
     "seed": Limit(0, (1 << 64) - 1, integer=True),
     "max_tokens": Limit(1, None, integer=True),
+    "frequency_penalty": Limit(-2.0, 2.0),
+    "presence_penalty": Limit(-2.0, 2.0),
 }
 #: ``SamplingParams.speculative``: "" the engine's default, "auto" prompt lookup where it
-#: pays, "ngram" prompt lookup, "draft" the engine's draft model, "off".
-SPECULATIVE_MODES = ("", "auto", "ngram", "draft", "off")
+#: pays, "ngram" prompt lookup, "draft" the engine's draft model, "mtp" the model's own
+#: multi-token-prediction head (a file with nextn layers), "off".
+SPECULATIVE_MODES = ("", "auto", "ngram", "draft", "mtp", "off")
 MAX_STOP_STRINGS = 64  # the stop checker keeps every prefix of every stop string: bound them
 MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # SamplingParams.logit_bias entries
+LOGIT_BIAS_LIMIT = Limit(-100.0, 100.0)  # OpenAI's range of one bias
+MAX_EMBED_TEXTS = 256  # Embed.texts
+MAX_DETOKENIZE_IDS = 1 << 20  # Detokenize.ids
 
 
 def limit_problem(name: str, value: Any, limit: Limit) -> str | None:
@@ -108,8 +119,15 @@ def sampling_problem(sp: Any) -> str | None:
     if len(sp.stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in sp.stop):
         return (f"stop strings: at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each (got "
                 f"{len(sp.stop)}, the longest {max(map(len, sp.stop), default=0)} characters)")
+    if not isinstance(sp.logit_bias, dict) or len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias: at most {MAX_LOGIT_BIAS} token ids"
+    for t, b in sp.logit_bias.items():
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            return f"logit_bias: {t!r} is not a token id (an integer of at least 0)"
+        if (why := limit_problem(f"logit_bias[{t}]", b, LOGIT_BIAS_LIMIT)):
+            return why
     if sp.speculative not in SPECULATIVE_MODES:
-        return f"speculative mode {sp.speculative!r} is not available (use auto, ngram, draft or off)"
+        return f"speculative mode {sp.speculative!r} is not available (use auto, ngram, draft, mtp or off)"
     return None
 
 
@@ -191,6 +209,29 @@ def operation_problem(op: Any) -> str | None:
             return "model must name a model (see ListModels)"
         if isinstance(op, LoadModel) and not isinstance(op.evict_idle, bool):
             return f"evict_idle must be a boolean, got {op.evict_idle!r}"
+    elif isinstance(op, Embed):
+        if not isinstance(op.texts, list) or not op.texts or len(op.texts) > MAX_EMBED_TEXTS:
+            return f"texts must hold 1 to {MAX_EMBED_TEXTS} texts"
+        for i, t in enumerate(op.texts):
+            if not isinstance(t, str) or not t:
+                return f"texts[{i}] must be a non-empty string"
+        if op.pooling not in POOLINGS:
+            return f"pooling {op.pooling!r}: use {', '.join(POOLINGS)}"
+        for name in ("normalize", "truncate"):
+            if not isinstance(getattr(op, name), bool):
+                return f"{name} must be a boolean, got {getattr(op, name)!r}"
+    elif isinstance(op, Tokenize):
+        if not isinstance(op.text, str):
+            return f"text must be a string, got {type(op.text).__name__}"
+        for name in ("add_special", "parse_special"):
+            if not isinstance(getattr(op, name), bool):
+                return f"{name} must be a boolean, got {getattr(op, name)!r}"
+    elif isinstance(op, Detokenize):
+        if not isinstance(op.ids, list) or len(op.ids) > MAX_DETOKENIZE_IDS:
+            return f"ids must be a list of at most {MAX_DETOKENIZE_IDS:,} token ids"
+        for i, t in enumerate(op.ids):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                return f"ids[{i}] must be a token id (an integer of at least 0), got {t!r}"
     elif isinstance(op, Cancel):
         if isinstance(op.target, bool) or not isinstance(op.target, int) or op.target < 0:
             return f"target must be a request id (an integer of at least 0), got {op.target!r}"

@@ -49,6 +49,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int = UNTIL_CONTEXT
     stop: list[str] = []
     speculative: str = ""  # "" = the engine's default; SPECULATIVE_MODES
+    # OpenAI's penalties, as llama.cpp applies them with the repetition penalty (over the same
+    # last ``repeat_last_n`` tokens): a logit loses count * frequency_penalty + presence_penalty
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (-100 bans it, 100 forces it)
 
 
 

@@ -138,7 +138,16 @@ class Compiler:
         m = llg.LLMatcher(self.lltokenizer, text, log_level=0)
         if m.is_error():
             raise GrammarError(f"{field or 'constraint'}: {m.get_error()}")
-        return GrammarState(self, text, m, field)
+        g = GrammarState(self, text, m, field)
+        g.mask()  # the first step's mask (kept for it): the matcher knows its dead ends once it has one
+        if m.is_stopped() and not m.is_accepting():
+            # stopped before its first token and not accepting the empty text: the grammar's
+            # language is empty (a schema that only refers to itself, {"$ref": "#"}), and the
+            # reply would be "" where a value was promised
+            raise GrammarError(f"{field or 'constraint'}: the grammar admits no text at all (a schema or rule that "
+                               "only refers to itself, such as {\"$ref\": \"#\"}, has no value); give it a case "
+                               "that ends")
+        return g
 
 
 class GrammarState:

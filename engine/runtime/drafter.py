@@ -79,6 +79,11 @@ class DraftModel:
         self.n_ctx = n_ctx
         self.p_min = p_min
         self.kv = lm.model.new_kv_cache(n_slots, n_ctx)
+        if getattr(self.kv, "state", None) is not None:
+            # its slots are cut back to the committed tokens after every verify pass, which
+            # a recurrent state cannot follow
+            raise ModelError(f"--draft-model {lm.path}: a {lm.config.arch} model has recurrent layers and cannot "
+                             f"draft (use --speculative mtp with a model that has an MTP head, or ngram)")
         self.tokens: list[list[int]] = [[] for _ in range(n_slots)]
 
     @property

@@ -299,6 +299,13 @@ class Engine:
         for m in self.models:
             if m.kind == "remote":
                 m.close()
+        self._close_preparers()
+
+    def _close_preparers(self) -> None:
+        """The preparation workers end with the loop: a stopped engine leaves no thread."""
+        for m in self.models:
+            if m.kind != "remote":
+                m.submitter.preparer.close()
 
     def post(self, op: P.Operation, sink: Sink) -> None:
         """Queue a client operation (a protocol ``Operation``), answered through ``sink.send``."""
@@ -341,6 +348,7 @@ class Engine:
                             if r in m.running:
                                 m.running.remove(r)
         self._end_replies_on_stop()
+        self._close_preparers()
 
     STOP_RECEIPT_WAIT_S = 2.0
 

@@ -53,6 +53,7 @@ from aotx.engine.state.cache import CapsuleCache
 
 log = logging.getLogger("aotx.engine")
 PARK_MIN_EXTRA = 16  # park a slot's state only when it holds this many tokens past the new prefix
+CHECKPOINTS = 2      # recurrent-state copies a hybrid slot keeps at the end of its prompts
 
 
 class DeviceError(Exception):
@@ -124,6 +125,7 @@ class Executor:
             capsules.numerics = self.numerics   # disk capsules of other arithmetic are not restored
         self.device_path = lm.model.device_path   # interface.HOST or DEVICE_SAMPLING
         self.d_model = lm.config.d_model
+        self._row0: dict[int, int] = {}    # id(request) -> its decode rows' first batch row (MTP drafters)
         self.prefill_tokens = 0  # prompt tokens run through the model (tests count prefills with it)
 
     # ---- slots ------------------------------------------------------------------------
@@ -135,19 +137,28 @@ class Executor:
         r, slot, reuse = lease.request, lease.slot, lease.reuse
         caps = self.capsules
         fp = self.lm.fingerprint
+        st = getattr(self.kv, "state", None)
         if caps is not None and slot.conv_id and slot.conv_id != r.conv_id and len(slot.tokens) > reuse + PARK_MIN_EXTRA:
-            caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp, backend=self.device,
-                                               numerics=self.numerics, device=caps.device_budget > 0,
-                                               drafter=self._drafter_state(slot.index),
-                                               sampler=self._sampler_of.get(slot.conv_id)))
+            try:
+                caps.park(slot.conv_id, C.snapshot(self.kv, slot.index, slot.tokens, fingerprint=fp,
+                                                   backend=self.device, numerics=self.numerics,
+                                                   device=caps.device_budget > 0, drafter=self._drafter_state(slot.index),
+                                                   sampler=self._sampler_of.get(slot.conv_id),
+                                                   checkpoints=slot.checkpoints))
+            except C.CapsuleError as e:   # a cache: the journal's tokens rebuild the state
+                log.warning("state of %s not parked: %s", slot.conv_id, e)
         if slot.conv_id != r.conv_id:           # the slot's state leaves it: one entry per slot at most
             self._sampler_of.pop(slot.conv_id, None)
+        if st is not None and 0 < reuse != st.position(slot.index):
+            # a hybrid slot reused at a checkpoint short of its state's position
+            st.restore(slot.index, slot.checkpoints[reuse], reuse)
         if r.fork_capsule is not None:  # a forked choice: the prompt's state, then its first token
             cap, r.fork_capsule = r.fork_capsule, None
             n = C.restore(cap, self.kv, slot.index, fingerprint=fp)
             if self.draft is not None and cap.draft_k is not None:
                 self.draft.restore(cap, slot.index, r.prompt)
             slot.tokens[:] = cap.tokens[:n].tolist()
+            slot.checkpoints = {p: c for p, c in (cap.checkpoints or {}).items() if p < n}
             return LeaseResult(n, f"choice {r.choice}: forked the prompt's state ({n} tokens) from choice 0", n)
         if caps is None:
             return LeaseResult(reuse)
@@ -155,11 +166,12 @@ class Executor:
             return LeaseResult(reuse)
         cap, n, note = caps.best_for(r.conv_id, r.prompt)
         n = min(n, len(r.prompt) - 1)
-        if cap is not None and n > reuse:
+        if cap is not None and n > reuse and C.restorable(cap, n):
             C.restore(cap, self.kv, slot.index, fingerprint=fp, n=n)
             if self.draft is not None:
                 self.draft.restore(cap, slot.index, r.prompt)
             slot.tokens[:] = cap.tokens[:n].tolist()
+            slot.checkpoints = {p: c for p, c in (cap.checkpoints or {}).items() if p < n}
             reuse = n
             # the user's words, no capsule or prefill jargon; where it came from is in `aotx status`
             note = f"picked up where this conversation left off ({n} tokens of context kept, not read again)"
@@ -178,8 +190,13 @@ class Executor:
         self._sampler_of[r.conv_id] = r.sampler_state       # what a capsule of this slot carries
         if caps is None or caps.dir is None or r.slot is None or len(r.slot.tokens) < 2:
             return
-        cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint, backend=self.device,
-                         numerics=self.numerics, drafter=self._drafter_state(r.slot.index), sampler=r.sampler_state)
+        try:
+            cap = C.snapshot(self.kv, r.slot.index, r.slot.tokens, fingerprint=self.lm.fingerprint,
+                             backend=self.device, numerics=self.numerics, drafter=self._drafter_state(r.slot.index),
+                             sampler=r.sampler_state, checkpoints=r.slot.checkpoints)
+        except C.CapsuleError as e:
+            log.warning("capsule of %s not written: %s", r.conv_id, e)
+            return
         conv_id = r.conv_id
 
         def write() -> None:
@@ -204,9 +221,11 @@ class Executor:
         segs: list[Segment] = []
         toks: list[int] = []
         rows: list[tuple[Request, list[int]]] = []  # (request, drafts): 1 + len(drafts) logits rows
+        self._row0 = {}
         for d in plan.decode:
             r = d.request
             drafts = r.drafter.propose(r.tokens, d.draft_room) if r.drafter is not None else []
+            self._row0[id(r)] = len(toks)
             segs.append(Segment(r.slot.index, r.pos, 1 + len(drafts), all_logits=bool(drafts)))
             toks.append(r.next_input)
             toks.extend(drafts)
@@ -229,7 +248,39 @@ class Executor:
         except Exception as e:  # noqa: BLE001 - any failure of the device is one
             raise DeviceError(str(e)) from e
         device_s = time.perf_counter() - t1
+        self._checkpoint(plan)
+        self._observe_prefill(plan, len(toks) - sum(c.n for c in plan.prefill))
         return TickResult(self._pick(rows, ids, logits, masks), device_s)
+
+    def _checkpoint(self, plan: TickPlan) -> None:
+        """A hybrid slot whose prompt ends this tick keeps a copy of its recurrent state
+        there (the next turn, whose prompt shares this one but not the reply as the
+        template renders it, resumes from it); at most CHECKPOINTS per slot."""
+        st = getattr(self.kv, "state", None)
+        if st is None:
+            return
+        for c in plan.prefill:
+            if c.last:
+                cks = c.request.slot.checkpoints
+                cks[c.start + c.n] = st.snapshot(c.request.slot.index, c.start + c.n)
+                for p in sorted(cks)[:-CHECKPOINTS]:
+                    del cks[p]
+
+    def _hidden(self) -> np.ndarray | None:
+        """The last forward's hidden rows, where the model keeps them (an MTP head's input)."""
+        get = getattr(self.lm.model, "last_hidden", None)
+        return get() if get is not None else None
+
+    def _observe_prefill(self, plan: TickPlan, row: int) -> None:
+        """Hand each prefill chunk's rows to a drafter that follows the target's hidden
+        states (the MTP drafter); ``row`` is the first prefill row of the batch."""
+        for c in plan.prefill:
+            r = c.request
+            if hasattr(r.drafter, "observe"):
+                h = self._hidden()
+                if h is not None:
+                    r.drafter.observe(c.start, r.prompt[c.start:c.start + c.n], h[row:row + c.n])
+            row += c.n
 
     @staticmethod
     def _masks_of(r: Request, drafts: list[int]) -> np.ndarray:
@@ -258,8 +309,8 @@ class Executor:
         bitmasks go to the device first (``load_masks``); its rows carry their addresses."""
         model = self.lm.model
         for r, drafts in rows:
-            if not model.samples_exactly(r.sampler, r.sampler_state, len(drafts)):
-                return None
+            if r.sampler.host_only or not model.samples_exactly(r.sampler, r.sampler_state, len(drafts)):
+                return None  # (a logit bias or a frequency/presence penalty: the host's chain, exactly)
         ptrs: dict[int, list[int]] = {}
         if masks:
             order = [k for k in masks]
@@ -355,10 +406,16 @@ class Executor:
             fed: list[int] = []
             if r.state is RequestState.DECODE:
                 fed = [r.next_input] + drafts[:len(produced) - 1]
+                if hasattr(r.drafter, "observe") and id(r) in self._row0:
+                    h = self._hidden()
+                    if h is not None:
+                        r.drafter.observe(r.pos, fed, h[self._row0[id(r)]:self._row0[id(r)] + len(fed)])
                 if drafts:
                     r.drafter.update(len(drafts), len(produced) - 1)
-                    if len(fed) < n:  # roll back the rejected drafts' KV cells
+                    if len(fed) < n:  # roll back the rejected drafts' KV cells (and recurrent state)
                         self.kv.clear(r.slot.index, r.pos + len(fed), r.pos + n)
+                        if getattr(self.kv, "state", None) is not None:
+                            self.kv.state.rollback(r.slot.index, r.pos + len(fed))
             out.append(RowResult(r, produced, fed, len(drafts), got_lp))
             off += n
         return out + forked

@@ -44,6 +44,7 @@ from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftModel
 from aotx.engine.runtime.envelope import Envelope, working_bytes
 from aotx.engine.runtime.events import Inbox
 from aotx.engine.runtime.executor import DeviceError, Executor
+from aotx.engine.runtime.mtp import MtpModel
 from aotx.engine.runtime.requests import Request, RequestState
 from aotx.engine.runtime.scheduler import plan_leases, plan_tick
 from aotx.engine.runtime.slots import SlotTable
@@ -132,13 +133,14 @@ class LocalModel:
         self.envelope = Envelope.of(lm.config, n_slots, n_ctx, prefill_chunk, store.journal_capacity)
         self.kv = lm.model.new_kv_cache(n_slots, n_ctx, kv_type)
         self.draft = DraftModel(draft_lm, n_slots, n_ctx, p_min=draft_p_min) if draft_lm is not None else None
-        self.slots = SlotTable(n_slots)
+        self.mtp = _mtp_model(lm, n_slots, n_ctx, draft_p_min)
+        self.slots = SlotTable(n_slots, whole_prefix=getattr(self.kv, "state", None) is not None)
         self.waiting: deque[Request] = deque()  # accepted, in arrival order (durable_wait or queued)
         self.running: list[Request] = []        # prefill or decode, holding a slot
         self.executor = Executor(lm, self.kv, device=device, capsules=capsules, draft=self.draft)
         self.commit = Commit(store, self.slots, self.executor.numerics)
         self.submitter = Submitter(lm, store, self.envelope, inbox, is_busy, device=device, speculative=speculative,
-                                   draft=self.draft, context_policy=context_policy)
+                                   draft=self.draft, mtp=self.mtp, context_policy=context_policy)
         self.submitter.model_name = name
         self.terms = tuple(terms)
         self.last_used = time.monotonic()
@@ -334,10 +336,25 @@ class LocalModel:
         return self._facts
 
     def close(self) -> None:
-        """Let go of the KV cache and the weights (the last references)."""
+        """Let go of the KV cache and the weights (the last references), and end the
+        preparation workers."""
         self.kv = None
         self.executor.kv = None
         self.draft = None
+        self.submitter.preparer.close()
+
+
+def _mtp_model(lm: Any, n_slots: int, n_ctx: int, p_min: float) -> MtpModel | None:
+    """The model's own multi-token-prediction head for ``--speculative mtp`` (a file with
+    nextn layers, on a backend that returns hidden states: the CPU), else None."""
+    model = lm.model
+    if not getattr(model, "has_mtp", False) or getattr(model, "device_path", "host") != "host":
+        return None
+    try:
+        return MtpModel(model.load_mtp(), n_slots, n_ctx, p_min=p_min)
+    except ModelError as e:
+        log.warning("the MTP head is not used: %s", e)
+        return None
 
 
 def prefixed(name: str, terms: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:

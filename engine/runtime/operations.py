@@ -16,6 +16,7 @@ models (``models.ModelSet``), conversation state (``store.py``).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -61,8 +62,10 @@ class Operations:
             P.TruncateConversation: self._truncate, P.ForkConversation: self._fork, P.Status: self._status,
             P.ListModels: self._list_models, P.LoadModel: self._load_model, P.UnloadModel: self._unload_model,
             P.SwitchModel: self._switch_model, P.CountTokens: self._count_tokens,
+            P.Embed: self._embed, P.Tokenize: self._tokenize, P.Detokenize: self._detokenize,
             P.SetContextPolicy: self._set_context,
         }
+        self._embedders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LocalModel -> Embedder
         assert set(self.table) == set(P.OPERATIONS), "every protocol operation has a handler"
 
     def _create(self, op: P.CreateConversation, sink: Sink) -> None:
@@ -112,7 +115,38 @@ class Operations:
                                    message=f"switched this conversation from {current} to {m.name}: {m.name} reads "
                                            f"its {len(conv.messages)} earlier messages again; what {current} "
                                            f"saved of it stays valid for {current}"))
+        vocab = getattr(getattr(getattr(m, "lm", None), "config", None), "vocab_size", 0)
+        if op.sampling is not None and op.sampling.logit_bias and vocab and max(op.sampling.logit_bias) >= vocab:
+            raise RequestError(f"logit_bias: token id {max(op.sampling.logit_bias)} is past the vocabulary of "
+                               f"{m.name} ({vocab:,} tokens)")
         self.engine.enqueue(m.submitter.submit(op, sink, self.engine.tick), m)
+
+    def _local(self, model: str, rid: int, sink: Sink, what: str) -> Any:
+        """The loaded local model ``model`` names ("" the default; loaded when it is not)."""
+        m, _ = self._ensure(model or self.models.default_name, rid, sink)
+        if getattr(m, "kind", "") == "remote":
+            raise RequestError(f"{m.name} is a remote model: its {what} are its server's")
+        return m
+
+    def _embed(self, op: P.Embed, sink: Sink) -> None:
+        """Embeddings of ``op.texts`` on the engine thread, between ticks (``embeddings.py``)."""
+        from aotx.engine.runtime.embeddings import Embedder
+
+        m = self._local(op.model, op.id, sink, "embeddings")
+        e = self._embedders.get(m)
+        if e is None:
+            e = self._embedders[m] = Embedder(m.lm, m.n_ctx, getattr(self.engine, "kv_type", "f16"))
+        sink.send(e.embed(op))
+
+    def _tokenize(self, op: P.Tokenize, sink: Sink) -> None:
+        from aotx.engine.runtime.embeddings import tokenize
+
+        sink.send(tokenize(self._local(op.model, op.id, sink, "tokens").lm, op))
+
+    def _detokenize(self, op: P.Detokenize, sink: Sink) -> None:
+        from aotx.engine.runtime.embeddings import detokenize
+
+        sink.send(detokenize(self._local(op.model, op.id, sink, "tokens").lm, op))
 
     def _count_tokens(self, op: P.CountTokens, sink: Sink) -> None:
         """The prompt's token count on the model named (loaded first when it is not)."""

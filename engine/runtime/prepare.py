@@ -53,7 +53,8 @@ class Preparer:
     them; clients take turns, so one sending slow work (a long paste, a template
     that runs to its budget) delays another's next message by at most one of its
     preparations, not by its whole queue. Workers start on first use and are
-    daemons: a stuck C call can never keep the process from exiting."""
+    daemons: a stuck C call can never keep the process from exiting. ``close()`` ends
+    them (the engine's ``stop``): a stopped engine leaves no thread behind."""
 
     def __init__(self, inbox: Inbox, n_workers: int = N_WORKERS, templates: TemplateWorkers | None = None):
         self.inbox = inbox
@@ -64,6 +65,7 @@ class Preparer:
         self._turns: deque[int] = deque()  # sinks with pending work and none running, in turn order
         self._running: set[int] = set()  # sinks one of whose preparations is running
         self._threads: list[threading.Thread] = []
+        self._closed = False
 
     def isolate(self, template: Any) -> None:
         """Render ``template`` (a model's ``ChatTemplate``) in the template worker processes
@@ -75,6 +77,7 @@ class Preparer:
     def submit(self, sub: Any, work: Callable[[], tuple[str, list[int]]]) -> None:
         key = id(sub.sink)
         with self._cond:
+            self._closed = False
             if not self._threads:
                 for i in range(self.n_workers):
                     t = threading.Thread(target=self._run, name=f"aotx-prepare-{i}", daemon=True)
@@ -86,9 +89,21 @@ class Preparer:
                 self._turns.append(key)
             self._cond.notify()
 
-    def _take(self) -> tuple[int, Any, Callable[[], tuple[str, list[int]]]]:
+    def close(self, timeout_s: float = 1.0) -> None:
+        """End the workers once they are idle; a preparation still running finishes
+        first (waited for up to ``timeout_s``, then left to its daemon thread)."""
+        with self._cond:
+            self._closed = True
+            threads, self._threads = self._threads, []
+            self._cond.notify_all()
+        for t in threads:
+            t.join(timeout_s)
+
+    def _take(self) -> tuple[int, Any, Callable[[], tuple[str, list[int]]]] | None:
         with self._cond:
             while not self._turns:
+                if self._closed:
+                    return None
                 self._cond.wait()
             key = self._turns.popleft()
             q = self._pending[key]
@@ -107,7 +122,10 @@ class Preparer:
 
     def _run(self) -> None:
         while True:
-            key, sub, work = self._take()
+            taken = self._take()
+            if taken is None:
+                return
+            key, sub, work = taken
             try:
                 text, prompt = work()
                 ev = Prepared(sub, text, prompt)

@@ -4,7 +4,9 @@ Owns: ``RemoteModel``, a model of the ``ModelSet`` whose replies come from an en
 (a vLLM or SGLang cluster, llama-server, Ollama, another AOTX gateway) through
 ``/v1/chat/completions`` (``/v1/completions`` for a raw prompt) with ``stream: true``;
 its submission stages (``RemoteSubmitter``); the stream worker (``RemoteStream``, a
-thread per reply) and the tick step that commits what arrived.
+thread per reply, reading the server-sent events with httpx-sse, so an event's several
+``data:`` lines are one event, over the model's one shared ``httpx.Client``) and the tick
+step that commits what arrived.
 
 Everything a client sees is what a local model gives (DESIGN.md, "Three positions"):
 the user's message is published and journaled first, and the request goes out only
@@ -25,6 +27,7 @@ Not done: attachments (refused with a message), token ids, capsules.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -62,12 +65,14 @@ class RemoteStream:
     ("text", str), ("usage", prompt_tokens, completion_tokens), ("done", reason) or
     ("fail", kind, message) with kind dropped | http | refused | garbage; ``wake()`` after each."""
 
-    def __init__(self, spec: RemoteSpec, body: dict[str, Any], chat: bool, model_name: str, wake: Callable[[], None]):
+    def __init__(self, spec: RemoteSpec, body: dict[str, Any], chat: bool, model_name: str, wake: Callable[[], None],
+                 client: Any = None):
         self.spec = spec
         self.body = body
         self.chat = chat
         self.name = model_name
         self.wake = wake
+        self.client = client  # the remote model's shared httpx.Client (None: one of its own, for this reply)
         self.items: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"aotx-remote-{model_name}", daemon=True)
@@ -105,8 +110,10 @@ class RemoteStream:
                 self._put("done", "cancelled")
                 return
             try:
-                with httpx.Client(timeout=timeout) as client, \
-                        client.stream("POST", url, json=self.body, headers=headers) as resp:
+                with contextlib.ExitStack() as stack:
+                    client = self.client or stack.enter_context(httpx.Client(timeout=timeout))
+                    resp = stack.enter_context(client.stream("POST", url, json=self.body, headers=headers,
+                                                             timeout=timeout))
                     if resp.status_code in RETRY_STATUSES and attempt < MAX_RETRIES:
                         wait = _retry_after(resp.headers.get("retry-after"), attempt)
                         log.info("%s answered %d; retrying in %.1f s", where, resp.status_code, wait)
@@ -133,54 +140,57 @@ class RemoteStream:
                 return
 
     def _read(self, resp: Any, where: str) -> None:
-        """The server-sent events of an OpenAI stream: text deltas, usage, the finish."""
+        """The server-sent events of an OpenAI stream (httpx-sse: an event's ``data:`` lines
+        joined, comments and other fields skipped): text deltas, usage, the finish."""
+        from httpx_sse import EventSource, SSEError
+
         finish = None
-        n_events = 0
-        for line in resp.iter_lines():
-            if self.cancelled.is_set():
-                self._put("done", "cancelled")
-                return
-            line = line.strip()
-            if not line or line.startswith(":") or line.startswith(("event:", "id:", "retry:")):
-                continue
-            if not line.startswith("data:"):
-                self._put("fail", "garbage", f"{where} answered something that is not an OpenAI event stream "
-                                             f"(a line {line[:60]!r})")
-                return
-            data = line[5:].strip()
-            if data == "[DONE]":
-                self._put("done", finish or "stop")
-                return
-            try:
-                ev = json.loads(data)
-            except ValueError:
-                self._put("fail", "garbage", f"{where} sent an event that is not JSON ({data[:60]!r})")
-                return
-            if not isinstance(ev, dict):
-                self._put("fail", "garbage", f"{where} sent an event that is not a JSON object ({data[:60]!r})")
-                return
-            if "error" in ev:
-                err = ev["error"]
-                msg = err.get("message") if isinstance(err, dict) else err
-                self._put("fail", "http", f"{where} failed the reply: {str(msg)[:300]}")
-                return
-            n_events += 1
-            usage = ev.get("usage")
-            if isinstance(usage, dict):
-                self._put("usage", int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
-            choices = ev.get("choices")
-            if not isinstance(choices, list):
-                self._put("fail", "garbage", f"{where} sent an event without choices ({data[:60]!r})")
-                return
-            for ch in choices[:1]:
-                if not isinstance(ch, dict):
+        try:
+            events = EventSource(resp).iter_sse()
+            for sse in events:
+                if self.cancelled.is_set():
+                    self._put("done", "cancelled")
+                    return
+                data = sse.data.strip()
+                if not data:
                     continue
-                delta = ch.get("delta") if self.chat else None
-                text = (delta or {}).get("content") if self.chat else ch.get("text")
-                if isinstance(text, str) and text:
-                    self._put("text", text)
-                if ch.get("finish_reason"):
-                    finish = str(ch["finish_reason"])
+                if data == "[DONE]":
+                    self._put("done", finish or "stop")
+                    for _ in events:  # read to the end of the body, so the connection goes back to the pool
+                        pass
+                    return
+                try:
+                    ev = json.loads(data)
+                except ValueError:
+                    self._put("fail", "garbage", f"{where} sent an event that is not JSON ({data[:60]!r})")
+                    return
+                if not isinstance(ev, dict):
+                    self._put("fail", "garbage", f"{where} sent an event that is not a JSON object ({data[:60]!r})")
+                    return
+                if "error" in ev:
+                    err = ev["error"]
+                    msg = err.get("message") if isinstance(err, dict) else err
+                    self._put("fail", "http", f"{where} failed the reply: {str(msg)[:300]}")
+                    return
+                usage = ev.get("usage")
+                if isinstance(usage, dict):
+                    self._put("usage", int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+                choices = ev.get("choices")
+                if not isinstance(choices, list):
+                    self._put("fail", "garbage", f"{where} sent an event without choices ({data[:60]!r})")
+                    return
+                for ch in choices[:1]:
+                    if not isinstance(ch, dict):
+                        continue
+                    delta = ch.get("delta") if self.chat else None
+                    text = (delta or {}).get("content") if self.chat else ch.get("text")
+                    if isinstance(text, str) and text:
+                        self._put("text", text)
+                    if ch.get("finish_reason"):
+                        finish = str(ch["finish_reason"])
+        except SSEError as e:
+            self._put("fail", "garbage", f"{where} answered something that is not an OpenAI event stream ({e})")
+            return
         if finish is not None:  # some servers end without [DONE]
             self._put("done", finish)
         else:
@@ -285,6 +295,12 @@ class RemoteSubmitter:
             body["min_p"] = sp.min_p
         if sp.repeat_penalty != 1.0:
             body["repeat_penalty"] = sp.repeat_penalty
+        if sp.frequency_penalty:
+            body["frequency_penalty"] = sp.frequency_penalty
+        if sp.presence_penalty:
+            body["presence_penalty"] = sp.presence_penalty
+        if sp.logit_bias:  # the remote model's own token ids
+            body["logit_bias"] = {str(t): b for t, b in sp.logit_bias.items()}
         if max_tokens < UNBOUNDED_MAX_TOKENS:
             body["max_tokens"] = max_tokens
         if sp.stop:
@@ -350,6 +366,17 @@ class RemoteModel:
         self._event = RemoteEvent(self.name)
         self.submitter = RemoteSubmitter(self)
         self.last_used = time.monotonic()
+        self._http: Any = None
+
+    @property
+    def http(self) -> Any:
+        """The one httpx.Client of this remote model (its connection pool, kept alive
+        between replies; thread-safe: each reply's stream thread uses it), made on first use."""
+        if self._http is None:
+            import httpx
+
+            self._http = httpx.Client(timeout=httpx.Timeout(self.spec.timeout_s, connect=CONNECT_TIMEOUT_S))
+        return self._http
 
     @property
     def fingerprint(self) -> str:
@@ -396,7 +423,7 @@ class RemoteModel:
         for r in [r for r in self.waiting if r.state is RequestState.QUEUED and not r.cancelled]:
             self.waiting.remove(r)
             body, chat = self.bodies.pop(id(r))
-            s = RemoteStream(self.spec, body, chat, self.name, self._wake)
+            s = RemoteStream(self.spec, body, chat, self.name, self._wake, self.http)
             self.streams[id(r)] = s
             r.state = RequestState.DECODE
             r.t_start = time.perf_counter()
@@ -497,3 +524,6 @@ class RemoteModel:
     def close(self) -> None:
         for s in self.streams.values():
             s.cancelled.set()
+        if self._http is not None:
+            self._http.close()
+            self._http = None

@@ -139,7 +139,8 @@ class Request:
     @property
     def plain_greedy(self) -> bool:
         """Greedy without a repetition penalty or a constraint: the argmax of the logits."""
-        return self.sampler.temperature <= 0.0 and self.sampler.repeat_penalty == 1.0 and self.constraint is None
+        return (self.sampler.temperature <= 0.0 and self.sampler.repeat_penalty == 1.0 and self.constraint is None
+                and not self.sampler.host_only)
 
     @property
     def needs_logits(self) -> bool:

@@ -1,8 +1,10 @@
 """Sampling: turn one row of logits into the next token id.
 
 Owns: the sampler chain and its state. Order as llama.cpp's default chain
-(common/sampling.cpp): repetition penalty, top-k, top-p, min-p, temperature,
-then a draw. Temperature <= 0 is greedy (argmax, ties to the lowest id).
+(common/sampling.cpp): logit bias, penalties (repetition, frequency, presence: one
+sampler over the last ``repeat_last_n`` tokens, as llama.cpp's ``penalties``), top-k,
+top-p, min-p, temperature, then a draw. Temperature <= 0 is greedy (argmax, ties to the
+lowest id).
 
 A constrained reply (``constraints.py``) gives each step a token bitmask: it applies
 first (``apply_mask``: every id it forbids gets logit -inf), so greedy picks the best
@@ -50,10 +52,21 @@ class SamplerConfig:
     min_p: float = _DEFAULT.min_p
     repeat_penalty: float = _DEFAULT.repeat_penalty
     repeat_last_n: int = _DEFAULT.repeat_last_n
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
 
     @classmethod
     def of(cls, sp: SamplingParams) -> SamplerConfig:
-        return cls(sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repeat_penalty, sp.repeat_last_n)
+        return cls(sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.repeat_penalty, sp.repeat_last_n,
+                   float(sp.frequency_penalty), float(sp.presence_penalty),
+                   tuple(sorted((int(t), float(b)) for t, b in sp.logit_bias.items())))
+
+    @property
+    def host_only(self) -> bool:
+        """The row needs the host's chain: a logit bias or a frequency/presence penalty
+        (the device sampler has neither)."""
+        return bool(self.logit_bias) or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 def uniform(seed: int, step: int) -> float:
@@ -72,6 +85,29 @@ def apply_repeat_penalty(logits: np.ndarray, history: list[int], penalty: float,
     ids = ids[(ids >= 0) & (ids < logits.shape[0])]
     v = logits[ids]
     logits[ids] = np.where(v > 0, v / penalty, v * penalty)  # -inf (masked) stays -inf
+
+
+def apply_penalties(logits: np.ndarray, history: list[int], cfg: SamplerConfig) -> None:
+    """In place: the logit bias (added), then llama.cpp's penalties sampler over the last
+    ``repeat_last_n`` tokens: for each distinct id there, the repetition penalty (as
+    ``apply_repeat_penalty``), then minus ``count * frequency_penalty + presence_penalty``
+    (OpenAI's definition; llama.cpp's ``llama_sampler_penalties_apply``)."""
+    if cfg.logit_bias:
+        ids = np.fromiter((t for t, _ in cfg.logit_bias), np.int64, len(cfg.logit_bias))
+        logits[ids] += np.fromiter((b for _, b in cfg.logit_bias), np.float32, len(cfg.logit_bias))
+    if cfg.frequency_penalty == 0.0 and cfg.presence_penalty == 0.0:
+        apply_repeat_penalty(logits, history, cfg.repeat_penalty, cfg.repeat_last_n)
+        return
+    if not history or cfg.repeat_last_n == 0:
+        return
+    win = history[-cfg.repeat_last_n:] if cfg.repeat_last_n > 0 else history
+    ids, counts = np.unique(np.asarray(win, dtype=np.int64), return_counts=True)
+    keep = (ids >= 0) & (ids < logits.shape[0])
+    ids, counts = ids[keep], counts[keep]
+    v = logits[ids]
+    if cfg.repeat_penalty != 1.0:
+        v = np.where(v > 0, v / cfg.repeat_penalty, v * cfg.repeat_penalty)
+    logits[ids] = v - (counts * cfg.frequency_penalty + cfg.presence_penalty).astype(np.float32)
 
 
 def apply_mask(logits: np.ndarray, mask: np.ndarray | None) -> None:
@@ -107,7 +143,7 @@ def sample(logits: np.ndarray, cfg: SamplerConfig, state: SamplerState, mask: np
     advance ``state`` (step += 1 for a draw, history append). ``mask``: the
     constraint's bitmask of this step (``apply_mask``), or None. Returns the token id."""
     apply_mask(logits, mask)
-    apply_repeat_penalty(logits, state.history, cfg.repeat_penalty, cfg.repeat_last_n)
+    apply_penalties(logits, state.history, cfg)
     if cfg.temperature <= 0.0:
         tok = int(np.argmax(logits))
     else:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from aotx.engine.runtime.sampling import (
-    SamplerConfig, SamplerState, apply_mask, apply_repeat_penalty, distribution, uniform,
+    SamplerConfig, SamplerState, apply_mask, apply_penalties, distribution, uniform,
 )
 
 
@@ -119,7 +119,7 @@ def verify(rows: np.ndarray, drafts: list[int], cfg: SamplerConfig, st: SamplerS
         logits = rows[i]
         if masks is not None:
             apply_mask(logits, masks[i])
-        apply_repeat_penalty(logits, st.history, cfg.repeat_penalty, cfg.repeat_last_n)
+        apply_penalties(logits, st.history, cfg)
         d = drafts[i] if i < len(drafts) else None
         if cfg.temperature <= 0.0:
             tok = int(np.argmax(logits))

@@ -63,6 +63,7 @@ from aotx.engine.runtime.constraints import Compiler, GrammarState
 from aotx.engine.runtime.drafter import DraftDrafter, DraftModel
 from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import Inbox, MediaReady, Prepared
+from aotx.engine.runtime.mtp import MtpDrafter
 from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece
 from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
@@ -120,12 +121,13 @@ class Submitter:
     lm: the ``LoadedModel``; store: the ``ConversationStore``; envelope: the engine's;
     inbox: the engine's (media stages post ``MediaReady`` to it); is_busy(conv_id):
     whether a conversation is generating; device: "cpu" | "cuda"; speculative: the
-    engine's default mode; draft: the ``DraftModel`` or None. ``vision`` and
+    engine's default mode; draft: the ``DraftModel`` or None; mtp: the ``mtp.MtpModel``
+    (the model's own multi-token-prediction head) or None. ``vision`` and
     ``images`` are set when pictures go to an encoder."""
 
     def __init__(self, lm: LoadedModel, store: ConversationStore, envelope: Envelope, inbox: Inbox,
                  is_busy: Callable[[str], bool], *, device: str, speculative: str, draft: DraftModel | None = None,
-                 context_policy: str = context.DEFAULT_POLICY):
+                 mtp: MtpModel | None = None, context_policy: str = context.DEFAULT_POLICY):
         self.lm = lm
         self.store = store
         self.envelope = envelope
@@ -134,6 +136,7 @@ class Submitter:
         self.device = device
         self.speculative = speculative
         self.draft = draft
+        self.mtp = mtp
         self.context_policy = context_policy  # the engine's default (a conversation may set its own)
         self.vision: VisionEncoder | None = None
         self.images: media_prompt.ImageStore | None = None
@@ -186,8 +189,11 @@ class Submitter:
         if mode == "draft" and self.draft is None:
             raise RequestError("speculative mode 'draft' needs a draft model: start the engine with "
                                "--draft-model PATH (or use auto, ngram or off)")
+        if mode == "mtp" and self.mtp is None:
+            raise RequestError("speculative mode 'mtp' needs a model with a multi-token-prediction head (nextn "
+                               "layers) on the CPU (or use auto, ngram, draft or off)")
         if mode not in P.SPECULATIVE_MODES:
-            raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft or off)")
+            raise RequestError(f"speculative mode {mode!r} is not available (use auto, ngram, draft, mtp or off)")
         return mode
 
     # ---- 2. media ---------------------------------------------------------------------
@@ -525,6 +531,8 @@ class Submitter:
             return PromptLookup(min_ngram=AUTO_MIN_NGRAM) if self.device == "cpu" else None
         if mode == "draft":
             return DraftDrafter(draft=self.draft)
+        if mode == "mtp":
+            return MtpDrafter(self.mtp)
         return None  # "off", or "" with an engine default of "off"
 
     # ---- held messages -------------------------------------------------------------------

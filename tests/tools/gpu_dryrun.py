@@ -7,8 +7,8 @@ random-weight llama files (``tests/models/cuda_testmodel.py``): every prefill mo
 (default choice, f16, tf32, f32, gemv), the KV types (f16, f32, and the quantized q8_0 and
 q4_0 with their rotation: stores, loads and the cuBLAS path's dequantization checked like every
 other launch), fused and generic kernels, every
-GEMV variant forced (float and int8 activations), graph buckets 1 to 128 and the eager path past
-them, the persistent decode step (tests/tools/persistent_step.py), a QK-norm-free
+GEMV variant forced (float and int8 activations), the MMQ (int8 tensor cores) from 2 rows
+and turned off, graph buckets 1 to 128 and the eager path past them, the persistent decode step (tests/tools/persistent_step.py), a QK-norm-free
 model with mixed tensor types and an untied odd vocabulary, and the kernel-choice tuner
 (policy force, then reuse of the artifact it wrote). Prints one line per scenario and
 ``dry run OK`` last; exit code 1 on the first violation.
@@ -115,6 +115,11 @@ def main() -> int:
     for name in files:
         scenarios.append((f"{name} int8 activations, default kernels", name,
                           {"int8_activations": True, "int8_min_bytes": 0}, "f16"))
+    for name in files:                      # the MMQ from 2 rows: every graph bucket but 1, and the eager path's 150 rows
+        scenarios.append((f"{name} int8 activations, MMQ from 2 rows, prefill gemv", name,
+                          {"int8_activations": True, "int8_min_bytes": 0, "mmq_min_rows": 2, "prefill": "gemv"}, "f16"))
+    scenarios.append(("q4k int8 activations, MMQ off", "q4k",
+                      {"int8_activations": True, "int8_min_bytes": 0, "mmq_min_rows": None}, "f16"))
     scenarios.append(("q4k int8 asked below the size rule: float", "q4k", {"int8_activations": True}, "f16"))
     scenarios.append(("q4k over the dense budget: tiles", "q4k", {"_dense_max": 1 << 20}, "f16"))
     root = tmp / "home"
@@ -150,6 +155,10 @@ def main() -> int:
                     (q8, model.compiled.backend.numerics)
             else:
                 assert not any(q8), q8
+            # the MMQ: every int8 GEMV has its form unless turned off (the fake is an sm_90 device)
+            mmq = [g.mmq is not None for g in model.compiled.gemvs if g.q8]
+            assert all(mmq) if kw.get("mmq_min_rows", 16) is not None else not any(mmq), \
+                [g.mmq_why for g in model.compiled.gemvs]
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {label}")
             traceback.print_exc()

@@ -15,7 +15,9 @@ For ``tests/tools/gpu_dryrun.py`` (run in a subprocess by tests/test_cuda_host.p
 finds wrong argument lists, missing template instances and pointer arithmetic off its
 buffer before the code meets a GPU. Numbers are not computed: logits are garbage.
 
-Except with ``emulate = True`` (a test sets it around the calls it checks): then the GPU
+Except with ``emulate = True`` (a test sets it around the calls it checks): then
+``quant_rows``, the int8 ``gemv`` and ``mmq`` compute their outputs bit for bit in their own
+reduction orders (``tests/tools/gpu_fake_mmq.py``, by ``tests/tools/mmq_model.py``), and the GPU
 expert tier's kernels (``gemv`` in modes store and swiglu without a norm, ``moe_gemv``,
 ``moe_gather``, ``swiglu_oai_rows``) compute their outputs in numpy from the memory their
 pointers address (weights dequantized by gguf, each dot product in float64, one output row
@@ -164,9 +166,13 @@ _KIND = {"int": np.int32, "i64": np.int64, "float": np.float32}
 class RawKernel:
     def __init__(self, name: str, params: list):
         self.name, self.params = name, params
+        self.max_dynamic_shared_size_bytes = 0     # CuPy's attribute: raised to launch with more than 48 KiB
 
     def __call__(self, grid, block, args, shared_mem=0):
         where = f"kernel {self.name}"
+        if shared_mem > 227 * 1024 or (shared_mem > 48 * 1024 and shared_mem > self.max_dynamic_shared_size_bytes):
+            raise LaunchError(f"{where}: {shared_mem} bytes of dynamic shared memory (limit raised to "
+                              f"{self.max_dynamic_shared_size_bytes}; 48 KiB without, 227 KiB at most)")
         grid = tuple(grid) if isinstance(grid, tuple) else (grid,)
         block = tuple(block) if isinstance(block, tuple) else (block,)
         lim = (2 ** 31 - 1, 65535, 65535)
@@ -190,6 +196,7 @@ class RawKernel:
             elif not isinstance(a, _KIND[kind]):
                 raise LaunchError(f"{where}: {pname} ({kind}) passed as {type(a).__name__}")
         named = {n: a for a, (_, n) in zip(args, self.params)}
+        named["__block__"], named["__smem__"] = block, int(shared_mem)
         if _recording is not None:        # stream capture: checked now, run when the graph is launched
             _recording.append((self, grid, named))
         else:
@@ -258,9 +265,16 @@ def _extents(name: str, grid, a: dict) -> None:
         _need(w, a["bias_b"], 4 * (rows_b if mode in (0, 1, 3, 5) else n_pairs), "bias_b")
         if grid[1] * nb < B:
             raise LaunchError(f"{w}: grid.y {grid[1]} x NB {nb} does not cover {B} rows")
+        ppb = 4 // tpl[4] * (tpl[5] if len(tpl) > 5 else 1)          # GEMV_WARPS / WPP x PPW row pairs a block
+        if grid[0] * ppb < n_pairs:
+            raise LaunchError(f"{w}: grid.x {grid[0]} x {ppb} pairs a block does not cover {n_pairs} row pairs")
         if mode in (3, 5):
             for t in ("tab_slot", "tab_pos"):
                 _need(w, a[t], 4 * B, t)
+    elif base == "mmq":
+        from tests.tools import gpu_fake_mmq
+
+        gpu_fake_mmq.extents(w, tpl, grid, a)
     elif base == "moe_gemv":
         nb, mode = tpl[2], tpl[3]
         k, n_pairs = i("k"), i("n_pairs")
@@ -391,6 +405,10 @@ def _f32(p: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_float * int(n)).from_address(int(p)))
 
 
+def _i8(p: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_int8 * int(n)).from_address(int(p)))
+
+
 def _deq(p: int, rb: int, rows: int, qtype: int) -> np.ndarray:
     from gguf.quants import dequantize
 
@@ -421,7 +439,13 @@ def _gemv_rows(ta, tb, mode, Wa, Wb, rba, rbb, a_stride, b_off, n_pairs, k, x, l
 
 
 def _emu_gemv(name, grid, a) -> None:
-    ta, tb, _, mode, _ = (int(t) for t in name[name.index("<") + 1:-1].split(","))
+    tpl = [int(t) for t in name[name.index("<") + 1:-1].split(",")]
+    if len(tpl) == 7 and tpl[6] == 1:              # int8 activations: the canonical order, bit for bit
+        from tests.tools import gpu_fake_mmq
+
+        gpu_fake_mmq.emu_q8(tpl[0], tpl[1], tpl[3], a, mmq=False)
+        return
+    ta, tb, _, mode, _ = tpl[:5]
     if a["nw"] or mode not in (0, 2):
         return                       # not a GPU expert tier launch: left garbage, as every kernel
     _gemv_rows(ta, tb, mode, _addr(a["Wa"]), _addr(a["Wb"]), int(a["rba"]), int(a["rbb"]), int(a["a_stride"]),
@@ -528,7 +552,15 @@ def _moe_join_or_zeros(name, grid, a) -> None:
 
 
 _EMULATED = {"gemv": _emu_gemv, "moe_gemv": _emu_moe_gemv, "moe_gather": _emu_moe_gather,
-             "swiglu_oai_rows": _emu_swiglu_oai}
+             "swiglu_oai_rows": _emu_swiglu_oai, "quant_rows": lambda *a: _fake_mmq().emu_quant_rows(*a),
+             "mmq": lambda *a: _fake_mmq().emu_mmq(*a)}
+
+
+def _fake_mmq():
+    """The int8 GEMV's, quant_rows' and the MMQ's checks and emulation (tests/tools/gpu_fake_mmq.py)."""
+    from tests.tools import gpu_fake_mmq
+
+    return gpu_fake_mmq
 # the device moe step's kernels that run always: the index kernels (the tables moe_gemv's extent
 # check reads; garbage logits give valid expert ids) and the join (zeros unless emulated)
 _ALWAYS = {"moe_route": _emu_moe_route, "moe_tiles": _emu_moe_tiles, "moe_join": _moe_join_or_zeros}

@@ -479,6 +479,10 @@ def make_templates(args) -> None:
 # ------------------------------------------------------------------ vocabularies
 
 VOCAB_STRINGS = [
+    ("combining_marks", "e\u0301cole nai\u0308ve \u0939\u093f\u0902\u0926\u0940 \u0915\u094d\u0937"),
+    ("arabic_diacritics", "\u0645\u064e\u0631\u0652\u062d\u064e\u0628\u064b\u0627 123"),
+    ("thai_marks", "\u0e20\u0e32\u0e29\u0e32\u0e44\u0e17\u0e22 \u0e01\u0e34\u0e19\u0e02\u0e49\u0e32\u0e27"),
+    ("qwen35_think", "<think>\nhm, ok\n</think>\n\n<tool_call>{\"a\": 1}</tool_call><|im_end|>"),
     ("llama3_header", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"),
     ("llama3_eom_python", "<|python_tag|>print(1)<|eom_id|>"),
     ("llama3_reserved", "<|reserved_special_token_5|>"),
@@ -496,6 +500,8 @@ def _vocab_file(models, name: str, path: Path) -> Path:
     tok = models.hf_vocab.tokenizer(name)
     if name == "phi3":  # a name with "phi3" in it: llama.cpp's Phi-3 token attributes
         return models.phi3.write(path, tok, metadata={"general.name": "Phi3 Mini 4k Instruct"})
+    if name == "qwen35":  # Qwen3.5's vocabulary in a tiny qwen35 file (pre-tokenizer qwen35)
+        return models.qwen35.write(path, tok)
     return models.llama3.write(path, tok)
 
 
@@ -548,7 +554,7 @@ def make_vocab(args) -> None:
         eog = [i for i in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)]
         ref = {"vocabulary": name, "package": models.hf_vocab.VOCABS[name]["package"], "engine": engine_facts(),
                "method": "tests/models/hf_vocab.py tokenizer(name) written into a tiny llama3 (phi3: phi3, named "
-                         "'Phi3 Mini 4k Instruct') GGUF, loaded vocab_only; Llama.tokenize(text, add_bos=False, special=True|False); detok_* = "
+                         "'Phi3 Mini 4k Instruct'; qwen35: qwen35) GGUF, loaded vocab_only; Llama.tokenize(text, add_bos=False, special=True|False); detok_* = "
                          "Llama.detokenize (token_to_piece concatenated, what a stream shows), llama_detokenize_* = "
                          "llama.cpp's llama_detokenize(remove_special=False, unparse_special)",
                "n_vocab": n_vocab, "eog_token_ids": eog, "eog_pieces": [piece(i) for i in eog],
@@ -575,7 +581,7 @@ def main() -> None:
     r.add_argument("--tokenizer-only", action="store_true", help="model_facts.json and tokenizer_refs.json only")
     sub.add_parser("templates", help="tests/data/refs/templates/rendered.json")
     v = sub.add_parser("vocab", help="tests/data/refs/<name>-vocab/ for a vocabulary of tests/models/hf_vocab.py")
-    v.add_argument("name", choices=["llama3", "phi3"])
+    v.add_argument("name", choices=["llama3", "phi3", "qwen35"])
     args = ap.parse_args()
     {"tiny": make_tiny, "real": make_real, "templates": make_templates, "vocab": make_vocab}[args.cmd](args)
 

@@ -51,6 +51,13 @@ def instances(types=None) -> list[str]:
             for wpp in wpps:
                 for ppw in CC.PPW_GRID[nb]:
                     names.append(f"gemv<{t},{t},{nb},{S.MODE_STORE},{wpp},{ppw},1>")
+    for t in (S.Q8_TYPES if types is S.TYPES else [t for t in types if t in S.Q8_TYPES]):   # the MMQ
+        for wn, wm, sp in ((1, 1, 1), (2, 1, 4), (1, 2, 2), (2, 2, 4), (1, 4, 2), (2, 4, 1)):
+            names.append(f"mmq<{t},{t},{S.MODE_STORE},{wn},{wm},{sp}>")
+        for mode in (S.MODE_ADD, S.MODE_QKV, S.MODE_QKV16, S.MODE_SWIGLU, S.MODE_GEGLU):
+            names.append(f"mmq<{t},{t},{mode},2,4,2>")
+    if types is S.TYPES:
+        names += [f"mmq<{S.Q4_K},{S.Q6_K},{S.MODE_SWIGLU},2,4,1>", f"mmq<{S.Q6_K},{S.Q4_K},{S.MODE_STORE},1,2,4>"]
     names.append("quant_rows_h")                  # fp16 activations (gemv_h, a measurement candidate)
     from tests.tools.gemv_h import H_TYPES
 

@@ -80,6 +80,17 @@ class CpuBackend:
         self.weight_bytes += arr.nbytes
         return arr
 
+    def array(self, t) -> np.ndarray:
+        """A small F32/F16/BF16 tensor of any rank (a convolution kernel, ggml ``[K, C]``) as
+        a float32 array of the reversed shape ((C, K))."""
+        from aotx.engine.backend.quants import dequantize_rows
+
+        n = int(np.prod(t.shape))
+        flat = dequantize_rows(np.asarray(t.data).reshape(1, -1), t.qtype, slice(0, 1), n)[0]
+        arr = np.ascontiguousarray(np.asarray(flat, np.float32).reshape(tuple(reversed(tuple(t.shape)))))
+        self.weight_bytes += arr.nbytes
+        return arr
+
     def vector(self, t) -> np.ndarray:
         """A 1-D F32/F16 tensor as a float32 array (copied: these are small)."""
         from aotx.engine.backend.quants import dequantize_rows

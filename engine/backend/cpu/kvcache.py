@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from aotx.engine.backend.cpu import kv_layers as cpu_kv_layers
 from aotx.engine.backend.cpu import kvquant
 from aotx.engine.backend.ops import Program
 
@@ -56,6 +57,9 @@ class CpuKVCache:
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.rope = [spec.tables(n_ctx) for spec in program.rope_specs()]
+        self.uniform = len({(L.n_kv_heads, L.head_dim) for L in program.kv_layers}) <= 1   # else kv_layers.py
+        if not self.uniform:     # a snapshot's last axis: every layer's heads side by side (kv_layers.py)
+            self.row_width = sum(cpu_kv_layers.widths(self))
 
     @staticmethod
     def nbytes(program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
@@ -74,6 +78,7 @@ class CpuKVCache:
     @property
     def slot_shape(self) -> tuple[int, int, int, int]:
         """One slot's KV layout: (n_layers, n_kv_heads, n_ctx, head_dim)."""
+        if not self.uniform: return cpu_kv_layers.flat_shape(self)  # noqa: E701
         return (len(self.k), self.k[0].shape[1], self.k[0].shape[2], self.head_dim)
 
     @property
@@ -86,6 +91,7 @@ class CpuKVCache:
         row_width) arrays, float16 for an f16 cache, float32 for f32, the uint8 blocks of a
         q8_0 / q4_0 one (capsule snapshot; ``device`` is accepted for the interface and means
         nothing on the CPU)."""
+        if not self.uniform: return cpu_kv_layers.snapshot(self, slot, n)  # noqa: E701
         k = np.stack([layer[slot, :, :n, :] for layer in self.k])
         v = np.stack([layer[slot, :, :n, :] for layer in self.v])
         if self.kv_type == "f16":
@@ -96,6 +102,7 @@ class CpuKVCache:
         """Copy positions 0..n-1 of ``k``, ``v`` (as ``snapshot_slot`` returns them, same
         dtype) into ``slot`` (capsule restore; byte-exact). Raises ValueError on a dtype
         that is not this cache's."""
+        if not self.uniform: return cpu_kv_layers.restore(self, slot, k, v, n)  # noqa: E701
         if np.dtype(k.dtype) != self.dtype or np.dtype(v.dtype) != self.dtype or k.shape[-1] != self.row_width:
             raise ValueError(f"KV of dtype {k.dtype} and rows of {k.shape[-1]} cannot restore into a {self.kv_type} "
                              f"cache (rows of {self.row_width})")

@@ -6,9 +6,9 @@ numbers, one activation quantization and one kernel call instead of several); ev
 becomes a closure bound to its kernel, weights and attributes; buffers are assigned by a small liveness
 pass (a value's buffer is reused once its last reader has run; row-wise ops on a dead
 input run in place); the per-batch facts (where each row's K/V goes, each row's slot and
-attention length) are computed once per forward from the ``BatchLayout``, not per layer. Also the KV cache (``CpuKVCache``: float32, f16 bits,
-or llama.cpp's q8_0 / q4_0 blocks: ``kvcache.py``, ``kvquant.py``) and its RoPE tables. Leaves the kernels to ``cpu/ops.py`` /
-``cpu/matmul.py`` / ``cpu/attention.py``, the order of ops to the architecture (the Program), slots and
+attention length) are computed once per forward from the ``BatchLayout``, not per layer. Also the KV cache (``CpuKVCache``: float32 or f16 bits)
+and its RoPE tables. Leaves the kernels to ``cpu/ops.py`` / ``cpu/matmul.py`` /
+``cpu/attention.py``, the order of ops to the architecture (the Program), slots and
 scheduling to the runtime.
 
 Batch invariance (DESIGN.md): every row of a batch - decode step, speculative
@@ -23,6 +23,7 @@ buffers are reused across calls. The returned logits are a fresh array.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from aotx.engine.backend.cpu import attention as cpu_attention
 from aotx.engine.backend.cpu import fdot as cpu_fdot
 from aotx.engine.backend.cpu import kvquant
 from aotx.engine.backend.cpu import ops as cpu_ops
+from aotx.engine.backend.cpu import recurrent as cpu_recurrent
 from aotx.engine.backend.cpu.kvcache import KV_TYPES, CpuKVCache, check_kv_type  # noqa: F401 (re-exported)
 from aotx.engine.backend.ops import ROWS_N, Node, Program, RopeSpec, Value
 
@@ -94,7 +96,7 @@ def join_linears(program: Program) -> tuple[Program, int]:
         i = j
     if not joined:
         return program, 0
-    return Program(tuple(nodes), tuple(values), program.output, program.d_model, program.kv_layers), joined
+    return dataclasses.replace(program, nodes=tuple(nodes), values=tuple(values)), joined
 
 
 class _Buffers:
@@ -123,13 +125,12 @@ class CpuProgram:
 
     def __init__(self, program: Program, *, join: bool = True):
         self.traced = program               # as the architecture traced it
+        self.inputs: dict[str, np.ndarray] = {}
+        self.last_hidden: np.ndarray | None = None
         # what runs: with q/k/v and gate/up joined into one matmul each (join_linears)
         self.program, self.joined = join_linears(program) if join else (program, 0)
         program = self.program
         self._specs = program.rope_specs()
-        kv_shapes = {(L.n_kv_heads, L.head_dim) for L in program.kv_layers}
-        if len(kv_shapes) > 1:
-            raise ValueError(f"layers with different KV shapes {sorted(kv_shapes)} are not supported")
         self._plan_buffers()
         self.moe_nodes = program.moe_nodes()
         # moe layer -> the last forward's (n, k) expert ids and (n,) routing margins
@@ -146,16 +147,25 @@ class CpuProgram:
     # ---- public --------------------------------------------------------------------
 
     def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> CpuKVCache:
-        """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed)."""
-        return CpuKVCache(self.program, n_slots, n_ctx, kv_type)
+        """Allocate KV for ``n_slots`` slots of ``n_ctx`` tokens each (zeroed); its ``state``
+        holds the recurrent layers' buffers (``recurrent.RecurrentState``), None without them."""
+        kv = CpuKVCache(self.program, n_slots, n_ctx, kv_type)
+        layers = self.program.state_layers
+        kv.state = cpu_recurrent.RecurrentState(layers, n_slots) if layers else None
+        return kv
 
     def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
-        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates."""
-        return CpuKVCache.nbytes(self.program, n_slots, n_ctx, kv_type)
+        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates (recurrent state included)."""
+        return (CpuKVCache.nbytes(self.program, n_slots, n_ctx, kv_type)
+                + cpu_recurrent.RecurrentState.nbytes(self.program.state_layers, n_slots))
 
     def forward(self, tokens: np.ndarray, layout: Any, kv: CpuKVCache,
-                embeds: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-        """Run one batch; returns (R, vocab) float32 logits (a fresh array)."""
+                embeds: tuple[np.ndarray, np.ndarray] | None = None,
+                inputs: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Run one batch; returns (R, vocab) float32 logits (a fresh array). ``inputs``: the
+        rows of the program's ``input`` ops by name; ``last_hidden`` then holds a copy of the
+        program's ``hidden`` rows (when it marks one)."""
+        self.inputs = inputs or {}
         bt = _Batch(tokens, layout, embeds)
         if bt.n_out == 0 and bt.n == 0:
             return np.empty((0, self.program.vocab), np.float32)
@@ -165,8 +175,13 @@ class CpuProgram:
                              f"{kv.n_ctx} positions)")   # the kernels store without bounds checks
         bt.views = self._views(bt)
         env: list[Any] = [None] * len(self.program.values)
+        state = getattr(kv, "state", None)    # recurrent layers: each segment continues its slot's state
+        state is not None and state.begin(layout)
         for step in self._steps:
             step(env, bt, kv)
+        state is not None and state.end()
+        if self.program.hidden is not None:
+            self.last_hidden = np.array(env[self.program.hidden.id])
         return env[self.program.output.id]
 
     # ---- expert tiers (experts/, engine/model/experts.py) ----------------
@@ -200,6 +215,8 @@ class CpuProgram:
             for x in n.inputs:
                 last[x.id] = i
         last[prog.output.id] = len(nodes)
+        if prog.hidden is not None:        # read after the last node (last_hidden)
+            last[prog.hidden.id] = len(nodes)
         self._last = last
         base = list(range(len(prog.values)))     # the value whose buffer a value lives in
         glast = list(last)                       # per root: the last reader of any value in its buffer
@@ -281,7 +298,8 @@ class CpuProgram:
     def _compile(self, i: int, node) -> Callable[[list, _Batch, CpuKVCache], None]:
         if node.outs[0].id == self.program.output.id and node.op not in ("linear", "scale", "softcap", "take_rows"):
             raise ValueError(f"a program whose output is made by {node.op} is not supported on the CPU")
-        return getattr(self, "_c_" + node.op)(i, node)
+        own = getattr(self, "_c_" + node.op, None)
+        return own(i, node) if own is not None else cpu_recurrent.compile_node(self, i, node)
 
     def _c_embed(self, i, node):
         table, scale, o = node.attrs["table"], node.attrs["scale"], node.out.id
@@ -374,7 +392,7 @@ class CpuProgram:
         store16, store32 = cpu_attention.store_f16, cpu_attention.store_f32
         kernel_for, mode = cpu_attention.kernel_for, cpu_fdot.HOST_F16
         store_q, kernel_for_q = kvquant._store_q, kvquant.kernel_for_q
-        rot = kvquant._rot_args(hd, True)
+        rot = kvquant._rot_args(hd, True) if hd % kvquant.BLOCK == 0 else None
 
         def run(env, bt, kv):
             n = bt.n

@@ -26,6 +26,7 @@ from aotx.engine.backend import kernel_choice
 from aotx.engine.backend.cuda import choice as cuda_choice
 from aotx.engine.backend.cuda import source as cuda_src
 from aotx.engine.backend.cuda.matrix import DevMatrix  # noqa: F401 - the upload's result type, named here too
+from aotx.engine.backend.cuda.mmq import DEFAULT_MIN_ROWS as MMQ_DEFAULT_MIN_ROWS
 from aotx.engine.errors import ModelError
 
 SUPPORTED_TYPES: frozenset[T] = frozenset(T(c) for c in cuda_src.TYPES)
@@ -90,6 +91,12 @@ class CudaBackend:
     64 rows: 0.45x llama.cpp's aggregate on an H100). None (the default): the graph up to
     its largest bucket. A measurement knob, not batch-invariant: a row's bits depend on
     whether its batch reached the threshold.
+    ``mmq_min_rows``: with int8 activations on sm_80+, a GEMV launch over at least this many
+    batch rows (decode ticks of that many slots, verify windows, and the eager path's steps
+    with ``prefill="gemv"``) runs as the MMQ (``mmq.py``, kernels/mmq.cu): int8 tensor cores,
+    the weights read once per tile of up to 64 rows, and every output the int8 GEMV's bits (the
+    same integers, float tail and reduction order), so batch invariance holds across the
+    threshold. None turns it off (the GEMV at every row count). Default ``mmq.DEFAULT_MIN_ROWS``.
     ``moe_device``: a mixture-of-experts layer whose experts are all on the GPU tier runs
     as a device step (router, routing, experts and join on the device, captured in the
     decode graph; default); False: every moe layer runs as the host step (comparisons).
@@ -107,7 +114,7 @@ class CudaBackend:
                  prefill: str | None = None, gemv: str | None = None, expert_int8: bool = True,
                  dense_prefill: bool = True, int8_activations: bool = False,
                  int8_min_bytes: int | None = None, gemm_min_rows: int | None = None, moe_device: bool = True,
-                 moe_graphs: bool = False) -> None:
+                 moe_graphs: bool = False, mmq_min_rows: int | None = MMQ_DEFAULT_MIN_ROWS) -> None:
         if tune not in kernel_choice.POLICIES:
             raise ValueError(f"kernel choice policy {tune!r} is not one of {', '.join(kernel_choice.POLICIES)}")
         try:
@@ -141,6 +148,9 @@ class CudaBackend:
         if gemm_min_rows is not None and int(gemm_min_rows) < 2:
             raise ValueError(f"gemm_min_rows {gemm_min_rows!r}: at least 2 (None: off)")
         self.gemm_min_rows = None if gemm_min_rows is None else int(gemm_min_rows)
+        if mmq_min_rows is not None and int(mmq_min_rows) < 1:
+            raise ValueError(f"mmq_min_rows {mmq_min_rows!r}: at least 1 (None: off)")
+        self.mmq_min_rows = None if mmq_min_rows is None else int(mmq_min_rows)
 
     def device_key(self) -> kernel_choice.DeviceKey:
         """The kernel-choice artifact key of this device and build: GPU name, driver and

@@ -23,18 +23,20 @@ Two paths, one Program:
   record per logits row. No cuBLAS inside. Rows of one slot at consecutive positions are
   causal without a mask: a layer's K and V rows are all written before its attention reads.
   Each GEMV launch runs the variant (rows per block, warps per row pair, where the norm
-  scale is computed) the kernel choice recorded for its (site, bucket).
+  scale is computed) the kernel choice recorded for its (site, bucket); int8 GEMVs of
+  ``mmq_min_rows`` rows and more run as the MMQ (``mmq.py``: int8 tensor cores, its bits).
 * **eager**: anything larger (prefill chunks) and batches with image rows. Steps on batch
   rows run ``gemm.PrefillGemm`` (cuBLAS on tensor cores: float16 or TF32 inputs, float32
   accumulation; the mode per weight is the kernel choice's; dense dequantized weight copies
   when they fit a budget, else one tile at a time); attention as ``attention.py`` says;
   steps on the logits rows (after ``take_rows``) run the graph's GEMVs. With
   ``prefill="gemv"`` every eager step runs the graph's kernels instead (batch-invariant
-  prefill, slow on large models).
+  prefill: the MMQ with int8 activations, else slow on large models).
 
-Batch invariance: every GEMV variant reduces each output element in one canonical order
-(``kernels/gemv.cu``), so through the graph a row's numbers do not depend on the other rows,
-the bucket or the variant, and the eager path's GEMVs (logits rows) agree with the graph's.
+Batch invariance: every GEMV variant, and the MMQ (``kernels/mmq.cu``), reduce each output
+element in one canonical order (``kernels/gemv.cu``), so through the graph a row's numbers do
+not depend on the other rows, the bucket, the variant or the MMQ, and the eager path's GEMVs
+(logits rows) agree with the graph's.
 The eager path's cuBLAS GEMMs and attention round differently: a prefill chunk of more
 rows than a graph takes gives logits within about 1e-3 (relative) of the same rows run
 through the graph, not the same bits; ``prefill="gemv"`` gives the same bits at the cost
@@ -54,6 +56,7 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 
 from aotx.engine.backend.cuda import choice as CC
+from aotx.engine.backend.cuda import mmq as MQ
 from aotx.engine.backend.cuda import moe
 from aotx.engine.backend.cuda import plan as P
 from aotx.engine.backend.cuda import sampling as CS
@@ -130,6 +133,8 @@ class CudaProgram:
         if hasattr(backend, "numerics"):
             backend.numerics = "cuda-int8" if self.int8_activations else "cuda-f32"
         self.q8_k = 0                  # the most inputs of such a GEMV (the size of the xq scratch rows)
+        self.mmq_min_rows = MQ.program_min_rows(backend, self.int8_activations)   # the MMQ from this many rows
+        self.mmq_smem_max = MQ.smem_limit(backend) if self.mmq_min_rows is not None else 0
         try:
             self.plan = P.plan(program, fuse=fuse)
         except P.PlanError as e:
@@ -195,11 +200,14 @@ class CudaProgram:
         for g in self.gemvs:
             for v in self._variants_of(g.site):
                 self.need.update(g.name(v, m) for m in g.modes())
+            if g.mmq is not None:
+                self.need.update(g.mmq.names(g.modes()))
         qtypes = {int(w.qtype) for d in self.psites.values() for w in d["weights"]}
         self.need.update(PrefillGemm.kernel_names(qtypes))
         missing = sorted(self.need - set(self._tune_k))
         self.k = {**self._tune_k, **(backend.module(missing) if missing else {})}
         self._tune_k = {}
+        MQ.prepare(self.k, self.gemvs)
         self.gemm = PrefillGemm(self.k, self._blas)
         self._plan_dense()
         self.ks = backend.sampler_kernel()

@@ -32,6 +32,8 @@ define):
   ops and KV stores;
 * ``attn_prefill.cu``: flash-style prefill attention on tensor cores (``attn_prefill``);
 * ``moe.cu``: the GPU expert tier's grouped GEMV and the device moe step's routing and join;
+* ``mmq.cu``: the int8 GEMV's sums on tensor cores for many batch rows (``mmq``: the same
+  bits as ``gemv<..., Q8 = 1>``, one weight read per tile of batch rows; sm_80+);
 * ``sampling.cu`` (its own module): the sampler chain (``sample_rows``).
 
 Layout conventions (all row-major, float32 unless said):
@@ -84,7 +86,7 @@ FLASH_HEAD_DIMS = (32, 64, 96, 128)
 
 #: the kernels module's files, in order (the module docstring says what each holds)
 KERNEL_FILES = ("common.cuh", "dequant.cuh", "shared.cuh", "kv_quant.cu", "gemv.cu", "embed_rope.cu", "dequant.cu",
-                "attn_decode.cu", "elementwise.cu", "attn_prefill.cu", "moe.cu")
+                "attn_decode.cu", "elementwise.cu", "attn_prefill.cu", "moe.cu", "mmq.cu")
 SAMPLING_FILES = ("sampling.cu",)
 #: how a module's files are named in ``#line`` markers and errors (their path in the repository)
 FILE_PREFIX = "engine/backend/cuda/kernels/"

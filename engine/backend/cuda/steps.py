@@ -6,7 +6,8 @@ run context (``Ctx``: buffer addresses, row counts, per-row tables), the GEMV la
 (``Gemv``: weights, mode and epilogue fixed at load; the variant per bucket from the kernel
 choice) and the executors of the dense steps: embedding, linear, GLU, QKV (norm, RoPE, KV
 write), KV store, take rows, norms, head ops, element-wise ops. Each has ``graph(prog, ctx)``
-(the GEMV kernels: the captured graph, and the eager path's launches on logits rows) and
+(the GEMV kernels, or the MMQ (``mmq.py``) over many rows: the captured graph, and the eager
+path's launches on logits rows) and
 ``eager(prog, ctx)`` (cuBLAS through ``gemm.PrefillGemm`` where the rows are many). Leaves
 the attention step to ``attention.py``, the moe steps to ``moe.py`` and ``experts.py``, the
 order of steps, buffers and graphs to ``program.py``, the kernels to ``kernels/``.
@@ -18,6 +19,7 @@ import cupy as cp
 import numpy as np
 
 from aotx.engine.backend.cuda import choice as CC
+from aotx.engine.backend.cuda import mmq as MQ
 from aotx.engine.backend.cuda import plan as P
 from aotx.engine.backend.cuda import source as S
 from aotx.engine.errors import ModelError
@@ -126,6 +128,8 @@ class Gemv:
             prog.q8_k = max(prog.q8_k, self.k)
         self.site = CC.gemv_site(MODE_NAME[mode], qname(wa.qtype), qname(wb.qtype), m_rows, self.k, norm is not None,
                                  self.q8)
+        # the MMQ form (int8 tensor cores, the same bits) that launches over mmq_min_rows rows and more
+        self.mmq, self.mmq_why = MQ.site_for(prog, self)
         prog.gemvs.append(self)
 
     def name(self, v: CC.GemvVariant, mode: int | None = None) -> str:
@@ -148,10 +152,14 @@ class Gemv:
         plus READY_Q8 when x is in ``c.xq``/``c.xd`` as int8 blocks (``quant_rows`` ran).
         ``ptrs``: (Wa, Wb, bias_a, bias_b) device addresses that replace this GEMV's own (the
         GPU expert tier: one GEMV per expert shape, each launch on one expert's rows).
-        ``store``: a QKV GEMV stores its rows (a quantized cache's path: head_rope_kv writes it)."""
+        With an MMQ form, no ``variant`` or ``ptrs`` and at least ``prog.mmq_min_rows`` rows, the
+        launch is the MMQ (``mmq.py``: the GEMV's arguments and bits). ``store``: a QKV GEMV
+        stores its rows (a quantized cache's path: head_rope_kv writes it)."""
         if B == 0:
             return 0            # no logits rows (a prefill chunk): nothing after take_rows runs
-        v = variant if variant is not None else prog.gemv_variant(self.site, B)
+        mr = getattr(prog, "mmq_min_rows", None)
+        use_mmq = self.mmq is not None and variant is None and ptrs is None and mr is not None and B >= mr
+        v = None if use_mmq else (variant if variant is not None else prog.gemv_variant(self.site, B))
         mode = self.mode
         qkv = self.qkv if not store else None
         if store:
@@ -159,7 +167,6 @@ class Gemv:
         elif qkv is not None:
             mode = S.MODE_QKV16 if c.kv.kvt else S.MODE_QKV
         kk = kernels if kernels is not None else prog.k
-        kern = kk[self.name(v, mode)]
         xs = Z64
         ready = scale_ready
         q8_tail: tuple = (Z64, Z32)
@@ -189,16 +196,19 @@ class Gemv:
                      np.uint64(vc))
         else:
             extra = (Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z32, Z64, Z64, Z64, Z64, Z64, Z64)
-        ppb = v.pairs_per_block
-        grid = ((self.n_pairs + ppb - 1) // ppb, (B + v.nb - 1) // v.nb)
         if ptrs is None:
             ptrs = (self.wa.data.data.ptr + self.a_off, self.wb.data.data.ptr + self.b_off_bytes, self.bias_a,
                     self.bias_b)
-        kern(grid, (GEMV_WARPS * 32,),
-             (np.uint64(ptrs[0]), np.uint64(ptrs[1]),
-              np.int64(self.wa.row_bytes), np.int64(self.wb.row_bytes), i32(self.a_stride), i32(self.b_off),
-              i32(self.n_pairs), i32(self.k), np.uint64(x), i32(ldx), i32(B), u64(self.nw), f32(self.eps), xs,
-              u64(ptrs[2]), u64(ptrs[3]), np.uint64(y), i32(ldy)) + extra + q8_tail)
+        args = (np.uint64(ptrs[0]), np.uint64(ptrs[1]),
+                np.int64(self.wa.row_bytes), np.int64(self.wb.row_bytes), i32(self.a_stride), i32(self.b_off),
+                i32(self.n_pairs), i32(self.k), np.uint64(x), i32(ldx), i32(B), u64(self.nw), f32(self.eps), xs,
+                u64(ptrs[2]), u64(ptrs[3]), np.uint64(y), i32(ldy)) + extra + q8_tail
+        if use_mmq:
+            self.mmq.launch(kk, mode, B, args)
+            return ready
+        ppb = v.pairs_per_block
+        grid = ((self.n_pairs + ppb - 1) // ppb, (B + v.nb - 1) // v.nb)
+        kk[self.name(v, mode)](grid, (GEMV_WARPS * 32,), args)
         return ready
 
     @property

@@ -46,9 +46,11 @@ def qkv_tensors(cfg: ModelConfig, p: str, q_out: int | None = None) -> list:
     return [OneOf((fused, split))]
 
 
-def build_qkv(b: ProgramBuilder, cfg: ModelConfig, w: Weights, p: str, h: Value) -> tuple[Value, Value, Value]:
-    """q (N, H*hd), k and v (N, KV*hd) from the normed input h."""
-    q_out, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+def build_qkv(b: ProgramBuilder, cfg: ModelConfig, w: Weights, p: str, h: Value,
+              q_out: int | None = None) -> tuple[Value, Value, Value]:
+    """q (N, q_out; default H*hd), k and v (N, KV*hd) from the normed input h."""
+    q_out = cfg.n_heads * cfg.head_dim if q_out is None else q_out
+    kv = cfg.n_kv_heads * cfg.head_dim
     fused = w.get(p + "attn_qkv.weight")
     if fused is not None:
         if any(p + f"attn_{x}.bias" in w for x in "qkv"):

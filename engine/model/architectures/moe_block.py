@@ -35,10 +35,12 @@ def require_experts(cfg: ModelConfig, path: str) -> None:
                          f"{cfg.n_expert_used}; a {cfg.arch} model needs both positive")
 
 
-def moe_tensors(cfg: ModelConfig, p: str, ff: int, *, biases: bool = False, shared_ff: int = 0) -> list:
+def moe_tensors(cfg: ModelConfig, p: str, ff: int, *, biases: bool = False, shared_ff: int = 0,
+                shared_gate: bool = False) -> list:
     """Layer ``p``'s router (d -> E), its E experts (gate, up: d -> ff; down: ff -> d),
     with required biases when ``biases`` (gpt-oss), and a shared expert of width
-    ``shared_ff`` with its (d -> 1) gate when ``shared_ff`` > 0 (Qwen2-MoE)."""
+    ``shared_ff`` with its (d -> 1) gate when ``shared_ff`` > 0 (Qwen2-MoE; the gate required
+    when ``shared_gate``: Qwen3.5-MoE)."""
     from aotx.engine.model.architectures.common import mat, vec
 
     d, E = cfg.d_model, cfg.n_expert
@@ -48,7 +50,7 @@ def moe_tensors(cfg: ModelConfig, p: str, ff: int, *, biases: bool = False, shar
         out += [vec(p + "ffn_gate_inp.bias", E), expert_bias(p + "ffn_gate_exps.bias", ff, E),
                 expert_bias(p + "ffn_up_exps.bias", ff, E), expert_bias(p + "ffn_down_exps.bias", d, E)]
     if shared_ff:
-        out += [mat(p + "ffn_gate_inp_shexp.weight", d, 1, True), mat(p + "ffn_gate_shexp.weight", d, shared_ff),
+        out += [mat(p + "ffn_gate_inp_shexp.weight", d, 1, not shared_gate), mat(p + "ffn_gate_shexp.weight", d, shared_ff),
                 mat(p + "ffn_up_shexp.weight", d, shared_ff), mat(p + "ffn_down_shexp.weight", shared_ff, d)]
     return out
 
