@@ -112,9 +112,11 @@ class ChatActions:
             return
         self.editing = user
         self.chat_input.text = user.text
+        self.chat_input.move_cursor(self.chat_input.document.end)  # where one goes on typing
         self.chat_input.add_class("editing")
         self.chat_input.focus()
-        self.show_notice("Editing your last message: Enter resends it (later messages are dropped), Esc leaves.")
+        self.show_notice("Editing your last message: Enter resends it (later messages are dropped), Esc leaves.",
+                         kind="editing")
 
     def action_copy_last(self) -> None:
         w = self.last_message("assistant")
@@ -186,7 +188,7 @@ class ChatActions:
             return
         if await self._call(self.client.delete(self.conv_id), ok=True):
             await self.refresh_conversations()
-            rest = self.sidebar.conversations
+            rest = [c for c in self.sidebar.conversations if not c.origin] or self.sidebar.conversations
             await self.open_conversation(rest[0].conv_id if rest else None)
 
     @work(group="ui")

@@ -32,9 +32,9 @@ from aotx.app.bindings import ACTIONS, app_bindings
 from aotx.app.engine_link import EngineLink, Outgoing
 from aotx.engine.present.format import cut_marker, history_media, media_text, position_of
 from aotx.app.models_ui import ModelActions
-from aotx.engine.present.paste import parse_pasted_paths
+from aotx.engine.present.paste import parse_pasted_paths, split_paste
 from aotx.app.search import SearchIndex
-from aotx.app.theming import CSS_PATHS, THEMES, theme_for_textual
+from aotx.app.theming import CSS_PATHS, THEMES, textual_themes, theme_for_textual
 from aotx.app.widgets.chat_input import ChatInput
 from aotx.app.widgets.chips import AttachmentBar
 from aotx.app.widgets.message import MessageWidget
@@ -43,7 +43,12 @@ from aotx.app.widgets.status_bar import StatusBar
 from aotx.engine import protocol as P
 
 ClientFactory = Callable[[Callable[[str], None]], Awaitable[Any]]
+# what an empty chat shows (the first run, a new conversation): how to begin, and where the rest is
+EMPTY_HINT = ("Type a message below and press Enter to send it (Ctrl+J: a new line).\n"
+              "F1 lists every key · Ctrl+O picks the model · F5 or a dropped file attaches an image or audio · "
+              "F3 searches")
 STATUS_POLL_S = 2.0
+NOTICE_TTL_S = 10.0  # how long a plain piece of news stays above the input
 THEME_ORDER = list(THEMES)  # AOTX's own first (dark, light), then Textual's
 
 
@@ -79,6 +84,8 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         self.editing: MessageWidget | None = None
         self.index = SearchIndex()
         self.notice_kind = ""  # what the line above the input says now ("attach", "refusal", ...)
+        self._notice_serial = 0  # which notice shows (an expired one's timer clears only its own)
+        self.notice_ttl_s = NOTICE_TTL_S
 
     # ---- layout ------------------------------------------------------------
 
@@ -86,7 +93,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         with Horizontal(id="main"):
             yield Sidebar(self.index, id="sidebar")
             with Vertical(id="chat-pane"):
-                yield VerticalScroll(id="chat")
+                yield VerticalScroll(Static(EMPTY_HINT, id="chat-empty", markup=False), id="chat")
                 yield Static("", id="input-notice", classes="empty", markup=False)
                 yield AttachmentBar(id="chips")
                 yield ChatInput(id="input")
@@ -110,6 +117,8 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         return self.query_one(ChatInput)
 
     def on_mount(self) -> None:
+        for theme in textual_themes():  # AOTX's own themes in the palette's "Change theme" list
+            self.register_theme(theme)
         self.apply_theme(self.theme_name, remember=False)
         self.theme_changed_signal.subscribe(self, self._on_textual_theme)
         self.chat.anchor()
@@ -126,7 +135,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
             self.remove_class(other.css_class)
         self.add_class(t.css_class)
         self.theme_name = name
-        self.theme = t.textual_theme
+        self.theme = t.registered_name
         if remember:
             self.saved_state = app_state.update_state(theme=name)
 
@@ -143,13 +152,24 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
     # ---- notices -----------------------------------------------------------
 
     def show_notice(self, text: str, severity: str = "information", kind: str = "") -> None:
-        """A line above the input that stays until the next send (plus a toast for problems)."""
+        """A line above the input (plus a toast for problems). A plain piece of news (no
+        ``kind``, information) goes after ``notice_ttl_s``; one that says how things stand
+        (a refusal, attachments, a stopped engine, edit mode: a ``kind``) or a problem stays
+        until what it says changes or the next send."""
         line = self.query_one("#input-notice", Static)
         line.update(text)
         line.set_class(not text, "empty")
         self.notice_kind = kind if text else ""
+        self._notice_serial += 1
+        if text and not kind and severity == "information" and self.notice_ttl_s > 0:
+            serial = self._notice_serial
+            self.set_timer(self.notice_ttl_s, lambda: self._expire_notice(serial))
         if severity != "information":
             self.notify(text, severity=severity)
+
+    def _expire_notice(self, serial: int) -> None:
+        if serial == self._notice_serial and self.is_running:
+            self.show_notice("")
 
     # ---- conversations -----------------------------------------------------
 
@@ -161,6 +181,9 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         self.conv_id, self.conv_view = conv_id, view
         self.sidebar.current = conv_id
         self.status_bar.max_tokens = view.sampling.max_tokens if view is not None and view.sampling else None
+        if conv_id != getattr(self, "_status_conv", None):  # the figures were another conversation's
+            self._status_conv = conv_id
+            self.status_bar.conversation_opened(sum(len(m.token_ids) for m in view.messages) if view else 0)
         self.show_conversation_model(view)
         if conv_id and conv_id != self.saved_state.last_conversation:
             self.saved_state = app_state.update_state(last_conversation=conv_id)
@@ -208,7 +231,7 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         if widgets:
             await self.chat.mount_all(widgets)
         else:
-            await self.chat.mount(Static("Type a message below. F1 lists every key.", id="chat-empty"))
+            await self.chat.mount(Static(EMPTY_HINT, id="chat-empty", markup=False))
         for w, ns in zip(widgets, notes):
             for text, kind in ns:
                 w.add_notice(text, kind)
@@ -256,8 +279,10 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
 
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
         text = event.text.strip()
+        if not text:  # Enter in an empty input: starts the engine after a stop, else nothing
+            self.restart_stopped_engine()
+            return
         if text.startswith("/attach"):
-            self.chat_input.clear()
             rest = text[len("/attach"):].strip()
             items = parse_pasted_paths(rest)
             paths = [i.value for i in items if i.kind == "path"] or ([rest] if rest else [])
@@ -276,13 +301,13 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         atts = self.query_one(AttachmentBar).take()
         if truncate_from is not None:
             await self._remove_from(truncate_from)
-        self.chat_input.clear()
         self.show_notice("")
         had_history = bool(self.messages())  # earlier turns (a capsule notice helps only then)
         w = MessageWidget("user", text, position="queued", attachments=atts)
         await self.add_message_widget(w)
         if not self.ready:
-            self.show_notice("The engine is still starting; your message is queued and will be sent when it is ready.")
+            self.show_notice("The engine is still starting; your message is queued and will be sent when it is ready.",
+                             kind="queued")
         self.enqueue(Outgoing(text, atts, w, self.conv_id, truncate_from=cut, had_history=had_history))
 
     async def _remove_from(self, first: MessageWidget) -> None:
@@ -292,14 +317,15 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
             await w.remove()
 
     def refused_before_accept(self, item: Outgoing, why: str) -> None:
-        """A message the engine refused before accepting it (nothing was journaled):
-        say so above the input, where the user looks, and put the words back in an
-        empty input to shorten or change."""
+        """A message the engine refused before accepting it (nothing was journaled): the
+        reason, once, above the input, where the user looks (the message itself says only
+        what kind of refusal it was; no toast), and the words back in an empty input to
+        shorten or change."""
         back = not self.chat_input.text.strip() and self.conv_id == item.conv_id
         if back:
             self.chat_input.text = item.text
             self.chat_input.move_cursor(self.chat_input.document.end)
-        self.show_notice(why + (" Your message is back in the input." if back else ""), "error", kind="refusal")
+        self.show_notice(why + (" Your message is back in the input." if back else ""), kind="refusal")
         self.chat.scroll_end(animate=False)
 
     # ---- attachments -------------------------------------------------------
@@ -342,19 +368,22 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
     def on_chat_input_paths_pasted(self, event: ChatInput.PathsPasted) -> None:
         self.attach_paths(event.paths)
 
+    def on_chat_input_paste_note(self, event: ChatInput.PasteNote) -> None:
+        self.show_notice(event.note, kind="attach")
+
     async def on_paste(self, event: events.Paste) -> None:
         """A paste that no focused text box took (e.g. the sidebar had focus). A paste
         into another text box (TextArea lets it bubble up here) or a dialog is not
         also put into the input."""
         if isinstance(self.focused, (TextArea, Input)) or self.screen is not self.screen_stack[0]:
             return
-        items = parse_pasted_paths(event.text)
-        paths = [i.value for i in items if i.kind == "path"]
-        if paths:
-            self.attach_paths(paths)
-        text = "".join(i.value for i in items if i.kind == "text")
-        if text:
-            self.chat_input.insert_text(text)
+        split = split_paste(event.text)
+        if split.paths:
+            self.attach_paths(split.paths)
+        if split.text:
+            self.chat_input.insert_text(split.text)
+        if split.note:
+            self.show_notice(split.note, kind="attach")
 
     # ---- command palette ---------------------------------------------------
 

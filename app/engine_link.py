@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 from textual.css.query import NoMatches
 
-from aotx.engine.present.format import error_text, media_text, notice_text, refusal_text
+from aotx.engine.present.format import error_text, media_text, notice_text, refusal_head, refusal_text
 from aotx.app.widgets.message import MessageWidget
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
+from aotx.engine.units import short_title
 from aotx.engine import protocol as P
 from aotx.engine.ipc.client import ConnectionLost, model_label
 
@@ -45,6 +46,7 @@ class Outgoing:
     reply_id: str = ""
     events: list[str] = field(default_factory=list)
     had_history: bool = False  # the conversation had messages before this one
+    refusal: P.Notice | None = None  # the engine's ``refused`` notice, said once with the Error after it
 
 
 class EngineLink:
@@ -52,19 +54,44 @@ class EngineLink:
 
     # ---- connection --------------------------------------------------------
 
-    def start_engine(self) -> None:
+    engine_stopped: bool = False  # the engine said it was stopped: start one only when the user asks
+    stopped_args: list[str] | None = None  # the flags of the engine that was stopped (its Welcome's)
+
+    def start_engine(self, engine_args: list[str] | None = None) -> None:
+        """Connect (starting an engine when none answers; with ``engine_args``, the flags of
+        an engine that was stopped, instead of this app's own)."""
         self.ready = False
-        self.run_worker(self._connect(), group="connect", exclusive=True, name="connect")
+        self.run_worker(self._connect(engine_args), group="connect", exclusive=True, name="connect")
+
+    def restart_stopped_engine(self) -> None:
+        """The user sent a message, or pressed the key the screen names, after a stop: start
+        an engine with the stopped one's flags."""
+        if not self.engine_stopped:
+            return
+        self.engine_stopped = False
+        self.recovering = True  # a restart: the open conversation is reloaded, not replaced
+        self.show_notice("Starting the engine again…", kind="starting")
+        self.start_engine(self.stopped_args)
 
     def _on_spawn(self, line: str) -> None:
+        """What a starting engine says (the spawn line, then its progress: reading the weights,
+        compiling kernels N of M on a first start): the status line, and the line above the
+        input, which has the room for the progress bar at 80 columns."""
         self.status_bar.set_state("starting engine", line)
+        if self.recovering and not self.outbox and self.notice_kind == "connecting":  # after a crash: say both
+            self.show_notice(f"The engine stopped (connection lost). Restarting it: {line}", kind="connecting")
+        else:
+            self.show_notice(f"Starting the engine: {line}", kind="starting")
 
-    async def _connect(self) -> None:
+    async def _connect(self, engine_args: list[str] | None = None) -> None:
         delay = 0.5
         while True:
             self.status_bar.set_state("connecting")
             try:
-                client = await self.client_factory(self._on_spawn)
+                if engine_args is None:
+                    client = await self.client_factory(self._on_spawn)
+                else:
+                    client = await self.client_factory(self._on_spawn, engine_args=engine_args)
                 break
             except (AotxError, OSError) as e:
                 if getattr(e, "engine_exit", None) == 2 and not self.recovering:
@@ -74,7 +101,7 @@ class EngineLink:
                     self.exit(return_code=2, message=f"aotx-chat: {e.engine_message}")
                     return
                 self.status_bar.set_state("engine unavailable", f"{e}; retrying")
-                self.show_notice(f"Cannot reach the engine: {e}. Retrying in {delay:.0f} s.")
+                self.show_notice(f"Cannot reach the engine: {e}. Retrying in {delay:.0f} s.", kind="connecting")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         self.client = client
@@ -88,8 +115,13 @@ class EngineLink:
                     break
                 await asyncio.sleep(0.25)
             self.ready = True
+            if self.notice_kind in ("starting", "connecting"):
+                self.show_notice("")
             recovering, self.recovering = self.recovering, False
-            if recovering:
+            if recovering and engine_args is not None:
+                self.show_notice("The engine is running again." + (" Your message is on its way." if self.outbox
+                                                                     else ""))
+            elif recovering:
                 self.show_notice("The engine is back. Everything it had made durable is here.")
             for line in s.notices:  # e.g. journal damage the engine salvaged at its start
                 self.show_notice(line, "warning")
@@ -97,8 +129,9 @@ class EngineLink:
             await self.sync_conversations(client)
             target = self.conv_id or self.saved_state.last_conversation
             known = {c.conv_id for c in self.sidebar.conversations}
-            if target not in known:
-                target = self.sidebar.conversations[0].conv_id if self.sidebar.conversations else None
+            if target not in known:  # the newest chat (a one-shot `aotx run` is not where one goes on)
+                chats = [c for c in self.sidebar.conversations if not c.origin] or self.sidebar.conversations
+                target = chats[0].conv_id if chats else None
             start_model, self.start_model = self.start_model, ""
             if start_model and self.conv_id is None and not recovering:
                 # --model: a new conversation on it, not the last one on whatever model it had
@@ -106,7 +139,7 @@ class EngineLink:
                 name = model_label(start_model)
                 self.status_bar.set_conversation_model(name)
                 self.show_notice(f"New conversation on {name}: it loads beside the engine's default "
-                                 f"({client.welcome.model}) at your first message.")
+                                 f"({client.welcome.model}) at your first message.", kind="model")
             if target is not None and (recovering or target != self.conv_id or not self.chat_widgets):
                 await self.open_conversation(target)
         except ConnectionLost:
@@ -115,9 +148,10 @@ class EngineLink:
         self.pump()
 
     async def _wait_ready(self) -> None:
+        client = self.client
         try:
             while True:
-                s = await self.client.status()
+                s = await client.status()
                 self.status_bar.set_status(s)
                 if s.ready:
                     break
@@ -129,16 +163,28 @@ class EngineLink:
         self.pump()
 
     def connection_lost(self) -> None:
-        """The engine went away: say so, mark what was streaming, reconnect."""
-        if self.recovering:
+        """The engine went away. Stopped (``aotx stop``: it said so before closing): say so and
+        wait for the user's next message (or F10) to start one with the stopped engine's flags.
+        Crashed: say so, mark what was streaming, start it again at once and reload."""
+        if self.recovering or self.engine_stopped:
             return
-        self.recovering, self.ready, self.client = True, False, None
-        self.status_bar.set_state("engine stopped", "restarting")
-        self.show_notice("The engine stopped (connection lost). Restarting it and reloading this conversation…")
-        self.notify("The engine stopped; restarting it.", severity="warning")
+        client = self.client  # the connection that was lost (callers check it is still the app's)
         for w in self.chat_widgets.values():
             if w.position in ("accepted", "committed") and w.role == "assistant" and not w.finish_reason:
                 w.set_position("interrupted")
+        self.ready, self.client = False, None
+        if getattr(client, "stopped", False):
+            self.engine_stopped = True
+            self.stopped_args = list(getattr(client.welcome, "engine_args", None) or [])
+            self.status_bar.set_state("engine stopped", "Enter starts it")
+            self.show_notice(f"The engine was stopped. Your next message starts it again on "
+                             f"{self.status_bar.model or 'the same model'} (or press Enter now).", kind="stopped")
+            return
+        self.recovering = True
+        self.status_bar.set_state("engine stopped", "restarting")
+        self.show_notice("The engine stopped (connection lost). Restarting it and reloading this conversation…",
+                         kind="connecting")
+        self.notify("The engine stopped; restarting it.", severity="warning")
         self.start_engine()
 
     def poll_status(self) -> None:
@@ -224,6 +270,8 @@ class EngineLink:
 
     def enqueue(self, item: Outgoing) -> None:
         self.outbox.append(item)
+        if self.engine_stopped:
+            self.restart_stopped_engine()
         self.pump()
 
     def pump(self) -> None:
@@ -235,6 +283,10 @@ class EngineLink:
 
     async def _stream(self, item: Outgoing) -> None:
         client = self.client
+        # until the engine accepts it the status line says what happens: its attachments are
+        # read (OCR, speech) or it is sent; a model loading for it says so (a "model" notice)
+        self.status_bar.set_state("reading attachments" if item.attachments else "sending",
+                                  ", ".join(a.name for a in item.attachments))
         try:
             await self._ensure_conversation(client, item)
             if item.truncate_from:
@@ -252,14 +304,18 @@ class EngineLink:
             if not item.accepted:
                 self.outbox.insert(0, item)  # never reached the engine: send it again later
             self.active = None
-            self.connection_lost()
+            if client is self.client:
+                self.connection_lost()
             return
         except AotxError as e:
             target = item.reply or item.widget
             target.set_position("failed")
-            why = refusal_text(e.code if isinstance(e, EngineError) else "", str(e), "this message")
-            target.add_notice(f"Failed: {why}", "error")
-            if not item.accepted:
+            code = e.code if isinstance(e, EngineError) else ""
+            why = refusal_text(code, str(e), "this message")
+            if item.accepted:
+                target.add_notice(why, "error")
+            else:
+                target.add_notice(f"Not sent: {refusal_head(code)}. The reason is above the input.", "error")
                 self.refused_before_accept(item, why)
             self.status_bar.reply_finished()
         finally:
@@ -268,7 +324,8 @@ class EngineLink:
         self.pump()
 
     async def _ensure_conversation(self, client, item: Outgoing) -> None:
-        first_line = item.text.strip().splitlines()[0][:48] if item.text.strip() else DEFAULT_TITLE
+        # a title from the first line, cut at a word (as `aotx run` makes one)
+        first_line = short_title(item.text.strip().splitlines()[0], 48) if item.text.strip() else DEFAULT_TITLE
         if item.conv_id is None:
             conv = await client.create_conversation(title=first_line, sampling=self.default_sampling,
                                                     model=getattr(self, "next_model", ""))
@@ -300,6 +357,8 @@ class EngineLink:
             user.set_position("accepted")
             item.reply = MessageWidget("assistant", msg_id=ev.reply_id, position="accepted")
             item.reply.request_id = ev.id
+            if ev.model and self.conv_id == item.conv_id:
+                self.status_bar.set_conversation_model(ev.model)  # the model that answers, whatever was asked
             self.status_bar.reply_started(len(ev.prompt_ids))
             if self.conv_id == item.conv_id:
                 self.chat_widgets[ev.msg_id] = user
@@ -310,7 +369,11 @@ class EngineLink:
             reply.token_seqs.append(ev.seq)
             reply.add_delta(ev.text)
             self.status_bar.reply_token()
+        elif isinstance(ev, P.Notice) and ev.kind == "refused":
+            item.refusal = ev  # the Error that follows says it, once
         elif isinstance(ev, P.Notice):
+            if ev.kind == "model" and ev.message.startswith("loading model") and not item.accepted:
+                self.status_bar.set_state("loading model", ev.message[len("loading model"):].strip())
             (reply or user).add_notice(notice_text(ev, item.had_history), ev.kind)
             if ev.cut is not None and reply is not None:   # the details view shows the reply's cut
                 reply.context = ev.cut
@@ -341,10 +404,15 @@ class EngineLink:
                 return "retry"
             target = reply or user
             target.set_position("failed")
-            target.add_notice(error_text(ev), "error")
+            why = error_text(ev, item.refusal)
+            if item.accepted:
+                target.add_notice(why, "error")
+            else:  # the reason once, above the input (refused_before_accept); the message says what kind
+                target.add_notice(f"Not sent: {refusal_head(ev.code, getattr(item.refusal, 'resource', ''))}. "
+                                  f"The reason is above the input.", "error")
             if reply is not None:
                 await reply.finish()
             if not item.accepted:
-                self.refused_before_accept(item, error_text(ev))
+                self.refused_before_accept(item, why)
             self.status_bar.reply_finished()
         return None

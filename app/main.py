@@ -66,12 +66,19 @@ def engine_args(ns: argparse.Namespace) -> list[str]:
 def client_factory(socket: str | None = None, args: list[str] | None = None, *, spawn: bool = True):
     """A factory that connects to the engine on ``socket`` and, when none answers and
     ``spawn``, starts one there with ``args`` (the app calls it again after a crash,
-    so a dead engine is restarted with the same arguments)."""
+    so a dead engine is restarted with the same arguments; after a stop, with
+    ``engine_args``: the stopped engine's own)."""
     from aotx.engine.ipc.client import EngineClient
 
-    async def factory(on_spawn: Callable[[str], None]):
-        return await EngineClient.connect(socket, spawn=spawn, engine_args=list(args or []),
-                                          client_name="aotx-chat", on_spawn=on_spawn)
+    async def factory(on_spawn: Callable[[str], None], *, engine_args: list[str] | None = None,
+                      spawn: bool = spawn):
+        from aotx.engine.present.format import startup_text
+
+        # what the starting engine says while it loads goes where the spawn line went: the status line
+        return await EngineClient.connect(socket, spawn=spawn,
+                                          engine_args=list(args or []) if engine_args is None else engine_args,
+                                          client_name="aotx-chat", on_spawn=on_spawn,
+                                          on_progress=lambda p: on_spawn(startup_text(p)))
 
     return factory
 
@@ -82,7 +89,10 @@ def make_client_factory(ns: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = parse_args(argv)
+    try:
+        ns = parse_args(argv)
+    except SystemExit as e:  # a usage error or an unreadable config file: said in one line already
+        return e.code if isinstance(e.code, int) else 2
     if ns.model:  # a missing or non-GGUF file: one line and exit 2, before the TUI opens (as `aotx run`)
         from aotx.engine.errors import AotxError
         from aotx.engine.model.loader import check_model_arg

@@ -1,6 +1,6 @@
 """What the app remembers between runs: theme and last open conversation.
 
-Owns: reading and writing ``paths.app_state_path()`` (JSON). Writes go to a
+Owns: reading and writing ``paths.app_state_path()`` (JSON, mode 0600). Writes go to a
 temporary file, are fsynced, then renamed over the old one, so a crash leaves
 either the old or the new state. A missing or corrupt file means defaults.
 """
@@ -32,9 +32,13 @@ def load_state(path: Path | None = None) -> AppState:
 
 
 def save_state(state: AppState, path: Path | None = None) -> None:
+    """Write the state; the file is the user's alone (0600, as everything in the data dir:
+    ``aotx serve`` would otherwise tighten it and say so at every start)."""
     path = path or paths.app_state_path()
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as fh:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a left-over tmp file keeps its old mode through O_CREAT
+    with os.fdopen(fd, "w") as fh:
         json.dump(asdict(state), fh)
         fh.flush()
         os.fsync(fh.fileno())

@@ -30,11 +30,26 @@ _BASE_THEME = re.compile(r"/\*\s*textual-theme:\s*([\w-]+)\s*\*/")
 class Theme:
     name: str
     path: Path | None  # None: one of Textual's built-in themes, coloured by base.tcss
-    textual_theme: str
+    textual_theme: str  # the Textual theme it pairs with (its base colours)
 
     @property
     def css_class(self) -> str:
         return f"theme-{self.name}" if self.path is not None else "theme-textual"
+
+    @property
+    def registered_name(self) -> str:
+        """The name the app gives it in Textual's theme list (the palette's "Change theme"):
+        ``aotx-dark`` for AOTX's own themes, a built-in theme's own name otherwise."""
+        return f"aotx-{self.name}" if self.path is not None else self.textual_theme
+
+
+def textual_themes() -> list:
+    """Textual ``Theme`` objects for AOTX's own themes (their paired theme's colours under
+    ``aotx-NAME``), so the command palette lists them beside Textual's."""
+    from dataclasses import replace
+
+    return [replace(BUILTIN_THEMES[t.textual_theme], name=t.registered_name)
+            for t in THEMES.values() if t.path is not None and t.textual_theme in BUILTIN_THEMES]
 
 
 def discover(themes_dir: Path = THEMES_DIR) -> dict[str, Theme]:
@@ -54,9 +69,9 @@ def discover(themes_dir: Path = THEMES_DIR) -> dict[str, Theme]:
 
 
 def theme_for_textual(textual_name: str) -> str | None:
-    """The AOTX theme name for a Textual theme name (its pair, or itself)."""
+    """The AOTX theme name for a Textual theme name (``aotx-dark``, its pair, or itself)."""
     for t in THEMES.values():
-        if t.textual_theme == textual_name:
+        if textual_name in (t.registered_name, t.textual_theme):
             return t.name
     return None
 

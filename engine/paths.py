@@ -115,6 +115,13 @@ def socket_path() -> Path:
     return runtime_dir() / "engine.sock"
 
 
+def startup_progress_paths(sock: Path) -> tuple[Path, Path]:
+    """What an engine starting on ``sock`` says while it loads (JSON files beside the
+    socket, removed once it answers): its stage (``<socket>.progress``) and the count of
+    kernels compiled ahead (``<socket>.kernels``)."""
+    return Path(str(sock) + ".progress"), Path(str(sock) + ".kernels")
+
+
 def app_state_path() -> Path:
     """JSON file where the TUI remembers its theme and last conversation."""
     return data_dir() / "app_state.json"

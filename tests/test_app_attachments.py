@@ -138,3 +138,45 @@ async def test_reopened_conversation_shows_attachments_as_it_did_live(tmp_path):
         await pilot.press("ctrl+r")
         await settle(pilot)
         assert engine.submitted[-1][1] == "what is said?" and [a.name for a in engine.submitted[-1][2]] == ["clip.wav"]
+
+
+async def test_the_file_picker_starts_here_and_hides_dotfiles(tmp_path, monkeypatch):
+    """F5 started in $HOME and listed every dotfile (.cache, .bashrc, ...). It starts where
+    aotx-chat was started and lists folders and attachable files, hidden ones left out."""
+    from textual.widgets import DirectoryTree
+
+    from aotx.app.screens.file_picker import FilePicker
+
+    here = tmp_path / "work"
+    here.mkdir()
+    (here / ".hidden").mkdir()
+    (here / ".bashrc").write_text("x")
+    (here / "notes.txt").write_text("x")
+    (here / "shots").mkdir()
+    (here / "cat.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    monkeypatch.chdir(here)
+    app, _ = make_app()
+    async with app.run_test(size=(120, 36)) as pilot:
+        await settle(pilot)
+        await pilot.press("f5")
+        await pilot.pause(0.5)
+        assert isinstance(app.screen, FilePicker) and app.screen.root == here
+        tree = app.screen.query_one(DirectoryTree)
+        for _ in range(50):
+            if tree.root.children:
+                break
+            await pilot.pause(0.05)
+        assert sorted(str(n.label) for n in tree.root.children) == ["cat.png", "shots"]
+        await pilot.press("escape")
+
+
+def test_app_state_is_written_private(home):
+    """The app wrote app_state.json world-readable and `aotx serve` said at most starts that
+    it made it private again."""
+    import stat
+
+    from aotx.app import state as app_state
+
+    app_state.update_state(theme="light")
+    mode = stat.S_IMODE((home / "app_state.json").stat().st_mode)
+    assert mode == 0o600, oct(mode)

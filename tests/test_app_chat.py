@@ -214,7 +214,7 @@ async def test_details_screen_shows_receipt():
         await pilot.press("i")
         await pilot.pause()
         body = str(app.screen.query_one("#details-body").render())
-        assert f"receipt last_seq  {reply.receipt.last_seq}" in body
+        assert f"receipt up to seq  {reply.receipt.last_seq}" in body
         assert reply.msg_id in body and "tokens" in body
         await pilot.press("escape")
         assert not app.screen.query("#details-body")
@@ -256,7 +256,7 @@ async def test_refusal_of_a_long_prompt_is_where_the_user_looks():
         assert user.position == "failed"
         # the refusal is above the input (always on screen), and the message's own notice
         # is at its end, inside the visible part of the chat
-        assert notice(app).startswith("Too long for the context (too_long)")
+        assert notice(app).startswith("Too long for the context: ")
         assert "back in the input" in notice(app)
         end = user.query(".msg-end-notices .msg-notice")
         assert end and any("Too long for the context" in str(n.render()) for n in end)

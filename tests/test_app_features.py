@@ -122,7 +122,7 @@ async def test_settings_modal_updates_system_prompt_and_sampling():
         screen.query_one("#f-temperature", Input).value = "oops"
         await pilot.press("ctrl+s")
         await pilot.pause()
-        assert "temperature: 'oops' is not a valid float" in str(screen.query_one("#settings-error").render())
+        assert "temperature must be a number" in str(screen.query_one("#settings-error").render())
         screen.query_one("#f-temperature", Input).value = "0"
         screen.query_one("#f-seed", Input).value = "7"
         await pilot.press("ctrl+s")
@@ -165,10 +165,10 @@ async def test_theme_switch_at_run_time_is_remembered(home):
     app, _ = make_app()
     async with app.run_test() as pilot:
         await settle(pilot)
-        assert app.has_class("theme-dark") and app.theme == "textual-dark"
+        assert app.has_class("theme-dark") and app.theme == "aotx-dark"
         await pilot.press("f6")
         assert app.has_class("theme-light") and not app.has_class("theme-dark")
-        assert app.theme == "textual-light"
+        assert app.theme == "aotx-light"
     assert json.loads((home / "app_state.json").read_text())["theme"] == "light"
     app2, _ = make_app()
     async with app2.run_test() as pilot:
@@ -189,7 +189,7 @@ async def test_more_than_two_themes_from_textual_and_all_remembered(home):
         for _ in range(3):
             await pilot.press("f6")
             seen.append((app.theme_name, app.theme))
-        assert seen[0] == ("light", "textual-light")
+        assert seen[0] == ("light", "aotx-light")
         assert seen[1][0] == seen[1][1] and seen[1][0] not in ("dark", "light")  # a Textual theme by its name
         app.theme = "nord"  # Textual's own "Change theme" command sets this
         await pilot.pause()
@@ -199,6 +199,20 @@ async def test_more_than_two_themes_from_textual_and_all_remembered(home):
     async with app2.run_test() as pilot:
         await settle(pilot)
         assert app2.theme_name == "nord" and app2.theme == "nord"
+
+
+async def test_the_palettes_theme_list_has_aotxs_own_themes(home):
+    """Textual's "Change theme" command listed Textual's themes only: AOTX's dark and light
+    were missing (they are CSS over a paired theme). They are registered as aotx-dark and
+    aotx-light, and choosing one there is choosing AOTX's theme."""
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        assert {"aotx-dark", "aotx-light"} <= set(app.available_themes)
+        app.theme = "aotx-light"     # what the palette's choice does
+        await pilot.pause()
+        assert app.theme_name == "light" and app.has_class("theme-light")
+    assert json.loads((home / "app_state.json").read_text())["theme"] == "light"
 
 
 async def test_pasted_paths_become_chips_even_without_input_focus(tmp_path):
@@ -214,11 +228,13 @@ async def test_pasted_paths_become_chips_even_without_input_focus(tmp_path):
         bar = app.query_one(AttachmentBar)
         assert [a.name for a in bar.attachments] == ["my cat.png", "voice.wav"]
         assert app.chat_input.text == ""
-        # a missing file gets a visible notice; text pastes stay text
+        # a missing file gets a visible notice and stays text, as pasted; text pastes stay text
         app.chat_input.focus()
         await app.chat_input._on_paste(__import__("textual").events.Paste(f"{tmp_path}/gone.png"))
         await settle(pilot)
         assert "no such file" in str(app.query_one("#input-notice").render())
+        assert app.chat_input.text == f"{tmp_path}/gone.png"
+        app.chat_input.clear()
         await app.chat_input._on_paste(__import__("textual").events.Paste("what is this?"))
         await pilot.pause()
         assert app.chat_input.text == "what is this?"
@@ -229,7 +245,9 @@ async def test_pasted_paths_become_chips_even_without_input_focus(tmp_path):
         assert [a.kind for a in sent[2]] == ["image", "audio"] and len(sent[2][0].sha256) == 64
         user = app.messages()[-1]
         assert user.position == "failed"
-        assert "refused the attachment (unsupported_media)" in user.notices()[0]
+        # the reason once, above the input; the message says what kind of refusal it was
+        assert user.notices() == ["Not sent: The engine refused the attachment. The reason is above the input."]
+        assert "refused the attachment: " in str(app.query_one("#input-notice").render())
         assert bar.attachments == []
 
 
@@ -402,7 +420,15 @@ def test_notice_and_refusal_words_follow_codes():
     # by code, not wording: a media refusal whose text never says "media" is still about the attachment
     assert "refused the attachment" in error_text(P.Error(id=1, code="unsupported_media", message="no images"))
     assert "refused this message (too_long)" not in error_text(P.Error(id=1, code="bad_request", message="media x"))
-    assert refusal_text("busy", "conversation c1 is generating").startswith("A reply is still being written")
+    # busy is not only a conversation generating: a model that does not fit the memory budget
+    # is refused with it too, after a refused notice naming the resource
+    assert refusal_text("busy", "conversation c1 is generating") == \
+        "The engine is busy: conversation c1 is generating"
+    memory = P.Notice(id=1, kind="refused", resource="memory", message="model q does not fit")
+    said = error_text(P.Error(id=1, code="busy", message="model q does not fit"), memory)
+    assert said == "Not enough memory: model q does not fit" and "reply" not in said
+    # protocol codes are not words for people
+    assert not any(f"({c})" in refusal_text(c, "x") for c in ("too_long", "busy", "unsupported_media", "internal"))
 
 
 async def test_engine_error_codes_drive_the_app():

@@ -84,3 +84,36 @@ async def test_streaming_keeps_widget_count_proportional_to_chunks(monkeypatch) 
         assert app.messages()[-1].text == text
         shown = "".join(w.markdown for w in view.children)
         assert shown.split() == text.split()  # all the text, once (blank lines between blocks aside)
+
+
+HAIKU = "An old silent pond\nA frog jumps into the pond\nSplash! Silence again"
+
+
+async def test_single_line_breaks_of_a_reply_stay_line_breaks():
+    """A haiku showed as one run-on line (CommonMark joins a paragraph's lines; the
+    export kept them apart). Its three lines are three lines on screen, and the reply's
+    text (copied, exported) is unchanged."""
+    app, _ = make_app(FakeEngine(reply=lambda t: HAIKU))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await settle(pilot)
+        app.chat_input.insert("a haiku please")
+        await pilot.press("enter")
+        await settle(pilot)
+        reply = app.messages()[-1]
+        assert reply.text == HAIKU
+        view = reply.query_one(MarkdownView)
+        shown = [line.text.strip() for w in view.query("*") if hasattr(w, "_lines") for line in w._lines]
+        assert [s for s in shown if s] == HAIKU.split("\n"), shown
+
+
+@pytest.mark.parametrize("text,kept", [
+    ("a\nb", "a  \nb"),
+    ("- one\n- two", "- one\n- two"),
+    ("para\n\n# Head\ntext", "para\n\n# Head  \ntext"),
+    ("```\nx\ny\n```\nafter", "```\nx\ny\n```\nafter"),
+    ("| a | b |\n|---|---|\n| 1 | 2 |", "| a | b |\n|---|---|\n| 1 | 2 |"),
+])
+def test_hard_breaks_keeps_blocks_as_they_are(text, kept):
+    from aotx.app.widgets.markdown_view import hard_breaks
+
+    assert hard_breaks(text) == kept

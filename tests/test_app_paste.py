@@ -209,3 +209,52 @@ async def test_other_text_boxes_take_a_paste_once():
         await pilot.pause()
         assert box.text == "Be brief."
         assert app.chat_input.text == ""  # the paste did not also land in the input behind the dialog
+
+
+# ---- what a paste becomes: a dropped file, or the text as pasted -------------------
+
+def test_split_paste_attaches_only_files_that_are_there(tmp_path) -> None:
+    """A pasted line that starts with `/` but names no image or audio file here was
+    swallowed: "Not attached: ..." and the text gone from the input. Now it stays text."""
+    from fakes.media_files import png_bytes
+
+    from aotx.engine.present.paste import split_paste
+
+    (tmp_path / "cat.png").write_bytes(png_bytes(3, 3))
+    (tmp_path / "dir.png").mkdir()
+    cat = str(tmp_path / "cat.png")
+    assert split_paste(f"'{cat}' what is it?").paths == [cat]
+    assert split_paste(f"'{cat}' what is it?").text == "what is it?"
+    for text in ("/api/v1/users", "/usr/bin/env", "/etc/hosts", "/usr/bin/env python3 -m http.server",
+                 "/tmp/My Notes/todo.txt"):
+        s = split_paste(text)
+        assert (s.paths, s.text, s.note) == ([], text, ""), text
+    for text in (str(tmp_path / "missing.png"), f"'{tmp_path}/dir.png'", f"'{cat}' '{tmp_path}/gone.wav'"):
+        s = split_paste(text)
+        assert s.paths == [] and s.text == text and "pasted as text" in s.note, text
+
+
+async def test_a_pasted_api_path_stays_in_the_input():
+    """Bracketed pastes of paths that are not dropped media files go into the input, as
+    typed, with no chip and no 'Not attached' notice."""
+    from app_fake_engine import make_app, settle
+    from fakes.terminal import bracketed_paste
+
+    from aotx.app.widgets.chips import AttachmentBar
+
+    app, _ = make_app()
+    async with app.run_test() as pilot:
+        await settle(pilot)
+        bracketed_paste(app, "/api/v1/users")
+        await settle(pilot)
+        assert app.chat_input.text == "/api/v1/users"
+        bracketed_paste(app, " and /usr/bin/env")
+        await settle(pilot)
+        assert app.chat_input.text == "/api/v1/users and /usr/bin/env"
+        assert not app.query_one(AttachmentBar).attachments
+        assert "Not attached" not in str(app.query_one("#input-notice").render())
+        app.chat_input.clear()
+        bracketed_paste(app, "/tmp/no-such-dir/cat.png")
+        await settle(pilot)
+        assert app.chat_input.text == "/tmp/no-such-dir/cat.png"
+        assert "pasted as text" in str(app.query_one("#input-notice").render())

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_fake_engine import FakeEngine, make_app, settle, until  # noqa: E402
 
 from aotx.engine.present.format import LEGEND, LEGEND_ITEMS, GLYPHS  # noqa: E402
-from aotx.app.widgets.sidebar import ConversationItem  # noqa: E402
+from aotx.app.widgets.sidebar import ConversationItem, OneShotsItem  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -99,3 +99,102 @@ async def test_help_and_sidebar_show_the_same_legend():
         await pilot.pause()
         notes = " ".join(str(s.render()) for s in app.screen.query(".dialog-note"))
         assert LEGEND in notes
+
+
+# ---- The sidebar's list: one-shot conversations folded, titles cut at a word ----------
+#
+# Every one-shot ``aotx run "..."`` became a sidebar entry (and the newest, so aotx-chat
+# opened on it). They are kept in the journal; the sidebar folds them into one line at the
+# end that Enter opens and closes, a search still finds them, and aotx-chat opens on the
+# newest chat. A title made from a long first message was cut mid-word.
+
+
+def engine_with_runs() -> FakeEngine:
+    engine = FakeEngine()
+    engine.add_conversation("Trip to Lisbon", [("user", "plan it"), ("assistant", "sure")])
+    engine.add_conversation("Rust lifetimes", [("user", "explain"), ("assistant", "ok")])
+    for q in ("What is 2+2?", "Capital of France?", "Translate hello"):
+        c = engine.add_conversation(q, [("user", q), ("assistant", "answer")])
+        c.origin = "run"
+    return engine
+
+
+async def test_one_shot_runs_are_folded_into_one_line():
+    engine = engine_with_runs()
+    app, _ = make_app(engine)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await settle(pilot)
+        assert app.conv_view.title == "Rust lifetimes"      # the newest chat, not the newest run
+        assert app.sidebar.visible() == ["Rust lifetimes", "Trip to Lisbon"]
+        fold = app.sidebar.query_one(OneShotsItem)
+        assert fold.n == 3 and "3 one-shot runs" in str(fold.query_one("Label").render())
+        lv = app.sidebar.query_one("#conversations")
+        lv.focus()
+        lv.index = len(lv.children) - 1
+        await pilot.press("enter")
+        await settle(pilot)
+        assert app.sidebar.visible() == ["Rust lifetimes", "Trip to Lisbon", "Translate hello", "Capital of France?",
+                                         "What is 2+2?"]
+        assert "(hide)" in str(app.sidebar.query_one(OneShotsItem).query_one("Label").render())
+        assert app.conv_view.title == "Rust lifetimes"      # the fold line opens nothing
+
+
+async def test_a_search_finds_one_shot_runs_and_an_open_one_is_listed():
+    engine = engine_with_runs()
+    app, _ = make_app(engine)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await settle(pilot)
+        await pilot.press("f3")
+        await pilot.press(*"capital")
+        await settle(pilot)
+        assert app.sidebar.visible() == ["Capital of France?"]
+        await pilot.press("enter")
+        await settle(pilot)
+        assert app.conv_view.title == "Capital of France?"
+        app.sidebar.query_one("#search").value = ""
+        await settle(pilot)
+        # the open one-shot conversation is listed with the chats; the other two stay folded
+        assert "Capital of France?" in app.sidebar.visible()
+        assert app.sidebar.query_one(OneShotsItem).n == 2
+
+
+async def test_a_long_first_message_titles_the_conversation_at_a_word():
+    app, engine = make_app()
+    async with app.run_test(size=(120, 36)) as pilot:
+        await settle(pilot)
+        app.chat_input.insert("Please explain how the borrow checker decides lifetimes in nested closures")
+        await pilot.press("enter")
+        await settle(pilot)
+        title = app.conv_view.title
+        assert len(title) <= 48 and title == "Please explain how the borrow checker decides", title
+
+
+async def test_a_search_without_hits_says_so():
+    """A search that matched nothing showed an empty list, as if the list were broken."""
+    from aotx.app.widgets.sidebar import NoHitsItem
+
+    app, _ = make_app(history())
+    async with app.run_test(size=(120, 36)) as pilot:
+        await settle(pilot)
+        await pilot.press("f3")
+        await pilot.press(*"zebra")
+        await settle(pilot)
+        assert app.sidebar.visible() == []
+        said = app.sidebar.query_one(NoHitsItem)
+        assert "No conversation has “zebra”" in str(said.query_one("Label").render())
+        await pilot.press("enter")          # nothing to open: nothing happens
+        await settle(pilot)
+        assert app.conv_view.title == "Trip"
+
+
+async def test_a_long_title_ends_in_an_ellipsis_in_the_sidebar():
+    """A title longer than the sidebar was cut at its edge in the middle of a word
+    ("Write a haiku about the s"): it ends in an ellipsis."""
+    e = FakeEngine()
+    e.add_conversation("Write a haiku about the sea and the wind over it", [("user", "x"), ("assistant", "y")])
+    app, _ = make_app(e)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await settle(pilot)
+        label = app.sidebar.query_one(ConversationItem).query_one(".conv-title")
+        shown = "".join(s.text for s in label.render_lines(label.region.reset_offset)[0]).rstrip()
+        assert shown.endswith("…") and shown.startswith("▸ Write a haiku"), shown

@@ -1,4 +1,4 @@
-"""``aotx bench --engine-path`` (engine/cli/bench.py): the harness the lead measures with runs
+"""``aotx bench --engine-path`` (engine/cli/bench_path.py): the harness the lead measures with runs
 end to end on the default model, small, and reports what it says it reports."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from aotx.engine.cli import bench
+from aotx.engine.cli import bench_path as bench
 from aotx.engine.errors import UsageError
 
 

@@ -58,7 +58,8 @@ def test_conversations_show_reads_the_journal_without_starting_an_engine(journal
     home, a, b = journal_home
     r = aotx(home, "conversations", "list", timeout=120)
     assert r.returncode == 0, r.stderr
-    assert [ln.split()[0] for ln in r.stdout.splitlines()] == [a, b]
+    # a header, then newest first (with when, model and origin)
+    assert [ln.split()[0] for ln in r.stdout.splitlines()] == ["ID", b, a]
     assert "Pasta recipe" in r.stdout
     r = aotx(home, "conversations", "show", a, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -169,3 +169,29 @@ def test_a_run_waiting_on_a_full_disk_says_so_once_and_exits_on_a_signal(engine,
     reply = conv.messages[-1]
     assert reply.status == "complete" and reply.token_ids and reply.receipt is not None
     assert verify(store.journal.directory).ok
+
+
+def test_a_new_run_while_the_disk_is_full_gets_one_line_not_a_traceback(engine, tmp_path):
+    """With the engine holding work for a full disk, a second ``aotx run`` is refused when
+    it creates its conversation; the refusal reached the user as a traceback
+    (UnboundLocalError: the receipt watcher was not yet set when the error came)."""
+    eng, store, fs, sock = engine
+    first = start_run(sock, tmp_path)
+    try:
+        read_until(first, "not yet durable", 60)
+        second = start_run(sock, tmp_path)
+        out, err = second.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    text = err.decode()
+    fs.full = fs.armed = False  # space returns: the first reply is written
+    deadline = time.monotonic() + 30
+    while store.journal.durable_seq < store.journal.last_seq:
+        assert time.monotonic() < deadline, store.journal.stats()
+        time.sleep(0.02)
+    assert "Traceback" not in text, text
+    assert second.returncode == 2, text
+    assert len(text.strip().splitlines()) == 1 and "disk full" in text and str(store.journal.directory) in text
+    assert len(store.table.live()) == 1  # the refused run wrote nothing

@@ -17,6 +17,7 @@ import pytest
 
 from aotx.engine import protocol as P
 from aotx.engine.errors import ErrorCode, ProtocolError
+from tests.test_cli_full_disk import engine, tiny  # noqa: F401 (fixtures)
 from tests.test_connections import hello_frame, raw_client, read_frame, serve_null  # noqa: F401 (a fixture)
 
 BIG = "1" + "0" * 29
@@ -84,6 +85,59 @@ def test_a_frame_whose_text_is_not_utf8_gets_an_error_reply_and_the_connection_g
         s.sendall(len(bad).to_bytes(4, "big") + bad)
         err = read_frame(s)
         assert isinstance(err, P.Error) and err.code == ErrorCode.BAD_FRAME and "UTF-8" in err.message, err
+    s.sendall(P.encode_frame(P.Status(id=6)))
+    assert isinstance(read_frame(s), P.Ok)
+    s.close()
+
+
+def test_the_encoder_refuses_a_message_over_the_frame_limit_naming_its_size():
+    with pytest.raises(ProtocolError, match=r"SubmitMessage is 16,777,2\d\d bytes; the engine takes at most "
+                                            r"16,777,216 \(16 MiB\)"):
+        P.encode_frame(P.SubmitMessage(id=1, conv_id="c", text="a" * (16 << 20)))
+
+
+def test_a_prompt_over_the_frame_limit_is_one_line_and_leaves_no_conversation(engine, tmp_path):  # noqa: F811
+    """A 17 MB prompt on standard input was sent whole: the engine closed the connection at
+    the frame's header and ``aotx run`` said "the engine connection broke: [Errno 32]
+    Broken pipe", leaving behind the empty conversation it had created for it."""
+    _eng, store, _fs, sock = engine
+    r = aotx(tmp_path, "run", "--socket", str(sock), stdin=b"a" * (17 << 20))
+    one_line(r, "the prompt is 17,825,792 bytes", "16 MiB")
+    assert store.table.live() == []
+
+
+def test_an_answer_over_the_frame_limit_becomes_an_error_for_its_request():
+    """The engine's own answers go through the same encoder: one over the limit (a list of
+    very many conversations) must reach the client as an Error naming the size, not raise
+    on the engine thread."""
+    from aotx.engine.ipc.server import Connection
+
+    class Loop:
+        sent: list[bytes] = []
+
+        def call_soon_threadsafe(self, fn, data):
+            self.sent.append(data)
+
+    loop = Loop()
+    conn = Connection(loop, writer=None, name="t")
+    many = [P.ConversationView(conv_id=f"c{i}", title="t" * 200) for i in range(80_000)]
+    conn.send(P.ConversationList(id=7, conversations=many))
+    [frame] = loop.sent
+    err = P.decode_payload(frame[4:])
+    assert isinstance(err, P.Error) and err.id == 7 and err.code == ErrorCode.TOO_LONG
+    assert "ConversationList is" in err.message and "16 MiB" in err.message
+
+
+def test_a_frame_nested_too_deeply_gets_an_error_reply_and_the_connection_goes_on(serve_null):  # noqa: F811
+    """50,000 nested maps in one frame ended the connection's task with a RecursionError
+    traceback in the engine's log, and the client got its connection closed unanswered."""
+    _, path = serve_null()
+    s = raw_client(path)
+    assert isinstance(read_frame(s), P.Welcome)
+    bad = b"\x81\xa1a" * 50_000 + b"\xc0"
+    s.sendall(len(bad).to_bytes(4, "big") + bad)
+    err = read_frame(s)
+    assert isinstance(err, P.Error) and err.code == ErrorCode.BAD_FRAME and "nested" in err.message, err
     s.sendall(P.encode_frame(P.Status(id=6)))
     assert isinstance(read_frame(s), P.Ok)
     s.close()

@@ -112,3 +112,20 @@ def test_the_cli_refuses_a_fifo_in_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     assert "it is a FIFO (named pipe), not a regular file" in r.stderr
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_exporting_over_a_private_file_keeps_it_private(tmp_path):
+    """An export over an existing file took the umask's mode: a file the user had made
+    0600 (a conversation is private text) became readable by everyone (0644)."""
+    old = os.umask(0o022)
+    try:
+        p = tmp_path / "talk.md"
+        p.write_text("old\n")
+        os.chmod(p, 0o600)
+        E.write_export(CONV, p)
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600 and "hi there" in p.read_text()
+        fresh = tmp_path / "new.md"
+        E.write_export(CONV, fresh)
+        assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o644  # a new file: the umask's mode
+    finally:
+        os.umask(old)

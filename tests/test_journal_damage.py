@@ -387,3 +387,26 @@ def test_a_journal_from_before_the_second_receipt_copy_opens_and_gets_one(tmp_pa
     set_receipt(tmp_path, b"")  # both copies unreadable: no mark, and nothing is lost for it
     (tmp_path / "RECEIPT.2").write_bytes(_records.encode_receipt(1, 0, 31))
     assert read_acknowledged(tmp_path)[2] == 31 and verify(tmp_path).ok
+
+
+def test_a_damage_notice_never_names_an_id_misread_from_the_damaged_bytes(tmp_path):
+    """A bit flipped inside a token record's message id: the notice named the misread id
+    ("m2989b8=5a9") beside the real one, a message that never existed."""
+    d = tmp_path / "j"
+    with Journal(d, segment_bytes=1 << 20, buffer_bytes=1 << 16) as j:
+        for i, r in enumerate([ConversationCreated("c7", "Talk", 1.0), MessageAccepted("c7", "u1234567", "user", "hi"),
+                               MessageAccepted("c7", "r7654321", "assistant"),
+                               TokensCommitted("c7", "r7654321", 3, [5, 6], "one two"),
+                               TokensCommitted("c7", "r7654321", 5, [7], " three"),
+                               MessageFinished("c7", "r7654321", "stop", 3, 3)]):
+            j.publish(r, i)
+            j.flush()
+    seg = d / "0000000001.seg"
+    data = bytearray(seg.read_bytes())
+    at = data.index(b"r7654321", data.index(b"one two"))  # the second token record's id
+    data[at + 3] ^= 0x01
+    seg.write_bytes(bytes(data))
+    rep = recover(d)
+    [notice] = rep.notices()
+    misread = bytes(data[at:at + 8]).decode()
+    assert misread not in notice and "“Talk” (c7)" in notice, notice

@@ -166,3 +166,106 @@ def test_the_engine_refuses_a_growing_template_each_time_and_keeps_its_memory(ho
     finally:
         eng.stop()
         store.close()
+
+
+@pytest.mark.parametrize("source", ['{{ "a\\ud800b" }}', '{{ "x%c"|format(56320) }}'])
+def test_a_template_whose_output_is_not_valid_unicode_is_refused_naming_it_and_its_worker_lives_on(pool, source):
+    """A lone surrogate in the output could not be sent back: the worker died (exit status 1)
+    and the message said the template "was stopped" for no stated reason, after a second
+    render on a fresh worker; in the engine itself, it reached the tokenizer."""
+    t = ChatTemplate(source, name="odd")
+    t.workers = pool
+    ok = ChatTemplate(CHATML_TEMPLATE)
+    ok.workers = pool
+    ok.render(MSGS)
+    started, replaced = pool.started, pool.replaced
+    with pytest.raises(TemplateError, match=r"odd produced text that is not valid Unicode \(a lone surrogate at "
+                                            r"character 1\)"):
+        t.render(MSGS)
+    assert (pool.started, pool.replaced) == (started, replaced)
+    t.workers = None
+    with pytest.raises(TemplateError, match="odd produced text that is not valid Unicode"):
+        t.render(MSGS)
+
+
+def test_a_template_that_ends_its_worker_is_rendered_once_not_twice(pool):
+    """A worker that died in the middle of a render was taken for one that had died while
+    idle, and the render ran again on a fresh worker: every hostile template cost twice
+    its CPU limit (and a second worker start)."""
+    ok = ChatTemplate(CHATML_TEMPLATE)
+    ok.workers = pool
+    ok.render(MSGS)  # an idle worker that has rendered before
+    t = ChatTemplate(CPU_HOG, name="slow")
+    t.workers = pool
+    started, replaced = pool.started, pool.replaced
+    with pytest.raises(TemplateError, match="slow was stopped: the operating system stopped it for its CPU time"):
+        t.render(MSGS, budget=RenderBudget(cpu_seconds=0.5))
+    assert (pool.started, pool.replaced) == (started, replaced + 1)
+
+
+@pytest.fixture(scope="module")
+def verbose_lm(tiny_gguf, tmp_path_factory):
+    """A tiny llama whose template writes as many characters as a message's digits say."""
+    from aotx.engine.model.loader import load_model
+
+    template = ('{% for m in messages %}<|{{ m.role }}|>{{ m.content }}'
+                '{{ "x" * (m.content|int) if m.content is number or m.content.isdigit() else "" }}{% endfor %}')
+    p = tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("verbose") / "verbose.gguf", context_length=1024,
+                                   metadata={"tokenizer.chat_template": template, "general.name": "Verbose Tiny"})
+    return load_model(p, device="cpu")
+
+
+def _refusals(lm, texts: list[str]) -> tuple[list[P.Error], list[float], list[float]]:
+    """Each text sent as a message of one conversation: the refusals, how long each took,
+    the process's RSS (MiB) after each."""
+    from aotx.engine.runtime.engine import Engine
+    from aotx.engine.runtime.store import open_store
+
+    store = open_store(None)
+    eng = Engine(lm, store, n_slots=1, n_ctx=512, prefill_chunk=64, device="cpu")
+    eng.start()
+    errors, times, levels = [], [], []
+    try:
+        s = EventSink()
+        eng.post(P.CreateConversation(id=1, title="t"), s)
+        conv = s.wait(30).conversation.conv_id
+        for i, text in enumerate(texts):
+            s = EventSink()
+            t0 = time.monotonic()
+            eng.post(P.SubmitMessage(id=2 + i, conv_id=conv, text=text), s)
+            errors.append(s.wait(120))
+            times.append(time.monotonic() - t0)
+            levels.append(rss_mib())
+    finally:
+        eng.stop()
+        store.close()
+    return errors, times, levels
+
+
+def test_a_template_output_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(verbose_lm):
+    """A template may write up to 32 Mi characters, which no context holds: the engine
+    tokenized them all anyway (97 s of CPU for 30 M characters on the default model).
+    The size floor that refuses a long message before its tokenization now applies to
+    the prompt the template made too."""
+    from aotx.engine.runtime.prepare import longest_piece
+
+    n = 2 * 512 * longest_piece(verbose_lm.tokenizer)  # past the floor, within what a render may write
+    errors, times, _ = _refusals(verbose_lm, [str(n)])
+    [err] = errors
+    assert isinstance(err, P.Error) and err.code == ErrorCode.TOO_LONG, err
+    assert "the prompt the chat template made is" in err.message and "characters, at least" in err.message
+    assert "\n" not in err.message and times[0] < 10
+
+
+def test_a_template_writing_far_more_than_the_context_holds_is_stopped_in_its_worker(verbose_lm):
+    """30 M characters crossed from the worker to the engine for each message and the
+    engine's RSS kept growing (440 -> 503 -> 589 -> 644 -> 672 MB on the default model,
+    after the prompt was no longer tokenized): a render may now write only what a prompt
+    that fits the context could need, and what it writes stays in its worker."""
+    errors, times, levels = _refusals(verbose_lm, ["1"] + ["30000000"] * 4)
+    for err in errors[1:]:
+        assert isinstance(err, P.Error) and err.code == ErrorCode.BAD_REQUEST, err
+        assert "Verbose Tiny' was stopped: it" in err.message and "1,048,576" in err.message
+        assert "\n" not in err.message
+    assert max(times[1:]) < 10
+    assert max(levels[1:]) - levels[1] < 16, levels

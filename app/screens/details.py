@@ -8,13 +8,14 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from aotx.engine.present.format import GLYPHS
+from aotx.engine.present.format import FINISH_WORDS, GLYPHS, POSITION_MEANINGS, TIMING_WORDS
 
 
 def details_lines(w) -> list[tuple[str, str]]:
     """(label, value) rows for a MessageWidget ``w``."""
     rows = [("message id", w.msg_id or "(not yet accepted)"), ("role", w.role),
-            ("position", f"{GLYPHS.get(w.position, '?')} {w.position}")]
+            ("where it stands", f"{GLYPHS.get(w.position, '?')} {w.position}: "
+                                f"{POSITION_MEANINGS.get(w.position, w.position)}")]
     if w.seq:
         rows.append(("sequence", str(w.seq)))
     if w.role == "assistant":
@@ -22,7 +23,8 @@ def details_lines(w) -> list[tuple[str, str]]:
         if w.token_seqs and w.receipt is None:
             rows.append(("durable tokens", f"{w.durable_tokens} of {len(w.token_seqs)} streamed"))
         if w.finish_reason:
-            rows.append(("finish reason", w.finish_reason))
+            rows.append(("how it ended", "ended by the model" if w.finish_reason == "stop"
+                         else FINISH_WORDS.get(w.finish_reason, w.finish_reason)))
         cut = getattr(w, "context", None)
         if cut is not None:
             rows.append(("context cut", f"{cut.n_messages} earlier messages ({cut.n_tokens:,} tokens) left the prompt, "
@@ -31,13 +33,14 @@ def details_lines(w) -> list[tuple[str, str]]:
     if w.receipt is not None:
         r = w.receipt
         rows += [("receipt segment", str(r.segment)), ("receipt offset", f"{r.offset} B"),
-                 ("receipt last_seq", str(r.last_seq))]
+                 ("receipt up to seq", str(r.last_seq))]
     else:
         rows.append(("receipt", "none yet: not durable"))
     for a in w.attachments:
         rows.append(("attachment", f"{a.kind} {a.name} sha256 {a.sha256[:16]}…"))
     for k, v in sorted(w.timings.items()):
-        rows.append((k, f"{v:g}"))
+        label, fmt = TIMING_WORDS.get(k, (k.replace("_", " "), "{:g}"))
+        rows.append((label, fmt.format(v)))
     return rows
 
 

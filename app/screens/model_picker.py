@@ -30,12 +30,14 @@ CELL_PADDING = 1  # DataTable's default, each side of a cell
 
 
 def model_row(m: P.ModelInfo, current: str) -> tuple[str, ...]:
-    """The table cells of one model (pure: tested without a screen). "context": what a loaded
-    model serves (its slots' length), else the file's trained context."""
+    """The table cells of one model (pure: tested without a screen). "context": what the
+    engine serves it with (a loaded model's slots' length, or what one not loaded would get
+    here: its trained context capped at the engine's), else (an engine that does not say)
+    the file's trained context."""
     mark = "▸" if m.name == current else " "
     state = "unusable" if m.error else ("loaded" if m.loaded else "")
     return (f"{mark} {m.name}", fmt_bytes(m.size_bytes) if m.size_bytes else ("remote" if m.kind == "remote" else "-"),
-            m.arch or "-", m.quant or "-", str((m.n_ctx if m.loaded and m.n_ctx else m.n_ctx_train) or "-"),
+            m.arch or "-", m.quant or "-", str(m.n_ctx or m.n_ctx_train or "-"),
             fmt_bytes(m.needs_bytes) if m.needs_bytes else "-", state)
 
 

@@ -43,7 +43,8 @@ def parse_sampling(values: dict[str, str], base: P.SamplingParams) -> P.Sampling
         if mode not in {v for _, v in SPECULATIVE}:
             raise ValueError(f"speculative: {mode!r} is not one of engine default, ngram, draft, off")
         changes["speculative"] = mode
-    for name, kind, _ in FIELDS:
+    defaults = P.SamplingParams()
+    for name, kind, hint in FIELDS:
         raw = values.get(name, "").strip()
         if raw == "" and name == "seed":
             changes[name] = None
@@ -51,10 +52,15 @@ def parse_sampling(values: dict[str, str], base: P.SamplingParams) -> P.Sampling
         if raw == "" and name == "max_tokens":
             changes[name] = P.UNTIL_CONTEXT
             continue
+        if raw == "":  # an emptied field: the engine's default, as for a new conversation
+            changes[name] = getattr(defaults, name)
+            continue
         try:
             changes[name] = kind(raw)
         except ValueError:
-            raise ValueError(f"{name}: {raw!r} is not a valid {kind.__name__}") from None
+            what = "a whole number" if kind is int else "a number"
+            raise ValueError(f"{name.replace('_', ' ')} must be {what} ({hint}; empty for the default), not "
+                             f"“{raw}”") from None
     sp = msgspec.structs.replace(base, **changes)
     why = P.sampling_problem(sp)  # what the engine would refuse, refused here with its words
     if why:

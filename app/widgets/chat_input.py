@@ -1,7 +1,8 @@
 """The message input: multi-line, Enter sends, Ctrl+J inserts a newline.
 
-Owns: key handling of the input and catching pastes that are file paths (they
-become attachments instead of text; text typed after the dropped paths stays text).
+Owns: key handling of the input and catching pastes that are dropped files (they
+become attachments instead of text; text typed after the dropped paths stays text);
+a path that names no image or audio file here (``/api/v1/users``) stays text.
 Leaves what a send means to the app.
 """
 
@@ -12,7 +13,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
-from aotx.engine.present.paste import parse_pasted_paths
+from aotx.engine.present.paste import split_paste
 
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
 
@@ -39,6 +40,13 @@ class ChatInput(TextArea):
             self.paths = paths
             super().__init__()
 
+    class PasteNote(Message):
+        """A paste that looked like a dropped file but went in as text: why."""
+
+        def __init__(self, note: str) -> None:
+            self.note = note
+            super().__init__()
+
     def __init__(self, **kwargs) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
 
@@ -48,7 +56,11 @@ class ChatInput(TextArea):
             event.prevent_default()
             text = self.text
             if text.strip():
-                self.post_message(self.Submitted(text))
+                # emptied here, not when the app gets the message: keys typed meanwhile (the next
+                # message, begun within a fraction of a second) land in the empty input and stay
+                self.clear()
+            # an empty input's Enter goes to the app too: it starts a stopped engine
+            self.post_message(self.Submitted(text))
             return
         if event.key == "up" and not self.text:
             event.stop()
@@ -71,15 +83,13 @@ class ChatInput(TextArea):
         it run twice and every paste appear twice."""
         event.stop()
         event.prevent_default()
-        items = parse_pasted_paths(event.text)
-        paths = [i.value for i in items if i.kind == "path"]
-        if paths:
-            self.post_message(self.PathsPasted(paths))
-            text = "".join(i.value for i in items if i.kind == "text")
-            if text:
-                self.insert_text(text)
-            return
-        self.insert_text(event.text)
+        split = split_paste(event.text)
+        if split.paths:
+            self.post_message(self.PathsPasted(split.paths))
+        if split.text:
+            self.insert_text(split.text)
+        if split.note:
+            self.post_message(self.PasteNote(split.note))
 
     def insert_text(self, text: str) -> None:
         """Insert ``text`` at the cursor (replacing a selection), as a paste does."""

@@ -18,6 +18,8 @@ streaming, and a 17 s stall for the final render).
 
 from __future__ import annotations
 
+import re
+
 from rich.markdown import Markdown as RichMarkdown
 from rich.segment import Segment
 from textual.app import ComposeResult
@@ -41,6 +43,32 @@ def safe_cut(text: str) -> int:
         elif not stripped and not in_fence:
             cut = pos
     return cut
+
+
+_BLOCK_START = re.compile(r"^\s*(?:[-*+]\s|\d+[.)]\s|#|>|\||```|~~~|$)")
+
+
+def hard_breaks(text: str) -> str:
+    """Single line breaks inside a paragraph kept as line breaks (a haiku's lines, an
+    address), as chat apps show a model's reply: CommonMark would join them into one line.
+    A line followed by another line of the same paragraph gets Markdown's hard break (two
+    trailing spaces); code fences, tables, and lines before a blank line or a new block
+    (a list item, a heading, a quote) are left as they are. For rendering only: the text
+    kept, copied and exported is the reply as written."""
+    lines = text.split("\n")
+    out, in_fence = [], False
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith(_FENCES):
+            in_fence = not in_fence
+            out.append(line)
+            continue
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        if (not in_fence and stripped and not stripped.startswith("|") and not line.endswith("  ")
+                and i + 1 < len(lines) and not _BLOCK_START.match(nxt)):
+            line += "  "
+        out.append(line)
+    return "\n".join(out)
 
 
 def segments(text: str) -> list[tuple[str, str, str]]:
@@ -92,7 +120,7 @@ class Rendered(Widget):
             return []
         console = self.app.console
         options = console.options.update(width=max(1, width), height=None)
-        lines = console.render_lines(RichMarkdown(markdown, code_theme=self.code_theme), options,
+        lines = console.render_lines(RichMarkdown(hard_breaks(markdown), code_theme=self.code_theme), options,
                                      style=self.rich_style, pad=True)
         return [Strip(Segment.simplify(line), width) for line in lines]
 

@@ -18,7 +18,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Static
 
-from aotx.engine.present.format import GLYPHS
+from aotx.engine.present.format import FINISH_WORDS, GLYPHS
 from aotx.app.widgets.markdown_view import CodeBlock, MarkdownView
 from aotx.engine import protocol as P
 
@@ -93,7 +93,7 @@ class MessageWidget(Vertical, can_focus=True):
         who = "You" if self.role == "user" else "Assistant" if self.role == "assistant" else self.role
         words = self.position if self.position not in ("accepted", "committed", "durable") else ""
         if self.finish_reason and self.finish_reason not in ("stop", self.position):
-            words = (words + " " if words else "") + f"({self.finish_reason})"
+            words = (words + " " if words else "") + f"({FINISH_WORDS.get(self.finish_reason, self.finish_reason)})"
         return f"{GLYPHS.get(self.position, '?')} {who} {words}".rstrip()
 
     # ---- position and notices ----------------------------------------------

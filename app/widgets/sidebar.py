@@ -1,7 +1,9 @@
 """The conversation list: search titles and messages, select to open.
 
 Owns: showing conversations (newest first, the open one marked ``▸`` and highlighted,
-forks marked ``⑂``), and the search box: typing filters the list to the conversations
+forks marked ``⑂``; one-shot ones, made by ``aotx run "..."`` or an API request, folded
+into one line at the end that Enter opens and closes, unless open or found by a search),
+and the search box: typing filters the list to the conversations
 whose title or messages match (``search.SearchIndex``; a matching message's words
 shown under the title), Enter opens the first hit at its message. Leaves
 create/rename/delete and keeping the index in step to the app, which refreshes the
@@ -41,6 +43,24 @@ class ConversationItem(ListItem):
         self.hit = hit
 
 
+class OneShotsItem(ListItem):
+    """The line that stands for the one-shot conversations: Enter shows or hides them."""
+
+    def __init__(self, n: int, shown: bool) -> None:
+        what = f"{n} one-shot run{'' if n == 1 else 's'}"
+        super().__init__(Label(f"{'▾' if shown else '▹'} {what}" + (" (hide)" if shown else ""), markup=False,
+                               classes="conv-group"))
+        self.n, self.shown = n, shown
+
+
+class NoHitsItem(ListItem):
+    """What a search that matches nothing shows (not an empty list, which looks broken)."""
+
+    def __init__(self, needle: str) -> None:
+        super().__init__(Label(f"No conversation has “{needle}” in its title or messages.", markup=False,
+                               classes="conv-group"), disabled=True)
+
+
 class Sidebar(Vertical):
     """Search box and list of conversations. Posts ``Opened`` when one is chosen."""
 
@@ -56,6 +76,7 @@ class Sidebar(Vertical):
         self.index = index or SearchIndex()
         self.hits: list[Hit] = []
         self.default_model = ""  # the engine's default model (set by the app)
+        self.show_one_shots = False  # the one-shot conversations are listed, not folded
 
     def compose(self) -> ComposeResult:
         yield Label("Conversations", classes="sidebar-title")
@@ -90,10 +111,17 @@ class Sidebar(Vertical):
             shown = [(by_id[h.conv_id], h) for h in self.hits]
         else:
             self.hits = []
-            shown = [(c, None) for c in self.conversations]
+            shown = [(c, None) for c in self.conversations if not c.origin or c.conv_id == self.current]
+        folded = [c for c in self.conversations if c.origin and c.conv_id != self.current] if not needle else []
         old = lv.index
         lv.clear()
         lv.extend(ConversationItem(c, c.conv_id == self.current, h, self.default_model) for c, h in shown)
+        if needle and not shown:
+            lv.append(NoHitsItem(needle))
+        if folded:
+            lv.append(OneShotsItem(len(folded), self.show_one_shots))
+            if self.show_one_shots:
+                lv.extend(ConversationItem(c, False, None, self.default_model) for c in folded)
         ids = [c.conv_id for c, _ in shown]
         if self.current in ids:
             lv.index = ids.index(self.current)
@@ -122,6 +150,12 @@ class Sidebar(Vertical):
 
     def on_list_view_selected(self, event: ListView.Selected) -> None:
         event.stop()
+        if isinstance(event.item, OneShotsItem):
+            self.show_one_shots = not self.show_one_shots
+            at = self.query_one("#conversations", ListView).index
+            self._fill()
+            self.query_one("#conversations", ListView).index = at
+            return
         if isinstance(event.item, ConversationItem):
             hit = event.item.hit
             self.post_message(self.Opened(event.item.conv_id, hit.msg_id if hit else ""))

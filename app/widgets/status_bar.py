@@ -23,6 +23,9 @@ from aotx.engine import protocol as P
 
 REDRAW_S = 0.25  # how often the line is redrawn while a reply streams
 MIN_MODEL = 12  # the fewest characters of the model's name kept beside the state
+# what the app is doing for a message, kept while the engine's status says "ready": the
+# engine is ready, the message is not answered yet (its attachments are read, its model loads)
+WORKING = ("writing", "sending", "reading attachments", "loading model")
 
 
 class StatusBar(Horizontal):
@@ -56,6 +59,8 @@ class StatusBar(Horizontal):
         if not (self.streaming or self.n_generated):
             if not self.n_ctx:
                 return ""
+            if self.n_prompt:  # a conversation opened with its history: the context it holds
+                return f"context {self.n_prompt}/{self.n_ctx}"
             if self.max_tokens is not None and self.max_tokens < self.n_ctx:
                 return f"replies up to {self.max_tokens} tokens"
             return f"replies run to the context ({self.n_ctx} tokens)"
@@ -109,9 +114,19 @@ class StatusBar(Horizontal):
         self.model, self.device = s.model, s.device
         self.used, self.budget = s.used_bytes, s.budget_bytes
         self.n_ctx = s.n_ctx
-        if self.state != "writing" or not s.ready or s.degraded:
+        if self.state not in WORKING or not s.ready or s.degraded:
             self.state = "loading" if not s.ready else "DEGRADED" if s.degraded else "ready"
-        self.detail = s.load_progress if not s.ready else s.degraded
+            self.detail = s.load_progress if not s.ready else s.degraded
+        self._refresh()
+
+    def conversation_opened(self, n_tokens: int = 0) -> None:
+        """Another conversation is open: the last reply's speed and context were the other
+        conversation's; ``n_tokens`` is the context this one holds (0: not known)."""
+        self.streaming, self.n_prompt, self.n_generated = False, n_tokens, 0
+        self.first_token_at, self.tokens_per_s = 0.0, 0.0
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
         self._refresh()
 
     # ---- a streaming reply -------------------------------------------------
@@ -120,7 +135,7 @@ class StatusBar(Horizontal):
         """A reply was accepted: ``n_prompt`` tokens of context before it."""
         self.streaming, self.n_prompt, self.n_generated = True, n_prompt, 0
         self.first_token_at, self.tokens_per_s = 0.0, 0.0
-        self.state = "writing"
+        self.state, self.detail = "writing", "reading the prompt"  # until the first token
         self._refresh()
 
     def reply_token(self, now: float | None = None) -> None:
@@ -130,6 +145,7 @@ class StatusBar(Horizontal):
         self.n_generated += 1
         if self.first_token_at == 0.0:
             self.first_token_at = now
+            self.detail = ""
         elif now > self.first_token_at:
             self.tokens_per_s = (self.n_generated - 1) / (now - self.first_token_at)
         if self._timer is None and self.is_mounted:
@@ -144,8 +160,8 @@ class StatusBar(Horizontal):
             self.n_generated = n_completion
         if tokens_per_s > 0:
             self.tokens_per_s = tokens_per_s
-        if self.state == "writing":
-            self.state = "ready"
+        if self.state in WORKING:
+            self.state, self.detail = "ready", ""
         if self._timer is not None:
             self._timer.stop()
             self._timer = None

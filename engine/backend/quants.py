@@ -409,6 +409,8 @@ def dequantize_byte_rows(b: np.ndarray, qtype: T, ids: np.ndarray, out: np.ndarr
     float32 C-contiguous (n, k). Returns `out`."""
     if qtype == T.BF16:
         _deq_bf16_bits(b, ids, out.view(np.uint32))
+    elif qtype == T.F32:  # a copy: numpy's, not a kernel to compile (a cold start paid seconds for it)
+        np.copyto(out, b[ids].view(np.float32).reshape(out.shape))
     else:
         _KERNELS[qtype](b, ids, out, F16_LUT)
     return out

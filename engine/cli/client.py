@@ -120,12 +120,40 @@ def check_engine_flags(args) -> None:
         raise UsageError(f"--mmproj {mmproj}: no such file (the vision projector GGUF, e.g. mmproj-model-f16.gguf)")
 
 
+class StartupLine:
+    """What a starting engine says, on stderr: at a terminal one line redrawn in place (its
+    stage, a progress bar while a first start compiles kernels), else a line per change."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.open = False
+
+    def __call__(self, p: dict) -> None:
+        from aotx.engine.present.format import startup_text
+
+        text = f"aotx: starting the engine: {startup_text(p)}"
+        if self.tty:
+            sys.stderr.write("\r\x1b[2K" + text)
+            sys.stderr.flush()
+            self.open = True
+        else:
+            print(text, file=sys.stderr)
+
+    def end(self) -> None:
+        if self.open:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+            self.open = False
+
+
 async def connect(args, *, spawn: bool = True) -> EngineClient:
     check_engine_flags(args)
     spawned: list[str] = []
+    line = StartupLine()
 
     def notice(msg: str) -> None:
         spawned.append(msg)
+        line.end()
         print(f"aotx: {msg}", file=sys.stderr)
 
     sock = getattr(args, "socket", None)
@@ -151,8 +179,11 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
 
             pick_device("cuda")  # raises UsageError when it cannot run
     if client is None:
-        client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args), client_name="aotx-cli",
-                                            on_spawn=notice)
+        try:
+            client = await EngineClient.connect(sock, spawn=spawn, engine_args=engine_args(args),
+                                                client_name="aotx-cli", on_spawn=notice, on_progress=line)
+        finally:
+            line.end()
     client.spawned = bool(spawned)  # this command started the engine (and waited for its load)
     if not spawned:  # a running engine keeps the settings it was started with: say which flags it ignores
         st = await client.status() if any(getattr(args, a, None) not in (None, False, "auto")
@@ -186,12 +217,27 @@ async def connect(args, *, spawn: bool = True) -> EngineClient:
     return client
 
 
+async def reconnect(args, engine_args: list[str]) -> EngineClient:
+    """Reach the engine again after it went away (``aotx stop``, a crash): when none answers,
+    start one with ``engine_args``, the flags of the engine that went away (its Welcome's),
+    not this command's."""
+    def notice(msg: str) -> None:
+        print(f"aotx: {msg}", file=sys.stderr)
+
+    line = StartupLine()
+    try:
+        client = await EngineClient.connect(getattr(args, "socket", None), spawn=True, engine_args=engine_args,
+                                            client_name="aotx-cli", on_spawn=notice, on_progress=line)
+    finally:
+        line.end()
+    client.spawned = True
+    return client
+
+
 def dispatch(args, **kw) -> int:
     cmd = args.cmd
     if cmd == "run":
         return asyncio.run(_run(args))
-    if cmd == "status":
-        return asyncio.run(_status(args))
     if cmd == "stop":
         return _stop(args)
     if cmd == "conversations":
@@ -226,16 +272,24 @@ def _jprint(obj) -> None:
     sys.stdout.flush()
 
 
+PROMPT_FRAME_SLACK = 64 << 10  # bytes of a message frame that are not its prompt (ids, sampling, stops)
+
+
 async def _run(args) -> int:
     prompt = read_stdin_text("the prompt") if args.prompt in ("-", None) else args.prompt
     if not prompt.strip():  # the CLI prints "aotx: " before it: no second prefix
         raise UsageError("run: the prompt is empty" if not prompt else "run: the prompt is blank (only whitespace)")
+    size = len(prompt.encode())
+    if size > P.MAX_FRAME - PROMPT_FRAME_SLACK:  # refused before a conversation is created for it
+        raise UsageError(f"run: the prompt is {size:,} bytes; the engine takes at most {P.MAX_FRAME >> 20} MiB in "
+                         "one message")
     t0 = time.perf_counter()
     from aotx.engine.model.loader import check_model_arg
 
     check_model_arg(args.model)  # a missing or non-GGUF file: refused before an engine or a conversation
     client = await connect(args)
     stopper = None
+    watch = None  # says, once, that the receipt waits for a full disk
     try:
         st = await client.status()
         if args.profile:
@@ -264,7 +318,8 @@ async def _run(args) -> int:
         else:
             title = short_title(prompt)
             conv = await client.create_conversation(title=title, system_prompt=args.system,
-                                                    model=model_ref(args.model), context=policy)
+                                                    model=model_ref(args.model), origin="run",
+                                                    context=policy)
             conv_id = conv.conv_id
             created = True
         rid_box: list[int] = []
@@ -275,7 +330,6 @@ async def _run(args) -> int:
         stopper = CancelOnSignal(asyncio.get_running_loop(), lambda rid: client.cancel(target=rid))
         stopper.__enter__()
         main = asyncio.current_task()
-        watch = None  # says, once, that the receipt waits for a full disk
         code = 0
         prompt_ids: list[int] = []
         completion: list[int] = []
@@ -434,64 +488,6 @@ def _stopped_waiting(stopper, conv_id: str) -> None:
     print(f"aotx: stopped waiting for the reply's receipt ({signal.Signals(stopper.signum).name}): the reply is "
           f"complete in the engine but not yet durable; the engine writes it when it can (`aotx conversations "
           f"show {conv_id}` says when it is)", file=sys.stderr, flush=True)
-
-
-async def _status(args) -> int:
-    from aotx.engine.units import fmt_bytes
-
-    client = await connect(args, spawn=False)
-    try:
-        st = await client.status()
-    finally:
-        await client.close()
-    if args.json:
-        _jprint({"model": st.model, "model_path": st.model_path, "device": st.device, "ready": st.ready,
-                 "budget_bytes": st.budget_bytes, "used_bytes": st.used_bytes,
-                 "free_bytes": st.budget_bytes - st.used_bytes,
-                 "budget": {b.name: b.bytes for b in st.budget}, "n_ctx": st.n_ctx, "queue": st.queue,
-                 "tick": st.tick, "slots": [{"slot": s.slot, "state": s.state, "conversation": s.conv_id,
-                                             "position": s.position} for s in st.slots],
-                 "journal": st.journal, "capsules": st.capsules, "profile": st.profile, "stats": st.stats,
-                 "fingerprint": st.fingerprint, "draft_model": st.draft_model,
-                 "draft_model_path": st.draft_model_path, "degraded": st.degraded, "notices": st.notices})
-        return 0
-    print(f"model   {st.model} ({st.model_path})")
-    if st.draft_model:
-        print(f"draft   {st.draft_model} ({st.draft_model_path}): its own KV per slot, counted below")
-    print(f"device  {st.device}   ready: {'yes' if st.ready else 'NO'}"
-          f"{'   DEGRADED: new work is held' if st.degraded else ''}   context {st.n_ctx} tokens per slot")
-    if st.degraded:
-        print(f"disk    {st.degraded}")
-    for line in st.notices:
-        print(f"notice  {line}")
-    print("budget")
-    for b in st.budget:
-        print(f"  {b.name:<16} {fmt_bytes(b.bytes):>10}  ({b.bytes:,} bytes)")
-    print(f"  {'used':<16} {fmt_bytes(st.used_bytes):>10}  ({st.used_bytes:,} bytes)")
-    print(f"  {'free':<16} {fmt_bytes(st.budget_bytes - st.used_bytes):>10}  "
-          f"({st.budget_bytes - st.used_bytes:,} bytes of {st.budget_bytes:,})")
-    if len(st.models) > 1:
-        print("models  (loaded)")
-        for m in st.models:
-            what = "remote" if m.kind == "remote" else fmt_bytes(m.needs_bytes)
-            busy = f"generating ({m.busy})" if m.busy else f"idle {m.idle_s:.0f} s"
-            print(f"  {'*' if m.default else ' '} {m.name:<36} {what:>10}  {busy}")
-    print(f"slots   ({st.queue} queued)")
-    several = len({s.model for s in st.slots}) > 1
-    for s in st.slots:
-        owner = f"{s.model}: " if several else ""
-        print(f"  {owner}{s.slot:>3}  {s.state:<8} {s.conv_id or '-':<14} {s.position} tokens in KV")
-    if st.capsules:
-        c = st.capsules
-        if c.get("device_budget"):
-            print(f"capsules device {fmt_bytes(c.get('device_bytes', 0))} in {c.get('device_count', 0)} of "
-                  f"{fmt_bytes(c.get('device_budget', 0))}")
-        print(f"capsules host {fmt_bytes(c.get('host_bytes', 0))} in {c.get('host_count', 0)} of "
-              f"{fmt_bytes(c.get('host_budget', 0))}   disk {fmt_bytes(c.get('disk_bytes', 0))} in "
-              f"{c.get('disk_count', 0)} of {fmt_bytes(c.get('disk_budget', 0))}   (least recently used evicted first)")
-    if st.journal:
-        print("journal " + "  ".join(f"{k}={v}" for k, v in st.journal.items()))
-    return 0
 
 
 def _stop(args) -> int:

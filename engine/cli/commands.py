@@ -253,19 +253,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--socket")
     msub = p.add_subparsers(dest="mcmd", parser_class=_Parser)
-    q = msub.add_parser("add", help="add a remote OpenAI-compatible endpoint (vLLM, SGLang, llama-server, Ollama) "
-                        "as a model")
+    q = msub.add_parser("add", help="install a GGUF file under a name (aotx models add NAME PATH), or add a remote "
+                        "OpenAI-compatible endpoint (vLLM, SGLang, llama-server, Ollama) with --url")
     q.add_argument("name")
-    q.add_argument("--url", required=True, help="the endpoint's base URL, e.g. http://gpu-box:8000/v1")
+    q.add_argument("path", nargs="?", help="the GGUF file (it stays where it is; the name points at it)")
+    q.add_argument("--url", help="a remote endpoint's base URL, e.g. http://gpu-box:8000/v1")
     q.add_argument("--remote-model", help="the model's id on the server (default: NAME)")
     q.add_argument("--api-key-env", help="environment variable holding the API key, read from the engine's "
                    "environment (set it where the engine starts)")
     q.add_argument("--api-key-file", help="file holding the API key")
     q.add_argument("--api-key", help="the API key itself (stored in the entry, mode 0600)")
     q.add_argument("--context", type=_int("--context", 0), default=None, help="the server's context in tokens")
-    q.add_argument("--replace", action="store_true", help="replace a remote entry of that name (a running engine "
+    q.add_argument("--replace", action="store_true", help="replace an entry of that name (a running engine "
                    "unloads the old one first)")
-    q = msub.add_parser("remove", help="remove a remote model entry (a running engine unloads it first)")
+    q = msub.add_parser("remove", help="remove an installed name or a remote entry (the file itself stays; a running "
+                        "engine unloads the model first)")
     q.add_argument("name")
     q.add_argument("--socket", default=argparse.SUPPRESS)  # (or before "remove": the models' own --socket)
 
@@ -414,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.cli import local as cli_local
 
             return getattr(cli_local, f"cmd_{args.cmd}")(args)
+        if args.cmd == "status":
+            import asyncio
+
+            from aotx.engine.cli.status import status
+
+            return asyncio.run(status(args))
         if args.cmd == "conversations" and not args.ccmd:
             raise UsageError("conversations: choose list, show, export, fork or delete")
         if args.cmd == "conversations" and args.ccmd in ("list", "show", "export"):
@@ -429,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             from aotx.engine.cli.repl import run_repl  # no prompt at a terminal: chat there
             from aotx.engine.cli import client as cli_client
 
-            return run_repl(args, connect=lambda: cli_client.connect(args))
+            return run_repl(args, connect=lambda: cli_client.connect(args),
+                            reconnect=lambda engine_args: cli_client.reconnect(args, engine_args))
         from aotx.engine.cli import client as cli_client
 
         if args.cmd == "conversations":  # fork: named as aotx-chat names forks

@@ -75,11 +75,20 @@ def _tokenizer(model_arg):
 
 
 def cmd_tokenize(args) -> int:
+    """The token ids of TEXT under a model's tokenizer; which model's is said on stderr (and in
+    ``--json``), since ids mean nothing without it."""
+    from aotx.engine.model.loader import resolve_model_path
+
+    path = resolve_model_path(args.model)
     tok = _tokenizer(args.model)
     ids = tok.encode(args.text, add_special=False, parse_special=args.special)
+    kind = getattr(tok, "model", "") or getattr(tok, "kind", "")
+    whose = f"{path.stem}'s tokenizer ({kind + ', ' if kind else ''}{tok.vocab_size:,} tokens)"
     if args.json:
-        _jprint({"ids": ids, "pieces": [tok.token_to_piece(i) for i in ids]})
+        _jprint({"ids": ids, "pieces": [tok.token_to_piece(i) for i in ids], "model": path.stem,
+                 "model_path": str(path), "tokenizer": kind, "vocab_size": tok.vocab_size})
     else:
+        print(f"aotx: {plural(len(ids), 'token')} with {whose}", file=sys.stderr)
         print(" ".join(str(i) for i in ids))
     return 0
 
@@ -137,6 +146,11 @@ def _shown(text: str, width: int = 12) -> str:
 
 
 def cmd_bench(args) -> int:
+    if getattr(args, "engine_path", False):
+        from aotx.engine.backend.device import pick_device
+        from aotx.engine.cli.bench_path import run_engine_path
+
+        return run_engine_path(args, pick_device(args.device))
     from aotx.engine.cli.bench import run_bench
 
     return run_bench(args)
@@ -194,8 +208,25 @@ def cmd_journal(args) -> int:
         if not rep.get("problem"):
             print("ok: nothing to repair")
     else:
-        print(json.dumps(rep, indent=1, default=str))
+        print(compact_summary(rep))
     return 0
+
+
+def compact_summary(rep: dict) -> str:
+    """``aotx journal compact``'s report in a sentence or two (``--json`` gives every field)."""
+    from aotx.engine.units import fmt_bytes
+
+    if rep.get("segment") is None:
+        return (f"nothing to compact: {plural(rep.get('conversations', 0), 'live conversation')}, "
+                f"{fmt_bytes(rep.get('bytes_before', 0))} on disk")
+    saved = rep.get("bytes_before", 0) - rep.get("bytes_after", 0)
+    dropped = rep.get("dropped", 0)
+    gone = (f"; the text of {plural(dropped, 'deleted conversation')} left the disk" if dropped else "")
+    return (f"compacted the journal into one checkpoint of {plural(rep.get('conversations', 0), 'live conversation')}"
+            f" (segment {rep['segment']}, up to seq {rep.get('covers_seq', 0)}): "
+            f"{fmt_bytes(rep.get('bytes_before', 0))} -> {fmt_bytes(rep.get('bytes_after', 0))}"
+            f"{' (' + fmt_bytes(saved) + ' freed)' if saved > 0 else ''}, "
+            f"{plural(len(rep.get('removed', [])), 'old segment')} removed{gone}")
 
 
 # ---- conversations read from the journal -------------------------------------------
@@ -264,15 +295,28 @@ def cmd_conversations(args) -> int:
 
 
 def print_conversation_list(convs, as_json: bool) -> int:
+    """Newest first: id, when it last changed, messages, its model, what made it (a chat, a
+    one-shot ``aotx run``, an API request) and its title; JSON with the same fields."""
+    from aotx.engine.present.format import ORIGIN_WORDS, fmt_when
+
+    convs = sorted(convs, key=lambda c: (c.updated_at, c.created_at), reverse=True)
     if as_json:
         _jprint([{"id": c.conv_id, "title": c.title, "messages": c.n_messages, "created_at": c.created_at,
-                  "updated_at": c.updated_at, **({"salvaged": c.salvaged} if getattr(c, "salvaged", "") else {})} for c in convs])
+                  "updated_at": c.updated_at, "model": c.model, "origin": c.origin,
+                  **({"salvaged": c.salvaged} if getattr(c, "salvaged", "") else {})} for c in convs])
     elif not convs:
         print("no conversations yet: start one with `aotx run` or `aotx-chat`")
     else:
-        for c in convs:
-            print(f"{c.conv_id}  {plural(c.n_messages, 'message'):>12}  {c.title}"
-                  + ("  (salvaged after journal damage)" if getattr(c, "salvaged", "") else ""))
+        by_id = {c.conv_id: c for c in convs}
+        rows = [(c.conv_id, fmt_when(c.updated_at), plural(c.n_messages, "message"), c.model or "(default)",
+                 ORIGIN_WORDS.get(c.origin, "chat"), c.title) for c in convs]
+        w = [max(len(r[i]) for r in rows + [("ID", "UPDATED", "MESSAGES", "MODEL", "FROM", "")]) for i in range(5)]
+        w[3] = min(w[3], 36)
+        print(f"{'ID':<{w[0]}}  {'UPDATED':<{w[1]}}  {'MESSAGES':>{w[2]}}  {'MODEL':<{w[3]}}  {'FROM':<{w[4]}}  TITLE")
+        for r in rows:
+            model = r[3] if len(r[3]) <= w[3] else r[3][:w[3] - 1] + "…"
+            print(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {model:<{w[3]}}  {r[4]:<{w[4]}}  {r[5]}"
+                  + ("  (salvaged after journal damage)" if getattr(by_id[r[0]], "salvaged", "") else ""))
     return 0
 
 

@@ -1,9 +1,11 @@
 """``aotx models``, ``aotx unload`` and ``aotx models add/remove``: the models a user has.
 
-Owns: the listing (installed files, remote endpoints, which are loaded and what each
-needs in memory at the engine's slots and context), asked of the running engine
-when one answers and read from the models folder otherwise; unloading a model from
-the running engine; adding and removing remote endpoint entries. ``aotx pull`` is
+Owns: the listing (installed files, remote endpoints, which are loaded, the context each
+is served with and what each needs in memory at the engine's slots and context), asked
+of the running engine when one answers and read from the models folder otherwise;
+unloading a model from the running engine; installing a GGUF file under a name (``aotx
+models add NAME PATH``, as ``ollama create``; the file stays where it is) and adding
+remote endpoint entries; removing either. ``aotx pull`` is
 ``pull.py``. Errors are ``AotxError``: one line, exit code 2.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from aotx.engine.errors import EngineError, UsageError
 from aotx.engine import protocol as P
@@ -60,7 +63,7 @@ def served_context(m: P.ModelInfo, engine: bool) -> int:
     running engine's --context decides) for one a running engine has not loaded. The
     "trained" column is the file's own (the table once showed it as "context", which a
     client sizing prompts from it could not get)."""
-    if m.loaded and m.n_ctx:
+    if m.n_ctx:  # a loaded model's, or what the running engine would serve one it has not loaded
         return m.n_ctx
     if engine or m.kind == "remote":
         return 0
@@ -70,7 +73,10 @@ def served_context(m: P.ModelInfo, engine: bool) -> int:
 def cmd_models(args) -> int:
     sub = getattr(args, "mcmd", None)
     if sub == "add":
-        return _add_remote(args)
+        if bool(args.path) == bool(args.url):
+            raise UsageError("models add: give NAME and a GGUF file (aotx models add NAME PATH), or NAME and --url "
+                             "for a remote endpoint")
+        return _add_file(args) if args.path else _add_remote(args)
     if sub == "remove":
         return _remove_remote(args)
     ml = asyncio.run(_engine_models(args))
@@ -96,7 +102,9 @@ def cmd_models(args) -> int:
             state = f"loaded, generating ({m.busy})" if m.busy else f"loaded, idle {m.idle_s:.0f} s"
         else:
             state = "not loaded" if engine else ""
-        where = m.url if m.kind == "remote" else ""
+        # where it lives: a remote's URL, an installed file's path outside the models folder
+        outside = m.path and not m.default and Path(m.path).parent != Path(ml.models_dir)
+        where = m.url if m.kind == "remote" else (m.path if outside else "")
         print(f"{mark}{m.name:<36} {m.arch or '-':<8} {m.quant or '-':<8} "
               f"{fmt_bytes(m.size_bytes) if m.size_bytes else '-':>9} {served_context(m, engine) or '-':>8} "
               f"{m.n_ctx_train or '-':>8} "
@@ -125,6 +133,48 @@ def cmd_unload(args) -> int:
 
     asyncio.run(go())
     print(f"unloaded {args.name}")
+    return 0
+
+
+def _add_file(args) -> int:
+    """Install a GGUF file under NAME (as ``ollama create`` does, without copying it): a
+    link entry with its absolute path and identity. Refused, writing nothing: a file that is
+    missing, not GGUF or not runnable here; a name another model has (``--replace``
+    re-points an installed name, never a file in the folder or a remote entry)."""
+    from aotx.engine import paths
+    from aotx.engine.runtime.catalog import LINK_SUFFIX, Catalog, check_name, write_link
+    from aotx.engine.units import fmt_bytes
+
+    check_name(args.name)
+    if args.url or args.remote_model or args.api_key or args.api_key_env or args.api_key_file or args.context:
+        raise UsageError("models add NAME PATH installs a file: --url, --remote-model, --api-key*, --context are for "
+                         "remote endpoints")
+    target = Path(args.path).expanduser()
+    if not target.is_file():
+        raise UsageError(f"{args.path}: no such file")
+    cat = Catalog()
+    probe = cat._entry(args.name, target.resolve())
+    if probe.error:
+        raise UsageError(f"{args.path} cannot be installed: {probe.error}")
+    taken = cat.entries().get(args.name)
+    link = paths.models_dir() / f"{args.name}{LINK_SUFFIX}"
+    if taken is not None and taken.path is not None and taken.path.resolve() == target.resolve():
+        print(f"{args.name} is installed already -> {target.resolve()}")
+        return 0
+    if taken is not None and not (link.exists() and getattr(args, "replace", False)):
+        where = taken.path or (taken.remote.url if taken.remote else "?")
+        how = " (add --replace to point it at this file)" if link.exists() else ""
+        raise UsageError(f"a model named {args.name!r} exists (-> {where}){how}; choose another name")
+    unloaded = asyncio.run(_unload_if_loaded(args, kinds=("gguf",))) if taken is not None else False
+    try:
+        write_link(paths.models_dir(), args.name, target)
+    except OSError as e:
+        raise UsageError(f"cannot write {link}: {e.strerror or e}") from None
+    h = probe.header
+    served = min(ESTIMATE_CONTEXT, probe.n_ctx_train) if probe.n_ctx_train else ESTIMATE_CONTEXT
+    print(f"installed {args.name} -> {target.resolve()} ({h.arch} {h.quant}, {fmt_bytes(probe.size_bytes)}, "
+          f"trained context {probe.n_ctx_train}; served with {served} by default). `aotx run --model {args.name}` "
+          f"uses it" + (" (unloaded the old one from the running engine first)" if unloaded else ""))
     return 0
 
 
@@ -162,24 +212,29 @@ def _add_remote(args) -> int:
 
 
 def _remove_remote(args) -> int:
-    """Remove a remote entry. As ``ollama rm`` stops a running model, a running engine
-    that has the model loaded unloads it first, so that it is gone from the engine as
-    well as from the folder; when the engine refuses (the model is generating, or it is
-    the engine's default) nothing is removed and the error says why."""
+    """Remove a remote entry or an installed name (the file stays where it is). As ``ollama
+    rm`` stops a running model, a running engine that has the model loaded unloads it
+    first, so that it is gone from the engine as well as from the folder; when the engine
+    refuses (the model is generating, or it is the engine's default) nothing is removed and
+    the error says why."""
     from aotx.engine import paths
-    from aotx.engine.runtime.catalog import REMOTE_SUFFIX
+    from aotx.engine.runtime.catalog import LINK_SUFFIX, REMOTE_SUFFIX
 
-    p = paths.models_dir() / f"{args.name}{REMOTE_SUFFIX}"
+    remote = paths.models_dir() / f"{args.name}{REMOTE_SUFFIX}"
+    link = paths.models_dir() / f"{args.name}{LINK_SUFFIX}"
+    p = remote if remote.exists() else link
     if not p.exists():
-        raise UsageError(f"no remote model entry {args.name!r} in {paths.models_dir()} (GGUF files are removed by "
-                         f"deleting them)")
-    unloaded = asyncio.run(_unload_if_loaded(args))
+        raise UsageError(f"no remote model entry or installed name {args.name!r} in {paths.models_dir()} (GGUF files "
+                         f"in the folder are removed by deleting them)")
+    what = "remote model" if p is remote else "the name"
+    unloaded = asyncio.run(_unload_if_loaded(args, kinds=("remote",) if p is remote else ("gguf",)))
     p.unlink()
-    print(f"removed remote model {args.name}" + (" (unloaded it from the running engine first)" if unloaded else ""))
+    kept = "" if p is remote else " (the file itself is kept)"
+    print(f"removed {what} {args.name}{kept}" + (" (unloaded it from the running engine first)" if unloaded else ""))
     return 0
 
 
-async def _unload_if_loaded(args) -> bool:
+async def _unload_if_loaded(args, kinds: tuple[str, ...] = ("remote",)) -> bool:
     """Unload ``args.name`` from the running engine when it has it loaded. True when it
     did; False when no engine runs or it is not loaded. EngineError when the engine
     refuses to unload it."""
@@ -191,14 +246,14 @@ async def _unload_if_loaded(args) -> bool:
         return False  # no engine: nothing is loaded
     try:
         ml = await client.list_models()
-        # only a loaded REMOTE model of that name: a local file may have the same name (it
-        # hides the entry), and it is not what is being removed
-        if not any(m.name == args.name and m.loaded and m.kind == "remote" for m in ml.models):
+        # only a loaded model of that name and kind: a local file may have a remote entry's name
+        # (it hides the entry), and it is not what is being removed
+        if not any(m.name == args.name and m.loaded and m.kind in kinds for m in ml.models):
             return False
         try:
             await client.unload_model(args.name)
         except EngineError as e:
-            raise EngineError(f"remote model {args.name} is loaded in the running engine, which did not unload it: "
+            raise EngineError(f"model {args.name} is loaded in the running engine, which did not unload it: "
                               f"{e}; nothing was removed", e.code) from None
         return True
     finally:

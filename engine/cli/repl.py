@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from aotx.engine.units import plural
+from aotx.engine.units import plural, short_title
 from aotx.engine.present.attach import make_attachment
-from aotx.engine.present.format import GLYPHS, error_text, fork_title, media_text
+from aotx.engine.present.format import GLYPHS, error_text, fork_title, media_text, notice_text
 from aotx.engine.present.paste import parse_pasted_paths
 from aotx.engine.errors import AotxError
 from aotx.engine import protocol as P
@@ -58,6 +58,10 @@ HELP = """Commands:
                      running
 Start and end a multi-line message with \"\"\". Ctrl-C cancels a reply being
 written."""
+
+
+class NotSent(ConnectionLost):
+    """The connection was lost before the engine accepted a message (nothing journaled)."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +127,12 @@ class Repl:
     def __init__(self, client, *, sampling: P.SamplingParams, conv_id: str | None = None,
                  system: str | None = None, read: Callable[[str], str] = input,
                  write: Callable[[str], None] | None = None, err: Callable[[str], None] | None = None,
-                 model: str = "") -> None:
+                 model: str = "", reconnect: Callable[[list[str]], Awaitable] | None = None) -> None:
         self.client = client
+        # reconnect(engine_args) -> a client, starting an engine with those flags when none
+        # answers: after the engine was stopped (or crashed) the next message starts one with
+        # the flags of the engine that went away (its Welcome's); None: no restart
+        self.reconnect = reconnect
         self.sampling = sampling
         self.model = model          # ``--model`` as the engine reads it ("" = the engine's default)
         self.conv_id = conv_id
@@ -189,12 +197,47 @@ class Repl:
             lines.append(line)
 
     async def handle(self, line: str) -> bool:
-        """Act on one line; False when the user leaves."""
+        """Act on one line; False when the user leaves. When the engine went away since the
+        last line (``aotx stop``, a crash), an engine is started again first, with the flags
+        of the one that went away; a message the old one never accepted is sent to it."""
         cmd = parse_command(line)
-        if cmd is None:
-            await self.send(line[1:] if line.strip().startswith("//") else line)
-            return True
-        return await self.command(cmd)
+        if cmd is not None and cmd.name in ("bye", "exit", "quit", "help", "?", "attach"):
+            return await self.command(cmd)   # nothing here needs the engine
+        await asyncio.sleep(0.01)             # let the connection read what came while we waited
+        if self.client is None or self.client.closed:
+            await self.restart()
+        try:
+            if cmd is None:
+                await self.send(line[1:] if line.strip().startswith("//") else line)
+                return True
+            return await self.command(cmd)
+        except NotSent:
+            await self.restart()
+            if cmd is None:
+                await self.send(line[1:] if line.strip().startswith("//") else line)
+                return True
+            return await self.command(cmd)
+
+    def went_away(self) -> str:
+        """What to say when the connection is lost: a stop or a crash."""
+        name = getattr(getattr(self.client, "welcome", None), "model", "") or "the same model"
+        if getattr(self.client, "stopped", False):
+            return f"the engine was stopped; your next message starts it again ({name})"
+        return (f"the engine went away (it crashed or was killed); what was durable is kept, and your next "
+                f"message starts it again ({name})")
+
+    async def restart(self) -> None:
+        """Start (or reach) an engine with the flags of the one that went away."""
+        old = self.client
+        if self.reconnect is None:
+            raise ConnectionLost("the engine went away")
+        args = list(getattr(getattr(old, "welcome", None), "engine_args", None) or [])
+        if old is not None and not old.closed:
+            await old.close()
+        self.err("starting the engine again…")
+        self.client = await self.reconnect(args)
+        st = await self.client.status()
+        self.n_ctx = st.n_ctx
 
     # ---- commands ----------------------------------------------------------
 
@@ -306,10 +349,13 @@ class Repl:
 
     async def send(self, text: str) -> None:
         if self.conv_id is None:
-            title = " ".join(text.split())[:60]
-            conv = await self.client.create_conversation(title=title, system_prompt=self.system,
-                                                         sampling=self.sampling, model=self.model,
-                                                         context=self.context)
+            title = short_title(text)
+            try:
+                conv = await self.client.create_conversation(title=title, system_prompt=self.system,
+                                                             sampling=self.sampling, model=self.model,
+                                                             context=self.context)
+            except ConnectionLost:
+                raise NotSent("the engine went away before it accepted the message") from None
             self.conv_id, self.title = conv.conv_id, conv.title
         atts, self.attachments = self.attachments, []
         from aotx.engine.ipc.client import CancelOnSignal
@@ -318,9 +364,9 @@ class Repl:
         # Ctrl-C cancels the reply and the chat goes on; SIGTERM or SIGHUP cancel it and end the chat
         stopper = CancelOnSignal(asyncio.get_running_loop(), lambda r: self.client.cancel(target=r)).__enter__()
         user_pos, reply_pos, finish, timings, n_prompt, n_done, streamed = "queued", "queued", "", {}, 0, 0, False
+        refusal = None
         try:
-            async for ev in self.client.submit(self.conv_id, text, attachments=atts, sampling=self.sampling,
-                                               model=self.model):
+            async for ev in self._events(text, atts, rid):
                 if isinstance(ev, P.Accepted):
                     rid.append(ev.id)
                     stopper.accepted(ev.id)
@@ -332,11 +378,13 @@ class Repl:
                     if ev.text:
                         self.write(ev.text)
                         streamed = True
+                elif isinstance(ev, P.Notice) and ev.kind == "refused":
+                    refusal = ev          # said once, with the Error after it
                 elif isinstance(ev, P.Notice):
                     if ev.kind != "capsule":
-                        self.err(f"[{ev.kind}: {ev.message}]")
+                        self.err(f"[{notice_text(ev)}]")
                 elif isinstance(ev, P.Error):
-                    self.err(f"{GLYPHS['failed']} {error_text(ev)}")
+                    self.err(f"{GLYPHS['failed']} {error_text(ev, refusal)}")
                     if not rid:  # refused before it was accepted: nothing was journaled
                         self.attachments = atts
                     return
@@ -357,6 +405,21 @@ class Repl:
         self.err(self.turn_line(user_pos, reply_pos, finish, n_prompt, n_done, timings))
         if stopper.signum in (signal.SIGTERM, signal.SIGHUP):
             raise SystemExit(stopper.exit_code)
+
+    async def _events(self, text: str, atts: list[P.Attachment], rid: list[int]):
+        """The submitted message's events. A connection lost before the engine accepted it
+        raises NotSent (nothing was journaled: send it again to the next engine); after,
+        it says what is kept and ends the turn."""
+        try:
+            async for ev in self.client.submit(self.conv_id, text, attachments=atts, sampling=self.sampling,
+                                               model=self.model):
+                yield ev
+        except ConnectionLost:
+            if not rid:
+                self.attachments = atts
+                raise NotSent("the engine went away before it accepted the message") from None
+            self.write("\n")
+            self.err(f"{GLYPHS['interrupted']} {self.went_away()}")
 
     def turn_line(self, user_pos: str, reply_pos: str, finish: str, n_prompt: int, n_completion: int,
                   timings: dict) -> str:
@@ -403,22 +466,25 @@ def _save_history(readline, hist) -> None:
         pass
 
 
-def run_repl(args, connect: Callable[[], Awaitable]) -> int:
+def run_repl(args, connect: Callable[[], Awaitable],
+             reconnect: Callable[[list[str]], Awaitable] | None = None) -> int:
     """The interactive ``aotx run``: ``connect()`` returns an EngineClient (the CLI's,
-    which starts an engine when none answers). Returns the exit code."""
+    which starts an engine when none answers); ``reconnect(engine_args)`` one after the
+    engine went away (an engine started with those flags). Returns the exit code."""
     _readline_history()
     sampling = P.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=list(args.stop), speculative=args.speculative)
     loop = asyncio.new_event_loop()
     client = None
+    repl = None
     try:
         from aotx.engine.model.loader import check_model_arg
 
         check_model_arg(args.model)  # a missing or non-GGUF file: refused before an engine starts
         client = loop.run_until_complete(connect())
         repl = Repl(client, sampling=sampling, conv_id=args.conversation, system=args.system,
-                    model=model_ref(args.model))
+                    model=model_ref(args.model), reconnect=reconnect)
         loop.run_until_complete(repl.start())
         for path in args.attach:
             repl.attach(path)
@@ -432,13 +498,17 @@ def run_repl(args, connect: Callable[[], Awaitable]) -> int:
             try:
                 if not loop.run_until_complete(repl.handle(line)):
                     break
-            except ConnectionLost as e:
-                repl.err(f"aotx: {e}")
-                return 2
+            except ConnectionLost:
+                if reconnect is None:
+                    repl.err(f"aotx: {repl.went_away()}")
+                    return 2
+                repl.err(f"aotx: {repl.went_away()}")
             except AotxError as e:  # a refused request: say so, keep the conversation going
                 repl.err(f"aotx: {e}")
         return 0
     finally:
+        if repl is not None:
+            client = repl.client
         if client is not None:
             loop.run_until_complete(client.close())
         loop.close()

@@ -109,13 +109,27 @@ def keep_alive_seconds(text: str | None) -> float:
     return v
 
 
-def load_beside(entry, device: str, asked: str | None):
+def load_beside(entry, device: str, asked: str | None, kv_type: str = "f16"):
     """Load a model (catalog ``entry``) beside the default one, on the engine's
     ``device``; when ``--device`` was ``asked`` auto and CUDA cannot run the file, on
     the CPU (the engine runs it there: ``Engine._make_local``). A mixture of experts
-    keeps its routed experts on the CPU tier (no GPU expert cache is planned for it)."""
+    keeps its routed experts on the CPU tier (no GPU expert cache is planned for it).
+    On the CPU its first reply does not wait for kernels it is the first to need (other
+    weight types): a child compiles their single-threaded twins while the weights are read,
+    and the threaded ones compile in the background after the load (warmup.py)."""
     from aotx.engine.model.loader import load_model
 
+    if device == "cpu":
+        from aotx.engine.backend.cpu import warmup
+        from aotx.engine.cli.startup import AheadWait
+        from aotx.engine.model.warmup_ahead import start_ahead
+
+        warmup.PARALLEL.ready = False
+        try:
+            return load_model(entry.path, device=device, tune="auto",
+                              progress=AheadWait(start_ahead(entry.path, kv_type, force=True)))
+        finally:
+            warmup.start_background(log.info)
     try:
         return load_model(entry.path, device=device, tune="auto")
     except ModelError as e:
@@ -268,7 +282,7 @@ def build_engine(args, progress=None):
     from aotx.engine.runtime.catalog import Catalog
 
     def load_entry(entry):
-        return load_beside(entry, device, args.device)
+        return load_beside(entry, device, args.device, kv_type)
 
     eng = Engine(lm, store, n_slots=n_slots, n_ctx=n_ctx, prefill_chunk=prefill_chunk, budget=budget, device=device,
                  kv_type=kv_type, capsules=caps, speculative=speculative, draft_lm=draft_lm,
@@ -284,6 +298,97 @@ def build_engine(args, progress=None):
         eng.vision = vision
         eng.images = ImageStore(wrap=special_wrap(lm.tokenizer, vision.cfg.projector))
     return eng, store
+
+
+def restart_args(args, eng) -> list[str]:
+    """The flags that start an engine like ``eng`` (built from ``serve``'s ``args``) again:
+    its default model by absolute path (nothing for the installed default), draft model and
+    projector by absolute path, and the sizing flags as they were given (a clamped
+    ``--context`` is clamped again with its notice). Never the socket: a client passes its own."""
+    from aotx.engine.model.loader import default_model_path
+    from aotx.engine.errors import ModelError
+
+    out: list[str] = []
+    lm = eng.lm
+    try:
+        is_default = lm.path.resolve() == default_model_path().resolve()
+    except ModelError:
+        is_default = False
+    if not is_default:
+        out += ["--model", str(lm.path.resolve())]
+    for flag, attr in (("--device", "device"), ("--slots", "slots"), ("--context", "context"),
+                       ("--memory-budget", "memory_budget"), ("--kv-type", "kv_type"),
+                       ("--expert-cache", "expert_cache"), ("--keep-alive", "keep_alive"),
+                       ("--speculative", "speculative"), ("--draft-p-min", "draft_p_min")):
+        v = getattr(args, attr, None)
+        if v is not None and not (attr == "device" and v == "auto"):
+            out += [flag, str(v)]
+    for flag, attr in (("--draft-model", "draft_model"), ("--mmproj", "mmproj")):
+        v = getattr(args, attr, None)
+        if v:
+            out += [flag, v if v == "none" else str(Path(v).expanduser().resolve())]
+    if getattr(args, "evict_idle", False):
+        out.append("--evict-idle")
+    return out
+
+
+def served_context(asked: int | None, n_ctx_train: int) -> int:
+    """The context per slot ``--context`` gives a model (default DEFAULT_CONTEXT: the
+    estimate of a model loaded beside the default, and ``aotx models``'), at most the
+    model's trained context (past it its positions mean nothing). The default model's own
+    is chosen from its trained context and the budget once it is loaded
+    (``admission.choose_context``)."""
+    want = asked or DEFAULT_CONTEXT
+    return min(want, n_ctx_train) if n_ctx_train else want
+
+
+def precheck(args, device: str) -> None:
+    """What can be refused before the weights are read, refused then (one line, exit 2,
+    in about a second instead of after the load): a journal another engine holds, and a
+    configuration whose estimate from the file's header (weights, KV for --slots x
+    --context, working buffers, tables, journal and capsule buffers) is over the budget on
+    the CPU (the exact check after the load stays). ``--context`` past the model's trained
+    context is said here, plainly, on its own line (it is clamped)."""
+    from aotx.engine import paths
+    from aotx.engine.errors import AdmissionError
+    from aotx.engine.model.gguf_header import read_file_header
+    from aotx.engine.model.loader import resolve_model_path
+    from aotx.engine.runtime import admission
+    from aotx.engine.runtime.catalog import estimate_terms
+    from aotx.engine.units import fmt_bytes
+
+    if not getattr(args, "no_journal", False):
+        from aotx.engine.journal.directory import DirLock
+
+        jdir = paths.journal_dir()
+        jdir.mkdir(parents=True, exist_ok=True)
+        DirLock(jdir).release()  # JournalError: "in use by another process; stop the running engine first"
+    path = resolve_model_path(args.model)
+    h = read_file_header(path)
+    n_ctx = served_context(args.context, h.n_ctx_train)
+    if args.context and n_ctx < args.context and sys.stderr.isatty():  # (a log's reader sees the log line)
+        print(f"aotx: --context {args.context} is more than the {h.n_ctx_train} tokens {path.stem} was trained for: "
+              f"using {n_ctx} (a longer context gives the model positions it never saw)", file=sys.stderr)
+    if device != "cpu" or getattr(args, "draft_model", None):
+        return  # CUDA's budget is the GPU's; a draft model is counted after both are read
+    n_slots = args.slots or DEFAULT_SLOTS
+    try:
+        total = (admission.parse_size(args.memory_budget) if args.memory_budget else admission.default_cpu_budget())
+    except ValueError:
+        return  # build_engine says it in its words
+    total = min(total, admission.machine_memory_bytes()) if args.memory_budget else total
+    if not args.context:   # the default context is chosen after the load (admission.choose_context): refuse
+        n_ctx = min(admission.CONTEXT_STEP, n_ctx)   # here only what no context could make fit
+    kv_bytes = {"f32": 4, "q8_0": 34 / 32, "q4_0": 18 / 32}.get(getattr(args, "kv_type", None) or "f16", 2)
+    terms = estimate_terms(h, n_slots, n_ctx, getattr(args, "prefill_chunk", 256), kv_bytes) + (
+        ("journal buffers", 8 << 20), ("capsules (host)", min(512 << 20, max(64 << 20, total // 16))))
+    need = sum(v for _, v in terms)
+    if need > total:
+        table = "\n".join(f"  {n:<16} {fmt_bytes(v):>10}  ({v:,} bytes)" for n, v in terms)
+        raise AdmissionError(f"the configuration does not fit: {n_slots} slots x {n_ctx} tokens of context needs "
+                             f"about {fmt_bytes(need)} ({need:,} bytes, estimated from {path.name}'s header; nothing "
+                             f"was loaded), the budget is {fmt_bytes(total)} ({total:,} bytes):\n{table}\nlower "
+                             f"--slots or --context, or raise --memory-budget")
 
 
 class _Notices(logging.Handler):
@@ -321,16 +426,38 @@ def serve(args) -> int:
     # take the lock before the (slow) model load so a second engine fails fast
     lock = SocketLock(sock)
     lock.acquire()
+    try:
+        precheck(args, pick_device(args.device))  # refusals that need no weights, before any are read
+    except BaseException:
+        lock.release()
+        raise
     log.info("engine pid %d, socket %s", os.getpid(), sock)
     said = _Notices()       # the load's warnings, for the Welcome of every client
     logging.getLogger("aotx").addHandler(said)
+    from aotx.engine.backend.cpu import warmup
+
+    # the first replies run on the kernels' single-threaded twins, which compile in a fraction of
+    # the time; the threaded ones come from the cache, or compile in the background (warmup.py)
+    warmup.PARALLEL.ready = False
+    device = pick_device(args.device)
+    from aotx.engine.model.loader import resolve_model_path
+
+    # on a cold cache a child compiles the model's kernels while this process reads the weights
+    from aotx.engine.cli.startup import StartupProgress, progress_paths
+
+    from aotx.engine.model.warmup_ahead import start_ahead
+
+    ahead = start_ahead(resolve_model_path(args.model), getattr(args, "kv_type", None) or "f16",
+                        report=progress_paths(sock)[1]) if device == "cpu" else None
+    progress = StartupProgress(sock, ahead)
     try:
-        eng, store = build_engine(args, progress=lambda stage, s: log.info("load %-9s %.3f s", stage, s))
+        eng, store = build_engine(args, progress=progress)
     except BaseException:
         lock.release()
         raise
     finally:
         logging.getLogger("aotx").removeHandler(said)
+        progress.close()
     lm = eng.lm
     log.info("model %s (%s, %d layers), device %s, %d slots x %d tokens", lm.name, lm.config.arch,
              lm.config.n_layers, eng.device, eng.n_slots, eng.n_ctx)
@@ -340,13 +467,15 @@ def serve(args) -> int:
     for line in store.notices:
         log.warning("%s", line)
 
+    again = restart_args(args, eng)
+
     def welcome() -> P.Welcome:
         d = eng.models.default
         template = getattr(getattr(d, "lm", None), "template", None)
         return P.Welcome(protocol=P.PROTOCOL_VERSION, engine="aotx", model=eng.models.default_name,
                          device=eng.device, ready=eng.ready, pid=os.getpid(), journal=store.journaled,
                          draft_model=d.draft.lm.name if d is not None and d.draft else "",
-                         models=list(eng.models.loaded), notices=said.lines[:8],
+                         models=list(eng.models.loaded), notices=said.lines[:8], engine_args=again,
                          tool_format=tool_calls.family_of(template.source) if template is not None else "hermes")
 
     # The socket server runs on an asyncio loop in a thread; the tick loop runs here, on
@@ -366,6 +495,7 @@ def serve(args) -> int:
     net = threading.Thread(target=loop.run_forever, name="aotx-socket", daemon=True)
     net.start()
     log.info("serving on %s", sock)
+    warmup.start_background(log.info)
 
     signals = []
 

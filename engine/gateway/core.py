@@ -129,7 +129,7 @@ class Gateway:
         try:
             conv = await client.create_conversation(title=short_title(title), system_prompt=system,
                                                     messages=[(t.role, t.text, t.meta) for t in history],
-                                                    model=model, context=context)
+                                                    model=model, origin="gateway", context=context)
         except ConnectionLost as e:
             raise engine_gone(e, self.cfg.retry_after_s) from None
         return conv.conv_id, True

@@ -46,6 +46,9 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
         self._closed = False
+        # the engine said it was stopped (``aotx stop``, SIGTERM) before closing the connection:
+        # a stop, not a crash; a client then waits for its user before starting another
+        self.stopped = False
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
 
     # ---- connection --------------------------------------------------------
@@ -53,13 +56,16 @@ class EngineClient:
     @classmethod
     async def connect(cls, socket_path: str | os.PathLike[str] | None = None, *, spawn: bool = True,
                       engine_args: list[str] | None = None, client_name: str = "aotx",
-                      on_spawn: Callable[[str], None] | None = None, timeout: float = 120.0) -> "EngineClient":
+                      on_spawn: Callable[[str], None] | None = None, timeout: float = 600.0,
+                      on_progress: Callable[[dict], None] | None = None) -> "EngineClient":
         """Connect to the engine at ``socket_path`` (default: paths.socket_path()).
 
         When none answers and ``spawn`` is true, start ``aotx serve`` in the background
         (its log goes to ``<data dir>/engine.log``), call ``on_spawn`` with a one-line
-        notice, and wait up to ``timeout`` seconds for it to answer. Raises EngineError
-        when no engine answers, ProtocolError on a protocol version mismatch.
+        notice, and wait up to ``timeout`` seconds for it to answer, telling
+        ``on_progress`` what it says while it loads (``read_progress``: a first start
+        compiles its kernels). Raises EngineError when no engine answers, ProtocolError
+        on a protocol version mismatch.
         """
         from aotx.engine import paths
 
@@ -86,8 +92,14 @@ class EngineClient:
             on_spawn(f"started an engine in the background (pid {proc.pid}, log {log})")
         deadline = time.monotonic() + timeout
         winner = False              # another engine won the race for the socket: wait for it instead
+        said: dict = {}
         while True:
             await asyncio.sleep(0.05)
+            if on_progress is not None:
+                now = read_progress(sock)
+                if now and now != said:
+                    said = now
+                    on_progress(now)
             try:
                 client = await cls._open(sock, client_name)
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):
@@ -152,6 +164,9 @@ class EngineClient:
         try:
             while True:
                 msg = await _read_frame(self._reader)
+                if isinstance(msg, P.Notice) and msg.id == 0 and msg.kind == "stopping":
+                    self.stopped = True
+                    continue
                 q = self._queues.get(getattr(msg, "id", -1))
                 if q is not None:
                     q.put_nowait(msg)
@@ -195,7 +210,7 @@ class EngineClient:
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
                                   sampling: P.SamplingParams | None = None,
                                   messages: list[tuple] | None = None,
-                                  model: str = "", context: str = "") -> P.ConversationView:
+                                  model: str = "", origin: str = "", context: str = "") -> P.ConversationView:
         """A new conversation on ``model`` ("": the engine's default) under context policy
         ``context`` ("": the engine's); ``messages`` (role, text[, meta]) are stored as its
         history without generating anything (``PriorMessage``)."""
@@ -203,7 +218,7 @@ class EngineClient:
                  for m in (messages or [])]
         r = await self._call(lambda i: P.CreateConversation(id=i, title=title, system_prompt=system_prompt,
                                                             sampling=sampling, messages=prior, model=model,
-                                                            context=context))
+                                                            origin=origin, context=context))
         return r.conversation
 
     async def list_conversations(self) -> list[P.ConversationView]:
@@ -469,6 +484,27 @@ class CancelOnSignal:
             await self._cancel(self._rid)
         except AotxError:  # the reply already ended, or the engine went away
             pass
+
+
+def read_progress(sock: Path) -> dict:
+    """What an engine starting on ``sock`` says now (``paths.startup_progress_paths``):
+    {"stage": ..., and while kernels compile ahead "done", "total", "detail"}; {} when it
+    says nothing."""
+    import json
+
+    from aotx.engine.paths import startup_progress_paths
+
+    out: dict = {}
+    for p in startup_progress_paths(sock):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict):
+            if "done" in d and out.get("stage") not in (None, "compiling kernels"):
+                continue  # the count of kernels compiled ahead outlives its stage: said only then
+            out.update(d)
+    return out
 
 
 def _socket_lock_held(sock: Path) -> bool:

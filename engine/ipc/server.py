@@ -148,7 +148,10 @@ class Connection:
     def send(self, msg: P.Message) -> None:
         if self.closed:
             return
-        data = P.encode_frame(msg)
+        try:
+            data = P.encode_frame(msg)
+        except ProtocolError as e:  # an answer over the frame limit (a list of many conversations): say so
+            data = P.encode_frame(P.Error(id=getattr(msg, "id", 0), code=ErrorCode.TOO_LONG, message=str(e)))
         try:
             self.loop.call_soon_threadsafe(self._write, data)
         except RuntimeError:  # loop closed
@@ -186,6 +189,7 @@ class Server:
         self._listen: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._conns: set[Connection] = set()  # greeted connections (told when the engine stops)
         self._reserve = -1  # a descriptor to give up when accept runs out of them
         self._accept_errors = 0  # since the last report
         self._accept_logged = -1e9
@@ -203,11 +207,16 @@ class Server:
         log.info("accepting up to %d client connections", self.max_connections)
 
     async def close(self) -> None:
-        """Stop accepting, close every connection, remove the socket, release the lock."""
+        """Stop accepting, tell every client the engine is stopping (a ``stopping`` Notice
+        with id 0: a stop, not a crash), close every connection, remove the socket,
+        release the lock."""
         if self._listen is not None:
             self._loop.remove_reader(self._listen.fileno())
             self._listen.close()
             self._listen = None
+        bye = P.encode_frame(P.Notice(id=0, kind="stopping", resource="engine", message="the engine was stopped"))
+        for conn in list(self._conns):
+            conn._write(bye)
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
@@ -369,6 +378,7 @@ class Server:
                 return
             conn.name = f"{hello.client or 'client'}-{number}"
             greeted = True
+            self._conns.add(conn)
             log.info("client connected: %s", conn.name)
             writer.write(P.encode_frame(self.welcome()))
             while True:
@@ -392,6 +402,7 @@ class Server:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self._conns.discard(conn)
             conn.closed = True
             self.engine.post_disconnect(conn)
             if greeted:

@@ -109,6 +109,7 @@ class Conversation(msgspec.Struct, omit_defaults=True):
     # the name is not installed but the file is still there (Engine._submit)
     model_path: str = ""
     model_fingerprint: str = ""
+    origin: str = ""  # what made it ("" a chat, "run" a one-shot aotx run, "gateway" an API request)
     context: str = ""  # its context policy ("": the engine's default)
     salvaged: str = ""  # rebuilt from later records after damage: what of it is missing ("": nothing)
 
@@ -324,7 +325,8 @@ class ConversationTable:
             return
         self.conversations[r.conv_id] = Conversation(
             conv_id=r.conv_id, title=r.title, created_at=r.created_at, updated_at=r.created_at,
-            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq, model=r.model, context=r.context)
+            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq, model=r.model, origin=r.origin,
+            context=r.context)
 
     def _renamed(self, r: ConversationRenamed, seq: int) -> None:
         if (c := self._conv(r.conv_id, seq)) is not None:

@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 
 from aotx.engine.journal.conversations import ConversationTable, Receipt
-from aotx.engine.journal.damage import Entry, Problem
+from aotx.engine.journal.damage import Damage, Entry, Problem
+from aotx.engine.journal.records import Gap
 from aotx.engine.journal.segments import JournalScan
 
 
@@ -64,15 +65,32 @@ def verify(directory: str | os.PathLike) -> VerifyReport:
 def read_table(directory: str | os.PathLike) -> tuple[ConversationTable, Problem | None]:
     """Replay the good records into a new table without changing any file or
     taking the lock (for tools). Unfinished replies are marked interrupted, which
-    is only true when no engine is running. Returns the table and the first
-    problem (None for a clean journal)."""
+    is only true when no engine is running. Damage the scan meets is replayed as the
+    ``Gap`` salvage would write in its place, so the table is the one the engine's
+    start will rebuild (a checkpoint whose opening record is damaged still loads its
+    parts). Returns the table and the first problem (None for a clean journal)."""
     scan = JournalScan(directory)
     table = ConversationTable()
+    seen = 0
     for e in scan.entries():
+        seen = _replay_damage(table, scan.damage, seen)
         table.apply(e.record, e.seq, e.tick)
         table.note_receipt(Receipt(e.segment, e.end, e.seq))
+    _replay_damage(table, scan.damage, seen)
     table.finish_recovery()
     return table, scan.problem
+
+
+def _replay_damage(table: ConversationTable, damage: list[Damage], seen: int) -> int:
+    """Apply a ``Gap`` for each damage from ``damage[seen:]`` that lost records (as
+    salvage writes one); returns how many damages have been looked at."""
+    for dm in damage[seen:]:
+        if dm.n_lost and dm.first_lost > table.last_seq:
+            affected = [{k: v for k, v in f.items() if k in ("conv_id", "msg_id", "type")} for f in dm.found]
+            table.apply(Gap(last_seq=dm.last_lost, segment=dm.segment, offset=dm.offset, nbytes=dm.end - dm.offset,
+                            reason=dm.message[:200], affected=affected, opens_checkpoint=dm.opens_checkpoint),
+                        dm.first_lost, dm.tick)
+    return len(damage)
 
 
 def dump(directory: str | os.PathLike) -> Iterator[Entry]:

@@ -87,6 +87,7 @@ class ConversationCreated(_Record):
     system_prompt: str | None = None
     sampling: dict[str, Any] = {}
     model: str = ""  # the model it runs on ("": the engine's default; journals before several models)
+    origin: str = ""  # what made it ("" a chat, "run" a one-shot aotx run, "gateway" an API request)
     context: str = ""  # its context policy ("": the engine's default)
 
 

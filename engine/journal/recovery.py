@@ -232,6 +232,19 @@ def _recover_locked(d: Path, keep_records: bool, fs: FileIO) -> RecoveryReport:
     return report
 
 
+def _readable(a: dict[str, Any], table: ConversationTable) -> dict[str, Any]:
+    """``a`` without the ids that a damaged record's bytes misread: an id read past a failed
+    checksum may be damaged itself, so one naming no conversation (or no message of it)
+    is left out, unless the lost record is the one that made it."""
+    t = a.get("type", "")
+    conv = table.conversations.get(a.get("conv_id", ""))
+    if conv is None and t and t != "ConversationCreated":
+        return {}
+    if a.get("msg_id") and t and t != "MessageAccepted" and (conv is None or conv.message(a["msg_id"]) is None):
+        a = {k: v for k, v in a.items() if k != "msg_id"}
+    return a
+
+
 def _damage_reports(salvaged: list[tuple[Damage, str]], table: ConversationTable) -> list[dict[str, Any]]:
     """One map per salvaged damage, with what it affected: the records read past the
     failed CRC, and what the replay after the salvage met after its ``Gap``."""
@@ -254,8 +267,9 @@ def _damage_reports(salvaged: list[tuple[Damage, str]], table: ConversationTable
                 f.update({"msg_id": v for v in f.get("strings", []) if v in ids})
             if "conv_id" in f:
                 hints.append({"conv_id": f["conv_id"], **({"msg_id": f["msg_id"]} if f.get("msg_id") else {}),
-                              "what": f"its {f['type']} record was lost"})
+                              "type": f["type"], "what": f"its {f['type']} record was lost"})
         for a in hints + (note.affected if note is not None else []):
+            a = _readable(a, table)
             key = (a.get("conv_id"), a.get("msg_id"))
             if key in seen or not a.get("conv_id"):
                 continue

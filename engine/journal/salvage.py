@@ -118,12 +118,17 @@ def _fix_names(d: Path, damages: list[Damage], fs: FileIO) -> list[tuple[Damage,
                 todo.remove(item)
                 out.append((dm, ""))
                 progressed = True
-        if todo and not progressed:  # every target is held by another of them: free one
-            src, dst, dm = todo[0]
+        if todo and not progressed:  # every target is held: free one held by another of them
+            srcs = {src for src, _, _ in todo}
+            cycle = [i for i, (_, dst, _) in enumerate(todo) if dst in srcs]
+            if not cycle:  # held by files outside the renames: leave these to be read where they are
+                break
+            src, dst, dm = todo[cycle[0]]
+            blocker = next(i for i, (s, _, _) in enumerate(todo) if s == dst)
             free = d / segment_name(max(n for n, _ in list_segments(d)) + 1)
-            fs.replace(src, free)
+            fs.replace(dst, free)
             fs.fsync_dir(d)
-            todo[0] = (free, dst, dm)
+            todo[blocker] = (free, todo[blocker][1], todo[blocker][2])
     return out
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from aotx.engine.journal.chain import plan_chain
 from aotx.engine.journal.damage import Damage, Entry, Problem, SegmentInfo, find_frame, read_what
 from aotx.engine.journal.records import (
-    FORMAT_VERSION, HEADER_BYTES, Checkpoint, FrameError, Gap, SegmentHeader, decode_frame, peek_frame,
+    FORMAT_VERSION, HEADER_BYTES, Checkpoint, CheckpointEnd, CheckpointPart, FrameError, Gap, SegmentHeader, decode_frame, peek_frame,
 )
 from aotx.engine.journal.segment_files import (  # noqa: F401 (the names callers import from here)
     DAMAGED_SUFFIX, SEGMENT_RE, TMP_SUFFIX, fsync_dir, list_segments, read_acknowledged, read_segment,
@@ -120,7 +120,9 @@ class JournalScan:
             data = read_segment(info.path)
             n = info.size = len(data)
             h = self._header(info, data, expected, is_last)
-            if h is None:
+            if h is None:  # a torn tail; under another segment's name, it is renamed before it is cut
+                if info.path in self.misplaced:
+                    self._misplaced_damage(info, expected or 1)
                 break
             if expected is None:
                 expected = h.base_seq
@@ -182,11 +184,7 @@ class JournalScan:
                 yield Entry(seq, tick, record, info.number, off, end)
                 off = end
             if info.path in self.misplaced:
-                seqs = (f"seq {info.first_seq}..{info.last_seq}" if info.n_records else f"from seq {h.base_seq}")
-                self._damage(Damage(info.number, 0, 0, h.base_seq, h.base_seq - 1, "misplaced",
-                                    f"segment {info.number} ({seqs}) is in file {Path(info.path).name}, named for "
-                                    f"segment {info.file_number}", "a crash never renames a segment",
-                                    path=info.path))
+                self._misplaced_damage(info, h.base_seq)
             if stop:
                 break
         if self.version_problem is not None and self.problem is None:
@@ -197,6 +195,12 @@ class JournalScan:
                 and not (self.damage and self.damage[-1].last_lost >= self.acked_seq)):
             self._damage(self._missing_at_end(expected or 1))
         self.end_seq = max(expected or 1, (self.damage[-1].last_lost + 1) if self.damage else 1)
+
+    def _misplaced_damage(self, info: SegmentInfo, base_seq: int) -> None:
+        seqs = f"seq {info.first_seq}..{info.last_seq}" if info.n_records else f"from seq {base_seq}"
+        self._damage(Damage(info.number, 0, 0, base_seq, base_seq - 1, "misplaced",
+                            f"segment {info.number} ({seqs}) is in file {Path(info.path).name}, named for "
+                            f"segment {info.file_number}", "a crash never renames a segment", path=info.path))
 
     def _missing_before(self, info: SegmentInfo, h: SegmentHeader) -> Damage:
         """The chain's first segment is not a checkpoint and does not start the history:
@@ -247,8 +251,16 @@ class JournalScan:
             return None
         found = (find_frame(data, HEADER_BYTES, HEADER_BYTES, expected if expected is not None else 1,
                             unbounded=expected is None) if len(data) > HEADER_BYTES else None)
-        base = expected if expected is not None else (found[3] if found else 1)
-        cp = found is not None and found[0] == HEADER_BYTES and isinstance(found[1], Checkpoint)
+        # it opens a checkpoint when its first record is the Checkpoint, or, that record lost
+        # too, a part or the end of one (a checkpoint lies whole in its own segment)
+        cp = found is not None and (isinstance(found[1], (CheckpointPart, CheckpointEnd)) or (
+            found[0] == HEADER_BYTES and isinstance(found[1], Checkpoint)))
+        # the first segment read starts at its first valid record; when bytes before that
+        # record are bad, at the seq the checkpoint's end names as its beginning, else at
+        # least one record earlier (the bad bytes held one record or more)
+        base = expected if expected is not None else (
+            (_checkpoint_begin(data, found[0]) if cp and found[0] > HEADER_BYTES else None)
+            or (found[3] - (found[0] > HEADER_BYTES) or 1) if found else 1)
         why = "records follow it" if found is not None else f"a receipt covered seq {self.acked_seq}"
         self._damage(Damage(info.number, 0, HEADER_BYTES, base, base - 1, err.kind, what, why, tick=self.last_tick,
                             header=True, base_seq=base, flags=1 if cp else 0))
@@ -309,3 +321,19 @@ class JournalScan:
         (after ``entries()`` has run): past every record read and every seq lost."""
         return self.end_seq or (self.last_seq + 1)
 
+
+def _checkpoint_begin(data: bytes, off: int) -> int | None:
+    """The seq of the Checkpoint record that a ``CheckpointEnd`` at or after ``off`` in
+    ``data`` names as its beginning (None when no valid end is found)."""
+    while off < len(data):
+        try:
+            record, _, _, off = decode_frame(data, off)
+        except FrameError:
+            got = find_frame(data, off, off + 1, 1, unbounded=True)
+            if got is None:
+                return None
+            off = got[0]
+            continue
+        if isinstance(record, CheckpointEnd):
+            return record.begin_seq or None
+    return None

@@ -37,7 +37,7 @@ import json
 import logging
 import re
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -232,7 +232,13 @@ class ChatTemplate:
         from aotx.engine.model.template_sandbox import BudgetExceeded, render
 
         try:
-            return render(self._env, self._template, budget, variables)
+            text = render(self._env, self._template, budget, variables)
+            text.encode()  # a lone surrogate ("\ud800", "%c"|format(0xdc00)) can reach no tokenizer or peer
+            return text
+        except UnicodeEncodeError as e:
+            raise TemplateError(f"{self.name} produced text that is not valid Unicode (a lone surrogate at character "
+                                f"{e.start}); a chat template that does this is broken or hostile: use another "
+                                "model file (or `aotx run --raw`)") from None
         except BudgetExceeded as e:
             raise TemplateError(f"{self.name} was stopped: {e}; a chat template that does this is broken or "
                                 f"hostile: use another model file (or `aotx run --raw`)") from None
@@ -342,19 +348,24 @@ def content_spans(template: ChatTemplate, messages: Sequence[Mapping[str, Any]],
 
 
 def encode_chat(tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[Mapping[str, Any]], *,
-                add_generation_prompt: bool = True, continue_final: bool = False, **extra: Any) -> list[int]:
+                add_generation_prompt: bool = True, continue_final: bool = False,
+                check: Callable[[str], None] | None = None, **extra: Any) -> list[int]:
     """Prompt token ids for ``messages``: render (with ``bos_token``/``eos_token``
     set to the vocabulary's texts), tokenize the template's markup with special
     tokens parsed and message content as plain text, add BOS per the BOS rule in
     the module docstring. ``continue_final``: the last message is an assistant's
     prefill the reply continues: rendered as a finished turn (no generation prompt)
     and cut where its text ends, so its end-of-turn markup is gone whatever the
-    template writes there (its trailing whitespace goes too). Raises TemplateError."""
+    template writes there (its trailing whitespace goes too). ``check(text)`` sees the
+    rendered text before anything else is done with it (a size floor: it raises to
+    refuse). Raises TemplateError, or what ``check`` raises."""
     bos_text = tokenizer.token_to_piece(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos_text = tokenizer.token_to_piece(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
     kw = dict(add_generation_prompt=add_generation_prompt and not continue_final, bos_token=bos_text,
               eos_token=eos_text, **extra)
     text = template.render(messages, **kw)
+    if check is not None:
+        check(text)
     spans = content_spans(template, messages, text, tokenizer.special_texts, **kw)
     if continue_final:
         cut = _prefill_end(text, spans, messages[-1].get("content"))

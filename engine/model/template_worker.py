@@ -167,10 +167,16 @@ class TemplateWorkers:
 
     def _checkout(self) -> _Worker:
         with self._cond:
-            while not self._idle and len(self._all) >= self.max_workers:
-                self._cond.wait()
-            if self._idle:
-                return self._idle.pop()
+            while True:
+                while not self._idle and len(self._all) >= self.max_workers:
+                    self._cond.wait()
+                if not self._idle:
+                    break
+                w = self._idle.pop()
+                if w.proc.poll() is None:
+                    return w
+                self._all.discard(w)  # it ended while idle (killed from outside): start another
+                w.kill()
             try:
                 w = _Worker(self.as_headroom)
             except OSError as e:
@@ -196,24 +202,19 @@ class TemplateWorkers:
                                        "cpu": budget.cpu_seconds, "chars": budget.max_chars})
         except (TypeError, ValueError, msgspec.EncodeError) as e:
             raise TemplateError(f"{name}: the messages cannot be passed to the template worker: {e}") from None
-        for attempt in range(2):
-            w = self._checkout()
-            fresh = w.renders == 0
-            try:
-                reply = w.call(request, wall_seconds(budget))
-            except _Died as e:
-                self._checkin(w, False)
-                if attempt == 0 and not fresh and "did not finish" not in str(e):
-                    continue  # an idle worker that had died meanwhile: once more on a fresh one
-                raise TemplateError(f"{name} was stopped: {e}; a chat template that does this is broken or "
-                                    "hostile: use another model file (or `aotx run --raw`)") from None
-            w.renders += 1
-            if "text" in reply:
-                self._checkin(w, True)
-                return reply["text"]
-            self._checkin(w, not reply.get("fatal"))
-            raise TemplateError(reply.get("error", "the template worker failed"))
-        raise AssertionError("unreachable")
+        w = self._checkout()  # alive when taken: a death from here on is this render's doing
+        try:
+            reply = w.call(request, wall_seconds(budget))
+        except _Died as e:
+            self._checkin(w, False)
+            raise TemplateError(f"{name} was stopped: {e}; a chat template that does this is broken or "
+                                "hostile: use another model file (or `aotx run --raw`)") from None
+        w.renders += 1
+        if "text" in reply:
+            self._checkin(w, True)
+            return reply["text"]
+        self._checkin(w, not reply.get("fatal"))
+        raise TemplateError(reply.get("error", "the template worker failed"))
 
     def close(self) -> None:
         self._finalizer()
@@ -260,8 +261,7 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _write(fd: int, reply: dict[str, Any]) -> None:
-    data = _encoder.encode(reply)
+def _write(fd: int, data: bytes) -> None:
     view = memoryview(_LEN.pack(len(data)) + data)
     while view:
         view = view[os.write(fd, view):]
@@ -309,7 +309,14 @@ def main() -> None:
                      "hostile: use another model file (or `aotx run --raw`)", "fatal": True}
         except Exception as e:  # noqa: BLE001 - a bug reaches the engine as a line, not as a dead worker
             reply = {"error": f"internal error in the template worker: {type(e).__name__}: {e}", "fatal": True}
-        _write(fout, reply)
+        try:
+            data = _encoder.encode(reply)
+        except MemoryError:  # the text fit the limits, but not twice in the worker's memory
+            reply = {"error": f"{req.get('name', 'the chat template')} was stopped: its output does not fit the "
+                     f"{headroom >> 20} MiB of memory a render may use; a chat template that does this is broken "
+                     "or hostile: use another model file (or `aotx run --raw`)", "fatal": True}
+            data = _encoder.encode(reply)
+        _write(fout, data)
         if reply.get("fatal"):
             return
 

@@ -9,7 +9,8 @@ JSON is for programs: the conversation as the engine shows it (``ConversationVie
 messages, token ids, receipts, sampling) under ``{"format": "aotx-conversation",
 "version": 1, "exported_at", "conversation"}``. Files are written whole: a private
 temporary file of a new name beside the target (never one that already exists, never
-through a link), fsynced, given the user's umask only once it is complete, then
+through a link), fsynced, given the user's umask only once it is complete (and never more than the
+mode of the file it replaces: a private file stays private), then
 renamed over the target; a crash leaves the old file or the new one. A target that
 exists and is not a regular file (a device, a FIFO, a symbolic link, a folder) is
 refused by name and left as it was.
@@ -118,16 +119,17 @@ def _umask() -> int:
     return mask
 
 
-def check_target(p: Path) -> None:
-    """Refuse ``p`` when it exists and is not a regular file, saying what it is."""
+def check_target(p: Path) -> int | None:
+    """Refuse ``p`` when it exists and is not a regular file, saying what it is; the mode
+    bits of the regular file it is (None when it does not exist)."""
     try:
         st = os.lstat(p)
     except FileNotFoundError:
-        return
+        return None
     except OSError as e:
         raise UsageError(f"cannot export to {p}: {e.strerror or e}") from None
     if stat.S_ISREG(st.st_mode):
-        return
+        return stat.S_IMODE(st.st_mode)
     what = file_kind(st.st_mode)
     if stat.S_ISLNK(st.st_mode):
         what += f" (to {os.readlink(p)})"
@@ -143,7 +145,7 @@ def write_export(conv: P.ConversationView, path: str | os.PathLike[str], fmt: st
     text = render(conv, fmt or format_of(p))
     if not p.parent.is_dir():
         raise UsageError(f"cannot export to {p}: the folder {p.parent} does not exist")
-    check_target(p)
+    mode = check_target(p)
     tmp = None
     try:
         fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)  # 0600, O_EXCL
@@ -152,7 +154,9 @@ def write_export(conv: P.ConversationView, path: str | os.PathLike[str], fmt: st
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-            os.fchmod(fh.fileno(), 0o666 & ~_umask())  # readable as the user's files are, once complete
+            # once complete: readable as the user's files are (the umask), and never more than
+            # the file it replaces was (a private one stays private)
+            os.fchmod(fh.fileno(), (0o666 & ~_umask()) & (mode if mode is not None else 0o777))
         check_target(p)  # it may have been replaced meanwhile
         os.replace(tmp, p)
         tmp = None

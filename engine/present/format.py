@@ -27,6 +27,28 @@ POSITIONS: dict[str, tuple[str, str]] = {
 GLYPHS: dict[str, str] = {k: g for k, (g, _) in POSITIONS.items()}
 LEGEND_ITEMS: tuple[str, ...] = tuple(f"{g} {w}" for g, w in POSITIONS.values())
 LEGEND = "  ".join(LEGEND_ITEMS)
+# what each position means, for the details view
+POSITION_MEANINGS: dict[str, str] = {
+    "queued": "not at the engine yet (it is sent when the engine is ready)",
+    "accepted": "the engine has it",
+    "committed": "written by the model; not on disk yet",
+    "durable": "on disk, it survives a crash",
+    "interrupted": "the engine stopped while writing it; the part on disk is kept",
+    "cancelled": "cancelled before it ended",
+    "failed": "refused or failed (the notice under it says why)",
+}
+# a reply's timings (Committed.timings) as a person reads them: key -> (label, format)
+TIMING_WORDS: dict[str, tuple[str, str]] = {
+    "ttft_s": ("first token after", "{:.2f} s"), "ttft_ms": ("first token after", "{:.0f} ms"),
+    "prompt_tokens": ("prompt", "{:.0f} tokens"), "prompt_tokens_reused": ("prompt reused", "{:.0f} tokens"),
+    "prompt_tokens_per_s": ("prompt speed", "{:.1f} tok/s"), "completion_tokens": ("reply", "{:.0f} tokens"),
+    "decode_tokens_per_s": ("reply speed", "{:.1f} tok/s"), "tokens_per_s": ("reply speed", "{:.1f} tok/s"),
+}
+# a reply's finish reason as a person reads it ("stop": it ended by itself, said nowhere)
+FINISH_WORDS: dict[str, str] = {
+    "length": "cut at its token limit", "context": "cut at the end of the context",
+    "cancelled": "cancelled", "error": "failed", "interrupted": "interrupted",
+}
 
 _COUNT_RESOURCES = {"slots": "slots", "context": "tokens", "queue": "requests"}
 
@@ -103,24 +125,45 @@ def notice_text(n: P.Notice, had_history: bool = True) -> str:
     return f"{text}. {n.message}".strip() if n.message else text + "."
 
 
-def error_text(e: P.Error) -> str:
-    """A refused submit, by the engine's error code."""
-    return refusal_text(e.code, e.message, "this message")
+def error_text(e: P.Error, refusal: P.Notice | None = None) -> str:
+    """A refused submit, by the engine's error code; ``refusal``: the ``refused`` notice
+    that came before it (its resource names what is short)."""
+    return refusal_text(e.code, e.message, "this message", resource=refusal.resource if refusal else "")
 
 
-def refusal_text(code: str, message: str, what: str = "the request") -> str:
-    """Plain words for an engine refusal, chosen by its error code (never by its wording)."""
+# what is short, by the refused notice's resource: the head of the refusal's sentence
+_SHORT = {"memory": "Not enough memory", "slots": "No free slot", "journal": "The journal's buffers are full",
+          "media": "An attachment cannot be used"}
+
+
+def refusal_head(code: str, resource: str = "") -> str:
+    """The kind of a refusal in a few words ("Too long for the context", "Not enough
+    memory"), as the head of ``refusal_text``'s sentence."""
+    if resource in _SHORT:
+        return _SHORT[resource]
+    return {ErrorCode.UNSUPPORTED_MEDIA: "The engine refused the attachment",
+            ErrorCode.BUSY: "The engine is busy", ErrorCode.NOT_FOUND: "Not found on the engine",
+            ErrorCode.NOT_READY: "The engine is still loading the model",
+            ErrorCode.TOO_LONG: "Too long for the context"}.get(code, "The engine refused it")
+
+
+def refusal_text(code: str, message: str, what: str = "the request", resource: str = "") -> str:
+    """Plain words for an engine refusal, chosen by its error code and, when the engine sent
+    a ``refused`` notice first, its resource (never by its wording). The code itself
+    (``too_long``, ``busy``) is a protocol word: it is not shown."""
+    if resource in _SHORT:
+        return f"{_SHORT[resource]}: {message}"
     if code == ErrorCode.UNSUPPORTED_MEDIA:
-        return f"The engine refused the attachment ({code}): {message}"
+        return f"The engine refused the attachment: {message}"
     if code == ErrorCode.BUSY:
-        return f"A reply is still being written in this conversation: Esc cancels it first ({message})."
+        return f"The engine is busy: {message}"
     if code == ErrorCode.NOT_FOUND:
         return f"Not found on the engine (it may have been deleted elsewhere): {message}"
     if code == ErrorCode.NOT_READY:
         return f"The engine is still loading the model: {message}"
     if code == ErrorCode.TOO_LONG:
-        return f"Too long for the context ({code}): {message}"
-    return f"The engine refused {what} ({code or 'error'}): {message}"
+        return f"Too long for the context: {message}"
+    return f"The engine refused {what}: {message}"
 
 
 def shown_text(text: str) -> str:
@@ -212,6 +255,51 @@ def fork_title(parent: str, existing: list[str]) -> str:
     while f"{root} (fork {prefix}{k})" in taken:
         k += 1
     return f"{root} (fork {prefix}{k})"
+
+
+def progress_bar(done: int, total: int, width: int = 12) -> str:
+    """``▕██████░░░░░░▏``: ``done`` of ``total`` in ``width`` cells (eighths of a cell)."""
+    if total <= 0:
+        return ""
+    eighths = round(8 * width * max(0, min(done, total)) / total)
+    full, part = divmod(eighths, 8)
+    bar = "█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")
+    return "▕" + bar + "░" * (width - len(bar)) + "▏"
+
+
+def startup_text(p: dict) -> str:
+    """What a starting engine says (``ipc.client.read_progress``) in one line:
+    "compiling kernels (first start only) ▕████░░░░░░░░▏ 1 of 3: matmul Q4_1",
+    "reading the weights"."""
+    stage = p.get("stage", "")
+    if p.get("total"):
+        detail = f": {p['detail']}" if p.get("detail") else ""
+        return (f"{stage} (first start only) {progress_bar(p.get('done', 0), p['total'])} "
+                f"{min(p.get('done', 0), p['total'])} of {p['total']}{detail}")
+    return stage
+
+
+def fmt_when(ts: float, now: float | None = None) -> str:
+    """When something happened, as ``ollama list`` says it: "just now", "5 minutes ago",
+    "3 hours ago", "yesterday", "4 days ago", then the date ("2025-11-02"); "-" for 0."""
+    import time
+
+    if not ts:
+        return "-"
+    now = time.time() if now is None else now
+    s = max(0.0, now - ts)
+    if s < 60:
+        return "just now"
+    for unit, n in (("minute", 60), ("hour", 3600), ("day", 86400)):
+        if s < n * (60 if unit == "minute" else 24 if unit == "hour" else 7):
+            k = int(s // n)
+            if unit == "day" and k == 1:
+                return "yesterday"
+            return f"{k} {unit}{'' if k == 1 else 's'} ago"
+    return time.strftime("%Y-%m-%d", time.localtime(ts))
+
+
+ORIGIN_WORDS = {"run": "aotx run", "gateway": "API"}  # ConversationView.origin as a person reads it
 
 
 def ellipsize(text: str, width: int) -> str:

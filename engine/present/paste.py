@@ -1,6 +1,9 @@
 """Pasted text -> file paths and text: what a terminal sends when a file is dropped on it.
 
-Owns: the pure parsing of a paste (no file system access). Terminals send a dropped
+Owns: the pure parsing of a paste (no file system access), and ``split_paste``, which
+decides what a paste becomes: attachments only when every path in it names an existing
+file of an image or audio kind (a dropped file); anything else (an API path such as
+``/api/v1/users``, ``/usr/bin/env``, a missing file) is text, inserted as typed. Terminals send a dropped
 file as pasted text in many shapes: a plain path, a quoted one ('…' or "…", with the
 POSIX ``'\\''`` idiom for a quote inside), one with backslash-escaped spaces and other
 characters (also a relative name, ``Example\\ file.wav``), a ``file://`` URL
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from aotx.engine.present.attach import AUDIO_EXT, IMAGE_EXT
+from aotx.engine.present.attach import AUDIO_EXT, IMAGE_EXT, kind_of_extension, windows_to_wsl
 
 MEDIA_EXT = IMAGE_EXT | AUDIO_EXT
 
@@ -201,3 +204,44 @@ def _normalize(piece: str, home: str) -> str:
     if piece == "~" or piece.startswith("~/"):
         return home.rstrip("/") + piece[1:]
     return piece
+
+
+# ---- what a paste becomes (the one function here that reads the file system) -----------
+
+@dataclass(frozen=True)
+class PasteSplit:
+    """What a paste becomes: ``paths`` to attach, ``text`` to insert at the cursor, and a
+    ``note`` for the user ("" when there is nothing to say)."""
+
+    paths: list[str]
+    text: str
+    note: str = ""
+
+
+def split_paste(text: str, home: str | None = None) -> PasteSplit:
+    """A paste -> attachments and text. The paths ``paste.parse_pasted_paths`` finds become
+    attachments only when each names an existing regular file with an image or audio
+    extension (through its WSL mount for a Windows path); otherwise the whole paste is text,
+    exactly as pasted, as a terminal without AOTX would give it. A path with a media
+    extension that cannot be attached (missing, a directory) gets a note saying it went in
+    as text. Reads the file system (``stat`` only)."""
+    items = parse_pasted_paths(text, home=home)
+    paths = [i.value for i in items if i.kind == "path"]
+    rest = "".join(i.value for i in items if i.kind == "text")
+    if not paths:
+        return PasteSplit([], rest)
+    missing = []
+    for p in paths:
+        local = windows_to_wsl(p) or p
+        if kind_of_extension(local) is None or not Path(local).expanduser().is_file():
+            missing.append(p)
+    if not missing:
+        return PasteSplit(paths, rest)
+    media = [p for p in missing if kind_of_extension(windows_to_wsl(p) or p) is not None]
+    note = ""
+    if media:
+        local = Path(windows_to_wsl(media[0]) or media[0]).expanduser()
+        why = "not a regular file" if local.exists() else "no such file"
+        more = f" (and {len(media) - 1} more)" if len(media) > 1 else ""
+        note = f"Not attached: {media[0]}: {why}{more}; pasted as text."
+    return PasteSplit([], text, note)

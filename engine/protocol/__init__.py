@@ -29,6 +29,7 @@ from aotx.engine.protocol.values import (  # noqa: F401
     SamplingParams,
     Constraint,
     CONSTRAINT_KINDS,
+    CONVERSATION_ORIGINS,
     MAX_GRAMMAR_CHARS,
     MAX_CHOICES,
     MAX_TOP_LOGPROBS,

@@ -33,6 +33,10 @@ class Welcome(_Base, tag="welcome"):
     # the model's, a --memory-budget past the machine's, ...): a client that started the
     # engine prints them, since the engine's own log is out of sight
     notices: list[str] = []
+    # the ``aotx serve`` flags that start an engine like this one again (its model by absolute
+    # path, its slots, context, device, ...; never its socket): a client that saw it stopped
+    # starts the next one with them, not with its own
+    engine_args: list[str] = []
 
 
 class Error(_Base, tag="error"):
@@ -69,6 +73,7 @@ class Accepted(_Base, tag="accepted"):
     prompt_ids: list[int] = []
     n_reused: int = 0
     choice: int = 0  # which of the request's n choices (each has its own conversation)
+    model: str = ""  # the model that writes the reply (the engine's name for it; "" from an older engine)
 
 
 class Token(_Base, tag="token"):
@@ -95,8 +100,10 @@ class Token(_Base, tag="token"):
 
 class Notice(_Base, tag="notice"):
     """Admission feedback. kind: held | queued | refused | resumed | model (a model was
-    loaded, unloaded or switched for this request) | context (earlier messages left the
-    prompt: ``cut`` says which, or a reply ended at the end of the context: why).
+    loaded, unloaded or switched for this request) | stopping (the engine is stopping:
+    for a reply in progress, its id; with id 0, to every connection just before the
+    engine closes it, so a client tells a stop from a crash) | context (earlier messages
+    left the prompt: ``cut`` says which, or a reply ended at the end of the context: why).
     resource names what is short (slots, context, journal, memory, media, model)."""
 
     id: int

@@ -71,7 +71,8 @@ _decoder = msgspec.msgpack.Decoder(Message)
 def encode_frame(msg: Message) -> bytes:
     """Length-prefixed MessagePack frame of ``msg``. Raises ``ProtocolError`` naming the
     field when a text is not valid Unicode (a lone surrogate: bytes that were not UTF-8
-    on a command line or a pipe) or a number does not fit 64 bits."""
+    on a command line or a pipe), a number does not fit 64 bits, or the frame would be
+    over ``MAX_FRAME``."""
     try:
         body = _encoder.encode(msg)
     except UnicodeEncodeError as e:
@@ -80,6 +81,9 @@ def encode_frame(msg: Message) -> bytes:
                             f"(character {e.start}: {e.object[e.start:e.end]!r})") from None
     except OverflowError as e:
         raise ProtocolError(f"{type(msg).__name__}: a number is out of range: {e}") from None
+    if len(body) > MAX_FRAME:  # the peer would close the connection at the header: say why here
+        raise ProtocolError(f"{type(msg).__name__} is {len(body):,} bytes; the engine takes at most "
+                            f"{MAX_FRAME:,} ({MAX_FRAME >> 20} MiB) in one message")
     return _LEN.pack(len(body)) + body
 
 
@@ -114,6 +118,8 @@ def decode_payload(body: bytes) -> Message:
         raise ProtocolError(f"invalid message: {e}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError(f"undecodable frame: {e}") from None
+    except RecursionError:
+        raise ProtocolError("undecodable frame: its values are nested too deeply") from None
 
 
 def frame_length(header: bytes) -> int:

@@ -40,7 +40,9 @@ def template_fields(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 class CreateConversation(_Base, tag="create"):
-    """A new conversation; ``model`` names the model it runs on ("": the engine's default)."""
+    """A new conversation; ``model`` names the model it runs on ("": the engine's default);
+    ``origin`` what made it (``CONVERSATION_ORIGINS``: "" a chat, "run" a one-shot ``aotx
+    run "..."``, "gateway" an API request): a client's list may group or hide one-shots."""
 
     id: int
     title: str = ""
@@ -48,6 +50,7 @@ class CreateConversation(_Base, tag="create"):
     sampling: SamplingParams | None = None
     messages: list[PriorMessage] = []
     model: str = ""
+    origin: str = ""
     context: str = ""  # its context policy (values.CONTEXT_POLICIES; "": the engine's default)
 
 

@@ -28,6 +28,7 @@ from aotx.engine.protocol.operations import (
 from aotx.engine.protocol.values import (
     CONSTRAINT_KINDS,
     CONTEXT_POLICIES,
+    CONVERSATION_ORIGINS,
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
     MAX_TOP_LOGPROBS,
@@ -174,6 +175,8 @@ def operation_problem(op: Any) -> str | None:
         if policy not in ("", *CONTEXT_POLICIES):
             return f"context policy {policy!r} is not one of {', '.join(CONTEXT_POLICIES)}"
     if isinstance(op, CreateConversation):
+        if op.origin not in CONVERSATION_ORIGINS:
+            return f"origin {op.origin!r}: one of {', '.join(repr(o) for o in CONVERSATION_ORIGINS)}"
         for m in op.messages:
             if not isinstance(m, PriorMessage) or not isinstance(m.text, str):
                 return "prior messages must be PriorMessage(role, text)"

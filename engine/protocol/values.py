@@ -71,6 +71,7 @@ class Constraint(msgspec.Struct, omit_defaults=True):
 
 
 CONSTRAINT_KINDS = ("json_schema", "lark", "gbnf", "regex")
+CONVERSATION_ORIGINS = ("", "run", "gateway")  # CreateConversation.origin: a chat, a one-shot run, an API request
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 16       # SubmitMessage.n
 MAX_TOP_LOGPROBS = 20  # SubmitMessage.logprobs (OpenAI's limit)
@@ -157,6 +158,7 @@ class ConversationView(msgspec.Struct, omit_defaults=True):
     messages: list[MessageView] = []
     busy: bool = False
     model: str = ""
+    origin: str = ""  # what made it ("" a chat, "run" a one-shot aotx run, "gateway" an API request)
     context: str = ""  # its context policy (CONTEXT_POLICIES; "": the engine's default)
     salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
@@ -183,8 +185,10 @@ class ModelInfo(msgspec.Struct, omit_defaults=True):
     name, e.g. Q4_K_M); ``n_ctx_train``: its trained context (tokens); ``needs_bytes``:
     the memory it takes at the engine's slots and context (accounted when loaded,
     estimated from the file's header otherwise; 0 for a remote one); ``idle_s``:
-    seconds since a loaded model last generated; ``n_ctx``: the context a loaded model
-    serves (what ``aotx status`` shows); ``busy``: its requests in flight;
+    seconds since a loaded model last generated; ``n_ctx``: the context the model serves
+    (a loaded one's, what ``aotx status`` shows; one not loaded: what it would serve once
+    loaded in this engine, its trained context capped at the engine's; 0 when not known);
+    ``busy``: its requests in flight;
     ``error``: why the file cannot be used ("" when it can)."""
 
     name: str
@@ -198,7 +202,7 @@ class ModelInfo(msgspec.Struct, omit_defaults=True):
     loaded: bool = False
     default: bool = False
     needs_bytes: int = 0
-    n_ctx: int = 0  # the context a loaded model serves (its slots' length); 0 when not loaded
+    n_ctx: int = 0  # the context it serves (its slots' length) or would serve once loaded here; 0: not known
     tool_format: str = ""  # a loaded model's tool-call family (its chat template's; as Welcome.tool_format)
     busy: int = 0
     idle_s: float = 0.0

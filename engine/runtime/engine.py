@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,9 +122,12 @@ class Engine:
         self._inbox = store.inbox
         self._by_rid: dict[tuple[int, int, int], Request] = {}  # Request.key: (sink, request id, choice)
         self.catalog = catalog if catalog is not None else Catalog()
-        name = name or lm.name
-        if name not in self.catalog.entries():
-            self.catalog.extra[name] = lm.path
+        entries = self.catalog.entries()
+        # a file the catalog has (in the folder, or installed by link) runs under its catalog name
+        name = name or next((e.name for e in entries.values()
+                             if e.path is not None and e.path.resolve() == Path(lm.path).resolve()), lm.name)
+        if name not in entries:  # opened by path: installed, so its name resolves after a restart
+            self.catalog.install(name, lm.path)
         self.has_budget = budget is not None
         self._capsules_on = capsules is not None
         default = LocalModel(name, lm, store, self._inbox, self.is_busy, n_slots=n_slots, n_ctx=n_ctx,
@@ -135,6 +139,7 @@ class Engine:
         self.models = ModelSet(self.catalog, budget.total if budget else 1 << 62,
                                tuple((n, v) for n, v in budget.terms if is_shared_term(n)) if budget else (),
                                keep_alive_s=keep_alive_s, evict_idle=evict_idle)
+        self.models.context = n_ctx
         self.models.make_local = self._make_local
         self.models.make_remote = self._make_remote
         self.models.estimate = self._estimate

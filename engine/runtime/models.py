@@ -378,6 +378,7 @@ class ModelSet:
         self.evict_idle = evict_idle
         self.loaded: dict[str, ServedModel] = {}
         self.default_name = ""
+        self.context = 0  # the engine's context per slot: a model loaded beside serves this, at most its own
         self.make_local: Callable[[ModelEntry], ServedModel] | None = None
         self.make_remote: Callable[[ModelEntry], ServedModel] | None = None
         self.estimate: Callable[[ModelEntry], tuple[tuple[str, int], ...]] | None = None
@@ -434,11 +435,19 @@ class ModelSet:
         free = self.free()
         parts = ", ".join(f"{n} {fmt_bytes(v)}" for n, v in terms if v)
         idle = self.idle(exclude=name)
-        if idle:
-            frees = "; ".join(f"{m.name} frees {fmt_bytes(sum(v for _, v in m.terms))}" for m in idle)
+        d = self.default
+        # `aotx unload` keeps the default model: it is offered only as what --evict-idle or a
+        # restart with this model as the default would free
+        others = [m for m in idle if m is not d]
+        if others:
+            frees = "; ".join(f"{m.name} frees {fmt_bytes(sum(v for _, v in m.terms))}" for m in others)
             what = f"idle models: {frees} (`aotx unload NAME`, or start the engine with --evict-idle)"
         else:
-            what = "no loaded model is idle; lower --slots or --context, or raise --memory-budget"
+            what = "no model loaded beside the default is idle; lower --slots or --context, or raise --memory-budget"
+        if d is not None and d in idle:
+            what += (f"; the default model {d.name} frees {fmt_bytes(sum(v for _, v in d.terms))} only if the "
+                     f"engine runs with --evict-idle, or `aotx stop`, then `aotx run --model {name}` makes "
+                     f"{name} the default")
         busy = [m.name for m in self.loaded.values() if m.in_flight()]
         if busy:
             what += f"; generating: {', '.join(busy)}"
@@ -551,6 +560,8 @@ class ModelSet:
                 continue
             info = entry_info(e, self.estimate)
             info.default = name == self.default_name  # the engine's default, not the wheel's (e.default)
+            if self.context and e.kind == "gguf":  # what it would serve here, once loaded
+                info.n_ctx = min(self.context, e.n_ctx_train) if e.n_ctx_train else self.context
             out.append(info)
         for name, m in self.loaded.items():
             if name not in seen:

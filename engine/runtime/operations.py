@@ -72,7 +72,7 @@ class Operations:
         model = self._model_name(op.model) if op.model else self.models.default_name
         view = self.store.create(op.title, op.system_prompt, op.sampling, tick=self.engine.tick,
                                  messages=[(m.role, m.text, m.meta) for m in op.messages], model=model,
-                                 context=op.context)
+                                 origin=op.origin, context=op.context)
         sink.send(P.ConversationInfo(id=op.id, conversation=view))
 
     def _list(self, op: P.ListConversations, sink: Sink) -> None:

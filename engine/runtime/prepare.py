@@ -7,7 +7,8 @@ input, and the bounds that keep each preparation finite:
 * size first: a text that cannot fit the context whatever its tokenization is
   refused before any work (every token covers at most the vocabulary's longest
   piece, so ``len(text) / longest`` tokens is a floor); a 10 MB paste against a
-  4,096-token context is answered at once instead of tokenized for a minute;
+  4,096-token context is answered at once instead of tokenized for a minute, and
+  so is a prompt a chat template wrote that long (up to its 32 Mi characters);
 * the chat template renders inside its ``RenderBudget`` (CPU time and size;
   ``model/template_sandbox.py``), in a worker process whose memory and CPU the
   operating system bounds (``model/template_worker.py``: ``isolate`` routes a
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aotx.engine.errors import AotxError, EngineError, ErrorCode
+from aotx.engine.model.template_sandbox import DEFAULT_CPU_SECONDS, DEFAULT_MAX_CHARS, RenderBudget
 from aotx.engine.model.template_worker import TemplateWorkers, shared_workers
 from aotx.engine.model.tokenizer import Tokenizer
 from aotx.engine.runtime.admission import Refusal
@@ -39,6 +41,7 @@ from aotx.engine.runtime.events import Inbox, Prepared
 log = logging.getLogger("aotx.engine")
 
 N_WORKERS = 2  # one slow preparation (a long paste) does not hold up everyone else's
+RENDER_MIN_CHARS = 1 << 20  # a render may always build this much, whatever the context
 
 
 class Preparer:
@@ -146,17 +149,28 @@ def longest_piece(tokenizer: Tokenizer) -> int:
     return max([1] + [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)])
 
 
-def check_size(text: str, longest: int, context_tokens: int) -> None:
+def render_budget(longest: int, context_tokens: int) -> RenderBudget:
+    """The budget of a chat template render whose prompt must fit ``context_tokens``: the
+    default CPU time, and at most the characters a prompt that fits could hold (four
+    times the floor's, for what a template builds on the way; at least 1 Mi, at most
+    the sandbox's default). What a template writes past it stays in its worker: 30 M
+    characters crossing to the engine for each refused message grew its RSS for good."""
+    chars = min(DEFAULT_MAX_CHARS, max(RENDER_MIN_CHARS, 4 * longest * context_tokens))
+    return RenderBudget(DEFAULT_CPU_SECONDS, chars)
+
+
+def check_size(text: str, longest: int, context_tokens: int, what: str = "the message") -> None:
     """Refuse ``text`` when no tokenization of it can fit ``context_tokens`` (with one
     token of reply): every token covers at most ``longest`` bytes (``longest_piece``)
     and a character is at least one byte, so ``len(text) / longest`` tokens is a
-    floor. Raises Refusal (too_long, context)."""
+    floor. ``what`` names the text ("the message", or the prompt a chat template
+    made). Raises Refusal (too_long, context)."""
     floor = -(-len(text) // longest)
     if floor + 1 > context_tokens:
         raise Refusal(ErrorCode.TOO_LONG, "context",
-                      f"the message is {len(text):,} characters, at least {floor:,} tokens (this vocabulary's "
+                      f"{what} is {len(text):,} characters, at least {floor:,} tokens (this vocabulary's "
                       f"longest token is {longest} bytes); the context holds {context_tokens:,} tokens",
                       asked=floor + 1, free=context_tokens,
                       accepts=f"a prompt of at most {context_tokens - 1} tokens",
-                      detail=f"the message is too long for the context: at least {floor:,} tokens, the context "
+                      detail=f"{what} is too long for the context: at least {floor:,} tokens, the context "
                              f"holds {context_tokens:,}")

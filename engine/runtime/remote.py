@@ -313,7 +313,7 @@ class RemoteSubmitter:
             body["messages"] = history + [{"role": "user", "content": op.text}]
         self.owner.bodies[id(r)] = (body, not op.raw)
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq, tick=tick,
-                             prompt_ids=[]))
+                             prompt_ids=[], model=self.model_name))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.ACCEPTED)
             st.flush()

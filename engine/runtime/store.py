@@ -238,14 +238,15 @@ class ConversationStore:
     # ---- writes -----------------------------------------------------------------
 
     def create(self, title: str, system_prompt: str | None, sampling: P.SamplingParams | None,
-               tick: int = 0, messages: Sequence[tuple] = (), model: str = "", context: str = "") -> P.ConversationView:
+               tick: int = 0, messages: Sequence[tuple] = (), model: str = "", origin: str = "",
+               context: str = "") -> P.ConversationView:
         """A new conversation on ``model`` with context policy ``context`` ("": the engine's),
         with ``messages`` (role, text[, meta]) stored as finished history."""
         cid = _new_id("c")
         now = time.time()
         recs: list[Any] = [R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=now,
                                                  system_prompt=system_prompt, sampling=_sampling_dict(sampling),
-                                                 model=model, context=context)]
+                                                 model=model, origin=origin, context=context)]
         for role, text, *meta in messages:
             mid = _new_id("m")
             recs.append(R.MessageAccepted(conv_id=cid, msg_id=mid, role=role, text=text, created_at=now,

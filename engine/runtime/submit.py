@@ -64,7 +64,7 @@ from aotx.engine.runtime.drafter import DraftDrafter, DraftModel
 from aotx.engine.runtime.envelope import Envelope
 from aotx.engine.runtime.events import Inbox, MediaReady, Prepared
 from aotx.engine.runtime.mtp import MtpDrafter
-from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece
+from aotx.engine.runtime.prepare import Preparer, check_size, longest_piece, render_budget
 from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Drafter, Request, RequestState, Sink
 from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
@@ -304,32 +304,24 @@ class Submitter:
             return self._fit_images(sub, history, text)
         turn = {**P.template_fields(op.meta), "role": op.role, "content": text}
         if parts is None:
-            return text, self._chat_ids(history + [turn], op.tools, op.prefill)
+            return text, self._chat_ids(history + [turn], op.tools, op.prefill, fit=True)
         return text, self._fit(sub, parts, turn)
 
     def _fit(self, sub: Submission, parts: tuple, turn: dict[str, Any]) -> list[int]:
-        """The prompt's ids under the conversation's context policy (on the worker)."""
+        """The prompt's ids under the conversation's context policy (on the worker:
+        ``context.fit_turn``); sets ``sub.fit`` and ``sub.continuation``."""
         op = sub.op
-        system, msgs, start = parts
-        hist = context.History(system, [(mid, tool_calls.template_message(m)) for mid, m in msgs], start)
+        sub.fit, sub.continuation = context.fit_turn(
+            sub.policy, self.envelope, parts, lambda kept: self._chat_ids(kept + [turn], op.tools, op.prefill, fit=True),
+            sub.sampling.max_tokens)
+        return sub.fit.ids
 
-        def render(kept: list[dict[str, Any]]) -> list[int]:
-            return self._chat_ids(kept + [turn], op.tools, op.prefill)
-
-        ctx = self.envelope.context_tokens
-        got = context.fit(sub.policy, ctx, hist, render, room=context.reply_room(ctx, sub.sampling.max_tokens))
-        if got is None:  # even alone the newest turn leaves no room: today's refusal, with its numbers
-            admission.check_prompt(len(render([system] if system else [])), self.envelope)
-            raise AssertionError("context.fit found no cut for a turn that fits alone")
-        sub.fit = got
-        if sub.policy in context.CONTINUING:
-            sub.continuation = context.Continuation(sub.policy, hist, got.start, got.head, render)
-        return got.ids
-
-    def _chat_ids(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str) -> list[int]:
+    def _chat_ids(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str,
+                  fit: bool = False) -> list[int]:
         """Prompt ids of template messages ``msgs`` with ``tools`` (in the template's
         ``tools``, or described in the system prompt of a template without them) and an
-        assistant ``prefill`` left open. Raises TemplateError."""
+        assistant ``prefill`` left open. ``fit``: a rendered prompt that cannot fit the
+        context is refused before it is tokenized. Raises TemplateError or Refusal."""
         if prefill:
             msgs = msgs + [{"role": "assistant", "content": prefill}]
         extra: dict[str, Any] = {}
@@ -338,7 +330,13 @@ class Submitter:
                 extra["tools"] = tools
             else:  # the template knows no tools: describe them in the system prompt
                 msgs = _with_system(msgs, tool_calls.fallback_system_prompt(tools))
-        return encode_chat(self.lm.tokenizer, self.lm.template, msgs, continue_final=bool(prefill), **extra)
+        check = None
+        if fit:
+            longest, context = self._longest or longest_piece(self.lm.tokenizer), self.envelope.context_tokens
+            check = lambda text: check_size(text, longest, context, "the prompt the chat template made")  # noqa: E731
+            extra["budget"] = render_budget(longest, context)
+        return encode_chat(self.lm.tokenizer, self.lm.template, msgs, continue_final=bool(prefill), check=check,
+                           **extra)
 
     def count(self, op: P.CountTokens, sink: Sink) -> None:
         """``CountTokens``: the prompt's ids made on a preparation worker as stage 3 makes a
@@ -466,7 +464,7 @@ class Submitter:
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
             r.drafter.bind(r)
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
-                             tick=tick, prompt_ids=prompt))
+                             tick=tick, prompt_ids=prompt, model=self.model_name))
         cut = sub.fit.cut if sub.fit is not None else None
         if cut is not None:
             if not cut.kept_from:  # only the newest turn stays: the next prompt starts at it
@@ -488,7 +486,7 @@ class Submitter:
                 f.drafter.bind(f)
             r.forks.append(f)
             sink.send(P.Accepted(id=op.id, conv_id=f_conv, msg_id=f_msg, reply_id=f_reply, seq=f_seq, tick=tick,
-                                 prompt_ids=prompt, choice=i))
+                                 prompt_ids=prompt, choice=i, model=self.model_name))
             if st.journaled:
                 st.receipts.watch(f_seq, f, Covers.ACCEPTED)
         if st.journaled:

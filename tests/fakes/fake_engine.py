@@ -7,7 +7,8 @@ app uses and yields the event sequence the protocol documents: Accepted, Durable
 slowly, to send notices, to refuse media (or to turn it into text as the engine's
 media profiles do, ``media_text``), to refuse a prompt longer than ``max_prompt_chars``
 (too_long, as the engine does: a refused Notice, then an Error, nothing recorded), to
-crash mid-reply, and to send each token only when the test lets it (``token_gate``); it
+crash mid-reply, to be stopped (``stop``: as ``aotx stop``, its clients told so), and to
+send each token only when the test lets it (``token_gate``); it
 forks conversations, and refuses with the engine's error codes (``EngineError.code``:
 not_found, busy).
 Leaves to others: everything a real engine does (no model, no disk).
@@ -57,15 +58,38 @@ class FakeEngine:
         self.max_prompt_chars = max_prompt_chars
         self.n_ctx = n_ctx
         self.token_gate = token_gate  # tests: awaited before token i is sent (a stream paced by the test)
+        self.before_accept: list[P.Notice] = []  # notices sent before Accepted (a model loading for the message)
+        self.accept_gate: Callable[[], Awaitable[None]] | None = None  # tests: awaited before Accepted
+        self.answer_model = ""  # the model Accepted names ("": the conversation's)
+        self.refuse: tuple[str, str, str] | None = None  # (resource, code, message): refuse every message
+        self.down = False  # stopped: no engine answers until a client starts one (``connect``)
+        self.spawned_with: list[list[str]] = []  # the engine_args of each engine a client started after a stop
+        self.engine_args: list[str] = ["--model", "/models/fake.gguf", "--context", "2048"]  # its Welcome's
 
-    async def connect(self, on_spawn: Callable[[str], None] | None = None) -> "FakeEngineClient":
-        """The client factory the app takes: a new connection to this engine."""
+    async def connect(self, on_spawn: Callable[[str], None] | None = None, *,
+                      engine_args: list[str] | None = None, spawn: bool = True) -> "FakeEngineClient":
+        """The client factory the app takes: a new connection to this engine (after ``stop()``,
+        a new engine is started with ``engine_args``, recorded in ``spawned_with``; with
+        ``spawn`` false an EngineError instead, as no engine answers)."""
+        if self.down:
+            if not spawn:
+                raise EngineError("no engine answers on the fake socket")
+            self.down = False
+            self.spawned_with.append(list(engine_args or []))
         self.connects += 1
         if on_spawn and self.connects > 1:
             on_spawn("started an engine in the background (pid 4242, log engine.log)")
         client = FakeEngineClient(self)
         self.clients.append(client)
         return client
+
+    def stop(self) -> None:
+        """``aotx stop``: every connection is told the engine was stopped, then closed; no
+        engine answers until a client starts one."""
+        for c in self.clients:
+            c.stopped = True
+        self.crash()
+        self.down = True
 
     def add_conversation(self, title: str, messages: list[tuple[str, str]] = ()) -> P.ConversationView:
         conv = P.ConversationView(conv_id=f"c{next(self.ids)}", title=title, created_at=self._tick(),
@@ -107,13 +131,15 @@ class FakeEngineClient:
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
         self.closed = False
+        self.stopped = False  # as EngineClient.stopped: the engine said it was stopped before closing
         self.welcome = P.Welcome(protocol=P.PROTOCOL_VERSION, engine="fake", model=engine.model,
-                                 device=engine.device, ready=engine.load_steps == 0, pid=4242)
+                                 device=engine.device, ready=engine.load_steps == 0, pid=4242,
+                                 engine_args=list(engine.engine_args))
         self._rids = itertools.count(1)
         self._cancel: set[int] = set()
 
     def _check(self) -> None:
-        if self.closed:
+        if self.closed or self.engine.down:
             raise ConnectionLost("the engine closed the connection")
 
     def _conv(self, conv_id: str) -> P.ConversationView:
@@ -140,15 +166,17 @@ class FakeEngineClient:
     async def list_conversations(self) -> list[P.ConversationView]:
         self._check()
         return [P.ConversationView(conv_id=c.conv_id, title=c.title, created_at=c.created_at,
-                                   updated_at=c.updated_at, n_messages=len(c.messages), model=c.model)
+                                   updated_at=c.updated_at, n_messages=len(c.messages), model=c.model,
+                                   origin=c.origin)
                 for c in self.engine.convs.values()]
 
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
                                   sampling: P.SamplingParams | None = None,
-                                  messages: list | None = None, model: str = "",
+                                  messages: list | None = None, model: str = "", origin: str = "",
                                   context: str = "") -> P.ConversationView:
         self._check()
         conv = self.engine.add_conversation(title or "New conversation")
+        conv.origin = origin
         conv.system_prompt, conv.sampling, conv.context = system_prompt, sampling, context
         conv.model = model or self.engine.model
         return conv
@@ -232,6 +260,11 @@ class FakeEngineClient:
         conv = self._conv(conv_id)
         e.submit_models.append(model)
         e.submitted.append((conv_id, text, list(attachments or [])))
+        if e.refuse is not None:  # (resource, code, message): refused before acceptance, as admission does
+            resource, code, message = e.refuse
+            yield P.Notice(id=rid, kind="refused", resource=resource, message=message)
+            yield P.Error(id=rid, code=code, message=message)
+            return
         if not self.welcome.ready and e.load_steps > 0:
             yield P.Error(id=rid, code=ErrorCode.NOT_READY, message="the model is still loading")
             return
@@ -246,6 +279,10 @@ class FakeEngineClient:
             yield P.Error(id=rid, code=ErrorCode.TOO_LONG,
                           message=f"prompt of {asked} tokens does not fit the context of {e.n_ctx} tokens")
             return
+        for n in e.before_accept:
+            yield msgspec_replace(n, id=rid)
+        if e.accept_gate is not None:
+            await e.accept_gate()
         journaled = text
         if attachments:  # as the engine's media profiles do: the text the model receives
             from aotx.media.profile import MediaResult, render_for_prompt
@@ -263,7 +300,7 @@ class FakeEngineClient:
         conv.busy, conv.updated_at = True, e._tick()
         prompt_ids = list(range(sum(len(m.text) for m in conv.messages) // e.chars_per_token + 8))
         yield P.Accepted(id=rid, conv_id=conv_id, msg_id=user.msg_id, reply_id=reply.msg_id, seq=user.seq, tick=1,
-                         prompt_ids=prompt_ids)
+                         prompt_ids=prompt_ids, model=e.answer_model or conv.model or e.model)
         user.receipt = e._receipt(user.seq)
         yield P.Durable(id=rid, receipt=user.receipt, msg_id=user.msg_id)
         for n in e.notices:

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 RUN = """
 import json, sys
-from aotx.engine.cli.bench import bench_engine_path
+from aotx.engine.cli.bench_path import bench_engine_path
 sizes = tuple(int(s) for s in sys.argv[2].split(","))
 r = bench_engine_path(sys.argv[1] or None, "cpu", sizes, int(sys.argv[3]), int(sys.argv[4]))
 import aotx

@@ -33,6 +33,7 @@ from numba import njit, prange
 
 from . import fdot as cpu_fdot
 from .fdot import axpy, dots, exp_nonpos, f2h_bits, h2f
+from .parallel import PARALLEL
 
 ROW_BLOCK = 16   # rows of one slot that share one K/V conversion
 
@@ -153,10 +154,10 @@ def _job(p, starts, slots, lengths, KV, window, n_ctx):
 
 
 @njit(cache=True, inline="always", error_model="numpy")
-def _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half, sinks,
-             has_sinks):
-    """Job p: a block of rows of one slot against one KV head (float16 caches: its K/V
-    range converted to float32 first, exactly)."""
+def _run_job_half(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, sinks,
+                  has_sinks):
+    """Job p over a float16 cache: a block of rows of one slot against one KV head, its K/V
+    range converted to float32 first (exactly), then ``_rows``."""
     N, H, hd = q.shape
     G = H // KV
     r0, r1, s, g, lo_min, span = _job(p, starts, slots, lengths, KV, window, n_ctx)
@@ -165,40 +166,77 @@ def _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, ou
     o = np.empty((G, hd), np.float32)
     den = np.empty(1 + G, np.float32)
     head0 = ((s * KV + g) * n_ctx + lo_min) * hd
-    if half:
-        kf = np.empty(max(span, 1) * hd, np.float32)
-        vf = np.empty(max(span, 1) * hd, np.float32)
-        h2f(mode, kflat, head0, kf, 0, span * hd)
-        h2f(mode, vflat, head0, vf, 0, span * hd)
-        _rows(q, kf, vf, 0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks,
-              has_sinks)
-    else:
-        _rows(q, kflat, vflat, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks,
-              has_sinks)
+    kf = np.empty(max(span, 1) * hd, np.float32)
+    vf = np.empty(max(span, 1) * hd, np.float32)
+    h2f(mode, kflat, head0, kf, 0, span * hd)
+    h2f(mode, vflat, head0, vf, 0, span * hd)
+    _rows(q, kf, vf, 0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks, has_sinks)
 
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _run_job_f32(p, starts, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, sinks, has_sinks):
+    """Job p over a float32 cache: ``_rows`` reads the cache in place."""
+    N, H, hd = q.shape
+    G = H // KV
+    r0, r1, s, g, lo_min, span = _job(p, starts, slots, lengths, KV, window, n_ctx)
+    sc = np.empty((G, max(span, 1)), np.float32)
+    ones = np.ones(max(span, 1), np.float32)
+    o = np.empty((G, hd), np.float32)
+    den = np.empty(1 + G, np.float32)
+    head0 = ((s * KV + g) * n_ctx + lo_min) * hd
+    _rows(q, kflat, vflat, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks,
+          has_sinks)
+
+
+# One kernel per cache type and per threading: each compiles only the path it runs (a kernel
+# taking both cache types compiled ``_rows`` for both, one of them never run), and the
+# serial ones are the threaded ones' twins (warmup.py). Their arguments are attention_rows'
+# kernel's (``kernel_for``); ``half`` is implied by the kernel and not read.
 
 @njit(cache=True, parallel=True, error_model="numpy")
 def _attention_parallel(mode, q, kc, vc, slots, lengths, scale, window, out, half, sinks, has_sinks):
-    """attention_rows' kernel, jobs over the threads (half: the cache holds float16 bits)."""
+    """attention_rows' kernel over a float16 cache, jobs over the threads."""
     n_slots, KV, n_ctx, _ = kc.shape
     starts = _blocks(slots, q.shape[0])
     kflat = kc.reshape(-1)
     vflat = vc.reshape(-1)
     for p in prange((starts.shape[0] - 1) * KV):
-        _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half, sinks,
-                 has_sinks)
+        _run_job_half(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, sinks,
+                      has_sinks)
 
 
 @njit(cache=True, error_model="numpy")
 def _attention_serial(mode, q, kc, vc, slots, lengths, scale, window, out, half, sinks, has_sinks):
-    """attention_rows' kernel on the calling thread (the same jobs, in order)."""
+    """attention_rows' kernel over a float16 cache on the calling thread (the same jobs, in order)."""
     n_slots, KV, n_ctx, _ = kc.shape
     starts = _blocks(slots, q.shape[0])
     kflat = kc.reshape(-1)
     vflat = vc.reshape(-1)
     for p in range((starts.shape[0] - 1) * KV):
-        _run_job(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, half, sinks,
-                 has_sinks)
+        _run_job_half(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, sinks,
+                      has_sinks)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def _attention_parallel_f32(mode, q, kc, vc, slots, lengths, scale, window, out, half, sinks, has_sinks):
+    """attention_rows' kernel over a float32 cache, jobs over the threads."""
+    n_slots, KV, n_ctx, _ = kc.shape
+    starts = _blocks(slots, q.shape[0])
+    kflat = kc.reshape(-1)
+    vflat = vc.reshape(-1)
+    for p in prange((starts.shape[0] - 1) * KV):
+        _run_job_f32(p, starts, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, sinks, has_sinks)
+
+
+@njit(cache=True, error_model="numpy")
+def _attention_serial_f32(mode, q, kc, vc, slots, lengths, scale, window, out, half, sinks, has_sinks):
+    """attention_rows' kernel over a float32 cache on the calling thread (the same jobs, in order)."""
+    n_slots, KV, n_ctx, _ = kc.shape
+    starts = _blocks(slots, q.shape[0])
+    kflat = kc.reshape(-1)
+    vflat = vc.reshape(-1)
+    for p in range((starts.shape[0] - 1) * KV):
+        _run_job_f32(p, starts, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, sinks, has_sinks)
 
 
 # Below this many multiply-adds attention runs on the calling thread (decode at short
@@ -229,7 +267,7 @@ def attention_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot
     n = q.shape[0]
     if n:
         lengths = np.ascontiguousarray(lengths, np.int32)
-        run = kernel_for(attended_keys(lengths, window), q.shape[1], q.shape[2])
+        run = kernel_for(attended_keys(lengths, window), q.shape[1], q.shape[2], k_cache.dtype == np.uint16)
         run(cpu_fdot.HOST_F16, np.ascontiguousarray(q, np.float32), k_cache, v_cache,
             np.ascontiguousarray(slots, np.int32), lengths, np.float32(scale), int(window), out,
             k_cache.dtype == np.uint16, sinks, has_sinks)
@@ -254,13 +292,18 @@ def attended_keys(lengths: np.ndarray, window: int) -> int:
     return int(lengths.sum()) if window <= 0 else int(np.minimum(lengths, window).sum())
 
 
-def kernel_for(keys: int, n_heads: int, head_dim: int):
-    """The compiled kernel attention_rows runs for ``keys`` attended pairs: on the threads,
-    or on the calling thread below PARALLEL_MACS (the same jobs and arithmetic either way).
-    Its arguments: (cpu_fdot.HOST_F16, q C-contiguous float32, k_cache, v_cache, slots
-    int32, lengths int32, float32 scale, int window, out, half: bool, sinks float32 (H,)
-    (or NO_SINKS), has_sinks); the caller has made the checks attention_rows makes."""
-    return _attention_parallel if keys * n_heads * head_dim * 2 >= PARALLEL_MACS else _attention_serial
+def kernel_for(keys: int, n_heads: int, head_dim: int, half: bool = True):
+    """The compiled kernel attention_rows runs for ``keys`` attended pairs over a float16
+    (``half``) or float32 cache: on the threads, or on the calling thread below
+    PARALLEL_MACS or while the threaded kernels compile (warmup.py; the same jobs and
+    arithmetic either way). Its arguments: (cpu_fdot.HOST_F16, q C-contiguous float32,
+    k_cache, v_cache, slots int32, lengths int32, float32 scale, int window, out, half:
+    bool, sinks float32 (H,) (or NO_SINKS), has_sinks); the caller has made the checks
+    attention_rows makes."""
+    threaded = keys * n_heads * head_dim * 2 >= PARALLEL_MACS and PARALLEL.ready
+    if half:
+        return _attention_parallel if threaded else _attention_serial
+    return _attention_parallel_f32 if threaded else _attention_serial_f32
 
 
 @njit(cache=True, error_model="numpy")

@@ -42,6 +42,7 @@ from numba import njit, prange
 
 from aotx.engine.backend import quants
 from aotx.engine.backend.cpu import fdot as cpu_fdot, markers as cpu_markers, qdot as cpu_qdot
+from aotx.engine.backend.cpu.parallel import PARALLEL
 from aotx.engine.backend.cpu.repack import (
     COMPACT_OF, KIND_OF, R, _byte_rows, _dequantize, repack, repack_compact,
 )
@@ -94,8 +95,8 @@ def gemm_float(x: np.ndarray, w: np.ndarray, out: np.ndarray, col0: int) -> None
     float32 / float16 bits (uint16) / bfloat16 bits (int16), out (n, m) float32, all
     C-contiguous. Groups of 4 weight rows (over the threads when the work is large);
     inside them activation rows two at a time (each output the same single dot product)."""
-    run = _gemm_float_parallel if x.shape[0] * w.shape[0] * x.shape[1] >= cpu_qdot.PARALLEL_MACS else \
-        _gemm_float_serial
+    run = _gemm_float_parallel if (x.shape[0] * w.shape[0] * x.shape[1] >= cpu_qdot.PARALLEL_MACS
+                                   and PARALLEL.ready) else _gemm_float_serial
     run(x, w, out, col0)
 
 
@@ -214,8 +215,9 @@ class QuantMatrix:
             xq, dx, sx, xs, xh = _act_scratch(n, self.k)
             isa = self.isa
             cs, ch = _CORR[(self.kind, int(isa))]
-            cpu_qdot.matmul(self._marker, isa, self._qs, self._qh, self._d, self._mn, x, xq, dx, sx, xs, xh, out,
-                            self._n_chunks, cs, ch)
+            kern = cpu_qdot.matmul if PARALLEL.ready else cpu_qdot.matmul_serial
+            kern(self._marker, isa, self._qs, self._qh, self._d, self._mn, x, xq, dx, sx, xs, xh, out,
+                 self._n_chunks, cs, ch)
             return out
         if self._direct is not None:
             gemm_float(x, self._direct, out, 0)
@@ -235,7 +237,7 @@ class QuantMatrix:
         read now."""
         if not self.int8:
             return lambda x, out: self.matmul(x, out)
-        kern, scratch = cpu_qdot.matmul, _act_scratch
+        threaded, serial, scratch, parallel = cpu_qdot.matmul, cpu_qdot.matmul_serial, _act_scratch, PARALLEL
         marker, isa, qs, qh, d, mn = self._marker, self.isa, self._qs, self._qh, self._d, self._mn
         cs, ch = _CORR[(self.kind, int(isa))]
         n_chunks, k = self._n_chunks, self.k
@@ -244,7 +246,9 @@ class QuantMatrix:
             n = x.shape[0]
             if n:
                 xq, dx, sx, xs, xh = scratch(n, k)
-                kern(marker, isa, qs, qh, d, mn, x, xq, dx, sx, xs, xh, out, n_chunks, cs, ch)
+                # the serial twin until the threaded kernel is compiled (warmup.py): the same numbers
+                (threaded if parallel.ready else serial)(marker, isa, qs, qh, d, mn, x, xq, dx, sx, xs, xh, out,
+                                                         n_chunks, cs, ch)
         return run
 
     def _dequant_range(self, r0: int, r1: int) -> np.ndarray:

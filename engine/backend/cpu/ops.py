@@ -1,6 +1,6 @@
 """The CPU op set besides matmul and attention: norms, RoPE (both modes), activations, adds.
 
-Owns: numba kernels (compiled once, cached on disk). Leaves the quantized matmul to
+Owns: numba kernels (compiled once, when first needed, and cached on disk: ``LazyKernel``). Leaves the quantized matmul to
 ``cpu/matmul.py``, attention over the KV cache (and storing K/V into it) to
 ``cpu/attention.py``, the order of ops to the architecture module and the program
 executor (``cpu/program.py``). Every kernel here computes a row from that row alone
@@ -31,7 +31,39 @@ _SIG_GLU = [f"void({_F2}, {_F2}, {_F2})"]
 _SIG_ADD = [f"void({_F2}, {_F2})"]
 
 
-@nb.njit(_SIG_RMS, cache=True, fastmath=True, error_model="numpy")
+class LazyKernel:
+    """A kernel compiled for its explicit signatures when it is first needed, not when the
+    module is imported: an architecture that never uses it (gelu for a llama, NeoX RoPE,
+    QK-norm) never compiles it, which a cold start (an empty numba cache) pays for. Once
+    compiled it takes no other layout (``disable_compile``): as an ``njit(signatures)``
+    kernel, an argument is converted to the signature's layout, never compiled again."""
+
+    def __init__(self, fn, sigs: list[str], **options) -> None:
+        self.py_func, self.sigs, self.options = fn, sigs, options
+        self.__doc__, self.__name__ = fn.__doc__, fn.__name__
+        self._disp = None
+
+    def dispatcher(self):
+        """The compiled numba dispatcher (compiled, or loaded from the cache, on first use)."""
+        if self._disp is None:
+            from numba.core import sigutils
+
+            d = nb.njit(**self.options)(self.py_func)
+            for s in self.sigs:
+                d.compile(sigutils.normalize_signature(s)[0])
+            d.disable_compile()
+            self._disp = d
+        return self._disp
+
+    def __call__(self, *args):
+        return (self._disp or self.dispatcher())(*args)
+
+
+def _lazy(sigs: list[str], **options):
+    return lambda fn: LazyKernel(fn, sigs, **options)
+
+
+@_lazy(_SIG_RMS, cache=True, fastmath=True, error_model="numpy")
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out[i] = x[i] / sqrt(mean(x[i]**2) + eps) * w.  x, out: (n, d) float32; w: (d,) float32.
 
@@ -50,7 +82,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
             out[i, j] = x[i, j] * scale * w[j]
 
 
-@nb.njit(_SIG_HEAD_RMS, cache=True, fastmath=True, error_model="numpy")
+@_lazy(_SIG_HEAD_RMS, cache=True, fastmath=True, error_model="numpy")
 def head_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> None:
     """In place: every head vector x[i, h] (length hd) becomes x / sqrt(mean(x**2) + eps) * w.
 
@@ -69,7 +101,7 @@ def head_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> None:
                 x[i, h, j] = x[i, h, j] * scale * w[j]
 
 
-@nb.njit(_SIG_ROPE, cache=True, fastmath=True, error_model="numpy")
+@_lazy(_SIG_ROPE, cache=True, fastmath=True, error_model="numpy")
 def rope_inplace(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate adjacent pairs (x[2j], x[2j+1]) of every head by the table angle of row i's position.
 
@@ -92,7 +124,7 @@ def rope_inplace(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.
                 x[i, hh, 2 * j + 1] = a * s + b * c
 
 
-@nb.njit(_SIG_ROPE, cache=True, fastmath=True, error_model="numpy")
+@_lazy(_SIG_ROPE, cache=True, fastmath=True, error_model="numpy")
 def rope_neox_inplace(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """Rotate the pairs (x[j], x[j + rope_dim/2]) of every head (GGML_ROPE_TYPE_NEOX: the
     GPT-NeoX layout that Qwen, Gemma and Phi-3 GGUFs use). Same arguments as rope_inplace."""
@@ -110,7 +142,7 @@ def rope_neox_inplace(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin
                 x[i, hh, j + half] = a * s + b * c
 
 
-@nb.njit(_SIG_GLU, cache=True, fastmath=True, error_model="numpy")
+@_lazy(_SIG_GLU, cache=True, fastmath=True, error_model="numpy")
 def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     """SwiGLU: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). All (n, f) float32
     (gate and up may be strided views; out may be gate).
@@ -123,7 +155,7 @@ def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
             out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
 
 
-@nb.njit(_SIG_GLU, cache=True, fastmath=True, error_model="numpy")
+@_lazy(_SIG_GLU, cache=True, fastmath=True, error_model="numpy")
 def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     """GeGLU with the tanh approximation of GELU: out = 0.5 g (1 + tanh(sqrt(2/pi) (g +
     0.044715 g^3))) * up. All (n, f) float32 (out may be gate).
@@ -139,7 +171,7 @@ def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
             out[i, j] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + a3 * g * g * g))) * up[i, j]
 
 
-@nb.njit(_SIG_ADD, cache=True, fastmath=True, error_model="numpy")
+@_lazy(_SIG_ADD, cache=True, fastmath=True, error_model="numpy")
 def add_inplace(x: np.ndarray, y: np.ndarray) -> None:
     """x += y for (n, d) float32 (the residual add, without a temporary)."""
     n, d = x.shape

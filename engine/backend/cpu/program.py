@@ -319,7 +319,7 @@ class CpuProgram:
     def _c_rms_norm(self, i, node):
         w, eps, xi, oi = node.attrs["weight"], node.attrs["eps"], node.inputs[0].id, node.out.id
         s = self._slot(node.out)
-        kern = cpu_ops.rms_norm
+        kern = cpu_ops.rms_norm.dispatcher()
 
         def run(env, bt, kv):
             y = bt.views[s]
@@ -330,7 +330,7 @@ class CpuProgram:
     def _c_head_rms_norm(self, i, node):
         w, eps, hd = node.attrs["weight"], node.attrs["eps"], node.attrs["head_dim"]
         xi, oi, inplace, H = node.inputs[0].id, node.out.id, self._inplace[i], node.out.width // hd
-        kern = cpu_ops.head_rms_norm
+        kern = cpu_ops.head_rms_norm.dispatcher()
 
         def run(env, bt, kv):
             x = env[xi] if inplace else env[xi].copy()
@@ -371,7 +371,7 @@ class CpuProgram:
         spec: RopeSpec = node.attrs["spec"]
         si = self._specs.index(spec)
         hd = node.attrs["head_dim"]
-        kern = cpu_ops.rope_inplace if spec.mode == "normal" else cpu_ops.rope_neox_inplace
+        kern = (cpu_ops.rope_inplace if spec.mode == "normal" else cpu_ops.rope_neox_inplace).dispatcher()
         xi, oi, inplace, H = node.inputs[0].id, node.out.id, self._inplace[i], node.out.width // hd
 
         def run(env, bt, kv):
@@ -404,23 +404,24 @@ class CpuProgram:
                 keys = bt.keys[window] = cpu_attention.attended_keys(bt.lengths, window)
             # every row's K/V to its slot and position in one call (float16 rounded or
             # quantized there; forward has checked the slots and positions against the cache)
+            # (contiguous copies: one kernel signature for one row and for many, not two)
+            k_rows = np.ascontiguousarray(env[ki]).reshape(n, KV, hd)
+            v_rows = np.ascontiguousarray(env[vi]).reshape(n, KV, hd)
             if kv.quant:   # (rotated first where llama.cpp rotates: kvquant.rotations)
-                store_q(kc, vc, env[ki].reshape(n, KV, hd), env[vi].reshape(n, KV, hd), bt.slots, bt.positions,
-                        kvquant.KIND[kv.kv_type], *rot)
+                store_q(kc, vc, k_rows, v_rows, bt.slots, bt.positions, kvquant.KIND[kv.kv_type], *rot)
                 kernel_for_q(keys, H, hd)(q, kc, vc, bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd), sinks,
                                           has_sinks, kvquant.KIND[kv.kv_type], *rot)
                 env[oi] = y
                 return
-            (store16 if kv.half else store32)(kc, vc, env[ki].reshape(n, KV, hd), env[vi].reshape(n, KV, hd),
-                                             bt.slots, bt.positions)
+            (store16 if kv.half else store32)(kc, vc, k_rows, v_rows, bt.slots, bt.positions)
             # every row (decode, verify, prefill) in one call, one kernel (attention_rows' checks made here)
-            kernel_for(keys, H, hd)(mode, q, kc, vc, bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd),
-                                    kv.half, sinks, has_sinks)
+            kernel_for(keys, H, hd, kv.half)(mode, q, kc, vc, bt.slots, bt.lengths, scale, window,
+                                             y.reshape(n, H, hd), kv.half, sinks, has_sinks)
             env[oi] = y
         return run
 
     def _c_glu(self, i, node):
-        kern = cpu_ops.silu_mul if node.attrs["act"] == "silu" else cpu_ops.gelu_tanh_mul
+        kern = (cpu_ops.silu_mul if node.attrs["act"] == "silu" else cpu_ops.gelu_tanh_mul).dispatcher()
         gi, ui, oi, inplace = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i]
         s = self._slot(node.out)
 
@@ -434,7 +435,7 @@ class CpuProgram:
     def _c_add(self, i, node):
         ai, bi, oi, inplace = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i]
         s = self._slot(node.out)
-        kern = cpu_ops.add_inplace
+        kern = cpu_ops.add_inplace.dispatcher()
 
         def run(env, bt, kv):
             if inplace:

@@ -2,7 +2,8 @@
 
 Owns: ``quantize_x`` (activations to int8 per 32-block, as llama.cpp's Q8_1 does, its
 block step as LLVM IR: ``_qblock``) and the matmul kernel ``gemm`` (and ``matmul``:
-both in one call) over the tiles that ``repack.py`` builds, for every row count n:
+both in one call; ``matmul_serial``: the same on one thread, quick to compile) over the
+tiles that ``repack.py`` builds, for every row count n:
 parallel over chunks of 32-row tiles, 8-row lane groups inside a tile, activation rows
 in groups of 8, 4 and 1 sharing each weight load. Leaves to others: the integer step
 and its arithmetic (``lanes.py``), the markers (``markers.py``), the weight layouts and
@@ -223,3 +224,13 @@ def matmul(kind, isa, qs, qh, d, mn, x, xq, dx, sx, xs, xh, out, n_chunks, cs, c
     corrections(kind, isa)); out (n, m)."""
     quantize_x(x, xq, dx, sx, xs, xh, cs, ch)
     gemm(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks)
+
+
+@njit(cache=True, error_model="numpy")
+def matmul_serial(kind, isa, qs, qh, d, mn, x, xq, dx, sx, xs, xh, out, n_chunks, cs, ch):
+    """``matmul`` on the calling thread alone (its arguments, its numbers bit for bit: the
+    same tiles in the same order). It compiles without the parallel regions, in a fraction
+    of the time: an engine's first reply runs on it while ``matmul`` compiles
+    (``warmup.py``)."""
+    _quantize_serial(x, xq, dx, sx, xs, xh, cs, ch)
+    _gemm_serial(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out)
