@@ -199,9 +199,11 @@ class ChatActions:
         view = await self._call(self.client.show(self.conv_id))
         if view is None:
             return
-        result = await self.push_screen_wait(SettingsScreen(view.system_prompt, view.sampling))
+        result = await self.push_screen_wait(SettingsScreen(view.system_prompt, view.sampling, view.context))
         if result is not None:
-            prompt, sampling = result
+            prompt, sampling, policy = result
+            if policy != view.context and not await self._call(self.client.set_context(self.conv_id, policy), ok=True):
+                return
             if await self._call(self.client.update(self.conv_id, system_prompt=prompt, sampling=sampling), ok=True):
                 if self.conv_view is not None and self.conv_view.conv_id == self.conv_id:
                     self.conv_view.sampling, self.conv_view.system_prompt = sampling, prompt

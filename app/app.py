@@ -30,7 +30,7 @@ from aotx.app.actions import ChatActions
 from aotx.engine.present.attach import make_attachment
 from aotx.app.bindings import ACTIONS, app_bindings
 from aotx.app.engine_link import EngineLink, Outgoing
-from aotx.engine.present.format import history_media, media_text, position_of
+from aotx.engine.present.format import cut_marker, history_media, media_text, position_of
 from aotx.app.models_ui import ModelActions
 from aotx.engine.present.paste import parse_pasted_paths, split_paste
 from aotx.app.search import SearchIndex
@@ -213,11 +213,13 @@ class ChatApp(ChatActions, ModelActions, EngineLink, App):
         for m in view.messages if view else []:
             text, infos = history_media(m) if m.role == "user" else (m.text, [])
             w = MessageWidget(m.role, text, msg_id=m.msg_id, position=position_of(m), attachments=m.attachments)
-            w.receipt, w.seq, w.finish_reason = m.receipt, m.seq, m.finish_reason
+            w.receipt, w.seq, w.finish_reason, w.context = m.receipt, m.seq, m.finish_reason, m.context
             w.n_tokens = len(m.token_ids)
             self.chat_widgets[m.msg_id] = w
             widgets.append(w)
             ns = [(media_text(i), "error" if i.error else "media") for i in infos]
+            if m.context is not None:   # its prompt left earlier messages out: the marker stays where it happened
+                ns.append((cut_marker(m.context), "context"))
             if m.status == "interrupted":
                 ns.append(("The engine stopped while writing this reply; the part that reached the disk is kept.",
                            "interrupted"))

@@ -375,6 +375,8 @@ class EngineLink:
             if ev.kind == "model" and ev.message.startswith("loading model") and not item.accepted:
                 self.status_bar.set_state("loading model", ev.message[len("loading model"):].strip())
             (reply or user).add_notice(notice_text(ev, item.had_history), ev.kind)
+            if ev.cut is not None and reply is not None:   # the details view shows the reply's cut
+                reply.context = ev.cut
         elif isinstance(ev, P.MediaInfo):
             user.add_notice(media_text(ev), "media" if not ev.error else "error")
         elif isinstance(ev, P.Committed):

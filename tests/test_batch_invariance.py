@@ -1,7 +1,7 @@
 """Batch invariance of the forward pass on tiny GGUF files.
 
 The promise (DESIGN.md, engine/model/batch.py): for a given model, backend and KV
-type, the logits of a row depend only on that row's token, its position and the KV it
+type (f32, f16, q8_0, q4_0), the logits of a row depend only on that row's token, its position and the KV it
 attends to - not on the other rows of the batch, the batch size, the segment length, the
 prefill chunking, the slot, or whether the row is a decode, prefill or verify row.
 
@@ -82,10 +82,19 @@ def _load(path: Path):
 
 
 def _kv_types(model) -> list[str | None]:
-    """The KV types new_kv_cache takes (None: its only one, before the kv_type argument)."""
-    if "kv_type" in inspect.signature(model.new_kv_cache).parameters:
-        return ["f32", "f16"]
-    return [None]
+    """The KV types new_kv_cache takes (None: its only one, before the kv_type argument):
+    f32, f16, and llama.cpp's q8_0 and q4_0 blocks where the model's head size is a
+    multiple of their 32 values."""
+    if "kv_type" not in inspect.signature(model.new_kv_cache).parameters:
+        return [None]
+    out = ["f32", "f16"]
+    for t in ("q8_0", "q4_0"):
+        try:
+            model.kv_cache_bytes(1, N_CTX, t)
+        except ValueError:   # a head size that is not a multiple of 32
+            continue
+        out.append(t)
+    return out
 
 
 def _new_kv(model, n_slots: int, kv_type):

@@ -127,6 +127,19 @@ async def test_repl_continues_a_conversation():
     assert engine.submitted[-1][:2] == (conv.conv_id, "and now?")
 
 
+async def test_repl_context_shows_and_sets_the_conversations_policy():
+    engine = FakeEngine()
+    repl, term = await drive(engine, ["/context", "/context forever", "/context stop", "Hello", "/context middle",
+                                      "/show"])
+    conv = next(iter(engine.convs.values()))
+    assert term.err[1] == ("context policy: rolling (the engine's default); the context holds 2,048 tokens; "
+                           "/context rolling, middle or stop sets it")
+    assert any("'forever' is not one of rolling, middle, stop" in e for e in term.err)
+    assert "context policy: stop; the context holds 2,048 tokens" in term.err
+    assert conv.context == "middle"   # set before the first message (kept for it), then saved with it
+    assert term.err[-1].endswith("context policy: middle; the context holds 2,048 tokens")
+
+
 async def test_bug_one_message_was_counted_as_1_messages():
     """Regression: "(1 messages)" in the CLI's and the TUI's lines; now "1 message"
     (units.plural, used by every such line)."""

@@ -25,6 +25,11 @@ def details_lines(w) -> list[tuple[str, str]]:
         if w.finish_reason:
             rows.append(("how it ended", "ended by the model" if w.finish_reason == "stop"
                          else FINISH_WORDS.get(w.finish_reason, w.finish_reason)))
+        cut = getattr(w, "context", None)
+        if cut is not None:
+            rows.append(("context cut", f"{cut.n_messages} earlier messages ({cut.n_tokens:,} tokens) left the prompt, "
+                                        f"{cut.n_out} out in all (policy {cut.policy}"
+                                        f"{', during the reply' if cut.during_reply else ''})"))
     if w.receipt is not None:
         r = w.receipt
         rows += [("receipt segment", str(r.segment)), ("receipt offset", f"{r.offset} B"),

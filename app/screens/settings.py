@@ -1,4 +1,4 @@
-"""The per-conversation form: system prompt and sampling parameters."""
+"""The per-conversation form: system prompt, sampling parameters and context policy."""
 
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ SPECULATIVE: tuple[tuple[str, str], ...] = (
     ("ngram (prompt lookup)", "ngram"),
     ("draft model (engine's --draft-model)", "draft"),
     ("off", "off"),
+)
+
+
+# ConversationView.context: what the conversation does once its history outgrows the context
+CONTEXT: tuple[tuple[str, str], ...] = (
+    ("engine default", ""),
+    ("rolling: older turns leave the prompt", "rolling"),
+    ("middle: the first exchange stays too", "middle"),
+    ("stop: refuse once the context is full", "stop"),
 )
 
 
@@ -59,15 +68,16 @@ def parse_sampling(values: dict[str, str], base: P.SamplingParams) -> P.Sampling
     return sp
 
 
-class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
-    """Returns (system_prompt, sampling) or None when cancelled."""
+class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams, str] | None]):
+    """Returns (system_prompt, sampling, context policy) or None when cancelled."""
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, system_prompt: str | None, sampling: P.SamplingParams | None) -> None:
+    def __init__(self, system_prompt: str | None, sampling: P.SamplingParams | None, context: str = "") -> None:
         super().__init__()
         self.system_prompt = system_prompt or ""
         self.sampling = sampling or P.SamplingParams()
+        self.context = context if context in {v for _, v in CONTEXT} else ""
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-box", classes="dialog"):
@@ -86,6 +96,8 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
                     current = (self.sampling.speculative if self.sampling.speculative in {v for _, v in SPECULATIVE}
                                else "")
                     yield Select(SPECULATIVE, value=current, allow_blank=False, id="f-speculative")
+                    yield Label("when the context is full")
+                    yield Select(CONTEXT, value=self.context, allow_blank=False, id="f-context")
             yield Static("", id="settings-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save (ctrl+s)", id="save", variant="primary")
@@ -113,4 +125,4 @@ class SettingsScreen(ModalScreen[tuple[str | None, P.SamplingParams] | None]):
             self.query_one("#settings-error", Static).update(str(e))
             return
         prompt = self.query_one("#system-prompt", TextArea).text.strip() or None
-        self.dismiss((prompt, sampling))
+        self.dismiss((prompt, sampling, self.query_one("#f-context", Select).value or ""))

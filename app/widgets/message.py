@@ -64,6 +64,7 @@ class MessageWidget(Vertical, can_focus=True):
         self.seq = 0
         self.n_tokens = 0
         self.finish_reason: str | None = None
+        self.context: P.ContextCut | None = None  # a reply whose prompt left earlier messages out
         self.timings: dict[str, float] = {}
         self.request_id = 0
         self.token_seqs: list[int] = []  # sequence number of each streamed token

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 from aotx.engine.errors import AotxError, EngineError, ErrorCode, UsageError
 from aotx.engine.units import parse_size, plural, short_title
 from aotx.engine import protocol as P
@@ -28,7 +30,8 @@ def engine_args(args) -> list[str]:
     for flag, attr in (("--model", "model"), ("--device", "device"), ("--slots", "slots"),
                        ("--context", "context"), ("--memory-budget", "memory_budget"),
                        ("--draft-model", "draft_model"), ("--mmproj", "mmproj"), ("--keep-alive", "keep_alive"),
-                       ("--kv-type", "kv_type"), ("--expert-cache", "expert_cache")):
+                       ("--kv-type", "kv_type"), ("--expert-cache", "expert_cache"),
+                       ("--context-policy", "context_policy")):
         v = getattr(args, attr, None)
         if attr == "model" and v is not None and not _is_model_file(v):
             continue  # a remote entry, or a name the engine's catalog resolves: loaded beside the default
@@ -305,14 +308,18 @@ async def _run(args) -> int:
                                     max_tokens=args.max_tokens, stop=list(args.stop),
                                     speculative=args.speculative)
         created = False
+        policy = getattr(args, "context_policy", None) or ""   # the conversation's own (else the engine's)
         if args.conversation:
             conv_id = args.conversation
             if args.system is not None:
                 await client.update(conv_id, system_prompt=args.system)
+            if policy:
+                await client.set_context(conv_id, policy)
         else:
             title = short_title(prompt)
             conv = await client.create_conversation(title=title, system_prompt=args.system,
-                                                    model=model_ref(args.model), origin="run")
+                                                    model=model_ref(args.model), origin="run",
+                                                    context=policy)
             conv_id = conv.conv_id
             created = True
         rid_box: list[int] = []
@@ -327,6 +334,7 @@ async def _run(args) -> int:
         prompt_ids: list[int] = []
         completion: list[int] = []
         refused = ""
+        cuts: list[dict] = []    # where the prompt left earlier messages out (context notices)
         engine_stopping = False   # the engine said it is stopping: a cancelled finish is its, not Ctrl-C's
         try:
             async for ev in client.submit(conv_id, prompt, attachments=attachments, sampling=sampling, raw=args.raw,
@@ -369,11 +377,14 @@ async def _run(args) -> int:
                                  **({"msg_id": ev.msg_id} if ev.msg_id else {})})
                 elif isinstance(ev, P.Notice):
                     engine_stopping = engine_stopping or ev.kind == "stopping"
+                    if ev.cut is not None:
+                        cuts.append(msgspec.to_builtins(ev.cut))
                     if ev.kind == "model" and ev.message.startswith("loading model") and not rid_box:
                         t_loading = time.perf_counter()
                     if args.json:
                         _jprint({"event": "notice", "kind": ev.kind, "resource": ev.resource, "message": ev.message,
-                                 "asked": ev.asked, "free": ev.free, "position": ev.position})
+                                 "asked": ev.asked, "free": ev.free, "position": ev.position,
+                                 **({"cut": msgspec.to_builtins(ev.cut)} if ev.cut is not None else {})})
                     elif ev.kind == "capsule":
                         words = capsule_words(ev, continuing=bool(args.conversation))
                         if words:
@@ -403,7 +414,7 @@ async def _run(args) -> int:
                     if args.json:
                         _jprint({"event": "done", "conversation": conv_id, "prompt_ids": prompt_ids,
                                  "completion_ids": completion, "text": ev.text, "finish_reason": ev.finish_reason,
-                                 "numerics": ev.numerics,
+                                 "numerics": ev.numerics, **({"context": cuts} if cuts else {}),
                                  "timings": {"load_s": load_s,
                                              "engine_load_s": round(sum(st.profile.values()), 4),
                                              "prompt_tokens": int(t.get("prompt_tokens", 0)),

@@ -14,7 +14,8 @@ import sys
 
 from aotx.engine.errors import AotxError, UsageError, friendly_error
 from aotx.engine.present import config as cli_config
-from aotx.engine.protocol import SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, SamplingParams, limit_problem
+from aotx.engine.protocol import (CONTEXT_POLICIES, SAMPLING_LIMITS, SPECULATIVE_MODES, Limit, SamplingParams,
+                                  limit_problem)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,8 +146,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=_int("--context", 16), default=None,
                    help="tokens of context per slot (default 4096, at most the model's)")
     p.add_argument("--memory-budget", default=None, help="bytes the engine may use, e.g. 4G (default: half the RAM)")
-    p.add_argument("--kv-type", choices=["f16", "f32"], default=None,
-                   help="KV cache element type (default f16: half the memory of f32, as llama.cpp)")
+    p.add_argument("--kv-type", choices=["f16", "f32", "q8_0", "q4_0"], default=None,
+                   help="KV cache element type (default f16: half the memory of f32, as llama.cpp; q8_0 and q4_0: "
+                        "llama.cpp's 8-bit and 4-bit blocks, about 1/2 and 1/4 of f16's memory)")
+    p.add_argument("--context-policy", choices=list(CONTEXT_POLICIES), default=None,
+                   help="what a conversation does once its history outgrows the context: rolling (default: the "
+                        "oldest turns leave the prompt, the system prompt and the newest turns stay), middle (the "
+                        "first exchange stays too) or stop (refuse; a reply ends at the end of the context); the "
+                        "journal keeps every message. A conversation may set its own (/context)")
     p.add_argument("--expert-cache", choices=["static", "lru", "lfu"], default=None,
                    help="mixture-of-experts models: the GPU expert cache keeps the calibrated plan's experts "
                         "(static, default) or learns hot experts from traffic (lru, lfu)")

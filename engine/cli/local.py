@@ -321,6 +321,8 @@ def print_conversation_list(convs, as_json: bool) -> int:
 
 
 def print_conversation(conv, as_json: bool) -> int:
+    from aotx.engine.present.format import cut_marker
+
     if as_json:
         import msgspec
 
@@ -331,6 +333,8 @@ def print_conversation(conv, as_json: bool) -> int:
         print(f"salvaged after journal damage: {conv.salvaged}")
     if conv.system_prompt:
         print(f"system: {conv.system_prompt}")
+    if getattr(conv, "context", ""):
+        print(f"context policy: {conv.context}")
     for m in conv.messages:
         r = m.receipt
         where = f"durable in segment {r.segment} at offset {r.offset} (seq <= {r.last_seq})" if r else "not durable"
@@ -339,6 +343,8 @@ def print_conversation(conv, as_json: bool) -> int:
         print(f"--- {m.role} {m.msg_id} [{state}] {where}")
         if getattr(m, "salvaged", ""):
             print(f"    salvaged after journal damage: {m.salvaged}")
+        if getattr(m, "context", None) is not None:   # the reply's prompt left earlier messages out here
+            print(f"    {cut_marker(m.context)}")
         print(m.text)
         if m.token_ids:
             print(f"    token ids ({len(m.token_ids)}): {m.token_ids}")

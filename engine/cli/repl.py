@@ -11,8 +11,8 @@ checks (``attach.py``), the paste parser (``paste.py``), words (``format.py``).
 
 Commands: ``/help``, ``/bye`` (also ``/exit``, ``/quit``, Ctrl-D), ``/attach PATH...``,
 ``/system [TEXT]``, ``/set [NAME VALUE]`` (temperature, top_k, top_p, min_p,
-repeat_penalty, max_tokens, seed, speculative), ``/fork``, ``/new``, ``/show``,
-``/export PATH``. Settings and the system prompt are the conversation's own (saved
+repeat_penalty, max_tokens, seed, speculative), ``/context [POLICY]``, ``/fork``,
+``/new``, ``/show``, ``/export PATH``. Settings and the system prompt are the conversation's own (saved
 in the journal, so aotx-chat's F4 shows them).
 """
 
@@ -46,6 +46,10 @@ HELP = """Commands:
   /set [NAME VALUE]  set (or show) sampling: temperature, top_k, top_p, min_p,
                      repeat_penalty, max_tokens (a number, or "context"),
                      seed, speculative (auto, ngram, draft, off)
+  /context [POLICY]  set (or show) what this conversation does once it outgrows
+                     the context: rolling (older turns leave the prompt), middle
+                     (the first exchange stays too) or stop; the journal keeps
+                     every message
   /fork              branch this conversation here and continue in the branch
   /new               start a new conversation
   /show              this conversation's id, title and settings
@@ -139,6 +143,8 @@ class Repl:
         self.attachments: list[P.Attachment] = []
         self.title = ""
         self.n_ctx = 0
+        self.context = ""           # this conversation's context policy ("": the engine's)
+        self.default_context = ""   # the engine's
         self._rid = 0
 
     # ---- the loop ----------------------------------------------------------
@@ -146,9 +152,10 @@ class Repl:
     async def start(self) -> None:
         st = await self.client.status()
         self.n_ctx = st.n_ctx
+        self.default_context = st.context_policy
         if self.conv_id:
             view = await self.client.show(self.conv_id)
-            self.title, self.system = view.title, view.system_prompt
+            self.title, self.system, self.context = view.title, view.system_prompt, view.context
             if view.sampling is not None:
                 self.sampling = view.sampling
             self.err(f"continuing “{view.title}” ({plural(len(view.messages), 'message')}); /help lists the commands")
@@ -260,6 +267,8 @@ class Repl:
                     return True
                 await self._save_settings()
                 self.err(settings_line(self.sampling))
+        elif name == "context":
+            await self.set_context(arg)
         elif name == "fork":
             await self.fork()
         elif name == "new":
@@ -267,12 +276,33 @@ class Repl:
             self.err("new conversation: it starts with your next message")
         elif name == "show":
             where = f"{self.conv_id} “{self.title}”" if self.conv_id else "a new conversation (nothing sent yet)"
-            self.err(f"{where}\nsystem prompt: {self.system or '-'}\n{settings_line(self.sampling)}")
+            self.err(f"{where}\nsystem prompt: {self.system or '-'}\n{settings_line(self.sampling)}\n"
+                     f"{self.context_line()}")
         elif name == "export":
             await self.export(arg)
         else:
             self.err(f"unknown command /{name}; /help lists them")
         return True
+
+    def context_line(self) -> str:
+        policy = self.context or self.default_context or "rolling"
+        whose = "" if self.context else " (the engine's default)"
+        ctx = f"; the context holds {self.n_ctx:,} tokens" if self.n_ctx else ""
+        return f"context policy: {policy}{whose}{ctx}"
+
+    async def set_context(self, arg: str) -> None:
+        """``/context``: show the policy, or set it (saved with the conversation)."""
+        if not arg:
+            self.err(f"{self.context_line()}; /context rolling, middle or stop sets it")
+            return
+        policy = arg.strip().lower()
+        if policy not in P.CONTEXT_POLICIES:
+            self.err(f"/context: {arg!r} is not one of {', '.join(P.CONTEXT_POLICIES)}")
+            return
+        if self.conv_id:
+            await self.client.set_context(self.conv_id, policy)
+        self.context = policy
+        self.err(self.context_line())
 
     def attach(self, arg: str) -> None:
         items = parse_pasted_paths(arg)
@@ -322,7 +352,8 @@ class Repl:
             title = short_title(text)
             try:
                 conv = await self.client.create_conversation(title=title, system_prompt=self.system,
-                                                             sampling=self.sampling, model=self.model)
+                                                             sampling=self.sampling, model=self.model,
+                                                             context=self.context)
             except ConnectionLost:
                 raise NotSent("the engine went away before it accepted the message") from None
             self.conv_id, self.title = conv.conv_id, conv.title

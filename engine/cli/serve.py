@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from aotx.engine.backend.device import pick_device  # noqa: F401 (serve's device choice; bench and tests use it here)
-from aotx.engine.errors import AotxError, ModelError, UsageError
+from aotx.engine.errors import AdmissionError, AotxError, ModelError, UsageError
 
 log = logging.getLogger("aotx.serve")
 
@@ -207,11 +207,6 @@ def build_engine(args, progress=None):
     vision = load_vision(getattr(args, "mmproj", None), lm, device)
     from aotx.engine.runtime.media_prompt import DEFAULT_STORE_BYTES as image_store_bytes
     n_slots = args.slots or DEFAULT_SLOTS
-    n_ctx = args.context or served_context(None, lm.config.n_ctx_train)
-    if n_ctx > lm.config.n_ctx_train:  # past it the model's positions mean nothing: cap, and say so
-        log.warning("--context %d is more than the %d tokens %s was trained for; using %d", n_ctx,
-                    lm.config.n_ctx_train, lm.name, lm.config.n_ctx_train)
-        n_ctx = lm.config.n_ctx_train
     try:
         if args.memory_budget:
             total = clamp_budget(admission.parse_size(args.memory_budget), device, args.memory_budget)
@@ -220,22 +215,48 @@ def build_engine(args, progress=None):
     except ValueError:
         raise UsageError(f"--memory-budget: cannot read {args.memory_budget!r} as a size (e.g. 4G, 512M)") from None
     kv_type = getattr(args, "kv_type", None) or "f16"
-    kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type)
+    try:
+        lm.model.kv_cache_bytes(1, 1, kv_type)
+    except ValueError as e:  # a KV type this backend or this model's head size does not take
+        raise UsageError(f"--kv-type {kv_type}: {e}") from None
     prefill_chunk = getattr(args, "prefill_chunk", 256)
     journal_bytes = 8 << 20
     capsule_host = min(512 << 20, max(64 << 20, total // 16))
     # on CUDA the budget is the GPU's memory: parked capsules stay on the device up to a share
     # of it, and host-memory capsules live outside it
     capsule_device = min(2 << 30, total // 16) if device == "cuda" else 0
-    budget = admission.plan(lm.config, lm.model.weight_bytes, kv_bytes, n_slots, n_ctx, prefill_chunk,
-                            journal_bytes, total, capsule_bytes=capsule_host if device != "cuda" else 0,
-                            media_bytes=media_bytes(lm, device, vision) + (image_store_bytes if vision else 0),
-                            capsule_device_bytes=capsule_device,
-                            prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
-                            draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (),
-                            kv_type=kv_type)
-    ec = getattr(args, "expert_cache", None)
+    media = media_bytes(lm, device, vision) + (image_store_bytes if vision else 0)
+
+    def plan_for(n_ctx: int):
+        return admission.plan(lm.config, lm.model.weight_bytes, lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type),
+                              n_slots, n_ctx, prefill_chunk, journal_bytes, total,
+                              capsule_bytes=capsule_host if device != "cuda" else 0, media_bytes=media,
+                              capsule_device_bytes=capsule_device,
+                              prefill_weight_bytes=getattr(lm.model, "prefill_weight_bytes", 0),
+                              draft_terms=DraftModel.budget_terms(draft_lm, n_slots, n_ctx) if draft_lm else (),
+                              kv_type=kv_type)
+
+    def fits(n_ctx: int) -> bool:
+        try:
+            plan_for(n_ctx)
+            return True
+        except AdmissionError:
+            return False
+
     is_moe = bool(getattr(getattr(lm.model, "program", None), "moe_nodes", lambda: [])())
+    # a mixture of experts keeps what the budget leaves for its expert cache: its default
+    # context stays at DEFAULT_CONTEXT (or its trained one, when shorter)
+    train = min(DEFAULT_CONTEXT, lm.config.n_ctx_train) if is_moe and not args.context else lm.config.n_ctx_train
+    choice = admission.choose_context(args.context, train, fits,
+                                      lambda s, n: lm.model.kv_cache_bytes(s, n, kv_type), n_slots, total, kv_type,
+                                      model=lm.name)
+    n_ctx = choice.n_ctx
+    log.info("%s", choice.line)
+    if choice.notice:  # said where the user looks: the clients' start, `aotx status`, the TUI
+        log.warning("%s", choice.notice)
+    kv_bytes = lm.model.kv_cache_bytes(n_slots, n_ctx, kv_type)
+    budget = plan_for(n_ctx)
+    ec = getattr(args, "expert_cache", None)
     if ec not in (None, "static") and not is_moe:
         # said, not refused: the flag is harmless here (llama.cpp's --n-cpu-moe on a dense file says nothing)
         who = getattr(lm.config, "name", "") or "the model"
@@ -253,6 +274,9 @@ def build_engine(args, progress=None):
 
     no_journal = getattr(args, "no_journal", False)
     store = open_store(None if no_journal else paths.journal_dir(), buffer_bytes=journal_bytes)
+    if choice.notice:
+        store.notices.append(choice.notice)
+    lm.notes["context"] = choice.line
     caps = CapsuleCache(None if no_journal else paths.capsules_dir() / lm.fingerprint, host_bytes=capsule_host,
                         fingerprint=lm.fingerprint, device_bytes=capsule_device, kv_type=kv_type)
     from aotx.engine.runtime.catalog import Catalog
@@ -265,7 +289,8 @@ def build_engine(args, progress=None):
                  draft_p_min=DEFAULT_P_MIN if getattr(args, "draft_p_min", None) is None else args.draft_p_min,
                  catalog=Catalog(), loader=load_entry, capsule_root=None if no_journal else paths.capsules_dir(),
                  keep_alive_s=keep_alive_seconds(getattr(args, "keep_alive", None)),
-                 evict_idle=bool(getattr(args, "evict_idle", False)))
+                 evict_idle=bool(getattr(args, "evict_idle", False)),
+                 context_policy=getattr(args, "context_policy", None) or "rolling")
     eng.submitter.media_profile = media_profile(lm, device, vision)  # specialists: counted when first used
     if vision is not None:
         from aotx.engine.runtime.media_prompt import ImageStore, special_wrap
@@ -308,8 +333,11 @@ def restart_args(args, eng) -> list[str]:
 
 
 def served_context(asked: int | None, n_ctx_train: int) -> int:
-    """The context per slot an engine gives a model: ``--context`` (default DEFAULT_CONTEXT),
-    at most the model's trained context (past it its positions mean nothing)."""
+    """The context per slot ``--context`` gives a model (default DEFAULT_CONTEXT: the
+    estimate of a model loaded beside the default, and ``aotx models``'), at most the
+    model's trained context (past it its positions mean nothing). The default model's own
+    is chosen from its trained context and the budget once it is loaded
+    (``admission.choose_context``)."""
     want = asked or DEFAULT_CONTEXT
     return min(want, n_ctx_train) if n_ctx_train else want
 
@@ -349,7 +377,9 @@ def precheck(args, device: str) -> None:
     except ValueError:
         return  # build_engine says it in its words
     total = min(total, admission.machine_memory_bytes()) if args.memory_budget else total
-    kv_bytes = 4 if getattr(args, "kv_type", None) == "f32" else 2
+    if not args.context:   # the default context is chosen after the load (admission.choose_context): refuse
+        n_ctx = min(admission.CONTEXT_STEP, n_ctx)   # here only what no context could make fit
+    kv_bytes = {"f32": 4, "q8_0": 34 / 32, "q4_0": 18 / 32}.get(getattr(args, "kv_type", None) or "f16", 2)
     terms = estimate_terms(h, n_slots, n_ctx, getattr(args, "prefill_chunk", 256), kv_bytes) + (
         ("journal buffers", 8 << 20), ("capsules (host)", min(512 << 20, max(64 << 20, total // 16))))
     need = sum(v for _, v in terms)

@@ -86,7 +86,7 @@ class Gateway:
 
     async def _conversation(self, client: EngineClient, request: Request, system: str | None,
                             title: str, history: list[S.Turn] = (), conv_id: str | None = None,
-                            model: str = "", last: S.Turn | None = None) -> tuple[str, bool]:
+                            model: str = "", last: S.Turn | None = None, context: str = "") -> tuple[str, bool]:
         """(conversation id, created) for a request: ``conv_id`` (a response continued),
         the header's, or a new one on ``model`` holding ``history`` (the request's earlier
         turns) as finished messages. A request naming a conversation whose messages end
@@ -119,11 +119,17 @@ class Gateway:
                 except EngineError as e:
                     raise engine_error(P.Error(id=0, code=e.code, message=str(e)), None,
                                         self.cfg.retry_after_s) from None
+            if context and context != view.context:   # the request's context_policy, from this turn on
+                try:
+                    await client.set_context(hdr, context)
+                except EngineError as e:
+                    raise engine_error(P.Error(id=0, code=e.code, message=str(e)), None,
+                                        self.cfg.retry_after_s) from None
             return hdr, False
         try:
             conv = await client.create_conversation(title=short_title(title), system_prompt=system,
                                                     messages=[(t.role, t.text, t.meta) for t in history],
-                                                    model=model, origin="gateway")
+                                                    model=model, origin="gateway", context=context)
         except ConnectionLost as e:
             raise engine_gone(e, self.cfg.retry_after_s) from None
         return conv.conv_id, True
@@ -258,7 +264,7 @@ class Gateway:
         conv_id, created = await self._conversation(client, request, spec.system, spec.title or spec.last.text,
                                                     history=spec.history if spec.chat else [],
                                                     conv_id=spec.conversation, model=target,
-                                                    last=spec.last if spec.chat else None)
+                                                    last=spec.last if spec.chat else None, context=spec.context)
         atts = await self._attachments(spec.last.parts)
         constraint = spec.constraint
         family = await self.tool_format(client, target) if spec.tools.active else None

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from aotx.engine import protocol as P
 from aotx.engine.errors import AotxError
 from aotx.engine.gateway import shapes
@@ -52,6 +54,7 @@ class Generation:
         self._done = False
         self.constraint_field = ""
         self.model = ""  # the engine model it runs on ("" the default)
+        self.cuts: list[P.ContextCut] = []  # where the prompt left earlier messages out (context notices)
         self.family: str | None = None  # its model's tool-call format (None: no tools)
 
     # one-choice views (the first choice)
@@ -87,6 +90,8 @@ class Generation:
             if isinstance(ev, P.Notice):
                 if ev.kind == "refused":
                     refused = ev
+                elif ev.cut is not None and ev.choice == 0:
+                    self.cuts.append(ev.cut)
             elif isinstance(ev, P.Error):
                 self._done = True
                 if self.created:
@@ -113,6 +118,8 @@ class Generation:
                 return
             if isinstance(ev, P.Accepted):
                 self.accepted[ev.choice] = ev
+            elif isinstance(ev, P.Notice) and ev.cut is not None and ev.choice == 0:
+                self.cuts.append(ev.cut)
             elif isinstance(ev, P.Committed):
                 self.committed[ev.choice] = ev
             elif isinstance(ev, P.Durable):
@@ -127,11 +134,13 @@ class Generation:
             yield ev
 
     def aotx(self, choice: int = 0) -> dict[str, Any]:
-        """The ``aotx`` object of a reply's choice: conversation, message ids, receipts."""
+        """The ``aotx`` object of a reply's choice: conversation, message ids, receipts, and
+        ``context``: where its prompt left earlier messages out (the engine's cuts), if it did."""
         a = self.accepted.get(choice)
         return {"conversation": a.conv_id if a else self.conv_id, "msg_id": a.msg_id if a else None,
                 "reply_id": a.reply_id if a else None, "receipt": shapes.receipt_dict(self.receipts.get(choice)),
-                "user_receipt": shapes.receipt_dict(self.user_receipt)}
+                "user_receipt": shapes.receipt_dict(self.user_receipt),
+                **({"context": [msgspec.to_builtins(c) for c in self.cuts]} if self.cuts and choice == 0 else {})}
 
     async def abandon(self) -> None:
         """The client went away: cancel the generation unless it finished. The

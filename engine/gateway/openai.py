@@ -76,7 +76,7 @@ async def chat(gw, request: Request) -> Response:
     spec = S.Spec(chat=True, system=req.system, history=req.messages[:-1], last=req.messages[-1],
                   sampling=req.sampling, stream=req.stream, include_usage=req.include_usage, tools=req.tools,
                   constraint=req.constraint, logprobs=req.logprobs, n=req.n, title=req.messages[-1].text,
-                  model=req.model, prefill=prefill)
+                  model=req.model, prefill=prefill, context=req.context)
     return await gw.generate(request, key, spec, CHAT)
 
 

@@ -96,6 +96,7 @@ class ChatRequest:
     constraint: P.Constraint | None = None
     logprobs: int = -1
     n: int = 1
+    context: str = ""  # ``context_policy``: the conversation's context policy ("": the engine's)
     prefill: str = ""  # a final assistant message the reply continues (``take_prefill``)
 
 
@@ -124,6 +125,7 @@ class Spec:
     model: str | None = None  # the request's ``model`` (``Gateway.route`` picks the engine model)
     title: str = ""
     prefill: str = ""  # the start of the reply, which continues it (Anthropic's final assistant message)
+    context: str = ""  # the conversation's context policy (P.CONTEXT_POLICIES; "": unchanged, or the engine's)
 
 
 @dataclass(frozen=True)
@@ -432,7 +434,19 @@ def parse_chat(body: Any, limits: Limits, file_roots: tuple = ()) -> ChatRequest
         raise BadRequest("the last non-system message must have role 'user' or 'tool'", "messages")
     return ChatRequest(system="\n\n".join(system) if system else None, messages=turns, sampling=sp,
                        stream=stream, include_usage=include_usage, model=model, tools=tools, constraint=constraint,
-                       logprobs=_chat_logprobs(body), n=_n(body))
+                       logprobs=_chat_logprobs(body), n=_n(body), context=context_policy(body))
+
+
+def context_policy(body: dict[str, Any]) -> str:
+    """``context_policy``: what the conversation does once its history outgrows the
+    context (``rolling``, ``middle``, ``stop``; absent: the engine's default)."""
+    v = body.get("context_policy")
+    if v is None:
+        return ""
+    if v not in P.CONTEXT_POLICIES:
+        raise BadRequest(f"'context_policy' must be one of {', '.join(P.CONTEXT_POLICIES)}, got {v!r}",
+                         "context_policy")
+    return v
 
 
 def _assistant_calls(raw: Any, where: str, calls: dict[str, str]) -> list[dict[str, Any]]:

@@ -210,15 +210,15 @@ class EngineClient:
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
                                   sampling: P.SamplingParams | None = None,
                                   messages: list[tuple] | None = None,
-                                  model: str = "", origin: str = "") -> P.ConversationView:
-        """A new conversation on ``model`` ("": the engine's default); ``messages``
-        (role, text[, meta]) are stored as its history without generating anything
-        (``PriorMessage``)."""
+                                  model: str = "", origin: str = "", context: str = "") -> P.ConversationView:
+        """A new conversation on ``model`` ("": the engine's default) under context policy
+        ``context`` ("": the engine's); ``messages`` (role, text[, meta]) are stored as its
+        history without generating anything (``PriorMessage``)."""
         prior = [P.PriorMessage(role=m[0], text=m[1], meta=dict(m[2]) if len(m) > 2 and m[2] else {})
                  for m in (messages or [])]
         r = await self._call(lambda i: P.CreateConversation(id=i, title=title, system_prompt=system_prompt,
                                                             sampling=sampling, messages=prior, model=model,
-                                                            origin=origin))
+                                                            origin=origin, context=context))
         return r.conversation
 
     async def list_conversations(self) -> list[P.ConversationView]:
@@ -335,6 +335,11 @@ class EngineClient:
     async def switch_model(self, conv_id: str, model: str) -> P.ConversationView:
         """Run ``conv_id`` on ``model`` from its next message on (the history is kept)."""
         return (await self._call(lambda i: P.SwitchModel(id=i, conv_id=conv_id, model=model))).conversation
+
+    async def set_context(self, conv_id: str, policy: str) -> P.ConversationView:
+        """Run ``conv_id`` under context policy ``policy`` (rolling, middle, stop; "": the
+        engine's) from its next message on."""
+        return (await self._call(lambda i: P.SetContextPolicy(id=i, conv_id=conv_id, policy=policy))).conversation
 
     async def submit(self, conv_id: str, text: str, *, attachments: list[P.Attachment] | None = None,
                      sampling: P.SamplingParams | None = None, raw: bool = False,

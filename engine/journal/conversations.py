@@ -88,6 +88,7 @@ class Message(msgspec.Struct, omit_defaults=True):
     receipt: Receipt | None = None
     meta: dict[str, Any] = {}  # chat-template fields (MessageAccepted.meta)
     model: str = ""  # a reply's model
+    context: dict[str, Any] = {}  # a reply whose prompt left earlier messages out (MessageFinished.context)
     salvaged: str = ""  # rebuilt after damage: what of it is missing ("": nothing)
 
 
@@ -109,6 +110,7 @@ class Conversation(msgspec.Struct, omit_defaults=True):
     model_path: str = ""
     model_fingerprint: str = ""
     origin: str = ""  # what made it ("" a chat, "run" a one-shot aotx run, "gateway" an API request)
+    context: str = ""  # its context policy ("": the engine's default)
     salvaged: str = ""  # rebuilt from later records after damage: what of it is missing ("": nothing)
 
     def message(self, msg_id: str) -> Message | None:
@@ -323,7 +325,8 @@ class ConversationTable:
             return
         self.conversations[r.conv_id] = Conversation(
             conv_id=r.conv_id, title=r.title, created_at=r.created_at, updated_at=r.created_at,
-            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq, model=r.model, origin=r.origin)
+            system_prompt=r.system_prompt, sampling=dict(r.sampling), seq=seq, model=r.model, origin=r.origin,
+            context=r.context)
 
     def _renamed(self, r: ConversationRenamed, seq: int) -> None:
         if (c := self._conv(r.conv_id, seq)) is not None:
@@ -341,6 +344,8 @@ class ConversationTable:
         if (c := self._conv(r.conv_id, seq)) is not None:
             c.system_prompt = r.system_prompt
             c.sampling = dict(r.sampling)
+            if r.context is not None:
+                c.context = r.context
             if r.model is not None and r.model != c.model:
                 c.model, c.model_path, c.model_fingerprint = r.model, "", ""
 
@@ -400,6 +405,8 @@ class ConversationTable:
         m.finish_reason = r.reason
         m.n_prompt = r.n_prompt
         m.n_completion = r.n_completion
+        if r.context:
+            m.context = dict(r.context)
         self._touch(m, seq)
 
     def _capsule(self, r: CapsuleStored, seq: int) -> None:

@@ -88,6 +88,7 @@ class ConversationCreated(_Record):
     sampling: dict[str, Any] = {}
     model: str = ""  # the model it runs on ("": the engine's default; journals before several models)
     origin: str = ""  # what made it ("" a chat, "run" a one-shot aotx run, "gateway" an API request)
+    context: str = ""  # its context policy ("": the engine's default)
 
 
 class ConversationRenamed(_Record):
@@ -110,6 +111,7 @@ class ConversationUpdated(_Record):
     system_prompt: str | None = None
     sampling: dict[str, Any] = {}
     model: str | None = None
+    context: str | None = None  # its context policy ("": the engine's default; None: unchanged)
 
 
 class ConversationTruncated(_Record):
@@ -163,6 +165,9 @@ class MessageFinished(_Record):
     reason: str
     n_prompt: int = 0
     n_completion: int = 0
+    # the reply's prompt left earlier messages out: the protocol's ContextCut as a map
+    # (its "kept_from" is where the conversation's next prompt starts again)
+    context: dict[str, Any] = {}
 
 
 class CapsuleStored(_Record):

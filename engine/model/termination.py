@@ -43,6 +43,9 @@ class StopChecker:
         self.max_tokens = max_tokens
         self.n_ctx = n_ctx
         self.n_prompt = n_prompt
+        # the reply goes on past the end of the context (a context policy cuts its prompt):
+        # "context" then keeps held text back, as the reply is not over
+        self.goes_on = False
         self.n_generated = 0
         self.finish_reason: str | None = None
         self.matched = ""  # the stop string that ended generation ("" for any other reason)
@@ -70,8 +73,16 @@ class StopChecker:
         if self.max_tokens is not None and self.n_generated >= self.max_tokens:
             return self._finish("length", emit + self._take_all())
         if self.n_ctx is not None and self.n_prompt + self.n_generated >= self.n_ctx:
-            return self._finish("context", emit + self._take_all())
+            return self._finish("context", emit if self.goes_on else emit + self._take_all())
         return emit, None
+
+    def resume(self, n_prompt: int) -> None:
+        """The reply goes on after a "context" finish, its prompt cut to ``n_prompt``
+        tokens before the reply's own."""
+        if self.finish_reason != "context":
+            raise ValueError(f"only a reply that reached the end of the context resumes, not {self.finish_reason}")
+        self.finish_reason = None
+        self.n_prompt = n_prompt
 
     def flush(self) -> str:
         """Generation ended for another reason (cancelled, error): the held-back

@@ -94,11 +94,22 @@ def capsule_text(n: P.Notice, had_history: bool = True) -> str:
 ADMISSION_KINDS = frozenset({"held", "queued", "refused", "resumed"})
 
 
+def cut_marker(cut: P.ContextCut) -> str:
+    """The marker a transcript shows on the reply whose prompt left earlier messages out."""
+    n = cut.n_messages
+    what = "message" if n == 1 else "messages"
+    when = "The reply reached the end of the context: " if cut.during_reply else ""
+    return (f"✂ {when}{n} earlier {what} ({cut.n_tokens:,} tokens) left the prompt here, {cut.n_out} in all; the "
+            f"journal keeps them (context policy {cut.policy}).")
+
+
 def notice_text(n: P.Notice, had_history: bool = True) -> str:
     """One plain sentence for an admission notice (or a capsule notice; "" when that
     would not help)."""
     if n.kind == "capsule":
         return capsule_text(n, had_history)
+    if n.kind == "context":
+        return cut_marker(n.cut) if n.cut is not None else (n.message[:1].upper() + n.message[1:]).rstrip(".") + "."
     if n.kind not in ADMISSION_KINDS and not (n.asked or n.free):
         # a notice that is a sentence already ("model": loading model X, unloaded the idle model Y)
         msg = n.message.strip()

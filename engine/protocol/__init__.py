@@ -34,6 +34,8 @@ from aotx.engine.protocol.values import (  # noqa: F401
     MAX_CHOICES,
     MAX_TOP_LOGPROBS,
     MESSAGE_ROLES,
+    CONTEXT_POLICIES,
+    ContextCut,
     Attachment,
     Receipt,
     MessageView,
@@ -67,6 +69,7 @@ from aotx.engine.protocol.operations import (  # noqa: F401
     LoadModel,
     UnloadModel,
     SwitchModel,
+    SetContextPolicy,
     Operation,
     OPERATIONS,
 )

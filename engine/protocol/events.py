@@ -6,6 +6,7 @@ from typing import Any
 
 from aotx.engine.protocol.values import (
     BudgetLine,
+    ContextCut,
     ConversationView,
     ModelInfo,
     Receipt,
@@ -101,7 +102,8 @@ class Notice(_Base, tag="notice"):
     """Admission feedback. kind: held | queued | refused | resumed | model (a model was
     loaded, unloaded or switched for this request) | stopping (the engine is stopping:
     for a reply in progress, its id; with id 0, to every connection just before the
-    engine closes it, so a client tells a stop from a crash).
+    engine closes it, so a client tells a stop from a crash) | context (earlier messages
+    left the prompt: ``cut`` says which, or a reply ended at the end of the context: why).
     resource names what is short (slots, context, journal, memory, media, model)."""
 
     id: int
@@ -111,6 +113,8 @@ class Notice(_Base, tag="notice"):
     asked: int = 0
     free: int = 0
     position: int = 0
+    cut: ContextCut | None = None
+    choice: int = 0
 
 
 class MediaInfo(_Base, tag="media"):
@@ -191,6 +195,7 @@ class StatusReply(_Base, tag="status_reply"):
     # that passes other engine flags to a running engine says they do not apply
     n_slots: int = 0
     kv_type: str = ""
+    context_policy: str = ""  # what a conversation without its own runs under
 
 
 class ModelList(_Base, tag="models"):

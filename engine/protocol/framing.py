@@ -40,6 +40,7 @@ from aotx.engine.protocol.operations import (
     ListModels,
     LoadModel,
     RenameConversation,
+    SetContextPolicy,
     ShowConversation,
     Status,
     SubmitMessage,
@@ -57,7 +58,7 @@ _LEN = struct.Struct(">I")
 Message = Union[
     Hello, CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel,
     DeleteConversation, RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, Embed, Tokenize, Detokenize,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, Embed, Tokenize, Detokenize, SetContextPolicy,
     Welcome, Error, Ok, ConversationInfo, ConversationList, Accepted, Token, Notice, MediaInfo, Committed,
     Durable, StatusReply, ModelList, ModelLoaded, TokenCount, Embeddings, TokenList, Detokenized,
 ]

@@ -51,6 +51,7 @@ class CreateConversation(_Base, tag="create"):
     messages: list[PriorMessage] = []
     model: str = ""
     origin: str = ""
+    context: str = ""  # its context policy (values.CONTEXT_POLICIES; "": the engine's default)
 
 
 class ListConversations(_Base, tag="list"):
@@ -177,6 +178,15 @@ class UnloadModel(_Base, tag="unload_model"):
     model: str
 
 
+class SetContextPolicy(_Base, tag="context_policy"):
+    """Set conversation ``conv_id``'s context policy (``values.CONTEXT_POLICIES``; "": the
+    engine's default) from its next message on. Answered by ``ConversationInfo``."""
+
+    id: int
+    conv_id: str
+    policy: str
+
+
 class SwitchModel(_Base, tag="switch_model"):
     """Run conversation ``conv_id`` on ``model`` from its next message on (the history is
     kept: the new model prefills it). Answered by ``ConversationInfo``."""
@@ -230,6 +240,6 @@ class Detokenize(_Base, tag="detokenize"):
 Operation = Union[
     CreateConversation, ListConversations, ShowConversation, SubmitMessage, Cancel, DeleteConversation,
     RenameConversation, UpdateConversation, TruncateConversation, ForkConversation, Status,
-    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, Embed, Tokenize, Detokenize,
+    ListModels, LoadModel, UnloadModel, SwitchModel, CountTokens, Embed, Tokenize, Detokenize, SetContextPolicy,
 ]
 OPERATIONS: tuple[type, ...] = Operation.__args__

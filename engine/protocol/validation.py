@@ -19,6 +19,7 @@ from aotx.engine.protocol.operations import (
     LoadModel,
     POOLINGS,
     PriorMessage,
+    SetContextPolicy,
     SubmitMessage,
     SwitchModel,
     Tokenize,
@@ -26,6 +27,7 @@ from aotx.engine.protocol.operations import (
 )
 from aotx.engine.protocol.values import (
     CONSTRAINT_KINDS,
+    CONTEXT_POLICIES,
     CONVERSATION_ORIGINS,
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
@@ -168,6 +170,10 @@ def operation_problem(op: Any) -> str | None:
         why = sampling_problem(sampling)
         if why:
             return why
+    if isinstance(op, (CreateConversation, SetContextPolicy)):
+        policy = op.context if isinstance(op, CreateConversation) else op.policy
+        if policy not in ("", *CONTEXT_POLICIES):
+            return f"context policy {policy!r} is not one of {', '.join(CONTEXT_POLICIES)}"
     if isinstance(op, CreateConversation):
         if op.origin not in CONVERSATION_ORIGINS:
             return f"origin {op.origin!r}: one of {', '.join(repr(o) for o in CONVERSATION_ORIGINS)}"

@@ -78,6 +78,33 @@ MAX_TOP_LOGPROBS = 20  # SubmitMessage.logprobs (OpenAI's limit)
 MESSAGE_ROLES = ("user", "tool")  # who a SubmitMessage speaks as
 
 
+CONTEXT_POLICIES = ("rolling", "middle", "stop")
+"""What a conversation's prompt does once its history outgrows the context
+(``runtime/context.py``): "rolling" (the default) lets the oldest turns leave the prompt
+(the system prompt and the newest turns stay), "middle" keeps the first exchange too and
+lets the turns after it leave, "stop" keeps everything and refuses a prompt that does not
+fit (a reply then ends at the end of the context). The journal keeps every message."""
+
+
+class ContextCut(msgspec.Struct, omit_defaults=True):
+    """Where a reply's prompt left earlier messages out (``CONTEXT_POLICIES``): ``policy``;
+    ``n_messages`` messages (``n_tokens`` tokens) left the prompt with this cut, ``n_out``
+    messages of the conversation are out of it in all (the journal keeps them); ``first`` ..
+    ``last`` the ids of the first and last message this cut left out, ``kept_from`` the id
+    of the first message the prompt holds again after them ("": only the newest turn);
+    ``during_reply``: the reply reached the end of the context and went on after the cut
+    (its own text stays in the prompt)."""
+
+    policy: str
+    n_messages: int = 0
+    n_out: int = 0
+    n_tokens: int = 0
+    first: str = ""
+    last: str = ""
+    kept_from: str = ""
+    during_reply: bool = False
+
+
 class Attachment(msgspec.Struct, omit_defaults=True):
     """A file attached to a message, referenced by content hash (sha256 hex)."""
 
@@ -114,6 +141,7 @@ class MessageView(msgspec.Struct, omit_defaults=True):
     seq: int = 0
     model: str = ""
     meta: dict[str, Any] = {}  # as PriorMessage.meta (the template's fields and clients' notes)
+    context: ContextCut | None = None  # a reply whose prompt left earlier messages out
     salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 
@@ -131,6 +159,7 @@ class ConversationView(msgspec.Struct, omit_defaults=True):
     busy: bool = False
     model: str = ""
     origin: str = ""  # what made it ("" a chat, "run" a one-shot aotx run, "gateway" an API request)
+    context: str = ""  # its context policy (CONTEXT_POLICIES; "": the engine's default)
     salvaged: str = ""  # rebuilt by the journal's recovery after damage: what of it is missing
 
 

@@ -159,7 +159,7 @@ def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefil
     """The budget of a configuration (bytes; on CUDA ``total`` is GPU memory and the
     capsule share is their device home). ``draft_terms``: a draft model's (name, bytes)
     terms (``DraftModel.budget_terms``: its weights, its KV for every slot, its working
-    buffers). ``kv_type``: the KV cache's element type ("f16" | "f32"), whose size
+    buffers). ``kv_type``: the KV cache's element type ("f16" | "f32" | "q8_0" | "q4_0"), whose size
     ``kv_bytes`` already is; shown in the table. ``expert_cache_bytes``: a mixture-of-experts
     model's GPU expert cache (sized from what the other terms leave; its experts are not
     in ``weight_bytes`` on CUDA). Raises AdmissionError with every term when it does not fit."""
@@ -176,8 +176,75 @@ def plan(cfg, weight_bytes: int, kv_bytes: int, n_slots: int, n_ctx: int, prefil
         raise AdmissionError(f"the configuration does not fit: {n_slots} slots x {n_ctx} tokens of context "
                              f"needs {fmt_bytes(b.used)} ({b.used:,} bytes), the budget is {fmt_bytes(total)} "
                              f"({total:,} bytes):\n{b.table()}\nlower --slots or --context, "
-                             f"{'use --kv-type f16, ' if kv_type == 'f32' else ''}or raise --memory-budget")
+                             f"{_smaller_kv(kv_type)}or raise --memory-budget")
     return b
+
+
+def _smaller_kv(kv_type: str) -> str:
+    """The advice toward a KV type that takes less memory ("" for the smallest)."""
+    smaller = {"f32": "f16 (or q8_0)", "f16": "q8_0 (or q4_0)", "q8_0": "q4_0"}.get(kv_type)
+    return f"use --kv-type {smaller}, " if smaller else ""
+
+
+#: the context below which a default is said out loud (the default before budgets chose it)
+CONTEXT_FLOOR = 4096
+CONTEXT_STEP = 256  # a chosen context is a multiple of this many tokens
+
+
+@dataclass(frozen=True)
+class ContextChoice:
+    """The context a slot serves and why: ``n_ctx`` tokens, ``line`` (the numbers, for the
+    start's log), ``notice`` (what a user must hear: "" when nothing was cut short)."""
+
+    n_ctx: int
+    line: str
+    notice: str = ""
+
+
+def choose_context(asked: int | None, n_ctx_train: int, fits, kv_bytes, n_slots: int, total: int, kv_type: str,
+                   model: str = "the model") -> ContextChoice:
+    """The context of each slot: ``asked`` (``--context``) when given, clamped to the
+    model's trained context with a notice; else the trained context when ``n_slots`` x it x
+    the KV bytes a token fit the budget (``fits(n_ctx)``: the whole budget table of that
+    context fits ``total``), else the largest multiple of CONTEXT_STEP that fits, with a
+    notice when that is below CONTEXT_FLOOR. ``kv_bytes(n_slots, n_ctx)``: the KV cache's
+    bytes. A model that states no trained context gets CONTEXT_FLOOR. When nothing fits, the
+    trained context is returned (``plan`` then refuses with every term)."""
+    train = n_ctx_train or CONTEXT_FLOOR
+    per_token = kv_bytes(1, 1)
+    if asked:
+        if asked > train:
+            return ContextChoice(train, f"context {train:,} tokens per slot", (
+                f"--context {asked:,} is more than the {train:,} tokens {model} was trained for: each slot holds "
+                f"{train:,} (past it the model's positions mean nothing)"))
+        return ContextChoice(asked, f"context {asked:,} tokens per slot (--context)")
+
+    def numbers(n: int) -> str:
+        kv = kv_bytes(n_slots, n)
+        return (f"{n_slots} slots x {n:,} tokens x {fmt_bytes(per_token)} of {kv_type} KV a token = "
+                f"{fmt_bytes(kv)} of the {fmt_bytes(total)} budget")
+
+    if fits(train):
+        return ContextChoice(train, f"context {train:,} tokens per slot, the model's trained context: {numbers(train)}")
+    lo, hi = 0, train // CONTEXT_STEP        # the largest k with fits(k * STEP)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * CONTEXT_STEP):
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        return ContextChoice(train, f"context {train:,} tokens per slot")
+    n = lo * CONTEXT_STEP
+    whole = (f"the model's trained {train:,} would need {fmt_bytes(kv_bytes(n_slots, train))} of KV for {n_slots} "
+             f"slots")
+    line = f"context {n:,} tokens per slot, the most the budget holds ({whole}): {numbers(n)}"
+    notice = ""
+    if n < CONTEXT_FLOOR <= train:
+        notice = (f"the memory budget leaves room for {n:,} tokens of context per slot, below {CONTEXT_FLOOR:,} "
+                  f"({numbers(n)}): raise --memory-budget, lower --slots, or use --kv-type "
+                  f"{'q8_0' if kv_type in ('f32', 'f16') else 'q4_0'}")
+    return ContextChoice(n, line, notice)
 
 
 #: GPU memory kept free beside the expert cache (allocator slack, copy staging)

@@ -125,9 +125,10 @@ def runnable_problem(h: Header, what: str) -> str:
     return ""
 
 
-def kv_bytes_estimate(h: Header, n_slots: int, n_ctx: int, value_bytes: int = 2) -> int:
+def kv_bytes_estimate(h: Header, n_slots: int, n_ctx: int, value_bytes: float = 2) -> int:
     """K and V of every layer for ``n_slots`` x ``n_ctx`` tokens (``value_bytes`` per
-    value: 2 for f16, 4 for f32), from the header's hyperparameters."""
+    value: 2 for f16, 4 for f32, 34/32 for q8_0, 18/32 for q4_0), from the header's
+    hyperparameters."""
     m, a = h.metadata, h.arch
 
     def get(key: str, default: int) -> int:
@@ -139,7 +140,7 @@ def kv_bytes_estimate(h: Header, n_slots: int, n_ctx: int, value_bytes: int = 2)
     kv_heads = max(1, get("attention.head_count_kv", heads))
     k_dim = get("attention.key_length", d // heads)
     v_dim = get("attention.value_length", k_dim)
-    return get("block_count", 0) * n_slots * n_ctx * kv_heads * (k_dim + v_dim) * value_bytes
+    return int(get("block_count", 0) * n_slots * n_ctx * kv_heads * (k_dim + v_dim) * value_bytes)
 
 
 def working_bytes_estimate(h: Header, prefill_chunk: int, n_slots: int, n_ctx: int) -> int:
@@ -160,7 +161,7 @@ def working_bytes_estimate(h: Header, prefill_chunk: int, n_slots: int, n_ctx: i
 
 
 def estimate_terms(h: Header, n_slots: int, n_ctx: int, prefill_chunk: int,
-                   kv_value_bytes: int = 2) -> tuple[tuple[str, int], ...]:
+                   kv_value_bytes: float = 2) -> tuple[tuple[str, int], ...]:
     """The budget terms (name, bytes) a GGUF model of header ``h`` would take at
     ``n_slots`` x ``n_ctx`` (its context capped at the trained one), before loading it."""
     ctx = min(n_ctx, h.n_ctx_train) if h.n_ctx_train else n_ctx

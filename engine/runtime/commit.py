@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from aotx.engine import protocol as P
 from aotx.engine.runtime import admission
+from aotx.engine.runtime.context import merged
 from aotx.engine.runtime.executor import LeaseResult, TickResult
 from aotx.engine.runtime.receipts import Covers
 from aotx.engine.runtime.requests import Request, RequestState
@@ -74,7 +75,7 @@ class Commit:
             if r.state is RequestState.PREFILL:
                 r.state = RequestState.DECODE
                 r.slot.state = "decode"
-                r.t_first = time.perf_counter()
+                r.t_first = r.t_first or time.perf_counter()   # (a continued reply keeps its first)
             elif r.state is RequestState.FORK_WAIT:  # a forked choice's first token, before it has a slot
                 r.t_start = r.t_first = time.perf_counter()
             else:
@@ -89,7 +90,7 @@ class Commit:
                 n_out += 1
                 delta = r.decoder.feed(tok)
                 emit, reason = r.stop.feed(tok, delta)
-                if reason in ("length", "context"):
+                if reason == "length" or (reason == "context" and not r.stop.goes_on):
                     emit += r.decoder.flush()
                 r.text += emit
                 # the end-of-generation token that ended the reply is flagged: it is no token of the
@@ -104,7 +105,7 @@ class Commit:
         finished = []
         st = self.store
         for r, items in per_req.items():
-            start = len(r.prompt) + len(r.completion) - len(items)
+            start = r.n_prompt + len(r.completion) - len(items)
             seq, nbytes = st.commit_tokens(r.conv_id, r.reply_id, start, [t for t, _, _, _ in items],
                                            "".join(e for _, e, _, _ in items), tick=tick)
             r.credit -= nbytes
@@ -130,11 +131,12 @@ class Commit:
         r.state = RequestState.DONE
         r.t_end = time.perf_counter()
         st = self.store
-        seq, nbytes = st.finish(r.conv_id, r.reply_id, reason, len(r.prompt), len(r.completion), tick=tick)
+        seq, nbytes = st.finish(r.conv_id, r.reply_id, reason, r.n_prompt, len(r.completion), tick=tick,
+                                context=merged(r.cuts))
         st.release(r.credit - nbytes)
         r.credit = 0
         r.final_seq = seq
-        r.sink.send(P.Committed(id=r.rid, msg_id=r.reply_id, finish_reason=reason, n_prompt=len(r.prompt),
+        r.sink.send(P.Committed(id=r.rid, msg_id=r.reply_id, finish_reason=reason, n_prompt=r.n_prompt,
                                 n_completion=len(r.completion), tick=tick, seq=seq, text=r.text,
                                 timings=r.timings(), choice=r.choice, numerics=self.numerics,
                                 stop=r.stop.matched if reason == "stop" else ""))

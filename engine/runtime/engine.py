@@ -64,6 +64,7 @@ from aotx.engine.runtime.operations import Operations
 from aotx.engine.runtime.requests import Request, RequestState, Sink
 from aotx.engine.runtime.slots import SlotTable
 from aotx.engine.runtime.store import ConversationStore
+from aotx.engine.runtime.context import ContinueJob
 from aotx.engine.runtime.submit import Submission, Submitter
 from aotx.engine.state.cache import CapsuleCache
 from aotx.engine.units import fmt_bytes
@@ -105,7 +106,7 @@ class Engine:
                  draft_p_min: float = DEFAULT_P_MIN, catalog: Catalog | None = None,
                  loader: Callable[[ModelEntry], LoadedModel] | None = None, capsule_root: Path | None = None,
                  keep_alive_s: float = 0.0, evict_idle: bool = False, name: str = "",
-                 kv_type: str = "f16"):
+                 kv_type: str = "f16", context_policy: str = "rolling"):
         self.store = store
         self.n_slots = n_slots
         self.n_ctx = n_ctx
@@ -115,6 +116,7 @@ class Engine:
         self.capsule_root = capsule_root
         self._loader = loader
         self.kv_type = kv_type
+        self.context_policy = context_policy  # what a conversation without its own runs under (context.py)
         self.tick = 0
         self.stats = {"ticks": 0, "tokens": 0, "device_s": 0.0, "host_s": 0.0}
         self._inbox = store.inbox
@@ -131,6 +133,7 @@ class Engine:
         default = LocalModel(name, lm, store, self._inbox, self.is_busy, n_slots=n_slots, n_ctx=n_ctx,
                              prefill_chunk=prefill_chunk, device=device, capsules=capsules, speculative=speculative,
                              draft_lm=draft_lm, draft_p_min=draft_p_min, default=True, kv_type=kv_type,
+                             context_policy=context_policy,
                              terms=tuple((n, v) for n, v in budget.terms if not is_shared_term(n)) if budget else
                              local_terms(lm, n_slots, n_ctx, prefill_chunk, kv_type=kv_type))
         self.models = ModelSet(self.catalog, budget.total if budget else 1 << 62,
@@ -144,7 +147,8 @@ class Engine:
         default.submitter.count_media = self.count_media
         kv1 = lm.model.kv_cache_bytes(1, 16, kv_type)
         cfg = lm.config
-        self._kv_value_bytes = max(1, round(kv1 / max(1, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 16)))
+        # bytes per cached value (2 for f16, 34/32 for q8_0's blocks, ...): other models' estimates
+        self._kv_value_bytes = kv1 / max(1, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 16)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -266,7 +270,7 @@ class Engine:
         m = LocalModel(entry.name, lm, self.store, self._inbox, self.is_busy, n_slots=self.n_slots, n_ctx=n_ctx,
                        prefill_chunk=self.prefill_chunk, device=device, capsules=caps,
                        speculative="auto" if self.speculative == "draft" else self.speculative, terms=terms,
-                       entry=entry, kv_type=self.kv_type)
+                       entry=entry, kv_type=self.kv_type, context_policy=self.context_policy)
         m.submitter.count_media = self.count_media
         return m
 
@@ -418,6 +422,9 @@ class Engine:
     def _on_prepared(self, ev: Prepared) -> None:
         sub = ev.submission
         submitter, m = self._submitter_of(sub)
+        if isinstance(sub, ContinueJob):  # a reply's prompt cut again by its context policy
+            m.continued(sub, ev.error, self._finish)
+            return
         self._guarded(lambda: self.enqueue(submitter.prepared(ev, self.tick), m), sub.op, sub.sink)
 
     def _on_receipt(self, ev: ReceiptArrived) -> None:
@@ -560,4 +567,5 @@ class Engine:
                                                for m in self.models))},
             degraded=self.store.hold_reason(), notices=list(self.store.notices),
             models=[m.info() for m in self.models], n_slots=self.n_slots, kv_type=self.kv_type,
+            context_policy=self.context_policy,
         )

@@ -224,7 +224,7 @@ class Executor:
         self._row0 = {}
         for d in plan.decode:
             r = d.request
-            drafts = r.drafter.propose(r.prompt + r.completion, d.draft_room) if r.drafter is not None else []
+            drafts = r.drafter.propose(r.tokens, d.draft_room) if r.drafter is not None else []
             self._row0[id(r)] = len(toks)
             segs.append(Segment(r.slot.index, r.pos, 1 + len(drafts), all_logits=bool(drafts)))
             toks.append(r.next_input)

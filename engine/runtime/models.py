@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from aotx.engine.errors import AdmissionError, Busy, ErrorCode, ModelError, NotFound
 from aotx.engine import protocol as P
+from aotx.engine.runtime import context
 from aotx.engine.model.loader import LoadedModel
 from aotx.engine.runtime.admission import Budget, Refusal
 from aotx.engine.runtime.catalog import Catalog, ModelEntry, estimate_terms
@@ -49,6 +50,7 @@ from aotx.engine.runtime.scheduler import plan_leases, plan_tick
 from aotx.engine.runtime.slots import SlotTable
 from aotx.engine.runtime.store import ConversationStore
 from aotx.engine.runtime.submit import Submitter
+from aotx.engine.state.prefix import common_prefix
 from aotx.engine.state.cache import CapsuleCache
 from aotx.engine.units import fmt_bytes
 
@@ -117,7 +119,7 @@ class LocalModel:
                  capsules: CapsuleCache | None = None, speculative: str = "off", draft_lm: LoadedModel | None = None,
                  draft_p_min: float = DEFAULT_P_MIN,
                  terms: tuple[tuple[str, int], ...] = (), entry: ModelEntry | None = None, default: bool = False,
-                 kv_type: str = "f16"):
+                 kv_type: str = "f16", context_policy: str = context.DEFAULT_POLICY):
         self.name = name
         self.lm = lm
         self.store = store
@@ -138,7 +140,7 @@ class LocalModel:
         self.executor = Executor(lm, self.kv, device=device, capsules=capsules, draft=self.draft)
         self.commit = Commit(store, self.slots, self.executor.numerics)
         self.submitter = Submitter(lm, store, self.envelope, inbox, is_busy, device=device, speculative=speculative,
-                                   draft=self.draft, mtp=self.mtp)
+                                   draft=self.draft, mtp=self.mtp, context_policy=context_policy)
         self.submitter.model_name = name
         self.terms = tuple(terms)
         self.last_used = time.monotonic()
@@ -158,7 +160,9 @@ class LocalModel:
                 + len(getattr(sub, "preparing", {})))
 
     def has_work(self) -> bool:
-        return bool(self.running) or any(r.state is RequestState.QUEUED for r in self.waiting)
+        # (a reply whose prompt a worker is cutting again waits for it, unless it was cancelled)
+        return any(r.state is not RequestState.CONTINUE or r.cancelled for r in self.running) or \
+            any(r.state is RequestState.QUEUED for r in self.waiting)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -215,10 +219,64 @@ class LocalModel:
         result = self.executor.run(plan, tick)
         n_out, finished = self.commit.apply(plan, result, tick)
         for r in finished:
+            if r.finish_reason == "context" and r.continuation is not None and not r.cancelled:
+                r.finish_reason, r.state, r.slot.state = None, RequestState.CONTINUE, "prefill"
+                self.submitter.continue_reply(r)   # the context policy cuts its prompt again
+                continue
+            if r.finish_reason == "context":
+                self._ended(r, "")
             finish(r, r.finish_reason)
         self._forked(result.rows)
         self.touch()
         return n_out, result.device_s
+
+    def continued(self, job: Any, error: Any, finish: Callable[[Request, str], None]) -> None:
+        """A reply's prompt came back cut (``context.ContinueJob``; ``error``: the worker's
+        failure, or None): the reply goes on from its new prompt and its text so far,
+        prefilled in its own slot (the shared start of the two prompts kept), or it ends
+        at the end of the context with a notice saying why."""
+        r = job.request
+        if r.state is not RequestState.CONTINUE:   # it ended meanwhile
+            return
+        if r.cancelled:
+            finish(r, "cancelled")
+            return
+        fit = job.fit
+        if error is not None or fit is None:
+            self._ended(r, str(error) if error is not None else "")
+            finish(r, "context")
+            return
+        cut = fit.cut
+        if cut is not None and not cut.kept_from:   # only the turn being answered stays
+            cut.kept_from = r.msg_id
+        r.prompt = list(fit.ids) + r.completion
+        r.lead = len(r.completion)
+        r.stop.resume(len(fit.ids))
+        r.continuation.start, r.continuation.head = fit.start, fit.head
+        slot = r.slot
+        keep = min(common_prefix(slot.tokens, r.prompt), len(r.prompt) - 1)
+        del slot.tokens[keep:]
+        r.pos = keep
+        r.state, slot.state = RequestState.PREFILL, "prefill"
+        if cut is not None:
+            r.cuts.append(cut)
+            r.sink.send(P.Notice(id=r.rid, kind="context", resource="context", message=context.cut_text(cut),
+                                 asked=cut.n_tokens, cut=cut, choice=r.choice))
+        self.touch()
+
+    def _ended(self, r: Request, why: str) -> None:
+        """A reply ends at the end of the context: its held-back text is committed and the
+        client is told why it did not go on."""
+        tail = r.stop.flush() + r.decoder.flush()
+        if tail:
+            r.text += tail
+            self.store.commit_tokens(r.conv_id, r.reply_id, r.n_prompt + len(r.completion), [], tail)
+        conv = self.store.table.get(r.conv_id)
+        policy = context.policy_of(conv.context if conv is not None else "", self.submitter.context_policy)
+        if r.continuation is None and policy in context.CONTINUING:
+            why = why or "a raw prompt, or one with pictures, is not cut"
+        r.sink.send(P.Notice(id=r.rid, kind="context", resource="context", choice=r.choice,
+                             message=context.ended_text(policy, self.n_ctx, why), asked=len(r.completion)))
 
     def _forked(self, rows) -> None:
         """Choices (n > 1) that got their first token and the prompt's capsule this tick
@@ -536,7 +594,7 @@ def local_terms(lm: LoadedModel, n_slots: int, n_ctx: int, prefill_chunk: int, *
     return tuple((n, v) for n, v in terms if v)
 
 
-def header_terms(entry: ModelEntry, n_slots: int, n_ctx: int, prefill_chunk: int, kv_value_bytes: int,
+def header_terms(entry: ModelEntry, n_slots: int, n_ctx: int, prefill_chunk: int, kv_value_bytes: float,
                  capsule_host: int = EXTRA_CAPSULE_HOST) -> tuple[tuple[str, int], ...]:
     """The estimate, from the file's header, of ``local_terms``."""
     if entry.header is None:

@@ -63,6 +63,7 @@ class Operations:
             P.ListModels: self._list_models, P.LoadModel: self._load_model, P.UnloadModel: self._unload_model,
             P.SwitchModel: self._switch_model, P.CountTokens: self._count_tokens,
             P.Embed: self._embed, P.Tokenize: self._tokenize, P.Detokenize: self._detokenize,
+            P.SetContextPolicy: self._set_context,
         }
         self._embedders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LocalModel -> Embedder
         assert set(self.table) == set(P.OPERATIONS), "every protocol operation has a handler"
@@ -71,7 +72,7 @@ class Operations:
         model = self._model_name(op.model) if op.model else self.models.default_name
         view = self.store.create(op.title, op.system_prompt, op.sampling, tick=self.engine.tick,
                                  messages=[(m.role, m.text, m.meta) for m in op.messages], model=model,
-                                 origin=op.origin)
+                                 origin=op.origin, context=op.context)
         sink.send(P.ConversationInfo(id=op.id, conversation=view))
 
     def _list(self, op: P.ListConversations, sink: Sink) -> None:
@@ -254,6 +255,11 @@ class Operations:
         self.store.get(op.conv_id)
         name = self._model_name(op.model)
         self.store.switch_model(op.conv_id, name, tick=self.engine.tick)
+        sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
+
+    def _set_context(self, op: P.SetContextPolicy, sink: Sink) -> None:
+        self._require_idle(op.conv_id)
+        self.store.set_context(op.conv_id, op.policy, tick=self.engine.tick)
         sink.send(P.ConversationInfo(id=op.id, conversation=self.store.view(op.conv_id, busy=self._busy_convs())))
 
     # ---- what the handlers share ---------------------------------------------------------

@@ -31,13 +31,17 @@ class RequestState(enum.Enum):
     Without a journal a request starts QUEUED. A choice i > 0 of an n > 1 request is
     FORK_WAIT, outside the line, until choice 0's prompt is prefilled: then it has its
     first token and a capsule of the prompt's KV (``fork_capsule``) and joins the line
-    (its durable wait, if any, still applies)."""
+    (its durable wait, if any, still applies). A reply that reached the end of the context
+    under a policy that goes on (``context.py``) is CONTINUE while a preparation worker
+    cuts its prompt again; it keeps its slot and goes back to PREFILL (its new prompt
+    followed by the reply so far), then DECODE."""
 
     FORK_WAIT = "fork_wait"
     DURABLE_WAIT = "durable_wait"
     QUEUED = "queued"
     PREFILL = "prefill"
     DECODE = "decode"
+    CONTINUE = "continue"
     DONE = "done"
 
 
@@ -104,11 +108,28 @@ class Request:
     durable: bool = False     # the user's message is on disk (a forked choice may learn it while waiting)
     model: str = ""  # the name of the loaded model it runs on (``models.ModelSet``)
     has_history: bool = False  # the conversation had messages before this one (a capsule notice helps then)
+    # the context policy's way on past the end of the context (context.Continuation; None:
+    # the reply ends there), the cuts its prompt took (journaled with its finish), and how
+    # many tokens at the end of ``prompt`` are the reply's own (prefilled again after a cut)
+    continuation: Any = None
+    cuts: list[Any] = field(default_factory=list)
+    lead: int = 0
 
     @property
     def key(self) -> tuple[int, int, int]:
         """The request's key in the engine's tables: (sink, client request id, choice)."""
         return id(self.sink), self.rid, self.choice
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids whose K/V the slot holds or will hold: the prompt, then the reply's
+        tokens not already in it."""
+        return self.prompt + self.completion[self.lead:]
+
+    @property
+    def n_prompt(self) -> int:
+        """Prompt tokens before the reply's own (its prompt as the model reads it now)."""
+        return len(self.prompt) - self.lead
 
     @property
     def next_input(self) -> int:
@@ -133,7 +154,7 @@ class Request:
         n_pref = max(0, len(self.prompt) - self.n_reused)
         n_dec = max(0, len(self.completion) - 1)
         return {
-            "prompt_tokens": float(len(self.prompt)),
+            "prompt_tokens": float(self.n_prompt),
             "prompt_tokens_reused": float(self.n_reused),
             "prompt_tokens_per_s": round(n_pref / prefill_s, 2),
             "ttft_s": round((self.t_first or self.t_end) - self.t_submit, 4),

@@ -219,16 +219,34 @@ class ConversationStore:
             msgs.append({**P.template_fields(m.meta), "role": m.role, "content": m.text})
         return msgs
 
+    def prompt_history(self, conv_id: str) -> tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]], int]:
+        """What the conversation's next prompt is made of (``context.History``): the system
+        message (or None), the other messages as ``chat_messages`` gives them with their
+        ids, and the index where the last journaled cut left the prompt starting (0: none)."""
+        from aotx.engine.runtime.context import start_of
+
+        c = self.get(conv_id)
+        system = {"role": "system", "content": c.system_prompt} if c.system_prompt else None
+        msgs: list[tuple[str, dict[str, Any]]] = []
+        for m in c.messages:
+            if m.role == "assistant" and ((not m.text and not m.meta.get("tool_calls")) or m.status == "failed"):
+                continue
+            msgs.append((m.msg_id, {**P.template_fields(m.meta), "role": m.role, "content": m.text}))
+        kept_from = [m.context["kept_from"] for m in c.messages if m.context.get("kept_from")]
+        return system, msgs, start_of(msgs, kept_from)
+
     # ---- writes -----------------------------------------------------------------
 
     def create(self, title: str, system_prompt: str | None, sampling: P.SamplingParams | None,
-               tick: int = 0, messages: Sequence[tuple] = (), model: str = "", origin: str = "") -> P.ConversationView:
-        """A new conversation on ``model``, with ``messages`` (role, text[, meta]) stored as finished history."""
+               tick: int = 0, messages: Sequence[tuple] = (), model: str = "", origin: str = "",
+               context: str = "") -> P.ConversationView:
+        """A new conversation on ``model`` with context policy ``context`` ("": the engine's),
+        with ``messages`` (role, text[, meta]) stored as finished history."""
         cid = _new_id("c")
         now = time.time()
         recs: list[Any] = [R.ConversationCreated(conv_id=cid, title=title or "New conversation", created_at=now,
                                                  system_prompt=system_prompt, sampling=_sampling_dict(sampling),
-                                                 model=model, origin=origin)]
+                                                 model=model, origin=origin, context=context)]
         for role, text, *meta in messages:
             mid = _new_id("m")
             recs.append(R.MessageAccepted(conv_id=cid, msg_id=mid, role=role, text=text, created_at=now,
@@ -256,6 +274,14 @@ class ConversationStore:
         c = self.get(conv_id)
         self._publish([R.ConversationUpdated(conv_id=conv_id, system_prompt=c.system_prompt, sampling=dict(c.sampling),
                                              model=model)], tick, "a model switch")
+        self.flush()
+
+    def set_context(self, conv_id: str, policy: str, tick: int = 0) -> None:
+        """Run the conversation under context policy ``policy`` ("": the engine's) from its
+        next message on."""
+        c = self.get(conv_id)
+        self._publish([R.ConversationUpdated(conv_id=conv_id, system_prompt=c.system_prompt, sampling=dict(c.sampling),
+                                             context=policy)], tick, "a context policy")
         self.flush()
 
     def delete(self, conv_id: str, tick: int = 0) -> None:
@@ -289,9 +315,10 @@ class ConversationStore:
         nid = _new_id("c")
         recs: list[Any] = [R.ConversationCreated(conv_id=nid, title=f"{c.title} (fork)", created_at=time.time(),
                                                  system_prompt=c.system_prompt, sampling=dict(c.sampling),
-                                                 model=c.model)]
+                                                 model=c.model, context=c.context)]
+        ids: dict[str, str] = {}  # the parent's message ids -> the fork's
         for m in msgs:
-            mid = _new_id("m")
+            mid = ids[m.msg_id] = _new_id("m")
             recs.append(R.MessageAccepted(conv_id=nid, msg_id=mid, role=m.role, text=m.text if m.role != "assistant"
                                           else "", attachments=list(m.attachments), sampling=dict(m.sampling),
                                           created_at=m.created_at, meta=dict(m.meta), model=m.model))
@@ -299,7 +326,8 @@ class ConversationStore:
                 recs.append(R.TokensCommitted(conv_id=nid, msg_id=mid, start_pos=m.start_pos,
                                               token_ids=list(m.token_ids), text=m.text))
                 recs.append(R.MessageFinished(conv_id=nid, msg_id=mid, reason=m.finish_reason or "stop",
-                                              n_prompt=m.n_prompt, n_completion=m.n_completion))
+                                              n_prompt=m.n_prompt, n_completion=m.n_completion,
+                                              context=_renamed_cut(m.context, ids)))
         if c.model:  # the parent's model, even when its last reply ran on another one
             recs.append(R.ConversationUpdated(conv_id=nid, system_prompt=c.system_prompt, sampling=dict(c.sampling),
                                               model=c.model))
@@ -356,11 +384,19 @@ class ConversationStore:
         return self._record(rec, tick), self.record_bytes(rec) if self.journal is not None else 0
 
     def finish(self, conv_id: str, msg_id: str, reason: str, n_prompt: int, n_completion: int,
-               tick: int = 0) -> tuple[int, int]:
-        """Publish a reply's finish: (seq, bytes of credit it took)."""
+               tick: int = 0, context: P.ContextCut | None = None) -> tuple[int, int]:
+        """Publish a reply's finish (``context``: where its prompt left earlier messages
+        out): (seq, bytes of credit it took)."""
         rec = R.MessageFinished(conv_id=conv_id, msg_id=msg_id, reason=reason, n_prompt=n_prompt,
-                                n_completion=n_completion)
+                                n_completion=n_completion, context=msgspec.to_builtins(context) if context else {})
         return self._record(rec, tick), self.record_bytes(rec) if self.journal is not None else 0
+
+
+def _renamed_cut(cut: dict[str, Any], ids: dict[str, str]) -> dict[str, Any]:
+    """A reply's cut with the message ids a fork gave its copies (ids it lacks: "")."""
+    if not cut:
+        return {}
+    return {k: (ids.get(v, "") if k in ("first", "last", "kept_from") else v) for k, v in cut.items()}
 
 
 def open_store(directory: Path | None, *, buffer_bytes: int = 8 << 20,

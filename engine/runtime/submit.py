@@ -58,7 +58,7 @@ from aotx.engine.model.chat_template import encode_chat
 from aotx.engine.model.loader import LoadedModel
 from aotx.engine.model.termination import StopChecker
 from aotx.engine.model.tokenizer import StreamDecoder
-from aotx.engine.runtime import admission, media_prompt
+from aotx.engine.runtime import admission, context, media_prompt
 from aotx.engine.runtime.constraints import Compiler, GrammarState
 from aotx.engine.runtime.drafter import DraftDrafter, DraftModel
 from aotx.engine.runtime.envelope import Envelope
@@ -101,6 +101,9 @@ class Submission:
     dropped: bool = False  # its client went away or cancelled it while it was being prepared
     model: str = ""  # the loaded model whose submitter runs its stages
     media_errors: list[tuple[str, str]] = field(default_factory=list)  # (file name, why) of refused attachments
+    policy: str = ""  # the context policy its prompt is made under (context.py)
+    fit: Any = None  # context.Fit: the prompt fitted to the context (stage 3; None: raw or with pictures)
+    continuation: Any = None  # context.Continuation: how its reply goes on past the end of the context
 
 
 @dataclass(eq=False)
@@ -124,7 +127,7 @@ class Submitter:
 
     def __init__(self, lm: LoadedModel, store: ConversationStore, envelope: Envelope, inbox: Inbox,
                  is_busy: Callable[[str], bool], *, device: str, speculative: str, draft: DraftModel | None = None,
-                 mtp: MtpModel | None = None):
+                 mtp: MtpModel | None = None, context_policy: str = context.DEFAULT_POLICY):
         self.lm = lm
         self.store = store
         self.envelope = envelope
@@ -134,6 +137,7 @@ class Submitter:
         self.speculative = speculative
         self.draft = draft
         self.mtp = mtp
+        self.context_policy = context_policy  # the engine's default (a conversation may set its own)
         self.vision: VisionEncoder | None = None
         self.images: media_prompt.ImageStore | None = None
         self.ready = True
@@ -274,14 +278,19 @@ class Submitter:
         if not op.raw and self.images is not None and media_prompt.has_markers(history + [{"content": sub.text}]):
             if not sub.restored and self._restore_images(sub, history):
                 return None
+        sub.policy = context.policy_of(self.store.get(op.conv_id).context, self.context_policy)
+        parts = None if op.raw else self.store.prompt_history(op.conv_id)
         self.preparing[op.conv_id] = sub
-        self.preparer.submit(sub, lambda: self._prepare(sub, history))
+        self.preparer.submit(sub, lambda: self._prepare(sub, history, parts))
         return None
 
-    def _prepare(self, sub: Submission, history: list[dict]) -> tuple[str, list[int]]:
+    def _prepare(self, sub: Submission, history: list[dict], parts: tuple | None = None) -> tuple[str, list[int]]:
         """The work of stage 3, on a preparation worker: (the user's turn as the prompt
-        holds it, the prompt's token ids). Raises Refusal (too long for the context,
-        whatever its tokens) or TemplateError (the template failed or passed its budget)."""
+        holds it, the prompt's token ids). ``parts``: ``store.prompt_history``'s, which the
+        conversation's context policy fits to the context (``context.fit``: sets ``sub.fit``
+        and ``sub.continuation``). Raises Refusal (too long for the context, whatever its
+        tokens, or even with every earlier turn left out) or TemplateError (the template
+        failed or passed its budget)."""
         op, text, tok = sub.op, sub.text, self.lm.tokenizer
         if self._longest is None:
             self._longest = longest_piece(tok)
@@ -294,7 +303,18 @@ class Submitter:
         if self.images is not None and media_prompt.has_markers(history + [{"content": text}]):
             return self._fit_images(sub, history, text)
         turn = {**P.template_fields(op.meta), "role": op.role, "content": text}
-        return text, self._chat_ids(history + [turn], op.tools, op.prefill, fit=True)
+        if parts is None:
+            return text, self._chat_ids(history + [turn], op.tools, op.prefill, fit=True)
+        return text, self._fit(sub, parts, turn)
+
+    def _fit(self, sub: Submission, parts: tuple, turn: dict[str, Any]) -> list[int]:
+        """The prompt's ids under the conversation's context policy (on the worker:
+        ``context.fit_turn``); sets ``sub.fit`` and ``sub.continuation``."""
+        op = sub.op
+        sub.fit, sub.continuation = context.fit_turn(
+            sub.policy, self.envelope, parts, lambda kept: self._chat_ids(kept + [turn], op.tools, op.prefill, fit=True),
+            sub.sampling.max_tokens)
+        return sub.fit.ids
 
     def _chat_ids(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], prefill: str,
                   fit: bool = False) -> list[int]:
@@ -350,9 +370,20 @@ class Submitter:
         if ev.error is not None:
             raise ev.error
         self._ready_and_idle(sub.op.conv_id)
-        admission.check_prompt(len(ev.prompt), self.envelope)
+        try:
+            admission.check_prompt(len(ev.prompt), self.envelope)
+        except admission.Refusal as e:
+            if e.resource == "context" and e.detail and not sub.op.raw and sub.policy not in context.CONTINUING:
+                e.detail += (f"; this conversation's context policy is {sub.policy}: `/context rolling` in aotx "
+                             f"(F4 in aotx-chat) lets older turns leave the prompt")
+            raise
         sub.prompt = list(ev.prompt)
         return self._accept(sub, ev.text, tick)
+
+    def continue_reply(self, r: Request) -> None:
+        """A reply reached the end of the context under a continuing policy: its prompt is
+        cut again on a preparation worker (``context.continue_reply``)."""
+        context.continue_reply(r, self.preparer, self.envelope.context_tokens, self.model_name)
 
     def _ready_and_idle(self, conv_id: str) -> None:
         if not self.ready:
@@ -401,7 +432,9 @@ class Submitter:
         op, sink, sp, prompt, st = sub.op, sub.sink, sub.sampling, sub.prompt, self.store
         ctx = self.envelope.context_tokens
         has_history = bool(st.get(op.conv_id).messages)  # before this message's records
-        max_tokens = max(1, min(sp.max_tokens, ctx - len(prompt)))
+        # a reply goes on past the end of the context under a continuing policy: its own
+        # max_tokens is its only limit then
+        max_tokens = sp.max_tokens if sub.continuation is not None else max(1, min(sp.max_tokens, ctx - len(prompt)))
         msg_id, reply_id, recs = st.accept_records(op.conv_id, op.role, text, sp, op.attachments, raw=op.raw,
                                                    meta=op.meta, **self._model_fields())
         reply = admission.reply_credit(max_tokens, self.envelope)
@@ -425,10 +458,20 @@ class Submitter:
         seed = sp.seed if sp.seed is not None else int(np.random.SeedSequence().entropy) & 0x7FFFFFFF
         r = self._request(sub, op.conv_id, msg_id, reply_id, seq, seed, max_tokens, reply)
         r.constraint, r.has_history = sub.constraint, has_history
+        if sub.continuation is not None:
+            r.continuation = sub.continuation
+            r.stop.goes_on = True
         if r.drafter is not None:  # a draft model's drafter reads the request's slot and sampler
             r.drafter.bind(r)
         sink.send(P.Accepted(id=op.id, conv_id=op.conv_id, msg_id=msg_id, reply_id=reply_id, seq=seq,
                              tick=tick, prompt_ids=prompt, model=self.model_name))
+        cut = sub.fit.cut if sub.fit is not None else None
+        if cut is not None:
+            if not cut.kept_from:  # only the newest turn stays: the next prompt starts at it
+                cut.kept_from = msg_id
+            r.cuts.append(cut)
+            sink.send(P.Notice(id=op.id, kind="context", resource="context", message=context.cut_text(cut),
+                               asked=cut.n_tokens, cut=cut))
         if st.journaled:
             st.receipts.watch(seq, r, Covers.ACCEPTED)
         else:

@@ -35,8 +35,9 @@ checkpoints: earlier positions where the slot's state was copied (the end of
 each prompt it prefilled; ``header.checkpoints``, buffers ``ckpt.<n>.<name>`` after
 the state's), never at any other prefix as KV alone could (``restorable``,
 ``usable_prefix``).
-``k`` and ``v`` are float16 when ``header.kv_type`` is "f16" and float32 for "f32"
-(the field's default: capsules written before it were float32); the drafter's are
+``k`` and ``v`` are float16 when ``header.kv_type`` is "f16", float32 for "f32" (the
+field's default: capsules written before it were float32), and for "q8_0" / "q4_0" the
+cache's bytes of llama.cpp's blocks (uint8, (n_layers, n_kv_heads, n, row bytes)); the drafter's are
 ``header.drafter["kv_type"]`` likewise. A capsule restores only into a KV cache of its
 own type (converting would not be byte-exact).
 """
@@ -98,7 +99,8 @@ class CapsuleHeader(msgspec.Struct, frozen=True):
     checkpoints: list[int] = []
 
 
-_KV_DTYPES = {"f16": np.float16, "f32": np.float32}
+# the dtype of a capsule's K and V by its KV type (q8_0 / q4_0: llama.cpp's blocks, as bytes)
+_KV_DTYPES = {"f16": np.float16, "f32": np.float32, "q8_0": np.uint8, "q4_0": np.uint8}
 
 
 def _kv_type_of(a) -> str:
@@ -190,7 +192,7 @@ def snapshot(kv, slot: int, tokens: list[int], *, fingerprint: str, backend: str
         dt = np.asarray(dt, np.int32)
         shapes.update({"draft_k": list(dk.shape), "draft_v": list(dv.shape), "draft_tokens": [int(dt.shape[0])]})
         dmeta = {**meta, "n_tokens": int(dt.shape[0]), "crc32c": _crc(dk, dv, dt), "kv_type": _kv_type_of(dk)}
-    kv_type = _kv_type_of(k)
+    kv_type = getattr(kv, "kv_type", "") or _kv_type_of(k)
     hdr = CapsuleHeader(
         fingerprint=fingerprint, backend=backend, layout=f"kv:{kv_type}:{list(k.shape[:2])}+n+[{k.shape[3]}]",
         n_tokens=n, shapes=shapes, crc32c=0 if device else _crc(k, v, toks, *(rec[x] for x in names), *(
@@ -244,7 +246,7 @@ def restore(cap: Capsule, kv, slot: int, *, fingerprint: str, n: int | None = No
                            f"over: its text is in the journal)")
     n = cap.n_tokens if n is None else min(n, cap.n_tokens)
     n_layers, n_kv, n_ctx, hd = kv.slot_shape
-    if cap.k.shape[0] != n_layers or cap.k.shape[1] != n_kv or cap.k.shape[3] != hd:
+    if cap.k.shape[0] != n_layers or cap.k.shape[1] != n_kv or cap.k.shape[3] != getattr(kv, "row_width", hd):
         raise CapsuleError(f"capsule layout {cap.header.layout} does not match the KV cache")
     if n > n_ctx:
         raise CapsuleError(f"capsule of {n} tokens does not fit a context of {n_ctx}")

@@ -161,7 +161,7 @@ class FakeEngineClient:
         budget = [P.BudgetLine("weights", 120 << 20), P.BudgetLine("kv", 96 << 20)]
         return P.StatusReply(id=0, model=e.model, device=e.device, ready=e.load_steps == 0, budget_bytes=1 << 30,
                              used_bytes=sum(b.bytes for b in budget), budget=budget, slots=[], n_ctx=e.n_ctx,
-                             load_progress=progress)
+                             load_progress=progress, context_policy="rolling")
 
     async def list_conversations(self) -> list[P.ConversationView]:
         self._check()
@@ -172,11 +172,12 @@ class FakeEngineClient:
 
     async def create_conversation(self, title: str = "", system_prompt: str | None = None,
                                   sampling: P.SamplingParams | None = None,
-                                  messages: list | None = None, model: str = "", origin: str = "") -> P.ConversationView:
+                                  messages: list | None = None, model: str = "", origin: str = "",
+                                  context: str = "") -> P.ConversationView:
         self._check()
         conv = self.engine.add_conversation(title or "New conversation")
         conv.origin = origin
-        conv.system_prompt, conv.sampling = system_prompt, sampling
+        conv.system_prompt, conv.sampling, conv.context = system_prompt, sampling, context
         conv.model = model or self.engine.model
         return conv
 
@@ -194,6 +195,13 @@ class FakeEngineClient:
         if model not in names:
             raise refused(ErrorCode.NOT_FOUND, f"no model named {model!r}")
         conv.model = model
+        return conv
+
+    async def set_context(self, conv_id: str, policy: str) -> P.ConversationView:
+        conv = self._conv(conv_id)
+        if policy not in ("", *P.CONTEXT_POLICIES):
+            raise refused(ErrorCode.BAD_REQUEST, f"context policy {policy!r} is not one of rolling, middle, stop")
+        conv.context = policy
         return conv
 
     async def show(self, conv_id: str) -> P.ConversationView:

@@ -4,7 +4,9 @@ Every kernel launch and cuBLAS call of the scenarios below is checked by
 ``tests/tools/gpu_fake_cupy.py`` (argument lists against the kernels' signatures, pointers
 inside their allocations, GEMM extents); the numbers are not computed. Scenarios, on
 random-weight llama files (``tests/models/cuda_testmodel.py``): every prefill mode
-(default choice, f16, tf32, f32, gemv), both KV types, fused and generic kernels, every
+(default choice, f16, tf32, f32, gemv), the KV types (f16, f32, and the quantized q8_0 and
+q4_0 with their rotation: stores, loads and the cuBLAS path's dequantization checked like every
+other launch), fused and generic kernels, every
 GEMV variant forced (float and int8 activations), the MMQ (int8 tensor cores) from 2 rows
 and turned off, graph buckets 1 to 128 and the eager path past them, the persistent decode step (tests/tools/persistent_step.py), a QK-norm-free
 model with mixed tensor types and an untied odd vocabulary, and the kernel-choice tuner
@@ -91,8 +93,11 @@ def main() -> int:
     }
     scenarios = []
     for name in files:
-        for kv_type in ("f16", "f32"):
+        for kv_type in ("f16", "f32", "q8_0", "q4_0"):
             scenarios.append((f"{name} default kernels, kv {kv_type}", name, {}, kv_type))
+        # a quantized cache through the generic kernels (the separate KV store) and the GEMV prefill
+        scenarios.append((f"{name} generic kernels, kv q8_0", name, {"fuse": False}, "q8_0"))
+        scenarios.append((f"{name} prefill gemv, kv q4_0", name, {"prefill": "gemv"}, "q4_0"))
         for mode in ("f16", "tf32", "f32", "gemv"):
             scenarios.append((f"{name} prefill {mode}", name, {"prefill": mode}, "f16"))
         scenarios.append((f"{name} generic kernels", name, {"fuse": False}, "f16"))

@@ -349,9 +349,50 @@ def _extents(name: str, grid, a: dict) -> None:
         _need(w, a["q"], 4 * ((n - 1) * i("ldq") + H * hd), "q")
         _need(w, a["out"], 4 * ((n - 1) * i("ldo") + H * hd), "out")
         _need(w, a["sinks"], 4 * H, "sinks")
-        end = (2 if kvt else 4) * ((i("slot") + 1) * n_kv * n_ctx * hd)   # the slot's last KV head, every position
+        row = _kv_row_bytes(kvt, hd)
+        end = row * ((i("slot") + 1) * n_kv * n_ctx)   # the slot's last KV head, every position
         _need(w, a["kc"], end, "kc (the slot's keys)")
         _need(w, a["vc"], end, "vc (the slot's values)")
+    elif base == "kvq_store":                       # a quantized cache's store: rows x (K heads, V heads)
+        kvt, n_kv, hd, n_ctx = tpl[0], i("n_kv"), i("hd"), i("n_ctx")
+        n = grid[1]
+        if grid[0] != 2 * n_kv or hd % 32 or hd > 256:
+            raise LaunchError(f"{w}: grid {grid} for {n_kv} KV heads of {hd}")
+        for r in ("nk", "nv"):
+            if i(r) and (hd % i(r) or i(r) & (i(r) - 1)):
+                raise LaunchError(f"{w}: rotation block {r} = {i(r)} for heads of {hd}")
+        _need(w, a["k"], 4 * ((n - 1) * i("ldk") + n_kv * hd), "k")
+        _need(w, a["v"], 4 * ((n - 1) * i("ldv") + n_kv * hd), "v")
+        _kv_rows_ok(w, a, n, n_kv, n_ctx, _kv_row_bytes(kvt, hd))
+    elif base == "kvq_rotate":
+        n_heads, n, hd, blk = grid[0], grid[1], i("hd"), i("n")
+        if hd % blk or blk & (blk - 1) or hd > 256:
+            raise LaunchError(f"{w}: rotation block {blk} for heads of {hd}")
+        _need(w, a["x"], 4 * ((n - 1) * i("ld") + n_heads * hd), "x")
+    elif base == "kvq_dequant":
+        kvt, n, n_kv, hd, n_ctx, c0 = tpl[0], i("n"), i("n_kv"), i("hd"), i("n_ctx"), i("c0")
+        if grid != (n, n_kv) or c0 < 0 or c0 + n > n_ctx:
+            raise LaunchError(f"{w}: grid {grid} for positions {c0}..{c0 + n - 1} of {n_ctx}, {n_kv} KV heads")
+        _need(w, a["c"], _kv_row_bytes(kvt, hd) * ((i("slot") + 1) * n_kv * n_ctx), "c (the slot)")
+        _need(w, a["out"], 4 * n_kv * n * hd, "out")
+    elif base == "head_rope_kv":
+        kvt, n_kv, hd, n_ctx = tpl[0], i("n_kv"), i("hd"), i("n_ctx")
+        _kv_rows_ok(w, a, grid[1], n_kv, n_ctx, _kv_row_bytes(kvt, hd))
+
+
+def _kv_row_bytes(kvt: int, hd: int) -> int:
+    """Bytes of one head's row in a cache of KVT ``kvt`` (f32, f16, q8_0, q4_0)."""
+    return {0: 4 * hd, 1: 2 * hd, 2: hd // 32 * 34, 3: hd // 32 * 18}[kvt]
+
+
+def _kv_rows_ok(w: str, a: dict, n: int, n_kv: int, n_ctx: int, row: int) -> None:
+    """The rows a KV store writes (slot[r], pos[r], every KV head) lie inside kc and vc."""
+    slots, pos = _i32(_addr(a["slot"]), n), _i32(_addr(a["pos"]), n)
+    if n and (pos.min() < 0 or pos.max() >= n_ctx or slots.min() < 0):
+        raise LaunchError(f"{w}: positions {pos.min()}..{pos.max()} of {n_ctx}, slots from {slots.min()}")
+    end = row * ((int(slots.max()) + 1) * n_kv * n_ctx) if n else 0
+    _need(w, a["kc"], end, "kc (the rows' slots)")
+    _need(w, a["vc"], end, "vc (the rows' slots)")
 
 
 # ---- numeric emulation of the GPU expert tier's kernels (``emulate = True``) -------------------

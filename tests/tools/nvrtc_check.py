@@ -69,12 +69,15 @@ def instances(types=None) -> list[str]:
                 for ppw in (1, 2) if nb <= 4 else (1,):
                     names.append(f"gemv_h<{t},{t},{nb},{S.MODE_STORE},{wpp},{ppw}>")
     for hd in (64, 96, 128, 256):
-        for kvt in (0, 1):
+        for kvt in (0, 1, 2, 3):                    # f32, f16, and the quantized q8_0, q4_0 (kv_quant.cu)
             names.append(f"attn_decode<{hd},{kvt}>")
     for kvt in (0, 1):
         names += [f"head_rope_kv<{kvt}>", f"kv_store<{kvt}>"]
+    for kvt in (2, 3):
+        names += [f"head_rope_kv<{kvt}>", f"kvq_store<{kvt}>", f"kvq_dequant<{kvt}>"]
+    names.append("kvq_rotate")
     for hd in S.FLASH_HEAD_DIMS:                    # the flash-style prefill attention (sm_80+)
-        for kvt in (0, 1):
+        for kvt in (0, 1, 2, 3):
             names.append(f"attn_prefill<{hd},{kvt}>")
     return names
 

@@ -214,6 +214,19 @@ def axpy(typingctx, nq, e, e_off, e_stride, v, v_off, hd, nt, out, o_off, o_stri
     return types.void(nq, e, e_off, e_stride, v, v_off, hd, nt, out, o_off, o_stride), _axpy_codegen
 
 
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """fma32(a, b, c): a * b + c for float32 a, b, c, rounded once (llvm.fma.f32; a loop of
+    them vectorizes to vfmadd)."""
+    if not (a == b == c == types.float32):
+        raise TypeError("fma32 takes three float32")
+
+    def codegen(context, builder, sig, args):
+        return _fma_v(builder, *args)
+
+    return types.float32(a, b, c), codegen
+
+
 # ------------------------------------------------------------------ float16
 
 def _widen(builder, h16, fmt: str):

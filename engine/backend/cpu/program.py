@@ -31,89 +31,11 @@ import numpy as np
 
 from aotx.engine.backend.cpu import attention as cpu_attention
 from aotx.engine.backend.cpu import fdot as cpu_fdot
-from aotx.engine.backend.cpu import kv_layers as cpu_kv_layers
+from aotx.engine.backend.cpu import kvquant
 from aotx.engine.backend.cpu import ops as cpu_ops
 from aotx.engine.backend.cpu import recurrent as cpu_recurrent
+from aotx.engine.backend.cpu.kvcache import KV_TYPES, CpuKVCache, check_kv_type  # noqa: F401 (re-exported)
 from aotx.engine.backend.ops import ROWS_N, Node, Program, RopeSpec, Value
-
-KV_TYPES = ("f16", "f32")
-_KV_DTYPE = {"f16": np.uint16, "f32": np.float32}
-
-
-def check_kv_type(kv_type: str) -> str:
-    if kv_type not in KV_TYPES:
-        raise ValueError(f"KV cache type {kv_type!r} is not supported (use f16 or f32)")
-    return kv_type
-
-
-class CpuKVCache:
-    """Per layer K and V: ``(n_slots, n_kv_heads, n_ctx, head_dim)``, float32 for kv_type
-    "f32", uint16 float16 bits for "f16" (rounded to nearest even when stored). Also the
-    RoPE tables of the program's specs for this cache's ``n_ctx`` (``rope[i]`` = (cos, sin)
-    of ``program.rope_specs()[i]``), since Phi-3's factors depend on the context size.
-
-    The interface of engine/model/interface.py: ``clear``, ``slot_shape``, ``snapshot_slot``,
-    ``restore_slot``."""
-
-    def __init__(self, program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16"):
-        self.kv_type = check_kv_type(kv_type)
-        self.half = kv_type == "f16"
-        dt = _KV_DTYPE[kv_type]
-        self.k = [np.zeros((n_slots, L.n_kv_heads, n_ctx, L.head_dim), dt) for L in program.kv_layers]
-        self.v = [np.zeros((n_slots, L.n_kv_heads, n_ctx, L.head_dim), dt) for L in program.kv_layers]
-        self.n_slots = n_slots
-        self.n_ctx = n_ctx
-        self.rope = [spec.tables(n_ctx) for spec in program.rope_specs()]
-        self.uniform = len({(L.n_kv_heads, L.head_dim) for L in program.kv_layers}) <= 1   # else kv_layers.py
-
-    @staticmethod
-    def nbytes(program: Program, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
-        item = np.dtype(_KV_DTYPE[check_kv_type(kv_type)]).itemsize
-        return sum(2 * n_slots * L.n_kv_heads * n_ctx * L.head_dim * item for L in program.kv_layers)
-
-    def clear(self, slot: int, start: int, stop: int) -> None:
-        """Zero positions start..stop-1 of ``slot`` in every layer (rollback of rejected
-        draft tokens: the live buffers never keep a rejected token)."""
-        for layer in self.k:
-            layer[slot, :, start:stop, :] = 0
-        for layer in self.v:
-            layer[slot, :, start:stop, :] = 0
-
-    @property
-    def slot_shape(self) -> tuple[int, int, int, int]:
-        """One slot's KV layout: (n_layers, n_kv_heads, n_ctx, head_dim)."""
-        if not self.uniform: return cpu_kv_layers.flat_shape(self)  # noqa: E701
-        return (len(self.k),) + tuple(self.k[0].shape[1:])
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The dtype ``snapshot_slot`` returns: float16 or float32."""
-        return np.dtype(np.float16 if self.kv_type == "f16" else np.float32)
-
-    def snapshot_slot(self, slot: int, n: int, device: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of ``slot``'s K and V for positions 0..n-1: two (n_layers, n_kv_heads, n,
-        head_dim) arrays, float16 for an f16 cache and float32 for f32 (capsule snapshot;
-        ``device`` is accepted for the interface and means nothing on the CPU)."""
-        if not self.uniform: return cpu_kv_layers.snapshot(self, slot, n)  # noqa: E701
-        k = np.stack([layer[slot, :, :n, :] for layer in self.k])
-        v = np.stack([layer[slot, :, :n, :] for layer in self.v])
-        if self.kv_type == "f16":
-            k, v = k.view(np.float16), v.view(np.float16)
-        return k, v
-
-    def restore_slot(self, slot: int, k: np.ndarray, v: np.ndarray, n: int) -> None:
-        """Copy positions 0..n-1 of ``k``, ``v`` (as ``snapshot_slot`` returns them, same
-        dtype) into ``slot`` (capsule restore; byte-exact). Raises ValueError on a dtype
-        that is not this cache's."""
-        if not self.uniform: return cpu_kv_layers.restore(self, slot, k, v, n)  # noqa: E701
-        if np.dtype(k.dtype) != self.dtype or np.dtype(v.dtype) != self.dtype:
-            raise ValueError(f"KV of dtype {k.dtype} cannot restore into an {self.kv_type} cache")
-        if self.kv_type == "f16":
-            k, v = k.view(np.uint16), v.view(np.uint16)
-        for li in range(len(self.k)):
-            self.k[li][slot, :, :n, :] = k[li, :, :n, :]
-            self.v[li][slot, :, :n, :] = v[li, :, :n, :]
-
 
 class _Batch:
     """What one forward's kernels need to know about its rows, computed once per call:
@@ -469,20 +391,29 @@ class CpuProgram:
         scale, window = np.float32(scale), int(window)
         store16, store32 = cpu_attention.store_f16, cpu_attention.store_f32
         kernel_for, mode = cpu_attention.kernel_for, cpu_fdot.HOST_F16
+        store_q, kernel_for_q = kvquant._store_q, kvquant.kernel_for_q
+        rot = kvquant._rot_args(hd, True) if hd % kvquant.BLOCK == 0 else None
 
         def run(env, bt, kv):
             n = bt.n
             q = np.ascontiguousarray(env[qi]).reshape(n, H, hd)
             kc, vc = kv.k[L], kv.v[L]
-            # every row's K/V to its slot and position in one call (float16 rounded there;
-            # forward has checked the slots and positions against the cache)
-            # (contiguous copies: one kernel signature for one row and for many, not two)
-            (store16 if kv.half else store32)(kc, vc, np.ascontiguousarray(env[ki]).reshape(n, KV, hd),
-                                             np.ascontiguousarray(env[vi]).reshape(n, KV, hd), bt.slots, bt.positions)
             y = bt.views[so]
             keys = bt.keys.get(window)
             if keys is None:
                 keys = bt.keys[window] = cpu_attention.attended_keys(bt.lengths, window)
+            # every row's K/V to its slot and position in one call (float16 rounded or
+            # quantized there; forward has checked the slots and positions against the cache)
+            # (contiguous copies: one kernel signature for one row and for many, not two)
+            k_rows = np.ascontiguousarray(env[ki]).reshape(n, KV, hd)
+            v_rows = np.ascontiguousarray(env[vi]).reshape(n, KV, hd)
+            if kv.quant:   # (rotated first where llama.cpp rotates: kvquant.rotations)
+                store_q(kc, vc, k_rows, v_rows, bt.slots, bt.positions, kvquant.KIND[kv.kv_type], *rot)
+                kernel_for_q(keys, H, hd)(q, kc, vc, bt.slots, bt.lengths, scale, window, y.reshape(n, H, hd), sinks,
+                                          has_sinks, kvquant.KIND[kv.kv_type], *rot)
+                env[oi] = y
+                return
+            (store16 if kv.half else store32)(kc, vc, k_rows, v_rows, bt.slots, bt.positions)
             # every row (decode, verify, prefill) in one call, one kernel (attention_rows' checks made here)
             kernel_for(keys, H, hd, kv.half)(mode, q, kc, vc, bt.slots, bt.lengths, scale, window,
                                              y.reshape(n, H, hd), kv.half, sinks, has_sinks)

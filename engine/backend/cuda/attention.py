@@ -5,8 +5,12 @@ Owns: ``AttendStep``: decode and short segments through the split-context kernel
 ``ATT_MINCHUNK`` positions; the same partitions for a row whatever the batch), long prefill
 segments through the flash-style kernel (``attn_prefill``: tensor cores, K and V read from
 the cache; head dimensions ``FLASH_HEAD_DIMS`` on sm_80+, ``FLASH_ATTENTION`` off: the
-cuBLAS path) or cuBLAS (scores, masked softmax kernel, values); and ``EagerBatch``, which
-sorts an eager batch's segments into short and long ones and sizes their scratch. Leaves
+cuBLAS path) or cuBLAS (scores, masked softmax kernel, values); over a quantized cache
+(q8_0, q4_0: ``kernels/kv_quant.cu``) the same kernels dequantize as they load, the cuBLAS
+path reads the segment's keys dequantized (``kvq_dequant``), and where the cache is rotated
+(``kv.rot``) the queries are rotated before and the output back after (``kvq_rotate``, in
+place); and ``EagerBatch``, which sorts an eager batch's segments into short and long ones
+and sizes their scratch. Leaves
 the K and V writes to the QKV step (``steps.py``), the cache to ``kv.py``, the kernels to
 ``kernels/attn_decode.cu`` and ``kernels/attn_prefill.cu``.
 """
@@ -61,12 +65,15 @@ class AttendStep:
             self.sinks = cp.ascontiguousarray(cp.asarray(s.sinks, cp.float32).reshape(-1))
             if self.sinks.shape[0] != s.n_heads:
                 raise ModelError(f"attention sinks: {self.sinks.shape[0]} values for {s.n_heads} heads")
-        self.names = {kvt: f"attn_decode<{s.hd},{kvt}>" for kvt in (0, 1)}
+        kvts = (0, 1, 2, 3) if s.hd % 32 == 0 else (0, 1)   # q8_0 / q4_0 caches: blocks of 32 per head
+        self.names = {kvt: f"attn_decode<{s.hd},{kvt}>" for kvt in kvts}
         prog.need.update(self.names.values())
         prog.need.add("causal_softmax")
+        if s.hd % 32 == 0:
+            prog.need.update({"kvq_rotate", "kvq_dequant<2>", "kvq_dequant<3>"})
         self.flash = None           # the flash-style kernel's instance per KV type, where it runs
         if s.hd in FLASH_HEAD_DIMS and sm80(prog.backend):
-            self.flash = {kvt: f"attn_prefill<{s.hd},{kvt}>" for kvt in (0, 1)}
+            self.flash = {kvt: f"attn_prefill<{s.hd},{kvt}>" for kvt in kvts}
             prog.need.update(self.flash.values())
         prog.max_heads = max(prog.max_heads, s.n_heads)
         prog.max_hd = max(prog.max_hd, s.hd)
@@ -82,10 +89,18 @@ class AttendStep:
              np.uint64(out), i32(ldo),
              i32(ATT_NSMAX), i32(ATT_MINCHUNK)))
 
+    def _rotate(self, prog, c: Ctx, x: int, ld: int, n: int, block: int, inv) -> None:
+        """Each head of rows x (n, ld) times the block-size Walsh-Hadamard matrix, in place."""
+        prog.k["kvq_rotate"]((self.s.n_heads, n), (32,), (np.uint64(x), i32(ld), i32(self.s.hd), i32(block), f32(inv)))
+
     def graph(self, prog, c: Ctx) -> None:
         s = self.s
+        if c.kv.rot[0]:              # a rotated cache: the queries as its keys were
+            self._rotate(prog, c, c.ptr(s.q), c.ld(s.q), c.n, c.kv.rot[0], c.kv.rot[1])
         self._kernel(prog, c, c.ptr(s.q), c.ld(s.q), c.n, c.slot_p, c.pos_p, c.ptr(s.out), c.ld(s.out), c.part,
                      c.counters)
+        if c.kv.rot[0]:              # and the output back, as its values were rotated
+            self._rotate(prog, c, c.ptr(s.out), c.ld(s.out), c.n, c.kv.rot[2], c.kv.rot[3])
 
     def _rows(self, prog, c: Ctx, q: int, ldq: int, n: int, slot_p: int, pos_p: int, out: int, ldo: int, part,
               counters) -> None:
@@ -96,6 +111,15 @@ class AttendStep:
                          part, counters)
 
     def eager(self, prog, c: Ctx) -> None:
+        s = self.s
+        if c.kv.rot[0]:              # a rotated cache: the queries as its keys were, the output back after
+            self._rotate(prog, c, c.ptr(s.q), c.ld(s.q), c.n, c.kv.rot[0], c.kv.rot[1])
+            self._eager(prog, c)
+            self._rotate(prog, c, c.ptr(s.out), c.ld(s.out), c.n, c.kv.rot[2], c.kv.rot[3])
+            return
+        self._eager(prog, c)
+
+    def _eager(self, prog, c: Ctx) -> None:
         s = self.s
         eb = c.layout_info
         if eb.all_short:
@@ -116,10 +140,13 @@ class AttendStep:
         for row, slot, pos, n in eb.long_segs:
             T_ = pos + n
             c0 = max(0, pos + 1 - s.window) if s.window > 0 else 0
-            kc = c.kv.k[s.layer, slot, :, c0:T_, :]
-            vc = c.kv.v[s.layer, slot, :, c0:T_, :]
-            if c.kv.kvt:
-                kc, vc = kc.astype(cp.float32), vc.astype(cp.float32)
+            if c.kv.quant:           # the segment's keys and values dequantized (kvq_dequant)
+                kc, vc = self._dequant(prog, c, slot, c0, T_ - c0)
+            else:
+                kc = c.kv.k[s.layer, slot, :, c0:T_, :]
+                vc = c.kv.v[s.layer, slot, :, c0:T_, :]
+                if c.kv.kvt:
+                    kc, vc = kc.astype(cp.float32), vc.astype(cp.float32)
             qs = q_all[row:row + n].reshape(n, KV, G, hd).transpose(1, 2, 0, 3).reshape(KV, G * n, hd)
             sc = cp.matmul(qs, kc.transpose(0, 2, 1))
             Tw = T_ - c0
@@ -128,6 +155,19 @@ class AttendStep:
                                       u64(self.sinks)))
             o = cp.matmul(sc, vc)
             o_all[row:row + n] = o.reshape(KV, G, n, hd).transpose(2, 0, 1, 3).reshape(n, qd)
+
+    def _dequant(self, prog, c: Ctx, slot: int, c0: int, n: int):
+        """Positions c0 .. c0 + n - 1 of ``slot``'s keys and values as (n_kv, n, hd) float32."""
+        s = self.s
+        kp, vp = c.kv.layer_ptrs(s.layer)
+        out = []
+        for p in (kp, vp):
+            a = cp.empty((s.n_kv, n, s.hd), cp.float32)
+            prog.k[f"kvq_dequant<{c.kv.kvt}>"]((n, s.n_kv), (32,),
+                                              (np.uint64(p), i32(slot), i32(c0), i32(n), i32(s.n_kv), i32(s.hd),
+                                               i32(c.kv.n_ctx), a))
+            out.append(a)
+        return out
 
     def _flash(self, prog, c: Ctx, segs) -> None:
         """Long segments (``(row, slot, pos, n)``) through ``attn_prefill``: one launch each,

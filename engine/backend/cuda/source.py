@@ -19,6 +19,8 @@ define):
   form for int8 activations (``q8w<T>``, ``q8dot``);
 * ``shared.cuh``: warp reductions, float16 stores, GELU, the KV cache store, the GEMV
   epilogue modes;
+* ``kv_quant.cu``: quantized KV caches (q8_0, q4_0): their loads, the block store, the
+  Hadamard rotation (``kvq_rotate``, ``kvq_store``, ``kvq_dequant``);
 * ``gemv.cu``: the decode GEMV and its canonical reduction order (``row_scale``,
   ``quant_rows``, ``gemv``);
 * ``embed_rope.cu``: the QKV heads' norm, RoPE and KV write (``head_rope_kv``), the
@@ -49,7 +51,8 @@ Layout conventions (all row-major, float32 unless said):
   scale and float sum), ``q8w<T>`` reads a weight block as int8 levels and ``gemv<..., Q8 =
   1>`` multiplies them with ``__dp4a`` (the types of ``Q8_TYPES``).
 * activations ``x`` are ``(B, ld)``; KV cache per layer ``(n_slots, n_kv, n_ctx, hd)``,
-  float32 or float16 (template argument ``KVT``: 0 or 1).
+  float32 or float16 (template argument ``KVT``: 0 or 1), or ``(n_slots, n_kv, n_ctx,
+  row_bytes)`` bytes of q8_0 / q4_0 blocks (KVT 2, 3).
 * device tables for decode: ``tab_tok``, ``tab_slot``, ``tab_pos`` int32 ``(B,)``.
 * RoPE reads cos/sin tables ``(n_ctx, rope_half)`` float32 made on the host (frequency
   factors and scaling folded in); "neox" rotates dims j and j + rope_half of a head, the
@@ -77,12 +80,12 @@ Q8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
 # gemv epilogue modes: store, add (residual), SwiGLU and GEGLU of a gate/up pair, the QKV
 # projection with RoPE and the KV write fused (float32 or float16 KV cache)
 MODE_STORE, MODE_ADD, MODE_SWIGLU, MODE_QKV, MODE_GEGLU, MODE_QKV16 = 0, 1, 2, 3, 4, 5
-KV_TYPES = {"f32": 0, "f16": 1}          # KVT template argument of the attention and KV-write kernels
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}   # KVT template argument of the attention and KV-write kernels
 #: head dimensions of the flash-style prefill attention (``attn_prefill<HD, KVT>``, sm_80+)
 FLASH_HEAD_DIMS = (32, 64, 96, 128)
 
 #: the kernels module's files, in order (the module docstring says what each holds)
-KERNEL_FILES = ("common.cuh", "dequant.cuh", "shared.cuh", "gemv.cu", "embed_rope.cu", "dequant.cu",
+KERNEL_FILES = ("common.cuh", "dequant.cuh", "shared.cuh", "kv_quant.cu", "gemv.cu", "embed_rope.cu", "dequant.cu",
                 "attn_decode.cu", "elementwise.cu", "attn_prefill.cu", "moe.cu", "mmq.cu")
 SAMPLING_FILES = ("sampling.cu",)
 #: how a module's files are named in ``#line`` markers and errors (their path in the repository)

@@ -137,25 +137,34 @@ class Gemv:
                                 self.q8)
 
     def modes(self) -> tuple[int, ...]:
-        """Template modes this GEMV may launch (a QKV GEMV: one per KV type)."""
-        return (S.MODE_QKV, S.MODE_QKV16) if self.mode in (S.MODE_QKV, S.MODE_QKV16) else (self.mode,)
+        """Template modes this GEMV may launch (a QKV GEMV: one per float KV type, and the
+        store a quantized cache's path takes where the head size allows one)."""
+        if self.mode in (S.MODE_QKV, S.MODE_QKV16):
+            quant = self.qkv is not None and self.qkv[1].s.hd % 32 == 0
+            return (S.MODE_QKV, S.MODE_QKV16) + ((S.MODE_STORE,) if quant else ())
+        return (self.mode,)
 
     def launch(self, prog, c, x: int, ldx: int, B: int, y: int, ldy: int, variant: CC.GemvVariant | None = None,
-               kernels: dict | None = None, scale_ready: int = 0, ptrs: tuple | None = None) -> int:
+               kernels: dict | None = None, scale_ready: int = 0, ptrs: tuple | None = None,
+               store: bool = False) -> int:
         """Launch over ``B`` rows; returns what the next GEMV on the same x and norm finds
         ready, for its ``scale_ready``: READY_SCALE when the rows' norm scale is in ``c.xs``,
         plus READY_Q8 when x is in ``c.xq``/``c.xd`` as int8 blocks (``quant_rows`` ran).
         ``ptrs``: (Wa, Wb, bias_a, bias_b) device addresses that replace this GEMV's own (the
         GPU expert tier: one GEMV per expert shape, each launch on one expert's rows).
         With an MMQ form, no ``variant`` or ``ptrs`` and at least ``prog.mmq_min_rows`` rows, the
-        launch is the MMQ (``mmq.py``: the GEMV's arguments and bits)."""
+        launch is the MMQ (``mmq.py``: the GEMV's arguments and bits). ``store``: a QKV GEMV
+        stores its rows (a quantized cache's path: head_rope_kv writes it)."""
         if B == 0:
             return 0            # no logits rows (a prefill chunk): nothing after take_rows runs
         mr = getattr(prog, "mmq_min_rows", None)
         use_mmq = self.mmq is not None and variant is None and ptrs is None and mr is not None and B >= mr
         v = None if use_mmq else (variant if variant is not None else prog.gemv_variant(self.site, B))
         mode = self.mode
-        if self.qkv is not None:
+        qkv = self.qkv if not store else None
+        if store:
+            mode = S.MODE_STORE
+        elif qkv is not None:
             mode = S.MODE_QKV16 if c.kv.kvt else S.MODE_QKV
         kk = kernels if kernels is not None else prog.k
         xs = Z64
@@ -178,8 +187,8 @@ class Gemv:
                 kk["row_scale"]((B,), (128,), (np.uint64(x), i32(ldx), i32(self.k), f32(self.eps), c.xs))
                 ready |= READY_SCALE
             xs = np.uint64(c.xs.data.ptr)
-        if self.qkv is not None:
-            r0, q = self.qkv
+        if qkv is not None:
+            r0, q = qkv
             kc, vc = c.kv.layer_ptrs(q.s.layer)
             cos, sin = c.rope[q.spec_i]
             extra = (i32(r0), i32(q.qd), i32(q.kd), i32(q.s.hd), i32(q.rope_half), i32(q.neox), i32(q.s.n_kv),
@@ -353,6 +362,8 @@ class QKVStep:
                 g = Gemv(prog, S.MODE_QKV16, m, 0, m, 0, m.m // 2, 2, 1, s.norm, sub, sub, m.m, qkv=(r0, self))
             self.g.append((g, r0))
         prog.need.update({"head_rope_kv<0>", "head_rope_kv<1>"})
+        if s.hd % 32 == 0:           # a quantized cache (q8_0, q4_0) takes this model's heads
+            prog.need.update({"head_rope_kv<2>", "head_rope_kv<3>"})
         prog.qkv_width = max(prog.qkv_width, P._pad4(width))
         self.width = width
         self.psites = [prog.prefill_site(self, [m], m.m, s.norm, s.x) for m, _ in mats]
@@ -366,16 +377,19 @@ class QKVStep:
             (np.uint64(src), i32(ld), u64(bias), i32(s.n_heads), i32(s.n_kv), i32(s.hd), i32(self.rope_half),
              i32(self.neox),
              u64(self.qn), u64(self.kn), f32(self.eps), np.uint64(c.slot_p), np.uint64(c.pos_p), u64(cos), u64(sin),
-             np.uint64(q_out), i32(ldq), np.uint64(kc), np.uint64(vc), i32(c.kv.n_ctx)))
+             np.uint64(q_out), i32(ldq), np.uint64(kc), np.uint64(vc), i32(c.kv.n_ctx), i32(c.kv.rot[0]),
+             f32(c.kv.rot[1]), i32(c.kv.rot[2]), f32(c.kv.rot[3])))
 
     def graph(self, prog, c: Ctx) -> None:
         s = self.s
         x, ldx, B = c.ptr(s.x), c.ld(s.x), c.n
-        if self.head_norm:
+        if self.head_norm or c.kv.quant:
+            # the GEMVs store [q; k; v] rows, head_rope_kv does the rest (a quantized cache is
+            # written a block at a time: no GEMV epilogue does that)
             ldq = c.qkv.shape[1]
             ready = False
             for g, r0 in self.g:
-                ready = g.launch(prog, c, x, ldx, B, c.qkv.data.ptr + 4 * r0, ldq, scale_ready=ready)
+                ready = g.launch(prog, c, x, ldx, B, c.qkv.data.ptr + 4 * r0, ldq, scale_ready=ready, store=True)
             self._head_rope_kv(prog, c, c.qkv.data.ptr, ldq, None, B, c.ptr(s.q_out), c.ld(s.q_out))
             return
         ready = False                # the rows' norm scale is in c.xs (the same x and norm for every matrix)
@@ -402,10 +416,20 @@ class KVStoreStep:
     def __init__(self, prog, s: P.KVStore):
         self.s = s
         prog.need.update({"kv_store<0>", "kv_store<1>"})
+        if s.hd % 32 == 0:           # a quantized cache (q8_0, q4_0) takes this model's heads
+            prog.need.update({"kvq_store<2>", "kvq_store<3>"})
 
     def graph(self, prog, c: Ctx) -> None:
         s = self.s
         kc, vc = c.kv.layer_ptrs(s.layer)
+        if c.kv.quant:               # one warp per (row, K or V head): rotated, then a block at a time
+            r = c.kv.rot
+            prog.k[f"kvq_store<{c.kv.kvt}>"]((2 * s.n_kv, c.n), (32,),
+                                             (np.uint64(c.ptr(s.k)), i32(c.ld(s.k)), np.uint64(c.ptr(s.v)),
+                                              i32(c.ld(s.v)), i32(s.n_kv), i32(s.hd), i32(c.kv.n_ctx),
+                                              np.uint64(c.slot_p), np.uint64(c.pos_p), np.uint64(kc), np.uint64(vc),
+                                              i32(r[0]), f32(r[1]), i32(r[2]), f32(r[3])))
+            return
         n_el = c.n * s.n_kv * s.hd
         prog.k[f"kv_store<{c.kv.kvt}>"](((n_el + NT - 1) // NT,), (NT,),
                                         (np.uint64(c.ptr(s.k)), i32(c.ld(s.k)), np.uint64(c.ptr(s.v)), i32(c.ld(s.v)),

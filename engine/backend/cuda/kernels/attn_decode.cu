@@ -1,7 +1,11 @@
 // E consecutive elements of a float32 (KVT 0) or float16 (KVT 1) cache row, element offset i
-// (i * element size is a multiple of E * element size for E = 2, 4, 8)
+// (i * element size is a multiple of E * element size for E = 2, 4, 8); of a q8_0 / q4_0 one
+// (KVT 2, 3: kv_quant.cu), element i of rows of 32 E values (E = HD / 32), dequantized
 template <int E, int KVT> __device__ __forceinline__ void ldkv(const void* c, long long i, float* o) {
-    if (KVT == 0) {
+    if constexpr (KVT >= 2) {
+        const long long row = i / (32 * E);
+        kvq_ld<E, KVT>((const u8*)c + row * (E * KVQ_BB(KVT)), (int)(i - row * 32 * E), o);
+    } else if (KVT == 0) {
         const float* p = (const float*)c + i;
         if (E == 2) { float2 v = *(const float2*)p; o[0] = v.x; o[1] = v.y; }
         else if (E % 4 == 0) {

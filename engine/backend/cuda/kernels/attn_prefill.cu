@@ -50,7 +50,8 @@ __device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_grou
 __device__ __forceinline__ void fa_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
 // keys k0 .. k0 + FA_BN - 1 of one (slot, KV head) (element offset `base` in the layer) into sm
-// (FA_BN, HD + 8) float16; keys past kmax as zeros
+// (FA_BN, HD + 8) float16; keys past kmax as zeros. A q8_0 / q4_0 cache (KVT 2, 3) is
+// dequantized on the way in (kv_quant.cu's kvq_ld) and rounded to float16 as a float32 one is.
 template <int HD, int KVT>
 __device__ __forceinline__ void fa_tile(u16* sm, const void* __restrict__ c, long long base, int k0, int kmax)
 {
@@ -63,7 +64,16 @@ __device__ __forceinline__ void fa_tile(u16* sm, const void* __restrict__ c, lon
         const bool ok = k0 + r <= kmax;
         const long long src = base + (long long)(ok ? k0 + r : kmax) * HD + ch * 8;
         u16* d = sm + r * (HD + 8) + ch * 8;
-        if (KVT == 1) {
+        if constexpr (KVT >= 2) {
+            uint4 o = make_uint4(0u, 0u, 0u, 0u);
+            if (ok) {
+                float a[8];
+                kvq_ld<8, KVT>((const u8*)c + (base / HD + k0 + r) * ((HD / 32) * KVQ_BB(KVT)), ch * 8, a);
+                o.x = fa_pack(fa_sat(a[0]), fa_sat(a[1])); o.y = fa_pack(fa_sat(a[2]), fa_sat(a[3]));
+                o.z = fa_pack(fa_sat(a[4]), fa_sat(a[5])); o.w = fa_pack(fa_sat(a[6]), fa_sat(a[7]));
+            }
+            *(uint4*)d = o;
+        } else if (KVT == 1) {
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                          :: "r"(fa_smem(d)), "l"((const u16*)c + src), "r"(ok ? 16 : 0) : "memory");
         } else {

@@ -2,14 +2,16 @@
 // [q (H*hd) | k (n_kv*hd) | v (n_kv*hd)] (plus bias, when not null). Per head: RMSNorm over
 // its hd values with weight q_norm (q heads) or k_norm (k heads) when given (QK-norm), RoPE
 // on q and k (rope_half pairs: adjacent dims, or j and j + rope_half for "neox"), then q to
-// q_out (N, ldq; may alias src), k and v to the caches at (slot[r], pos[r]).
+// q_out (N, ldq; may alias src), k and v to the caches at (slot[r], pos[r]). A quantized cache
+// (KVT 2, 3: kv_quant.cu) takes k rotated by blocks of nk and v by blocks of nv (0: none), then
+// quantized a block at a time.
 template <int KVT>
 __global__ void __launch_bounds__(32) head_rope_kv(
     const float* src, int ld, const float* __restrict__ bias, int H, int n_kv, int hd, int rope_half, int neox,
     const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
     const int* __restrict__ slot, const int* __restrict__ pos,
     const float* __restrict__ rcos, const float* __restrict__ rsin, float* q_out, int ldq,
-    void* __restrict__ kc, void* __restrict__ vc, int n_ctx)
+    void* __restrict__ kc, void* __restrict__ vc, int n_ctx, int nk, float ik, int nv, float iv)
 {
     __shared__ float s[256];
     const int hh = blockIdx.x, r = blockIdx.y, lane = threadIdx.x;
@@ -46,6 +48,11 @@ __global__ void __launch_bounds__(32) head_rope_kv(
     if (sect == 0) {
         float* o = q_out + (long long)r * ldq + head * hd;
         for (int d = lane; d < hd; d += 32) o[d] = s[d];
+    } else if constexpr (KVT >= 2) {
+        const int nb = sect == 1 ? nk : nv;
+        if (nb > 0) kvq_rotate_warp(s, hd, nb, sect == 1 ? ik : iv);
+        const long long o = (((long long)slot[r] * n_kv + head) * n_ctx + p) * ((hd / 32) * KVQ_BB(KVT));
+        kvq_store_warp<KVT>(s, (u8*)(sect == 1 ? kc : vc) + o, hd);
     } else {
         const long long o = (((long long)slot[r] * n_kv + head) * n_ctx + p) * hd;
         void* cache = sect == 1 ? kc : vc;

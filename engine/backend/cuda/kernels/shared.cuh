@@ -23,6 +23,9 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 template <int KVT> __device__ __forceinline__ void kv_st(void* c, long long i, float v);
 template <> __device__ __forceinline__ void kv_st<0>(void* c, long long i, float v) { ((float*)c)[i] = v; }
 template <> __device__ __forceinline__ void kv_st<1>(void* c, long long i, float v) { ((u16*)c)[i] = f2h(v); }
+// (a quantized cache, KVT 2 or 3, is stored a block at a time: kvq_store_warp in kv_quant.cu)
+template <> __device__ __forceinline__ void kv_st<2>(void* c, long long i, float v) {}
+template <> __device__ __forceinline__ void kv_st<3>(void* c, long long i, float v) {}
 
 // gemv epilogue modes (MODE_* in Python)
 #define M_STORE 0
