@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend.cpu import attention, warmup
+from aotx.engine.backend.cpu import attention
 from aotx.engine.backend.cpu.parallel import PARALLEL
 from aotx.engine.backend.cpu.matmul import QuantMatrix
 from aotx.engine.backend.cpu.fdot import HOST_F16

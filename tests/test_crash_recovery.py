@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from aotx.engine import protocol as P
 from aotx.engine.ipc.client import EngineClient

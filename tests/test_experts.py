@@ -302,8 +302,6 @@ def test_bug_the_dense_decode_step_is_timed_warm_on_one_repeated_token(monkeypat
     runs after two warm ones are timed."""
     from types import SimpleNamespace
 
-    import numpy as np
-
     calls = []
     slow_first = iter([5.0, 5.0] + [0.01] * 20 + [0.5] * 10)   # decode: two cold runs, then warm ones
     clock = [0.0]

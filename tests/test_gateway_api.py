@@ -29,7 +29,6 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from aotx.engine import protocol as P  # noqa: E402
 from tests.gateway_support import KEY, engine_call, gateway, start_engine, stop_engine  # noqa: E402
 
 pytestmark = pytest.mark.realmodel

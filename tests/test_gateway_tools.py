@@ -10,7 +10,6 @@ open field of an oversized body, and the key file's ``allow-files`` option.
 from __future__ import annotations
 
 import base64
-import json
 from pathlib import Path
 
 import pytest

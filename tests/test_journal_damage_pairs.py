@@ -29,7 +29,6 @@ import random
 import signal
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 

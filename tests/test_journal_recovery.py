@@ -5,7 +5,6 @@ record after it is kept, with a byte-exact copy of the damaged segment."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path

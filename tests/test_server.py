@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from aotx.engine.errors import EngineError
-from aotx.engine import protocol as P
 from aotx.engine.ipc.server import Server, SocketLock, bind_socket
 
 

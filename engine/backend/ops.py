@@ -20,7 +20,6 @@ engine/backend/IR.md is the prose version of this module for backend authors.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -89,7 +89,7 @@ def auto_grammar(tools: list[dict[str, Any]], family: str, *, parallel: bool = T
             f'block_rest: ({one}) "\\n</tool_call>" ' + (f'("\\n<tool_call>\\n" ({one}) "\\n</tool_call>")*'
                                                          if parallel else ""),
             # a bare call: one or more call objects, in one ```json fence or none
-            f"bare: SEP? (FENCE bare_calls FENCE_END | bare_calls)",
+            "bare: SEP? (FENCE bare_calls FENCE_END | bare_calls)",
             f"bare_calls: ({one}) {more('SEP')}",
             'FENCE: /```[ \\t]*(json)?[ \\t]*\\n?/',
             'FENCE_END: /\\n?```/',

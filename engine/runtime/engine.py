@@ -40,7 +40,6 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotx.engine.errors import AotxError, ErrorCode

@@ -75,6 +75,7 @@ from aotx.media.kinds import MediaKind
 if TYPE_CHECKING:   # media loads its encoders and profiles only when an attachment needs them
     from aotx.media.profile import MediaProfile
     from aotx.media.vision import VisionEncoder
+    from aotx.engine.runtime.mtp import MtpModel
 
 # speculative "auto" (the default): prompt lookup on the CPU, where a verify window of a few
 # rows costs little more than one row, drafting only after a match of this many tokens so

@@ -127,7 +127,7 @@ def _bench_cuda_kernel(V: int, mask: np.ndarray) -> dict:
 
     from aotx.engine.backend.cuda import sampling as CS
     from aotx.engine.backend.cuda.backend import NVRTC_OPTIONS
-    from aotx.engine.runtime.sampling import SamplerConfig, SamplerState
+    from aotx.engine.runtime.sampling import SamplerConfig
 
     class Row:
         def __init__(self, ptr):
