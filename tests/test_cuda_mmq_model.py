@@ -164,3 +164,16 @@ def test_host_code_on_fake_cupy_gives_the_int8_gemvs_bits_through_the_mmq():
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "mmq dry run OK" in p.stdout
+
+
+def test_the_mmq_is_off_unless_aotx_mmq_min_rows_turns_it_on():
+    """No card has run the MMQ yet: the backend's default leaves it off, and the variable
+    that turns it on takes a row count or 'off' and names itself when it is anything else."""
+    from aotx.engine.backend.cuda import mmq as MQ
+
+    assert MQ.min_rows_from_env(None) is None and MQ.min_rows_from_env(" Off ") is None
+    assert MQ.min_rows_from_env("") is None
+    assert MQ.min_rows_from_env("16") == 16 and MQ.min_rows_from_env("1") == 1
+    for bad in ("0", "-4", "sixteen", "1.5"):
+        with pytest.raises(ValueError, match="AOTX_MMQ_MIN_ROWS"):
+            MQ.min_rows_from_env(bad)

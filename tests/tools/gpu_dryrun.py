@@ -156,8 +156,10 @@ def main() -> int:
             else:
                 assert not any(q8), q8
             # the MMQ: every int8 GEMV has its form unless turned off (the fake is an sm_90 device)
+            from aotx.engine.backend.cuda import mmq as MQ
+
             mmq = [g.mmq is not None for g in model.compiled.gemvs if g.q8]
-            assert all(mmq) if kw.get("mmq_min_rows", 16) is not None else not any(mmq), \
+            assert all(mmq) if kw.get("mmq_min_rows", MQ.DEFAULT_MIN_ROWS) is not None else not any(mmq), \
                 [g.mmq_why for g in model.compiled.gemvs]
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {label}")

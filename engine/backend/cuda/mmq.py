@@ -20,6 +20,7 @@ weights are read: once per tile of up to 64 batch rows, where the GEMV reads the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -34,7 +35,29 @@ SMEM_MAX = 227 * 1024            # the most one block may ask for (sm_90; sm_80:
 SMEM_TWO = 110 * 1024            # at most this, two blocks fit one multiprocessor: the wider tile is taken
 WN_CHOICES = (2, 1)              # warp columns of 8 row pairs, widest first
 MIN_CC = 80                      # mma.sync s8 and cp.async
-DEFAULT_MIN_ROWS = 16            # CudaBackend(mmq_min_rows): decode ticks of this many rows and more
+
+
+def min_rows_from_env(value: str | None) -> int | None:
+    """``AOTX_MMQ_MIN_ROWS``: unset, empty or "off" leaves the MMQ off; a whole number of at
+    least 1 runs it for GEMV launches over that many rows and more. Anything else is a
+    ValueError naming the variable."""
+    if value is None or value.strip().lower() in ("", "off"):
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"AOTX_MMQ_MIN_ROWS={value!r}: a whole number of rows, at least 1 (16 is the design's "
+                         "threshold), or off")
+    return rows
+
+
+# CudaBackend(mmq_min_rows)'s default. Off until the kernel has run on a GPU: its bits are
+# proven against the CPU model (tests/test_cuda_mmq_model.py) and fake CuPy, and every
+# instance compiles for sm_90, but no card has run it yet (BENCHMARKS.md); AOTX_MMQ_MIN_ROWS=16
+# turns it on for decode ticks of 16 rows and more, as designed.
+DEFAULT_MIN_ROWS = min_rows_from_env(os.environ.get("AOTX_MMQ_MIN_ROWS"))
 MAX_THREADS = 512                # a block's threads (WN x WM x S warps): 2 blocks fit at 64 registers, 1 at 128
 TARGET_BLOCKS = 2                # row-pair tiles x warp sets per multiprocessor the split aims for
 N_SM = 132                       # multiprocessors when the backend does not say (an H100)
