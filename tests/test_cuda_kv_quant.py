@@ -20,8 +20,12 @@ Skips where CuPy or a CUDA device is absent. The lead's command (a GPU machine):
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+
+os.environ["AOTX_CUDA_KV_QUANT"] = "1"   # held back on CUDA (cuda/kv.py) but for these tests
 
 try:
     import cupy
