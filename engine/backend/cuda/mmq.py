@@ -31,7 +31,9 @@ from aotx.engine.backend.cuda import source as S
 MMQ_TYPES = S.Q8_TYPES
 REC = 48                         # bytes of a stage record (mmq.cu's MMQ_REC)
 SMEM_DEFAULT = 48 * 1024         # dynamic shared memory a kernel may use without raising its limit
-SMEM_MAX = 227 * 1024            # the most one block may ask for (sm_90; sm_80: 163 KiB, checked at load)
+STATIC_SMEM = 1024               # mmq.cu's static shared memory (s_row: 16 WN row pointers, <= 512 bytes), rounded up
+SMEM_MAX = 227 * 1024 - STATIC_SMEM   # the most dynamic shared memory one block may ask for (sm_90's opt-in
+                                 # 227 KiB less the static part; sm_80: 163 KiB, checked at load)
 SMEM_TWO = 110 * 1024            # at most this, two blocks fit one multiprocessor: the wider tile is taken
 WN_CHOICES = (2, 1)              # warp columns of 8 row pairs, widest first
 MIN_CC = 80                      # mma.sync s8 and cp.async
@@ -204,12 +206,14 @@ def program_min_rows(backend, int8: bool) -> int | None:
 
 
 def smem_limit(backend) -> int:
-    """The most dynamic shared memory one block may ask for on this device (opt-in size)."""
+    """The most dynamic shared memory one block may ask for on this device: the opt-in size
+    less the kernel's static shared memory. (The first H100 run asked for the whole opt-in
+    size: CUDA_ERROR_INVALID_VALUE on every launch needing it; this fix has not run on a card.)"""
     try:
         import cupy as cp
 
         attr = cp.cuda.runtime.deviceGetAttribute(97, backend.device.id)   # cudaDevAttrMaxSharedMemoryPerBlockOptin
-        return int(attr)
+        return int(attr) - STATIC_SMEM
     except Exception:  # noqa: BLE001 - a runtime without the query (the fake): sm_90's
         return SMEM_MAX
 
