@@ -13,6 +13,15 @@ matched line for line, comments included (sha256 of the text less its ``#line`` 
 kernels 0fe95549..., kernels+gemv_h 4b6ca1b4..., sampling ca0f340f...); comments have
 changed since.
 
+The quantized KV caches (merge 8855eeb) changed the kernels module: kv_quant.cu joined it
+before gemv.cu, attn_decode.cu, attn_prefill.cu and head_rope_kv gained ``if constexpr (KVT >=
+2)`` branches and head_rope_kv four rotation arguments, so the hashes were pinned again on that
+text (the old ones: kernels c3105770..., kernels+gemv_h d2958a1e...). The float16/float32
+cache paths read the same in those branches, but equal bits are no longer proven by text: the
+proof for this text is the GPU run of 2026-12-07 (H100: the reshape's same-bits check was on
+the old text; on this one tests/test_cuda_invariance.py passed the 7 tests it reached before
+its time was cut, and the quantized capsule tests passed).
+
 An NVRTC error names the kernel file and line: a deliberately broken copy of the files goes
 through the backend's compile path (on the fake CuPy, whose stand-in compiler reports a
 ``#error`` directive where NVRTC would, following the ``#line`` markers).
@@ -34,9 +43,10 @@ from aotx.engine.backend.cuda import source as S
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "engine" / "backend" / "cuda" / "kernels"
 
-#: module -> sha256 of its code (``_code``) in the old strings (module docstring)
-_CODE = {"kernels": "c3105770df26712c2717322b981e73e9c74b555a51610b96d2a16242a3777190",
-         "kernels+gemv_h": "d2958a1ed75538c54cb19fea024aefc94b72ea8018b09e9bcd86d8d84fb0a3b5",
+#: module -> sha256 of its code (``_code``): the old strings', pinned again with the quantized
+#: KV caches' branches (module docstring)
+_CODE = {"kernels": "6b996c59720eee137d2a46b87c89980db31a20aad1b3fee65344934857d42224",
+         "kernels+gemv_h": "581d3619a6ad2c9b3fe527938adbd55a4d8b3fdd71bc696f470c1784d1095880",
          "sampling": "207ded8ddc6d37737dc534f55047779d9f4db1cd29fe81c27bf93770aaa78e23"}
 
 
@@ -65,7 +75,7 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-#: kernel files added since those strings (new code, not a move: outside the pinned hashes)
+#: kernel files added since those strings and outside the pinned hashes (kv_quant.cu is inside)
 _NEW_FILES = ("mmq.cu",)
 
 
