@@ -104,8 +104,8 @@ def test_run_that_starts_an_engine_says_the_engines_context_clamp(tmp_path, defa
         r = aotx(tmp_path, "run", "--context", "99999", "--max-tokens", "2", "--temperature", "0", "hi", timeout=200)
         assert r.returncode == 0, r.stderr
         lines = [ln for ln in r.stderr.splitlines() if ln.startswith("aotx: engine: ")]
-        assert len(lines) == 1 and "--context 99999 is more than the 8192 tokens" in lines[0] \
-            and lines[0].endswith("using 8192"), r.stderr
+        assert len(lines) == 1 and "--context 99,999 is more than the 8,192 tokens" in lines[0] \
+            and "each slot holds 8,192" in lines[0], r.stderr
         # a second client of the same engine (it did not start it) says nothing again
         r = aotx(tmp_path, "run", "--max-tokens", "2", "--temperature", "0", "hi", timeout=200)
         assert r.returncode == 0 and "aotx: engine: " not in r.stderr, r.stderr

@@ -62,7 +62,7 @@ def test_context_past_the_trained_one_is_capped_and_said(tiny, tmp_path, monkeyp
     try:
         assert eng.n_ctx == 256 and eng.kv.n_ctx == 256
         assert eng.status_reply(1).n_ctx == 256
-        assert any("--context 100000000 is more than the 256 tokens" in r.getMessage() for r in caplog.records)
+        assert any("--context 100,000,000 is more than the 256 tokens" in r.getMessage() for r in caplog.records)
     finally:
         store.close()
 

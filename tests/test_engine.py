@@ -192,8 +192,11 @@ async def test_cancel_one_of_three_streams(engine_server):
                                           on_event=on_victim))
     victim = committed(results[2])
     assert victim.finish_reason == "cancelled"
-    assert victim.tick - cancel_tick[0] <= 2, (cancel_tick, victim.tick)
-    assert len(tokens(results[2])) <= 3 + 2
+    # the cancel crosses the socket while the engine keeps ticking (a tick of this tiny model
+    # is milliseconds; on a loaded 2-core machine it landed 7 ticks later): promptly, long
+    # before the reply's 200 tokens
+    assert victim.tick - cancel_tick[0] <= 12, (cancel_tick, victim.tick)
+    assert len(tokens(results[2])) <= 3 + 12
     assert victim.n_completion == len(tokens(results[2]))
     for want, evs in zip(keep, results[:2]):
         assert tokens(evs) == want

@@ -200,11 +200,11 @@ def test_prepare_worker_survives_a_bug(engine, monkeypatch):
     real = eng.submitter._prepare
     calls = []
 
-    def flaky(sub, history):
+    def flaky(sub, history, parts=None):
         calls.append(1)
         if len(calls) == 1:
             raise ZeroDivisionError("boom")
-        return real(sub, history)
+        return real(sub, history, parts)
 
     monkeypatch.setattr(eng.submitter, "_prepare", flaky)
     s = EventSink()

@@ -36,10 +36,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aotx.engine import protocol as P
 from aotx.engine.errors import AotxError, ModelError, NotFound, UsageError, close_matches
 from aotx.engine.model.gguf_header import Header, read_file_header
 
@@ -407,3 +409,14 @@ def unknown_model_message(name: str, names: list[str], folder: Path) -> str:
     have = f" (installed: {', '.join(names)})" if names and not near else ""
     return (f"no model named {name!r}{hint}{have}: `aotx models` lists them, `aotx pull hf:...` downloads one "
             f"into {folder}")
+
+
+def entry_info(e: ModelEntry, estimate: Callable | None = None, default: bool = False) -> P.ModelInfo:
+    """A catalog entry as a ``ModelInfo`` (not loaded)."""
+    need = 0
+    if e.kind == "gguf" and e.header is not None and not e.error and estimate is not None:
+        need = sum(v for _, v in estimate(e))
+    return P.ModelInfo(name=e.name, kind=e.kind, path=str(e.path or ""), url=e.remote.url if e.remote else "",
+                       size_bytes=e.size_bytes, arch=e.arch or ("remote" if e.kind == "remote" else ""),
+                       quant=e.quant, n_ctx_train=e.n_ctx_train, loaded=False, default=default or e.default,
+                       needs_bytes=need, error=e.error)

@@ -38,7 +38,7 @@ from aotx.engine import protocol as P
 from aotx.engine.runtime import context
 from aotx.engine.model.loader import LoadedModel
 from aotx.engine.runtime.admission import Budget, Refusal
-from aotx.engine.runtime.catalog import Catalog, ModelEntry, estimate_terms
+from aotx.engine.runtime.catalog import Catalog, ModelEntry, entry_info, estimate_terms
 from aotx.engine.runtime.commit import Commit
 from aotx.engine.runtime.drafter import DEFAULT_P_MIN, DraftModel
 from aotx.engine.runtime.envelope import Envelope, working_bytes
@@ -569,17 +569,6 @@ class ModelSet:
                 info.default = name == self.default_name
                 out.append(info)
         return out
-
-
-def entry_info(e: ModelEntry, estimate: Callable | None = None, default: bool = False) -> P.ModelInfo:
-    """A catalog entry as a ``ModelInfo`` (not loaded)."""
-    need = 0
-    if e.kind == "gguf" and e.header is not None and not e.error and estimate is not None:
-        need = sum(v for _, v in estimate(e))
-    return P.ModelInfo(name=e.name, kind=e.kind, path=str(e.path or ""), url=e.remote.url if e.remote else "",
-                       size_bytes=e.size_bytes, arch=e.arch or ("remote" if e.kind == "remote" else ""),
-                       quant=e.quant, n_ctx_train=e.n_ctx_train, loaded=False, default=default or e.default,
-                       needs_bytes=need, error=e.error)
 
 
 def local_terms(lm: LoadedModel, n_slots: int, n_ctx: int, prefill_chunk: int, *, capsule_host: int = 0,
