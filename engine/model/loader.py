@@ -214,7 +214,13 @@ def make_backend(device: str, *, int8_activations: bool = True, tune: str = "reu
     if device == "cuda":
         from aotx.engine.backend.cuda.backend import CudaBackend  # type: ignore[import-not-found]
 
+        from aotx.engine.backend.cuda.mmq import min_rows_from_env  # type: ignore[import-not-found]
+
         kw = {} if tune_budget_s is None else {"tune_budget_s": float(tune_budget_s)}
+        try:
+            kw["mmq_min_rows"] = min_rows_from_env(os.environ.get("AOTX_MMQ_MIN_ROWS"))
+        except ValueError as e:
+            raise ModelError(str(e)) from None
         return CudaBackend(tune=tune, int8_activations=int8_activations, **kw)
     raise ModelError(f"unknown device {device!r} (use auto, cpu or cuda)")
 

@@ -20,7 +20,6 @@ weights are read: once per tile of up to 64 batch rows, where the GEMV reads the
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -55,11 +54,12 @@ def min_rows_from_env(value: str | None) -> int | None:
     return rows
 
 
-# CudaBackend(mmq_min_rows)'s default. Off until the kernel has run on a GPU: its bits are
+# CudaBackend(mmq_min_rows)'s default: off until the kernel has run on a GPU. Its bits are
 # proven against the CPU model (tests/test_cuda_mmq_model.py) and fake CuPy, and every
-# instance compiles for sm_90, but no card has run it yet (BENCHMARKS.md); AOTX_MMQ_MIN_ROWS=16
-# turns it on for decode ticks of 16 rows and more, as designed.
-DEFAULT_MIN_ROWS = min_rows_from_env(os.environ.get("AOTX_MMQ_MIN_ROWS"))
+# instance compiles for sm_90, but the first H100 run failed to launch it (BENCHMARKS.md,
+# 2026-12-07). The engine reads AOTX_MMQ_MIN_ROWS (``min_rows_from_env``, in
+# ``model/loader.make_backend``): 16 turns it on for decode ticks of 16 rows and more.
+DEFAULT_MIN_ROWS = None
 MAX_THREADS = 512                # a block's threads (WN x WM x S warps): 2 blocks fit at 64 registers, 1 at 128
 TARGET_BLOCKS = 2                # row-pair tiles x warp sets per multiprocessor the split aims for
 N_SM = 132                       # multiprocessors when the backend does not say (an H100)
