@@ -28,6 +28,23 @@ except (OSError, AttributeError):  # not glibc
     _malloc_trim = None
 
 
+# The modules that take longest run first, so that on two workers (the README's
+# ``-n 2 --dist loadfile``) they overlap the many short ones instead of ending the run
+# alone: the remote-peer test builds llama-cpp-python (4 min in a clean clone; it was last,
+# and the suite waited for it), the fake-CuPy dry runs take 1-2 min.
+LONGEST_FIRST = ("test_remote_peers.py", "test_cuda_host.py", "test_kv_quant_refs.py", "test_cuda_moe.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: keep this order, not most-tests-first
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))   # stable: the rest keep their order
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After the last test of a module, once its module fixtures are finalized: collect
