@@ -104,3 +104,26 @@ def test_restart_args_are_the_stopped_engines_own(tmp_path, monkeypatch):
     assert restart_args(args, eng) == ["--model", str(model), "--slots", "2", "--context", "10000000",
                                        "--memory-budget", "4G", "--keep-alive", "5m", "--draft-model", str(draft),
                                        "--mmproj", "none", "--evict-idle"]
+
+
+def test_bug_aotx_stop_of_an_engine_its_parent_has_not_reaped_says_stopped(tmp_path, capsys):
+    """An engine started by aotx-chat or the gateway stays a zombie until its parent reaps it;
+    `aotx stop` took it for alive, waited 5 s and said 'it is still shutting down'."""
+    import argparse
+    import subprocess
+    import time
+
+    from aotx.engine.cli.client import _stop
+
+    child = subprocess.Popen(["sleep", "30"])          # never waited for here: a zombie once killed
+    sock = tmp_path / "engine.sock"
+    Path(str(sock) + ".lock").write_text(str(child.pid))
+    try:
+        t = time.monotonic()
+        assert _stop(argparse.Namespace(socket=str(sock))) == 0
+        took = time.monotonic() - t
+        assert capsys.readouterr().out.strip() == f"stopped the engine (pid {child.pid})"
+        assert took < 3.0, took
+    finally:
+        child.kill()
+        child.wait()

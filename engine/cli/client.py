@@ -507,13 +507,25 @@ def _stop(args) -> int:
         raise EngineError(f"no engine is serving {sock} (pid {pid} is gone)") from None
     for _ in range(100):
         time.sleep(0.05)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if _exited(pid):
             print(f"stopped the engine (pid {pid})")
             return 0
     print(f"asked the engine (pid {pid}) to stop; it is still shutting down")
     return 0
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie its parent (aotx-chat, the
+    gateway) has not reaped yet, which signal 0 still reaches."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] in ("Z", "X")
 
 
 async def fetch_conversations(args, conv_id: str | None = None):
