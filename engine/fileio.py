@@ -112,7 +112,7 @@ def write_file(fs: FileIO, path: str | os.PathLike, chunks, *, exclusive: bool =
     try:
         for c in chunks:
             write_all(fs, fd, c)
-            size += len(c)
+            size += memoryview(c).nbytes   # bytes: len() of a 4-D array's view counts its layers
         fs.fsync(fd)
     except BaseException:
         fs.close(fd)

@@ -130,3 +130,13 @@ def test_a_capsule_path_that_is_a_fifo_is_refused_without_blocking(tmp_path):
         C.load(tmp_path / "c1.caps")
     caps = CapsuleCache(tmp_path, fingerprint="fp")
     assert "c1" not in caps.disk
+
+
+def test_bug_the_disk_homes_usage_is_its_files_bytes(tmp_path):
+    """`aotx status` said 'disk 2.8 KiB in 4' for 15 MB of capsule files: write_file counted
+    len() of each array's view (a 4-D K counts its layers), not its bytes."""
+    caps = CapsuleCache(tmp_path, fingerprint="fp")
+    paths = [caps.store_on_disk(f"c{i}", _cap(64 * (i + 1))) for i in range(3)]
+    on_disk = sum(p.stat().st_size for p in paths)
+    assert on_disk > 3 * 2 * 2 * 2 * 64 * 8 * 4     # K and V of every capsule, at least
+    assert caps.usage()["disk_bytes"] == on_disk and caps.usage()["disk_count"] == 3
