@@ -232,6 +232,10 @@ def prepare(kernels: dict, gemvs) -> None:
                 need[n] = max(need.get(n, 0), site.smem(wm))
     for n, b in need.items():
         if b > SMEM_DEFAULT and n in kernels:
+            static = int(getattr(kernels[n], "shared_size_bytes", 0) or 0)
+            if static > STATIC_SMEM:
+                raise RuntimeError(f"MMQ {n}: {static} bytes of static shared memory, more than the {STATIC_SMEM} "
+                                   "mmq.STATIC_SMEM leaves for it")
             kernels[n].max_dynamic_shared_size_bytes = int(b)
 
 
