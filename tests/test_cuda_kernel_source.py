@@ -20,7 +20,10 @@ text (the old ones: kernels c3105770..., kernels+gemv_h d2958a1e...). The float1
 cache paths read the same in those branches, but equal bits are no longer proven by text: the
 proof for this text is the GPU run of 2026-12-07 (H100: the reshape's same-bits check was on
 the old text; on this one tests/test_cuda_invariance.py passed the 7 tests it reached before
-its time was cut, and the quantized capsule tests passed).
+its time was cut, and the quantized capsule tests passed). Pinned a third time (old: kernels
+6b996c59..., kernels+gemv_h 581d3619...) when kv_quant.cu's block store wrote its float16
+scale as one 16-bit store instead of two bytes (the byte split lost the low byte on an H200,
+2026-12-07): a change inside the quantized caches only.
 
 An NVRTC error names the kernel file and line: a deliberately broken copy of the files goes
 through the backend's compile path (on the fake CuPy, whose stand-in compiler reports a
@@ -45,8 +48,8 @@ KERNELS = ROOT / "engine" / "backend" / "cuda" / "kernels"
 
 #: module -> sha256 of its code (``_code``): the old strings', pinned again with the quantized
 #: KV caches' branches (module docstring)
-_CODE = {"kernels": "6b996c59720eee137d2a46b87c89980db31a20aad1b3fee65344934857d42224",
-         "kernels+gemv_h": "581d3619a6ad2c9b3fe527938adbd55a4d8b3fdd71bc696f470c1784d1095880",
+_CODE = {"kernels": "03ef5cd6ed585337f47b892ff161cb08756c62d901a3666d0c029862dc574be0",
+         "kernels+gemv_h": "ec2b551c27c77bd6c7440b5157be600f535f96b2ac66f636be35d94ea456eddd",
          "sampling": "207ded8ddc6d37737dc534f55047779d9f4db1cd29fe81c27bf93770aaa78e23"}
 
 

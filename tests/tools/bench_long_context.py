@@ -10,7 +10,9 @@ H tokens of text (the repository's DESIGN.md, repeated, tokenized by the engine 
 pick the first token; decode = DECODE greedy steps after it, one token per forward, as
 tokens/s. Both engines: one slot, the same text, the same KV type (llama.cpp: ``type_k =
 type_v``, flash attention on, which a quantized V needs; AOTX: ``new_kv_cache(kv_type)``),
-``--threads`` threads (AOTX: numba's, set with NUMBA_NUM_THREADS before the run). Run the two
+``--threads`` threads (AOTX: numba's, set with NUMBA_NUM_THREADS before the run). ``--device cuda``:
+AOTX on the GPU (decode steps replay the captured tick graph); llama.cpp on the GPU is
+``llama-bench -d`` in tests/tools/gpu_long_context.sh. Run the two
 engines alternately, several times each, on a quiet machine; compare ratios.
 """
 
@@ -34,14 +36,27 @@ def _text(n_words: int) -> str:
     return " ".join((words * (n_words // len(words) + 1))[:n_words])
 
 
-def aotx(model: str, kv_type: str, history: int) -> dict:
+def load(model: str, device: str = "cpu"):
+    """The model, loaded once, its kernels compiled before any clock starts."""
     from aotx.engine.model.batch import Segment
     from aotx.engine.model.loader import load_model
 
-    lm = load_model(model, device="cpu")
-    warm = lm.model.new_kv_cache(1, 64, kv_type)      # the kernels compiled before the clock starts
-    lm.model.forward(np.zeros(16, np.int32), [Segment(0, 0, 16)], warm)
-    lm.model.forward(np.zeros(1, np.int32), [Segment(0, 16, 1)], warm)
+    lm = load_model(model, device=device)
+    lm.bench_device = device
+    for kv_type in ("f16", "q8_0", "q4_0"):
+        try:
+            warm = lm.model.new_kv_cache(1, 64, kv_type)
+        except Exception:  # noqa: BLE001 - a KV type this backend refuses: the run says so
+            continue
+        lm.model.forward(np.zeros(16, np.int32), [Segment(0, 0, 16)], warm)
+        lm.model.forward(np.zeros(1, np.int32), [Segment(0, 16, 1)], warm)
+    return lm
+
+
+def aotx(lm, kv_type: str, history: int) -> dict:
+    from aotx.engine.model.batch import Segment
+
+    device = lm.bench_device
     ids = lm.tokenizer.encode(_text(history), add_special=False)[:history]
     kv = lm.model.new_kv_cache(1, history + DECODE + 1, kv_type)
     t0 = time.perf_counter()
@@ -57,7 +72,7 @@ def aotx(model: str, kv_type: str, history: int) -> dict:
         lg = lm.model.forward(np.asarray([tok], np.int32), [Segment(0, len(ids) + i, 1)], kv)
         tok = int(np.argmax(lg[0]))
     dec = time.perf_counter() - t1
-    return {"engine": "aotx", "kv_type": kv_type, "history": len(ids), "ttft_s": round(ttft, 3),
+    return {"engine": f"aotx {device}", "kv_type": kv_type, "history": len(ids), "ttft_s": round(ttft, 3),
             "decode_tok_s": round(DECODE / dec, 2)}
 
 
@@ -89,16 +104,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", choices=["aotx", "llamacpp"], required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--kv-type", default="f16", choices=list(GGML))
+    ap.add_argument("--kv-type", default="f16", help="one or several of f16,f32,q8_0,q4_0 (comma-separated)")
     ap.add_argument("--history", default="4096,16384,32768")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="AOTX's backend (llama.cpp: this build's)")
     a = ap.parse_args()
-    for h in (int(x) for x in a.history.split(",")):
-        r = aotx(a.model, a.kv_type, h) if a.engine == "aotx" else llamacpp(a.model, a.kv_type, h, a.threads)
-        print(json.dumps(r) if a.json else f"{r['engine']:<24} kv {r['kv_type']:<5} history {r['history']:>6}: "
-              f"TTFT {r['ttft_s']:8.2f} s, decode {r['decode_tok_s']:7.2f} tokens/s")
-
+    lm = load(a.model, a.device) if a.engine == "aotx" else None
+    for kv in a.kv_type.split(","):
+        if kv not in GGML:
+            ap.error(f"--kv-type {kv!r}: one of {', '.join(GGML)}")
+        for h in (int(x) for x in a.history.split(",")):
+            try:
+                r = aotx(lm, kv, h) if lm is not None else llamacpp(a.model, kv, h, a.threads)
+            except Exception as e:  # noqa: BLE001 - one failed point is reported, the others still run
+                print(json.dumps({"engine": a.engine, "kv_type": kv, "history": h, "error": f"{type(e).__name__}: {e}"}))
+                continue
+            print(json.dumps(r) if a.json else f"{r['engine']:<24} kv {r['kv_type']:<5} history {r['history']:>6}: "
+                  f"TTFT {r['ttft_s']:8.2f} s, decode {r['decode_tok_s']:7.2f} tokens/s", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -86,7 +86,10 @@ __device__ __forceinline__ void kvq_store_warp(const float* s, u8* __restrict__ 
             const int hi = __shfl_down_sync(0xffffffffu, q, 16);
             if (lane < 16) blk[2 + lane] = (u8)(q | (hi << 4));
         }
-        if (lane == 0) { const u16 h = f2h(d); blk[0] = (u8)(h & 0xff); blk[1] = (u8)(h >> 8); }
+        // the scale as one 16-bit store (blocks are 34 or 18 bytes: 2-aligned), as kv_st<1> stores
+        // a float16 cache. Splitting f2h's result into two byte stores wrote 0 as the low byte on
+        // an H200 (CUDA 13.2): every scale lost its 8 low mantissa bits (issue 33's 97%/94%).
+        if (lane == 0) *(u16*)blk = f2h(d);
     }
 }
 
