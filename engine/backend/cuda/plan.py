@@ -485,27 +485,15 @@ def generic_steps(L: Lowering) -> None:
         elif op == "take_rows":
             L.emit(i, TakeRows(n.inputs[0].id, n.out.id))
         elif op == "moe":
-            _check_moe(n)
+            # refused in one line where no CUDA step computes a feature (Gemma 4's), never run half-right
+            no = [what for what, on in (("a router with its own input", len(n.inputs) > 1),
+                                        (f"the {A['act']} expert activation", A["act"] not in ("silu", "swiglu_oai")),
+                                        ("per-expert down scales", A.get("down_scale") is not None)) if on]
+            if no:
+                raise PlanError(f"moe layer {n.out.name}: no CUDA step computes {', '.join(no)} (use --device cpu)")
             L.emit(i, MoeHost(n.inputs[0].id, n.out.id, A))
         else:
             raise PlanError(f"op {op!r} is not supported by the CUDA backend")
-
-
-#: the moe op's activations the CUDA expert kernels compute
-CUDA_MOE_ACTS = ("silu", "swiglu_oai")
-
-
-def _check_moe(n) -> None:
-    """Refuse, in one line, a ``moe`` node whose features the CUDA steps do not compute
-    (Gemma 4's: a router reading its own input, GeGLU experts, per-expert down scales)
-    rather than run it half-right."""
-    A = n.attrs
-    missing = [what for what, on in (("a router with its own input", len(n.inputs) > 1),
-                                     (f"the {A['act']} expert activation", A["act"] not in CUDA_MOE_ACTS),
-                                     ("per-expert down scales", A.get("down_scale") is not None)) if on]
-    if missing:
-        raise PlanError(f"moe layer {n.out.name or A['moe_layer']} needs {', '.join(missing)}, which the CUDA "
-                        f"steps do not compute (run it with --device cpu)")
 
 
 def plan(program, *, fuse: bool = True) -> Plan:
