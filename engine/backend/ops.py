@@ -425,11 +425,11 @@ class ProgramBuilder:
             raise ProgramError(f"moe: swiglu_oai alpha {alpha} and limit {limit} must be positive")
         layer = sum(n.op == "moe" for n in self._nodes)
         out = self._new(x.rows, d, name)
-        self._emit("moe", (x,) if router_x is None else (x, router_x), (out,), moe_layer=layer, router=router, router_bias=router_bias, gate=gate, up=up,
-                   down=down, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, n_expert=E,
-                   n_used=int(n_used), ffn_dim=ff, gating=gating, norm_w=bool(norm_w), w_scale=float(w_scale),
-                   act=act, alpha=float(alpha), limit=float(limit), shared=shared, shared_gate=shared_gate,
-                   down_scale=down_scale)
+        self._emit("moe", (x,) if router_x is None else (x, router_x), (out,), moe_layer=layer, router=router,
+                   router_bias=router_bias, gate=gate, up=up, down=down, gate_bias=gate_bias, up_bias=up_bias,
+                   down_bias=down_bias, n_expert=E, n_used=int(n_used), ffn_dim=ff, gating=gating, norm_w=bool(norm_w),
+                   w_scale=float(w_scale), act=act, alpha=float(alpha), limit=float(limit), shared=shared,
+                   shared_gate=shared_gate, down_scale=down_scale)
         return out
 
     def finish(self, logits: Value) -> Program:

@@ -33,6 +33,6 @@ from aotx.engine.backend.cpu.experts.pool import CPU_TIERS, ExpertPool, measure,
 from aotx.engine.backend.cpu.experts.stacks import CpuExperts, expert_vectors, host_matrix, lazy_empty
 
 __all__ = [
-    "CPU_TIERS", "CpuExperts", "ExpertPool", "FusedExperts", "expert_ffn", "expert_vectors", "fused_for", "gelu_mul", "groups",
-    "host_matrix", "join", "lazy_empty", "measure", "moe_rows", "place", "route", "silu_mul", "swiglu_oai",
+    "CPU_TIERS", "CpuExperts", "ExpertPool", "FusedExperts", "expert_ffn", "expert_vectors", "fused_for", "gelu_mul",
+    "groups", "host_matrix", "join", "lazy_empty", "measure", "moe_rows", "place", "route", "silu_mul", "swiglu_oai",
 ]

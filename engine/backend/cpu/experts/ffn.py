@@ -3,8 +3,8 @@
 Owns:
 * ``route``: the ``moe`` op's routing (ops.ProgramBuilder.moe): top-k of the softmax or of
   the raw logits, each family's normalisation, in float32 with a float64 softmax sum.
-* the activations (``silu_mul``, gpt-oss's ``swiglu_oai``, Gemma 4's ``gelu_mul``), ``expert_ffn`` (one expert's
-  gated FFN on the rows routed to it), ``groups`` (the (row, slot) pairs by expert) and
+* the activations (``silu_mul``, gpt-oss's ``swiglu_oai``, Gemma 4's ``gelu_mul``),
+  ``expert_ffn`` (one expert's gated FFN on the rows routed to it), ``groups`` (the (row, slot) pairs by expert) and
   ``join``: the weighted sum of a row's k expert outputs in selection order (j = 0 ..
   k-1), whatever computed them: a row's numbers do not depend on which tier ran which
   expert beyond that expert's own kernel, nor on the other rows.
