@@ -68,10 +68,11 @@ def _experts(st, cache: dict) -> list[np.ndarray]:
     return cache[key]
 
 
-def _moe(x: np.ndarray, a: dict, mats: dict) -> np.ndarray:
-    """ops.ProgramBuilder.moe's definition, row by row, in float64."""
+def _moe(x: np.ndarray, a: dict, mats: dict, r: np.ndarray | None = None) -> np.ndarray:
+    """ops.ProgramBuilder.moe's definition, row by row, in float64 (``r``: the router's
+    own input, when the node has one)."""
     n, d = x.shape
-    lg = x @ _matrix(a["router"], mats).T
+    lg = (x if r is None else r) @ _matrix(a["router"], mats).T
     if a["router_bias"] is not None:
         lg = lg + np.asarray(a["router_bias"], np.float64)
     G, U, D = (_experts(a[k], mats) for k in ("gate", "up", "down"))
@@ -94,10 +95,14 @@ def _moe(x: np.ndarray, a: dict, mats: dict) -> np.ndarray:
                 g, u = g + bias[0][e], u + bias[1][e]
             if a["act"] == "silu":
                 h = g / (1.0 + np.exp(-g)) * u
+            elif a["act"] == "gelu_tanh":
+                h = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3))) * u
             else:
                 gc, uc = np.minimum(g, a["limit"]), np.clip(u, -a["limit"], a["limit"])
                 h = gc / (1.0 + np.exp(-a["alpha"] * gc)) * (uc + 1.0)
             y = D[e] @ h
+            if a.get("down_scale") is not None:
+                y = y * float(a["down_scale"][e])
             if bias[2] is not None:
                 y = y + bias[2][e]
             out[i] += w[j] * y
@@ -195,7 +200,7 @@ def reference_logits(program, tokens, n_ctx: int | None = None, inputs: dict | N
         elif op == "take_rows":
             y = x[0]
         elif op == "moe":
-            y = _moe(x[0], a, mats)
+            y = _moe(x[0], a, mats, x[1] if len(x) > 1 else None)
         elif op == "short_conv":
             y = _short_conv(x[0], np.asarray(a["weight"], np.float64), a["act"])
         elif op == "delta_rule":

@@ -3,8 +3,9 @@ different head sizes, per-layer embeddings, KV shared by the last layers): the e
 against the float64 interpreter of the same Program; every row bit-identical however it
 is batched (prefill chunks, decode steps, another slot's rows beside it); capsules of a
 cache whose layers differ in shape, byte-exact and token-identical, a prefix of one too;
-and bad files refused naming the tensor or key (the mixture-of-experts variant among
-them). Fidelity against llama.cpp: tests/test_refs_hybrid.py.
+and bad files refused naming the tensor or key (a stray router among them). The
+mixture-of-experts variant: tests/test_gemma4moe.py. Fidelity against llama.cpp:
+tests/test_refs_hybrid.py.
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ def test_bad_files_are_refused_naming_what_is_wrong(defects, msg, tiny_tokenizer
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_mixture_of_experts_variant_is_refused_by_name(g4, tmp_path):
-    """Gemma 4 26B-A4B's router (``ffn_gate_inp``) and experts are not run half-right."""
+def test_a_router_without_expert_count_is_refused_by_name(g4, tmp_path):
+    """A router tensor (``ffn_gate_inp``) in a file without ``expert_count`` is a variant
+    AOTX does not know (the mixture-of-experts variant: tests/test_gemma4moe.py)."""
     from tests.test_qwen35 import _with_extra_tensor
 
     path = _with_extra_tensor(g4, tmp_path / "moe.gguf", "blk.0.ffn_gate_inp.weight", np.zeros((8, 64), np.float32))

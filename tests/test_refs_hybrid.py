@@ -1,5 +1,6 @@
-"""The architectures of issue 35 (qwen35, qwen35moe, gemma4) against llama.cpp on their tiny
-random-weight files (tests/models/HYBRID, references in tests/data/refs/hybrid/ made by
+"""The architectures of issue 35 (qwen35, qwen35moe, gemma4 and its mixture of experts
+gemma4moe) against llama.cpp on their tiny random-weight files (tests/models/HYBRID,
+references in tests/data/refs/hybrid/ made by
 tests/tools/make_refs_hybrid.py with llama-cpp-python 0.3.36): teacher-forced logits on four
 prompts (argmax where llama.cpp's top-two gap is >= 0.5, mean |logit diff| on its top-5),
 and llama.cpp's greedy continuations decoded step by step (recurrent state, shared KV and
@@ -35,17 +36,15 @@ def _build(path):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_tokenizer, tmp_path_factory):
-    """name -> (model, ref), after checking the regenerated file is byte-identical to the one
-    llama.cpp ran."""
-    from tests import models
-
+def reference(tiny_model_path):
+    """name -> (model, ref), after checking the regenerated file (written once per session,
+    shared with the batch-invariance test) is byte-identical to the one llama.cpp ran."""
     made: dict = {}
 
     def get(name):
         if name not in made:
             ref = json.loads((REFS / f"{name}.json").read_text(encoding="utf-8"))
-            path = models.write(name, tmp_path_factory.mktemp(name) / f"{name}.gguf", tiny_tokenizer)
+            path = tiny_model_path(name)
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
             assert digest == ref["sha256"], f"{name} regenerated differently: rerun tests/tools/make_refs_hybrid.py"
             made[name] = (_build(path), ref)

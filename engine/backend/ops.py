@@ -47,9 +47,10 @@ CONV_ACTS = ("none", "silu")
 #: of them kept: Qwen3-MoE, OLMoE, Qwen2-MoE) or "softmax_weight" (top-k of the raw
 #: logits, then a softmax over those k: gpt-oss)
 MOE_GATINGS = ("softmax", "softmax_weight")
-#: an expert's gated activation: "silu" (SwiGLU: silu(g) * u) or "swiglu_oai" (gpt-oss:
-#: g clamped above at ``limit``, u clamped to +-limit, g * sigmoid(alpha g) * (u + 1))
-MOE_ACTS = ("silu", "swiglu_oai")
+#: an expert's gated activation: "silu" (SwiGLU: silu(g) * u), "swiglu_oai" (gpt-oss:
+#: g clamped above at ``limit``, u clamped to +-limit, g * sigmoid(alpha g) * (u + 1)) or
+#: "gelu_tanh" (GeGLU, the glu op's: gelu(g) * u with GELU's tanh form; Gemma 4)
+MOE_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
 #: llama.cpp clamps the sum of the kept weights from below before dividing by it
 #: (build_moe_ffn: the smallest normal float16)
 MOE_NORM_MIN = 6.103515625e-5
@@ -350,16 +351,19 @@ class ProgramBuilder:
             gating: str = "softmax", norm_w: bool = False, w_scale: float = 1.0, act: str = "silu",
             router_bias: Any = None, gate_bias: Any = None, up_bias: Any = None, down_bias: Any = None,
             alpha: float = 1.702, limit: float = 7.0, shared: tuple[Any, Any, Any] | None = None,
-            shared_gate: Any = None, name: str = "") -> Value:
+            shared_gate: Any = None, router_x: Value | None = None, down_scale: Any = None,
+            name: str = "") -> Value:
         """A mixture of E gated FFN experts with top-``n_used`` routing (llama.cpp's
-        build_moe_ffn), row-wise. For each row x (width d):
+        build_moe_ffn), row-wise. For each row x (width d), and r = the same row of
+        ``router_x`` when given (the router reads its own input: Gemma 4), else x:
 
-            l   = router x (+ router_bias)                      (E,)   router: matrix (E, d)
+            l   = router r (+ router_bias)                      (E,)   router: matrix (E, d_r)
             p   = softmax(l) if gating == "softmax" else l      ("softmax_weight")
             S   = the n_used experts of largest p, in decreasing p (ties: lower index first)
             w_j = p[S_j];  "softmax_weight": w = softmax(w);  norm_w: w = w / max(sum w, MOE_NORM_MIN);
                   w = w * w_scale unless w_scale is 0 or 1
             y_j = down_e(act(gate_e x + gate_bias[e], up_e x + up_bias[e])) + down_bias[e],  e = S_j
+                  or, with ``down_scale`` (E,): down_e(act(...)) * down_scale[e]  (no down_bias then)
             out = sum_j w_j y_j  (j = 0 .. n_used-1, in that order)
                   + s * shared_down(silu(shared_gate_w x) * shared_up x)   when ``shared``
                     (s = sigmoid(shared_gate x) when ``shared_gate``, else 1)
@@ -369,16 +373,22 @@ class ProgramBuilder:
         the biases: (E, ff) / (E, d) float32 (``backend.expert_vectors``) or None; act:
         MOE_ACTS ("swiglu_oai" uses ``alpha`` and ``limit``); shared: (gate (fs, d), up
         (fs, d), down (d, fs)) matrices of an always-on shared expert; shared_gate: a
-        (1, d) matrix. The node's ``moe_layer`` attribute numbers the moe nodes in call
-        order (the expert tiers plan per moe layer)."""
+        (1, d) matrix; router_x: a Value on x's rows; down_scale: (E,) float32 (llama.cpp's
+        per-expert ``ffn_down_exps.scale``, applied to the down matmul's result). The
+        node's ``moe_layer`` attribute numbers the moe nodes in call order (the expert
+        tiers plan per moe layer); its inputs are (x,) or (x, router_x)."""
         d = x.width
         if gating not in MOE_GATINGS:
             raise ProgramError(f"moe: gating {gating!r} (known: {', '.join(MOE_GATINGS)})")
         if act not in MOE_ACTS:
             raise ProgramError(f"moe: activation {act!r} (known: {', '.join(MOE_ACTS)})")
         E, rk = _width_of(router)
-        if rk != d:
-            raise ProgramError(f"moe: router {getattr(router, 'name', '')} takes {rk} inputs, {x!r} has width {d}")
+        r = x if router_x is None else router_x
+        if rk != r.width:
+            raise ProgramError(f"moe: router {getattr(router, 'name', '')} takes {rk} inputs, {r!r} has width "
+                               f"{r.width}")
+        if r.rows != x.rows:
+            raise ProgramError(f"moe: the router's input {r!r} is not on the rows of {x!r}")
         for st, want_k, what in ((gate, d, "gate"), (up, d, "up"), (down, None, "down")):
             if int(st.n_expert) != E:
                 raise ProgramError(f"moe: {what} experts {st.name} number {st.n_expert}, the router routes {E}")
@@ -405,14 +415,21 @@ class ProgramBuilder:
                 raise ProgramError(f"moe: shared expert gate has shape {_width_of(shared_gate)}, expected (1, {d})")
         elif shared_gate is not None:
             raise ProgramError("moe: a shared expert gate without a shared expert")
+        if down_scale is not None:
+            if _width_of(down_scale) != (E,):
+                raise ProgramError(f"moe: down scale {getattr(down_scale, 'name', '')} has shape "
+                                   f"{_width_of(down_scale)}, expected ({E},)")
+            if down_bias is not None:
+                raise ProgramError("moe: a down scale and a down bias together (no architecture has both)")
         if not (limit > 0 and alpha > 0):
             raise ProgramError(f"moe: swiglu_oai alpha {alpha} and limit {limit} must be positive")
         layer = sum(n.op == "moe" for n in self._nodes)
         out = self._new(x.rows, d, name)
-        self._emit("moe", (x,), (out,), moe_layer=layer, router=router, router_bias=router_bias, gate=gate, up=up,
-                   down=down, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, n_expert=E,
-                   n_used=int(n_used), ffn_dim=ff, gating=gating, norm_w=bool(norm_w), w_scale=float(w_scale),
-                   act=act, alpha=float(alpha), limit=float(limit), shared=shared, shared_gate=shared_gate)
+        self._emit("moe", (x,) if router_x is None else (x, router_x), (out,), moe_layer=layer, router=router,
+                   router_bias=router_bias, gate=gate, up=up, down=down, gate_bias=gate_bias, up_bias=up_bias,
+                   down_bias=down_bias, n_expert=E, n_used=int(n_used), ffn_dim=ff, gating=gating, norm_w=bool(norm_w),
+                   w_scale=float(w_scale), act=act, alpha=float(alpha), limit=float(limit), shared=shared,
+                   shared_gate=shared_gate, down_scale=down_scale)
         return out
 
     def finish(self, logits: Value) -> Program:

@@ -21,6 +21,7 @@ optionally ``check_config(cfg, path)`` (hyperparameters it cannot run, as ModelE
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -34,7 +35,7 @@ from aotx.engine.model.batch import BatchLayout, Segment
 from aotx.engine.model.config import ModelConfig
 from aotx.engine.model.interface import DEVICE_SAMPLING, HOST
 
-KINDS = ("matrix", "vector", "host", "experts", "expert_vectors", "array")
+KINDS = ("matrix", "vector", "host", "experts", "expert_pair", "expert_vectors", "array")
 VECTOR_TYPES = frozenset({T.F32, T.F16, T.BF16})
 
 
@@ -44,7 +45,10 @@ class Tensor:
     (m, k) matrix, ``(n,)`` for a vector), ``kind``: "matrix" (``backend.matrix``),
     "vector" (``backend.vector``: norms, biases) or "host" (a float32 numpy array kept on
     the host: RoPE frequency factors); for mixtures of experts "experts" (a 3-D stack of E
-    matrices, ggml shape ``(k, m, E)``: ``backend.experts``) and "expert_vectors" (one bias
+    matrices, ggml shape ``(k, m, E)``: ``backend.experts``), "expert_pair" (a fused stack of
+    ggml shape ``(k, 2m, E)`` whose experts are [first; second] halves, llama.cpp's
+    ``ffn_gate_up_exps``: loaded as a tuple of two ``backend.experts`` stacks (k, m, E)
+    over the file's rows, nothing copied) and "expert_vectors" (one bias
     per expert, ggml ``(n, E)``: ``backend.expert_vectors``); "array" (a small float tensor
     of any rank, F32/F16/BF16, as a float32 backend array of the reversed ggml shape:
     ``backend.array``; a convolution kernel); ``optional``: absent is fine (the weight is
@@ -124,7 +128,7 @@ def resolve_tensors(specs: list, gf, backend) -> list[tuple[Tensor, Any]]:
         if spec.optional and spec.name not in gf.tensors:
             continue
         t = check_tensor(gf, spec.name, spec.shape)
-        if spec.kind in ("matrix", "experts"):
+        if spec.kind in ("matrix", "experts", "expert_pair"):
             if supported is not None and t.qtype not in supported:
                 raise ModelError(f"{gf.path}: tensor {spec.name!r} has tensor type {_type_name(t.qtype)}, which the "
                                  f"{backend.name.upper()} backend does not support (supported: "
@@ -167,6 +171,19 @@ def _host_vector(t) -> np.ndarray:
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _halves(t) -> tuple[Any, Any]:
+    """A fused expert tensor (ggml ``(k, 2m, E)``) as two tensors (k, m, E): rows [0, m) and
+    [m, 2m) of every expert, views of the same map (each expert's half is contiguous)."""
+    k, m2, E = (int(x) for x in t.shape)
+    m = m2 // 2
+    if m2 % 2:
+        raise ModelError(f"tensor {t.name!r} has {m2} rows per expert, not two halves")
+    data = np.asarray(t.data)
+    return tuple(dataclasses.replace(t, name=f"{t.name}[{part}]", shape=(k, m, E), n_elements=t.n_elements // 2,
+                                     n_bytes=t.n_bytes // 2, data=data[:, lo:lo + m])
+                 for part, lo in (("first half", 0), ("second half", m)))
+
+
 def load_weights(resolved: list[tuple[Tensor, Any]], gf, backend) -> Weights:
     """Hand every resolved tensor to the backend (``matrix`` / ``vector``) or keep it on
     the host ("host"). The backend's ValueErrors (rows that do not match a block size, an
@@ -176,6 +193,12 @@ def load_weights(resolved: list[tuple[Tensor, Any]], gf, backend) -> Weights:
         try:
             if spec.kind == "host":
                 loaded[spec.name] = _host_vector(t)
+            elif spec.kind == "expert_pair":
+                load = getattr(backend, "experts", None)
+                if load is None:
+                    raise ModelError(f"{gf.path}: the {backend.name.upper()} backend does not run mixtures of experts "
+                                     f"(tensor {spec.name!r})")
+                loaded[spec.name] = tuple(load(h) for h in _halves(t))
             else:
                 load = {"matrix": backend.matrix, "vector": backend.vector}.get(spec.kind)
                 if load is None:  # the expert kinds and arrays: only backends that run them have them

@@ -55,6 +55,7 @@ HYBRID: dict[str, tuple[Any, dict[str, Any]]] = {
     "qwen35": (qwen35, {}),
     "qwen35moe": (qwen35moe, {}),
     "gemma4": (gemma4, {}),
+    "gemma4moe": (gemma4, {"n_expert": 16, "n_expert_used": 4, "ple": 0, "shared_kv": 0}),
     "qwen3next": (qwen3next, {}),
 }
 

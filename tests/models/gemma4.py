@@ -1,7 +1,8 @@
 """A tiny ``gemma4`` GGUF (Gemma 4 dense, E2B/E4B-like): sliding and global layers of
 different head sizes and KV heads, per-layer token embeddings, the last two layers
 reusing earlier layers' KV, double-wide FFNs on those, layer output scales, final logit
-soft-capping.
+soft-capping; with ``n_expert`` the mixture-of-experts variant (26B-A4B-like, ``HYBRID``'s
+``gemma4moe``).
 
 Shape: 4 layers, ``attention.sliding_window_pattern`` [T, F, T, F] (window 8,
 ``rope.freq_base_swa`` 10000), ``attention.shared_kv_layers`` 2 (layer 2 reads layer 0's
@@ -17,6 +18,18 @@ them. The global layers have no ``attn_v`` (V is the K projection, RMS-normed wi
 weight). Per-layer inputs of 16 (``embedding_length_per_layer_input``). Norm weights as
 stored (the converter adds no 1). Tied output, final_logit_softcapping 30. Tokenizer: the
 given one's (SmolLM2's gpt2 BPE in the tests). Deterministic for any seed.
+
+The mixture-of-experts variant (``n_expert`` > 0; the 26B-A4B's layout as
+conversion/gemma.py writes it): every layer keeps its dense FFN (the shared expert) and
+adds ``ffn_gate_inp`` (F32, the router: entries of std ``ROUTER_STD`` on an input of norm
+~1, so near-ties are rare), ``ffn_gate_inp.scale`` (the router input's per-channel
+scale), ``pre_ffw_norm_2``, ``post_ffw_norm_1``, ``post_ffw_norm_2``, the experts as
+one ``ffn_gate_up_exps`` stack (each expert's gate rows then its up rows; with
+``fused_gate_up=False`` as ``ffn_gate_exps`` and ``ffn_up_exps`` holding the same values)
+and ``ffn_down_exps`` with its per-expert ``ffn_down_exps.scale`` (optional: ``skip`` it);
+keys ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``. The
+26B-A4B has no per-layer inputs and no shared KV: ``gemma4moe`` passes ``ple=0``,
+``shared_kv=0``.
 """
 
 from __future__ import annotations
@@ -27,11 +40,22 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from .common import Tokenizer, TinyWriter, std_vocab
+from .common import Tokenizer, TinyWriter, random_matrix, std_vocab
+from .experts import experts
 
 TYPES = {"token_embd": T.Q8_0, "per_layer_token_embd": T.Q8_0, "per_layer_model_proj": T.Q8_0, "attn_q": T.F16,
          "attn_k": T.F16, "attn_v": T.Q8_0, "attn_output": T.BF16, "ffn_gate": T.Q8_0, "ffn_up": T.Q5_0,
-         "ffn_down": T.Q8_0, "inp_gate": T.Q8_0, "proj": T.F16}
+         "ffn_down": T.Q8_0, "inp_gate": T.Q8_0, "proj": T.F16, "ffn_gate_inp": T.F32,
+         "ffn_gate_up_exps": T.Q8_0, "ffn_gate_exps": T.Q8_0, "ffn_up_exps": T.Q8_0, "ffn_down_exps": T.Q4_0}
+#: the mixture-of-experts file's types: attention and the dense FFN in F32, so that the
+#: experts' matmuls are the only int8 ones before the head. (The two engines round int8 and
+#: half-precision activations differently; with every matmul quantized, that noise flips
+#: near-tied routes in a quarter of the rows: mean |d| 0.17-0.31 against llama.cpp, and
+#: llama.cpp itself with flash attention on moves by 0.18.)
+MOE_TYPES = {**TYPES, **{r: T.F32 for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                            "ffn_down")}}
+#: router entries' std: the router's input has norm ~1, so its logits have std ~ROUTER_STD
+ROUTER_STD = 4.0
 
 
 def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 45, n_layers: int = 4, d_model: int = 64,
@@ -39,9 +63,12 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 45, n_layers: i
           head_swa: int = 16, head_full: int = 32, kv_swa: int = 2, kv_full: int = 1, rot_pairs_full: int = 4,
           shared_kv: int = 2, ffn: int = 128, ple: int = 16, rope_base: float = 1000000.0,
           rope_base_swa: float = 10000.0, softcap: float = 30.0, context_length: int = 131072,
-          out_scale: bool = True, **defects: Any) -> Path:
-    """Write the tiny gemma4 file to ``path``; ``defects`` go to ``TinyWriter``."""
-    tw = TinyWriter(path, "gemma4", seed=seed, name="tiny-gemma4", **defects)
+          out_scale: bool = True, n_expert: int = 0, n_expert_used: int = 2, expert_ffn: int = 64,
+          fused_gate_up: bool = True, **defects: Any) -> Path:
+    """Write the tiny gemma4 file to ``path`` (``n_expert`` > 0: the mixture-of-experts
+    variant); ``defects`` go to ``TinyWriter``."""
+    tw = TinyWriter(path, "gemma4", seed=seed, name="tiny-gemma4moe" if n_expert else "tiny-gemma4", **defects)
+    types = MOE_TYPES if n_expert else TYPES
     w = tw.w
     first_shared = n_layers - shared_kv
     ffns = [ffn if i < first_shared else 2 * ffn for i in range(n_layers)]
@@ -67,13 +94,17 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 45, n_layers: i
     w.add_value_length_swa(head_swa)
     w.add_rope_dimension_count(head_full)
     w.add_rope_dimension_count_swa(head_swa)
+    if n_expert:
+        w.add_expert_feed_forward_length(expert_ffn)
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
     tw.tokenizer(tokenizer)
 
-    tw.matrix("token_embd.weight", tokenizer.n_vocab, d_model, TYPES["token_embd"], std=std_vocab(d_model))
+    tw.matrix("token_embd.weight", tokenizer.n_vocab, d_model, types["token_embd"], std=std_vocab(d_model))
     if ple:
-        tw.matrix("per_layer_token_embd.weight", tokenizer.n_vocab, ple * n_layers, TYPES["per_layer_token_embd"],
+        tw.matrix("per_layer_token_embd.weight", tokenizer.n_vocab, ple * n_layers, types["per_layer_token_embd"],
                   std=1.0 / ple ** 0.5)
-        tw.matrix("per_layer_model_proj.weight", ple * n_layers, d_model, TYPES["per_layer_model_proj"])
+        tw.matrix("per_layer_model_proj.weight", ple * n_layers, d_model, types["per_layer_model_proj"])
         tw.vector("per_layer_proj_norm.weight", ple)
     tw.tensor("rope_freqs.weight", np.array([1.0] * rot_pairs_full + [1e30] * (head_full // 2 - rot_pairs_full),
                                             np.float32))
@@ -82,28 +113,54 @@ def write(path: str | Path, tokenizer: Tokenizer, *, seed: int = 45, n_layers: i
         hd, kv = (head_swa, kv_swa) if swa[i] else (head_full, kv_full)
         has_kv = i < first_shared
         tw.vector(p + "attn_norm.weight", d_model)
-        tw.matrix(p + "attn_q.weight", n_heads * hd, d_model, TYPES["attn_q"])
+        tw.matrix(p + "attn_q.weight", n_heads * hd, d_model, types["attn_q"])
         if has_kv:
-            tw.matrix(p + "attn_k.weight", kv * hd, d_model, TYPES["attn_k"])
+            tw.matrix(p + "attn_k.weight", kv * hd, d_model, types["attn_k"])
             if swa[i]:
-                tw.matrix(p + "attn_v.weight", kv * hd, d_model, TYPES["attn_v"])
+                tw.matrix(p + "attn_v.weight", kv * hd, d_model, types["attn_v"])
             tw.vector(p + "attn_k_norm.weight", hd, std=0.3)
         tw.vector(p + "attn_q_norm.weight", hd, std=0.3)
-        tw.matrix(p + "attn_output.weight", d_model, n_heads * hd, TYPES["attn_output"])
+        tw.matrix(p + "attn_output.weight", d_model, n_heads * hd, types["attn_output"])
         tw.vector(p + "post_attention_norm.weight", d_model)
         tw.vector(p + "ffn_norm.weight", d_model)
-        tw.matrix(p + "ffn_gate.weight", ffns[i], d_model, TYPES["ffn_gate"])
-        tw.matrix(p + "ffn_up.weight", ffns[i], d_model, TYPES["ffn_up"])
-        tw.matrix(p + "ffn_down.weight", d_model, ffns[i], TYPES["ffn_down"])
+        tw.matrix(p + "ffn_gate.weight", ffns[i], d_model, types["ffn_gate"])
+        tw.matrix(p + "ffn_up.weight", ffns[i], d_model, types["ffn_up"])
+        tw.matrix(p + "ffn_down.weight", d_model, ffns[i], types["ffn_down"])
         tw.vector(p + "post_ffw_norm.weight", d_model)
+        if n_expert:
+            _moe_layer(tw, p, d_model, n_expert, expert_ffn, fused_gate_up)
         if ple:
-            tw.matrix(p + "inp_gate.weight", ple, d_model, TYPES["inp_gate"])
-            tw.matrix(p + "proj.weight", d_model, ple, TYPES["proj"])
+            tw.matrix(p + "inp_gate.weight", ple, d_model, types["inp_gate"])
+            tw.matrix(p + "proj.weight", d_model, ple, types["proj"])
             tw.vector(p + "post_norm.weight", d_model)
         if out_scale:
             tw.vector(p + "layer_output_scale.weight", 1, mean=0.8, std=0.1)
     tw.vector("output_norm.weight", d_model, mean=3.0, std=0.3)
     return tw.write()
+
+
+def _moe_layer(tw: TinyWriter, p: str, d_model: int, n_expert: int, ff: int, fused_gate_up: bool) -> None:
+    """Layer ``p``'s router, its norms and experts (the gate stack's values drawn before the
+    up stack's whether they are written fused or apart)."""
+    tw.vector(p + "post_ffw_norm_1.weight", d_model)
+    tw.vector(p + "pre_ffw_norm_2.weight", d_model)
+    tw.vector(p + "post_ffw_norm_2.weight", d_model)
+    tw.matrix(p + "ffn_gate_inp.weight", n_expert, d_model, TYPES["ffn_gate_inp"], std=ROUTER_STD)
+    tw.vector(p + "ffn_gate_inp.scale", d_model, mean=1.0, std=0.2)
+    if fused_gate_up:
+        name = p + "ffn_gate_up_exps.weight"
+        qtype = tw.type_of(name, TYPES["ffn_gate_up_exps"])
+        gate = [random_matrix(qtype, ff, d_model, tw.rng, 1.0 / d_model ** 0.5) for _ in range(n_expert)]
+        up = [random_matrix(qtype, ff, d_model, tw.rng, 1.0 / d_model ** 0.5) for _ in range(n_expert)]
+        if name not in tw.skip:
+            arr = np.stack([np.concatenate([g[0], u[0]]) for g, u in zip(gate, up)])
+            tw.counts[qtype] += n_expert * 2 * ff * d_model
+            tw.w.add_tensor(name, arr, raw_dtype=gate[0][1])
+    else:
+        experts(tw, p + "ffn_gate_exps.weight", n_expert, ff, d_model, TYPES["ffn_gate_exps"])
+        experts(tw, p + "ffn_up_exps.weight", n_expert, ff, d_model, TYPES["ffn_up_exps"])
+    experts(tw, p + "ffn_down_exps.weight", n_expert, d_model, ff, TYPES["ffn_down_exps"])
+    tw.vector(p + "ffn_down_exps.scale", n_expert, mean=1.0, std=0.3)
 
 
 #: the text the synthetic Gemma 4 vocabulary is trained on (also what its references tokenize)

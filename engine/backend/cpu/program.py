@@ -477,8 +477,9 @@ class CpuProgram:
         a = node.attrs
         router, rbias, k = a["router"], a["router_bias"], a["n_used"]
         gating, norm_w, w_scale = a["gating"], a["norm_w"], a["w_scale"]
-        shared, sgate = a["shared"], a["shared_gate"]
+        shared, sgate, dscale = a["shared"], a["shared_gate"], a.get("down_scale")
         xi, oi, s, d = node.inputs[0].id, node.out.id, self._slot(node.out), node.out.width
+        ri = node.inputs[1].id if len(node.inputs) > 1 else xi      # the router's input
         view = self._view[xi]
         pool = self.expert_pool
         attrs = dict(a)
@@ -493,7 +494,7 @@ class CpuProgram:
             if view:
                 x = np.ascontiguousarray(x)
             n = x.shape[0]
-            logits = mm(router, x, bt)
+            logits = mm(router, x if ri == xi else np.ascontiguousarray(env[ri]), bt)
             if rbias is not None:
                 logits += rbias
             sel, w, margin = cpu_moe.route(logits, k, gating, norm_w, w_scale)
@@ -505,6 +506,8 @@ class CpuProgram:
             else:
                 traffic[:] += np.bincount(sel.reshape(-1), minlength=traffic.shape[0])
                 pool.compute(attrs, x, sel, Y, cpu_moe.groups(sel), None, True)
+            if dscale is not None:
+                Y *= dscale[sel][:, :, None]           # down_e(...) * down_scale[e], before the weights
             y = bt.views[s] if s >= 0 else np.empty((n, d), np.float32)
             cpu_moe.join(Y, w, y)
             if shared is not None:

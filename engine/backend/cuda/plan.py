@@ -485,6 +485,12 @@ def generic_steps(L: Lowering) -> None:
         elif op == "take_rows":
             L.emit(i, TakeRows(n.inputs[0].id, n.out.id))
         elif op == "moe":
+            # refused in one line where no CUDA step computes a feature (Gemma 4's), never run half-right
+            no = [what for what, on in (("a router with its own input", len(n.inputs) > 1),
+                                        (f"the {A['act']} expert activation", A["act"] not in ("silu", "swiglu_oai")),
+                                        ("per-expert down scales", A.get("down_scale") is not None)) if on]
+            if no:
+                raise PlanError(f"moe layer {n.out.name}: no CUDA step computes {', '.join(no)} (use --device cpu)")
             L.emit(i, MoeHost(n.inputs[0].id, n.out.id, A))
         else:
             raise PlanError(f"op {op!r} is not supported by the CUDA backend")

@@ -17,13 +17,26 @@ key_length, RoPE at rope.freq_base with the file's ``rope_freqs`` factors, no wi
                                                            layer of their kind)
     x  = x + rmsnorm(Wo a) * post_attention_norm
     x  = x + rmsnorm(Wdown (gelu(Wgate rmsnorm(x) * ffn_norm) * Wup ...)) * post_ffw_norm
+         (mixture-of-experts layers, 26B-A4B: the dense FFN is a shared expert beside
+          routed ones, and the sum of the two is what post_ffw_norm normalises:
+              m = rmsnorm(FFN(rmsnorm(x) * ffn_norm)) * post_ffw_norm_1
+              e = rmsnorm(moe(rmsnorm(x) * pre_ffw_norm_2; router input
+                              rmsnorm(x) / sqrt(d_model) * ffn_gate_inp.scale)) * post_ffw_norm_2
+              x = x + rmsnorm(m + e) * post_ffw_norm
+          moe: softmax over the expert_count router logits, the top expert_used_count
+          renormalised, GeGLU experts from ffn_gate_up_exps (or ffn_gate_exps and
+          ffn_up_exps), each expert's down output times ffn_down_exps.scale[e] when the
+          file has it)
     x  = x + rmsnorm(Wproj (gelu(Winp_gate x) * P_l)) * post_norm          (with per-layer inputs)
     x  = x * layer_output_scale                           (when the file has it)
     logits = softcap(Woutput . (rmsnorm(x) * output_norm)) (tied; cap final_logit_softcapping,
                                                           30 when the file has none, as llama.cpp)
-The norms' weights are used as stored (Gemma 4's converter adds no 1). The mixture-of-
-experts variant (26B-A4B: ``ffn_gate_inp``) is refused by name: its router and gelu
-experts with per-expert scales are not in AOTX's ``moe`` op.
+The norms' weights are used as stored (Gemma 4's converter adds no 1). A file with
+``expert_count`` has the mixture-of-experts block in every layer (llama.cpp decides per
+layer by ``ffn_gate_inp``; a file mixing the two kinds is refused naming the missing
+tensor), and one without it is refused naming any router tensor it has. Per-expert
+gate or up scales (``ffn_gate_exps.scale``, which llama.cpp's generic pass would apply)
+are refused by name, as every tensor this module does not declare.
 
 Checked against llama.cpp (as vendored by llama-cpp-python 0.3.36, 0c1e5709):
 src/models/gemma4.cpp (load_arch_hparams, tensors, graph, build_inp_per_layer,
@@ -31,7 +44,10 @@ project_per_layer_inputs), llama-model.cpp (KV reuse: layer l >= n_layer_kv_from
 reads layer n_layer_kv_from_start - 2 if it slides, else - 1; get_rope_freq_base /
 _scale for sliding layers; llama_model_rope_type GEMMA4: NEOX), llama-hparams.cpp
 (n_embd_head_k / n_rot per layer kind, has_kv), conversion/gemma.py Gemma4Model (the keys;
-rope_freqs 1 for rotated, 1e30 for unrotated pairs of the global layers).
+rope_freqs 1 for rotated, 1e30 for unrotated pairs of the global layers; router.scale ->
+ffn_gate_inp.scale, per_expert_scale -> ffn_down_exps.scale), llama-graph.cpp
+build_moe_ffn (probs_in: the router's logits computed outside; gate_up views; the down
+scale applied by build_lora_mm_id before the weights).
 """
 
 from __future__ import annotations
@@ -45,8 +61,9 @@ from aotx.engine.backend.ops import ProgramBuilder, RopeSpec, Value
 from aotx.engine.errors import ModelError
 from aotx.engine.model.architectures import common as C
 from aotx.engine.model.architectures import hparams as K
+from aotx.engine.model.architectures import moe_block as M
 from aotx.engine.model.config import ModelConfig
-from aotx.engine.model.transformer import Tensor, Weights
+from aotx.engine.model.transformer import OneOf, Tensor, Weights
 
 KNOWN_TENSORS_ONLY = True
 #: llama.cpp's f_final_logit_softcapping when the file has no final_logit_softcapping key
@@ -121,6 +138,38 @@ def check_config(cfg: ModelConfig, path: str) -> None:
     L = layers(cfg, path)
     if all(L.swa):
         raise ModelError(f"{path}: {cfg.arch}.attention.sliding_window_pattern has no global layer")
+    if cfg.n_expert or cfg.n_expert_used:
+        M.require_experts(cfg, path)
+        if cfg.expert_ffn_dim <= 0:
+            raise ModelError(f"{path}: metadata key '{cfg.arch}.expert_feed_forward_length' is missing")
+
+
+def moe_tensors(cfg: ModelConfig, p: str) -> list:
+    """A mixture-of-experts layer's tensors beside the dense FFN (llama.cpp
+    load_arch_tensors with ffn_gate_inp present, and the generic pass's down scale)."""
+    d, E, ff = cfg.d_model, cfg.n_expert, cfg.expert_ffn_dim
+    return [C.mat(p + "ffn_gate_inp.weight", d, E), Tensor(p + "ffn_gate_inp.scale", (d,), "host"),
+            C.vec(p + "pre_ffw_norm_2.weight", d), C.vec(p + "post_ffw_norm_1.weight", d),
+            C.vec(p + "post_ffw_norm_2.weight", d),
+            OneOf(((Tensor(p + "ffn_gate_up_exps.weight", (d, 2 * ff, E), "expert_pair"),),
+                   (M.experts(p + "ffn_gate_exps.weight", d, ff, E), M.experts(p + "ffn_up_exps.weight", d, ff, E)))),
+            M.experts(p + "ffn_down_exps.weight", ff, d, E), Tensor(p + "ffn_down_exps.scale", (E,), "host", True)]
+
+
+def build_moe(b: ProgramBuilder, cfg: ModelConfig, w: Weights, p: str, x: Value) -> Value:
+    """The routed experts of layer ``p`` on the attention block's output x, normed by
+    post_ffw_norm_2 (the router reads rmsnorm(x) / sqrt(d_model) * ffn_gate_inp.scale,
+    folded into one norm weight)."""
+    eps, d = cfg.norm_eps, cfg.d_model
+    h = b.rms_norm(x, w[p + "pre_ffw_norm_2.weight"], eps, name=p + "ffn_norm_2")
+    rw = (w[p + "ffn_gate_inp.scale"] * np.float32(1.0 / math.sqrt(d))).astype(np.float32)
+    r = b.rms_norm(x, rw, eps, name=p + "ffn_moe_router_in")
+    pair = w.get(p + "ffn_gate_up_exps.weight")
+    gate, up = pair if pair is not None else (w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"])
+    e = b.moe(h, router=w[p + "ffn_gate_inp.weight"], router_x=r, gate=gate, up=up, down=w[p + "ffn_down_exps.weight"],
+              n_used=cfg.n_expert_used, gating="softmax", norm_w=True, act="gelu_tanh",
+              down_scale=w.get(p + "ffn_down_exps.scale"), name=p + "ffn_moe_out")
+    return b.rms_norm(e, w[p + "post_ffw_norm_2.weight"], eps, name=p + "ffn_moe")
 
 
 def tensors(cfg: ModelConfig) -> list:
@@ -143,6 +192,8 @@ def tensors(cfg: ModelConfig) -> list:
                 C.vec(p + "ffn_norm.weight", d), C.mat(p + "ffn_gate.weight", d, L.ffn[i]),
                 C.mat(p + "ffn_up.weight", d, L.ffn[i]), C.mat(p + "ffn_down.weight", L.ffn[i], d),
                 C.vec(p + "post_ffw_norm.weight", d)]
+        if cfg.n_expert:
+            out += moe_tensors(cfg, p)
         if L.ple:
             out += [C.mat(p + "inp_gate.weight", d, L.ple), C.mat(p + "proj.weight", L.ple, d),
                     C.vec(p + "post_norm.weight", d)]
@@ -200,6 +251,9 @@ def forward(b: ProgramBuilder, cfg: ModelConfig, w: Weights) -> Value:
                        w[p + "post_attention_norm.weight"], eps, name=p + "attn_post_norm")
         x = b.add(o, x, name=p + "attn_out_res")
         f = C.build_ffn(b, w, p, b.rms_norm(x, w[p + "ffn_norm.weight"], eps, name=p + "ffn_norm"), "gelu_tanh")
+        if cfg.n_expert:
+            f = b.add(b.rms_norm(f, w[p + "post_ffw_norm_1.weight"], eps, name=p + "ffn_mlp"),
+                      build_moe(b, cfg, w, p, x), name=p + "ffn_moe_combined")
         x = b.add(b.rms_norm(f, w[p + "post_ffw_norm.weight"], eps, name=p + "ffn_post_norm"), x, name=p + "ffn_res")
         if ple is not None:
             g = b.glu(b.linear(x, w[p + "inp_gate.weight"], name=p + "pe_gate"), ple[i], "gelu_tanh", name=p + "pe")

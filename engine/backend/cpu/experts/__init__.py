@@ -27,12 +27,12 @@ every other matmul of the CPU executor does, so their numbers do not depend on w
 other rows chose the same expert.
 """
 
-from aotx.engine.backend.cpu.experts.ffn import expert_ffn, groups, join, route, silu_mul, swiglu_oai
+from aotx.engine.backend.cpu.experts.ffn import expert_ffn, gelu_mul, groups, join, route, silu_mul, swiglu_oai
 from aotx.engine.backend.cpu.experts.fused import FusedExperts, fused_for
 from aotx.engine.backend.cpu.experts.pool import CPU_TIERS, ExpertPool, measure, moe_rows, place
 from aotx.engine.backend.cpu.experts.stacks import CpuExperts, expert_vectors, host_matrix, lazy_empty
 
 __all__ = [
-    "CPU_TIERS", "CpuExperts", "ExpertPool", "FusedExperts", "expert_ffn", "expert_vectors", "fused_for", "groups",
-    "host_matrix", "join", "lazy_empty", "measure", "moe_rows", "place", "route", "silu_mul", "swiglu_oai",
+    "CPU_TIERS", "CpuExperts", "ExpertPool", "FusedExperts", "expert_ffn", "expert_vectors", "fused_for", "gelu_mul",
+    "groups", "host_matrix", "join", "lazy_empty", "measure", "moe_rows", "place", "route", "silu_mul", "swiglu_oai",
 ]

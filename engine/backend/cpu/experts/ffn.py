@@ -3,8 +3,8 @@
 Owns:
 * ``route``: the ``moe`` op's routing (ops.ProgramBuilder.moe): top-k of the softmax or of
   the raw logits, each family's normalisation, in float32 with a float64 softmax sum.
-* the activations (``silu_mul``, gpt-oss's ``swiglu_oai``), ``expert_ffn`` (one expert's
-  gated FFN on the rows routed to it), ``groups`` (the (row, slot) pairs by expert) and
+* the activations (``silu_mul``, gpt-oss's ``swiglu_oai``, Gemma 4's ``gelu_mul``),
+  ``expert_ffn`` (one expert's gated FFN on the rows routed to it), ``groups`` (the (row, slot) pairs by expert) and
   ``join``: the weighted sum of a row's k expert outputs in selection order (j = 0 ..
   k-1), whatever computed them: a row's numbers do not depend on which tier ran which
   expert beyond that expert's own kernel, nor on the other rows.
@@ -135,6 +135,23 @@ def silu_mul(gate, up, out):
             out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
 
 
+@njit(cache=True, fastmath=True, error_model="numpy")
+def gelu_mul(gate, up, out):
+    """GeGLU: out = gelu(gate) * up with GELU's tanh form, the expression of the glu op's
+    kernel (cpu/ops.py gelu_tanh_mul). (n, f) float32 (out may be gate)."""
+    n, f = gate.shape
+    c = np.float32(0.7978845608028654)
+    a3 = np.float32(0.044715)
+    for i in range(n):
+        for j in range(f):
+            g = gate[i, j]
+            out[i, j] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + a3 * g * g * g))) * up[i, j]
+
+
+#: the fused kernel's activation codes (fused.py), by the moe op's ``act``
+ACT_CODES = {"silu": 0, "swiglu_oai": 1, "gelu_tanh": 2}
+
+
 @njit(cache=True, error_model="numpy")
 def _join(Y, w, out):
     n, k, d = Y.shape
@@ -194,6 +211,8 @@ def expert_ffn(gate: CpuExperts, up: CpuExperts, down: CpuExperts, e: int, x: np
         u += bu[e]
     if act == "silu":
         silu_mul(g, u, g)
+    elif act == "gelu_tanh":
+        gelu_mul(g, u, g)
     else:
         swiglu_oai(g, u, alpha, limit, g)
     y = down.matrix(e).matmul(g, per_row=per_row)

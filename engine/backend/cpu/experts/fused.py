@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from aotx.engine.backend.cpu import markers as cpu_markers, matmul as cpu_matmul
-from aotx.engine.backend.cpu.experts.ffn import silu_mul, swiglu_oai
+from aotx.engine.backend.cpu.experts.ffn import ACT_CODES, gelu_mul, silu_mul, swiglu_oai
 from aotx.engine.backend.cpu.lanes import _lanes
 from aotx.engine.backend.cpu.markers import LANES, QB, R as R_TILE
 from aotx.engine.backend.cpu.qdot import PARALLEL_MACS, _group, _qblock
@@ -171,6 +171,8 @@ def _quantize_pairs_par(x, rows, xq, dx, sx, xs, xh, cs, ch):
 def _act_row(hg, hu, p, act, alpha, limit):
     if act == 0:
         silu_mul(hg[p:p + 1], hu[p:p + 1], hg[p:p + 1])
+    elif act == 2:
+        gelu_mul(hg[p:p + 1], hu[p:p + 1], hg[p:p + 1])
     else:
         swiglu_oai(hg[p:p + 1], hu[p:p + 1], alpha, limit, hg[p:p + 1])
 
@@ -308,7 +310,7 @@ class FusedExperts:
         def b(v, m):
             return np.ascontiguousarray(v, np.float32) if v is not None else z((E, m), np.float32)
         self.biases = (b(bg, g.m), b(bu, u.m), b(bd, dn.m)) if self.use_bias else (_ZB, _ZB, _ZB)
-        self.act = 0 if attrs["act"] == "silu" else 1
+        self.act = ACT_CODES[attrs["act"]]
         self.alpha, self.limit = float(attrs["alpha"]), float(attrs["limit"])
         self.no_skip = np.zeros(E, np.bool_)
         self._no_traffic = np.zeros(E, np.int64)

@@ -294,6 +294,8 @@ def moe_rows(attrs: dict, x: np.ndarray, pool: ExpertPool, traffic: np.ndarray |
     GIL) while this thread launches the GPU's; both join in Y before the weighted sum, so
     the result does not depend on which tier computed which expert beyond each tier's own
     kernel. Returns (n, d)."""
+    if attrs.get("down_scale") is not None:
+        raise ValueError(f"moe_rows: per-expert down scales ({attrs['down'].name}) are run by the CPU executor only")
     x = np.ascontiguousarray(x, np.float32)
     n = x.shape[0]
     d = attrs["down"].m
