@@ -115,11 +115,141 @@ def _exercise(model, kv_type: str) -> str:
     return f"{len(c.steps)} steps, state {sum(int(b.nbytes) for b in st.buffers)} bytes"
 
 
+class _Ctx:
+    """What the recurrent steps read of a run context, over device arrays by value id."""
+
+    def __init__(self, vals: dict, kv, tab):
+        self.vals, self.kv, self.n, self.tab = vals, kv, int(tab.shape[1]), tab
+        self.slot_p, self.pos_p = tab.data.ptr, tab.data.ptr + 4 * self.n
+
+    def rows(self, vid: int) -> int:
+        return self.n
+
+    def ptr(self, vid: int) -> int:
+        return self.vals[vid].data.ptr
+
+    def ld(self, vid: int) -> int:
+        return int(self.vals[vid].shape[1])
+
+
+class _Layout:
+    def __init__(self, segs):
+        from types import SimpleNamespace
+
+        self.segments = [SimpleNamespace(slot=s, pos=p, n=m) for s, p, m in segs]
+        self.row0 = np.cumsum([0] + [m for _, _, m in segs])[:-1].tolist()
+
+
+def _cpu_batch(cpu, segs, rows: dict, w, delta, heads, Lc: int, Ld: int) -> tuple[np.ndarray, np.ndarray]:
+    """The CPU's kernels (cpu/recurrent.py) over the batch's rows: (conv out, delta out)."""
+    from aotx.engine.backend.cpu import recurrent as R
+
+    lay = _Layout(segs)
+    cpu.begin(lay)
+    n = sum(m for _, _, m in segs)
+    x, q, k, v, al, be = (np.ascontiguousarray(rows[key][:n]) for key in ("x", "q", "k", "v", "al", "be"))
+    cout = np.zeros((n, x.shape[1]), np.float32)
+    R.conv_rows(x, w, cpu.buffers[Lc], cpu.seg_slot, cpu.seg_row0, cpu.seg_n, True, cout)
+    dout = np.zeros((n, v.shape[1]), np.float32)
+    for (s, _, m), r0 in zip(segs, lay.row0):
+        R.delta_rows(q, k, v, al, be, np.asarray(delta.a), np.asarray(delta.dtb), cpu.buffers[Ld][s], r0, r0 + m,
+                     heads, delta.s.scale, dout)
+    cpu.end()
+    return cout, dout
+
+
+def _close(a, b, what: str, tol: float = 2e-5) -> None:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-6)
+    assert err <= tol, f"{what}: relative error {err:.2e}"
+
+
+def _against_cpu(model, fake) -> str:
+    """The conv and delta steps' own launches, emulated (gpu_fake_recurrent), against the CPU's
+    kernels on the same rows: several segments per batch (fresh, continuing, padding rows on
+    the scratch slot, undo-sized windows), then rollbacks, then the states."""
+    import cupy as cp
+
+    from aotx.engine.backend.cpu import recurrent as R
+    from aotx.engine.backend.cuda.recurrent import DeltaRuleStep, ShortConvStep
+
+    c = model.compiled
+    conv = next(s for s in c.steps if isinstance(s, ShortConvStep))
+    delta = next(s for s in c.steps if isinstance(s, DeltaRuleStep))
+    Lc, Ld = conv.s.state, delta.s.state
+    kv = model.new_kv_cache(4, 64, "f32")
+    st = kv.state
+    cpu = R.RecurrentState(c.plan.state_layers, 4)
+    H, Hk, S, C = delta.H, delta.Hk, delta.S, conv.C
+    heads = (np.arange(H) // (H // Hk) if delta.s.grouped else np.arange(H) % Hk).astype(np.int64)
+    w = np.asarray(conv.w)
+    rng = np.random.default_rng(1)
+
+    def l2(a):
+        a = a.reshape(a.shape[0], -1, S)
+        return (a / np.sqrt((a.astype(np.float64) ** 2).sum(-1, keepdims=True) + 1e-6)).reshape(a.shape[0], -1)
+
+    def run(segs, pad: int = 0):
+        n = sum(m for _, _, m in segs)
+        N = n + pad
+        slots = np.concatenate([[s] * m for s, _, m in segs] + [[kv.scratch_slot] * pad]).astype(np.int32)
+        poss = np.concatenate([np.arange(p, p + m) for _, p, m in segs] + [np.zeros(pad)]).astype(np.int32)
+        rows = {"x": rng.standard_normal((N, C)), "q": l2(rng.standard_normal((N, Hk * S))),
+                "k": l2(rng.standard_normal((N, Hk * S))), "v": rng.standard_normal((N, H * S)),
+                "al": rng.standard_normal((N, H)), "be": rng.standard_normal((N, H))}
+        rows = {key: a.astype(np.float32) for key, a in rows.items()}
+        dev = {}
+        for key, a in rows.items():                   # device rows with a leading dimension past the width
+            d = cp.zeros((N, a.shape[1] + 4), cp.float32)
+            d[:, :a.shape[1]] = a
+            dev[key] = d
+        cout, dout = cp.zeros((N, C + 4), cp.float32), cp.zeros((N, H * S + 4), cp.float32)
+        s = conv.s
+        vals = {s.x: dev["x"], s.out: cout}
+        d = delta.s
+        vals.update({d.q: dev["q"], d.k: dev["k"], d.v: dev["v"], d.alpha: dev["al"], d.beta: dev["be"],
+                     d.out: dout})
+        ctx = _Ctx(vals, kv, cp.asarray(np.stack([slots, poss])))
+        st.begin(_Layout(segs))
+        conv.graph(c, ctx)
+        delta.graph(c, ctx)
+        st.end()
+        ref_c, ref_d = _cpu_batch(cpu, segs, rows, w, delta, heads, Lc, Ld)
+        _close(np.asarray(cout)[:n, :C], ref_c, f"conv outputs of {segs}")
+        _close(np.asarray(dout)[:n, :H * S], ref_d, f"delta outputs of {segs}")
+        assert not np.asarray(cout)[n:, :C].any() and not np.asarray(dout)[n:, :H * S].any(), "padding rows"
+        return rows
+
+    fake.emulate = True
+    try:
+        run([(0, 0, 5), (1, 0, 3), (2, 0, 1)], pad=3)
+        pre = {s: cpu.snapshot(s, int(cpu.pos[s])) for s in (1, 2)}
+        rows = run([(1, 3, 2), (0, 5, 1), (2, 1, 7)])
+        assert st.undo == {1: (3, 2), 2: (1, 7)} and cpu.undo.keys() == {1, 2}, st.undo
+        # rollbacks: the device's against the CPU state of the kept rows fed alone
+        for slot, p0, keep, r0 in ((2, 1, 3, 3), (1, 3, 1, 0)):
+            st.rollback(slot, p0 + keep)
+            cpu.restore(slot, pre[slot], p0)
+            kept = {key: a[r0:r0 + keep] for key, a in rows.items()}
+            _cpu_batch(cpu, [(slot, p0, keep)], kept, w, delta, heads, Lc, Ld)
+        run([(2, 4, 20), (3, 0, 4), (1, 4, 1)], pad=1)
+        for slot in range(4):
+            got = st.snapshot(slot, int(cpu.pos[slot]))
+            for name, b in zip(st.names, cpu.buffers):
+                _close(got[name], b[slot], f"slot {slot}'s {name}")
+    finally:
+        fake.emulate = False
+    return f"{C} channels, {H} heads of {S}: outputs, states and rollbacks as the CPU's"
+
+
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.tools import gpu_fake_cupy as fake
 
     fake.install()
+    from tests.tools import gpu_fake_recurrent
+
+    gpu_fake_recurrent.install(fake)
     import tests.models as tm
     from tests.models import qwen35
 
@@ -137,6 +267,13 @@ def main() -> int:
             traceback.print_exc()
             return 1
         print(f"ok   {label}: {fake.stats['launches'] - before} launches; {note}")
+    try:
+        note = _against_cpu(_build(path), fake)
+    except Exception:  # noqa: BLE001
+        print("FAIL qwen35 recurrent steps emulated against the CPU's kernels")
+        traceback.print_exc()
+        return 1
+    print(f"ok   qwen35 recurrent steps emulated against the CPU's kernels: {note}")
     print(f"hybrid dry run OK: {fake.stats['launches']} launches, {fake.stats['captures']} graph captures, "
           f"kernels: {', '.join(sorted(fake.stats['kernels']))}")
     return 0
