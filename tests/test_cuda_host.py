@@ -53,6 +53,27 @@ def test_dry_run_of_a_hybrid_model_checks_its_launches_and_state_against_the_cpu
         assert k in p.stdout.split("kernels:")[-1], k
 
 
+def test_the_kernels_module_compiles_with_nvcc_where_a_toolkit_is_installed(tmp_path):
+    """NVRTC needs CuPy; where a CUDA toolkit is installed without it, nvcc compiles the kernels
+    module's non-template kernels (the recurrent ones among them) to PTX for sm_90."""
+    import os
+    import shutil
+
+    nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+    if nvcc is None:
+        pytest.skip("no CUDA toolkit (nvcc) on this machine")
+    from aotx.engine.backend.cuda import source as S
+
+    src, ptx = tmp_path / "kernels.cu", tmp_path / "kernels.ptx"
+    src.write_text(S.KERNELS.text)
+    p = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ptx", str(src), "-o", str(ptx)], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, S.KERNELS.explain(p.stderr)[-4000:]
+    text = ptx.read_text()
+    for k in ("short_conv", "conv_state", "delta_rule", "l2_norm_rows", "sigmoid_gate_rows", "deinterleave_rows"):
+        assert re.search(rf"\.entry _Z\d+{k}P", text), k
+
+
 @pytest.fixture()
 def fake(monkeypatch):
     """The fake module's functions, without installing it into sys.modules."""

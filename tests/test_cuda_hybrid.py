@@ -2,7 +2,7 @@
 against the CPU, and its recurrent state on the device (engine/backend/cuda/recurrent.py,
 kernels/recurrent.cu).
 
-* parity: prefills (eager past the graph's rows, short ones through the graph) and decode
+* parity (qwen35, and qwen3next: a mixture of experts with grouped key heads): prefills (eager past the graph's rows, short ones through the graph) and decode
   ticks of 3 slots, a mixed eager batch, a verify window and its rollback: each logits array
   within test_cuda_parity's REL_TOL of the CPU's (float32 on both sides; the CPU's float path),
   the greedy tokens equal wherever the CPU's top two are not a near-tie;
@@ -70,15 +70,18 @@ def _build(path, device: str):
 
 
 @pytest.fixture(scope="module")
-def q35_path(tmp_path_factory):
-    from tests.models import qwen35
+def paths(tmp_path_factory):
+    """The tiny qwen35 file, and qwen3next's (a mixture of experts; grouped key heads, fused beta/alpha)."""
+    from tests.models import qwen3next, qwen35
 
-    return qwen35.write(tmp_path_factory.mktemp("q35cuda") / "qwen35.gguf", _toy_tokenizer(), pre="qwen2")
+    d = tmp_path_factory.mktemp("hybridcuda")
+    return {"qwen35": qwen35.write(d / "qwen35.gguf", _toy_tokenizer(), pre="qwen2"),
+            "qwen3next": qwen3next.write(d / "qwen3next.gguf", _toy_tokenizer())}
 
 
 @pytest.fixture(scope="module")
-def cuda_model(q35_path):
-    return _build(q35_path, "cuda")
+def cuda_model(paths):
+    return _build(paths["qwen35"], "cuda")
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -115,9 +118,10 @@ def _scenario(model) -> list[np.ndarray]:
     return out
 
 
-def test_logits_match_the_cpu_through_prefill_decode_and_a_rollback(q35_path, cuda_model):
-    cpu = _scenario(_build(q35_path, "cpu"))
-    gpu = _scenario(cuda_model)
+@pytest.mark.parametrize("name", ["qwen35", "qwen3next"])
+def test_logits_match_the_cpu_through_prefill_decode_and_a_rollback(paths, cuda_model, name):
+    cpu = _scenario(_build(paths[name], "cpu"))
+    gpu = _scenario(cuda_model if name == "qwen35" else _build(paths[name], "cuda"))
     worst, checked = 0.0, 0
     for i, (a, b) in enumerate(zip(gpu, cpu)):
         assert a.shape == b.shape, (i, a.shape, b.shape)
@@ -131,7 +135,7 @@ def test_logits_match_the_cpu_through_prefill_decode_and_a_rollback(q35_path, cu
                 assert int(np.argmax(a[r])) == int(np.argmax(b[r])), (i, r)
                 checked += 1
     assert checked > 20
-    print(f"worst relative error {worst:.2e} over {len(gpu)} forwards; {checked} greedy tokens equal")
+    print(f"{name}: worst relative error {worst:.2e} over {len(gpu)} forwards; {checked} greedy tokens equal")
 
 
 def _decode(model, kv, slot: int, pos: int, tok: int, n: int, others=()) -> tuple[list[int], list[np.ndarray]]:

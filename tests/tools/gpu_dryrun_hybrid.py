@@ -4,8 +4,8 @@ against fake CuPy: ``python -m tests.tools.gpu_dryrun_hybrid``.
 Like ``tests/tools/gpu_dryrun.py``: every launch is checked by ``gpu_fake_cupy`` (argument
 lists against the kernels' signatures in ``kernels/recurrent.cu``, pointers inside their
 allocations, the recurrent kernels' state and undo spans per row), the model's kernels do
-not run. Scenarios on the tiny qwen35 file (``tests/models/qwen35.py``) with a toy
-vocabulary: the plan (the recurrent steps, the M-RoPE table), an eager prefill past the
+not run. Scenarios on the tiny qwen35 file (``tests/models/qwen35.py``; qwen3next's and
+qwen35moe's, mixtures of experts, with the default kernels) with a toy vocabulary: the plan (the recurrent steps, the M-RoPE table), an eager prefill past the
 graph's rows, short prefills and 3-slot decode ticks through the captured graph (padding
 rows on the scratch slot), a verify window and its rollback, snapshot / restore byte-exact,
 the refusals (a segment off the state's position, a slot twice in a batch), KV types f16 and
@@ -61,7 +61,10 @@ def _exercise(model, kv_type: str) -> str:
     toks = rng.integers(0, VOCAB, 300).astype(np.int32)
     kv = model.new_kv_cache(4, 256, kv_type)
     st = kv.state
-    assert st is not None and st.names == ("conv.0", "delta.1"), st.names
+    assert st is not None and st.names[:2] == ("conv.0", "delta.1"), st.names
+    held = int(kv.k.nbytes + kv.v.nbytes) + sum(int(a.nbytes) for a in st.buffers + st.undo_pre + st.undo_in)
+    held += int(st.rows.nbytes + st.scratch.nbytes)
+    assert c.kv_cache_bytes(4, 256, kv_type) == held, (c.kv_cache_bytes(4, 256, kv_type), held)
     model.forward(toks[:150], [Segment(0, 0, 150, all_logits=True)], kv)        # eager: past b_max
     model.forward(toks[:40], [Segment(1, 0, 20), Segment(2, 0, 20)], kv)         # graph: two short prefills
     for i in range(3):                                                          # decode ticks of 3 slots
@@ -255,25 +258,33 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="aotx-dryrun-hybrid-"))
     tok = _toy_tokenizer(tm)
-    path = qwen35.write(tmp / "qwen35.gguf", tok, pre="qwen2")
-    scenarios = [("qwen35 default kernels, kv f16", {}, "f16"), ("qwen35 prefill f32, kv f32", {"prefill": "f32"}, "f32"),
-                 ("qwen35 generic kernels", {"fuse": False}, "f16"), ("qwen35 prefill gemv", {"prefill": "gemv"}, "f16")]
-    for label, kw, kv_type in scenarios:
+    from tests.models import qwen3next, qwen35moe
+
+    files = {"qwen35": qwen35.write(tmp / "qwen35.gguf", tok, pre="qwen2"),
+             "qwen3next": qwen3next.write(tmp / "qwen3next.gguf", tok), "qwen35moe": qwen35moe.write(tmp / "q35moe.gguf", tok)}
+    scenarios = [("qwen35 default kernels, kv f16", "qwen35", {}, "f16"),
+                 ("qwen35 prefill f32, kv f32", "qwen35", {"prefill": "f32"}, "f32"),
+                 ("qwen35 generic kernels", "qwen35", {"fuse": False}, "f16"),
+                 ("qwen35 prefill gemv", "qwen35", {"prefill": "gemv"}, "f16"),
+                 ("qwen3next (moe, grouped key heads, fused beta/alpha)", "qwen3next", {}, "f16"),
+                 ("qwen35moe", "qwen35moe", {}, "f32")]
+    for label, name, kw, kv_type in scenarios:
         before = fake.stats["launches"]
         try:
-            note = _exercise(_build(path, **kw), kv_type)
+            note = _exercise(_build(files[name], **kw), kv_type)
         except Exception:  # noqa: BLE001 - report the scenario and stop
             print(f"FAIL {label}")
             traceback.print_exc()
             return 1
         print(f"ok   {label}: {fake.stats['launches'] - before} launches; {note}")
-    try:
-        note = _against_cpu(_build(path), fake)
-    except Exception:  # noqa: BLE001
-        print("FAIL qwen35 recurrent steps emulated against the CPU's kernels")
-        traceback.print_exc()
-        return 1
-    print(f"ok   qwen35 recurrent steps emulated against the CPU's kernels: {note}")
+    for name in ("qwen35", "qwen3next"):
+        try:
+            note = _against_cpu(_build(files[name]), fake)
+        except Exception:  # noqa: BLE001
+            print(f"FAIL {name} recurrent steps emulated against the CPU's kernels")
+            traceback.print_exc()
+            return 1
+        print(f"ok   {name} recurrent steps emulated against the CPU's kernels: {note}")
     print(f"hybrid dry run OK: {fake.stats['launches']} launches, {fake.stats['captures']} graph captures, "
           f"kernels: {', '.join(sorted(fake.stats['kernels']))}")
     return 0

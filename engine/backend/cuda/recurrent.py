@@ -233,10 +233,12 @@ class CudaRecurrentState:
 
     @staticmethod
     def nbytes(layers: tuple, steps: dict, n_slots: int) -> int:
-        """Device bytes of the state of ``n_slots`` slots (undo data included)."""
+        """Device bytes of the state of ``n_slots`` slots (undo data included); 0 without layers."""
+        if not layers:
+            return 0
         n = sum(2 * 4 * n_slots * int(np.prod(L.shape)) for L in layers)
         n += sum(4 * n_slots * UNDO_ROWS * steps[i].undo_width for i in range(len(layers)) if i in steps)
-        return n + 4 * UNDO_ROWS * (2 + _pad4(max([getattr(s, "out_width", 4) for s in steps.values()] or [4])))
+        return n + 4 * UNDO_ROWS * (2 + _pad4(max([getattr(s, "out_width", 4) for s in steps.values()])))
 
     # ---- per forward -------------------------------------------------------------------
 
