@@ -34,7 +34,12 @@ def install(fake) -> None:
             check(fake, grid, a)
 
     fake._extents = extents
-    fake._EMULATED.update({k: (lambda f: (lambda name, grid, a: f(fake, a)))(f) for k, f in _EMU.items()})
+    fake._EMULATED.update({k: _bound(fake, f) for k, f in _EMU.items()})
+
+
+def _bound(fake, f):
+    """The fake's emulation signature (name, grid, args) for ``f(fake, args)``."""
+    return lambda name, grid, a: f(fake, a)
 
 
 def _ints(a, *names):
@@ -100,7 +105,7 @@ def _check_l2(fake, grid, a) -> None:
 
 def _check_rows(fake, grid, a, name: str, ins: tuple, width: int) -> None:
     rows = int(a["rows"])
-    if grid[0] * a["__block__"][0] < rows * int(a["w"] if "w" in a else width):
+    if grid[0] * a["__block__"][0] < rows * int(a.get("w", width)):
         raise fake.LaunchError(f"kernel {name}: grid {grid} short of {rows} rows")
     for p, ld, wd in ins:
         fake._need(f"kernel {name}", a[p], 4 * ((rows - 1) * int(a[ld]) + wd), f"{p} rows")

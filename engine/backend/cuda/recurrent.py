@@ -34,7 +34,7 @@ import cupy as cp
 import numpy as np
 
 from aotx.engine.backend.cuda import plan_recurrent as PR
-from aotx.engine.backend.cuda.steps import NT, Z64, i32, f32, width_of
+from aotx.engine.backend.cuda.steps import NT, Z64, f32, i32, width_of
 from aotx.engine.errors import ModelError
 
 UNDO_ROWS = 16          # as cpu/recurrent.py and kernels/recurrent.cu (REC_UNDO_ROWS)
