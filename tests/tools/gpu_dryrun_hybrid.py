@@ -8,7 +8,8 @@ not run. Scenarios on the tiny qwen35 file (``tests/models/qwen35.py``; qwen3nex
 qwen35moe's, mixtures of experts, with the default kernels) with a toy vocabulary: the plan (the recurrent steps, the M-RoPE table), an eager prefill past the
 graph's rows, short prefills and 3-slot decode ticks through the captured graph (padding
 rows on the scratch slot), a verify window and its rollback, snapshot / restore byte-exact,
-the refusals (a segment off the state's position, a slot twice in a batch), KV types f16 and
+the refusals (a segment off the state's position, a slot twice in a batch; the MTP head's
+ops, in one line), KV types f16 and
 f32, fused and generic kernels, prefill f32 and gemv; then the recurrent kernels emulated in
 numpy (``gpu_fake_cupy``'s mirror of ``recurrent.cu``) through the steps' own launches,
 against the CPU's kernels (``cpu/recurrent.py``): outputs and state of several segments at
@@ -277,6 +278,18 @@ def main() -> int:
             traceback.print_exc()
             return 1
         print(f"ok   {label}: {fake.stats['launches'] - before} launches; {note}")
+    # what the CUDA backend still refuses, in one line: the MTP head (its ``input`` and ``concat`` ops)
+    from aotx.engine.errors import ModelError
+
+    try:
+        _build(files["qwen35"]).load_mtp()
+    except ModelError as e:
+        msg = str(e)
+        assert "\n" not in msg and "op 'input' is not supported by the CUDA backend" in msg, msg
+        print(f"ok   qwen35's MTP head refused: {msg}")
+    else:
+        print("FAIL qwen35's MTP head was compiled for CUDA")
+        return 1
     for name in ("qwen35", "qwen3next"):
         try:
             note = _against_cpu(_build(files[name]), fake)
