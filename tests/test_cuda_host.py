@@ -55,7 +55,8 @@ def test_dry_run_of_a_hybrid_model_checks_its_launches_and_state_against_the_cpu
 
 def test_the_kernels_module_compiles_with_nvcc_where_a_toolkit_is_installed(tmp_path):
     """NVRTC needs CuPy; where a CUDA toolkit is installed without it, nvcc compiles the kernels
-    module's non-template kernels (the recurrent ones among them) to PTX for sm_90."""
+    module's non-template kernels and the recurrent ones (delta_rule at every head size) to PTX
+    for sm_90."""
     import os
     import shutil
 
@@ -65,13 +66,19 @@ def test_the_kernels_module_compiles_with_nvcc_where_a_toolkit_is_installed(tmp_
     from aotx.engine.backend.cuda import source as S
 
     src, ptx = tmp_path / "kernels.cu", tmp_path / "kernels.ptx"
-    src.write_text(S.KERNELS.text)
+    text = S.KERNELS.text
+    m = re.search(r"template <int S>\s*__global__\s+void\s+__launch_bounds__\([^)]*\)\s+delta_rule\s*\(([^)]*)\)", text)
+    assert m, "delta_rule<S> not found"
+    text += "".join(f"template __global__ void delta_rule<{s}>({m.group(1)});\n" for s in (16, 32, 64, 128))
+    src.write_text(text)
     p = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ptx", str(src), "-o", str(ptx)], capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, S.KERNELS.explain(p.stderr)[-4000:]
     text = ptx.read_text()
     for k in ("short_conv", "conv_state", "delta_rule", "l2_norm_rows", "sigmoid_gate_rows", "deinterleave_rows"):
-        assert re.search(rf"\.entry _Z\d+{k}P", text), k
+        assert re.search(rf"\.entry _Z\d+{k}[PI]", text), k
+    for s in (16, 32, 64, 128):
+        assert f"_Z10delta_ruleILi{s}E" in text, s
 
 
 @pytest.fixture()

@@ -29,9 +29,9 @@ def install(fake) -> None:
 
     def extents(name, grid, a):
         base(name, grid, a)
-        check = _CHECKS.get(name)
+        check = _CHECKS.get(name.split("<")[0])
         if check is not None:
-            check(fake, grid, a)
+            check(fake, grid, _with_s(name, a))
 
     fake._extents = extents
     fake._EMULATED.update({k: _bound(fake, f) for k, f in _EMU.items()})
@@ -39,7 +39,12 @@ def install(fake) -> None:
 
 def _bound(fake, f):
     """The fake's emulation signature (name, grid, args) for ``f(fake, args)``."""
-    return lambda name, grid, a: f(fake, a)
+    return lambda name, grid, a: f(fake, _with_s(name, a))
+
+
+def _with_s(name: str, a: dict) -> dict:
+    """The launch's arguments, with delta_rule<S>'s template argument as ``S``."""
+    return {**a, "S": int(name[name.index("<") + 1:-1])} if name.startswith("delta_rule<") else a
 
 
 def _ints(a, *names):
@@ -74,7 +79,7 @@ def _check_conv(fake, grid, a, state_kernel: bool) -> None:
 def _check_delta(fake, grid, a) -> None:
     w = "kernel delta_rule"
     H, Hk, S, n, skip, uld = _ints(a, "H", "Hk", "S", "n_rows", "skip_slot", "undo_ld")
-    if grid[:2] != (H, n) or a["__block__"][0] != S or S > 256 or H % Hk:
+    if grid[:2] != (H, n) or a["__block__"][0] != S or S not in (16, 32, 64, 128) or H % Hk:
         raise fake.LaunchError(f"{w}: grid {grid}, block {a['__block__']} for {H} heads of {S} ({Hk} key heads), "
                                f"{n} rows")
     for p, ld, width in (("q", "ldq", Hk * S), ("k", "ldk", Hk * S), ("v", "ldv", H * S), ("alpha", "lda", H),

@@ -38,7 +38,7 @@ from aotx.engine.backend.cuda.steps import NT, Z64, f32, i32, width_of
 from aotx.engine.errors import ModelError
 
 UNDO_ROWS = 16          # as cpu/recurrent.py and kernels/recurrent.cu (REC_UNDO_ROWS)
-DELTA_MAX_HEAD = 256    # delta_rule's block: one thread per value dimension
+DELTA_HEADS = (16, 32, 64, 128)   # delta_rule<S>'s head sizes: one thread per value dimension, a column in registers
 
 
 def _pad4(n: int) -> int:
@@ -97,14 +97,14 @@ class ShortConvStep:
 
 
 class DeltaRuleStep:
-    """``delta_rule``: one block per (value head, segment), the rows of a segment in order."""
+    """``delta_rule<S>``: one block per (value head, segment), the rows of a segment in order."""
 
     def __init__(self, prog, s: PR.DeltaRule):
         self.s = s
         H, Hk, S = s.n_v, s.n_k, s.head_dim
-        if S > DELTA_MAX_HEAD or H % Hk:
+        if S not in DELTA_HEADS or H % Hk:
             raise ModelError(f"delta_rule with {H} value heads, {Hk} key heads of {S}: the CUDA kernel takes heads "
-                             f"of up to {DELTA_MAX_HEAD} and value heads a multiple of key heads")
+                             f"of {', '.join(map(str, DELTA_HEADS))} and value heads a multiple of key heads")
         self.H, self.Hk, self.S = H, Hk, S
         self.a = cp.asarray(np.ascontiguousarray(np.asarray(s.a, np.float32).reshape(-1)))
         self.dtb = cp.asarray(np.ascontiguousarray(np.asarray(s.dt_bias, np.float32).reshape(-1)))
@@ -112,15 +112,16 @@ class DeltaRuleStep:
             raise ModelError(f"delta_rule: a / dt_bias of {self.a.shape[0]} / {self.dtb.shape[0]} values for {H} heads")
         self.undo_width = _pad4(2 * Hk * S + H * S + 2 * H)
         self.out_width = H * S
-        prog.need.add("delta_rule")
+        self.name = f"delta_rule<{S}>"
+        prog.need.add(self.name)
         prog.state_steps[s.state] = self
 
     def launch(self, k, st, q: int, ldq: int, kk: int, ldk: int, v: int, ldv: int, al: int, lda: int, be: int,
                ldb: int, slot_p: int, pos_p: int, rows: int, skip: int, undo: bool, out: int, ldo: int) -> None:
         s, L = self.s, self.s.state
-        k["delta_rule"]((self.H, rows), (self.S,),
+        k[self.name]((self.H, rows), (self.S,),
                         (np.uint64(q), i32(ldq), np.uint64(kk), i32(ldk), np.uint64(v), i32(ldv), np.uint64(al),
-                         i32(lda), np.uint64(be), i32(ldb), self.a, self.dtb, i32(self.H), i32(self.Hk), i32(self.S),
+                         i32(lda), np.uint64(be), i32(ldb), self.a, self.dtb, i32(self.H), i32(self.Hk),
                          i32(1 if s.grouped else 0), f32(s.scale), st.buffers[L], np.uint64(slot_p), np.uint64(pos_p),
                          i32(rows), i32(skip), st.undo_pre[L] if undo else Z64, st.undo_in[L] if undo else Z64,
                          i32(self.undo_width), np.uint64(out), i32(ldo)))

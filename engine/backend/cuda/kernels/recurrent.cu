@@ -102,26 +102,29 @@ __global__ void __launch_bounds__(128) conv_state(const float* __restrict__ x, i
 
 // The gated delta rule (ggml_gated_delta_net; cpu/recurrent.py delta_rows), one row at a time
 // in order, per value head h and segment: block (h, first row of the segment), S threads;
-// thread j owns column j of S_h. Key head: h / (H / Hk) (grouped) or h % Hk (tiled). Per row:
+// thread j owns column j of S_h, held in registers (``col``) from the segment's first row to
+// its last; S, the head size, is the template argument (16, 32, 64, 128). Key head:
+// h / (H / Hk) (grouped) or h % Hk (tiled). Per row:
 //     g = a[h] softplus(alpha + dt_bias[h]) (softplus(x) = x above 20);  b = sigmoid(beta)
 //     for each j: S[:, j] *= exp(g); d = (v_j - S[:, j].k) b; S[:, j] += k d; out_j = scale S[:, j].q
 // each dot product summed over i in order, as the CPU does. q, k (rows, Hk*S) L2-normalised,
 // v (rows, H*S), alpha, beta (rows, H) with their own leading dimensions. With undo_pre, a
 // segment of 2 .. REC_UNDO_ROWS rows keeps the state before it and its inputs (undo_in: per
 // slot REC_UNDO_ROWS rows of undo_ld floats: q (Hk*S), k (Hk*S), v (H*S), alpha (H), beta (H):
-// the layout a rollback reads them back in). S <= 256.
-__global__ void __launch_bounds__(256) delta_rule(const float* __restrict__ q, int ldq, const float* __restrict__ k,
-                                                  int ldk, const float* __restrict__ v, int ldv,
-                                                  const float* __restrict__ alpha, int lda,
-                                                  const float* __restrict__ beta, int ldb,
-                                                  const float* __restrict__ a, const float* __restrict__ dtb, int H,
-                                                  int Hk, int S, int grouped, float scale, float* __restrict__ state,
-                                                  const int* __restrict__ slot, const int* __restrict__ pos,
-                                                  int n_rows, int skip_slot, float* __restrict__ undo_pre,
-                                                  float* __restrict__ undo_in, int undo_ld, float* __restrict__ out,
-                                                  int ldo)
+// the layout a rollback reads them back in).
+template <int S>
+__global__ void __launch_bounds__(S) delta_rule(const float* __restrict__ q, int ldq, const float* __restrict__ k,
+                                                   int ldk, const float* __restrict__ v, int ldv,
+                                                   const float* __restrict__ alpha, int lda,
+                                                   const float* __restrict__ beta, int ldb,
+                                                   const float* __restrict__ a, const float* __restrict__ dtb, int H,
+                                                   int Hk, int grouped, float scale,
+                                                   float* __restrict__ state, const int* __restrict__ slot,
+                                                   const int* __restrict__ pos, int n_rows, int skip_slot,
+                                                   float* __restrict__ undo_pre, float* __restrict__ undo_in,
+                                                   int undo_ld, float* __restrict__ out, int ldo)
 {
-    __shared__ float kq[512];                  // the row's key (0 .. S) and query (S .. 2S) of head hk
+    __shared__ float kq[2 * S];             // the row's key (0 .. S) and query (S .. 2S) of head hk
     __shared__ float gb[2];                    // exp(g), b
     const int h = blockIdx.x, r = blockIdx.y, j = threadIdx.x;
     if (r >= n_rows) return;
@@ -137,11 +140,14 @@ __global__ void __launch_bounds__(256) delta_rule(const float* __restrict__ q, i
     const int hk = grouped ? h / rep : h % Hk;
     const bool first_of_key = grouped ? (h % rep == 0) : (h < Hk);
     float* St = state + ((long long)s * H + h) * S * S;
-    if (pos[r] == 0)
-        for (int i = 0; i < S; i++) St[(long long)i * S + j] = 0.f;
+    float col[S];                           // col[i] = S_h[i][j]
+    const bool fresh = pos[r] == 0;
+#pragma unroll
+    for (int i = 0; i < S; i++) col[i] = fresh ? 0.f : St[(long long)i * S + j];
     if (undo_pre != nullptr && n >= 2 && n <= REC_UNDO_ROWS) {
         float* up = undo_pre + ((long long)s * H + h) * S * S;
-        for (int i = 0; i < S; i++) up[(long long)i * S + j] = St[(long long)i * S + j];
+#pragma unroll
+        for (int i = 0; i < S; i++) up[(long long)i * S + j] = col[i];
         float* ui = undo_in + (long long)s * REC_UNDO_ROWS * undo_ld;
         const int kw = Hk * S;
         for (int t = 0; t < n; t++) {
@@ -171,21 +177,25 @@ __global__ void __launch_bounds__(256) delta_rule(const float* __restrict__ q, i
         __syncthreads();
         const float eg = gb[0], bt = gb[1];
         float sum = 0.f;
+#pragma unroll
         for (int i = 0; i < S; i++) {
-            const float m = St[(long long)i * S + j] * eg;
-            St[(long long)i * S + j] = m;
+            const float m = col[i] * eg;
+            col[i] = m;
             sum += m * kq[i];
         }
         const float d = (v[rr * ldv + h * S + j] - sum) * bt;
         float o = 0.f;
+#pragma unroll
         for (int i = 0; i < S; i++) {
-            const float m = St[(long long)i * S + j] + kq[i] * d;
-            St[(long long)i * S + j] = m;
+            const float m = col[i] + kq[i] * d;
+            col[i] = m;
             o += m * kq[S + i];
         }
         out[rr * ldo + h * S + j] = o * scale;
         __syncthreads();                       // every thread is done with kq before the next row's
     }
+#pragma unroll
+    for (int i = 0; i < S; i++) St[(long long)i * S + j] = col[i];
 }
 
 // out = x / sqrt(sum(x^2) + eps) over each hd chunk of a row (the sum in double, a fixed
