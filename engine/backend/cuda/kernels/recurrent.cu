@@ -114,17 +114,17 @@ __global__ void __launch_bounds__(128) conv_state(const float* __restrict__ x, i
 // the layout a rollback reads them back in).
 template <int S>
 __global__ void __launch_bounds__(S) delta_rule(const float* __restrict__ q, int ldq, const float* __restrict__ k,
-                                                   int ldk, const float* __restrict__ v, int ldv,
-                                                   const float* __restrict__ alpha, int lda,
-                                                   const float* __restrict__ beta, int ldb,
-                                                   const float* __restrict__ a, const float* __restrict__ dtb, int H,
-                                                   int Hk, int grouped, float scale,
-                                                   float* __restrict__ state, const int* __restrict__ slot,
-                                                   const int* __restrict__ pos, int n_rows, int skip_slot,
-                                                   float* __restrict__ undo_pre, float* __restrict__ undo_in,
-                                                   int undo_ld, float* __restrict__ out, int ldo)
+                                                int ldk, const float* __restrict__ v, int ldv,
+                                                const float* __restrict__ alpha, int lda,
+                                                const float* __restrict__ beta, int ldb,
+                                                const float* __restrict__ a, const float* __restrict__ dtb, int H,
+                                                int Hk, int grouped, float scale,
+                                                float* __restrict__ state, const int* __restrict__ slot,
+                                                const int* __restrict__ pos, int n_rows, int skip_slot,
+                                                float* __restrict__ undo_pre, float* __restrict__ undo_in,
+                                                int undo_ld, float* __restrict__ out, int ldo)
 {
-    __shared__ float kq[2 * S];             // the row's key (0 .. S) and query (S .. 2S) of head hk
+    __shared__ float kq[2 * S];                // the row's key (0 .. S) and query (S .. 2S) of head hk
     __shared__ float gb[2];                    // exp(g), b
     const int h = blockIdx.x, r = blockIdx.y, j = threadIdx.x;
     if (r >= n_rows) return;
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(S) delta_rule(const float* __restrict__ q, int
     const int hk = grouped ? h / rep : h % Hk;
     const bool first_of_key = grouped ? (h % rep == 0) : (h < Hk);
     float* St = state + ((long long)s * H + h) * S * S;
-    float col[S];                           // col[i] = S_h[i][j]
+    float col[S];                              // col[i] = S_h[i][j]
     const bool fresh = pos[r] == 0;
 #pragma unroll
     for (int i = 0; i < S; i++) col[i] = fresh ? 0.f : St[(long long)i * S + j];
