@@ -6,7 +6,8 @@ engine/backend/IR.md section 6: ``forward``, ``sample``, ``greedy``, ``last_logi
 and per KV cache the activation buffers, RoPE tables and captured graphs (``CacheState``);
 graph capture and replay, the eager path. Leaves the order of ops to the Program (the
 architecture's), the fusions to ``plan.py``, each step's launches to ``steps.py``,
-``attention.py`` and ``moe.py`` (the GPU expert tier: ``experts.py``), K and V to ``kv.py``,
+``attention.py`` and ``moe.py`` (the GPU expert tier: ``experts.py``), a hybrid model's recurrent
+steps and state (``kv.state``) to ``recurrent.py``, K and V to ``kv.py``,
 the device tables to ``tables.py``, the kernels to ``kernels/`` (``source.py``) and the
 sampler to ``sampling.py``, the prefill GEMM to ``gemm.py``, the kernel sites and their
 candidates to ``choice.py`` and ``tune.py``, the artifact to ``kernel_choice``.
@@ -296,7 +297,7 @@ class CudaProgram:
         return self.gemm.weight_bytes
 
     def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
-        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates for K and V."""
+        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates: K and V, and a hybrid model's state."""
         return CudaKVCache.nbytes(self.n_layers, self.n_kv, self.head_dim, n_slots, n_ctx, kv_type) + (
             RS.CudaRecurrentState.nbytes(self.plan.state_layers, self.state_steps, n_slots))
 
