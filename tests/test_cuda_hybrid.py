@@ -7,7 +7,7 @@ kernels/recurrent.cu).
   within test_cuda_parity's REL_TOL of the CPU's (float32 on both sides; the CPU's float path),
   the greedy tokens equal wherever the CPU's top two are not a near-tie;
 * batch invariance: a slot's logits bit-identical decoded alone and beside other slots (another
-  slot, another row, another graph bucket);
+  slot, another row, another graph bucket; the f16 KV cache the engine runs by default);
 * rollback: a verify window rolled back to its kept rows leaves the state bit-identical to
   feeding those rows alone;
 * capsules: a slot's capsule (KV and recurrent state, through the disk) restores byte-exact into
@@ -169,10 +169,10 @@ def test_a_slots_logits_are_bit_identical_alone_and_beside_others(cuda_model):
     m = cuda_model
     rng = np.random.default_rng(3)
     prompt = _tok(rng, 12)
-    a = m.new_kv_cache(4, 256, "f32")
+    a = m.new_kv_cache(4, 256, "f16")          # the engine's default KV type
     first = int(np.argmax(m.forward(prompt, [Segment(0, 0, 12)], a)[0]))
     alone, lg_alone = _decode(m, a, 0, 12, first, 6)
-    b = m.new_kv_cache(4, 256, "f32")
+    b = m.new_kv_cache(4, 256, "f16")
     p1, p3 = _tok(rng, 20), _tok(rng, 7)
     lg = m.forward(np.concatenate([p1, prompt, p3]), [Segment(1, 0, 20), Segment(2, 0, 12), Segment(3, 0, 7)], b)
     assert int(np.argmax(lg[1])) == first
@@ -186,11 +186,11 @@ def test_a_rollback_leaves_the_state_of_the_kept_rows(cuda_model):
     m = cuda_model
     rng = np.random.default_rng(5)
     prompt, window = _tok(rng, 10), _tok(rng, 6)
-    a = m.new_kv_cache(2, 128, "f32")
+    a = m.new_kv_cache(2, 128, "f16")
     m.forward(prompt, [Segment(0, 0, 10)], a)
     m.forward(window, [Segment(0, 10, 6, all_logits=True)], a)
     a.state.rollback(0, 13)
-    b = m.new_kv_cache(2, 128, "f32")
+    b = m.new_kv_cache(2, 128, "f16")
     m.forward(prompt, [Segment(1, 0, 10)], b)
     m.forward(window[:3], [Segment(1, 10, 3, all_logits=True)], b)
     sa, sb = a.state.snapshot(0, 13), b.state.snapshot(1, 13)
