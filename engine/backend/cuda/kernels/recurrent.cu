@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(S) delta_rule(const float* __restrict__ q, int
             sum += m * kq[i];
         }
         const float d = (v[rr * ldv + h * S + j] - sum) * bt;
-        __syncwarp();                          // kq is read again below, not kept in registers (S = 128 fits)
+        __syncthreads();                       // kq is read again below, not kept in registers (S = 128 fits)
         float o = 0.f;
 #pragma unroll
         for (int i = 0; i < S; i++) {
