@@ -6,8 +6,10 @@ template instance that was never compiled, a pointer or a GEMM operand off its b
 Python error on a path the GPU tests reach late) is found here:
 ``tests/tools/gpu_dryrun.py`` builds random-weight llama models on the fake
 (``tests/tools/gpu_fake_cupy.py``) and drives the graph path at every bucket, the eager
-path in every prefill mode, every GEMV variant and the kernel-choice tuner. It runs in a
-subprocess so the fake never replaces a real CuPy in this process.
+path in every prefill mode, every GEMV variant and the kernel-choice tuner;
+``tests/tools/gpu_dryrun_hybrid.py`` does the same for a hybrid model (qwen35's recurrent
+layers and their state). Each runs in a subprocess so the fake never replaces a real CuPy
+in this process.
 
 The fake itself is tested too: each kind of violation it must catch, it catches.
 """
@@ -37,6 +39,46 @@ def test_dry_run_of_every_cuda_path_passes_the_launch_checks():
         assert k in out.split("kernels:")[-1], k
     reused = re.search(r"artifact reused: \d+ launches; kernel choice: (\d+) of (\d+) sites from the artifact", out)
     assert reused and reused.group(1) == reused.group(2), out   # the tuner's artifact is reused without timing
+
+
+def test_dry_run_of_a_hybrid_model_checks_its_launches_and_state_against_the_cpu():
+    """tests/tools/gpu_dryrun_hybrid.py: qwen35's host code (prefill eager and through the graph,
+    3-slot decode, a verify window's rollback, snapshot / restore, the refusals) with every
+    launch checked, and the recurrent steps' launches emulated against the CPU's kernels."""
+    p = subprocess.run([sys.executable, "-m", "tests.tools.gpu_dryrun_hybrid"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "hybrid dry run OK" in p.stdout
+    for k in ("short_conv", "conv_state", "delta_rule", "l2_norm_rows", "sigmoid_gate_rows", "deinterleave_rows"):
+        assert k in p.stdout.split("kernels:")[-1], k
+
+
+def test_the_kernels_module_compiles_with_nvcc_where_a_toolkit_is_installed(tmp_path):
+    """NVRTC needs CuPy; where a CUDA toolkit is installed without it, nvcc compiles the kernels
+    module's non-template kernels and the recurrent ones (delta_rule at every head size) to PTX
+    for sm_90."""
+    import os
+    import shutil
+
+    nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+    if nvcc is None:
+        pytest.skip("no CUDA toolkit (nvcc) on this machine")
+    from aotx.engine.backend.cuda import source as S
+
+    src, ptx = tmp_path / "kernels.cu", tmp_path / "kernels.ptx"
+    text = S.KERNELS.text
+    m = re.search(r"template <int S>\s*__global__\s+void\s+__launch_bounds__\([^)]*\)\s+delta_rule\s*\(([^)]*)\)", text)
+    assert m, "delta_rule<S> not found"
+    text += "".join(f"template __global__ void delta_rule<{s}>({m.group(1)});\n" for s in (16, 32, 64, 128))
+    src.write_text(text)
+    p = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ptx", str(src), "-o", str(ptx)], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, S.KERNELS.explain(p.stderr)[-4000:]
+    text = ptx.read_text()
+    for k in ("short_conv", "conv_state", "delta_rule", "l2_norm_rows", "sigmoid_gate_rows", "deinterleave_rows"):
+        assert re.search(rf"\.entry _Z\d+{k}[PI]", text), k
+    for s in (16, 32, 64, 128):
+        assert f"_Z10delta_ruleILi{s}E" in text, s
 
 
 @pytest.fixture()

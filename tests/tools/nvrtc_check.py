@@ -26,7 +26,9 @@ def instances(types=None) -> list[str]:
 
     types = S.TYPES if types is None else types
     names = ["gather_rows", "rms_norm", "causal_softmax", "glu_rows", "ew_rows", "bias_rows", "head_ops",
-             "row_scale", "rows_half", "moe_gather", "swiglu_oai_rows", "moe_route", "moe_tiles", "moe_join"]
+             "row_scale", "rows_half", "moe_gather", "swiglu_oai_rows", "moe_route", "moe_tiles", "moe_join",
+             "short_conv", "conv_state", "delta_rule<16>", "delta_rule<32>", "delta_rule<64>",
+             "delta_rule<128>", "l2_norm_rows", "sigmoid_gate_rows", "deinterleave_rows"]
     for t in types:
         names += [f"embed<{t}>", f"dequant<{t}>", f"dequant_h<{t}>"]
     for nb, wpps in CC.GEMV_GRID.items():

@@ -226,6 +226,18 @@ class CudaBackend:
         self.weight_bytes += int(arr.nbytes)
         return arr
 
+    def array(self, t) -> np.ndarray:
+        """A small F32/F16/BF16 tensor of any rank (a hybrid model's convolution kernel, ggml
+        ``[K, C]``) as a host float32 array of the reversed shape ((C, K)); the step that
+        reads it uploads it (``recurrent.ShortConvStep``)."""
+        from aotx.engine.backend.quants import dequantize_rows
+
+        n = int(np.prod(t.shape))
+        flat = dequantize_rows(np.asarray(t.data).reshape(1, -1), t.qtype, slice(0, 1), n)[0]
+        arr = np.ascontiguousarray(np.asarray(flat, np.float32).reshape(tuple(reversed(tuple(t.shape)))))
+        self.weight_bytes += int(arr.nbytes)
+        return arr
+
     def experts(self, t):
         """A 3-D GGUF expert tensor (ggml ``[k, m, E]``) for the CPU expert tier:
         ``cpu.experts.CpuExperts`` over the file's memory map (no GPU memory; counted in

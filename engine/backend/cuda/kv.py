@@ -59,7 +59,10 @@ def row_width(kv_type: str, head_dim: int) -> int:
 class CudaKVCache:
     """KV for ``n_slots`` slots of ``n_ctx`` tokens on the device. ``k``, ``v``: (n_layers,
     n_slots + 1, n_kv, n_ctx, hd) of float16 or float32; ``layer_bytes``: bytes of one
-    layer of one of them (kernels address layer ``l`` at ``k.data.ptr + l * layer_bytes``)."""
+    layer of one of them (kernels address layer ``l`` at ``k.data.ptr + l * layer_bytes``).
+    ``state``: a hybrid program's recurrent state (``recurrent.CudaRecurrentState``), else None."""
+
+    state = None
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, n_slots: int, n_ctx: int, kv_type: str = "f16"):
         self.kv_type = check_kv_type(kv_type)

@@ -24,7 +24,8 @@ Fusions (what today's decode graph does for llama, found by pattern in any progr
   (gemma3's post-norms): the linear stores, then the norm adds into r's buffer.
 Anything else runs as generic steps, one per node (``split`` is a view: no step); the
 ``moe`` op as one step (``MoeHost``: a host step, routing and the CPU expert tier on the host,
-the GPU tier's experts on the device; or, every expert on the GPU, a device step).
+the GPU tier's experts on the device; or, every expert on the GPU, a device step); a hybrid
+model's recurrent ops as the steps of ``plan_recurrent.py``.
 
 Buffers: every materialized value gets a column range of a buffer ``(rows, width)``;
 buffers are reused once their last reader has run. Widths are multiples of 4 floats
@@ -35,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from aotx.engine.backend.cuda import plan_recurrent as PR
 
 ROWS_N, ROWS_R = "N", "R"
 
@@ -205,6 +208,7 @@ class Plan:
     kv_layers: tuple
     rope_specs: list
     fused: dict[str, int] = field(default_factory=dict)   # counts, for tests and the startup profile
+    state_layers: tuple = ()        # the Program's StateLayers (hybrid models: plan_recurrent.py)
 
 
 # ---- matching ---------------------------------------------------------------------------------
@@ -492,6 +496,8 @@ def generic_steps(L: Lowering) -> None:
             if no:
                 raise PlanError(f"moe layer {n.out.name}: no CUDA step computes {', '.join(no)} (use --device cpu)")
             L.emit(i, MoeHost(n.inputs[0].id, n.out.id, A))
+        elif op in PR.OPS:
+            L.emit(i, PR.lower(n))
         else:
             raise PlanError(f"op {op!r} is not supported by the CUDA backend")
 
@@ -508,13 +514,16 @@ def plan(program, *, fuse: bool = True) -> Plan:
     steps = L.steps()
     loc, buffers = _assign(steps, L.alias, L.width, L.rows, L.g.output)
     return Plan(steps, loc, buffers, L.g.output, int(program.output.width), int(program.d_model),
-                tuple(program.kv_layers), list(program.rope_specs()), L.fused)
+                tuple(program.kv_layers), list(program.rope_specs()), L.fused,
+                tuple(getattr(program, "state_layers", ())))
 
 
 # ---- buffers ----------------------------------------------------------------------------------
 
 def reads(s) -> list[int]:
     """Value ids a step reads."""
+    if hasattr(s, "reads"):              # plan_recurrent's steps name their own
+        return s.reads()
     if isinstance(s, (Linear, Glu, QKV)):
         return [s.x] + ([s.out] if isinstance(s, Linear) and s.mode == "add" else [])
     if isinstance(s, Attend):
@@ -531,12 +540,12 @@ def reads(s) -> list[int]:
         return [s.a] + ([s.b] if s.b is not None else [])
     if isinstance(s, GluRows):
         return [s.gate, s.up]
-    if isinstance(s, MoeHost):
-        return [s.x]
-    return []
+    return [s.x] if isinstance(s, MoeHost) else []
 
 
 def writes(s) -> list[int]:
+    if hasattr(s, "writes"):
+        return s.writes()
     if isinstance(s, QKV):
         return [s.q_out]
     if isinstance(s, KVStore):

@@ -6,7 +6,8 @@ engine/backend/IR.md section 6: ``forward``, ``sample``, ``greedy``, ``last_logi
 and per KV cache the activation buffers, RoPE tables and captured graphs (``CacheState``);
 graph capture and replay, the eager path. Leaves the order of ops to the Program (the
 architecture's), the fusions to ``plan.py``, each step's launches to ``steps.py``,
-``attention.py`` and ``moe.py`` (the GPU expert tier: ``experts.py``), K and V to ``kv.py``,
+``attention.py`` and ``moe.py`` (the GPU expert tier: ``experts.py``), a hybrid model's recurrent
+steps and state (``kv.state``) to ``recurrent.py``, K and V to ``kv.py``,
 the device tables to ``tables.py``, the kernels to ``kernels/`` (``source.py``) and the
 sampler to ``sampling.py``, the prefill GEMM to ``gemm.py``, the kernel sites and their
 candidates to ``choice.py`` and ``tune.py``, the artifact to ``kernel_choice``.
@@ -59,6 +60,7 @@ from aotx.engine.backend.cuda import choice as CC
 from aotx.engine.backend.cuda import mmq as MQ
 from aotx.engine.backend.cuda import moe
 from aotx.engine.backend.cuda import plan as P
+from aotx.engine.backend.cuda import recurrent as RS
 from aotx.engine.backend.cuda import sampling as CS
 from aotx.engine.backend.cuda.attention import ATT_NSMAX, AttendStep, EagerBatch
 from aotx.engine.backend.cuda.gemm import PrefillGemm
@@ -67,12 +69,11 @@ from aotx.engine.backend.cuda.matrix import q8_buffers
 from aotx.engine.backend.cuda.moe import MoeStep, Segments
 from aotx.engine.backend.cuda.steps import (NT, Z64, Ctx, ElementwiseStep, EmbedStep, Gemv, GluRowsStep, GluStep,
                                             HeadOpStep, KVStoreStep, LinearStep, NormStep, QKVStep, TakeRowsStep, i32,
-                                            pow2, qname)
+                                            pow2, qname, weights_of)
 from aotx.engine.backend.cuda.tables import DeviceTables, rows_for
 from aotx.engine.errors import ModelError
 
 PREFILL_FORCED = ("f16", "tf32", "f32", "gemv")
-
 
 
 class CacheState:
@@ -105,7 +106,7 @@ class CacheState:
 
 _BIND = {P.Embed: EmbedStep, P.QKV: QKVStep, P.Attend: AttendStep, P.KVStore: KVStoreStep, P.TakeRows: TakeRowsStep,
          P.Norm: NormStep, P.HeadOp: HeadOpStep, P.Elementwise: ElementwiseStep, P.GluRows: GluRowsStep,
-         P.MoeHost: MoeStep}
+         P.MoeHost: MoeStep, **RS.BIND}
 
 
 class CudaProgram:
@@ -153,7 +154,7 @@ class CudaProgram:
         self.psites: dict[str, dict] = {}          # prefill site key -> its weights, shape, input
         self.refs: dict[int, int] = {}
         for s in self.plan.steps:
-            for w in _weights(s):
+            for w in weights_of(s):
                 self.refs[id(w)] = self.refs.get(id(w), 0) + 1
         rows_of = {}
         self._producer: dict[int, object] = {}
@@ -173,6 +174,7 @@ class CudaProgram:
         self._cache_stage: tuple = ()  # its pinned staging (memory, uint8 view, event of the last copies)
         self.expert_copy = {"bytes": 0, "seconds": 0.0}
         self.steps = []
+        self.state_steps: dict[int, object] = {}   # a hybrid model's state layer -> its step (recurrent.py)
         for s in self.plan.steps:
             rows = rows_of.get(id(s), P.ROWS_N)
             if isinstance(s, P.Linear):
@@ -295,13 +297,16 @@ class CudaProgram:
         return self.gemm.weight_bytes
 
     def kv_cache_bytes(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> int:
-        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates for K and V."""
-        return CudaKVCache.nbytes(self.n_layers, self.n_kv, self.head_dim, n_slots, n_ctx, kv_type)
+        """Bytes ``new_kv_cache(n_slots, n_ctx, kv_type)`` allocates: K and V, and a hybrid model's state."""
+        return CudaKVCache.nbytes(self.n_layers, self.n_kv, self.head_dim, n_slots, n_ctx, kv_type) + (
+            RS.CudaRecurrentState.nbytes(self.plan.state_layers, self.state_steps, n_slots))
 
     def new_kv_cache(self, n_slots: int, n_ctx: int, kv_type: str = "f16") -> CudaKVCache:
         """A zeroed cache of ``n_slots`` slots of ``n_ctx`` tokens, with its graphs' state."""
         check_kv_type(kv_type)
         kv = CudaKVCache(self.n_layers, self.n_kv, self.head_dim, n_slots, n_ctx, kv_type)
+        kv.state = RS.CudaRecurrentState(self.plan.state_layers, self.state_steps, n_slots, kv.stream, self.k) \
+            if self.plan.state_layers else None          # a hybrid model's recurrent state (recurrent.py)
         self._states[kv] = CacheState(self, kv)
         return kv
 
@@ -503,6 +508,7 @@ class CudaProgram:
 
     def _replay(self, tokens: np.ndarray, layout, kv: CudaKVCache, rows, tick: int, want_ids: bool):
         st = self._state(kv)
+        kv.state is not None and kv.state.begin(layout)      # checks every segment before a row runs
         t = st.tables
         n = int(tokens.shape[0])
         b = pow2(n)
@@ -528,6 +534,7 @@ class CudaProgram:
         if want_ids:
             t.download_records(s, R)
         s.synchronize()  # before anything on another stream reads the graph's output
+        kv.state is not None and kv.state.end()
         self._last_logits = (st.bufs[self.out_buf], R)    # sliced when asked for (last_logits)
         if want_ids:
             rec = t.rec_np[:R]
@@ -542,6 +549,7 @@ class CudaProgram:
         if self.expert_cache is not None:
             self._learn_experts()          # between ticks: before this tick's first launch
         st = self._state(kv)
+        kv.state is not None and kv.state.begin(layout)
         N = int(tokens.shape[0])
         out_rows = layout.out_rows.astype(np.int32)
         R = int(out_rows.shape[0])
@@ -577,6 +585,7 @@ class CudaProgram:
                 x = c.arr(s.s.out)
                 x[cp.asarray(np.asarray(embeds[0], np.int64))] = cp.asarray(embeds[1], dtype=cp.float32)
         self._keep = []
+        kv.state is not None and kv.state.end()
         self._eager_out_meta = np.ascontiguousarray(meta[1:3, out_rows]) if R else np.zeros((2, 0), np.int32)
         if R == 0:
             self._last_logits = None
@@ -587,14 +596,3 @@ class CudaProgram:
         self._last_logits = lg[:, :self.vocab]
         return self._last_logits
 
-
-def _weights(s) -> list:
-    if isinstance(s, P.QKV):
-        return [m for m, _ in s.mats]
-    if isinstance(s, P.Linear):
-        return [s.w]
-    if isinstance(s, P.Glu):
-        return [s.wa, s.wb]
-    if isinstance(s, P.Embed):
-        return [s.table]
-    return []

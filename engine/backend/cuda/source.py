@@ -34,6 +34,9 @@ define):
 * ``moe.cu``: the GPU expert tier's grouped GEMV and the device moe step's routing and join;
 * ``mmq.cu``: the int8 GEMV's sums on tensor cores for many batch rows (``mmq``: the same
   bits as ``gemv<..., Q8 = 1>``, one weight read per tile of batch rows; sm_80+);
+* ``recurrent.cu``: hybrid models' recurrent layers: the causal short convolution and its
+  state (``short_conv``, ``conv_state``), the gated delta rule as a recurrence
+  (``delta_rule``), ``l2_norm_rows``, ``sigmoid_gate_rows``, ``deinterleave_rows``;
 * ``sampling.cu`` (its own module): the sampler chain (``sample_rows``).
 
 Layout conventions (all row-major, float32 unless said):
@@ -86,7 +89,7 @@ FLASH_HEAD_DIMS = (32, 64, 96, 128)
 
 #: the kernels module's files, in order (the module docstring says what each holds)
 KERNEL_FILES = ("common.cuh", "dequant.cuh", "shared.cuh", "kv_quant.cu", "gemv.cu", "embed_rope.cu", "dequant.cu",
-                "attn_decode.cu", "elementwise.cu", "attn_prefill.cu", "moe.cu", "mmq.cu")
+                "attn_decode.cu", "elementwise.cu", "attn_prefill.cu", "moe.cu", "mmq.cu", "recurrent.cu")
 SAMPLING_FILES = ("sampling.cu",)
 #: how a module's files are named in ``#line`` markers and errors (their path in the repository)
 FILE_PREFIX = "engine/backend/cuda/kernels/"

@@ -538,3 +538,16 @@ class GluRowsStep:
                             i32(c.ld(s.out))))
 
     eager = graph
+
+
+def weights_of(s) -> list:
+    """The weight matrices a plan step reads (program.py counts their uses)."""
+    if isinstance(s, P.QKV):
+        return [m for m, _ in s.mats]
+    if isinstance(s, P.Linear):
+        return [s.w]
+    if isinstance(s, P.Glu):
+        return [s.wa, s.wb]
+    if isinstance(s, P.Embed):
+        return [s.table]
+    return []
