@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import cupy as cp
 import numpy as np
-
 from aotx.engine.backend.cuda import plan_recurrent as PR
 from aotx.engine.backend.cuda.steps import NT, Z64, f32, i32, width_of
 from aotx.engine.errors import ModelError
@@ -49,13 +48,19 @@ def _ptr(a) -> np.uint64:
     return np.uint64(a.data.ptr)
 
 
+def _host(x) -> np.ndarray:
+    """A float32 host copy of a weight the backend may have uploaded already (``vector``: a
+    CuPy array, which refuses numpy's implicit conversion) or kept on the host (``array``)."""
+    return np.asarray(x.get() if hasattr(x, "get") else x, np.float32)
+
+
 class ShortConvStep:
     """``short_conv``: the outputs (``short_conv``: every row in parallel, reading the old
     state), then the state (``conv_state``: per segment, with its undo data)."""
 
     def __init__(self, prog, s: PR.ShortConv):
         self.s = s
-        w = np.ascontiguousarray(np.asarray(s.weight, np.float32))
+        w = np.ascontiguousarray(_host(s.weight))
         if w.ndim != 2:
             raise ModelError(f"short_conv weight of shape {w.shape}, expected (channels, kernel)")
         self.C, self.K = int(w.shape[0]), int(w.shape[1])
@@ -106,8 +111,8 @@ class DeltaRuleStep:
             raise ModelError(f"delta_rule with {H} value heads, {Hk} key heads of {S}: the CUDA kernel takes heads "
                              f"of {', '.join(map(str, DELTA_HEADS))} and value heads a multiple of key heads")
         self.H, self.Hk, self.S = H, Hk, S
-        self.a = cp.asarray(np.ascontiguousarray(np.asarray(s.a, np.float32).reshape(-1)))
-        self.dtb = cp.asarray(np.ascontiguousarray(np.asarray(s.dt_bias, np.float32).reshape(-1)))
+        self.a = cp.asarray(np.ascontiguousarray(_host(s.a).reshape(-1)))
+        self.dtb = cp.asarray(np.ascontiguousarray(_host(s.dt_bias).reshape(-1)))
         if self.a.shape[0] != H or self.dtb.shape[0] != H:
             raise ModelError(f"delta_rule: a / dt_bias of {self.a.shape[0]} / {self.dtb.shape[0]} values for {H} heads")
         self.undo_width = _pad4(2 * Hk * S + H * S + 2 * H)
