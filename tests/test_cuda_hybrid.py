@@ -234,7 +234,21 @@ def test_a_capsule_restores_byte_exact_and_decodes_identically_kv_alone_diverges
     assert kv_only != full, "the recurrent state made no difference"
 
 
-def test_qwen3next_logits_match_the_cpu(paths):
+def test_qwen3next_is_refused_until_it_matches_the_cpu(paths, monkeypatch):
+    """The one H100 run (2026-12-07) put qwen3next's CUDA logits 5.9e-2 from the CPU's at the
+    first prefill (qwen35's: 8.5e-7): a hybrid model with experts is refused in one line."""
+    from aotx.engine.errors import ModelError
+
+    monkeypatch.delenv("AOTX_CUDA_HYBRID_MOE", raising=False)
+    with pytest.raises(ModelError, match="does not yet match the CPU on CUDA"):
+        _build(paths["qwen3next"], "cuda")
+
+
+@pytest.mark.xfail(reason="qwen3next on CUDA: relative error 5.9e-2 at the first forward (H100, 2026-12-07)",
+                   strict=False)
+def test_qwen3next_logits_match_the_cpu(paths, monkeypatch):
     """Qwen3-Next's layout (grouped key heads, beta and alpha from one matrix, deinterleaved;
-    a mixture of experts on the host moe step) through the same scenario."""
+    a mixture of experts on the host moe step) through the same scenario (AOTX_CUDA_HYBRID_MOE=1
+    lets it compile)."""
+    monkeypatch.setenv("AOTX_CUDA_HYBRID_MOE", "1")
     _parity("qwen3next", _build(paths["qwen3next"], "cpu"), _build(paths["qwen3next"], "cuda"))

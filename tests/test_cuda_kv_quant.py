@@ -20,28 +20,24 @@ Skips where CuPy or a CUDA device is absent. The lead's command (a GPU machine):
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-
-os.environ["AOTX_CUDA_KV_QUANT"] = "1"   # held back on CUDA (cuda/kv.py) but for these tests
 
 try:
     import cupy
 
     _n_dev = cupy.cuda.runtime.getDeviceCount()
-except Exception as e:  # noqa: BLE001 - ImportError, or the driver's CUDARuntimeError
+except Exception as e:
     pytest.skip(f"no CUDA device: {type(e).__name__}: {e}", allow_module_level=True)
 if _n_dev < 1:
     pytest.skip("no CUDA device: CuPy sees 0 devices", allow_module_level=True)
 
-from gguf import GGMLQuantizationType as T  # noqa: E402
+from aotx.engine.backend.cpu import kvquant as Q
+from aotx.engine.model.batch import Segment
+from aotx.engine.state import capsule as C
+from gguf import GGMLQuantizationType as T
 
-from aotx.engine.backend.cpu import kvquant as Q  # noqa: E402
-from aotx.engine.model.batch import Segment  # noqa: E402
-from aotx.engine.state import capsule as C  # noqa: E402
-from tests.models.cuda_testmodel import write_llama  # noqa: E402
+from tests.models.cuda_testmodel import write_llama
 
 pytestmark = pytest.mark.cuda
 

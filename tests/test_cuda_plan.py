@@ -245,3 +245,23 @@ def test_generic_steps_alone_give_one_step_per_node():
         bad = CP.Lowering(prog, fuse=False)
         bad.nodes[0] = dataclasses.replace(bad.nodes[0], op="conv")
         CP.generic_steps(bad)
+
+
+def test_a_hybrid_model_with_experts_is_refused_in_one_line(tiny_model_path, monkeypatch):
+    """qwen3next on CUDA gave logits 5.9e-2 from the CPU's on an H100 (2026-12-07) while qwen35
+    matched (8.5e-7): the plan (no GPU needed) refuses a program with recurrent state and a
+    moe step, in one line that says what to use, unless AOTX_CUDA_HYBRID_MOE=1."""
+    from aotx.engine.model.architectures import build
+    from aotx.engine.model.config import ModelConfig
+    from aotx.engine.model.gguf_file import GGUFFile
+    from aotx.engine.backend.cpu.backend import CpuBackend
+
+    path = tiny_model_path("qwen3next")
+    gf = GGUFFile.open(path)
+    program = build(ModelConfig.from_metadata(gf.metadata, str(path)), gf, CpuBackend()).program
+    monkeypatch.delenv("AOTX_CUDA_HYBRID_MOE", raising=False)
+    with pytest.raises(CP.PlanError) as e:
+        CP.plan(program)
+    assert "\n" not in str(e.value) and "--device cpu" in str(e.value) and "qwen3next" in str(e.value)
+    monkeypatch.setenv("AOTX_CUDA_HYBRID_MOE", "1")
+    assert any(isinstance(s, CP.MoeHost) for s in CP.plan(program).steps)

@@ -19,7 +19,6 @@ the test process).
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import traceback
@@ -27,16 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-os.environ["AOTX_CUDA_KV_QUANT"] = "1"   # the dry run covers the quantized caches held back on CUDA (cuda/kv.py)
-
 
 def _build(path, **backend_kw):
     """The model on ``CudaBackend(**backend_kw)``; with ``persistent`` among them, on the
     persistent decode step's backend (tests/tools/persistent_step.py)."""
     from aotx.engine.backend.cuda.backend import CudaBackend
+    from aotx.engine.model.architectures import build
     from aotx.engine.model.config import ModelConfig
     from aotx.engine.model.gguf_file import GGUFFile
-    from aotx.engine.model.architectures import build
+
     from tests.tools import persistent_step
 
     gf = GGUFFile.open(path)
@@ -79,9 +77,9 @@ def main() -> int:
     from tests.tools import gpu_fake_cupy as fake_cupy
 
     fake_cupy.install()
+    from aotx.engine.backend.cuda import choice as CC
     from gguf import GGMLQuantizationType as T
 
-    from aotx.engine.backend.cuda import choice as CC
     from tests.models.cuda_testmodel import write_llama
 
     tmp = Path(tempfile.mkdtemp(prefix="aotx-dryrun-"))
@@ -164,7 +162,7 @@ def main() -> int:
             mmq = [g.mmq is not None for g in model.compiled.gemvs if g.q8]
             assert all(mmq) if kw.get("mmq_min_rows", MQ.DEFAULT_MIN_ROWS) is not None else not any(mmq), \
                 [g.mmq_why for g in model.compiled.gemvs]
-        except Exception:  # noqa: BLE001 - report the scenario and stop
+        except Exception:
             print(f"FAIL {label}")
             traceback.print_exc()
             return 1

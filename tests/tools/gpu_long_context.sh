@@ -88,7 +88,7 @@ PYEOF
 done
 
 echo "== $(el)s 4. AOTX ($(left) s left)"
-AOTX_CUDA_KV_QUANT=1 timeout -s KILL $(( $(left) > 260 ? 240 : $(left) - 20 )) "$PY" tests/tools/bench_long_context.py \
+timeout -s KILL $(( $(left) > 260 ? 240 : $(left) - 20 )) "$PY" tests/tools/bench_long_context.py \
   --engine aotx --device cuda --model "$F" --kv-type "$KVS" --history "$HIST" --json 2>&1 | tee "$OUTD/aotx.jsonl" | tail -12
 
 echo "== $(el)s 5. other CUDA tests ($(left) s left)"

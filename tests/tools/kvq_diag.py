@@ -12,16 +12,12 @@ For each head size (64: rotated, 32: not) and KV type: the scenario of tests/tes
 
 from __future__ import annotations
 
-import os
+import numpy as np
+from aotx.engine.backend.cpu import kvquant as Q
+from aotx.engine.model.batch import Segment
+from gguf import GGMLQuantizationType as T
 
-os.environ["AOTX_CUDA_KV_QUANT"] = "1"
-
-import numpy as np  # noqa: E402
-from gguf import GGMLQuantizationType as T  # noqa: E402
-
-from aotx.engine.backend.cpu import kvquant as Q  # noqa: E402
-from aotx.engine.model.batch import Segment  # noqa: E402
-from tests.models.cuda_testmodel import write_llama  # noqa: E402
+from tests.models.cuda_testmodel import write_llama
 
 
 def _build(path, device: str):

@@ -19,11 +19,8 @@ waits for it, so nothing else is in flight when it returns.
 
 from __future__ import annotations
 
-import os
-
 import cupy as cp
 import numpy as np
-
 from aotx.engine.backend import kvformat
 
 KV_TYPES = ("f16", "f32", "q8_0", "q4_0")
@@ -31,22 +28,10 @@ KV_DTYPE = {"f16": np.float16, "f32": np.float32, "q8_0": np.uint8, "q4_0": np.u
 KVT = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}   # the kernels' KVT template argument
 
 
-# The quantized types are built on CUDA (kernels/kv_quant.cu) but held back: on the one GPU run
-# (H100, 2026-12-07) a quantized capsule restored byte-exact and token-identical, yet layer 0's
-# K blocks matched the CPU's in 97% (q8_0) and 94% (q4_0) of their bytes, below the 99% that
-# tests/test_cuda_kv_quant.py asks (one byte in every block, the scale's presumably). Until that
-# is understood they are refused here; AOTX_CUDA_KV_QUANT=1 allows them (the GPU tests set it).
-VERIFIED_KV_TYPES = ("f16", "f32")
-
-
 def check_kv_type(kv_type: str) -> str:
-    """``kv_type`` itself, or ValueError naming the accepted types (and why a quantized type
-    is refused on CUDA)."""
+    """``kv_type`` itself, or ValueError naming the accepted types."""
     if kv_type not in KV_TYPES:
         raise ValueError(f"KV cache type {kv_type!r} is not supported (use {', '.join(KV_TYPES)})")
-    if kv_type not in VERIFIED_KV_TYPES and os.environ.get("AOTX_CUDA_KV_QUANT") != "1":
-        raise ValueError(f"KV cache type {kv_type} is not available on CUDA yet (its blocks have not yet matched "
-                         "the CPU's on a GPU): use --kv-type f16 on the GPU, or --device cpu for a quantized cache")
     return kv_type
 
 

@@ -34,6 +34,7 @@ buffers are reused once their last reader has run. Widths are multiples of 4 flo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from aotx.engine.backend.cuda import plan_recurrent as PR
@@ -53,6 +54,13 @@ from aotx.engine.backend.cuda.plan_steps import (
 )
 
 ROWS_N, ROWS_R = "N", "R"
+
+
+#: a hybrid model with experts (qwen3next, qwen35moe): qwen35's recurrent steps match the CPU on
+#: an H100 (2026-12-07), but qwen3next's logits were 5.9e-2 apart at the first prefill; until that
+#: is found they are refused (AOTX_CUDA_HYBRID_MOE=1 runs them: the GPU test and the dry run)
+HYBRID_MOE_REFUSAL = ("a hybrid model with a mixture of experts (qwen3next, qwen35moe) does not yet match the CPU "
+                      "on CUDA: use --device cpu")
 
 
 class PlanError(ValueError):
@@ -386,6 +394,9 @@ def plan(program, *, fuse: bool = True) -> Plan:
         rule(L)
     generic_steps(L)
     steps = L.steps()
+    if getattr(program, "state_layers", ()) and any(isinstance(s, MoeHost) for s in steps) \
+            and os.environ.get("AOTX_CUDA_HYBRID_MOE") != "1":
+        raise PlanError(HYBRID_MOE_REFUSAL)
     loc, buffers = _assign(steps, L.alias, L.width, L.rows, L.g.output)
     return Plan(steps, loc, buffers, L.g.output, int(program.output.width), int(program.d_model),
                 tuple(program.kv_layers), list(program.rope_specs()), L.fused,
