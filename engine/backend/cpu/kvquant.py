@@ -273,11 +273,14 @@ def dequantize(blocks: np.ndarray, kv_type: str, head_dim: int) -> np.ndarray:
 
 @njit(cache=True, error_model="numpy")
 def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den,
-            sinks, has_sinks, kt, rb, kind, rv, rot):
+            sinks, has_sinks, kt, rb, kind, rv, rot, whole, KF, VF):
     """``attention._rows`` over a quantized cache: rows r0..r1-1, KV head g; row r's query
     head g * G + gi at flat element (r - r0) * qs + qh + gi * hd of q; position t of this
     slot and head starts at byte base + (t - t0) * rb of K / V (uint8; Ki / Vi the same bytes
-    as int8). kt: (CHUNK * hd) float32 tile. ``rot``: each head's output rotated back by rv."""
+    as int8). kt: (CHUNK * hd) float32 tile. ``rot``: each head's output rotated back by rv.
+    ``whole``: KF / VF hold the job's whole span dequantized already (position t at element
+    (t - t0) * hd: a prefill's rows share it instead of each dequantizing it again), read in
+    the same chunks with the same arithmetic."""
     N, H, hd = out.shape
     span = sc.shape[1]
     for r in range(r0, r1):
@@ -293,25 +296,29 @@ def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, win
         q0 = (r - r0) * qs + qh
         for c0 in range(0, n, CHUNK):
             cn = min(CHUNK, n - c0)
-            _dequant(K, Ki, kb + c0 * rb, cn, rb, hd, kind, kt)
+            if whole:
+                kk, ko = KF, (lo - t0 + c0) * hd
+            else:
+                _dequant(K, Ki, kb + c0 * rb, cn, rb, hd, kind, kt)
+                kk, ko = kt, 0
             gi = 0
             while gi < G:                    # query heads two at a time (the same per-pair math)
                 if gi + 2 <= G:
                     t = 0
                     while t + 4 <= cn:
-                        dots(2, 4, q, q0 + gi * hd, hd, kt, t * hd, hd, hd, sc, gi * span + c0 + t, span)
+                        dots(2, 4, q, q0 + gi * hd, hd, kk, ko + t * hd, hd, hd, sc, gi * span + c0 + t, span)
                         t += 4
                     while t < cn:
-                        dots(2, 1, q, q0 + gi * hd, hd, kt, t * hd, hd, hd, sc, gi * span + c0 + t, span)
+                        dots(2, 1, q, q0 + gi * hd, hd, kk, ko + t * hd, hd, hd, sc, gi * span + c0 + t, span)
                         t += 1
                     gi += 2
                 else:
                     t = 0
                     while t + 4 <= cn:
-                        dots(1, 4, q, q0 + gi * hd, hd, kt, t * hd, hd, hd, sc, gi * span + c0 + t, span)
+                        dots(1, 4, q, q0 + gi * hd, hd, kk, ko + t * hd, hd, hd, sc, gi * span + c0 + t, span)
                         t += 4
                     while t < cn:
-                        dots(1, 1, q, q0 + gi * hd, hd, kt, t * hd, hd, hd, sc, gi * span + c0 + t, span)
+                        dots(1, 1, q, q0 + gi * hd, hd, kk, ko + t * hd, hd, hd, sc, gi * span + c0 + t, span)
                         t += 1
                     gi += 1
         for gi in range(G):
@@ -326,10 +333,14 @@ def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, win
                 o[gi, d] = 0.0
         for c0 in range(0, n, CHUNK):
             cn = min(CHUNK, n - c0)
-            _dequant(V, Vi, kb + c0 * rb, cn, rb, hd, kind, kt)
+            if whole:
+                vv, vo = VF, (lo - t0 + c0) * hd
+            else:
+                _dequant(V, Vi, kb + c0 * rb, cn, rb, hd, kind, kt)
+                vv, vo = kt, 0
             for t in range(cn):
                 for gi in range(G):          # per element, positions in increasing order (axpy's)
-                    fma_row(sc[gi, c0 + t], kt, t * hd, o, gi * hd, hd)
+                    fma_row(sc[gi, c0 + t], vv, vo + t * hd, o, gi * hd, hd)
         for gi in range(G):
             dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
             d_sum = den[0]
@@ -358,6 +369,12 @@ def _run_job_q(p, starts, q, K, Ki, V, Vi, slots, lengths, scale, window, out, K
     den = np.empty(1 + G, np.float32)
     kt = np.empty(CHUNK * hd, np.float32)
     head0 = ((s * KV + g) * n_ctx + lo_min) * rb
+    whole = r1 - r0 > 1                  # several rows (a prefill): the span dequantized once for all
+    KF = np.empty(span * hd if whole else 1, np.float32)
+    VF = np.empty(span * hd if whole else 1, np.float32)
+    if whole:
+        _dequant(K, Ki, head0, span, rb, hd, kind, KF)
+        _dequant(V, Vi, head0, span, rb, hd, kind, VF)
     if rot:   # the job's query heads, rotated as K was
         qr = np.empty((r1 - r0) * G * hd, np.float32)
         qf = q.reshape(-1)
@@ -365,10 +382,10 @@ def _run_job_q(p, starts, q, K, Ki, V, Vi, slots, lengths, scale, window, out, K
             for gi in range(G):
                 _rotate(qf, (r * H + g * G + gi) * hd, hd, rk, qr, ((r - r0) * G + gi) * hd)
         _rows_q(qr, G * hd, 0, K, Ki, V, Vi, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones, o,
-                den, sinks, has_sinks, kt, rb, kind, rv, rot)
+                den, sinks, has_sinks, kt, rb, kind, rv, rot, whole, KF, VF)
     else:
         _rows_q(q.reshape(-1)[r0 * H * hd:], H * hd, g * G * hd, K, Ki, V, Vi, head0, lo_min, r0, r1, g, G, lengths,
-                scale, window, out, sc, ones, o, den, sinks, has_sinks, kt, rb, kind, rv, rot)
+                scale, window, out, sc, ones, o, den, sinks, has_sinks, kt, rb, kind, rv, rot, whole, KF, VF)
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
