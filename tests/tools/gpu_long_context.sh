@@ -10,7 +10,8 @@
 # Prepare here: bash tests/tools/mmq_bench_prep.sh (wheels into .whl/); cp ../shared/peer/llama-bin.tar.xz .gpubench/;
 #               .gpubench/tokenizer.json as tests/tools/gpu_bench_prep.sh writes it
 # Device:       PYTHONUNBUFFERED=1 bash tests/tools/gpu_long_context.sh     carry: [".whl", ".gpubench"]
-# Knobs: LC_DEADLINE (seconds, 540), LC_KV (f16,q8_0,q4_0), LC_HISTORY (4096,16384,32768), LC_TESTS.
+# Knobs: LC_DEADLINE (seconds, 540), LC_KV (f16,q8_0,q4_0), LC_HISTORY (4096,16384,32768), LC_TESTS,
+# LC_SHAPE (a tests/models/shapes.py name, llama-3.1-8b), LC_KVQ (1/0: step 1), LC_LLAMA_S (llama.cpp's limit per KV type).
 # Files under $OUT: kvq.log, llama_*.jsonl, aotx.jsonl, tests.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -36,19 +37,21 @@ echo "== $(el)s 2. the llama-3.1-8b-shape file (background)"
 import sys
 from pathlib import Path
 from tests.models import shapes
-p = Path('$WORK/llama-3.1-8b.gguf')
-shapes.write_shape(p.with_suffix('.part'), 'llama-3.1-8b', shapes.load_tokenizer('.gpubench/tokenizer.json'), seed=1)
+p = Path('$WORK/${LC_SHAPE:-llama-3.1-8b}.gguf')
+shapes.write_shape(p.with_suffix('.part'), '${LC_SHAPE:-llama-3.1-8b}', shapes.load_tokenizer('.gpubench/tokenizer.json'), seed=1)
 p.with_suffix('.part').rename(p)
 print('written', p, p.stat().st_size)
 " > "$OUTD/write.log" 2>&1 ) &
 P_WRITE=$!
 
+if [ "${LC_KVQ:-1}" = 1 ]; then
 echo "== $(el)s 1. tests/test_cuda_kv_quant.py"
 timeout -s KILL 170 "$PY" -m pytest -q --tb=short -rs -s -p no:cacheprovider tests/test_cuda_kv_quant.py > "$OUTD/kvq.log" 2>&1
 echo "kvq rc $?"; grep -E "CUDA vs CPU|passed|failed|Error|assert" "$OUTD/kvq.log" | tail -12
+fi
 
 wait "$P_WRITE"; tail -2 "$OUTD/write.log"
-F=$WORK/llama-3.1-8b.gguf
+F=$WORK/${LC_SHAPE:-llama-3.1-8b}.gguf
 [ -f "$F" ] || { echo "no model file"; exit 1; }
 
 echo "== $(el)s 3. llama.cpp ($(left) s left)"
@@ -68,10 +71,10 @@ lb() { LD_LIBRARY_PATH=$LLP${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} LD_PRELOAD=$PRE
 lb --list-devices 2>&1 | grep -i cuda | head -2
 IFS=, read -ra KVA <<< "$KVS"
 for kv in "${KVA[@]}"; do
-  [ "$(left)" -lt 200 ] && { echo "llama.cpp $kv skipped: $(left) s left"; continue; }
-  timeout -s KILL 90 bash -c "$(declare -f lb); LLP='$LLP' PRE='$PRE' LB='$LB'; lb -m '$F' -p 0 -n 32 -d $HIST -fa 1 -ctk $kv -ctv $kv -r 2 -o jsonl" \
+  [ "$(left)" -lt ${LC_LLAMA_MIN:-200} ] && { echo "llama.cpp $kv skipped: $(left) s left"; continue; }
+  timeout -s KILL ${LC_LLAMA_S:-90} bash -c "$(declare -f lb); LLP='$LLP' PRE='$PRE' LB='$LB'; lb -m '$F' -p 0 -n 32 -d $HIST -fa 1 -ctk $kv -ctv $kv -r 2 -o jsonl" \
     > "$OUTD/llama_tg_$kv.jsonl" 2> "$OUTD/llama_tg_$kv.err"
-  timeout -s KILL 60 bash -c "$(declare -f lb); LLP='$LLP' PRE='$PRE' LB='$LB'; lb -m '$F' -p $HIST -n 0 -fa 1 -ctk $kv -ctv $kv -r 1 -o jsonl" \
+  timeout -s KILL ${LC_LLAMA_S:-60} bash -c "$(declare -f lb); LLP='$LLP' PRE='$PRE' LB='$LB'; lb -m '$F' -p $HIST -n 0 -fa 1 -ctk $kv -ctv $kv -r 1 -o jsonl" \
     > "$OUTD/llama_pp_$kv.jsonl" 2> "$OUTD/llama_pp_$kv.err"
   "$PY" - "$OUTD/llama_tg_$kv.jsonl" "$OUTD/llama_pp_$kv.jsonl" <<'PYEOF'
 import json, sys
