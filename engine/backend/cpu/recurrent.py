@@ -1,9 +1,11 @@
 """The recurrent layers on the CPU: short causal convolution and the gated delta rule, with
 the per-slot state they carry.
 
-Owns: the numba kernels of ``short_conv``, ``delta_rule`` (one recurrence for decode,
-verify and short prefill rows; the chunked form for whole aligned chunks of long prefill
-segments: ``delta_chunk``), ``l2_norm``, ``sigmoid_gate`` and ``deinterleave``, and the
+Owns: the numba kernels of ``short_conv`` (``conv_rows``; ``conv_rows_par``, its rows on
+several threads, for long batches), ``delta_rule`` (one recurrence for decode, verify and
+short prefill rows; the chunked form for whole aligned chunks of long prefill segments:
+``delta_chunk``, numpy products run on one BLAS thread: cpu/blas.py says why),
+``l2_norm``, ``sigmoid_gate`` and ``deinterleave``, and the
 closures of ``input`` (caller rows) and ``concat`` (a multi-token-prediction head's); the state
 (``RecurrentState``: one buffer per ``ops.StateLayer``, the position each slot's state
 stands at, snapshot / restore for capsules, rollback of a verify window); and the closures
@@ -22,7 +24,8 @@ row - decode, speculative verify, the ragged ends of a prefill segment - runs th
 recurrence. So a row's bits never depend on the other segments of the batch; the chunked
 form differs from the recurrence by float32 rounding only (tests/test_recurrent_ops.py),
 and a prompt prefilled in pieces whose boundaries are multiples of CHUNK gives the bits of
-one piece.
+one piece. Which convolution a batch runs (serial, or rows in parallel from PAR_ROWS rows)
+changes no bit: both run each element's same sequence of operations.
 
 Rollback (speculative decoding): a segment of 2 .. UNDO_ROWS rows keeps the slot's state
 from before it and the rows' inputs; ``rollback(slot, pos)`` restores that state and runs
@@ -37,8 +40,12 @@ from typing import Any
 import numba as nb
 import numpy as np
 
+from aotx.engine.backend.cpu.blas import one_thread as one_blas_thread
+from aotx.engine.backend.cpu.parallel import PARALLEL
+
 CHUNK = 64          # delta rule: positions per chunk of the chunked (prefill) form
 UNDO_ROWS = 16      # segments of 2 .. UNDO_ROWS rows can be rolled back (verify windows)
+PAR_ROWS = 16       # the convolution runs its rows in parallel from this many rows of a forward
 
 _SIG_CONV = ["void(float32[:, :], float32[:, :], float32[:, :, :], int64[:], int64[:], int64[:], boolean, "
              "float32[:, :])"]
@@ -49,38 +56,87 @@ _SIG_GATE = ["void(float32[:, :], float32[:, :], float32[:, :])"]
 _SIG_SUBST = ["void(float32[:, :, :], float32[:, :, :])"]
 
 
-@nb.njit(_SIG_CONV, cache=True, fastmath=True, error_model="numpy")
+# The recurrent kernels' flags: numba's fastmath without "reassoc", so that LLVM keeps each sum in
+# the order written (it contracts a*b + c into one FMA, as before): the interleaved rows of
+# the delta rule and the vectorised channels of the convolution give the bits of one element
+# at a time.
+_FAST_IN_ORDER = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
+
+
+@nb.njit(cache=True, fastmath=_FAST_IN_ORDER, error_model="numpy", inline="always")
+def _conv_row(x, wt, state, slot, r0, t, silu, out):
+    """Row t of a segment at r0 of ``conv_rows`` (wt: the taps transposed, (K, C))."""
+    K, C = wt.shape
+    acc = np.zeros(C, np.float32)
+    for j in range(K):
+        src = t - (K - 1) + j
+        if src >= 0:
+            u = x[r0 + src]
+        else:
+            u = state[slot, K - 1 + src]
+        for c in range(C):
+            acc[c] += u[c] * wt[j, c]
+    if silu:
+        for c in range(C):
+            a = acc[c]
+            out[r0 + t, c] = a / (np.float32(1.0) + np.exp(-a))
+    else:
+        for c in range(C):
+            out[r0 + t, c] = acc[c]
+
+
+@nb.njit(cache=True, fastmath=_FAST_IN_ORDER, error_model="numpy", inline="always")
+def _conv_taps(w):
+    """w (C, K) as (K, C): unit stride over channels."""
+    C, K = w.shape
+    wt = np.empty((K, C), np.float32)
+    for c in range(C):
+        for j in range(K):
+            wt[j, c] = w[c, j]
+    return wt
+
+
+@nb.njit(cache=True, fastmath=_FAST_IN_ORDER, error_model="numpy", inline="always")
+def _conv_state(x, state, slot, r0, n):
+    """The slot's state becomes its last K-1 inputs (ascending: old[i + n] is read before it
+    is overwritten)."""
+    Km1, C = state.shape[1], state.shape[2]
+    for i in range(Km1):
+        src = n - Km1 + i
+        for c in range(C):
+            if src >= 0:
+                state[slot, i, c] = x[r0 + src, c]
+            else:
+                state[slot, i, c] = state[slot, i + n, c]
+
+
+@nb.njit(_SIG_CONV, cache=True, fastmath=_FAST_IN_ORDER, error_model="numpy")
 def conv_rows(x, w, state, seg_slot, seg_row0, seg_n, silu, out):
     """ggml_ssm_conv over each segment: x, out (N, C) float32; w (C, K); state (n_slots,
     K-1, C), updated to each segment's last K-1 inputs. For row t of a segment:
     out[t, c] = sum_{j<K} w[c, j] * u[t-K+1+j, c] (u: the segment's rows, before them the
-    slot's state), accumulated in float32 in that order; silu(out) when ``silu``."""
-    C = x.shape[1]
-    K = w.shape[1]
+    slot's state), accumulated in float32 in that order (one fused multiply-add per term,
+    from 0); silu(out) when ``silu``. Channels are vectorised, which changes no element's
+    arithmetic; ``conv_rows_par`` is the same with rows in parallel (for long segments)."""
+    wt = _conv_taps(w)
     for s in range(seg_slot.shape[0]):
-        slot, r0, n = seg_slot[s], seg_row0[s], seg_n[s]
-        for t in range(n):
-            for c in range(C):
-                acc = np.float32(0.0)
-                for j in range(K):
-                    src = t - (K - 1) + j
-                    if src >= 0:
-                        acc += x[r0 + src, c] * w[c, j]
-                    else:
-                        acc += state[slot, K - 1 + src, c] * w[c, j]
-                if silu:
-                    acc = acc / (np.float32(1.0) + np.exp(-acc))
-                out[r0 + t, c] = acc
-        for i in range(K - 1):          # ascending: old[i + n] is read before it is overwritten
-            src = n - (K - 1) + i
-            for c in range(C):
-                if src >= 0:
-                    state[slot, i, c] = x[r0 + src, c]
-                else:
-                    state[slot, i, c] = state[slot, i + n, c]
+        for t in range(seg_n[s]):
+            _conv_row(x, wt, state, seg_slot[s], seg_row0[s], t, silu, out)
+        _conv_state(x, state, seg_slot[s], seg_row0[s], seg_n[s])
 
 
-@nb.njit(_SIG_DELTA, cache=True, fastmath=True, error_model="numpy", parallel=True)
+@nb.njit(_SIG_CONV, cache=True, fastmath=_FAST_IN_ORDER, error_model="numpy", parallel=True)
+def conv_rows_par(x, w, state, seg_slot, seg_row0, seg_n, silu, out):
+    """``conv_rows`` with each segment's rows in parallel: the same bits."""
+    wt = _conv_taps(w)
+    for s in range(seg_slot.shape[0]):
+        slot, r0 = seg_slot[s], seg_row0[s]
+        for t in nb.prange(seg_n[s]):
+            _conv_row(x, wt, state, slot, r0, t, silu, out)
+        _conv_state(x, state, slot, r0, seg_n[s])
+
+
+@nb.njit(_SIG_DELTA, cache=True, fastmath=_FAST_IN_ORDER, error_model="numpy", parallel=True)
 def delta_rows(q, k, v, alpha, beta, a, dtb, M, r0, r1, kmap, scale, out):
     """The gated delta rule, one row at a time, for rows r0 .. r1-1 of one slot whose state
     is M (n_heads, S, S) float32 with M[h, j, i] = S_h[i][j] (ggml's layout: row j of M is
@@ -88,32 +144,82 @@ def delta_rows(q, k, v, alpha, beta, a, dtb, M, r0, r1, kmap, scale, out):
     a, dtb (H,); kmap (H,) the key head of each value head. Per row and head h (key head
     kmap[h]), as ggml_gated_delta_net:
         g = a[h] softplus(alpha + dtb[h]);  b = sigmoid(beta)
-        for each j:  M[j] *= exp(g);  d = (v_j - M[j].k) b;  M[j] += d k;  out_j = scale M[j].q
-    (rows j of M are independent, so each is decayed, updated and read in one pass). Heads
-    run in parallel; each head's arithmetic is the same on any thread."""
+        for each j:  M[j] *= exp(g);  s = M[j].k;  M[j] += ((v_j - s) k) b;  out_j = scale M[j].q
+    (rows j of M are independent, so each is decayed, updated and read in one pass). The
+    arithmetic, element by element and in this order: m = M exp(g) rounded, then
+    s = fma(k_i, m, s) over i ascending; m' = fma((v_j - s) k_i, b, m), then
+    o = fma(m', q_i, o) over i ascending (``(v_j - s) k_i b`` is how this kernel has always
+    rounded the update: the form LLVM gave ``k_i ((v_j - s) b)`` when it could reassociate).
+    Four rows j run interleaved (independent chains: the same bits, four times the
+    throughput of one latency-bound chain). Heads run in parallel; each head's arithmetic
+    is the same on any thread."""
     H = M.shape[0]
     S = M.shape[1]
     sc = np.float32(scale)
     for h in nb.prange(H):
-        hk = kmap[h]
+        kb = kmap[h] * S
+        vb = h * S
         for t in range(r0, r1):
             x = alpha[t, h] + dtb[h]
             sp = x if x > np.float32(20.0) else np.log(np.float32(1.0) + np.exp(x))
             eg = np.exp(a[h] * sp)
             bt = np.float32(1.0) / (np.float32(1.0) + np.exp(-beta[t, h]))
-            for j in range(S):
+            j = 0
+            while j + 4 <= S:
+                s0 = s1 = s2 = s3 = np.float32(0.0)
+                for i in range(S):
+                    ki = k[t, kb + i]
+                    m0 = M[h, j, i] * eg
+                    m1 = M[h, j + 1, i] * eg
+                    m2 = M[h, j + 2, i] * eg
+                    m3 = M[h, j + 3, i] * eg
+                    M[h, j, i] = m0
+                    M[h, j + 1, i] = m1
+                    M[h, j + 2, i] = m2
+                    M[h, j + 3, i] = m3
+                    s0 += ki * m0
+                    s1 += ki * m1
+                    s2 += ki * m2
+                    s3 += ki * m3
+                d0 = v[t, vb + j] - s0
+                d1 = v[t, vb + j + 1] - s1
+                d2 = v[t, vb + j + 2] - s2
+                d3 = v[t, vb + j + 3] - s3
+                o0 = o1 = o2 = o3 = np.float32(0.0)
+                for i in range(S):
+                    ki = k[t, kb + i]
+                    qi = q[t, kb + i]
+                    m0 = M[h, j, i] + (d0 * ki) * bt
+                    m1 = M[h, j + 1, i] + (d1 * ki) * bt
+                    m2 = M[h, j + 2, i] + (d2 * ki) * bt
+                    m3 = M[h, j + 3, i] + (d3 * ki) * bt
+                    M[h, j, i] = m0
+                    M[h, j + 1, i] = m1
+                    M[h, j + 2, i] = m2
+                    M[h, j + 3, i] = m3
+                    o0 += m0 * qi
+                    o1 += m1 * qi
+                    o2 += m2 * qi
+                    o3 += m3 * qi
+                out[t, vb + j] = o0 * sc
+                out[t, vb + j + 1] = o1 * sc
+                out[t, vb + j + 2] = o2 * sc
+                out[t, vb + j + 3] = o3 * sc
+                j += 4
+            while j < S:                # the rows left over when S is not a multiple of 4
                 s = np.float32(0.0)
                 for i in range(S):
                     m = M[h, j, i] * eg
                     M[h, j, i] = m
-                    s += m * k[t, hk * S + i]
-                d = (v[t, h * S + j] - s) * bt
+                    s += k[t, kb + i] * m
+                d = v[t, vb + j] - s
                 o = np.float32(0.0)
                 for i in range(S):
-                    m = M[h, j, i] + k[t, hk * S + i] * d
+                    m = M[h, j, i] + (d * k[t, kb + i]) * bt
                     M[h, j, i] = m
-                    o += m * q[t, hk * S + i]
-                out[t, h * S + j] = o * sc
+                    o += m * q[t, kb + i]
+                out[t, vb + j] = o * sc
+                j += 1
 
 
 @nb.njit(_SIG_SUBST, cache=True, fastmath=True, error_model="numpy")
@@ -325,7 +431,8 @@ def _c_short_conv(prog, i, node):
             if u is not None:
                 r0, n = int(st.seg_row0[s]), int(st.seg_n[s])
                 u["inputs"][L] = (np.array(x[r0:r0 + n]), w, silu)
-        conv_rows(x, w, st.buffers[L], st.seg_slot, st.seg_row0, st.seg_n, silu, y)
+        conv = conv_rows_par if bt.n >= PAR_ROWS and PARALLEL.ready else conv_rows
+        conv(x, w, st.buffers[L], st.seg_slot, st.seg_row0, st.seg_n, silu, y)
         env[oi] = y
     return run
 
@@ -355,16 +462,18 @@ def _c_delta_rule(prog, i, node):
             c1 = max(c0, (p + n) // CHUNK * CHUNK)       # the last one
             if c0 > p:
                 delta_rows(q, k, v, al, be, a, dtb, M, r0, r0 + c0 - p, heads, scale, y)
-            for c in range(c0, c1, CHUNK):
-                lo = r0 + c - p
-                rs = slice(lo, lo + CHUNK)
-                g, b = _gates(al[rs], be[rs], a, dtb)
-                qh = np.ascontiguousarray(q[rs].reshape(CHUNK, Hk, S)[:, heads].transpose(1, 0, 2))
-                kh = np.ascontiguousarray(k[rs].reshape(CHUNK, Hk, S)[:, heads].transpose(1, 0, 2))
-                vh = np.ascontiguousarray(v[rs].reshape(CHUNK, H, S).transpose(1, 0, 2))
-                o = np.empty((H, CHUNK, S), np.float32)
-                delta_chunk(qh, kh, vh, np.ascontiguousarray(g.T), np.ascontiguousarray(b.T), M, scale, o)
-                y[rs] = o.transpose(1, 0, 2).reshape(CHUNK, H * S)
+            if c1 > c0:
+                with one_blas_thread():     # small products: BLAS threads would only fight numba's
+                    for c in range(c0, c1, CHUNK):
+                        lo = r0 + c - p
+                        rs = slice(lo, lo + CHUNK)
+                        g, b = _gates(al[rs], be[rs], a, dtb)
+                        qh = np.ascontiguousarray(q[rs].reshape(CHUNK, Hk, S)[:, heads].transpose(1, 0, 2))
+                        kh = np.ascontiguousarray(k[rs].reshape(CHUNK, Hk, S)[:, heads].transpose(1, 0, 2))
+                        vh = np.ascontiguousarray(v[rs].reshape(CHUNK, H, S).transpose(1, 0, 2))
+                        o = np.empty((H, CHUNK, S), np.float32)
+                        delta_chunk(qh, kh, vh, np.ascontiguousarray(g.T), np.ascontiguousarray(b.T), M, scale, o)
+                        y[rs] = o.transpose(1, 0, 2).reshape(CHUNK, H * S)
             if c1 < p + n:
                 delta_rows(q, k, v, al, be, a, dtb, M, r0 + c1 - p, r0 + n, heads, scale, y)
         env[oi] = y
