@@ -4,7 +4,8 @@ the per-slot state they carry.
 Owns: the numba kernels of ``short_conv`` (``conv_rows``; ``conv_rows_par``, its rows on
 several threads, for long batches), ``delta_rule`` (one recurrence for decode, verify and
 short prefill rows; the chunked form for whole aligned chunks of long prefill segments:
-``delta_chunk``, numpy products run on one BLAS thread: cpu/blas.py says why),
+``delta_chunk``, its heads in groups on Python threads, numpy's products on one BLAS
+thread each: cpu/blas.py says why),
 ``l2_norm``, ``sigmoid_gate`` and ``deinterleave``, and the
 closures of ``input`` (caller rows) and ``concat`` (a multi-token-prediction head's); the state
 (``RecurrentState``: one buffer per ``ops.StateLayer``, the position each slot's state
@@ -35,6 +36,7 @@ the same recurrence over the kept rows again, which reproduces their state bit f
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numba as nb
@@ -53,7 +55,7 @@ _SIG_DELTA = ["void(float32[:, :], float32[:, :], float32[:, :], float32[:, :], 
               "float32[:], float32[:, :, :], int64, int64, int64[:], float64, float32[:, :])"]
 _SIG_L2 = ["void(float32[:, :], int64, float64, float32[:, :])"]
 _SIG_GATE = ["void(float32[:, :], float32[:, :], float32[:, :])"]
-_SIG_SUBST = ["void(float32[:, :, :], float32[:, :, :])"]
+_SIG_SUBST = ["void(float32[:, :, ::1], float32[:, :, ::1])"]   # contiguous: the row updates vectorise
 
 
 # The recurrent kernels' flags: numba's fastmath without "reassoc", so that LLVM keeps each sum in
@@ -222,7 +224,7 @@ def delta_rows(q, k, v, alpha, beta, a, dtb, M, r0, r1, kmap, scale, out):
                 j += 1
 
 
-@nb.njit(_SIG_SUBST, cache=True, fastmath=True, error_model="numpy")
+@nb.njit(_SIG_SUBST, cache=True, fastmath=True, error_model="numpy", nogil=True)
 def unit_lower_solve(A, R):
     """In place: R <- (I + A)^-1 R per head, A (H, C, C) strictly lower triangular (forward
     substitution, rows in order); R (H, C, Sv) float32."""
@@ -288,6 +290,36 @@ def delta_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, b: n
     kd = k * np.exp(last[:, None] - G)[:, :, None]
     S1 = np.exp(last)[:, None, None] * S0 + np.matmul(kd.transpose(0, 2, 1), U)
     M[:] = S1.transpose(0, 2, 1)
+
+
+_HEAD_POOL: list[ThreadPoolExecutor] = []     # one, made at the first chunk that splits its heads
+
+
+def _chunk_by_heads(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, b: np.ndarray, M: np.ndarray,
+                    scale: float, out: np.ndarray) -> None:
+    """``delta_chunk`` with its heads in numba's thread count of groups, one Python thread
+    each (numpy and ``unit_lower_solve`` release the GIL), every group's products on one BLAS
+    thread. Each head's arithmetic is the same whatever its group: the same bits."""
+    H = q.shape[0]
+    parts = min(nb.get_num_threads(), H) if PARALLEL.ready else 1
+    if parts <= 1:
+        with one_blas_thread():
+            delta_chunk(q, k, v, g, b, M, scale, out)
+        return
+    if not _HEAD_POOL:
+        _HEAD_POOL.append(ThreadPoolExecutor(max_workers=max(1, nb.config.NUMBA_NUM_THREADS - 1),
+                                             thread_name_prefix="aotx-delta"))
+    cut = [H * i // parts for i in range(parts + 1)]
+
+    def part(i: int) -> None:
+        h = slice(cut[i], cut[i + 1])
+        with one_blas_thread():     # thread-local: each worker sets its own
+            delta_chunk(q[h], k[h], v[h], g[h], b[h], M[h], scale, out[h])
+
+    futures = [_HEAD_POOL[0].submit(part, i) for i in range(1, parts)]
+    part(0)
+    for f in futures:
+        f.result()
 
 
 def _gates(alpha: np.ndarray, beta: np.ndarray, a: np.ndarray, dtb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -462,18 +494,16 @@ def _c_delta_rule(prog, i, node):
             c1 = max(c0, (p + n) // CHUNK * CHUNK)       # the last one
             if c0 > p:
                 delta_rows(q, k, v, al, be, a, dtb, M, r0, r0 + c0 - p, heads, scale, y)
-            if c1 > c0:
-                with one_blas_thread():     # small products: BLAS threads would only fight numba's
-                    for c in range(c0, c1, CHUNK):
-                        lo = r0 + c - p
-                        rs = slice(lo, lo + CHUNK)
-                        g, b = _gates(al[rs], be[rs], a, dtb)
-                        qh = np.ascontiguousarray(q[rs].reshape(CHUNK, Hk, S)[:, heads].transpose(1, 0, 2))
-                        kh = np.ascontiguousarray(k[rs].reshape(CHUNK, Hk, S)[:, heads].transpose(1, 0, 2))
-                        vh = np.ascontiguousarray(v[rs].reshape(CHUNK, H, S).transpose(1, 0, 2))
-                        o = np.empty((H, CHUNK, S), np.float32)
-                        delta_chunk(qh, kh, vh, np.ascontiguousarray(g.T), np.ascontiguousarray(b.T), M, scale, o)
-                        y[rs] = o.transpose(1, 0, 2).reshape(CHUNK, H * S)
+            for c in range(c0, c1, CHUNK):
+                lo = r0 + c - p
+                rs = slice(lo, lo + CHUNK)
+                g, b = _gates(al[rs], be[rs], a, dtb)
+                qh = np.ascontiguousarray(q[rs].reshape(CHUNK, Hk, S)[:, heads].transpose(1, 0, 2))
+                kh = np.ascontiguousarray(k[rs].reshape(CHUNK, Hk, S)[:, heads].transpose(1, 0, 2))
+                vh = np.ascontiguousarray(v[rs].reshape(CHUNK, H, S).transpose(1, 0, 2))
+                o = np.empty((H, CHUNK, S), np.float32)
+                _chunk_by_heads(qh, kh, vh, np.ascontiguousarray(g.T), np.ascontiguousarray(b.T), M, scale, o)
+                y[rs] = o.transpose(1, 0, 2).reshape(CHUNK, H * S)
             if c1 < p + n:
                 delta_rows(q, k, v, al, be, a, dtb, M, r0 + c1 - p, r0 + n, heads, scale, y)
         env[oi] = y
