@@ -172,6 +172,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--only", choices=["aotx", "llamacpp"], help="run one engine")
+    ap.add_argument("--before", help="another checkout (or `git archive` tree, with its .path dir beside it) whose "
+                                     "AOTX runs as a third side, aotx-before")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true", help="AOTX only: seconds per op of one prefill and decode")
     ap.add_argument("--side", choices=["aotx", "llamacpp"], help=argparse.SUPPRESS)
@@ -192,14 +194,21 @@ def main() -> int:
     sides = [("aotx", sys.executable)] + ([("llamacpp", a.peer)] if a.peer else [])
     if a.only:
         sides = [s for s in sides if s[0] == a.only]
+    if a.before:
+        sides.append(("aotx-before", sys.executable))
+    envs = {s: env for s, _ in sides}
+    if a.before:
+        b = Path(a.before).resolve()
+        envs["aotx-before"] = dict(env, PYTHONPATH=f"{b.parent / (b.name + '.path')}:{b}")
     report = []
     for shape in a.shape.split(","):
         path = write_file(shape, Path(a.dir))
         runs: dict[str, list[dict]] = {s: [] for s, _ in sides}
         for _ in range(a.rounds):
             for side, py in sides:
-                p = subprocess.run([py, me, "--side", side, "--model", str(path), "--threads", str(a.threads),
-                                    "--repeats", str(a.repeats)], capture_output=True, text=True, env=env,
+                p = subprocess.run([py, me, "--side", side.split("-")[0], "--model", str(path), "--threads",
+                                    str(a.threads), "--repeats", str(a.repeats)], capture_output=True, text=True,
+                                   env=envs[side],
                                    cwd=str(ROOT), timeout=3600)
                 if p.returncode != 0:
                     print(f"{side} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
@@ -216,15 +225,15 @@ def main() -> int:
     if a.json:
         print(json.dumps(report))
         return 0
+    names = [n for n, _ in sides]
+    both = "aotx" in names and "llamacpp" in names
     print(f"{a.threads} threads, median of {a.rounds} rounds (each the median of {a.repeats} repeats)")
-    print(f"{'shape':14}{'':18}" + "".join(f"{n:>12}" for n, _ in sides)
-          + ("   aotx/llama.cpp" if len(sides) == 2 else ""))
+    print(f"{'shape':14}{'':18}" + "".join(f"{n:>13}" for n in names) + ("   aotx/llama.cpp" if both else ""))
     for s in report:
         for label, key in ((f"prefill {PREFILL} tok/s", "prefill_tok_s"), ("decode b1 tok/s", "decode_tok_s"),
                            ("load s", "load_s")):
-            vals = [s[n][key] for n, _ in sides]
-            ratio = f"   {vals[0] / vals[1]:14.2f}" if len(vals) == 2 and vals[1] else ""
-            print(f"{s['shape']:14}{label:18}" + "".join(f"{v:12.1f}" for v in vals) + ratio)
+            ratio = f"   {s['aotx'][key] / s['llamacpp'][key]:14.2f}" if both and s["llamacpp"][key] else ""
+            print(f"{s['shape']:14}{label:18}" + "".join(f"{s[n][key]:13.1f}" for n in names) + ratio)
     return 0
 
 
