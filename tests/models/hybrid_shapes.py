@@ -40,11 +40,11 @@ from tests.models.common import FILE_TYPE, TinyWriter, Tokenizer
 from tests.models.cuda_testmodel import random_matrix
 from tests.models.shapes import POOL_ROWS, use_more_bits
 
-_COMMON = dict(n_layers=24, n_heads=8, n_kv_heads=2, head_dim=256, rope_dim=64, sections=(11, 11, 10, 0),
-               n_k=16, n_v=16, state=128, conv=4, interval=4, context_length=262144)
+_COMMON = {"n_layers": 24, "n_heads": 8, "n_kv_heads": 2, "head_dim": 256, "rope_dim": 64, "sections": (11, 11, 10, 0),
+           "n_k": 16, "n_v": 16, "state": 128, "conv": 4, "interval": 4, "context_length": 262144}
 SHAPES = {
-    "qwen3.5-0.8b": dict(_COMMON, d_model=1024, ffn=3584),
-    "qwen3.5-2b": dict(_COMMON, d_model=2048, ffn=6144),
+    "qwen3.5-0.8b": {**_COMMON, "d_model": 1024, "ffn": 3584},
+    "qwen3.5-2b": {**_COMMON, "d_model": 2048, "ffn": 6144},
 }
 N_VOCAB = 248320
 

@@ -50,7 +50,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 def check_delta(old, new, rng) -> bool:
     ok = True
     for Hk, H, S, N in ((16, 16, 128, 24), (2, 4, 16, 30), (4, 8, 32, 25), (2, 4, 6, 10), (3, 6, 7, 9)):
-        def l2(x):
+        def l2(x, S=S):
             y = x.reshape(x.shape[0], -1, S)
             return (y / np.linalg.norm(y, axis=-1, keepdims=True)).reshape(x.shape).astype(np.float32)
         q, k = (l2(rng.standard_normal((N, Hk * S)).astype(np.float32)) for _ in range(2))
@@ -74,7 +74,9 @@ def check_delta(old, new, rng) -> bool:
 
 def check_conv(old, new, rng) -> bool:
     ok = True
-    one = lambda x: np.array([x], np.int64)  # noqa: E731
+    def one(x):
+        return np.array([x], np.int64)
+
     for N, C, K in ((512, 6144, 4), (23, 12, 4), (5, 33, 3), (2, 64, 4), (1, 6144, 4), (40, 128, 2)):
         x = (2 * rng.standard_normal((N, C))).astype(np.float32)
         w = rng.standard_normal((C, K)).astype(np.float32)

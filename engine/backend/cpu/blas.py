@@ -6,7 +6,7 @@ Owns: finding numpy's OpenBLAS in this process and calling its
 returning the previous one). Leaves every other BLAS setting alone; with another BLAS, or an
 OpenBLAS without that function, ``one_thread()`` changes nothing.
 
-Why: the chunked delta rule (``recurrent.delta_chunk``) runs a few dozen products of
+Why: the chunked delta rule (``recurrent_kernels.delta_chunk``) runs a few dozen products of
 64 x 128 matrices per chunk through numpy. On a machine with few cores, OpenBLAS's own
 threads then compete with numba's OpenMP workers (which spin a while after each threaded
 kernel) and such a product took 10-40x its single-threaded time. One thread gives the
@@ -18,8 +18,8 @@ checks the chunked form's bits under both counts).
 from __future__ import annotations
 
 import ctypes
-import os
 import functools
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
