@@ -41,6 +41,23 @@ def test_short_conv_carries_its_state_across_segments():
     assert not state[0].any()                        # another slot untouched
 
 
+def test_short_conv_rows_in_parallel_give_the_serial_bits():
+    """conv_rows_par (a long segment's rows on several threads) equals conv_rows bit for
+    bit, outputs and carried state, with and without silu, over two segments."""
+    rng = np.random.default_rng(4)
+    n, C, K = 37, 72, 4
+    x = (2 * rng.standard_normal((n, C))).astype(np.float32)
+    w = rng.standard_normal((C, K)).astype(np.float32)
+    state0 = rng.standard_normal((3, K - 1, C)).astype(np.float32)
+    segs = (np.array([2, 0], np.int64), np.array([0, 30], np.int64), np.array([30, 7], np.int64))
+    for silu in (True, False):
+        (s1, o1), (s2, o2) = [(state0.copy(), np.zeros((n, C), np.float32)) for _ in range(2)]
+        R.conv_rows(x, w, s1, *segs, silu, o1)
+        R.conv_rows_par(x, w, s2, *segs, silu, o2)
+        assert np.array_equal(o1.view(np.uint32), o2.view(np.uint32))
+        assert np.array_equal(s1, s2)
+
+
 def _delta_inputs(rng, n, Hk=2, H=4, S=16):
     q = rng.standard_normal((n, Hk * S)).astype(np.float32)
     k = rng.standard_normal((n, Hk * S)).astype(np.float32)
@@ -120,6 +137,43 @@ def test_chunked_delta_equals_the_recurrence_within_float32():
     assert np.abs(out_chk - want).max() < 2e-5 * scale
     assert np.abs(M_chk.transpose(0, 2, 1) - states).max() < 1e-4
     assert not np.array_equal(out_chk, out_rec)     # two algorithms: equal only to rounding
+
+
+@pytest.mark.parametrize("S", [6, 16])
+def test_delta_recurrence_row_by_row_equals_rows_at_once(S):
+    """One row per call (decode) and every row in one call give the same bits; S = 6 runs
+    the rows left over after the kernel's groups of four."""
+    rng = np.random.default_rng(5)
+    n, Hk, H = 9, 2, 4
+    q, k, v, al, be, a, dtb = _delta_inputs(rng, n, Hk, H, S)
+    kmap = np.arange(H) % Hk
+    M1, M2 = (np.full((H, S, S), 0.1, np.float32) for _ in range(2))
+    o1, o2 = np.empty((n, H * S), np.float32), np.empty((n, H * S), np.float32)
+    R.delta_rows(q, k, v, al, be, a, dtb, M1, 0, n, kmap, 0.25, o1)
+    for t in range(n):
+        R.delta_rows(q, k, v, al, be, a, dtb, M2, t, t + 1, kmap, 0.25, o2)
+    assert np.array_equal(o1.view(np.uint32), o2.view(np.uint32)) and np.array_equal(M1, M2)
+    want, _ = _delta64(q, k, v, al, be, a, dtb, Hk, S0=np.full((H, S, S), 0.1))
+    assert np.abs(o1 - want * 0.25 * np.sqrt(S)).max() < 1e-4 * np.abs(want).max() * np.sqrt(S)
+
+
+def test_chunked_delta_bits_do_not_depend_on_blas_threads():
+    """The chunked form under one BLAS thread (as the op runs it) gives the bits of numpy's
+    default thread count."""
+    from aotx.engine.backend.cpu.blas import one_thread
+
+    rng = np.random.default_rng(6)
+    H, C, S = 4, R.CHUNK, 32
+    q, k = (rng.standard_normal((H, C, S)).astype(np.float32) / np.sqrt(S) for _ in range(2))
+    v = rng.standard_normal((H, C, S)).astype(np.float32)
+    g = -rng.uniform(0.0, 0.3, (H, C)).astype(np.float32)
+    b = rng.uniform(0.0, 1.0, (H, C)).astype(np.float32)
+    M0 = (0.1 * rng.standard_normal((H, S, S))).astype(np.float32)
+    (M1, o1), (M2, o2) = [(M0.copy(), np.empty((H, C, S), np.float32)) for _ in range(2)]
+    R.delta_chunk(q, k, v, g, b, M1, 0.2, o1)
+    with one_thread():
+        R.delta_chunk(q, k, v, g, b, M2, 0.2, o2)
+    assert np.array_equal(o1.view(np.uint32), o2.view(np.uint32)) and np.array_equal(M1, M2)
 
 
 # ---- through the tiny qwen35 model ------------------------------------------------------

@@ -35,7 +35,11 @@ from aotx.engine.backend.cpu import kvquant
 from aotx.engine.backend.cpu import ops as cpu_ops
 from aotx.engine.backend.cpu import recurrent as cpu_recurrent
 from aotx.engine.backend.cpu.kvcache import KV_TYPES, CpuKVCache, check_kv_type  # noqa: F401 (re-exported)
+from aotx.engine.backend.cpu.parallel import PARALLEL
 from aotx.engine.backend.ops import ROWS_N, Node, Program, RopeSpec, Value
+
+PAR_GLU_ROWS = 16   # silu(gate) * up runs its rows on several threads from this many rows
+
 
 class _Batch:
     """What one forward's kernels need to know about its rows, computed once per call:
@@ -421,14 +425,16 @@ class CpuProgram:
         return run
 
     def _c_glu(self, i, node):
-        kern = (cpu_ops.silu_mul if node.attrs["act"] == "silu" else cpu_ops.gelu_tanh_mul).dispatcher()
+        silu = node.attrs["act"] == "silu"
+        kern = (cpu_ops.silu_mul if silu else cpu_ops.gelu_tanh_mul).dispatcher()
+        par = cpu_ops.silu_mul_par if silu else None     # the same bits, rows on several threads
         gi, ui, oi, inplace = node.inputs[0].id, node.inputs[1].id, node.out.id, self._inplace[i]
         s = self._slot(node.out)
 
         def run(env, bt, kv):
             g = env[gi]
             y = g if inplace else bt.views[s]
-            kern(g, env[ui], y)
+            (par if par is not None and g.shape[0] >= PAR_GLU_ROWS and PARALLEL.ready else kern)(g, env[ui], y)
             env[oi] = y
         return run
 

@@ -1,9 +1,10 @@
 """The recurrent layers on the CPU: short causal convolution and the gated delta rule, with
 the per-slot state they carry.
 
-Owns: the numba kernels of ``short_conv``, ``delta_rule`` (one recurrence for decode,
-verify and short prefill rows; the chunked form for whole aligned chunks of long prefill
-segments: ``delta_chunk``), ``l2_norm``, ``sigmoid_gate`` and ``deinterleave``, and the
+Owns: the ops ``short_conv`` (the serial kernel, or ``conv_rows_par`` from PAR_ROWS rows),
+``delta_rule`` (one recurrence for decode, verify and short prefill rows; the chunked form
+for whole aligned chunks of long prefill segments), ``l2_norm``, ``sigmoid_gate`` and
+``deinterleave`` (their numba kernels: cpu/recurrent_kernels.py, re-exported here), the
 closures of ``input`` (caller rows) and ``concat`` (a multi-token-prediction head's); the state
 (``RecurrentState``: one buffer per ``ops.StateLayer``, the position each slot's state
 stands at, snapshot / restore for capsules, rollback of a verify window); and the closures
@@ -22,7 +23,8 @@ row - decode, speculative verify, the ragged ends of a prefill segment - runs th
 recurrence. So a row's bits never depend on the other segments of the batch; the chunked
 form differs from the recurrence by float32 rounding only (tests/test_recurrent_ops.py),
 and a prompt prefilled in pieces whose boundaries are multiples of CHUNK gives the bits of
-one piece.
+one piece. Which convolution a batch runs (serial, or rows in parallel from PAR_ROWS rows)
+changes no bit: both run each element's same sequence of operations.
 
 Rollback (speculative decoding): a segment of 2 .. UNDO_ROWS rows keeps the slot's state
 from before it and the rows' inputs; ``rollback(slot, pos)`` restores that state and runs
@@ -31,166 +33,18 @@ the same recurrence over the kept rows again, which reproduces their state bit f
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import numba as nb
 import numpy as np
+
+from aotx.engine.backend.cpu.parallel import PARALLEL
+from aotx.engine.backend.cpu.recurrent_kernels import (  # noqa: F401 (the kernels, re-exported)
+    _chunk_by_heads, _gates, conv_rows, conv_rows_par, delta_chunk, delta_rows, l2_rows, sigmoid_gate_rows,
+    unit_lower_solve)
 
 CHUNK = 64          # delta rule: positions per chunk of the chunked (prefill) form
 UNDO_ROWS = 16      # segments of 2 .. UNDO_ROWS rows can be rolled back (verify windows)
-
-_SIG_CONV = ["void(float32[:, :], float32[:, :], float32[:, :, :], int64[:], int64[:], int64[:], boolean, "
-             "float32[:, :])"]
-_SIG_DELTA = ["void(float32[:, :], float32[:, :], float32[:, :], float32[:, :], float32[:, :], float32[:], "
-              "float32[:], float32[:, :, :], int64, int64, int64[:], float64, float32[:, :])"]
-_SIG_L2 = ["void(float32[:, :], int64, float64, float32[:, :])"]
-_SIG_GATE = ["void(float32[:, :], float32[:, :], float32[:, :])"]
-_SIG_SUBST = ["void(float32[:, :, :], float32[:, :, :])"]
-
-
-@nb.njit(_SIG_CONV, cache=True, fastmath=True, error_model="numpy")
-def conv_rows(x, w, state, seg_slot, seg_row0, seg_n, silu, out):
-    """ggml_ssm_conv over each segment: x, out (N, C) float32; w (C, K); state (n_slots,
-    K-1, C), updated to each segment's last K-1 inputs. For row t of a segment:
-    out[t, c] = sum_{j<K} w[c, j] * u[t-K+1+j, c] (u: the segment's rows, before them the
-    slot's state), accumulated in float32 in that order; silu(out) when ``silu``."""
-    C = x.shape[1]
-    K = w.shape[1]
-    for s in range(seg_slot.shape[0]):
-        slot, r0, n = seg_slot[s], seg_row0[s], seg_n[s]
-        for t in range(n):
-            for c in range(C):
-                acc = np.float32(0.0)
-                for j in range(K):
-                    src = t - (K - 1) + j
-                    if src >= 0:
-                        acc += x[r0 + src, c] * w[c, j]
-                    else:
-                        acc += state[slot, K - 1 + src, c] * w[c, j]
-                if silu:
-                    acc = acc / (np.float32(1.0) + np.exp(-acc))
-                out[r0 + t, c] = acc
-        for i in range(K - 1):          # ascending: old[i + n] is read before it is overwritten
-            src = n - (K - 1) + i
-            for c in range(C):
-                if src >= 0:
-                    state[slot, i, c] = x[r0 + src, c]
-                else:
-                    state[slot, i, c] = state[slot, i + n, c]
-
-
-@nb.njit(_SIG_DELTA, cache=True, fastmath=True, error_model="numpy", parallel=True)
-def delta_rows(q, k, v, alpha, beta, a, dtb, M, r0, r1, kmap, scale, out):
-    """The gated delta rule, one row at a time, for rows r0 .. r1-1 of one slot whose state
-    is M (n_heads, S, S) float32 with M[h, j, i] = S_h[i][j] (ggml's layout: row j of M is
-    column j of S). q, k (N, Hk*S) (L2-normalised), v (N, H*S), alpha, beta (N, H) raw;
-    a, dtb (H,); kmap (H,) the key head of each value head. Per row and head h (key head
-    kmap[h]), as ggml_gated_delta_net:
-        g = a[h] softplus(alpha + dtb[h]);  b = sigmoid(beta)
-        for each j:  M[j] *= exp(g);  d = (v_j - M[j].k) b;  M[j] += d k;  out_j = scale M[j].q
-    (rows j of M are independent, so each is decayed, updated and read in one pass). Heads
-    run in parallel; each head's arithmetic is the same on any thread."""
-    H = M.shape[0]
-    S = M.shape[1]
-    sc = np.float32(scale)
-    for h in nb.prange(H):
-        hk = kmap[h]
-        for t in range(r0, r1):
-            x = alpha[t, h] + dtb[h]
-            sp = x if x > np.float32(20.0) else np.log(np.float32(1.0) + np.exp(x))
-            eg = np.exp(a[h] * sp)
-            bt = np.float32(1.0) / (np.float32(1.0) + np.exp(-beta[t, h]))
-            for j in range(S):
-                s = np.float32(0.0)
-                for i in range(S):
-                    m = M[h, j, i] * eg
-                    M[h, j, i] = m
-                    s += m * k[t, hk * S + i]
-                d = (v[t, h * S + j] - s) * bt
-                o = np.float32(0.0)
-                for i in range(S):
-                    m = M[h, j, i] + k[t, hk * S + i] * d
-                    M[h, j, i] = m
-                    o += m * q[t, hk * S + i]
-                out[t, h * S + j] = o * sc
-
-
-@nb.njit(_SIG_SUBST, cache=True, fastmath=True, error_model="numpy")
-def unit_lower_solve(A, R):
-    """In place: R <- (I + A)^-1 R per head, A (H, C, C) strictly lower triangular (forward
-    substitution, rows in order); R (H, C, Sv) float32."""
-    H, C, Sv = R.shape
-    for h in range(H):
-        for t in range(1, C):
-            for s in range(t):
-                f = A[h, t, s]
-                if f != 0.0:
-                    for j in range(Sv):
-                        R[h, t, j] -= f * R[h, s, j]
-
-
-@nb.njit(_SIG_L2, cache=True, fastmath=True, error_model="numpy")
-def l2_rows(x, hd, eps, out):
-    """out = x / sqrt(sum(x**2) + eps) over each hd chunk of every row (sum in float64)."""
-    n, w = x.shape
-    for r in range(n):
-        for h0 in range(0, w, hd):
-            s = 0.0
-            for j in range(hd):
-                v = np.float64(x[r, h0 + j])
-                s += v * v
-            d = s + eps
-            f = np.float32(1.0 / math.sqrt(d)) if d > 0.0 else np.float32(0.0)
-            for j in range(hd):
-                out[r, h0 + j] = x[r, h0 + j] * f
-
-
-@nb.njit(_SIG_GATE, cache=True, fastmath=True, error_model="numpy")
-def sigmoid_gate_rows(x, g, out):
-    """out = x * sigmoid(g) = x / (1 + exp(-g)), element-wise (out may be x)."""
-    n, w = x.shape
-    for r in range(n):
-        for j in range(w):
-            out[r, j] = x[r, j] / (np.float32(1.0) + np.exp(-g[r, j]))
-
-
-def delta_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, b: np.ndarray, M: np.ndarray,
-                scale: float, out: np.ndarray) -> None:
-    """One chunk of C positions for all heads at once, in float32 (the WY form of the gated
-    delta rule, Yang et al. 2024; the algebra of llama.cpp's build_delta_net_chunking):
-    q, k (H, C, S) (key heads already broadcast to value heads), v (H, C, S), g (H, C) the
-    log decays, b (H, C) sigmoid(beta), M (H, S, S) the state in delta_rows' layout (updated);
-    out (H, C, S). With G = cumsum(g), D[t, s] = exp(G_t - G_s) for s <= t:
-        (I + A) U = b V - b exp(G) (K S0),  A = strictly-lower(b D (K K^T))
-        O = scale (exp(G) (Q S0) + lower(D (Q K^T)) U)
-        S1 = exp(G_last) S0 + (K exp(G_last - G))^T U"""
-    H, C, _ = q.shape
-    G = np.cumsum(g, axis=1, dtype=np.float32)
-    eG = np.exp(G)
-    low = np.tril(np.ones((C, C), np.bool_))
-    with np.errstate(over="ignore"):      # exp(G_t - G_s) for s > t is masked out
-        D = np.where(low[None], np.exp(G[:, :, None] - G[:, None, :]), np.float32(0.0)).astype(np.float32)
-    S0 = np.ascontiguousarray(M.transpose(0, 2, 1))            # S0[h, i, j] = S_h[i][j]
-    A = np.matmul(k, k.transpose(0, 2, 1)) * D * b[:, :, None]
-    A = np.ascontiguousarray(np.where(np.tril(low, -1)[None], A, np.float32(0.0)), dtype=np.float32)
-    U = np.ascontiguousarray(b[:, :, None] * v - (b * eG)[:, :, None] * np.matmul(k, S0), dtype=np.float32)
-    unit_lower_solve(A, U)
-    QK = np.matmul(q, k.transpose(0, 2, 1)) * D
-    out[:] = np.float32(scale) * (eG[:, :, None] * np.matmul(q, S0) + np.matmul(QK, U))
-    last = G[:, -1]
-    kd = k * np.exp(last[:, None] - G)[:, :, None]
-    S1 = np.exp(last)[:, None, None] * S0 + np.matmul(kd.transpose(0, 2, 1), U)
-    M[:] = S1.transpose(0, 2, 1)
-
-
-def _gates(alpha: np.ndarray, beta: np.ndarray, a: np.ndarray, dtb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(g, b) as delta_rows computes them, float32 (rows, H)."""
-    x = alpha + dtb
-    with np.errstate(over="ignore"):
-        sp = np.where(x > 20.0, x, np.log(np.float32(1.0) + np.exp(x))).astype(np.float32)
-        return (a * sp).astype(np.float32), (np.float32(1.0) / (np.float32(1.0) + np.exp(-beta))).astype(np.float32)
-
+PAR_ROWS = 16       # the convolution runs its rows in parallel from this many rows of a forward
 
 class RecurrentState:
     """Every recurrent buffer of every slot (``buffers[i]``: (n_slots, *layers[i].shape)
@@ -325,7 +179,8 @@ def _c_short_conv(prog, i, node):
             if u is not None:
                 r0, n = int(st.seg_row0[s]), int(st.seg_n[s])
                 u["inputs"][L] = (np.array(x[r0:r0 + n]), w, silu)
-        conv_rows(x, w, st.buffers[L], st.seg_slot, st.seg_row0, st.seg_n, silu, y)
+        conv = conv_rows_par if bt.n >= PAR_ROWS and PARALLEL.ready else conv_rows
+        conv(x, w, st.buffers[L], st.seg_slot, st.seg_row0, st.seg_n, silu, y)
         env[oi] = y
     return run
 
@@ -363,7 +218,7 @@ def _c_delta_rule(prog, i, node):
                 kh = np.ascontiguousarray(k[rs].reshape(CHUNK, Hk, S)[:, heads].transpose(1, 0, 2))
                 vh = np.ascontiguousarray(v[rs].reshape(CHUNK, H, S).transpose(1, 0, 2))
                 o = np.empty((H, CHUNK, S), np.float32)
-                delta_chunk(qh, kh, vh, np.ascontiguousarray(g.T), np.ascontiguousarray(b.T), M, scale, o)
+                _chunk_by_heads(qh, kh, vh, np.ascontiguousarray(g.T), np.ascontiguousarray(b.T), M, scale, o)
                 y[rs] = o.transpose(1, 0, 2).reshape(CHUNK, H * S)
             if c1 < p + n:
                 delta_rows(q, k, v, al, be, a, dtb, M, r0 + c1 - p, r0 + n, heads, scale, y)
