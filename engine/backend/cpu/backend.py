@@ -28,10 +28,10 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, int8_activations: bool = False) -> None:
-        from aotx.engine.backend.cpu.heap import one_arena
+        from aotx.engine.backend.cpu.heap import keep_scratch
         from aotx.engine.backend.quants import SUPPORTED_TYPES
 
-        one_arena()                   # scratch arrays reused, not re-faulted per call (heap.py)
+        keep_scratch()                   # scratch arrays reused, not re-faulted per call (heap.py)
         self.int8_activations = bool(int8_activations)
         self.numerics = "cpu-int8" if self.int8_activations else "cpu-f32"
         self.weight_bytes = 0
