@@ -45,11 +45,13 @@ def logits(loaded_model, refs):
         ids = np.asarray(r["token_ids"], np.int32)
         pick = np.asarray([s["ids"] for s in r["steps"]])
         out[r["name"]] = {}
+        first = int(r["first"])
         for t in TYPES + ("f32",):
             kv = m.new_kv_cache(1, len(ids) + 1, t)
-            lg = m.forward(ids, [Segment(0, 0, len(ids), all_logits=True)], kv)
-            rows = lg[r["first"]:r["first"] + len(r["steps"])]
-            out[r["name"]][t] = np.take_along_axis(rows, pick, axis=1)
+            if first:            # the prefix without its logits (a row's bits do not depend on the chunking)
+                m.forward(ids[:first], [Segment(0, 0, first)], kv)
+            lg = m.forward(ids[first:], [Segment(0, first, len(ids) - first, all_logits=True)], kv)
+            out[r["name"]][t] = np.take_along_axis(lg[:len(r["steps"])], pick, axis=1)
     return out
 
 
