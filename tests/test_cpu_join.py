@@ -59,7 +59,7 @@ def test_joined_rows_give_the_separate_matmuls_bit_for_bit(qtype):
 
 def test_rows_that_cannot_share_tiles_are_not_joined():
     k = 128
-    assert cpu_matmul.join_rows([_matrix(T.Q4_0, 40, k, 1), _matrix(T.Q4_0, R, k, 2)]) is None   # padded tile
+    assert cpu_matmul.join_rows([_matrix(T.Q4_0, R + 4, k, 1), _matrix(T.Q4_0, R, k, 2)]) is None   # padded tile
     assert cpu_matmul.join_rows([_matrix(T.Q4_0, R, k, 1), _matrix(T.Q8_0, R, k, 2)]) is None    # two kinds
     assert cpu_matmul.join_rows([_matrix(T.Q4_0, R, k, 1), _matrix(T.Q4_0, R, 2 * k, 2)]) is None
     f = cpu_matmul.QuantMatrix(np.ones((R, k), np.float32), T.F32, R, k, "f")

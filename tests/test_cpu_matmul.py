@@ -65,7 +65,7 @@ def test_decompose_equals_gguf_dequantize_bit_for_bit(qtype):
 def test_matmul_matches_float64_reference(qtype, n, int8):
     rng = np.random.default_rng(n * 131 + qtype.value)
     k = _k(qtype)
-    m = 75                                       # not a multiple of the 32-row tile
+    m = 75                                       # not a multiple of the tile (R rows)
     raw = _raw(qtype, m, k, rng)
     qm = QuantMatrix(raw, qtype, m, k, "blk.0.test", int8=int8)
     assert qm.int8 == (int8 and qtype in cpu_repack.KIND_OF)

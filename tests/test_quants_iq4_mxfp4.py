@@ -164,7 +164,7 @@ def test_iq4_xs_extreme_sub_block_scales():
 def test_quant_matrix_matmul_and_rows(qtype, n):
     rng = np.random.default_rng([n, qtype.value])
     k = 512 if qtype == T.IQ4_XS else 96 * 3
-    m = 75                                                 # not a multiple of the 32-row tile
+    m = 75                                                 # not a multiple of the tile (R rows)
     raw = make_raw(qtype, m, k, rng)
     w = _gguf(raw, qtype, k).astype(np.float64)
     for int8 in (False, True):      # int8: cpu_matmul's integer path (int8 activations, llama.cpp's 2e-2)

@@ -62,7 +62,7 @@ from aotx.engine.backend.cpu.llvm_ir import (
     _EVEN16, _EVEN8, _F32, _I8, _I16, _I32, _ODD16, _ODD8, _V16I16, _V16I32, _V32I16, _V32I8, _V8F32, _V8I32, _bcast4,
     _fma, _ptr, _splat, _splat_value, _widen_f16, _x86,
 )
-from aotx.engine.backend.cpu.markers import _ISA_NAMES, _KIND_NAMES, COMPACT, GROUPS, OFFSET, SCALES, corrections
+from aotx.engine.backend.cpu.markers import _ISA_NAMES, _KIND_NAMES, COMPACT, GROUPS, OFFSET, SCALES, R, corrections
 
 def _maddubs(builder, isa: str, u, s):
     """<16 x i16>: u[2l] * s[2l] + u[2l+1] * s[2l+1], u unsigned and s signed <32 x i8>.
@@ -88,8 +88,8 @@ def _dpbusd(builder, acc, u, s):
 
 
 def _load32(builder, wblk, intp, g: int):
-    """<32 x i8> at byte g * 128 of a tile block (group g of 32 rows x 4 bytes)."""
-    return builder.load(builder.bitcast(builder.gep(wblk, [ir.Constant(intp, g * 128)]),
+    """<32 x i8> at byte g * 4R of a tile block (group g of R rows x 4 bytes)."""
+    return builder.load(builder.bitcast(builder.gep(wblk, [ir.Constant(intp, g * 4 * R)]),
                                         _V32I8.as_pointer()), align=1)
 
 
@@ -143,8 +143,8 @@ def _q5_sums(builder, isa: str, wblk, hblk, xrows, init, intp):
         acc = [_splat(_V16I16, 0)] * n
     for g in range(4):
         wv = _load32(builder, wblk, intp, g)
-        hl = builder.load(builder.gep(hblk, [ir.Constant(intp, 8 * g)]))
-        hh = builder.load(builder.gep(hblk, [ir.Constant(intp, 8 * g + 1)]))
+        hl = builder.load(builder.gep(hblk, [ir.Constant(intp, R // 4 * g)]))
+        hh = builder.load(builder.gep(hblk, [ir.Constant(intp, R // 4 * g + 1)]))
         lo = builder.or_(builder.and_(wv, _splat(_V32I8, 15)), _bits_to_bytes(builder, hl, 16))
         hi = builder.or_(builder.lshr(wv, _splat(_V32I8, 4)), _bits_to_bytes(builder, hh, 16))
         for ii, xr in enumerate(xrows):
@@ -261,8 +261,8 @@ def _lanes_codegen(context, builder, signature, args):
         return ir.Constant(intp, v)
 
     nb, k = a["nb"][1], a["k"][1]
-    wstride = 128 * GROUPS[kind]
-    dstride = 64 if compact else 32 * SCALES[kind]
+    wstride = 4 * R * GROUPS[kind]
+    dstride = 2 * R if compact else R * SCALES[kind]
     cs, ch = corrections(kind, isa)
     has_min = kind in OFFSET
     w0 = ptr("qs", a["w_off"][1], _I8)
@@ -309,7 +309,7 @@ def _lanes_codegen(context, builder, signature, args):
                 hoff = builder.mul(builder.add(a["d_off"][1], builder.mul(b, c(dstride))), c(4))
                 hp = ptr("mn", hoff, _I8)
                 hl = builder.load(builder.bitcast(hp, _V32I8.as_pointer()), align=1)
-                hh = builder.load(builder.bitcast(builder.gep(hp, [c(128)]), _V32I8.as_pointer()), align=1)
+                hh = builder.load(builder.bitcast(builder.gep(hp, [c(4 * R)]), _V32I8.as_pointer()), align=1)
                 sums = _q6p_sums(builder, isa, wblk, hl, hh, xrows, init, intp)
             else:
                 sums = _q8_sums(builder, isa, wblk, xrows, init, intp, halves=True)
@@ -318,14 +318,14 @@ def _lanes_codegen(context, builder, signature, args):
             if kind == "q4":
                 sums = _q4_sums(builder, isa, wblk, xrows, init, intp)
             elif kind == "q5":
-                hblk = builder.gep(h0, [builder.mul(b, c(32))])
+                hblk = builder.gep(h0, [builder.mul(b, c(R))])
                 sums = _q5_sums(builder, isa, wblk, hblk, xrows, init, intp)
             else:
                 sums = _q8_sums(builder, isa, wblk, xrows, init, intp, halves=False)
         bd = builder.mul(b, c(dstride))
         if compact:
             n_s = 2 if kind == "q4" else 1
-            sbase = builder.mul(builder.lshr(b, c(3)), c(32 * n_s))
+            sbase = builder.mul(builder.lshr(b, c(3)), c(R * n_s))
 
             def f8(off, signed):
                 v = builder.load(builder.bitcast(builder.gep(d0, [off]), ir.VectorType(_I8, 8).as_pointer()),
@@ -335,17 +335,17 @@ def _lanes_codegen(context, builder, signature, args):
             dsv = builder.load(builder.bitcast(builder.gep(sbp, [sbase]), _V8F32.as_pointer()), align=4)
             if kind == "q4":        # D = d sc, M = -(dmin mn), c = M + 8 D (repack's float32 steps)
                 dv = builder.fmul(dsv, f8(bd, False))
-                dmv = builder.load(builder.bitcast(builder.gep(sbp, [builder.add(sbase, c(32))]), _V8F32.as_pointer()),
+                dmv = builder.load(builder.bitcast(builder.gep(sbp, [builder.add(sbase, c(R))]), _V8F32.as_pointer()),
                                    align=4)
-                mv = builder.fneg(builder.fmul(dmv, f8(builder.add(bd, c(32)), False)))
+                mv = builder.fneg(builder.fmul(dmv, f8(builder.add(bd, c(R)), False)))
                 cv = builder.fadd(mv, builder.fmul(_splat(_V8F32, float(OFFSET[kind])), dv))
             else:                   # Q6_K (q6k, q6p): D_h = d sc_h
                 dv = builder.fmul(dsv, f8(bd, True))
-                dv1 = builder.fmul(dsv, f8(builder.add(bd, c(32)), True))
+                dv1 = builder.fmul(dsv, f8(builder.add(bd, c(R)), True))
         else:
             dv = vload(d0, bd)
             if kind == "q8x2":
-                dv1 = vload(d0, builder.add(bd, c(32)))
+                dv1 = vload(d0, builder.add(bd, c(R)))
             if has_min:                 # c = mn + off * d: stored, or from float16 d and mn (the same value)
                 cv = vload(m0, bd)
                 if half:

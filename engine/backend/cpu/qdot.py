@@ -4,7 +4,7 @@ Owns: ``quantize_x`` (activations to int8 per 32-block, as llama.cpp's Q8_1 does
 block step as LLVM IR: ``_qblock``) and the matmul kernel ``gemm`` (and ``matmul``:
 both in one call; ``matmul_serial``: the same on one thread, quick to compile) over the
 tiles that ``repack.py`` builds, for every row count n:
-parallel over chunks of 32-row tiles, 8-row lane groups inside a tile, activation rows
+parallel over chunks of R-row tiles (markers.R), 8-row lane groups inside a tile, activation rows
 in groups of 8, 4 and 1 sharing each weight load. Leaves to others: the integer step
 and its arithmetic (``lanes.py``), the markers (``markers.py``), the weight layouts and
 which tensor takes which kernel (``repack.py``, ``matmul.py``).
@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 from aotx.engine.backend.cpu.lanes import _lanes
 from aotx.engine.backend.cpu.llvm_ir import _F32, _I8, _I32, _V8F32, _V8I32, _hreduce, _ptr, _splat, _splat_value
-from aotx.engine.backend.cpu.markers import LANES, QB
+from aotx.engine.backend.cpu.markers import LANES, QB, R
 
 def _qblock_codegen(context, builder, sig, args):
     """One 32-input block: xq, dx, sx, xs, xh as quantize_x documents (see there)."""
@@ -124,7 +124,7 @@ def quantize_x(x, xq, dx, sx, xs, xh, cs, ch):
 
 
 # ------------------------------------------------------------------ the matmul kernel
-# Parallel over chunks of 32-row tiles; inside a tile, 8-row lane groups; inside those,
+# Parallel over chunks of R-row tiles; inside a tile, 8-row lane groups; inside those,
 # activation rows in groups of 8, 4 and 1 that share each weight load. A row's float
 # arithmetic is the same whichever group it falls in (see _lanes_codegen), so the
 # grouping (which depends on n) never shows in the result.
@@ -155,7 +155,7 @@ def _tiles(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, t0, t1, acc):
             if qh.ndim == 4:        # a compact kind's super-block scales (T, nsb, n, R)
                 h_off = t * qh.shape[1] * qh.shape[2] * qh.shape[3] + r0
             else:
-                h_off = t * nb * 32 + (r0 // LANES) * 2
+                h_off = t * nb * R + (r0 // LANES) * 2
             d_off = t * nb * S * RR + r0
             i = 0
             while i < n:
@@ -201,11 +201,11 @@ PARALLEL_MACS = 150_000
 def gemm(kind, isa, qs, qh, d, mn, xq, dx, sx, xs, xh, out, n_chunks):
     """Weight tiles x int8 activations, out (n, m) float32.
 
-    kind: Q4, Q5, Q8 or Q8X2; isa: VNNI, AVX2 or PORTABLE. qs (T, nb, G, 32, 4) uint8
-    / int8 tiles, qh (T, nb, 4, 4, 2) uint32 high bits (Q5; any uint32 array otherwise),
-    d and mn (T, nb, S, 32) float32 or float16 bits (S scales per block and row; mn
+    kind: Q4, Q5, Q8 or Q8X2; isa: VNNI, AVX2 or PORTABLE. qs (T, nb, G, R, 4) uint8
+    / int8 tiles, qh (T, nb, 4, R/8, 2) uint32 high bits (Q5; any uint32 array otherwise),
+    d and mn (T, nb, S, R) float32 or float16 bits (S scales per block and row; mn
     unused, any such array, for Q8 and Q8X2), xq (n, k) int8, dx / sx (n, nb) float32, xs (n,
-    nb) int32, xh (n, 2 nb) int32 (quantize_x), out (n, m). out[i, t*32 + r] = the sum
+    nb) int32, xh (n, 2 nb) int32 (quantize_x), out (n, m). out[i, t*R + r] = the sum
     over blocks, in order, of the module docstring's t for that kind. Tiles are split
     over n_chunks parallel jobs when the work is at least PARALLEL_MACS; a tile's
     arithmetic is the same either way.

@@ -16,7 +16,7 @@ How it computes
   (`qdot.gemm`: vpdpbusd, or vpmaddubsw / vpmaddwd, or portable LLVM vector code),
   with a relative error ~5e-3 against float64, llama.cpp's fidelity. Every type whose
   values are small integers times a per-16 or per-32 scale is repacked once at load
-  (`decompose` then `repack`) into tiles of R = 32 output rows; for tile t, block b
+  (`decompose` then `repack`) into tiles of R = 8 output rows (markers.R); for tile t, block b
   (32 inputs), byte group g, row r and byte c:
       kind Q4  (Q4_0, Q4_1, Q4_K):     qs[t, b, g, r, c] uint8, g < 4: low nibble = input
                4g + c, high nibble = input 16 + 4g + c; d, c [t, b, 0, r] float32 with

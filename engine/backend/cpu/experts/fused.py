@@ -26,7 +26,7 @@ from aotx.engine.backend.cpu.qdot import PARALLEL_MACS, _group, _qblock
 # ------------------------------------------------------------------ the fused layer kernel
 # One call per moe layer on the integer path: the (row, expert) pairs sorted by expert, the
 # activations quantized once per pair, gate and up of every routed expert in ONE parallel
-# region (work items: one 32-row weight tile x up to RC pairs of one expert, split over
+# region (work items: one R-row weight tile x up to RC pairs of one expert, split over
 # the threads by cost), the activation and its quantization, down in a second region,
 # written straight into Y[row, j]. Each output element is the one `_lanes` dot product the
 # per-expert QuantMatrix.matmul computes for it (the same quantized row, tile and order),
@@ -52,7 +52,7 @@ def _tile_pairs(kind, isa, qs, qh, d, mn, tg, m_rows, xq, dx, sx, xs, xh, p0, p1
         if qh.ndim == 4:            # a compact kind's super-block scales (T, nsb, n, R)
             h_off = tg * qh.shape[1] * qh.shape[2] * qh.shape[3] + r0
         else:
-            h_off = tg * nb * 32 + (r0 // LANES) * 2
+            h_off = tg * nb * R_TILE + (r0 // LANES) * 2
         d_off = tg * nb * S * RR + r0
         i = p0
         while i < p1:
