@@ -51,7 +51,8 @@ def _extract(commit: str, dest: Path) -> Path:
     with tarfile.open(tar) as t:
         t.extractall(pkg)
     tar.unlink()
-    (pkg / "engine" / "bench.py").write_bytes((ROOT / "engine" / "bench.py").read_bytes())
+    for rel in ("engine/cli/bench.py", "engine/cli/bench_path.py"):    # this checkout's harness in both
+        (pkg / rel).write_bytes((ROOT / rel).read_bytes())
     return dest
 
 
