@@ -112,6 +112,25 @@ def test_every_row_equals_itself_alone(batch, seed):
                                                         window=window))
 
 
+@pytest.mark.parametrize("window", [0, 70])
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 1001])
+def test_a_decode_row_over_float16_by_chunks_has_the_bits_of_a_prefill_row(length, window):
+    """A one-row job over a float16 cache converts its history CHUNK positions at a time
+    (`_rows_half_chunks`); a job of several rows converts the whole span first. The same
+    row gives the same bits both ways, and float64's result."""
+    rng = np.random.default_rng(length)
+    hd, n_ctx = 64, 1024
+    kc = cpu_fdot.f32_to_f16(rng.standard_normal((1, KV, n_ctx, hd)).astype(np.float32))
+    vc = cpu_fdot.f32_to_f16(rng.standard_normal((1, KV, n_ctx, hd)).astype(np.float32))
+    q = rng.standard_normal((3, H, hd)).astype(np.float32)
+    lengths = [max(1, length - 2), max(1, length - 1), length]     # a prefill's last rows
+    block = run(q, kc, vc, [0, 0, 0], lengths, window=window)
+    alone = run(q[2:], kc, vc, [0], [length], window=window)
+    np.testing.assert_array_equal(alone, block[2:])
+    ref = reference(q[2:], kc, vc, [0], [length], 0.17, window)
+    assert np.abs(alone - ref).max() / np.abs(ref).max() < 2e-6
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_sinks_match_float64_and_stay_row_invariant(dtype):
     """Attention sinks (gpt-oss): per-head logits in the softmax denominator. Sinks above

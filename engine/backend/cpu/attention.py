@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import fdot as cpu_fdot
-from .fdot import axpy, dots, exp_nonpos, f2h_bits, h2f
+from .fdot import axpy, dots, exp_nonpos, f2h_bits, fma_row, h2f
 from .parallel import PARALLEL
 
 ROW_BLOCK = 16   # rows of one slot that share one K/V conversion
@@ -67,6 +67,62 @@ def _max(a):
     return mx
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _scores(q, q0, K, ko, n, G, hd, sc, s0, span):
+    """sc[gi, s0 + t] = dots(q head gi, K position t) for t < n, query heads two at a time
+    (the same per-pair math) and positions four at a time then one (every score's own
+    fixed order whatever its group): the query heads at q0 + gi * hd, K's positions at
+    ko + t * hd."""
+    gi = 0
+    while gi < G:
+        if gi + 2 <= G:
+            t = 0
+            while t + 4 <= n:
+                dots(2, 4, q, q0 + gi * hd, hd, K, ko + t * hd, hd, hd, sc, gi * span + s0 + t, span)
+                t += 4
+            while t < n:
+                dots(2, 1, q, q0 + gi * hd, hd, K, ko + t * hd, hd, hd, sc, gi * span + s0 + t, span)
+                t += 1
+            gi += 2
+        else:
+            t = 0
+            while t + 4 <= n:
+                dots(1, 4, q, q0 + gi * hd, hd, K, ko + t * hd, hd, hd, sc, gi * span + s0 + t, span)
+                t += 4
+            while t < n:
+                dots(1, 1, q, q0 + gi * hd, hd, K, ko + t * hd, hd, hd, sc, gi * span + s0 + t, span)
+                t += 1
+            gi += 1
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _softmax(sc, n, g, G, scale, den, sinks, has_sinks):
+    """Each head's scores sc[gi, :n] -> exp_nonpos(s * scale - max) in place (the max over
+    the sink logit too; den[1 + gi] keeps it when there are sinks)."""
+    for gi in range(G):
+        # max_t fl(scale * dot_t) = fl(scale * max_t dot_t) for scale > 0 (rounding is monotonic)
+        mx = _max(sc[gi, :n]) * scale
+        if has_sinks:
+            mx = max(mx, sinks[g * G + gi])
+            den[1 + gi] = mx
+        for u in range(n):
+            sc[gi, u] = exp_nonpos(sc[gi, u] * scale - mx)
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _normalize(sc, span, n, g, G, hd, o, ones, den, sinks, has_sinks, out, r):
+    """out[r, head] = o[gi] / (the sum of the weights, plus the sink's)."""
+    for gi in range(G):
+        dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
+        d_sum = den[0]
+        if has_sinks:
+            d_sum += exp_nonpos(sinks[g * G + gi] - den[1 + gi])
+        inv = np.float32(1.0) / d_sum
+        h = g * G + gi
+        for d in range(hd):
+            out[r, h, d] = o[gi, d] * inv
+
+
 @njit(cache=True, error_model="numpy")
 def _rows(q, K, V, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den, sinks, has_sinks):
     """Rows r0..r1-1, KV head g, over K / V (flat float32 arrays): position t of this slot
@@ -85,35 +141,8 @@ def _rows(q, K, V, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones
                     out[r, g * G + gi, d] = 0.0
             continue
         kb = base + (lo - t0) * hd
-        q0 = (r * H + g * G) * hd
-        gi = 0
-        while gi < G:                        # query heads two at a time (the same per-pair math)
-            if gi + 2 <= G:
-                t = 0
-                while t + 4 <= n:
-                    dots(2, 4, q, q0 + gi * hd, hd, K, kb + t * hd, hd, hd, sc, gi * span + t, span)
-                    t += 4
-                while t < n:
-                    dots(2, 1, q, q0 + gi * hd, hd, K, kb + t * hd, hd, hd, sc, gi * span + t, span)
-                    t += 1
-                gi += 2
-            else:
-                t = 0
-                while t + 4 <= n:
-                    dots(1, 4, q, q0 + gi * hd, hd, K, kb + t * hd, hd, hd, sc, gi * span + t, span)
-                    t += 4
-                while t < n:
-                    dots(1, 1, q, q0 + gi * hd, hd, K, kb + t * hd, hd, hd, sc, gi * span + t, span)
-                    t += 1
-                gi += 1
-        for gi in range(G):
-            # max_t fl(scale * dot_t) = fl(scale * max_t dot_t) for scale > 0 (rounding is monotonic)
-            mx = _max(sc[gi, :n]) * scale
-            if has_sinks:
-                mx = max(mx, sinks[g * G + gi])
-                den[1 + gi] = mx
-            for u in range(n):
-                sc[gi, u] = exp_nonpos(sc[gi, u] * scale - mx)
+        _scores(q, (r * H + g * G) * hd, K, kb, n, G, hd, sc, 0, span)
+        _softmax(sc, n, g, G, scale, den, sinks, has_sinks)
         gi = 0
         while gi < G:
             if gi + 2 <= G:
@@ -122,15 +151,49 @@ def _rows(q, K, V, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones
             else:
                 axpy(1, sc, gi * span, span, V, kb, hd, n, o, gi * hd, hd)
                 gi += 1
+        _normalize(sc, span, n, g, G, hd, o, ones, den, sinks, has_sinks, out, r)
+
+
+CHUNK = 32   # float16 positions converted at a time by a one-row job (a tile that stays in L1)
+
+
+@njit(cache=True, error_model="numpy")
+def _rows_half_chunks(mode, q, kh, vh, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones, o, den,
+                      sinks, has_sinks, kt):
+    """``_rows`` over a float16 cache (kh / vh: flat uint16) converting CHUNK positions at a
+    time into kt (CHUNK * hd float32) instead of the job's whole span first: a decode row
+    reads its history once, as float16, where the whole span's conversion wrote and read it
+    again as float32 (5x the bytes past L2). The same arithmetic, bit for bit: the scores in
+    the same groups of four (CHUNK is a multiple of 4), the weighted sum of V per element
+    in increasing t with one fma per term from 0 (axpy's sum, here fma_row's). hd a
+    multiple of 8."""
+    _, H, hd = q.shape
+    span = sc.shape[1]
+    for r in range(r0, r1):
+        L = lengths[r]
+        lo = L - window if window > 0 and L > window else 0
+        n = L - lo
+        if n <= 0:
+            for gi in range(G):
+                for d in range(hd):
+                    out[r, g * G + gi, d] = 0.0
+            continue
+        kb = base + (lo - t0) * hd
+        for c0 in range(0, n, CHUNK):
+            cn = min(CHUNK, n - c0)
+            h2f(mode, kh, kb + c0 * hd, kt, 0, cn * hd)
+            _scores(q, (r * H + g * G) * hd, kt, 0, cn, G, hd, sc, c0, span)
+        _softmax(sc, n, g, G, scale, den, sinks, has_sinks)
         for gi in range(G):
-            dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
-            d_sum = den[0]
-            if has_sinks:
-                d_sum += exp_nonpos(sinks[g * G + gi] - den[1 + gi])
-            inv = np.float32(1.0) / d_sum
-            h = g * G + gi
             for d in range(hd):
-                out[r, h, d] = o[gi, d] * inv
+                o[gi, d] = 0.0
+        for c0 in range(0, n, CHUNK):
+            cn = min(CHUNK, n - c0)
+            h2f(mode, vh, kb + c0 * hd, kt, 0, cn * hd)
+            for t in range(cn):
+                for gi in range(G):          # per element, positions in increasing order (axpy's)
+                    fma_row(sc[gi, c0 + t], kt, t * hd, o, gi * hd, hd)
+        _normalize(sc, span, n, g, G, hd, o, ones, den, sinks, has_sinks, out, r)
 
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -157,7 +220,8 @@ def _job(p, starts, slots, lengths, KV, window, n_ctx):
 def _run_job_half(p, starts, mode, q, kflat, vflat, slots, lengths, scale, window, out, KV, n_ctx, sinks,
                   has_sinks):
     """Job p over a float16 cache: a block of rows of one slot against one KV head, its K/V
-    range converted to float32 first (exactly), then ``_rows``."""
+    range converted to float32 first (exactly), then ``_rows``; a job of one row (decode)
+    converts by chunks instead (``_rows_half_chunks``: the same bits)."""
     N, H, hd = q.shape
     G = H // KV
     r0, r1, s, g, lo_min, span = _job(p, starts, slots, lengths, KV, window, n_ctx)
@@ -166,6 +230,11 @@ def _run_job_half(p, starts, mode, q, kflat, vflat, slots, lengths, scale, windo
     o = np.empty((G, hd), np.float32)
     den = np.empty(1 + G, np.float32)
     head0 = ((s * KV + g) * n_ctx + lo_min) * hd
+    if r1 - r0 == 1 and hd % 8 == 0:     # one row (decode): its history read once, by chunks
+        kt = np.empty(CHUNK * hd, np.float32)
+        _rows_half_chunks(mode, q, kflat, vflat, head0, lo_min, r0, r1, g, G, lengths, scale, window, out, sc, ones,
+                          o, den, sinks, has_sinks, kt)
+        return
     kf = np.empty(max(span, 1) * hd, np.float32)
     vf = np.empty(max(span, 1) * hd, np.float32)
     h2f(mode, kflat, head0, kf, 0, span * hd)

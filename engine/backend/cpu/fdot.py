@@ -214,6 +214,30 @@ def axpy(typingctx, nq, e, e_off, e_stride, v, v_off, hd, nt, out, o_off, o_stri
     return types.void(nq, e, e_off, e_stride, v, v_off, hd, nt, out, o_off, o_stride), _axpy_codegen
 
 
+def _fma_rows_codegen(context, builder, sig, args):
+    intp = context.get_value_type(types.intp)
+    _, src_ty, _, dst_ty, _, _ = sig.args
+    w, src, soff, dst, doff, n = args
+    sp = _ptr(builder, context, src_ty, src, soff, _F32)
+    dp = _ptr(builder, context, dst_ty, dst, doff, _F32)
+    wv = _splat_value(builder, _V8F32, w)
+    with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(intp, 8)), intp=intp) as loop:
+        i = builder.mul(loop.index, ir.Constant(intp, 8))
+        a = builder.bitcast(builder.gep(sp, [i]), _V8F32.as_pointer())
+        o = builder.bitcast(builder.gep(dp, [i]), _V8F32.as_pointer())
+        builder.store(_fma_v(builder, wv, builder.load(a, align=4), builder.load(o, align=4)), o, align=4)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def fma_row(typingctx, w, src, soff, dst, doff, n):
+    """fma_row(w, src, soff, dst, doff, n): dst[doff + i] = fma(w, src[soff + i], dst[doff + i])
+    for i < n (a multiple of 8), one rounding each: the weighted sum's step, 8 lanes at a time."""
+    if w != types.float32:
+        raise TypeError("fma_row: w must be float32")
+    return types.void(w, src, soff, dst, doff, n), _fma_rows_codegen
+
+
 @intrinsic
 def fma32(typingctx, a, b, c):
     """fma32(a, b, c): a * b + c for float32 a, b, c, rounded once (llvm.fma.f32; a loop of

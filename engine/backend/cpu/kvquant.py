@@ -50,7 +50,7 @@ from numba.extending import intrinsic
 from aotx.engine.backend.kvformat import BLOCK, BLOCK_BYTES, QUANT_TYPES, hadamard, row_bytes, rotations  # noqa: F401
 
 from .attention import _blocks, _job, _max, attended_keys, checked_sinks
-from .fdot import _fma_v, _widen, dots, exp_nonpos, f2h_bits, fma32
+from .fdot import _widen, dots, exp_nonpos, f2h_bits, fma32, fma_row
 from .llvm_ir import _ptr, _splat, _splat_value
 
 KIND = {"q8_0": 0, "q4_0": 1}    # the kernels' argument
@@ -102,30 +102,6 @@ def deq_blocks(typingctx, kind, src, off, nb, dst, doff):
     if not isinstance(kind, types.IntegerLiteral) or kind.literal_value not in (0, 1):
         raise TypeError("deq_blocks: kind must be a literal 0 (q8_0) or 1 (q4_0)")
     return types.void(kind, src, off, nb, dst, doff), _deq_codegen
-
-
-def _fma_rows_codegen(context, builder, sig, args):
-    intp = context.get_value_type(types.intp)
-    _, src_ty, _, dst_ty, _, _ = sig.args
-    w, src, soff, dst, doff, n = args
-    sp = _ptr(builder, context, src_ty, src, soff, _F32)
-    dp = _ptr(builder, context, dst_ty, dst, doff, _F32)
-    wv = _splat_value(builder, _V8F32, w)
-    with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(intp, 8)), intp=intp) as loop:
-        i = builder.mul(loop.index, ir.Constant(intp, 8))
-        a = builder.bitcast(builder.gep(sp, [i]), _V8F32.as_pointer())
-        o = builder.bitcast(builder.gep(dp, [i]), _V8F32.as_pointer())
-        builder.store(_fma_v(builder, wv, builder.load(a, align=4), builder.load(o, align=4)), o, align=4)
-    return context.get_dummy_value()
-
-
-@intrinsic
-def fma_row(typingctx, w, src, soff, dst, doff, n):
-    """fma_row(w, src, soff, dst, doff, n): dst[doff + i] = fma(w, src[soff + i], dst[doff + i])
-    for i < n (a multiple of 8), one rounding each: the weighted sum's step, 8 lanes at a time."""
-    if w != types.float32:
-        raise TypeError("fma_row: w must be float32")
-    return types.void(w, src, soff, dst, doff, n), _fma_rows_codegen
 
 
 @njit(cache=True, inline="always", error_model="numpy")
