@@ -49,7 +49,7 @@ from numba.extending import intrinsic
 
 from aotx.engine.backend.kvformat import BLOCK, BLOCK_BYTES, QUANT_TYPES, hadamard, row_bytes, rotations  # noqa: F401
 
-from .attention import _blocks, _job, _max, attended_keys, checked_sinks
+from .attention import _blocks, _job, _scores, _softmax, attended_keys, checked_sinks
 from .fdot import _widen, dots, exp_nonpos, f2h_bits, fma32, fma_row
 from .llvm_ir import _ptr, _splat, _splat_value
 
@@ -277,33 +277,8 @@ def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, win
             else:
                 _dequant(K, Ki, kb + c0 * rb, cn, rb, hd, kind, kt)
                 kk, ko = kt, 0
-            gi = 0
-            while gi < G:                    # query heads two at a time (the same per-pair math)
-                if gi + 2 <= G:
-                    t = 0
-                    while t + 4 <= cn:
-                        dots(2, 4, q, q0 + gi * hd, hd, kk, ko + t * hd, hd, hd, sc, gi * span + c0 + t, span)
-                        t += 4
-                    while t < cn:
-                        dots(2, 1, q, q0 + gi * hd, hd, kk, ko + t * hd, hd, hd, sc, gi * span + c0 + t, span)
-                        t += 1
-                    gi += 2
-                else:
-                    t = 0
-                    while t + 4 <= cn:
-                        dots(1, 4, q, q0 + gi * hd, hd, kk, ko + t * hd, hd, hd, sc, gi * span + c0 + t, span)
-                        t += 4
-                    while t < cn:
-                        dots(1, 1, q, q0 + gi * hd, hd, kk, ko + t * hd, hd, hd, sc, gi * span + c0 + t, span)
-                        t += 1
-                    gi += 1
-        for gi in range(G):
-            mx = _max(sc[gi, :n]) * scale
-            if has_sinks:
-                mx = max(mx, sinks[g * G + gi])
-                den[1 + gi] = mx
-            for u in range(n):
-                sc[gi, u] = exp_nonpos(sc[gi, u] * scale - mx)
+            _scores(q, q0, kk, ko, cn, G, hd, sc, c0, span)
+        _softmax(sc, n, g, G, scale, den, sinks, has_sinks)
         for gi in range(G):
             for d in range(hd):
                 o[gi, d] = 0.0
