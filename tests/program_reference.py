@@ -211,6 +211,8 @@ def reference_logits(program, tokens, n_ctx: int | None = None, inputs: dict | N
             y = (x3 / np.sqrt(np.sum(x3 * x3, axis=-1, keepdims=True) + a["eps"])).reshape(n, -1)
         elif op == "sigmoid_gate":
             y = x[0] / (1.0 + np.exp(-x[1]))
+        elif op == "mul":
+            y = x[0] * x[1]
         elif op == "input":
             y = np.asarray(inputs[a["name"]], np.float64)
         elif op == "concat":

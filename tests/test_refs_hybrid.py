@@ -1,5 +1,5 @@
 """The architectures of issue 35 (qwen35, qwen35moe, gemma4 and its mixture of experts
-gemma4moe) against llama.cpp on their tiny random-weight files (tests/models/HYBRID,
+gemma4moe) and lfm2 against llama.cpp on their tiny random-weight files (tests/models/HYBRID,
 references in tests/data/refs/hybrid/ made by
 tests/tools/make_refs_hybrid.py with llama-cpp-python 0.3.36): teacher-forced logits on four
 prompts (argmax where llama.cpp's top-two gap is >= 0.5, mean |logit diff| on its top-5),

@@ -39,7 +39,9 @@ OPS = ("embed", "rms_norm", "head_rms_norm", "linear", "split", "rope", "attenti
        # rows the caller supplies (a multi-token-prediction head's hidden-state input), column concat
        "input", "concat",
        # Gemma 4: a second token table (per-layer embeddings), attention over another layer's KV
-       "lookup", "shared_attention")
+       "lookup", "shared_attention",
+       # LFM2's short-convolution block: its input and output gates, element-wise products
+       "mul")
 #: a ``short_conv`` node's activation after the convolution
 CONV_ACTS = ("none", "silu")
 #: how a ``moe`` node turns router logits into expert weights (llama.cpp's
@@ -557,6 +559,14 @@ class ProgramBuilder:
         self._same("sigmoid_gate", x, gate)
         out = self._new(x.rows, x.width, name)
         self._emit("sigmoid_gate", (x, gate), (out,))
+        return out
+
+    def mul(self, a: Value, b: Value, name: str = "") -> Value:
+        """a * b, element-wise (LFM2's short-convolution gates: b * x before the convolution,
+        c * conv after it; ggml_mul)."""
+        self._same("mul", a, b)
+        out = self._new(a.rows, a.width, name)
+        self._emit("mul", (a, b), (out,))
         return out
 
     def deinterleave(self, x: Value, head_dim: int, parts: int, names: tuple[str, ...] = ()) -> tuple[Value, ...]:

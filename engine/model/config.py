@@ -30,7 +30,8 @@ YARN_BETA_FAST = 32.0
 YARN_BETA_SLOW = 1.0
 # keys an architecture module reads per layer itself (``hparams.array``); the config keeps
 # their largest value (Gemma 4: KV heads and FFN widths differ between layer kinds)
-PER_LAYER_KEYS = {"gemma4": ("attention.head_count_kv", "feed_forward_length")}
+PER_LAYER_KEYS = {"gemma4": ("attention.head_count_kv", "feed_forward_length"),
+                  "lfm2": ("attention.head_count_kv",)}      # 0 for its short-convolution layers
 
 
 @dataclass(frozen=True)

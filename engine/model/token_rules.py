@@ -67,7 +67,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
     "gpt-2": _GPT2, "gpt2": _GPT2, "phi-2": _GPT2, "mpt": _GPT2, "olmo": _GPT2, "jais": _GPT2,
     "exaone4": _GPT2,
     "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "falcon3": _LLAMA3,
-    "pixtral": _LLAMA3, "dbrx": _LLAMA3, "smaug-bpe": _LLAMA3,
+    "pixtral": _LLAMA3, "dbrx": _LLAMA3, "smaug-bpe": _LLAMA3, "lfm2": _LLAMA3,
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
     "qwen35": PreTokenizerSpec((_QWEN35_RE,), clean_spaces=False),
     "stablelm2": PreTokenizerSpec((_QWEN2_RE,)),

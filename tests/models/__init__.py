@@ -27,7 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import (common, experts, gemma3, gemma4, gptoss, hf_vocab, iquants, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe,
+from . import (common, experts, gemma3, gemma4, gptoss, hf_vocab, iquants, lfm2, llama, llama3, olmoe, phi3, qwen2, qwen3, qwen3moe,
                qwen35, qwen35moe, qwen3next, real)
 from .common import Tokenizer, tokenizer_from_gguf
 
@@ -57,6 +57,7 @@ HYBRID: dict[str, tuple[Any, dict[str, Any]]] = {
     "gemma4": (gemma4, {}),
     "gemma4moe": (gemma4, {"n_expert": 16, "n_expert_used": 4, "ple": 0, "shared_kv": 0}),
     "qwen3next": (qwen3next, {}),
+    "lfm2": (lfm2, {}),
 }
 
 
@@ -68,5 +69,5 @@ def write(name: str, path: str | Path, tokenizer: Tokenizer, **overrides: Any) -
     return module.write(path, tokenizer, **{**kwargs, **overrides})
 
 
-__all__ = ["HYBRID", "MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gemma4", "gptoss", "hf_vocab", "iquants", "llama",
+__all__ = ["HYBRID", "MOE", "TINY", "Tokenizer", "common", "experts", "gemma3", "gemma4", "gptoss", "hf_vocab", "iquants", "lfm2", "llama",
            "llama3", "olmoe", "phi3", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "real", "tokenizer_from_gguf", "write"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Make llama.cpp's reference outputs for the tiny files of ``tests.models.HYBRID``
-(qwen35, qwen35moe, ...; never run in CI or by the tests).
+(qwen35, qwen35moe, lfm2, ...; never run in CI or by the tests).
 
 Runs llama.cpp through llama-cpp-python 0.3.36 (llama.cpp 0c1e5709) in its own venv, with
 the method and JSON format of ``make_refs.py tiny`` (its helpers are reused: the same four
@@ -44,6 +44,8 @@ SENSITIVITY = {
                   "no_down_scale": ({"skip": [f"blk.{i}.ffn_down_exps.scale" for i in range(4)]},
                                     "no ffn_down_exps.scale (every expert's output unscaled)")},
     "qwen3next": {"no_state_memory": ({"a_mean": -60.0}, "ssm_a near -60: the recurrent state forgets every token")},
+    "lfm2": {"no_conv_memory": ({"memory": False}, "the convolution's earlier taps zeroed: it forgets every token"),
+             "no_window": ({"window": 0}, "no attention.sliding_window: the attention layer sees every position")},
     "qwen35moe": {"top1": ({"n_expert_used": 1}, "expert_used_count 1 instead of 2"),
                   "no_state_memory": ({"a_mean": -60.0}, "ssm_a near -60: the recurrent state forgets every token")},
 }

@@ -3,7 +3,7 @@ the per-slot state they carry.
 
 Owns: the ops ``short_conv`` (the serial kernel, or ``conv_rows_par`` from PAR_ROWS rows),
 ``delta_rule`` (one recurrence for decode, verify and short prefill rows; the chunked form
-for whole aligned chunks of long prefill segments), ``l2_norm``, ``sigmoid_gate`` and
+for whole aligned chunks of long prefill segments), ``l2_norm``, ``sigmoid_gate``, ``mul`` and
 ``deinterleave`` (their numba kernels: cpu/recurrent_kernels.py, re-exported here), the
 closures of ``input`` (caller rows) and ``concat`` (a multi-token-prediction head's); the state
 (``RecurrentState``: one buffer per ``ops.StateLayer``, the position each slot's state
@@ -248,6 +248,17 @@ def _c_sigmoid_gate(prog, i, node):
     return run
 
 
+def _c_mul(prog, i, node):
+    ai, bi, oi, w = node.inputs[0].id, node.inputs[1].id, node.out.id, node.out.width
+
+    def run(env, bt, kv):
+        a = env[ai]
+        y = _out(prog, node, bt, a.shape[0], w)
+        np.multiply(a, env[bi], out=y)
+        env[oi] = y
+    return run
+
+
 def _c_deinterleave(prog, i, node):
     hd, parts, xi = node.attrs["head_dim"], node.attrs["parts"], node.inputs[0].id
     outs = [o.id for o in node.outs]
@@ -331,5 +342,5 @@ def _c_shared_attention(prog, i, node):
 
 
 _COMPILERS = {"short_conv": _c_short_conv, "lookup": _c_lookup, "shared_attention": _c_shared_attention, "delta_rule": _c_delta_rule, "l2_norm": _c_l2_norm,
-              "sigmoid_gate": _c_sigmoid_gate, "deinterleave": _c_deinterleave, "input": _c_input,
+              "sigmoid_gate": _c_sigmoid_gate, "mul": _c_mul, "deinterleave": _c_deinterleave, "input": _c_input,
               "concat": _c_concat}

@@ -62,6 +62,9 @@ ROWS_N, ROWS_R = "N", "R"
 HYBRID_MOE_REFUSAL = ("a hybrid model with a mixture of experts (qwen3next, qwen35moe) does not yet match the CPU "
                       "on CUDA: use --device cpu")
 
+#: LFM2's short-convolution block (its gates are the ``mul`` op, which has no CUDA step yet)
+MUL_REFUSAL = ("lfm2's short-convolution gates (op 'mul') have no CUDA step yet: use --device cpu")
+
 
 class PlanError(ValueError):
     """The program cannot be run by the CUDA backend (say, a view that is not aligned)."""
@@ -380,6 +383,8 @@ def generic_steps(L: Lowering) -> None:
             L.emit(i, MoeHost(n.inputs[0].id, n.out.id, A))
         elif op in PR.OPS:
             L.emit(i, PR.lower(n))
+        elif op == "mul":
+            raise PlanError(MUL_REFUSAL)
         else:
             raise PlanError(f"op {op!r} is not supported by the CUDA backend")
 

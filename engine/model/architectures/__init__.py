@@ -14,7 +14,7 @@ from types import ModuleType
 from aotx.engine.errors import ModelError
 
 REGISTRY = {name: f"aotx.engine.model.architectures.{name}"
-            for name in ("gemma3", "gemma4", "llama", "olmoe", "phi3", "qwen2", "qwen3", "qwen35", "qwen35moe",
+            for name in ("gemma3", "gemma4", "lfm2", "llama", "olmoe", "phi3", "qwen2", "qwen3", "qwen35", "qwen35moe",
                          "qwen3moe", "qwen3next")}
 REGISTRY["gpt-oss"] = "aotx.engine.model.architectures.gptoss"   # a module name cannot hold the dash
 
