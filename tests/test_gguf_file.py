@@ -252,3 +252,30 @@ def test_a_block_count_past_the_files_blocks_is_refused_before_the_tensor_list(t
     Found again by this file's fuzz test under a memory limit."""
     p = tiny_gguf.write_tiny_llama(tmp_path / "m.gguf", metadata={"llama.block_count": 83_886_129})
     expect_model_error(p, r"block_count is 83,886,129 but the file holds tensors for \d+ blocks \(blk\.0 \.\. blk\.")
+
+
+def _string_array_file(strings: list[bytes], cut: int = 0) -> bytes:
+    """A GGUF v3 header with one key, tokenizer.ggml.tokens, an array of these strings (and
+    no tensors), its last ``cut`` bytes removed."""
+    import struct
+
+    def s(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+    body = s(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, len(strings)) + b"".join(s(x) for x in strings)
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body
+    return data[:len(data) - cut] if cut else data
+
+
+def test_a_string_array_reads_its_elements_and_names_the_bad_one():
+    """The vocabulary's string arrays are read by a fast loop (_string_array) that formats
+    its messages only for the element that fails; they name that element as before."""
+    from aotx.engine.model.gguf_file import parse
+
+    good = [b"a", "\u00e9t\u00e9".encode(), b"", b"<|im_end|>"]
+    assert parse(_string_array_file(good)).metadata["tokenizer.ggml.tokens"] == ["a", "\u00e9t\u00e9", "", "<|im_end|>"]
+    with pytest.raises(ModelError, match=r"element 2 of metadata key 'tokenizer.ggml.tokens' is not valid UTF-8"):
+        parse(_string_array_file([b"a", b"b", b"\xff\xfe", b"c"]))
+    with pytest.raises(ModelError, match=r"element 3 of metadata key 'tokenizer.ggml.tokens' declares a string of 10"):
+        parse(_string_array_file([b"a", b"b", b"c", b"0123456789"], cut=4))
+    with pytest.raises(ModelError, match=r"truncated GGUF file: the length of element 3 of metadata key"):
+        parse(_string_array_file([b"x" * 40, b"b", b"c", b"0123456789"], cut=14))
