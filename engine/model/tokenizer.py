@@ -46,6 +46,7 @@ from __future__ import annotations
 import codecs
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 from aotx.engine.errors import TokenizerError
@@ -55,6 +56,14 @@ from aotx.engine.model.token_rules import (
 
 # fragments this long are encoded with the GIL released (same ids; costs ~20 us more per call)
 _GIL_FREE_CHARS = 4096
+
+
+@lru_cache(maxsize=1)
+def _gpt2_table() -> tuple[frozenset[str], dict[int, str]]:
+    """GPT-2's byte chars, and a str.translate table taking each to the latin-1 char of its
+    byte (so that ``.encode("latin-1")`` gives the bytes)."""
+    u2b = gpt2_unicode_to_byte()
+    return frozenset(u2b), {ord(c): chr(b) for c, b in u2b.items()}
 
 
 class Tokenizer:
@@ -342,6 +351,9 @@ class Tokenizer:
             if ty == TokenType.BYTE and len(text) == 6 and text.startswith("<0x"):
                 return bytes([int(text[3:5], 16)])
             return text.replace("▁", " ").encode("utf-8")
+        keys, table = _gpt2_table()
+        if keys.issuperset(text):           # every char a byte's (C loops; ~250k tokens at load)
+            return text.translate(table).encode("latin-1")
         u2b = gpt2_unicode_to_byte()
         out = bytearray()
         for ch in text:
