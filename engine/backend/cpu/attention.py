@@ -68,6 +68,29 @@ def _max(a):
 
 
 @njit(cache=True, inline="always", error_model="numpy")
+def _window(r, lengths, window, out, g, G, hd):
+    """Row r's attended positions [lo, L) as (lo, n = L - lo); a row with none (n <= 0)
+    gets zeros for its heads of KV head g."""
+    L = lengths[r]
+    lo = L - window if window > 0 and L > window else 0
+    n = L - lo
+    if n <= 0:
+        for gi in range(G):
+            for d in range(hd):
+                out[r, g * G + gi, d] = 0.0
+    return lo, n
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _weigh_chunk(sc, c0, cn, G, V, vo, hd, o):
+    """o[gi] = fma(sc[gi, c0 + t], V position t, o[gi]) element by element, for t < cn in
+    increasing order (V's position t at vo + t * hd): a chunk of axpy's weighted sum."""
+    for t in range(cn):
+        for gi in range(G):
+            fma_row(sc[gi, c0 + t], V, vo + t * hd, o, gi * hd, hd)
+
+
+@njit(cache=True, inline="always", error_model="numpy")
 def _scores(q, q0, K, ko, n, G, hd, sc, s0, span):
     """sc[gi, s0 + t] = dots(q head gi, K position t) for t < n, query heads two at a time
     (the same per-pair math) and positions four at a time then one (every score's own
@@ -132,13 +155,8 @@ def _rows(q, K, V, base, t0, r0, r1, g, G, lengths, scale, window, out, sc, ones
     N, H, hd = q.shape
     span = sc.shape[1]
     for r in range(r0, r1):
-        L = lengths[r]
-        lo = L - window if window > 0 and L > window else 0
-        n = L - lo
+        lo, n = _window(r, lengths, window, out, g, G, hd)
         if n <= 0:
-            for gi in range(G):
-                for d in range(hd):
-                    out[r, g * G + gi, d] = 0.0
             continue
         kb = base + (lo - t0) * hd
         _scores(q, (r * H + g * G) * hd, K, kb, n, G, hd, sc, 0, span)
@@ -170,13 +188,8 @@ def _rows_half_chunks(mode, q, kh, vh, base, t0, r0, r1, g, G, lengths, scale, w
     _, H, hd = q.shape
     span = sc.shape[1]
     for r in range(r0, r1):
-        L = lengths[r]
-        lo = L - window if window > 0 and L > window else 0
-        n = L - lo
+        lo, n = _window(r, lengths, window, out, g, G, hd)
         if n <= 0:
-            for gi in range(G):
-                for d in range(hd):
-                    out[r, g * G + gi, d] = 0.0
             continue
         kb = base + (lo - t0) * hd
         for c0 in range(0, n, CHUNK):
@@ -184,15 +197,11 @@ def _rows_half_chunks(mode, q, kh, vh, base, t0, r0, r1, g, G, lengths, scale, w
             h2f(mode, kh, kb + c0 * hd, kt, 0, cn * hd)
             _scores(q, (r * H + g * G) * hd, kt, 0, cn, G, hd, sc, c0, span)
         _softmax(sc, n, g, G, scale, den, sinks, has_sinks)
-        for gi in range(G):
-            for d in range(hd):
-                o[gi, d] = 0.0
+        o[:, :] = 0.0
         for c0 in range(0, n, CHUNK):
             cn = min(CHUNK, n - c0)
             h2f(mode, vh, kb + c0 * hd, kt, 0, cn * hd)
-            for t in range(cn):
-                for gi in range(G):          # per element, positions in increasing order (axpy's)
-                    fma_row(sc[gi, c0 + t], kt, t * hd, o, gi * hd, hd)
+            _weigh_chunk(sc, c0, cn, G, kt, 0, hd, o)
         _normalize(sc, span, n, g, G, hd, o, ones, den, sinks, has_sinks, out, r)
 
 

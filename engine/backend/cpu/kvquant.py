@@ -49,8 +49,8 @@ from numba.extending import intrinsic
 
 from aotx.engine.backend.kvformat import BLOCK, BLOCK_BYTES, QUANT_TYPES, hadamard, row_bytes, rotations  # noqa: F401
 
-from .attention import _blocks, _job, _scores, _softmax, attended_keys, checked_sinks
-from .fdot import _widen, dots, exp_nonpos, f2h_bits, fma32, fma_row
+from .attention import _blocks, _job, _scores, _softmax, _weigh_chunk, _window, attended_keys, checked_sinks
+from .fdot import _widen, dots, exp_nonpos, f2h_bits, fma32
 from .llvm_ir import _ptr, _splat, _splat_value
 
 KIND = {"q8_0": 0, "q4_0": 1}    # the kernels' argument
@@ -260,13 +260,8 @@ def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, win
     N, H, hd = out.shape
     span = sc.shape[1]
     for r in range(r0, r1):
-        L = lengths[r]
-        lo = L - window if window > 0 and L > window else 0
-        n = L - lo
+        lo, n = _window(r, lengths, window, out, g, G, hd)
         if n <= 0:
-            for gi in range(G):
-                for d in range(hd):
-                    out[r, g * G + gi, d] = 0.0
             continue
         kb = base + (lo - t0) * rb
         q0 = (r - r0) * qs + qh
@@ -279,9 +274,7 @@ def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, win
                 kk, ko = kt, 0
             _scores(q, q0, kk, ko, cn, G, hd, sc, c0, span)
         _softmax(sc, n, g, G, scale, den, sinks, has_sinks)
-        for gi in range(G):
-            for d in range(hd):
-                o[gi, d] = 0.0
+        o[:, :] = 0.0
         for c0 in range(0, n, CHUNK):
             cn = min(CHUNK, n - c0)
             if whole:
@@ -289,9 +282,7 @@ def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, win
             else:
                 _dequant(V, Vi, kb + c0 * rb, cn, rb, hd, kind, kt)
                 vv, vo = kt, 0
-            for t in range(cn):
-                for gi in range(G):          # per element, positions in increasing order (axpy's)
-                    fma_row(sc[gi, c0 + t], vv, vo + t * hd, o, gi * hd, hd)
+            _weigh_chunk(sc, c0, cn, G, vv, vo, hd, o)
         for gi in range(G):
             dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
             d_sum = den[0]
