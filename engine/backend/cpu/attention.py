@@ -133,14 +133,20 @@ def _softmax(sc, n, g, G, scale, den, sinks, has_sinks):
 
 
 @njit(cache=True, inline="always", error_model="numpy")
+def _inv_den(sc, span, n, g, G, gi, ones, den, sinks, has_sinks):
+    """1 / (head gi's sum of weights sc[gi, :n], plus its sink's weight when there are sinks)."""
+    dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
+    d_sum = den[0]
+    if has_sinks:
+        d_sum += exp_nonpos(sinks[g * G + gi] - den[1 + gi])
+    return np.float32(1.0) / d_sum
+
+
+@njit(cache=True, inline="always", error_model="numpy")
 def _normalize(sc, span, n, g, G, hd, o, ones, den, sinks, has_sinks, out, r):
     """out[r, head] = o[gi] / (the sum of the weights, plus the sink's)."""
     for gi in range(G):
-        dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
-        d_sum = den[0]
-        if has_sinks:
-            d_sum += exp_nonpos(sinks[g * G + gi] - den[1 + gi])
-        inv = np.float32(1.0) / d_sum
+        inv = _inv_den(sc, span, n, g, G, gi, ones, den, sinks, has_sinks)
         h = g * G + gi
         for d in range(hd):
             out[r, h, d] = o[gi, d] * inv

@@ -49,8 +49,8 @@ from numba.extending import intrinsic
 
 from aotx.engine.backend.kvformat import BLOCK, BLOCK_BYTES, QUANT_TYPES, hadamard, row_bytes, rotations  # noqa: F401
 
-from .attention import _blocks, _job, _scores, _softmax, _weigh_chunk, _window, attended_keys, checked_sinks
-from .fdot import _widen, dots, exp_nonpos, f2h_bits, fma32
+from .attention import _blocks, _inv_den, _job, _scores, _softmax, _weigh_chunk, _window, attended_keys, checked_sinks
+from .fdot import _widen, f2h_bits, fma32
 from .llvm_ir import _ptr, _splat, _splat_value
 
 KIND = {"q8_0": 0, "q4_0": 1}    # the kernels' argument
@@ -284,11 +284,7 @@ def _rows_q(q, qs, qh, K, Ki, V, Vi, base, t0, r0, r1, g, G, lengths, scale, win
                 vv, vo = kt, 0
             _weigh_chunk(sc, c0, cn, G, vv, vo, hd, o)
         for gi in range(G):
-            dots(1, 1, sc, gi * span, 0, ones, 0, 0, n, den, 0, 0)
-            d_sum = den[0]
-            if has_sinks:
-                d_sum += exp_nonpos(sinks[g * G + gi] - den[1 + gi])
-            inv = np.float32(1.0) / d_sum
+            inv = _inv_den(sc, span, n, g, G, gi, ones, den, sinks, has_sinks)
             h = g * G + gi
             if rot:                          # back from the rotated space: o * inv, times rv
                 for d in range(hd):
